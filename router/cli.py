@@ -1,0 +1,38 @@
+"""The ``prefixserve`` command.
+
+Each subcommand lives in the module that owns its job; this file only wires
+them. A subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``
+and is imported lazily, so ``prefixserve route`` does not pay for torch or Ray.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "replica": ("replica.server", "run one engine replica as an OpenAI HTTP server"),
+    "up": ("router.up", "run the cluster on this machine: local Ray, replicas, router, OpenAI endpoint"),
+    "route": ("router.route_cli", "print the routing key of a prompt and the replica the ring picks"),
+    "nginx-config": ("router.nginx", "render an nginx.conf hash-consistent upstream for a replica list"),
+    "audit": ("router.audit", "audit a prompt log for prefix-cache hit-rate killers"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="prefixserve", description="Prefix-aware LLM serving.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+        sub_parser.set_defaults(_module=module_name)
+        if argv[:1] == [name]:
+            importlib.import_module(module_name).add_arguments(sub_parser)
+    args = parser.parse_args(argv)
+    return int(importlib.import_module(args._module).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
