@@ -1,0 +1,270 @@
+"""``prefixserve nginx-config``: render an nginx.conf whose upstream places keys as router/ring.py does.
+
+Job: for a list of standalone replicas (``prefixserve replica`` servers), write
+a complete nginx configuration: a ``hash $http_x_prefix_hash consistent``
+upstream (the same ring as router/ring.py, server lines in the order given),
+a round-robin upstream for requests without the header, retries on failed or
+overloaded replicas, and proxy settings that let SSE streams through unbuffered.
+
+Invariants: the ``server`` names are written exactly as given (the ring hashes
+those strings); the output is accepted by ``nginx -t`` (tested with a real
+nginx). The sample nginx/nginx.conf is this module's output for the replicas
+named in its header.
+
+Pure Python: must not import Ray, HTTP frameworks or torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from router.prefix import PREFIX_HASH_HEADER
+from router.ring import RingServer
+
+# Characters nginx would read as syntax in a bare config token.
+_UNSAFE = re.compile(r"[\s;{}#\"'$\\]")
+_HEADER_VAR = "$http_" + PREFIX_HASH_HEADER.lower().replace("-", "_")
+
+
+@dataclass(frozen=True)
+class NginxConfig:
+    """Everything the rendered nginx.conf depends on.
+
+    replicas: the upstream servers, in order (order matters to nginx only for
+        the rare shared ring point; keep it stable).
+    down: names among ``replicas`` marked ``down`` (they keep their ring points).
+    listen: ``PORT`` or ``ADDR:PORT`` of the front server.
+    max_fails / fail_timeout_s: passive health check per replica.
+    read_timeout_s: longest silence while a replica generates (non-streamed
+        responses are silent until the end).
+    next_upstream_tries: replicas one request may try (1 disables retries).
+    retry_non_idempotent: also retry POSTs already sent to a replica (see the
+        comment in the output).
+    keepalive: idle upstream connections kept per worker.
+    temp_dir / pid_file / error_log / access_log: file locations (None keeps
+        nginx's compiled-in defaults; "off" is accepted for access_log).
+    includes: extra files included in the ``http`` block (e.g. more servers).
+    """
+
+    replicas: tuple[RingServer, ...]
+    down: frozenset[str] = frozenset()
+    listen: str = "8080"
+    max_fails: int = 3
+    fail_timeout_s: int = 10
+    read_timeout_s: int = 600
+    connect_timeout_s: int = 5
+    next_upstream_tries: int = 2
+    retry_non_idempotent: bool = True
+    keepalive: int = 32
+    client_max_body_size: str = "16m"
+    worker_processes: str = "auto"
+    temp_dir: str | None = None
+    pid_file: str | None = None
+    error_log: str | None = None
+    access_log: str | None = None
+    includes: tuple[str, ...] = field(default_factory=tuple)
+    command: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.replicas:
+            raise ValueError("give at least one --replica HOST:PORT")
+        names = [r.name for r in self.replicas]
+        if len(set(names)) != len(names):
+            raise ValueError(f"replica names must be unique, got {names}")
+        for name in names:
+            if _UNSAFE.search(name):
+                raise ValueError(f"replica {name!r} contains characters nginx would misread")
+        unknown = sorted(set(self.down) - set(names))
+        if unknown:
+            raise ValueError(f"down replicas {unknown} are not among the replicas {names}")
+        if len(set(self.down)) == len(names):
+            raise ValueError("every replica is marked down; leave at least one usable")
+        if not re.fullmatch(r"(\S+:)?\d{1,5}", self.listen):
+            raise ValueError(f"listen must be PORT or ADDR:PORT, got {self.listen!r}")
+        for attr in ("max_fails", "fail_timeout_s", "read_timeout_s", "connect_timeout_s", "keepalive"):
+            if getattr(self, attr) < 0:
+                raise ValueError(f"{attr} must be >= 0, got {getattr(self, attr)}")
+        if self.next_upstream_tries < 1:
+            raise ValueError(f"next_upstream_tries must be >= 1, got {self.next_upstream_tries}")
+        for path in (self.temp_dir, self.pid_file, self.error_log, self.access_log, *self.includes):
+            if path is not None and _UNSAFE.search(path):
+                raise ValueError(f"path {path!r} contains characters nginx would misread")
+
+
+def _server_line(cfg: NginxConfig, r: RingServer) -> str:
+    parts = [f"server {r.name}"]
+    if r.weight != 1:
+        parts.append(f"weight={r.weight}")
+    parts.append(f"max_fails={cfg.max_fails} fail_timeout={cfg.fail_timeout_s}s")
+    if r.name in cfg.down:
+        parts.append("down")
+    return "        " + " ".join(parts) + ";"
+
+
+def render_config(cfg: NginxConfig) -> str:
+    """The complete nginx.conf text for ``cfg``."""
+    servers = "\n".join(_server_line(cfg, r) for r in cfg.replicas)
+    retry_post = " non_idempotent" if cfg.retry_non_idempotent else ""
+    out: list[str] = []
+    w = out.append
+    w("# nginx front for prefixserve replicas: requests with the same X-Prefix-Hash")
+    w("# reach the same replica, placed exactly as prefixserve's router ring places them.")
+    if cfg.command:
+        w(f"# Generated by: {cfg.command}")
+    w("# Check with `nginx -t -c <this file>`; see nginx/README.md.")
+    w("")
+    w(f"worker_processes {cfg.worker_processes};")
+    if cfg.pid_file:
+        w(f"pid {cfg.pid_file};")
+    if cfg.error_log:
+        w(f"error_log {cfg.error_log};")
+    w("")
+    w("events {")
+    w("    worker_connections 4096;")
+    w("}")
+    w("")
+    w("http {")
+    if cfg.access_log:
+        w(f"    access_log {cfg.access_log};")
+    if cfg.temp_dir:
+        for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
+            w(f"    {kind}_temp_path {cfg.temp_dir}/{kind};")
+    w(f"""
+    # Clients send {PREFIX_HASH_HEADER}: the first 16 hex digits of SHA-256 over the
+    # request's static prefix (its leading system/developer messages joined by "\\n";
+    # with a cache_salt, the salt and a 0x00 byte first). Requests without it have no
+    # prefix affinity and are balanced round-robin by the second upstream.
+    map {_HEADER_VAR} $prefixserve_upstream {{
+        ""      prefixserve_rr;
+        default prefixserve_hash;
+    }}
+
+    # The ring: 160 points per unit of weight for each "host:port" as written here,
+    # crc32 chained; a key goes to the first point >= crc32(key). A replica that is
+    # down (or failed max_fails times within fail_timeout) keeps its points and is
+    # skipped: only its keys move, each to the next replica on the ring. Keep the
+    # server names identical to those given to `prefixserve route`/the router.
+    upstream prefixserve_hash {{
+        hash {_HEADER_VAR} consistent;
+{servers}
+        # After the balancing method (nginx requires this order): idle connections
+        # to replicas are reused instead of opening one per request.
+        keepalive {cfg.keepalive};
+    }}
+
+    upstream prefixserve_rr {{
+{servers}
+        keepalive {cfg.keepalive};
+    }}
+
+    server {{
+        listen {cfg.listen};
+
+        # Prompts with long system messages are large; the replica enforces its own limit.
+        client_max_body_size {cfg.client_max_body_size};
+
+        location / {{
+            proxy_pass http://$prefixserve_upstream;
+
+            # Server-sent events: HTTP/1.1 keep-alive to the replica, no buffering, so
+            # each token reaches the client when the replica writes it.
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_set_header Host $host;
+            proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;
+            proxy_buffering off;
+            gzip off;
+
+            # Generation can be silent for minutes (a non-streamed long answer).
+            proxy_connect_timeout {cfg.connect_timeout_s}s;
+            proxy_send_timeout {cfg.read_timeout_s}s;
+            proxy_read_timeout {cfg.read_timeout_s}s;
+
+            # A replica that refuses (502/503, or 429 when overloaded) or cannot be
+            # reached: try the next replica on the ring, which is where the key would
+            # move anyway. 429 and 503 also count toward max_fails, so an overloaded
+            # replica is taken out for fail_timeout and its keys move meanwhile.
+            # POST is not idempotent, so nginx does not retry a request it already sent
+            # unless told to: "non_idempotent" allows it. A completion has no side effect
+            # besides the compute it costs, and a replica that answered 429/503 did not
+            # start it; once a response has begun streaming to the client nginx never
+            # retries. Drop "non_idempotent" to never send a POST twice.
+            proxy_next_upstream error timeout http_502 http_503 http_429{retry_post};
+            proxy_next_upstream_tries {cfg.next_upstream_tries};
+
+            # Which replica answered (handy with `prefixserve route`).
+            add_header X-Prefixserve-Upstream $upstream_addr always;
+        }}
+    }}""")
+    for path in cfg.includes:
+        w(f"\n    include {path};")
+    w("}")
+    return "\n".join(out) + "\n"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--replica",
+        action="append",
+        required=True,
+        metavar="HOST:PORT[=WEIGHT]",
+        help="an upstream replica; repeat in a stable order",
+    )
+    parser.add_argument("--down", action="append", default=[], metavar="HOST:PORT", help="mark a listed replica down")
+    parser.add_argument("--listen", default="8080", help="PORT or ADDR:PORT nginx listens on (default 8080)")
+    parser.add_argument("--max-fails", type=int, default=3, help="failures that take a replica out (default 3)")
+    parser.add_argument("--fail-timeout", type=int, default=10, help="seconds a failed replica stays out (default 10)")
+    parser.add_argument(
+        "--read-timeout", type=int, default=600, help="seconds of replica silence allowed (default 600)"
+    )
+    parser.add_argument("--tries", type=int, default=2, help="replicas one request may try (default 2)")
+    parser.add_argument(
+        "--no-retry-post", action="store_true", help="never resend a POST that reached a replica (drops non_idempotent)"
+    )
+    parser.add_argument("--worker-processes", default="auto", help="nginx worker_processes (default auto)")
+    parser.add_argument(
+        "--temp-dir", default=None, help="an existing directory for nginx's temp paths (default: nginx's own)"
+    )
+    parser.add_argument("--pid-file", default=None, help="pid file (default: nginx's own)")
+    parser.add_argument("--error-log", default=None, help="error log (default: nginx's own)")
+    parser.add_argument("--access-log", default=None, help="access log path or 'off' (default: nginx's own)")
+    parser.add_argument("--include", action="append", default=[], help="extra file to include in the http block")
+    parser.add_argument("-o", "--output", default=None, help="write here instead of stdout")
+
+
+def config_from_args(args: argparse.Namespace, command: str | None = None) -> NginxConfig:
+    return NginxConfig(
+        replicas=tuple(RingServer.parse(s) for s in args.replica),
+        down=frozenset(args.down),
+        listen=str(args.listen),
+        max_fails=args.max_fails,
+        fail_timeout_s=args.fail_timeout,
+        read_timeout_s=args.read_timeout,
+        next_upstream_tries=args.tries,
+        retry_non_idempotent=not args.no_retry_post,
+        worker_processes=args.worker_processes,
+        temp_dir=args.temp_dir,
+        pid_file=args.pid_file,
+        error_log=args.error_log,
+        access_log=args.access_log,
+        includes=tuple(args.include),
+        command=command,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = config_from_args(args)
+    except ValueError as e:
+        print(f"prefixserve nginx-config: error: {e}", file=sys.stderr)
+        return 2
+    text = render_config(cfg)
+    if args.output:
+        Path(args.output).write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0

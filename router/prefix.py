@@ -1,0 +1,211 @@
+"""The routing key of a request (design Contract 1).
+
+Job: turn an OpenAI request body (and its headers) into the short string that
+the ring hashes, so that requests sharing a static prefix land on the replica
+that already caches it.
+
+The rule, which any client in any language can reproduce:
+
+* A request carrying an ``X-Prefix-Hash`` header uses the header's value.
+* Otherwise the static prefix of a chat request is the text of its leading run
+  of ``system`` / ``developer`` messages joined by ``"\\n"`` (a message whose
+  content is a list of OpenAI content parts contributes its text parts joined
+  by ``"\\n"``; other parts are ignored). A completions request (``prompt``)
+  uses the first ``completion_prefix_chars`` characters of its prompt (a
+  token-id prompt: its first ``completion_prefix_chars`` ids as little-endian
+  uint32).
+* The key is the first 16 hex digits of SHA-256 over the prefix's UTF-8 bytes,
+  with ``cache_salt`` UTF-8 bytes and one 0x00 byte in front when the request
+  has a salt. For one system message and no salt this is exactly
+  ``sha256(system_msg.encode()).hexdigest()[:16]``.
+* No static prefix (no leading system/developer message, empty text, empty
+  prompt) means no affinity: the key is ``None`` and the policy routes by load.
+
+Invariants: the key depends only on the request, never on time or process;
+a returned key is printable ASCII, so nginx's crc32 of the header equals the
+router's crc32 of the key.
+
+Pure Python (hashlib only): must not import Ray, HTTP frameworks or torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+PREFIX_HASH_HEADER = "X-Prefix-Hash"
+KEY_HEX_DIGITS = 16
+STATIC_ROLES = frozenset({"system", "developer"})
+
+
+class InvalidPrefixHash(ValueError):
+    """The ``X-Prefix-Hash`` header value is not usable as a routing key (HTTP 400)."""
+
+
+@dataclass(frozen=True)
+class PrefixKeyConfig:
+    """How the routing key is derived.
+
+    completion_prefix_chars: characters (or token ids) of a completions prompt
+        that form its static prefix.
+    max_header_len: longest accepted ``X-Prefix-Hash`` value.
+    honor_header: use a client's ``X-Prefix-Hash`` header when present.
+    """
+
+    completion_prefix_chars: int = 256
+    max_header_len: int = 128
+    honor_header: bool = True
+
+    def __post_init__(self) -> None:
+        if self.completion_prefix_chars < 1:
+            raise ValueError(
+                f"completion_prefix_chars must be >= 1, got {self.completion_prefix_chars}"
+            )
+        if self.max_header_len < 1:
+            raise ValueError(f"max_header_len must be >= 1, got {self.max_header_len}")
+
+
+DEFAULT_CONFIG = PrefixKeyConfig()
+
+
+def _digest(payload: bytes, cache_salt: str | None) -> str:
+    h = hashlib.sha256()
+    if cache_salt is not None:
+        h.update(cache_salt.encode("utf-8"))
+        h.update(b"\x00")
+    h.update(payload)
+    return h.hexdigest()[:KEY_HEX_DIGITS]
+
+
+def prefix_hash(system_text: str, cache_salt: str | None = None) -> str:
+    """The ``X-Prefix-Hash`` value for a static prefix: what a client sends.
+
+    ``system_text`` is the static prefix (the system prompt; several leading
+    system/developer messages joined by ``"\\n"``).
+    """
+    return _digest(system_text.encode("utf-8"), cache_salt)
+
+
+def _content_text(content: Any) -> str:
+    """Text of an OpenAI message content: a string or a list of content parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, Iterable) and not isinstance(content, (bytes, Mapping)):
+        texts = []
+        for part in content:
+            if isinstance(part, str):
+                texts.append(part)
+            elif isinstance(part, Mapping) and part.get("type", "text") == "text":
+                text = part.get("text")
+                if isinstance(text, str):
+                    texts.append(text)
+        return "\n".join(texts)
+    raise ValueError(
+        f"message content must be a string or a list of content parts, got {type(content).__name__}"
+    )
+
+
+def static_prefix(messages: Iterable[Mapping[str, Any]]) -> str | None:
+    """The text of the leading run of system/developer messages, or None if there is none."""
+    texts = []
+    for message in messages:
+        if not isinstance(message, Mapping):
+            raise ValueError(f"each message must be an object, got {type(message).__name__}")
+        if message.get("role") not in STATIC_ROLES:
+            break
+        texts.append(_content_text(message.get("content")))
+    text = "\n".join(texts)
+    return text or None
+
+
+def _prompt_payload(prompt: Any, n: int) -> bytes | None:
+    """The static-prefix bytes of a completions prompt (its first prompt if batched)."""
+    if isinstance(prompt, str):
+        return prompt[:n].encode("utf-8") or None
+    if isinstance(prompt, list) and prompt:
+        first = prompt[0]
+        if isinstance(first, (str, list)):
+            return _prompt_payload(first, n)
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt[:n]):
+            ids = prompt[:n]
+            if any(t < 0 or t > 0xFFFFFFFF for t in ids):
+                raise ValueError("token ids in prompt must be in [0, 2**32)")
+            return struct.pack(f"<{len(ids)}I", *ids)
+    if prompt is None or prompt == []:
+        return None
+    raise ValueError(
+        "prompt must be a string, a list of strings, or a list of token ids "
+        f"(or a list of such lists), got {type(prompt).__name__}"
+    )
+
+
+def _header_value(headers: Mapping[str, str]) -> str | None:
+    value = headers.get(PREFIX_HASH_HEADER)
+    if value is None:
+        value = headers.get(PREFIX_HASH_HEADER.lower())
+    if value is None:
+        wanted = PREFIX_HASH_HEADER.lower()
+        for name, v in headers.items():
+            if name.lower() == wanted:
+                return v
+    return value
+
+
+def validate_prefix_hash(value: str, config: PrefixKeyConfig = DEFAULT_CONFIG) -> str:
+    """Return ``value`` if it is a usable ``X-Prefix-Hash``, else raise InvalidPrefixHash.
+
+    Usable: 1..max_header_len characters, each visible ASCII (0x21-0x7e), so that
+    nginx hashes the very bytes the router hashes.
+    """
+    if not isinstance(value, str) or not value:
+        raise InvalidPrefixHash(f"{PREFIX_HASH_HEADER} must be a non-empty string")
+    if len(value) > config.max_header_len:
+        raise InvalidPrefixHash(
+            f"{PREFIX_HASH_HEADER} is {len(value)} characters long; send at most "
+            f"{config.max_header_len} (the key is normally 16 hex digits)"
+        )
+    if not all("\x21" <= c <= "\x7e" for c in value):
+        raise InvalidPrefixHash(
+            f"{PREFIX_HASH_HEADER} must contain only visible ASCII characters (no spaces or controls)"
+        )
+    return value
+
+
+def routing_key(
+    body: Mapping[str, Any],
+    headers: Mapping[str, str] | None = None,
+    config: PrefixKeyConfig = DEFAULT_CONFIG,
+) -> str | None:
+    """The routing key of one OpenAI request, or None when it has no static prefix.
+
+    ``body`` is the parsed JSON of a chat-completions (``messages``) or
+    completions (``prompt``) request; ``headers`` are the HTTP headers (any
+    Mapping; the header name is matched case-insensitively). Raises
+    InvalidPrefixHash for a malformed header and ValueError for a malformed body.
+    """
+    if headers is not None and config.honor_header:
+        value = _header_value(headers)
+        if value is not None:
+            return validate_prefix_hash(value, config)
+
+    salt = body.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise ValueError(f"cache_salt must be a string, got {type(salt).__name__}")
+
+    if "messages" in body:
+        messages = body["messages"]
+        if not isinstance(messages, list):
+            raise ValueError(f"messages must be a list, got {type(messages).__name__}")
+        text = static_prefix(messages)
+        return None if text is None else prefix_hash(text, salt)
+
+    if "prompt" in body:
+        payload = _prompt_payload(body["prompt"], config.completion_prefix_chars)
+        return None if payload is None else _digest(payload, salt)
+
+    return None

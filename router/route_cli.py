@@ -1,0 +1,77 @@
+"""``prefixserve route``: show where a prompt lands without sending it.
+
+Job: compute a routing key (from ``--key`` or from ``--system`` text with
+``--cache-salt``), then print its crc32, the replica the ring picks (as nginx
+with the same ``server`` lines would) and the ring successors a request falls
+back to. Pure: no network, no Ray.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from router.prefix import PREFIX_HASH_HEADER, prefix_hash, validate_prefix_hash
+from router.ring import HashRing, RingServer, key_hash
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--replica",
+        action="append",
+        required=True,
+        metavar="HOST:PORT[=WEIGHT]",
+        help="a ring member, in nginx's `server` order; repeat for each replica",
+    )
+    parser.add_argument(
+        "--down",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="a listed replica that is unusable (keeps its ring points, is skipped)",
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--key", help=f"a routing key as sent in {PREFIX_HASH_HEADER}")
+    source.add_argument("--system", help="the static prefix (system prompt) to hash")
+    parser.add_argument("--cache-salt", default=None, help="the request's cache_salt (with --system)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        ring = HashRing([RingServer.parse(spec) for spec in args.replica])
+        unknown = [d for d in args.down if d not in ring]
+        if unknown:
+            raise ValueError(f"--down {unknown} not among the --replica names {list(ring.names)}")
+        if args.key is not None:
+            if args.cache_salt is not None:
+                raise ValueError("--cache-salt applies to --system only: a --key is already salted")
+            key = validate_prefix_hash(args.key)
+        else:
+            key = prefix_hash(args.system, args.cache_salt)
+    except ValueError as e:
+        print(f"prefixserve route: error: {e}", file=sys.stderr)
+        return 2
+
+    down = set(args.down)
+    usable = [n for n in ring.names if n not in down]
+    result = {
+        "key": key,
+        "crc32": key_hash(key),
+        "owner": ring.owner(key),
+        "replica": ring.lookup(key, usable),
+        "nginx_replica": ring.nginx_pick(key, usable),
+        "successors": ring.successors(key, usable),
+    }
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"{PREFIX_HASH_HEADER}: {key}")
+    print(f"crc32:         {result['crc32']}")
+    print(f"ring owner:    {result['owner']}")
+    print(f"replica:       {result['replica'] or '(none usable)'}")
+    if result["nginx_replica"] != result["replica"]:
+        print("nginx:         round-robin (more than 20 unusable points in a row)")
+    print(f"fallbacks:     {', '.join(result['successors'][1:]) or '(none)'}")
+    return 0

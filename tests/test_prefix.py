@@ -1,0 +1,167 @@
+"""Contract 1: the routing key of a request (router/prefix.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import string
+import struct
+
+import pytest
+
+from router.prefix import (
+    PREFIX_HASH_HEADER,
+    InvalidPrefixHash,
+    PrefixKeyConfig,
+    prefix_hash,
+    routing_key,
+    static_prefix,
+)
+
+
+def _text(rng: random.Random, n: int) -> str:
+    alphabet = string.ascii_letters + string.digits + " .,;:\n\t" + "éß中文😀"
+    return "".join(rng.choice(alphabet) for _ in range(n))
+
+
+def _seed_snippet(system_msg: str) -> str:
+    # The seed article's client-side snippet, verbatim in spirit.
+    return hashlib.sha256(system_msg.encode()).hexdigest()[:16]
+
+
+def test_single_system_message_equals_seed_snippet():
+    rng = random.Random(101)
+    for _ in range(50):
+        system = _text(rng, rng.randint(1, 300))
+        body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": _text(rng, 20)}]}
+        key = routing_key(body)
+        assert key == _seed_snippet(system) == prefix_hash(system)
+        assert len(key) == 16 and all(c in "0123456789abcdef" for c in key)
+
+
+def test_user_turns_do_not_change_the_key():
+    rng = random.Random(102)
+    system = _text(rng, 80)
+    keys = {
+        routing_key({"messages": [{"role": "system", "content": system}, {"role": "user", "content": _text(rng, 40)}]})
+        for _ in range(10)
+    }
+    assert len(keys) == 1
+
+
+def test_cache_salt_goes_first_with_a_zero_byte():
+    rng = random.Random(103)
+    system, salt = _text(rng, 64), _text(rng, 12)
+    expected = hashlib.sha256(salt.encode() + b"\x00" + system.encode()).hexdigest()[:16]
+    body = {"messages": [{"role": "system", "content": system}], "cache_salt": salt}
+    assert routing_key(body) == expected == prefix_hash(system, salt)
+    assert routing_key(body) != prefix_hash(system)
+    # An empty salt is still a salt: it differs from no salt.
+    assert prefix_hash(system, "") != prefix_hash(system)
+
+
+def test_leading_system_and_developer_messages_joined_by_newline():
+    body = {
+        "messages": [
+            {"role": "system", "content": "You are terse."},
+            {"role": "developer", "content": "Answer in French."},
+            {"role": "user", "content": "hi"},
+            {"role": "system", "content": "not leading: ignored"},
+        ]
+    }
+    assert static_prefix(body["messages"]) == "You are terse.\nAnswer in French."
+    assert routing_key(body) == _seed_snippet("You are terse.\nAnswer in French.")
+
+
+def test_content_parts_join_text_parts():
+    parts = [
+        {"type": "text", "text": "Part one."},
+        {"type": "image_url", "image_url": {"url": "data:..."}},
+        {"type": "text", "text": "Part two."},
+    ]
+    body = {"messages": [{"role": "system", "content": parts}, {"role": "user", "content": "q"}]}
+    assert routing_key(body) == _seed_snippet("Part one.\nPart two.")
+    # The same text as a plain string gives the same key.
+    plain = {"messages": [{"role": "system", "content": "Part one.\nPart two."}]}
+    assert routing_key(plain) == routing_key(body)
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "user", "content": "hello"}],
+        [{"role": "user", "content": "hello"}, {"role": "system", "content": "late"}],
+        [{"role": "system", "content": ""}, {"role": "user", "content": "x"}],
+        [],
+    ],
+)
+def test_no_static_prefix_means_no_affinity(messages):
+    assert routing_key({"messages": messages}) is None
+
+
+def test_header_wins_over_body():
+    body = {"messages": [{"role": "system", "content": "abc"}], "cache_salt": "s"}
+    assert routing_key(body, {PREFIX_HASH_HEADER: "client-key-1"}) == "client-key-1"
+    # Header names are case-insensitive in HTTP.
+    assert routing_key(body, {"x-prefix-hash": "k2"}) == "k2"
+    assert routing_key(body, {"X-PREFIX-HASH": "k3"}) == "k3"
+    # Without a static prefix the header still gives affinity.
+    assert routing_key({"messages": [{"role": "user", "content": "q"}]}, {PREFIX_HASH_HEADER: "k4"}) == "k4"
+    # Other headers are ignored.
+    assert routing_key(body, {"Authorization": "Bearer x"}) == prefix_hash("abc", "s")
+    # A router may choose to ignore client headers.
+    assert routing_key(body, {PREFIX_HASH_HEADER: "k"}, PrefixKeyConfig(honor_header=False)) == prefix_hash("abc", "s")
+
+
+@pytest.mark.parametrize("bad", ["", "has space", "tab\there", "ctl\x01", "é-non-ascii", "x" * 129])
+def test_bad_header_rejected(bad):
+    body = {"messages": [{"role": "system", "content": "abc"}]}
+    with pytest.raises(InvalidPrefixHash, match=PREFIX_HASH_HEADER):
+        routing_key(body, {PREFIX_HASH_HEADER: bad})
+
+
+def test_header_length_bound_is_configurable():
+    body = {"messages": []}
+    assert routing_key(body, {PREFIX_HASH_HEADER: "x" * 128}) == "x" * 128
+    with pytest.raises(InvalidPrefixHash):
+        routing_key(body, {PREFIX_HASH_HEADER: "x" * 9}, PrefixKeyConfig(max_header_len=8))
+
+
+def test_completions_prompt_hashes_first_n_characters():
+    rng = random.Random(104)
+    cfg = PrefixKeyConfig(completion_prefix_chars=32)
+    head = _text(rng, 32)
+    a = routing_key({"prompt": head + _text(rng, 50)}, config=cfg)
+    b = routing_key({"prompt": head + _text(rng, 50)}, config=cfg)
+    assert a == b == prefix_hash(head)
+    # Shorter prompts hash whole; the default N is 256.
+    assert routing_key({"prompt": "short"}) == prefix_hash("short")
+    long = _text(rng, 400)
+    assert routing_key({"prompt": long}) == prefix_hash(long[:256])
+    # A batch routes by its first prompt; salt applies.
+    assert routing_key({"prompt": ["first", "second"], "cache_salt": "t"}) == prefix_hash("first", "t")
+    assert routing_key({"prompt": ""}) is None
+
+
+def test_completions_token_ids():
+    ids = list(range(1000, 1300))
+    expected = hashlib.sha256(struct.pack("<256I", *ids[:256])).hexdigest()[:16]
+    assert routing_key({"prompt": ids}) == expected
+    assert routing_key({"prompt": [ids]}) == expected
+    with pytest.raises(ValueError, match="token ids"):
+        routing_key({"prompt": [-1, 2]})
+
+
+def test_malformed_bodies_raise_value_error():
+    with pytest.raises(ValueError, match="messages must be a list"):
+        routing_key({"messages": "hello"})
+    with pytest.raises(ValueError, match="content"):
+        routing_key({"messages": [{"role": "system", "content": 42}]})
+    with pytest.raises(ValueError, match="cache_salt"):
+        routing_key({"messages": [{"role": "system", "content": "x"}], "cache_salt": 5})
+    with pytest.raises(ValueError, match="completion_prefix_chars"):
+        PrefixKeyConfig(completion_prefix_chars=0)
+
+
+def test_body_without_messages_or_prompt_has_no_key():
+    assert routing_key({"model": "m"}) is None
