@@ -1,0 +1,30 @@
+"""The replica's paged KV block manager with prefix caching (pure Python).
+
+``KVCacheManager`` is what the scheduler uses; ``hashing`` is Contract 2 of
+DESIGN.md (the router imports it too); ``BlockPool`` is the physical layer.
+"""
+
+from replica.kv.block_pool import BlockPool
+from replica.kv.hashing import (
+    DEFAULT_HASH_ALGO,
+    DEFAULT_HASH_SEED,
+    HASH_ALGOS,
+    BlockHasher,
+    encode_extra,
+    encode_tokens,
+    hash_blocks,
+)
+from replica.kv.manager import KVCacheManager, KVCacheStats
+
+__all__ = [
+    "DEFAULT_HASH_ALGO",
+    "DEFAULT_HASH_SEED",
+    "HASH_ALGOS",
+    "BlockHasher",
+    "BlockPool",
+    "KVCacheManager",
+    "KVCacheStats",
+    "encode_extra",
+    "encode_tokens",
+    "hash_blocks",
+]

@@ -1,0 +1,374 @@
+"""Per-request block tables on top of the block pool: lookup, allocate, free, fork.
+
+The scheduler's view of the KV cache. A request's block table maps its logical
+blocks (token positions ``i*block_size .. (i+1)*block_size-1``) to physical
+blocks of the ``BlockPool``. With prefix caching on, every full block whose
+tokens are known is registered under its chained hash (``hashing.py``), and a
+new request's longest run of cached leading blocks is shared instead of
+recomputed.
+
+Invariants (``check_invariants``, on top of the pool's):
+  * ref_cnt[b] == the number of block tables holding b (a table holds a block
+    at most once).
+  * a request with ``num_tokens`` slots holds exactly ceil(num_tokens / block_size) blocks.
+  * a cached block in a table sits at the position its hash was computed for.
+
+Choices a reader should know:
+  * Lookup (``get_computed_blocks``) changes no state and never covers the whole
+    prompt: the last prompt token is always computed so that it has logits.
+  * Prefix queries and hits are counted in tokens when a request is *admitted*
+    (its first ``allocate_slots`` succeeds), not on lookup, so a request looked up
+    again and again while waiting for room is counted once.
+  * Full blocks are registered when they are allocated for tokens about to be
+    computed, so a request admitted in the same step can share them: the engine
+    writes a step's KV before its attention reads it. The caller must therefore
+    compute what it allocated, in that step.
+  * A hash is never overwritten: when a newly full block's hash already maps to
+    another block (two requests computed the same content concurrently), the
+    existing mapping wins and the new block stays a private, uncached copy.
+  * ``fork`` expects every slot of the parent to hold a known token (call it
+    between steps, e.g. for parallel sampling after the prefill).
+
+Pure Python, no torch and no ray: the cluster simulator runs thousands of these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from replica.kv.block_pool import BlockPool
+from replica.kv.hashing import DEFAULT_HASH_ALGO, DEFAULT_HASH_SEED, BlockHasher
+
+
+@dataclass(frozen=True)
+class KVCacheStats:
+    """A snapshot of the cache; block counts are physical blocks."""
+
+    num_blocks: int
+    block_size: int
+    num_used_blocks: int  # ref > 0
+    num_cached_blocks: int  # carry a hash (used or not)
+    num_cached_free_blocks: int  # ref == 0 but still hit-able (evictable)
+    num_free_blocks: int  # ref == 0, cached or not: all can be allocated
+    usage: float  # num_used_blocks / num_blocks
+    prefix_query_tokens: int  # prompt tokens of admitted requests (caching on)
+    prefix_hit_tokens: int  # of which were served from cached blocks
+    hit_rate: float  # prefix_hit_tokens / prefix_query_tokens (0 when no queries)
+    num_evictions: int  # cached blocks popped for reuse
+    num_cow_copies: int  # copy-on-write copies queued for the model runner
+    num_requests: int  # requests holding a block table
+
+
+@dataclass(slots=True)
+class _Request:
+    blocks: list[int]  # the block table
+    num_tokens: int  # tokens with slots
+    hashes: list[bytes]  # chained hashes of the known full blocks (caching on)
+    num_registered: int  # leading full blocks already offered to the hash map
+    salt: str | bytes | None
+
+
+@dataclass(slots=True)
+class _Lookup:
+    """The last lookup's hashes, so the allocation right after it does not rehash."""
+
+    salt: str | bytes | None
+    tokens: list[int]  # the tokens the hashes cover (whole blocks)
+    hashes: list[bytes]
+
+
+class KVCacheManager:
+    """Paged KV block manager with automatic prefix caching (see the module docstring)."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        hash_algo: str = DEFAULT_HASH_ALGO,
+        hash_seed: str | bytes = DEFAULT_HASH_SEED,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.hasher = BlockHasher(hash_algo, hash_seed)  # validates the algo even when caching is off
+        self.pool = BlockPool(num_blocks)
+        self._requests: dict[str, _Request] = {}
+        self._copy_ops: list[tuple[int, int]] = []
+        self._lookup: _Lookup | None = None
+        self._query_tokens = 0
+        self._hit_tokens = 0
+        self._cow_copies = 0
+
+    # --- hashing -----------------------------------------------------------
+
+    def _full_block_hashes(self, token_ids: Sequence[int], salt: str | bytes | None) -> list[bytes]:
+        """Hashes of every full block of ``token_ids``, reusing the last lookup's."""
+        bs = self.block_size
+        n_full = len(token_ids) // bs
+        memo = self._lookup
+        if memo is not None and memo.salt == salt:
+            k = len(memo.hashes)
+            if k <= n_full and memo.tokens == list(token_ids[: k * bs]):
+                hashes = list(memo.hashes)
+                if k < n_full:
+                    hashes += self.hasher.hash_blocks(
+                        token_ids, bs, salt, start=k, parent=hashes[-1] if hashes else None
+                    )
+                return hashes
+        return self.hasher.hash_blocks(token_ids, bs, salt)
+
+    # --- lookup ------------------------------------------------------------
+
+    def get_computed_blocks(
+        self, token_ids: Sequence[int], cache_salt: str | bytes | None = None
+    ) -> tuple[list[int], int]:
+        """The longest run of cached leading full blocks of a prompt, and its token count.
+
+        Never the whole prompt (the last token must be computed for its logits).
+        Changes no cache state and counts nothing; pass the blocks to the
+        ``allocate_slots`` call that admits the request, before any other
+        allocation (a block popped in between would make them stale).
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        if max_blocks <= 0:
+            return [], 0
+        hashes = self._full_block_hashes(token_ids, cache_salt)
+        self._lookup = _Lookup(cache_salt, list(token_ids[: len(hashes) * self.block_size]), hashes)
+        get = self.pool.hash_to_block.get
+        blocks: list[int] = []
+        for h in hashes[:max_blocks]:
+            b = get(h)
+            if b is None:
+                break
+            blocks.append(b)
+        return blocks, len(blocks) * self.block_size
+
+    # --- allocation --------------------------------------------------------
+
+    def _plan(
+        self, request_id: str, num_new_tokens: int, computed_blocks: Sequence[int]
+    ) -> tuple[int, int, bool]:
+        """(blocks taken from the free pool, new blocks for growth, copy-on-write?)."""
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        bs = self.block_size
+        req = self._requests.get(request_id)
+        if req is None:
+            if computed_blocks and not self.enable_prefix_caching:
+                raise ValueError("computed_blocks given but prefix caching is off")
+            ref = self.pool.ref_cnt
+            revive = sum(1 for b in computed_blocks if ref[b] == 0)
+            held = len(computed_blocks)
+            num_tokens = held * bs
+            cow = False
+        else:
+            if computed_blocks:
+                raise ValueError(
+                    f"request {request_id!r} already has a block table; "
+                    "computed_blocks belong to its first allocate_slots only"
+                )
+            revive = 0
+            held = len(req.blocks)
+            num_tokens = req.num_tokens
+            # Writing into a partial last block that a fork shares: copy it first.
+            cow = num_new_tokens > 0 and num_tokens % bs != 0 and self.pool.ref_cnt[req.blocks[-1]] > 1
+        total = num_tokens + num_new_tokens
+        grow = max(0, -(-total // bs) - held)
+        return grow + cow + revive, grow, cow
+
+    def num_blocks_needed(self, request_id: str, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> int:
+        """Free blocks ``allocate_slots`` would consume (growth, copy-on-write, revived hits)."""
+        return self._plan(request_id, num_new_tokens, computed_blocks)[0]
+
+    def can_allocate(self, request_id: str, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
+        """Whether ``allocate_slots`` with these arguments would succeed now."""
+        return self.num_blocks_needed(request_id, num_new_tokens, computed_blocks) <= self.pool.num_free
+
+    def allocate_slots(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        num_new_tokens: int,
+        computed_blocks: Sequence[int] = (),
+        cache_salt: str | bytes | None = None,
+    ) -> list[int] | None:
+        """Make room for ``num_new_tokens`` more tokens; return the whole block table.
+
+        ``token_ids`` are all the request's tokens known so far. On the first call
+        ``computed_blocks`` (from ``get_computed_blocks``) are attached and count
+        as already computed::
+
+            | computed_blocks | already slotted | num_new_tokens |  (free space)
+            0          first call only         num_tokens      num_tokens + new
+                                  full blocks of known tokens in here get registered
+
+        Returns None and changes nothing when the free blocks are too few.
+        ``cache_salt`` matters on the first call only (it is the request's).
+        """
+        needed, grow, cow = self._plan(request_id, num_new_tokens, computed_blocks)
+        pool = self.pool
+        req = self._requests.get(request_id)
+        hashes: list[bytes] = []
+        if req is None and self.enable_prefix_caching:
+            hashes = self._full_block_hashes(token_ids, cache_salt)
+            if len(computed_blocks) > len(hashes):
+                raise ValueError("computed_blocks cover more full blocks than token_ids has")
+            bhash = pool.block_hash
+            for i, b in enumerate(computed_blocks):
+                if bhash[b] != hashes[i]:
+                    raise ValueError(
+                        f"computed block {b} no longer holds block {i} of this prompt: "
+                        "call get_computed_blocks right before allocate_slots"
+                    )
+        if needed > pool.num_free:
+            return None
+        if req is None:
+            if self.enable_prefix_caching:
+                self._query_tokens += len(token_ids)
+                self._hit_tokens += len(computed_blocks) * self.block_size
+            # Hits leave the free queue before new blocks are popped, so none is evicted.
+            pool.touch(computed_blocks)
+            held = len(computed_blocks)
+            req = _Request(list(computed_blocks), held * self.block_size, hashes, held, cache_salt)
+            self._requests[request_id] = req
+        if cow:
+            src = req.blocks[-1]
+            (dst,) = pool.get_new_blocks(1)
+            req.blocks[-1] = dst
+            pool.free_blocks((src,))  # ref stays > 0: the other sharers keep it
+            self._copy_ops.append((src, dst))
+            self._cow_copies += 1
+        if grow:
+            req.blocks += pool.get_new_blocks(grow)
+        req.num_tokens += num_new_tokens
+        if self.enable_prefix_caching:
+            self._register(req, token_ids)
+        return list(req.blocks)
+
+    def _register(self, req: _Request, token_ids: Sequence[int]) -> None:
+        """Offer the request's newly full, known blocks to the hash map."""
+        bs = self.block_size
+        known = min(req.num_tokens, len(token_ids)) // bs
+        start = req.num_registered
+        if known <= start:
+            return
+        hashes = req.hashes
+        if len(hashes) < known:
+            hashes += self.hasher.hash_blocks(
+                token_ids, bs, req.salt, start=len(hashes), stop=known, parent=hashes[-1] if hashes else None
+            )
+        # Duplicate content (hash already mapped elsewhere) is skipped: the old mapping stays.
+        self.pool.cache_blocks(req.blocks[start:known], hashes[start:known])
+        req.num_registered = known
+
+    # --- release, sharing --------------------------------------------------
+
+    def free(self, request_id: str) -> bool:
+        """Release a request's blocks tail-first; False when it held no table."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.pool.free_blocks(reversed(req.blocks))
+        return True
+
+    def fork(self, parent_id: str, child_id: str) -> list[int]:
+        """Give ``child_id`` the parent's table, sharing every block (ref+1); returns it."""
+        if child_id in self._requests:
+            raise ValueError(f"fork target {child_id!r} already has a block table; free it first")
+        parent = self._requests.get(parent_id)
+        if parent is None:
+            raise KeyError(f"fork source {parent_id!r} has no block table")
+        self.pool.touch(parent.blocks)
+        self._requests[child_id] = _Request(
+            list(parent.blocks), parent.num_tokens, list(parent.hashes), parent.num_registered, parent.salt
+        )
+        return list(parent.blocks)
+
+    def take_copy_ops(self) -> list[tuple[int, int]]:
+        """Copy-on-write copies (src, dst) queued since the last call; the runner copies them."""
+        ops, self._copy_ops = self._copy_ops, []
+        return ops
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; refused (False) while any block is in use."""
+        return self.pool.reset_prefix_cache()
+
+    # --- queries -----------------------------------------------------------
+
+    def block_table(self, request_id: str) -> list[int]:
+        """A copy of the request's block table (KeyError if it has none)."""
+        return list(self._requests[request_id].blocks)
+
+    def num_tokens(self, request_id: str) -> int:
+        """Tokens the request has slots for (KeyError if it has no table)."""
+        return self._requests[request_id].num_tokens
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with ref 0, cached or not: all of them can be allocated."""
+        return self.pool.num_free
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use (ref > 0), 0..1."""
+        return self.pool.num_used / self.pool.num_blocks
+
+    @property
+    def stats(self) -> KVCacheStats:
+        pool = self.pool
+        q, h = self._query_tokens, self._hit_tokens
+        return KVCacheStats(
+            num_blocks=pool.num_blocks,
+            block_size=self.block_size,
+            num_used_blocks=pool.num_used,
+            num_cached_blocks=len(pool.hash_to_block),
+            num_cached_free_blocks=pool.num_cached_free,
+            num_free_blocks=pool.num_free,
+            usage=pool.num_used / pool.num_blocks,
+            prefix_query_tokens=q,
+            prefix_hit_tokens=h,
+            hit_rate=h / q if q else 0.0,
+            num_evictions=pool.num_evictions,
+            num_cow_copies=self._cow_copies,
+            num_requests=len(self._requests),
+        )
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError when an invariant (module docstrings) fails."""
+        pool = self.pool
+        pool.check_invariants()
+        bs = self.block_size
+        holders = [0] * pool.num_blocks
+        for rid, req in self._requests.items():
+            assert len(req.blocks) == -(-req.num_tokens // bs), (
+                f"{rid}: {len(req.blocks)} blocks for {req.num_tokens} tokens"
+            )
+            assert len(set(req.blocks)) == len(req.blocks), f"{rid} holds a block twice"
+            assert req.num_registered <= len(req.blocks), f"{rid} registered blocks it does not hold"
+            for i, b in enumerate(req.blocks):
+                holders[b] += 1
+                h = pool.block_hash[b]
+                if h is not None:
+                    assert i < len(req.hashes) and req.hashes[i] == h, (
+                        f"{rid}: block {b} at position {i} carries a hash of other content"
+                    )
+        for b in range(pool.num_blocks):
+            assert pool.ref_cnt[b] == holders[b], f"block {b}: ref {pool.ref_cnt[b]} but {holders[b]} tables"
+        if not self.enable_prefix_caching:
+            assert not pool.hash_to_block, "prefix caching is off but blocks carry hashes"

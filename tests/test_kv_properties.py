@@ -1,0 +1,158 @@
+"""Property tests: random interleavings of admit / append / fork / free / reset.
+
+Beside the manager's own invariants, the machine keeps a shadow KV cache (the
+token id each physical slot holds) and plays the model runner: it applies the
+copy-on-write copies, then writes every newly slotted token. After each step
+every live request must read back exactly its own tokens through its block
+table, and every prefix hit must hand out blocks holding the prompt's tokens:
+a block shared where it should have been copied, or a stale hit, shows up as
+a wrong token.
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from replica.kv import KVCacheManager
+from tests.kv_helpers import snapshot
+
+# A few shared system prompts, and a tiny vocabulary so that identical blocks
+# (and so duplicate hashes) happen often.
+PREFIXES = [[], [1, 2, 3, 1, 2, 3, 1], [3, 3, 0, 1, 2, 0, 0, 1, 2, 3, 1]]
+tokens_st = st.lists(st.integers(0, 3), min_size=0, max_size=9)
+
+
+class KVMachine(RuleBasedStateMachine):
+    @initialize(
+        num_blocks=st.integers(3, 14),
+        block_size=st.integers(1, 4),
+        caching=st.booleans(),
+        algo=st.sampled_from(["xxh3_128", "sha256"]),
+    )
+    def setup(self, num_blocks, block_size, caching, algo):
+        self.m = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching, hash_algo=algo)
+        self.bs = block_size
+        self.shadow: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
+        self.tokens: dict[str, list[int]] = {}
+        self.next_id = 0
+
+    # --- the model runner ----------------------------------------------------
+
+    def _run_step(self, rid: str, start: int, table: list[int]) -> None:
+        for src, dst in self.m.take_copy_ops():
+            self.shadow[dst] = list(self.shadow[src])
+        toks = self.tokens[rid]
+        for p in range(start, self.m.num_tokens(rid)):
+            self.shadow[table[p // self.bs]][p % self.bs] = toks[p]
+
+    def _pick(self, idx: int) -> str:
+        ids = sorted(self.tokens)
+        return ids[idx % len(ids)]
+
+    # --- rules ---------------------------------------------------------------
+
+    @rule(prefix=st.sampled_from(range(len(PREFIXES))), suffix=tokens_st, salt=st.sampled_from([None, "t1"]))
+    def admit(self, prefix, suffix, salt):
+        toks = PREFIXES[prefix] + suffix
+        if not toks:
+            return
+        before = snapshot(self.m)
+        blocks, n = self.m.get_computed_blocks(toks, salt)
+        assert snapshot(self.m) == before, "lookup changed state"
+        assert n == len(blocks) * self.bs and n < len(toks)
+        for i, b in enumerate(blocks):
+            assert self.shadow[b] == toks[i * self.bs : (i + 1) * self.bs], "a hit holds other tokens"
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        table = self.m.allocate_slots(rid, toks, len(toks) - n, blocks, salt)
+        if table is None:
+            assert self.m.num_blocks_needed(rid, len(toks) - n, blocks) > self.m.num_free_blocks
+            assert snapshot(self.m) == before, "a refused allocation changed state"
+            return
+        self.tokens[rid] = list(toks)
+        self._run_step(rid, n, table)
+
+    @precondition(lambda self: self.tokens)
+    @rule(idx=st.integers(0, 1000), new=st.lists(st.integers(0, 3), min_size=1, max_size=5))
+    def append(self, idx, new):
+        rid = self._pick(idx)
+        start = self.m.num_tokens(rid)
+        before = snapshot(self.m)
+        toks = self.tokens[rid] + new
+        table = self.m.allocate_slots(rid, toks, len(new))
+        if table is None:
+            assert snapshot(self.m) == before, "a refused allocation changed state"
+            return
+        self.tokens[rid] = toks
+        self._run_step(rid, start, table)
+
+    @precondition(lambda self: self.tokens)
+    @rule(idx=st.integers(0, 1000))
+    def fork(self, idx):
+        parent = self._pick(idx)
+        child = f"r{self.next_id}"
+        self.next_id += 1
+        assert self.m.fork(parent, child) == self.m.block_table(parent)
+        self.tokens[child] = list(self.tokens[parent])
+        assert self.m.take_copy_ops() == []
+
+    @precondition(lambda self: self.tokens)
+    @rule(idx=st.integers(0, 1000))
+    def free(self, idx):
+        rid = self._pick(idx)
+        assert self.m.free(rid)
+        del self.tokens[rid]
+
+    @rule()
+    def reset(self):
+        in_use = self.m.stats.num_used_blocks > 0
+        assert self.m.reset_prefix_cache() is (not in_use)
+
+    # --- invariants ----------------------------------------------------------
+
+    @invariant()
+    def consistent(self):
+        if not hasattr(self, "m"):
+            return
+        m, pool = self.m, self.m.pool
+        m.check_invariants()
+        holders = [0] * pool.num_blocks
+        for rid, toks in self.tokens.items():
+            table = m.block_table(rid)
+            for b in table:
+                holders[b] += 1
+            n = m.num_tokens(rid)
+            assert n == len(toks)
+            got = [self.shadow[table[p // self.bs]][p % self.bs] for p in range(n)]
+            assert got == toks, f"{rid} reads back other tokens"
+        assert pool.ref_cnt == holders
+        queue = pool.free_queue()
+        assert all(pool.ref_cnt[b] == 0 for b in queue)
+        assert len(queue) == m.num_free_blocks == holders.count(0)
+        for h, b in pool.hash_to_block.items():
+            assert pool.block_hash[b] == h
+        s = m.stats
+        assert s.num_used_blocks + s.num_free_blocks == s.num_blocks
+        assert s.num_cached_free_blocks == sum(1 for b in queue if pool.block_hash[b] is not None)
+
+    def teardown(self):
+        if not hasattr(self, "m"):
+            return
+        for rid in list(self.tokens):
+            self.m.free(rid)
+        self.m.check_invariants()
+        assert self.m.num_free_blocks == self.m.num_blocks
+        assert self.m.usage == 0.0 and self.m.stats.num_used_blocks == 0
+        assert self.m.reset_prefix_cache()
+
+
+KVMachine.TestCase.settings = settings(
+    max_examples=120,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    derandomize=True,
+)
+test_kv_manager_random_interleavings = KVMachine.TestCase
