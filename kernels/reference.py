@@ -25,6 +25,19 @@ import torch
 import torch.nn.functional as F
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
+FP8_E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
+
+
+def quantize_fp8(x: torch.Tensor, scale: float, dtype: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
+    """``x / scale`` rounded to nearest-even in ``dtype``, saturated to its finite range."""
+    fp8_max = float(torch.finfo(dtype).max)
+    return (x.float() / scale).clamp(-fp8_max, fp8_max).to(dtype)
+
+
+def fp8_scale_for(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> float:
+    """Per-tensor scale that maps ``max |x|`` onto the fp8 range (1.0 for an all-zero ``x``)."""
+    amax = float(x.detach().abs().max()) if x.numel() else 0.0
+    return amax / float(torch.finfo(dtype).max) if amax > 0 else 1.0
 
 
 def _dequantize(cache_rows: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
@@ -55,9 +68,8 @@ def write_kv_cache(
     flat_k = key_cache.view(-1, *key_cache.shape[2:])
     flat_v = value_cache.view(-1, *value_cache.shape[2:])
     if key_cache.dtype in FP8_DTYPES:
-        fp8_max = torch.finfo(key_cache.dtype).max
-        key = (key.float() / k_scale).clamp(-fp8_max, fp8_max)
-        value = (value.float() / v_scale).clamp(-fp8_max, fp8_max)
+        key = quantize_fp8(key, k_scale, key_cache.dtype)
+        value = quantize_fp8(value, v_scale, value_cache.dtype)
     flat_k[slots] = key.to(key_cache.dtype)
     flat_v[slots] = value.to(value_cache.dtype)
 
@@ -110,8 +122,8 @@ def paged_attention(
         q = query[starts[s]:starts[s + 1]].transpose(0, 1)  # [H, q, D]
         k = _dequantize(_gather_kv(key_cache, block_tables[s], length), k_scale, dtype).transpose(0, 1)
         v = _dequantize(_gather_kv(value_cache, block_tables[s], length), v_scale, dtype).transpose(0, 1)
-        q_pos = torch.arange(length - q_len, length).unsqueeze(1)
-        k_pos = torch.arange(length).unsqueeze(0)
+        q_pos = torch.arange(length - q_len, length, device=query.device).unsqueeze(1)
+        k_pos = torch.arange(length, device=query.device).unsqueeze(0)
         mask = k_pos <= q_pos
         if sliding_window is not None:
             mask &= k_pos > q_pos - sliding_window
@@ -125,23 +137,27 @@ def _decode_batch(query, key_cache, value_cache, block_tables, seqs, starts, len
                   scale, sliding_window, k_scale, v_scale, dtype, out) -> None:
     """All one-token queries at once: pad K/V to the longest context and mask."""
     block_size = key_cache.shape[1]
-    idx = torch.tensor(seqs, dtype=torch.long)
-    rows = torch.tensor([starts[s] for s in seqs], dtype=torch.long)
-    lengths = torch.tensor([lens[s] for s in seqs], dtype=torch.long)
+    device = query.device
+    idx = torch.tensor(seqs, dtype=torch.long, device=device)
+    rows = torch.tensor([starts[s] for s in seqs], dtype=torch.long, device=device)
+    lengths = torch.tensor([lens[s] for s in seqs], dtype=torch.long, device=device)
     max_len = int(lengths.max())
     max_blocks = (max_len + block_size - 1) // block_size
-    tables = block_tables[idx, :max_blocks].long()  # [B, nb]
+    tables = block_tables[idx.to(block_tables.device), :max_blocks].long()  # [B, nb]
     # Unused table entries may hold anything; clamp so the gather stays in bounds.
     tables = tables.clamp(0, key_cache.shape[0] - 1)
     b = len(seqs)
     k = key_cache[tables].reshape(b, max_blocks * block_size, *key_cache.shape[2:])
     v = value_cache[tables].reshape(b, max_blocks * block_size, *value_cache.shape[2:])
-    k = _dequantize(k, k_scale, dtype).transpose(1, 2)  # [B, KVH, L, D]
-    v = _dequantize(v, v_scale, dtype).transpose(1, 2)
-    q = query[rows].unsqueeze(2)  # [B, H, 1, D]
-    k_pos = torch.arange(max_blocks * block_size).unsqueeze(0)
+    k_pos = torch.arange(max_blocks * block_size, device=device).unsqueeze(0)
     q_pos = (lengths - 1).unsqueeze(1)
-    mask = k_pos <= q_pos
+    mask = k_pos <= q_pos  # [B, L]
+    # Slots past a sequence's end hold whatever was there (NaN included) and a masked
+    # score still multiplies its value by 0, so zero them before they meet the math.
+    hidden = ~mask[:, :, None, None]
+    k = _dequantize(k, k_scale, dtype).masked_fill(hidden, 0).transpose(1, 2)  # [B, KVH, L, D]
+    v = _dequantize(v, v_scale, dtype).masked_fill(hidden, 0).transpose(1, 2)
+    q = query[rows].unsqueeze(2)  # [B, H, 1, D]
     if sliding_window is not None:
         mask &= k_pos > q_pos - sliding_window
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale,

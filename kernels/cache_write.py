@@ -1,0 +1,122 @@
+"""Triton store of new tokens' K and V into the paged cache.
+
+One program per token: it reads ``slot_mapping[t]`` (``block_id * block_size +
+offset``; negative = padding, the program does nothing) and writes that token's
+``[num_kv_heads, head_dim]`` K and V rows into the slot. Into an fp8 (e4m3) cache
+it stores ``x / scale`` rounded to nearest-even and saturated to +-448, as
+:func:`kernels.reference.write_kv_cache` does. The division is IEEE-rounded
+(``div_rn``) so a GPU store matches the torch reference bit for bit.
+
+The interpreter's fp32 -> fp8 cast is wrong (no carry, no saturation), so the fp8
+store is checked on a GPU (loadtest/bench_kernels.py); CPU tests cover the others.
+
+Imports torch and triton only.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.paged_attention import interpreting
+from kernels.reference import FP8_DTYPES
+
+CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16) + FP8_DTYPES
+
+
+@triton.jit
+def _store_rows(src_ptr, cache_ptr, t, block, in_block, scale, stride_t, stride_h,
+                stride_cb, stride_cs, stride_ch, offs_h, offs_d, mask,
+                FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+    x = tl.load(src_ptr + t * stride_t + offs_h[:, None] * stride_h + offs_d[None, :], mask=mask)
+    if FP8:
+        x = tl.math.div_rn(x.to(tl.float32), scale)
+        x = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
+    tl.store(cache_ptr + block * stride_cb + in_block * stride_cs + offs_h[:, None] * stride_ch
+             + offs_d[None, :], x.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
+    k_scale, v_scale, num_kv_heads, head_dim,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+    BLOCK_SIZE: tl.constexpr, HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
+    FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    block = slot // BLOCK_SIZE
+    in_block = slot % BLOCK_SIZE
+    offs_h = tl.arange(0, HEADS_PAD)
+    offs_d = tl.arange(0, DIM_PAD)
+    mask = (offs_h < num_kv_heads)[:, None] & (offs_d < head_dim)[None, :]
+    _store_rows(key_ptr, key_cache_ptr, t, block, in_block, k_scale, stride_kt, stride_kh,
+                stride_kcb, stride_kcs, stride_kch, offs_h, offs_d, mask, FP8, FP8_MAX)
+    _store_rows(value_ptr, value_cache_ptr, t, block, in_block, v_scale, stride_vt, stride_vh,
+                stride_vcb, stride_vcs, stride_vch, offs_h, offs_d, mask, FP8, FP8_MAX)
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """Store ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into their cache slots.
+
+    Same contract as :func:`kernels.reference.write_kv_cache`. ``k_scale``/``v_scale``
+    are used only by an fp8 cache.
+    """
+    if key.dim() != 3 or key.shape != value.shape:
+        raise ValueError(f"key and value must both be [num_tokens, num_kv_heads, head_dim], got "
+                         f"{tuple(key.shape)} and {tuple(value.shape)}")
+    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
+        raise ValueError(f"key_cache and value_cache must both be [num_blocks, block_size, num_kv_heads, "
+                         f"head_dim], got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}")
+    if tuple(key.shape[1:]) != tuple(key_cache.shape[2:]):
+        raise ValueError(f"key rows {tuple(key.shape[1:])} do not match the cache's "
+                         f"[num_kv_heads, head_dim] {tuple(key_cache.shape[2:])}")
+    if key_cache.dtype != value_cache.dtype or key_cache.dtype not in CACHE_DTYPES:
+        raise ValueError(f"key_cache and value_cache must share one dtype of {CACHE_DTYPES}, got "
+                         f"{key_cache.dtype} and {value_cache.dtype}")
+    if key.dtype not in (torch.float32, torch.float16, torch.bfloat16) or value.dtype != key.dtype:
+        raise ValueError(f"key and value must share a float dtype, got {key.dtype} and {value.dtype}")
+    if slot_mapping.shape != (key.shape[0],) or slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slot_mapping must be an int32/int64 [{key.shape[0]}] tensor, got "
+                         f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    for name, t in (("key", key), ("value", value), ("key_cache", key_cache), ("value_cache", value_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension (stride 1); call .contiguous()")
+    if not slot_mapping.is_contiguous():
+        raise ValueError("slot_mapping must be contiguous")
+    devices = {t.device for t in (key, value, key_cache, value_cache, slot_mapping)}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    device = key.device
+    if interpreting() != (device.type == "cpu") or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"the Triton kernels need CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 "
+                         f"set before importing kernels; got {device}")
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    fp8 = key_cache.dtype in FP8_DTYPES
+    fp8_max = float(torch.finfo(key_cache.dtype).max) if fp8 else 0.0
+    _write_kv_kernel[(num_tokens,)](
+        key, value, key_cache, value_cache, slot_mapping,
+        float(k_scale), float(v_scale), num_kv_heads, head_dim,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        BLOCK_SIZE=key_cache.shape[1], HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        DIM_PAD=triton.next_power_of_2(head_dim), FP8=fp8, FP8_MAX=fp8_max,
+        num_warps=4,
+    )

@@ -1,0 +1,93 @@
+"""Compile every kernel variant for an NVIDIA GPU target, with no GPU present.
+
+The CPU interpreter accepts things the NVIDIA backend rejects (dot sizes under 16,
+fp8 dots under 32, loop-carried type changes), so ``test_kernels_compile_for_gpu``
+runs this file in a subprocess *without* TRITON_INTERPRET: Triton lowers each
+variant through PTX to a cubin with its bundled ptxas. It also checks that the fp8
+quantizing store lowers to a round-to-nearest saturating conversion after an IEEE
+division, which is what makes it match the torch reference bit for bit.
+
+Usage: ``python tests/kernel_compile_check.py [sm]`` (default 90); prints one line
+per variant and exits non-zero on the first failure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    sys.exit("kernel_compile_check must run without TRITON_INTERPRET")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from kernels import cache_write, paged_attention  # noqa: E402
+
+TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+                torch.float8_e4m3fn: "fp8e4nv"}
+
+
+def _compile(fn, arg_types: dict[str, str], constants: dict, target: GPUTarget, **options):
+    signature = {name: "constexpr" if name in constants else arg_types.get(name, "i32") for name in fn.arg_names}
+    return triton.compile(ASTSource(fn, signature, constants), target=target, options=options)
+
+
+def attention_variants():
+    """(label, plan, group, head_dim, block_size, act dtype, kv dtype, window) covering every branch."""
+    cpu = torch.device("cpu")
+    f16, bf16, f32, fp8 = torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn
+    for num_tokens, num_seqs, heads, kv_heads, dim, bs, act, kv, window, splits in [
+        (64, 64, 32, 8, 128, 16, f16, f16, False, 1),      # decode
+        (64, 64, 32, 8, 128, 16, bf16, bf16, False, 8),    # decode, flash-decoding splits
+        (64, 64, 32, 8, 128, 16, bf16, fp8, True, 4),      # fp8 KV, window, splits
+        (64, 64, 24, 1, 64, 32, f16, fp8, False, 1),       # MQA wider than 16 rows
+        (900, 4, 32, 8, 128, 16, f16, f16, False, 1),      # prefill tiles
+        (900, 4, 32, 8, 128, 16, bf16, bf16, True, 1),
+        (900, 4, 12, 4, 64, 32, f16, fp8, False, 1),       # group 3, fp8
+        (900, 4, 8, 8, 80, 16, f32, f32, False, 1),        # fp32, head_dim padded to 128
+        (900, 4, 8, 1, 256, 16, bf16, bf16, False, 1),     # head_dim 256
+    ]:
+        plan = paged_attention.plan_launch(num_tokens, num_seqs, heads, kv_heads, dim, 4096, act, cpu)
+        plan = dataclasses.replace(plan, num_kv_splits=splits)
+        label = (f"attention {TRITON_TYPES[act]}/{TRITON_TYPES[kv]} group={heads // kv_heads} d={dim} "
+                 f"bs={bs} window={window} splits={splits} block_m={plan.block_m} tile_n={plan.tile_n}")
+        yield label, plan, heads // kv_heads, dim, bs, act, kv, window
+
+
+def main(sm: int) -> None:
+    target = GPUTarget("cuda", sm, 32)
+    for label, plan, group, dim, bs, act, kv, window in attention_variants():
+        constants = paged_attention.kernel_constants(plan, group, dim, bs, act, window)
+        types = {"out_ptr": "*" + TRITON_TYPES[act], "query_ptr": "*" + TRITON_TYPES[act],
+                 "key_cache_ptr": "*" + TRITON_TYPES[kv], "value_cache_ptr": "*" + TRITON_TYPES[kv],
+                 "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
+                 "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "qk_scale": "fp32", "v_scale": "fp32"}
+        _compile(paged_attention._paged_attention_kernel, types, constants, target,
+                 num_warps=plan.num_warps, num_stages=plan.num_stages)
+        print("ok", label, flush=True)
+    for out in ("fp16", "bf16"):
+        constants = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, HEADS_PAD=32, SPLITS_PAD=8)
+        types = {"out_ptr": "*" + out, "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
+                 "query_start_loc_ptr": "*i32"}
+        _compile(paged_attention._reduce_splits_kernel, types, constants, target, num_warps=4)
+        print("ok reduce", out, flush=True)
+    for src, cache in (("fp16", "fp16"), ("fp32", "bf16"), ("bf16", "fp8e4nv"), ("fp32", "fp8e4nv")):
+        fp8 = cache == "fp8e4nv"
+        constants = dict(BLOCK_SIZE=16, HEADS_PAD=8, DIM_PAD=128, FP8=fp8, FP8_MAX=448.0 if fp8 else 0.0)
+        types = {"key_ptr": "*" + src, "value_ptr": "*" + src, "key_cache_ptr": "*" + cache,
+                 "value_cache_ptr": "*" + cache, "slot_mapping_ptr": "*i64", "k_scale": "fp32",
+                 "v_scale": "fp32"}
+        compiled = _compile(cache_write._write_kv_kernel, types, constants, target, num_warps=4)
+        if fp8 and sm >= 89:
+            ptx = compiled.asm["ptx"]
+            if "cvt.rn.satfinite.e4m3x2.f32" not in ptx or "div.rn.f32" not in ptx:
+                raise SystemExit(f"fp8 store {src}: expected cvt.rn.satfinite.e4m3x2.f32 after div.rn.f32")
+        print("ok cache write", src, "->", cache, flush=True)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 90)
