@@ -1,0 +1,115 @@
+"""Cost profiles for the cluster simulator: seconds per uncached prefill token and per decode step.
+
+Two profiles:
+
+* ``cpu``: our engine on this 2-core machine, derived from ``results/bench_engine.json``
+  when ``loadtest/bench_engine.py`` has written it (``profile_from_bench``);
+  otherwise the documented default below, derived from the figures measured here for vLLM's CPU build on
+  the engine issue's workload (SmolLM2, ~530-token prompts): TTFT 0.71 s for a
+  miss, 0.10 s for a hit computing ~40 tokens alone, so
+  (0.71 - 0.10) / 490 = 1.25 ms per uncached token and 0.05 s fixed.
+* ``h100``: from the seed articles' figures. The prefix-cache article gives a
+  TTFT p50 of ~820 ms for a 512 + 100-token prompt computed whole and ~180 ms
+  for the 100-token suffix alone: (820 - 180) / 512 = 1.25 ms per uncached
+  token and 180 - 125 = 55 ms fixed. The KV-internals article serves ~47
+  requests/s with 200-token outputs with prefix caching (9,400 decode
+  tokens/s); at a batch of 256 that is a 27 ms decode step.
+
+Decode steps grow with the batch: ``decode_step_s + B * decode_per_seq_s``. For
+``cpu`` 30 ms + 2 ms per running sequence (SmolLM2 on two cores); for ``h100``
+15 ms + 0.05 ms, i.e. the 27 ms above at B = 256.
+
+Pure Python: json only.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DEFAULT_BENCH_ENGINE = Path("results/bench_engine.json")
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    """Prefill time = ``prefill_overhead_s + uncached_tokens * prefill_s_per_token``;
+    a decode step with B running sequences takes ``decode_step_s + B * decode_per_seq_s``."""
+
+    name: str
+    prefill_s_per_token: float
+    prefill_overhead_s: float
+    decode_step_s: float
+    decode_per_seq_s: float
+    source: str
+
+    def __post_init__(self) -> None:
+        if (self.prefill_s_per_token <= 0 or self.decode_step_s <= 0
+                or self.prefill_overhead_s < 0 or self.decode_per_seq_s < 0):
+            raise ValueError(f"cost profile {self.name!r}: times must be positive (overhead, per-seq >= 0)")
+
+    def prefill_s(self, uncached_tokens: int) -> float:
+        return self.prefill_overhead_s + uncached_tokens * self.prefill_s_per_token
+
+    def decode_step(self, batch: int) -> float:
+        return self.decode_step_s + batch * self.decode_per_seq_s
+
+
+CPU_DEFAULT = CostProfile(
+    "cpu", 1.25e-3, 0.05, 0.030, 0.002,
+    "default: vLLM CPU build on this machine (issue 4 figures): 0.71 s miss / 0.10 s hit TTFT on ~530-token prompts",
+)
+H100 = CostProfile(
+    "h100", 1.25e-3, 0.055, 0.015, 0.00005,
+    "seed articles: 820 ms vs 180 ms TTFT (512+100 vs 100 tokens); 47 req/s x 200 tokens at batch 256",
+)
+
+
+# The engine benchmark's prompts: 500 system + 30 question tokens (+ the chat
+# template's ~15); its "alone hit" recomputes the 8 changed tail tokens plus
+# the partial block before them (~16 tokens).
+_BENCH_MISS_TOKENS = 545
+_BENCH_HIT_TOKENS = 16
+
+
+def profile_from_bench(data: Any, source: str) -> CostProfile | None:
+    """Derive the CPU profile from ``loadtest/bench_engine.py``'s JSON, or None if it lacks the figures.
+
+    Prefill: the TTFT of a whole prompt computed alone (caching off) against a
+    warm-cache hit computed alone (caching on). Decode: the step time at batch
+    1 and 32 from ``decode_tokens_per_s`` (step(B) = B / tokens_per_s(B)).
+    """
+    try:
+        rows = {r["engine"]: r for r in data["rows"]}
+        hit = float(rows["prefixserve, caching on"]["ttft_alone_hit_s"])
+        miss = float(rows["prefixserve, caching off"]["ttft_alone_miss_s"])
+        tps = {int(k): float(v) for k, v in data["decode_tokens_per_s"].items()}
+        step1, step32 = 1 / tps[1], 32 / tps[32]
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return None
+    per_token = (miss - hit) / (_BENCH_MISS_TOKENS - _BENCH_HIT_TOKENS)
+    per_seq = max(0.0, (step32 - step1) / 31)
+    if per_token <= 0 or step1 - per_seq <= 0:
+        return None
+    return CostProfile("cpu", per_token, max(0.0, hit - _BENCH_HIT_TOKENS * per_token), step1 - per_seq, per_seq,
+                       f"measured by loadtest/bench_engine.py ({source}): TTFT alone {miss:.3f} s miss / "
+                       f"{hit:.3f} s hit; decode {tps[1]:.1f} tok/s at batch 1, {tps[32]:.1f} at 32")
+
+
+def cpu_profile(path: str | Path = DEFAULT_BENCH_ENGINE) -> CostProfile:
+    """The CPU profile measured by the engine benchmark when its JSON exists, else the default."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, ValueError):
+        return CPU_DEFAULT
+    return profile_from_bench(data, str(p)) or CPU_DEFAULT
+
+
+def get_profile(name: str, bench_engine: str | Path = DEFAULT_BENCH_ENGINE) -> CostProfile:
+    if name == "cpu":
+        return cpu_profile(bench_engine)
+    if name == "h100":
+        return H100
+    raise ValueError(f"unknown cost profile {name!r}; choose 'cpu' or 'h100'")

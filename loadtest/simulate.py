@@ -1,0 +1,538 @@
+"""Discrete-event simulation of a cluster of engine replicas under each routing policy.
+
+Job: answer "which router, at what scale" without a cluster. R replicas, each a
+real ``replica.kv.manager.KVCacheManager`` (real block accounting, hashing,
+LRU eviction), routed by the real policies of ``router/policies.py`` (plus
+SGLang's approximate-tree policy from ``loadtest/approx_tree.py``), on Zipf
+tenant traffic (``loadtest.workloads.zipf_tenant_sequence``: the same tenant
+sequence the locust workload sends).
+
+The model, per replica:
+
+* requests are routed on arrival (Poisson); the policy sees each replica's
+  in-flight count (routed and not finished) and the request's routing key (the
+  tenant's prefix hash, Contract 1);
+* prefill is compute-bound and serialized: the head of the replica's FIFO queue
+  is admitted when the prefill slot is free, fewer than ``max_num_seqs``
+  requests run, and the KV manager can allocate its prompt and output slots
+  (else it waits for a finish: head-of-line blocking, no preemption);
+* admission looks the prompt up (``get_computed_blocks``) and allocates the
+  prompt then the output tokens; prefill takes
+  ``overhead + uncached_tokens * s_per_token`` (``loadtest/cost_model.py``);
+  TTFT = prefill end - arrival;
+* decode runs alongside (batched) and holds the blocks for ``output_len``
+  steps of ``decode_step_s + B * decode_per_seq_s`` (B: the batch it joined);
+  then the request is freed. Prefill and decode do not slow each other down
+  (a simplification: the hot replica's cost shows as prefill queueing).
+
+Tokens: tenant t's system prompt is a deterministic array of token ids drawn
+from a seeded generator; each request appends its own question and output ids.
+No tokenizer is involved. The oracle is one replica with an unbounded cache
+replaying the arrivals in order, hashing with the same ``BlockHasher``; a
+replica's hits can never exceed it (a replica caches only what it admitted
+earlier, which arrived earlier).
+
+Outputs: a markdown table per policy (hit rate, of-oracle ratio, load max/mean,
+TTFT p50/p99), sweeps over the replica count and bounded_load's epsilon,
+``results/simulate.json`` and ``results/simulate.png``.
+
+Imports: numpy, the KV manager, router policies, matplotlib lazily (Agg). No
+torch, no Ray, no HTTP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import sys
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+from loadtest.approx_tree import SGLangCacheAware, SGLangConfig
+from loadtest.cost_model import CostProfile, get_profile
+from loadtest.workloads import zipf_tenant_sequence
+from replica.kv.hashing import BlockHasher
+from replica.kv.manager import KVCacheManager
+from router.policies import make_policy
+from router.prefix import prefix_hash
+
+POLICY_NAMES = ("round_robin", "random", "power_of_two", "consistent_hash", "bounded_load", "sglang_tree")
+VOCAB = 49152  # SmolLM2's vocabulary; any size works
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One simulated cluster and its traffic.
+
+    utilization: offered prefill load if no request hit the cache (arrival rate =
+        utilization * R / prefill time of a whole prompt); hits lower the real load.
+    blocks_per_replica: KV blocks of one replica; the default holds ~1/30 of the
+        tenants' system prompts, so the working set exceeds one replica's cache
+        and routing decides the hit rate.
+    """
+
+    num_replicas: int = 64
+    num_tenants: int = 2000
+    num_requests: int = 100_000
+    zipf_s: float = 0.8
+    hot_share: float = 0.05
+    system_prompt_len: int = 256
+    question_len: int = 32
+    output_len: int = 128
+    block_size: int = 16
+    blocks_per_replica: int = 1024
+    max_num_seqs: int = 64
+    utilization: float = 0.6
+    profile: str = "cpu"
+    epsilon: float = 0.25
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_replicas", "num_tenants", "num_requests", "output_len", "block_size",
+                     "blocks_per_replica", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SimConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.system_prompt_len + self.question_len < 1:
+            raise ValueError("a prompt needs at least one token: raise system_prompt_len or question_len")
+        if not 0 < self.utilization:
+            raise ValueError(f"utilization must be > 0, got {self.utilization}")
+        need = -(-(self.system_prompt_len + self.question_len + self.output_len) // self.block_size)
+        if need > self.blocks_per_replica:
+            raise ValueError(
+                f"one request needs {need} blocks but a replica has {self.blocks_per_replica}: "
+                "raise blocks_per_replica or shorten the prompts"
+            )
+
+    @property
+    def prompt_len(self) -> int:
+        return self.system_prompt_len + self.question_len
+
+
+# ------------------------------------------------------------------ traffic
+
+
+@dataclass
+class Traffic:
+    """The requests of one run: tenants, token arrays, unit-rate arrival gaps, oracle hits."""
+
+    tenants: list[int]
+    system_tokens: list[list[int]]  # per tenant
+    system_hashes: list[list[bytes]]  # per tenant: its full system blocks' chained hashes
+    keys: list[str]  # per tenant routing key
+    tail_tokens: np.ndarray  # [num_requests, question_len + output_len]
+    unit_gaps: np.ndarray  # exponential inter-arrival gaps at rate 1
+    oracle_hits: list[int]  # per request, tokens an unbounded single cache would hit
+
+    def prompt(self, i: int, config: SimConfig) -> list[int]:
+        return self.system_tokens[self.tenants[i]] + self.tail_tokens[i, : config.question_len].tolist()
+
+    def output(self, i: int, config: SimConfig) -> list[int]:
+        return self.tail_tokens[i, config.question_len :].tolist()
+
+
+def make_traffic(config: SimConfig) -> Traffic:
+    """Deterministic traffic for ``config`` (everything but the replica count and policy)."""
+    tenants = zipf_tenant_sequence(config.num_tenants, config.num_requests, config.zipf_s,
+                                   config.hot_share, config.seed)
+    hasher = BlockHasher()
+    bs = config.block_size
+    system_tokens, system_hashes, keys = [], [], []
+    for t in range(config.num_tenants):
+        toks = np.random.default_rng([config.seed, 1, t]).integers(0, VOCAB, config.system_prompt_len).tolist()
+        system_tokens.append(toks)
+        system_hashes.append(hasher.hash_blocks(toks, bs, None))
+        keys.append(prefix_hash(f"tenant-{t}:" + " ".join(map(str, toks[:32]))))
+    rng = np.random.default_rng([config.seed, 2])
+    tail = rng.integers(0, VOCAB, (config.num_requests, config.question_len + config.output_len), dtype=np.int64)
+    gaps = rng.exponential(1.0, config.num_requests)
+    traffic = Traffic(tenants, system_tokens, system_hashes, keys, tail, gaps, [])
+    traffic.oracle_hits = _oracle(traffic, config, hasher)
+    return traffic
+
+
+def _oracle(traffic: Traffic, config: SimConfig, hasher: BlockHasher) -> list[int]:
+    """Hit tokens per request for one replica with an unbounded cache, in arrival order."""
+    bs = config.block_size
+    seen: set[bytes] = set()
+    hits = []
+    for i, t in enumerate(traffic.tenants):
+        prompt = traffic.prompt(i, config)
+        base = traffic.system_hashes[t]
+        hashes = base + hasher.hash_blocks(prompt, bs, None, start=len(base), parent=base[-1] if base else None)
+        limit = (len(prompt) - 1) // bs  # the last prompt token is always computed
+        n = 0
+        while n < limit and hashes[n] in seen:
+            n += 1
+        hits.append(n * bs)
+        seen.update(hashes)
+    return hits
+
+
+# ---------------------------------------------------------------- simulation
+
+
+class SimReplica:
+    """One replica: a ReplicaView for the policies, a KV manager, a queue and a prefill slot."""
+
+    __slots__ = ("index", "name", "in_flight", "kv", "queue", "busy", "running", "routed", "peak")
+
+    def __init__(self, index: int, config: SimConfig) -> None:
+        self.index = index
+        self.name = f"10.0.{index // 256}.{index % 256}:8000"
+        self.in_flight = 0
+        self.kv = KVCacheManager(config.blocks_per_replica, config.block_size)
+        self.queue: deque[int] = deque()
+        self.busy = False
+        self.running = 0
+        self.routed = 0
+        self.peak = 0
+
+
+@dataclass
+class PolicyResult:
+    policy: str
+    num_replicas: int
+    epsilon: float | None
+    num_requests: int
+    finished: int
+    prompt_tokens: int
+    hit_tokens: int
+    miss_tokens: int
+    hit_rate: float
+    oracle_hit_rate: float
+    of_oracle: float  # hit_rate / oracle_hit_rate
+    oracle_violations: int  # requests that hit more than the oracle (must be 0)
+    load_max_over_mean: float  # requests routed: busiest replica / mean
+    peak_in_flight: int
+    ttft_p50: float
+    ttft_p99: float
+    ttft_mean: float
+    kv_query_tokens: int  # the KV managers' own counters, for the balance check
+    kv_hit_tokens: int
+    leaked_blocks: int  # blocks still in use after every request finished (must be 0)
+    sim_seconds: float  # simulated time
+    wall_seconds: float
+
+
+_ARRIVE, _PREFILLED, _FINISH = 0, 1, 2
+
+
+def simulate(config: SimConfig, policy: str, traffic: Traffic | None = None,
+             profile: CostProfile | None = None, check_invariants: bool = False) -> PolicyResult:
+    """Run one policy over the traffic; returns its figures (see PolicyResult)."""
+    started = time.perf_counter()
+    traffic = traffic if traffic is not None else make_traffic(config)
+    profile = profile if profile is not None else get_profile(config.profile)
+    replicas = [SimReplica(r, config) for r in range(config.num_replicas)]
+    if policy == "sglang_tree":
+        tree_policy: SGLangCacheAware | None = SGLangCacheAware(config.sglang)
+        ring_policy = None
+    else:
+        tree_policy = None
+        kwargs: dict = {}
+        if policy in ("random", "power_of_two"):
+            kwargs["seed"] = config.seed
+        if policy == "bounded_load":
+            kwargs["epsilon"] = config.epsilon
+        ring_policy = make_policy(policy, **kwargs)
+
+    n = config.num_requests
+    rate = config.utilization * config.num_replicas / profile.prefill_s(config.prompt_len)
+    arrivals = np.cumsum(traffic.unit_gaps / rate).tolist()
+    out_len = config.output_len
+    decode_step = profile.decode_step
+    per_token, overhead = profile.prefill_s_per_token, profile.prefill_overhead_s
+    max_seqs = config.max_num_seqs
+    ttft = [0.0] * n
+    hits = [0] * n
+    replica_of = [0] * n
+    decode_s = [0.0] * n
+    prompt_tokens = 0
+    finished = 0
+    events: list[tuple[float, int, int, int]] = [(arrivals[0], 0, _ARRIVE, 0)]
+    seq = 1  # tie-breaker: equal times keep push order
+    push, pop = heapq.heappush, heapq.heappop
+
+    def try_admit(rep: SimReplica, now: float) -> None:
+        nonlocal seq, prompt_tokens
+        if rep.busy or not rep.queue or rep.running >= max_seqs:
+            return
+        i = rep.queue[0]
+        prompt = traffic.prompt(i, config)
+        kv = rep.kv
+        rid = str(i)
+        blocks, num_hit = kv.get_computed_blocks(prompt)
+        out = traffic.output(i, config)
+        if not kv.can_allocate(rid, len(prompt) + len(out) - num_hit, blocks):
+            return  # wait for a finish on this replica to free blocks
+        ok = kv.allocate_slots(rid, prompt, len(prompt) - num_hit, blocks)
+        ok2 = kv.allocate_slots(rid, prompt + out, len(out))
+        assert ok is not None and ok2 is not None
+        rep.queue.popleft()
+        rep.running += 1
+        rep.busy = True
+        hits[i] = num_hit
+        prompt_tokens += len(prompt)
+        # Decode time is fixed at admission from the batch it joins.
+        decode_s[i] = out_len * decode_step(rep.running)
+        push(events, (now + overhead + (len(prompt) - num_hit) * per_token, seq, _PREFILLED, i))
+        seq += 1
+
+    while events:
+        now, _, kind, i = pop(events)
+        if kind == _ARRIVE:
+            if i + 1 < n:
+                push(events, (arrivals[i + 1], seq, _ARRIVE, i + 1))
+                seq += 1
+            t = traffic.tenants[i]
+            if tree_policy is not None:
+                rep = tree_policy.route(replicas, tuple(traffic.prompt(i, config)), now).chosen
+            else:
+                rep = ring_policy.rank(replicas, traffic.keys[t]).chosen
+            replica_of[i] = rep.index
+            rep.in_flight += 1
+            rep.routed += 1
+            if rep.in_flight > rep.peak:
+                rep.peak = rep.in_flight
+            rep.queue.append(i)
+            try_admit(rep, now)
+        elif kind == _PREFILLED:
+            rep = replicas[replica_of[i]]
+            ttft[i] = now - arrivals[i]
+            rep.busy = False
+            push(events, (now + decode_s[i], seq, _FINISH, i))
+            seq += 1
+            try_admit(rep, now)
+        else:
+            rep = replicas[replica_of[i]]
+            rep.kv.free(str(i))
+            rep.running -= 1
+            rep.in_flight -= 1
+            finished += 1
+            try_admit(rep, now)
+            if check_invariants:
+                rep.kv.check_invariants()
+
+    hit_tokens = sum(hits)
+    oracle_tokens = sum(traffic.oracle_hits)
+    routed = [rep.routed for rep in replicas]
+    stats = [rep.kv.stats for rep in replicas]
+    ttft_arr = np.asarray(ttft)
+    oracle_rate = oracle_tokens / prompt_tokens if prompt_tokens else 0.0
+    hit_rate = hit_tokens / prompt_tokens if prompt_tokens else 0.0
+    return PolicyResult(
+        policy=policy,
+        num_replicas=config.num_replicas,
+        epsilon=config.epsilon if policy == "bounded_load" else None,
+        num_requests=n,
+        finished=finished,
+        prompt_tokens=prompt_tokens,
+        hit_tokens=hit_tokens,
+        miss_tokens=prompt_tokens - hit_tokens,
+        hit_rate=hit_rate,
+        oracle_hit_rate=oracle_rate,
+        of_oracle=hit_rate / oracle_rate if oracle_rate else 0.0,
+        oracle_violations=sum(1 for h, o in zip(hits, traffic.oracle_hits) if h > o),
+        load_max_over_mean=max(routed) / (sum(routed) / len(routed)),
+        peak_in_flight=max(rep.peak for rep in replicas),
+        ttft_p50=float(np.percentile(ttft_arr, 50)),
+        ttft_p99=float(np.percentile(ttft_arr, 99)),
+        ttft_mean=float(ttft_arr.mean()),
+        kv_query_tokens=sum(s.prefix_query_tokens for s in stats),
+        kv_hit_tokens=sum(s.prefix_hit_tokens for s in stats),
+        leaked_blocks=sum(s.num_used_blocks for s in stats),
+        sim_seconds=arrivals[-1],
+        wall_seconds=time.perf_counter() - started,
+    )
+
+
+# ------------------------------------------------------------------- reports
+
+
+def markdown_table(results: Sequence[PolicyResult], baseline: str | None = "bounded_load") -> str:
+    """One row per result; with ``baseline``, its ratios against each row.
+
+    "hit x" is the baseline's hit rate over the row's; "TTFT /" the baseline's
+    TTFT over the row's (below 1: the baseline is faster).
+    """
+    # The baseline row of the same cluster size (sweeps hold several sizes).
+    bases = {r.num_replicas: r for r in reversed(results) if baseline and r.policy == baseline}
+    head = "| policy | R | hit rate | of oracle | load max/mean | peak in-flight | TTFT p50 (s) | TTFT p99 (s) |"
+    if bases:
+        head += f" {baseline} hit x | {baseline} p50 TTFT / | {baseline} p99 TTFT / |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in results:
+        name = r.policy if r.epsilon is None else f"{r.policy} (eps={r.epsilon:g})"
+        row = (f"| {name} | {r.num_replicas} | {r.hit_rate:.1%} | {r.of_oracle:.2f} | {r.load_max_over_mean:.2f} "
+               f"| {r.peak_in_flight} | {r.ttft_p50:.3f} | {r.ttft_p99:.3f} |")
+        base = bases.get(r.num_replicas)
+        if bases and base is None:
+            row += " - | - | - |"
+        elif base is not None:
+            hx = f"{base.hit_rate / r.hit_rate:.2f}" if r.hit_rate else "inf"
+            p50 = f"{base.ttft_p50 / r.ttft_p50:.2f}" if r.ttft_p50 else "-"
+            p99 = f"{base.ttft_p99 / r.ttft_p99:.2f}" if r.ttft_p99 else "-"
+            row += f" {hx} | {p50} | {p99} |"
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def plot(main: Sequence[PolicyResult], by_replicas: Sequence[PolicyResult], by_epsilon: Sequence[PolicyResult],
+         path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5))
+    ax = axes[0]
+    names = [r.policy for r in main]
+    x = np.arange(len(main))
+    ax.bar(x, [r.hit_rate * 100 for r in main], color="tab:blue", alpha=0.7, label="hit rate")
+    ax.axhline(main[0].oracle_hit_rate * 100, color="tab:blue", ls=":", label="oracle")
+    ax.set_xticks(x, names, rotation=30, ha="right")
+    ax.set_ylabel("prefix-cache hit rate (%)", color="tab:blue")
+    ax2 = ax.twinx()
+    ax2.plot(x, [r.ttft_p50 for r in main], "o-", color="tab:red", label="TTFT p50")
+    ax2.plot(x, [r.ttft_p99 for r in main], "s--", color="tab:red", label="TTFT p99")
+    ax2.set_yscale("log")
+    ax2.set_ylabel("TTFT (s, log)", color="tab:red")
+    ax.set_title(f"{main[0].num_replicas} replicas: hit rate against TTFT")
+    ax.legend(loc="upper left", fontsize=8)
+    ax2.legend(loc="upper right", fontsize=8)
+
+    ax = axes[1]
+    for name in dict.fromkeys(r.policy for r in by_replicas):
+        rows = [r for r in by_replicas if r.policy == name]
+        ax.plot([r.num_replicas for r in rows], [r.hit_rate * 100 for r in rows], "o-", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("replicas")
+    ax.set_ylabel("hit rate (%)")
+    ax.set_title("hit rate against cluster size")
+    ax.legend(fontsize=8)
+
+    ax = axes[2]
+    eps = [r.epsilon for r in by_epsilon]
+    ax.plot(eps, [r.hit_rate * 100 for r in by_epsilon], "o-", color="tab:blue", label="hit rate")
+    ax.set_xscale("log")
+    ax.set_xlabel("bounded_load epsilon")
+    ax.set_ylabel("hit rate (%)", color="tab:blue")
+    ax2 = ax.twinx()
+    ax2.plot(eps, [r.ttft_p99 for r in by_epsilon], "s--", color="tab:red", label="TTFT p99")
+    ax2.plot(eps, [r.load_max_over_mean for r in by_epsilon], "^:", color="tab:gray", label="load max/mean")
+    ax2.set_ylabel("TTFT p99 (s) / load max/mean")
+    ax.set_title("bounded_load: epsilon sweep")
+    ax2.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _progress(iterable, total: int, desc: str, enabled: bool):
+    if not enabled:
+        return iterable
+    from tqdm import tqdm
+
+    return tqdm(iterable, total=total, desc=desc, file=sys.stderr)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loadtest.simulate", description=__doc__.split("\n\n")[0])
+    d = SimConfig()
+    p.add_argument("--replicas", type=int, default=d.num_replicas)
+    p.add_argument("--tenants", type=int, default=d.num_tenants)
+    p.add_argument("--requests", type=int, default=d.num_requests)
+    p.add_argument("--zipf-s", type=float, default=d.zipf_s)
+    p.add_argument("--hot-share", type=float, default=d.hot_share)
+    p.add_argument("--system-len", type=int, default=d.system_prompt_len)
+    p.add_argument("--question-len", type=int, default=d.question_len)
+    p.add_argument("--output-len", type=int, default=d.output_len)
+    p.add_argument("--blocks-per-replica", type=int, default=d.blocks_per_replica)
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    p.add_argument("--utilization", type=float, default=d.utilization)
+    p.add_argument("--profile", choices=("cpu", "h100"), default=d.profile)
+    p.add_argument("--epsilon", type=float, default=d.epsilon)
+    p.add_argument("--policies", default=",".join(POLICY_NAMES))
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--sweep-replicas", default="8,16,32,64", help="comma list; empty to skip")
+    p.add_argument("--sweep-epsilons", default="0.05,0.1,0.25,0.5,1,2", help="comma list; empty to skip")
+    p.add_argument("--sweep-requests", type=int, default=20_000, help="requests per sweep run")
+    p.add_argument("--out", default="results/simulate.json")
+    p.add_argument("--png", default="results/simulate.png")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    policies = [s for s in args.policies.split(",") if s]
+    unknown = set(policies) - set(POLICY_NAMES)
+    if unknown:
+        p.error(f"unknown policies {sorted(unknown)}; choose from {POLICY_NAMES}")
+    try:
+        config = SimConfig(
+            num_replicas=args.replicas, num_tenants=args.tenants, num_requests=args.requests, zipf_s=args.zipf_s,
+            hot_share=args.hot_share, system_prompt_len=args.system_len, question_len=args.question_len,
+            output_len=args.output_len, blocks_per_replica=args.blocks_per_replica, max_num_seqs=args.max_num_seqs,
+            utilization=args.utilization, profile=args.profile, epsilon=args.epsilon, seed=args.seed,
+        )
+        profile = get_profile(config.profile)
+    except ValueError as exc:
+        p.error(str(exc))
+    show = not args.no_progress
+
+    t0 = time.perf_counter()
+    traffic = make_traffic(config)
+    main_results = [simulate(config, name, traffic, profile)
+                    for name in _progress(policies, len(policies), f"R={config.num_replicas}", show)]
+    main_wall = time.perf_counter() - t0
+
+    sweep_cfg = replace(config, num_requests=min(args.sweep_requests, config.num_requests))
+    sweep_traffic = make_traffic(sweep_cfg) if args.sweep_replicas or args.sweep_epsilons else None
+    by_replicas: list[PolicyResult] = []
+    reps = [int(s) for s in args.sweep_replicas.split(",") if s]
+    jobs = [(r, name) for r in reps for name in policies]
+    for r, name in _progress(jobs, len(jobs), "replica sweep", show):
+        by_replicas.append(simulate(replace(sweep_cfg, num_replicas=r), name, sweep_traffic, profile))
+    by_epsilon: list[PolicyResult] = []
+    eps_list = [float(s) for s in args.sweep_epsilons.split(",") if s]
+    for eps in _progress(eps_list, len(eps_list), "epsilon sweep", show):
+        by_epsilon.append(simulate(replace(sweep_cfg, epsilon=eps), "bounded_load", sweep_traffic, profile))
+
+    print(f"## Simulator: {config.num_replicas} replicas x {config.num_tenants} tenants x "
+          f"{config.num_requests} requests ({profile.name} profile; {profile.source})\n")
+    print(f"KV blocks per replica {config.blocks_per_replica} x {config.block_size} tokens; prompts "
+          f"{config.system_prompt_len}+{config.question_len} tokens, {config.output_len} out; Zipf s={config.zipf_s}, "
+          f"hot tenant +{config.hot_share:.0%}; offered utilization {config.utilization} "
+          f"(all-miss); oracle hit rate {main_results[0].oracle_hit_rate:.1%}. "
+          f"All policies simulated in {main_wall:.1f} s wall.\n")
+    print(markdown_table(main_results))
+    if by_replicas:
+        print(f"\n### Sweep over replicas ({sweep_cfg.num_requests} requests)\n")
+        print(markdown_table(by_replicas))
+    if by_epsilon:
+        print(f"\n### bounded_load epsilon sweep at {sweep_cfg.num_replicas} replicas ({sweep_cfg.num_requests} requests)\n")
+        print(markdown_table(by_epsilon, baseline=None))
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "config": asdict(config),
+        "profile": asdict(profile),
+        "main_wall_seconds": main_wall,
+        "main": [asdict(r) for r in main_results],
+        "sweep_replicas": [asdict(r) for r in by_replicas],
+        "sweep_epsilon": [asdict(r) for r in by_epsilon],
+    }, indent=2))
+    if by_replicas and by_epsilon:
+        plot(main_results, by_replicas, by_epsilon, Path(args.png))
+    print(f"\nwrote {out}" + (f" and {args.png}" if by_replicas and by_epsilon else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
