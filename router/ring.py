@@ -176,6 +176,10 @@ class HashRing:
         self._hashes = hashes
         self._owners = owners
         self._names = tuple(names)
+        # Distinct servers in ring order from each point, filled on first use: the
+        # ring is immutable, and routers ask for the same few thousand points again
+        # and again (the simulator: 100k lookups over 64 replicas).
+        self._order_from: dict[int, tuple[str, ...]] = {}
 
     # -- membership -----------------------------------------------------------------
     @property
@@ -257,19 +261,28 @@ class HashRing:
                 return name
         return None
 
+    def _distinct_order(self, start: int) -> tuple[str, ...]:
+        """Every server once, in ring order from point ``start``."""
+        order = self._order_from.get(start)
+        if order is None:
+            seen: dict[str, None] = {}
+            n = len(self._hashes)
+            for step in range(n):
+                seen.setdefault(self._names[self._owners[(start + step) % n]])
+                if len(seen) == len(self._names):
+                    break
+            order = self._order_from[start] = tuple(seen)
+        return order
+
     def successors(self, key: str | bytes, usable: Usable = None, limit: int | None = None) -> list[str]:
         """Distinct usable servers in ring order from the key's point: the owner first,
         then where the key goes if the owner fails, and so on."""
         ok = _usable_fn(usable)
         want = len(self._servers) if limit is None else min(limit, len(self._servers))
         seen: list[str] = []
-        checked: set[str] = set()
-        for name in self.walk(key):
-            if len(seen) >= want or len(checked) == len(self._servers):
+        for name in self._distinct_order(self.start_index(key)):
+            if len(seen) >= want:
                 break
-            if name in checked:
-                continue
-            checked.add(name)
             if ok(name):
                 seen.append(name)
         return seen
@@ -295,7 +308,7 @@ class HashRing:
             return None
         loads = {name: in_flight.get(name, 0) for name in live}
         cap = bounded_capacity(sum(loads.values()), len(live), epsilon)
-        for name in self.walk(key):
+        for name in self._distinct_order(self.start_index(key)):
             load = loads.get(name)
             if load is not None and load < cap:
                 return name
