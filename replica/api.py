@@ -1,0 +1,571 @@
+"""OpenAI protocol models and the error mapping every front end shares.
+
+Job: parse and validate OpenAI ``/v1/chat/completions`` and ``/v1/completions``
+bodies, turn them into :class:`SamplingParams`, build the response and SSE chunk
+bodies, and map our exceptions to one OpenAI error body and status code, so the
+standalone replica server (``replica/server.py``) and the Ray ingress
+(``router/ingress.py``) answer the same request the same way.
+
+Invariants:
+* Validation errors are HTTP 400 with the OpenAI error body
+  ``{"error": {"message", "type", "param", "code"}}`` (never FastAPI's 422).
+* ``usage.prompt_tokens_details.cached_tokens`` is always present (0 when nothing
+  was cached).
+* Unknown request fields are ignored (clients send many); fields we know but do
+  not implement (penalties, echo, ...) are refused with 400 when set to a value
+  that would change the answer, never silently ignored.
+
+Pure data: pydantic and the replica's plain types only; must not import an HTTP
+framework, Ray or torch.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from replica.errors import EngineDeadError, EngineOverloadedError, PromptTooLongError, RequestRejected
+from replica.sampling import SamplingParams
+
+# Completions' legacy default (OpenAI documents 16); chat defaults to "what fits".
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+
+# ---------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The OpenAI error body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorDetail
+
+
+class APIError(Exception):
+    """An error a front end answers with the OpenAI error body and ``status_code``.
+
+    ``retry_after_s`` is set for overload answers (HTTP 429/503); the front end
+    sends it as the ``Retry-After`` header (whole seconds, rounded up).
+    """
+
+    status_code: int = 400
+    error_type: str = "invalid_request_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+        self.retry_after_s = retry_after_s
+
+    def to_response(self) -> ErrorResponse:
+        return ErrorResponse(
+            error=ErrorDetail(message=self.message, type=self.error_type, param=self.param, code=self.code)
+        )
+
+    def body(self) -> dict[str, Any]:
+        return self.to_response().model_dump()
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after_s is None:
+            return {}
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+
+
+class BadRequestError(APIError):
+    """Malformed body, missing or out-of-range fields, prompt too long (400)."""
+
+
+class AuthenticationError(APIError):
+    """Missing or wrong API key (401)."""
+
+    status_code = 401
+    error_type = "authentication_error"
+
+
+class ModelNotFoundError(APIError):
+    """The request names a model this server does not serve (404)."""
+
+    status_code = 404
+    error_type = "invalid_request_error"
+
+
+class PayloadTooLargeError(APIError):
+    """The request body exceeds the server's limit (413)."""
+
+    status_code = 413
+    error_type = "invalid_request_error"
+
+
+class OverloadedError(APIError):
+    """The engine's waiting queue is full; retry after ``retry_after_s`` (429)."""
+
+    status_code = 429
+    error_type = "rate_limit_error"
+
+
+class ServiceUnavailableError(APIError):
+    """The engine loop has died; the replica cannot serve (503)."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+
+
+class InternalServerError(APIError):
+    status_code = 500
+    error_type = "server_error"
+
+
+def _format_validation_error(exc: ValidationError) -> BadRequestError:
+    first = exc.errors()[0]
+    if first.get("type") == "json_invalid":
+        return BadRequestError(f"request body is not valid JSON: {first.get('msg')}", code="invalid_json")
+    loc = ".".join(str(p) for p in first.get("loc", ()) if p not in ("body",))
+    messages = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err.get("loc", ()))
+        messages.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+    return BadRequestError("; ".join(messages), param=loc or None, code="invalid_value")
+
+
+def error_from_exception(exc: BaseException) -> APIError:
+    """Map any exception raised while serving a request to the error to answer.
+
+    400: bad parameters (``ValidationError``, ``ValueError`` incl.
+    ``RequestRejected``), prompt too long (code ``context_length_exceeded``);
+    429 + Retry-After: ``EngineOverloadedError``; 503: ``EngineDeadError``;
+    anything else: 500.
+    """
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ValidationError):
+        return _format_validation_error(exc)
+    if isinstance(exc, PromptTooLongError):
+        return BadRequestError(str(exc), param="messages", code="context_length_exceeded")
+    if isinstance(exc, RequestRejected | ValueError):
+        return BadRequestError(str(exc), code="invalid_value")
+    if isinstance(exc, EngineOverloadedError):
+        return OverloadedError(str(exc), code="queue_full", retry_after_s=exc.retry_after_s)
+    if isinstance(exc, EngineDeadError):
+        return ServiceUnavailableError(str(exc) or "engine is not running", code="engine_dead", retry_after_s=1.0)
+    return InternalServerError(f"{type(exc).__name__}: {exc}", code="internal_error")
+
+
+# ---------------------------------------------------------------------------
+# Requests
+# ---------------------------------------------------------------------------
+
+
+class TextContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One chat message; ``content`` is a string or a list of text content parts."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    role: Role
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _only_text_parts(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            for part in value:
+                kind = part.get("type") if isinstance(part, Mapping) else None
+                if kind != "text":
+                    raise ValueError(f"only text content parts are supported, got type {kind!r}")
+        return value
+
+    def text(self) -> str:
+        """The message's text; content parts are joined by ``"\\n"`` (as Contract 1 does)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    """Fields both endpoints share (OpenAI's names plus vLLM's extensions)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # vLLM extension; -1 disables
+    min_tokens: int = 0  # vLLM extension
+    n: int = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # vLLM extension
+    ignore_eos: bool = False  # vLLM extension
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    cache_salt: str | None = None  # vLLM extension: isolates the prefix cache per tenant
+    user: str | None = None
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalties(cls, value: float) -> float:
+        if value != 0.0:
+            raise ValueError("presence and frequency penalties are not supported; send 0 or omit the field")
+        return value
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt_not_empty(cls, value: str | None) -> str | None:
+        if value is not None and not value:
+            raise ValueError("cache_salt must be a non-empty string or omitted")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def _requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def _logprobs(self) -> int | None:
+        return None
+
+    def to_sampling_params(self, *, default_max_tokens: int, max_model_len: int | None = None) -> SamplingParams:
+        """The engine's SamplingParams for this request.
+
+        ``default_max_tokens`` applies when the request sets no limit (callers pass
+        ``max_model_len - prompt_len`` for chat, 16 for completions). A requested
+        ``max_tokens`` above ``max_model_len`` can never fit and is refused here;
+        whether prompt plus ``max_tokens`` fits is the engine's check. Raises
+        ValueError (HTTP 400) for any out-of-range value.
+        """
+        max_tokens = self._requested_max_tokens()
+        if max_tokens is not None and max_model_len is not None and max_tokens > max_model_len:
+            raise ValueError(
+                f"max_tokens is {max_tokens} but the model's context length (max_model_len) is "
+                f"{max_model_len}; ask for at most {max_model_len} tokens"
+            )
+        if max_tokens is None:
+            max_tokens = max(1, default_max_tokens)
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            logprobs=self._logprobs(),
+        )
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """Body of ``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def _requested_max_tokens(self) -> int | None:
+        # The newer OpenAI name wins when a client sends both.
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def _logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        if not self.logprobs:
+            return None
+        return self.top_logprobs or 0
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        """Messages as the chat template expects them: ``{"role", "content"}`` strings."""
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+    def static_prefix(self) -> str:
+        """Text of the leading run of system/developer messages (Contract 1's static prefix)."""
+        parts = []
+        for message in self.messages:
+            if message.role not in ("system", "developer"):
+                break
+            parts.append(message.text())
+        return "\n".join(parts)
+
+
+class CompletionRequest(_SamplingRequest):
+    """Body of ``POST /v1/completions``: one prompt, text or token ids."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _single_prompt(cls, value: Any) -> str | list[int]:
+        if isinstance(value, list) and value and isinstance(value[0], str | list):
+            if len(value) != 1:
+                raise ValueError(f"exactly one prompt per request is supported, got {len(value)}")
+            value = value[0]
+        if len(value) == 0:
+            raise ValueError("prompt must not be empty")
+        if isinstance(value, list) and any(t < 0 for t in value):
+            raise ValueError("prompt token ids must be non-negative")
+        return value
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("echo is not supported")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise ValueError("suffix is not supported")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value: int | None, info: Any) -> int | None:
+        n = info.data.get("n", 1)
+        if value is not None and value != n:
+            raise ValueError(f"best_of must equal n ({n}) or be omitted")
+        return value
+
+    def _logprobs(self) -> int | None:
+        return self.logprobs
+
+
+def parse_request(model: type[_SamplingRequest], body: bytes | str) -> Any:
+    """Parse a raw JSON body into ``model``; raises BadRequestError (400) on any problem."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise _format_validation_error(exc) from None
+
+
+# ---------------------------------------------------------------------------
+# Responses
+# ---------------------------------------------------------------------------
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+    @classmethod
+    def build(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+        )
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One SSE ``data:`` event of a streamed chat completion."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """A completions answer; a streamed one sends the same object per SSE event."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "prefixserve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# ---------------------------------------------------------------------------
+# Logprob rendering (the token text comes from the caller's tokenizer)
+# ---------------------------------------------------------------------------
+
+TokenText = Callable[[int], str]
+
+
+def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
+    return sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:k]
+
+
+def chat_logprobs(
+    token_ids: list[int], logprobs: list[dict[int, float]], top_k: int, token_text: TokenText
+) -> ChatLogprobs:
+    """OpenAI chat ``logprobs.content`` for sampled ``token_ids``.
+
+    ``logprobs[i]`` maps token id to logprob for the top-k plus the sampled token
+    of position ``i`` (the engine's StreamDelta format).
+    """
+    content = []
+    for token_id, entry in zip(token_ids, logprobs, strict=True):
+        text = token_text(token_id)
+        content.append(
+            ChatTokenLogprob(
+                token=text,
+                logprob=entry[token_id],
+                bytes=list(text.encode("utf-8")),
+                top_logprobs=[
+                    TopLogprob(token=(t := token_text(tid)), logprob=lp, bytes=list(t.encode("utf-8")))
+                    for tid, lp in _top(entry, top_k)
+                ],
+            )
+        )
+    return ChatLogprobs(content=content)
+
+
+def completion_logprobs(
+    token_ids: list[int],
+    logprobs: list[dict[int, float]],
+    top_k: int,
+    token_text: TokenText,
+    text_offset: int = 0,
+) -> CompletionLogprobs:
+    """Legacy completions ``logprobs`` (tokens, token_logprobs, top_logprobs, text_offset)."""
+    out = CompletionLogprobs()
+    offset = text_offset
+    for token_id, entry in zip(token_ids, logprobs, strict=True):
+        text = token_text(token_id)
+        out.tokens.append(text)
+        out.token_logprobs.append(entry.get(token_id))
+        out.top_logprobs.append({token_text(tid): lp for tid, lp in _top(entry, top_k)} if top_k else None)
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out

