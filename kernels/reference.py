@@ -119,17 +119,21 @@ def paged_attention(
                       scale, sliding_window, k_scale, v_scale, dtype, out)
     for s in prefill:
         length, q_len = lens[s], q_lens[s]
-        q = query[starts[s]:starts[s + 1]].transpose(0, 1)  # [H, q, D]
+        # 4-D inputs with K/V heads expanded: CPU SDPA then takes its fused (flash) kernel;
+        # 3-D or enable_gqa inputs fall back to the unfused math path, several times slower.
+        q = query[starts[s]:starts[s + 1]].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
         k = _dequantize(_gather_kv(key_cache, block_tables[s], length), k_scale, dtype).transpose(0, 1)
         v = _dequantize(_gather_kv(value_cache, block_tables[s], length), v_scale, dtype).transpose(0, 1)
+        if num_heads != num_kv_heads:
+            k = k.repeat_interleave(num_heads // num_kv_heads, dim=0)
+            v = v.repeat_interleave(num_heads // num_kv_heads, dim=0)
         q_pos = torch.arange(length - q_len, length, device=query.device).unsqueeze(1)
         k_pos = torch.arange(length, device=query.device).unsqueeze(0)
         mask = k_pos <= q_pos
         if sliding_window is not None:
             mask &= k_pos > q_pos - sliding_window
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                           enable_gqa=num_heads != num_kv_heads)
-        out[starts[s]:starts[s + 1]] = o.transpose(0, 1)
+        o = F.scaled_dot_product_attention(q, k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scale)
+        out[starts[s]:starts[s + 1]] = o[0].transpose(0, 1)
     return out
 
 

@@ -8,6 +8,7 @@ message. The sampler (torch) lives below it in this module.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 MAX_N = 16
 
@@ -59,3 +60,98 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+# --------------------------------------------------------------------------------------
+# The sampler: one call per step over the logits of every sequence that samples.
+
+# torch is imported inside the functions: front ends that only validate
+# SamplingParams (the router's ingress) must not pay for importing it.
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class SampleSpec:
+    """What the sampler needs for one logits row."""
+
+    params: SamplingParams
+    # Per-sequence generator (seeded requests); None = the engine's shared generator.
+    generator: torch.Generator | None
+    # Token ids that must not be sampled now (EOS/stop ids before min_tokens is reached).
+    banned_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    # {token_id: logprob} of the top ``params.logprobs`` tokens plus the sampled one.
+    logprobs: dict[int, float] | None = None
+
+
+def sample(logits: torch.Tensor, specs: list[SampleSpec], shared: torch.Generator) -> list[SampleResult]:
+    """Pick one token per row of ``logits`` ([N, vocab], float32).
+
+    Each row depends only on its own logits and generator, never on the rest of the
+    batch, so a seeded request samples the same tokens whatever it is batched with.
+    Random rows use the exponential race (argmax of p / Exp(1)), which equals sampling
+    from p and needs one generator call per row.
+    """
+    import torch
+
+    for i, spec in enumerate(specs):
+        if spec.banned_ids:
+            logits[i, list(spec.banned_ids)] = float("-inf")
+    tokens = logits.argmax(dim=-1)
+    random_rows = [i for i, s in enumerate(specs) if not s.params.greedy]
+    if random_rows:
+        rows = torch.tensor(random_rows, dtype=torch.long, device=logits.device)
+        sub = logits.index_select(0, rows)
+        temps = torch.tensor([specs[i].params.temperature for i in random_rows],
+                             dtype=sub.dtype, device=sub.device)
+        sub = _top_k_top_p(sub / temps.unsqueeze(1), [specs[i].params for i in random_rows])
+        probs = torch.softmax(sub, dim=-1)
+        noise = torch.empty_like(probs)
+        shared_rows = []
+        for j, i in enumerate(random_rows):
+            gen = specs[i].generator
+            if gen is None:
+                shared_rows.append(j)
+            else:
+                noise[j].exponential_(generator=gen)
+        if shared_rows:
+            idx = torch.tensor(shared_rows, dtype=torch.long, device=noise.device)
+            noise[idx] = torch.empty(len(shared_rows), probs.shape[1], device=noise.device).exponential_(
+                generator=shared)
+        tokens[rows] = (probs / noise).argmax(dim=-1)
+    token_list = tokens.tolist()
+    results = [SampleResult(t) for t in token_list]
+    want = [i for i, s in enumerate(specs) if s.params.logprobs is not None]
+    if want:
+        logprobs = torch.log_softmax(logits[want], dim=-1)
+        for j, i in enumerate(want):
+            k = specs[i].params.logprobs
+            top = torch.topk(logprobs[j], k) if k else None
+            entry = {} if top is None else dict(zip(top.indices.tolist(), top.values.tolist()))
+            entry[token_list[i]] = float(logprobs[j, token_list[i]])
+            results[i].logprobs = entry
+    return results
+
+
+def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Mask (to -inf) tokens outside each row's top_k and top_p nucleus."""
+    import torch
+
+    if all(p.top_k is None and p.top_p >= 1.0 for p in params):
+        return logits
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ks = torch.tensor([min(p.top_k or vocab, vocab) for p in params], device=logits.device)
+    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    sorted_logits = sorted_logits.masked_fill(ranks >= ks.unsqueeze(1), float("-inf"))
+    top_ps = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=logits.device)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    # Drop a token when the tokens ranked above it already cover top_p (the first always stays).
+    above = probs.cumsum(dim=-1) - probs
+    sorted_logits = sorted_logits.masked_fill(above >= top_ps.unsqueeze(1), float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)

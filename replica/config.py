@@ -1,0 +1,180 @@
+"""EngineConfig: every knob of one engine replica, validated in one place.
+
+The replica CLI (``prefixserve replica``), the Ray Serve deployment and the offline
+``LLM`` all build this one dataclass. Validation happens in ``__post_init__`` and
+raises ``ValueError`` whose message says what to change. Knobs whose feature a
+later issue implements (tensor parallelism above 1, fp8 KV, swap preemption,
+sliding window) are refused rather than accepted and ignored.
+
+Pure Python: no torch here (device strings are checked later by the model runner).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import MISSING, asdict, dataclass, fields
+from typing import Any
+
+HASH_ALGOS = ("xxh3_128", "sha256")
+KV_CACHE_DTYPES = ("auto", "fp8")
+PREEMPTION_MODES = ("recompute", "swap")
+EVICTION_POLICIES = ("lru",)
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "triton", "torch")
+DEFAULT_MODEL = "smollm2"
+# Longest context an engine serves when the checkpoint allows more and the user
+# does not ask: keeps the RoPE table and block tables small on CPU.
+MAX_MODEL_LEN_CAP = 8192
+
+
+@dataclass
+class EngineConfig:
+    """Knobs of one engine (vLLM's names where vLLM has one)."""
+
+    model: str = DEFAULT_MODEL
+    # Name reported by /v1/models and in metric labels; None = derived from ``model``.
+    served_model_name: str | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    prefix_hash_algo: str = "xxh3_128"
+    # Fraction of free accelerator memory given to weights + KV cache (CUDA only).
+    gpu_memory_utilization: float = 0.9
+    # KV cache size on CPU (on CUDA gpu_memory_utilization decides).
+    kv_cache_memory_bytes: int = 512 * 1024**2
+    # Exact number of KV blocks; overrides both sizing rules above.
+    num_kv_blocks: int | None = None
+    kv_cache_dtype: str = "auto"
+    swap_space_gb: float = 0.0
+    preemption_mode: str = "recompute"
+    # None = the checkpoint's max_position_embeddings, capped at MAX_MODEL_LEN_CAP.
+    max_model_len: int | None = None
+    eviction_policy: str = "lru"
+    sliding_window: int | None = None
+    tensor_parallel_size: int = 1
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    # Bound on queued (not yet running) requests; beyond it add_request raises
+    # EngineOverloadedError. None = unbounded.
+    max_waiting_requests: int | None = 1024
+    # "auto" = float32 on CPU, the checkpoint's dtype (bf16 if fp32) on CUDA.
+    dtype: str = "auto"
+    seed: int = 0
+    attention_backend: str = "auto"
+    # "auto" = cuda when available, else cpu.
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    def _validate(self) -> None:
+        if not self.model:
+            raise ValueError("model must be a checkpoint directory, a .gguf file or 'smollm2'")
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two in [1, 128], got {self.block_size}")
+        _choice("prefix_hash_algo", self.prefix_hash_algo, HASH_ALGOS)
+        _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        _choice("eviction_policy", self.eviction_policy, EVICTION_POLICIES)
+        _choice("dtype", self.dtype, DTYPES)
+        _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be at least 2 (or None to size from memory), got {self.num_kv_blocks}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
+        if (not self.enable_chunked_prefill and self.max_model_len is not None
+                and self.max_num_batched_tokens < self.max_model_len):
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
+                f">= max_model_len ({self.max_model_len}): raise it, lower max_model_len or enable chunked prefill")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be at least 1 (or None), got {self.max_waiting_requests}")
+        if self.swap_space_gb < 0:
+            raise ValueError(f"swap_space_gb must be >= 0, got {self.swap_space_gb}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        # Features of a later issue: refuse rather than silently ignore.
+        if self.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 is not implemented yet: set tensor_parallel_size=1")
+        if self.kv_cache_dtype != "auto":
+            raise ValueError("kv_cache_dtype='fp8' is not implemented yet: set kv_cache_dtype='auto'")
+        if self.preemption_mode != "recompute":
+            raise ValueError("preemption_mode='swap' is not implemented yet: set preemption_mode='recompute'")
+        if self.swap_space_gb > 0:
+            raise ValueError("swap_space_gb > 0 needs swap preemption, which is not implemented yet: set it to 0")
+        if self.sliding_window is not None:
+            raise ValueError("sliding_window is not implemented yet: leave it unset (None)")
+
+    @property
+    def model_name(self) -> str:
+        """The name clients use for this model."""
+        if self.served_model_name:
+            return self.served_model_name
+        name = self.model.rstrip("/").rsplit("/", 1)[-1]
+        return name[:-5] if name.endswith(".gguf") else name
+
+    # -- conversions -------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EngineConfig:
+        """Build from a mapping (Serve config, JSON); unknown keys are an error."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown engine config keys {unknown}; known keys: {sorted(known)}")
+        return cls(**data)
+
+    @classmethod
+    def add_cli_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        """Add one ``--kebab-case`` option per field (defaults from the dataclass)."""
+        group = parser.add_argument_group("engine")
+        for f in fields(cls):
+            default = f.default if f.default is not MISSING else None
+            flag = "--" + f.name.replace("_", "-")
+            kind = _field_type(f.type)
+            if kind is bool:
+                group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                                   default=default, help=f"(default: {default})")
+            else:
+                choices = _CHOICES.get(f.name)
+                group.add_argument(flag, dest=f.name, type=kind, default=default, choices=choices,
+                                   help=f"(default: {default})")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
+        """Build from a namespace parsed with :meth:`add_cli_arguments`."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+
+_CHOICES = {
+    "prefix_hash_algo": HASH_ALGOS,
+    "kv_cache_dtype": KV_CACHE_DTYPES,
+    "preemption_mode": PREEMPTION_MODES,
+    "eviction_policy": EVICTION_POLICIES,
+    "dtype": DTYPES,
+    "attention_backend": ATTENTION_BACKENDS,
+}
+
+
+def _field_type(annotation: str) -> type:
+    """The scalar type of a field annotation written as a string (``int | None`` -> int)."""
+    base = annotation.replace(" ", "").replace("|None", "")
+    return {"int": int, "float": float, "bool": bool, "str": str}[base]
+
+
+def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")

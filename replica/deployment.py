@@ -1,0 +1,200 @@
+"""The Ray Serve deployment that hosts one engine replica.
+
+Job: run one ``AsyncEngine`` (replica/engine.py) inside a Serve replica, stream
+its deltas back to the caller (the ingress, through a DeploymentHandle whose
+request router is router/serve_router.py), and report what routers and
+dashboards need: routing stats (KV usage, running, waiting), health, the
+engine's Prometheus text and the replica's ring name.
+
+The stream protocol of :meth:`EngineDeployment.generate`: one
+:class:`StreamStart` naming the replica that took the request, then the
+engine's ``StreamDelta`` objects until every sequence has a finish reason
+(with logprobs asked, a :class:`TokenTexts` before each delta that brings
+token ids not decoded yet). The StreamStart comes before the engine has done
+any work, so the caller knows where the request landed even if it fails
+later; prompt processing and admission errors are raised after it.
+
+Invariants:
+
+* :class:`EngineRequest` is the handle call's first positional argument and
+  carries ``routing_key`` (read by router/serve_router.py) and ``prompt`` or
+  ``messages`` (read by Ray Serve LLM's PrefixCacheAffinityRouter), so either
+  router can sit on this deployment.
+* A request whose caller goes away (stream cancelled) is aborted in the engine,
+  freeing its KV blocks.
+* The replica's name is its full Serve replica id, the name the request router
+  places on the ring.
+
+Imports Ray Serve and the engine; torch and the model load only inside the
+replica (``EngineDeployment.__init__``), so the ingress can import
+:class:`EngineRequest` without them. Must not import router/.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from prometheus_client import generate_latest
+from ray import serve
+
+from replica.api import BadRequestError
+from replica.errors import EngineDeadError
+from replica.outputs import StreamDelta
+from replica.sampling import SamplingParams
+
+
+@dataclass
+class EngineRequest:
+    """One generation request as the ingress sends it to an engine replica.
+
+    Exactly one of ``prompt`` (text or token ids, completions) and ``messages``
+    (chat; ``[{"role", "content"}]`` with string contents, rendered by the
+    replica's chat template) is set. ``sampling.max_tokens`` is what the client
+    asked for; when the client asked nothing, ``max_tokens_default`` is set and
+    the replica, which knows the prompt's length, uses
+    ``min(max_tokens_default, max_model_len - prompt_len)`` instead (the
+    standalone server's rule: ``max_model_len`` for chat, 16 for completions).
+    """
+
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    prompt: str | list[int] | None = None
+    messages: list[dict[str, str]] | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens_default: int | None = None
+    cache_salt: str | None = None
+    # Contract 1's key (router/prefix.py), computed by the ingress; None = no affinity.
+    routing_key: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("an EngineRequest needs exactly one of prompt and messages")
+        if self.max_tokens_default is not None and self.max_tokens_default < 1:
+            raise ValueError(f"max_tokens_default must be >= 1 or None, got {self.max_tokens_default}")
+
+
+@dataclass(frozen=True)
+class StreamStart:
+    """First item of every generate stream: which replica took the request."""
+
+    request_id: str
+    replica: str
+
+
+@dataclass(frozen=True)
+class TokenTexts:
+    """Decoded text of token ids the caller has not seen yet (sent only when logprobs are asked).
+
+    Comes right before the delta that needs it, so the caller can render
+    logprobs without a tokenizer of its own.
+    """
+
+    texts: dict[int, str]
+
+
+StreamItem = StreamStart | TokenTexts | StreamDelta
+
+
+@serve.deployment(name="Engine")
+class EngineDeployment:
+    """A Serve replica hosting one AsyncEngine built from an ``EngineConfig`` dict."""
+
+    def __init__(self, engine_config: dict[str, Any]) -> None:
+        # Imported here so that importing this module (the ingress does, for
+        # EngineRequest) does not load torch.
+        from replica.config import EngineConfig
+        from replica.engine import AsyncEngine
+
+        self.engine = AsyncEngine(EngineConfig.from_dict(dict(engine_config)))
+        self.max_model_len = int(self.engine.max_model_len)
+        self.name = serve.get_replica_context().replica_id.to_full_id_str()
+
+    async def __del__(self) -> None:
+        await self.engine.shutdown()
+
+    def _prompt_ids(self, request: EngineRequest) -> list[int]:
+        if request.messages is not None:
+            try:
+                return list(self.engine.encode_chat(request.messages))
+            except ValueError:
+                raise
+            except Exception as exc:  # a chat template refusing the conversation (jinja error)
+                raise BadRequestError(f"the chat template rejected the messages: {exc}", param="messages") from exc
+        if isinstance(request.prompt, str):
+            return list(self.engine.tokenizer.encode(request.prompt))
+        vocab = len(self.engine.tokenizer)
+        if any(t >= vocab for t in request.prompt):
+            raise BadRequestError(f"prompt token ids must be below the vocabulary size {vocab}", param="prompt")
+        return list(request.prompt)
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[StreamItem]:
+        """Stream one request: a StreamStart, then the engine's deltas (and TokenTexts for logprobs).
+
+        Errors (prompt too long, overload, bad prompt) are raised to the caller
+        after the StreamStart; a stream left early (the caller cancelled it) is
+        aborted in the engine.
+        """
+        yield StreamStart(request_id=request.request_id, replica=self.name)
+        prompt_ids = self._prompt_ids(request)
+        params = request.sampling
+        if request.max_tokens_default is not None:
+            fit = min(request.max_tokens_default, self.max_model_len - len(prompt_ids))
+            params = dataclasses.replace(params, max_tokens=max(1, fit))
+        stream = self.engine.generate(prompt_ids, params, request_id=request.request_id, cache_salt=request.cache_salt)
+        known: set[int] = set()
+        try:
+            async for delta in stream:
+                if params.logprobs is not None:
+                    ids = set(delta.token_ids).union(*(entry.keys() for entry in delta.logprobs or ()))
+                    new = ids - known
+                    if new:
+                        known |= new
+                        yield TokenTexts({i: self.engine.tokenizer.decode([i]) for i in sorted(new)})
+                yield delta
+        finally:
+            # Closing an unfinished engine stream aborts the request and frees its blocks.
+            # Shielded: this runs while Serve cancels a stream whose caller went away.
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """What routers see as ``RunningReplica.routing_stats`` (about one period late)."""
+        stats = self.engine.stats()
+        return {
+            "kv_usage": float(stats.kv_usage),
+            "num_running": int(stats.num_running),
+            "num_waiting": int(stats.num_waiting),
+        }
+
+    async def check_health(self) -> None:
+        """Serve's health check: raise when the engine loop has died (Serve then replaces us)."""
+        if not self.engine.is_running:
+            raise EngineDeadError(f"the engine loop of {self.name} is not running")
+
+    def metrics_text(self) -> str:
+        """The engine's Prometheus exposition (vLLM metric names)."""
+        return generate_latest(self.engine.metrics.registry).decode("utf-8")
+
+    def named_metrics_text(self) -> tuple[str, str]:
+        """(this replica's name, its Prometheus text): one broadcast call gathers the cluster's."""
+        return self.name, self.metrics_text()
+
+    def engine_stats(self) -> dict[str, Any]:
+        """The engine's EngineStats as a dict, with this replica's name under ``replica``."""
+        return {**dataclasses.asdict(self.engine.stats()), "replica": self.name}
+
+    def replica_name(self) -> str:
+        """This replica's ring name (its full Serve replica id)."""
+        return self.name
+
+    def model_info(self) -> dict[str, Any]:
+        """Served names and context length (the ingress's /v1/models and request checks)."""
+        return {
+            "model_name": self.engine.model_name,
+            "model": self.engine.config.model,
+            "max_model_len": self.max_model_len,
+        }

@@ -1,0 +1,69 @@
+"""LLM: the offline batch API (like ``vllm.LLM``).
+
+``LLM(model="smollm2", **engine_knobs).generate(prompts, params)`` adds every prompt
+(text or token ids, so benchmarks can feed identical tokens to every engine), steps
+the engine until all finish and returns one RequestOutput per prompt, in order.
+``chat`` applies the checkpoint's chat template first.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from replica.config import EngineConfig
+from replica.engine import LLMEngine
+from replica.outputs import RequestOutput
+from replica.sampling import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str = "smollm2", **engine_knobs: Any) -> None:
+        self.config = EngineConfig(model=model, **engine_knobs)
+        self.engine = LLMEngine(self.config)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, use_tqdm: bool = False, cache_salts: Sequence[str | None] | None = None) -> list[RequestOutput]:
+        """Generate for each prompt; ``params`` is one for all or one per prompt."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if params is None:
+            params = SamplingParams()
+        per_prompt = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts: pass one or one each")
+        salts = list(cache_salts) if cache_salts is not None else [None] * len(prompts)
+        order = {}
+        for i, (prompt, p, salt) in enumerate(zip(prompts, per_prompt, salts)):
+            req = self.engine.add_request(None, prompt, p, salt)
+            order[req.request_id] = i
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(prompts), desc="generate", unit="req")
+        while self.engine.has_unfinished_requests():
+            for update in self.engine.step():
+                if update.output is not None:
+                    results[order[update.request_id]] = update.output
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return results  # type: ignore[return-value]
+
+    def chat(self, conversations: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+             params: SamplingParams | Sequence[SamplingParams] | None = None, *, use_tqdm: bool = False,
+             **template_kwargs: Any) -> list[RequestOutput]:
+        """Generate replies to conversations (lists of ``{"role", "content"}`` messages)."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # type: ignore[list-item]
+        prompts = [self.engine.encode_chat(list(c), **template_kwargs) for c in conversations]
+        return self.generate(prompts, params, use_tqdm=use_tqdm)

@@ -1,0 +1,177 @@
+"""Tensor-parallel-shardable layers: linears, vocab embedding, LM head, RMSNorm.
+
+Every layer is built for a ``TPGroup`` (rank, size). It allocates only its own shard
+and each parameter carries a ``weight_loader(param, full_checkpoint_tensor, shard_id)``
+that cuts that shard out of the full checkpoint tensor, so the model code is the same
+for every TP size and the checkpoint-name fusion (q/k/v -> qkv, gate/up -> gate_up)
+is a table in the model, not logic in the loader.
+
+Column-parallel layers split output features (no communication); row-parallel layers
+split input features and all-reduce their output; the embedding splits vocabulary rows
+and the LM head gathers its logits. With ``size == 1`` (the only size the engine runs
+today) every collective is skipped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """This process's place in the tensor-parallel group."""
+
+    rank: int = 0
+    size: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"tensor-parallel rank {self.rank} outside group of size {self.size}")
+
+    def shard(self, total: int, what: str) -> int:
+        if total % self.size:
+            raise ValueError(f"{what}={total} is not divisible by tensor_parallel_size={self.size}")
+        return total // self.size
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            torch.distributed.all_reduce(x)
+        return x
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        torch.distributed.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=-1)
+
+
+def _param(shape: tuple[int, ...], dtype: torch.dtype, loader) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+    p.weight_loader = loader  # type: ignore[attr-defined]
+    return p
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    """Copy a replicated (unsharded) tensor whole."""
+    if param.shape != loaded.shape:
+        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T + b`` with W's output rows split over ranks; output stays sharded."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, tp: TPGroup, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.tp = tp
+        # Output segments (one per fused checkpoint tensor), each split over ranks.
+        self.shard_sizes = [tp.shard(s, "output features") for s in out_sizes]
+        self.shard_offsets = [sum(self.shard_sizes[:i]) for i in range(len(self.shard_sizes))]
+        out = sum(self.shard_sizes)
+        self.weight = _param((out, in_features), dtype, self._load)
+        self.bias = _param((out,), dtype, self._load) if bias else None
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+        index = 0 if shard_id is None else shard_id
+        size, offset = self.shard_sizes[index], self.shard_offsets[index]
+        if loaded.shape[0] != size * self.tp.size:
+            raise ValueError(f"checkpoint tensor has {loaded.shape[0]} output rows, expected {size * self.tp.size}")
+        part = loaded.narrow(0, self.tp.rank * size, size)
+        param.data.narrow(0, offset, size).copy_(part)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input fused into one matmul
+    (gate/up of the MLP); shard id ``i`` is the ``i``-th projection."""
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection; shard ids ``"q"``, ``"k"``, ``"v"``; heads split over ranks."""
+
+    SHARDS = {"q": 0, "k": 1, "v": 2}
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
+                 tp: TPGroup, dtype: torch.dtype) -> None:
+        super().__init__(hidden, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim],
+                         bias, tp, dtype)
+
+    def _load(self, param, loaded, shard_id=None) -> None:
+        super()._load(param, loaded, self.SHARDS[shard_id])
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x W^T + b`` with W's input columns split over ranks; the partial sums are
+    all-reduced and the bias added once after the reduction."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.tp = tp
+        self.in_shard = tp.shard(in_features, "input features")
+        self.weight = _param((out_features, self.in_shard), dtype, self._load_weight)
+        self.bias = _param((out_features,), dtype, default_weight_loader) if bias else None
+
+    def _load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        param.data.copy_(loaded.narrow(1, self.tp.rank * self.in_shard, self.in_shard))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with vocabulary rows split over ranks (masked lookup + all-reduce)."""
+
+    def __init__(self, vocab_size: int, hidden: int, tp: TPGroup, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.rows = -(-vocab_size // tp.size)  # ceil: the last shard is padded
+        self.start = tp.rank * self.rows
+        self.weight = _param((self.rows, hidden), dtype, self._load)
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if loaded.shape[0] != self.vocab_size:
+            raise ValueError(f"checkpoint vocabulary has {loaded.shape[0]} rows, config says {self.vocab_size}")
+        part = loaded[self.start:self.start + self.rows]
+        param.data.zero_()
+        param.data[: part.shape[0]].copy_(part)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        mask = (local < 0) | (local >= self.rows)
+        out = F.embedding(local.masked_fill(mask, 0), self.weight)
+        out.masked_fill_(mask.unsqueeze(-1), 0)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection to vocabulary logits; rows split like the embedding, logits gathered."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        logits = self.tp.all_gather_last_dim(F.linear(hidden, self.weight))
+        return logits[..., : self.vocab_size]
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32 like the reference implementation."""
+
+    def __init__(self, hidden: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _param((hidden,), dtype, default_weight_loader)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.to(torch.float32)
+        variance = x32.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(dtype)

@@ -1,0 +1,236 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) over paged KV.
+
+One forward pass runs every token of a step packed into one batch: tokens of all
+sequences are concatenated (``[T]`` ids and positions) and attention finds each
+sequence's rows through ``AttentionMetadata``. K/V of the new tokens are written
+into the paged cache first, then attention reads the whole context from it.
+
+The model holds no weight-loading logic beyond a name table: each parameter carries
+its own ``weight_loader`` (see layers.py) and ``load_weights`` maps checkpoint names
+onto fused parameters. No knowledge of requests, schedulers or tokenizers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import AttentionBackend
+from replica.model.layers import (MergedColumnParallelLinear, ParallelLMHead,
+                                  QKVParallelLinear, RMSNorm, RowParallelLinear, TPGroup,
+                                  VocabParallelEmbedding, default_weight_loader)
+from replica.model.rope import RopeConfig, RotaryEmbedding, apply_rope
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture numbers the forward pass needs, read from a HF config."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    max_position_embeddings: int
+    # Window of the checkpoint's sliding-window attention, None if it attends to all.
+    sliding_window: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_hf(cls, hf: Any) -> ModelConfig:
+        archs = list(getattr(hf, "architectures", None) or [])
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            model_type = getattr(hf, "model_type", "")
+            arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                    "qwen2": "Qwen2ForCausalLM"}.get(model_type)
+        if arch is None:
+            raise ValueError(f"unsupported architecture {archs or hf.model_type!r}; "
+                             f"supported: {SUPPORTED_ARCHITECTURES}")
+        num_heads = hf.num_attention_heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+        max_pos = int(getattr(hf, "max_position_embeddings", 2048))
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        window = getattr(hf, "sliding_window", None)
+        if is_qwen2 and not getattr(hf, "use_sliding_window", False):
+            window = None
+        eos = getattr(hf, "eos_token_id", None)
+        eos_ids = tuple(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
+        return cls(
+            architecture=arch,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf.rms_norm_eps,
+            rope=_rope_config(hf, max_pos),
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            qkv_bias=is_qwen2 or bool(getattr(hf, "attention_bias", False)),
+            o_bias=not is_qwen2 and bool(getattr(hf, "attention_bias", False)),
+            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+            max_position_embeddings=max_pos,
+            sliding_window=int(window) if window else None,
+            eos_token_ids=tuple(int(e) for e in eos_ids),
+        )
+
+
+def _rope_config(hf: Any, max_pos: int) -> RopeConfig:
+    # transformers 5 names it rope_parameters (theta inside); older configs rope_scaling + rope_theta.
+    params = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
+    theta = float(params.pop("rope_theta", getattr(hf, "rope_theta", 10000.0)))
+    rope_type = params.pop("rope_type", params.pop("type", "default")) or "default"
+    return RopeConfig(theta=theta, rope_type=rope_type, params=params, max_position_embeddings=max_pos)
+
+
+@dataclass
+class AttentionMetadata:
+    """Where the packed tokens of one step live in the paged cache (see kernels.reference)."""
+
+    slot_mapping: torch.Tensor  # [T] int64, cache slot of each new token
+    block_tables: torch.Tensor  # [S, max_blocks] int32
+    seq_lens: torch.Tensor  # [S] int32, context length incl. the new tokens
+    query_start_loc: torch.Tensor  # [S + 1] int32
+    # RoPE cos/sin of each token, [T, 1, head_dim/2]; filled by the model's forward.
+    rope_cos: torch.Tensor | None = None
+    rope_sin: torch.Tensor | None = None
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, backend: AttentionBackend, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads = tp.shard(cfg.num_heads, "num_attention_heads")
+        self.num_kv_heads = tp.shard(cfg.num_kv_heads, "num_key_value_heads")
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
+                                          cfg.qkv_bias, tp, dtype)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, tp, dtype)
+        self.backend = backend
+        self.k_cache: torch.Tensor | None = None  # [NB, BS, KVH, D], bound by the model runner
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        # q and k are adjacent columns: rotate them as one [T, H + KVH, D] tensor.
+        qk = qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(qk, meta.rope_cos, meta.rope_sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
+        self.backend.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        o = self.backend.paged_attention(q.contiguous(), self.k_cache, self.v_cache, meta.block_tables,
+                                         meta.seq_lens, meta.query_start_loc, scale=self.scale)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.inter = tp.shard(cfg.intermediate_size, "intermediate_size")
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
+                                                       cfg.mlp_bias, tp, dtype)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, tp, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, backend: AttentionBackend, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, tp, backend, dtype)
+        self.mlp = MLP(cfg, tp, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder stack + LM head; ``forward`` gives hidden states, ``compute_logits`` the logits
+    of selected rows (only the rows that sample pay for the vocabulary projection)."""
+
+    # checkpoint sub-name -> (our fused parameter sub-name, shard id)
+    PACKED = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig, *, max_model_len: int, backend: AttentionBackend,
+                 dtype: torch.dtype, tp: TPGroup = TPGroup()) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_model_len, dtype)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, backend, dtype) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def bind_kv_cache(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
+        for layer, k, v in zip(self.layers, k_caches, v_caches, strict=True):
+            layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """``[T]`` ids and positions -> ``[T, hidden]`` hidden states before the final norm."""
+        meta.rope_cos, meta.rope_sin = self.rotary.lookup(positions)
+        h = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            h = layer(h, meta)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden]`` (pre-norm) -> ``[N, vocab]`` float32 logits."""
+        return self.lm_head(self.norm(hidden)).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load checkpoint tensors (HF names); raise if a parameter is left unset."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            name = name.removeprefix("model.")
+            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                continue
+            shard_id = None
+            for ckpt, (ours, sid) in self.PACKED.items():
+                if f".{ckpt}." in name:
+                    name, shard_id = name.replace(f".{ckpt}.", f".{ours}."), sid
+                    break
+            param = params.get(name)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no parameter in {self.cfg.architecture}")
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            loader(param, tensor.to(param.dtype), shard_id)
+            loaded.add(name)
+        expected = {n for n in params if not (self.cfg.tie_word_embeddings and n == "lm_head.weight")}
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")

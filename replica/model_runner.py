@@ -1,0 +1,165 @@
+"""Everything that touches tensors: the model, the paged KV cache, one step's inputs, sampling.
+
+``ModelRunner.execute(plan, specs)`` turns a scheduler plan into one packed forward
+pass: token ids and positions of every scheduled sequence concatenated, the slot of
+each new token (``block_table[pos // block_size] * block_size + pos % block_size``),
+the block tables, context lengths and query offsets; copy-on-write block copies are
+applied first. Only the last row of each sequence that samples goes through the LM
+head. It returns one sampled token per sampling sequence.
+
+The KV cache is two tensors ``[num_layers, num_blocks, block_size, num_kv_heads,
+head_dim]`` (K and V); each layer gets views. Nothing here knows requests beyond the
+ScheduledSeq records it is handed.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable
+
+import torch
+
+from kernels import select_backend
+from replica.config import EngineConfig
+from replica.model.layers import TPGroup
+from replica.model.llama import AttentionMetadata, LlamaForCausalLM, ModelConfig
+from replica.sampling import SampleResult, SampleSpec, sample
+from replica.scheduler import ScheduledSeq
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _threads_pinned() -> bool:
+    """True when the user chose the torch thread count (OMP_NUM_THREADS), which we then keep."""
+    return bool(os.environ.get("OMP_NUM_THREADS"))
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for but CUDA is not available: use device='cpu'")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+    if name != "auto":
+        return DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    if checkpoint_dtype in (torch.float16, torch.bfloat16):
+        return checkpoint_dtype
+    return torch.bfloat16
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]],
+                 *, max_model_len: int, checkpoint_dtype: torch.dtype | None = None) -> None:
+        self.config = config
+        self.model_cfg = model_cfg
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device, checkpoint_dtype)
+        self.block_size = config.block_size
+        self.max_model_len = max_model_len
+        if self.device.type == "cpu" and torch.get_num_threads() < (os.cpu_count() or 1) and not _threads_pinned():
+            torch.set_num_threads(os.cpu_count() or 1)
+        self.backend = select_backend(config.attention_backend, self.device)
+        with torch.device(self.device):
+            self.model = LlamaForCausalLM(model_cfg, max_model_len=max_model_len, backend=self.backend,
+                                          dtype=self.dtype, tp=TPGroup())
+        self.model.load_weights(weights)
+        self.model.eval()
+        self.num_blocks = self._num_kv_blocks()
+        shape = (model_cfg.num_layers, self.num_blocks, self.block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.model.bind_kv_cache(list(self.k_cache.unbind(0)), list(self.v_cache.unbind(0)))
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(config.seed)
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        c = self.model_cfg
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * c.num_layers * self.block_size * c.num_kv_heads * c.head_dim * elem
+
+    def _num_kv_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            c = self.model_cfg
+            elem = torch.empty((), dtype=self.dtype).element_size()
+            # Activations of the largest step, generously: a few hidden-sized and MLP-sized rows.
+            activations = self.config.max_num_batched_tokens * (8 * c.hidden_size + 4 * c.intermediate_size) * elem
+            activations += self.config.max_num_seqs * c.vocab_size * 4 * 2
+            budget = total * self.config.gpu_memory_utilization - (total - free) - activations
+        else:
+            budget = self.config.kv_cache_memory_bytes
+        blocks = int(budget // self.kv_bytes_per_block)
+        if blocks < 2:
+            raise ValueError(f"KV cache too small: {blocks} blocks of {self.kv_bytes_per_block} bytes fit; "
+                             "raise kv_cache_memory_bytes / gpu_memory_utilization or set num_kv_blocks")
+        return blocks
+
+    # --- one step ------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSeq], copy_ops: list[tuple[int, int]],
+                specs: list[tuple[int, SampleSpec]]) -> list[SampleResult]:
+        """Run one packed forward pass and sample.
+
+        ``specs`` pairs an index into ``scheduled`` (a sequence that samples) with its
+        SampleSpec; several specs may share one row (the children of a fork sample
+        the same prompt logits). Returns one result per spec, in order.
+        """
+        if copy_ops:
+            self._copy_blocks(copy_ops)
+        input_ids, positions, meta, last_rows = self._prepare(scheduled)
+        hidden = self.model(input_ids, positions, meta)
+        if not specs:
+            return []
+        rows = torch.tensor([last_rows[i] for i, _ in specs], dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        return sample(logits, [s for _, s in specs], self.generator)
+
+    def _copy_blocks(self, ops: list[tuple[int, int]]) -> None:
+        src = torch.tensor([s for s, _ in ops], dtype=torch.long, device=self.device)
+        dst = torch.tensor([d for _, d in ops], dtype=torch.long, device=self.device)
+        self.k_cache[:, dst] = self.k_cache[:, src]
+        self.v_cache[:, dst] = self.v_cache[:, src]
+
+    def _prepare(self, scheduled: list[ScheduledSeq]):
+        ids: list[int] = []
+        starts: list[int] = []
+        q_lens: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        query_start = [0]
+        for s in scheduled:
+            end = s.start + s.num_new_tokens
+            ids.extend(s.seq.token_ids[s.start:end])
+            starts.append(s.start)
+            q_lens.append(s.num_new_tokens)
+            seq_lens.append(end)
+            tables.append(s.block_table)
+            query_start.append(query_start[-1] + s.num_new_tokens)
+        width = max(len(t) for t in tables)
+        table_t = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        q_lens_t = torch.tensor(q_lens, dtype=torch.long)
+        seq_index = torch.repeat_interleave(torch.arange(len(scheduled)), q_lens_t)
+        offsets = torch.arange(query_start[-1]) - torch.tensor(query_start[:-1]).repeat_interleave(q_lens_t)
+        positions = torch.tensor(starts).repeat_interleave(q_lens_t) + offsets
+        bs = self.block_size
+        slots = table_t[seq_index, positions // bs].long() * bs + positions % bs
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=slots.to(dev, non_blocking=True),
+            block_tables=table_t.to(dev, non_blocking=True),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32).to(dev, non_blocking=True),
+        )
+        input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
+        last_rows = [q - 1 for q in query_start[1:]]
+        return input_ids, positions.to(dev, non_blocking=True), meta, last_rows

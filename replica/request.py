@@ -1,0 +1,98 @@
+"""Request and sequence state: what the scheduler schedules and the engine updates.
+
+A ``Request`` is what a client sent (prompt, SamplingParams, salt); it owns ``n``
+``Sequence``s, one per output. Until its prompt is prefilled a request has a single
+sequence; after the prefill with ``n > 1`` the engine forks the children, which share
+the prompt's KV blocks. A sequence is the unit of scheduling and of KV ownership
+(its ``seq_id`` keys the KV manager).
+
+Token regions of a sequence (``num_computed_tokens`` <= ``num_tokens``)::
+
+    | prompt ............ | outputs ...... |
+    | computed (KV in cache)      | to compute |
+    0                    num_computed      num_tokens
+
+Pure Python, no torch (the generator is held opaquely for the sampler).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from replica.sampling import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None
+    arrival_time: float
+    prompt: str | None = None
+    seqs: list[Sequence] = field(default_factory=list)
+    # Prompt tokens served from the prefix cache at the first admission (None before it).
+    num_cached_tokens: int | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    # True once the n > 1 children exist (they are forked after the prompt's prefill).
+    forked: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return len(self.seqs) == self.params.n and all(s.status is SeqStatus.FINISHED for s in self.seqs)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(s.num_output_tokens for s in self.seqs)
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: str
+    request: Request
+    index: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_computed_tokens: int = 0
+    status: SeqStatus = SeqStatus.WAITING
+    # torch.Generator of a seeded request (seed + index), else None.
+    generator: Any = None
+    finish_reason: str | None = None
+    text: str = ""
+    # Characters of ``text`` already handed out in stream deltas.
+    num_emitted_chars: int = 0
+    num_emitted_tokens: int = 0
+    logprobs: list[dict[int, float]] | None = None
+    detok: Any = None  # IncrementalDetokenizer
+    last_token_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    @property
+    def awaits_fork(self) -> bool:
+        """The single sequence of an n > 1 request whose children do not exist yet."""
+        return self.request.params.n > 1 and not self.request.forked

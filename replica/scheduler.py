@@ -1,0 +1,175 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+Each step gets a token budget (``max_num_batched_tokens``). Running sequences come
+first, in admission order: a decoding sequence takes one token, a sequence still
+prefilling takes as much of its remaining prompt as the budget allows (chunked
+prefill). Then waiting sequences are admitted in arrival order while the budget,
+``max_num_seqs`` and the KV blocks allow, each starting after the longest cached
+prefix of its tokens (``KVCacheManager.get_computed_blocks``).
+
+When a running sequence cannot get a block, the most recently admitted running
+sequence is preempted by recompute: its blocks are freed, its progress reset, and it
+goes back to the front of the waiting queue (its full blocks usually remain cached,
+so it resumes with prefix hits). No waiting sequence is admitted in a step that
+preempted: the blocks just freed go to the sequences already running.
+
+Invariants: a sequence is in exactly one of waiting / running / (finished, in
+neither); for a running sequence ``kv.num_tokens(seq_id) == num_computed_tokens``
+between steps; a scheduled sequence's ``num_computed_tokens`` is advanced when it is
+scheduled (the step computes those tokens before the next schedule).
+
+Pure Python: no torch. The engine applies the model; tests drive it with a fake step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from replica.kv.manager import KVCacheManager
+from replica.request import Sequence, SeqStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # num_computed_tokens before this step: first position computed now
+    num_new_tokens: int
+    block_table: list[int]  # the sequence's whole block table after this step's allocation
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the sequence's last known token (so it has logits to sample)."""
+        return self.start + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    # Copy-on-write block copies (src, dst) to apply before the forward pass.
+    copy_ops: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # --- queue changes -----------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_forked(self, parent: Sequence, children: list[Sequence]) -> None:
+        """Place forked children right after their (running) parent: same admission age."""
+        at = self.running.index(parent) + 1
+        for c in children:
+            c.status = SeqStatus.RUNNING
+        self.running[at:at] = children
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a sequence for good and free its blocks."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        self.kv.free(seq.seq_id)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- the step plan -----------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        kv = self.kv
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            n = min(remaining, budget)
+            if n < remaining and not self.config.enable_chunked_prefill:
+                i += 1
+                continue
+            while (table := kv.allocate_slots(seq.seq_id, seq.token_ids, n)) is None:
+                # Out of blocks: preempt the youngest running sequence (maybe seq itself).
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING:
+                break
+            out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n, table))
+            seq.num_computed_tokens += n
+            budget -= n
+            i += 1
+        if not out.preempted:
+            self._admit(out, budget)
+        out.copy_ops = kv.take_copy_ops()
+        return out
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        kv = self.kv
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            # The parent of an n > 1 request brings its children after the prefill.
+            width = seq.request.params.n if seq.awaits_fork else 1
+            if len(self.running) + width > self.config.max_num_seqs:
+                break
+            salt = seq.request.cache_salt
+            blocks, num_cached = kv.get_computed_blocks(seq.token_ids, salt)
+            remaining = seq.num_tokens - num_cached
+            n = min(remaining, budget)
+            if n < remaining and not self.config.enable_chunked_prefill:
+                break
+            table = kv.allocate_slots(seq.seq_id, seq.token_ids, n, blocks, salt)
+            if table is None:
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            seq.status = SeqStatus.RUNNING
+            if seq.request.num_cached_tokens is None:
+                seq.request.num_cached_tokens = num_cached
+            out.scheduled.append(ScheduledSeq(seq, num_cached, n, table))
+            seq.num_computed_tokens = num_cached + n
+            budget -= n
