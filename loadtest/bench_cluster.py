@@ -1,0 +1,712 @@
+"""Cluster benchmark: the same seeded workload under each routing policy, side by side.
+
+``python -m loadtest.bench_cluster`` brings up a local Ray cluster (Serve's
+proxy, the OpenAI ingress, R engine replicas on CPU) and, for each policy in
+turn, deploys the app afresh (new replicas: cold KV caches), streams the
+workload through it with a closed-loop client, and deletes it. Policies:
+prefixserve's ``round_robin``, ``power_of_two`` (Ray Serve's default
+behaviour), ``consistent_hash`` and ``bounded_load`` (router/policies.py, run
+by router/serve_router.py), and ``ray_prefix``: Ray Serve LLM's own
+``PrefixCacheAffinityRouter`` plugged into our engine deployment as its
+request router. ``--url`` instead measures a running endpoint once (its
+requests salted so that earlier traffic cannot count as hits).
+
+Per policy it reports the cluster's prefix-cache hit rate (the replicas'
+``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total``
+counters, read from the ingress's /metrics before and after), TTFT p50/p95
+measured by the client on the stream, requests/s, and the load per replica
+(in-flight requests over time, from the ``X-Prefixserve-Replica`` header of
+each response: the max and the mean over replicas of their time-averaged
+in-flight count, and the peak). Then ratios of the baseline (bounded_load)
+against every other policy: a markdown table, results/bench_cluster.json and
+results/bench_cluster.png (hit-rate bars and a TTFT p50 line per policy).
+
+KV pools are sized from the workload so that routing matters: the working set
+(every tenant's system-prompt blocks) exceeds one replica's pool but fits the
+cluster's: ``num_kv_blocks = ceil(headroom * W / R) + reserve`` with
+``1 <= headroom < R`` (see :func:`size_kv`). The output states the sizing.
+
+Default run (SmolLM2-135M, 2 replicas, 5 policies): zipf_tenants with 16
+tenants (Zipf s=0.6, tenant-0 hot with 10% of the traffic on top), 48
+requests, 160-token system prompts, 16-token questions, 8 output tokens,
+concurrency 4: under 9 minutes on 2 shared CPU cores, half of it deploying
+replicas (each loads the GGUF anew). ``--model`` pointing at a tiny random
+checkpoint makes it quick (about 25 s per policy).
+
+Caveat: Serve names replicas randomly, so each deployment places the tenants
+on the ring differently; the per-replica request split in the table shows it.
+
+Seeded: the same seed gives the same requests in the same order for every policy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from loadtest.cluster_run import (
+    HITS,
+    PREEMPTIONS,
+    QUERIES,
+    LocalServeCluster,
+    RequestRecord,
+    counter_deltas,
+    in_flight_by_replica,
+    replica_counters,
+    run_load,
+    scrape_metrics,
+    served_model,
+)
+from loadtest.workloads import WorkloadRequest, generate
+from router.metrics import sum_samples
+from router.policies import POLICIES
+
+RAY_PREFIX = "ray_prefix"
+DEFAULT_POLICIES = ("round_robin", "power_of_two", RAY_PREFIX, "consistent_hash", "bounded_load")
+KNOWN_POLICIES = tuple(sorted(POLICIES)) + (RAY_PREFIX,)
+BASELINE = "bounded_load"
+WORKLOADS = ("zipf_tenants", "shared_prefix")
+RING_POLICIES = ("consistent_hash", "bounded_load")
+SPILLS = "prefixserve_router_spills_total"
+
+
+# --------------------------------------------------------------------------- workload
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """The benchmark's workload knobs (mapped onto loadtest/workloads.py's configs)."""
+
+    name: str = "zipf_tenants"
+    tenants: int = 16
+    requests: int = 48
+    system_len: int = 160
+    question_len: int = 16
+    output_len: int = 8
+    zipf_s: float = 0.6
+    hot_share: float = 0.1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.name not in WORKLOADS:
+            raise ValueError(f"workload must be one of {WORKLOADS}, got {self.name!r}")
+        if self.tenants < 1 or self.requests < 1:
+            raise ValueError("--tenants and --requests must be >= 1")
+        if self.name == "shared_prefix" and self.requests < self.tenants:
+            raise ValueError(f"shared_prefix sends requests // tenants prompts per tenant: give at least "
+                             f"{self.tenants} requests or fewer tenants")
+
+    def generate(self) -> list[WorkloadRequest]:
+        if self.name == "zipf_tenants":
+            params = {"num_tenants": self.tenants, "num_requests": self.requests, "zipf_s": self.zipf_s,
+                      "hot_share": self.hot_share}
+        else:
+            params = {"num_groups": self.tenants, "prompts_per_group": self.requests // self.tenants}
+        params.update(system_prompt_len=self.system_len, question_len=self.question_len,
+                      output_len=self.output_len, seed=self.seed)
+        return generate(self.name, params)
+
+
+# --------------------------------------------------------------------------- KV sizing
+
+
+@dataclass(frozen=True)
+class KVSizing:
+    """Per-replica KV pool for a workload, chosen so that the working set needs the whole cluster.
+
+    working_set_blocks (W): full blocks of every tenant's static prefix, summed.
+    private_blocks: the most blocks one request needs beyond its tenant's prefix.
+    reserve_blocks: room for the private blocks of one replica's share of the
+        in-flight requests, ``ceil(concurrency / replicas) * private_blocks``.
+    num_kv_blocks: ``max(request_blocks, ceil(headroom * W / replicas) + reserve_blocks)``.
+    """
+
+    block_size: int
+    replicas: int
+    concurrency: int
+    headroom: float
+    tenants: int
+    working_set_blocks: int
+    request_blocks: int
+    private_blocks: int
+    reserve_blocks: int
+    num_kv_blocks: int
+
+    @property
+    def prefix_room_blocks(self) -> int:
+        """Blocks of one replica's pool left for cached prefixes when its in-flight share runs."""
+        return self.num_kv_blocks - self.reserve_blocks
+
+    @property
+    def replica_fraction(self) -> float:
+        """One replica's prefix room over the working set (< 1: one replica cannot hold it)."""
+        return self.prefix_room_blocks / self.working_set_blocks
+
+    @property
+    def cluster_fraction(self) -> float:
+        """The cluster's prefix room over the working set (>= 1: it fits when routed by prefix)."""
+        return self.replicas * self.prefix_room_blocks / self.working_set_blocks
+
+    def describe(self) -> str:
+        return (f"KV sizing: working set W = {self.working_set_blocks} blocks ({self.tenants} tenants' system "
+                f"prompts, block size {self.block_size}); num_kv_blocks = {self.num_kv_blocks} per replica "
+                f"= ceil({self.headroom:g} x W / {self.replicas}) + {self.reserve_blocks} reserved for in-flight "
+                f"requests; prefix room: one replica {self.replica_fraction:.0%} of W, the cluster "
+                f"{self.cluster_fraction:.0%} of W")
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "replica_fraction": self.replica_fraction,
+                "cluster_fraction": self.cluster_fraction}
+
+
+def size_kv(prefix_tokens: Mapping[str, int], requests: Sequence[tuple[str, int]], *, block_size: int,
+            replicas: int, concurrency: int, headroom: float) -> KVSizing:
+    """Size one replica's KV pool for a workload.
+
+    ``prefix_tokens``: per tenant, the tokens its requests share (the chat
+    template through its system prompt). ``requests``: (tenant, prompt tokens +
+    max_tokens) of each request. ``1 <= headroom < replicas`` keeps the working
+    set bigger than one replica's prefix room and within the cluster's.
+    """
+    if replicas < 2:
+        raise ValueError("routing only matters with at least 2 replicas: set --replicas 2 or more")
+    if not 1.0 <= headroom < replicas:
+        raise ValueError(f"headroom must be in [1, replicas={replicas}) so that the working set fits the cluster "
+                         f"but not one replica; got {headroom}")
+    if block_size < 1 or concurrency < 1:
+        raise ValueError("block_size and concurrency must be >= 1")
+    if not requests:
+        raise ValueError("the workload has no requests")
+    missing = sorted({t for t, _ in requests} - set(prefix_tokens))
+    if missing:
+        raise ValueError(f"no prefix length for tenants {missing}")
+    full = {t: n // block_size for t, n in prefix_tokens.items()}
+    working_set = sum(full.values())
+    if working_set == 0:
+        raise ValueError(f"the system prompts are shorter than one block ({block_size} tokens): "
+                         "lengthen them (--system-len) so there is something to cache")
+    request_blocks = max(-(-total // block_size) for _, total in requests)
+    private = max(-(-total // block_size) - full[t] for t, total in requests)
+    reserve = -(-concurrency // replicas) * private
+    num_kv_blocks = max(request_blocks, math.ceil(headroom * working_set / replicas) + reserve)
+    return KVSizing(block_size=block_size, replicas=replicas, concurrency=concurrency, headroom=headroom,
+                    tenants=len(full), working_set_blocks=working_set, request_blocks=request_blocks,
+                    private_blocks=private, reserve_blocks=reserve, num_kv_blocks=num_kv_blocks)
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def workload_token_counts(requests: Sequence[WorkloadRequest],
+                          encode_chat: Callable[[list[dict[str, str]]], list[int]]
+                          ) -> tuple[dict[str, int], list[tuple[str, int]]]:
+    """(prefix tokens per tenant, (tenant, prompt + max_tokens) per request) with the model's chat template.
+
+    A tenant's prefix is what two requests with its system prompt and
+    different user messages share once templated.
+    """
+    prefix: dict[str, int] = {}
+    totals = []
+    for req in requests:
+        messages = req.body["messages"]
+        if req.tenant not in prefix:
+            static = [m for m in messages if m["role"] in ("system", "developer")]
+            a = encode_chat(static + [{"role": "user", "content": "alpha"}])
+            b = encode_chat(static + [{"role": "user", "content": "omega"}])
+            prefix[req.tenant] = common_prefix_len(a, b)
+        totals.append((req.tenant, len(encode_chat(messages)) + int(req.body["max_tokens"])))
+    return prefix, totals
+
+
+def oracle_hit_rate(tenants: Sequence[str], prompt_tokens: Sequence[int], prefix_tokens: Mapping[str, int],
+                    block_size: int) -> float:
+    """Hit rate of one replica with an unbounded cache replaying the requests in order.
+
+    Every request after its tenant's first hits the full blocks of the tenant's
+    prefix; no policy on any cluster does better (requests of one tenant sent
+    together can even miss where this counts a hit).
+    """
+    seen: set[str] = set()
+    hits = 0
+    for tenant, _ in zip(tenants, prompt_tokens, strict=True):
+        if tenant in seen:
+            hits += prefix_tokens[tenant] // block_size * block_size
+        seen.add(tenant)
+    total = sum(prompt_tokens)
+    return hits / total if total else 0.0
+
+
+def chat_encoder(model: str) -> Callable[[list[dict[str, str]]], list[int]]:
+    """The model's chat template as the engine applies it (replica/engine.py's encode_chat)."""
+    from replica.model import loader
+
+    tokenizer = loader.load_tokenizer(loader.resolve(model))
+
+    def encode(messages: list[dict[str, str]]) -> list[int]:
+        return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False,
+                                                  add_generation_prompt=True))
+
+    return encode
+
+
+# --------------------------------------------------------------------------- policies
+
+
+def router_args(policy: str, *, seed: int, epsilon: float | None) -> dict[str, Any]:
+    """The ``router`` section of router/app.py's args that runs ``policy``."""
+    if policy == RAY_PREFIX:
+        return {"router_class": "ray_llm_prefix_aware"}
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; choose from {list(KNOWN_POLICIES)}")
+    args: dict[str, Any] = {"router_class": "prefixserve", "policy": policy}
+    if policy in ("random", "power_of_two"):
+        args["seed"] = seed
+    if policy == "bounded_load" and epsilon is not None:
+        args["epsilon"] = epsilon
+    return args
+
+
+def app_args(policy: str, *, model: str, replicas: int, sizing: KVSizing | None, seed: int,
+             epsilon: float | None, engine_extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """router/app.py's args for one policy's deployment."""
+    engine: dict[str, Any] = {"model": model, "seed": seed, **(engine_extra or {})}
+    if sizing is not None:
+        engine.update(num_kv_blocks=sizing.num_kv_blocks, block_size=sizing.block_size)
+    return {
+        "engine": engine,
+        "num_replicas": replicas,
+        "ray_actor_options": {"num_cpus": 1},
+        "router": router_args(policy, seed=seed, epsilon=epsilon),
+        "ingress": {"num_replicas": 1},
+    }
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0..100), linear between closest ranks; None for no values."""
+    if not values:
+        return None
+    if not 0 <= q <= 100:
+        raise ValueError(f"q must be in [0, 100], got {q}")
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+@dataclass
+class PolicyResult:
+    """One policy's figures (times in seconds)."""
+
+    policy: str
+    requests: int
+    succeeded: int
+    hit_rate: float | None  # from the replicas' counters: hit tokens / queried tokens
+    cached_token_ratio: float | None  # from the responses' usage: cached / prompt tokens
+    ttft_p50_s: float | None
+    ttft_p95_s: float | None
+    e2e_p50_s: float | None
+    requests_per_s: float
+    duration_s: float
+    load_max: float  # max over replicas of its time-averaged in-flight requests
+    load_mean: float  # mean over replicas of the same
+    peak_in_flight: int  # most requests one replica had at once
+    replicas: dict[str, dict[str, float]] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+    preemptions: int = 0  # the replicas' recompute preemptions (a pool too small for the in-flight load)
+    deploy_s: float | None = None  # time to bring this policy's app up (local cluster only)
+    # Keyed requests served off their ring owner (prefixserve's router metric; ring policies only).
+    spills: int | None = None
+
+    @property
+    def load_imbalance(self) -> float | None:
+        """load_max / load_mean: 1.0 is perfectly even."""
+        return _ratio(self.load_max, self.load_mean)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "load_imbalance": self.load_imbalance}
+
+
+def summarize(policy: str, records: Sequence[RequestRecord], counters: Mapping[str, Mapping[str, float]]) -> PolicyResult:
+    """One policy's result from its request records and its replicas' counter deltas.
+
+    Replicas known from the counters but absent from the records served no
+    request and count as idle in the load mean.
+    """
+    ok = [r for r in records if r.ok]
+    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+    queries = sum(c.get(QUERIES, 0.0) for c in counters.values())
+    hits = sum(c.get(HITS, 0.0) for c in counters.values())
+    prompt = sum(r.prompt_tokens or 0 for r in ok)
+    cached = sum(r.cached_tokens or 0 for r in ok)
+    loads = in_flight_by_replica(records)
+    names = sorted(set(counters) | set(loads))
+    means = [loads[n].mean if n in loads else 0.0 for n in names]
+    duration = (max(r.ended_s for r in records) - min(r.sent_s for r in records)) if records else 0.0
+    per_replica = {}
+    for n in names:
+        c = counters.get(n, {})
+        q, h = c.get(QUERIES, 0.0), c.get(HITS, 0.0)
+        load = loads.get(n)
+        per_replica[n] = {
+            "requests": load.requests if load else 0,
+            "prefix_queries": q,
+            "prefix_hits": h,
+            "hit_rate": h / q if q else None,
+            "mean_in_flight": load.mean if load else 0.0,
+            "peak_in_flight": load.peak if load else 0,
+        }
+    return PolicyResult(
+        policy=policy,
+        requests=len(records),
+        succeeded=len(ok),
+        hit_rate=hits / queries if queries else None,
+        cached_token_ratio=cached / prompt if prompt else None,
+        ttft_p50_s=percentile(ttfts, 50),
+        ttft_p95_s=percentile(ttfts, 95),
+        e2e_p50_s=percentile([r.e2e_s for r in ok], 50),
+        requests_per_s=len(ok) / duration if duration > 0 else 0.0,
+        duration_s=duration,
+        load_max=max(means, default=0.0),
+        load_mean=sum(means) / len(means) if means else 0.0,
+        peak_in_flight=max((l.peak for l in loads.values()), default=0),
+        preemptions=round(sum(c.get(PREEMPTIONS, 0.0) for c in counters.values())),
+        replicas=per_replica,
+        errors=[f"request {r.index}: {r.error}" for r in records if not r.ok][:10],
+    )
+
+
+def ratios(results: Sequence[PolicyResult], baseline: str = BASELINE) -> dict[str, dict[str, float | None]]:
+    """For every other policy: baseline / policy of the hit rate and of TTFT p50.
+
+    A hit-rate ratio above 1 and a TTFT ratio below 1 favour the baseline. Empty
+    when the baseline did not run.
+    """
+    base = next((r for r in results if r.policy == baseline), None)
+    if base is None:
+        return {}
+    return {
+        r.policy: {"hit_rate_ratio": _ratio(base.hit_rate, r.hit_rate),
+                   "ttft_p50_ratio": _ratio(base.ttft_p50_s, r.ttft_p50_s),
+                   "ttft_p95_ratio": _ratio(base.ttft_p95_s, r.ttft_p95_s)}
+        for r in results if r.policy != baseline
+    }
+
+
+# --------------------------------------------------------------------------- output
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def render_table(results: Sequence[PolicyResult]) -> str:
+    """The per-policy markdown table."""
+    lines = [
+        "| policy | hit rate | cached/prompt tokens | TTFT p50 (s) | TTFT p95 (s) | req/s "
+        "| in-flight max/mean per replica | peak in-flight | requests per replica | spills | ok |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+    ]
+    for r in results:
+        split = " / ".join(str(int(v["requests"])) for _, v in sorted(r.replicas.items()))
+        lines.append(
+            f"| {r.policy} | {_fmt(r.hit_rate, '.3f')} | {_fmt(r.cached_token_ratio, '.3f')} "
+            f"| {_fmt(r.ttft_p50_s, '.3f')} | {_fmt(r.ttft_p95_s, '.3f')} | {r.requests_per_s:.2f} "
+            f"| {r.load_max:.2f} / {r.load_mean:.2f} ({_fmt(r.load_imbalance, '.2f')}x) | {r.peak_in_flight} "
+            f"| {split} | {'-' if r.spills is None else r.spills} | {r.succeeded}/{r.requests} |"
+        )
+    return "\n".join(lines)
+
+
+def render_ratios(table: Mapping[str, Mapping[str, float | None]], baseline: str = BASELINE) -> str:
+    """The baseline-against-each-policy markdown table."""
+    lines = [
+        f"| {baseline} vs | hit-rate ratio ({baseline} / policy) | TTFT p50 ratio ({baseline} / policy) "
+        "| TTFT p95 ratio |",
+        "|---|---:|---:|---:|",
+    ]
+    for policy, r in table.items():
+        lines.append(f"| {policy} | {_fmt(r['hit_rate_ratio'], '.2f')}x | {_fmt(r['ttft_p50_ratio'], '.2f')}x "
+                     f"| {_fmt(r['ttft_p95_ratio'], '.2f')}x |")
+    return "\n".join(lines)
+
+
+def plot(results: Sequence[PolicyResult], path: Path, title: str) -> None:
+    """Hit-rate bars (left axis) and a TTFT p50 line (right axis) per policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r.policy for r in results]
+    xs = range(len(names))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(names)), 4.5))
+    bars = ax.bar(xs, [r.hit_rate or 0.0 for r in results], color="#4c72b0", alpha=0.8, label="prefix-cache hit rate")
+    for bar, r in zip(bars, results):
+        ax.annotate(_fmt(r.hit_rate, ".2f"), (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center", va="bottom", fontsize=8)
+    ax.set_ylim(0, 1.05)
+    ax.set_ylabel("cluster prefix-cache hit rate")
+    ax.set_xticks(list(xs), names, rotation=15)
+    ax2 = ax.twinx()
+    ax2.plot(xs, [r.ttft_p50_s if r.ttft_p50_s is not None else float("nan") for r in results], "o-",
+             color="#c44e52", label="TTFT p50")
+    ax2.plot(xs, [r.ttft_p95_s if r.ttft_p95_s is not None else float("nan") for r in results], "s--",
+             color="#c44e52", alpha=0.5, label="TTFT p95")
+    ax2.set_ylim(bottom=0)
+    ax2.set_ylabel("TTFT (s)")
+    handles = [bars] + ax2.get_lines()
+    ax.legend(handles, [h.get_label() for h in handles], loc="upper left", fontsize=8)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- running
+
+
+def _bodies(requests: Sequence[WorkloadRequest], model: str, salt: str | None) -> list[dict[str, Any]]:
+    bodies = []
+    for req in requests:
+        body = {**req.body, "model": model}
+        if salt is not None:
+            body["cache_salt"] = salt
+        bodies.append(body)
+    return bodies
+
+
+def measure(base_url: str, policy: str, bodies: Sequence[dict[str, Any]], concurrency: int, *,
+            api_key: str | None = None, headers: Sequence[Mapping[str, str]] | None = None,
+            timeout_s: float = 600.0) -> tuple[PolicyResult, list[RequestRecord]]:
+    """Stream ``bodies`` through ``base_url`` and summarize it, with the counters read before and after."""
+    before = scrape_metrics(base_url, api_key=api_key)
+    with tqdm(total=len(bodies), desc=policy, unit="req", leave=False, file=sys.stderr) as bar:
+        records = run_load(base_url, bodies, concurrency, headers=headers, api_key=api_key, timeout_s=timeout_s,
+                           on_done=lambda _: bar.update(1))
+    after = scrape_metrics(base_url, api_key=api_key)
+    result = summarize(policy, records, counter_deltas(replica_counters(before), replica_counters(after)))
+    if policy in RING_POLICIES:
+        result.spills = round(sum_samples(after, SPILLS) - sum_samples(before, SPILLS))
+    return result, records
+
+
+def _record_json(r: RequestRecord) -> dict[str, Any]:
+    return {"i": r.index, "ok": r.ok, "replica": r.replica, "sent_s": round(r.sent_s, 4),
+            "ttft_s": None if r.ttft_s is None else round(r.ttft_s, 4), "e2e_s": round(r.e2e_s, 4),
+            "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens, "error": r.error}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m loadtest.bench_cluster", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--url", default=None,
+                   help="measure a running endpoint (one row, salted requests) instead of a local cluster")
+    p.add_argument("--label", default="endpoint", help="row name of the --url run")
+    p.add_argument("--api-key", default=None, help="Bearer key for --url")
+    p.add_argument("--send-prefix-hash", action="store_true",
+                   help="send X-Prefix-Hash (router/prefix.py's key), for an nginx --url")
+    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+                   help=f"comma-separated, from {', '.join(KNOWN_POLICIES)}")
+    p.add_argument("--baseline", default=BASELINE, help="policy the ratios compare against the others")
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--model", default="smollm2", help="'smollm2' or a checkpoint directory / .gguf file")
+    p.add_argument("--workload", default="zipf_tenants", choices=WORKLOADS)
+    p.add_argument("--tenants", type=int, default=WorkloadSpec.tenants)
+    p.add_argument("--requests", type=int, default=WorkloadSpec.requests)
+    p.add_argument("--system-len", type=int, default=WorkloadSpec.system_len, help="system prompt tokens")
+    p.add_argument("--question-len", type=int, default=WorkloadSpec.question_len, help="user message tokens")
+    p.add_argument("--output-len", type=int, default=WorkloadSpec.output_len, help="max_tokens")
+    p.add_argument("--zipf-s", type=float, default=WorkloadSpec.zipf_s)
+    p.add_argument("--hot-share", type=float, default=WorkloadSpec.hot_share)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--concurrency", type=int, default=4, help="requests in flight (closed loop)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-headroom", type=float, default=1.5,
+                   help="cluster prefix room over the working set, in [1, replicas)")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="override the computed per-replica pool")
+    p.add_argument("--epsilon", type=float, default=None, help="bounded_load's epsilon (default: the policy's)")
+    p.add_argument("--port", type=int, default=8000, help="Serve's HTTP port for the local cluster")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request and per deployment")
+    p.add_argument("--out-dir", type=Path, default=Path("results"))
+    return p
+
+
+def _parse_policies(text: str) -> list[str]:
+    policies = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in KNOWN_POLICIES]
+    if unknown or not policies:
+        raise ValueError(f"unknown or no policies {unknown}; choose from {list(KNOWN_POLICIES)}")
+    if len(set(policies)) != len(policies):
+        raise ValueError(f"--policies names a policy twice: {policies}")
+    return policies
+
+
+@dataclass
+class Plan:
+    """What a run will do, validated before anything starts."""
+
+    spec: WorkloadSpec
+    requests: list[WorkloadRequest]
+    policies: list[str]  # local cluster; empty with --url
+    sizing: KVSizing | None  # local cluster only
+    oracle_hit_rate: float | None = None  # local cluster only (needs the model's tokenizer)
+
+
+def plan(args: argparse.Namespace) -> Plan:
+    """Validate the options and size the KV pools; raises ValueError saying what to change."""
+    spec = WorkloadSpec(args.workload, args.tenants, args.requests, args.system_len, args.question_len,
+                        args.output_len, args.zipf_s, args.hot_share, args.seed)
+    if args.concurrency < 1:
+        raise ValueError("--concurrency must be >= 1")
+    requests = spec.generate()
+    if args.url is not None:
+        return Plan(spec, requests, [], None)
+    policies = _parse_policies(args.policies)
+    prefix, totals = workload_token_counts(requests, chat_encoder(args.model))
+    sizing = size_kv(prefix, totals, block_size=args.block_size, replicas=args.replicas,
+                     concurrency=args.concurrency, headroom=args.kv_headroom)
+    if args.num_kv_blocks is not None:
+        if args.num_kv_blocks < sizing.request_blocks:
+            raise ValueError(f"--num-kv-blocks must hold one request: at least {sizing.request_blocks}")
+        sizing = KVSizing(**{**asdict(sizing), "num_kv_blocks": args.num_kv_blocks})
+    prompts = [total - int(r.body["max_tokens"]) for r, (_, total) in zip(requests, totals)]
+    oracle = oracle_hit_rate([r.tenant for r in requests], prompts, prefix, args.block_size)
+    return Plan(spec, requests, policies, sizing, oracle)
+
+
+def run(args: argparse.Namespace, p: Plan) -> int:
+    """Measure (a local cluster per policy, or the --url endpoint), print, write JSON and PNG."""
+    spec, requests, sizing = p.spec, p.requests, p.sizing
+    results: list[PolicyResult] = []
+    failures: dict[str, str] = {}
+    records: dict[str, list[dict[str, Any]]] = {}
+    started = time.perf_counter()
+
+    if args.url is not None:
+        base = args.url.rstrip("/")
+        salt = f"bench-{uuid.uuid4().hex[:12]}"  # earlier traffic of the same workload cannot hit
+        bodies = _bodies(requests, served_model(base, api_key=args.api_key), salt)
+        headers = None
+        if args.send_prefix_hash:
+            from router.prefix import PREFIX_HASH_HEADER, routing_key
+
+            headers = [{PREFIX_HASH_HEADER: k} if (k := routing_key(b)) is not None else {} for b in bodies]
+        result, recs = measure(base, args.label, bodies, args.concurrency, api_key=args.api_key, headers=headers,
+                               timeout_s=args.timeout)
+        results.append(result)
+        records[args.label] = [_record_json(r) for r in recs]
+    else:
+        assert sizing is not None
+        print(sizing.describe(), file=sys.stderr)
+        # One logical CPU per engine replica plus one for helper actors (Ray Serve LLM's prefix tree).
+        with LocalServeCluster(num_cpus=args.replicas + 1, port=args.port) as cluster:
+            for policy in tqdm(p.policies, desc="policies", unit="policy", file=sys.stderr):
+                # A fresh app (and name) per policy: new replicas with cold caches, and a new
+                # prefix-tree actor for ray_prefix (its name is scoped by the app).
+                name = f"bench-{policy}"
+                try:
+                    t0 = time.perf_counter()
+                    base = cluster.deploy(
+                        app_args(policy, model=args.model, replicas=args.replicas, sizing=sizing, seed=args.seed,
+                                 epsilon=args.epsilon), name, num_replicas=args.replicas, timeout_s=args.timeout)
+                    deploy_s = time.perf_counter() - t0
+                    tqdm.write(f"{policy}: deployed in {deploy_s:.0f}s", file=sys.stderr)
+                    bodies = _bodies(requests, served_model(base), None)
+                    result, recs = measure(base, policy, bodies, args.concurrency, timeout_s=args.timeout)
+                    result.deploy_s = deploy_s
+                    results.append(result)
+                    records[policy] = [_record_json(r) for r in recs]
+                    tqdm.write(f"{policy}: hit rate {_fmt(result.hit_rate, '.3f')}, TTFT p50 "
+                               f"{_fmt(result.ttft_p50_s, '.3f')}s, {result.succeeded}/{result.requests} ok",
+                               file=sys.stderr)
+                except Exception as exc:  # one policy failing must not lose the others' figures
+                    failures[policy] = f"{type(exc).__name__}: {exc}"
+                    tqdm.write(f"{policy}: FAILED {failures[policy]}", file=sys.stderr)
+                finally:
+                    try:
+                        cluster.delete(name)
+                    except Exception as exc:
+                        tqdm.write(f"{policy}: could not delete the app: {exc}", file=sys.stderr)
+
+    ratio_table = ratios(results, args.baseline)
+    where = (f"{args.url}" if args.url is not None
+             else f"{args.replicas} replicas, model {Path(args.model).name}")
+    title = (f"{spec.name}: {spec.tenants} tenants, {spec.requests} requests, system {spec.system_len} tok, "
+             f"concurrency {args.concurrency}, {where}")
+    print(f"\n## Cluster benchmark: {title}\n")
+    if sizing is not None:
+        print(sizing.describe() + "\n")
+    if p.oracle_hit_rate is not None:
+        print(f"Upper bound: one replica with an unbounded cache would hit {p.oracle_hit_rate:.3f} of the "
+              "prompt tokens.\n")
+    print(render_table(results))
+    preempted = {r.policy: r.preemptions for r in results if r.preemptions}
+    if preempted:
+        print(f"\nrecompute preemptions (the KV pool was short for the in-flight load): {preempted}")
+    if ratio_table:
+        print()
+        print(render_ratios(ratio_table, args.baseline))
+    for policy, reason in failures.items():
+        print(f"\n{policy} FAILED: {reason}")
+
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "workload": asdict(spec),
+        "kv_sizing": sizing.to_json() if sizing is not None else None,
+        "oracle_hit_rate": p.oracle_hit_rate,
+        "results": [r.to_json() for r in results],
+        "baseline": args.baseline,
+        "ratios": ratio_table,
+        "failures": failures,
+        "wall_s": time.perf_counter() - started,
+        "records": records,
+    }
+    json_path = args.out_dir / "bench_cluster.json"
+    json_path.write_text(json.dumps(payload, indent=2))
+    png_path = args.out_dir / "bench_cluster.png"
+    if results:
+        plot(results, png_path, title)
+    print(f"\nwrote {json_path}" + (f" and {png_path}" if results else ""))
+    return 1 if failures or any(r.succeeded < r.requests for r in results) else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        p = plan(args)
+    except ValueError as exc:
+        parser.error(str(exc))  # exits with status 2
+    return run(args, p)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,361 @@
+"""Run load against a prefixserve cluster: bring-up, streaming client, per-replica bookkeeping.
+
+Job: the pieces a cluster benchmark or demo needs, each usable alone.
+
+* :class:`LocalServeCluster`: a local Ray instance with Serve's HTTP proxy on one
+  port; ``deploy(app_args, name)`` runs router/app.py's application (replacing
+  nothing: delete the previous app first) and waits until every engine replica
+  runs and the endpoint answers; ``delete(name)`` removes it (its replicas, and
+  so their KV caches, go away with it).
+* :func:`run_load`: a closed-loop streaming client: ``concurrency`` workers send
+  the bodies in order over the OpenAI chat API and record, per request, when it
+  was sent, its first content token, its end, the replica that served it
+  (``X-Prefixserve-Replica``) and its token usage.
+* :func:`in_flight_by_replica`: from those records, how many requests each
+  replica had in flight over time (exact sweep of the [sent, ended] intervals,
+  attributed to the replica the response named): peak and time-weighted mean.
+* :func:`replica_counters` / :func:`scrape_metrics`: counters per replica out of
+  a Prometheus exposition (the ingress's /metrics labels each engine replica's
+  samples with ``replica``; a single replica's /metrics has no such label).
+* :func:`wait_for_router`: wait until the ingress routes over every replica.
+
+Invariants: a record exists for every body sent, in body order, failed or not
+(``ok`` False with the reason in ``error``); times are seconds on one
+monotonic clock, relative to the start of the run; nothing here retries.
+
+Imports httpx, prometheus_client and (in LocalServeCluster only) Ray Serve and
+router/app.py; never torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from replica.server import REPLICA_HEADER
+
+QUERIES = "vllm:prefix_cache_queries_total"
+HITS = "vllm:prefix_cache_hits_total"
+PREEMPTIONS = "vllm:num_preemptions_total"
+# Samples without a ``replica`` label (a lone replica's own /metrics) are filed under this name.
+UNLABELLED = "(endpoint)"
+# Requests and streams are small: the object store only needs Ray's minimum and some slack.
+OBJECT_STORE_BYTES = 256 * 1024**2
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def replica_counters(text: str, names: Sequence[str] = (QUERIES, HITS, PREEMPTIONS),
+                     label: str = "replica") -> dict[str, dict[str, float]]:
+    """``{replica: {sample name: value summed over its other labels}}`` for the samples in ``names``.
+
+    A replica that exposes none of ``names`` is absent; one that exposes some
+    has 0.0 for the others.
+    """
+    out: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name not in names:
+                continue
+            counters = out.setdefault(sample.labels.get(label, UNLABELLED), dict.fromkeys(names, 0.0))
+            counters[sample.name] += sample.value
+    return out
+
+
+def counter_deltas(before: Mapping[str, Mapping[str, float]],
+                   after: Mapping[str, Mapping[str, float]]) -> dict[str, dict[str, float]]:
+    """Per replica, ``after - before`` (a replica absent before started from zero)."""
+    out = {}
+    for replica, values in after.items():
+        prior = before.get(replica, {})
+        out[replica] = {name: value - prior.get(name, 0.0) for name, value in values.items()}
+    return out
+
+
+def scrape_metrics(base_url: str, *, api_key: str | None = None, timeout_s: float = 60.0) -> str:
+    """The text of ``{base_url}/metrics``."""
+    response = httpx.get(f"{base_url}/metrics", headers=_auth(api_key), timeout=timeout_s)
+    response.raise_for_status()
+    return response.text
+
+
+def served_model(base_url: str, *, api_key: str | None = None, timeout_s: float = 60.0) -> str:
+    """The model id the endpoint serves (the first entry of /v1/models)."""
+    response = httpx.get(f"{base_url}/v1/models", headers=_auth(api_key), timeout=timeout_s)
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]
+
+
+def wait_for_router(base_url: str, num_replicas: int, *, timeout_s: float = 120.0, api_key: str | None = None) -> None:
+    """Wait until the ingress's engine handle routes over ``num_replicas`` replicas.
+
+    Serve reports replicas running a moment before the ingress's handle hears
+    of them, and a load started in between would be routed over the few it
+    knows. The ingress's /metrics broadcasts to exactly the replicas its
+    handle's request router holds, whatever the router class, so the number
+    of replicas in it is the router's view.
+    """
+    deadline = time.monotonic() + timeout_s
+    seen = 0
+    while True:
+        try:
+            seen = len(replica_counters(scrape_metrics(base_url, api_key=api_key)))
+        except httpx.HTTPError:
+            seen = 0
+        if seen == num_replicas:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the ingress's router knew {seen} engine replicas, not {num_replicas}, "
+                               f"after {timeout_s}s")
+        time.sleep(0.25)
+
+
+def _auth(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+# --------------------------------------------------------------------------- the client
+
+
+@dataclass
+class RequestRecord:
+    """What the client saw of one request (times in seconds from the start of the run)."""
+
+    index: int
+    ok: bool
+    status: int | None
+    replica: str | None
+    sent_s: float
+    first_token_s: float | None
+    ended_s: float
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    completion_tokens: int | None = None
+    error: str | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.sent_s
+
+    @property
+    def e2e_s(self) -> float:
+        return self.ended_s - self.sent_s
+
+
+async def _stream_one(client: httpx.AsyncClient, url: str, index: int, body: dict[str, Any],
+                      headers: dict[str, str], t0: float) -> RequestRecord:
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    sent = time.perf_counter() - t0
+    first: float | None = None
+    usage: dict[str, Any] | None = None
+    status: int | None = None
+    replica: str | None = None
+    error: str | None = None
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as response:
+            status = response.status_code
+            replica = response.headers.get(REPLICA_HEADER)
+            if status != 200:
+                error = f"HTTP {status}: {(await response.aread()).decode('utf-8', 'replace')[:300]}"
+            else:
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    event = json.loads(data)
+                    if "error" in event:
+                        error = f"error event in the stream: {event['error']}"
+                        break
+                    if event.get("usage"):
+                        usage = event["usage"]
+                    if first is None and any((c.get("delta") or {}).get("content") or c.get("finish_reason")
+                                             for c in event.get("choices") or ()):
+                        first = time.perf_counter() - t0
+                if error is None and first is None:
+                    error = "the stream ended without a token"
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    ended = time.perf_counter() - t0
+    details = (usage or {}).get("prompt_tokens_details") or {}
+    return RequestRecord(
+        index=index, ok=error is None, status=status, replica=replica, sent_s=sent, first_token_s=first,
+        ended_s=ended, prompt_tokens=(usage or {}).get("prompt_tokens"), cached_tokens=details.get("cached_tokens"),
+        completion_tokens=(usage or {}).get("completion_tokens"), error=error,
+    )
+
+
+async def run_load_async(base_url: str, bodies: Sequence[dict[str, Any]], concurrency: int, *,
+                         headers: Sequence[Mapping[str, str]] | None = None, api_key: str | None = None,
+                         timeout_s: float = 600.0,
+                         on_done: Callable[[RequestRecord], None] | None = None) -> list[RequestRecord]:
+    """Send ``bodies`` (OpenAI chat bodies) with ``concurrency`` workers; one record per body, in order.
+
+    Closed loop: each worker sends its next body when its previous one ends, so
+    at most ``concurrency`` requests are in flight and they leave in body order.
+    ``headers[i]`` are extra headers of body i (e.g. ``X-Prefix-Hash``).
+    """
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    if headers is not None and len(headers) != len(bodies):
+        raise ValueError("headers, when given, needs one mapping per body")
+    url = f"{base_url}/v1/chat/completions"
+    records: list[RequestRecord | None] = [None] * len(bodies)
+    cursor = iter(range(len(bodies)))
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30.0), limits=limits) as client:
+
+        async def worker() -> None:
+            for i in cursor:  # one shared iterator: each body is taken by exactly one worker
+                extra = dict(headers[i]) if headers is not None else {}
+                record = await _stream_one(client, url, i, bodies[i], {**_auth(api_key), **extra}, t0)
+                records[i] = record
+                if on_done is not None:
+                    on_done(record)
+
+        await asyncio.gather(*(worker() for _ in range(min(concurrency, len(bodies)))))
+    return [r for r in records if r is not None]
+
+
+def run_load(base_url: str, bodies: Sequence[dict[str, Any]], concurrency: int, **kwargs: Any) -> list[RequestRecord]:
+    """:func:`run_load_async` from synchronous code."""
+    return asyncio.run(run_load_async(base_url, bodies, concurrency, **kwargs))
+
+
+# --------------------------------------------------------------------------- load per replica
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """Requests one replica had in flight: the most at any instant, and the time-weighted mean."""
+
+    peak: int
+    mean: float
+    requests: int
+
+
+def in_flight_by_replica(records: Sequence[RequestRecord]) -> dict[str, InFlight]:
+    """In-flight load per replica from the records' [sent, ended] intervals and replica names.
+
+    The mean is over the whole run's window (first send to last end), so a
+    replica that idles half the run shows half its busy load. Records without a
+    replica (refused before any replica took them) count for no replica.
+    """
+    if not records:
+        return {}
+    start = min(r.sent_s for r in records)
+    window = max(r.ended_s for r in records) - start
+    events: dict[str, list[tuple[float, int]]] = {}
+    for r in records:
+        if r.replica is None:
+            continue
+        # An end sorts before a start at the same instant: back-to-back requests never overlap.
+        events.setdefault(r.replica, []).extend([(r.sent_s, 1), (r.ended_s, -1)])
+    out = {}
+    for replica, evs in events.items():
+        evs.sort(key=lambda e: (e[0], e[1]))
+        level = peak = 0
+        area = 0.0
+        last = start
+        for t, step in evs:
+            area += level * (t - last)
+            last = t
+            level += step
+            peak = max(peak, level)
+        out[replica] = InFlight(peak=peak, mean=area / window if window > 0 else float(peak),
+                                requests=len(evs) // 2)
+    return out
+
+
+# --------------------------------------------------------------------------- a local cluster
+
+
+class LocalServeCluster:
+    """A local Ray instance with Serve's HTTP proxy on ``port``, hosting prefixserve apps one at a time.
+
+    ``num_cpus`` is Ray's logical CPU count: give each engine replica its
+    ``ray_actor_options.num_cpus`` and keep one spare for helper actors (Ray
+    Serve LLM's prefix-tree actor asks for one CPU to be placed).
+    """
+
+    def __init__(self, num_cpus: int, port: int = 8000, host: str = "127.0.0.1") -> None:
+        import ray
+        from ray import serve
+
+        # Replicas inherit this process's environment: no model hub at run time.
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        # address="local": always a new instance, never another Ray found running on this machine.
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+                 object_store_memory=OBJECT_STORE_BYTES, logging_level=logging.WARNING)
+        # Serve's driver-side INFO lines (deploying, deleting) would break the progress bars.
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)
+        try:
+            serve.start(http_options={"host": host, "port": port})
+        except BaseException:
+            ray.shutdown()
+            raise
+        self.base_url = f"http://{host}:{port}"
+
+    def deploy(self, app_args: dict[str, Any], name: str, *, num_replicas: int, timeout_s: float = 600.0) -> str:
+        """Run router/app.py's app built from ``app_args`` as ``name`` at route "/"; returns the base URL.
+
+        Returns once ``num_replicas`` engine replicas run, /v1/models answers
+        and the ingress's router routes over all of them.
+        """
+        from ray import serve
+
+        from router.app import build_app
+
+        serve.run(build_app(app_args), name=name, route_prefix="/", blocking=False)
+        deadline = time.monotonic() + timeout_s
+        last = "no status yet"
+        while True:
+            app = serve.status().applications.get(name)
+            engine = app.deployments.get("Engine") if app is not None else None
+            if engine is not None and engine.replica_states.get("RUNNING", 0) == num_replicas \
+                    and engine.status == "HEALTHY":
+                try:
+                    served_model(self.base_url, timeout_s=30)
+                    wait_for_router(self.base_url, num_replicas, timeout_s=max(1.0, deadline - time.monotonic()))
+                    return self.base_url
+                except httpx.HTTPError as exc:
+                    last = repr(exc)
+            elif app is not None:
+                last = f"app {app.status}: {app.message or ''} engine {engine.status if engine else None}"
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the app {name!r} was not serving {num_replicas} engine replicas "
+                                   f"within {timeout_s}s: {last}")
+            time.sleep(1.0)
+
+    def delete(self, name: str) -> None:
+        """Remove the app ``name`` and wait until its replicas are gone."""
+        from ray import serve
+
+        serve.delete(name, _blocking=True)
+
+    def shutdown(self) -> None:
+        import ray
+        from ray import serve
+
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+    def __enter__(self) -> LocalServeCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
