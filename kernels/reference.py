@@ -78,7 +78,8 @@ def _gather_kv(cache: torch.Tensor, block_row: torch.Tensor, length: int) -> tor
     """K or V of one sequence, ``[length, num_kv_heads, head_dim]``."""
     block_size = cache.shape[1]
     num_blocks = (length + block_size - 1) // block_size
-    blocks = cache[block_row[:num_blocks].long()]  # [nb, bs, kvh, d]
+    # index_select, not advanced indexing: several times faster on CPU for a few rows.
+    blocks = cache.index_select(0, block_row[:num_blocks].long())  # [nb, bs, kvh, d]
     return blocks.reshape(-1, *cache.shape[2:])[:length]
 
 
@@ -98,8 +99,12 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of packed queries over paged K/V; returns ``[num_tokens, num_heads, head_dim]``.
 
-    Decode sequences (one query token) are batched into one padded SDPA call;
-    each prefill chunk gets its own call. GQA is handled by SDPA's ``enable_gqa``.
+    One SDPA call per sequence over exactly its own context (no padding, so slots
+    past a sequence's end are never read). GQA folds each KV head's group of query
+    heads into the query-length axis (``[KVH, G*q, D]`` against ``[KVH, L, D]``):
+    K/V are never expanded, and the 4-D call takes CPU SDPA's fused kernel, which
+    ``enable_gqa`` and 3-D inputs do not. A one-token query without a window
+    needs no mask at all (it sees its whole context).
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
@@ -107,63 +112,31 @@ def paged_attention(
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     if out is None:
         out = torch.empty_like(query)
+    group = num_heads // num_kv_heads
     dtype = query.dtype
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
-    q_lens = [starts[s + 1] - starts[s] for s in range(len(lens))]
-    decode = [s for s, q in enumerate(q_lens) if q == 1]
-    prefill = [s for s, q in enumerate(q_lens) if q > 1]
-
-    if decode:
-        _decode_batch(query, key_cache, value_cache, block_tables, decode, starts, lens,
-                      scale, sliding_window, k_scale, v_scale, dtype, out)
-    for s in prefill:
-        length, q_len = lens[s], q_lens[s]
-        # 4-D inputs with K/V heads expanded: CPU SDPA then takes its fused (flash) kernel;
-        # 3-D or enable_gqa inputs fall back to the unfused math path, several times slower.
-        q = query[starts[s]:starts[s + 1]].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
-        k = _dequantize(_gather_kv(key_cache, block_tables[s], length), k_scale, dtype).transpose(0, 1)
-        v = _dequantize(_gather_kv(value_cache, block_tables[s], length), v_scale, dtype).transpose(0, 1)
-        if num_heads != num_kv_heads:
-            k = k.repeat_interleave(num_heads // num_kv_heads, dim=0)
-            v = v.repeat_interleave(num_heads // num_kv_heads, dim=0)
-        q_pos = torch.arange(length - q_len, length, device=query.device).unsqueeze(1)
-        k_pos = torch.arange(length, device=query.device).unsqueeze(0)
-        mask = k_pos <= q_pos
-        if sliding_window is not None:
-            mask &= k_pos > q_pos - sliding_window
+    tables = block_tables.long()
+    for s, length in enumerate(lens):
+        q_start, q_end = starts[s], starts[s + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        k = _dequantize(_gather_kv(key_cache, tables[s], length), k_scale, dtype).transpose(0, 1)  # [KVH, L, D]
+        v = _dequantize(_gather_kv(value_cache, tables[s], length), v_scale, dtype).transpose(0, 1)
+        # [q, H, D] -> [KVH, G*q, D], rows ordered (g, i): query head h = kvh * G + g.
+        q = query[q_start:q_end].view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        q = q.reshape(1, num_kv_heads, group * q_len, head_dim)
+        mask = None
+        if q_len > 1 or sliding_window is not None:
+            q_pos = torch.arange(length - q_len, length, device=query.device).unsqueeze(1)
+            k_pos = torch.arange(length, device=query.device).unsqueeze(0)
+            mask = k_pos <= q_pos  # [q, L]
+            if sliding_window is not None:
+                mask &= k_pos > q_pos - sliding_window
+            mask = mask.repeat(group, 1)  # [G*q, L], matching the folded rows
         o = F.scaled_dot_product_attention(q, k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scale)
-        out[starts[s]:starts[s + 1]] = o[0].transpose(0, 1)
+        # [1, KVH, G*q, D] -> [q, H, D]
+        o = o.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)
+        out[q_start:q_end] = o.reshape(q_len, num_heads, head_dim)
     return out
-
-
-def _decode_batch(query, key_cache, value_cache, block_tables, seqs, starts, lens,
-                  scale, sliding_window, k_scale, v_scale, dtype, out) -> None:
-    """All one-token queries at once: pad K/V to the longest context and mask."""
-    block_size = key_cache.shape[1]
-    device = query.device
-    idx = torch.tensor(seqs, dtype=torch.long, device=device)
-    rows = torch.tensor([starts[s] for s in seqs], dtype=torch.long, device=device)
-    lengths = torch.tensor([lens[s] for s in seqs], dtype=torch.long, device=device)
-    max_len = int(lengths.max())
-    max_blocks = (max_len + block_size - 1) // block_size
-    tables = block_tables[idx.to(block_tables.device), :max_blocks].long()  # [B, nb]
-    # Unused table entries may hold anything; clamp so the gather stays in bounds.
-    tables = tables.clamp(0, key_cache.shape[0] - 1)
-    b = len(seqs)
-    k = key_cache[tables].reshape(b, max_blocks * block_size, *key_cache.shape[2:])
-    v = value_cache[tables].reshape(b, max_blocks * block_size, *value_cache.shape[2:])
-    k_pos = torch.arange(max_blocks * block_size, device=device).unsqueeze(0)
-    q_pos = (lengths - 1).unsqueeze(1)
-    mask = k_pos <= q_pos  # [B, L]
-    # Slots past a sequence's end hold whatever was there (NaN included) and a masked
-    # score still multiplies its value by 0, so zero them before they meet the math.
-    hidden = ~mask[:, :, None, None]
-    k = _dequantize(k, k_scale, dtype).masked_fill(hidden, 0).transpose(1, 2)  # [B, KVH, L, D]
-    v = _dequantize(v, v_scale, dtype).masked_fill(hidden, 0).transpose(1, 2)
-    q = query[rows].unsqueeze(2)  # [B, H, 1, D]
-    if sliding_window is not None:
-        mask &= k_pos > q_pos - sliding_window
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale,
-                                       enable_gqa=q.shape[1] != k.shape[1])
-    out[rows] = o.squeeze(2)
