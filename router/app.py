@@ -1,0 +1,198 @@
+"""Builds the prefixserve Serve application: the OpenAI ingress over the engine deployment.
+
+Job: turn one args dict (``serve run router.app:build_app``, the ``args`` of an
+application in a ``serve deploy`` config such as cluster.yaml, or
+``prefixserve up``) into a ``serve.Application``: the engine deployment
+(replica/deployment.py) with its request router (router/serve_router.py, or
+Ray Serve LLM's PrefixCacheAffinityRouter for comparison), and the ingress
+(router/ingress.py) bound to its handle.
+
+The args (every key optional except ``engine``)::
+
+    engine: {...}                  # EngineConfig fields (replica/config.py)
+    num_replicas: 2                # or autoscaling: {min_replicas, max_replicas, ...}
+    autoscaling: null              # Serve's autoscaling_config, passed through
+    max_ongoing_requests: 64       # per engine replica; beyond it Serve tries the next ring replica
+    ray_actor_options: {num_cpus: 1, num_gpus: 0}
+    health_check_period_s: 10
+    health_check_timeout_s: 30
+    router:
+      router_class: prefixserve    # | ray_llm_prefix_aware | "module:Class"
+      policy: bounded_load         # prefixserve router: round_robin, random, power_of_two,
+      epsilon: 0.25                #   consistent_hash, bounded_load
+      seed: null
+      kwargs: {}                   # other router classes: their initialize_state kwargs
+      stats_period_s: 1.0          # how often replicas report record_routing_stats
+    ingress:
+      num_replicas: 1
+      ray_actor_options: {num_cpus: 0}
+      api_keys: []                 # Bearer keys; empty = open
+      max_body_bytes: 4194304
+      max_attempts: 4              # sends per request while replicas die under it
+
+Invariants: the args are validated here, before anything is deployed, with
+messages that say what to change; the engine config is checked with
+EngineConfig's own validation.
+
+Imports Ray Serve and the deployments; the model loads only in engine replicas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from replica.config import EngineConfig
+from replica.deployment import EngineDeployment
+from router.ingress import IngressConfig, OpenAIIngress
+from router.policies import DEFAULT_POLICY, POLICIES
+from router.serve_router import RAY_LLM_PREFIX_ROUTER_PATH, ROUTER_CLASS_PATH
+
+ROUTER_CLASSES = {
+    "prefixserve": ROUTER_CLASS_PATH,
+    "ray_llm_prefix_aware": RAY_LLM_PREFIX_ROUTER_PATH,
+}
+
+
+def _from_dict(cls: type, data: dict[str, Any] | None, what: str) -> Any:
+    data = dict(data or {})
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"unknown {what} keys {unknown}; known keys: {sorted(known)}")
+    return cls(**data)
+
+
+@dataclass
+class RouterArgs:
+    """Which request router runs on the engine deployment, and its options."""
+
+    router_class: str = "prefixserve"
+    policy: str = DEFAULT_POLICY
+    epsilon: float | None = None
+    seed: int | None = None
+    weights: dict[str, int] | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    stats_period_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"router.policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
+        if self.router_class not in ROUTER_CLASSES and ":" not in self.router_class:
+            raise ValueError(
+                f"router.router_class must be one of {sorted(ROUTER_CLASSES)} or an import path "
+                f"'module:Class', got {self.router_class!r}"
+            )
+        if self.stats_period_s <= 0:
+            raise ValueError(f"router.stats_period_s must be positive, got {self.stats_period_s}")
+        if self.router_class != "prefixserve" and (
+            self.policy != DEFAULT_POLICY or self.epsilon is not None or self.seed is not None or self.weights
+        ):
+            raise ValueError(
+                "router.policy, epsilon, seed and weights configure the prefixserve router; "
+                f"for {self.router_class!r} put its options in router.kwargs"
+            )
+        if self.router_class == "prefixserve" and self.kwargs:
+            raise ValueError("the prefixserve router takes policy, epsilon, seed and weights, not router.kwargs")
+
+    def request_router_config(self) -> RequestRouterConfig:
+        if self.router_class == "prefixserve":
+            kwargs: dict[str, Any] = {"policy": self.policy}
+            for name in ("epsilon", "seed", "weights"):
+                if getattr(self, name) is not None:
+                    kwargs[name] = getattr(self, name)
+        else:
+            kwargs = dict(self.kwargs)
+        return RequestRouterConfig(
+            request_router_class=ROUTER_CLASSES.get(self.router_class, self.router_class),
+            request_router_kwargs=kwargs,
+            request_routing_stats_period_s=self.stats_period_s,
+        )
+
+
+@dataclass
+class IngressArgs:
+    """The ingress deployment: Serve options plus IngressConfig's fields."""
+
+    num_replicas: int = 1
+    ray_actor_options: dict[str, Any] = field(default_factory=lambda: {"num_cpus": 0})
+    config: IngressConfig = field(default_factory=IngressConfig)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> IngressArgs:
+        data = dict(data or {})
+        num_replicas = data.pop("num_replicas", 1)
+        if not isinstance(num_replicas, int) or num_replicas < 1:
+            raise ValueError(f"ingress.num_replicas must be an integer >= 1, got {num_replicas!r}")
+        options = data.pop("ray_actor_options", {"num_cpus": 0})
+        return cls(num_replicas, dict(options), IngressConfig.from_dict(data))
+
+
+@dataclass
+class AppArgs:
+    """Everything ``build_app`` takes (see the module docstring)."""
+
+    engine: dict[str, Any]
+    num_replicas: int | None = 2
+    autoscaling: dict[str, Any] | None = None
+    max_ongoing_requests: int = 64
+    ray_actor_options: dict[str, Any] = field(default_factory=lambda: {"num_cpus": 1})
+    health_check_period_s: float = 10.0
+    health_check_timeout_s: float = 30.0
+    router: RouterArgs = field(default_factory=RouterArgs)
+    ingress: IngressArgs = field(default_factory=IngressArgs)
+
+    @classmethod
+    def from_dict(cls, args: dict[str, Any]) -> AppArgs:
+        data = dict(args)
+        if "engine" not in data:
+            raise ValueError("the app args need an 'engine' section (EngineConfig fields, at least 'model')")
+        router = _from_dict(RouterArgs, data.pop("router", None), "router")
+        ingress = IngressArgs.from_dict(data.pop("ingress", None))
+        if data.get("autoscaling") is not None and "num_replicas" not in args:
+            data["num_replicas"] = None  # autoscaling replaces the default count
+        parsed = _from_dict(cls, data, "app args")
+        parsed.router = router
+        parsed.ingress = ingress
+        parsed.validate()
+        return parsed
+
+    def validate(self) -> None:
+        EngineConfig.from_dict(dict(self.engine))
+        if self.autoscaling is not None and self.num_replicas is not None:
+            raise ValueError("set either num_replicas or autoscaling, not both (Serve refuses both)")
+        if self.autoscaling is None and (not isinstance(self.num_replicas, int) or self.num_replicas < 1):
+            raise ValueError(f"num_replicas must be an integer >= 1, got {self.num_replicas!r}")
+        if self.max_ongoing_requests < 1:
+            raise ValueError(f"max_ongoing_requests must be >= 1, got {self.max_ongoing_requests}")
+        if self.health_check_period_s <= 0 or self.health_check_timeout_s <= 0:
+            raise ValueError("health_check_period_s and health_check_timeout_s must be positive")
+
+
+def build_engine(args: AppArgs) -> serve.Application:
+    """The engine deployment, bound to its EngineConfig dict."""
+    options: dict[str, Any] = {
+        "max_ongoing_requests": args.max_ongoing_requests,
+        "ray_actor_options": dict(args.ray_actor_options),
+        "health_check_period_s": args.health_check_period_s,
+        "health_check_timeout_s": args.health_check_timeout_s,
+        "request_router_config": args.router.request_router_config(),
+    }
+    if args.autoscaling is not None:
+        options["autoscaling_config"] = dict(args.autoscaling)
+    else:
+        options["num_replicas"] = args.num_replicas
+    return EngineDeployment.options(**options).bind(dict(args.engine))
+
+
+def build_app(args: dict[str, Any]) -> serve.Application:
+    """The Serve application for ``serve run router.app:build_app`` / ``serve deploy``."""
+    parsed = AppArgs.from_dict(args)
+    engine = build_engine(parsed)
+    ingress = parsed.ingress
+    return OpenAIIngress.options(
+        num_replicas=ingress.num_replicas, ray_actor_options=dict(ingress.ray_actor_options)
+    ).bind(engine, vars(ingress.config))

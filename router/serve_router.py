@@ -1,0 +1,218 @@
+"""Ray Serve request router that runs a prefixserve routing policy on the engine deployment.
+
+Job: adapt Ray Serve's ``RequestRouter`` (ray.serve.request_router, Serve 2.60)
+to the pure policies of router/policies.py. The ingress computes the routing
+key (router/prefix.py) and passes it as ``routing_key`` on the first positional
+argument of the engine call (replica/deployment.py's EngineRequest); this router
+reads it, ranks the live replicas with the configured policy and returns one
+tier per replica, best first. The base class tries the tiers in order: a
+replica that is full (its queue length reaches ``max_ongoing_requests``) or
+rejects the request moves it to the key's next ring successor.
+
+Invariants:
+
+* Ring membership is exactly the candidate set Serve hands to
+  ``choose_replicas``: the base class keeps it equal to the controller's live
+  replicas (``update_replicas``) minus those found dead
+  (``on_replica_actor_died``), so a dead replica leaves the ring at the next
+  decision and its keys move to their ring successors; no other key moves.
+* A replica is placed on the ring by its full replica id
+  (``SERVE_REPLICA::app#deployment#id``), the name replica/deployment.py reports
+  back to clients (``X-Prefixserve-Replica``).
+* In-flight counts are this router's own bookkeeping: requests it routed to a
+  replica (``on_request_routed``) that have not completed
+  (``on_request_completed``). Not Serve's queue-length cache: its entries mix
+  in queue-length probes that can land after the completion they predate, and
+  leave an idle replica looking busy for up to the cache timeout, which made
+  bounded_load spill keys with nothing in flight. With several ingress
+  replicas each router bounds its own share of every replica's load; Serve's
+  ``max_ongoing_requests`` (with replica-side rejection) stays the hard limit.
+* The router never blocks its event loop: ranking is pure Python, metrics are
+  in-process counters.
+
+Configuration (``RequestRouterConfig.request_router_kwargs``, passed to
+``initialize_state``): ``policy`` (router/policies.py name, default
+``bounded_load``), ``epsilon`` (bounded_load), ``seed`` (random,
+power_of_two), ``weights`` ({replica name: weight}).
+
+Imports Ray Serve (this is the adapter); the policy logic stays in router/policies.py.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict, defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
+
+from router.metrics import RouterMetrics, router_metrics
+from router.policies import DEFAULT_POLICY, Policy, make_policy
+
+# Import path of this router for RequestRouterConfig(request_router_class=...).
+ROUTER_CLASS_PATH = "router.serve_router:PrefixRouter"
+# Ray Serve LLM's prefix-tree router (the comparison point of the cluster benchmark).
+RAY_LLM_PREFIX_ROUTER_PATH = (
+    "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:PrefixCacheAffinityRouter"
+)
+# Remembered decisions (key owner per request) waiting for their routing outcome;
+# bounded so that requests cancelled before routing cannot grow it without end.
+_MAX_PENDING_DECISIONS = 10_000
+
+
+def replica_name(replica_id: ReplicaID) -> str:
+    """The ring name of a Serve replica: its full id, stable for the replica's life."""
+    return replica_id.to_full_id_str()
+
+
+def is_generation(pending_request: PendingRequest | None) -> bool:
+    """True for a generation request (an EngineRequest-like first argument), not a control call."""
+    return pending_request is not None and bool(pending_request.args) and hasattr(
+        pending_request.args[0], "routing_key"
+    )
+
+
+def request_routing_key(pending_request: PendingRequest | None) -> str | None:
+    """The routing key carried by the request's first positional argument (None: no affinity)."""
+    if pending_request is None or not pending_request.args:
+        return None
+    key = getattr(pending_request.args[0], "routing_key", None)
+    return key if isinstance(key, str) and key else None
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    """A RunningReplica seen through router/policies.py's ReplicaView."""
+
+    replica: Any  # RunningReplica (or a test double with the same attributes)
+    name: str
+    in_flight: int
+
+
+class PrefixRouter(RequestRouter):
+    """Routes each request to its routing key's replica with a prefixserve policy."""
+
+    def initialize_state(
+        self,
+        policy: str = DEFAULT_POLICY,
+        epsilon: float | None = None,
+        seed: int | None = None,
+        weights: dict[str, int] | None = None,
+        metrics: RouterMetrics | None = None,
+    ) -> None:
+        kwargs: dict[str, Any] = {}
+        if epsilon is not None:
+            if policy != "bounded_load":
+                raise ValueError(f"epsilon applies to the bounded_load policy only, not {policy!r}")
+            kwargs["epsilon"] = epsilon
+        if seed is not None:
+            if policy not in ("random", "power_of_two"):
+                raise ValueError(f"seed applies to random and power_of_two only, not {policy!r}")
+            kwargs["seed"] = seed
+        if weights:
+            if policy not in ("consistent_hash", "bounded_load"):
+                raise ValueError(f"weights apply to the ring policies only, not {policy!r}")
+            kwargs["weights"] = weights
+        self._policy: Policy = make_policy(policy, **kwargs)
+        self._metrics = metrics if metrics is not None else router_metrics()
+        self._deployment = self._deployment_id.name
+        # Per request: the key's ring owner at decision time (for the spill metric).
+        self._owners: OrderedDict[str, str | None] = OrderedDict()
+        # Requests this router routed and that have not completed: id -> replica.
+        self._routed: dict[str, ReplicaID] = {}
+        self._own_in_flight: defaultdict[ReplicaID, int] = defaultdict(int)
+        self._ring_names: set[str] = set()
+
+    @property
+    def policy(self) -> Policy:
+        return self._policy
+
+    # -- the decision -----------------------------------------------------------------
+    def in_flight(self, replica: RunningReplica) -> int:
+        """Requests this router sent to ``replica`` that have not completed."""
+        return self._own_in_flight.get(replica.replica_id, 0)
+
+    def rank(self, candidate_replicas: list[RunningReplica], key: str | None) -> tuple[list[RunningReplica], str | None]:
+        """The candidates best first and the key's ring owner (None without a key or ring)."""
+        views = [ReplicaLoad(r, replica_name(r.replica_id), self.in_flight(r)) for r in candidate_replicas]
+        start = time.perf_counter()
+        decision = self._policy.rank(views, key)
+        self._metrics.decision_seconds.labels(self._deployment, self._policy.name).observe(
+            time.perf_counter() - start
+        )
+        return [v.replica for v in decision.ranking], decision.owner
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        key = request_routing_key(pending_request)
+        ranking, owner = self.rank(candidate_replicas, key)
+        if pending_request is not None:
+            # Every tier is on offer, so when all are full the base class should back
+            # off before asking again rather than spin.
+            pending_request.routing_context.should_backoff = True
+            self._remember_owner(pending_request.metadata.internal_request_id, owner)
+        return [[r] for r in ranking]
+
+    def _remember_owner(self, request_id: str, owner: str | None) -> None:
+        self._owners[request_id] = owner
+        self._owners.move_to_end(request_id)
+        while len(self._owners) > _MAX_PENDING_DECISIONS:
+            self._owners.popitem(last=False)
+
+    # -- lifecycle hooks --------------------------------------------------------------
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
+        request_id = pending_request.metadata.internal_request_id
+        name = replica_name(replica_id)
+        owner = self._owners.pop(request_id, None)
+        if is_generation(pending_request):  # control calls (model_info, ...) are not counted
+            self._metrics.requests.labels(self._deployment, self._policy.name, name).inc()
+            if owner is not None and owner != name:
+                self._metrics.spills.labels(self._deployment, self._policy.name).inc()
+            if request_routing_key(pending_request) is None:
+                self._metrics.unkeyed_requests.labels(self._deployment, self._policy.name).inc()
+        if request_id not in self._routed:
+            self._routed[request_id] = replica_id
+            self._own_in_flight[replica_id] += 1
+            self._metrics.in_flight.labels(self._deployment, name).set(self._own_in_flight[replica_id])
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        routed_to = self._routed.pop(internal_request_id, None)
+        if routed_to is None:
+            return  # a rejected attempt: it was never counted
+        count = max(0, self._own_in_flight.get(routed_to, 0) - 1)
+        if routed_to in self._own_in_flight:
+            self._own_in_flight[routed_to] = count
+            self._metrics.in_flight.labels(self._deployment, replica_name(routed_to)).set(count)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self._forget_departed()
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._forget_departed()
+
+    def _forget_departed(self) -> None:
+        live = set(self.curr_replicas)
+        for rid in [r for r in self._own_in_flight if r not in live]:
+            del self._own_in_flight[rid]
+            try:
+                self._metrics.in_flight.remove(self._deployment, replica_name(rid))
+            except KeyError:
+                pass
+        names = {replica_name(r) for r in live}
+        for name in self._ring_names - names:
+            try:
+                self._metrics.ring_member.remove(self._deployment, name)
+            except KeyError:
+                pass
+        for name in names - self._ring_names:
+            self._metrics.ring_member.labels(self._deployment, name).set(1)
+        self._ring_names = names
+        self._metrics.ring_size.labels(self._deployment).set(len(live))

@@ -1,0 +1,108 @@
+"""``prefixserve up``: the whole cluster on this machine until Ctrl-C.
+
+Job: start a local Ray, run the prefixserve Serve application (router/app.py:
+N engine replicas on CPU, the prefix-aware request router, the OpenAI
+ingress) with Serve's HTTP proxy on ``--host:--port``, print the endpoint, and
+on Ctrl-C (or SIGTERM) shut Serve and Ray down cleanly.
+
+Every EngineConfig knob is an option (``--block-size``, ``--num-kv-blocks``,
+...), as for ``prefixserve replica``.
+
+Imports Ray Serve lazily (in ``run``), so ``prefixserve --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import signal
+import threading
+from typing import Any
+
+from replica.config import EngineConfig
+from router.policies import DEFAULT_POLICY, POLICIES
+
+APP_NAME = "prefixserve"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    cluster = parser.add_argument_group("cluster")
+    cluster.add_argument("--replicas", type=int, default=2, help="engine replicas (default: 2)")
+    cluster.add_argument("--replica-cpus", type=float, default=1.0,
+                         help="Ray CPUs per engine replica; also its torch threads (default: 1)")
+    cluster.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES),
+                         help=f"routing policy (default: {DEFAULT_POLICY})")
+    cluster.add_argument("--epsilon", type=float, default=None,
+                         help="bounded_load's epsilon (default: the policy's)")
+    cluster.add_argument("--max-ongoing-requests", type=int, default=64,
+                         help="requests per engine replica before Serve tries the key's next replica (default: 64)")
+    http = parser.add_argument_group("http")
+    http.add_argument("--host", default="127.0.0.1", help="address of the OpenAI endpoint (default: 127.0.0.1)")
+    http.add_argument("--port", type=int, default=8000, help="port of the OpenAI endpoint (default: 8000)")
+    http.add_argument("--api-key", dest="api_keys", action="append", default=None,
+                      help="require 'Authorization: Bearer KEY' on /v1/* (repeat for several keys)")
+    http.add_argument("--ingress-replicas", type=int, default=1, help="ingress replicas (default: 1)")
+    EngineConfig.add_cli_arguments(parser)
+
+
+def app_args(args: argparse.Namespace) -> dict[str, Any]:
+    """router/app.py's args for the options given."""
+    engine = EngineConfig.from_cli_args(args)
+    router: dict[str, Any] = {"policy": args.policy}
+    if args.epsilon is not None:
+        router["epsilon"] = args.epsilon
+    return {
+        "engine": dataclasses.asdict(engine),
+        "num_replicas": args.replicas,
+        "max_ongoing_requests": args.max_ongoing_requests,
+        "ray_actor_options": {"num_cpus": args.replica_cpus},
+        "router": router,
+        "ingress": {"num_replicas": args.ingress_replicas, "api_keys": list(args.api_keys or [])},
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+
+    from router.app import AppArgs, build_app
+
+    if args.replicas < 1:
+        raise SystemExit("--replicas must be at least 1")
+    app = app_args(args)
+    AppArgs.from_dict(app)  # refuse bad options before starting anything
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Replicas inherit the environment: nothing from a model hub at run time.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    cpus = max(os.cpu_count() or 1, int(args.replicas * args.replica_cpus + 0.999))
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True)
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        print(f"starting {args.replicas} engine replica(s) of {app['engine']['model']} "
+              f"with the {args.policy} router...", flush=True)
+        serve.run(build_app(app), name=APP_NAME, route_prefix="/", blocking=False)
+        while not stop.is_set():
+            status = serve.status().applications.get(APP_NAME)
+            if status is not None and status.status == "RUNNING":
+                break
+            if status is not None and status.status in ("DEPLOY_FAILED", "UNHEALTHY"):
+                print(f"the app failed to start: {status.message}", flush=True)
+                return 1
+            stop.wait(1.0)
+        if not stop.is_set():
+            print(f"OpenAI endpoint: http://{args.host}:{args.port}/v1 "
+                  f"(models: {EngineConfig.from_cli_args(args).model_name}); Ctrl-C to stop", flush=True)
+        stop.wait()
+        print("shutting down...", flush=True)
+        return 0
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()

@@ -1,0 +1,217 @@
+"""Helpers for tests on a real multi-node Ray cluster on this machine.
+
+* :class:`LocalRayCluster`: ``ray.cluster_utils.Cluster`` with a CPU-less head
+  and worker nodes (each >= 75 MiB object store, as Ray requires), connected
+  with ``ray.init``; ``shutdown`` always stops Serve, Ray and every node.
+* :func:`deploy`: runs the prefixserve app (router/app.py) with given args on
+  the cluster's HTTP port and waits until it answers.
+* :func:`chat`: one chat request over real HTTP, returning status, body and
+  the replica that served it.
+* :func:`engine_replicas`: the live engine replicas' ring names.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from router.prefix import PREFIX_HASH_HEADER
+
+OBJECT_STORE_BYTES = 80 * 1024**2
+REPLICA_HEADER = "X-Prefixserve-Replica"
+INGRESS_HEADER = "X-Prefixserve-Ingress"
+APP_NAME = "prefixserve"
+
+
+class LocalRayCluster:
+    """A head node with no CPUs (nothing is scheduled there) plus ``num_workers`` worker nodes."""
+
+    def __init__(self, num_workers: int = 2, cpus_per_worker: int = 2) -> None:
+        import ray
+        from ray.cluster_utils import Cluster
+
+        # Replicas of a test must not inherit a GPU or the TRITON interpreter flag's absence.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        self.cluster = Cluster(
+            initialize_head=True,
+            head_node_args={"num_cpus": 0, "object_store_memory": OBJECT_STORE_BYTES, "include_dashboard": False},
+        )
+        try:
+            for _ in range(num_workers):
+                self.cluster.add_node(num_cpus=cpus_per_worker, object_store_memory=OBJECT_STORE_BYTES)
+            self.cluster.wait_for_nodes()
+            ray.init(address=self.cluster.address, log_to_driver=False)
+        except BaseException:
+            self.cluster.shutdown()
+            raise
+
+    def shutdown(self) -> None:
+        import ray
+        from ray import serve
+
+        try:
+            if ray.is_initialized():
+                serve.shutdown()
+        finally:
+            try:
+                ray.shutdown()
+            finally:
+                self.cluster.shutdown()
+
+
+def deploy_config(
+    args: dict[str, Any], port: int, name: str = APP_NAME, deployments: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """A ``serve deploy`` config (cluster.yaml's shape) running the app with ``args``.
+
+    ``deployments`` are Serve's per-deployment overrides (e.g. ``[{"name": "Engine",
+    "num_replicas": 4}]``).
+    """
+    app: dict[str, Any] = {"name": name, "route_prefix": "/", "import_path": "router.app:build_app", "args": args}
+    if deployments:
+        app["deployments"] = deployments
+    return {
+        # One proxy: every node of this cluster shares the machine's ports.
+        "proxy_location": "HeadOnly",
+        "http_options": {"host": "127.0.0.1", "port": port},
+        "applications": [app],
+    }
+
+
+def deploy(
+    args: dict[str, Any],
+    port: int,
+    *,
+    name: str = APP_NAME,
+    deployments: list[dict[str, Any]] | None = None,
+    timeout_s: float = 180.0,
+) -> str:
+    """Deploy the app with ``args`` the way ``serve deploy`` does; returns its base URL.
+
+    Declarative, like ``serve deploy cluster.yaml``: the controller imports
+    router.app:build_app. Changing ``args`` rebuilds the app and replaces every
+    replica; changing only a ``deployments`` override such as ``num_replicas``
+    adds or removes replicas and leaves the others running.
+    """
+    from ray import serve
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+    _get_global_client().deploy_apps(ServeDeploySchema.model_validate(deploy_config(args, port, name, deployments)))
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while True:
+        try:
+            response = httpx.get(f"{base}/v1/models", timeout=10)
+            if response.status_code == 200:
+                return base
+            last = f"{response.status_code} {response.text[:300]}"
+        except httpx.HTTPError as exc:
+            last = repr(exc)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the prefixserve app did not answer on {base} within {timeout_s}s: {last}")
+        time.sleep(0.5)
+
+
+@dataclass
+class ChatResult:
+    status: int
+    body: dict[str, Any]
+    replica: str | None
+    ingress: str | None
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def chat(
+    base: str,
+    user: str,
+    *,
+    system: str | None = None,
+    prefix_hash: str | None = None,
+    max_tokens: int = 4,
+    client: httpx.Client | None = None,
+) -> ChatResult:
+    """One non-streaming greedy chat completion."""
+    messages = ([{"role": "system", "content": system}] if system is not None else []) + [
+        {"role": "user", "content": user}
+    ]
+    headers = {PREFIX_HASH_HEADER: prefix_hash} if prefix_hash is not None else {}
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    http = client or httpx.Client(timeout=120)
+    try:
+        response = http.post(f"{base}/v1/chat/completions", json=body, headers=headers)
+    finally:
+        if client is None:
+            http.close()
+    return ChatResult(response.status_code, response.json(), response.headers.get(REPLICA_HEADER),
+                      response.headers.get(INGRESS_HEADER))
+
+
+def engine_replicas(app_name: str = APP_NAME) -> list[str]:
+    """Ring names of the engine replicas that answer now."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("Engine", app_name=app_name)
+    names = handle.broadcast("replica_name").results(timeout_s=60, return_exceptions=True)
+    return sorted(n for n in names if isinstance(n, str))
+
+
+def wait_for_replicas(count: int, app_name: str = APP_NAME, timeout_s: float = 180.0) -> list[str]:
+    """Wait until exactly ``count`` engine replicas are running; returns their names."""
+    from ray import serve
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = serve.status().applications.get(app_name)
+        if status is not None:
+            engine = status.deployments.get("Engine")
+            running = engine.replica_states.get("RUNNING", 0) if engine is not None else 0
+            if running == count and engine.status == "HEALTHY":
+                names = engine_replicas(app_name)
+                if len(names) == count:
+                    return names
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{count} engine replicas were not running within {timeout_s}s")
+        time.sleep(0.5)
+
+
+def ring_members(metrics_text: str) -> set[str]:
+    """The replicas an ingress's router has on its ring, from its /metrics text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        sample.labels["replica"]
+        for family in text_string_to_metric_families(metrics_text)
+        for sample in family.samples
+        if sample.name == "prefixserve_router_ring_member" and sample.value == 1
+    }
+
+
+def wait_for_ring(base: str, members: list[str], num_ingress: int, timeout_s: float = 120.0) -> None:
+    """Wait until every ingress replica's router has exactly ``members`` on its ring.
+
+    The controller reports a replica running (or gone) a moment before the
+    ingress routers hear of it; tests that check where keys land wait for both.
+    """
+    deadline = time.monotonic() + timeout_s
+    seen: dict[str, set[str]] = {}
+    with httpx.Client(timeout=30) as http:
+        while True:
+            response = http.get(f"{base}/metrics")
+            ingress = response.headers.get(INGRESS_HEADER)
+            if response.status_code == 200 and ingress is not None:
+                seen[ingress] = ring_members(response.text)
+            if len(seen) == num_ingress and all(v == set(members) for v in seen.values()):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"ingress routers did not all see {sorted(members)}: {seen}")
+            time.sleep(0.2)

@@ -1,0 +1,263 @@
+"""The prefixserve app on a real multi-node Ray cluster: routing, affinity, failures, scaling.
+
+One ``ray.cluster_utils.Cluster`` (CPU-less head + 2 worker nodes) per module,
+3 engine replicas of a tiny random Llama, 2 ingress replicas, real HTTP. The
+ring is checked against router/ring.py over the live replicas' names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import httpx
+import pytest
+
+from router.prefix import PREFIX_HASH_HEADER, prefix_hash
+from router.ring import HashRing
+from tests.cluster_helpers import (
+    REPLICA_HEADER,
+    LocalRayCluster,
+    chat,
+    deploy,
+    engine_replicas,
+    wait_for_replicas,
+    wait_for_ring,
+)
+from tests.model_helpers import tiny_checkpoint
+
+pytestmark = pytest.mark.slow
+
+PORT = 18431
+NUM_INGRESS = 2
+ATTEMPTS_HEADER = "X-Prefixserve-Attempts"
+
+
+def app_args(model: str, num_replicas: int) -> dict:
+    return {
+        "engine": {"model": model, "num_kv_blocks": 512, "max_num_seqs": 2, "max_model_len": 1024},
+        "num_replicas": num_replicas,
+        "max_ongoing_requests": 32,
+        "ray_actor_options": {"num_cpus": 0.5},
+        "health_check_period_s": 1.0,
+        "router": {"policy": "bounded_load", "epsilon": 0.25, "stats_period_s": 1.0},
+        # A sliver of CPU keeps the ingress replicas off the CPU-less head node, where
+        # the only HTTP proxy runs: the proxy prefers replicas on its own node.
+        "ingress": {"num_replicas": NUM_INGRESS, "ray_actor_options": {"num_cpus": 0.1}},
+    }
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return str(tiny_checkpoint(tmp_path_factory.mktemp("cluster") / "tiny", max_pos=1024))
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = LocalRayCluster(num_workers=2, cpus_per_worker=2)
+    try:
+        yield c
+    finally:
+        c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def base(cluster, model_dir) -> str:
+    url = deploy(app_args(model_dir, 3), PORT)
+    wait_for_ring(url, wait_for_replicas(3), NUM_INGRESS)
+    return url
+
+
+def words(rng: random.Random, n: int) -> str:
+    vocab = "alpha beta gamma delta river stone cloud paper garden window silver orange market".split()
+    return " ".join(rng.choice(vocab) for _ in range(n))
+
+
+def key_owner(keys: list[str]) -> dict[str, str]:
+    ring = HashRing(engine_replicas())
+    return {k: ring.owner(k) for k in keys}
+
+
+def test_same_system_prompt_lands_on_one_replica_and_hits_its_cache(base):
+    rng = random.Random(101)
+    system = "You are a careful assistant. " + words(rng, 60)
+    results = [chat(base, words(rng, 6), system=system) for _ in range(5)]
+    assert all(r.status == 200 for r in results), [r.body for r in results]
+    assert {r.replica for r in results} == {key_owner([prefix_hash(system)])[prefix_hash(system)]}
+    assert all(r.cached_tokens >= 48 for r in results[1:]), [r.cached_tokens for r in results]
+
+
+def test_replicas_report_routing_stats_and_metrics_name_every_replica(base):
+    from ray import serve
+
+    handle = serve.get_deployment_handle("Engine", app_name="prefixserve")
+    stats = handle.broadcast("record_routing_stats").results(timeout_s=60)
+    assert len(stats) == 3
+    for s in stats:
+        assert set(s) == {"kv_usage", "num_running", "num_waiting"}
+        assert 0.0 <= s["kv_usage"] <= 1.0 and s["num_running"] >= 0 and s["num_waiting"] >= 0
+    text = httpx.get(f"{base}/metrics", timeout=60).text
+    for name in engine_replicas():
+        assert f'vllm:prefix_cache_queries_total{{model_name="tiny",replica="{name}"}}' in text
+    assert "prefixserve_router_decision_seconds_count" in text
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_replica(base):
+    body = {"messages": [{"role": "user", "content": "go on"}], "max_tokens": 800, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(timeout=120) as http:
+        with http.stream("POST", f"{base}/v1/chat/completions", json=body) as response:
+            replica = response.headers[REPLICA_HEADER]
+            for line in response.iter_lines():
+                if '"content":"' in line and '"content":""' not in line:
+                    break  # one token arrived: hang up
+    from ray import serve
+
+    handle = serve.get_deployment_handle("Engine", app_name="prefixserve")
+    deadline = time.monotonic() + 30
+    while True:
+        stats = {s["replica"]: s for s in handle.broadcast("engine_stats").results(timeout_s=60)}
+        if stats[replica]["num_running"] == 0 and stats[replica]["num_waiting"] == 0:
+            break
+        assert time.monotonic() < deadline, f"the abandoned request still runs: {stats[replica]}"
+        time.sleep(0.2)
+
+
+def test_distinct_prompts_spread_over_the_replicas_by_the_ring(base):
+    rng = random.Random(102)
+    systems = [f"Tenant {i}: " + words(rng, 20) for i in range(24)]
+    owners = key_owner([prefix_hash(s) for s in systems])
+    served = {}
+    with httpx.Client(timeout=120) as http:
+        for system in systems:
+            r = chat(base, "hello", system=system, client=http)
+            assert r.status == 200, r.body
+            served[prefix_hash(system)] = r.replica
+    assert served == owners
+    assert len(set(served.values())) >= 2
+
+
+def test_two_ingress_replicas_route_each_key_identically(base):
+    rng = random.Random(103)
+    keys = [f"{rng.getrandbits(64):016x}" for _ in range(4)]
+    owners = key_owner(keys)
+    seen: dict[str, set[tuple[str, str]]] = {k: set() for k in keys}
+    with httpx.Client(timeout=120) as http:
+        for _ in range(10):
+            for k in keys:
+                r = chat(base, words(rng, 4), prefix_hash=k, client=http)
+                assert r.status == 200, r.body
+                seen[k].add((r.ingress, r.replica))
+    ingresses = {ingress for pairs in seen.values() for ingress, _ in pairs}
+    assert len(ingresses) == NUM_INGRESS  # the proxy spread the requests over both ingress replicas
+    for k in keys:
+        assert {replica for _, replica in seen[k]} == {owners[k]}
+
+
+async def _stream(http: httpx.AsyncClient, base: str, key: str, record: dict) -> None:
+    body = {"messages": [{"role": "user", "content": "count"}], "max_tokens": 120, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    try:
+        async with http.stream("POST", f"{base}/v1/chat/completions", json=body,
+                               headers={PREFIX_HASH_HEADER: key}) as response:
+            record["status"] = response.status_code
+            record["replica"] = response.headers.get(REPLICA_HEADER)
+            record["attempts"] = int(response.headers.get(ATTEMPTS_HEADER, "0"))
+            async for line in response.aiter_lines():
+                if line.startswith("data: ") and '"content":"' in line and '"content":""' not in line:
+                    record.setdefault("first_token_at", time.monotonic())
+                if '"error"' in line:
+                    record["error"] = line
+                if line == "data: [DONE]":
+                    record["done"] = True
+    except httpx.HTTPError as exc:
+        record["error"] = repr(exc)
+
+
+def test_killing_a_replica_under_load_loses_no_unstarted_request_and_moves_no_surviving_key(base):
+    import ray
+
+    rng = random.Random(104)
+    before = engine_replicas()
+    ring = HashRing(before)
+    victim = before[0]
+    probe_keys = [f"{rng.getrandbits(64):016x}" for _ in range(2000)]
+    victim_keys = [k for k in probe_keys if ring.owner(k) == victim][:8]
+    other_keys = [k for k in probe_keys if ring.owner(k) != victim][:4]
+    records = [{"key": k} for k in victim_keys + other_keys]
+
+    async def main() -> None:
+        async with httpx.AsyncClient(timeout=300) as http:
+            tasks = [asyncio.create_task(_stream(http, base, r["key"], r)) for r in records]
+            # Let the victim start its first two requests (max_num_seqs=2) and queue the rest.
+            deadline = time.monotonic() + 60
+            while not any("first_token_at" in r for r in records[: len(victim_keys)]):
+                assert time.monotonic() < deadline, "no request started streaming"
+                await asyncio.sleep(0.05)
+            ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+            await asyncio.gather(*tasks)
+
+    asyncio.run(main())
+    for r in records:
+        if not r.get("done") or "error" in r:
+            # Only a request that was already streaming from the victim may fail. A streamed
+            # answer gets its 200 and replica header only once the ingress holds the first
+            # token, so a 200 naming the victim is exactly "had started streaming there".
+            assert r.get("status") == 200 and r.get("replica") == victim, r
+    resent = [r for r in records if r.get("attempts", 0) > 1]
+    assert resent, "no request was queued on the victim when it died"
+    assert all(r.get("done") and "error" not in r and r["replica"] != victim for r in resent)
+    assert sum(1 for r in records if r.get("done") and "error" not in r) >= len(records) - 2
+
+    # Serve replaces the dead replica; a key of a surviving replica stays there or
+    # moves to the newcomer, never to another survivor.
+    after = wait_for_replicas(3)
+    wait_for_ring(base, after, NUM_INGRESS)
+    survivors = set(before) - {victim}
+    newcomers = set(after) - set(before)
+    assert survivors <= set(after) and len(newcomers) == 1
+    new_ring = HashRing(after)
+    for k in probe_keys:
+        if ring.owner(k) in survivors:
+            assert new_ring.owner(k) in (ring.owner(k), *newcomers)
+    with httpx.Client(timeout=120) as http:
+        for k in probe_keys[:30]:
+            r = chat(base, "where", prefix_hash=k, client=http)
+            assert r.status == 200 and r.replica == new_ring.owner(k), (r.replica, new_ring.owner(k))
+
+
+def test_adding_a_replica_moves_at_most_its_share_of_keys(base, model_dir):
+    rng = random.Random(105)
+    before = wait_for_replicas(3)
+    # Scale through Serve's override (the args are unchanged, so no replica restarts).
+    deploy(app_args(model_dir, 3), PORT, deployments=[{"name": "Engine", "num_replicas": 4}])
+    after = wait_for_replicas(4)
+    wait_for_ring(base, after, NUM_INGRESS)
+    (newcomer,) = set(after) - set(before)
+    keys = [f"{rng.getrandbits(64):016x}" for _ in range(10_000)]
+    old_ring, new_ring = HashRing(before), HashRing(after)
+    moved = [k for k in keys if old_ring.owner(k) != new_ring.owner(k)]
+    assert all(new_ring.owner(k) == newcomer for k in moved)
+    assert len(moved) / len(keys) <= 1 / 4 + 0.05
+    # The routers see the new membership: live requests follow the new ring.
+    with httpx.Client(timeout=120) as http:
+        for k in keys[:24]:
+            r = chat(base, "hi", prefix_hash=k, client=http)
+            assert r.status == 200 and r.replica == new_ring.owner(k)
+        metrics = http.get(f"{base}/metrics").text
+    assert 'prefixserve_router_ring_size{deployment="Engine"} 4.0' in metrics
+
+
+def test_ray_serve_llm_prefix_router_runs_on_the_engine_deployment(base, model_dir):
+    """Ray Serve LLM's PrefixCacheAffinityRouter reads EngineRequest.messages and routes a repeated prompt home."""
+    args = app_args(model_dir, 2)
+    args["router"] = {"router_class": "ray_llm_prefix_aware"}
+    deploy(args, PORT)
+    wait_for_replicas(2)
+    rng = random.Random(106)
+    system = "Ray prefix tree tenant. " + words(rng, 60)
+    results = [chat(base, "same question", system=system) for _ in range(4)]
+    assert all(r.status == 200 for r in results), [r.body for r in results]
+    assert len({r.replica for r in results[1:]}) == 1
+    assert all(r.cached_tokens >= 48 for r in results[2:])

@@ -1,0 +1,257 @@
+"""router/serve_router.py against Ray Serve's real RequestRouter base class, with fake replicas.
+
+No Ray cluster: the replicas are test doubles with RunningReplica's routing
+surface (replica_id, max_ongoing_requests, get_queue_len, ...), and requests
+go through the base class's own routing loop (tiers, queue-length probes,
+fallback), so what is tested is what Serve runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import uuid
+
+import pytest
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
+from ray.serve.request_router import PendingRequest
+
+from replica.deployment import EngineRequest
+from router.metrics import RouterMetrics
+from router.ring import HashRing
+from router.serve_router import PrefixRouter, replica_name, request_routing_key
+
+DEPLOYMENT = DeploymentID(name="Engine", app_name="prefixserve")
+
+
+class FakeReplica:
+    """RunningReplica's routing surface; ``queue_len`` is what the replica reports when probed."""
+
+    def __init__(self, unique_id: str, queue_len: int = 0, max_ongoing_requests: int = 8) -> None:
+        self.replica_id = ReplicaID(unique_id, DEPLOYMENT)
+        self.queue_len = queue_len
+        self.max_ongoing_requests = max_ongoing_requests
+        self.node_id = "node-1"
+        self.availability_zone = None
+        self.multiplexed_model_ids: set[str] = set()
+        self.routing_stats: dict = {}
+        self.is_cross_language = False
+        self.probes = 0
+
+    async def get_queue_len(self, *, deadline_s: float) -> int:
+        self.probes += 1
+        return self.queue_len
+
+    @property
+    def name(self) -> str:
+        return replica_name(self.replica_id)
+
+
+def make_router(policy: str = "bounded_load", **kwargs) -> PrefixRouter:
+    router = PrefixRouter(
+        deployment_id=DEPLOYMENT,
+        handle_source=DeploymentHandleSource.REPLICA,
+        use_replica_queue_len_cache=True,
+    )
+    router.initialize_state(policy=policy, metrics=RouterMetrics(), **kwargs)
+    return router
+
+
+def pending(key: str | None) -> PendingRequest:
+    request = EngineRequest(messages=[{"role": "user", "content": "hi"}], routing_key=key)
+    rid = uuid.uuid4().hex
+    return PendingRequest(
+        args=[request], kwargs={}, metadata=RequestMetadata(request_id=rid, internal_request_id=rid, is_streaming=True)
+    )
+
+
+def random_keys(rng: random.Random, n: int) -> list[str]:
+    return [f"{rng.getrandbits(64):016x}" for _ in range(n)]
+
+
+def replicas(rng: random.Random, n: int, **kwargs) -> list[FakeReplica]:
+    return [FakeReplica(f"{rng.getrandbits(40):010x}", **kwargs) for _ in range(n)]
+
+
+async def route(router: PrefixRouter, request: PendingRequest) -> FakeReplica:
+    """Route one request through the base class's loop, as Serve's Router does."""
+    return await asyncio.wait_for(router._choose_replica_for_request(request), timeout=10)
+
+
+def counter(metrics: RouterMetrics, name: str, **labels: str) -> float:
+    value = metrics.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+async def test_key_is_read_from_the_first_argument():
+    assert request_routing_key(pending("abc")) == "abc"
+    assert request_routing_key(pending(None)) is None
+    assert request_routing_key(None) is None
+    empty = pending("x")
+    empty.args = []
+    assert request_routing_key(empty) is None
+
+
+async def test_tiers_are_the_keys_ring_successors_one_replica_each():
+    rng = random.Random(11)
+    router = make_router()
+    reps = replicas(rng, 4)
+    router.update_replicas(reps)
+    ring = HashRing(sorted(r.name for r in reps))
+    for key in random_keys(rng, 200):
+        tiers = await router.choose_replicas(list(reversed(reps)), pending(key))
+        assert all(len(t) == 1 for t in tiers)
+        assert [t[0].name for t in tiers] == ring.successors(key)
+
+
+async def test_same_key_same_replica_and_keys_spread():
+    rng = random.Random(12)
+    router = make_router()
+    reps = replicas(rng, 3)
+    router.update_replicas(reps)
+    keys = random_keys(rng, 60)
+    first = {k: (await route(router, pending(k))).name for k in keys}
+    again = {k: (await route(router, pending(k))).name for k in keys}
+    assert first == again
+    ring = HashRing(sorted(r.name for r in reps))
+    assert first == {k: ring.owner(k) for k in keys}
+    assert len(set(first.values())) == 3
+
+
+async def test_full_owner_falls_back_to_the_next_ring_replica():
+    rng = random.Random(13)
+    router = make_router(policy="consistent_hash")
+    reps = replicas(rng, 3, max_ongoing_requests=2)
+    by_name = {r.name: r for r in reps}
+    router.update_replicas(reps)
+    key = random_keys(rng, 1)[0]
+    order = HashRing(sorted(by_name)).successors(key)
+    by_name[order[0]].queue_len = 2  # at max_ongoing_requests: Serve will not send to it
+    router.replica_queue_len_cache.update(by_name[order[0]].replica_id, 2)
+    chosen = await route(router, pending(key))
+    assert chosen.name == order[1]
+
+
+def load(router: PrefixRouter, replica: FakeReplica, n: int) -> list[PendingRequest]:
+    """Put ``n`` routed, unfinished requests on ``replica`` in the router's bookkeeping."""
+    requests = [pending(None) for _ in range(n)]
+    for request in requests:
+        router.on_request_routed(request, replica.replica_id, result=None)
+    return requests
+
+
+async def test_bounded_load_spills_a_hot_key_and_counts_it():
+    rng = random.Random(14)
+    router = make_router(epsilon=0.25)
+    reps = replicas(rng, 4, max_ongoing_requests=100)
+    router.update_replicas(reps)
+    by_name = {r.name: r for r in reps}
+    key = random_keys(rng, 1)[0]
+    order = HashRing(sorted(by_name)).successors(key)
+    # The owner holds 10 of 10 in flight: capacity is ceil(1.25 * 11 / 4) = 4.
+    hot = load(router, by_name[order[0]], 10)
+    request = pending(key)
+    chosen = await route(router, request)
+    assert chosen.name == order[1]
+    router.on_request_routed(request, chosen.replica_id, result=None)
+    metrics = router._metrics
+    assert counter(metrics, "prefixserve_router_spills_total", deployment="Engine", policy="bounded_load") == 1
+    assert counter(metrics, "prefixserve_router_requests_total", deployment="Engine", policy="bounded_load",
+                   replica=order[1]) == 1
+    # Once the owner's requests complete, the key returns to it and nothing spills.
+    for r in [*hot, request]:
+        router.on_request_completed(by_name[order[0]].replica_id, r.metadata.internal_request_id)
+    request = pending(key)
+    chosen = await route(router, request)
+    router.on_request_routed(request, chosen.replica_id, result=None)
+    assert chosen.name == order[0]
+    assert counter(metrics, "prefixserve_router_spills_total", deployment="Engine", policy="bounded_load") == 1
+
+
+async def test_dead_replica_leaves_the_ring_and_no_surviving_key_moves():
+    rng = random.Random(15)
+    router = make_router()
+    reps = replicas(rng, 4)
+    router.update_replicas(reps)
+    keys = random_keys(rng, 2000)
+    before = {k: (await router.choose_replicas(reps, pending(k)))[0][0].name for k in keys}
+    dead = reps[1]
+    router.on_replica_actor_died(dead.replica_id)
+    live = [r for r in reps if r is not dead]
+    assert set(router.curr_replicas) == {r.replica_id for r in live}
+    after = {k: (await router.choose_replicas(router._replicas_list, pending(k)))[0][0].name for k in keys}
+    ring = HashRing(sorted(r.name for r in reps))
+    for k in keys:
+        if before[k] == dead.name:
+            assert after[k] == ring.successors(k)[1]  # its next ring replica
+        else:
+            assert after[k] == before[k]
+    assert counter(router._metrics, "prefixserve_router_ring_size", deployment="Engine") == 3
+
+
+async def test_added_replica_moves_at_most_its_share_of_keys():
+    rng = random.Random(16)
+    router = make_router()
+    reps = replicas(rng, 4)
+    router.update_replicas(reps)
+    keys = random_keys(rng, 10_000)
+    before = {k: (await router.choose_replicas(router._replicas_list, pending(k)))[0][0].name for k in keys}
+    newcomer = replicas(rng, 1)[0]
+    router.update_replicas([*reps, newcomer])
+    after = {k: (await router.choose_replicas(router._replicas_list, pending(k)))[0][0].name for k in keys}
+    moved = [k for k in keys if before[k] != after[k]]
+    assert all(after[k] == newcomer.name for k in moved)
+    assert len(moved) / len(keys) <= 1 / 5 + 0.05
+    assert counter(router._metrics, "prefixserve_router_ring_size", deployment="Engine") == 5
+
+
+async def test_unkeyed_requests_go_to_the_least_loaded():
+    rng = random.Random(17)
+    router = make_router()
+    reps = replicas(rng, 3)
+    router.update_replicas(reps)
+    for n, r in zip((5, 1, 3), reps):
+        load(router, r, n)
+    tiers = await router.choose_replicas(reps, pending(None))
+    assert [t[0] for t in tiers] == [reps[1], reps[2], reps[0]]
+
+
+async def test_in_flight_is_routed_minus_completed_and_ignores_stale_probes():
+    rng = random.Random(18)
+    router = make_router()
+    reps = replicas(rng, 2)
+    router.update_replicas(reps)
+    requests = load(router, reps[0], 3)
+    # A late queue-length probe must not make an idle replica look busy or a busy one idle.
+    router.replica_queue_len_cache.update(reps[1].replica_id, 7)
+    router.replica_queue_len_cache.update(reps[0].replica_id, 0)
+    assert router.in_flight(reps[0]) == 3
+    assert router.in_flight(reps[1]) == 0
+    rid = requests[0].metadata.internal_request_id
+    router.on_request_completed(reps[0].replica_id, rid)
+    router.on_request_completed(reps[0].replica_id, rid)  # twice: counted once
+    router.on_request_completed(reps[0].replica_id, "never-routed")  # a rejected attempt
+    assert router.in_flight(reps[0]) == 2
+    router.on_replica_actor_died(reps[0].replica_id)
+    assert router.in_flight(reps[0]) == 0
+
+
+async def test_round_robin_alternates_over_live_replicas():
+    rng = random.Random(19)
+    router = make_router(policy="round_robin")
+    reps = replicas(rng, 2)
+    router.update_replicas(reps)
+    key = random_keys(rng, 1)[0]
+    chosen = [(await route(router, pending(key))).name for _ in range(6)]
+    assert chosen[0::2] == [chosen[0]] * 3 and chosen[1::2] == [chosen[1]] * 3
+    assert chosen[0] != chosen[1]
+
+
+def test_initialize_state_rejects_options_of_other_policies():
+    router = PrefixRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.REPLICA)
+    with pytest.raises(ValueError, match="epsilon applies to the bounded_load"):
+        router.initialize_state(policy="round_robin", epsilon=0.5)
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        router.initialize_state(policy="nearest")
+    with pytest.raises(ValueError, match="seed applies"):
+        router.initialize_state(policy="bounded_load", seed=3)
