@@ -25,7 +25,7 @@ import math
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -224,6 +224,8 @@ class _SamplingRequest(BaseModel):
     """Fields both endpoints share (OpenAI's names plus vLLM's extensions)."""
 
     model_config = ConfigDict(extra="ignore")
+    # The answer's id is ``<id_prefix>-<hex>`` (OpenAI's ``chatcmpl-`` / ``cmpl-``).
+    id_prefix: ClassVar[str]
 
     model: str | None = None
     max_tokens: int | None = None
@@ -261,7 +263,8 @@ class _SamplingRequest(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def _requested_max_tokens(self) -> int | None:
+    def requested_max_tokens(self) -> int | None:
+        """The client's limit on generated tokens; None when it set none."""
         return self.max_tokens
 
     def _logprobs(self) -> int | None:
@@ -271,12 +274,12 @@ class _SamplingRequest(BaseModel):
         """The engine's SamplingParams for this request.
 
         ``default_max_tokens`` applies when the request sets no limit (callers pass
-        ``max_model_len - prompt_len`` for chat, 16 for completions). A requested
-        ``max_tokens`` above ``max_model_len`` can never fit and is refused here;
-        whether prompt plus ``max_tokens`` fits is the engine's check. Raises
-        ValueError (HTTP 400) for any out-of-range value.
+        ``self.default_max_tokens(max_model_len)``, lowered to what fits once the
+        prompt's length is known). A requested ``max_tokens`` above ``max_model_len``
+        can never fit and is refused here; whether prompt plus ``max_tokens`` fits
+        is the engine's check. Raises ValueError (HTTP 400) for any out-of-range value.
         """
-        max_tokens = self._requested_max_tokens()
+        max_tokens = self.requested_max_tokens()
         if max_tokens is not None and max_model_len is not None and max_tokens > max_model_len:
             raise ValueError(
                 f"max_tokens is {max_tokens} but the model's context length (max_model_len) is "
@@ -308,9 +311,19 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
 
-    def _requested_max_tokens(self) -> int | None:
+    id_prefix: ClassVar[str] = "chatcmpl"
+
+    def requested_max_tokens(self) -> int | None:
         # The newer OpenAI name wins when a client sends both.
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def default_max_tokens(self, max_model_len: int) -> int:
+        """The limit when the client sets none, before the prompt is known: whatever fits."""
+        return max_model_len
+
+    def prompt_fields(self) -> dict[str, Any]:
+        """``{"messages": ...}``: the prompt as ``prompt_token_ids`` and ``EngineRequest`` take it."""
+        return {"messages": self.chat_messages()}
 
     def _logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -341,6 +354,8 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+
+    id_prefix: ClassVar[str] = "cmpl"
 
     @field_validator("prompt")
     @classmethod
@@ -379,6 +394,14 @@ class CompletionRequest(_SamplingRequest):
 
     def _logprobs(self) -> int | None:
         return self.logprobs
+
+    def default_max_tokens(self, max_model_len: int) -> int:
+        """The limit when the client sets none, before the prompt is known: OpenAI's legacy 16."""
+        return DEFAULT_COMPLETION_MAX_TOKENS
+
+    def prompt_fields(self) -> dict[str, Any]:
+        """``{"prompt": ...}``: the prompt as ``prompt_token_ids`` and ``EngineRequest`` take it."""
+        return {"prompt": self.prompt}
 
 
 def parse_request(model: type[_SamplingRequest], body: bytes | str) -> Any:

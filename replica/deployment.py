@@ -42,8 +42,8 @@ import anyio
 from prometheus_client import generate_latest
 from ray import serve
 
-from replica.api import BadRequestError
 from replica.errors import EngineDeadError
+from replica.openai_serving import prompt_token_ids
 from replica.outputs import StreamDelta
 from replica.sampling import SamplingParams
 
@@ -116,21 +116,6 @@ class EngineDeployment:
     async def __del__(self) -> None:
         await self.engine.shutdown()
 
-    def _prompt_ids(self, request: EngineRequest) -> list[int]:
-        if request.messages is not None:
-            try:
-                return list(self.engine.encode_chat(request.messages))
-            except ValueError:
-                raise
-            except Exception as exc:  # a chat template refusing the conversation (jinja error)
-                raise BadRequestError(f"the chat template rejected the messages: {exc}", param="messages") from exc
-        if isinstance(request.prompt, str):
-            return list(self.engine.tokenizer.encode(request.prompt))
-        vocab = len(self.engine.tokenizer)
-        if any(t >= vocab for t in request.prompt):
-            raise BadRequestError(f"prompt token ids must be below the vocabulary size {vocab}", param="prompt")
-        return list(request.prompt)
-
     async def generate(self, request: EngineRequest) -> AsyncIterator[StreamItem]:
         """Stream one request: a StreamStart, then the engine's deltas (and TokenTexts for logprobs).
 
@@ -139,7 +124,7 @@ class EngineDeployment:
         aborted in the engine.
         """
         yield StreamStart(request_id=request.request_id, replica=self.name)
-        prompt_ids = self._prompt_ids(request)
+        prompt_ids = prompt_token_ids(self.engine, prompt=request.prompt, messages=request.messages)
         params = request.sampling
         if request.max_tokens_default is not None:
             fit = min(request.max_tokens_default, self.max_model_len - len(prompt_ids))

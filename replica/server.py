@@ -4,6 +4,9 @@ Job: expose one :class:`AsyncEngine` over HTTP: ``POST /v1/chat/completions`` an
 ``POST /v1/completions`` (SSE streaming and not, ``n > 1``), ``GET /v1/models``,
 ``GET /health`` and ``GET /metrics``. This is the replica nginx routes to on the
 nginx path; the Ray path reaches the same engine through ``replica/deployment.py``.
+What is not FastAPI (API key, prompt ids, building the answers) lives in
+``replica/openai_serving.py``; the FastAPI plumbing here (body limit,
+disconnects, error handlers, :func:`respond`) is reused by the Ray ingress.
 
 Invariants:
 * Every answer carries the ``X-Prefixserve-Replica`` header naming this replica.
@@ -21,12 +24,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
-import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Iterable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import anyio
@@ -35,8 +35,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from replica import api
-from replica.outputs import StreamDelta
+from replica import api, openai_serving
+from replica.openai_serving import Generation, OpenAIRequest
 
 log = logging.getLogger(__name__)
 
@@ -141,71 +141,45 @@ def error_response(exc: BaseException) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status_code, headers=err.headers())
 
 
-# ---------------------------------------------------------------------------
-# Generation helpers
-# ---------------------------------------------------------------------------
+async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    err = api.APIError(str(exc.detail), code=str(exc.status_code))
+    err.status_code = exc.status_code
+    return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
 
 
-@dataclass
-class _Choice:
-    """What one of the ``n`` sequences has produced so far (non-streaming)."""
-
-    text: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float]] = field(default_factory=list)
-    finish_reason: str | None = None
+async def _api_error(_: Request, exc: api.APIError) -> JSONResponse:
+    return error_response(exc)
 
 
-@dataclass
-class _Usage:
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-
-    def update(self, delta: StreamDelta) -> None:
-        # Counts in a delta are cumulative for the whole request.
-        self.prompt_tokens = max(self.prompt_tokens, delta.num_prompt_tokens)
-        self.cached_tokens = max(self.cached_tokens, delta.num_cached_tokens)
-        self.completion_tokens = max(self.completion_tokens, delta.num_output_tokens)
-
-    def build(self) -> api.Usage:
-        return api.Usage.build(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+def add_error_handlers(app: FastAPI) -> None:
+    """Answer Starlette's own errors (404, 405, ...) and every APIError with the OpenAI error body."""
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(api.APIError, _api_error)
 
 
-class _Generation:
-    """One engine request: its stream, its first delta, and a close that aborts it if unfinished."""
-
-    def __init__(self, request_id: str, stream: AsyncGenerator[StreamDelta, None]) -> None:
-        self.request_id = request_id
-        self.stream = stream
-        self.first: StreamDelta | None = None
-
-    async def start(self) -> None:
-        """Pull the first delta: admission errors (429, prompt too long) surface here."""
-        self.first = await self.stream.__anext__()
-
-    async def deltas(self) -> AsyncIterator[StreamDelta]:
-        assert self.first is not None, "start() first"
-        delta: StreamDelta | None = self.first
-        while delta is not None:
-            yield delta
-            try:
-                delta = await self.stream.__anext__()
-            except StopAsyncIteration:
-                delta = None
-
-    async def close(self) -> None:
-        """Close the engine stream; an unfinished request is thereby aborted and its blocks freed.
-
-        Shielded: it runs while Starlette is cancelling a disconnected stream, and
-        the close must still reach the engine.
-        """
-        with anyio.CancelScope(shield=True):
-            await self.stream.aclose()
+async def start_generation(request: Request, gen: Generation) -> None:
+    """Wait for ``gen``'s first delta; on an error or a disconnect, close it (aborting the request) and raise."""
+    try:
+        await until_disconnect(request, gen.start())
+    except BaseException:
+        await gen.close()
+        raise
 
 
-def _sse(payload: str) -> str:
-    return f"data: {payload}\n\n"
+async def respond(
+    request: Request, gen: Generation, body: OpenAIRequest, model: str, token_text: api.TokenText
+) -> Response:
+    """The answer to a started generation: SSE when ``body.stream``, else the collected JSON (499: client gone)."""
+    if body.stream:
+        return StreamingResponse(openai_serving.sse_stream(gen, body, model, token_text),
+                                 media_type="text/event-stream")
+    try:
+        response = await until_disconnect(request, openai_serving.collect_response(gen, body, model, token_text))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    except Exception as exc:
+        return error_response(exc)
+    return JSONResponse(response.model_dump())
 
 
 # ---------------------------------------------------------------------------
@@ -241,26 +215,12 @@ def build_app(
 
     app = FastAPI(title="prefixserve replica", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.add_middleware(ReplicaHeaderMiddleware, replica_name=replica_name)
+    add_error_handlers(app)
     served_names = {engine.model_name, engine.config.model}
     max_model_len = int(engine.max_model_len)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        err = api.APIError(str(exc.detail), code=str(exc.status_code))
-        err.status_code = exc.status_code
-        return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
-
-    @app.exception_handler(api.APIError)
-    async def _api_error(_: Request, exc: api.APIError) -> JSONResponse:
-        return error_response(exc)
-
     def check_auth(request: Request) -> None:
-        if not keys:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not any(hmac.compare_digest(token.strip().encode(), k) for k in keys):
-            raise api.AuthenticationError("missing or invalid API key", code="invalid_api_key")
+        openai_serving.check_api_key(request.headers.get("authorization", ""), keys)
 
     def check_model(name: str | None) -> str:
         if name is not None and name not in served_names:
@@ -274,36 +234,24 @@ def build_app(
     def token_text(token_id: int) -> str:
         return engine.tokenizer.decode([token_id])
 
-    async def open_generation(
-        request: Request, prompt_ids: list[int], body: api._SamplingRequest, default_max_tokens: int, prefix: str
-    ) -> _Generation:
-        params = body.to_sampling_params(default_max_tokens=default_max_tokens, max_model_len=max_model_len)
-        request_id = api.new_id(prefix)
-        stream = engine.generate(prompt_ids, params, request_id=request_id, cache_salt=body.cache_salt)
-        gen = _Generation(request_id, stream)
+    async def generate(request: Request, body_cls: type[OpenAIRequest]) -> Response:
         try:
-            await until_disconnect(request, gen.start())
-        except BaseException:
-            await gen.close()
-            raise
-        return gen
-
-    async def collect(gen: _Generation, n: int) -> tuple[list[_Choice], _Usage]:
-        choices = [_Choice() for _ in range(n)]
-        usage = _Usage()
-        try:
-            async for delta in gen.deltas():
-                usage.update(delta)
-                choice = choices[delta.index]
-                choice.text.append(delta.text)
-                choice.token_ids.extend(delta.token_ids)
-                if delta.logprobs:
-                    choice.logprobs.extend(delta.logprobs)
-                if delta.finish_reason is not None:
-                    choice.finish_reason = delta.finish_reason
-        finally:
-            await gen.close()
-        return choices, usage
+            check_auth(request)
+            body = api.parse_request(body_cls, await read_body(request, max_body_bytes))
+            model = check_model(body.model)
+            # Tokenized here (as the engine would) to fit the default max_tokens to the context.
+            prompt_ids = openai_serving.prompt_token_ids(engine, **body.prompt_fields())
+            default_max = min(body.default_max_tokens(max_model_len), max_model_len - len(prompt_ids))
+            params = body.to_sampling_params(default_max_tokens=default_max, max_model_len=max_model_len)
+            request_id = api.new_id(body.id_prefix)
+            stream = engine.generate(prompt_ids, params, request_id=request_id, cache_salt=body.cache_salt)
+            gen = Generation(request_id, stream)
+            await start_generation(request, gen)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        except Exception as exc:
+            return error_response(exc)
+        return await respond(request, gen, body, model, token_text)
 
     # -- endpoints ---------------------------------------------------------------
 
@@ -327,154 +275,13 @@ def build_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        try:
-            check_auth(request)
-            body = api.parse_request(api.ChatCompletionRequest, await read_body(request, max_body_bytes))
-            model = check_model(body.model)
-            try:
-                prompt_ids = list(engine.encode_chat(body.chat_messages()))
-            except Exception as exc:  # a chat template refusing the conversation (jinja error)
-                raise api.BadRequestError(f"the chat template rejected the messages: {exc}", param="messages") from exc
-            gen = await open_generation(request, prompt_ids, body, max_model_len - len(prompt_ids), "chatcmpl")
-        except ClientDisconnected:
-            return Response(status_code=499)
-        except Exception as exc:
-            return error_response(exc)
-
-        top_k = body.top_logprobs or 0
-        if body.stream:
-            return StreamingResponse(
-                _chat_stream(gen, body, model, top_k, token_text), media_type="text/event-stream"
-            )
-        try:
-            choices, usage = await until_disconnect(request, collect(gen, body.n))
-        except ClientDisconnected:
-            return Response(status_code=499)
-        except Exception as exc:
-            return error_response(exc)
-        response = api.ChatCompletionResponse(
-            id=gen.request_id,
-            model=model,
-            choices=[
-                api.ChatChoice(
-                    index=i,
-                    message=api.ChatResponseMessage(content="".join(c.text)),
-                    logprobs=api.chat_logprobs(c.token_ids, c.logprobs, top_k, token_text) if body.logprobs else None,
-                    finish_reason=c.finish_reason,
-                )
-                for i, c in enumerate(choices)
-            ],
-            usage=usage.build(),
-        )
-        return JSONResponse(response.model_dump())
+        return await generate(request, api.ChatCompletionRequest)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        try:
-            check_auth(request)
-            body = api.parse_request(api.CompletionRequest, await read_body(request, max_body_bytes))
-            model = check_model(body.model)
-            # Tokenized here (as the engine would) to size the default max_tokens.
-            prompt_ids = (list(engine.tokenizer(body.prompt).input_ids) if isinstance(body.prompt, str)
-                          else list(body.prompt))
-            default_max = min(api.DEFAULT_COMPLETION_MAX_TOKENS, max_model_len - len(prompt_ids))
-            gen = await open_generation(request, prompt_ids, body, default_max, "cmpl")
-        except ClientDisconnected:
-            return Response(status_code=499)
-        except Exception as exc:
-            return error_response(exc)
-
-        top_k = body.logprobs or 0
-        if body.stream:
-            return StreamingResponse(
-                _completion_stream(gen, body, model, top_k, token_text), media_type="text/event-stream"
-            )
-        try:
-            choices, usage = await until_disconnect(request, collect(gen, body.n))
-        except ClientDisconnected:
-            return Response(status_code=499)
-        except Exception as exc:
-            return error_response(exc)
-        response = api.CompletionResponse(
-            id=gen.request_id,
-            model=model,
-            choices=[
-                api.CompletionChoice(
-                    index=i,
-                    text="".join(c.text),
-                    logprobs=(api.completion_logprobs(c.token_ids, c.logprobs, top_k, token_text)
-                              if body.logprobs is not None else None),
-                    finish_reason=c.finish_reason,
-                )
-                for i, c in enumerate(choices)
-            ],
-            usage=usage.build(),
-        )
-        return JSONResponse(response.model_dump())
+        return await generate(request, api.CompletionRequest)
 
     return app
-
-
-async def _chat_stream(
-    gen: _Generation, body: api.ChatCompletionRequest, model: str, top_k: int, token_text: api.TokenText
-) -> AsyncIterator[str]:
-    usage = _Usage()
-
-    def chunk(choices: list[api.ChatChunkChoice], usage_: api.Usage | None = None) -> str:
-        return _sse(api.ChatCompletionChunk(id=gen.request_id, model=model, choices=choices,
-                                            usage=usage_).model_dump_json())
-
-    try:
-        # OpenAI opens each choice with a role-only delta.
-        yield chunk([api.ChatChunkChoice(index=i, delta=api.DeltaMessage(role="assistant", content=""))
-                     for i in range(body.n)])
-        async for delta in gen.deltas():
-            usage.update(delta)
-            if not delta.text and delta.finish_reason is None:
-                continue  # the detokenizer holds back an incomplete character
-            logprobs = None
-            if body.logprobs and delta.logprobs:
-                logprobs = api.chat_logprobs(delta.token_ids, delta.logprobs, top_k, token_text)
-            yield chunk([api.ChatChunkChoice(index=delta.index, delta=api.DeltaMessage(content=delta.text),
-                                             logprobs=logprobs, finish_reason=delta.finish_reason)])
-        if body.include_usage:
-            yield chunk([], usage.build())
-    except Exception as exc:  # the engine failed mid-stream: say so in-band, the status is sent
-        yield _sse(json.dumps(api.error_from_exception(exc).body()))
-    finally:
-        await gen.close()
-    yield _sse("[DONE]")
-
-
-async def _completion_stream(
-    gen: _Generation, body: api.CompletionRequest, model: str, top_k: int, token_text: api.TokenText
-) -> AsyncIterator[str]:
-    usage = _Usage()
-    offsets = [0] * body.n
-
-    def chunk(choices: list[api.CompletionChoice], usage_: api.Usage | None = None) -> str:
-        return _sse(api.CompletionResponse(id=gen.request_id, model=model, choices=choices,
-                                           usage=usage_).model_dump_json())
-
-    try:
-        async for delta in gen.deltas():
-            usage.update(delta)
-            if not delta.text and delta.finish_reason is None:
-                continue
-            logprobs = None
-            if body.logprobs is not None and delta.logprobs:
-                logprobs = api.completion_logprobs(delta.token_ids, delta.logprobs, top_k, token_text,
-                                                   text_offset=offsets[delta.index])
-            offsets[delta.index] += len(delta.text)
-            yield chunk([api.CompletionChoice(index=delta.index, text=delta.text, logprobs=logprobs,
-                                              finish_reason=delta.finish_reason)])
-        if body.include_usage:
-            yield chunk([], usage.build())
-    except Exception as exc:
-        yield _sse(json.dumps(api.error_from_exception(exc).body()))
-    finally:
-        await gen.close()
-    yield _sse("[DONE]")
 
 
 # ---------------------------------------------------------------------------

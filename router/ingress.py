@@ -1,11 +1,12 @@
 """The Ray Serve ingress: the cluster's OpenAI endpoint in front of the engine replicas.
 
 Job: parse, validate and authenticate OpenAI requests exactly as the
-standalone replica server does (replica/server.py, replica/api.py: same
-endpoints, same protocol models, same error bodies and status codes), compute
-the routing key (router/prefix.py), and stream the request through the engine
-deployment's handle, whose request router (router/serve_router.py) picks the
-replica. Every answer that reached a replica names it in ``X-Prefixserve-Replica``.
+standalone replica server does (replica/server.py, replica/api.py,
+replica/openai_serving.py: same endpoints, same protocol models, same answers,
+error bodies and status codes), compute the routing key (router/prefix.py),
+and stream the request through the engine deployment's handle, whose request
+router (router/serve_router.py) picks the replica. Every answer that reached a
+replica names it in ``X-Prefixserve-Replica``.
 
 Invariants:
 
@@ -31,33 +32,31 @@ types; never torch (the model lives in the engine replicas).
 """
 
 import asyncio
-import hmac
 import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from replica import api
+from replica import api, openai_serving
 from replica.deployment import EngineRequest, StreamStart, TokenTexts
+from replica.openai_serving import Generation, OpenAIRequest
 from replica.outputs import StreamDelta
 from replica.server import (
     DEFAULT_MAX_BODY_BYTES,
     REPLICA_HEADER,
     ClientDisconnected,
-    _chat_stream,
-    _completion_stream,
-    _Generation,
+    add_error_handlers,
     error_response,
     read_body,
-    until_disconnect,
+    respond,
+    start_generation,
 )
 from router.metrics import merge_expositions, router_metrics
 from router.prefix import PrefixKeyConfig, routing_key
@@ -184,18 +183,7 @@ class RemoteStream:
 
 
 app = FastAPI(title="prefixserve", docs_url=None, redoc_url=None)
-
-
-@app.exception_handler(StarletteHTTPException)
-async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-    err = api.APIError(str(exc.detail), code=str(exc.status_code))
-    err.status_code = exc.status_code
-    return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
-
-
-@app.exception_handler(api.APIError)
-async def _api_error(_: Request, exc: api.APIError) -> JSONResponse:
-    return error_response(exc)
+add_error_handlers(app)
 
 
 INGRESS_HEADER = "X-Prefixserve-Ingress"
@@ -231,12 +219,7 @@ class OpenAIIngress:
 
     # -- helpers ---------------------------------------------------------------------
     def _check_auth(self, request: Request) -> None:
-        if not self._keys:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not any(hmac.compare_digest(token.strip().encode(), k) for k in self._keys):
-            raise api.AuthenticationError("missing or invalid API key", code="invalid_api_key")
+        openai_serving.check_api_key(request.headers.get("authorization", ""), self._keys)
 
     async def model_info(self) -> dict[str, Any]:
         """Served model names and max_model_len, asked of an engine replica once."""
@@ -265,42 +248,7 @@ class OpenAIIngress:
             )
         return info["model_name"]
 
-    async def _start(self, request: Request, stream: RemoteStream) -> _Generation:
-        """Send the request and wait for its first delta (resending while replicas die)."""
-        gen = _Generation(stream.request.request_id, stream)
-        try:
-            await until_disconnect(request, gen.start())
-        except BaseException:
-            await gen.close()
-            raise
-        return gen
-
-    async def _collect(self, request: Request, gen: _Generation, n: int) -> tuple[list[dict[str, Any]], api.Usage]:
-        async def run() -> tuple[list[dict[str, Any]], api.Usage]:
-            choices: list[dict[str, Any]] = [
-                {"text": [], "token_ids": [], "logprobs": [], "finish_reason": None} for _ in range(n)
-            ]
-            prompt = cached = completion = 0
-            try:
-                async for delta in gen.deltas():
-                    # Counts in a delta are cumulative for the whole request.
-                    prompt = max(prompt, delta.num_prompt_tokens)
-                    cached = max(cached, delta.num_cached_tokens)
-                    completion = max(completion, delta.num_output_tokens)
-                    choice = choices[delta.index]
-                    choice["text"].append(delta.text)
-                    choice["token_ids"].extend(delta.token_ids)
-                    if delta.logprobs:
-                        choice["logprobs"].extend(delta.logprobs)
-                    if delta.finish_reason is not None:
-                        choice["finish_reason"] = delta.finish_reason
-            finally:
-                await gen.close()
-            return choices, api.Usage.build(prompt, completion, cached)
-
-        return await until_disconnect(request, run())
-
-    async def _prepare(self, request: Request, model_cls: type[api._SamplingRequest]) -> tuple[Any, str, str | None]:
+    async def _prepare(self, request: Request, model_cls: type[OpenAIRequest]) -> tuple[Any, str, str | None]:
         self._check_auth(request)
         raw = await read_body(request, self.config.max_body_bytes)
         body = api.parse_request(model_cls, raw)
@@ -310,6 +258,31 @@ class OpenAIIngress:
         except ValueError as exc:
             raise api.BadRequestError(str(exc), code="invalid_value") from None
         return body, model, key
+
+    async def _generate(self, request: Request, model_cls: type[OpenAIRequest]) -> Response:
+        """Send the request and wait for its first delta (resending while replicas die), then answer."""
+        stream: RemoteStream | None = None
+        try:
+            body, model, key = await self._prepare(request, model_cls)
+            max_model_len = (await self.model_info())["max_model_len"]
+            # The replica lowers the default to what fits once it has tokenized the prompt.
+            default_max = body.default_max_tokens(max_model_len)
+            engine_request = EngineRequest(
+                request_id=api.new_id(body.id_prefix),
+                **body.prompt_fields(),
+                sampling=body.to_sampling_params(default_max_tokens=default_max, max_model_len=max_model_len),
+                max_tokens_default=None if body.requested_max_tokens() is not None else default_max,
+                cache_salt=body.cache_salt,
+                routing_key=key,
+            )
+            stream = RemoteStream(self.engine, engine_request, self.config.max_attempts)
+            gen = Generation(engine_request.request_id, stream)
+            await start_generation(request, gen)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        except Exception as exc:
+            return self._with_replica(error_response(exc), stream)
+        return self._with_replica(await respond(request, gen, body, model, stream.token_text), stream)
 
     # -- endpoints -------------------------------------------------------------------
     @app.get("/health")
@@ -336,106 +309,8 @@ class OpenAIIngress:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
-        stream: RemoteStream | None = None
-        try:
-            body, model, key = await self._prepare(request, api.ChatCompletionRequest)
-            max_model_len = (await self.model_info())["max_model_len"]
-            explicit = body.max_completion_tokens is not None or body.max_tokens is not None
-            engine_request = EngineRequest(
-                request_id=api.new_id("chatcmpl"),
-                messages=body.chat_messages(),
-                sampling=body.to_sampling_params(default_max_tokens=max_model_len, max_model_len=max_model_len),
-                max_tokens_default=None if explicit else max_model_len,
-                cache_salt=body.cache_salt,
-                routing_key=key,
-            )
-            stream = RemoteStream(self.engine, engine_request, self.config.max_attempts)
-            gen = await self._start(request, stream)
-        except ClientDisconnected:
-            return Response(status_code=499)
-        except Exception as exc:
-            return self._with_replica(error_response(exc), stream)
-
-        top_k = body.top_logprobs or 0
-        if body.stream:
-            return self._with_replica(
-                StreamingResponse(_chat_stream(gen, body, model, top_k, stream.token_text),
-                                  media_type="text/event-stream"),
-                stream,
-            )
-        try:
-            choices, usage = await self._collect(request, gen, body.n)
-        except ClientDisconnected:
-            return Response(status_code=499)
-        except Exception as exc:
-            return self._with_replica(error_response(exc), stream)
-        response = api.ChatCompletionResponse(
-            id=gen.request_id,
-            model=model,
-            choices=[
-                api.ChatChoice(
-                    index=i,
-                    message=api.ChatResponseMessage(content="".join(c["text"])),
-                    logprobs=(api.chat_logprobs(c["token_ids"], c["logprobs"], top_k, stream.token_text)
-                              if body.logprobs else None),
-                    finish_reason=c["finish_reason"],
-                )
-                for i, c in enumerate(choices)
-            ],
-            usage=usage,
-        )
-        return self._with_replica(JSONResponse(response.model_dump()), stream)
+        return await self._generate(request, api.ChatCompletionRequest)
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
-        stream: RemoteStream | None = None
-        try:
-            body, model, key = await self._prepare(request, api.CompletionRequest)
-            max_model_len = (await self.model_info())["max_model_len"]
-            engine_request = EngineRequest(
-                request_id=api.new_id("cmpl"),
-                prompt=body.prompt,
-                sampling=body.to_sampling_params(
-                    default_max_tokens=api.DEFAULT_COMPLETION_MAX_TOKENS, max_model_len=max_model_len
-                ),
-                max_tokens_default=None if body.max_tokens is not None else api.DEFAULT_COMPLETION_MAX_TOKENS,
-                cache_salt=body.cache_salt,
-                routing_key=key,
-            )
-            stream = RemoteStream(self.engine, engine_request, self.config.max_attempts)
-            gen = await self._start(request, stream)
-        except ClientDisconnected:
-            return Response(status_code=499)
-        except Exception as exc:
-            return self._with_replica(error_response(exc), stream)
-
-        top_k = body.logprobs or 0
-        if body.stream:
-            return self._with_replica(
-                StreamingResponse(_completion_stream(gen, body, model, top_k, stream.token_text),
-                                  media_type="text/event-stream"),
-                stream,
-            )
-        try:
-            choices, usage = await self._collect(request, gen, body.n)
-        except ClientDisconnected:
-            return Response(status_code=499)
-        except Exception as exc:
-            return self._with_replica(error_response(exc), stream)
-        response = api.CompletionResponse(
-            id=gen.request_id,
-            model=model,
-            choices=[
-                api.CompletionChoice(
-                    index=i,
-                    text="".join(c["text"]),
-                    logprobs=(api.completion_logprobs(c["token_ids"], c["logprobs"], top_k, stream.token_text)
-                              if body.logprobs is not None else None),
-                    finish_reason=c["finish_reason"],
-                )
-                for i, c in enumerate(choices)
-            ],
-            usage=usage,
-        )
-        return self._with_replica(JSONResponse(response.model_dump()), stream)
-
+        return await self._generate(request, api.CompletionRequest)

@@ -1,0 +1,258 @@
+"""The OpenAI serving logic both front ends share, free of any HTTP framework.
+
+Job: what the standalone replica server (``replica/server.py``) and the Ray
+ingress (``router/ingress.py``) do the same way between parsing a request and
+sending bytes: check the Bearer API key, turn a request's prompt into token ids
+(the Ray engine deployment does this too), and turn the engine's stream of
+:class:`StreamDelta` into OpenAI answers: SSE chunk streams, or one collected
+``ChatCompletionResponse`` / ``CompletionResponse`` for all ``n`` choices, with
+usage including the cached prompt tokens.
+
+Invariants:
+* Every answer built here closes its :class:`Generation`, so a request left
+  unfinished (client gone, engine error) is aborted and its KV blocks freed.
+* A stream always ends with ``data: [DONE]``; an error after the status was
+  sent goes in-band as the OpenAI error body.
+
+Depends on ``replica.api`` and anyio only: must not import an HTTP framework,
+Ray, torch or anything from ``router``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import anyio
+
+from replica import api
+from replica.outputs import StreamDelta
+
+OpenAIRequest = api.ChatCompletionRequest | api.CompletionRequest
+
+
+def check_api_key(authorization: str, api_keys: Sequence[bytes]) -> None:
+    """Raise AuthenticationError (401) unless ``authorization`` is ``Bearer <one of api_keys>``.
+
+    No keys means no check. Keys are compared in constant time.
+    """
+    if not api_keys:
+        return
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not any(hmac.compare_digest(token.strip().encode(), k) for k in api_keys):
+        raise api.AuthenticationError("missing or invalid API key", code="invalid_api_key")
+
+
+def prompt_token_ids(
+    engine: Any, *, prompt: str | list[int] | None = None, messages: list[dict[str, str]] | None = None
+) -> list[int]:
+    """The token ids ``engine`` (an AsyncEngine) generates from: ``messages`` (chat) or ``prompt``.
+
+    Raises BadRequestError (400) when the chat template rejects the messages or
+    a token id is not in the tokenizer's vocabulary.
+    """
+    if messages is not None:
+        try:
+            return list(engine.encode_chat(messages))
+        except Exception as exc:  # a chat template refusing the conversation (jinja error)
+            raise api.BadRequestError(f"the chat template rejected the messages: {exc}", param="messages") from exc
+    if isinstance(prompt, str):
+        return list(engine.tokenizer(prompt).input_ids)
+    if prompt is None:
+        raise ValueError("prompt_token_ids needs a prompt or messages")
+    vocab = len(engine.tokenizer)
+    if any(t >= vocab for t in prompt):
+        raise api.BadRequestError(f"prompt token ids must be below the vocabulary size {vocab}", param="prompt")
+    return list(prompt)
+
+
+class DeltaStream(Protocol):
+    """An engine request's deltas: ``AsyncEngine.generate``'s generator or the ingress's remote stream."""
+
+    def __anext__(self) -> Any: ...
+
+    async def aclose(self) -> None: ...
+
+
+class Generation:
+    """One engine request: its stream, its first delta, and a close that aborts it if unfinished."""
+
+    def __init__(self, request_id: str, stream: DeltaStream) -> None:
+        self.request_id = request_id
+        self.stream = stream
+        self.first: StreamDelta | None = None
+
+    async def start(self) -> None:
+        """Pull the first delta: admission errors (429, prompt too long) surface here."""
+        self.first = await self.stream.__anext__()
+
+    async def deltas(self) -> AsyncIterator[StreamDelta]:
+        assert self.first is not None, "start() first"
+        delta: StreamDelta | None = self.first
+        while delta is not None:
+            yield delta
+            try:
+                delta = await self.stream.__anext__()
+            except StopAsyncIteration:
+                delta = None
+
+    async def close(self) -> None:
+        """Close the engine stream; an unfinished request is thereby aborted and its blocks freed.
+
+        Shielded: it runs while the front end is cancelling a disconnected
+        request, and the close must still reach the engine.
+        """
+        with anyio.CancelScope(shield=True):
+            await self.stream.aclose()
+
+
+@dataclass
+class _Choice:
+    """What one of the ``n`` sequences has produced so far (non-streaming)."""
+
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def render(
+        self, index: int, body: OpenAIRequest, token_text: api.TokenText
+    ) -> api.ChatChoice | api.CompletionChoice:
+        """This choice of the collected answer to ``body``."""
+        text = "".join(self.text)
+        top_k = _top_k(body)
+        if isinstance(body, api.ChatCompletionRequest):
+            logprobs = api.chat_logprobs(self.token_ids, self.logprobs, top_k, token_text) if body.logprobs else None
+            return api.ChatChoice(index=index, message=api.ChatResponseMessage(content=text), logprobs=logprobs,
+                                  finish_reason=self.finish_reason)
+        completion_logprobs = (api.completion_logprobs(self.token_ids, self.logprobs, top_k, token_text)
+                               if body.logprobs is not None else None)
+        return api.CompletionChoice(index=index, text=text, logprobs=completion_logprobs,
+                                    finish_reason=self.finish_reason)
+
+
+@dataclass
+class _Usage:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+    def update(self, delta: StreamDelta) -> None:
+        # Counts in a delta are cumulative for the whole request.
+        self.prompt_tokens = max(self.prompt_tokens, delta.num_prompt_tokens)
+        self.cached_tokens = max(self.cached_tokens, delta.num_cached_tokens)
+        self.completion_tokens = max(self.completion_tokens, delta.num_output_tokens)
+
+    def build(self) -> api.Usage:
+        return api.Usage.build(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+
+
+def _top_k(body: OpenAIRequest) -> int:
+    if isinstance(body, api.ChatCompletionRequest):
+        return body.top_logprobs or 0
+    return body.logprobs or 0
+
+
+async def collect_response(
+    gen: Generation, body: OpenAIRequest, model: str, token_text: api.TokenText
+) -> api.ChatCompletionResponse | api.CompletionResponse:
+    """The whole non-streaming answer to ``body``: every choice's text, logprobs and finish reason, and usage."""
+    choices = [_Choice() for _ in range(body.n)]
+    usage = _Usage()
+    try:
+        async for delta in gen.deltas():
+            usage.update(delta)
+            choice = choices[delta.index]
+            choice.text.append(delta.text)
+            choice.token_ids.extend(delta.token_ids)
+            if delta.logprobs:
+                choice.logprobs.extend(delta.logprobs)
+            if delta.finish_reason is not None:
+                choice.finish_reason = delta.finish_reason
+    finally:
+        await gen.close()
+    response_cls = api.ChatCompletionResponse if isinstance(body, api.ChatCompletionRequest) else api.CompletionResponse
+    return response_cls(
+        id=gen.request_id,
+        model=model,
+        choices=[c.render(i, body, token_text) for i, c in enumerate(choices)],
+        usage=usage.build(),
+    )
+
+
+def sse_stream(gen: Generation, body: OpenAIRequest, model: str, token_text: api.TokenText) -> AsyncIterator[str]:
+    """The streamed answer to ``body``: SSE events (``data: ...\\n\\n``), ``data: [DONE]`` last."""
+    if isinstance(body, api.ChatCompletionRequest):
+        return _chat_stream(gen, body, model, token_text)
+    return _completion_stream(gen, body, model, token_text)
+
+
+def _sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+async def _chat_stream(
+    gen: Generation, body: api.ChatCompletionRequest, model: str, token_text: api.TokenText
+) -> AsyncIterator[str]:
+    usage = _Usage()
+    top_k = _top_k(body)
+
+    def chunk(choices: list[api.ChatChunkChoice], usage_: api.Usage | None = None) -> str:
+        return _sse(api.ChatCompletionChunk(id=gen.request_id, model=model, choices=choices,
+                                            usage=usage_).model_dump_json())
+
+    try:
+        # OpenAI opens each choice with a role-only delta.
+        yield chunk([api.ChatChunkChoice(index=i, delta=api.DeltaMessage(role="assistant", content=""))
+                     for i in range(body.n)])
+        async for delta in gen.deltas():
+            usage.update(delta)
+            if not delta.text and delta.finish_reason is None:
+                continue  # the detokenizer holds back an incomplete character
+            logprobs = None
+            if body.logprobs and delta.logprobs:
+                logprobs = api.chat_logprobs(delta.token_ids, delta.logprobs, top_k, token_text)
+            yield chunk([api.ChatChunkChoice(index=delta.index, delta=api.DeltaMessage(content=delta.text),
+                                             logprobs=logprobs, finish_reason=delta.finish_reason)])
+        if body.include_usage:
+            yield chunk([], usage.build())
+    except Exception as exc:  # the engine failed mid-stream: say so in-band, the status is sent
+        yield _sse(json.dumps(api.error_from_exception(exc).body()))
+    finally:
+        await gen.close()
+    yield _sse("[DONE]")
+
+
+async def _completion_stream(
+    gen: Generation, body: api.CompletionRequest, model: str, token_text: api.TokenText
+) -> AsyncIterator[str]:
+    usage = _Usage()
+    top_k = _top_k(body)
+    offsets = [0] * body.n
+
+    def chunk(choices: list[api.CompletionChoice], usage_: api.Usage | None = None) -> str:
+        return _sse(api.CompletionResponse(id=gen.request_id, model=model, choices=choices,
+                                           usage=usage_).model_dump_json())
+
+    try:
+        async for delta in gen.deltas():
+            usage.update(delta)
+            if not delta.text and delta.finish_reason is None:
+                continue
+            logprobs = None
+            if body.logprobs is not None and delta.logprobs:
+                logprobs = api.completion_logprobs(delta.token_ids, delta.logprobs, top_k, token_text,
+                                                   text_offset=offsets[delta.index])
+            offsets[delta.index] += len(delta.text)
+            yield chunk([api.CompletionChoice(index=delta.index, text=delta.text, logprobs=logprobs,
+                                              finish_reason=delta.finish_reason)])
+        if body.include_usage:
+            yield chunk([], usage.build())
+    except Exception as exc:
+        yield _sse(json.dumps(api.error_from_exception(exc).body()))
+    finally:
+        await gen.close()
+    yield _sse("[DONE]")
