@@ -29,9 +29,11 @@ test-fast: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m loadtest.demo
 
+# Single-machine benchmarks (bench_cluster and, on CUDA, bench_kernels run on their own).
 bench: $(STAMP)
 	$(PY) -m loadtest.bench_kv
 	$(PY) -m loadtest.bench_engine
+	$(PY) -m loadtest.simulate
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
