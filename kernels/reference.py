@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
-FP8_E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 
 
 def quantize_fp8(x: torch.Tensor, scale: float, dtype: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
