@@ -240,11 +240,20 @@ def test_adding_a_replica_moves_at_most_its_share_of_keys(base, model_dir):
     moved = [k for k in keys if old_ring.owner(k) != new_ring.owner(k)]
     assert all(new_ring.owner(k) == newcomer for k in moved)
     assert len(moved) / len(keys) <= 1 / 4 + 0.05
-    # The routers see the new membership: live requests follow the new ring.
+    # The routers see the new membership: live requests follow the new ring. The
+    # newcomer may still be answering Serve's first queue-length probes slowly (then
+    # the base router tries the next tier), so allow a short settling period: every
+    # key must land on its new owner in one full round.
+    deadline = time.monotonic() + 90
     with httpx.Client(timeout=120) as http:
-        for k in keys[:24]:
-            r = chat(base, "hi", prefix_hash=k, client=http)
-            assert r.status == 200 and r.replica == new_ring.owner(k)
+        while True:
+            results = [(k, chat(base, "hi", prefix_hash=k, client=http)) for k in keys[:24]]
+            assert all(r.status == 200 for _, r in results)
+            strays = [(r.replica, new_ring.owner(k)) for k, r in results if r.replica != new_ring.owner(k)]
+            if not strays:
+                break
+            assert time.monotonic() < deadline, f"keys still off their new ring owner: {strays[:3]}"
+            time.sleep(1.0)
         metrics = http.get(f"{base}/metrics").text
     assert 'prefixserve_router_ring_size{deployment="Engine"} 4.0' in metrics
 
