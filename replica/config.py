@@ -20,7 +20,7 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 PREEMPTION_MODES = ("recompute", "swap")
 EVICTION_POLICIES = ("lru",)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "triton", "torch")
+ATTENTION_BACKENDS = ("auto", "triton", "cpu", "torch")
 DEFAULT_MODEL = "smollm2"
 # Longest context an engine serves when the checkpoint allows more and the user
 # does not ask: keeps the RoPE table and block tables small on CPU.

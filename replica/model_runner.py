@@ -7,9 +7,9 @@ the block tables, context lengths and query offsets; copy-on-write block copies 
 applied first. Only the last row of each sequence that samples goes through the LM
 head. It returns one sampled token per sampling sequence.
 
-The KV cache is two tensors ``[num_layers, num_blocks, block_size, num_kv_heads,
-head_dim]`` (K and V); each layer gets views. Nothing here knows requests beyond the
-ScheduledSeq records it is handed.
+The KV cache is two tensors ``[num_layers, num_blocks, ...]`` (K and V) in the
+attention backend's layout (blocks always second); each layer gets views. Nothing
+here knows requests beyond the ScheduledSeq records it is handed.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Iterable
 import torch
 
 from kernels import select_backend
+from kernels.layer_ops import select_layer_ops
 from replica.config import EngineConfig
 from replica.model.layers import TPGroup
 from replica.model.llama import AttentionMetadata, LlamaForCausalLM, ModelConfig
@@ -64,16 +65,20 @@ class ModelRunner:
         self.max_model_len = max_model_len
         if self.device.type == "cpu" and torch.get_num_threads() < (os.cpu_count() or 1) and not _threads_pinned():
             torch.set_num_threads(os.cpu_count() or 1)
-        self.backend = select_backend(config.attention_backend, self.device)
+        self.backend = select_backend(config.attention_backend, self.device, self.dtype)
         with torch.device(self.device):
             self.model = LlamaForCausalLM(model_cfg, max_model_len=max_model_len, backend=self.backend,
-                                          dtype=self.dtype, tp=TPGroup())
+                                          dtype=self.dtype, tp=TPGroup(),
+                                          ops=select_layer_ops(self.backend.name))
         self.model.load_weights(weights)
         self.model.eval()
+        if self.backend.name == "cpu":
+            self.model.pack_weights_for_cpu()
         self.num_blocks = self._num_kv_blocks()
-        shape = (model_cfg.num_layers, self.num_blocks, self.block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        k_shape, v_shape = self.backend.kv_cache_shape(self.num_blocks, self.block_size, model_cfg.num_kv_heads,
+                                                       model_cfg.head_dim)
+        self.k_cache = torch.zeros((model_cfg.num_layers, *k_shape), dtype=self.dtype, device=self.device)
+        self.v_cache = torch.zeros((model_cfg.num_layers, *v_shape), dtype=self.dtype, device=self.device)
         self.model.bind_kv_cache(list(self.k_cache.unbind(0)), list(self.v_cache.unbind(0)))
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)

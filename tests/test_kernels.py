@@ -337,7 +337,7 @@ def test_fp8_scale_for():
 
 
 def test_select_backend():
-    assert select_backend("auto", "cpu").name == "torch"
+    assert select_backend("torch", "cpu").name == "torch"
     triton_backend = select_backend("triton", "cpu")
     assert triton_backend.paged_attention is paged_attention
     assert triton_backend.write_kv_cache is triton_write_kv_cache

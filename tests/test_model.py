@@ -137,15 +137,18 @@ VARIANTS = {
 }
 
 
+@pytest.mark.parametrize("attention_backend", ["auto", "torch"])
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_greedy_matches_transformers_on_tiny_checkpoints(variant, tmp_path):
+def test_greedy_matches_transformers_on_tiny_checkpoints(variant, attention_backend, tmp_path):
+    """``auto`` is the C kernels (attention, fused layer ops, packed GEMMs) wherever a
+    compiler is present, as in CI; ``torch`` is the pure-torch reference path."""
     seed = sorted(VARIANTS).index(variant)
     path = tiny_checkpoint(tmp_path / variant, seed=seed, **VARIANTS[variant])
     rng = np.random.default_rng(seed)
     prefix = [int(t) for t in rng.integers(17, 40000, 37)]
     prompts = random_prompts(rng, 4, 3, 30, shared_prefix=prefix)
     expected = [hf_greedy(hf_model(str(path)), p, 16) for p in prompts]
-    llm = LLM(str(path), num_kv_blocks=128, max_num_batched_tokens=64)
+    llm = LLM(str(path), num_kv_blocks=128, max_num_batched_tokens=64, attention_backend=attention_backend)
     outs = llm.generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == expected
     # The shared 37-token prefix is two full blocks: later prompts hit them.

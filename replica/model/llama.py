@@ -16,14 +16,14 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels import AttentionBackend
+from kernels.layer_ops import TORCH_LAYER_OPS, LayerOps
 from replica.model.layers import (MergedColumnParallelLinear, ParallelLMHead,
                                   QKVParallelLinear, RMSNorm, RowParallelLinear, TPGroup,
                                   VocabParallelEmbedding, default_weight_loader)
-from replica.model.rope import RopeConfig, RotaryEmbedding, apply_rope
+from replica.model.rope import RopeConfig, RotaryEmbedding
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -108,14 +108,15 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [S, max_blocks] int32
     seq_lens: torch.Tensor  # [S] int32, context length incl. the new tokens
     query_start_loc: torch.Tensor  # [S + 1] int32
-    # RoPE cos/sin of each token, [T, 1, head_dim/2]; filled by the model's forward.
-    rope_cos: torch.Tensor | None = None
-    rope_sin: torch.Tensor | None = None
+    # Rotary inputs of this step's positions (LayerOps.prepare_rotary); filled by the model's forward.
+    rotary: Any = None
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, backend: AttentionBackend, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, backend: AttentionBackend, dtype: torch.dtype,
+                 ops: LayerOps) -> None:
         super().__init__()
+        self.ops = ops
         self.num_heads = tp.shard(cfg.num_heads, "num_attention_heads")
         self.num_kv_heads = tp.shard(cfg.num_kv_heads, "num_key_value_heads")
         self.head_dim = cfg.head_dim
@@ -126,46 +127,60 @@ class Attention(nn.Module):
                                           cfg.qkv_bias, tp, dtype)
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, tp, dtype)
         self.backend = backend
-        self.k_cache: torch.Tensor | None = None  # [NB, BS, KVH, D], bound by the model runner
+        self.k_cache: torch.Tensor | None = None  # [NB, ...] in the backend's layout, bound by the runner
         self.v_cache: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         # q and k are adjacent columns: rotate them as one [T, H + KVH, D] tensor.
-        qk = qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(qk, meta.rope_cos, meta.rope_sin).split([self.num_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
+        heads = self.num_heads + self.num_kv_heads
+        qk = qkv[:, :self.q_size + self.kv_size].unflatten(1, (heads, self.head_dim))
+        q, k = self.ops.rotary(qk, meta.rotary).split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size:].unflatten(1, (self.num_kv_heads, self.head_dim))
         self.backend.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        o = self.backend.paged_attention(q.contiguous(), self.k_cache, self.v_cache, meta.block_tables,
+        # Token rows of q/k/v may be strided views into qkv; the CPU backend reads them as they are.
+        if self.backend.name != "cpu":
+            q = q.contiguous()
+        o = self.backend.paged_attention(q, self.k_cache, self.v_cache, meta.block_tables,
                                          meta.seq_lens, meta.query_start_loc, scale=self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, ops: LayerOps) -> None:
         super().__init__()
+        self.ops = ops
         self.inter = tp.shard(cfg.intermediate_size, "intermediate_size")
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
                                                        cfg.mlp_bias, tp, dtype)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, tp, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, backend: AttentionBackend, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.self_attn = Attention(cfg, tp, backend, dtype)
-        self.mlp = MLP(cfg, tp, dtype)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+    """Pre-norm decoder layer. The residual stream is carried beside the hidden states
+    so that each residual add is fused into the next norm (vLLM's layout)."""
 
-    def forward(self, h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, backend: AttentionBackend, dtype: torch.dtype,
+                 ops: LayerOps) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, tp, backend, dtype, ops)
+        self.mlp = MLP(cfg, tp, dtype, ops)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(hidden, residual)`` in, ``(hidden, residual)`` out; the layer's output is their sum."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = self.post_attention_layernorm(self.self_attn(hidden, meta), residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -182,16 +197,23 @@ class LlamaForCausalLM(nn.Module):
     }
 
     def __init__(self, cfg: ModelConfig, *, max_model_len: int, backend: AttentionBackend,
-                 dtype: torch.dtype, tp: TPGroup = TPGroup()) -> None:
+                 dtype: torch.dtype, tp: TPGroup = TPGroup(), ops: LayerOps = TORCH_LAYER_OPS) -> None:
         super().__init__()
         self.cfg = cfg
+        self.ops = ops
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_model_len, dtype)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, backend, dtype) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, backend, dtype, ops) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def pack_weights_for_cpu(self) -> None:
+        """Repack every linear's weight for MKL's packed GEMM (CPU float32; see layers.py)."""
+        for module in self.modules():
+            if hasattr(module, "pack_for_cpu"):
+                module.pack_for_cpu()
 
     def bind_kv_cache(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
         for layer, k, v in zip(self.layers, k_caches, v_caches, strict=True):
@@ -199,11 +221,11 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """``[T]`` ids and positions -> ``[T, hidden]`` hidden states before the final norm."""
-        meta.rope_cos, meta.rope_sin = self.rotary.lookup(positions)
-        h = self.embed_tokens(input_ids)
+        meta.rotary = self.ops.prepare_rotary(positions, self.rotary.cos, self.rotary.sin)
+        hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            h = layer(h, meta)
-        return h
+            hidden, residual = layer(hidden, residual, meta)
+        return hidden if residual is None else hidden + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` (pre-norm) -> ``[N, vocab]`` float32 logits."""

@@ -76,13 +76,3 @@ class RotaryEmbedding(torch.nn.Module):
         # Only half of cos/sin is stored: the two halves of a rotate_half table are equal.
         self.register_buffer("cos", freqs.cos().to(dtype), persistent=False)  # [L, D/2]
         self.register_buffer("sin", freqs.sin().to(dtype), persistent=False)
-
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin at ``positions`` [T], shaped [T, 1, D/2]; shared by every layer of a step."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` [T, heads, D] (half-split layout); equals ``x*cos + rotate_half(x)*sin``."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -1,0 +1,210 @@
+"""The C kernels for CPUs (kernels/cpu/): paged attention and cache write against the
+float64 dense oracle of kernel_helpers (NaN in every slot no sequence owns, NaN in
+every output row no sequence owns), the fused layer ops against their torch
+reference, the packed-weight linears against F.linear, and the fallback when no C
+compiler is there.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_attention, cpu_library, layer_ops, select_backend
+from tests.kernel_helpers import dense_attention, make_paged_batch, relative_error
+
+pytestmark = pytest.mark.skipif(not cpu_library.available()[0],
+                                reason=f"C kernels unavailable: {cpu_library.available()[1]}")
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def seed(request) -> int:
+    return zlib.crc32(request.node.nodeid.encode())
+
+
+def to_cpu_layout(cache: torch.Tensor, kind: str) -> torch.Tensor:
+    """[NB, BS, KVH, D] -> the C kernel's layout (keys [NB, KVH, D, BS], values [NB, KVH, BS, D])."""
+    return (cache.permute(0, 2, 3, 1) if kind == "key" else cache.permute(0, 2, 1, 3)).contiguous()
+
+
+def run_cpu(batch, query=None, **kw) -> torch.Tensor:
+    query = batch.query if query is None else query
+    out = torch.full(batch.query.shape, float("nan"))
+    return cpu_attention.paged_attention(
+        query, to_cpu_layout(batch.key_cache, "key"), to_cpu_layout(batch.value_cache, "value"),
+        batch.block_tables, batch.seq_lens, batch.query_start_loc, scale=batch.query.shape[-1] ** -0.5,
+        out=out, **kw)
+
+
+def mixed(bs: int) -> list[tuple[int, int]]:
+    """(cached context, new tokens): decodes on and off block boundaries, a first token,
+    prefill chunks over a cached prefix, a fresh prefill, a long prefill (several query
+    tiles), and a decode sharing blocks with sequence 3."""
+    return [(2 * bs - 1, 1), (0, 1), (bs + 5, 1), (bs + 3, bs + 7), (0, bs), (3, 61), (2 * bs + 3, 1)]
+
+
+SHAPES = [
+    # heads, kv heads, head dim, block size: GQA 3 (SmolLM2), MHA, MQA with a 48-row group,
+    # a head dim that is no multiple of 16, blocks smaller than a 16-key chunk, and large blocks.
+    (9, 3, 64, 16),
+    (4, 4, 32, 16),
+    (48, 1, 16, 32),
+    (6, 2, 40, 8),
+    (8, 2, 64, 1),
+    (4, 2, 128, 128),
+]
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", SHAPES)
+@pytest.mark.parametrize("window", [None, 7])
+def test_paged_attention_matches_dense(seed, heads, kv_heads, head_dim, block_size, window):
+    batch = make_paged_batch(seed, mixed(block_size), num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                             block_size=block_size, dtype=torch.float32, share=(6, 3), padding_rows=3)
+    out = run_cpu(batch, sliding_window=window)
+    expected = dense_attention(batch, head_dim ** -0.5, sliding_window=window)
+    rows = batch.num_tokens
+    assert torch.isnan(out[rows:]).all(), "a padding row was written"
+    assert relative_error(out[:rows], expected[:rows]) < 1e-5
+
+
+def test_paged_attention_reads_strided_query_rows(seed):
+    """q as a view into a wider per-token row (the fused qkv output) gives the same result."""
+    batch = make_paged_batch(seed, mixed(16), num_heads=9, num_kv_heads=3, head_dim=64, block_size=16,
+                             dtype=torch.float32, share=(6, 3))
+    wide = torch.randn(batch.query.shape[0], 15, 64)
+    wide[:, :9] = batch.query
+    strided = wide[:, :9]
+    assert not strided.is_contiguous()
+    assert torch.equal(run_cpu(batch, query=strided), run_cpu(batch))
+
+
+def test_paged_attention_rejects_what_it_cannot_run(seed):
+    batch = make_paged_batch(seed, [(3, 2)], num_heads=4, num_kv_heads=2, head_dim=16, block_size=16,
+                             dtype=torch.float32)
+    k, v = to_cpu_layout(batch.key_cache, "key"), to_cpu_layout(batch.value_cache, "value")
+    args = (batch.block_tables, batch.seq_lens, batch.query_start_loc)
+    with pytest.raises(ValueError, match="float32"):
+        cpu_attention.paged_attention(batch.query.half(), k, v, *args, scale=0.25)
+    with pytest.raises(ValueError, match="do not match"):
+        cpu_attention.paged_attention(batch.query, batch.key_cache, batch.value_cache, *args, scale=0.25)
+    with pytest.raises(ValueError, match="fp8"):
+        cpu_attention.paged_attention(batch.query, k, v, *args, scale=0.25, k_scale=2.0)
+
+
+def test_write_kv_cache_matches_reference_layout(seed):
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks, bs, kvh, d = 5, 8, 2, 24
+    k_ref = torch.zeros(num_blocks, bs, kvh, d)
+    v_ref = torch.zeros_like(k_ref)
+    kc, vc = cpu_attention.kv_cache_shape(num_blocks, bs, kvh, d)
+    k_cpu, v_cpu = torch.zeros(kc), torch.zeros(vc)
+    # Strided token rows, as the model passes views of its qkv output; slot -1 is padding.
+    qkv = torch.randn(7, 3 * kvh * d, generator=gen)
+    key = qkv[:, kvh * d:2 * kvh * d].unflatten(1, (kvh, d))
+    value = qkv[:, 2 * kvh * d:].unflatten(1, (kvh, d))
+    slots = torch.tensor([0, 9, 17, -1, 39, 8, 23])
+    from kernels import reference
+
+    reference.write_kv_cache(key, value, k_ref, v_ref, slots)
+    cpu_attention.write_kv_cache(key, value, k_cpu, v_cpu, slots)
+    assert torch.equal(k_cpu, to_cpu_layout(k_ref, "key"))
+    assert torch.equal(v_cpu, to_cpu_layout(v_ref, "value"))
+    with pytest.raises(ValueError, match="outside the cache"):
+        cpu_attention.write_kv_cache(key, value, k_cpu, v_cpu, torch.tensor([0, 1, 2, 3, 4, 5, 40]))
+
+
+# --- fused layer ops ------------------------------------------------------------------
+
+@pytest.mark.parametrize("rows, hidden", [(1, 576), (3, 72), (300, 64)])
+def test_rms_norm_and_residual_add_match_torch(seed, rows, hidden):
+    gen = torch.Generator().manual_seed(seed)
+    x, residual = (torch.randn(rows, hidden, generator=gen) for _ in range(2))
+    weight = torch.randn(hidden, generator=gen)
+    torch.testing.assert_close(layer_ops.c_rms_norm(x, weight, 1e-5), layer_ops.torch_rms_norm(x, weight, 1e-5))
+    expected_out, expected_sum = layer_ops.torch_add_rms_norm(x, residual, weight, 1e-5)
+    out, total = layer_ops.c_add_rms_norm(x, residual.clone(), weight, 1e-5)
+    torch.testing.assert_close(out, expected_out)
+    torch.testing.assert_close(total, expected_sum)
+    with pytest.raises(ValueError, match="does not match hidden size"):
+        layer_ops.c_rms_norm(x, torch.ones(hidden + 1), 1e-5)
+
+
+@pytest.mark.parametrize("rows, heads, head_dim", [(5, 12, 64), (70, 3, 40)])
+def test_rotary_matches_torch_on_strided_rows(seed, rows, heads, head_dim):
+    gen = torch.Generator().manual_seed(seed)
+    angles = torch.rand(100, head_dim // 2, generator=gen) * 6.28
+    cos, sin = angles.cos(), angles.sin()
+    positions = torch.randint(0, 100, (rows,), generator=gen)
+    qkv = torch.randn(rows, (heads + 2) * head_dim, generator=gen)
+    x = qkv[:, :heads * head_dim].unflatten(1, (heads, head_dim))
+    expected = layer_ops.torch_rotary(x.clone(), layer_ops.torch_prepare_rotary(positions, cos, sin))
+    untouched = qkv[:, heads * head_dim:].clone()
+    got = layer_ops.c_rotary(x, layer_ops.c_prepare_rotary(positions, cos, sin))
+    torch.testing.assert_close(got, expected)
+    assert torch.equal(qkv[:, heads * head_dim:], untouched), "rotation wrote outside its heads"
+    with pytest.raises(ValueError, match="positions outside"):
+        layer_ops.c_prepare_rotary(torch.tensor([100]), cos, sin)
+
+
+@pytest.mark.parametrize("rows, inter", [(2, 1536), (9, 40)])
+def test_silu_and_mul_matches_torch(seed, rows, inter):
+    gate_up = torch.randn(rows, 2 * inter, generator=torch.Generator().manual_seed(seed)) * 6
+    torch.testing.assert_close(layer_ops.c_silu_and_mul(gate_up), layer_ops.torch_silu_and_mul(gate_up))
+
+
+def test_packed_linear_equals_f_linear(seed):
+    from replica.model.layers import ColumnParallelLinear, TPGroup, mkl_packing_available
+
+    if not mkl_packing_available():
+        pytest.skip("torch built without MKL")
+    layer = ColumnParallelLinear(96, [80], True, TPGroup(), torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    layer.weight.data.copy_(torch.randn(80, 96, generator=gen))
+    layer.bias.data.copy_(torch.randn(80, generator=gen))
+    layer.pack_for_cpu()
+    assert layer.packed_weight is not None
+    for rows in (1, 7, 64, 130):
+        x = torch.randn(rows, 96, generator=gen)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
+# --- backend choice and fallback ------------------------------------------------------
+
+def test_select_backend_auto_on_cpu():
+    backend = select_backend("auto", "cpu", torch.float32)
+    assert backend.name == "cpu"
+    assert backend.kv_cache_shape(3, 16, 2, 64) == ((3, 2, 64, 16), (3, 2, 16, 64))
+    assert select_backend("auto", "cpu", torch.bfloat16).name == "torch"
+    with pytest.raises(ValueError, match="float32"):
+        select_backend("cpu", "cpu", torch.float16)
+
+
+def test_without_a_compiler_auto_falls_back_to_torch(tmp_path):
+    """No compiler and an empty kernel cache: 'auto' gives the torch backend (with a
+    warning naming the cause), and forcing 'cpu' fails with that cause."""
+    script = (
+        "import logging, torch\n"
+        "logging.basicConfig(level=logging.WARNING)\n"
+        "from kernels import select_backend\n"
+        "from kernels.cpu_library import CPUKernelUnavailable\n"
+        "print('AUTO', select_backend('auto', 'cpu', torch.float32).name)\n"
+        "try:\n"
+        "    select_backend('cpu', 'cpu', torch.float32)\n"
+        "except CPUKernelUnavailable as exc:\n"
+        "    print('FORCED', exc)\n"
+    )
+    env = {**os.environ, "CC": str(tmp_path / "no-such-cc"), "PREFIXSERVE_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "AUTO torch" in proc.stdout
+    assert "FORCED no C compiler" in proc.stdout
+    assert "CPU attention kernel unavailable" in proc.stderr
