@@ -14,6 +14,7 @@ here knows requests beyond the ScheduledSeq records it is handed.
 
 from __future__ import annotations
 
+import ctypes
 import os
 from typing import Iterable
 
@@ -33,6 +34,25 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def _threads_pinned() -> bool:
     """True when the user chose the torch thread count (OMP_NUM_THREADS), which we then keep."""
     return bool(os.environ.get("OMP_NUM_THREADS"))
+
+
+def keep_freed_memory_mapped() -> bool:
+    """Make glibc's malloc keep freed memory instead of handing it back to the OS.
+
+    Every step allocates activations of tens of MB (the MLP's gate/up output is
+    ``tokens x 2 x intermediate`` floats). glibc serves such sizes with fresh mmap
+    pages and unmaps them on free, so each step page-faults through every one of
+    them again: measured, a third of the time of SiLU-and-mul and ~10% of a prefill
+    step. Raising the mmap threshold to its maximum (32 MiB) and the trim threshold
+    to 1 GiB keeps those pages in the heap for reuse (vLLM's CPU guide gets the same
+    effect by preloading tcmalloc). Process-wide; a no-op off glibc. Returns whether it applied.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3  # from malloc.h
+        return bool(libc.mallopt(m_trim_threshold, 1 << 30) and libc.mallopt(m_mmap_threshold, 32 << 20))
+    except (OSError, AttributeError):
+        return False
 
 
 def resolve_device(name: str) -> torch.device:
@@ -65,6 +85,8 @@ class ModelRunner:
         self.max_model_len = max_model_len
         if self.device.type == "cpu" and torch.get_num_threads() < (os.cpu_count() or 1) and not _threads_pinned():
             torch.set_num_threads(os.cpu_count() or 1)
+        if self.device.type == "cpu":
+            keep_freed_memory_mapped()
         self.backend = select_backend(config.attention_backend, self.device, self.dtype)
         with torch.device(self.device):
             self.model = LlamaForCausalLM(model_cfg, max_model_len=max_model_len, backend=self.backend,

@@ -18,6 +18,12 @@
  * the sequence's blocks in place (no gather), and keeps the G query heads of its KV
  * head together so each K/V row loaded serves all of them (GQA). Softmax is online
  * (flash-attention style), in float32.
+ *
+ * Decoding sequences that share leading blocks (prefix caching: one system prompt,
+ * many requests) are grouped into one task per KV head, cascade style: the shared
+ * keys are scored once for all the group's query rows, then each sequence goes on
+ * alone over its own blocks. The online softmax carries each row across both parts,
+ * so nothing is merged afterwards.
  */
 #include <math.h>
 #include <stdint.h>
@@ -32,8 +38,11 @@
 #define MASKED (-1e30f)
 
 typedef struct {
-    int32_t seq, kv_head, q_begin, q_end; /* query positions [q_begin, q_end) of the sequence's new tokens */
-    int32_t first_block;                  /* sort key: sequences sharing a prefix share it */
+    int32_t kv_head;
+    int32_t q_begin, q_end;     /* query positions [q_begin, q_end) of each member's new tokens */
+    int32_t first, count;       /* members: sequence ids members[first .. first + count) */
+    int32_t shared_keys;        /* keys [0, shared_keys) lie in blocks every member shares */
+    int32_t sort_block;         /* sort key: the first member's first block */
 } Task;
 
 typedef struct {
@@ -88,30 +97,57 @@ static void score_chunk(const float *restrict q, int rows, int head_dim, const f
     }
 }
 
-/* acc[0:head_dim] += sum_j p[j] * v[j * v_stride + 0:head_dim] for j < width. */
+/* acc[0:head_dim] += sum_j p[j] * v[j * v_stride + 0:head_dim] for j < width.
+ * Summing over j into one register would be one long chain of dependent FMAs;
+ * instead 64 dimensions (four registers) are accumulated at once, even and odd keys
+ * apart: eight independent chains. */
 static inline __attribute__((always_inline)) void accumulate_values(float *restrict acc, v16 p, int width,
                                                                     const float *restrict v, int v_stride,
                                                                     int head_dim) {
     int d = 0;
+    for (; d + 4 * CHUNK <= head_dim; d += 4 * CHUNK) {
+        v16 e0 = LOAD(acc + d), e1 = LOAD(acc + d + CHUNK), e2 = LOAD(acc + d + 2 * CHUNK),
+            e3 = LOAD(acc + d + 3 * CHUNK);
+        v16 o0 = {0}, o1 = {0}, o2 = {0}, o3 = {0};
+        int j = 0;
+        for (; j + 2 <= width; j += 2) {
+            const float *v0 = v + (int64_t)j * v_stride + d, *v1 = v0 + v_stride;
+            const float p0 = p[j], p1 = p[j + 1];
+            e0 += p0 * LOAD(v0), e1 += p0 * LOAD(v0 + CHUNK), e2 += p0 * LOAD(v0 + 2 * CHUNK);
+            e3 += p0 * LOAD(v0 + 3 * CHUNK);
+            o0 += p1 * LOAD(v1), o1 += p1 * LOAD(v1 + CHUNK), o2 += p1 * LOAD(v1 + 2 * CHUNK);
+            o3 += p1 * LOAD(v1 + 3 * CHUNK);
+        }
+        if (j < width) {
+            const float *v0 = v + (int64_t)j * v_stride + d;
+            e0 += p[j] * LOAD(v0), e1 += p[j] * LOAD(v0 + CHUNK), e2 += p[j] * LOAD(v0 + 2 * CHUNK);
+            e3 += p[j] * LOAD(v0 + 3 * CHUNK);
+        }
+        STORE(acc + d, e0 + o0), STORE(acc + d + CHUNK, e1 + o1), STORE(acc + d + 2 * CHUNK, e2 + o2);
+        STORE(acc + d + 3 * CHUNK, e3 + o3);
+    }
     for (; d + CHUNK <= head_dim; d += CHUNK) {
-        v16 a = LOAD(acc + d);
-        for (int j = 0; j < width; j++) a += p[j] * LOAD(v + (int64_t)j * v_stride + d);
-        STORE(acc + d, a);
+        v16 a[4] = {LOAD(acc + d), {0}, {0}, {0}};
+        for (int j = 0; j < width; j++) a[j & 3] += p[j] * LOAD(v + (int64_t)j * v_stride + d);
+        STORE(acc + d, (a[0] + a[1]) + (a[2] + a[3]));
     }
     for (; d < head_dim; d++)
         for (int j = 0; j < width; j++) acc[d] += p[j] * v[(int64_t)j * v_stride + d];
 }
 
-/* Online-softmax update of every row with the 16 keys at positions key_pos.. (only
- * the first `width` exist); v + j * v_stride is key j's value row. Row r sits at
- * position positions[r] and sees keys in (positions[r] - window, positions[r]]. */
-static void softmax_accumulate(Scratch *restrict sc, int rows, int head_dim, const int32_t *restrict positions,
-                               int32_t window, int32_t key_pos, int width, const float *restrict v, int v_stride) {
+/* Online-softmax update of rows [r0, r1) with the 16 keys at positions key_pos..
+ * (only the first `width` exist); v + j * v_stride is key j's value row. Row r sits
+ * at position positions[r] and sees keys in [key_floor, positions[r]], and within
+ * the window (positions[r] - window, positions[r]] when there is one. */
+static void softmax_accumulate(Scratch *restrict sc, int r0, int r1, int head_dim, const int32_t *restrict positions,
+                               int32_t window, int32_t key_floor, int32_t key_pos, int width, const float *restrict v,
+                               int v_stride) {
     v16i lane;
     for (int j = 0; j < CHUNK; j++) lane[j] = j;
-    for (int r = 0; r < rows; r++) {
+    for (int r = r0; r < r1; r++) {
         int32_t hi = positions[r] - key_pos; /* last visible lane */
-        int32_t lo = window > 0 ? positions[r] - window + 1 - key_pos : 0; /* first visible lane */
+        int32_t lo = key_floor - key_pos;    /* first visible lane */
+        if (window > 0 && positions[r] - window + 1 - key_pos > lo) lo = positions[r] - window + 1 - key_pos;
         if (hi > width - 1) hi = width - 1;
         if (hi < 0 || lo > hi) continue;
         v16i visible = (lane >= lo) & (lane <= hi);
@@ -137,31 +173,21 @@ static void softmax_accumulate(Scratch *restrict sc, int rows, int head_dim, con
     }
 }
 
-static void run_task(const Task *t, Scratch *sc, const float *query, int64_t q_stride, const float *key_cache,
-                     const float *value_cache, const int32_t *block_tables, int64_t table_stride,
-                     const int32_t *seq_lens, const int32_t *query_start_loc, int num_heads,
-                     int num_kv_heads, int head_dim, int block_size, float scale, int32_t window, float *out) {
-    const int group = num_heads / num_kv_heads;
-    const int32_t seq_len = seq_lens[t->seq];
-    const int32_t q_start = query_start_loc[t->seq];
-    const int32_t q_len = query_start_loc[t->seq + 1] - q_start;
-    const int rows = (t->q_end - t->q_begin) * group;
-    int32_t positions[MAX_TILE_ROWS];
-    /* Row r = (query position i, head g of the group), i major. */
-    for (int r = 0; r < rows; r++) {
-        int i = t->q_begin + r / group, g = r % group;
-        positions[r] = seq_len - q_len + i;
-        const float *src = query + (int64_t)(q_start + i) * q_stride + (int64_t)(t->kv_head * group + g) * head_dim;
-        for (int d = 0; d < head_dim; d++) sc->q[r * head_dim + d] = src[d] * scale;
-        memset(sc->acc + r * head_dim, 0, sizeof(float) * head_dim);
-        sc->row_max[r] = MASKED;
-        sc->row_sum[r] = splat(0.0f);
-    }
-    const int32_t key_end = positions[rows - 1] + 1;
-    const int32_t key_begin = window > 0 && positions[0] - window + 1 > 0 ? positions[0] - window + 1 : 0;
-    const int32_t *table = block_tables + (int64_t)t->seq * table_stride;
-    const int64_t k_block = (int64_t)num_kv_heads * head_dim * block_size;
-    const int64_t v_block = (int64_t)num_kv_heads * block_size * head_dim;
+typedef struct {
+    const float *key_cache, *value_cache;
+    const int32_t *block_tables;
+    int64_t table_stride;
+    int num_kv_heads, head_dim, block_size;
+    int32_t window;
+} CacheView;
+
+/* Rows [r0, r1) over keys [key_begin, key_end) of the sequence whose block table is
+ * `table`; keys below key_floor are left out (another pass covered them). */
+static void attend_keys(Scratch *sc, int r0, int r1, const int32_t *positions, const CacheView *c,
+                        const int32_t *table, int kv_head, int32_t key_floor, int32_t key_begin, int32_t key_end) {
+    const int head_dim = c->head_dim, block_size = c->block_size;
+    const int64_t k_block = (int64_t)c->num_kv_heads * head_dim * block_size;
+    const int64_t v_block = (int64_t)c->num_kv_heads * block_size * head_dim;
     /* Blocks smaller than a chunk are copied into a 16-key staging chunk first. */
     float *k_stage = sc->k_stage, *v_stage = sc->v_stage;
     for (int32_t key_pos = key_begin - key_begin % CHUNK; key_pos < key_end; key_pos += CHUNK) {
@@ -170,28 +196,65 @@ static void run_task(const Task *t, Scratch *sc, const float *query, int64_t q_s
         int k_stride;
         if (block_size >= CHUNK) {
             const int64_t phys = table[key_pos / block_size];
-            const int c = key_pos % block_size;
-            k = key_cache + phys * k_block + (int64_t)t->kv_head * head_dim * block_size + c;
-            v = value_cache + phys * v_block + ((int64_t)t->kv_head * block_size + c) * head_dim;
+            const int off = key_pos % block_size;
+            k = c->key_cache + phys * k_block + (int64_t)kv_head * head_dim * block_size + off;
+            v = c->value_cache + phys * v_block + ((int64_t)kv_head * block_size + off) * head_dim;
             k_stride = block_size;
         } else {
             memset(k_stage, 0, sizeof(float) * head_dim * CHUNK);
             for (int j = 0; j < width; j++) {
                 const int64_t phys = table[(key_pos + j) / block_size];
-                const int o = (key_pos + j) % block_size;
-                const float *kj = key_cache + phys * k_block + (int64_t)t->kv_head * head_dim * block_size + o;
-                const float *vj = value_cache + phys * v_block + ((int64_t)t->kv_head * block_size + o) * head_dim;
+                const int off = (key_pos + j) % block_size;
+                const float *kj = c->key_cache + phys * k_block + (int64_t)kv_head * head_dim * block_size + off;
+                const float *vj = c->value_cache + phys * v_block + ((int64_t)kv_head * block_size + off) * head_dim;
                 for (int d = 0; d < head_dim; d++) k_stage[d * CHUNK + j] = kj[(int64_t)d * block_size];
                 memcpy(v_stage + j * head_dim, vj, sizeof(float) * head_dim);
             }
             k = k_stage, v = v_stage, k_stride = CHUNK;
         }
-        score_chunk(sc->q, rows, head_dim, k, k_stride, sc->scores);
-        softmax_accumulate(sc, rows, head_dim, positions, window, key_pos, width, v, head_dim);
+        score_chunk(sc->q + r0 * head_dim, r1 - r0, head_dim, k, k_stride, sc->scores + r0);
+        softmax_accumulate(sc, r0, r1, head_dim, positions, c->window, key_floor, key_pos, width, v, head_dim);
+    }
+}
+
+static void run_task(const Task *t, Scratch *sc, const int32_t *members, const float *query, int64_t q_stride,
+                     const CacheView *c, const int32_t *seq_lens, const int32_t *query_start_loc, int num_heads,
+                     float scale, float *out) {
+    const int head_dim = c->head_dim;
+    const int group = num_heads / c->num_kv_heads;
+    const int tile = t->q_end - t->q_begin;
+    const int rows_per_member = tile * group;
+    const int rows = t->count * rows_per_member;
+    int32_t positions[MAX_TILE_ROWS];
+    /* Row r = (member m, query position i, head g of the group), m then i major. */
+    for (int r = 0; r < rows; r++) {
+        const int m = r / rows_per_member, i = t->q_begin + (r % rows_per_member) / group, g = r % group;
+        const int seq = members[t->first + m];
+        const int32_t q_start = query_start_loc[seq], q_len = query_start_loc[seq + 1] - q_start;
+        positions[r] = seq_lens[seq] - q_len + i;
+        const float *src = query + (int64_t)(q_start + i) * q_stride + (int64_t)(t->kv_head * group + g) * head_dim;
+        for (int d = 0; d < head_dim; d++) sc->q[r * head_dim + d] = src[d] * scale;
+        memset(sc->acc + r * head_dim, 0, sizeof(float) * head_dim);
+        sc->row_max[r] = MASKED;
+        sc->row_sum[r] = splat(0.0f);
+    }
+    /* The shared keys once for every row (all of them see all shared keys)... */
+    if (t->shared_keys > 0)
+        attend_keys(sc, 0, rows, positions, c, c->block_tables + (int64_t)members[t->first] * c->table_stride,
+                    t->kv_head, 0, 0, t->shared_keys);
+    /* ...then each member alone over the rest of its context. */
+    for (int m = 0; m < t->count; m++) {
+        const int r0 = m * rows_per_member, r1 = r0 + rows_per_member;
+        const int32_t key_end = positions[r1 - 1] + 1;
+        int32_t key_begin = t->shared_keys;
+        if (c->window > 0 && positions[r0] - c->window + 1 > key_begin) key_begin = positions[r0] - c->window + 1;
+        attend_keys(sc, r0, r1, positions, c, c->block_tables + (int64_t)members[t->first + m] * c->table_stride,
+                    t->kv_head, t->shared_keys, key_begin, key_end);
     }
     for (int r = 0; r < rows; r++) {
-        int i = t->q_begin + r / group, g = r % group;
-        float *dst = out + ((int64_t)(q_start + i) * num_heads + t->kv_head * group + g) * head_dim;
+        const int m = r / rows_per_member, i = t->q_begin + (r % rows_per_member) / group, g = r % group;
+        const int seq = members[t->first + m];
+        float *dst = out + ((int64_t)(query_start_loc[seq] + i) * num_heads + t->kv_head * group + g) * head_dim;
         float total = hsum(sc->row_sum[r]);
         float inv = total > 0.0f ? 1.0f / total : 0.0f;
         for (int d = 0; d < head_dim; d++) dst[d] = sc->acc[r * head_dim + d] * inv;
@@ -201,9 +264,34 @@ static void run_task(const Task *t, Scratch *sc, const float *query, int64_t q_s
 static int compare_tasks(const void *pa, const void *pb) {
     const Task *a = pa, *b = pb;
     if (a->kv_head != b->kv_head) return a->kv_head - b->kv_head;
-    if (a->first_block != b->first_block) return a->first_block < b->first_block ? -1 : 1;
-    if (a->seq != b->seq) return a->seq - b->seq;
+    if (a->sort_block != b->sort_block) return a->sort_block < b->sort_block ? -1 : 1;
+    if (a->first != b->first) return a->first - b->first;
     return b->q_end - a->q_end; /* later tiles see more keys: longest first */
+}
+
+/* Decoding sequences ordered by their block table (lexicographically), so those
+ * sharing leading blocks are adjacent. qsort has no context argument: each entry
+ * carries a pointer to its table row. */
+typedef struct {
+    const int32_t *table;
+    int32_t blocks; /* table entries the sequence uses */
+    int32_t seq;
+} SeqRef;
+
+static int compare_seqs(const void *pa, const void *pb) {
+    const SeqRef *a = pa, *b = pb;
+    const int32_t n = a->blocks < b->blocks ? a->blocks : b->blocks;
+    for (int32_t i = 0; i < n; i++)
+        if (a->table[i] != b->table[i]) return a->table[i] < b->table[i] ? -1 : 1;
+    if (a->blocks != b->blocks) return a->blocks - b->blocks;
+    return a->seq - b->seq;
+}
+
+static int32_t common_blocks(const SeqRef *a, const SeqRef *b) {
+    const int32_t n = a->blocks < b->blocks ? a->blocks : b->blocks;
+    int32_t i = 0;
+    while (i < n && a->table[i] == b->table[i]) i++;
+    return i;
 }
 
 /* Returns 0 on success, a negative code on bad arguments (checked again in Python). */
@@ -216,25 +304,62 @@ int paged_attention_f32(const float *query, int64_t q_stride, const float *key_c
     const int group = num_heads / num_kv_heads;
     if (group > MAX_TILE_ROWS) return -2;
     const int positions_per_task = MAX_TILE_ROWS / group;
-    int64_t num_tasks = 0;
-    for (int s = 0; s < num_seqs; s++) {
-        int q_len = query_start_loc[s + 1] - query_start_loc[s];
-        num_tasks += (int64_t)num_kv_heads * ((q_len + positions_per_task - 1) / positions_per_task);
+    const int max_members = MAX_TILE_ROWS / group;
+    Task *tasks = malloc(sizeof(Task) * ((int64_t)num_kv_heads * ((int64_t)num_seqs + query_start_loc[num_seqs]) + 1));
+    int32_t *members = malloc(sizeof(int32_t) * (num_seqs + 1));
+    SeqRef *decoding = malloc(sizeof(SeqRef) * (num_seqs + 1));
+    if (!tasks || !members || !decoding) {
+        free(tasks), free(members), free(decoding);
+        return -3;
     }
-    if (num_tasks == 0) return 0;
-    Task *tasks = malloc(sizeof(Task) * num_tasks);
-    if (!tasks) return -3;
     int64_t n = 0;
+    int32_t num_members = 0, num_decoding = 0;
     for (int s = 0; s < num_seqs; s++) {
-        int q_len = query_start_loc[s + 1] - query_start_loc[s];
+        const int q_len = query_start_loc[s + 1] - query_start_loc[s];
+        if (q_len == 1 && window == 0) {
+            const int32_t *table = block_tables + (int64_t)s * table_stride;
+            decoding[num_decoding++] = (SeqRef){table, (seq_lens[s] + block_size - 1) / block_size, s};
+            continue;
+        }
+        /* A prefill chunk (or a decode under a sliding window): its own tiles. */
+        const int32_t me = num_members;
+        members[num_members++] = s;
         for (int q_end = q_len; q_end > 0; q_end -= positions_per_task) {
-            int q_begin = q_end - positions_per_task > 0 ? q_end - positions_per_task : 0;
-            for (int h = 0; h < num_kv_heads; h++) tasks[n++] = (Task){s, h, q_begin, q_end, block_tables[(int64_t)s * table_stride]};
+            const int q_begin = q_end - positions_per_task > 0 ? q_end - positions_per_task : 0;
+            for (int h = 0; h < num_kv_heads; h++)
+                tasks[n++] = (Task){h, q_begin, q_end, me, 1, 0, block_tables[(int64_t)s * table_stride]};
         }
     }
-    /* Run sequences that share a prefix (same first block) back to back, per KV head:
-     * the shared blocks are then read from cache, not memory, by all but the first. */
+    qsort(decoding, num_decoding, sizeof(SeqRef), compare_seqs);
+    for (int32_t i = 0; i < num_decoding;) {
+        /* A group: the next sequences with at least one block in common with the first. */
+        int32_t end = i + 1, shared = decoding[i].blocks;
+        while (end < num_decoding && end - i < max_members) {
+            const int32_t common = common_blocks(&decoding[i], &decoding[end]);
+            if (common == 0) break;
+            shared = common < shared ? common : shared;
+            end++;
+        }
+        int32_t shared_keys = 0;
+        if (end - i > 1) {
+            /* Keys in the shared blocks that every member holds (a shared block may be
+             * partly filled: copy-on-write children before their first own token). */
+            shared_keys = shared * block_size;
+            for (int32_t j = i; j < end; j++)
+                if (seq_lens[decoding[j].seq] < shared_keys) shared_keys = seq_lens[decoding[j].seq];
+        }
+        for (int32_t j = i; j < end; j++) members[num_members + j - i] = decoding[j].seq;
+        for (int h = 0; h < num_kv_heads; h++)
+            tasks[n++] = (Task){h, 0, 1, num_members, end - i, shared_keys, decoding[i].table[0]};
+        num_members += end - i;
+        i = end;
+    }
+    free(decoding);
+    /* Per KV head, tasks on the same leading block run back to back, so the blocks
+     * they share are read from cache, not memory, by all but the first. */
     qsort(tasks, n, sizeof(Task), compare_tasks);
+    const CacheView cache = {key_cache, value_cache, block_tables, table_stride, num_kv_heads, head_dim, block_size,
+                             window};
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -244,14 +369,13 @@ int paged_attention_f32(const float *query, int64_t q_stride, const float *key_c
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < num_tasks; i++) {
-            if (sc)
-                run_task(&tasks[i], sc, query, q_stride, key_cache, value_cache, block_tables, table_stride, seq_lens,
-                         query_start_loc, num_heads, num_kv_heads, head_dim, block_size, scale, window, out);
+        for (int64_t i = 0; i < n; i++) {
+            if (sc) run_task(&tasks[i], sc, members, query, q_stride, &cache, seq_lens, query_start_loc, num_heads, scale, out);
         }
         free(sc);
     }
     free(tasks);
+    free(members);
     return failed ? -3 : 0;
 }
 
