@@ -54,11 +54,12 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
     if key.shape[1:] != (num_kv_heads, head_dim) or value.shape != key.shape or slots.shape[0] != key.shape[0]:
         raise ValueError(f"key {tuple(key.shape)} / value {tuple(value.shape)} / slots {tuple(slots.shape)} "
                          f"do not fit a cache of {num_kv_heads} KV heads x {head_dim}")
-    if slots.numel() and int(slots.max()) >= num_blocks * block_size:
+    # The kernel checks slots against the cache (one pass, no extra reduction per layer).
+    code = load().write_kv_cache_f32(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+                                     key_cache.data_ptr(), value_cache.data_ptr(), slots.data_ptr(), key.shape[0],
+                                     num_blocks * block_size, num_kv_heads, head_dim, block_size)
+    if code != 0:
         raise ValueError(f"slot {int(slots.max())} outside the cache ({num_blocks} blocks of {block_size})")
-    load().write_kv_cache_f32(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
-                              key_cache.data_ptr(), value_cache.data_ptr(), slots.data_ptr(), key.shape[0],
-                              num_kv_heads, head_dim, block_size)
 
 
 def _rows_dense(x: torch.Tensor) -> torch.Tensor:

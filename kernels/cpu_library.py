@@ -34,7 +34,7 @@ _i32, _i64, _f32, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.
 SIGNATURES = {
     "paged_attention_f32": (ctypes.c_int, [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i32, _i32, _i32, _i32,
                                            _i32, _f32, _i32, _ptr, _i32]),
-    "write_kv_cache_f32": (None, [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i32, _i32, _i32]),
+    "write_kv_cache_f32": (ctypes.c_int, [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i32, _i32, _i32]),
     "add_rms_norm_f32": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _i32, _f32, _i32]),
     "rotary_f32": (None, [_ptr, _i64, _i64, _i32, _i32, _ptr, _ptr, _ptr, _i32]),
     "silu_and_mul_f32": (None, [_ptr, _ptr, _i64, _i32, _i32]),
@@ -82,6 +82,8 @@ def _build(compiler: str, target: Path) -> None:
 def load() -> ctypes.CDLL:
     """The library, built on first call; raises CPUKernelUnavailable (and remembers why)."""
     global _library, _error
+    if _library is not None:  # the hot path: every kernel call of every layer
+        return _library
     with _lock:
         if _library is not None:
             return _library

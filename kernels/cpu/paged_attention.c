@@ -380,10 +380,13 @@ int paged_attention_f32(const float *query, int64_t q_stride, const float *key_c
 }
 
 /* Store new tokens' K/V ([T, KVH, D], token rows k_stride / v_stride floats apart) at
- * their slots (slot = block * BS + offset); negative slots are padding and skipped. */
-void write_kv_cache_f32(const float *key, int64_t k_stride, const float *value, int64_t v_stride,
-                        float *key_cache, float *value_cache, const int64_t *slot_mapping, int64_t num_tokens,
-                        int32_t num_kv_heads, int32_t head_dim, int32_t block_size) {
+ * their slots (slot = block * BS + offset); negative slots are padding and skipped.
+ * Returns 0, or -1 (writing nothing) when a slot lies outside the cache's num_slots. */
+int write_kv_cache_f32(const float *key, int64_t k_stride, const float *value, int64_t v_stride, float *key_cache,
+                       float *value_cache, const int64_t *slot_mapping, int64_t num_tokens, int64_t num_slots,
+                       int32_t num_kv_heads, int32_t head_dim, int32_t block_size) {
+    for (int64_t t = 0; t < num_tokens; t++)
+        if (slot_mapping[t] >= num_slots) return -1;
     const int64_t block_elems = (int64_t)num_kv_heads * head_dim * block_size;
     for (int64_t t = 0; t < num_tokens; t++) {
         int64_t slot = slot_mapping[t];
@@ -398,4 +401,5 @@ void write_kv_cache_f32(const float *key, int64_t k_stride, const float *value, 
             memcpy(vc, v, sizeof(float) * head_dim);
         }
     }
+    return 0;
 }
