@@ -6,6 +6,8 @@ tensor and calls SDPA once per sequence and layer; at decode time that is ~0.3 m
 of copies and dispatch for ~1 MFLOP of work. The C kernel reads blocks in place,
 runs every sequence of a step in one OpenMP-parallel call, and keeps the query
 heads of a KV head together (GQA) so each K/V row is loaded once for all of them.
+Decoding sequences that share leading blocks (one system prompt, many requests)
+are scored against the shared keys together, cascade style.
 
 The kernel wants its own cache layout (``kv_cache_shape``): keys transposed within
 a block, ``[num_blocks, num_kv_heads, head_dim, block_size]``, so that the scores

@@ -75,6 +75,70 @@ def test_paged_attention_matches_dense(seed, heads, kv_heads, head_dim, block_si
     assert relative_error(out[:rows], expected[:rows]) < 1e-5
 
 
+def test_decodes_sharing_blocks_are_grouped_and_exact(seed):
+    """The cascade path: decodes sharing leading blocks (20 on one prompt, more than one
+    group holds; forked twins sharing all their blocks, the last one partly filled;
+    three that share one block) next to a lone decode and a prefill chunk on the prompt.
+    Every slot no sequence owns is NaN; the oracle is float64 attention per sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    heads, kv_heads, head_dim, bs = 9, 3, 64, 16
+    prompt = torch.randn(40, 2, kv_heads, head_dim, generator=gen)  # K and V of a 40-token prompt
+    seqs: list[tuple[torch.Tensor, int]] = []  # (K/V of the whole sequence, new tokens)
+    for _ in range(20):
+        own = int(torch.randint(1, 30, (1,), generator=gen))
+        seqs.append((torch.cat([prompt[:32], torch.randn(own, 2, kv_heads, head_dim, generator=gen)]), 1))
+    twin = torch.randn(40, 2, kv_heads, head_dim, generator=gen)
+    seqs += [(twin, 1), (twin, 1)]  # forked twins: all three blocks shared, the last one 8 of 16 slots full
+    other = torch.randn(16, 2, kv_heads, head_dim, generator=gen)
+    for own in (5, 17, 2):
+        seqs.append((torch.cat([other, torch.randn(own, 2, kv_heads, head_dim, generator=gen)]), 1))
+    seqs.append((torch.randn(23, 2, kv_heads, head_dim, generator=gen), 1))  # lone decode
+    seqs.append((torch.cat([prompt[:32], torch.randn(20, 2, kv_heads, head_dim, generator=gen)]), 20))  # prefill
+
+    # Physical blocks: the prompt's first two, the twins' third and `other` are shared.
+    next_block = iter(torch.randperm(200, generator=gen).tolist())
+    prompt_blocks = [next(next_block) for _ in range(2)]
+    twin_blocks = [next(next_block) for _ in range(3)]
+    other_block = next(next_block)
+    tables = []
+    for i, (kv, _) in enumerate(seqs):
+        nb = -(-kv.shape[0] // bs)
+        if 20 <= i < 22:
+            table = twin_blocks
+        elif 22 <= i < 25:
+            table = [other_block] + [next(next_block) for _ in range(nb - 1)]
+        elif i == 25:
+            table = [next(next_block) for _ in range(nb)]
+        else:
+            table = prompt_blocks[:2] + [next(next_block) for _ in range(nb - 2)]
+        tables.append(table)
+    width = max(map(len, tables))
+    key_cache = torch.full((200, bs, kv_heads, head_dim), float("nan"))
+    value_cache = torch.full_like(key_cache, float("nan"))
+    for (kv, _), table in zip(seqs, tables):
+        pos = torch.arange(kv.shape[0])
+        phys = torch.tensor(table)[pos // bs]
+        key_cache[phys, pos % bs] = kv[:, 0]
+        value_cache[phys, pos % bs] = kv[:, 1]
+    q_lens = [n for _, n in seqs]
+    starts = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+    query = torch.randn(int(starts[-1]), heads, head_dim, generator=gen)
+    out = cpu_attention.paged_attention(
+        query, to_cpu_layout(key_cache, "key"), to_cpu_layout(value_cache, "value"),
+        torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        torch.tensor([kv.shape[0] for kv, _ in seqs], dtype=torch.int32), starts, scale=head_dim ** -0.5)
+
+    for i, (kv, q_len) in enumerate(seqs):
+        k = kv[:, 0].double().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)  # [H, L, D]
+        v = kv[:, 1].double().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+        q = query[int(starts[i]):int(starts[i + 1])].double().transpose(0, 1)  # [H, q, D]
+        scores = q @ k.transpose(1, 2) * head_dim ** -0.5
+        length = kv.shape[0]
+        causal = torch.arange(length)[None, :] <= torch.arange(length - q_len, length)[:, None]
+        expected = (scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v).transpose(0, 1)
+        assert relative_error(out[int(starts[i]):int(starts[i + 1])], expected) < 1e-5, f"sequence {i}"
+
+
 def test_paged_attention_reads_strided_query_rows(seed):
     """q as a view into a wider per-token row (the fused qkv output) gives the same result."""
     batch = make_paged_batch(seed, mixed(16), num_heads=9, num_kv_heads=3, head_dim=64, block_size=16,

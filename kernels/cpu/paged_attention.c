@@ -1,7 +1,7 @@
 /* Paged attention and cache write for CPUs, float32, over a CPU-friendly KV layout.
  *
- * Built at first use by kernels/cpu_attention.py (cc -O3 -march=native -fopenmp) and
- * called through ctypes: one call per layer per step runs every sequence of the step.
+ * Built at first use by kernels/cpu_library.py (cc -O3 -march=native -fopenmp) and
+ * called through ctypes (kernels/cpu_attention.py): one call per layer per step runs every sequence of the step.
  *
  * Layouts (see kernels/cpu_attention.py):
  *   query        [T, H, D]               packed tokens of all sequences; rows (tokens)
@@ -56,8 +56,8 @@ typedef struct {
 } Scratch;
 
 /* Scores of `rows` query rows against the 16 keys whose dimension d is the 16 floats
- * at k + d * k_stride. Four rows share each loaded key vector; a lone row splits its
- * sum over four accumulators. Both keep four FMA chains in flight. */
+ * at k + d * k_stride. Rows go four at a time, sharing each loaded key vector (four
+ * FMA chains in flight); the one to three left over are handled below. */
 static void score_chunk(const float *restrict q, int rows, int head_dim, const float *restrict k, int k_stride,
                         v16 *restrict scores) {
     int r = 0;
