@@ -55,6 +55,15 @@ typedef struct {
     v16 row_sum[MAX_TILE_ROWS]; /* lane-wise partial sums, reduced once at the end */
 } Scratch;
 
+/* Each thread's scratch (~330 KB), allocated on its first call and kept: the pool's
+ * threads live as long as the process, and a fresh allocation per layer and step
+ * would page-fault through it every time. */
+static Scratch *thread_scratch(void) {
+    static _Thread_local Scratch *scratch;
+    if (!scratch) scratch = aligned_alloc(64, (sizeof(Scratch) + 63) / 64 * 64);
+    return scratch;
+}
+
 /* Scores of `rows` query rows against the 16 keys whose dimension d is the 16 floats
  * at k + d * k_stride. Rows go four at a time, sharing each loaded key vector (four
  * FMA chains in flight); the one to three left over are handled below. */
@@ -363,7 +372,7 @@ int paged_attention_f32(const float *query, int64_t q_stride, const float *key_c
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        Scratch *sc = aligned_alloc(64, (sizeof(Scratch) + 63) / 64 * 64);
+        Scratch *sc = thread_scratch();
         if (!sc) {
 #pragma omp atomic write
             failed = 1;
@@ -372,7 +381,6 @@ int paged_attention_f32(const float *query, int64_t q_stride, const float *key_c
         for (int64_t i = 0; i < n; i++) {
             if (sc) run_task(&tasks[i], sc, members, query, q_stride, &cache, seq_lens, query_start_loc, num_heads, scale, out);
         }
-        free(sc);
     }
     free(tasks);
     free(members);
