@@ -161,11 +161,13 @@ async def test_async_engine_streams_aborts_and_refuses(ckpt, workload):
 async def test_async_engine_queue_bound(ckpt):
     engine = AsyncEngine(EngineConfig(model=ckpt, num_kv_blocks=64, max_waiting_requests=1, max_num_seqs=1))
     try:
-        first = engine.generate([30, 31, 32], SamplingParams(temperature=0.0, max_tokens=100))
+        # ignore_eos and a long budget: the first request holds the only seat until it is closed
+        first = engine.generate([30, 31, 32], SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True))
         await first.__anext__()  # running: the seat is taken
         second = engine.generate([40, 41], GREEDY)
         task = asyncio.ensure_future(second.__anext__())
-        await asyncio.sleep(0.2)  # second now waits in the queue
+        while engine.stats().num_waiting < 1:  # second reaches the engine's waiting queue
+            await asyncio.sleep(0.01)
         with pytest.raises(EngineOverloadedError):
             await engine.generate([50, 51], GREEDY).__anext__()
         await first.aclose()

@@ -410,7 +410,8 @@ def test_disconnected_non_streaming_request_is_aborted(server, model_name):
 def test_queue_full_is_429_with_retry_after(tiny_checkpoint, tmp_path):
     with ReplicaProcess(tiny_checkpoint, "--max-num-seqs", "1", "--max-waiting-requests", "1",
                         "--max-model-len", str(MAX_MODEL_LEN), log_dir=tmp_path) as proc:
-        body = {"messages": [{"role": "user", "content": "tell me more"}], "max_tokens": 64,
+        # A long ignore_eos budget keeps the one seat taken while all six requests arrive.
+        body = {"messages": [{"role": "user", "content": "tell me more"}], "max_tokens": 400,
                 "ignore_eos": True, "temperature": 0}
 
         async def main() -> list[httpx.Response]:
@@ -425,7 +426,7 @@ def test_queue_full_is_429_with_retry_after(tiny_checkpoint, tmp_path):
                 assert int(r.headers["retry-after"]) >= 1
                 assert r.json()["error"]["type"] == "rate_limit_error"
             else:
-                assert r.json()["usage"]["completion_tokens"] == 64
+                assert r.json()["usage"]["completion_tokens"] == 400
         # Once the queue drained, the replica serves again.
         again = httpx.post(f"{proc.base_url}/v1/chat/completions", json={**body, "max_tokens": 2}, timeout=120)
         assert again.status_code == 200
