@@ -12,7 +12,7 @@ Everything shuts down at the end (Ctrl-C included).
 KV pools are sized so that the working set (every tenant's system-prompt
 blocks) exceeds one replica's pool and fits the two together: round_robin
 sends every tenant to both replicas and they evict each other's prefixes;
-bounded_load keeps each tenant on its ring replica. About 3 minutes on 2 CPU
+bounded_load keeps each tenant on its ring replica. About 1.5 minutes on 2 CPU
 cores. Writes results/demo.json.
 
 The pieces (cluster bring-up, streaming client, KV sizing, summaries) are
