@@ -156,7 +156,8 @@ def test_two_ingress_replicas_route_each_key_identically(base):
 
 
 async def _stream(http: httpx.AsyncClient, base: str, key: str, record: dict) -> None:
-    body = {"messages": [{"role": "user", "content": "count"}], "max_tokens": 120, "ignore_eos": True,
+    # Long answers keep the victim's two seats busy, so that the rest still queue when it dies.
+    body = {"messages": [{"role": "user", "content": "count"}], "max_tokens": 400, "ignore_eos": True,
             "temperature": 0, "stream": True}
     try:
         async with http.stream("POST", f"{base}/v1/chat/completions", json=body,

@@ -125,8 +125,9 @@ def test_stream_arrives_token_by_token(cluster, client):
     body = {
         "model": served,
         "messages": [{"role": "system", "content": system}, {"role": "user", "content": "Tell a long story."}],
-        "max_tokens": 400,
-        "min_tokens": 400,
+        # Long enough (about a second on the tiny model) that the first event cannot trail the last token.
+        "max_tokens": 900,
+        "min_tokens": 900,
         "ignore_eos": True,
         "temperature": 0,
         "stream": True,
