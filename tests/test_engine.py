@@ -166,8 +166,12 @@ async def test_async_engine_queue_bound(ckpt):
         await first.__anext__()  # running: the seat is taken
         second = engine.generate([40, 41], GREEDY)
         task = asyncio.ensure_future(second.__anext__())
-        while engine.stats().num_waiting < 1:  # second reaches the engine's waiting queue
+        for _ in range(3000):  # second reaches the engine's waiting queue
+            if engine.stats().num_waiting >= 1:
+                break
             await asyncio.sleep(0.01)
+        else:
+            pytest.fail("the second request never reached the waiting queue")
         with pytest.raises(EngineOverloadedError):
             await engine.generate([50, 51], GREEDY).__anext__()
         await first.aclose()
