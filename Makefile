@@ -27,13 +27,13 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
 demo: $(STAMP)
-	$(PY) -m loadtest.demo
+	$(PY) -m prefixserve.loadtest.demo
 
 # Single-machine benchmarks (bench_cluster and, on CUDA, bench_kernels run on their own).
 bench: $(STAMP)
-	$(PY) -m loadtest.bench_kv
-	$(PY) -m loadtest.bench_engine
-	$(PY) -m loadtest.simulate
+	$(PY) -m prefixserve.loadtest.bench_kv
+	$(PY) -m prefixserve.loadtest.bench_engine
+	$(PY) -m prefixserve.loadtest.simulate
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

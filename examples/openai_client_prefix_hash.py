@@ -3,7 +3,7 @@
 Behind nginx's `hash $http_x_prefix_hash consistent` upstream (see nginx/), every
 request carrying the same header value reaches the same replica, which then
 serves the shared system prompt from its prefix cache. The header is
-`router.prefix.prefix_hash(system_prompt)`: the first 16 hex digits of SHA-256
+`prefixserve.router.prefix.prefix_hash(system_prompt)`: the first 16 hex digits of SHA-256
 over the prompt's UTF-8 bytes (see nginx/README.md for other languages).
 
 Two ways to attach it:
@@ -23,7 +23,7 @@ import argparse
 
 from openai import OpenAI
 
-from router.prefix import PREFIX_HASH_HEADER, prefix_hash, routing_key
+from prefixserve.router.prefix import PREFIX_HASH_HEADER, prefix_hash, routing_key
 
 SYSTEM_PROMPT = (
     "You are the support assistant of a small bicycle shop. Answer in two sentences, "

@@ -1,10 +1,10 @@
 """Attention kernels over paged KV, and the dispatch the model calls.
 
 ``select_backend("auto", device, dtype)`` gives the Triton kernels on a CUDA device;
-on a CPU, the C kernel (:mod:`kernels.cpu_attention`) for float32 when a C compiler
+on a CPU, the C kernel (:mod:`prefixserve.kernels.cpu_attention`) for float32 when a C compiler
 is there to build it, else the torch reference. ``"triton"``, ``"cpu"`` or
 ``"torch"`` forces one. All backends share the signatures documented in
-:mod:`kernels.reference`; each names the KV cache layout it reads.
+:mod:`prefixserve.kernels.reference`; each names the KV cache layout it reads.
 
 This package knows nothing of requests, schedulers or replicas.
 """
@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from kernels import reference
+from prefixserve.kernels import reference
 
 BACKENDS = ("auto", "triton", "cpu", "torch")
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ def select_backend(name: str = "auto", device: torch.device | str = "cpu",
         if device.type == "cuda":
             name = "triton"
         elif device.type == "cpu" and dtype == torch.float32:
-            from kernels import cpu_attention
+            from prefixserve.kernels import cpu_attention
 
             ok, why = cpu_attention.available()
             if not ok:
@@ -65,7 +65,7 @@ def select_backend(name: str = "auto", device: torch.device | str = "cpu",
     if name == "torch":
         return AttentionBackend("torch", reference.paged_attention, reference.write_kv_cache)
     if name == "cpu":
-        from kernels import cpu_attention
+        from prefixserve.kernels import cpu_attention
 
         if device.type != "cpu" or dtype != torch.float32:
             raise ValueError(f"the 'cpu' attention backend runs float32 on a CPU, not {dtype} on {device}")
@@ -73,7 +73,7 @@ def select_backend(name: str = "auto", device: torch.device | str = "cpu",
         return AttentionBackend("cpu", cpu_attention.paged_attention, cpu_attention.write_kv_cache,
                                 cpu_attention.kv_cache_shape)
     # Imported lazily: on CPU-only machines Triton is only used under TRITON_INTERPRET.
-    from kernels.cache_write import write_kv_cache
-    from kernels.paged_attention import paged_attention
+    from prefixserve.kernels.cache_write import write_kv_cache
+    from prefixserve.kernels.paged_attention import paged_attention
 
     return AttentionBackend("triton", paged_attention, write_kv_cache)

@@ -4,7 +4,7 @@ One program per token: it reads ``slot_mapping[t]`` (``block_id * block_size +
 offset``; negative = padding, the program does nothing) and writes that token's
 ``[num_kv_heads, head_dim]`` K and V rows into the slot. Into an fp8 (e4m3) cache
 it stores ``x / scale`` rounded to nearest-even and saturated to +-448, as
-:func:`kernels.reference.write_kv_cache` does. The division is IEEE-rounded
+:func:`prefixserve.kernels.reference.write_kv_cache` does. The division is IEEE-rounded
 (``div_rn``) so a GPU store matches the torch reference bit for bit.
 
 The interpreter's fp32 -> fp8 cast is wrong (no carry, no saturation), so the fp8
@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_attention import interpreting
-from kernels.reference import FP8_DTYPES
+from prefixserve.kernels.paged_attention import interpreting
+from prefixserve.kernels.reference import FP8_DTYPES
 
 CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16) + FP8_DTYPES
 
@@ -73,7 +73,7 @@ def write_kv_cache(
 ) -> None:
     """Store ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into their cache slots.
 
-    Same contract as :func:`kernels.reference.write_kv_cache`. ``k_scale``/``v_scale``
+    Same contract as :func:`prefixserve.kernels.reference.write_kv_cache`. ``k_scale``/``v_scale``
     are used only by an fp8 cache.
     """
     if key.dim() != 3 or key.shape != value.shape:

@@ -15,14 +15,14 @@ of 16 keys are plain vector FMAs; values ``[num_blocks, num_kv_heads, block_size
 head_dim]``. Blocks stay the leading dimension, so block copies (copy-on-write)
 work on it unchanged. float32 only; other dtypes use the torch reference.
 
-The library is built and loaded by :mod:`kernels.cpu_library`.
+The library is built and loaded by :mod:`prefixserve.kernels.cpu_library`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels.cpu_library import available, load  # noqa: F401  (available: re-exported)
+from prefixserve.kernels.cpu_library import available, load  # noqa: F401  (available: re-exported)
 
 MAX_TILE_ROWS = 48  # must equal the C constant: a KV head's group of query heads fits one task
 MAX_HEAD_DIM = 512
@@ -77,7 +77,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of packed queries over paged K/V in this kernel's layout.
 
-    Same arguments and result as :func:`kernels.reference.paged_attention`; only the
+    Same arguments and result as :func:`prefixserve.kernels.reference.paged_attention`; only the
     cache layout differs (see :func:`kv_cache_shape`).
     """
     if k_scale != 1.0 or v_scale != 1.0:

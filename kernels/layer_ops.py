@@ -87,7 +87,7 @@ def _check_norm_weight(x: torch.Tensor, weight: torch.Tensor) -> None:
 
 
 def c_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    from kernels.cpu_library import load
+    from prefixserve.kernels.cpu_library import load
 
     x, weight = _dense(x), _dense(weight)
     _check_norm_weight(x, weight)
@@ -100,7 +100,7 @@ def c_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tenso
 
 def c_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    from kernels.cpu_library import load
+    from prefixserve.kernels.cpu_library import load
 
     x, weight = _dense(x), _dense(weight)
     _check_norm_weight(x, weight)
@@ -124,7 +124,7 @@ def c_prepare_rotary(positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 
 def c_rotary(x: torch.Tensor, prepared: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Rotates ``x`` [T, heads, D] in place; token rows may be strided, heads and dims dense."""
-    from kernels.cpu_library import load
+    from prefixserve.kernels.cpu_library import load
 
     positions, cos, sin = prepared
     rows, heads, head_dim = x.shape
@@ -139,7 +139,7 @@ def c_rotary(x: torch.Tensor, prepared: tuple[torch.Tensor, torch.Tensor, torch.
 
 
 def c_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    from kernels.cpu_library import load
+    from prefixserve.kernels.cpu_library import load
 
     gate_up = _dense(gate_up)
     inter = gate_up.shape[-1] // 2

@@ -4,7 +4,7 @@ One kernel family serves every batch the scheduler builds: each sequence brings
 ``q_len >= 0`` new tokens (1 for decode, more for a prefill chunk that continues a
 cached prefix) and attends causally to all of its ``seq_len`` tokens, read from the
 paged K/V cache through its block-table row. Layouts and semantics are those of
-:mod:`kernels.reference` (the oracle the tests compare against).
+:mod:`prefixserve.kernels.reference` (the oracle the tests compare against).
 
 How the work is cut:
   * A program owns one KV head and a tile of ``block_m`` query rows: ``block_q``
@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.reference import FP8_DTYPES
+from prefixserve.kernels.reference import FP8_DTYPES
 
 ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _LOG2E = 1.4426950408889634
@@ -334,7 +334,7 @@ def paged_attention(
     v_scale: float = 1.0,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of packed queries over paged K/V; see :func:`kernels.reference.paged_attention`.
+    """Causal attention of packed queries over paged K/V; see :func:`prefixserve.kernels.reference.paged_attention`.
 
     Tile sizes come from :func:`plan_launch`; :func:`paged_attention_planned` takes
     an explicit :class:`LaunchPlan`.

@@ -37,7 +37,7 @@ import heapq
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from router.policies import Decision, ReplicaView, by_load
+from prefixserve.router.policies import Decision, ReplicaView, by_load
 
 
 class _Node:

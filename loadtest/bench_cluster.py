@@ -1,6 +1,6 @@
 """Cluster benchmark: the same seeded workload under each routing policy, side by side.
 
-``python -m loadtest.bench_cluster`` brings up a local Ray cluster (Serve's
+``python -m prefixserve.loadtest.bench_cluster`` brings up a local Ray cluster (Serve's
 proxy, the OpenAI ingress, R engine replicas on CPU) and, for each policy in
 turn, deploys the app afresh (new replicas: cold KV caches), streams the
 workload through it with a closed-loop client, and deletes it. Policies:
@@ -54,7 +54,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from loadtest.cluster_run import (
+from prefixserve.loadtest.cluster_run import (
     HITS,
     PREEMPTIONS,
     QUERIES,
@@ -67,9 +67,9 @@ from loadtest.cluster_run import (
     scrape_metrics,
     served_model,
 )
-from loadtest.workloads import WorkloadRequest, generate
-from router.metrics import sum_samples
-from router.policies import POLICIES
+from prefixserve.loadtest.workloads import WorkloadRequest, generate
+from prefixserve.router.metrics import sum_samples
+from prefixserve.router.policies import POLICIES
 
 RAY_PREFIX = "ray_prefix"
 DEFAULT_POLICIES = ("round_robin", "power_of_two", RAY_PREFIX, "consistent_hash", "bounded_load")
@@ -254,7 +254,7 @@ def oracle_hit_rate(tenants: Sequence[str], prompt_tokens: Sequence[int], prefix
 
 def chat_encoder(model: str) -> Callable[[list[dict[str, str]]], list[int]]:
     """The model's chat template as the engine applies it (replica/engine.py's encode_chat)."""
-    from replica.model import loader
+    from prefixserve.replica.model import loader
 
     tokenizer = loader.load_tokenizer(loader.resolve(model))
 
@@ -524,7 +524,7 @@ def _record_json(r: RequestRecord) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m loadtest.bench_cluster", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m prefixserve.loadtest.bench_cluster", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--url", default=None,
                    help="measure a running endpoint (one row, salted requests) instead of a local cluster")
@@ -615,7 +615,7 @@ def run(args: argparse.Namespace, p: Plan) -> int:
         bodies = _bodies(requests, served_model(base, api_key=args.api_key), salt)
         headers = None
         if args.send_prefix_hash:
-            from router.prefix import PREFIX_HASH_HEADER, routing_key
+            from prefixserve.router.prefix import PREFIX_HASH_HEADER, routing_key
 
             headers = [{PREFIX_HASH_HEADER: k} if (k := routing_key(b)) is not None else {} for b in bodies]
         result, recs = measure(base, args.label, bodies, args.concurrency, api_key=args.api_key, headers=headers,

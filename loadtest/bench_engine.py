@@ -12,7 +12,7 @@ includes queueing; "alone" TTFTs are one request on an idle engine whose cache h
 Each prefixserve engine runs ``--repeats`` times (3), on and off alternating, and
 reports its median run with every run's req/s beside it.
 
-Run: ``python -m loadtest.bench_engine`` (prints a markdown table, writes
+Run: ``python -m prefixserve.loadtest.bench_engine`` (prints a markdown table, writes
 results/bench_engine.json).
 """
 
@@ -30,7 +30,7 @@ SYSTEM_LEN, QUESTION_LEN, OUTPUT_LEN = 500, 30, 16
 
 
 def build_prompts(tokenizer: Any, encode_chat, seed: int, per_tenant: int = 8) -> list[list[int]]:
-    from loadtest.workloads import SharedPrefixConfig, shared_prefix
+    from prefixserve.loadtest.workloads import SharedPrefixConfig, shared_prefix
 
     cfg = SharedPrefixConfig(num_groups=8, prompts_per_group=per_tenant, system_prompt_len=SYSTEM_LEN,
                              question_len=QUESTION_LEN, output_len=OUTPUT_LEN, shuffle=True, seed=seed)
@@ -38,8 +38,8 @@ def build_prompts(tokenizer: Any, encode_chat, seed: int, per_tenant: int = 8) -
 
 
 def run_prefixserve(prompts: list[list[int]], caching: bool, kv_bytes: int) -> dict[str, Any]:
-    from replica.llm import LLM
-    from replica.sampling import SamplingParams
+    from prefixserve.replica.llm import LLM
+    from prefixserve.replica.sampling import SamplingParams
 
     llm = LLM("smollm2", enable_prefix_caching=caching, kv_cache_memory_bytes=kv_bytes, dtype="float32")
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN, min_tokens=OUTPUT_LEN)
@@ -70,7 +70,7 @@ def run_transformers(prompts: list[list[int]], limit: int) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from replica.model.loader import resolve
+    from prefixserve.replica.model.loader import resolve
 
     src = resolve("smollm2")
     model = AutoModelForCausalLM.from_pretrained(src.folder, gguf_file=src.gguf_file, dtype=torch.float32).eval()
@@ -130,7 +130,7 @@ def run_vllm(prompts: list[list[int]]) -> dict[str, Any] | str:
 
 
 def _gguf_path() -> Path:
-    from replica.model.loader import resolve
+    from prefixserve.replica.model.loader import resolve
 
     src = resolve("smollm2")
     return src.folder / src.gguf_file
@@ -139,9 +139,9 @@ def _gguf_path() -> Path:
 def decode_throughput(batches: list[int], steps: int, kv_bytes: int) -> dict[int, float]:
     import random
 
-    from replica.config import EngineConfig
-    from replica.engine import LLMEngine
-    from replica.sampling import SamplingParams
+    from prefixserve.replica.config import EngineConfig
+    from prefixserve.replica.engine import LLMEngine
+    from prefixserve.replica.sampling import SamplingParams
 
     engine = LLMEngine(EngineConfig(model="smollm2", kv_cache_memory_bytes=kv_bytes, enable_prefix_caching=False))
     rng = random.Random(0)
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
-    from replica.model.loader import load_tokenizer, resolve
+    from prefixserve.replica.model.loader import load_tokenizer, resolve
 
     tokenizer = load_tokenizer(resolve("smollm2"))
 

@@ -1,6 +1,6 @@
 """Paged-attention kernel benchmark for one CUDA GPU.
 
-``python -m loadtest.bench_kernels`` runs, in one process, and prints one markdown
+``python -m prefixserve.loadtest.bench_kernels`` runs, in one process, and prints one markdown
 table (and writes results/bench_kernels.json):
 
 1. Correctness first: the Triton kernels against the torch reference on the GPU
@@ -168,8 +168,8 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def correctness(device: torch.device, seed: int, scale_down: int = 1) -> list[dict]:
     """Triton vs the torch reference (fp32 math on the same stored values) on ``device``."""
-    from kernels import reference
-    from kernels.paged_attention import paged_attention, paged_attention_planned, plan_launch
+    from prefixserve.kernels import reference
+    from prefixserve.kernels.paged_attention import paged_attention, paged_attention_planned, plan_launch
 
     bs = BLOCK_SIZE
     mixed = [(2 * bs - 1, 1), (0, 1), (700 // scale_down, 1), (300 // scale_down, 200 // scale_down),
@@ -206,8 +206,8 @@ def correctness(device: torch.device, seed: int, scale_down: int = 1) -> list[di
 
 
 def _cache_write_checks(device: torch.device, seed: int) -> list[dict]:
-    from kernels import reference
-    from kernels.cache_write import write_kv_cache
+    from prefixserve.kernels import reference
+    from prefixserve.kernels.cache_write import write_kv_cache
 
     gen = torch.Generator(device=device).manual_seed(seed)
     out = []
@@ -286,7 +286,7 @@ def _flashinfer_decode(flashinfer, inp: PagedInputs, act: torch.dtype, timer: Ca
 
 def bench_decode(batch: int, context: int, act: torch.dtype, kv: torch.dtype, device: torch.device,
                  seed: int, timer: Callable, peaks: dict) -> Row:
-    from kernels.paged_attention import paged_attention, paged_attention_planned, plan_launch
+    from prefixserve.kernels.paged_attention import paged_attention, paged_attention_planned, plan_launch
 
     case = f"B={batch} ctx={context / 1024:g}k {DTYPE_NAMES[act]}/{DTYPE_NAMES[kv]} KV"
     elem_kv = torch.finfo(kv).bits // 8
@@ -344,7 +344,7 @@ def bench_prefill(batch: int, prefix: int, chunk: int, act: torch.dtype, kv: tor
                   device: torch.device, seed: int, timer: Callable, peaks: dict) -> Row:
     from torch.nn.attention.bias import causal_lower_right
 
-    from kernels.paged_attention import paged_attention, plan_launch
+    from prefixserve.kernels.paged_attention import paged_attention, plan_launch
 
     case = f"B={batch} prefix={prefix} chunk={chunk} {DTYPE_NAMES[act]}/{DTYPE_NAMES[kv]} KV"
     inp = make_inputs([(prefix, chunk)] * batch, act, kv, device, seed)
@@ -397,7 +397,7 @@ def render(rows: list[Row]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m loadtest.bench_kernels", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m prefixserve.loadtest.bench_kernels", description=__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="batch 32 only, contexts 1k and 8k, one prefill case")
     ap.add_argument("--out", type=Path, default=Path("results/bench_kernels.json"))

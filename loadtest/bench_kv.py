@@ -1,6 +1,6 @@
 """KV block manager benchmark: hashing, manager throughput, and the memory table.
 
-``python -m loadtest.bench_kv`` runs, in one process and side by side:
+``python -m prefixserve.loadtest.bench_kv`` runs, in one process and side by side:
 
 1. Hashing throughput of Contract 2's chained block hashes, xxh3_128 against
    sha256, in tokens/s, and their ratio.
@@ -30,7 +30,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from replica.kv import BlockHasher, KVCacheManager
+from prefixserve.replica.kv import BlockHasher, KVCacheManager
 
 
 def _best_of(repeats: int, fn: Callable[[], None]) -> float:
@@ -246,7 +246,7 @@ def render(res: dict) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m loadtest.bench_kv", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m prefixserve.loadtest.bench_kv", description=__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--hash-tokens", type=int, default=1 << 20)

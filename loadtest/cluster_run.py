@@ -41,7 +41,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from replica.server import REPLICA_HEADER
+from prefixserve.replica.server import REPLICA_HEADER
 
 QUERIES = "vllm:prefix_cache_queries_total"
 HITS = "vllm:prefix_cache_hits_total"
@@ -316,7 +316,7 @@ class LocalServeCluster:
         """
         from ray import serve
 
-        from router.app import build_app
+        from prefixserve.router.app import build_app
 
         serve.run(build_app(app_args), name=name, route_prefix="/", blocking=False)
         deadline = time.monotonic() + timeout_s

@@ -1,6 +1,6 @@
 """``make demo``: the cluster on this machine, a shared-prefix load, round_robin against bounded_load.
 
-``python -m loadtest.demo`` brings up a local Ray with Serve (the OpenAI
+``python -m prefixserve.loadtest.demo`` brings up a local Ray with Serve (the OpenAI
 ingress and two SmolLM2 engine replicas on CPU), then for each policy in turn
 deploys the app afresh (cold caches), streams the same seeded shared-prefix
 load through it (a few tenants' system prompts, interleaved, closed loop) and
@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
-from loadtest.bench_cluster import (
+from prefixserve.loadtest.bench_cluster import (
     PolicyResult,
     WorkloadSpec,
     _bodies,
@@ -43,8 +43,8 @@ from loadtest.bench_cluster import (
     size_kv,
     workload_token_counts,
 )
-from loadtest.cluster_run import LocalServeCluster, served_model
-from router.metrics import sum_samples
+from prefixserve.loadtest.cluster_run import LocalServeCluster, served_model
+from prefixserve.router.metrics import sum_samples
 
 POLICIES = ("round_robin", "bounded_load")
 RING_SIZE = "prefixserve_router_ring_size"
@@ -92,7 +92,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m loadtest.demo", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m prefixserve.loadtest.demo", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="smollm2", help="'smollm2' or a checkpoint directory / .gguf file")
     p.add_argument("--replicas", type=int, default=2)

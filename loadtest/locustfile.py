@@ -12,9 +12,9 @@ and the web UI show TTFT percentiles apart from end-to-end latency.
 
 Environment variables (read when the locustfile is loaded):
 
-* ``PREFIXSERVE_WORKLOAD``: a name from ``loadtest.workloads.WORKLOADS``
+* ``PREFIXSERVE_WORKLOAD``: a name from ``prefixserve.loadtest.workloads.WORKLOADS``
   (default ``shared_prefix``), or ``PREFIXSERVE_WORKLOAD_FILE``: a JSONL written
-  by ``python -m loadtest.workloads`` (it wins when both are set);
+  by ``python -m prefixserve.loadtest.workloads`` (it wins when both are set);
 * ``PREFIXSERVE_WORKLOAD_PARAMS``: ``"name=value,..."`` or a JSON object of the
   workload config's fields; ``PREFIXSERVE_SEED``: its seed;
 * ``PREFIXSERVE_MODEL``: overrides every body's ``model`` (the served model name);
@@ -39,8 +39,8 @@ from typing import Any
 
 from locust import HttpUser, between, events, task
 
-from loadtest.workloads import WorkloadRequest, generate, parse_params, read_jsonl
-from router.prefix import PREFIX_HASH_HEADER, routing_key
+from prefixserve.loadtest.workloads import WorkloadRequest, generate, parse_params, read_jsonl
+from prefixserve.router.prefix import PREFIX_HASH_HEADER, routing_key
 
 CHAT_PATH = "/v1/chat/completions"
 

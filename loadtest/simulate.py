@@ -1,10 +1,10 @@
 """Discrete-event simulation of a cluster of engine replicas under each routing policy.
 
 Job: answer "which router, at what scale" without a cluster. R replicas, each a
-real ``replica.kv.manager.KVCacheManager`` (real block accounting, hashing,
+real ``prefixserve.replica.kv.manager.KVCacheManager`` (real block accounting, hashing,
 LRU eviction), routed by the real policies of ``router/policies.py`` (plus
 SGLang's approximate-tree policy from ``loadtest/approx_tree.py``), on Zipf
-tenant traffic (``loadtest.workloads.zipf_tenant_sequence``: the same tenant
+tenant traffic (``prefixserve.loadtest.workloads.zipf_tenant_sequence``: the same tenant
 sequence the locust workload sends).
 
 The model, per replica:
@@ -54,13 +54,13 @@ from pathlib import Path
 
 import numpy as np
 
-from loadtest.approx_tree import SGLangCacheAware, SGLangConfig
-from loadtest.cost_model import CostProfile, get_profile
-from loadtest.workloads import zipf_tenant_sequence
-from replica.kv.hashing import BlockHasher
-from replica.kv.manager import KVCacheManager
-from router.policies import make_policy
-from router.prefix import prefix_hash
+from prefixserve.loadtest.approx_tree import SGLangCacheAware, SGLangConfig
+from prefixserve.loadtest.cost_model import CostProfile, get_profile
+from prefixserve.loadtest.workloads import zipf_tenant_sequence
+from prefixserve.replica.kv.hashing import BlockHasher
+from prefixserve.replica.kv.manager import KVCacheManager
+from prefixserve.router.policies import make_policy
+from prefixserve.router.prefix import prefix_hash
 
 POLICY_NAMES = ("round_robin", "random", "power_of_two", "consistent_hash", "bounded_load", "sglang_tree")
 VOCAB = 49152  # SmolLM2's vocabulary; any size works
@@ -445,7 +445,7 @@ def _progress(iterable, total: int, desc: str, enabled: bool):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loadtest.simulate", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m prefixserve.loadtest.simulate", description=__doc__.split("\n\n")[0])
     d = SimConfig()
     p.add_argument("--replicas", type=int, default=d.num_replicas)
     p.add_argument("--tenants", type=int, default=d.num_tenants)

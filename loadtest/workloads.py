@@ -556,7 +556,7 @@ def read_jsonl(path: str | Path) -> list[WorkloadRequest]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.workloads", description="Write a workload as JSONL.")
+    parser = argparse.ArgumentParser(prog="python -m prefixserve.loadtest.workloads", description="Write a workload as JSONL.")
     sub = parser.add_subparsers(dest="name", required=True)
     for name, (config_cls, _) in WORKLOADS.items():
         p = sub.add_parser(name, help=(config_cls.__doc__ or "").strip().splitlines()[0])

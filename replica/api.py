@@ -29,8 +29,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from replica.errors import EngineDeadError, EngineOverloadedError, PromptTooLongError, RequestRejected
-from replica.sampling import SamplingParams
+from prefixserve.replica.errors import EngineDeadError, EngineOverloadedError, PromptTooLongError, RequestRejected
+from prefixserve.replica.sampling import SamplingParams
 
 # Completions' legacy default (OpenAI documents 16); chat defaults to "what fits".
 DEFAULT_COMPLETION_MAX_TOKENS = 16

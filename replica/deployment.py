@@ -42,10 +42,10 @@ import anyio
 from prometheus_client import generate_latest
 from ray import serve
 
-from replica.errors import EngineDeadError
-from replica.openai_serving import prompt_token_ids
-from replica.outputs import StreamDelta
-from replica.sampling import SamplingParams
+from prefixserve.replica.errors import EngineDeadError
+from prefixserve.replica.openai_serving import prompt_token_ids
+from prefixserve.replica.outputs import StreamDelta
+from prefixserve.replica.sampling import SamplingParams
 
 
 @dataclass
@@ -106,8 +106,8 @@ class EngineDeployment:
     def __init__(self, engine_config: dict[str, Any]) -> None:
         # Imported here so that importing this module (the ingress does, for
         # EngineRequest) does not load torch.
-        from replica.config import EngineConfig
-        from replica.engine import AsyncEngine
+        from prefixserve.replica.config import EngineConfig
+        from prefixserve.replica.engine import AsyncEngine
 
         self.engine = AsyncEngine(EngineConfig.from_dict(dict(engine_config)))
         self.max_model_len = int(self.engine.max_model_len)

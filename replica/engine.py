@@ -25,18 +25,18 @@ from typing import Any, AsyncIterator
 
 import torch
 
-from replica.config import MAX_MODEL_LEN_CAP, EngineConfig
-from replica.detokenizer import IncrementalDetokenizer
-from replica.errors import EngineDeadError, EngineOverloadedError, PromptTooLongError, RequestRejected
-from replica.kv.manager import KVCacheManager
-from replica.metrics import EngineMetrics, EngineStats
-from replica.model import loader
-from replica.model.llama import ModelConfig
-from replica.model_runner import ModelRunner
-from replica.outputs import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, CompletionOutput, RequestOutput, StreamDelta
-from replica.request import Request, Sequence
-from replica.sampling import SampleSpec, SamplingParams
-from replica.scheduler import Scheduler, SchedulerConfig
+from prefixserve.replica.config import MAX_MODEL_LEN_CAP, EngineConfig
+from prefixserve.replica.detokenizer import IncrementalDetokenizer
+from prefixserve.replica.errors import EngineDeadError, EngineOverloadedError, PromptTooLongError, RequestRejected
+from prefixserve.replica.kv.manager import KVCacheManager
+from prefixserve.replica.metrics import EngineMetrics, EngineStats
+from prefixserve.replica.model import loader
+from prefixserve.replica.model.llama import ModelConfig
+from prefixserve.replica.model_runner import ModelRunner
+from prefixserve.replica.outputs import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, CompletionOutput, RequestOutput, StreamDelta
+from prefixserve.replica.request import Request, Sequence
+from prefixserve.replica.sampling import SampleSpec, SamplingParams
+from prefixserve.replica.scheduler import Scheduler, SchedulerConfig
 
 
 @dataclass

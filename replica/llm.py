@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from replica.config import EngineConfig
-from replica.engine import LLMEngine
-from replica.outputs import RequestOutput
-from replica.sampling import SamplingParams
+from prefixserve.replica.config import EngineConfig
+from prefixserve.replica.engine import LLMEngine
+from prefixserve.replica.outputs import RequestOutput
+from prefixserve.replica.sampling import SamplingParams
 
 Prompt = str | list[int]
 

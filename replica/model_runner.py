@@ -20,13 +20,13 @@ from typing import Iterable
 
 import torch
 
-from kernels import select_backend
-from kernels.layer_ops import select_layer_ops
-from replica.config import EngineConfig
-from replica.model.layers import TPGroup
-from replica.model.llama import AttentionMetadata, LlamaForCausalLM, ModelConfig
-from replica.sampling import SampleResult, SampleSpec, sample
-from replica.scheduler import ScheduledSeq
+from prefixserve.kernels import select_backend
+from prefixserve.kernels.layer_ops import select_layer_ops
+from prefixserve.replica.config import EngineConfig
+from prefixserve.replica.model.layers import TPGroup
+from prefixserve.replica.model.llama import AttentionMetadata, LlamaForCausalLM, ModelConfig
+from prefixserve.replica.sampling import SampleResult, SampleSpec, sample
+from prefixserve.replica.scheduler import ScheduledSeq
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

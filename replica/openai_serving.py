@@ -14,7 +14,7 @@ Invariants:
 * A stream always ends with ``data: [DONE]``; an error after the status was
   sent goes in-band as the OpenAI error body.
 
-Depends on ``replica.api`` and anyio only: must not import an HTTP framework,
+Depends on ``prefixserve.replica.api`` and anyio only: must not import an HTTP framework,
 Ray, torch or anything from ``router``.
 """
 
@@ -28,8 +28,8 @@ from typing import Any, Protocol
 
 import anyio
 
-from replica import api
-from replica.outputs import StreamDelta
+from prefixserve.replica import api
+from prefixserve.replica.outputs import StreamDelta
 
 OpenAIRequest = api.ChatCompletionRequest | api.CompletionRequest
 

@@ -21,7 +21,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from replica.sampling import SamplingParams
+from prefixserve.replica.sampling import SamplingParams
 
 
 class SeqStatus(enum.Enum):

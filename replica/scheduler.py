@@ -26,8 +26,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from replica.kv.manager import KVCacheManager
-from replica.request import Sequence, SeqStatus
+from prefixserve.replica.kv.manager import KVCacheManager
+from prefixserve.replica.request import Sequence, SeqStatus
 
 
 @dataclass(frozen=True)

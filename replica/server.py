@@ -10,7 +10,7 @@ disconnects, error handlers, :func:`respond`) is reused by the Ray ingress.
 
 Invariants:
 * Every answer carries the ``X-Prefixserve-Replica`` header naming this replica.
-* Every error is the OpenAI error body with the status ``replica.api`` maps it to
+* Every error is the OpenAI error body with the status ``prefixserve.replica.api`` maps it to
   (the Ray ingress uses the same mapping): no FastAPI 422s, no HTML pages.
 * A request whose client goes away is aborted in the engine, so its KV blocks are
   freed: before its first token, while it is collected (non-streaming) and while
@@ -35,8 +35,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from replica import api, openai_serving
-from replica.openai_serving import Generation, OpenAIRequest
+from prefixserve.replica import api, openai_serving
+from prefixserve.replica.openai_serving import Generation, OpenAIRequest
 
 log = logging.getLogger(__name__)
 
@@ -291,7 +291,7 @@ def build_app(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``prefixserve replica``: the HTTP ones, then every EngineConfig knob."""
-    from replica.config import EngineConfig
+    from prefixserve.replica.config import EngineConfig
 
     http = parser.add_argument_group("http")
     http.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default: {DEFAULT_HOST})")
@@ -310,8 +310,8 @@ def run(args: argparse.Namespace) -> int:
     """Load the model, start the engine and serve until interrupted."""
     import uvicorn
 
-    from replica.config import EngineConfig
-    from replica.engine import AsyncEngine
+    from prefixserve.replica.config import EngineConfig
+    from prefixserve.replica.engine import AsyncEngine
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = EngineConfig.from_cli_args(args)

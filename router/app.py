@@ -1,6 +1,6 @@
 """Builds the prefixserve Serve application: the OpenAI ingress over the engine deployment.
 
-Job: turn one args dict (``serve run router.app:build_app``, the ``args`` of an
+Job: turn one args dict (``serve run prefixserve.router.app:build_app``, the ``args`` of an
 application in a ``serve deploy`` config such as cluster.yaml, or
 ``prefixserve up``) into a ``serve.Application``: the engine deployment
 (replica/deployment.py) with its request router (router/serve_router.py, or
@@ -45,11 +45,11 @@ from typing import Any
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from replica.config import EngineConfig
-from replica.deployment import EngineDeployment
-from router.ingress import IngressConfig, OpenAIIngress
-from router.policies import DEFAULT_POLICY, POLICIES
-from router.serve_router import RAY_LLM_PREFIX_ROUTER_PATH, ROUTER_CLASS_PATH
+from prefixserve.replica.config import EngineConfig
+from prefixserve.replica.deployment import EngineDeployment
+from prefixserve.router.ingress import IngressConfig, OpenAIIngress
+from prefixserve.router.policies import DEFAULT_POLICY, POLICIES
+from prefixserve.router.serve_router import RAY_LLM_PREFIX_ROUTER_PATH, ROUTER_CLASS_PATH
 
 ROUTER_CLASSES = {
     "prefixserve": ROUTER_CLASS_PATH,
@@ -189,7 +189,7 @@ def build_engine(args: AppArgs) -> serve.Application:
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:
-    """The Serve application for ``serve run router.app:build_app`` / ``serve deploy``."""
+    """The Serve application for ``serve run prefixserve.router.app:build_app`` / ``serve deploy``."""
     parsed = AppArgs.from_dict(args)
     engine = build_engine(parsed)
     ingress = parsed.ingress

@@ -21,7 +21,7 @@ record (empty, unreadable, all malformed) raises ``AuditError``.
 
 Invariants: ``audit`` is pure given the records and a tokenizer (anything with
 ``encode``); only the CLI loads a model's tokenizer (never its weights).
-Imports: stdlib; the tokenizer loader from replica.model.loader lazily (it pulls
+Imports: stdlib; the tokenizer loader from prefixserve.replica.model.loader lazily (it pulls
 torch and transformers). No Ray, no HTTP.
 """
 
@@ -534,7 +534,7 @@ def format_report(report: AuditReport) -> str:
 @functools.lru_cache(maxsize=4)
 def load_tokenizer(model: str) -> Any:
     """The tokenizer (only) of ``model``: ``smollm2``, a checkpoint directory or a .gguf file (cached)."""
-    from replica.model.loader import load_tokenizer as _load, resolve
+    from prefixserve.replica.model.loader import load_tokenizer as _load, resolve
 
     return _load(resolve(model))
 

@@ -13,11 +13,11 @@ import sys
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "replica": ("replica.server", "run one engine replica as an OpenAI HTTP server"),
-    "up": ("router.up", "run the cluster on this machine: local Ray, replicas, router, OpenAI endpoint"),
-    "route": ("router.route_cli", "print the routing key of a prompt and the replica the ring picks"),
-    "nginx-config": ("router.nginx", "render an nginx.conf hash-consistent upstream for a replica list"),
-    "audit": ("router.audit", "audit a prompt log for prefix-cache hit-rate killers"),
+    "replica": ("prefixserve.replica.server", "run one engine replica as an OpenAI HTTP server"),
+    "up": ("prefixserve.router.up", "run the cluster on this machine: local Ray, replicas, router, OpenAI endpoint"),
+    "route": ("prefixserve.router.route_cli", "print the routing key of a prompt and the replica the ring picks"),
+    "nginx-config": ("prefixserve.router.nginx", "render an nginx.conf hash-consistent upstream for a replica list"),
+    "audit": ("prefixserve.router.audit", "audit a prompt log for prefix-cache hit-rate killers"),
 }
 
 

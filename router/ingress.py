@@ -44,11 +44,11 @@ from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from replica import api, openai_serving
-from replica.deployment import EngineRequest, StreamStart, TokenTexts
-from replica.openai_serving import Generation, OpenAIRequest
-from replica.outputs import StreamDelta
-from replica.server import (
+from prefixserve.replica import api, openai_serving
+from prefixserve.replica.deployment import EngineRequest, StreamStart, TokenTexts
+from prefixserve.replica.openai_serving import Generation, OpenAIRequest
+from prefixserve.replica.outputs import StreamDelta
+from prefixserve.replica.server import (
     DEFAULT_MAX_BODY_BYTES,
     REPLICA_HEADER,
     ClientDisconnected,
@@ -58,8 +58,8 @@ from replica.server import (
     respond,
     start_generation,
 )
-from router.metrics import merge_expositions, router_metrics
-from router.prefix import PrefixKeyConfig, routing_key
+from prefixserve.router.metrics import merge_expositions, router_metrics
+from prefixserve.router.prefix import PrefixKeyConfig, routing_key
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from router.prefix import PREFIX_HASH_HEADER
-from router.ring import RingServer
+from prefixserve.router.prefix import PREFIX_HASH_HEADER
+from prefixserve.router.ring import RingServer
 
 # Characters nginx would read as syntax in a bare config token.
 _UNSAFE = re.compile(r"[\s;{}#\"'$\\]")

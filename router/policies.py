@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar, runtime_checkable
 
-from router.ring import DEFAULT_EPSILON, HashRing, RingServer, bounded_capacity
+from prefixserve.router.ring import DEFAULT_EPSILON, HashRing, RingServer, bounded_capacity
 
 
 @runtime_checkable

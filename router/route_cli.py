@@ -12,8 +12,8 @@ import argparse
 import json
 import sys
 
-from router.prefix import PREFIX_HASH_HEADER, prefix_hash, validate_prefix_hash
-from router.ring import HashRing, RingServer, key_hash
+from prefixserve.router.prefix import PREFIX_HASH_HEADER, prefix_hash, validate_prefix_hash
+from prefixserve.router.ring import HashRing, RingServer, key_hash
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -47,11 +47,11 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
-from router.metrics import RouterMetrics, router_metrics
-from router.policies import DEFAULT_POLICY, Policy, make_policy
+from prefixserve.router.metrics import RouterMetrics, router_metrics
+from prefixserve.router.policies import DEFAULT_POLICY, Policy, make_policy
 
 # Import path of this router for RequestRouterConfig(request_router_class=...).
-ROUTER_CLASS_PATH = "router.serve_router:PrefixRouter"
+ROUTER_CLASS_PATH = "prefixserve.router.serve_router:PrefixRouter"
 # Ray Serve LLM's prefix-tree router (the comparison point of the cluster benchmark).
 RAY_LLM_PREFIX_ROUTER_PATH = (
     "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:PrefixCacheAffinityRouter"

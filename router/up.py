@@ -21,8 +21,8 @@ import signal
 import threading
 from typing import Any
 
-from replica.config import EngineConfig
-from router.policies import DEFAULT_POLICY, POLICIES
+from prefixserve.replica.config import EngineConfig
+from prefixserve.router.policies import DEFAULT_POLICY, POLICIES
 
 APP_NAME = "prefixserve"
 
@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from router.app import AppArgs, build_app
+    from prefixserve.router.app import AppArgs, build_app
 
     if args.replicas < 1:
         raise SystemExit("--replicas must be at least 1")

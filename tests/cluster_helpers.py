@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from router.prefix import PREFIX_HASH_HEADER
+from prefixserve.router.prefix import PREFIX_HASH_HEADER
 
 OBJECT_STORE_BYTES = 80 * 1024**2
 REPLICA_HEADER = "X-Prefixserve-Replica"
@@ -71,7 +71,7 @@ def deploy_config(
     ``deployments`` are Serve's per-deployment overrides (e.g. ``[{"name": "Engine",
     "num_replicas": 4}]``).
     """
-    app: dict[str, Any] = {"name": name, "route_prefix": "/", "import_path": "router.app:build_app", "args": args}
+    app: dict[str, Any] = {"name": name, "route_prefix": "/", "import_path": "prefixserve.router.app:build_app", "args": args}
     if deployments:
         app["deployments"] = deployments
     return {
@@ -93,7 +93,7 @@ def deploy(
     """Deploy the app with ``args`` the way ``serve deploy`` does; returns its base URL.
 
     Declarative, like ``serve deploy cluster.yaml``: the controller imports
-    router.app:build_app. Changing ``args`` rebuilds the app and replaces every
+    prefixserve.router.app:build_app. Changing ``args`` rebuilds the app and replaces every
     replica; changing only a ``deployments`` override such as ``num_replicas``
     adds or removes replicas and leaves the others running.
     """

@@ -25,7 +25,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels import cache_write, paged_attention  # noqa: E402
+from prefixserve.kernels import cache_write, paged_attention  # noqa: E402
 
 TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
                 torch.float8_e4m3fn: "fp8e4nv"}

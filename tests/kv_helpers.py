@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from replica.kv import KVCacheManager
+from prefixserve.replica.kv import KVCacheManager
 
 
 def snapshot(m: KVCacheManager) -> tuple:

@@ -76,7 +76,7 @@ def free_port() -> int:
 
 def prefixserve_command() -> list[str]:
     script = Path(sys.executable).parent / "prefixserve"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "router.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "prefixserve.router.cli"]
 
 
 class ReplicaProcess:

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from replica import api
-from replica.errors import EngineDeadError, EngineOverloadedError, PromptTooLongError, RequestRejected
+from prefixserve.replica import api
+from prefixserve.replica.errors import EngineDeadError, EngineOverloadedError, PromptTooLongError, RequestRejected
 
 
 def chat_body(**overrides) -> bytes:

@@ -8,8 +8,8 @@ import uuid
 
 import pytest
 
-from router import audit as A
-from router.cli import main as cli_main
+from prefixserve.router import audit as A
+from prefixserve.router.cli import main as cli_main
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +170,7 @@ def test_empty_unreadable_and_all_malformed_files_are_errors(tmp_path, capsys) -
 
 
 def test_cli_human_and_json(tmp_path, tok, capsys) -> None:
-    from loadtest.workloads import VolatileSystemPromptConfig, volatile_system_prompt, write_jsonl
+    from prefixserve.loadtest.workloads import VolatileSystemPromptConfig, volatile_system_prompt, write_jsonl
 
     path = tmp_path / "vol.jsonl"
     write_jsonl(volatile_system_prompt(VolatileSystemPromptConfig(num_requests=30, system_prompt_len=40, deploy_every=10, seed=5)), path)

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from prometheus_client import generate_latest
 
-from loadtest import bench_cluster as B
-from loadtest.cluster_run import (
+from prefixserve.loadtest import bench_cluster as B
+from prefixserve.loadtest.cluster_run import (
     HITS,
     PREEMPTIONS,
     QUERIES,
@@ -22,8 +22,8 @@ from loadtest.cluster_run import (
     in_flight_by_replica,
     replica_counters,
 )
-from replica.metrics import EngineMetrics
-from router.metrics import merge_expositions
+from prefixserve.replica.metrics import EngineMetrics
+from prefixserve.router.metrics import merge_expositions
 
 # --------------------------------------------------------------------------- metrics
 
@@ -226,7 +226,7 @@ def test_tables_and_plot(tmp_path):
 
 
 def test_app_args_are_valid_router_app_args_for_every_policy():
-    from router.app import AppArgs
+    from prefixserve.router.app import AppArgs
 
     sizing = B.size_kv({"a": 64, "b": 64}, [("a", 80)], block_size=16, replicas=2, concurrency=2, headroom=1.5)
     for policy in B.KNOWN_POLICIES:

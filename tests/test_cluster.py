@@ -14,8 +14,8 @@ import time
 import httpx
 import pytest
 
-from router.prefix import PREFIX_HASH_HEADER, prefix_hash
-from router.ring import HashRing
+from prefixserve.router.prefix import PREFIX_HASH_HEADER, prefix_hash
+from prefixserve.router.ring import HashRing
 from tests.cluster_helpers import (
     REPLICA_HEADER,
     LocalRayCluster,

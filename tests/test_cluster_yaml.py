@@ -15,9 +15,9 @@ import yaml
 from ray.serve.config import AutoscalingConfig
 from ray.serve.schema import ServeDeploySchema
 
-from replica.config import EngineConfig
-from router.app import AppArgs, build_app
-from router.serve_router import ROUTER_CLASS_PATH
+from prefixserve.replica.config import EngineConfig
+from prefixserve.router.app import AppArgs, build_app
+from prefixserve.router.serve_router import ROUTER_CLASS_PATH
 
 CLUSTER_YAML = Path(__file__).resolve().parent.parent / "cluster.yaml"
 
@@ -42,7 +42,7 @@ def without_tp(args: dict) -> dict:
 def test_validates_against_rays_serve_schema(config):
     schema = ServeDeploySchema.model_validate(config)
     (app,) = schema.applications
-    assert app.import_path == "router.app:build_app"
+    assert app.import_path == "prefixserve.router.app:build_app"
     assert app.route_prefix == "/"
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_attention, cpu_library, layer_ops, select_backend
+from prefixserve.kernels import cpu_attention, cpu_library, layer_ops, select_backend
 from tests.kernel_helpers import dense_attention, make_paged_batch, relative_error
 
 pytestmark = pytest.mark.skipif(not cpu_library.available()[0],
@@ -175,7 +175,7 @@ def test_write_kv_cache_matches_reference_layout(seed):
     key = qkv[:, kvh * d:2 * kvh * d].unflatten(1, (kvh, d))
     value = qkv[:, 2 * kvh * d:].unflatten(1, (kvh, d))
     slots = torch.tensor([0, 9, 17, -1, 39, 8, 23])
-    from kernels import reference
+    from prefixserve.kernels import reference
 
     reference.write_kv_cache(key, value, k_ref, v_ref, slots)
     cpu_attention.write_kv_cache(key, value, k_cpu, v_cpu, slots)
@@ -225,7 +225,7 @@ def test_silu_and_mul_matches_torch(seed, rows, inter):
 
 
 def test_packed_linear_equals_f_linear(seed):
-    from replica.model.layers import ColumnParallelLinear, TPGroup, mkl_packing_available
+    from prefixserve.replica.model.layers import ColumnParallelLinear, TPGroup, mkl_packing_available
 
     if not mkl_packing_available():
         pytest.skip("torch built without MKL")
@@ -257,8 +257,8 @@ def test_without_a_compiler_auto_falls_back_to_torch(tmp_path):
     script = (
         "import logging, torch\n"
         "logging.basicConfig(level=logging.WARNING)\n"
-        "from kernels import select_backend\n"
-        "from kernels.cpu_library import CPUKernelUnavailable\n"
+        "from prefixserve.kernels import select_backend\n"
+        "from prefixserve.kernels.cpu_library import CPUKernelUnavailable\n"
         "print('AUTO', select_backend('auto', 'cpu', torch.float32).name)\n"
         "try:\n"
         "    select_backend('cpu', 'cpu', torch.float32)\n"

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from model_helpers import hf_greedy, hf_model, random_prompts, tiny_checkpoint
-from replica.config import EngineConfig
-from replica.engine import AsyncEngine, LLMEngine
-from replica.errors import EngineOverloadedError, PromptTooLongError
-from replica.llm import LLM
-from replica.sampling import SamplingParams
+from prefixserve.replica.config import EngineConfig
+from prefixserve.replica.engine import AsyncEngine, LLMEngine
+from prefixserve.replica.errors import EngineOverloadedError, PromptTooLongError
+from prefixserve.replica.llm import LLM
+from prefixserve.replica.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 

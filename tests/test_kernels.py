@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import reference, select_backend
-from kernels.cache_write import write_kv_cache as triton_write_kv_cache
-from kernels.paged_attention import (
+from prefixserve.kernels import reference, select_backend
+from prefixserve.kernels.cache_write import write_kv_cache as triton_write_kv_cache
+from prefixserve.kernels.paged_attention import (
     LaunchPlan,
     paged_attention,
     paged_attention_planned,

@@ -9,7 +9,7 @@ import struct
 import pytest
 import xxhash
 
-from replica.kv import DEFAULT_HASH_SEED, BlockHasher, hash_blocks
+from prefixserve.replica.kv import DEFAULT_HASH_SEED, BlockHasher, hash_blocks
 
 
 def _independent(algo: str, seed: bytes, tokens: list[int], bs: int, salt: bytes | None) -> list[bytes]:

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from replica.kv import KVCacheManager
+from prefixserve.replica.kv import KVCacheManager
 from tests.kv_helpers import snapshot
 
 BS = 4

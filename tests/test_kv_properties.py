@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from replica.kv import KVCacheManager
+from prefixserve.replica.kv import KVCacheManager
 from tests.kv_helpers import snapshot
 
 # A few shared system prompts, and a tiny vocabulary so that identical blocks

@@ -14,9 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from router.nginx import NginxConfig, render_config
-from router.prefix import PREFIX_HASH_HEADER, prefix_hash
-from router.ring import HashRing, RingServer
+from prefixserve.router.nginx import NginxConfig, render_config
+from prefixserve.router.prefix import PREFIX_HASH_HEADER, prefix_hash
+from prefixserve.router.ring import HashRing, RingServer
 from nginx_helpers import NginxProcess, find_nginx, free_ports
 from server_helpers import ReplicaProcess, build_tiny_llama, metric
 

@@ -21,11 +21,11 @@ import httpx
 import pytest
 
 from nginx_helpers import NginxProcess, backends_conf, find_nginx, free_ports, nginx_test_config
-from router import cli
-from router import nginx as nginx_cli
-from router.nginx import NginxConfig, render_config
-from router.prefix import PREFIX_HASH_HEADER, prefix_hash
-from router.ring import HashRing, RingServer
+from prefixserve.router import cli
+from prefixserve.router import nginx as nginx_cli
+from prefixserve.router.nginx import NginxConfig, render_config
+from prefixserve.router.prefix import PREFIX_HASH_HEADER, prefix_hash
+from prefixserve.router.ring import HashRing, RingServer
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "nginx" / "nginx.conf"

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from router.policies import (
+from prefixserve.router.policies import (
     POLICIES,
     BoundedLoad,
     ConsistentHash,
@@ -18,7 +18,7 @@ from router.policies import (
     ReplicaView,
     make_policy,
 )
-from router.ring import HashRing, bounded_capacity
+from prefixserve.router.ring import HashRing, bounded_capacity
 
 
 @dataclass

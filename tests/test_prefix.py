@@ -9,7 +9,7 @@ import struct
 
 import pytest
 
-from router.prefix import (
+from prefixserve.router.prefix import (
     PREFIX_HASH_HEADER,
     InvalidPrefixHash,
     PrefixKeyConfig,

@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from router.ring import (
+from prefixserve.router.ring import (
     POINTS_PER_WEIGHT,
     HashRing,
     RingServer,
@@ -299,8 +299,8 @@ def test_bounded_lookup_skips_unusable_and_ignores_their_load():
 def test_route_cli_prints_key_owner_and_fallbacks(capsys):
     import json
 
-    from router import cli
-    from router.prefix import prefix_hash
+    from prefixserve.router import cli
+    from prefixserve.router.prefix import prefix_hash
 
     replicas = ["127.0.0.1:18001", "127.0.0.1:18002=2", "127.0.0.1:18003"]
     argv = ["route", *sum((["--replica", r] for r in replicas), []), "--system", "You are terse.", "--json"]

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import random
 
-from replica.kv.manager import KVCacheManager
-from replica.request import Request, Sequence, SeqStatus
-from replica.sampling import SamplingParams
-from replica.scheduler import Scheduler, SchedulerConfig
+from prefixserve.replica.kv.manager import KVCacheManager
+from prefixserve.replica.request import Request, Sequence, SeqStatus
+from prefixserve.replica.sampling import SamplingParams
+from prefixserve.replica.scheduler import Scheduler, SchedulerConfig
 
 
 def make_seq(rid: str, prompt: list[int], max_tokens: int = 4) -> Sequence:

@@ -16,10 +16,10 @@ import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
 from ray.serve.request_router import PendingRequest
 
-from replica.deployment import EngineRequest
-from router.metrics import RouterMetrics
-from router.ring import HashRing
-from router.serve_router import PrefixRouter, replica_name, request_routing_key
+from prefixserve.replica.deployment import EngineRequest
+from prefixserve.router.metrics import RouterMetrics
+from prefixserve.router.ring import HashRing
+from prefixserve.router.serve_router import PrefixRouter, replica_name, request_routing_key
 
 DEPLOYMENT = DeploymentID(name="Engine", app_name="prefixserve")
 

@@ -451,9 +451,9 @@ def test_smollm2_serves_a_chat_completion(tmp_path):
 
 
 async def test_dead_engine_makes_health_and_requests_503(tiny_checkpoint):
-    from replica.config import EngineConfig
-    from replica.engine import AsyncEngine
-    from replica.server import build_app
+    from prefixserve.replica.config import EngineConfig
+    from prefixserve.replica.engine import AsyncEngine
+    from prefixserve.replica.server import build_app
 
     engine = AsyncEngine(EngineConfig(model=str(tiny_checkpoint), max_model_len=128))
     app = build_app(engine, replica_name="in-process")

@@ -8,9 +8,9 @@ from dataclasses import asdict, replace
 
 import pytest
 
-from loadtest import simulate as S
-from loadtest.approx_tree import ApproxTree, SGLangCacheAware, SGLangConfig
-from router.policies import Replica
+from prefixserve.loadtest import simulate as S
+from prefixserve.loadtest.approx_tree import ApproxTree, SGLangCacheAware, SGLangConfig
+from prefixserve.router.policies import Replica
 
 SMALL = S.SimConfig(num_replicas=4, num_tenants=40, num_requests=600, system_prompt_len=64, question_len=16,
                     output_len=16, blocks_per_replica=64, max_num_seqs=8, utilization=0.7, seed=7)
@@ -134,7 +134,7 @@ def test_sglang_policy_branches() -> None:
 
 
 def test_cpu_profile_from_the_engine_benchmark(tmp_path) -> None:
-    from loadtest.cost_model import CPU_DEFAULT, cpu_profile
+    from prefixserve.loadtest.cost_model import CPU_DEFAULT, cpu_profile
 
     assert cpu_profile(tmp_path / "missing.json") == CPU_DEFAULT
     bench = {"rows": [{"engine": "prefixserve, caching on", "ttft_alone_hit_s": 0.07},

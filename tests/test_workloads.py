@@ -10,8 +10,8 @@ from collections import Counter
 
 import pytest
 
-from loadtest import workloads as W
-from router.prefix import routing_key
+from prefixserve.loadtest import workloads as W
+from prefixserve.router.prefix import routing_key
 
 
 def _params(name: str) -> dict:
@@ -199,7 +199,7 @@ def test_jsonl_roundtrip_and_cli(tmp_path) -> None:
     assert W.write_jsonl(reqs, path) == len(reqs)
     assert W.read_jsonl(path) == reqs
     out = tmp_path / "cli.jsonl"
-    subprocess.run([sys.executable, "-m", "loadtest.workloads", "multi_turn", "--out", str(out),
+    subprocess.run([sys.executable, "-m", "prefixserve.loadtest.workloads", "multi_turn", "--out", str(out),
                     *[f"--{k.replace('_', '-')}={v}" for k, v in _params("multi_turn").items()]],
                    check=True, capture_output=True)
     assert out.read_text() == path.read_text()

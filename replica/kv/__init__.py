@@ -4,8 +4,8 @@
 DESIGN.md (the router imports it too); ``BlockPool`` is the physical layer.
 """
 
-from replica.kv.block_pool import BlockPool
-from replica.kv.hashing import (
+from prefixserve.replica.kv.block_pool import BlockPool
+from prefixserve.replica.kv.hashing import (
     DEFAULT_HASH_ALGO,
     DEFAULT_HASH_SEED,
     HASH_ALGOS,
@@ -14,7 +14,7 @@ from replica.kv.hashing import (
     encode_tokens,
     hash_blocks,
 )
-from replica.kv.manager import KVCacheManager, KVCacheStats
+from prefixserve.replica.kv.manager import KVCacheManager, KVCacheStats
 
 __all__ = [
     "DEFAULT_HASH_ALGO",

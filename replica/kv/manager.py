@@ -37,8 +37,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from replica.kv.block_pool import BlockPool
-from replica.kv.hashing import DEFAULT_HASH_ALGO, DEFAULT_HASH_SEED, BlockHasher
+from prefixserve.replica.kv.block_pool import BlockPool
+from prefixserve.replica.kv.hashing import DEFAULT_HASH_ALGO, DEFAULT_HASH_SEED, BlockHasher
 
 
 @dataclass(frozen=True)

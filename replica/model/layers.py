@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.layer_ops import TORCH_LAYER_OPS, LayerOps
+from prefixserve.kernels.layer_ops import TORCH_LAYER_OPS, LayerOps
 
 
 @dataclass(frozen=True)

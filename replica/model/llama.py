@@ -18,12 +18,12 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from kernels import AttentionBackend
-from kernels.layer_ops import TORCH_LAYER_OPS, LayerOps
-from replica.model.layers import (MergedColumnParallelLinear, ParallelLMHead,
+from prefixserve.kernels import AttentionBackend
+from prefixserve.kernels.layer_ops import TORCH_LAYER_OPS, LayerOps
+from prefixserve.replica.model.layers import (MergedColumnParallelLinear, ParallelLMHead,
                                   QKVParallelLinear, RMSNorm, RowParallelLinear, TPGroup,
                                   VocabParallelEmbedding, default_weight_loader)
-from replica.model.rope import RopeConfig, RotaryEmbedding
+from prefixserve.replica.model.rope import RopeConfig, RotaryEmbedding
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
