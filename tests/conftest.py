@@ -2,10 +2,55 @@
 
 TRITON_INTERPRET must be set before any ``@triton.jit`` decorator runs, i.e. before
 a kernel module is imported: the interpreter runs the Triton kernels on CPU tensors.
+
+The real-system tests need programs beyond Python (nginx, a C compiler). A
+missing one is named before the run (report header) and every skipped test is
+listed with its reason after it, so a whole suite never skips silently. With
+``PREFIXSERVE_REQUIRE_SYSTEM_DEPS=1`` (``.ci/run`` sets it) a missing program
+fails the run instead.
 """
 
 import os
+import shutil
+from collections import Counter
+
+import pytest
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from nginx_helpers import find_nginx  # noqa: E402  (after the environment above)
+
+# program -> (found?, which tests need it)
+_SYSTEM_DEPS = {
+    "nginx": (find_nginx() is not None, "tests/test_nginx_parity.py, tests/test_nginx_e2e.py"),
+    "C compiler": (shutil.which(os.environ.get("CC", "cc")) is not None, "tests/test_cpu_kernels.py"),
+}
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    lines = []
+    for name, (found, tests) in _SYSTEM_DEPS.items():
+        state = "found" if found else f"MISSING: {tests} will be skipped (scripts/system-deps.sh installs it)"
+        lines.append(f"system dependency {name}: {state}")
+    return lines
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    missing = [name for name, (found, _) in _SYSTEM_DEPS.items() if not found]
+    if missing and os.environ.get("PREFIXSERVE_REQUIRE_SYSTEM_DEPS") == "1":
+        raise pytest.UsageError(f"PREFIXSERVE_REQUIRE_SYSTEM_DEPS=1 but missing: {', '.join(missing)}")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:  # noqa: ANN001
+    skipped = terminalreporter.stats.get("skipped", [])
+    if not skipped:
+        return
+    reasons: Counter[str] = Counter()
+    for report in skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reasons[reason.removeprefix("Skipped: ")] += 1
+    terminalreporter.section("skipped tests, by reason")
+    for reason, count in reasons.most_common():
+        terminalreporter.write_line(f"{count:4d} skipped: {reason}")
