@@ -94,7 +94,7 @@ class BlockPool:
             raise ValueError(f"asked for {n} blocks but only {self.num_free} are free")
         s = self._sentinel
         ref, nxt, bhash, h2b = self.ref_cnt, self._next, self.block_hash, self.hash_to_block
-        out = []
+        out: list[int] = []
         append = out.append
         b = s
         evicted = 0
