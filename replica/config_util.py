@@ -1,0 +1,64 @@
+"""Strict construction of config dataclasses from plain mappings (YAML, JSON, kwargs).
+
+Job: one ``from_dict(cls, data, where)`` that every config section uses, so
+that a misspelt key is an error naming it and the keys that exist, never a
+silently ignored setting or a bare ``TypeError``.
+
+Lives in replica/ because both replica/ and router/ build configs with it and
+imports point one way (router -> replica). Pure stdlib.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def from_dict(cls: type[T], data: Mapping[str, Any] | None, where: str) -> T:
+    """Build dataclass ``cls`` from ``data``; ``where`` names the section in messages.
+
+    * Unknown keys: ValueError ``unknown {where} keys [...]; known keys: [...]``.
+    * Missing keys without a default: ValueError naming them.
+    * A field typed as another dataclass and given a mapping is built with
+      this same function (``where`` becomes ``{where}.{field}``).
+    * ``None`` stands for an empty mapping (a YAML section left blank).
+
+    Values are otherwise passed as given; ``cls.__post_init__`` validates them.
+    """
+    if not dataclasses.is_dataclass(cls) or not isinstance(cls, type):
+        raise TypeError(f"from_dict needs a dataclass type, got {cls!r}")
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{where} must be a mapping of keys to values, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(str(k) for k in data if k not in fields)
+    if unknown:
+        raise ValueError(f"unknown {where} keys {unknown}; known keys: {sorted(fields) or 'none'}")
+    missing = sorted(
+        name for name, f in fields.items()
+        if name not in data and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    )
+    if missing:
+        raise ValueError(f"{where} needs keys {missing}")
+    hints = _type_hints(cls)
+    values: dict[str, Any] = {}
+    for name, value in data.items():
+        nested = hints.get(name)
+        if isinstance(nested, type) and dataclasses.is_dataclass(nested) and isinstance(value, Mapping):
+            value = from_dict(nested, value, f"{where}.{name}")
+        values[name] = value
+    return cls(**values)
+
+
+def _type_hints(cls: type) -> dict[str, Any]:
+    # Annotations are strings under ``from __future__ import annotations``; a
+    # hint that cannot be resolved only means that field is not built as nested.
+    try:
+        return typing.get_type_hints(cls)
+    except Exception:
+        return {}

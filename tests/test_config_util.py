@@ -1,0 +1,50 @@
+"""replica/config_util.py: the one strict from_dict every config section uses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from prefixserve.replica.config_util import from_dict
+
+
+@dataclass
+class Inner:
+    size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.size < 1:
+            raise ValueError(f"size must be >= 1, got {self.size}")
+
+
+@dataclass
+class Outer:
+    name: str
+    inner: Inner = field(default_factory=Inner)
+    tags: dict = field(default_factory=dict)
+
+
+def test_builds_nested_dataclasses_from_mappings():
+    built = from_dict(Outer, {"name": "a", "inner": {"size": 3}, "tags": {"x": 1}}, "outer")
+    assert built == Outer("a", Inner(3), {"x": 1})
+    assert from_dict(Inner, None, "inner") == Inner()
+
+
+def test_unknown_keys_are_named_with_the_known_ones():
+    with pytest.raises(ValueError, match=r"unknown outer keys \['nmae'\]; known keys: \['inner', 'name', 'tags'\]"):
+        from_dict(Outer, {"nmae": "a"}, "outer")
+    with pytest.raises(ValueError, match=r"unknown outer.inner keys \['sise'\]; known keys: \['size'\]"):
+        from_dict(Outer, {"name": "a", "inner": {"sise": 2}}, "outer")
+
+
+def test_missing_required_keys_and_non_mappings_are_value_errors():
+    with pytest.raises(ValueError, match=r"outer needs keys \['name'\]"):
+        from_dict(Outer, {}, "outer")
+    with pytest.raises(ValueError, match="outer must be a mapping"):
+        from_dict(Outer, ["name"], "outer")
+
+
+def test_the_dataclass_still_validates_values():
+    with pytest.raises(ValueError, match="size must be >= 1"):
+        from_dict(Outer, {"name": "a", "inner": {"size": 0}}, "outer")
