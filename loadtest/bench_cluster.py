@@ -69,14 +69,13 @@ from prefixserve.loadtest.cluster_run import (
 )
 from prefixserve.loadtest.workloads import WorkloadRequest, generate
 from prefixserve.router.metrics import sum_samples
-from prefixserve.router.policies import POLICIES
+from prefixserve.router.policies import POLICIES, RING_POLICIES, pick_options
 
 RAY_PREFIX = "ray_prefix"
 DEFAULT_POLICIES = ("round_robin", "power_of_two", RAY_PREFIX, "consistent_hash", "bounded_load")
 KNOWN_POLICIES = tuple(sorted(POLICIES)) + (RAY_PREFIX,)
 BASELINE = "bounded_load"
 WORKLOADS = ("zipf_tenants", "shared_prefix")
-RING_POLICIES = ("consistent_hash", "bounded_load")
 SPILLS = "prefixserve_router_spills_total"
 
 
@@ -275,10 +274,7 @@ def router_args(policy: str, *, seed: int, epsilon: float | None) -> dict[str, A
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose from {list(KNOWN_POLICIES)}")
     args: dict[str, Any] = {"router_class": "prefixserve", "policy": policy}
-    if policy in ("random", "power_of_two"):
-        args["seed"] = seed
-    if policy == "bounded_load" and epsilon is not None:
-        args["epsilon"] = epsilon
+    args.update(pick_options(policy, {"seed": seed, "epsilon": epsilon}))
     return args
 
 

@@ -59,7 +59,7 @@ from prefixserve.loadtest.cost_model import CostProfile, get_profile
 from prefixserve.loadtest.workloads import zipf_tenant_sequence
 from prefixserve.replica.kv.hashing import BlockHasher
 from prefixserve.replica.kv.manager import KVCacheManager
-from prefixserve.router.policies import make_policy
+from prefixserve.router.policies import make_policy, pick_options
 from prefixserve.router.prefix import prefix_hash
 
 POLICY_NAMES = ("round_robin", "random", "power_of_two", "consistent_hash", "bounded_load", "sglang_tree")
@@ -231,17 +231,14 @@ def simulate(config: SimConfig, policy: str, traffic: Traffic | None = None,
     traffic = traffic if traffic is not None else make_traffic(config)
     profile = profile if profile is not None else get_profile(config.profile)
     replicas = [SimReplica(r, config) for r in range(config.num_replicas)]
+    options: dict = {}
     if policy == "sglang_tree":
         tree_policy: SGLangCacheAware | None = SGLangCacheAware(config.sglang)
         ring_policy = None
     else:
         tree_policy = None
-        kwargs: dict = {}
-        if policy in ("random", "power_of_two"):
-            kwargs["seed"] = config.seed
-        if policy == "bounded_load":
-            kwargs["epsilon"] = config.epsilon
-        ring_policy = make_policy(policy, **kwargs)
+        options = pick_options(policy, {"seed": config.seed, "epsilon": config.epsilon})
+        ring_policy = make_policy(policy, **options)
 
     n = config.num_requests
     rate = config.utilization * config.num_replicas / profile.prefill_s(config.prompt_len)
@@ -330,7 +327,7 @@ def simulate(config: SimConfig, policy: str, traffic: Traffic | None = None,
     return PolicyResult(
         policy=policy,
         num_replicas=config.num_replicas,
-        epsilon=config.epsilon if policy == "bounded_load" else None,
+        epsilon=options.get("epsilon"),
         num_requests=n,
         finished=finished,
         prompt_tokens=prompt_tokens,

@@ -19,8 +19,9 @@ The args (every key optional except ``engine``)::
     router:
       router_class: prefixserve    # | ray_llm_prefix_aware | "module:Class"
       policy: bounded_load         # prefixserve router: round_robin, random, power_of_two,
-      epsilon: 0.25                #   consistent_hash, bounded_load
-      seed: null
+                                   #   consistent_hash, bounded_load
+      epsilon: 0.25                # any other key: an option of that policy, as its Options
+                                   #   declares (router/policies.py): epsilon, seed, weights
       kwargs: {}                   # other router classes: their initialize_state kwargs
       stats_period_s: 1.0          # how often replicas report record_routing_stats
     ingress:
@@ -39,6 +40,7 @@ Imports Ray Serve and the deployments; the model loads only in engine replicas.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -46,9 +48,10 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from prefixserve.replica.config import EngineConfig
+from prefixserve.replica.config_util import from_dict
 from prefixserve.replica.deployment import EngineDeployment
 from prefixserve.router.ingress import IngressConfig, OpenAIIngress
-from prefixserve.router.policies import DEFAULT_POLICY, POLICIES
+from prefixserve.router.policies import DEFAULT_POLICY, POLICIES, check_options
 from prefixserve.router.serve_router import RAY_LLM_PREFIX_ROUTER_PATH, ROUTER_CLASS_PATH
 
 ROUTER_CLASSES = {
@@ -57,26 +60,29 @@ ROUTER_CLASSES = {
 }
 
 
-def _from_dict(cls: type, data: dict[str, Any] | None, what: str) -> Any:
-    data = dict(data or {})
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ValueError(f"unknown {what} keys {unknown}; known keys: {sorted(known)}")
-    return cls(**data)
-
-
 @dataclass
 class RouterArgs:
-    """Which request router runs on the engine deployment, and its options."""
+    """Which request router runs on the engine deployment, and its options.
+
+    ``policy_options`` are the ``router`` section's keys that are not fields
+    here: options of the prefixserve policy, checked against what the policy
+    declares (router/policies.py), so this file never lists which policy takes what.
+    """
 
     router_class: str = "prefixserve"
     policy: str = DEFAULT_POLICY
-    epsilon: float | None = None
-    seed: int | None = None
-    weights: dict[str, int] | None = None
     kwargs: dict[str, Any] = field(default_factory=dict)
     stats_period_s: float = 1.0
+    policy_options: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> RouterArgs:
+        if data is not None and not isinstance(data, Mapping):
+            raise ValueError(f"router must be a mapping of keys to values, got {type(data).__name__}")
+        data = dict(data or {})
+        own = {f.name for f in fields(cls)} - {"policy_options"}
+        options = {k: data.pop(k) for k in list(data) if k not in own}
+        return from_dict(cls, {**data, "policy_options": options}, "router")
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -88,22 +94,24 @@ class RouterArgs:
             )
         if self.stats_period_s <= 0:
             raise ValueError(f"router.stats_period_s must be positive, got {self.stats_period_s}")
-        if self.router_class != "prefixserve" and (
-            self.policy != DEFAULT_POLICY or self.epsilon is not None or self.seed is not None or self.weights
-        ):
-            raise ValueError(
-                "router.policy, epsilon, seed and weights configure the prefixserve router; "
-                f"for {self.router_class!r} put its options in router.kwargs"
-            )
-        if self.router_class == "prefixserve" and self.kwargs:
-            raise ValueError("the prefixserve router takes policy, epsilon, seed and weights, not router.kwargs")
+        if self.router_class != "prefixserve":
+            if self.policy != DEFAULT_POLICY or self.policy_options:
+                raise ValueError(
+                    f"router.policy and policy options ({sorted(self.policy_options)}) configure the prefixserve "
+                    f"router; for {self.router_class!r} put its options in router.kwargs"
+                )
+            return
+        if self.kwargs:
+            raise ValueError("the prefixserve router takes policy and its options, not router.kwargs")
+        try:
+            check_options(self.policy, **self.policy_options)
+        except ValueError as exc:
+            own = sorted({f.name for f in fields(self)} - {"policy_options"})
+            raise ValueError(f"router: {exc} (the router's own keys: {own})") from None
 
     def request_router_config(self) -> RequestRouterConfig:
         if self.router_class == "prefixserve":
-            kwargs: dict[str, Any] = {"policy": self.policy}
-            for name in ("epsilon", "seed", "weights"):
-                if getattr(self, name) is not None:
-                    kwargs[name] = getattr(self, name)
+            kwargs: dict[str, Any] = {"policy": self.policy, **self.policy_options}
         else:
             kwargs = dict(self.kwargs)
         return RequestRouterConfig(
@@ -150,11 +158,11 @@ class AppArgs:
         data = dict(args)
         if "engine" not in data:
             raise ValueError("the app args need an 'engine' section (EngineConfig fields, at least 'model')")
-        router = _from_dict(RouterArgs, data.pop("router", None), "router")
+        router = RouterArgs.from_dict(data.pop("router", None))
         ingress = IngressArgs.from_dict(data.pop("ingress", None))
         if data.get("autoscaling") is not None and "num_replicas" not in args:
             data["num_replicas"] = None  # autoscaling replaces the default count
-        parsed = _from_dict(cls, data, "app args")
+        parsed = from_dict(cls, data, "app args")
         parsed.router = router
         parsed.ingress = ingress
         parsed.validate()

@@ -26,6 +26,13 @@ several router processes agree without sharing state; ring membership is the
 candidate set, rebuilt only when it changes. ``Decision.spilled`` tells router
 metrics when the chosen replica is not the key's ring owner.
 
+Options: each policy class declares the options it takes once, as a frozen
+dataclass in its ``Options`` attribute; ``make_policy(name, **options)`` and the
+policy constructors validate them (an unknown option is an error naming the
+options the policy takes). Callers pass options through (``pick_options``
+selects, from settings a caller has, those a policy takes) instead of
+re-encoding which policy takes what.
+
 Pure Python: must not import Ray, HTTP frameworks or torch. A thin adapter over
 Ray Serve's RunningReplica (name = replica id, in_flight = queue length)
 satisfies ReplicaView.
@@ -34,10 +41,12 @@ satisfies ReplicaView.
 from __future__ import annotations
 
 import random as _random
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar, runtime_checkable
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Generic, Protocol, TypeVar, runtime_checkable
 
+from prefixserve.replica.config_util import from_dict
 from prefixserve.router.ring import DEFAULT_EPSILON, HashRing, RingServer, bounded_capacity
 
 
@@ -86,9 +95,86 @@ class Decision(Generic[R]):
 
 
 class Policy(Protocol):
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def rank(self, candidates: Sequence[R], key: str | None) -> Decision[R]: ...
+
+
+# ------------------------------------------------------------------- options
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """A policy without options (round_robin)."""
+
+
+@dataclass(frozen=True)
+class SeedOptions:
+    """Options of the randomized policies (random, power_of_two).
+
+    seed: seeds the policy's own generator (None: fresh OS entropy).
+    rng: a generator to draw from instead (a caller sharing its RNG); wins over seed.
+    """
+
+    seed: int | None = None
+    rng: _random.Random | None = None
+
+    def __post_init__(self) -> None:
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.rng is not None and not isinstance(self.rng, _random.Random):
+            raise ValueError(f"rng must be a random.Random, got {type(self.rng).__name__}")
+
+    def generator(self) -> _random.Random:
+        return self.rng if self.rng is not None else _random.Random(self.seed)
+
+
+@dataclass(frozen=True)
+class RingOptions:
+    """Options of the ring policies.
+
+    weights: {replica name: ring weight}; replicas not named weigh 1.
+    """
+
+    weights: Mapping[str, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.weights is None:
+            return
+        if not isinstance(self.weights, Mapping):
+            raise ValueError(f"weights must map replica names to integers, got {type(self.weights).__name__}")
+        for name, weight in self.weights.items():
+            if not isinstance(name, str):
+                raise ValueError(f"weights keys must be replica names, got {name!r}")
+            RingServer(name, weight)  # the ring's own bounds on a weight
+
+
+@dataclass(frozen=True)
+class BoundedLoadOptions(RingOptions):
+    """Options of bounded_load: the ring's, plus epsilon (the load slack over the mean, >= 0)."""
+
+    epsilon: float = DEFAULT_EPSILON
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.epsilon, bool) or not isinstance(self.epsilon, (int, float)):
+            raise ValueError(f"epsilon must be a number >= 0, got {self.epsilon!r}")
+        bounded_capacity(0, 1, self.epsilon)  # validates epsilon
+
+
+class _Configured(ABC):
+    """A policy built from its declared ``Options`` (keyword arguments, checked strictly)."""
+
+    name: ClassVar[str]
+    Options: ClassVar[type] = NoOptions
+
+    def __init__(self, **options: Any) -> None:
+        self.options: Any = from_dict(self.Options, options, f"{self.name} policy option")
+
+    @abstractmethod
+    def rank(self, candidates: Sequence[R], key: str | None) -> Decision[R]:
+        """Every candidate, best first (see the module docstring)."""
 
 
 def _check(candidates: Sequence[ReplicaView]) -> None:
@@ -104,12 +190,14 @@ def by_load(candidates: Sequence[R]) -> list[R]:
     return sorted(candidates, key=lambda c: (c.in_flight, c.name))
 
 
-class RoundRobin:
+class RoundRobin(_Configured):
     """Rotate over the candidates, ordered by name so that the candidate order does not matter."""
 
     name = "round_robin"
+    Options = NoOptions
 
-    def __init__(self) -> None:
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
         self._next = 0
 
     def rank(self, candidates: Sequence[R], key: str | None) -> Decision[R]:
@@ -120,13 +208,15 @@ class RoundRobin:
         return Decision(ordered[i:] + ordered[:i])
 
 
-class Random:
+class Random(_Configured):
     """A uniformly random order, drawn from the RNG passed in (seed it for reproducible runs)."""
 
     name = "random"
+    Options = SeedOptions
 
-    def __init__(self, rng: _random.Random | None = None, seed: int | None = None) -> None:
-        self._rng = rng if rng is not None else _random.Random(seed)
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self._rng = self.options.generator()
 
     def rank(self, candidates: Sequence[R], key: str | None) -> Decision[R]:
         _check(candidates)
@@ -135,16 +225,18 @@ class Random:
         return Decision(ordered)
 
 
-class PowerOfTwo:
+class PowerOfTwo(_Configured):
     """Power of two choices (Ray Serve's default): of two sampled replicas, the less loaded first.
 
     The rest follow by load. Ties between the two go to the first sampled.
     """
 
     name = "power_of_two"
+    Options = SeedOptions
 
-    def __init__(self, rng: _random.Random | None = None, seed: int | None = None) -> None:
-        self._rng = rng if rng is not None else _random.Random(seed)
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self._rng = self.options.generator()
 
     def rank(self, candidates: Sequence[R], key: str | None) -> Decision[R]:
         _check(candidates)
@@ -157,11 +249,14 @@ class PowerOfTwo:
         return Decision(pair + rest)
 
 
-class _RingPolicy:
+class _RingPolicy(_Configured):
     """Keeps a ring over the current candidate set, rebuilt only when the set changes."""
 
-    def __init__(self, weights: Mapping[str, int] | None = None) -> None:
-        self._weights = dict(weights or {})
+    Options: ClassVar[type] = RingOptions
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self._weights = dict(self.options.weights or {})
         self._ring: HashRing | None = None
         self._members: tuple[tuple[str, int], ...] = ()
 
@@ -204,11 +299,11 @@ class BoundedLoad(_RingPolicy):
     """
 
     name = "bounded_load"
+    Options = BoundedLoadOptions
 
-    def __init__(self, epsilon: float = DEFAULT_EPSILON, weights: Mapping[str, int] | None = None) -> None:
-        bounded_capacity(0, 1, epsilon)  # validates epsilon
-        super().__init__(weights)
-        self.epsilon = epsilon
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.epsilon = self.options.epsilon
 
     def rank(self, candidates: Sequence[R], key: str | None) -> Decision[R]:
         _check(candidates)
@@ -223,7 +318,7 @@ class BoundedLoad(_RingPolicy):
         return Decision([by_name[n] for n in under + over], owner=order[0])
 
 
-POLICIES: dict[str, Callable[..., Policy]] = {
+POLICIES: dict[str, type[_Configured]] = {
     RoundRobin.name: RoundRobin,
     Random.name: Random,
     PowerOfTwo.name: PowerOfTwo,
@@ -231,15 +326,37 @@ POLICIES: dict[str, Callable[..., Policy]] = {
     BoundedLoad.name: BoundedLoad,
 }
 DEFAULT_POLICY = BoundedLoad.name
+# Policies that place keys on the ring (their decisions report owners and spills).
+RING_POLICIES = tuple(name for name, cls in POLICIES.items() if issubclass(cls, _RingPolicy))
 
 
-def make_policy(name: str = DEFAULT_POLICY, **kwargs) -> Policy:
-    """Build a policy by name; kwargs go to its constructor (rng/seed, epsilon, weights)."""
+def policy_class(name: str) -> type[_Configured]:
+    """The policy class called ``name`` (ValueError lists the names)."""
     try:
-        factory = POLICIES[name]
+        return POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown routing policy {name!r}; choose one of {sorted(POLICIES)}") from None
-    try:
-        return factory(**kwargs)
-    except TypeError as e:
-        raise ValueError(f"bad options for routing policy {name!r}: {e}") from None
+
+
+def accepted_options(name: str) -> tuple[str, ...]:
+    """The option names policy ``name`` takes, as its ``Options`` declares them."""
+    return tuple(f.name for f in fields(policy_class(name).Options))
+
+
+def check_options(name: str, **options: Any) -> Any:
+    """Validate ``options`` for policy ``name`` without building it; returns its Options."""
+    return from_dict(policy_class(name).Options, options, f"{name} policy option")
+
+
+def pick_options(name: str, settings: Mapping[str, Any]) -> dict[str, Any]:
+    """Of a caller's ``settings``, those policy ``name`` takes (None values left to the policy's default)."""
+    taken = accepted_options(name)
+    return {k: v for k, v in settings.items() if k in taken and v is not None}
+
+
+def make_policy(name: str = DEFAULT_POLICY, **options: Any) -> Policy:
+    """Build a policy by name; ``options`` must be among those its ``Options`` declares.
+
+    Unknown options, and bad values, raise ValueError naming them.
+    """
+    return policy_class(name)(**options)

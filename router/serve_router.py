@@ -32,8 +32,8 @@ Invariants:
 
 Configuration (``RequestRouterConfig.request_router_kwargs``, passed to
 ``initialize_state``): ``policy`` (router/policies.py name, default
-``bounded_load``), ``epsilon`` (bounded_load), ``seed`` (random,
-power_of_two), ``weights`` ({replica name: weight}).
+``bounded_load``) and that policy's options as its ``Options`` declares them
+(e.g. ``epsilon``, ``seed``, ``weights``); any other key is refused.
 
 Imports Ray Serve (this is the adapter); the policy logic stays in router/policies.py.
 """
@@ -96,25 +96,11 @@ class PrefixRouter(RequestRouter):
     def initialize_state(
         self,
         policy: str = DEFAULT_POLICY,
-        epsilon: float | None = None,
-        seed: int | None = None,
-        weights: dict[str, int] | None = None,
         metrics: RouterMetrics | None = None,
+        **options: Any,
     ) -> None:
-        kwargs: dict[str, Any] = {}
-        if epsilon is not None:
-            if policy != "bounded_load":
-                raise ValueError(f"epsilon applies to the bounded_load policy only, not {policy!r}")
-            kwargs["epsilon"] = epsilon
-        if seed is not None:
-            if policy not in ("random", "power_of_two"):
-                raise ValueError(f"seed applies to random and power_of_two only, not {policy!r}")
-            kwargs["seed"] = seed
-        if weights:
-            if policy not in ("consistent_hash", "bounded_load"):
-                raise ValueError(f"weights apply to the ring policies only, not {policy!r}")
-            kwargs["weights"] = weights
-        self._policy: Policy = make_policy(policy, **kwargs)
+        """``options`` go to the policy as declared by its ``Options`` (router/policies.py)."""
+        self._policy: Policy = make_policy(policy, **options)
         self._metrics = metrics if metrics is not None else router_metrics()
         self._deployment = self._deployment_id.name
         # Per request: the key's ring owner at decision time (for the spill metric).
@@ -133,7 +119,9 @@ class PrefixRouter(RequestRouter):
         """Requests this router sent to ``replica`` that have not completed."""
         return self._own_in_flight.get(replica.replica_id, 0)
 
-    def rank(self, candidate_replicas: list[RunningReplica], key: str | None) -> tuple[list[RunningReplica], str | None]:
+    def rank(
+        self, candidate_replicas: list[RunningReplica], key: str | None
+    ) -> tuple[list[RunningReplica], str | None]:
         """The candidates best first and the key's ring owner (None without a key or ring)."""
         views = [ReplicaLoad(r, replica_name(r.replica_id), self.in_flight(r)) for r in candidate_replicas]
         start = time.perf_counter()

@@ -88,6 +88,11 @@ def test_app_builds_with_the_prefix_router_and_bounded_load(app_args):
         ({"ingress": {"num_replicas": 0}}, "ingress.num_replicas"),
         ({"ingress": {"api_key": ["k"]}}, "unknown ingress config keys"),
         ({"router": {"router_class": "ray_llm_prefix_aware", "epsilon": 0.5}}, "put its options in router.kwargs"),
+        ({"router": {"epsilonn": 0.5}}, r"\['epsilonn'\]; known keys: \['epsilon', 'weights'\]"),
+        ({"router": {"policy": "round_robin"}}, r"unknown round_robin policy option keys \['epsilon'\]"),
+        ({"router": {"policy": "consistent_hash", "epsilon": None}}, "consistent_hash policy option"),
+        ({"router": {"weights": {"a": 1000}}}, "from 1 to 100"),
+        ({"router": ["bounded_load"]}, "router must be a mapping"),
         ({"engine": {"block_size": 12}}, "block_size must be a power of two"),
     ],
 )
@@ -109,3 +114,12 @@ def test_ray_llm_prefix_router_can_replace_ours(app_args):
     router = engine._deployment_config.request_router_config
     assert router.request_router_class.endswith("prefix_aware_router:PrefixCacheAffinityRouter")
     assert router.request_router_kwargs == {"imbalanced_threshold": 8}
+
+
+def test_policy_options_pass_through_to_the_router(app_args):
+    args = without_tp(app_args)
+    args["router"] = {"policy": "consistent_hash", "weights": {"a": 2}, "stats_period_s": 3.0}
+    engine = build_app(args)._bound_deployment.init_args[0]._bound_deployment
+    router = engine._deployment_config.request_router_config
+    assert router.request_router_kwargs == {"policy": "consistent_hash", "weights": {"a": 2}}
+    assert router.request_routing_stats_period_s == 3.0

@@ -11,12 +11,16 @@ import pytest
 
 from prefixserve.router.policies import (
     POLICIES,
+    RING_POLICIES,
     BoundedLoad,
     ConsistentHash,
     Decision,
     Replica,
     ReplicaView,
+    accepted_options,
+    check_options,
     make_policy,
+    pick_options,
 )
 from prefixserve.router.ring import HashRing, bounded_capacity
 
@@ -60,7 +64,7 @@ def _fleet(seed: int, n: int, max_load: int = 5) -> list[ServeReplicaAdapter]:
 
 def _keys(seed: int, n: int) -> list[str]:
     rng = random.Random(seed)
-    return ["%016x" % rng.getrandbits(64) for _ in range(n)]
+    return [f"{rng.getrandbits(64):016x}" for _ in range(n)]
 
 
 def _is_permutation(decision: Decision, candidates) -> bool:
@@ -86,11 +90,68 @@ def test_every_policy_returns_a_permutation(name):
 def test_make_policy_errors_name_the_valid_choices():
     with pytest.raises(ValueError, match="bounded_load.*consistent_hash.*power_of_two.*random.*round_robin"):
         make_policy("least_conn")
-    with pytest.raises(ValueError, match="bad options"):
+    with pytest.raises(ValueError, match=r"unknown round_robin policy option keys \['epsilon'\]; known keys: none"):
         make_policy("round_robin", epsilon=0.1)
     with pytest.raises(ValueError, match="epsilon"):
         make_policy("bounded_load", epsilon=-1)
     assert isinstance(make_policy(), BoundedLoad)
+
+
+@pytest.mark.parametrize(
+    ("name", "bad", "accepted"),
+    [
+        ("bounded_load", "seed", "['epsilon', 'weights']"),
+        ("consistent_hash", "epsilon", "['weights']"),
+        ("random", "weights", "['rng', 'seed']"),
+        ("power_of_two", "epsilon", "['rng', 'seed']"),
+    ],
+)
+def test_unknown_option_names_it_and_the_policys_options(name, bad, accepted):
+    with pytest.raises(ValueError) as info:
+        make_policy(name, **{bad: 1})
+    assert f"['{bad}']" in str(info.value) and accepted in str(info.value)
+    with pytest.raises(ValueError, match=bad):
+        check_options(name, **{bad: 1})
+    # the class itself checks as strictly as make_policy
+    with pytest.raises(ValueError, match=bad):
+        POLICIES[name](**{bad: 1})
+
+
+def test_options_are_declared_once_per_policy():
+    assert accepted_options("round_robin") == ()
+    assert accepted_options("bounded_load") == ("weights", "epsilon")
+    assert set(RING_POLICIES) == {"consistent_hash", "bounded_load"}
+    settings = {"seed": 3, "epsilon": 0.5, "weights": None}
+    assert pick_options("bounded_load", settings) == {"epsilon": 0.5}
+    assert pick_options("random", settings) == {"seed": 3}
+    assert pick_options("round_robin", settings) == {}
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        pick_options("nearest", settings)
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "message"),
+    [
+        ("bounded_load", {"epsilon": "0.2"}, "epsilon must be a number"),
+        ("consistent_hash", {"weights": {"a": 0}}, "weight of 'a'"),
+        ("consistent_hash", {"weights": {"a": 101}}, "from 1 to 100"),
+        ("consistent_hash", {"weights": ["a"]}, "weights must map"),
+        ("random", {"seed": "x"}, "seed must be an integer"),
+        ("random", {"rng": 3}, "rng must be a random.Random"),
+    ],
+)
+def test_bad_option_values_are_refused(name, options, message):
+    with pytest.raises(ValueError, match=message):
+        make_policy(name, **options)
+
+
+def test_seeded_policies_match_a_generator_of_the_same_seed():
+    fleet = _fleet(2, 6)
+    for name in ("random", "power_of_two"):
+        a, b = make_policy(name, seed=9), make_policy(name, rng=random.Random(9))
+        assert [[c.name for c in a.rank(fleet, None).ranking] for _ in range(10)] == [
+            [c.name for c in b.rank(fleet, None).ranking] for _ in range(10)
+        ]
 
 
 def test_round_robin_cycles_independent_of_candidate_order():

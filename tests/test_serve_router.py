@@ -249,9 +249,16 @@ async def test_round_robin_alternates_over_live_replicas():
 
 def test_initialize_state_rejects_options_of_other_policies():
     router = PrefixRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.REPLICA)
-    with pytest.raises(ValueError, match="epsilon applies to the bounded_load"):
+    with pytest.raises(ValueError, match=r"round_robin policy option keys \['epsilon'\]; known keys: none"):
         router.initialize_state(policy="round_robin", epsilon=0.5)
     with pytest.raises(ValueError, match="unknown routing policy"):
         router.initialize_state(policy="nearest")
-    with pytest.raises(ValueError, match="seed applies"):
+    with pytest.raises(ValueError, match=r"\['seed'\]; known keys: \['epsilon', 'weights'\]"):
         router.initialize_state(policy="bounded_load", seed=3)
+
+
+def test_initialize_state_passes_every_declared_option_through():
+    router = make_router(policy="consistent_hash", weights={"x": 3})
+    assert router.policy.options.weights == {"x": 3}
+    router = make_router(policy="power_of_two", seed=4)
+    assert router.policy.options.seed == 4
