@@ -10,6 +10,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -21,7 +25,25 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def arg_type(check: Callable[[str], T]) -> Callable[[str], T]:
+    """An argparse ``type`` from a checker that raises ValueError.
+
+    argparse turns a plain ValueError into "invalid value"; this keeps the
+    checker's message, so a bad flag exits with status 2 and one line saying why.
+    """
+
+    def convert(value: str) -> T:
+        try:
+            return check(value)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = getattr(check, "__name__", "value")
+    return convert
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand; returns the exit status (2 for a bad command line, with argparse's message)."""
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="prefixserve", description="Prefix-aware LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -30,7 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         sub_parser.set_defaults(_module=module_name)
         if argv[:1] == [name]:
             importlib.import_module(module_name).add_arguments(sub_parser)
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # usage errors (2, message printed) and --help (0): a status like run's
+        return exc.code if isinstance(exc.code, int) else 2
     return int(importlib.import_module(args._module).run(args) or 0)
 
 

@@ -17,17 +17,142 @@ Pure Python: must not import Ray, HTTP frameworks or torch.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from prefixserve.router.cli import arg_type
 from prefixserve.router.prefix import PREFIX_HASH_HEADER
 from prefixserve.router.ring import RingServer
 
-# Characters nginx would read as syntax in a bare config token.
-_UNSAFE = re.compile(r"[\s;{}#\"'$\\]")
+# Characters nginx would read as syntax in a bare config token (and any control character).
+_UNSAFE = re.compile(r"[\s;{}#\"'$\\\x00-\x1f\x7f]")
 _HEADER_VAR = "$http_" + PREFIX_HASH_HEADER.lower().replace("-", "_")
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_HOSTNAME = re.compile(rf"{_LABEL}(?:\.{_LABEL})*\.?")
+_SIZE = re.compile(r"[0-9]{1,9}[kKmMgG]?")
+# nginx's NGX_MAX_PROCESSES.
+MAX_WORKER_PROCESSES = 1024
+# Longest duration or count written into the config: nginx refuses larger time values.
+MAX_SECONDS = 10 * 365 * 24 * 3600
+
+
+# -- validation: each returns the value as written into the config, or raises ValueError ----------
+
+
+def check_token(value: str, what: str) -> str:
+    """``value`` if nginx reads it as one bare token, else ValueError (the renderer's last guard)."""
+    if not isinstance(value, str) or not value or _UNSAFE.search(value):
+        raise ValueError(f"{what} {value!r} is not a single nginx token (no spaces, quotes, ;{{}}#$\\ or controls)")
+    return value
+
+
+def check_host(host: str, *, wildcard: bool = False) -> str:
+    """A hostname, an IPv4 address or a bracketed IPv6 address (``*`` too when ``wildcard``)."""
+    if wildcard and host == "*":
+        return host
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            raise ValueError(f"{host!r} is not a valid [IPv6] address") from None
+        return host
+    if re.fullmatch(r"[0-9.]+", host):
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            raise ValueError(f"{host!r} is not a valid IPv4 address") from None
+        return host
+    if len(host) > 253 or not _HOSTNAME.fullmatch(host):
+        raise ValueError(f"{host!r} is not a valid host name, IPv4 address or [IPv6] address")
+    return host
+
+
+def check_port(port: str) -> str:
+    if not re.fullmatch(r"[0-9]{1,5}", port) or not 1 <= int(port) <= 65535:
+        raise ValueError(f"port {port!r} must be a number from 1 to 65535")
+    return port
+
+
+def _split_host_port(value: str) -> tuple[str, str | None]:
+    if value.startswith("["):  # [v6] or [v6]:port
+        end = value.find("]")
+        if end < 0:
+            raise ValueError(f"{value!r}: unclosed '[' of an IPv6 address")
+        rest = value[end + 1 :]
+        if rest and not rest.startswith(":"):
+            raise ValueError(f"{value!r}: expected ':PORT' after the IPv6 address")
+        return value[: end + 1], rest[1:] if rest else None
+    host, sep, port = value.rpartition(":")
+    return (host, port) if sep else (value, None)
+
+
+def check_listen(value: str) -> str:
+    """``PORT`` or ``HOST:PORT`` (HOST: a name, IPv4, [IPv6] or ``*``)."""
+    if re.fullmatch(r"[0-9]+", value):
+        return check_port(value)
+    host, port = _split_host_port(value)
+    if port is None:
+        raise ValueError(f"listen {value!r} must be PORT or HOST:PORT")
+    check_host(host, wildcard=True)
+    check_port(port)
+    return value
+
+
+def check_server_address(value: str) -> str:
+    """An upstream ``server`` address: ``HOST[:PORT]`` or ``unix:/absolute/path``."""
+    if value.startswith("unix:"):
+        path = value[len("unix:") :]
+        if not path.startswith("/"):
+            raise ValueError(f"replica {value!r}: a unix socket needs an absolute path (unix:/run/x.sock)")
+        return check_token(value, "replica")
+    host, port = _split_host_port(value)
+    try:
+        check_host(host)
+        if port is not None:
+            check_port(port)
+    except ValueError as exc:
+        raise ValueError(f"replica {value!r}: {exc}") from None
+    return value
+
+
+def check_worker_processes(value: str) -> str:
+    if value == "auto" or (re.fullmatch(r"[0-9]{1,4}", value) and 1 <= int(value) <= MAX_WORKER_PROCESSES):
+        return value
+    raise ValueError(f"worker processes must be 'auto' or a number from 1 to {MAX_WORKER_PROCESSES}, got {value!r}")
+
+
+def check_path(value: str) -> str:
+    return check_token(value, "path")
+
+
+def check_output(value: str) -> str:
+    """An output file whose directory exists (a typo in it should not create a tree)."""
+    parent = Path(value).parent
+    if not parent.is_dir():
+        raise ValueError(f"the directory of {value!r} does not exist; create it first")
+    if Path(value).is_dir():
+        raise ValueError(f"{value!r} is a directory; give a file name")
+    return value
+
+
+def check_replica(spec: str) -> RingServer:
+    """``HOST:PORT[=WEIGHT]`` as an upstream server of the ring."""
+    server = RingServer.parse(spec)
+    check_server_address(server.name)
+    return server
+
+
+def _int_in(lo: int, hi: int) -> Callable[[str], int]:
+    def parse(value: str) -> int:
+        if not re.fullmatch(r"[0-9]{1,12}", value.strip()) or not lo <= int(value) <= hi:
+            raise ValueError(f"expected a whole number from {lo} to {hi}, got {value!r}")
+        return int(value)
+
+    return parse
 
 
 @dataclass(frozen=True)
@@ -78,25 +203,31 @@ class NginxConfig:
         for name in names:
             if _UNSAFE.search(name):
                 raise ValueError(f"replica {name!r} contains characters nginx would misread")
+            check_server_address(name)
         unknown = sorted(set(self.down) - set(names))
         if unknown:
             raise ValueError(f"down replicas {unknown} are not among the replicas {names}")
         if len(set(self.down)) == len(names):
             raise ValueError("every replica is marked down; leave at least one usable")
-        if not re.fullmatch(r"(\S+:)?\d{1,5}", self.listen):
-            raise ValueError(f"listen must be PORT or ADDR:PORT, got {self.listen!r}")
-        for attr in ("max_fails", "fail_timeout_s", "read_timeout_s", "connect_timeout_s", "keepalive"):
-            if getattr(self, attr) < 0:
-                raise ValueError(f"{attr} must be >= 0, got {getattr(self, attr)}")
-        if self.next_upstream_tries < 1:
-            raise ValueError(f"next_upstream_tries must be >= 1, got {self.next_upstream_tries}")
+        check_listen(self.listen)
+        check_worker_processes(self.worker_processes)
+        if not _SIZE.fullmatch(self.client_max_body_size):
+            raise ValueError(f"client_max_body_size must be a size like 16m, got {self.client_max_body_size!r}")
+        for attr in ("max_fails", "fail_timeout_s", "read_timeout_s", "connect_timeout_s"):
+            _int_in(0, MAX_SECONDS)(str(getattr(self, attr)))
+        if not isinstance(self.keepalive, int) or not 1 <= self.keepalive <= 100_000:
+            raise ValueError(f"keepalive must be from 1 to 100000 (nginx refuses 0), got {self.keepalive!r}")
+        if not isinstance(self.next_upstream_tries, int) or not 1 <= self.next_upstream_tries <= 100:
+            raise ValueError(f"next_upstream_tries must be from 1 to 100, got {self.next_upstream_tries!r}")
         for path in (self.temp_dir, self.pid_file, self.error_log, self.access_log, *self.includes):
             if path is not None and _UNSAFE.search(path):
                 raise ValueError(f"path {path!r} contains characters nginx would misread")
+        if self.command is not None and re.search(r"[\x00-\x1f\x7f]", self.command):
+            raise ValueError("the command echoed in the header comment must be one line")
 
 
 def _server_line(cfg: NginxConfig, r: RingServer) -> str:
-    parts = [f"server {r.name}"]
+    parts = [f"server {check_token(r.name, 'replica')}"]
     if r.weight != 1:
         parts.append(f"weight={r.weight}")
     parts.append(f"max_fails={cfg.max_fails} fail_timeout={cfg.fail_timeout_s}s")
@@ -106,7 +237,24 @@ def _server_line(cfg: NginxConfig, r: RingServer) -> str:
 
 
 def render_config(cfg: NginxConfig) -> str:
-    """The complete nginx.conf text for ``cfg``."""
+    """The complete nginx.conf text for ``cfg``.
+
+    Every value written as a directive argument is checked to be one bare
+    token here too, so a config built around ``NginxConfig``'s checks still
+    cannot add directives.
+    """
+    for what, value in (("listen", cfg.listen), ("worker_processes", cfg.worker_processes),
+                        ("client_max_body_size", cfg.client_max_body_size)):
+        check_token(value, what)
+    for path in (cfg.temp_dir, cfg.pid_file, cfg.error_log, cfg.access_log, *cfg.includes):
+        if path is not None:
+            check_path(path)
+    numbers = (cfg.max_fails, cfg.fail_timeout_s, cfg.read_timeout_s, cfg.connect_timeout_s,
+               cfg.next_upstream_tries, cfg.keepalive)
+    if not all(type(n) is int for n in numbers):
+        raise ValueError(f"numeric settings must be integers, got {numbers}")
+    if cfg.command is not None and "\n" in cfg.command:
+        raise ValueError("the command echoed in the header comment must be one line")
     servers = "\n".join(_server_line(cfg, r) for r in cfg.replicas)
     retry_post = " non_idempotent" if cfg.retry_non_idempotent else ""
     out: list[str] = []
@@ -207,38 +355,47 @@ def render_config(cfg: NginxConfig) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    seconds = arg_type(_int_in(0, MAX_SECONDS))
     parser.add_argument(
         "--replica",
         action="append",
         required=True,
+        type=arg_type(check_replica),
         metavar="HOST:PORT[=WEIGHT]",
         help="an upstream replica; repeat in a stable order",
     )
-    parser.add_argument("--down", action="append", default=[], metavar="HOST:PORT", help="mark a listed replica down")
-    parser.add_argument("--listen", default="8080", help="PORT or ADDR:PORT nginx listens on (default 8080)")
-    parser.add_argument("--max-fails", type=int, default=3, help="failures that take a replica out (default 3)")
-    parser.add_argument("--fail-timeout", type=int, default=10, help="seconds a failed replica stays out (default 10)")
-    parser.add_argument(
-        "--read-timeout", type=int, default=600, help="seconds of replica silence allowed (default 600)"
-    )
-    parser.add_argument("--tries", type=int, default=2, help="replicas one request may try (default 2)")
+    parser.add_argument("--down", action="append", default=[], type=arg_type(check_server_address), metavar="HOST:PORT",
+                        help="mark a listed replica down")
+    parser.add_argument("--listen", default="8080", type=arg_type(check_listen),
+                        help="PORT or HOST:PORT nginx listens on (default 8080)")
+    parser.add_argument("--max-fails", type=arg_type(_int_in(0, 1000)), default=3,
+                        help="failures that take a replica out (default 3; 0 never)")
+    parser.add_argument("--fail-timeout", type=seconds, default=10,
+                        help="seconds a failed replica stays out (default 10)")
+    parser.add_argument("--read-timeout", type=seconds, default=600,
+                        help="seconds of replica silence allowed (default 600)")
+    parser.add_argument("--tries", type=arg_type(_int_in(1, 100)), default=2,
+                        help="replicas one request may try (default 2)")
     parser.add_argument(
         "--no-retry-post", action="store_true", help="never resend a POST that reached a replica (drops non_idempotent)"
     )
-    parser.add_argument("--worker-processes", default="auto", help="nginx worker_processes (default auto)")
-    parser.add_argument(
-        "--temp-dir", default=None, help="an existing directory for nginx's temp paths (default: nginx's own)"
-    )
-    parser.add_argument("--pid-file", default=None, help="pid file (default: nginx's own)")
-    parser.add_argument("--error-log", default=None, help="error log (default: nginx's own)")
-    parser.add_argument("--access-log", default=None, help="access log path or 'off' (default: nginx's own)")
-    parser.add_argument("--include", action="append", default=[], help="extra file to include in the http block")
-    parser.add_argument("-o", "--output", default=None, help="write here instead of stdout")
+    parser.add_argument("--worker-processes", default="auto", type=arg_type(check_worker_processes),
+                        help=f"nginx worker_processes: auto or 1..{MAX_WORKER_PROCESSES} (default auto)")
+    parser.add_argument("--temp-dir", default=None, type=arg_type(check_path),
+                        help="an existing directory for nginx's temp paths (default: nginx's own)")
+    parser.add_argument("--pid-file", default=None, type=arg_type(check_path), help="pid file (default: nginx's own)")
+    parser.add_argument("--error-log", default=None, type=arg_type(check_path), help="error log (default: nginx's own)")
+    parser.add_argument("--access-log", default=None, type=arg_type(check_path),
+                        help="access log path or 'off' (default: nginx's own)")
+    parser.add_argument("--include", action="append", default=[], type=arg_type(check_path),
+                        help="extra file to include in the http block")
+    parser.add_argument("-o", "--output", default=None, type=arg_type(check_output),
+                        help="write here (its directory must exist) instead of stdout")
 
 
 def config_from_args(args: argparse.Namespace, command: str | None = None) -> NginxConfig:
     return NginxConfig(
-        replicas=tuple(RingServer.parse(s) for s in args.replica),
+        replicas=tuple(args.replica),
         down=frozenset(args.down),
         listen=str(args.listen),
         max_fails=args.max_fails,
@@ -259,12 +416,16 @@ def config_from_args(args: argparse.Namespace, command: str | None = None) -> Ng
 def run(args: argparse.Namespace) -> int:
     try:
         cfg = config_from_args(args)
+        text = render_config(cfg)
     except ValueError as e:
         print(f"prefixserve nginx-config: error: {e}", file=sys.stderr)
         return 2
-    text = render_config(cfg)
-    if args.output:
-        Path(args.output).write_text(text)
-    else:
+    if not args.output:
         sys.stdout.write(text)
+        return 0
+    try:
+        Path(args.output).write_text(text)
+    except OSError as e:
+        print(f"prefixserve nginx-config: error: cannot write {args.output}: {e.strerror or e}", file=sys.stderr)
+        return 1
     return 0

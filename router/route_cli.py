@@ -12,8 +12,9 @@ import argparse
 import json
 import sys
 
+from prefixserve.router.cli import arg_type
 from prefixserve.router.prefix import PREFIX_HASH_HEADER, prefix_hash, validate_prefix_hash
-from prefixserve.router.ring import HashRing, RingServer, key_hash
+from prefixserve.router.ring import MAX_WEIGHT, HashRing, RingServer, key_hash
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,8 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--replica",
         action="append",
         required=True,
+        type=arg_type(RingServer.parse),
         metavar="HOST:PORT[=WEIGHT]",
-        help="a ring member, in nginx's `server` order; repeat for each replica",
+        help=f"a ring member, in nginx's `server` order (weight 1..{MAX_WEIGHT}); repeat for each replica",
     )
     parser.add_argument(
         "--down",
@@ -32,7 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a listed replica that is unusable (keeps its ring points, is skipped)",
     )
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--key", help=f"a routing key as sent in {PREFIX_HASH_HEADER}")
+    source.add_argument("--key", type=arg_type(validate_prefix_hash),
+                        help=f"a routing key as sent in {PREFIX_HASH_HEADER}")
     source.add_argument("--system", help="the static prefix (system prompt) to hash")
     parser.add_argument("--cache-salt", default=None, help="the request's cache_salt (with --system)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -40,14 +43,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        ring = HashRing([RingServer.parse(spec) for spec in args.replica])
+        ring = HashRing(args.replica)
         unknown = [d for d in args.down if d not in ring]
         if unknown:
             raise ValueError(f"--down {unknown} not among the --replica names {list(ring.names)}")
         if args.key is not None:
             if args.cache_salt is not None:
                 raise ValueError("--cache-salt applies to --system only: a --key is already salted")
-            key = validate_prefix_hash(args.key)
+            key = args.key
         else:
             key = prefix_hash(args.system, args.cache_salt)
     except ValueError as e:

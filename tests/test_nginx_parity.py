@@ -213,3 +213,101 @@ def test_openai_client_example_lands_on_the_ring_owner(tmp_path, capsys):
     port = expected.rsplit(":", 1)[1]
     for line in lines:
         assert line.startswith(f"replica={expected} ") and f"'port {port}'" in line
+
+
+# -- hostile flags (fast) -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--worker-processes", "1;\nload_module evil.so;"], "--worker-processes"),
+        (["--worker-processes", "0"], "--worker-processes"),
+        (["--worker-processes", "1025"], "--worker-processes"),
+        (["--listen", "x{;#:80"], "--listen"),
+        (["--listen", "80; evil"], "--listen"),
+        (["--listen", "0"], "--listen"),
+        (["--listen", "65536"], "--listen"),
+        (["--listen", "127.0.0.1"], "--listen"),
+        (["--listen", "300.1.1.1:80"], "--listen"),
+        (["--listen", "[::g]:80"], "--listen"),
+        (["--replica", "a:80=200000"], "--replica"),
+        (["--replica", "a:80=0"], "--replica"),
+        (["--replica", "evil;}:80"], "--replica"),
+        (["--replica", "a:99999"], "--replica"),
+        (["--replica", "unix:relative.sock"], "--replica"),
+        (["--down", "a:80;"], "--down"),
+        (["--pid-file", "/tmp/x.pid;\nuser root"], "--pid-file"),
+        (["--include", "/etc/a b.conf"], "--include"),
+        (["--tries", "0"], "--tries"),
+        (["--read-timeout", "-1"], "--read-timeout"),
+        (["--max-fails", "x"], "--max-fails"),
+        (["-o", "/nonexistent-prefixserve-dir/nginx.conf"], "-o/--output"),
+    ],
+)
+def test_hostile_flags_are_refused_by_argparse_before_rendering(argv, flag, capsys, tmp_path):
+    out = tmp_path / "never.conf"
+    base = ["--replica", "a:80"] if argv[0] != "--replica" else []
+    if "-o" not in argv:
+        argv = [*argv, "-o", str(out)]
+    assert cli.main(["nginx-config", *base, *argv]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"prefixserve nginx-config: error: argument {flag}: ")
+    assert not out.exists()
+
+
+def test_valid_addresses_render_and_pass_the_checks(tmp_path):
+    text = _render_cli(
+        ["--replica", "[::1]:8001", "--replica", "replica-2.internal:8002=100", "--replica", "unix:/run/r3.sock",
+         "--listen", "[::]:8080", "--worker-processes", "4", "--max-fails", "0"],
+        tmp_path,
+    )
+    assert "server [::1]:8001 max_fails=0" in text and "weight=100" in text and "server unix:/run/r3.sock" in text
+    assert "listen [::]:8080;" in text and "worker_processes 4;" in text
+
+
+def test_output_that_cannot_be_written_is_a_one_line_error(tmp_path, capsys):
+    target = tmp_path / "ro"
+    target.mkdir()
+    (target / "nginx.conf").mkdir()  # a directory where the file would go
+    assert cli.main(["nginx-config", "--replica", "a:80", "-o", str(target / "nginx.conf")]) == 2
+    assert "is a directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("worker_processes", "1;\nload_module evil.so"),
+        ("listen", "80;\n}"),
+        ("client_max_body_size", "1m; evil"),
+        ("pid_file", "/tmp/x.pid;\nuser root"),
+        ("command", "x\nload_module evil.so;"),
+        ("keepalive", "32; evil"),
+    ],
+)
+def test_renderer_refuses_values_that_are_not_one_token(field, value):
+    cfg = NginxConfig(replicas=(RingServer("a:80"),))
+    object.__setattr__(cfg, field, value)  # past __post_init__'s checks: the renderer still refuses
+    with pytest.raises(ValueError):
+        render_config(cfg)
+    with pytest.raises(ValueError):
+        dataclasses.replace(cfg)  # and the dataclass refuses it when built
+
+
+def test_renderer_refuses_a_server_name_that_is_not_one_token():
+    cfg = NginxConfig(replicas=(RingServer("a:80"),))
+    object.__setattr__(cfg, "replicas", (RingServer("a:80 backup"),))
+    with pytest.raises(ValueError, match="single nginx token"):
+        render_config(cfg)
+
+
+def test_route_refuses_unbounded_weights_and_bad_keys(capsys):
+    for argv in (["--replica", "a:80=200000", "--key", "k"], ["--replica", "a:80", "--key", "a b"],
+                 ["--replica", "a:80=x", "--key", "k"]):
+        assert cli.main(["route", *argv]) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("prefixserve route: error: argument")
+    assert cli.main(["route", "--replica", "a:80=100", "--replica", "b:80", "--key", "k", "--json"]) == 0
+    assert '"replica"' in capsys.readouterr().out
