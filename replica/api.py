@@ -8,12 +8,32 @@ standalone replica server (``replica/server.py``) and the Ray ingress
 
 Invariants:
 * Validation errors are HTTP 400 with the OpenAI error body
-  ``{"error": {"message", "type", "param", "code"}}`` (never FastAPI's 422).
+  ``{"error": {"message", "type", "param", "code"}}`` (never FastAPI's 422);
+  every 4xx carries a non-null ``code``.
 * ``usage.prompt_tokens_details.cached_tokens`` is always present (0 when nothing
   was cached).
-* Unknown request fields are ignored (clients send many); fields we know but do
-  not implement (penalties, echo, ...) are refused with 400 when set to a value
-  that would change the answer, never silently ignored.
+* Every request model derives from :class:`RequestModel`: a field that is not
+  in the schema below is refused (400, code ``unknown_parameter``, the field
+  named), and so are NaN/Infinity and integers outside int64, so no torch or
+  Python overflow text ever reaches a client.
+* Fields OpenAI (or vLLM) defines that this engine does not implement are
+  refused (400, code ``unsupported_parameter`` / ``unsupported_value``) when set
+  to a value that would change the answer, never silently ignored: penalties,
+  ``tools`` / ``functions`` (non-empty), ``function_call`` / ``tool_choice``
+  other than ``"none"``, ``parallel_tool_calls``, ``response_format`` other than
+  ``{"type": "text"}``, ``audio``, ``modalities`` other than ``["text"]``,
+  ``prediction``, ``web_search_options``, ``reasoning_effort``, ``verbosity``,
+  ``moderation``, ``store: true``, ``service_tier`` other than ``auto`` /
+  ``default``; completions' ``echo``, ``suffix`` and ``best_of`` != ``n``.
+  vLLM extensions other than the ones declared here are unknown fields.
+* Harmless fields real clients send are accepted and ignored, as vLLM does:
+  ``user``, ``safety_identifier``, ``metadata``, ``prompt_cache_key``,
+  ``prompt_cache_retention``, ``prompt_cache_options`` (caching hints: our
+  prefix cache is automatic), ``store: false``, ``service_tier: "auto"`` /
+  ``"default"``, ``stream_options.include_obfuscation`` (padding that hides
+  event sizes; events go unpadded).
+* ``logit_bias`` (token id strings to a bias in [-100, 100]) maps onto
+  ``SamplingParams.logit_bias``.
 
 Pure data: pydantic and the replica's plain types only; must not import an HTTP
 framework, Ray or torch.
@@ -21,13 +41,15 @@ framework, Ray or torch.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 from prefixserve.replica.errors import EngineDeadError, EngineOverloadedError, PromptTooLongError, RequestRejected
 from prefixserve.replica.sampling import SamplingParams
@@ -36,6 +58,15 @@ from prefixserve.replica.sampling import SamplingParams
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+# Integers are bounded where they are parsed, so an absurd value is a clean 400 here
+# and never an overflow inside torch (seeds) or the sampler (token ids). The bound
+# spans int64 and uint64 (seeds are uint64); SamplingParams checks the real ranges.
+INT_MIN, INT_MAX = -(2**63), 2**64 - 1
+MAX_TOKEN_ID = 2**31 - 1
+Int = Annotated[int, Field(ge=INT_MIN, le=INT_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
 
 
 # ---------------------------------------------------------------------------
@@ -65,6 +96,8 @@ class APIError(Exception):
 
     status_code: int = 400
     error_type: str = "invalid_request_error"
+    # Every 4xx/5xx names a code; a raise site may give a more precise one.
+    default_code: str = "invalid_request"
 
     def __init__(
         self,
@@ -77,7 +110,7 @@ class APIError(Exception):
         super().__init__(message)
         self.message = message
         self.param = param
-        self.code = code
+        self.code = code or self.default_code
         self.retry_after_s = retry_after_s
 
     def to_response(self) -> ErrorResponse:
@@ -103,6 +136,7 @@ class AuthenticationError(APIError):
 
     status_code = 401
     error_type = "authentication_error"
+    default_code = "invalid_api_key"
 
 
 class ModelNotFoundError(APIError):
@@ -110,6 +144,7 @@ class ModelNotFoundError(APIError):
 
     status_code = 404
     error_type = "invalid_request_error"
+    default_code = "model_not_found"
 
 
 class PayloadTooLargeError(APIError):
@@ -117,6 +152,7 @@ class PayloadTooLargeError(APIError):
 
     status_code = 413
     error_type = "invalid_request_error"
+    default_code = "payload_too_large"
 
 
 class OverloadedError(APIError):
@@ -124,6 +160,7 @@ class OverloadedError(APIError):
 
     status_code = 429
     error_type = "rate_limit_error"
+    default_code = "queue_full"
 
 
 class ServiceUnavailableError(APIError):
@@ -131,23 +168,33 @@ class ServiceUnavailableError(APIError):
 
     status_code = 503
     error_type = "service_unavailable"
+    default_code = "service_unavailable"
 
 
 class InternalServerError(APIError):
     status_code = 500
     error_type = "server_error"
+    default_code = "internal_error"
+
+
+# Pydantic error types that carry their own OpenAI code.
+_CODED_ERRORS = {"unsupported_parameter", "unsupported_value", "unknown_parameter"}
 
 
 def _format_validation_error(exc: ValidationError) -> BadRequestError:
-    first = exc.errors()[0]
-    if first.get("type") == "json_invalid":
-        return BadRequestError(f"request body is not valid JSON: {first.get('msg')}", code="invalid_json")
-    loc = ".".join(str(p) for p in first.get("loc", ()) if p not in ("body",))
+    errors = exc.errors(include_url=False, include_input=False)
+    first = errors[0]
+    loc = ".".join(str(p) for p in first.get("loc", ()))
     messages = []
-    for err in exc.errors():
+    for err in errors:
         where = ".".join(str(p) for p in err.get("loc", ()))
-        messages.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
-    return BadRequestError("; ".join(messages), param=loc or None, code="invalid_value")
+        if err.get("type") == "extra_forbidden":
+            messages.append(f"unknown field {where!r}: not a parameter this server accepts")
+        else:
+            messages.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+    kind = "unknown_parameter" if first.get("type") == "extra_forbidden" else first.get("type")
+    code = kind if kind in _CODED_ERRORS else "invalid_value"
+    return BadRequestError("; ".join(messages), param=loc or None, code=code)
 
 
 def error_from_exception(exc: BaseException) -> APIError:
@@ -170,7 +217,9 @@ def error_from_exception(exc: BaseException) -> APIError:
         return OverloadedError(str(exc), code="queue_full", retry_after_s=exc.retry_after_s)
     if isinstance(exc, EngineDeadError):
         return ServiceUnavailableError(str(exc) or "engine is not running", code="engine_dead", retry_after_s=1.0)
-    return InternalServerError(f"{type(exc).__name__}: {exc}", code="internal_error")
+    # The exception's own text stays in the server's log (error_response logs it):
+    # library internals are no message for a client.
+    return InternalServerError(f"the server failed to process the request ({type(exc).__name__}); see its log")
 
 
 # ---------------------------------------------------------------------------
@@ -178,22 +227,49 @@ def error_from_exception(exc: BaseException) -> APIError:
 # ---------------------------------------------------------------------------
 
 
-class TextContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class RequestModel(BaseModel):
+    """Base of every request model: the one place the strict parsing policy is set.
 
+    ``extra="forbid"``: an unknown field is a 400 naming it (a typo must not be
+    silently ignored). ``allow_inf_nan=False``: NaN and Infinity are not numbers
+    a request may carry.
+    """
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+def _unsupported(name: str, why: str = "") -> PydanticCustomError:
+    return PydanticCustomError(
+        "unsupported_parameter", "{name} is not supported by this server{why}", {"name": name, "why": why})
+
+
+def _refuse_unless(info: ValidationInfo, value: Any, harmless: Callable[[Any], bool], allowed: str) -> Any:
+    """Let ``value`` through when ``harmless(value)``, else refuse field ``info.field_name`` (400)."""
+    if value is None or harmless(value):
+        return value
+    raise _unsupported(str(info.field_name), f"; send {allowed} or omit it")
+
+
+class TextContentPart(RequestModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    """One chat message; ``content`` is a string or a list of text content parts."""
+class ChatMessage(RequestModel):
+    """One chat message; ``content`` is a string or a list of text content parts.
 
-    model_config = ConfigDict(extra="ignore")
+    Tool calls and audio in the conversation are refused (the engine renders
+    text turns only).
+    """
 
     role: Role
     content: str | list[TextContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[Any] | None = None
+    function_call: Any = None
+    audio: Any = None
+    refusal: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -205,6 +281,11 @@ class ChatMessage(BaseModel):
                     raise ValueError(f"only text content parts are supported, got type {kind!r}")
         return value
 
+    @field_validator("tool_calls", "function_call", "audio", "refusal", mode="before")
+    @classmethod
+    def _no_tool_or_audio_turns(cls, value: Any, info: ValidationInfo) -> Any:
+        return _refuse_unless(info, value, lambda v: v == [], "null")
+
     def text(self) -> str:
         """The message's text; content parts are joined by ``"\\n"`` (as Contract 1 does)."""
         if self.content is None:
@@ -214,43 +295,40 @@ class ChatMessage(BaseModel):
         return "\n".join(part.text for part in self.content)
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class StreamOptions(RequestModel):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # accepted, ignored: events go unpadded
 
 
-class _SamplingRequest(BaseModel):
+class _SamplingRequest(RequestModel):
     """Fields both endpoints share (OpenAI's names plus vLLM's extensions)."""
 
-    model_config = ConfigDict(extra="ignore")
     # The answer's id is ``<id_prefix>-<hex>`` (OpenAI's ``chatcmpl-`` / ``cmpl-``).
     id_prefix: ClassVar[str]
 
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: Int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None  # vLLM extension; -1 disables
-    min_tokens: int = 0  # vLLM extension
-    n: int = 1
-    seed: int | None = None
+    top_k: Int | None = None  # vLLM extension; -1 disables
+    min_tokens: Int = 0  # vLLM extension
+    n: Int = 1
+    seed: Int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # vLLM extension
+    stop_token_ids: list[TokenId] | None = None  # vLLM extension
     ignore_eos: bool = False  # vLLM extension
+    logit_bias: dict[TokenId, Bias] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     cache_salt: str | None = None  # vLLM extension: isolates the prefix cache per tenant
     user: str | None = None
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
-    def _no_penalties(cls, value: float) -> float:
-        if value != 0.0:
-            raise ValueError("presence and frequency penalties are not supported; send 0 or omit the field")
-        return value
+    def _no_penalties(cls, value: float | None, info: ValidationInfo) -> float | None:
+        return _refuse_unless(info, value, lambda v: v == 0.0, "0")
 
     @field_validator("cache_salt")
     @classmethod
@@ -274,10 +352,11 @@ class _SamplingRequest(BaseModel):
         """The engine's SamplingParams for this request.
 
         ``default_max_tokens`` applies when the request sets no limit (callers pass
-        ``self.default_max_tokens(max_model_len)``, lowered to what fits once the
-        prompt's length is known). A requested ``max_tokens`` above ``max_model_len``
-        can never fit and is refused here; whether prompt plus ``max_tokens`` fits
-        is the engine's check. Raises ValueError (HTTP 400) for any out-of-range value.
+        ``self.default_max_tokens(max_model_len)``; the engine host lowers it to
+        what fits once the prompt's length is known). A requested ``max_tokens``
+        above ``max_model_len`` can never fit and is refused here; whether prompt
+        plus ``max_tokens`` fits is the engine's check. Raises ValueError (HTTP
+        400) for any out-of-range value.
         """
         max_tokens = self.requested_max_tokens()
         if max_tokens is not None and max_model_len is not None and max_tokens > max_model_len:
@@ -300,6 +379,7 @@ class _SamplingRequest(BaseModel):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             logprobs=self._logprobs(),
+            logit_bias=dict(self.logit_bias) if self.logit_bias else None,
         )
 
 
@@ -307,11 +387,75 @@ class ChatCompletionRequest(_SamplingRequest):
     """Body of ``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
+    # Accepted and ignored (see the module docstring).
+    safety_identifier: str | None = None
+    metadata: dict[str, str] | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    # OpenAI fields this engine does not implement: refused unless harmless.
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    response_format: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    moderation: Any = None
 
     id_prefix: ClassVar[str] = "chatcmpl"
+
+    @field_validator("tools", "functions", mode="before")
+    @classmethod
+    def _no_tools(cls, value: Any, info: ValidationInfo) -> Any:
+        return _refuse_unless(info, value, lambda v: v == [], "an empty list")
+
+    @field_validator("function_call", "tool_choice", mode="before")
+    @classmethod
+    def _no_tool_choice(cls, value: Any, info: ValidationInfo) -> Any:
+        return _refuse_unless(info, value, lambda v: v == "none", '"none"')
+
+    @field_validator("response_format", mode="before")
+    @classmethod
+    def _text_format_only(cls, value: Any, info: ValidationInfo) -> Any:
+        return _refuse_unless(info, value, lambda v: v == {"type": "text"}, '{"type": "text"}')
+
+    @field_validator("modalities", mode="before")
+    @classmethod
+    def _text_modality_only(cls, value: Any, info: ValidationInfo) -> Any:
+        return _refuse_unless(info, value, lambda v: v == ["text"], '["text"]')
+
+    @field_validator("parallel_tool_calls", "audio", "prediction", "web_search_options", "reasoning_effort",
+                     "verbosity", "moderation", mode="before")
+    @classmethod
+    def _not_implemented(cls, value: Any, info: ValidationInfo) -> Any:
+        return _refuse_unless(info, value, lambda v: False, "null")
+
+    @field_validator("store")
+    @classmethod
+    def _nothing_stored(cls, value: bool | None) -> bool | None:
+        if value:
+            raise PydanticCustomError("unsupported_value", "store=true is not supported: this server keeps no "
+                                      "completions; send false or omit it")
+        return value
+
+    @field_validator("service_tier")
+    @classmethod
+    def _default_tier_only(cls, value: str | None) -> str | None:
+        if value not in (None, "auto", "default"):
+            raise PydanticCustomError("unsupported_value", "service_tier {tier!r} is not supported; send "
+                                      '"auto", "default" or omit it', {"tier": value})
+        return value
 
     def requested_max_tokens(self) -> int | None:
         # The newer OpenAI name wins when a client sends both.
@@ -322,7 +466,7 @@ class ChatCompletionRequest(_SamplingRequest):
         return max_model_len
 
     def prompt_fields(self) -> dict[str, Any]:
-        """``{"messages": ...}``: the prompt as ``prompt_token_ids`` and ``EngineRequest`` take it."""
+        """``{"messages": ...}``: the prompt as ``EngineRequest`` takes it."""
         return {"messages": self.chat_messages()}
 
     def _logprobs(self) -> int | None:
@@ -336,23 +480,14 @@ class ChatCompletionRequest(_SamplingRequest):
         """Messages as the chat template expects them: ``{"role", "content"}`` strings."""
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
-    def static_prefix(self) -> str:
-        """Text of the leading run of system/developer messages (Contract 1's static prefix)."""
-        parts = []
-        for message in self.messages:
-            if message.role not in ("system", "developer"):
-                break
-            parts.append(message.text())
-        return "\n".join(parts)
-
 
 class CompletionRequest(_SamplingRequest):
     """Body of ``POST /v1/completions``: one prompt, text or token ids."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    logprobs: Int | None = None
     echo: bool = False
-    best_of: int | None = None
+    best_of: Int | None = None
     suffix: str | None = None
 
     id_prefix: ClassVar[str] = "cmpl"
@@ -366,30 +501,28 @@ class CompletionRequest(_SamplingRequest):
             value = value[0]
         if len(value) == 0:
             raise ValueError("prompt must not be empty")
-        if isinstance(value, list) and any(t < 0 for t in value):
-            raise ValueError("prompt token ids must be non-negative")
         return value
 
     @field_validator("echo")
     @classmethod
     def _no_echo(cls, value: bool) -> bool:
         if value:
-            raise ValueError("echo is not supported")
+            raise _unsupported("echo", "; send false or omit it")
         return value
 
     @field_validator("suffix")
     @classmethod
     def _no_suffix(cls, value: str | None) -> str | None:
         if value:
-            raise ValueError("suffix is not supported")
+            raise _unsupported("suffix", "; send an empty string or omit it")
         return value
 
     @field_validator("best_of")
     @classmethod
-    def _best_of_is_n(cls, value: int | None, info: Any) -> int | None:
+    def _best_of_is_n(cls, value: int | None, info: ValidationInfo) -> int | None:
         n = info.data.get("n", 1)
         if value is not None and value != n:
-            raise ValueError(f"best_of must equal n ({n}) or be omitted")
+            raise PydanticCustomError("unsupported_value", "best_of must equal n ({n}) or be omitted", {"n": n})
         return value
 
     def _logprobs(self) -> int | None:
@@ -400,16 +533,43 @@ class CompletionRequest(_SamplingRequest):
         return DEFAULT_COMPLETION_MAX_TOKENS
 
     def prompt_fields(self) -> dict[str, Any]:
-        """``{"prompt": ...}``: the prompt as ``prompt_token_ids`` and ``EngineRequest`` take it."""
+        """``{"prompt": ...}``: the prompt as ``EngineRequest`` takes it."""
         return {"prompt": self.prompt}
 
 
-def parse_request(model: type[_SamplingRequest], body: bytes | str) -> Any:
-    """Parse a raw JSON body into ``model``; raises BadRequestError (400) on any problem."""
+OpenAIRequest = ChatCompletionRequest | CompletionRequest
+
+
+def _no_json_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json_object(body: bytes | str) -> dict[str, Any]:
+    """The request body as a JSON object; raises BadRequestError (400, ``invalid_json``) otherwise."""
     try:
-        return model.model_validate_json(body)
+        data = json.loads(body, parse_constant=_no_json_constants)
+    except RecursionError:
+        raise BadRequestError("request body is not valid JSON: nested too deeply", code="invalid_json") from None
+    except ValueError as exc:  # JSONDecodeError, bad UTF-8, NaN/Infinity
+        raise BadRequestError(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise BadRequestError(f"request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
+    return data
+
+
+def validate_request(model: type[OpenAIRequest], data: Mapping[str, Any]) -> OpenAIRequest:
+    """``data`` (a parsed JSON body) as ``model``; raises BadRequestError (400) on any problem."""
+    try:
+        return model.model_validate(data)
     except ValidationError as exc:
         raise _format_validation_error(exc) from None
+    except RecursionError:
+        raise BadRequestError("request body is nested too deeply", code="invalid_value") from None
+
+
+def parse_request(model: type[OpenAIRequest], body: bytes | str) -> OpenAIRequest:
+    """Parse a raw JSON body into ``model``; raises BadRequestError (400) on any problem."""
+    return validate_request(model, parse_json_object(body))
 
 
 # ---------------------------------------------------------------------------

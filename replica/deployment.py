@@ -33,48 +33,19 @@ replica (``EngineDeployment.__init__``), so the ingress can import
 from __future__ import annotations
 
 import dataclasses
-import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
 from prometheus_client import generate_latest
 from ray import serve
 
+from prefixserve.replica.engine_client import EngineRequest, ModelInfo, RequestRunner
 from prefixserve.replica.errors import EngineDeadError
-from prefixserve.replica.openai_serving import prompt_token_ids
 from prefixserve.replica.outputs import StreamDelta
-from prefixserve.replica.sampling import SamplingParams
 
-
-@dataclass
-class EngineRequest:
-    """One generation request as the ingress sends it to an engine replica.
-
-    Exactly one of ``prompt`` (text or token ids, completions) and ``messages``
-    (chat; ``[{"role", "content"}]`` with string contents, rendered by the
-    replica's chat template) is set. ``sampling.max_tokens`` is what the client
-    asked for; when the client asked nothing, ``max_tokens_default`` is set and
-    the replica, which knows the prompt's length, uses
-    ``min(max_tokens_default, max_model_len - prompt_len)`` instead (the
-    standalone server's rule: ``max_model_len`` for chat, 16 for completions).
-    """
-
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    prompt: str | list[int] | None = None
-    messages: list[dict[str, str]] | None = None
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    max_tokens_default: int | None = None
-    cache_salt: str | None = None
-    # Contract 1's key (router/prefix.py), computed by the ingress; None = no affinity.
-    routing_key: str | None = None
-
-    def __post_init__(self) -> None:
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("an EngineRequest needs exactly one of prompt and messages")
-        if self.max_tokens_default is not None and self.max_tokens_default < 1:
-            raise ValueError(f"max_tokens_default must be >= 1 or None, got {self.max_tokens_default}")
+__all__ = ["EngineDeployment", "EngineRequest", "StreamItem", "StreamStart", "TokenTexts"]
 
 
 @dataclass(frozen=True)
@@ -110,11 +81,15 @@ class EngineDeployment:
         from prefixserve.replica.engine import AsyncEngine
 
         self.engine = AsyncEngine(EngineConfig.from_dict(dict(engine_config)))
-        self.max_model_len = int(self.engine.max_model_len)
+        self.runner = RequestRunner(self.engine)
         self.name = serve.get_replica_context().replica_id.to_full_id_str()
 
     async def __del__(self) -> None:
-        await self.engine.shutdown()
+        # Serve 2.60 awaits an async __del__ when it tears the replica down
+        # (ray/serve/_private/replica.py, call_destructor: "accept async def __del__").
+        engine = getattr(self, "engine", None)  # None: the constructor failed
+        if engine is not None:
+            await engine.shutdown()
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[StreamItem]:
         """Stream one request: a StreamStart, then the engine's deltas (and TokenTexts for logprobs).
@@ -124,16 +99,11 @@ class EngineDeployment:
         aborted in the engine.
         """
         yield StreamStart(request_id=request.request_id, replica=self.name)
-        prompt_ids = prompt_token_ids(self.engine, prompt=request.prompt, messages=request.messages)
-        params = request.sampling
-        if request.max_tokens_default is not None:
-            fit = min(request.max_tokens_default, self.max_model_len - len(prompt_ids))
-            params = dataclasses.replace(params, max_tokens=max(1, fit))
-        stream = self.engine.generate(prompt_ids, params, request_id=request.request_id, cache_salt=request.cache_salt)
+        stream = self.runner.generate(request)
         known: set[int] = set()
         try:
             async for delta in stream:
-                if params.logprobs is not None:
+                if request.sampling.logprobs is not None:
                     ids = set(delta.token_ids).union(*(entry.keys() for entry in delta.logprobs or ()))
                     new = ids - known
                     if new:
@@ -176,10 +146,6 @@ class EngineDeployment:
         """This replica's ring name (its full Serve replica id)."""
         return self.name
 
-    def model_info(self) -> dict[str, Any]:
+    def model_info(self) -> ModelInfo:
         """Served names and context length (the ingress's /v1/models and request checks)."""
-        return {
-            "model_name": self.engine.model_name,
-            "model": self.engine.config.model,
-            "max_model_len": self.max_model_len,
-        }
+        return self.runner.model_info()

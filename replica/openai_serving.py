@@ -1,9 +1,8 @@
 """The OpenAI serving logic both front ends share, free of any HTTP framework.
 
-Job: what the standalone replica server (``replica/server.py``) and the Ray
-ingress (``router/ingress.py``) do the same way between parsing a request and
-sending bytes: check the Bearer API key, turn a request's prompt into token ids
-(the Ray engine deployment does this too), and turn the engine's stream of
+Job: what the front end (``replica/http_frontend.py``, hosted by the standalone
+replica server and by the Ray ingress) does between parsing a request and
+sending bytes: check the Bearer API key, and turn the engine's stream of
 :class:`StreamDelta` into OpenAI answers: SSE chunk streams, or one collected
 ``ChatCompletionResponse`` / ``CompletionResponse`` for all ``n`` choices, with
 usage including the cached prompt tokens.
@@ -14,7 +13,7 @@ Invariants:
 * A stream always ends with ``data: [DONE]``; an error after the status was
   sent goes in-band as the OpenAI error body.
 
-Depends on ``prefixserve.replica.api`` and anyio only: must not import an HTTP framework,
+Depends on ``prefixserve.replica.api``, ``engine_client`` and anyio only: must not import an HTTP framework,
 Ray, torch or anything from ``router``.
 """
 
@@ -24,63 +23,37 @@ import hmac
 import json
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
 
 import anyio
 
 from prefixserve.replica import api
+from prefixserve.replica.api import OpenAIRequest
+from prefixserve.replica.engine_client import EngineStream
 from prefixserve.replica.outputs import StreamDelta
-
-OpenAIRequest = api.ChatCompletionRequest | api.CompletionRequest
 
 
 def check_api_key(authorization: str, api_keys: Sequence[bytes]) -> None:
     """Raise AuthenticationError (401) unless ``authorization`` is ``Bearer <one of api_keys>``.
 
-    No keys means no check. Keys are compared in constant time.
+    No keys means no check. Keys are compared in constant time, as bytes: ASGI
+    servers decode header bytes as latin-1, so the token is encoded back to
+    latin-1 to recover the bytes the client sent (a UTF-8 key's bytes).
     """
     if not api_keys:
         return
     scheme, _, token = authorization.partition(" ")
-    if scheme.lower() != "bearer" or not any(hmac.compare_digest(token.strip().encode(), k) for k in api_keys):
+    try:
+        sent = token.strip().encode("latin-1")
+    except UnicodeEncodeError:  # not a header value a server decoded: cannot be a key's bytes
+        sent = b""
+    if scheme.lower() != "bearer" or not any(hmac.compare_digest(sent, k) for k in api_keys):
         raise api.AuthenticationError("missing or invalid API key", code="invalid_api_key")
-
-
-def prompt_token_ids(
-    engine: Any, *, prompt: str | list[int] | None = None, messages: list[dict[str, str]] | None = None
-) -> list[int]:
-    """The token ids ``engine`` (an AsyncEngine) generates from: ``messages`` (chat) or ``prompt``.
-
-    Raises BadRequestError (400) when the chat template rejects the messages or
-    a token id is not in the tokenizer's vocabulary.
-    """
-    if messages is not None:
-        try:
-            return list(engine.encode_chat(messages))
-        except Exception as exc:  # a chat template refusing the conversation (jinja error)
-            raise api.BadRequestError(f"the chat template rejected the messages: {exc}", param="messages") from exc
-    if isinstance(prompt, str):
-        return list(engine.tokenizer(prompt).input_ids)
-    if prompt is None:
-        raise ValueError("prompt_token_ids needs a prompt or messages")
-    vocab = len(engine.tokenizer)
-    if any(t >= vocab for t in prompt):
-        raise api.BadRequestError(f"prompt token ids must be below the vocabulary size {vocab}", param="prompt")
-    return list(prompt)
-
-
-class DeltaStream(Protocol):
-    """An engine request's deltas: ``AsyncEngine.generate``'s generator or the ingress's remote stream."""
-
-    def __anext__(self) -> Any: ...
-
-    async def aclose(self) -> None: ...
 
 
 class Generation:
     """One engine request: its stream, its first delta, and a close that aborts it if unfinished."""
 
-    def __init__(self, request_id: str, stream: DeltaStream) -> None:
+    def __init__(self, request_id: str, stream: EngineStream) -> None:
         self.request_id = request_id
         self.stream = stream
         self.first: StreamDelta | None = None

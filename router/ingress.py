@@ -1,12 +1,12 @@
 """The Ray Serve ingress: the cluster's OpenAI endpoint in front of the engine replicas.
 
-Job: parse, validate and authenticate OpenAI requests exactly as the
-standalone replica server does (replica/server.py, replica/api.py,
-replica/openai_serving.py: same endpoints, same protocol models, same answers,
-error bodies and status codes), compute the routing key (router/prefix.py),
-and stream the request through the engine deployment's handle, whose request
-router (router/serve_router.py) picks the replica. Every answer that reached a
-replica names it in ``X-Prefixserve-Replica``.
+Job: host the OpenAI front end (``replica/http_frontend.py``, the same code the
+standalone replica server hosts: same endpoints, protocol models, answers,
+error bodies and status codes) over an :class:`EngineClient` that reaches the
+engine deployment through its Serve handle, whose request router
+(router/serve_router.py) picks the replica; compute the routing key
+(router/prefix.py) from the body the front end parsed. Every answer that
+reached a replica names it in ``X-Prefixserve-Replica``.
 
 Invariants:
 
@@ -20,6 +20,8 @@ Invariants:
 * Answers name the ingress replica too (``X-Prefixserve-Ingress``), so that
   several ingress replicas can be told apart, and how many sends the request
   took (``X-Prefixserve-Attempts``).
+* ``/health`` answers 200 only while at least one engine replica passes its
+  health check (asked at most once per ``HEALTH_CACHE_S``), else 503.
 * /metrics merges this process's router metrics with every engine replica's
   metrics (each sample labelled ``replica``).
 
@@ -27,13 +29,14 @@ No ``from __future__ import annotations`` here: Serve's class-based FastAPI
 ingress resolves the endpoints' parameter annotations (``request: Request``) at
 runtime, and string annotations turn them into query parameters.
 
-Imports Ray Serve, FastAPI, the protocol models and the deployment's request
-types; never torch (the model lives in the engine replicas).
+Imports Ray Serve, FastAPI, the front end and the deployment's request types;
+never torch (the model lives in the engine replicas).
 """
 
 import asyncio
-import json
 import logging
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,20 +47,12 @@ from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from prefixserve.replica import api, openai_serving
+from prefixserve.replica import api, http_frontend
+from prefixserve.replica.config_util import from_dict
 from prefixserve.replica.deployment import EngineRequest, StreamStart, TokenTexts
-from prefixserve.replica.openai_serving import Generation, OpenAIRequest
+from prefixserve.replica.engine_client import ModelInfo
+from prefixserve.replica.http_frontend import DEFAULT_MAX_BODY_BYTES, REPLICA_HEADER, FrontendOptions
 from prefixserve.replica.outputs import StreamDelta
-from prefixserve.replica.server import (
-    DEFAULT_MAX_BODY_BYTES,
-    REPLICA_HEADER,
-    ClientDisconnected,
-    add_error_handlers,
-    error_response,
-    read_body,
-    respond,
-    start_generation,
-)
 from prefixserve.router.metrics import merge_expositions, router_metrics
 from prefixserve.router.prefix import PrefixKeyConfig, routing_key
 
@@ -66,6 +61,13 @@ log = logging.getLogger(__name__)
 # Tries per request before a dead-replica failure is reported (one per replica
 # that can die under it; Serve's controller replaces dead replicas meanwhile).
 DEFAULT_MAX_ATTEMPTS = 4
+# /health asks the engine replicas at most this often (a probe storm costs one broadcast)...
+HEALTH_CACHE_S = 1.0
+# ... and counts replicas that have not answered within this as unhealthy.
+HEALTH_TIMEOUT_S = 2.0
+INGRESS_HEADER = "X-Prefixserve-Ingress"
+# How many times the request was sent to a replica (above 1: earlier replicas died under it).
+ATTEMPTS_HEADER = "X-Prefixserve-Attempts"
 
 
 @dataclass
@@ -87,12 +89,8 @@ class IngressConfig:
             raise ValueError("api_keys must be non-empty strings")
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "IngressConfig":
-        known = {f for f in cls.__dataclass_fields__}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown ingress config keys {unknown}; known keys: {sorted(known)}")
-        return cls(**data)
+    def from_dict(cls, data: Mapping[str, Any] | None) -> "IngressConfig":
+        return from_dict(cls, data, "ingress config")
 
 
 def _cause(exc: BaseException) -> BaseException:
@@ -127,6 +125,13 @@ class RemoteStream:
 
     def token_text(self, token_id: int) -> str:
         return self._texts[token_id]
+
+    def response_headers(self) -> dict[str, str]:
+        """The replica that took the request (once one did) and how many sends it took."""
+        headers = {ATTEMPTS_HEADER: str(self.attempts)}
+        if self.replica is not None:
+            headers[REPLICA_HEADER] = self.replica
+        return headers
 
     async def _next_delta(self) -> StreamDelta:
         assert self._response is not None
@@ -182,54 +187,27 @@ class RemoteStream:
             self._response.cancel()
 
 
-app = FastAPI(title="prefixserve", docs_url=None, redoc_url=None)
-add_error_handlers(app)
+class ServeEngineClient:
+    """An EngineClient over the engine deployment's Serve handle."""
 
-
-INGRESS_HEADER = "X-Prefixserve-Ingress"
-# How many times the request was sent to a replica (above 1: earlier replicas died under it).
-ATTEMPTS_HEADER = "X-Prefixserve-Attempts"
-
-
-@serve.deployment(name="Ingress")
-@serve.ingress(app)
-class OpenAIIngress:
-    """OpenAI API over the engine deployment (one or several replicas of this class)."""
-
-    def __init__(self, engine: DeploymentHandle, config: dict[str, Any] | None = None) -> None:
-        self.config = IngressConfig.from_dict(dict(config or {}))
-        self.engine = engine
-        self.key_config = PrefixKeyConfig(
-            completion_prefix_chars=self.config.completion_prefix_chars,
-            honor_header=self.config.honor_prefix_header,
-        )
-        self._keys = [k.encode() for k in self.config.api_keys]
-        self._model_info: dict[str, Any] | None = None
+    def __init__(self, handle: DeploymentHandle, max_attempts: int) -> None:
+        self._handle = handle
+        self._max_attempts = max_attempts
+        self._model_info: ModelInfo | None = None
         self._model_info_lock = asyncio.Lock()
-        self.name = serve.get_replica_context().replica_id.to_full_id_str()
+        self._health_lock = asyncio.Lock()
+        self._healthy = False
+        self._health_checked_at = float("-inf")
 
-    def _with_replica(self, response: Response, stream: RemoteStream | None) -> Response:
-        """Name the engine replica that served (when one took the request), the attempts and this ingress."""
-        if stream is not None:
-            if stream.replica is not None:
-                response.headers[REPLICA_HEADER] = stream.replica
-            response.headers[ATTEMPTS_HEADER] = str(stream.attempts)
-        response.headers[INGRESS_HEADER] = self.name
-        return response
-
-    # -- helpers ---------------------------------------------------------------------
-    def _check_auth(self, request: Request) -> None:
-        openai_serving.check_api_key(request.headers.get("authorization", ""), self._keys)
-
-    async def model_info(self) -> dict[str, Any]:
+    async def model_info(self) -> ModelInfo:
         """Served model names and max_model_len, asked of an engine replica once."""
         async with self._model_info_lock:
             if self._model_info is None:
                 # A broadcast, not a routed call: Serve's router counts a routed unary
                 # call in flight on its replica long after it returned, which would
                 # make bounded_load spill that replica's keys.
-                answers = await self.engine.broadcast("model_info").results_async(return_exceptions=True)
-                infos = [a for a in answers if not isinstance(a, BaseException)]
+                answers = await self._handle.broadcast("model_info").results_async(return_exceptions=True)
+                infos = [a for a in answers if isinstance(a, ModelInfo)]
                 if not infos:
                     raise api.ServiceUnavailableError(
                         f"no engine replica answered: {answers[0] if answers else 'none running'}",
@@ -238,62 +216,68 @@ class OpenAIIngress:
                 self._model_info = infos[0]
         return self._model_info
 
-    async def _check_model(self, name: str | None) -> str:
-        info = await self.model_info()
-        if name is not None and name not in (info["model_name"], info["model"]):
-            raise api.ModelNotFoundError(
-                f"the model {name!r} does not exist on this server; it serves {info['model_name']!r}",
-                param="model",
-                code="model_not_found",
-            )
-        return info["model_name"]
+    async def is_healthy(self) -> bool:
+        """Whether at least one engine replica passes its health check (cached HEALTH_CACHE_S)."""
+        async with self._health_lock:
+            if time.monotonic() - self._health_checked_at >= HEALTH_CACHE_S:
+                self._healthy = await self._any_replica_healthy()
+                self._health_checked_at = time.monotonic()
+            return self._healthy
 
-    async def _prepare(self, request: Request, model_cls: type[OpenAIRequest]) -> tuple[Any, str, str | None]:
-        self._check_auth(request)
-        raw = await read_body(request, self.config.max_body_bytes)
-        body = api.parse_request(model_cls, raw)
-        model = await self._check_model(body.model)
+    async def _any_replica_healthy(self) -> bool:
         try:
-            key = routing_key(json.loads(raw), request.headers, self.key_config)
-        except ValueError as exc:
-            raise api.BadRequestError(str(exc), code="invalid_value") from None
-        return body, model, key
+            answers = await self._handle.broadcast("check_health").results_async(
+                timeout_s=HEALTH_TIMEOUT_S, return_exceptions=True)
+        except TimeoutError:
+            return False
+        return any(not isinstance(a, BaseException) for a in answers)
 
-    async def _generate(self, request: Request, model_cls: type[OpenAIRequest]) -> Response:
-        """Send the request and wait for its first delta (resending while replicas die), then answer."""
-        stream: RemoteStream | None = None
-        try:
-            body, model, key = await self._prepare(request, model_cls)
-            max_model_len = (await self.model_info())["max_model_len"]
-            # The replica lowers the default to what fits once it has tokenized the prompt.
-            default_max = body.default_max_tokens(max_model_len)
-            engine_request = EngineRequest(
-                request_id=api.new_id(body.id_prefix),
-                **body.prompt_fields(),
-                sampling=body.to_sampling_params(default_max_tokens=default_max, max_model_len=max_model_len),
-                max_tokens_default=None if body.requested_max_tokens() is not None else default_max,
-                cache_salt=body.cache_salt,
-                routing_key=key,
-            )
-            stream = RemoteStream(self.engine, engine_request, self.config.max_attempts)
-            gen = Generation(engine_request.request_id, stream)
-            await start_generation(request, gen)
-        except ClientDisconnected:
-            return Response(status_code=499)
-        except Exception as exc:
-            return self._with_replica(error_response(exc), stream)
-        return self._with_replica(await respond(request, gen, body, model, stream.token_text), stream)
+    def open_stream(self, request: EngineRequest) -> RemoteStream:
+        return RemoteStream(self._handle, request, self._max_attempts)
+
+
+app = FastAPI(title="prefixserve", docs_url=None, redoc_url=None)
+http_frontend.add_error_handlers(app)
+
+
+@serve.deployment(name="Ingress")
+@serve.ingress(app)
+class OpenAIIngress:
+    """OpenAI API over the engine deployment (one or several replicas of this class)."""
+
+    def __init__(self, engine: DeploymentHandle, config: dict[str, Any] | None = None) -> None:
+        self.config = IngressConfig.from_dict(config)
+        self.engine = engine
+        self.client = ServeEngineClient(engine, self.config.max_attempts)
+        self.options = FrontendOptions.build(self.config.api_keys, self.config.max_body_bytes)
+        self.key_config = PrefixKeyConfig(
+            completion_prefix_chars=self.config.completion_prefix_chars,
+            honor_header=self.config.honor_prefix_header,
+        )
+        self.name = serve.get_replica_context().replica_id.to_full_id_str()
+
+    def _named(self, response: Response) -> Response:
+        response.headers[INGRESS_HEADER] = self.name
+        return response
+
+    def _routing_key(self, body: Mapping[str, Any], headers: Mapping[str, str]) -> str | None:
+        return routing_key(body, headers, self.key_config)
+
+    async def _generate(self, request: Request, model_cls: type[api.OpenAIRequest]) -> Response:
+        response = await http_frontend.handle_generate(request, model_cls, self.client, self.options,
+                                                       routing_key=self._routing_key)
+        return self._named(response)
 
     # -- endpoints -------------------------------------------------------------------
     @app.get("/health")
     async def health(self) -> Response:
-        return Response(status_code=200)
+        return self._named(await http_frontend.handle_health(self.client))
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
         texts = await self.engine_metrics()
         body = router_metrics().exposition() + merge_expositions(texts)
-        return self._with_replica(Response(body, media_type=CONTENT_TYPE_LATEST), None)
+        return self._named(Response(body, media_type=CONTENT_TYPE_LATEST))
 
     async def engine_metrics(self) -> dict[str, str]:
         """Each live engine replica's Prometheus text, by replica name (a dead one is left out)."""
@@ -302,10 +286,7 @@ class OpenAIIngress:
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:
-        self._check_auth(request)
-        info = await self.model_info()
-        card = api.ModelCard(id=info["model_name"], root=info["model"], max_model_len=info["max_model_len"])
-        return JSONResponse(api.ModelList(data=[card]).model_dump())
+        return self._named(await http_frontend.handle_models(request, self.client, self.options))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:

@@ -9,8 +9,11 @@ The rule, which any client in any language can reproduce:
 * A request carrying an ``X-Prefix-Hash`` header uses the header's value.
 * Otherwise the static prefix of a chat request is the text of its leading run
   of ``system`` / ``developer`` messages joined by ``"\\n"`` (a message whose
-  content is a list of OpenAI content parts contributes its text parts joined
-  by ``"\\n"``; other parts are ignored). A completions request (``prompt``)
+  content is a list of OpenAI content parts contributes its parts' texts joined
+  by ``"\\n"``). Only text parts (``{"type": "text", "text": ...}``) are
+  accepted, as the OpenAI front end accepts only them: a static message with
+  any other part (image, audio, file, a bare string) is a ValueError, never
+  a key computed from part of its content. A completions request (``prompt``)
   uses the first ``completion_prefix_chars`` characters of its prompt (a
   token-id prompt: its first ``completion_prefix_chars`` ids as little-endian
   uint32).
@@ -95,15 +98,14 @@ def _content_text(content: Any) -> str:
         return ""
     if isinstance(content, str):
         return content
-    if isinstance(content, Iterable) and not isinstance(content, (bytes, Mapping)):
+    if isinstance(content, (list, tuple)):
         texts = []
         for part in content:
-            if isinstance(part, str):
-                texts.append(part)
-            elif isinstance(part, Mapping) and part.get("type", "text") == "text":
-                text = part.get("text")
-                if isinstance(text, str):
-                    texts.append(text)
+            # The same parts replica/api.py's ChatMessage accepts: a body it refuses has no key.
+            if not (isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+                raise ValueError(f"only text content parts are supported, got {kind!r}")
+            texts.append(part["text"])
         return "\n".join(texts)
     raise ValueError(
         f"message content must be a string or a list of content parts, got {type(content).__name__}"

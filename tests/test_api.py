@@ -32,7 +32,7 @@ def bad_request(model: type, body: bytes | str) -> api.BadRequestError:
 # -- chat requests -------------------------------------------------------------
 
 
-def test_chat_request_parses_roles_content_parts_and_ignores_unknown_fields():
+def test_chat_request_parses_roles_content_parts_and_harmless_fields():
     req = api.parse_request(
         api.ChatCompletionRequest,
         json.dumps({
@@ -44,9 +44,12 @@ def test_chat_request_parses_roles_content_parts_and_ignores_unknown_fields():
                 {"role": "assistant", "content": None},
                 {"role": "tool", "content": "42", "tool_call_id": "t1"},
             ],
-            "stream_options": {"include_usage": True},
-            "some_future_field": {"x": 1},
+            "stream_options": {"include_usage": True, "include_obfuscation": True},
             "logit_bias": {},
+            # Harmless fields real clients send: accepted and ignored.
+            "user": "u-1", "safety_identifier": "s", "metadata": {"k": "v"}, "store": False,
+            "service_tier": "auto", "prompt_cache_key": "pk", "tools": [], "tool_choice": "none",
+            "response_format": {"type": "text"}, "modalities": ["text"], "presence_penalty": 0,
         }),
     )
     assert req.chat_messages() == [
@@ -56,7 +59,6 @@ def test_chat_request_parses_roles_content_parts_and_ignores_unknown_fields():
         {"role": "assistant", "content": ""},
         {"role": "tool", "content": "42"},
     ]
-    assert req.static_prefix() == "a\nb\nc"
     assert req.include_usage
     assert not req.stream
 
@@ -81,6 +83,119 @@ def test_malformed_or_incomplete_chat_bodies_are_400(body, param):
     err = bad_request(api.ChatCompletionRequest, body)
     assert err.param == param
     assert err.message
+
+
+@pytest.mark.parametrize("field", ["some_future_field", "min_p", "temprature"])
+def test_unknown_fields_are_400_naming_the_field(field):
+    err = bad_request(api.ChatCompletionRequest, chat_body(**{field: 1}))
+    assert err.code == "unknown_parameter" and err.param == field
+    assert repr(field) in err.message
+    # Nested objects are as strict: a typo inside a message is named with its path.
+    nested = bad_request(api.ChatCompletionRequest,
+                         json.dumps({"messages": [{"role": "user", "content": "x", "contnet": "y"}]}))
+    assert nested.code == "unknown_parameter" and nested.param == "messages.0.contnet"
+    completion = bad_request(api.CompletionRequest, json.dumps({"prompt": "x", field: 1}))
+    assert completion.param == field
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("functions", [{"name": "f"}]),
+        ("function_call", "auto"),
+        ("tool_choice", "auto"),
+        ("tool_choice", {"type": "function", "function": {"name": "f"}}),
+        ("parallel_tool_calls", True),
+        ("parallel_tool_calls", False),
+        ("response_format", {"type": "json_object"}),
+        ("response_format", {"type": "json_schema", "json_schema": {"name": "x"}}),
+        ("audio", {"voice": "alloy", "format": "wav"}),
+        ("modalities", ["text", "audio"]),
+        ("prediction", {"type": "content", "content": "x"}),
+        ("web_search_options", {}),
+        ("reasoning_effort", "low"),
+        ("verbosity", "high"),
+        ("moderation", {}),
+        ("presence_penalty", 0.5),
+        ("frequency_penalty", -1),
+    ],
+)
+def test_openai_fields_the_engine_does_not_implement_are_400(field, value):
+    err = bad_request(api.ChatCompletionRequest, chat_body(**{field: value}))
+    assert err.code == "unsupported_parameter" and err.param == field
+    assert "not supported" in err.message
+
+
+@pytest.mark.parametrize("field, value", [("store", True), ("service_tier", "flex"), ("service_tier", "priority")])
+def test_unsupported_values_of_harmless_fields_are_400(field, value):
+    err = bad_request(api.ChatCompletionRequest, chat_body(**{field: value}))
+    assert err.code == "unsupported_value" and err.param == field
+
+
+def test_tool_and_audio_turns_in_the_conversation_are_400():
+    body = json.dumps({"messages": [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
+                                                               "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "user", "content": "x"}]})
+    err = bad_request(api.ChatCompletionRequest, body)
+    assert err.code == "unsupported_parameter" and err.param == "messages.0.tool_calls"
+
+
+def test_logit_bias_maps_token_id_strings_onto_sampling_params():
+    req = parse_chat(logit_bias={"15": 100, "7": -100, "3": 0.5})
+    assert req.to_sampling_params(default_max_tokens=4).logit_bias == {15: 100.0, 7: -100.0, 3: 0.5}
+    assert parse_chat(logit_bias={}).to_sampling_params(default_max_tokens=4).logit_bias is None
+    completion = api.parse_request(api.CompletionRequest, json.dumps({"prompt": "x", "logit_bias": {"2": 1}}))
+    assert completion.to_sampling_params(default_max_tokens=4).logit_bias == {2: 1.0}
+
+
+@pytest.mark.parametrize(
+    "logit_bias, param",
+    [({"15": 101}, "logit_bias.15"), ({"15": -100.5}, "logit_bias.15"), ({"abc": 1}, "logit_bias.abc"),
+     ({"-1": 1}, "logit_bias.-1"), ({str(2**40): 1}, f"logit_bias.{2**40}"), ({"1": "x"}, "logit_bias.1")],
+)
+def test_bad_logit_bias_is_400(logit_bias, param):
+    err = bad_request(api.ChatCompletionRequest, chat_body(logit_bias=logit_bias))
+    assert err.param is not None and err.param.startswith("logit_bias") and err.code == "invalid_value"
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{"seed": 2**64}, {"seed": -(2**63) - 1}, {"seed": 10**40}, {"max_tokens": 10**30}, {"n": 2**70},
+     {"stop_token_ids": [2**31]}, {"stop_token_ids": [10**30]}, {"top_logprobs": 10**25}],
+)
+def test_integers_beyond_int64_are_clean_400s(overrides):
+    err = bad_request(api.ChatCompletionRequest, chat_body(**overrides))
+    assert err.code == "invalid_value" and err.param.split(".")[0] == next(iter(overrides))
+    assert "overflow" not in err.message.lower() and "Python" not in err.message
+    huge_prompt = bad_request(api.CompletionRequest, json.dumps({"prompt": [1, 10**30]}))
+    assert huge_prompt.param is not None and huge_prompt.param.startswith("prompt")
+
+
+@pytest.mark.parametrize("raw", [b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}',
+                                 b'{"messages": [{"role": "user", "content": "x"}], "top_p": Infinity}',
+                                 b'{"messages": [{"role": "user", "content": "x"}], "temperature": 1e999}'])
+def test_non_finite_numbers_are_400(raw):
+    err = bad_request(api.ChatCompletionRequest, raw)
+    assert err.code in ("invalid_json", "invalid_value")
+
+
+@pytest.mark.parametrize("raw", [b"[]", b"42", b'"text"', b"null", b"\xff\xfe{", b"[" * 100_000])
+def test_bodies_that_are_not_a_json_object_are_400(raw):
+    err = bad_request(api.ChatCompletionRequest, raw)
+    assert err.code == "invalid_json"
+
+
+def test_every_error_has_a_code():
+    for cls in (api.BadRequestError, api.AuthenticationError, api.ModelNotFoundError, api.PayloadTooLargeError,
+                api.OverloadedError, api.ServiceUnavailableError, api.InternalServerError):
+        assert cls("x").body()["error"]["code"]
+
+
+def test_internal_errors_do_not_leak_their_text():
+    err = api.error_from_exception(OverflowError("Python int too large to convert to C long"))
+    assert err.status_code == 500 and "C long" not in err.message and err.code == "internal_error"
 
 
 def test_malformed_json_says_so():

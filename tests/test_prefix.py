@@ -74,16 +74,38 @@ def test_leading_system_and_developer_messages_joined_by_newline():
 
 
 def test_content_parts_join_text_parts():
-    parts = [
-        {"type": "text", "text": "Part one."},
-        {"type": "image_url", "image_url": {"url": "data:..."}},
-        {"type": "text", "text": "Part two."},
-    ]
+    parts = [{"type": "text", "text": "Part one."}, {"type": "text", "text": "Part two."}]
     body = {"messages": [{"role": "system", "content": parts}, {"role": "user", "content": "q"}]}
     assert routing_key(body) == _seed_snippet("Part one.\nPart two.")
     # The same text as a plain string gives the same key.
     plain = {"messages": [{"role": "system", "content": "Part one.\nPart two."}]}
     assert routing_key(plain) == routing_key(body)
+
+
+@pytest.mark.parametrize(
+    "part",
+    [
+        {"type": "image_url", "image_url": {"url": "data:..."}},
+        {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}},
+        {"text": "no type"},
+        {"type": "text"},
+        {"type": "text", "text": 5},
+        "a bare string",
+    ],
+)
+def test_non_text_parts_are_refused_as_the_api_refuses_them(part):
+    """A static message with any part the OpenAI front end refuses has no key: ValueError, never a partial key."""
+    from prefixserve.replica import api
+
+    messages = [{"role": "system", "content": [{"type": "text", "text": "Part one."}, part]},
+                {"role": "user", "content": "q"}]
+    with pytest.raises(ValueError, match="content part"):
+        routing_key({"messages": messages})
+    with pytest.raises(api.BadRequestError):
+        api.validate_request(api.ChatCompletionRequest, {"messages": messages})
+    # Parts after the static prefix are the API's business only: the key ignores them.
+    later = [{"role": "system", "content": "s"}, {"role": "user", "content": [part]}]
+    assert routing_key({"messages": later}) == prefix_hash("s")
 
 
 @pytest.mark.parametrize(

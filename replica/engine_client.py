@@ -1,0 +1,257 @@
+"""What an OpenAI front end talks to: an engine in this process or behind a Ray Serve handle.
+
+Job: the one contract between the front end (``replica/http_frontend.py``) and
+the engine that serves it:
+
+* :class:`EngineRequest`: one generation request, as the front end hands it to
+  an engine (and as the Ray ingress sends it to an engine replica).
+* :class:`ModelInfo`, :class:`EngineStream` and :class:`EngineClient`: what a
+  front end may ask of an engine (model info, health, open a stream of
+  :class:`StreamDelta`; closing an unfinished stream aborts its request).
+* :class:`RequestRunner`: what every engine host does with an EngineRequest
+  before the engine sees it, in one place: a cheap length bound, the chat
+  template and tokenizer in a worker thread (never on the event loop), and the
+  one ``max_tokens`` rule. The standalone server (through
+  :class:`LocalEngineClient`) and the Ray engine deployment both run it.
+
+Imports neither an HTTP framework nor Ray; torch only through the engine a
+caller passes in (the Ray ingress imports this module for EngineRequest).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import anyio
+
+from prefixserve.replica import api
+from prefixserve.replica.errors import PromptTooLongError
+from prefixserve.replica.outputs import StreamDelta
+from prefixserve.replica.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from prefixserve.replica.engine import AsyncEngine
+
+# How many input characters one token may stand for, at most, is the longest token's
+# length in its tokenizer's own alphabet (byte-level BPE: one character per byte, and
+# every input character is at least one byte; SentencePiece: one character per
+# character, "▁" for a space, byte-fallback tokens "<0x41>" longer than the byte they
+# cover). Normalizers may still merge characters before tokenizing (NFC/NFKC compose at
+# most three code points into one), so the bound gets this factor on top.
+NORMALIZATION_SLACK = 4
+
+
+@dataclass
+class EngineRequest:
+    """One generation request as a front end hands it to an engine.
+
+    Exactly one of ``prompt`` (text or token ids, completions) and ``messages``
+    (chat; ``[{"role", "content"}]`` with string contents, rendered by the
+    engine's chat template) is set. ``sampling.max_tokens`` is what the client
+    asked for; when the client asked nothing, ``max_tokens_default`` is set and
+    the engine host, which knows the prompt's length, applies the one rule of
+    :func:`fit_max_tokens`.
+    """
+
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    prompt: str | list[int] | None = None
+    messages: list[dict[str, str]] | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens_default: int | None = None
+    cache_salt: str | None = None
+    # Contract 1's key (router/prefix.py), computed by the ingress; None = no affinity.
+    routing_key: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("an EngineRequest needs exactly one of prompt and messages")
+        if self.max_tokens_default is not None and self.max_tokens_default < 1:
+            raise ValueError(f"max_tokens_default must be >= 1 or None, got {self.max_tokens_default}")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a front end needs to know of the served model."""
+
+    model_name: str  # the name clients use
+    model: str  # where it was loaded from (also accepted as a name)
+    max_model_len: int
+
+    def serves(self, name: str) -> bool:
+        return name in (self.model_name, self.model)
+
+
+class EngineStream(Protocol):
+    """The deltas of one engine request.
+
+    ``aclose`` aborts the request when it is unfinished (its KV blocks are
+    freed); ``token_text`` renders a token id this stream produced (logprobs);
+    ``response_headers`` say where the request ran (empty when the host's own
+    headers say it already).
+    """
+
+    def __aiter__(self) -> EngineStream: ...
+
+    async def __anext__(self) -> StreamDelta: ...
+
+    async def aclose(self) -> None: ...
+
+    def token_text(self, token_id: int) -> str: ...
+
+    def response_headers(self) -> dict[str, str]: ...
+
+
+class EngineClient(Protocol):
+    """An engine as a front end sees it: model info, health, and streams."""
+
+    async def model_info(self) -> ModelInfo: ...
+
+    async def is_healthy(self) -> bool: ...
+
+    def open_stream(self, request: EngineRequest) -> EngineStream: ...
+
+
+# ---------------------------------------------------------------------------
+# The engine host's side
+# ---------------------------------------------------------------------------
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """The length of the tokenizer's longest token string (its own alphabet), at least 1."""
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return max([1, *(len(t) for t in tokens if t)])
+
+
+def fit_max_tokens(request: EngineRequest, prompt_len: int, max_model_len: int) -> SamplingParams:
+    """The request's SamplingParams once its prompt length is known: the one ``max_tokens`` rule.
+
+    A client's own ``max_tokens`` stands (the engine refuses it if prompt plus
+    ``max_tokens`` does not fit). Without one, the request gets
+    ``min(max_tokens_default, max_model_len - prompt_len)``, at least 1:
+    ``max_model_len`` (what fits) for chat, 16 for completions.
+    """
+    if request.max_tokens_default is None:
+        return request.sampling
+    fit = min(request.max_tokens_default, max_model_len - prompt_len)
+    return dataclasses.replace(request.sampling, max_tokens=max(1, fit))
+
+
+def prompt_token_ids(
+    engine: AsyncEngine, *, prompt: str | list[int] | None = None, messages: list[dict[str, str]] | None = None
+) -> list[int]:
+    """The token ids ``engine`` generates from: ``messages`` (chat) or ``prompt``. Blocking: CPU work.
+
+    Raises BadRequestError (400) when the chat template rejects the messages or
+    a token id is not in the tokenizer's vocabulary.
+    """
+    if messages is not None:
+        try:
+            return list(engine.encode_chat(messages))
+        except Exception as exc:  # a chat template refusing the conversation (jinja error)
+            raise api.BadRequestError(f"the chat template rejected the messages: {exc}", param="messages",
+                                      code="invalid_value") from exc
+    if isinstance(prompt, str):
+        return list(engine.tokenizer(prompt).input_ids)
+    if prompt is None:
+        raise ValueError("prompt_token_ids needs a prompt or messages")
+    vocab = len(engine.tokenizer)
+    if any(t >= vocab for t in prompt):
+        raise api.BadRequestError(f"prompt token ids must be below the vocabulary size {vocab}", param="prompt",
+                                  code="invalid_value")
+    return list(prompt)
+
+
+class RequestRunner:
+    """Runs EngineRequests on a local AsyncEngine: what every engine host does the same way."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+        self.max_model_len = int(engine.max_model_len)
+        # A text longer than this can never fit max_model_len tokens (see NORMALIZATION_SLACK).
+        self.max_prompt_chars = self.max_model_len * longest_token_chars(engine.tokenizer) * NORMALIZATION_SLACK
+
+    def model_info(self) -> ModelInfo:
+        return ModelInfo(model_name=self.engine.model_name, model=self.engine.config.model,
+                         max_model_len=self.max_model_len)
+
+    def check_prompt_size(self, request: EngineRequest) -> None:
+        """Refuse (400 context_length_exceeded) a prompt that cannot fit, without tokenizing it."""
+        if request.messages is not None:
+            chars = sum(len(m.get("content") or "") for m in request.messages)
+        elif isinstance(request.prompt, str):
+            chars = len(request.prompt)
+        else:
+            if request.prompt is not None and len(request.prompt) > self.max_model_len:
+                raise PromptTooLongError(
+                    f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                    f"{len(request.prompt)} tokens")
+            return
+        if chars > self.max_prompt_chars:
+            raise PromptTooLongError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt's "
+                f"{chars} characters are more than that many tokens can hold: shorten the prompt")
+
+    async def prompt_ids(self, request: EngineRequest) -> list[int]:
+        """The request's prompt token ids; the template and tokenizer run in a worker thread."""
+        self.check_prompt_size(request)
+        return await anyio.to_thread.run_sync(
+            lambda: prompt_token_ids(self.engine, prompt=request.prompt, messages=request.messages))
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[StreamDelta]:
+        """The engine's deltas for ``request``; leaving early aborts it in the engine."""
+        prompt_ids = await self.prompt_ids(request)
+        params = fit_max_tokens(request, len(prompt_ids), self.max_model_len)
+        stream = self.engine.generate(prompt_ids, params, request_id=request.request_id,
+                                      cache_salt=request.cache_salt)
+        try:
+            async for delta in stream:
+                yield delta
+        finally:
+            # Closing an unfinished engine stream aborts the request and frees its blocks.
+            # Shielded: this runs while a host cancels a request whose client went away.
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()
+
+
+class LocalStream:
+    """An EngineStream over a RequestRunner in this process."""
+
+    def __init__(self, runner: RequestRunner, request: EngineRequest) -> None:
+        self._runner = runner
+        self._deltas = runner.generate(request)
+
+    def __aiter__(self) -> LocalStream:
+        return self
+
+    async def __anext__(self) -> StreamDelta:
+        return await self._deltas.__anext__()
+
+    async def aclose(self) -> None:
+        await self._deltas.aclose()
+
+    def token_text(self, token_id: int) -> str:
+        return self._runner.engine.tokenizer.decode([token_id])
+
+    def response_headers(self) -> dict[str, str]:
+        return {}
+
+
+class LocalEngineClient:
+    """An EngineClient over an AsyncEngine in this process (the standalone replica server)."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+        self.runner = RequestRunner(engine)
+
+    async def model_info(self) -> ModelInfo:
+        return self.runner.model_info()
+
+    async def is_healthy(self) -> bool:
+        return bool(self.engine.is_running)
+
+    def open_stream(self, request: EngineRequest) -> LocalStream:
+        return LocalStream(self.runner, request)
