@@ -42,7 +42,6 @@ from prometheus_client import generate_latest
 from ray import serve
 
 from prefixserve.replica.engine_client import EngineRequest, ModelInfo, RequestRunner
-from prefixserve.replica.errors import EngineDeadError
 from prefixserve.replica.outputs import StreamDelta
 
 __all__ = ["EngineDeployment", "EngineRequest", "StreamItem", "StreamStart", "TokenTexts"]
@@ -85,10 +84,11 @@ class EngineDeployment:
         self.name = serve.get_replica_context().replica_id.to_full_id_str()
 
     async def __del__(self) -> None:
-        # Serve 2.60 awaits an async __del__ when it tears the replica down
-        # (ray/serve/_private/replica.py, call_destructor: "accept async def __del__").
-        engine = getattr(self, "engine", None)  # None: the constructor failed
-        if engine is not None:
+        # Serve 2.60 awaits an async __del__, once, when it tears the replica down
+        # (ray/serve/_private/replica.py, call_destructor). The constructor may have
+        # failed before the engine existed.
+        engine = getattr(self, "engine", None)
+        if engine is not None and engine.is_running:
             await engine.shutdown()
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[StreamItem]:
@@ -126,9 +126,13 @@ class EngineDeployment:
         }
 
     async def check_health(self) -> None:
-        """Serve's health check: raise when the engine loop has died (Serve then replaces us)."""
-        if not self.engine.is_running:
-            raise EngineDeadError(f"the engine loop of {self.name} is not running")
+        """Serve's health check (and the ingress's /health): raise EngineDeadError when the engine is dead for good.
+
+        While the engine restarts after a failure it still counts as healthy
+        (it serves again right after); Serve replaces this replica only once the
+        engine has given up.
+        """
+        self.engine.check_health()
 
     def metrics_text(self) -> str:
         """The engine's Prometheus exposition (vLLM metric names)."""

@@ -8,10 +8,13 @@
 * :class:`ReplicaProcess`: starts ``prefixserve replica`` on a free port, waits
   for ``/health``, and always terminates it (and reports its log on failure).
 * :func:`metric`: one sample of the Prometheus text ``/metrics`` serves.
+* :class:`InProcessReplica`: the real app and engine in this process (fast tests).
+* :func:`assert_openai_error`: checks a 4xx carries the OpenAI error body.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import os
 import signal
@@ -159,3 +162,46 @@ def metric(metrics_text: str, name: str, **labels: str) -> float:
     if not found:
         raise KeyError(f"metric {name} {labels or ''} not in /metrics")
     return total
+
+
+class InProcessReplica:
+    """A tiny engine and ``replica.server.build_app`` in this process, driven by one event loop.
+
+    For fast tests that need the real front end and engine but no subprocess:
+    ``request`` sends one HTTP request through ``httpx.ASGITransport`` (the app's
+    lifespan does not run, so the engine outlives each app); ``close`` shuts the
+    engine down.
+    """
+
+    def __init__(self, model: str | Path, *, max_model_len: int = 128, **app_kwargs: object) -> None:
+        from prefixserve.replica.config import EngineConfig
+        from prefixserve.replica.engine import AsyncEngine
+        from prefixserve.replica.server import build_app
+
+        self.engine = AsyncEngine(EngineConfig(model=str(model), max_model_len=max_model_len))
+        self.app = build_app(self.engine, **app_kwargs)  # type: ignore[arg-type]
+        self.loop = asyncio.new_event_loop()
+        self.http = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://replica",
+                                      timeout=120)
+
+    def request(self, method: str, path: str, **kwargs: object) -> httpx.Response:
+        return self.loop.run_until_complete(self.http.request(method, path, **kwargs))  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.http.aclose())
+        self.loop.run_until_complete(self.engine.shutdown())
+        self.loop.close()
+
+
+def assert_openai_error(response: httpx.Response) -> dict:
+    """The OpenAI error body of a 4xx answer: message, type, param and a non-null code."""
+    assert 400 <= response.status_code < 500, (response.status_code, response.text[:500])
+    body = response.json()
+    assert set(body) == {"error"}, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and error["message"], error
+    assert isinstance(error["type"], str) and error["type"], error
+    assert isinstance(error["code"], str) and error["code"], error
+    assert error["param"] is None or isinstance(error["param"], str), error
+    return error

@@ -1,0 +1,164 @@
+"""The OpenAI front end in process (replica/http_frontend.py over a real tiny engine): fast tests.
+
+What the slow tests/test_server.py cannot show cheaply: the event loop stays
+free while a prompt is templated and tokenized, the cheap length bound, UTF-8
+API keys, and the server stopping with a non-zero status once its engine is
+dead for good.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import pytest
+from model_helpers import tiny_checkpoint
+from server_helpers import InProcessReplica, assert_openai_error, free_port
+
+from prefixserve.replica.engine_client import EngineRequest, RequestRunner
+from prefixserve.replica.errors import PromptTooLongError
+
+MAX_MODEL_LEN = 128
+# A deadlock breaker for the gated tests, never a measured duration.
+GATE_TIMEOUT_S = 60
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return str(tiny_checkpoint(tmp_path_factory.mktemp("frontend") / "tiny", max_pos=256))
+
+
+@pytest.fixture(scope="module")
+def replica(model_dir):
+    r = InProcessReplica(model_dir, max_model_len=MAX_MODEL_LEN, api_keys=["sk-ключ-é"], replica_name="in-process")
+    try:
+        yield r
+    finally:
+        r.close()
+
+
+AUTH = {b"authorization": "Bearer sk-ключ-é".encode()}
+
+
+def test_a_utf8_api_key_matches_and_a_wrong_one_does_not(replica):
+    assert replica.request("GET", "/v1/models", headers=AUTH).status_code == 200
+    wrong = replica.request("GET", "/v1/models", headers={b"authorization": "Bearer sk-ключ-e".encode()})
+    assert assert_openai_error(wrong)["code"] == "invalid_api_key"
+    # Latin-1 bytes of the same characters are other bytes: no match.
+    latin = replica.request("GET", "/v1/models", headers={b"authorization": "Bearer sk-é".encode("latin-1")})
+    assert latin.status_code == 401
+
+
+def test_health_answers_while_a_chat_template_and_tokenizer_run(replica, monkeypatch):
+    """The template + tokenizer of a request is held until /health has answered.
+
+    On a worker thread /health answers meanwhile; on the event loop the hold
+    could never end (the loop would be blocked), the gate times out and the
+    test fails.
+    """
+    rendering, health_answered = threading.Event(), threading.Event()
+    seen: dict[str, object] = {}
+    real = replica.engine.encode_chat
+
+    def gated(messages, **kwargs):
+        seen["thread"] = threading.current_thread()
+        rendering.set()
+        seen["health_answered_first"] = health_answered.wait(timeout=GATE_TIMEOUT_S)
+        return real(messages, **kwargs)
+
+    monkeypatch.setattr(replica.engine, "encode_chat", gated)
+    # Inside the cheap bound but far over MAX_MODEL_LEN tokens: the tokenizer must run to tell.
+    content = "alpha beta gamma " * 2000
+
+    async def main() -> tuple[httpx.Response, httpx.Response]:
+        big = asyncio.create_task(replica.http.post(
+            "/v1/chat/completions", json={"messages": [{"role": "user", "content": content}], "max_tokens": 2},
+            headers=AUTH))
+        assert await asyncio.to_thread(rendering.wait, GATE_TIMEOUT_S), "the template never ran"
+        health = await replica.http.get("/health")
+        health_answered.set()
+        return health, await big
+
+    health, big = replica.loop.run_until_complete(main())
+    assert health.status_code == 200
+    assert seen["health_answered_first"] is True
+    assert seen["thread"] is not threading.main_thread()
+    assert assert_openai_error(big)["code"] == "context_length_exceeded"
+
+
+def test_a_huge_prompt_is_refused_before_any_tokenization(replica, monkeypatch):
+    calls = []
+    real = replica.engine.encode_chat
+    monkeypatch.setattr(replica.engine, "encode_chat", lambda m, **kw: calls.append(1) or real(m, **kw))
+    huge = "x" * 3_900_000
+    chat = replica.request("POST", "/v1/chat/completions", headers=AUTH,
+                           json={"messages": [{"role": "user", "content": huge}], "max_tokens": 1})
+    assert assert_openai_error(chat)["code"] == "context_length_exceeded"
+    assert calls == []
+    completion = replica.request("POST", "/v1/completions", headers=AUTH, json={"prompt": huge, "max_tokens": 1})
+    assert assert_openai_error(completion)["code"] == "context_length_exceeded"
+    ids = replica.request("POST", "/v1/completions", headers=AUTH,
+                          json={"prompt": [17] * (MAX_MODEL_LEN + 1), "max_tokens": 1})
+    assert assert_openai_error(ids)["code"] == "context_length_exceeded"
+
+
+def test_the_length_bound_never_refuses_a_prompt_that_fits(replica):
+    """The worst case for the bound: the tokenizer's longest token, repeated as often as fits."""
+    runner = RequestRunner(replica.engine)
+    tokenizer = replica.engine.tokenizer
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    longest = max(range(len(tokens)), key=lambda i: len(tokens[i] or ""))
+    text = tokenizer.decode([longest] * MAX_MODEL_LEN)
+    assert len(tokenizer(text).input_ids) <= MAX_MODEL_LEN + 2
+    runner.check_prompt_size(EngineRequest(prompt=text))
+    runner.check_prompt_size(EngineRequest(messages=[{"role": "user", "content": text}]))
+    with pytest.raises(PromptTooLongError):
+        runner.check_prompt_size(EngineRequest(prompt="x" * (runner.max_prompt_chars + 1)))
+
+
+def test_every_4xx_of_the_front_end_has_a_code(replica):
+    cases = [
+        ("POST", "/v1/completions", {"prompt": [1, 10**7]}),  # outside the vocabulary
+        ("POST", "/v1/completions", {"prompt": "x", "model": "nope"}),
+        ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "bogus": 1}),
+        ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "seed": 2**70}),
+        ("GET", "/v1/nothing", None),
+    ]
+    for method, path, body in cases:
+        response = replica.request(method, path, headers=AUTH, json=body)
+        error = assert_openai_error(response)
+        assert "Python" not in error["message"] and "overflow" not in error["message"].lower()
+        assert response.headers["x-prefixserve-replica"] == "in-process"
+
+
+def test_the_server_exits_non_zero_once_its_engine_is_dead_for_good(model_dir):
+    from prefixserve.replica.config import EngineConfig
+    from prefixserve.replica.engine import AsyncEngine
+    from prefixserve.replica.server import EXIT_ENGINE_DEAD, serve
+
+    engine = AsyncEngine(EngineConfig(model=model_dir, max_model_len=MAX_MODEL_LEN))
+    port = free_port()
+    status: list[int] = []
+    thread = threading.Thread(target=lambda: status.append(serve(
+        engine, host="127.0.0.1", port=port, log_level="warning", engine_watch_period_s=0.05)), daemon=True)
+    thread.start()
+    try:
+        for _ in range(600):  # until the server listens (bounded, not a timing assertion)
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        else:
+            pytest.fail("the server never answered /health")
+        ok = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=60)
+        assert ok.status_code == 200
+        asyncio.run(engine.shutdown())  # the engine is gone for good: is_running is False
+        thread.join(timeout=GATE_TIMEOUT_S)
+        assert not thread.is_alive(), "the server kept running with a dead engine"
+        assert status == [EXIT_ENGINE_DEAD]
+    finally:
+        if thread.is_alive():
+            asyncio.run(engine.shutdown())
