@@ -16,30 +16,52 @@ else ChatML), tokenize, and report:
   version strings, reordered few-shots), each with the article's fix, and where
   the first occurrence sits in tokens (every block from there on misses).
 
-Malformed lines are reported by line number and skipped; a file with no usable
-record (empty, unreadable, all malformed) raises ``AuditError``.
+* how the router would spread the log: distinct routing keys (router/prefix.py's
+  ``static_prefix`` / ``routing_key``, the very functions the router runs) and
+  the prompts without a static prefix.
+
+The log is streamed line by line (binary, each line read with a bound), so
+memory does not grow with the file: per distinct prefix the audit keeps a count
+and its first N token ids, never the prompts (``AuditLimits`` bounds the
+distinct things it remembers; past a bound the report says it is approximate).
+Lines that are too long, not UTF-8, not JSON, nested too deeply or not a chat
+or completions body are counted, the first ones reported by line number, and
+skipped; a file with no usable record (empty, unreadable, all malformed)
+raises ``AuditError``. A byte progress bar goes to stderr on long files.
 
 Invariants: ``audit`` is pure given the records and a tokenizer (anything with
 ``encode``); only the CLI loads a model's tokenizer (never its weights).
-Imports: stdlib; the tokenizer loader from prefixserve.replica.model.loader lazily (it pulls
-torch and transformers). No Ray, no HTTP.
+Imports: stdlib, tqdm, router/prefix.py; the tokenizer loader from
+prefixserve.replica.model.loader lazily (it pulls torch and transformers). No Ray, no HTTP.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import json
+import os
 import re
 import sys
+from array import array
 from collections import Counter, defaultdict
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
+
+from tqdm import tqdm
+
+from prefixserve.router.prefix import PREFIX_HASH_HEADER, routing_key, static_prefix
 
 DEFAULT_PREFIX_TOKENS = 512
 DEFAULT_BLOCK_SIZE = 16
+# A request body longer than this is not a prompt worth auditing (128k tokens is ~0.5 MB).
+MAX_LINE_BYTES = 8 * 1024 * 1024
+MAX_REPORTED_MALFORMED = 100
+# Logs at least this large get a progress bar.
+PROGRESS_MIN_BYTES = 16 * 1024 * 1024
 
 
 class AuditError(Exception):
@@ -55,12 +77,13 @@ class Tokenizer(Protocol):
 
 @dataclass(frozen=True)
 class PromptRecord:
-    """One usable log line: its number, the static prefix text and the rendered prompt."""
+    """One usable log line: its number, the static prefix, the rendered parts and its routing key."""
 
     line: int
-    system: str  # leading system/developer text ("" when none)
+    system: str  # the static prefix (router/prefix.py's static_prefix; "" when none)
     messages: tuple[tuple[str, str], ...] | None  # (role, content) for chat records
     prompt: str | None  # completions records
+    key: str | None = None  # the routing key the router would use (router/prefix.py's routing_key)
 
 
 @dataclass(frozen=True)
@@ -69,19 +92,20 @@ class MalformedLine:
     reason: str
 
 
-def _content_text(content: Any) -> str:
+def _message_text(content: Any) -> str:
+    # The text the model sees of one message; the static prefix itself comes from
+    # router/prefix.py, which joins content parts the same way.
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        parts = []
-        for part in content:
-            if isinstance(part, str):
-                parts.append(part)
-            elif isinstance(part, Mapping) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
-                parts.append(part["text"])
-        return "\n".join(parts)
+        return "\n".join(
+            part if isinstance(part, str) else part["text"]
+            for part in content
+            if isinstance(part, str)
+            or (isinstance(part, Mapping) and part.get("type", "text") == "text" and isinstance(part.get("text"), str))
+        )
     raise ValueError(f"message content must be a string or a list of parts, not {type(content).__name__}")
 
 
@@ -97,51 +121,118 @@ def parse_record(obj: Any, line: int) -> PromptRecord:
         for i, m in enumerate(messages):
             if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
                 raise ValueError(f"messages[{i}] must be an object with a string 'role'")
-            pairs.append((m["role"], _content_text(m.get("content"))))
-        system = []
-        for role, text in pairs:
-            if role not in ("system", "developer"):
-                break
-            system.append(text)
-        return PromptRecord(line, "\n".join(system), tuple(pairs), None)
+            pairs.append((m["role"], _message_text(m.get("content"))))
+        return PromptRecord(line, static_prefix(messages) or "", tuple(pairs), None, routing_key(obj))
     if "prompt" in obj:
         prompt = obj["prompt"]
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if not isinstance(prompt, str):
             raise ValueError("'prompt' must be a string")
-        return PromptRecord(line, "", None, prompt)
+        return PromptRecord(line, "", None, prompt, routing_key(obj))
     raise ValueError("no 'messages' or 'prompt' field")
 
 
-def read_log(path: str | Path) -> tuple[list[PromptRecord], list[MalformedLine]]:
-    """Parse a JSONL prompt log; raises AuditError when nothing in it is usable."""
-    p = Path(path)
+@dataclass
+class LogStats:
+    """Per-line bookkeeping of one pass over a log: the first malformed lines and how many there were."""
+
+    max_reported: int = MAX_REPORTED_MALFORMED
+    lines: int = 0
+    num_malformed: int = 0
+    malformed: list[MalformedLine] = field(default_factory=list)
+
+    def bad(self, line: int, reason: str) -> None:
+        self.num_malformed += 1
+        if len(self.malformed) < self.max_reported:
+            self.malformed.append(MalformedLine(line, reason))
+
+
+def open_log(path: str | Path) -> BinaryIO:
+    """The log opened for binary reading; AuditError says why it cannot be."""
     try:
-        text = p.read_text(encoding="utf-8")
+        return open(path, "rb")  # noqa: SIM115 -- the caller closes it
     except FileNotFoundError:
         raise AuditError(f"{path}: no such file") from None
     except IsADirectoryError:
         raise AuditError(f"{path}: is a directory, expected a JSONL file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise AuditError(f"{path}: cannot read it ({exc})") from None
-    records: list[PromptRecord] = []
-    bad: list[MalformedLine] = []
-    for number, raw in enumerate(text.splitlines(), start=1):
-        if not raw.strip():
-            continue
+    except OSError as exc:
+        raise AuditError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+
+
+def _decode_line(raw: bytes) -> Any:
+    """JSON of one line; ValueError with the reason for bad UTF-8, bad JSON or too deep nesting."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"not valid UTF-8 (byte {exc.start + 1} of the line)") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"invalid JSON: {exc.msg} (column {exc.colno})") from None
+    except RecursionError:
+        # The decoder recurses per nesting level; a hostile line must not end the audit.
+        raise ValueError("invalid JSON: nested too deeply") from None
+
+
+def iter_log(
+    path: str | Path,
+    stats: LogStats | None = None,
+    max_line_bytes: int = MAX_LINE_BYTES,
+    progress: bool = False,
+) -> Iterator[PromptRecord]:
+    """The usable records of a JSONL prompt log, one line at a time.
+
+    Memory is bounded by ``max_line_bytes`` whatever the file's size: a longer
+    line is skipped in chunks, never held whole. Lines that are too long, not
+    UTF-8, not JSON, nested too deeply or not a chat/completions body are
+    counted in ``stats`` (with their numbers, up to its cap) and skipped.
+    ``progress`` shows a byte progress bar on stderr.
+    """
+    if max_line_bytes < 1:
+        raise ValueError(f"max_line_bytes must be >= 1, got {max_line_bytes}")
+    stats = stats if stats is not None else LogStats()
+    with open_log(path) as f:
         try:
-            records.append(parse_record(json.loads(raw), number))
-        except json.JSONDecodeError as exc:
-            bad.append(MalformedLine(number, f"invalid JSON: {exc.msg} (column {exc.colno})"))
-        except ValueError as exc:
-            bad.append(MalformedLine(number, str(exc)))
-    if not records:
-        if not bad:
-            raise AuditError(f"{path}: the file is empty; expected one JSON request body per line")
-        raise AuditError(f"{path}: none of its {len(bad)} non-empty lines is a chat or completions body "
-                         f"(line {bad[0].line}: {bad[0].reason})")
-    return records, bad
+            size = os.fstat(f.fileno()).st_size
+        except OSError:
+            size = None
+        with tqdm(total=size, unit="B", unit_scale=True, desc="audit", file=sys.stderr,
+                  disable=not progress, leave=False) as bar:
+            number = 0
+            while True:
+                raw = f.readline(max_line_bytes + 1)
+                if not raw:
+                    break
+                number += 1
+                stats.lines = number
+                read = len(raw)
+                if raw.endswith(b"\n"):
+                    raw = raw[:-1]
+                elif len(raw) > max_line_bytes:
+                    read += _skip_rest_of_line(f)
+                    stats.bad(number, f"line longer than {max_line_bytes} bytes (skipped)")
+                    bar.update(read)
+                    continue
+                bar.update(read)
+                if not raw.strip():
+                    continue
+                try:
+                    yield parse_record(_decode_line(raw), number)
+                except RecursionError:
+                    stats.bad(number, "nested too deeply")
+                except ValueError as exc:
+                    stats.bad(number, str(exc))
+
+
+def _skip_rest_of_line(f: BinaryIO, chunk: int = 1 << 20) -> int:
+    """Read past the end of the current line in bounded chunks; returns the bytes skipped."""
+    skipped = 0
+    while True:
+        part = f.readline(chunk)
+        skipped += len(part)
+        if not part or part.endswith(b"\n"):
+            return skipped
 
 
 # ---------------------------------------------------------------- rendering
@@ -309,7 +400,7 @@ class AuditReport:
     prefix_tokens: int
     block_size: int
     num_records: int
-    malformed: list[MalformedLine]
+    malformed: list[MalformedLine]  # the first ones, up to MAX_REPORTED_MALFORMED
     unique_prefixes: int
     theoretical_hit_rate: float  # 1 - unique / total (the article's formula)
     cacheable_token_rate: float  # block-level, unbounded single cache, in log order
@@ -319,6 +410,10 @@ class AuditReport:
     reordered_fewshots: VolatileFinding | None
     mean_prompt_tokens: float
     num_with_system: int
+    num_malformed: int = 0  # every malformed line, listed or not
+    unique_routing_keys: int = 0  # distinct X-Prefix-Hash keys (router/prefix.py's routing_key)
+    num_without_routing_key: int = 0  # records without a static prefix: routed by load
+    approximate: bool = False  # a tracking limit was reached: counts beyond it are estimates
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -336,6 +431,22 @@ class AuditReport:
         return out
 
 
+@dataclass(frozen=True)
+class AuditLimits:
+    """How much the audit remembers; past a limit the figures it feeds become estimates.
+
+    max_prefixes: distinct first-N-token prefixes (and routing keys) counted exactly.
+    max_blocks: distinct cached blocks of the replayed cache.
+    max_values: distinct values per volatile kind, and orders per few-shot layout.
+    max_layouts: distinct system-prompt layouts watched for reordered lines.
+    """
+
+    max_prefixes: int = 100_000
+    max_blocks: int = 2_000_000
+    max_values: int = 10_000
+    max_layouts: int = 10_000
+
+
 def _decode(tokenizer: Any, ids: Sequence[int]) -> str | None:
     decode = getattr(tokenizer, "decode", None)
     if decode is None:
@@ -346,97 +457,6 @@ def _decode(tokenizer: Any, ids: Sequence[int]) -> str | None:
         return None
 
 
-def _divergence(prefixes: Sequence[tuple[int, ...]], tokenizer: Any) -> tuple[Divergence | None, float]:
-    counts = Counter(prefixes)
-    common, common_count = counts.most_common(1)[0]
-    positions: Counter[int] = Counter()
-    for p in prefixes:
-        if p == common:
-            continue
-        pos = next((i for i, (a, b) in enumerate(zip(common, p)) if a != b), min(len(common), len(p)))
-        positions[pos] += 1
-    share = common_count / len(prefixes)
-    if not positions:
-        return None, share
-    pos, count = positions.most_common(1)[0]
-    token = common[pos] if pos < len(common) else None
-    text = _decode(tokenizer, [token]) if token is not None else None
-    context = _decode(tokenizer, common[max(0, pos - 12) : pos]) or ""
-    return Divergence(pos, token, text, count, sum(positions.values()), context), share
-
-
-def _cacheable_rate(prefixes: Sequence[tuple[int, ...]], block_size: int) -> float:
-    """Full blocks of the first N tokens served from an unbounded cache, replaying in order.
-
-    Like the engine, the last prompt token is always computed, never cached.
-    """
-    seen: set[tuple[int, ...]] = set()
-    hit = total = 0
-    for p in prefixes:
-        total += len(p)
-        n_blocks = len(p) // block_size
-        matched = True
-        for b in range(n_blocks):
-            key = p[: (b + 1) * block_size]
-            if matched and key in seen and (b + 1) * block_size < len(p):
-                hit += block_size
-            else:
-                matched = False
-            seen.add(key)
-    return hit / total if total else 0.0
-
-
-def _volatile(records: Sequence[PromptRecord], rendered: Sequence[str], tokenizer: Tokenizer) -> tuple[
-    list[VolatileFinding], VolatileFinding | None
-]:
-    # kind -> (index of the first record with it, char offset, value), records with it, value tuples
-    first: dict[str, tuple[int, int, str]] = {}
-    count: Counter[str] = Counter()
-    values: dict[str, set[tuple[str, ...]]] = defaultdict(set)
-    # sorted masked lines -> {masked lines in order: (record index, line offsets)}
-    layouts: dict[tuple[str, ...], dict[tuple[str, ...], tuple[int, list[int]]]] = defaultdict(dict)
-    layout_of: list[tuple[str, ...]] = []
-    for i, rec in enumerate(records):
-        if not rec.system:
-            continue
-        spans = _spans(rec.system)
-        per_kind: dict[str, list[str]] = defaultdict(list)
-        for kind, s, _e, value in sorted(spans, key=lambda t: t[1]):
-            if kind not in per_kind:
-                first.setdefault(kind, (i, s, value))
-            per_kind[kind].append(value)
-        for kind, vals in per_kind.items():
-            count[kind] += 1
-            values[kind].add(tuple(vals))
-        lines = _normalized_lines(rec.system, spans)
-        if len(lines) > 1:
-            ordered = tuple(line for line, _ in lines)
-            layout_of.append(tuple(sorted(ordered)))
-            layouts[tuple(sorted(ordered))].setdefault(ordered, (i, [off for _, off in lines]))
-    findings = []
-    for det in DETECTORS:
-        if det.kind not in first:
-            continue
-        i, offset, value = first[det.kind]
-        findings.append(VolatileFinding(det.kind, det.fix, count[det.kind], len(values[det.kind]), value,
-                                        records[i].line, _token_position(records[i], rendered[i], offset, tokenizer)))
-    # Reordered few-shots: the same lines (volatile values masked) in different orders.
-    groups = [orders for orders in layouts.values() if len(orders) > 1]
-    if not groups:
-        return findings, None
-    orders = max(groups, key=len)
-    (a, (i, offsets)), (b, _) = list(orders.items())[:2]
-    moved = next(k for k, (x, y) in enumerate(zip(a, b)) if x != y)
-    reordered_keys = {k for k, o in layouts.items() if len(o) > 1}
-    num_records = sum(1 for k in layout_of if k in reordered_keys)
-    reordered = VolatileFinding(
-        "reordered_fewshots", FEWSHOT_FIX, num_records, sum(len(g) for g in groups),
-        f"line {moved + 1} of the system prompt: {a[moved][:80]!r}", records[i].line,
-        _token_position(records[i], rendered[i], offsets[moved], tokenizer),
-    )
-    return findings, reordered
-
-
 def _token_position(rec: PromptRecord, text: str, system_offset: int, tokenizer: Tokenizer) -> int | None:
     """Token index in the rendered prompt of the character ``system_offset`` of the system text."""
     base = text.find(rec.system)  # the system text sits verbatim in the rendered prompt
@@ -445,48 +465,251 @@ def _token_position(rec: PromptRecord, text: str, system_offset: int, tokenizer:
     return len(_encode(tokenizer, text[: base + system_offset]))
 
 
+@dataclass
+class _Layout:
+    """One set of system-prompt lines (volatile values masked), in the orders seen."""
+
+    first_order: tuple[str, ...] | None  # dropped once a second order gave the example
+    orders: set[bytes]
+    records: int = 0
+    example: tuple[str, int, int | None] | None = None  # (text, line, token position)
+
+
+def _digest(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+class Auditor:
+    """The audit as a stream: ``add`` one record at a time, ``report`` at the end.
+
+    Memory depends on how many distinct prefixes, blocks, values and layouts
+    the log has (each bounded by ``limits``), never on the number of records:
+    per prefix it keeps a count and its first N token ids, not the prompts.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prefix_tokens: int = DEFAULT_PREFIX_TOKENS,
+                 block_size: int = DEFAULT_BLOCK_SIZE, limits: AuditLimits = AuditLimits()) -> None:
+        if prefix_tokens < 1:
+            raise ValueError(f"prefix_tokens must be >= 1, got {prefix_tokens}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.tokenizer = tokenizer
+        self.prefix_tokens = prefix_tokens
+        self.block_size = block_size
+        self.limits = limits
+        self.num_records = 0
+        self.num_with_system = 0
+        self._prompt_tokens = 0
+        # first-N-token prefix (token ids as int64 bytes) -> records with it, in first-seen order
+        self._prefixes: dict[bytes, int] = {}
+        self._untracked_prefixes = 0
+        self._blocks: set[bytes] = set()
+        self._hit_tokens = 0
+        self._prefix_token_total = 0
+        self._keys: set[str] = set()
+        self._untracked_keys = 0
+        self._without_key = 0
+        self._first: dict[str, tuple[str, int, int | None]] = {}  # kind -> (value, line, token position)
+        self._kind_records: Counter[str] = Counter()
+        self._kind_values: dict[str, set[bytes]] = defaultdict(set)
+        self._layouts: dict[bytes, _Layout] = {}
+        self.approximate = False
+
+    # -- per record --------------------------------------------------------------
+    def add(self, record: PromptRecord) -> None:
+        """Account one record: render, tokenize, count; nothing of the prompt is kept."""
+        text = render(record, self.tokenizer)
+        tokens = _encode(self.tokenizer, text)
+        self.num_records += 1
+        self._prompt_tokens += len(tokens)
+        prefix = tokens[: self.prefix_tokens]
+        self._count_prefix(array("q", prefix).tobytes())
+        self._replay_blocks(prefix)
+        self._count_key(record.key)
+        if record.system:
+            self.num_with_system += 1
+            self._volatile(record, text)
+
+    def _count_prefix(self, key: bytes) -> None:
+        if key in self._prefixes:
+            self._prefixes[key] += 1
+        elif len(self._prefixes) < self.limits.max_prefixes:
+            self._prefixes[key] = 1
+        else:
+            self._untracked_prefixes += 1  # counted as distinct: an upper bound on unique prefixes
+            self.approximate = True
+
+    def _replay_blocks(self, prefix: list[int]) -> None:
+        # One unbounded cache replaying the log in order; like the engine, the last
+        # prompt token is always computed, never cached. Blocks are chained digests.
+        bs = self.block_size
+        self._prefix_token_total += len(prefix)
+        parent = b""
+        matched = True
+        for b in range(len(prefix) // bs):
+            parent = _digest(parent + array("q", prefix[b * bs : (b + 1) * bs]).tobytes())
+            if matched and parent in self._blocks and (b + 1) * bs < len(prefix):
+                self._hit_tokens += bs
+            else:
+                matched = False
+            if len(self._blocks) < self.limits.max_blocks:
+                self._blocks.add(parent)
+            elif parent not in self._blocks:
+                self.approximate = True
+
+    def _count_key(self, key: str | None) -> None:
+        if key is None:
+            self._without_key += 1
+        elif key in self._keys or len(self._keys) < self.limits.max_prefixes:
+            self._keys.add(key)
+        else:
+            self._untracked_keys += 1
+            self.approximate = True
+
+    def _volatile(self, record: PromptRecord, text: str) -> None:
+        spans = _spans(record.system)
+        per_kind: dict[str, list[str]] = defaultdict(list)
+        for kind, s, _e, value in sorted(spans, key=lambda t: t[1]):
+            if kind not in per_kind and kind not in self._first:
+                self._first[kind] = (value, record.line, _token_position(record, text, s, self.tokenizer))
+            per_kind[kind].append(value)
+        for kind, vals in per_kind.items():
+            self._kind_records[kind] += 1
+            seen = self._kind_values[kind]
+            if len(seen) < self.limits.max_values:
+                seen.add(_digest("\x00".join(vals).encode()))
+        lines = _normalized_lines(record.system, spans)
+        if len(lines) > 1:
+            self._layout(record, text, lines)
+
+    def _layout(self, record: PromptRecord, text: str, lines: list[tuple[str, int]]) -> None:
+        ordered = tuple(line for line, _ in lines)
+        layout_key = _digest("\x00".join(sorted(ordered)).encode())
+        order_key = _digest("\x00".join(ordered).encode())
+        layout = self._layouts.get(layout_key)
+        if layout is None:
+            if len(self._layouts) >= self.limits.max_layouts:
+                self.approximate = True
+                return
+            layout = self._layouts[layout_key] = _Layout(first_order=ordered, orders={order_key})
+        layout.records += 1
+        if order_key in layout.orders or len(layout.orders) >= self.limits.max_values:
+            return
+        layout.orders.add(order_key)
+        if layout.example is None and layout.first_order is not None:
+            # The example is the line that moved, in this record (the first with a second order).
+            moved = next(k for k, (x, y) in enumerate(zip(layout.first_order, ordered)) if x != y)
+            layout.example = (f"line {moved + 1} of the system prompt: {ordered[moved][:80]!r}", record.line,
+                              _token_position(record, text, lines[moved][1], self.tokenizer))
+            layout.first_order = None
+
+    # -- the report ----------------------------------------------------------------
+    def report(self, malformed: Sequence[MalformedLine] = (), num_malformed: int | None = None,
+               path: str | None = None) -> AuditReport:
+        if not self.num_records:
+            raise AuditError("no records to audit")
+        n = self.num_records
+        unique = len(self._prefixes) + self._untracked_prefixes
+        divergence, share = self._divergence()
+        volatile, reordered = self._findings()
+        return AuditReport(
+            path=path,
+            prefix_tokens=self.prefix_tokens,
+            block_size=self.block_size,
+            num_records=n,
+            malformed=list(malformed),
+            unique_prefixes=unique,
+            theoretical_hit_rate=1 - unique / n,
+            cacheable_token_rate=self._hit_tokens / self._prefix_token_total if self._prefix_token_total else 0.0,
+            most_common_prefix_share=share,
+            divergence=divergence,
+            volatile=volatile,
+            reordered_fewshots=reordered,
+            mean_prompt_tokens=self._prompt_tokens / n,
+            num_with_system=self.num_with_system,
+            num_malformed=len(malformed) if num_malformed is None else num_malformed,
+            unique_routing_keys=len(self._keys) + self._untracked_keys,
+            num_without_routing_key=self._without_key,
+            approximate=self.approximate,
+        )
+
+    def _divergence(self) -> tuple[Divergence | None, float]:
+        # max() keeps the first of equal counts: the prefix seen first, as in log order.
+        common_key, common_count = max(self._prefixes.items(), key=lambda kv: kv[1])
+        common = array("q", common_key).tolist()
+        positions: Counter[int] = Counter()
+        for key, count in self._prefixes.items():
+            if key == common_key:
+                continue
+            p = array("q", key).tolist()
+            pos = next((i for i, (a, b) in enumerate(zip(common, p)) if a != b), min(len(common), len(p)))
+            positions[pos] += count
+        share = common_count / self.num_records
+        if not positions:
+            return None, share
+        pos, count = positions.most_common(1)[0]
+        token = common[pos] if pos < len(common) else None
+        text = _decode(self.tokenizer, [token]) if token is not None else None
+        context = _decode(self.tokenizer, common[max(0, pos - 12) : pos]) or ""
+        return Divergence(pos, token, text, count, sum(positions.values()), context), share
+
+    def _findings(self) -> tuple[list[VolatileFinding], VolatileFinding | None]:
+        findings = []
+        for det in DETECTORS:
+            if det.kind not in self._first:
+                continue
+            value, line, position = self._first[det.kind]
+            findings.append(VolatileFinding(det.kind, det.fix, self._kind_records[det.kind],
+                                            len(self._kind_values[det.kind]), value, line, position))
+        groups = [g for g in self._layouts.values() if len(g.orders) > 1 and g.example is not None]
+        if not groups:
+            return findings, None
+        biggest = max(groups, key=lambda g: len(g.orders))
+        assert biggest.example is not None
+        example, line, position = biggest.example
+        reordered = VolatileFinding("reordered_fewshots", FEWSHOT_FIX, sum(g.records for g in groups),
+                                    sum(len(g.orders) for g in groups), example, line, position)
+        return findings, reordered
+
+
 def audit(
-    records: Sequence[PromptRecord],
+    records: Iterable[PromptRecord],
     tokenizer: Tokenizer,
     prefix_tokens: int = DEFAULT_PREFIX_TOKENS,
     block_size: int = DEFAULT_BLOCK_SIZE,
     malformed: Sequence[MalformedLine] = (),
     path: str | None = None,
+    limits: AuditLimits = AuditLimits(),
 ) -> AuditReport:
-    """Audit parsed records with ``tokenizer`` (anything with ``encode``; ``decode`` and a chat template optional)."""
-    if prefix_tokens < 1:
-        raise ValueError(f"prefix_tokens must be >= 1, got {prefix_tokens}")
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    if not records:
-        raise AuditError("no records to audit")
-    rendered = [render(r, tokenizer) for r in records]
-    token_lists = [_encode(tokenizer, text) for text in rendered]
-    prefixes = [tuple(t[:prefix_tokens]) for t in token_lists]
-    unique = len(set(prefixes))
-    divergence, share = _divergence(prefixes, tokenizer)
-    volatile, reordered = _volatile(records, rendered, tokenizer)
-    return AuditReport(
-        path=path,
-        prefix_tokens=prefix_tokens,
-        block_size=block_size,
-        num_records=len(records),
-        malformed=list(malformed),
-        unique_prefixes=unique,
-        theoretical_hit_rate=1 - unique / len(records),
-        cacheable_token_rate=_cacheable_rate(prefixes, block_size),
-        most_common_prefix_share=share,
-        divergence=divergence,
-        volatile=volatile,
-        reordered_fewshots=reordered,
-        mean_prompt_tokens=sum(map(len, token_lists)) / len(token_lists),
-        num_with_system=sum(1 for r in records if r.system),
-    )
+    """Audit records with ``tokenizer`` (anything with ``encode``; ``decode`` and a chat template optional)."""
+    auditor = Auditor(tokenizer, prefix_tokens, block_size, limits)
+    for record in records:
+        auditor.add(record)
+    return auditor.report(malformed, path=path)
 
 
-def audit_file(path: str | Path, tokenizer: Tokenizer, **kwargs: Any) -> AuditReport:
-    records, bad = read_log(path)
-    return audit(records, tokenizer, malformed=bad, path=str(path), **kwargs)
+def audit_file(
+    path: str | Path,
+    tokenizer: Tokenizer,
+    prefix_tokens: int = DEFAULT_PREFIX_TOKENS,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    *,
+    max_line_bytes: int = MAX_LINE_BYTES,
+    progress: bool = False,
+    limits: AuditLimits = AuditLimits(),
+) -> AuditReport:
+    """Stream a JSONL log through the audit; AuditError when nothing in it is usable."""
+    auditor = Auditor(tokenizer, prefix_tokens, block_size, limits)
+    stats = LogStats()
+    for record in iter_log(path, stats, max_line_bytes, progress):
+        auditor.add(record)
+    if not auditor.num_records:
+        if not stats.num_malformed:
+            raise AuditError(f"{path}: the file is empty; expected one JSON request body per line")
+        first = stats.malformed[0]
+        raise AuditError(f"{path}: none of its {stats.num_malformed} non-empty lines is a chat or completions "
+                         f"body (line {first.line}: {first.reason})")
+    return auditor.report(stats.malformed, stats.num_malformed, str(path))
 
 
 def format_report(report: AuditReport) -> str:
@@ -496,6 +719,10 @@ def format_report(report: AuditReport) -> str:
              f" ({report.num_with_system} with a system prompt), mean {report.mean_prompt_tokens:.0f} tokens"]
     for bad in report.malformed:
         lines.append(f"  skipped line {bad.line}: {bad.reason}")
+    if report.num_malformed > len(report.malformed):
+        lines.append(f"  ... and {report.num_malformed - len(report.malformed)} more malformed lines skipped")
+    if report.approximate:
+        lines.append("  (a tracking limit was reached: unique counts and rates past it are estimates)")
     lines += [
         "",
         f"Unique prefixes (first {report.prefix_tokens} tokens): {report.unique_prefixes}/{n} "
@@ -504,6 +731,8 @@ def format_report(report: AuditReport) -> str:
         f"Cacheable tokens (full {report.block_size}-token blocks, one unbounded cache, in log order): "
         f"{report.cacheable_token_rate:.1%}",
         f"Most common prefix shared by {report.most_common_prefix_share:.1%} of prompts",
+        f"Routing keys ({PREFIX_HASH_HEADER}): {report.unique_routing_keys} distinct; "
+        f"{report.num_without_routing_key} prompt(s) without a static prefix (routed by load)",
     ]
     d = report.divergence
     if d is not None:
@@ -534,30 +763,32 @@ def format_report(report: AuditReport) -> str:
 @functools.lru_cache(maxsize=4)
 def load_tokenizer(model: str) -> Any:
     """The tokenizer (only) of ``model``: ``smollm2``, a checkpoint directory or a .gguf file (cached)."""
-    from prefixserve.replica.model.loader import load_tokenizer as _load, resolve
+    from prefixserve.replica.model.loader import load_tokenizer as _load
+    from prefixserve.replica.model.loader import resolve
 
     return _load(resolve(model))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompts", help="JSONL log: one chat body ({'messages': ...}) or {'prompt': ...} per line")
-    parser.add_argument("--model", default="smollm2", help="tokenizer source: smollm2, a checkpoint dir or a .gguf file")
+    parser.add_argument("--model", default="smollm2",
+                        help="tokenizer source: smollm2, a checkpoint dir or a .gguf file")
     parser.add_argument("--prefix-tokens", type=int, default=DEFAULT_PREFIX_TOKENS,
                         help="compare prompts over their first N tokens (default: %(default)s)")
     parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
                         help="KV block size for the cacheable-token rate (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--max-line-bytes", type=int, default=MAX_LINE_BYTES,
+                        help="longer lines are reported and skipped unread (default: %(default)s)")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        records, bad = read_log(args.prompts)
-    except AuditError as exc:
-        print(f"prefixserve audit: error: {exc}", file=sys.stderr)
-        return 2
-    try:
+        open_log(args.prompts).close()  # a missing file fails before the tokenizer loads
+        size = Path(args.prompts).stat().st_size
         tokenizer = load_tokenizer(args.model)
-        report = audit(records, tokenizer, args.prefix_tokens, args.block_size, bad, str(args.prompts))
+        report = audit_file(args.prompts, tokenizer, args.prefix_tokens, args.block_size,
+                            max_line_bytes=args.max_line_bytes, progress=size >= PROGRESS_MIN_BYTES)
     except (ValueError, AuditError, OSError) as exc:
         print(f"prefixserve audit: error: {exc}", file=sys.stderr)
         return 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import tracemalloc
 import uuid
 
 import pytest
@@ -157,16 +158,18 @@ def test_empty_unreadable_and_all_malformed_files_are_errors(tmp_path, capsys) -
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n\n")
     with pytest.raises(A.AuditError, match="empty"):
-        A.read_log(empty)
+        A.audit_file(empty, WordTokenizer())
     with pytest.raises(A.AuditError, match="no such file"):
-        A.read_log(tmp_path / "missing.jsonl")
+        A.audit_file(tmp_path / "missing.jsonl", WordTokenizer())
     with pytest.raises(A.AuditError, match="is a directory"):
-        A.read_log(tmp_path)
+        A.audit_file(tmp_path, WordTokenizer())
     bad = _write(tmp_path / "bad.jsonl", ["nope", "{}"])
     with pytest.raises(A.AuditError, match="line 1"):
-        A.read_log(bad)
+        A.audit_file(bad, WordTokenizer())
     assert cli_main(["audit", str(empty)]) == 2
     assert "empty" in capsys.readouterr().err
+    assert cli_main(["audit", str(tmp_path / "missing.jsonl")]) == 2
+    assert "no such file" in capsys.readouterr().err
 
 
 def test_cli_human_and_json(tmp_path, tok, capsys) -> None:
@@ -184,3 +187,126 @@ def test_cli_human_and_json(tmp_path, tok, capsys) -> None:
     assert cli_main(["audit", str(path)]) == 0
     out = capsys.readouterr().out
     assert "Theoretical hit rate" in out and "fix:" in out and "Most frequent divergence at position" in out
+
+
+# ------------------------------------------------------------- hostile and large logs
+
+
+class CharTokenizer:
+    """One token per character: no vocabulary that grows with the log (for memory measurements)."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ord(c) for c in text]
+
+
+def test_each_kind_of_bad_line_is_counted_and_skipped(tmp_path) -> None:
+    good = json.dumps(_chat(BASE, "q")).encode()
+    lines = [
+        good,                                                    # 1
+        b'{"messages": [{"role": "system", "content": "caf\xe9"}]}',  # 2: latin-1 byte, not UTF-8
+        b"{not json",                                            # 3
+        b"[" * 5_000 + b"]" * 5_000,                             # 4: nested past the recursion limit
+        b'{"prompt": "' + b"x" * 30_000 + b'"}',                 # 5: longer than the limit below
+        b"",                                                     # 6: blank, not an error
+        json.dumps({"model": "x"}).encode(),                     # 7
+        json.dumps({"messages": [{"role": "system", "content": "s"}], "cache_salt": 5}).encode(),  # 8
+        good,                                                    # 9
+    ]
+    path = tmp_path / "hostile.jsonl"
+    path.write_bytes(b"\n".join(lines))  # the last line has no newline
+    report = A.audit_file(path, WordTokenizer(), max_line_bytes=20_000)
+    assert report.num_records == 2
+    assert report.num_malformed == 6
+    reasons = {m.line: m.reason for m in report.malformed}
+    assert sorted(reasons) == [2, 3, 4, 5, 7, 8]
+    assert "UTF-8" in reasons[2]
+    assert "invalid JSON" in reasons[3]
+    assert "nested too deeply" in reasons[4]
+    assert "longer than 20000 bytes" in reasons[5]
+    assert "no 'messages' or 'prompt'" in reasons[7]
+    assert "cache_salt" in reasons[8]
+
+
+def test_malformed_list_is_capped_but_every_line_is_counted(tmp_path) -> None:
+    lines = ["{bad"] * 150 + [_chat(BASE)]
+    report = A.audit_file(_write(tmp_path / "many.jsonl", lines), WordTokenizer())
+    assert report.num_malformed == 150 and len(report.malformed) == A.MAX_REPORTED_MALFORMED
+    assert [m.line for m in report.malformed] == list(range(1, 101))
+    assert "and 50 more malformed lines" in A.format_report(report)
+
+
+def test_static_prefix_and_routing_keys_come_from_the_router(tmp_path) -> None:
+    from prefixserve.router.prefix import prefix_hash, routing_key, static_prefix
+
+    dev = {"role": "developer", "content": [{"type": "text", "text": "be"}, {"type": "text", "text": "brief"}]}
+    recs = [
+        {"messages": [{"role": "system", "content": BASE}, dev, {"role": "user", "content": "a"}]},
+        {"messages": [{"role": "system", "content": BASE}, dev, {"role": "user", "content": "b"}],
+         "cache_salt": "tenant-2"},
+        {"messages": [{"role": "user", "content": "no system"}]},
+    ]
+    record = A.parse_record(recs[0], 1)
+    assert record.system == static_prefix(recs[0]["messages"]) == BASE + "\nbe\nbrief"
+    assert record.key == routing_key(recs[0]) == prefix_hash(BASE + "\nbe\nbrief")
+    assert A.parse_record(recs[1], 2).key == prefix_hash(BASE + "\nbe\nbrief", "tenant-2")
+    report = A.audit_file(_write(tmp_path / "keys.jsonl", recs), WordTokenizer())
+    assert report.unique_routing_keys == 2 and report.num_without_routing_key == 1
+    assert "Routing keys (X-Prefix-Hash): 2 distinct; 1 prompt(s) without a static prefix" in A.format_report(report)
+
+
+def _log(path, n: int, pool: int | None) -> str:
+    """``n`` chat records; questions drawn from a pool of ``pool`` (None: every one distinct)."""
+    rng = random.Random(7)
+    with open(path, "w") as f:
+        for i in range(n):
+            q = rng.randrange(pool) if pool else i
+            f.write(json.dumps(_chat(f"Tenant {q % 5}. {BASE}", f"question number {q}")) + "\n")
+    return str(path)
+
+
+def _peak(path: str, **kwargs) -> tuple[int, A.AuditReport]:
+    tracemalloc.start()
+    try:
+        report = A.audit_file(path, CharTokenizer(), prefix_tokens=256, block_size=16, **kwargs)
+        return tracemalloc.get_traced_memory()[1], report
+    finally:
+        tracemalloc.stop()
+
+
+def test_memory_does_not_grow_with_the_number_of_records(tmp_path) -> None:
+    _peak(_log(tmp_path / "warm.jsonl", 100, pool=50))  # one-time costs (imports, regex caches) out of the way
+    small_peak, small = _peak(_log(tmp_path / "2k.jsonl", 2_000, pool=50))
+    large_peak, large = _peak(_log(tmp_path / "20k.jsonl", 20_000, pool=50))
+    assert small.num_records == 2_000 and large.num_records == 20_000
+    assert large.unique_prefixes == small.unique_prefixes == 50 and not large.approximate
+    # Ten times the records, the same distinct prefixes: the same memory (it used to be ten times).
+    assert large_peak < 1.5 * small_peak
+
+
+def test_memory_is_bounded_by_the_limits_when_every_prompt_differs(tmp_path) -> None:
+    # Small enough that the 2k-record log already fills every limit.
+    limits = A.AuditLimits(max_prefixes=200, max_blocks=1_000, max_values=100, max_layouts=100)
+    small_peak, small = _peak(_log(tmp_path / "2k.jsonl", 2_000, pool=None), limits=limits)
+    large_peak, large = _peak(_log(tmp_path / "20k.jsonl", 20_000, pool=None), limits=limits)
+    assert large.approximate and large.unique_prefixes == 20_000  # past the limit each counts as new
+    assert "tracking limit was reached" in A.format_report(large)
+    assert large_peak < 1.5 * small_peak
+
+
+def test_an_overlong_line_is_never_held_whole(tmp_path) -> None:
+    path = tmp_path / "long.jsonl"
+    with open(path, "wb") as f:
+        f.write(json.dumps(_chat(BASE)).encode() + b"\n")
+        f.write(b'{"prompt": "' + b"y" * (24 << 20) + b'"}\n')
+        f.write(json.dumps(_chat(BASE, "again")).encode() + b"\n")
+    peak, report = _peak(str(path), max_line_bytes=1 << 16)
+    assert report.num_records == 2 and [m.line for m in report.malformed] == [2]
+    assert peak < 4 << 20  # the 24 MB line went by in bounded chunks
+
+
+def test_progress_bar_goes_to_stderr(tmp_path, capsys) -> None:
+    path = _log(tmp_path / "p.jsonl", 50, pool=5)
+    records = list(A.iter_log(path, progress=True))
+    assert len(records) == 50
+    captured = capsys.readouterr()
+    assert "audit" in captured.err and captured.out == ""
