@@ -176,7 +176,8 @@ def test_cli_human_and_json(tmp_path, tok, capsys) -> None:
     from prefixserve.loadtest.workloads import VolatileSystemPromptConfig, volatile_system_prompt, write_jsonl
 
     path = tmp_path / "vol.jsonl"
-    write_jsonl(volatile_system_prompt(VolatileSystemPromptConfig(num_requests=30, system_prompt_len=40, deploy_every=10, seed=5)), path)
+    config = VolatileSystemPromptConfig(num_requests=30, system_prompt_len=40, deploy_every=10, seed=5)
+    write_jsonl(volatile_system_prompt(config), path)
     assert cli_main(["audit", str(path), "--json", "--prefix-tokens", "256"]) == 0
     data = json.loads(capsys.readouterr().out)
     kinds = {f["kind"]: f for f in data["volatile"]}
