@@ -2,25 +2,64 @@
 
 SamplingParams is plain data, validated on construction so that every front end
 (offline LLM, HTTP server, Ray ingress) refuses the same bad values with the same
-message. The sampler (torch) lives below it in this module.
+message. Checks that need the model (vocabulary size, ``max_num_seqs``, the
+context length) are the engine's (``LLMEngine.validate``). The sampler (torch)
+lives below it in this module.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 MAX_N = 16
+# Temperatures below this are greedy (vLLM's _SAMPLING_EPS): 1e-45 is a float64 but 0 in
+# float32, and logits / 0 would turn the row into NaN.
+GREEDY_TEMPERATURE = 1e-5
+# torch.Generator.manual_seed takes [0, 2**64 - 1]; child i of an n > 1 request uses
+# (seed + i) mod 2**64 so that any accepted seed is valid for every child.
+SEED_MODULUS = 2**64
+# Stop conditions are checked for every generated token, so their size is bounded. OpenAI
+# allows 4 stop strings; 16 of up to 256 characters is generous for real use and keeps the
+# per-token search (and the text held back from streams, longest stop - 1) small.
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+# OpenAI's logit_bias: at most 300 tokens, each bias in [-100, 100].
+MAX_LOGIT_BIAS_ENTRIES = 300
+LOGIT_BIAS_LIMIT = 100.0
+
+
+def _is_int(value: Any) -> bool:
+    # numbers.Integral admits numpy integers; bool is an int subclass but never a count or id.
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_float(name: str, value: Any, lo: float, hi: float, *, lo_open: bool = False) -> float:
+    """``value`` as a float in [lo, hi] ((lo, hi] with ``lo_open``); NaN and inf are refused."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    number = float(value)
+    interval = f"({lo:g}, {hi:g}]" if lo_open else f"[{lo:g}, {hi:g}]"
+    if not math.isfinite(number) or number > hi or number < lo or (lo_open and number == lo):
+        raise ValueError(f"{name} must be in {interval}, got {number}")
+    return number
 
 
 @dataclass
 class SamplingParams:
     """How to pick the next tokens of one request (vLLM's names and defaults).
 
-    ``temperature == 0`` is greedy. ``top_k`` of None (or -1, as vLLM spells it)
-    keeps every token. ``seed`` makes sampling reproducible per request; with
-    ``n > 1`` child ``i`` uses ``seed + i`` so that it equals a separate request
-    sent with that seed.
+    ``temperature == 0`` is greedy (so is any temperature below 1e-5, which is
+    stored as 0). ``top_k`` of None (or -1, as vLLM spells it) keeps every token.
+    ``seed`` in [0, 2**64 - 1] makes sampling reproducible per request; with
+    ``n > 1`` child ``i`` uses ``(seed + i) mod 2**64`` so that it equals a separate
+    request sent with that seed. ``logit_bias`` maps token ids to a bias in
+    [-100, 100] added to their logits before sampling (OpenAI's semantics; at most
+    300 entries). Stop lists are bounded: at most 16 stop strings of at most 256
+    characters each, at most 64 stop token ids.
     """
 
     n: int = 1
@@ -34,32 +73,69 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.top_k == -1:
             self.top_k = None
-        if not 1 <= self.n <= MAX_N:
-            raise ValueError(f"n must be between 1 and {MAX_N}, got {self.n}")
-        if not 0.0 <= self.temperature <= 2.0:
-            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k must be >= 1 or -1 (disabled), got {self.top_k}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an integer between 1 and {MAX_N}, got {self.n!r}")
+        self.temperature = _check_float("temperature", self.temperature, 0.0, 2.0)
+        if self.temperature < GREEDY_TEMPERATURE:
+            self.temperature = 0.0
+        self.top_p = _check_float("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
+            raise ValueError(f"top_k must be >= 1 or -1 (disabled), got {self.top_k!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < SEED_MODULUS):
+            raise ValueError(f"seed must be an integer in [0, 2**64 - 1], got {self.seed!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
+            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs!r}")
+        self._check_stops()
+        # An empty map is no map: the sampler then skips the bias entirely.
+        self.logit_bias = self._checked_logit_bias(self.logit_bias) if self.logit_bias else None
+
+    def _check_stops(self) -> None:
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError("stop strings must be non-empty strings")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise ValueError(f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters, "
+                                 f"got one of {len(s)}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, "
+                             f"got {len(self.stop_token_ids)}")
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be non-negative integers")
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+
+    @staticmethod
+    def _checked_logit_bias(bias: Any) -> dict[int, float]:
+        if not isinstance(bias, dict):
+            raise ValueError("logit_bias must map token ids to biases")
+        if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"logit_bias may have at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(bias)}")
+        out: dict[int, float] = {}
+        for token, value in bias.items():
+            if not _is_int(token) or token < 0:
+                raise ValueError(f"logit_bias keys must be non-negative token ids, got {token!r}")
+            out[int(token)] = _check_float(f"logit_bias[{token}]", value, -LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT)
+        return out
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def child_seed(self, index: int) -> int | None:
+        """The seed of sequence ``index`` (None when unseeded); always in [0, 2**64 - 1]."""
+        return None if self.seed is None else (self.seed + index) % SEED_MODULUS
 
 
 # --------------------------------------------------------------------------------------
@@ -87,6 +163,9 @@ class SampleResult:
     token_id: int
     # {token_id: logprob} of the top ``params.logprobs`` tokens plus the sampled one.
     logprobs: dict[int, float] | None = None
+    # Set when this row's own work (bias, ban mask, its generator, its logprobs) raised:
+    # the row's request fails alone and ``token_id`` means nothing.
+    error: Exception | None = None
 
 
 def sample(logits: torch.Tensor, specs: list[SampleSpec], shared: torch.Generator) -> list[SampleResult]:
@@ -94,14 +173,24 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec], shared: torch.Generato
 
     Each row depends only on its own logits and generator, never on the rest of the
     batch, so a seeded request samples the same tokens whatever it is batched with.
-    Random rows use the exponential race (argmax of p / Exp(1)), which equals sampling
-    from p and needs one generator call per row.
+    ``logit_bias`` is added first, then banned ids are masked, for greedy and random
+    rows alike. Random rows use the exponential race (argmax of p / Exp(1)), which
+    equals sampling from p and needs one generator call per row.
+
+    Work done for one row alone runs under its own ``try``: a failure there marks that
+    row's result (``SampleResult.error``) instead of failing the whole batch. Only a
+    failure of the batched tensor work raises.
     """
     import torch
 
+    errors: dict[int, Exception] = {}
     for i, spec in enumerate(specs):
-        if spec.banned_ids:
-            logits[i, list(spec.banned_ids)] = float("-inf")
+        if spec.banned_ids or spec.params.logit_bias:
+            try:
+                _adjust_row(logits, i, spec)
+            except Exception as exc:  # noqa: BLE001 - reported on the row
+                errors[i] = exc
+                logits[i] = 0.0  # keeps the batched math finite; the row's token is discarded
     tokens = logits.max(dim=-1).indices  # the first maximum, like argmax, and ~2x faster on CPU
     random_rows = [i for i, s in enumerate(specs) if not s.params.greedy]
     if random_rows:
@@ -118,7 +207,11 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec], shared: torch.Generato
             if gen is None:
                 shared_rows.append(j)
             else:
-                noise[j].exponential_(generator=gen)
+                try:
+                    noise[j].exponential_(generator=gen)
+                except Exception as exc:  # noqa: BLE001 - reported on the row
+                    errors[i] = exc
+                    noise[j] = 1.0
         if shared_rows:
             idx = torch.tensor(shared_rows, dtype=torch.long, device=noise.device)
             noise[idx] = torch.empty(len(shared_rows), probs.shape[1], device=noise.device).exponential_(
@@ -130,12 +223,38 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec], shared: torch.Generato
     if want:
         logprobs = torch.log_softmax(logits[want], dim=-1)
         for j, i in enumerate(want):
-            k = specs[i].params.logprobs
-            top = torch.topk(logprobs[j], k) if k else None
-            entry = {} if top is None else dict(zip(top.indices.tolist(), top.values.tolist()))
-            entry[token_list[i]] = float(logprobs[j, token_list[i]])
-            results[i].logprobs = entry
+            try:
+                results[i].logprobs = _row_logprobs(logprobs[j], specs[i].params.logprobs or 0, token_list[i])
+            except Exception as exc:  # noqa: BLE001 - reported on the row
+                errors[i] = exc
+    for i, error in errors.items():
+        results[i].error = error
     return results
+
+
+def _adjust_row(logits: torch.Tensor, i: int, spec: SampleSpec) -> None:
+    """Add row ``i``'s logit bias, then mask its banned ids (a ban wins over any bias)."""
+    import torch
+
+    row = logits[i]
+    bias = spec.params.logit_bias
+    if bias:
+        ids = torch.tensor(list(bias), dtype=torch.long, device=row.device)
+        row.index_add_(0, ids, torch.tensor(list(bias.values()), dtype=row.dtype, device=row.device))
+    if spec.banned_ids:
+        row[list(spec.banned_ids)] = float("-inf")
+
+
+def _row_logprobs(logprobs: torch.Tensor, k: int, token: int) -> dict[int, float]:
+    """{token_id: logprob} of the top ``k`` tokens of one row plus the sampled ``token``."""
+    import torch
+
+    entry: dict[int, float] = {}
+    if k:
+        top = torch.topk(logprobs, k)
+        entry = dict(zip(top.indices.tolist(), top.values.tolist()))
+    entry[token] = float(logprobs[token])
+    return entry
 
 
 def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
