@@ -13,6 +13,11 @@ goes back to the front of the waiting queue (its full blocks usually remain cach
 so it resumes with prefix hits). No waiting sequence is admitted in a step that
 preempted: the blocks just freed go to the sequences already running.
 
+A waiting sequence that does not fit while nothing runs (every seat, block and token
+of the budget free) can never be admitted: it leaves the queue as ``rejected`` so it
+never blocks the requests behind it. The engine validates requests so that this
+does not happen; the scheduler does not rely on it.
+
 Invariants: a sequence is in exactly one of waiting / running / (finished, in
 neither); for a running sequence ``kv.num_tokens(seq_id) == num_computed_tokens``
 between steps; a scheduled sequence's ``num_computed_tokens`` is advanced when it is
@@ -54,6 +59,8 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # Waiting sequences that can never be admitted, removed from the queue (status FINISHED).
+    rejected: list[Sequence] = field(default_factory=list)
     # Copy-on-write block copies (src, dst) to apply before the forward pass.
     copy_ops: list[tuple[int, int]] = field(default_factory=list)
 
@@ -64,6 +71,12 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    @property
+    def changed_state(self) -> bool:
+        """Whether this plan did anything (scheduled, preempted or rejected): if not, the
+        next schedule is the same until a request arrives or leaves."""
+        return bool(self.scheduled or self.preempted or self.rejected)
 
 
 class Scheduler:
@@ -77,6 +90,11 @@ class Scheduler:
     # --- queue changes -----------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
+        """Queue a new sequence; ValueError if its request needs more seats than max_num_seqs."""
+        width = seq.request.params.n if seq.awaits_fork else 1
+        if width > self.config.max_num_seqs:
+            raise ValueError(f"the request needs {width} sequences at once but max_num_seqs is "
+                             f"{self.config.max_num_seqs}")
         seq.status = SeqStatus.WAITING
         self.waiting.append(seq)
 
@@ -154,17 +172,22 @@ class Scheduler:
             seq = self.waiting[0]
             # The parent of an n > 1 request brings its children after the prefill.
             width = seq.request.params.n if seq.awaits_fork else 1
-            if len(self.running) + width > self.config.max_num_seqs:
-                break
-            salt = seq.request.cache_salt
-            blocks, num_cached = kv.get_computed_blocks(seq.token_ids, salt)
-            remaining = seq.num_tokens - num_cached
-            n = min(remaining, budget)
-            if n < remaining and not self.config.enable_chunked_prefill:
-                break
-            table = kv.allocate_slots(seq.seq_id, seq.token_ids, n, blocks, salt)
+            table = None
+            if len(self.running) + width <= self.config.max_num_seqs:
+                salt = seq.request.cache_salt
+                blocks, num_cached = kv.get_computed_blocks(seq.token_ids, salt)
+                remaining = seq.num_tokens - num_cached
+                n = min(remaining, budget)
+                if n == remaining or self.config.enable_chunked_prefill:
+                    table = kv.allocate_slots(seq.seq_id, seq.token_ids, n, blocks, salt)
             if table is None:
-                break
+                if self.running:
+                    break  # it waits for room (first come, first served)
+                # Nothing runs, so nothing will free room for it: it can never be admitted.
+                self.waiting.popleft()
+                seq.status = SeqStatus.FINISHED
+                out.rejected.append(seq)
+                continue
             self.waiting.popleft()
             self.running.append(seq)
             seq.status = SeqStatus.RUNNING

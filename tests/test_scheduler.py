@@ -1,9 +1,12 @@
 """Scheduler unit tests with a fake (pure Python) step: budgets, chunking, prefix hits,
-preemption order, and a randomized run that checks the KV invariants after every step."""
+preemption order, sequences that can never run leaving the queue, and a randomized run
+that checks the KV invariants after every step."""
 
 from __future__ import annotations
 
 import random
+
+import pytest
 
 from prefixserve.replica.kv.manager import KVCacheManager
 from prefixserve.replica.request import Request, Sequence, SeqStatus
@@ -11,8 +14,8 @@ from prefixserve.replica.sampling import SamplingParams
 from prefixserve.replica.scheduler import Scheduler, SchedulerConfig
 
 
-def make_seq(rid: str, prompt: list[int], max_tokens: int = 4) -> Sequence:
-    req = Request(rid, list(prompt), SamplingParams(temperature=0.0, max_tokens=max_tokens), None, 0.0)
+def make_seq(rid: str, prompt: list[int], max_tokens: int = 4, n: int = 1) -> Sequence:
+    req = Request(rid, list(prompt), SamplingParams(n=n, temperature=0.0, max_tokens=max_tokens), None, 0.0)
     seq = Sequence(rid, req, 0, list(prompt), len(prompt))
     req.seqs.append(seq)
     return seq
@@ -130,3 +133,41 @@ def test_randomized_run_keeps_invariants_and_frees_everything():
     assert len(done) == 40 and all(s.num_output_tokens == s.request.params.max_tokens for s in done)
     assert kv.usage == 0.0 and kv.num_requests == 0
     assert kv.stats.prefix_hit_tokens > 0
+
+
+def test_a_sequence_that_can_never_run_leaves_the_queue_and_blocks_nobody():
+    kv = KVCacheManager(4, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=100), kv)
+    with pytest.raises(ValueError, match="needs 5 sequences at once but max_num_seqs is 4"):
+        sched.add(make_seq("wide", [1, 2, 3], n=5))
+    assert sched.num_waiting == 0
+    huge, small, after = make_seq("huge", list(range(20))), make_seq("small", [7, 8]), make_seq("after", [9])
+    for s in (huge, small):
+        sched.add(s)
+    out = sched.schedule()
+    # 20 tokens need 5 blocks of a 4-block pool: rejected at once, and "small" runs in the same step.
+    assert out.rejected == [huge] and huge.status is SeqStatus.FINISHED
+    assert [s.seq.seq_id for s in out.scheduled] == ["small"] and out.changed_state
+    sched.add(after)
+    while sched.has_unfinished():
+        fake_step(sched, sched.schedule())
+    assert small.num_output_tokens == after.num_output_tokens == 4
+    assert kv.num_free_blocks == 4
+    out = sched.schedule()
+    assert out.is_empty and not out.changed_state  # nothing to do: the engine waits instead of stepping
+
+
+def test_a_waiting_sequence_that_fits_later_waits_its_turn():
+    kv = KVCacheManager(4, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=100), kv)
+    a, b = make_seq("a", list(range(12)), max_tokens=2), make_seq("b", list(range(50, 58)), max_tokens=2)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    # b does not fit beside a (3 + 2 blocks of 4) but will once a finishes: it waits, not rejected.
+    assert [s.seq.seq_id for s in out.scheduled] == ["a"] and not out.rejected
+    while sched.has_unfinished():
+        out = sched.schedule()
+        assert not out.rejected
+        fake_step(sched, out)
+    assert b.num_output_tokens == 2
