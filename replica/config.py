@@ -57,6 +57,11 @@ class EngineConfig:
     # Bound on queued (not yet running) requests; beyond it add_request raises
     # EngineOverloadedError. None = unbounded.
     max_waiting_requests: int | None = 1024
+    # After a fatal engine failure (model forward, KV invariants) in-flight requests fail and
+    # the engine state is rebuilt around the loaded weights, at most this many times within
+    # engine_restart_window_s; one more failure stops the engine for good (health checks fail).
+    max_engine_restarts: int = 3
+    engine_restart_window_s: float = 60.0
     # "auto" = float32 on CPU, the checkpoint's dtype (bf16 if fp32) on CUDA.
     dtype: str = "auto"
     seed: int = 0
@@ -99,6 +104,10 @@ class EngineConfig:
                 f">= max_model_len ({self.max_model_len}): raise it, lower max_model_len or enable chunked prefill")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be at least 1 (or None), got {self.max_waiting_requests}")
+        if self.max_engine_restarts < 0:
+            raise ValueError(f"max_engine_restarts must be >= 0, got {self.max_engine_restarts}")
+        if not self.engine_restart_window_s > 0:
+            raise ValueError(f"engine_restart_window_s must be positive, got {self.engine_restart_window_s}")
         if self.swap_space_gb < 0:
             raise ValueError(f"swap_space_gb must be >= 0, got {self.swap_space_gb}")
         if self.tensor_parallel_size < 1:

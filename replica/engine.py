@@ -5,38 +5,53 @@ requests, asks the Scheduler for a plan, has the ModelRunner run it, then append
 sampled tokens, detokenizes incrementally, applies stop conditions, forks the
 children of ``n > 1`` requests after their prompt's prefill, and reports updates.
 
+Fault isolation: work done for one request (its sampling spec, its fork, its row of
+the sampler, its tokens, text and stop checks) runs under a per-request ``try``; a
+failure there fails that request alone (``EngineUpdate.error``: ``RequestRejected``
+when the request is at fault, else ``RequestFailedError``) and frees its blocks.
+Anything else escaping ``step()`` (the scheduler, the model forward, the KV pool) may
+have corrupted shared state and is fatal to the engine's state; ``reset()`` rebuilds
+it around the loaded weights.
+
 AsyncEngine runs an LLMEngine on a dedicated thread (the model runs off the event
 loop, so an HTTP server on that loop stays responsive). Requests and aborts reach
-the thread through a command queue; deltas come back through per-request asyncio
-queues (``call_soon_threadsafe``). When a consumer stops iterating, its request is
-aborted and its blocks freed.
+the thread as command objects (``AddRequest``, ``AbortRequest``) through a queue;
+deltas come back through per-request asyncio queues (``call_soon_threadsafe``).
+When a consumer stops iterating, its request is aborted and its blocks freed. On a
+fatal failure every in-flight request gets ``EngineDeadError`` and the engine is
+reset and serves again, at most ``max_engine_restarts`` times within
+``engine_restart_window_s``; past that the loop stops and ``is_running`` is False.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import threading
 import time
 import uuid
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import torch
 
 from prefixserve.replica.config import MAX_MODEL_LEN_CAP, EngineConfig
 from prefixserve.replica.detokenizer import IncrementalDetokenizer
-from prefixserve.replica.errors import EngineDeadError, EngineOverloadedError, PromptTooLongError, RequestRejected
+from prefixserve.replica.errors import (EngineDeadError, EngineOverloadedError, PromptTooLongError, RequestFailedError,
+                                        RequestRejected)
 from prefixserve.replica.kv.manager import KVCacheManager
 from prefixserve.replica.metrics import EngineMetrics, EngineStats
 from prefixserve.replica.model import loader
 from prefixserve.replica.model.llama import ModelConfig
 from prefixserve.replica.model_runner import ModelRunner
-from prefixserve.replica.outputs import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, CompletionOutput, RequestOutput, StreamDelta
+from prefixserve.replica.outputs import CompletionOutput, FinishReason, RequestOutput, StreamDelta
 from prefixserve.replica.request import Request, Sequence
 from prefixserve.replica.sampling import SampleSpec, SamplingParams
 from prefixserve.replica.scheduler import Scheduler, SchedulerConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -47,9 +62,19 @@ class EngineUpdate:
     deltas: list[StreamDelta]
     # Set when the request finished in this step.
     output: RequestOutput | None = None
+    # Set when the request failed in this step (it is gone from the engine, its blocks freed).
+    error: Exception | None = None
 
 
 class LLMEngine:
+    """One engine replica's state, stepped by its caller (``LLM``, ``AsyncEngine``).
+
+    ``fault_hook`` is a test seam for chaos tests: when set, it is called with each
+    request during that request's post-processing in ``step()`` (inside the
+    per-request fault isolation); whatever it raises fails that request alone. It is
+    None in production.
+    """
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         src = loader.resolve(config.model)
@@ -57,20 +82,45 @@ class LLMEngine:
         self.model_config = ModelConfig.from_hf(hf_config)
         self.max_model_len = self._resolve_max_model_len()
         self.tokenizer = loader.load_tokenizer(src)
+        self.max_prompt_chars = _max_prompt_chars(self.tokenizer, self.max_model_len)
         self.runner = ModelRunner(config, self.model_config, loader.iter_weights(src),
                                   max_model_len=self.max_model_len,
                                   checkpoint_dtype=getattr(hf_config, "dtype", None))
-        self.kv_manager = KVCacheManager(self.runner.num_blocks, config.block_size,
-                                         config.enable_prefix_caching, config.prefix_hash_algo)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   config.enable_chunked_prefill), self.kv_manager)
         self.metrics = EngineMetrics(config.model_name)
         eos = set(self.model_config.eos_token_ids) | set(loader.generation_eos_ids(src))
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self.fault_hook: Callable[[Request], None] | None = None
+        # Prefix queries, hits and preemptions of the states dropped by reset(): metrics are
+        # cumulative since start, so a fresh KV manager and scheduler continue from here.
+        self._carried = (0, 0, 0)
+        self._new_state()
+
+    def _new_state(self) -> None:
+        """Fresh request bookkeeping, KV manager and scheduler over the runner's cache."""
+        config = self.config
+        self.kv_manager = KVCacheManager(self.runner.num_blocks, config.block_size,
+                                         config.enable_prefix_caching, config.prefix_hash_algo)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                                   config.enable_chunked_prefill), self.kv_manager)
+        self.requests: dict[str, Request] = {}
+        # True when the last step changed nothing: stepping again is pointless until a
+        # request arrives or leaves (AsyncEngine then waits instead of spinning).
+        self.stalled = False
+
+    def reset(self) -> None:
+        """Drop every request and rebuild the KV manager and scheduler, keeping the weights.
+
+        For after a fatal step failure. The cache tensors are zeroed as well: a forward
+        that failed midway may have left NaN there, which masked reads could pick up.
+        """
+        self._carried = self._totals()
+        self._new_state()
+        self.runner.k_cache.zero_()
+        self.runner.v_cache.zero_()
+        self._observe_step(0, 0)
 
     def _resolve_max_model_len(self) -> int:
         m, asked = self.model_config, self.config.max_model_len
@@ -96,8 +146,16 @@ class LLMEngine:
 
     # --- requests ------------------------------------------------------------
 
+    def check_prompt_text(self, prompt: str) -> None:
+        """Refuse (PromptTooLongError) a text prompt too long to fit, without tokenizing it."""
+        if self.max_prompt_chars is not None and len(prompt) > self.max_prompt_chars:
+            raise PromptTooLongError(
+                f"the prompt has {len(prompt)} characters, more than any prompt that fits this model's "
+                f"maximum context length of {self.max_model_len} tokens can have: shorten it")
+
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
+            self.check_prompt_text(prompt)
             return list(self.tokenizer(prompt).input_ids)
         return [int(t) for t in prompt]
 
@@ -108,18 +166,30 @@ class LLMEngine:
         return list(ids)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise RequestRejected / PromptTooLongError for a request that can never be served."""
+        """Raise RequestRejected / PromptTooLongError for a request that can never be served.
+
+        Everything that reaches the engine loop is checked here, before it is queued:
+        what SamplingParams cannot check alone (the vocabulary, max_num_seqs, the
+        context length and the KV cache size).
+        """
         if not prompt_ids:
             raise RequestRejected("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-            raise RequestRejected(f"prompt token ids must be in [0, {vocab})")
         total = len(prompt_ids) + params.max_tokens
         if total > self.max_model_len:
             raise PromptTooLongError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
                 f"{len(prompt_ids)} tokens and max_tokens is {params.max_tokens}: shorten the prompt or "
                 f"lower max_tokens")
+        vocab = self.model_config.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise RequestRejected(f"prompt token ids must be in [0, {vocab})")
+        if params.stop_token_ids and max(params.stop_token_ids) >= vocab:
+            raise RequestRejected(f"stop_token_ids must be in [0, {vocab})")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise RequestRejected(f"logit_bias keys must be token ids in [0, {vocab})")
+        if params.n > self.config.max_num_seqs:
+            raise RequestRejected(f"n is {params.n} but this engine runs at most max_num_seqs="
+                                  f"{self.config.max_num_seqs} sequences at once: lower n")
         blocks = -(-total // self.config.block_size)
         if blocks > self.kv_manager.num_blocks:
             raise PromptTooLongError(
@@ -127,10 +197,12 @@ class LLMEngine:
                 f"shorten it or give the engine more KV memory")
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
-                    cache_salt: str | None = None, arrival_time: float | None = None) -> Request:
+                    cache_salt: str | None = None, arrival_time: float | None = None, *,
+                    prompt_text: str | None = None) -> Request:
+        """Validate and queue a request; ``prompt_text`` is reported back when ``prompt`` is token ids."""
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise RequestRejected(f"request id {request_id!r} is already in use")
         ids = self.tokenize(prompt)
         self.validate(ids, params)
         bound = self.config.max_waiting_requests
@@ -138,22 +210,25 @@ class LLMEngine:
             raise EngineOverloadedError(f"{self.scheduler.num_waiting} requests are already waiting "
                                         f"(max_waiting_requests={bound}); retry later")
         req = Request(request_id, ids, params, cache_salt, arrival_time or time.monotonic(),
-                      prompt=prompt if isinstance(prompt, str) else None)
+                      prompt=prompt if isinstance(prompt, str) else prompt_text)
         seq = self._new_sequence(req, 0)
-        self.requests[request_id] = req
         self.scheduler.add(seq)
+        req.seqs.append(seq)
+        self.requests[request_id] = req
+        self.stalled = False
         return req
 
-    def _new_sequence(self, req: Request, index: int, token_ids: list[int] | None = None) -> Sequence:
+    def _new_sequence(self, req: Request, index: int) -> Sequence:
+        """Sequence ``index`` of ``req`` (not yet in ``req.seqs``: the caller adds it once it is scheduled)."""
         seq_id = req.request_id if index == 0 else f"{req.request_id}#{index}"
-        seq = Sequence(seq_id, req, index, list(token_ids or req.prompt_token_ids), len(req.prompt_token_ids))
-        if req.params.seed is not None:
+        seq = Sequence(seq_id, req, index, list(req.prompt_token_ids), len(req.prompt_token_ids))
+        seed = req.params.child_seed(index)
+        if seed is not None:
             seq.generator = torch.Generator(device=self.runner.device)
-            seq.generator.manual_seed(req.params.seed + index)
+            seq.generator.manual_seed(seed)
         seq.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids)
         if req.params.logprobs is not None:
             seq.logprobs = []
-        req.seqs.append(seq)
         return seq
 
     def abort_request(self, request_id: str) -> bool:
@@ -161,13 +236,18 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return False
-        for seq in req.seqs:
-            if not seq.is_finished:
-                seq.finish_reason = FINISH_ABORT
-                self.scheduler.finish(seq)
+        self._release(req)
+        self.stalled = False
         # The loop may go idle now: refresh the gauges (running, KV usage) here.
         self._observe_step(0, 0)
         return True
+
+    def _release(self, req: Request) -> None:
+        """Finish (as aborted) every unfinished sequence of a request and free its blocks."""
+        for seq in req.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = FinishReason.ABORT
+                self.scheduler.finish(seq)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -175,40 +255,105 @@ class LLMEngine:
     # --- one step --------------------------------------------------------------
 
     def step(self) -> list[EngineUpdate]:
+        """Schedule, run the model, post-process; one update per request touched.
+
+        A failure in one request's own work fails that request (an update with
+        ``error``); an exception escaping this method is fatal (see ``reset``).
+        """
         plan = self.scheduler.schedule()
+        self.stalled = not plan.changed_state
+        failed: dict[str, tuple[Request, Exception]] = {}
+        for seq in plan.rejected:
+            failed[seq.request.request_id] = (seq.request, RequestRejected(
+                "the request can never be scheduled: it needs more sequences, KV blocks or batched tokens "
+                "than this engine has"))
         if plan.is_empty:
             self._observe_step(0, 0)
-            return []
+            return self._fail_all(failed)
         specs: list[tuple[int, SampleSpec]] = []
         owners: list[Sequence] = []
         forks: list[tuple[Sequence, list[Sequence]]] = []
         for i, s in enumerate(plan.scheduled):
             if not s.samples:
                 continue
-            family = [s.seq]
-            if s.seq.awaits_fork:
-                children = [self._new_sequence(s.seq.request, k) for k in range(1, s.seq.request.params.n)]
-                s.seq.request.forked = True
-                forks.append((s.seq, children))
-                family += children
-            for seq in family:
-                specs.append((i, SampleSpec(seq.request.params, seq.generator, self._banned(seq))))
-                owners.append(seq)
+            req = s.seq.request
+            try:
+                family = [s.seq]
+                if s.seq.awaits_fork:
+                    family += [self._new_sequence(req, k) for k in range(1, req.params.n)]
+                family_specs = [SampleSpec(req.params, seq.generator, self._banned(seq)) for seq in family]
+            except Exception as exc:  # noqa: BLE001 - this request fails alone
+                failed[req.request_id] = (req, self._request_error(req, exc))
+                continue
+            if len(family) > 1:
+                forks.append((s.seq, family[1:]))
+            specs += ((i, spec) for spec in family_specs)
+            owners += family
         results = self.runner.execute(plan.scheduled, plan.copy_ops, specs)
-        # Children share every prompt block; the next allocation copies the partial one.
         for parent, children in forks:
-            for child in children:
-                self.kv_manager.fork(parent.seq_id, child.seq_id)
-                child.num_computed_tokens = parent.num_computed_tokens
-            self.scheduler.add_forked(parent, children)
+            try:
+                self._fork(parent, children)
+            except Exception as exc:  # noqa: BLE001 - this request fails alone
+                for child in children:
+                    self.kv_manager.free(child.seq_id)
+                failed[parent.request.request_id] = (parent.request, self._request_error(parent.request, exc))
         now = time.monotonic()
         touched: dict[str, Request] = {}
         for seq, result in zip(owners, results):
-            self._append_token(seq, result.token_id, result.logprobs, now)
-            touched[seq.request.request_id] = seq.request
-        updates = [self._update(req, now) for req in touched.values()]
+            req = seq.request
+            rid = req.request_id
+            if rid in failed:
+                continue
+            try:
+                if result.error is not None:
+                    raise result.error
+                self._append_token(seq, result.token_id, result.logprobs, now)
+            except Exception as exc:  # noqa: BLE001 - this request fails alone
+                failed[rid] = (req, self._request_error(req, exc))
+                continue
+            touched[rid] = req
+        updates = []
+        hook = self.fault_hook
+        for rid, req in touched.items():
+            if rid in failed:
+                continue
+            try:
+                if hook is not None:
+                    hook(req)
+                updates.append(self._update(req, now))
+            except Exception as exc:  # noqa: BLE001 - this request fails alone
+                failed[rid] = (req, self._request_error(req, exc))
         num_prompt = sum(s.num_new_tokens for s in plan.scheduled if s.start < s.seq.num_prompt_tokens)
         self._observe_step(num_prompt, len(owners))
+        return updates + self._fail_all(failed)
+
+    def _fork(self, parent: Sequence, children: list[Sequence]) -> None:
+        """Give the children of an n > 1 request their parent's blocks and start them running."""
+        # Children share every prompt block; the next allocation copies the partial one.
+        for child in children:
+            self.kv_manager.fork(parent.seq_id, child.seq_id)
+            child.num_computed_tokens = parent.num_computed_tokens
+        self.scheduler.add_forked(parent, children)
+        parent.request.seqs += children
+        parent.request.forked = True
+
+    def _request_error(self, req: Request, exc: Exception) -> Exception:
+        """What the consumer of a request that failed inside the step gets."""
+        if isinstance(exc, RequestRejected):
+            return exc
+        log.error("request %s failed inside the engine; the engine keeps serving", req.request_id, exc_info=exc)
+        error = RequestFailedError(f"the engine failed while serving request {req.request_id} "
+                                   f"({type(exc).__name__}); other requests are unaffected, retry it")
+        error.__cause__ = exc
+        return error
+
+    def _fail_all(self, failed: dict[str, tuple[Request, Exception]]) -> list[EngineUpdate]:
+        """Remove failed requests, free their blocks, and report each one's error."""
+        updates = []
+        for rid, (req, error) in failed.items():
+            self.requests.pop(rid, None)
+            self._release(req)
+            updates.append(EngineUpdate(rid, [], error=error))
         return updates
 
     def _banned(self, seq: Sequence) -> tuple[int, ...]:
@@ -230,16 +375,16 @@ class LLMEngine:
         if seq.logprobs is not None and logprobs is not None:
             seq.logprobs.append(logprobs)
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            self._finish(seq, FINISH_STOP)
+            self._finish(seq, FinishReason.STOP)
             return
         delta = seq.detok.add(token)
         if delta:
             seq.text += delta
             if p.stop and self._truncate_at_stop(seq, len(delta)):
-                self._finish(seq, FINISH_STOP)
+                self._finish(seq, FinishReason.STOP)
                 return
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            self._finish(seq, FINISH_LENGTH)
+            self._finish(seq, FinishReason.LENGTH)
 
     @staticmethod
     def _truncate_at_stop(seq: Sequence, delta_len: int) -> bool:
@@ -252,7 +397,7 @@ class LLMEngine:
         seq.text = seq.text[:min(hits)]
         return True
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.finish_reason = reason
         self.scheduler.finish(seq)
 
@@ -272,44 +417,98 @@ class LLMEngine:
             ids = seq.output_token_ids[seq.num_emitted_tokens:]
             seq.num_emitted_tokens = seq.num_output_tokens
             lps = seq.logprobs[-len(ids):] if seq.logprobs is not None and ids else None
-            deltas.append(StreamDelta(req.request_id, seq.index, text, ids, seq.finish_reason,
-                                      len(req.prompt_token_ids), cached, num_output, lps))
+            deltas.append(StreamDelta(request_id=req.request_id, index=seq.index, text=text, token_ids=ids,
+                                      finish_reason=seq.finish_reason, num_prompt_tokens=len(req.prompt_token_ids),
+                                      num_cached_tokens=cached, num_output_tokens=num_output, logprobs=lps))
         output = None
         if req.finished:
             req.finished_time = now
+            output = self.request_output(req)
             self.metrics.observe_finished(now - req.arrival_time)
             self.requests.pop(req.request_id, None)
-            output = self.request_output(req)
         return EngineUpdate(req.request_id, deltas, output)
 
     def request_output(self, req: Request) -> RequestOutput:
-        outs = [CompletionOutput(s.index, s.text, s.output_token_ids, s.finish_reason, s.logprobs)
+        outs = [CompletionOutput(index=s.index, text=s.text, token_ids=s.output_token_ids,
+                                 finish_reason=s.finish_reason, logprobs=s.logprobs)
                 for s in sorted(req.seqs, key=lambda s: s.index)]
         ttft = None if req.first_token_time is None else req.first_token_time - req.arrival_time
         e2e = None if req.finished_time is None else req.finished_time - req.arrival_time
-        return RequestOutput(req.request_id, req.prompt_token_ids, outs, req.num_cached_tokens or 0, ttft, e2e,
-                             req.prompt)
+        return RequestOutput(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, outputs=outs,
+                             num_cached_tokens=req.num_cached_tokens or 0, ttft_s=ttft, e2e_s=e2e,
+                             prompt=req.prompt)
 
     # --- observability ------------------------------------------------------------
 
-    def _observe_step(self, num_prompt_tokens: int, num_generated: int) -> None:
+    def _totals(self) -> tuple[int, int, int]:
+        """Prefix-cache query and hit tokens and preemptions since the engine started."""
         st = self.kv_manager.stats
+        queries, hits, preemptions = self._carried
+        return (queries + st.prefix_query_tokens, hits + st.prefix_hit_tokens,
+                preemptions + self.scheduler.num_preemptions)
+
+    def _observe_step(self, num_prompt_tokens: int, num_generated: int) -> None:
+        queries, hits, preemptions = self._totals()
         self.metrics.observe_step(num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
-                                  kv_usage=st.usage, prefix_queries=st.prefix_query_tokens,
-                                  prefix_hits=st.prefix_hit_tokens, num_preemptions=self.scheduler.num_preemptions,
-                                  num_prompt_tokens=num_prompt_tokens, num_generation_tokens=num_generated)
+                                  kv_usage=self.kv_manager.usage, prefix_queries=queries, prefix_hits=hits,
+                                  num_preemptions=preemptions, num_prompt_tokens=num_prompt_tokens,
+                                  num_generation_tokens=num_generated)
 
     def stats(self) -> EngineStats:
-        st = self.kv_manager.stats
+        queries, hits, preemptions = self._totals()
         return EngineStats(num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
-                           kv_usage=st.usage, prefix_cache_hit_rate=st.hit_rate,
-                           prefix_cache_queries=st.prefix_query_tokens, prefix_cache_hits=st.prefix_hit_tokens,
-                           num_preemptions=self.scheduler.num_preemptions, num_kv_blocks=st.num_blocks)
+                           kv_usage=self.kv_manager.usage, prefix_cache_hit_rate=hits / queries if queries else 0.0,
+                           prefix_cache_queries=queries, prefix_cache_hits=hits, num_preemptions=preemptions,
+                           num_kv_blocks=self.kv_manager.num_blocks)
+
+
+def _max_prompt_chars(tokenizer: Any, max_model_len: int) -> int | None:
+    """Characters above which a text prompt cannot fit in ``max_model_len`` tokens; None if unknown.
+
+    Without a normalizer, a tokenizer's tokens spell out the text they cover: one vocab
+    string per token (byte-level BPE writes one character per byte, SentencePiece one
+    per character, and a special token in the text is its own vocab string), and a
+    character is at least one byte. So a text of C characters has at least
+    C / (longest vocab string) tokens, and a prompt longer than
+    ``max_model_len * longest`` characters can never fit. A normalizer may shrink the
+    text (Unicode composition, whitespace folding), which breaks the bound: then
+    there is none and such prompts are only refused once tokenized.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.normalizer is not None:
+        return None
+    longest = max((len(t) for t in tokenizer.get_vocab()), default=0)
+    return max_model_len * longest if longest else None
 
 
 # ----------------------------------------------------------------------------------------
 
 _DONE = object()
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    """Command to the engine thread: start a request (already tokenized and validated)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None
+    arrival_time: float
+    # The text prompt, reported back in the RequestOutput; None for token-id prompts.
+    prompt_text: str | None = None
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """Command to the engine thread: abort a request and free its blocks."""
+
+    request_id: str
+    # Resolved with whether the request was found, once its blocks are freed.
+    reply: asyncio.Future[bool] | None = None
+
+
+Command = AddRequest | AbortRequest
 
 
 @dataclass
@@ -324,13 +523,15 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig, engine: LLMEngine | None = None) -> None:
         self.config = config
         self.engine = engine or LLMEngine(config)
-        self._commands: deque[tuple] = deque()
+        self._commands: deque[Command] = deque()
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._pending_adds = 0
         self._stopping = False
         self._dead: BaseException | None = None
+        self._restart_times: deque[float] = deque()
+        self.num_restarts = 0
         self._thread = threading.Thread(target=self._run, name="prefixserve-engine", daemon=True)
         self._thread.start()
 
@@ -356,7 +557,19 @@ class AsyncEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._dead is None and not self._stopping
+        """Whether the engine serves requests: False once shut down or dead for good.
+
+        True while it restarts after a fatal failure (it serves again right after).
+        """
+        return self._dead is None and not self._stopping and self._thread.is_alive()
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError unless the engine serves requests (see ``is_running``)."""
+        if not self.is_running:
+            cause = "it was shut down" if self._dead is None else (
+                f"it failed more often than max_engine_restarts={self.config.max_engine_restarts} within "
+                f"{self.config.engine_restart_window_s:g} s (last failure: {type(self._dead).__name__})")
+            raise EngineDeadError(f"the engine loop is not running: {cause}")
 
     def encode_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
         return self.engine.encode_chat(messages, **template_kwargs)
@@ -371,14 +584,21 @@ class AsyncEngine:
         """Stream the deltas of one request.
 
         Raises PromptTooLongError / RequestRejected / EngineOverloadedError /
-        EngineDeadError before the first delta. Leaving the iteration early (aclose,
-        cancellation, a disconnected client) aborts the request.
+        EngineDeadError before the first delta. Later, the stream raises
+        RequestFailedError / RequestRejected when this request failed inside the
+        engine (others are unaffected), or EngineDeadError when the engine failed as a
+        whole. Leaving the iteration early (aclose, cancellation, a disconnected
+        client) aborts the request.
         """
-        if not self.is_running:
-            raise EngineDeadError(f"the engine loop is not running ({self._dead!r})")
+        self.check_health()
         request_id = request_id or uuid.uuid4().hex
         arrival = time.monotonic()
-        ids = self.engine.tokenize(prompt)
+        if isinstance(prompt, str):
+            self.engine.check_prompt_text(prompt)  # cheap: no thread for what cannot fit
+            # Tokenizing a long text takes milliseconds: not on the event loop.
+            ids = await asyncio.to_thread(self.engine.tokenize, prompt)
+        else:
+            ids = self.engine.tokenize(prompt)
         self.engine.validate(ids, params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         bound = self.config.max_waiting_requests
@@ -389,8 +609,9 @@ class AsyncEngine:
                 raise EngineOverloadedError(f"the waiting queue is full (max_waiting_requests={bound}); retry later")
             self._streams[request_id] = stream
             self._pending_adds += 1
-            text = prompt if isinstance(prompt, str) else None
-            self._commands.append(("add", request_id, ids, params, cache_salt, arrival, text))
+            self._commands.append(AddRequest(request_id=request_id, prompt_token_ids=ids, params=params,
+                                             cache_salt=cache_salt, arrival_time=arrival,
+                                             prompt_text=prompt if isinstance(prompt, str) else None))
         self._wake.set()
         done = False
         try:
@@ -408,14 +629,14 @@ class AsyncEngine:
             with self._lock:
                 self._streams.pop(request_id, None)
                 if not done:
-                    self._commands.append(("abort", request_id, None))
+                    self._commands.append(AbortRequest(request_id))
             self._wake.set()
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request; returns once the engine thread has freed its blocks."""
-        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         with self._lock:
-            self._commands.append(("abort", request_id, (fut.get_loop(), fut)))
+            self._commands.append(AbortRequest(request_id, reply=fut))
         self._wake.set()
         return await fut
 
@@ -427,21 +648,60 @@ class AsyncEngine:
     # --- the engine thread ------------------------------------------------------
 
     def _run(self) -> None:
+        error = EngineDeadError("the engine was shut down")
         try:
-            while not self._stopping:
-                self._apply_commands()
-                if not self.engine.has_unfinished_requests():
-                    self._wake.wait()
-                    self._wake.clear()
-                    continue
-                self._dispatch(self.engine.step())
-            error: BaseException = EngineDeadError("the engine was shut down")
-        except BaseException as exc:  # the loop must report any failure to every waiting stream
+            while True:
+                try:
+                    self._serve()
+                    break  # shut down
+                except Exception as exc:  # noqa: BLE001 - a fatal step failure: restart or die
+                    log.error("the engine loop failed", exc_info=exc)
+                    if not self._may_restart():
+                        self._dead = exc
+                        error = EngineDeadError(f"the engine loop failed ({type(exc).__name__}) and restarted "
+                                                f"too often: it is stopped")
+                        break
+                    self._fail_in_flight(EngineDeadError(
+                        f"the engine failed ({type(exc).__name__}) and restarted; retry the request"))
+                    self.engine.reset()
+                    self.num_restarts += 1
+                    log.warning("engine state reset after a failure (restart %d)", self.num_restarts)
+        except BaseException as exc:  # a failed reset, or KeyboardInterrupt/SystemExit: no restart
             self._dead = exc
-            error = EngineDeadError(f"the engine loop failed: {exc!r}")
+            error = EngineDeadError(f"the engine loop failed ({type(exc).__name__}): it is stopped")
         with self._lock:
             streams = list(self._streams.values())
             self._streams.clear()
+        for s in streams:
+            self._post(s, error)
+
+    def _serve(self) -> None:
+        """Apply commands and step until shut down; raises on a fatal failure."""
+        engine = self.engine
+        while not self._stopping:
+            self._apply_commands()
+            if not engine.has_unfinished_requests() or engine.stalled:
+                # Idle, or nothing can progress until a request arrives or leaves: wait for one.
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            self._dispatch(engine.step())
+
+    def _may_restart(self) -> bool:
+        """Record a restart unless max_engine_restarts were already spent within the window."""
+        now = time.monotonic()
+        window = self.config.engine_restart_window_s
+        while self._restart_times and now - self._restart_times[0] > window:
+            self._restart_times.popleft()
+        if len(self._restart_times) >= self.config.max_engine_restarts:
+            return False
+        self._restart_times.append(now)
+        return True
+
+    def _fail_in_flight(self, error: EngineDeadError) -> None:
+        """Fail the streams of every request the engine holds; queued commands survive the reset."""
+        with self._lock:
+            streams = [self._streams.pop(rid) for rid in self.engine.requests if rid in self._streams]
         for s in streams:
             self._post(s, error)
 
@@ -449,24 +709,25 @@ class AsyncEngine:
         with self._lock:
             commands, self._commands = self._commands, deque()
         for cmd in commands:
-            if cmd[0] == "add":
-                _, rid, ids, params, salt, arrival, text = cmd
-                with self._lock:
-                    self._pending_adds -= 1
-                    stream = self._streams.get(rid)
-                if stream is None:  # the consumer left before the request started
-                    continue
-                try:
-                    req = self.engine.add_request(rid, ids, params, salt, arrival)
-                    req.prompt = text
-                except Exception as exc:  # noqa: BLE001 - handed to the consumer
-                    self._post(stream, exc)
+            if isinstance(cmd, AddRequest):
+                self._add(cmd)
             else:
-                _, rid, reply = cmd
-                found = self.engine.abort_request(rid)
-                if reply is not None:
-                    loop, fut = reply
-                    loop.call_soon_threadsafe(lambda f=fut, v=found: f.done() or f.set_result(v))
+                found = self.engine.abort_request(cmd.request_id)
+                fut = cmd.reply
+                if fut is not None:
+                    fut.get_loop().call_soon_threadsafe(lambda f=fut, v=found: f.done() or f.set_result(v))
+
+    def _add(self, cmd: AddRequest) -> None:
+        with self._lock:
+            self._pending_adds -= 1
+            stream = self._streams.get(cmd.request_id)
+        if stream is None:  # the consumer left before the request started
+            return
+        try:
+            self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.cache_salt,
+                                    cmd.arrival_time, prompt_text=cmd.prompt_text)
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer
+            self._post(stream, exc)
 
     def _dispatch(self, updates: list[EngineUpdate]) -> None:
         for u in updates:
@@ -476,7 +737,9 @@ class AsyncEngine:
                 continue
             if u.deltas:
                 self._post(stream, u.deltas)
-            if u.output is not None:
+            if u.error is not None:
+                self._post(stream, u.error)
+            elif u.output is not None:
                 self._post(stream, _DONE)
 
     @staticmethod

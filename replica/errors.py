@@ -19,5 +19,13 @@ class EngineOverloadedError(RuntimeError):
         self.retry_after_s = retry_after_s
 
 
+class RequestFailedError(RuntimeError):
+    """The engine failed while serving this one request (HTTP 500, ``internal_error``).
+
+    The engine freed the request's blocks and keeps serving every other request;
+    the cause is chained (``__cause__``) and logged, not spelled in the message.
+    """
+
+
 class EngineDeadError(RuntimeError):
-    """The engine loop has stopped; the replica is unhealthy (HTTP 503)."""
+    """The engine loop has stopped or restarted; in-flight requests fail (HTTP 503)."""

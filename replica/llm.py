@@ -49,14 +49,23 @@ class LLM:
             from tqdm import tqdm
 
             bar = tqdm(total=len(prompts), desc="generate", unit="req")
-        while self.engine.has_unfinished_requests():
-            for update in self.engine.step():
-                if update.output is not None:
-                    results[order[update.request_id]] = update.output
-                    if bar is not None:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
+        try:
+            while self.engine.has_unfinished_requests():
+                for update in self.engine.step():
+                    if update.error is not None:
+                        raise update.error
+                    if update.output is not None:
+                        results[order[update.request_id]] = update.output
+                        if bar is not None:
+                            bar.update(1)
+                if self.engine.stalled:  # the scheduler rejects what can never run, so this is a bug
+                    raise RuntimeError("the engine cannot make progress on the remaining requests")
+        finally:
+            # On an error the batch is abandoned: free whatever of it is still in the engine.
+            for request_id in order:
+                self.engine.abort_request(request_id)
+            if bar is not None:
+                bar.close()
         return results  # type: ignore[return-value]
 
     def chat(self, conversations: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],

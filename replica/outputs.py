@@ -2,15 +2,25 @@
 
 Plain data, shared by the engine, the offline LLM, the HTTP server and the Ray
 deployment (deltas cross the Ray object store, so they stay small and picklable).
+Build them with keyword arguments: the field order is not part of the interface.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from enum import StrEnum
 
-FINISH_STOP = "stop"
-FINISH_LENGTH = "length"
-FINISH_ABORT = "abort"
+
+class FinishReason(StrEnum):
+    """Why a sequence stopped (OpenAI's values; a StrEnum compares and serializes as the string).
+
+    A request that fails is not "finished": its stream raises an exception instead
+    (front ends map it to an HTTP error), so there is no "error" reason here.
+    """
+
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's context length
+    ABORT = "abort"  # the client left or aborted
 
 
 @dataclass
@@ -20,7 +30,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     # Per generated token: {token_id: logprob} of the top-k plus the sampled one.
     logprobs: list[dict[int, float]] | None = None
 
@@ -54,8 +64,8 @@ class StreamDelta:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
-    logprobs: list[dict[int, float]] | None = field(default=None)
+    logprobs: list[dict[int, float]] | None = None

@@ -21,6 +21,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from prefixserve.replica.outputs import FinishReason
 from prefixserve.replica.sampling import SamplingParams
 
 
@@ -66,7 +67,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     # torch.Generator of a seeded request (seed + index), else None.
     generator: Any = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     text: str = ""
     # Characters of ``text`` already handed out in stream deltas.
     num_emitted_chars: int = 0
