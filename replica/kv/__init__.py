@@ -1,7 +1,7 @@
 """The replica's paged KV block manager with prefix caching (pure Python).
 
 ``KVCacheManager`` is what the scheduler uses; ``hashing`` is Contract 2 of
-DESIGN.md (the router imports it too); ``BlockPool`` is the physical layer.
+docs/design.md (the router imports it too); ``BlockPool`` is the physical layer.
 """
 
 from prefixserve.replica.kv.block_pool import BlockPool

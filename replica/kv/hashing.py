@@ -1,4 +1,4 @@
-"""Chained block hashes (Contract 2 of DESIGN.md): the identity of a KV block.
+"""Chained block hashes (Contract 2 of docs/design.md): the identity of a KV block.
 
 Byte layout, language-neutral (no pickle), so any process, the router or a
 client in another language computes the same digests:
