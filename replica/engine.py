@@ -603,6 +603,9 @@ class AsyncEngine:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         bound = self.config.max_waiting_requests
         with self._lock:
+            # Checked again under the lock: the loop's final sweep of streams takes it too, so a
+            # stream registered after that sweep cannot wait forever.
+            self.check_health()
             if request_id in self._streams:
                 raise RequestRejected(f"request id {request_id!r} is already in use")
             if bound is not None and self.engine.scheduler.num_waiting + self._pending_adds >= bound:
