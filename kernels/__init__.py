@@ -12,8 +12,8 @@ This package knows nothing of requests, schedulers or replicas.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -43,7 +43,7 @@ from prefixserve.router.policies import Decision, ReplicaView, by_load
 class _Node:
     __slots__ = ("edge", "children", "parent", "access")
 
-    def __init__(self, edge: tuple, parent: "_Node | None") -> None:
+    def __init__(self, edge: tuple, parent: _Node | None) -> None:
         self.edge = edge
         self.children: dict[Hashable, _Node] = {}
         self.parent = parent

@@ -246,7 +246,7 @@ def ceilings(device: torch.device, timer: Callable) -> dict:
     for dtype in (torch.float16, torch.bfloat16):
         a = torch.randn((m, m), device=device).to(dtype)
         b = torch.randn((m, m), device=device).to(dtype)
-        res[f"matmul_{DTYPE_NAMES[dtype]}_TFLOPs"] = 2 * m ** 3 / (timer(lambda: a @ b) * 1e-3) / 1e12
+        res[f"matmul_{DTYPE_NAMES[dtype]}_TFLOPs"] = 2 * m ** 3 / (timer(lambda a=a, b=b: a @ b) * 1e-3) / 1e12
     return res
 
 
@@ -397,7 +397,8 @@ def render(rows: list[Row]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m prefixserve.loadtest.bench_kernels", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m prefixserve.loadtest.bench_kernels",
+                                 description=__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="batch 32 only, contexts 1k and 8k, one prefill case")
     ap.add_argument("--out", type=Path, default=Path("results/bench_kernels.json"))

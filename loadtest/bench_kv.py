@@ -75,7 +75,7 @@ def bench_manager(num_requests: int, prompt_len: int, block_size: int, repeats: 
     for name, (caching, algo) in configs.items():
         hit_rate = 0.0
 
-        def run() -> None:
+        def run(caching: bool = caching, algo: str = algo) -> None:
             nonlocal hit_rate
             m = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching, hash_algo=algo)
             m.allocate_slots("warm", prompts[0], prompt_len)  # puts the shared half in the cache

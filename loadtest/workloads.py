@@ -86,7 +86,7 @@ class WorkloadRequest:
         return {**self.body, "metadata": {"tenant": self.tenant, "workload": self.workload}}
 
     @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> "WorkloadRequest":
+    def from_json(cls, obj: dict[str, Any]) -> WorkloadRequest:
         body = dict(obj)
         meta = body.pop("metadata", None) or {}
         return cls(body=body, tenant=str(meta.get("tenant", "")), workload=str(meta.get("workload", "")))
@@ -272,7 +272,8 @@ def zipf_tenants(config: ZipfTenantsConfig, tokenizer: Tokenizer | None = None) 
         question = words_text(_rng(config.seed, "question", i), config.question_len, tokenizer)
         messages = [{"role": "system", "content": systems[t]}, {"role": "user", "content": question}]
         out.append(
-            WorkloadRequest(_body(config.model, messages, config.output_len, config.stream), f"tenant-{t}", "zipf_tenants")
+            WorkloadRequest(_body(config.model, messages, config.output_len, config.stream),
+                            f"tenant-{t}", "zipf_tenants")
         )
     return out
 
@@ -307,7 +308,8 @@ class PrefixRepetitionConfig:
 
 
 def prefix_repetition(config: PrefixRepetitionConfig, tokenizer: Tokenizer | None = None) -> list[WorkloadRequest]:
-    prefixes = [words_text(_rng(config.seed, "prefix", k), config.prefix_len, tokenizer) for k in range(config.num_prefixes)]
+    prefixes = [words_text(_rng(config.seed, "prefix", k), config.prefix_len, tokenizer)
+                for k in range(config.num_prefixes)]
     out = []
     for i in range(config.num_requests):
         # Like vLLM: requests go to the prefixes in turn, then the whole list is shuffled.
@@ -318,7 +320,8 @@ def prefix_repetition(config: PrefixRepetitionConfig, tokenizer: Tokenizer | Non
         else:
             messages = [{"role": "user", "content": f"{prefixes[k]} {suffix}".strip()}]
         out.append(
-            WorkloadRequest(_body(config.model, messages, config.output_len, config.stream), f"prefix-{k}", "prefix_repetition")
+            WorkloadRequest(_body(config.model, messages, config.output_len, config.stream),
+                            f"prefix-{k}", "prefix_repetition")
         )
     _rng(config.seed, "order").shuffle(out)
     return out
@@ -367,10 +370,12 @@ def multi_turn(config: MultiTurnConfig, tokenizer: Tokenizer | None = None) -> l
             if r > 0:
                 answer = words_text(_rng(config.seed, "assistant", u, r - 1), config.assistant_turn_len, tokenizer)
                 history.append({"role": "assistant", "content": answer})
-            history.append({"role": "user", "content": words_text(_rng(config.seed, "user", u, r), config.user_turn_len, tokenizer)})
+            question = words_text(_rng(config.seed, "user", u, r), config.user_turn_len, tokenizer)
+            history.append({"role": "user", "content": question})
             messages = [dict(m) for m in history]
             out.append(
-                WorkloadRequest(_body(config.model, messages, config.output_len, config.stream), f"user-{u}", "multi_turn")
+                WorkloadRequest(_body(config.model, messages, config.output_len, config.stream),
+                            f"user-{u}", "multi_turn")
             )
     return out
 
@@ -458,7 +463,8 @@ def volatile_system_prompt(
             user_text = question
         messages = [{"role": "system", "content": system}, {"role": "user", "content": user_text}]
         out.append(
-            WorkloadRequest(_body(config.model, messages, config.output_len, config.stream), user, "volatile_system_prompt")
+            WorkloadRequest(_body(config.model, messages, config.output_len, config.stream),
+                            user, "volatile_system_prompt")
         )
     return out
 
@@ -514,7 +520,8 @@ def make_config(name: str, params: dict[str, Any] | None = None) -> Any:
     return config_cls(**kwargs)
 
 
-def generate(name: str, params: dict[str, Any] | None = None, tokenizer: Tokenizer | None = None) -> list[WorkloadRequest]:
+def generate(name: str, params: dict[str, Any] | None = None,
+             tokenizer: Tokenizer | None = None) -> list[WorkloadRequest]:
     """The requests of workload ``name`` with ``params`` overriding its config's defaults."""
     _, gen = _lookup(name)
     return gen(make_config(name, params), tokenizer)
@@ -556,7 +563,8 @@ def read_jsonl(path: str | Path) -> list[WorkloadRequest]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m prefixserve.loadtest.workloads", description="Write a workload as JSONL.")
+    parser = argparse.ArgumentParser(prog="python -m prefixserve.loadtest.workloads",
+                                     description="Write a workload as JSONL.")
     sub = parser.add_subparsers(dest="name", required=True)
     for name, (config_cls, _) in WORKLOADS.items():
         p = sub.add_parser(name, help=(config_cls.__doc__ or "").strip().splitlines()[0])

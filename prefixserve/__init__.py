@@ -26,7 +26,7 @@ _EXPORTS = {
     "CompletionOutput": "prefixserve.replica.outputs",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = ["CompletionOutput", "EngineConfig", "LLM", "RequestOutput", "SamplingParams"]
 
 if TYPE_CHECKING:
     from prefixserve.replica.config import EngineConfig

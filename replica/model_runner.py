@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from server_helpers import ReplicaProcess, build_tiny_llama
 
 pytestmark = pytest.mark.slow

@@ -87,7 +87,8 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype, loader) -> nn.Parameter:
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
     """Copy a replicated (unsharded) tensor whole."""
     if param.shape != loaded.shape:
-        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter {tuple(param.shape)}")
+        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter "
+                         f"{tuple(param.shape)}")
     param.data.copy_(loaded)
 
 

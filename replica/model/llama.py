@@ -12,17 +12,25 @@ onto fused parameters. No knowledge of requests, schedulers or tokenizers.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from torch import nn
 
 from prefixserve.kernels import AttentionBackend
 from prefixserve.kernels.layer_ops import TORCH_LAYER_OPS, LayerOps
-from prefixserve.replica.model.layers import (MergedColumnParallelLinear, ParallelLMHead,
-                                  QKVParallelLinear, RMSNorm, RowParallelLinear, TPGroup,
-                                  VocabParallelEmbedding, default_weight_loader)
+from prefixserve.replica.model.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RowParallelLinear,
+    TPGroup,
+    VocabParallelEmbedding,
+    default_weight_loader,
+)
 from prefixserve.replica.model.rope import RopeConfig, RotaryEmbedding
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
