@@ -41,7 +41,6 @@ framework, Ray or torch.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 import uuid
@@ -49,7 +48,7 @@ from collections.abc import Callable, Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
-from pydantic_core import PydanticCustomError
+from pydantic_core import PydanticCustomError, from_json
 
 from prefixserve.replica.errors import EngineDeadError, EngineOverloadedError, PromptTooLongError, RequestRejected
 from prefixserve.replica.sampling import SamplingParams
@@ -540,17 +539,16 @@ class CompletionRequest(_SamplingRequest):
 OpenAIRequest = ChatCompletionRequest | CompletionRequest
 
 
-def _no_json_constants(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
 def parse_json_object(body: bytes | str) -> dict[str, Any]:
-    """The request body as a JSON object; raises BadRequestError (400, ``invalid_json``) otherwise."""
+    """The request body as a JSON object; raises BadRequestError (400, ``invalid_json``) otherwise.
+
+    pydantic's JSON parser, not the json module: it refuses what JSON does not
+    allow and Python would accept (NaN, Infinity, lone UTF-16 surrogates that no
+    tokenizer can encode) and bounds the nesting depth.
+    """
     try:
-        data = json.loads(body, parse_constant=_no_json_constants)
-    except RecursionError:
-        raise BadRequestError("request body is not valid JSON: nested too deeply", code="invalid_json") from None
-    except ValueError as exc:  # JSONDecodeError, bad UTF-8, NaN/Infinity
+        data = from_json(body, allow_inf_nan=False)
+    except ValueError as exc:
         raise BadRequestError(f"request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise BadRequestError(f"request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
@@ -563,8 +561,6 @@ def validate_request(model: type[OpenAIRequest], data: Mapping[str, Any]) -> Ope
         return model.model_validate(data)
     except ValidationError as exc:
         raise _format_validation_error(exc) from None
-    except RecursionError:
-        raise BadRequestError("request body is nested too deeply", code="invalid_value") from None
 
 
 def parse_request(model: type[OpenAIRequest], body: bytes | str) -> OpenAIRequest:

@@ -1,0 +1,258 @@
+"""Fuzzing the OpenAI front end: hypothesis-generated requests against the real app and a tiny engine.
+
+Valid and invalid shapes and values for /v1/chat/completions and
+/v1/completions, plus bodies that are not JSON objects at all. After every
+case: the answer is 200 (a well-formed completion or SSE stream ending in
+``[DONE]`` with no in-band error) or a 4xx with the OpenAI error body and a
+non-null code, never a 5xx; and a normal request still succeeds. At the end of
+each test the engine holds no request and no KV block.
+
+Deterministic (``derandomize``): the same cases every run, so a failure
+reproduces. Generated ``max_tokens`` stay small to keep the file fast.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from model_helpers import VOCAB, tiny_checkpoint
+from server_helpers import InProcessReplica, assert_openai_error
+
+MAX_MODEL_LEN = 96
+CHAT_EXAMPLES = 900
+COMPLETION_EXAMPLES = 700
+RAW_EXAMPLES = 400
+FUZZ = settings(derandomize=True, database=None, deadline=None, print_blob=True,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                       HealthCheck.function_scoped_fixture])
+
+# -- values ---------------------------------------------------------------------------------
+
+huge_ints = st.sampled_from([2**31, 2**63, 2**64, -(2**63) - 1, 10**30, -(10**30)])
+odd_values = st.one_of(st.none(), st.booleans(), st.text(max_size=5), st.floats(allow_nan=True),
+                       st.lists(st.integers(-2, 3), max_size=2), st.dictionaries(st.text(max_size=3),
+                                                                                  st.integers(), max_size=2))
+small_text = st.text(max_size=40)
+token_ids = st.one_of(st.integers(0, VOCAB - 1), st.integers(-3, -1), st.integers(VOCAB, VOCAB + 5), huge_ints)
+
+
+@dataclass(frozen=True)
+class Field:
+    """A request field's values: ones the API accepts, and ones it must refuse (or that are of the wrong type)."""
+
+    valid: st.SearchStrategy
+    invalid: st.SearchStrategy
+
+
+def field(valid: st.SearchStrategy, invalid: st.SearchStrategy | None = None) -> Field:
+    return Field(valid, odd_values if invalid is None else st.one_of(invalid, odd_values))
+
+
+max_tokens = field(st.integers(1, 3), st.one_of(st.integers(-2, 0), st.integers(MAX_MODEL_LEN, MAX_MODEL_LEN + 2),
+                                                 huge_ints))
+SAMPLING_FIELDS = {
+    "temperature": field(st.floats(0, 2), st.one_of(st.floats(2.0001, 1e6), st.floats(-1e6, -0.0001),
+                                                    st.sampled_from([float("nan"), float("inf")]))),
+    "top_p": field(st.floats(0.01, 1), st.sampled_from([0.0, -0.5, 1.5, float("nan")])),
+    "top_k": field(st.sampled_from([-1, 1, 5, 50, 100000]), st.one_of(st.integers(-5, 0), huge_ints)),
+    "n": field(st.integers(1, 3), st.one_of(st.integers(-1, 0), st.integers(17, 40), huge_ints)),
+    "seed": field(st.integers(0, 2**64 - 1), st.one_of(st.integers(-(2**63), -1), huge_ints)),
+    "stop": field(st.one_of(st.text(min_size=1, max_size=5), st.lists(st.text(min_size=1, max_size=5), max_size=4)),
+                  st.one_of(st.just(""), st.lists(st.text(max_size=300), min_size=17, max_size=20))),
+    "stop_token_ids": field(st.lists(st.integers(0, VOCAB - 1), max_size=3),
+                            st.lists(token_ids, min_size=1, max_size=70)),
+    "ignore_eos": field(st.booleans()),
+    "min_tokens": field(st.integers(0, 1), st.one_of(st.integers(-3, -1), st.integers(4, 10**6), huge_ints)),
+    "logit_bias": field(st.dictionaries(st.integers(0, VOCAB - 1).map(str), st.floats(-100, 100), max_size=4),
+                        st.dictionaries(st.one_of(token_ids.map(str), st.text(max_size=4)),
+                                        st.one_of(st.floats(), st.integers()), min_size=1, max_size=4)),
+    "stream": field(st.booleans()),
+    "stream_options": field(st.fixed_dictionaries({}, optional={"include_usage": st.booleans(),
+                                                                "include_obfuscation": st.booleans()})),
+    "presence_penalty": field(st.just(0), st.floats(0.1, 2)),
+    "frequency_penalty": field(st.just(0.0), st.floats(-2, -0.1)),
+    "cache_salt": field(st.text(min_size=1, max_size=10), st.just("")),
+    "user": field(small_text),
+    "model": field(st.sampled_from(["tiny"]), st.sampled_from(["gpt-4o", ""])),
+    "some_unknown_field": Field(st.nothing(), odd_values),
+}
+CHAT_FIELDS = {
+    **SAMPLING_FIELDS,
+    "max_completion_tokens": max_tokens,
+    "logprobs": field(st.booleans()),
+    "top_logprobs": field(st.integers(0, 5), st.one_of(st.integers(21, 100), st.integers(-3, -1))),
+    "tools": field(st.just([]), st.just([{"type": "function", "function": {"name": "f"}}])),
+    "tool_choice": field(st.just("none"), st.sampled_from(["auto", "required"])),
+    "response_format": field(st.just({"type": "text"}), st.just({"type": "json_object"})),
+    "modalities": field(st.just(["text"]), st.just(["text", "audio"])),
+    "store": field(st.just(False), st.just(True)),
+    "service_tier": field(st.sampled_from(["auto", "default"]), st.just("flex")),
+    "metadata": field(st.dictionaries(st.text(max_size=3), st.text(max_size=3), max_size=2)),
+    "parallel_tool_calls": Field(st.nothing(), st.booleans()),
+    "reasoning_effort": Field(st.nothing(), st.sampled_from(["low", "high"])),
+}
+COMPLETION_FIELDS = {
+    **SAMPLING_FIELDS,
+    "logprobs": field(st.integers(0, 5), st.one_of(st.integers(21, 100), st.integers(-3, -1))),
+    "echo": field(st.just(False), st.just(True)),
+    "suffix": field(st.just(""), st.text(min_size=1, max_size=5)),
+    "best_of": field(st.just(1), st.integers(2, 4)),
+}
+
+text_part = st.fixed_dictionaries({"type": st.just("text"), "text": small_text})
+valid_message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "developer", "user", "assistant", "tool"])},
+    optional={"content": st.one_of(small_text, st.lists(text_part, max_size=3), st.none()), "name": small_text,
+              "tool_call_id": small_text})
+invalid_message = st.one_of(
+    valid_message.map(lambda m: {**m, "role": "function"}),
+    valid_message.map(lambda m: {**m, "content": [{"type": "image_url", "image_url": {"url": "x"}}]}),
+    valid_message.map(lambda m: {**m, "content": ["a bare string"]}),
+    valid_message.map(lambda m: {**m, "tool_calls": [{"id": "c"}]}),
+    valid_message.map(lambda m: {**m, "extra": 1}),
+    valid_message.map(lambda m: {k: v for k, v in m.items() if k != "role"}),
+    odd_values,
+)
+messages = Field(st.lists(valid_message, min_size=1, max_size=4),
+                 st.one_of(st.just([]), small_text,
+                           st.tuples(st.lists(valid_message, max_size=2), invalid_message).map(
+                               lambda t: [*t[0], t[1]])))
+prompt = Field(
+    st.one_of(st.text(min_size=1, max_size=60), st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=20),
+              st.lists(st.text(min_size=1, max_size=20), min_size=1, max_size=1),
+              st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8), min_size=1, max_size=1)),
+    st.one_of(st.just(""), st.just([]), st.lists(token_ids, min_size=1, max_size=4).filter(
+        lambda ids: any(not 0 <= t < VOCAB for t in ids)), st.lists(small_text, min_size=2, max_size=3),
+        st.lists(st.integers(0, 9), min_size=MAX_MODEL_LEN + 1, max_size=MAX_MODEL_LEN + 1), odd_values))
+
+
+@st.composite
+def request_bodies(draw: st.DrawFn, prompt_field: str, prompt_values: Field, fields: dict[str, Field]) -> dict:
+    """A body of valid values for a few fields, then (half the time) one to three of them made invalid."""
+    body = {prompt_field: draw(prompt_values.valid), "max_tokens": draw(max_tokens.valid)}
+    names = sorted(fields)
+    for name in draw(st.lists(st.sampled_from(names), max_size=6, unique=True)):
+        value = draw(st.one_of(fields[name].valid, st.just(_SKIP)))
+        if value is not _SKIP:
+            body[name] = value
+    if body.get("stream") or "max_completion_tokens" in body:
+        # Sometimes no max_tokens (what fits / 16): kept to streams and max_completion_tokens, as it is long.
+        if draw(st.booleans()):
+            del body["max_tokens"]
+    for name in draw(st.lists(st.sampled_from([prompt_field, "max_tokens", *names]), max_size=3, unique=True)
+                     if draw(st.booleans()) else st.just([])):
+        source = {prompt_field: prompt_values, "max_tokens": max_tokens}.get(name) or fields[name]
+        body[name] = draw(source.invalid)
+    return body
+
+
+_SKIP = object()
+chat_bodies = request_bodies("messages", messages, CHAT_FIELDS)
+completion_bodies = request_bodies("prompt", prompt, COMPLETION_FIELDS)
+
+
+# -- the invariant --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def replica(tmp_path_factory):
+    model_dir = tiny_checkpoint(tmp_path_factory.mktemp("fuzz") / "tiny", max_pos=256)
+    r = InProcessReplica(model_dir, max_model_len=MAX_MODEL_LEN, replica_name="fuzz")
+    try:
+        yield r
+    finally:
+        r.close()
+
+
+def check_answer(replica: InProcessReplica, path: str, content: bytes, statuses: Counter[int]) -> None:
+    response = replica.request("POST", path, content=content, headers={"content-type": "application/json"})
+    statuses[response.status_code] += 1
+    if response.status_code != 200:
+        assert_openai_error(response)
+        return
+    if response.headers["content-type"].startswith("text/event-stream"):
+        events = [line[len("data: "):] for line in response.text.split("\n") if line.startswith("data: ")]
+        assert events and events[-1] == "[DONE]", response.text[-500:]
+        for event in events[:-1]:
+            assert "error" not in json.loads(event), event
+    else:
+        answer = response.json()
+        assert answer["choices"] and answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0, answer
+        assert all(c["finish_reason"] in ("stop", "length") for c in answer["choices"]), answer
+
+
+def still_serves(replica: InProcessReplica) -> None:
+    ok = replica.request("POST", "/v1/completions", json={"prompt": "hello", "max_tokens": 1})
+    assert ok.status_code == 200, ok.text
+
+
+def assert_idle(replica: InProcessReplica) -> None:
+    stats = replica.engine.stats()
+    assert (stats.num_running, stats.num_waiting, stats.kv_usage) == (0, 0, 0.0), stats
+
+
+def encode(payload: dict) -> bytes:
+    return json.dumps(payload).encode()  # NaN and Infinity stay in (json.dumps writes them)
+
+
+def assert_both_kinds_were_tried(statuses: Counter[int]) -> None:
+    """The generator is useful only while it reaches the engine and the validators alike."""
+    total = sum(statuses.values())
+    assert statuses[200] >= total // 10 and total - statuses[200] >= total // 10, statuses
+
+
+def test_fuzz_chat_completions(replica):
+    statuses: Counter[int] = Counter()
+
+    @settings(FUZZ, max_examples=CHAT_EXAMPLES)
+    @given(chat_bodies)
+    def case(payload: dict) -> None:
+        check_answer(replica, "/v1/chat/completions", encode(payload), statuses)
+        still_serves(replica)
+
+    case()
+    assert_idle(replica)
+    assert_both_kinds_were_tried(statuses)
+
+
+def test_fuzz_completions(replica):
+    statuses: Counter[int] = Counter()
+
+    @settings(FUZZ, max_examples=COMPLETION_EXAMPLES)
+    @given(completion_bodies)
+    def case(payload: dict) -> None:
+        check_answer(replica, "/v1/completions", encode(payload), statuses)
+        still_serves(replica)
+
+    case()
+    assert_idle(replica)
+    assert_both_kinds_were_tried(statuses)
+
+
+raw_bodies = st.one_of(
+    st.binary(max_size=64),
+    st.text(max_size=64).map(str.encode),
+    st.sampled_from([b"", b"null", b"[]", b"{", b'{"messages": NaN}', b"[" * 5000, b'{"prompt": "x"' + b" " * 10,
+                     b'{"prompt": "\\ud800"}', b'\xef\xbb\xbf{"prompt": "x"}']),
+    st.recursive(st.one_of(st.none(), st.integers(), st.text(max_size=4)),
+                 lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                         st.dictionaries(st.sampled_from(["messages", "prompt", "role", "content",
+                                                                          "n", "x"]), inner, max_size=3)),
+                 max_leaves=12).map(lambda v: json.dumps(v).encode()),
+)
+
+
+def test_fuzz_bodies_that_are_not_requests(replica):
+    @settings(FUZZ, max_examples=RAW_EXAMPLES)
+    @given(st.sampled_from(["/v1/chat/completions", "/v1/completions"]), raw_bodies)
+    def case(path: str, content: bytes) -> None:
+        check_answer(replica, path, content, Counter())
+
+    case()
+    still_serves(replica)
+    assert_idle(replica)
