@@ -512,7 +512,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"\n### Sweep over replicas ({sweep_cfg.num_requests} requests)\n")
         print(markdown_table(by_replicas))
     if by_epsilon:
-        print(f"\n### bounded_load epsilon sweep at {sweep_cfg.num_replicas} replicas ({sweep_cfg.num_requests} requests)\n")
+        print(f"\n### bounded_load epsilon sweep at {sweep_cfg.num_replicas} replicas "
+              f"({sweep_cfg.num_requests} requests)\n")
         print(markdown_table(by_epsilon, baseline=None))
 
     out = Path(args.out)

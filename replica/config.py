@@ -15,6 +15,8 @@ import argparse
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any
 
+from prefixserve.replica.config_util import from_dict
+
 HASH_ALGOS = ("xxh3_128", "sha256")
 KV_CACHE_DTYPES = ("auto", "fp8")
 PREEMPTION_MODES = ("recompute", "swap")
@@ -90,7 +92,8 @@ class EngineConfig:
         if self.kv_cache_memory_bytes <= 0:
             raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
-            raise ValueError(f"num_kv_blocks must be at least 2 (or None to size from memory), got {self.num_kv_blocks}")
+            raise ValueError(f"num_kv_blocks must be at least 2 (or None to size from memory), "
+                             f"got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.max_num_seqs < 1:
@@ -140,11 +143,7 @@ class EngineConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EngineConfig:
         """Build from a mapping (Serve config, JSON); unknown keys are an error."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown engine config keys {unknown}; known keys: {sorted(known)}")
-        return cls(**data)
+        return from_dict(cls, data, "engine config")
 
     @classmethod
     def add_cli_arguments(cls, parser: argparse.ArgumentParser) -> None:

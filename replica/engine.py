@@ -32,15 +32,21 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 import torch
 
 from prefixserve.replica.config import MAX_MODEL_LEN_CAP, EngineConfig
 from prefixserve.replica.detokenizer import IncrementalDetokenizer
-from prefixserve.replica.errors import (EngineDeadError, EngineOverloadedError, PromptTooLongError, RequestFailedError,
-                                        RequestRejected)
+from prefixserve.replica.errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    PromptTooLongError,
+    RequestFailedError,
+    RequestRejected,
+)
 from prefixserve.replica.kv.manager import KVCacheManager
 from prefixserve.replica.metrics import EngineMetrics, EngineStats
 from prefixserve.replica.model import loader

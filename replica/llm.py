@@ -8,7 +8,8 @@ the engine until all finish and returns one RequestOutput per prompt, in order.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from prefixserve.replica.config import EngineConfig
 from prefixserve.replica.engine import LLMEngine
@@ -27,8 +28,9 @@ class LLM:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, use_tqdm: bool = False, cache_salts: Sequence[str | None] | None = None) -> list[RequestOutput]:
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None, *, use_tqdm: bool = False,
+                 cache_salts: Sequence[str | None] | None = None) -> list[RequestOutput]:
         """Generate for each prompt; ``params`` is one for all or one per prompt."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]

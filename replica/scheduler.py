@@ -32,7 +32,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from prefixserve.replica.kv.manager import KVCacheManager
-from prefixserve.replica.request import Sequence, SeqStatus
+from prefixserve.replica.request import SeqStatus, Sequence
 
 
 @dataclass(frozen=True)

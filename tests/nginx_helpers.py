@@ -74,7 +74,7 @@ class NginxProcess:
         self.wait_ports = list(wait_ports)
         self.proc: subprocess.Popen | None = None
 
-    def __enter__(self) -> "NginxProcess":
+    def __enter__(self) -> NginxProcess:
         checked = nginx_test_config(self.nginx, self.conf, self.prefix)
         if checked.returncode != 0:
             raise RuntimeError(f"nginx -t rejected {self.conf}:\n{checked.stderr}")

@@ -8,8 +8,8 @@ import asyncio
 
 import numpy as np
 import pytest
-
 from model_helpers import hf_greedy, hf_model, random_prompts, tiny_checkpoint
+
 from prefixserve.replica.config import EngineConfig
 from prefixserve.replica.engine import AsyncEngine, LLMEngine
 from prefixserve.replica.errors import EngineOverloadedError, PromptTooLongError

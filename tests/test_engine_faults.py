@@ -12,8 +12,8 @@ import asyncio
 import threading
 
 import pytest
-
 from model_helpers import tiny_checkpoint
+
 from prefixserve.replica.config import EngineConfig
 from prefixserve.replica.engine import AsyncEngine, LLMEngine
 from prefixserve.replica.errors import EngineDeadError, PromptTooLongError, RequestFailedError, RequestRejected

@@ -9,16 +9,14 @@ and no request fails.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import httpx
 import pytest
+from nginx_helpers import NginxProcess, find_nginx, free_ports
+from server_helpers import ReplicaProcess, build_tiny_llama, metric
 
 from prefixserve.router.nginx import NginxConfig, render_config
 from prefixserve.router.prefix import PREFIX_HASH_HEADER, prefix_hash
 from prefixserve.router.ring import HashRing, RingServer
-from nginx_helpers import NginxProcess, find_nginx, free_ports
-from server_helpers import ReplicaProcess, build_tiny_llama, metric
 
 NGINX = find_nginx()
 pytestmark = [

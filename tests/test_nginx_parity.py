@@ -19,8 +19,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from nginx_helpers import NginxProcess, backends_conf, find_nginx, free_ports, nginx_test_config
+
 from prefixserve.router import cli
 from prefixserve.router import nginx as nginx_cli
 from prefixserve.router.nginx import NginxConfig, render_config

@@ -23,7 +23,7 @@ from prefixserve.router.ring import (
 
 def _keys(seed: int, n: int) -> list[str]:
     rng = random.Random(seed)
-    return ["%016x" % rng.getrandbits(64) for _ in range(n)]
+    return [f"{rng.getrandbits(64):016x}" for _ in range(n)]
 
 
 def _servers(seed: int, n: int) -> list[str]:

@@ -9,8 +9,15 @@ import math
 import pytest
 import torch
 
-from prefixserve.replica.sampling import (MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
-                                          MAX_STOP_TOKEN_IDS, SampleSpec, SamplingParams, sample)
+from prefixserve.replica.sampling import (
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    SampleSpec,
+    SamplingParams,
+    sample,
+)
 
 
 @pytest.mark.parametrize("kwargs, words", [

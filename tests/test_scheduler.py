@@ -9,7 +9,7 @@ import random
 import pytest
 
 from prefixserve.replica.kv.manager import KVCacheManager
-from prefixserve.replica.request import Request, Sequence, SeqStatus
+from prefixserve.replica.request import Request, SeqStatus, Sequence
 from prefixserve.replica.sampling import SamplingParams
 from prefixserve.replica.scheduler import Scheduler, SchedulerConfig
 
