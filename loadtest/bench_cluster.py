@@ -68,6 +68,7 @@ from prefixserve.loadtest.cluster_run import (
     served_model,
 )
 from prefixserve.loadtest.workloads import WorkloadRequest, generate
+from prefixserve.replica.logs import add_verbose_flag, quiet_libraries
 from prefixserve.router.metrics import sum_samples
 from prefixserve.router.policies import POLICIES, RING_POLICIES, pick_options
 
@@ -551,6 +552,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="Serve's HTTP port for the local cluster")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request and per deployment")
     p.add_argument("--out-dir", type=Path, default=Path("results"))
+    add_verbose_flag(p)
     return p
 
 
@@ -697,6 +699,7 @@ def run(args: argparse.Namespace, p: Plan) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    quiet_libraries(args.verbose)
     try:
         p = plan(args)
     except ValueError as exc:
