@@ -50,7 +50,13 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError, from_json
 
-from prefixserve.replica.errors import EngineDeadError, EngineOverloadedError, PromptTooLongError, RequestRejected
+from prefixserve.replica.errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    PromptTooLongError,
+    RequestFailedError,
+    RequestRejected,
+)
 from prefixserve.replica.sampling import SamplingParams
 
 # Completions' legacy default (OpenAI documents 16); chat defaults to "what fits".
@@ -216,6 +222,8 @@ def error_from_exception(exc: BaseException) -> APIError:
         return OverloadedError(str(exc), code="queue_full", retry_after_s=exc.retry_after_s)
     if isinstance(exc, EngineDeadError):
         return ServiceUnavailableError(str(exc) or "engine is not running", code="engine_dead", retry_after_s=1.0)
+    if isinstance(exc, RequestFailedError):  # its message is written for clients; the cause is chained
+        return InternalServerError(str(exc))
     # The exception's own text stays in the server's log (error_response logs it):
     # library internals are no message for a client.
     return InternalServerError(f"the server failed to process the request ({type(exc).__name__}); see its log")

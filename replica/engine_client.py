@@ -9,7 +9,7 @@ the engine that serves it:
   front end may ask of an engine (model info, health, open a stream of
   :class:`StreamDelta`; closing an unfinished stream aborts its request).
 * :class:`RequestRunner`: what every engine host does with an EngineRequest
-  before the engine sees it, in one place: a cheap length bound, the chat
+  before the engine sees it, in one place: the engine's cheap length bound, the chat
   template and tokenizer in a worker thread (never on the event loop), and the
   one ``max_tokens`` rule. The standalone server (through
   :class:`LocalEngineClient`) and the Ray engine deployment both run it.
@@ -24,7 +24,7 @@ import dataclasses
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import anyio
 
@@ -35,15 +35,6 @@ from prefixserve.replica.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from prefixserve.replica.engine import AsyncEngine
-
-# How many input characters one token may stand for, at most, is the longest token's
-# length in its tokenizer's own alphabet (byte-level BPE: one character per byte, and
-# every input character is at least one byte; SentencePiece: one character per
-# character, "▁" for a space, byte-fallback tokens "<0x41>" longer than the byte they
-# cover). Normalizers may still merge characters before tokenizing (NFC/NFKC compose at
-# most three code points into one), so the bound gets this factor on top.
-NORMALIZATION_SLACK = 4
-
 
 @dataclass
 class EngineRequest:
@@ -120,12 +111,6 @@ class EngineClient(Protocol):
 # ---------------------------------------------------------------------------
 
 
-def longest_token_chars(tokenizer: Any) -> int:
-    """The length of the tokenizer's longest token string (its own alphabet), at least 1."""
-    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-    return max([1, *(len(t) for t in tokens if t)])
-
-
 def fit_max_tokens(request: EngineRequest, prompt_len: int, max_model_len: int) -> SamplingParams:
     """The request's SamplingParams once its prompt length is known: the one ``max_tokens`` rule.
 
@@ -155,7 +140,7 @@ def prompt_token_ids(
             raise api.BadRequestError(f"the chat template rejected the messages: {exc}", param="messages",
                                       code="invalid_value") from exc
     if isinstance(prompt, str):
-        return list(engine.tokenizer(prompt).input_ids)
+        return engine.engine.tokenize(prompt)
     if prompt is None:
         raise ValueError("prompt_token_ids needs a prompt or messages")
     vocab = len(engine.tokenizer)
@@ -171,29 +156,32 @@ class RequestRunner:
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
         self.max_model_len = int(engine.max_model_len)
-        # A text longer than this can never fit max_model_len tokens (see NORMALIZATION_SLACK).
-        self.max_prompt_chars = self.max_model_len * longest_token_chars(engine.tokenizer) * NORMALIZATION_SLACK
 
     def model_info(self) -> ModelInfo:
         return ModelInfo(model_name=self.engine.model_name, model=self.engine.config.model,
                          max_model_len=self.max_model_len)
 
     def check_prompt_size(self, request: EngineRequest) -> None:
-        """Refuse (400 context_length_exceeded) a prompt that cannot fit, without tokenizing it."""
-        if request.messages is not None:
-            chars = sum(len(m.get("content") or "") for m in request.messages)
-        elif isinstance(request.prompt, str):
-            chars = len(request.prompt)
-        else:
-            if request.prompt is not None and len(request.prompt) > self.max_model_len:
+        """Refuse (400 context_length_exceeded) a prompt that cannot fit, without tokenizing it.
+
+        Text uses the engine's character bound (``LLMEngine.max_prompt_chars``:
+        more characters than ``max_model_len`` of the longest token can cover).
+        A chat's contents count alone: the template only adds tokens.
+        """
+        if isinstance(request.prompt, str):
+            self.engine.engine.check_prompt_text(request.prompt)
+        elif request.prompt is not None:
+            if len(request.prompt) > self.max_model_len:
                 raise PromptTooLongError(
                     f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
                     f"{len(request.prompt)} tokens")
-            return
-        if chars > self.max_prompt_chars:
-            raise PromptTooLongError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the prompt's "
-                f"{chars} characters are more than that many tokens can hold: shorten the prompt")
+        else:
+            limit = self.engine.engine.max_prompt_chars
+            chars = sum(len(m.get("content") or "") for m in request.messages or ())
+            if limit is not None and chars > limit:
+                raise PromptTooLongError(
+                    f"the messages have {chars} characters, more than any prompt that fits this model's "
+                    f"maximum context length of {self.max_model_len} tokens can have: shorten them")
 
     async def prompt_ids(self, request: EngineRequest) -> list[int]:
         """The request's prompt token ids; the template and tokenizer run in a worker thread."""

@@ -17,6 +17,7 @@ import pytest
 from prefixserve.router.prefix import PREFIX_HASH_HEADER, prefix_hash
 from prefixserve.router.ring import HashRing
 from tests.cluster_helpers import (
+    INGRESS_HEADER,
     REPLICA_HEADER,
     LocalRayCluster,
     chat,
@@ -101,6 +102,9 @@ def test_replicas_report_routing_stats_and_metrics_name_every_replica(base):
     for name in engine_replicas():
         assert f'vllm:prefix_cache_queries_total{{model_name="tiny",replica="{name}"}}' in text
     assert "prefixserve_router_decision_seconds_count" in text
+    # The ingress's /health asks the engine replicas (Serve's check_health), not itself.
+    health = httpx.get(f"{base}/health", timeout=60)
+    assert health.status_code == 200 and health.headers[INGRESS_HEADER]
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_replica(base):

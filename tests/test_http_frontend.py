@@ -70,7 +70,7 @@ def test_health_answers_while_a_chat_template_and_tokenizer_run(replica, monkeyp
 
     monkeypatch.setattr(replica.engine, "encode_chat", gated)
     # Inside the cheap bound but far over MAX_MODEL_LEN tokens: the tokenizer must run to tell.
-    content = "alpha beta gamma " * 2000
+    content = "alpha beta gamma " * 600
 
     async def main() -> tuple[httpx.Response, httpx.Response]:
         big = asyncio.create_task(replica.http.post(
@@ -114,8 +114,12 @@ def test_the_length_bound_never_refuses_a_prompt_that_fits(replica):
     assert len(tokenizer(text).input_ids) <= MAX_MODEL_LEN + 2
     runner.check_prompt_size(EngineRequest(prompt=text))
     runner.check_prompt_size(EngineRequest(messages=[{"role": "user", "content": text}]))
-    with pytest.raises(PromptTooLongError):
-        runner.check_prompt_size(EngineRequest(prompt="x" * (runner.max_prompt_chars + 1)))
+    limit = replica.engine.engine.max_prompt_chars
+    assert limit is not None and len(text) <= limit
+    too_long = "x" * (limit + 1)
+    for over in (EngineRequest(prompt=too_long), EngineRequest(messages=[{"role": "user", "content": too_long}])):
+        with pytest.raises(PromptTooLongError):
+            runner.check_prompt_size(over)
 
 
 def test_every_4xx_of_the_front_end_has_a_code(replica):
