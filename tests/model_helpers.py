@@ -3,6 +3,8 @@
 A checkpoint is a real Hugging Face directory (``save_pretrained`` safetensors of a
 randomly initialised LlamaForCausalLM / Qwen2ForCausalLM) with SmolLM2's tokenizer
 and chat template beside it, so the engine loads it exactly as it loads a real model.
+``tiny_gguf`` writes the same kind of model as a quantized GGUF file the way llama.cpp's
+converter does (q/k rows permuted for its rope, SmolLM2's tokenizer in the metadata).
 """
 
 from __future__ import annotations
@@ -68,6 +70,69 @@ def tiny_checkpoint(path: Path, *, arch: str = "llama", hidden: int = 64, heads:
     model.save_pretrained(path)
     for f in _tokenizer_dir().iterdir():
         shutil.copy(f, path / f.name)
+    return path
+
+
+def tiny_gguf(path: Path, *, hidden: int = 64, heads: int = 4, kv_heads: int = 2, layers: int = 2,
+              intermediate: int = 128, tie: bool = False, seed: int = 0) -> Path:
+    """Write a random Llama as a GGUF file at ``path`` (Q4_1, Q8_0, F16 and F32 tensors mixed)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+    from gguf import GGUFWriter
+    from gguf.quants import quantize
+
+    from prefixserve.replica.model.gguf_reader import read_gguf
+
+    smollm2 = read_gguf(smollm2_folder() / SMOLLM2_GGUF).metadata
+    rng = np.random.default_rng(seed)
+    head_dim = hidden // heads
+    w = GGUFWriter(str(path), "llama")
+    w.add_name("tiny-llama")
+    for key, value in {"block_count": layers, "context_length": 1024, "embedding_length": hidden,
+                       "feed_forward_length": intermediate, "attention.head_count": heads,
+                       "attention.head_count_kv": kv_heads, "rope.dimension_count": head_dim}.items():
+        w.add_uint32(f"llama.{key}", value)
+    w.add_float32("llama.rope.freq_base", 10000.0)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    for key in ("model", "pre", "chat_template"):
+        full = f"tokenizer.{key}" if key == "chat_template" else f"tokenizer.ggml.{key}"
+        w.add_string(full, smollm2[full])
+    w.add_token_list(smollm2["tokenizer.ggml.tokens"])
+    w.add_token_types(smollm2["tokenizer.ggml.token_type"])
+    w.add_token_merges(smollm2["tokenizer.ggml.merges"])
+    for key in ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id"):
+        w.add_uint32(f"tokenizer.ggml.{key}", smollm2[f"tokenizer.ggml.{key}"])
+
+    def permute(x: np.ndarray, n_head: int) -> np.ndarray:  # llama.cpp's convert_hf_to_gguf.py
+        return x.reshape(n_head, 2, x.shape[0] // n_head // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+    def add(name: str, shape: tuple[int, ...], qtype: Q, scale: float = 0.15, transform=None) -> None:
+        x = rng.normal(0, scale, shape).astype(np.float32) if len(shape) == 2 else \
+            (1 + rng.normal(0, 0.1, shape)).astype(np.float32)
+        if transform is not None:
+            x = transform(x)
+        w.add_tensor(name, quantize(x, qtype) if qtype != Q.F32 else x, raw_dtype=qtype)
+
+    # Sharpened like tiny_checkpoint's weights, so greedy decoding has clear winners.
+    add("token_embd.weight", (VOCAB, hidden), Q.Q8_0, scale=0.5)
+    for i in range(layers):
+        b = f"blk.{i}"
+        add(f"{b}.attn_norm.weight", (hidden,), Q.F32)
+        add(f"{b}.attn_q.weight", (heads * head_dim, hidden), Q.Q4_1, transform=lambda x: permute(x, heads))
+        add(f"{b}.attn_k.weight", (kv_heads * head_dim, hidden), Q.Q8_0, transform=lambda x: permute(x, kv_heads))
+        add(f"{b}.attn_v.weight", (kv_heads * head_dim, hidden), Q.F16)
+        add(f"{b}.attn_output.weight", (hidden, heads * head_dim), Q.Q4_1)
+        add(f"{b}.ffn_norm.weight", (hidden,), Q.F32)
+        add(f"{b}.ffn_gate.weight", (intermediate, hidden), Q.Q8_0)
+        add(f"{b}.ffn_up.weight", (intermediate, hidden), Q.Q4_1)
+        add(f"{b}.ffn_down.weight", (hidden, intermediate), Q.Q8_0)
+    add("output_norm.weight", (hidden,), Q.F32)
+    if not tie:
+        add("output.weight", (VOCAB, hidden), Q.Q8_0, scale=0.3)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
     return path
 
 

