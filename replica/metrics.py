@@ -37,6 +37,7 @@ class EngineStats:
 class EngineMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
         labels = ["model_name"]
         r = self.registry
 
@@ -62,6 +63,9 @@ class EngineMetrics:
         self.e2e = h("vllm:e2e_request_latency_seconds", "End-to-end request latency in seconds.",
                      LATENCY_BUCKETS)
         self.itl = h("vllm:inter_token_latency_seconds", "Inter-token latency in seconds.", ITL_BUCKETS)
+        self.startup = Gauge("prefixserve:engine_startup_seconds",
+                             "Seconds this engine spent starting, by phase (see replica/model/startup.py).",
+                             ["model_name", "phase"], registry=r)
         self._last_queries = 0
         self._last_hits = 0
         self._last_preemptions = 0
@@ -82,6 +86,11 @@ class EngineMetrics:
             self.prompt_tokens.inc(num_prompt_tokens)
         if num_generation_tokens:
             self.generation_tokens.inc(num_generation_tokens)
+
+    def observe_startup(self, phases: dict[str, float]) -> None:
+        """Record the start-up time of each phase (StartupTimer.phases)."""
+        for phase, seconds in phases.items():
+            self.startup.labels(self.model_name, phase).set(seconds)
 
     def observe_first_token(self, ttft_s: float) -> None:
         self.ttft.observe(ttft_s)
