@@ -349,7 +349,8 @@ class PolicyResult:
         return {**asdict(self), "load_imbalance": self.load_imbalance}
 
 
-def summarize(policy: str, records: Sequence[RequestRecord], counters: Mapping[str, Mapping[str, float]]) -> PolicyResult:
+def summarize(policy: str, records: Sequence[RequestRecord],
+              counters: Mapping[str, Mapping[str, float]]) -> PolicyResult:
     """One policy's result from its request records and its replicas' counter deltas.
 
     Replicas known from the counters but absent from the records served no
@@ -391,7 +392,7 @@ def summarize(policy: str, records: Sequence[RequestRecord], counters: Mapping[s
         duration_s=duration,
         load_max=max(means, default=0.0),
         load_mean=sum(means) / len(means) if means else 0.0,
-        peak_in_flight=max((l.peak for l in loads.values()), default=0),
+        peak_in_flight=max((load.peak for load in loads.values()), default=0),
         preemptions=round(sum(c.get(PREEMPTIONS, 0.0) for c in counters.values())),
         replicas=per_replica,
         errors=[f"request {r.index}: {r.error}" for r in records if not r.ok][:10],
@@ -521,7 +522,8 @@ def _record_json(r: RequestRecord) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m prefixserve.loadtest.bench_cluster", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m prefixserve.loadtest.bench_cluster",
+                                description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--url", default=None,
                    help="measure a running endpoint (one row, salted requests) instead of a local cluster")

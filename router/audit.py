@@ -53,7 +53,7 @@ from typing import Any, BinaryIO, Protocol
 
 from tqdm import tqdm
 
-from prefixserve.router.prefix import PREFIX_HASH_HEADER, routing_key, static_prefix
+from prefixserve.router.prefix import PREFIX_HASH_HEADER, content_text, routing_key, static_prefix
 
 DEFAULT_PREFIX_TOKENS = 512
 DEFAULT_BLOCK_SIZE = 16
@@ -92,23 +92,6 @@ class MalformedLine:
     reason: str
 
 
-def _message_text(content: Any) -> str:
-    # The text the model sees of one message; the static prefix itself comes from
-    # router/prefix.py, which joins content parts the same way.
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n".join(
-            part if isinstance(part, str) else part["text"]
-            for part in content
-            if isinstance(part, str)
-            or (isinstance(part, Mapping) and part.get("type", "text") == "text" and isinstance(part.get("text"), str))
-        )
-    raise ValueError(f"message content must be a string or a list of parts, not {type(content).__name__}")
-
-
 def parse_record(obj: Any, line: int) -> PromptRecord:
     """A PromptRecord from one decoded JSON line (ValueError says what is wrong)."""
     if not isinstance(obj, Mapping):
@@ -121,7 +104,7 @@ def parse_record(obj: Any, line: int) -> PromptRecord:
         for i, m in enumerate(messages):
             if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
                 raise ValueError(f"messages[{i}] must be an object with a string 'role'")
-            pairs.append((m["role"], _message_text(m.get("content"))))
+            pairs.append((m["role"], content_text(m.get("content"))))
         return PromptRecord(line, static_prefix(messages) or "", tuple(pairs), None, routing_key(obj))
     if "prompt" in obj:
         prompt = obj["prompt"]

@@ -92,8 +92,11 @@ def prefix_hash(system_text: str, cache_salt: str | None = None) -> str:
     return _digest(system_text.encode("utf-8"), cache_salt)
 
 
-def _content_text(content: Any) -> str:
-    """Text of an OpenAI message content: a string or a list of content parts."""
+def content_text(content: Any) -> str:
+    """Text of an OpenAI message content: a string or a list of text parts joined by ``"\\n"``.
+
+    Raises ValueError for any other part (the API refuses them too).
+    """
     if content is None:
         return ""
     if isinstance(content, str):
@@ -120,7 +123,7 @@ def static_prefix(messages: Iterable[Mapping[str, Any]]) -> str | None:
             raise ValueError(f"each message must be an object, got {type(message).__name__}")
         if message.get("role") not in STATIC_ROLES:
             break
-        texts.append(_content_text(message.get("content")))
+        texts.append(content_text(message.get("content")))
     text = "\n".join(texts)
     return text or None
 

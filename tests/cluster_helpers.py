@@ -71,7 +71,8 @@ def deploy_config(
     ``deployments`` are Serve's per-deployment overrides (e.g. ``[{"name": "Engine",
     "num_replicas": 4}]``).
     """
-    app: dict[str, Any] = {"name": name, "route_prefix": "/", "import_path": "prefixserve.router.app:build_app", "args": args}
+    app: dict[str, Any] = {"name": name, "route_prefix": "/", "import_path": "prefixserve.router.app:build_app",
+                           "args": args}
     if deployments:
         app["deployments"] = deployments
     return {

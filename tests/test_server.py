@@ -14,7 +14,6 @@ import time
 
 import httpx
 import pytest
-
 from server_helpers import ReplicaProcess, build_tiny_llama, metric
 
 openai = pytest.importorskip("openai")
