@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from model_helpers import SMOLLM2_GGUF, hf_greedy, hf_model, random_prompts, smollm2_folder, tiny_gguf
+
 from prefixserve.kernels import cpu_library
 from prefixserve.replica.llm import LLM
 from prefixserve.replica.model import checkpoint_cache, loader

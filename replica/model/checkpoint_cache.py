@@ -28,11 +28,11 @@ import os
 import shutil
 import tempfile
 import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 from prefixserve.kernels.cpu_library import _cache_dir as _kernel_cache_dir
 
@@ -58,7 +58,7 @@ class SourceStamp:
     sha256: str
 
     @classmethod
-    def of(cls, path: Path, index_dir: Path | None = None) -> "SourceStamp":
+    def of(cls, path: Path, index_dir: Path | None = None) -> SourceStamp:
         """Stat ``path`` and hash it, reusing a hash remembered for the same path, size and mtime."""
         path = path.resolve()
         st = path.stat()

@@ -18,8 +18,11 @@ with real weights:
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -98,17 +101,20 @@ def hf_tensors(g: GGUFFile, config: Any) -> Iterator[tuple[str, torch.Tensor]]:
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     processor = TENSOR_PROCESSORS.get(g.architecture, TensorProcessor)(config=config_dict(g))
-    name_map = gguf_to_hf_names(config, processor)
-    for info in g.tensors:
-        weights = dequantize(g.tensor_data(info), info.ggml_type)
-        result = processor.process(weights=weights, name=info.name, tensor_key_mapping=name_map,
-                                   parsed_parameters={})
-        if result.name not in name_map:
-            continue
-        weights = result.weights
-        if not (weights.flags.owndata and weights.flags.writeable):
-            weights = np.copy(weights)  # a view of the read-only mapped file (F32 tensors)
-        yield name_map[result.name], torch.from_numpy(weights).to(torch.float32)
+    # Dequantize on every core (numpy releases the GIL in the heavy ops) while this thread
+    # works out the names, which imports transformers' model code (~1-2 s).
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        pending = [pool.submit(dequantize, g.tensor_data(info), info.ggml_type) for info in g.tensors]
+        name_map = gguf_to_hf_names(config, processor)
+        for info, future in zip(g.tensors, pending):
+            result = processor.process(weights=future.result(), name=info.name, tensor_key_mapping=name_map,
+                                       parsed_parameters={})
+            if result.name not in name_map:
+                continue
+            weights = result.weights
+            if not (weights.flags.owndata and weights.flags.writeable):
+                weights = np.copy(weights)  # a view of the read-only mapped file (F32 tensors)
+            yield name_map[result.name], torch.from_numpy(weights).to(torch.float32)
 
 
 def gguf_to_hf_names(config: Any, processor: Any) -> dict[str, str]:

@@ -18,9 +18,10 @@ import importlib.util
 import json
 import logging
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator
 
 PHASES = ("checkpoint", "config", "tokenizer", "kernels", "weights", "kv_cache")
 log = logging.getLogger("prefixserve.startup")
