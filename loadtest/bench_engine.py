@@ -12,7 +12,14 @@ includes queueing; "alone" TTFTs are one request on an idle engine whose cache h
 Each prefixserve engine runs ``--repeats`` times (3), on and off alternating, and
 reports its median run with every run's req/s beside it.
 
-Run: ``python -m prefixserve.loadtest.bench_engine`` (prints a markdown table, writes
+Start-up (issue 20): ``--startup-runs`` times (3), a fresh process constructs
+``LLM("smollm2")`` and generates one greedy token, timed from launch to that token,
+first with an empty checkpoint cache (cold: the GGUF is converted) and then again
+(warm: the cache is read); the C kernels are built beforehand and shared, so only the
+checkpoint differs. The engine's start-up phases are shown where it exports them
+(``prefixserve:engine_startup_seconds``). ``--startup-only`` runs just this part.
+
+Run: ``python -m prefixserve.loadtest.bench_engine`` (prints markdown tables, writes
 results/bench_engine.json).
 """
 
@@ -22,11 +29,18 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from prefixserve.replica.logs import add_verbose_flag, quiet_libraries
+
 SYSTEM_LEN, QUESTION_LEN, OUTPUT_LEN = 500, 30, 16
+STARTUP_CHILD = "--startup-child"
+STARTUP_METRIC = "prefixserve:engine_startup_seconds"
 
 
 def build_prompts(tokenizer: Any, encode_chat, seed: int, per_tenant: int = 8) -> list[list[int]]:
@@ -160,7 +174,61 @@ def decode_throughput(batches: list[int], steps: int, kv_bytes: int) -> dict[int
     return result
 
 
+def startup_child() -> None:
+    """One start in this process: print a JSON line with the wall-clock time of the first
+    token, the token, and the engine's start-up phases (empty if it exports none)."""
+    from prefixserve.replica.llm import LLM
+    from prefixserve.replica.sampling import SamplingParams
+
+    llm = LLM("smollm2")
+    out = llm.generate("Hello, my name is", SamplingParams(temperature=0.0, max_tokens=1))[0]
+    at = time.time()
+    phases = {sample.labels["phase"]: sample.value for family in llm.engine.metrics.registry.collect()
+              if family.name == STARTUP_METRIC for sample in family.samples}
+    print(json.dumps({"first_token_at": at, "token_ids": out.outputs[0].token_ids, "phases": phases}))
+
+
+def measure_startup(runs: int) -> list[dict[str, Any]]:
+    """``runs`` x (cold, warm) starts, each in a fresh process over its own empty cache root."""
+    from prefixserve.kernels import cpu_library
+
+    cpu_library.available()  # build the kernels now: the starts below share them, cold and warm alike
+    kernels = cpu_library._cache_dir()
+    rows = []
+    for run in range(runs):
+        with tempfile.TemporaryDirectory(prefix="prefixserve-startup-") as root:
+            if kernels.is_dir():
+                os.symlink(kernels, Path(root) / "kernels")
+            env = {**os.environ, "PREFIXSERVE_CACHE_DIR": root}
+            for kind in ("cold", "warm"):
+                start = time.time()
+                proc = subprocess.run([sys.executable, "-m", "prefixserve.loadtest.bench_engine", STARTUP_CHILD],
+                                      env=env, capture_output=True, text=True)
+                if proc.returncode != 0:
+                    raise RuntimeError(f"{kind} start failed:\n{proc.stderr[-3000:]}")
+                child = json.loads(proc.stdout.strip().splitlines()[-1])
+                rows.append({"kind": kind, "run": run, "first_token_s": child["first_token_at"] - start,
+                             "phases": child["phases"], "token_ids": child["token_ids"]})
+    return rows
+
+
+def print_startup(rows: list[dict[str, Any]]) -> None:
+    print("\n| start | launch to first token, median (s) | runs (s) | engine phases, median (s) |")
+    print("|---|---|---|---|")
+    for kind in ("cold", "warm"):
+        mine = [r for r in rows if r["kind"] == kind]
+        names = list(mine[0]["phases"])
+        phases = ", ".join(f"{n} {statistics.median(r['phases'][n] for r in mine):.2f}" for n in names) or "-"
+        spread = ", ".join(f"{r['first_token_s']:.2f}" for r in mine)
+        print(f"| {kind} | {statistics.median(r['first_token_s'] for r in mine):.2f} | {spread} | {phases} |")
+    tokens = {tuple(r["token_ids"]) for r in rows}
+    print(f"\nfirst token identical across starts: {len(tokens) == 1}")
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None and sys.argv[1:] == [STARTUP_CHILD]:
+        startup_child()
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hf-requests", type=int, default=16,
@@ -171,8 +239,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--per-tenant", type=int, default=8, help="requests per tenant (8 tenants)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = all cores)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each prefixserve engine (median reported)")
+    parser.add_argument("--startup-runs", type=int, default=3, help="cold+warm start pairs (0 to skip)")
+    parser.add_argument("--startup-only", action="store_true", help="measure start-up only")
     parser.add_argument("--out", default="results/bench_engine.json")
+    add_verbose_flag(parser)
     args = parser.parse_args(argv)
+    quiet_libraries(args.verbose)
+    startup = measure_startup(args.startup_runs) if args.startup_runs > 0 else []
+    if startup:
+        print_startup(startup)
+    if args.startup_only:
+        _write(Path(args.out), {"startup": startup})
+        return 0
     import torch
 
     torch.manual_seed(args.seed)
@@ -230,13 +308,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {b} | {tps:.1f} |")
     for n in notes:
         print(f"\nnote: {n}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     for r in rows:
         r.pop("token_ids", None)
-    out.write_text(json.dumps({"rows": rows, "decode_tokens_per_s": decode, "notes": notes}, indent=2))
-    print(f"\nwrote {out}")
+    _write(Path(args.out), {"rows": rows, "decode_tokens_per_s": decode, "notes": notes, "startup": startup})
     return 0
+
+
+def _write(out: Path, result: dict[str, Any]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"\nwrote {out}")
 
 
 def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
