@@ -7,7 +7,8 @@ load through it (a few tenants' system prompts, interleaved, closed loop) and
 prints the cluster's prefix-cache hit rate (the replicas' vLLM counters, read
 through the ingress's /metrics before and after), TTFT p50 and mean as the
 client saw it, and requests/s; then bounded_load's ratios over round_robin.
-Everything shuts down at the end (Ctrl-C included).
+Everything shuts down at the end (Ctrl-C included), quietly: library logs stay at
+WARNING unless ``--verbose``.
 
 KV pools are sized so that the working set (every tenant's system-prompt
 blocks) exceeds one replica's pool and fits the two together: round_robin
@@ -44,6 +45,8 @@ from prefixserve.loadtest.bench_cluster import (
     workload_token_counts,
 )
 from prefixserve.loadtest.cluster_run import LocalServeCluster, served_model
+from prefixserve.replica.logs import add_verbose_flag, quiet_libraries
+from prefixserve.replica.serve_shutdown import shutdown_serve
 from prefixserve.router.metrics import sum_samples
 
 POLICIES = ("round_robin", "bounded_load")
@@ -108,12 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request and per deployment")
     p.add_argument("--out-dir", type=Path, default=Path("results"))
+    add_verbose_flag(p)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    quiet_libraries(args.verbose)
     try:
         spec = WorkloadSpec("shared_prefix", args.tenants, args.requests, args.system_len, args.question_len,
                             args.output_len, seed=args.seed)
@@ -129,21 +134,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     # One logical CPU per engine replica plus one spare for Serve's helpers.
     with LocalServeCluster(num_cpus=args.replicas + 1, port=args.port) as cluster:
-        for policy in tqdm(POLICIES, desc="policies", unit="policy", file=sys.stderr):
-            name = f"demo-{policy}"
-            try:
-                t0 = time.perf_counter()
-                base = cluster.deploy(app_args(policy, model=args.model, replicas=args.replicas, sizing=sizing,
-                                               seed=args.seed, epsilon=None),
-                                      name, num_replicas=args.replicas, timeout_s=args.timeout)
-                wait_for_ring(base, args.replicas)
-                tqdm.write(f"{policy}: {args.replicas} replicas up in {time.perf_counter() - t0:.0f}s",
-                           file=sys.stderr)
-                result, records = measure(base, policy, _bodies(requests, served_model(base), None),
-                                          args.concurrency, timeout_s=args.timeout)
-                rows.append((result, _ttft_mean(records)))
-            finally:
-                cluster.delete(name)
+        try:
+            for policy in tqdm(POLICIES, desc="policies", unit="policy", file=sys.stderr):
+                name = f"demo-{policy}"
+                try:
+                    t0 = time.perf_counter()
+                    base = cluster.deploy(app_args(policy, model=args.model, replicas=args.replicas,
+                                                   sizing=sizing, seed=args.seed, epsilon=None),
+                                          name, num_replicas=args.replicas, timeout_s=args.timeout)
+                    wait_for_ring(base, args.replicas)
+                    tqdm.write(f"{policy}: {args.replicas} replicas up in {time.perf_counter() - t0:.0f}s",
+                               file=sys.stderr)
+                    result, records = measure(base, policy, _bodies(requests, served_model(base), None),
+                                              args.concurrency, timeout_s=args.timeout)
+                    rows.append((result, _ttft_mean(records)))
+                finally:
+                    cluster.delete(name)
+        finally:
+            # Serve stopped here, quietly, before the cluster's exit stops Ray (its own
+            # serve.shutdown() then finds nothing to do).
+            shutdown_serve()
 
     (rr, rr_mean), (bl, bl_mean) = rows
     print(f"\n## prefixserve demo: {args.tenants} tenants x {args.requests // args.tenants} requests, system prompt "
