@@ -48,7 +48,7 @@ from prefixserve.replica.errors import (
     RequestRejected,
 )
 from prefixserve.replica.kv.manager import KVCacheManager
-from prefixserve.replica.metrics import EngineMetrics, EngineStats
+from prefixserve.replica.metrics import EngineMetrics, EngineStats, FinishedRequestStats
 from prefixserve.replica.model import loader
 from prefixserve.replica.model.llama import ModelConfig
 from prefixserve.replica.model_runner import ModelRunner
@@ -92,7 +92,8 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.model_config, loader.iter_weights(src),
                                   max_model_len=self.max_model_len,
                                   checkpoint_dtype=getattr(hf_config, "dtype", None))
-        self.metrics = EngineMetrics(config.model_name)
+        self.metrics = EngineMetrics(config.model_name, self.max_model_len)
+        self.metrics.observe_cache_config(self._cache_config_info())
         eos = set(self.model_config.eos_token_ids) | set(loader.generation_eos_ids(src))
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -127,6 +128,14 @@ class LLMEngine:
         self.runner.k_cache.zero_()
         self.runner.v_cache.zero_()
         self._observe_step(0, 0)
+
+    def _cache_config_info(self) -> dict[str, object]:
+        """The labels of ``vllm:cache_config_info`` (vLLM's CacheConfig field names where they exist)."""
+        c = self.config
+        return {"block_size": c.block_size, "cache_dtype": c.kv_cache_dtype,
+                "enable_prefix_caching": c.enable_prefix_caching, "gpu_memory_utilization": c.gpu_memory_utilization,
+                "num_gpu_blocks": self.runner.num_blocks, "prefix_caching_hash_algo": c.prefix_hash_algo,
+                "swap_space": c.swap_space_gb}
 
     def _resolve_max_model_len(self) -> int:
         m, asked = self.model_config, self.config.max_model_len
@@ -243,6 +252,7 @@ class LLMEngine:
         if req is None:
             return False
         self._release(req)
+        self.metrics.observe_abort()
         self.stalled = False
         # The loop may go idle now: refresh the gauges (running, KV usage) here.
         self._observe_step(0, 0)
@@ -268,6 +278,10 @@ class LLMEngine:
         """
         plan = self.scheduler.schedule()
         self.stalled = not plan.changed_state
+        scheduled_at = time.monotonic()
+        for s in plan.scheduled:
+            if s.seq.request.scheduled_time is None:  # the end of its queue time (vLLM's definition)
+                s.seq.request.scheduled_time = scheduled_at
         failed: dict[str, tuple[Request, Exception]] = {}
         for seq in plan.rejected:
             failed[seq.request.request_id] = (seq.request, RequestRejected(
@@ -430,9 +444,21 @@ class LLMEngine:
         if req.finished:
             req.finished_time = now
             output = self.request_output(req)
-            self.metrics.observe_finished(now - req.arrival_time)
+            self.metrics.observe_finished(self._finished_stats(req, now))
             self.requests.pop(req.request_id, None)
         return EngineUpdate(req.request_id, deltas, output)
+
+    @staticmethod
+    def _finished_stats(req: Request, now: float) -> FinishedRequestStats:
+        scheduled = req.scheduled_time if req.scheduled_time is not None else req.arrival_time
+        first = req.first_token_time if req.first_token_time is not None else now
+        reason = req.seqs[0].finish_reason if req.seqs and req.seqs[0].finish_reason else "stop"
+        return FinishedRequestStats(finish_reason=str(reason), e2e_s=now - req.arrival_time,
+                                    queued_s=scheduled - req.arrival_time, prefill_s=first - scheduled,
+                                    decode_s=now - first, inference_s=now - scheduled,
+                                    num_prompt_tokens=len(req.prompt_token_ids),
+                                    num_generation_tokens=req.num_output_tokens,
+                                    max_tokens=req.params.max_tokens, n=req.params.n)
 
     def request_output(self, req: Request) -> RequestOutput:
         outs = [CompletionOutput(index=s.index, text=s.text, token_ids=s.output_token_ids,
@@ -674,6 +700,7 @@ class AsyncEngine:
                         f"the engine failed ({type(exc).__name__}) and restarted; retry the request"))
                     self.engine.reset()
                     self.num_restarts += 1
+                    self.engine.metrics.observe_restart()
                     log.warning("engine state reset after a failure (restart %d)", self.num_restarts)
         except BaseException as exc:  # a failed reset, or KeyboardInterrupt/SystemExit: no restart
             self._dead = exc

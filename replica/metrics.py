@@ -1,23 +1,52 @@
-"""Prometheus metrics of one engine, under vLLM's names so existing dashboards work.
+"""Prometheus metrics of one engine, under vLLM V1's names, types, buckets and labels.
+
+vLLM's own dashboards and alerts (vllm/v1/metrics/loggers.py's PrometheusStatLogger)
+work unchanged: every ``vllm:*`` series carries ``model_name`` and ``engine`` (the
+engine index inside its process; always "0" here, one engine per replica process).
+Our additions are ``prefixserve:*``; the seeds' ``vllm:gpu_prefix_cache_hit_rate``
+gauge (hit tokens / queried tokens since start) is kept for compatibility with
+their dashboards; prefer ``rate(vllm:prefix_cache_hits_total) /
+rate(vllm:prefix_cache_queries_total)``.
 
 Each engine owns its own ``CollectorRegistry`` (several engines may live in one
-process: tests, the benchmark); every series carries a ``model_name`` label. The
-engine calls ``observe_step`` after each step and ``observe_finished`` per request;
+process: tests, the benchmark). The engine calls ``observe_step`` after each step,
+``observe_finished`` per finished request, ``observe_abort`` per aborted one;
 nothing here reads engine internals. Also ``EngineStats``, the snapshot that
 ``AsyncEngine.stats()`` returns.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+# vLLM V1's buckets (vllm/v1/metrics/loggers.py), so that histogram_quantile answers match.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                10.0, 20.0, 40.0, 80.0)
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-                   120.0, 240.0, 480.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+                   120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+               20.0, 40.0, 80.0)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+N_BUCKETS = (1, 2, 5, 10, 20)
+# The one engine of a replica process (vLLM numbers its data-parallel engines 0..N-1).
+ENGINE_INDEX = "0"
+# vLLM's finish reasons, each pre-created in request_success_total so that rates exist from the start.
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's token-count buckets)."""
+    buckets: list[int] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return tuple(buckets)
+            buckets.append(mantissa * scale)
+        scale *= 10
 
 
 @dataclass(frozen=True)
@@ -34,46 +63,120 @@ class EngineStats:
     num_kv_blocks: int
 
 
+@dataclass(frozen=True)
+class FinishedRequestStats:
+    """The phases of one finished request, as vLLM's request histograms define them.
+
+    queued: arrival to first scheduled; prefill: first scheduled to first token;
+    decode: first token to finish; inference: first scheduled to finish.
+    """
+
+    finish_reason: str
+    e2e_s: float
+    queued_s: float
+    prefill_s: float
+    decode_s: float
+    inference_s: float
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    max_tokens: int
+    n: int
+
+
 class EngineMetrics:
-    def __init__(self, model_name: str) -> None:
+    """One engine's Prometheus series (see the module docstring for names and labels)."""
+
+    def __init__(self, model_name: str, max_model_len: int = 4096) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
-        labels = ["model_name"]
+        labels = ["model_name", "engine"]
+        values = (model_name, ENGINE_INDEX)
         r = self.registry
 
         def g(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, labels, registry=r).labels(model_name)
+            return Gauge(name, doc, labels, registry=r).labels(*values)
 
         def c(name: str, doc: str) -> Counter:
-            return Counter(name, doc, labels, registry=r).labels(model_name)
+            return Counter(name, doc, labels, registry=r).labels(*values)
 
-        def h(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+        def h(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(*values)
 
-        self.kv_usage = g("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        token_buckets = build_1_2_5_buckets(max_model_len)
+        # Scheduler state and cache
         self.running = g("vllm:num_requests_running", "Number of requests in model execution batches.")
         self.waiting = g("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
-        self.hit_rate = g("vllm:gpu_prefix_cache_hit_rate", "Prefix-cache hit rate (tokens), since start.")
-        self.prefix_queries = c("vllm:prefix_cache_queries", "Prefix-cache queries, in prompt tokens.")
-        self.prefix_hits = c("vllm:prefix_cache_hits", "Prefix-cache hits, in prompt tokens.")
-        self.preemptions = c("vllm:num_preemptions", "Cumulative number of preemptions.")
+        self.kv_usage = g("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.prefix_queries = c("vllm:prefix_cache_queries",
+                                "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_hits = c("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.hit_rate = g("vllm:gpu_prefix_cache_hit_rate",
+                          "Prefix-cache hit rate (tokens) since start. Kept for compatibility with earlier "
+                          "dashboards; prefer rate(vllm:prefix_cache_hits) / rate(vllm:prefix_cache_queries).")
+        # Counters
+        self.preemptions = c("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
         self.prompt_tokens = c("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = c("vllm:generation_tokens", "Number of generation tokens processed.")
-        self.ttft = h("vllm:time_to_first_token_seconds", "Time to first token in seconds.", TTFT_BUCKETS)
-        self.e2e = h("vllm:e2e_request_latency_seconds", "End-to-end request latency in seconds.",
+        success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                          labels + ["finished_reason"], registry=r)
+        self.request_success = {reason: success.labels(*values, reason) for reason in FINISH_REASONS}
+        # Histograms of counts
+        self.request_prompt_tokens = h("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
+                                       token_buckets)
+        self.request_generation_tokens = h("vllm:request_generation_tokens",
+                                           "Number of generation tokens processed.", token_buckets)
+        self.iteration_tokens = h("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                  ITERATION_TOKEN_BUCKETS)
+        self.params_n = h("vllm:request_params_n", "Histogram of the n request parameter.", N_BUCKETS)
+        self.params_max_tokens = h("vllm:request_params_max_tokens",
+                                   "Histogram of the max_tokens request parameter.", token_buckets)
+        # Histograms of timing intervals
+        self.ttft = h("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                      TTFT_BUCKETS)
+        self.itl = h("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                     ITL_BUCKETS)
+        # vLLM's earlier name of the same per-token interval; its Grafana dashboard still queries it.
+        self.tpot = h("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.",
+                      ITL_BUCKETS)
+        self.e2e = h("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                      LATENCY_BUCKETS)
-        self.itl = h("vllm:inter_token_latency_seconds", "Inter-token latency in seconds.", ITL_BUCKETS)
+        self.queue_time = h("vllm:request_queue_time_seconds",
+                            "Histogram of time spent in WAITING phase for request.", LATENCY_BUCKETS)
+        self.inference_time = h("vllm:request_inference_time_seconds",
+                                "Histogram of time spent in RUNNING phase for request.", LATENCY_BUCKETS)
+        self.prefill_time = h("vllm:request_prefill_time_seconds",
+                              "Histogram of time spent in PREFILL phase for request.", LATENCY_BUCKETS)
+        self.decode_time = h("vllm:request_decode_time_seconds",
+                             "Histogram of time spent in DECODE phase for request.", LATENCY_BUCKETS)
+        # Ours
+        self.restarts = c("prefixserve:engine_restarts",
+                          "Times the engine reset its state after a fatal step failure (weights kept).")
         self.startup = Gauge("prefixserve:engine_startup_seconds",
                              "Seconds this engine spent starting, by phase (see replica/model/startup.py).",
-                             ["model_name", "phase"], registry=r)
+                             labels + ["phase"], registry=r)
+        self._cache_config: Gauge | None = None
         self._last_queries = 0
         self._last_hits = 0
         self._last_preemptions = 0
 
+    def observe_cache_config(self, info: Mapping[str, object]) -> None:
+        """Publish ``vllm:cache_config_info`` (a gauge at 1 whose labels are the cache settings), once."""
+        if self._cache_config is not None:
+            return
+        labels = {k: str(v) for k, v in info.items()}
+        labels["engine"] = ENGINE_INDEX
+        self._cache_config = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                   list(labels), registry=self.registry)
+        self._cache_config.labels(**labels).set(1)
+
     def observe_step(self, *, num_running: int, num_waiting: int, kv_usage: float, prefix_queries: int,
                      prefix_hits: int, num_preemptions: int, num_prompt_tokens: int,
                      num_generation_tokens: int) -> None:
-        """Record one step; the cumulative counters are passed as totals and turned into increments."""
+        """Record one step; the cumulative counters are passed as totals and turned into increments.
+
+        A step that computed no tokens (an idle refresh after an abort or a reset) updates
+        the gauges only, so ``vllm:iteration_tokens_total`` counts model iterations alone.
+        """
         self.running.set(num_running)
         self.waiting.set(num_waiting)
         self.kv_usage.set(kv_usage)
@@ -86,17 +189,38 @@ class EngineMetrics:
             self.prompt_tokens.inc(num_prompt_tokens)
         if num_generation_tokens:
             self.generation_tokens.inc(num_generation_tokens)
+        if num_prompt_tokens or num_generation_tokens:
+            self.iteration_tokens.observe(num_prompt_tokens + num_generation_tokens)
 
     def observe_startup(self, phases: dict[str, float]) -> None:
         """Record the start-up time of each phase (StartupTimer.phases)."""
         for phase, seconds in phases.items():
-            self.startup.labels(self.model_name, phase).set(seconds)
+            self.startup.labels(self.model_name, ENGINE_INDEX, phase).set(seconds)
 
     def observe_first_token(self, ttft_s: float) -> None:
         self.ttft.observe(ttft_s)
 
     def observe_inter_token(self, seconds: float) -> None:
         self.itl.observe(seconds)
+        self.tpot.observe(seconds)
 
-    def observe_finished(self, e2e_s: float) -> None:
-        self.e2e.observe(e2e_s)
+    def observe_finished(self, stats: FinishedRequestStats) -> None:
+        """Record a request that finished (stop or length): its outcome, phases and sizes."""
+        self.request_success[stats.finish_reason].inc()
+        self.e2e.observe(stats.e2e_s)
+        self.queue_time.observe(stats.queued_s)
+        self.prefill_time.observe(stats.prefill_s)
+        self.decode_time.observe(stats.decode_s)
+        self.inference_time.observe(stats.inference_s)
+        self.request_prompt_tokens.observe(stats.num_prompt_tokens)
+        self.request_generation_tokens.observe(stats.num_generation_tokens)
+        self.params_max_tokens.observe(stats.max_tokens)
+        self.params_n.observe(stats.n)
+
+    def observe_abort(self) -> None:
+        """Count a request aborted before it finished (its client left); its timings are not recorded."""
+        self.request_success["abort"].inc()
+
+    def observe_restart(self) -> None:
+        """Count one engine restart (AsyncEngine reset its state after a fatal failure)."""
+        self.restarts.inc()

@@ -42,6 +42,8 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     # Prompt tokens served from the prefix cache at the first admission (None before it).
     num_cached_tokens: int | None = None
+    # When the scheduler first took it (monotonic): its queue time ends here.
+    scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
     # True once the n > 1 children exist (they are forked after the prompt's prefill).

@@ -197,6 +197,8 @@ async def test_a_model_failure_restarts_the_engine_until_the_bound(llm, ckpt):
         after = await _collect(engine, PROMPTS[2], LONG, "after-restart")
         assert sum(len(d.token_ids) for d in after) == 24
         assert engine.num_restarts == 1 and engine.is_running
+        assert inner.metrics.registry.get_sample_value(
+            "prefixserve:engine_restarts_total", {"model_name": inner.model_name, "engine": "0"}) == 1
         engine.check_health()
         assert _free(inner) == inner.kv_manager.num_blocks
         # One more failure within the window is past max_engine_restarts=1: dead for good.
