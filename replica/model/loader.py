@@ -79,7 +79,7 @@ _lock = threading.Lock()
 
 def prepare(src: CheckpointSource) -> CheckpointSource:
     """The Hugging Face folder to read ``src`` from: ``src`` itself, or for a GGUF file its
-    conversion in the checkpoint cache (built on first use; the weights' hashes are
+    conversion in the checkpoint cache (built on first use; the weights' checksums are
     checked in the background until :func:`iter_weights` needs them). Remembered per process."""
     if not src.gguf_file:
         return src
@@ -144,7 +144,7 @@ def generation_eos_ids(src: CheckpointSource) -> tuple[int, ...]:
 def iter_weights(src: CheckpointSource) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, tensor)`` for every tensor of the checkpoint, shard by shard, each
     tensor read on its own (see :mod:`.safetensors_files`). A converted GGUF's weights are
-    read only once their hashes match its manifest; a corrupt entry is rebuilt first."""
+    read only once their checksums match its manifest; a corrupt entry is rebuilt first."""
     src = prepare(src)
     with _lock:
         conv = _conversions.get(src)
