@@ -22,8 +22,12 @@ Invariants:
   took (``X-Prefixserve-Attempts``).
 * ``/health`` answers 200 only while at least one engine replica passes its
   health check (asked at most once per ``HEALTH_CACHE_S``), else 503.
-* /metrics merges this process's router metrics with every engine replica's
-  metrics (each sample labelled ``replica``).
+* /metrics merges every ingress replica's router metrics (each sample
+  labelled ``ingress``, this process's own included) with every engine
+  replica's metrics (labelled ``replica``): whichever ingress replica the
+  Serve proxy hands a scrape to, it answers for the whole cluster, so each
+  counter series stays monotonic. An ingress replica that does not answer
+  within ``METRICS_TIMEOUT_S`` is left out (this one's own series never are).
 
 No ``from __future__ import annotations`` here: Serve's class-based FastAPI
 ingress resolves the endpoints' parameter annotations (``request: Request``) at
@@ -65,6 +69,8 @@ DEFAULT_MAX_ATTEMPTS = 4
 HEALTH_CACHE_S = 1.0
 # ... and counts replicas that have not answered within this as unhealthy.
 HEALTH_TIMEOUT_S = 2.0
+# /metrics waits this long for the other ingress replicas' router metrics.
+METRICS_TIMEOUT_S = 2.0
 INGRESS_HEADER = "X-Prefixserve-Ingress"
 # How many times the request was sent to a replica (above 1: earlier replicas died under it).
 ATTEMPTS_HEADER = "X-Prefixserve-Attempts"
@@ -254,7 +260,10 @@ class OpenAIIngress:
             completion_prefix_chars=self.config.completion_prefix_chars,
             honor_header=self.config.honor_prefix_header,
         )
-        self.name = serve.get_replica_context().replica_id.to_full_id_str()
+        context = serve.get_replica_context()
+        self.name = context.replica_id.to_full_id_str()
+        self._deployment = (context.deployment, context.app_name)
+        self._siblings: DeploymentHandle | None = None  # this deployment's handle, made at first use
 
     def _named(self, response: Response) -> Response:
         response.headers[INGRESS_HEADER] = self.name
@@ -275,9 +284,30 @@ class OpenAIIngress:
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
-        texts = await self.engine_metrics()
-        body = router_metrics().exposition() + merge_expositions(texts)
+        routers, engines = await asyncio.gather(self.ingress_router_metrics(), self.engine_metrics())
+        body = merge_expositions(routers, label="ingress") + merge_expositions(engines)
         return self._named(Response(body, media_type=CONTENT_TYPE_LATEST))
+
+    def named_router_metrics_text(self) -> tuple[str, str]:
+        """This ingress replica's name and its router's Prometheus text (for a sibling's /metrics)."""
+        return self.name, router_metrics().exposition().decode("utf-8")
+
+    async def ingress_router_metrics(self) -> dict[str, str]:
+        """Every ingress replica's router metrics text, by replica name; this one's always."""
+        texts = dict([self.named_router_metrics_text()])
+        if self._siblings is None:
+            self._siblings = serve.get_deployment_handle(*self._deployment)
+        try:
+            pairs = await self._siblings.broadcast("named_router_metrics_text").results_async(
+                timeout_s=METRICS_TIMEOUT_S, return_exceptions=True)
+        except TimeoutError:
+            log.warning("ingress replicas did not all answer for /metrics within %ss", METRICS_TIMEOUT_S)
+            return texts
+        for item in pairs:
+            if not isinstance(item, BaseException):
+                name, text = item
+                texts.setdefault(name, text)
+        return texts
 
     async def engine_metrics(self) -> dict[str, str]:
         """Each live engine replica's Prometheus text, by replica name (a dead one is left out)."""

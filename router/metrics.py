@@ -1,10 +1,13 @@
 """The router's Prometheus metrics (``prefixserve_router_*``) and /metrics aggregation.
 
 Job: one registry per process holding what the Serve request router decides
-(requests per replica and policy, decision latency, spills past the ring owner,
-ring size), and a helper that merges engine replicas' Prometheus texts into one
-exposition with a ``replica`` label, so the ingress's /metrics shows the whole
-cluster.
+(requests per replica and policy, decisions by kind, decision latency, spills
+past the ring owner, ring size and version), and a helper that merges several
+Prometheus texts into one exposition with a source label. The ingress's /metrics
+merges every ingress replica's router registry (label ``ingress``) and every
+engine replica's registry (label ``replica``), so a scrape through the Serve
+proxy shows the whole cluster whichever ingress replica answers it, and each
+counter series stays monotonic.
 
 The registry is process-global on purpose: Ray Serve builds the request router
 inside the ingress process (on its own event-loop thread), and the ingress's
@@ -21,6 +24,15 @@ from collections.abc import Iterable, Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
+
+# Decision kinds (prefixserve_router_decisions_total{kind}): where a request landed
+# relative to its key's ring owner and the policy's first choice.
+KIND_OWNER = "owner"  # the key's ring owner
+KIND_SPILL = "spill"  # the policy put another replica first (bounded load: the owner was over capacity)
+KIND_FALLBACK = "fallback"  # not the policy's first choice: that replica was full or refused it
+KIND_NO_KEY = "no_key"  # no routing key (no static prefix): routed by load alone
+KIND_NO_RING = "no_ring"  # a key, but a policy without a ring (round_robin, random, power_of_two)
+DECISION_KINDS = (KIND_OWNER, KIND_SPILL, KIND_FALLBACK, KIND_NO_KEY, KIND_NO_RING)
 
 # Decisions are pure-Python ring walks: tens of microseconds normally, more under
 # a big ring or a stalled loop.
@@ -44,6 +56,13 @@ class RouterMetrics:
             ["deployment", "policy"],
             registry=self.registry,
         )
+        self.decisions = Counter(
+            "prefixserve_router_decisions",
+            "Requests routed, by policy, replica and decision kind "
+            "(owner, spill, fallback, no_key, no_ring: see router/metrics.py).",
+            ["deployment", "policy", "replica", "kind"],
+            registry=self.registry,
+        )
         self.decision_seconds = Histogram(
             "prefixserve_router_decision_seconds",
             "Time the policy took to rank the candidate replicas of one request.",
@@ -61,6 +80,12 @@ class RouterMetrics:
         self.ring_size = Gauge(
             "prefixserve_router_ring_size",
             "Replicas on the router's ring (the live replicas it routes over).",
+            ["deployment"],
+            registry=self.registry,
+        )
+        self.ring_version = Gauge(
+            "prefixserve_router_ring_version",
+            "Changes of the ring's membership this router has seen (0: the first ring).",
             ["deployment"],
             registry=self.registry,
         )

@@ -47,7 +47,15 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
-from prefixserve.router.metrics import RouterMetrics, router_metrics
+from prefixserve.router.metrics import (
+    KIND_FALLBACK,
+    KIND_NO_KEY,
+    KIND_NO_RING,
+    KIND_OWNER,
+    KIND_SPILL,
+    RouterMetrics,
+    router_metrics,
+)
 from prefixserve.router.policies import DEFAULT_POLICY, Policy, make_policy
 
 # Import path of this router for RequestRouterConfig(request_router_class=...).
@@ -82,6 +90,26 @@ def request_routing_key(pending_request: PendingRequest | None) -> str | None:
 
 
 @dataclass(frozen=True)
+class Choice:
+    """What the policy decided for one request: the key's ring owner and its own first choice."""
+
+    keyed: bool
+    owner: str | None
+    first: str | None
+
+
+def decision_kind(choice: Choice | None, landed: str) -> str:
+    """The decision kind of a request that landed on ``landed`` (router/metrics.py's KIND_*)."""
+    if choice is None or not choice.keyed:
+        return KIND_NO_KEY
+    if choice.owner is not None and landed == choice.owner:
+        return KIND_OWNER
+    if choice.first is not None and landed != choice.first:
+        return KIND_FALLBACK
+    return KIND_SPILL if choice.owner is not None else KIND_NO_RING
+
+
+@dataclass(frozen=True)
 class ReplicaLoad:
     """A RunningReplica seen through router/policies.py's ReplicaView."""
 
@@ -103,12 +131,13 @@ class PrefixRouter(RequestRouter):
         self._policy: Policy = make_policy(policy, **options)
         self._metrics = metrics if metrics is not None else router_metrics()
         self._deployment = self._deployment_id.name
-        # Per request: the key's ring owner at decision time (for the spill metric).
-        self._owners: OrderedDict[str, str | None] = OrderedDict()
+        # Per request: the decision (owner, first choice), for the spill and decision-kind metrics.
+        self._choices: OrderedDict[str, Choice] = OrderedDict()
         # Requests this router routed and that have not completed: id -> replica.
         self._routed: dict[str, ReplicaID] = {}
         self._own_in_flight: defaultdict[ReplicaID, int] = defaultdict(int)
         self._ring_names: set[str] = set()
+        self._ring_version = -1  # the first membership becomes version 0
 
     @property
     def policy(self) -> Policy:
@@ -144,22 +173,26 @@ class PrefixRouter(RequestRouter):
             # Every tier is on offer, so when all are full the base class should back
             # off before asking again rather than spin.
             pending_request.routing_context.should_backoff = True
-            self._remember_owner(pending_request.metadata.internal_request_id, owner)
+            first = replica_name(ranking[0].replica_id) if ranking else None
+            self._remember(pending_request.metadata.internal_request_id, Choice(key is not None, owner, first))
         return [[r] for r in ranking]
 
-    def _remember_owner(self, request_id: str, owner: str | None) -> None:
-        self._owners[request_id] = owner
-        self._owners.move_to_end(request_id)
-        while len(self._owners) > _MAX_PENDING_DECISIONS:
-            self._owners.popitem(last=False)
+    def _remember(self, request_id: str, choice: Choice) -> None:
+        self._choices[request_id] = choice
+        self._choices.move_to_end(request_id)
+        while len(self._choices) > _MAX_PENDING_DECISIONS:
+            self._choices.popitem(last=False)
 
     # -- lifecycle hooks --------------------------------------------------------------
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
         request_id = pending_request.metadata.internal_request_id
         name = replica_name(replica_id)
-        owner = self._owners.pop(request_id, None)
+        choice = self._choices.pop(request_id, None)
+        owner = choice.owner if choice is not None else None
         if is_generation(pending_request):  # control calls (model_info, ...) are not counted
             self._metrics.requests.labels(self._deployment, self._policy.name, name).inc()
+            self._metrics.decisions.labels(self._deployment, self._policy.name, name,
+                                           decision_kind(choice, name)).inc()
             if owner is not None and owner != name:
                 self._metrics.spills.labels(self._deployment, self._policy.name).inc()
             if request_routing_key(pending_request) is None:
@@ -202,5 +235,8 @@ class PrefixRouter(RequestRouter):
                 pass
         for name in names - self._ring_names:
             self._metrics.ring_member.labels(self._deployment, name).set(1)
+        if names != self._ring_names or self._ring_version < 0:
+            self._ring_version += 1
+            self._metrics.ring_version.labels(self._deployment).set(self._ring_version)
         self._ring_names = names
         self._metrics.ring_size.labels(self._deployment).set(len(live))

@@ -185,16 +185,16 @@ def wait_for_replicas(count: int, app_name: str = APP_NAME, timeout_s: float = 1
         time.sleep(0.5)
 
 
-def ring_members(metrics_text: str) -> set[str]:
-    """The replicas an ingress's router has on its ring, from its /metrics text."""
+def ring_members(metrics_text: str) -> dict[str, set[str]]:
+    """The replicas each ingress replica's router has on its ring (by ``ingress`` label), from /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    return {
-        sample.labels["replica"]
-        for family in text_string_to_metric_families(metrics_text)
-        for sample in family.samples
-        if sample.name == "prefixserve_router_ring_member" and sample.value == 1
-    }
+    members: dict[str, set[str]] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name == "prefixserve_router_ring_member" and sample.value == 1:
+                members.setdefault(sample.labels["ingress"], set()).add(sample.labels["replica"])
+    return members
 
 
 def wait_for_ring(base: str, members: list[str], num_ingress: int, timeout_s: float = 120.0) -> None:
@@ -208,9 +208,10 @@ def wait_for_ring(base: str, members: list[str], num_ingress: int, timeout_s: fl
     with httpx.Client(timeout=30) as http:
         while True:
             response = http.get(f"{base}/metrics")
-            ingress = response.headers.get(INGRESS_HEADER)
-            if response.status_code == 200 and ingress is not None:
-                seen[ingress] = ring_members(response.text)
+            if response.status_code == 200:
+                # One scrape names every ingress replica's ring; a sibling that did not answer
+                # this time is kept from an earlier scrape.
+                seen.update(ring_members(response.text))
             if len(seen) == num_ingress and all(v == set(members) for v in seen.values()):
                 return
             if time.monotonic() > deadline:

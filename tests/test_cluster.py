@@ -13,6 +13,7 @@ import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from prefixserve.router.prefix import PREFIX_HASH_HEADER, prefix_hash
 from prefixserve.router.ring import HashRing
@@ -23,10 +24,12 @@ from tests.cluster_helpers import (
     chat,
     deploy,
     engine_replicas,
+    ring_members,
     wait_for_replicas,
     wait_for_ring,
 )
 from tests.model_helpers import tiny_checkpoint
+from tests.server_helpers import metric
 
 pytestmark = pytest.mark.slow
 
@@ -98,10 +101,14 @@ def test_replicas_report_routing_stats_and_metrics_name_every_replica(base):
     for s in stats:
         assert set(s) == {"kv_usage", "num_running", "num_waiting"}
         assert 0.0 <= s["kv_usage"] <= 1.0 and s["num_running"] >= 0 and s["num_waiting"] >= 0
-    text = httpx.get(f"{base}/metrics", timeout=60).text
+    response = httpx.get(f"{base}/metrics", timeout=60)
+    text = response.text
     for name in engine_replicas():
-        assert f'vllm:prefix_cache_queries_total{{model_name="tiny",replica="{name}"}}' in text
+        assert metric(text, "vllm:prefix_cache_queries_total", model_name="tiny", engine="0", replica=name) >= 0
     assert "prefixserve_router_decision_seconds_count" in text
+    # Every ingress replica's router series, each under its own name, whichever one answered.
+    ingresses = set(ring_members(text))
+    assert len(ingresses) == NUM_INGRESS and response.headers[INGRESS_HEADER] in ingresses
     # The ingress's /health asks the engine replicas (Serve's check_health), not itself.
     health = httpx.get(f"{base}/health", timeout=60)
     assert health.status_code == 200 and health.headers[INGRESS_HEADER]
@@ -260,7 +267,9 @@ def test_adding_a_replica_moves_at_most_its_share_of_keys(base, model_dir):
             assert time.monotonic() < deadline, f"keys still off their new ring owner: {strays[:3]}"
             time.sleep(1.0)
         metrics = http.get(f"{base}/metrics").text
-    assert 'prefixserve_router_ring_size{deployment="Engine"} 4.0' in metrics
+    sizes = [s.value for f in text_string_to_metric_families(metrics) for s in f.samples
+             if s.name == "prefixserve_router_ring_size" and s.labels["deployment"] == "Engine"]
+    assert sizes == [4.0] * NUM_INGRESS
 
 
 def test_ray_serve_llm_prefix_router_runs_on_the_engine_deployment(base, model_dir):

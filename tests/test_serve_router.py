@@ -128,8 +128,15 @@ async def test_full_owner_falls_back_to_the_next_ring_replica():
     order = HashRing(sorted(by_name)).successors(key)
     by_name[order[0]].queue_len = 2  # at max_ongoing_requests: Serve will not send to it
     router.replica_queue_len_cache.update(by_name[order[0]].replica_id, 2)
-    chosen = await route(router, pending(key))
+    request = pending(key)
+    chosen = await route(router, request)
     assert chosen.name == order[1]
+    router.on_request_routed(request, chosen.replica_id, result=None)
+    # The policy put the owner first; Serve moved on because it was full: a fallback, not a spill.
+    assert counter(router._metrics, "prefixserve_router_decisions_total", deployment="Engine",
+                   policy="consistent_hash", replica=order[1], kind="fallback") == 1
+    assert counter(router._metrics, "prefixserve_router_decisions_total", deployment="Engine",
+                   policy="consistent_hash", replica=order[1], kind="spill") == 0
 
 
 def load(router: PrefixRouter, replica: FakeReplica, n: int) -> list[PendingRequest]:
@@ -158,6 +165,10 @@ async def test_bounded_load_spills_a_hot_key_and_counts_it():
     assert counter(metrics, "prefixserve_router_spills_total", deployment="Engine", policy="bounded_load") == 1
     assert counter(metrics, "prefixserve_router_requests_total", deployment="Engine", policy="bounded_load",
                    replica=order[1]) == 1
+    assert counter(metrics, "prefixserve_router_decisions_total", deployment="Engine", policy="bounded_load",
+                   replica=order[1], kind="spill") == 1
+    assert counter(metrics, "prefixserve_router_decisions_total", deployment="Engine", policy="bounded_load",
+                   replica=order[0], kind="no_key") == 10  # load() routes unkeyed requests
     # Once the owner's requests complete, the key returns to it and nothing spills.
     for r in [*hot, request]:
         router.on_request_completed(by_name[order[0]].replica_id, r.metadata.internal_request_id)
@@ -166,6 +177,8 @@ async def test_bounded_load_spills_a_hot_key_and_counts_it():
     router.on_request_routed(request, chosen.replica_id, result=None)
     assert chosen.name == order[0]
     assert counter(metrics, "prefixserve_router_spills_total", deployment="Engine", policy="bounded_load") == 1
+    assert counter(metrics, "prefixserve_router_decisions_total", deployment="Engine", policy="bounded_load",
+                   replica=order[0], kind="owner") == 1
 
 
 async def test_dead_replica_leaves_the_ring_and_no_surviving_key_moves():
@@ -187,6 +200,7 @@ async def test_dead_replica_leaves_the_ring_and_no_surviving_key_moves():
         else:
             assert after[k] == before[k]
     assert counter(router._metrics, "prefixserve_router_ring_size", deployment="Engine") == 3
+    assert counter(router._metrics, "prefixserve_router_ring_version", deployment="Engine") == 1
 
 
 async def test_added_replica_moves_at_most_its_share_of_keys():
@@ -203,6 +217,9 @@ async def test_added_replica_moves_at_most_its_share_of_keys():
     assert all(after[k] == newcomer.name for k in moved)
     assert len(moved) / len(keys) <= 1 / 5 + 0.05
     assert counter(router._metrics, "prefixserve_router_ring_size", deployment="Engine") == 5
+    assert counter(router._metrics, "prefixserve_router_ring_version", deployment="Engine") == 1
+    router.update_replicas([*reps, newcomer])  # the same members: the same version
+    assert counter(router._metrics, "prefixserve_router_ring_version", deployment="Engine") == 1
 
 
 async def test_unkeyed_requests_go_to_the_least_loaded():
@@ -242,9 +259,17 @@ async def test_round_robin_alternates_over_live_replicas():
     reps = replicas(rng, 2)
     router.update_replicas(reps)
     key = random_keys(rng, 1)[0]
-    chosen = [(await route(router, pending(key))).name for _ in range(6)]
+    chosen = []
+    for _ in range(6):
+        request = pending(key)
+        replica = await route(router, request)
+        router.on_request_routed(request, replica.replica_id, result=None)
+        chosen.append(replica.name)
     assert chosen[0::2] == [chosen[0]] * 3 and chosen[1::2] == [chosen[1]] * 3
     assert chosen[0] != chosen[1]
+    # A keyed request under a policy without a ring.
+    assert counter(router._metrics, "prefixserve_router_decisions_total", deployment="Engine", policy="round_robin",
+                   replica=chosen[0], kind="no_ring") == 3
 
 
 def test_initialize_state_rejects_options_of_other_policies():
