@@ -3,7 +3,7 @@
 TRITON_INTERPRET must be set before any ``@triton.jit`` decorator runs, i.e. before
 a kernel module is imported: the interpreter runs the Triton kernels on CPU tensors.
 
-The real-system tests need programs beyond Python (nginx, a C compiler). A
+The real-system tests need programs beyond Python (nginx, a C compiler, Prometheus). A
 missing one is named before the run (report header) and every skipped test is
 listed with its reason after it, so a whole suite never skips silently. With
 ``PREFIXSERVE_REQUIRE_SYSTEM_DEPS=1`` (``.ci/run`` sets it) a missing program
@@ -21,11 +21,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from nginx_helpers import find_nginx  # noqa: E402  (after the environment above)
+from prometheus_helpers import find_prometheus  # noqa: E402
 
 # program -> (found?, which tests need it)
 _SYSTEM_DEPS = {
     "nginx": (find_nginx() is not None, "tests/test_nginx_parity.py, tests/test_nginx_e2e.py"),
     "C compiler": (shutil.which(os.environ.get("CC", "cc")) is not None, "tests/test_cpu_kernels.py"),
+    "prometheus": (find_prometheus() is not None,
+                   "tests/test_observability.py, tests/test_cluster.py's dashboard test"),
 }
 
 

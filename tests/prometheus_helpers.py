@@ -1,0 +1,190 @@
+"""Run a real Prometheus for tests and evaluate the repository's dashboard against it.
+
+The Prometheus (Debian's ``prometheus`` package, installed by scripts/system-deps.sh)
+runs as our own child process on a free loopback port with its storage in a temp
+dir, and is terminated and reaped on exit: a service the package may have set up
+is never used. ``dashboard_queries`` reads observability/grafana-dashboard.json;
+``check_plausible`` is what "a panel shows something sensible" means in tests.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from nginx_helpers import free_ports
+
+REPO = Path(__file__).resolve().parent.parent
+DASHBOARD = REPO / "observability" / "grafana-dashboard.json"
+# What the tests substitute for the dashboard's variables: every model, a window
+# that spans a few seconds of load scraped every second.
+VARIABLES = {"$__rate_interval": "1m", "$model_name": ".*"}
+
+
+def find_prometheus() -> str | None:
+    return shutil.which("prometheus") or next(
+        (p for p in ("/usr/bin/prometheus", "/usr/local/bin/prometheus") if os.access(p, os.X_OK)), None)
+
+
+@dataclass(frozen=True)
+class Query:
+    """One PromQL expression of the dashboard and the panel it belongs to."""
+
+    panel: str
+    unit: str
+    expr: str
+
+    @property
+    def needs_router(self) -> bool:
+        """True when only the Ray ingress exports its series (not a standalone replica)."""
+        return "prefixserve_router_" in self.expr
+
+
+def dashboard_queries(path: Path = DASHBOARD) -> list[Query]:
+    """Every target expression of the dashboard, its variables substituted (VARIABLES)."""
+    dashboard = json.loads(path.read_text())
+    queries = []
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            expr = target["expr"]
+            for name, value in VARIABLES.items():
+                expr = expr.replace(name, value)
+            assert "$" not in expr, f"unsubstituted variable in {expr!r}"
+            queries.append(Query(panel["title"], panel["fieldConfig"]["defaults"].get("unit", ""), expr))
+    return queries
+
+
+def check_plausible(query: Query, values: Sequence[float]) -> str | None:
+    """Why ``values`` are not what ``query``'s panel should show, or None when they are.
+
+    Every panel plots rates, counts, fractions or durations: finite and >= 0; fractions
+    (unit percentunit) at most 1; hit rates above 0 after repeated prefixes; latency
+    quantiles above 0.
+    """
+    if not values:
+        return "no series"
+    if any(not math.isfinite(v) or v < 0 for v in values):
+        return f"values not finite and >= 0: {values}"
+    if query.unit == "percentunit" and max(values) > 1:
+        return f"a fraction above 1: {values}"
+    if "prefix_cache_hits" in query.expr and max(values) <= 0:
+        return f"no prefix-cache hits: {values}"
+    if "histogram_quantile" in query.expr and min(values) <= 0:
+        return f"a latency quantile of 0: {values}"
+    return None
+
+
+class PrometheusProcess:
+    """A real Prometheus scraping ``targets`` (host:port) every second, on a free loopback port."""
+
+    def __init__(self, targets: Sequence[str], workdir: Path, metrics_path: str = "/metrics") -> None:
+        binary = find_prometheus()
+        assert binary is not None, "prometheus is not installed (scripts/system-deps.sh installs it)"
+        self.port = free_ports(1)[0]
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.workdir = workdir
+        config = workdir / "prometheus.yml"
+        config.write_text(json.dumps({  # YAML is a superset of JSON
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "scrape_configs": [{"job_name": "prefixserve", "metrics_path": metrics_path,
+                                "static_configs": [{"targets": list(targets)}]}],
+        }))
+        self.command = [binary, f"--config.file={config}", f"--storage.tsdb.path={workdir / 'data'}",
+                        f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"]
+        self.log_path = workdir / "prometheus.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> PrometheusProcess:
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir,
+                                         start_new_session=True)
+        try:
+            self._wait_ready(60.0)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        assert self.proc is not None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"prometheus exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.base_url}/-/ready", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"prometheus not ready after {timeout_s} s:\n{self.log_tail()}")
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
+    def query(self, expr: str) -> list[float]:
+        """The values of an instant query's result (one per series); raises on a PromQL error."""
+        response = httpx.get(f"{self.base_url}/api/v1/query", params={"query": expr}, timeout=10.0)
+        body = response.json()
+        if response.status_code != 200 or body.get("status") != "success":
+            raise AssertionError(f"prometheus refused {expr!r}: {body.get('error', response.text)}")
+        result = body["data"]["result"]
+        if body["data"]["resultType"] == "scalar":
+            return [float(result[1])]
+        return [float(series["value"][1]) for series in result]
+
+    def targets_up(self) -> bool:
+        """Whether every scrape target answered its last scrape."""
+        active = httpx.get(f"{self.base_url}/api/v1/targets", timeout=10.0).json()["data"]["activeTargets"]
+        return bool(active) and all(t["health"] == "up" for t in active)
+
+    def wait_until(self, predicate, timeout_s: float, what: str) -> None:  # noqa: ANN001
+        """Poll ``predicate`` until true; a bounded wait for scrapes, not a timing assertion."""
+        deadline = time.monotonic() + timeout_s
+        while not predicate():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what} within {timeout_s} s\n{self.log_tail()}")
+            time.sleep(0.5)
+
+    def evaluate(self, queries: Sequence[Query], timeout_s: float = 60.0) -> None:
+        """Poll until every query returns plausible values (check_plausible); fail naming those that do not."""
+        problems: dict[str, str] = {}
+
+        def all_plausible() -> bool:
+            problems.clear()
+            for q in queries:
+                why = check_plausible(q, self.query(q.expr))
+                if why is not None:
+                    problems[f"{q.panel}: {q.expr}"] = why
+            return not problems
+
+        deadline = time.monotonic() + timeout_s
+        while not all_plausible():
+            if time.monotonic() > deadline:
+                raise AssertionError("dashboard queries without plausible values:\n" +
+                                     "\n".join(f"  {k}\n    -> {v}" for k, v in problems.items()))
+            time.sleep(1.0)
