@@ -17,6 +17,10 @@ Invariants:
   while it streams (Starlette cancels the body iterator on ``http.disconnect``;
   the iterator then closes the engine stream and aborts the request).
 * The body is parsed once; the routing key is computed from that parse.
+* Every generation answer (errors included) carries ``X-Request-Id``: the
+  client's own when it sent a valid one, else the id generated here. The
+  engine request id is ``<id_prefix>-<client id>`` or the generated id, so the
+  engine's and the replica's log lines and the answer's ``id`` name it.
 
 Imports FastAPI and the replica's framework-free modules; never Ray, torch or
 ``router`` (the ingress passes its routing-key function in).
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -45,6 +50,11 @@ log = logging.getLogger(__name__)
 # Names the engine replica that served a request (the standalone server: itself).
 REPLICA_HEADER = "X-Prefixserve-Replica"
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+# Accepted from the client or generated, carried to the engine, echoed on the answer.
+REQUEST_ID_HEADER = "X-Request-Id"
+# What a client's request id may be: it reaches log lines and headers, so no spaces or control
+# characters, and short (a UUID, a trace id, a ULID all fit).
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
 
 # The routing key of a parsed body and its headers (the Ray ingress's Contract 1).
 RoutingKeyFn = Callable[[Mapping[str, Any], Mapping[str, str]], str | None]
@@ -134,11 +144,12 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     return work_task.result()
 
 
-def error_response(exc: BaseException) -> JSONResponse:
-    """The OpenAI error answer to ``exc`` (logged when it is a server error)."""
+def error_response(exc: BaseException, request_id: str | None = None) -> JSONResponse:
+    """The OpenAI error answer to ``exc`` (logged, with ``request_id``, when it is a server error)."""
     err = api.error_from_exception(exc)
     if err.status_code >= 500:
-        log.error("request failed: %s", err.message, exc_info=exc if not isinstance(exc, api.APIError) else None)
+        log.error("request %s failed: %s", request_id or "-", err.message,
+                  exc_info=exc if not isinstance(exc, api.APIError) else None)
     return JSONResponse(err.body(), status_code=err.status_code, headers=err.headers())
 
 
@@ -179,7 +190,7 @@ async def respond(
     except ClientDisconnected:
         return Response(status_code=499)
     except Exception as exc:
-        return error_response(exc)
+        return error_response(exc, gen.request_id)
     return JSONResponse(response.model_dump())
 
 
@@ -201,11 +212,27 @@ def check_model(info: ModelInfo, name: str | None) -> str:
     return info.model_name
 
 
-def engine_request(body: OpenAIRequest, info: ModelInfo, routing_key: str | None) -> EngineRequest:
-    """What the engine is asked: the client's max_tokens, or the default the engine host fits to the prompt."""
+def client_request_id(headers: Mapping[str, str]) -> str | None:
+    """The client's ``X-Request-Id`` (None when absent); BadRequestError (400) when it is not a valid id."""
+    value = headers.get(REQUEST_ID_HEADER.lower())
+    if value is None:
+        return None
+    if not _REQUEST_ID.fullmatch(value):
+        raise api.BadRequestError(
+            f"{REQUEST_ID_HEADER} must be 1 to 128 characters of letters, digits and ._:/+=-",
+            code="invalid_request_id")
+    return value
+
+
+def engine_request(body: OpenAIRequest, info: ModelInfo, routing_key: str | None,
+                   client_id: str | None = None) -> EngineRequest:
+    """What the engine is asked: the client's max_tokens, or the default the engine host fits to the prompt.
+
+    ``client_id``: the client's X-Request-Id, which the engine request id then carries.
+    """
     default_max = body.default_max_tokens(info.max_model_len)
     return EngineRequest(
-        request_id=api.new_id(body.id_prefix),
+        request_id=api.new_id(body.id_prefix) if client_id is None else f"{body.id_prefix}-{client_id}",
         **body.prompt_fields(),
         sampling=body.to_sampling_params(default_max_tokens=default_max, max_model_len=info.max_model_len),
         max_tokens_default=None if body.requested_max_tokens() is not None else default_max,
@@ -214,9 +241,11 @@ def engine_request(body: OpenAIRequest, info: ModelInfo, routing_key: str | None
     )
 
 
-def _with_stream_headers(response: Response, stream: EngineStream | None) -> Response:
+def _with_stream_headers(response: Response, stream: EngineStream | None, request_id: str | None) -> Response:
     if stream is not None:
         response.headers.update(stream.response_headers())
+    if request_id is not None:
+        response.headers[REQUEST_ID_HEADER] = request_id
     return response
 
 
@@ -233,22 +262,26 @@ async def handle_generate(
     the headers (the ingress); raising ValueError makes the request a 400.
     """
     stream: EngineStream | None = None
+    # Echoed on every answer; the generated engine id replaces it once the request is built.
+    request_id: str | None = None
     try:
+        request_id = client_id = client_request_id(request.headers)
         check_auth(request, options)
         data = api.parse_json_object(await read_body(request, options.max_body_bytes))
         body = api.validate_request(body_cls, data)
         info = await client.model_info()
         model = check_model(info, body.model)
         key = routing_key(data, request.headers) if routing_key is not None else None
-        prepared = engine_request(body, info, key)
+        prepared = engine_request(body, info, key, client_id)
+        request_id = client_id or prepared.request_id
         stream = client.open_stream(prepared)
         gen = Generation(prepared.request_id, stream)
         await start_generation(request, gen)
     except ClientDisconnected:
         return Response(status_code=499)
     except Exception as exc:
-        return _with_stream_headers(error_response(exc), stream)
-    return _with_stream_headers(await respond(request, gen, body, model, stream.token_text), stream)
+        return _with_stream_headers(error_response(exc, request_id), stream, request_id)
+    return _with_stream_headers(await respond(request, gen, body, model, stream.token_text), stream, request_id)
 
 
 async def handle_models(request: Request, client: EngineClient, options: FrontendOptions) -> JSONResponse:

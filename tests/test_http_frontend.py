@@ -51,6 +51,23 @@ def test_a_utf8_api_key_matches_and_a_wrong_one_does_not(replica):
     assert latin.status_code == 401
 
 
+def test_x_request_id_is_carried_to_the_engine_and_echoed(replica):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    ok = replica.request("POST", "/v1/chat/completions", json=body, headers={**AUTH, b"x-request-id": b"trace-42"})
+    assert ok.status_code == 200 and ok.headers["x-request-id"] == "trace-42"
+    assert ok.json()["id"] == "chatcmpl-trace-42"  # the engine request carried it
+    streamed = replica.request("POST", "/v1/chat/completions", json={**body, "stream": True},
+                               headers={**AUTH, b"x-request-id": b"trace-43"})
+    assert streamed.headers["x-request-id"] == "trace-43" and '"id":"chatcmpl-trace-43"' in streamed.text
+    # Without one, the generated id is echoed; errors carry the id too.
+    generated = replica.request("POST", "/v1/chat/completions", json=body, headers=AUTH)
+    assert generated.headers["x-request-id"] == generated.json()["id"]
+    refused = replica.request("POST", "/v1/chat/completions", json=body, headers={b"x-request-id": b"trace-44"})
+    assert refused.status_code == 401 and refused.headers["x-request-id"] == "trace-44"
+    bad = replica.request("POST", "/v1/chat/completions", json=body, headers={**AUTH, b"x-request-id": b"a b"})
+    assert assert_openai_error(bad)["code"] == "invalid_request_id"
+
+
 def test_health_answers_while_a_chat_template_and_tokenizer_run(replica, monkeypatch):
     """The template + tokenizer of a request is held until /health has answered.
 
