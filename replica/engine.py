@@ -361,7 +361,8 @@ class LLMEngine:
         """What the consumer of a request that failed inside the step gets."""
         if isinstance(exc, RequestRejected):
             return exc
-        log.error("request %s failed inside the engine; the engine keeps serving", req.request_id, exc_info=exc)
+        log.error("request %s failed inside the engine; the engine keeps serving", req.request_id, exc_info=exc,
+                  extra={"request_id": req.request_id})
         error = RequestFailedError(f"the engine failed while serving request {req.request_id} "
                                    f"({type(exc).__name__}); other requests are unaffected, retry it")
         error.__cause__ = exc

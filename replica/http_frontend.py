@@ -43,6 +43,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from prefixserve.replica import api, openai_serving
 from prefixserve.replica.api import OpenAIRequest
 from prefixserve.replica.engine_client import EngineClient, EngineRequest, EngineStream, ModelInfo
+from prefixserve.replica.log_json import REQUEST_ID
 from prefixserve.replica.openai_serving import Generation
 
 log = logging.getLogger(__name__)
@@ -274,6 +275,8 @@ async def handle_generate(
         key = routing_key(data, request.headers) if routing_key is not None else None
         prepared = engine_request(body, info, key, client_id)
         request_id = client_id or prepared.request_id
+        REQUEST_ID.set(request_id)  # this task's log lines name the request (replica/log_json.py)
+        log.info("request %s: %s, routing key %s", request_id, request.url.path, key)
         stream = client.open_stream(prepared)
         gen = Generation(prepared.request_id, stream)
         await start_generation(request, gen)

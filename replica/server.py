@@ -31,6 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from prefixserve.replica import api, http_frontend
 from prefixserve.replica.engine_client import LocalEngineClient
 from prefixserve.replica.http_frontend import DEFAULT_MAX_BODY_BYTES, REPLICA_HEADER, FrontendOptions
+from prefixserve.replica.log_json import LOG_FORMATS, configure_logging
 
 if TYPE_CHECKING:
     from prefixserve.replica.engine import AsyncEngine
@@ -154,16 +155,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                       help=f"largest accepted request body (default: {DEFAULT_MAX_BODY_BYTES})")
     http.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    http.add_argument("--log-format", default="text", choices=list(LOG_FORMATS),
+                      help="text lines, or one JSON object per line (time, level, request_id, replica, event)")
     EngineConfig.add_cli_arguments(parser)
 
 
 def serve(engine: AsyncEngine, *, host: str, port: int, log_level: str = "info",
           api_keys: Iterable[str] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-          replica_name: str | None = None, engine_watch_period_s: float = ENGINE_WATCH_PERIOD_S) -> int:
+          replica_name: str | None = None, engine_watch_period_s: float = ENGINE_WATCH_PERIOD_S,
+          uvicorn_logging: bool = True) -> int:
     """Serve ``engine`` over HTTP until interrupted or until it dies; the process's exit status.
 
     0 after a normal stop; EXIT_ENGINE_DEAD when the engine died for good (the
     server stops accepting, answers the requests in flight, then returns).
+    ``uvicorn_logging``: False leaves uvicorn's loggers to the root handler (JSON logs).
     """
     import uvicorn
 
@@ -177,8 +182,9 @@ def serve(engine: AsyncEngine, *, host: str, port: int, log_level: str = "info",
     app = build_app(engine, api_keys=api_keys, max_body_bytes=max_body_bytes,
                     replica_name=replica_name or f"{host}:{port}", on_engine_dead=stop_on_dead_engine,
                     engine_watch_period_s=engine_watch_period_s)
+    extra = {} if uvicorn_logging else {"log_config": None}
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                           timeout_graceful_shutdown=5))
+                                           timeout_graceful_shutdown=5, **extra))
     server.run()
     return EXIT_ENGINE_DEAD if died else 0
 
@@ -188,7 +194,9 @@ def run(args: argparse.Namespace) -> int:
     from prefixserve.replica.config import EngineConfig
     from prefixserve.replica.engine import AsyncEngine
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    replica_name = args.replica_name or f"{args.host}:{args.port}"
+    configure_logging(args.log_level, args.log_format, replica_name)
     engine = AsyncEngine(EngineConfig.from_cli_args(args))
     return serve(engine, host=args.host, port=args.port, log_level=args.log_level, api_keys=args.api_keys,
-                 max_body_bytes=args.max_body_bytes, replica_name=args.replica_name)
+                 max_body_bytes=args.max_body_bytes, replica_name=replica_name,
+                 uvicorn_logging=args.log_format == "text")

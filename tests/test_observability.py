@@ -11,6 +11,7 @@ is checked with promtool.
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 
@@ -57,3 +58,18 @@ def test_every_replica_panel_shows_plausible_values_on_a_real_prometheus(tmp_pat
                     assert response.status_code == 200, response.text
             queries = [q for q in dashboard_queries() if not q.needs_router]
             prometheus.evaluate(queries, timeout_s=60.0)
+
+
+def test_json_logs_name_the_request_and_the_replica(tmp_path_factory):
+    ckpt = build_tiny_llama(tmp_path_factory.mktemp("ckpt") / "tiny", seed=8)
+    workdir = tmp_path_factory.mktemp("logs")
+    with ReplicaProcess(ckpt, "--log-format", "json", "--log-level", "info", "--replica-name", "replica-a",
+                        log_dir=workdir) as replica:
+        response = httpx.post(f"{replica.base_url}/v1/completions", timeout=120.0, headers={"X-Request-Id": "req-7"},
+                              json={"prompt": "hello", "max_tokens": 2})
+        assert response.status_code == 200 and response.headers["x-request-id"] == "req-7"
+    lines = [json.loads(line) for line in replica.log_path.read_text().splitlines() if line.startswith("{")]
+    ours = [line for line in lines if line["request_id"] == "req-7"]
+    assert ours and all(line["replica"] == "replica-a" and line["level"] == "INFO" for line in ours), lines
+    assert all(set(line) >= {"time", "level", "logger", "request_id", "replica", "event"} for line in lines)
+    assert any(line["logger"] == "uvicorn.access" for line in lines)  # uvicorn's lines are JSON too
