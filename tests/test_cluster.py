@@ -29,6 +29,7 @@ from tests.cluster_helpers import (
     wait_for_ring,
 )
 from tests.model_helpers import tiny_checkpoint
+from tests.prometheus_helpers import PrometheusProcess, dashboard_queries, find_prometheus
 from tests.server_helpers import metric
 
 pytestmark = pytest.mark.slow
@@ -112,6 +113,20 @@ def test_replicas_report_routing_stats_and_metrics_name_every_replica(base):
     # The ingress's /health asks the engine replicas (Serve's check_health), not itself.
     health = httpx.get(f"{base}/health", timeout=60)
     assert health.status_code == 200 and health.headers[INGRESS_HEADER]
+
+
+@pytest.mark.skipif(find_prometheus() is None, reason="prometheus is not installed (scripts/system-deps.sh)")
+def test_every_dashboard_panel_shows_plausible_values_through_the_serve_proxy(base, tmp_path):
+    """A real Prometheus scrapes the ingress through Serve's proxy; every dashboard query answers."""
+    rng = random.Random(103)
+    systems = ["You are a careful assistant. " + words(rng, 60) for _ in range(3)]
+    with PrometheusProcess([base.removeprefix("http://")], tmp_path) as prometheus:
+        prometheus.wait_until(prometheus.targets_up, 60.0, "the ingress was not scraped")
+        with httpx.Client(timeout=120) as http:
+            for i in range(12):
+                result = chat(base, words(rng, 6), system=systems[i % 3], client=http)
+                assert result.status == 200, result.body
+        prometheus.evaluate(dashboard_queries(), timeout_s=60.0)
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_replica(base):
