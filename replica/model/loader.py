@@ -7,7 +7,7 @@ a ``.gguf`` file (or a directory holding exactly one), or the short name ``smoll
 A GGUF file is parsed once, converted (config, tokenizer, float32 tensors, exactly as
 transformers' ``gguf_file=`` loading gives them) into a Hugging Face checkpoint folder
 in the checkpoint cache (:mod:`.checkpoint_cache`), and from then on every start reads
-that folder: config.json, tokenizer.json and memory-mapped safetensors. :func:`prepare`
+that folder: config.json, tokenizer.json and safetensors. :func:`prepare`
 does that step; the ``load_*`` functions call it, so callers that skip it still work.
 Nothing is fetched from a model hub.
 """
@@ -18,9 +18,11 @@ import importlib.util
 import json
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -67,10 +69,14 @@ def resolve(model: str) -> CheckpointSource:
                      f"nor a short name in {sorted(SHORT_NAMES)}")
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Conversion:
     gguf: CheckpointSource
     entry: Any  # checkpoint_cache.Entry
+    # The tokenizer, loading in a background thread from prepare() on (transformers' import
+    # and the tokenizer.json parse, ~1 s, overlap the engine building its model); taken
+    # by the first load_tokenizer, later calls load their own.
+    tokenizer: Future | None = None
 
 
 _conversions: dict[CheckpointSource, _Conversion] = {}  # by GGUF source and by the folder it became
@@ -98,18 +104,18 @@ def _convert(gguf: CheckpointSource, *, defer_large: bool) -> _Conversion:
     entry = checkpoint_cache.cached_build(path, gguf_convert.converter_version(),
                                           lambda out: gguf_convert.write_hf_checkpoint(read_gguf(path), out),
                                           defer_large=defer_large)
-    conv = _Conversion(gguf, entry)
+    conv = _Conversion(gguf, entry, _in_background(_converted_tokenizer, entry.folder))
     _conversions[gguf] = _conversions[CheckpointSource(entry.folder, converted=True)] = conv
     return conv
 
 
 def load_hf_config(src: CheckpointSource) -> Any:
-    """The checkpoint's transformers config."""
+    """The checkpoint's config: transformers' config object, or for a converted checkpoint
+    its complete config.json as attributes (read without importing transformers, which
+    the tokenizer's background load is busy importing)."""
     src = prepare(src)
     if src.converted:
-        from transformers import PreTrainedConfig
-
-        return PreTrainedConfig.from_dict(json.loads((src.folder / "config.json").read_text()))
+        return SimpleNamespace(**json.loads((src.folder / "config.json").read_text()))
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(src.folder)
@@ -119,12 +125,32 @@ def load_tokenizer(src: CheckpointSource) -> Any:
     """The checkpoint's transformers tokenizer (with its chat template)."""
     src = prepare(src)
     if src.converted:
-        from transformers import TokenizersBackend
-
-        return TokenizersBackend.from_pretrained(src.folder)
+        with _lock:
+            conv = _conversions.get(src)
+            prefetched, conv.tokenizer = (conv.tokenizer, None) if conv is not None else (None, None)
+        return prefetched.result() if prefetched is not None else _converted_tokenizer(src.folder)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(src.folder)
+
+
+def _converted_tokenizer(folder: Path) -> Any:
+    from transformers import TokenizersBackend
+
+    return TokenizersBackend.from_pretrained(folder)
+
+
+def _in_background(fn: Callable[..., Any], *args: Any) -> Future:
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # handed to whoever asks for the result
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name=f"prefetch-{fn.__name__}", daemon=True).start()
+    return future
 
 
 def generation_eos_ids(src: CheckpointSource) -> tuple[int, ...]:
