@@ -13,7 +13,8 @@ import argparse
 import logging
 
 # Loggers of libraries the tools drive; their INFO is noise to a user of the tools.
-LIBRARY_LOGGERS = ("httpx", "httpcore", "urllib3", "ray", "filelock", "asyncio", "transformers",
+# "ray.serve" has its own level (Serve sets it), so it is named besides "ray".
+LIBRARY_LOGGERS = ("httpx", "httpcore", "urllib3", "ray", "ray.serve", "filelock", "asyncio", "transformers",
                    "huggingface_hub", "matplotlib", "PIL")
 
 
