@@ -73,18 +73,22 @@ class FrontendOptions:
 
     ``api_keys``: the accepted Bearer keys as UTF-8 bytes (none: no check).
     ``max_body_bytes``: larger request bodies get 413.
+    ``echo_request_id``: set X-Request-Id on answers (False behind Ray Serve's proxy,
+    which already echoes the id it passes in, generating one when the client sent none).
     """
 
     api_keys: tuple[bytes, ...] = ()
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    echo_request_id: bool = True
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
 
     @classmethod
-    def build(cls, api_keys: Sequence[str] | None, max_body_bytes: int) -> FrontendOptions:
-        return cls(tuple(k.encode("utf-8") for k in (api_keys or []) if k), max_body_bytes)
+    def build(cls, api_keys: Sequence[str] | None, max_body_bytes: int,
+              echo_request_id: bool = True) -> FrontendOptions:
+        return cls(tuple(k.encode("utf-8") for k in (api_keys or []) if k), max_body_bytes, echo_request_id)
 
 
 # ---------------------------------------------------------------------------
@@ -283,8 +287,10 @@ async def handle_generate(
     except ClientDisconnected:
         return Response(status_code=499)
     except Exception as exc:
-        return _with_stream_headers(error_response(exc, request_id), stream, request_id)
-    return _with_stream_headers(await respond(request, gen, body, model, stream.token_text), stream, request_id)
+        echoed = request_id if options.echo_request_id else None
+        return _with_stream_headers(error_response(exc, request_id), stream, echoed)
+    echoed = request_id if options.echo_request_id else None
+    return _with_stream_headers(await respond(request, gen, body, model, stream.token_text), stream, echoed)
 
 
 async def handle_models(request: Request, client: EngineClient, options: FrontendOptions) -> JSONResponse:

@@ -255,7 +255,9 @@ class OpenAIIngress:
         self.config = IngressConfig.from_dict(config)
         self.engine = engine
         self.client = ServeEngineClient(engine, self.config.max_attempts)
-        self.options = FrontendOptions.build(self.config.api_keys, self.config.max_body_bytes)
+        # Serve's proxy passes the client's X-Request-Id (or one it generates) in and echoes it itself.
+        self.options = FrontendOptions.build(self.config.api_keys, self.config.max_body_bytes,
+                                             echo_request_id=False)
         self.key_config = PrefixKeyConfig(
             completion_prefix_chars=self.config.completion_prefix_chars,
             honor_header=self.config.honor_prefix_header,

@@ -129,6 +129,16 @@ def test_every_dashboard_panel_shows_plausible_values_through_the_serve_proxy(ba
         prometheus.evaluate(dashboard_queries(), timeout_s=60.0)
 
 
+def test_x_request_id_reaches_the_engine_and_comes_back_once(base):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
+    sent = httpx.post(f"{base}/v1/chat/completions", json=body, headers={"X-Request-Id": "trace-9"}, timeout=120)
+    assert sent.status_code == 200 and sent.headers.get_list("x-request-id") == ["trace-9"]
+    assert sent.json()["id"] == "chatcmpl-trace-9"  # the engine request carried it
+    generated = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)
+    (request_id,) = generated.headers.get_list("x-request-id")  # Serve's proxy made one up
+    assert generated.json()["id"] == f"chatcmpl-{request_id}"
+
+
 def test_a_client_that_disconnects_mid_stream_frees_its_replica(base):
     body = {"messages": [{"role": "user", "content": "go on"}], "max_tokens": 800, "ignore_eos": True,
             "stream": True}
