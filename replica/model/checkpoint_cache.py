@@ -20,6 +20,7 @@ later start does not read a multi-GB file just to find its entry.
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import hashlib
 import json
@@ -126,6 +127,7 @@ def cached_build(source: Path, salt: str, build: Callable[[Path], None], root: P
     except OSError as exc:  # read-only home: convert into a private folder, every time
         log.warning("checkpoint cache %s unusable (%s): converting %s without caching", root, exc, source)
         folder = Path(tempfile.mkdtemp(prefix="prefixserve-ckpt-"))
+        atexit.register(shutil.rmtree, folder, True)
         build(folder)
         return Entry(folder, _done(True))
     entry = root / f"{source.stem}-{stamp.key(salt)}"
