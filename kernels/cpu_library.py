@@ -49,9 +49,14 @@ class CPUKernelUnavailable(RuntimeError):
     """The C kernels could not be built or loaded here (no compiler, or it failed)."""
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("PREFIXSERVE_CACHE_DIR") or Path.home() / ".cache" / "prefixserve"
-    return Path(root) / "kernels"
+def cache_root() -> Path:
+    """The project's cache directory: ``$PREFIXSERVE_CACHE_DIR``, else ``~/.cache/prefixserve``."""
+    return Path(os.environ.get("PREFIXSERVE_CACHE_DIR") or Path.home() / ".cache" / "prefixserve")
+
+
+def kernel_cache_dir() -> Path:
+    """Where the built C kernels are kept (one library per source, compiler and CPU)."""
+    return cache_root() / "kernels"
 
 
 def _library_path(compiler: str) -> Path:
@@ -60,7 +65,7 @@ def _library_path(compiler: str) -> Path:
     except OSError:
         cpu = platform.processor()
     parts = [s.read_text() for s in SOURCES + HEADERS] + [compiler, *CFLAGS, platform.machine(), cpu]
-    return _cache_dir() / f"prefixserve_cpu_{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:16]}.so"
+    return kernel_cache_dir() / f"prefixserve_cpu_{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:16]}.so"
 
 
 def _build(compiler: str, target: Path) -> None:

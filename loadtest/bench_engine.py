@@ -193,7 +193,7 @@ def measure_startup(runs: int) -> list[dict[str, Any]]:
     from prefixserve.kernels import cpu_library
 
     cpu_library.available()  # build the kernels now: the starts below share them, cold and warm alike
-    kernels = cpu_library._cache_dir()
+    kernels = cpu_library.kernel_cache_dir()
     rows = []
     for run in range(runs):
         with tempfile.TemporaryDirectory(prefix="prefixserve-startup-") as root:

@@ -347,10 +347,11 @@ class LocalServeCluster:
 
     def shutdown(self) -> None:
         import ray
-        from ray import serve
+
+        from prefixserve.replica.serve_shutdown import shutdown_serve
 
         try:
-            serve.shutdown()
+            shutdown_serve()  # not serve.shutdown(): see replica/serve_shutdown.py
         finally:
             ray.shutdown()
 

@@ -32,6 +32,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 from prefixserve.loadtest.bench_cluster import (
@@ -47,7 +48,6 @@ from prefixserve.loadtest.bench_cluster import (
 from prefixserve.loadtest.cluster_run import LocalServeCluster, served_model
 from prefixserve.replica.logs import add_verbose_flag, quiet_libraries
 from prefixserve.replica.serve_shutdown import shutdown_serve
-from prefixserve.router.metrics import sum_samples
 
 POLICIES = ("round_robin", "bounded_load")
 RING_SIZE = "prefixserve_router_ring_size"
@@ -62,7 +62,10 @@ def wait_for_ring(base_url: str, replicas: int, timeout_s: float = 120.0) -> Non
     deadline = time.monotonic() + timeout_s
     while True:
         text = httpx.get(f"{base_url}/metrics", timeout=30).text
-        if sum_samples(text, RING_SIZE, {"deployment": "Engine"}) == replicas:
+        # One ring-size sample per ingress replica (label ingress): each must see them all.
+        sizes = [s.value for family in text_string_to_metric_families(text) for s in family.samples
+                 if s.name == RING_SIZE and s.labels.get("deployment") == "Engine"]
+        if sizes and all(size == replicas for size in sizes):
             return
         if time.monotonic() > deadline:
             raise TimeoutError(f"the router did not see {replicas} engine replicas within {timeout_s}s")
@@ -182,6 +185,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "workload": asdict(spec),
     }, indent=2))
     print(f"\nwrote {path}")
+    print("\nWhere to look on a running cluster (`prefixserve up`): http://127.0.0.1:8000/metrics (every replica's "
+          "vllm:* series and the router's prefixserve_router_*), the Grafana dashboard "
+          "observability/grafana-dashboard.json and the Prometheus scrape config observability/prometheus.yml.")
     return 0 if all(r.succeeded == r.requests for r, _ in rows) else 1
 
 

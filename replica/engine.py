@@ -51,6 +51,7 @@ from prefixserve.replica.kv.manager import KVCacheManager
 from prefixserve.replica.metrics import EngineMetrics, EngineStats, FinishedRequestStats
 from prefixserve.replica.model import loader
 from prefixserve.replica.model.llama import ModelConfig
+from prefixserve.replica.model.startup import StartupTimer
 from prefixserve.replica.model_runner import ModelRunner
 from prefixserve.replica.outputs import CompletionOutput, FinishReason, RequestOutput, StreamDelta
 from prefixserve.replica.request import Request, Sequence
@@ -83,16 +84,24 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        src = loader.resolve(config.model)
-        hf_config = loader.load_hf_config(src)
-        self.model_config = ModelConfig.from_hf(hf_config)
+        startup = StartupTimer()
+        with startup.phase("checkpoint"):
+            src = loader.prepare(loader.resolve(config.model))
+        with startup.phase("config"):
+            hf_config = loader.load_hf_config(src)
+            self.model_config = ModelConfig.from_hf(hf_config)
         self.max_model_len = self._resolve_max_model_len()
-        self.tokenizer = loader.load_tokenizer(src)
-        self.max_prompt_chars = _max_prompt_chars(self.tokenizer, self.max_model_len)
+        # The runner before the tokenizer: the loader reads a converted checkpoint's
+        # tokenizer in the background meanwhile.
         self.runner = ModelRunner(config, self.model_config, loader.iter_weights(src),
                                   max_model_len=self.max_model_len,
-                                  checkpoint_dtype=getattr(hf_config, "dtype", None))
+                                  checkpoint_dtype=getattr(hf_config, "dtype", None), startup=startup)
+        with startup.phase("tokenizer"):
+            self.tokenizer = loader.load_tokenizer(src)
+        self.max_prompt_chars = _max_prompt_chars(self.tokenizer, self.max_model_len)
         self.metrics = EngineMetrics(config.model_name, self.max_model_len)
+        self.metrics.observe_startup(startup.phases)
+        startup.log(config.model_name)
         self.metrics.observe_cache_config(self._cache_config_info())
         eos = set(self.model_config.eos_token_ids) | set(loader.generation_eos_ids(src))
         if self.tokenizer.eos_token_id is not None:

@@ -25,6 +25,7 @@ from prefixserve.kernels.layer_ops import select_layer_ops
 from prefixserve.replica.config import EngineConfig
 from prefixserve.replica.model.layers import TPGroup
 from prefixserve.replica.model.llama import AttentionMetadata, LlamaForCausalLM, ModelConfig
+from prefixserve.replica.model.startup import StartupTimer
 from prefixserve.replica.sampling import SampleResult, SampleSpec, sample
 from prefixserve.replica.scheduler import ScheduledSeq
 
@@ -76,7 +77,8 @@ def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: torch.dtype
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]],
-                 *, max_model_len: int, checkpoint_dtype: torch.dtype | None = None) -> None:
+                 *, max_model_len: int, checkpoint_dtype: torch.dtype | None = None,
+                 startup: StartupTimer | None = None) -> None:
         self.config = config
         self.model_cfg = model_cfg
         self.device = resolve_device(config.device)
@@ -87,20 +89,24 @@ class ModelRunner:
             torch.set_num_threads(os.cpu_count() or 1)
         if self.device.type == "cpu":
             keep_freed_memory_mapped()
-        self.backend = select_backend(config.attention_backend, self.device, self.dtype)
-        with torch.device(self.device):
-            self.model = LlamaForCausalLM(model_cfg, max_model_len=max_model_len, backend=self.backend,
-                                          dtype=self.dtype, tp=TPGroup(),
-                                          ops=select_layer_ops(self.backend.name))
-        self.model.load_weights(weights)
-        self.model.eval()
-        if self.backend.name == "cpu":
-            self.model.pack_weights_for_cpu()
-        self.num_blocks = self._num_kv_blocks()
-        k_shape, v_shape = self.backend.kv_cache_shape(self.num_blocks, self.block_size, model_cfg.num_kv_heads,
-                                                       model_cfg.head_dim)
-        self.k_cache = torch.zeros((model_cfg.num_layers, *k_shape), dtype=self.dtype, device=self.device)
-        self.v_cache = torch.zeros((model_cfg.num_layers, *v_shape), dtype=self.dtype, device=self.device)
+        startup = startup or StartupTimer()
+        with startup.phase("kernels"):
+            self.backend = select_backend(config.attention_backend, self.device, self.dtype)
+            ops = select_layer_ops(self.backend.name)
+        with startup.phase("weights"):
+            with torch.device(self.device):
+                self.model = LlamaForCausalLM(model_cfg, max_model_len=max_model_len, backend=self.backend,
+                                              dtype=self.dtype, tp=TPGroup(), ops=ops)
+            self.model.load_weights(weights)
+            self.model.eval()
+            if self.backend.name == "cpu":
+                self.model.pack_weights_for_cpu()
+        with startup.phase("kv_cache"):
+            self.num_blocks = self._num_kv_blocks()
+            k_shape, v_shape = self.backend.kv_cache_shape(self.num_blocks, self.block_size,
+                                                           model_cfg.num_kv_heads, model_cfg.head_dim)
+            self.k_cache = torch.zeros((model_cfg.num_layers, *k_shape), dtype=self.dtype, device=self.device)
+            self.v_cache = torch.zeros((model_cfg.num_layers, *v_shape), dtype=self.dtype, device=self.device)
         self.model.bind_kv_cache(list(self.k_cache.unbind(0)), list(self.v_cache.unbind(0)))
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)

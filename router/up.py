@@ -22,6 +22,7 @@ import threading
 from typing import Any
 
 from prefixserve.replica.config import EngineConfig
+from prefixserve.replica.logs import add_verbose_flag, quiet_libraries
 from prefixserve.router.policies import DEFAULT_POLICY, POLICIES
 
 APP_NAME = "prefixserve"
@@ -45,6 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="require 'Authorization: Bearer KEY' on /v1/* (repeat for several keys)")
     http.add_argument("--ingress-replicas", type=int, default=1, help="ingress replicas (default: 1)")
     EngineConfig.add_cli_arguments(parser)
+    add_verbose_flag(parser)
 
 
 def app_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -67,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
+    from prefixserve.replica.serve_shutdown import shutdown_serve
     from prefixserve.router.app import AppArgs, build_app
 
     if args.replicas < 1:
@@ -74,6 +77,9 @@ def run(args: argparse.Namespace) -> int:
     app = app_args(args)
     AppArgs.from_dict(app)  # refuse bad options before starting anything
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    level = quiet_libraries(args.verbose)
+    # Serve's controller, proxies and replicas log each request and step at INFO.
+    serve_logging = {"log_level": logging.getLevelName(level), "enable_access_log": args.verbose}
     # Replicas inherit the environment: nothing from a model hub at run time.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -81,12 +87,12 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True)
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True, logging_level=level)
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.start(http_options={"host": args.host, "port": args.port}, logging_config=serve_logging)
         print(f"starting {args.replicas} engine replica(s) of {app['engine']['model']} "
               f"with the {args.policy} router...", flush=True)
-        serve.run(build_app(app), name=APP_NAME, route_prefix="/", blocking=False)
+        serve.run(build_app(app), name=APP_NAME, route_prefix="/", blocking=False, logging_config=serve_logging)
         while not stop.is_set():
             status = serve.status().applications.get(APP_NAME)
             if status is not None and status.status == "RUNNING":
@@ -103,6 +109,6 @@ def run(args: argparse.Namespace) -> int:
         return 0
     finally:
         try:
-            serve.shutdown()
+            shutdown_serve()
         finally:
             ray.shutdown()

@@ -37,7 +37,7 @@ def gguf_dir(tmp_path_factory) -> Path:
 def cache(tmp_path, monkeypatch) -> Path:
     """An empty checkpoint cache for this test, and no conversions remembered from other tests.
     The compiled kernels are shared with the real cache (building them is not under test)."""
-    kernels = cpu_library._cache_dir()
+    kernels = cpu_library.kernel_cache_dir()
     (tmp_path / "cache").mkdir()
     if kernels.is_dir():
         (tmp_path / "cache" / "kernels").symlink_to(kernels)

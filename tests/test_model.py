@@ -4,16 +4,18 @@ greedy outputs identical to transformers on tiny random checkpoints and on SmolL
 from __future__ import annotations
 
 import argparse
+import logging
 
 import numpy as np
 import pytest
 import torch
-
 from model_helpers import SMOLLM2_GGUF, hf_greedy, hf_model, random_prompts, smollm2_folder, tiny_checkpoint
+
 from prefixserve.replica.config import EngineConfig
 from prefixserve.replica.llm import LLM
 from prefixserve.replica.model import loader
 from prefixserve.replica.model.rope import RopeConfig, inverse_frequencies
+from prefixserve.replica.model.startup import PHASES
 from prefixserve.replica.sampling import SampleSpec, SamplingParams, sample
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
@@ -61,6 +63,16 @@ def test_resolve_model_sources(tmp_path):
     assert loader.resolve(str(src.folder / SMOLLM2_GGUF)) == src
     with pytest.raises(ValueError, match="short name"):
         loader.resolve(str(tmp_path / "nothing-here"))
+
+
+def test_startup_phases_are_logged_and_exported(tmp_path, caplog):
+    path = tiny_checkpoint(tmp_path / "tiny")
+    with caplog.at_level(logging.INFO, logger="prefixserve.startup"):
+        llm = LLM(str(path), num_kv_blocks=16)
+    phases = {s.labels["phase"]: s.value for family in llm.engine.metrics.registry.collect()
+              if family.name == "prefixserve:engine_startup_seconds" for s in family.samples}
+    assert set(phases) == set(PHASES) and all(seconds >= 0 for seconds in phases.values())
+    assert f"engine {llm.engine.model_name} started in" in caplog.text
 
 
 # --- RoPE ----------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from prefixserve.kernels.cpu_library import _cache_dir as _kernel_cache_dir
+from prefixserve.kernels.cpu_library import cache_root
 
 FORMAT = 2
 MANIFEST = "manifest.json"
@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 def checkpoints_dir() -> Path:
     """``$PREFIXSERVE_CACHE_DIR/checkpoints`` (default ``~/.cache/prefixserve/checkpoints``)."""
     # The project's cache root is the kernels' cache folder's parent; one rule for both.
-    return _kernel_cache_dir().parent / "checkpoints"
+    return cache_root() / "checkpoints"
 
 
 @dataclass(frozen=True)
