@@ -70,11 +70,17 @@ class EngineConfig:
     attention_backend: str = "auto"
     # "auto" = cuda when available, else cpu.
     device: str = "auto"
+    # OpenTelemetry collector (vLLM's flag, e.g. http://127.0.0.1:4318): one llm_request span per
+    # request with queue/prefill/decode children (replica/tracing.py). None = no tracing.
+    otlp_traces_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         self._validate()
 
     def _validate(self) -> None:
+        if self.otlp_traces_endpoint is not None and not self.otlp_traces_endpoint.startswith(("http://",
+                                                                                                 "https://")):
+            raise ValueError(f"otlp_traces_endpoint must be an http(s) URL, got {self.otlp_traces_endpoint!r}")
         if not self.model:
             raise ValueError("model must be a checkpoint directory, a .gguf file or 'smollm2'")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):

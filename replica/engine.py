@@ -57,6 +57,7 @@ from prefixserve.replica.outputs import CompletionOutput, FinishReason, RequestO
 from prefixserve.replica.request import Request, Sequence
 from prefixserve.replica.sampling import SampleSpec, SamplingParams
 from prefixserve.replica.scheduler import Scheduler, SchedulerConfig
+from prefixserve.replica.tracing import RequestTiming, RequestTracer, build_tracer
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,10 @@ class LLMEngine:
         self.metrics.observe_startup(startup.phases)
         startup.log(config.model_name)
         self.metrics.observe_cache_config(self._cache_config_info())
+        self.tracer: RequestTracer | None = None
+        if config.otlp_traces_endpoint is not None:
+            self.tracer = RequestTracer(build_tracer(f"prefixserve-engine:{config.model_name}",
+                                                     config.otlp_traces_endpoint), config.model_name)
         eos = set(self.model_config.eos_token_ids) | set(loader.generation_eos_ids(src))
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -222,8 +227,11 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
                     cache_salt: str | None = None, arrival_time: float | None = None, *,
-                    prompt_text: str | None = None) -> Request:
-        """Validate and queue a request; ``prompt_text`` is reported back when ``prompt`` is token ids."""
+                    prompt_text: str | None = None, trace_headers: dict[str, str] | None = None) -> Request:
+        """Validate and queue a request; ``prompt_text`` is reported back when ``prompt`` is token ids.
+
+        ``trace_headers``: the W3C trace context the request arrived with (its spans' parent).
+        """
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise RequestRejected(f"request id {request_id!r} is already in use")
@@ -234,7 +242,7 @@ class LLMEngine:
             raise EngineOverloadedError(f"{self.scheduler.num_waiting} requests are already waiting "
                                         f"(max_waiting_requests={bound}); retry later")
         req = Request(request_id, ids, params, cache_salt, arrival_time or time.monotonic(),
-                      prompt=prompt if isinstance(prompt, str) else prompt_text)
+                      prompt=prompt if isinstance(prompt, str) else prompt_text, trace_headers=trace_headers)
         seq = self._new_sequence(req, 0)
         self.scheduler.add(seq)
         req.seqs.append(seq)
@@ -454,7 +462,10 @@ class LLMEngine:
         if req.finished:
             req.finished_time = now
             output = self.request_output(req)
-            self.metrics.observe_finished(self._finished_stats(req, now))
+            stats = self._finished_stats(req, now)
+            self.metrics.observe_finished(stats)
+            if self.tracer is not None:
+                self._trace(req, stats)
             self.requests.pop(req.request_id, None)
         return EngineUpdate(req.request_id, deltas, output)
 
@@ -469,6 +480,21 @@ class LLMEngine:
                                     num_prompt_tokens=len(req.prompt_token_ids),
                                     num_generation_tokens=req.num_output_tokens,
                                     max_tokens=req.params.max_tokens, n=req.params.n)
+
+    def _trace(self, req: Request, stats: FinishedRequestStats) -> None:
+        assert self.tracer is not None
+        start = req.arrival_time
+        timing = RequestTiming(arrival=start, scheduled=start + stats.queued_s,
+                               first_token=start + stats.queued_s + stats.prefill_s, finished=start + stats.e2e_s)
+        p = req.params
+        self.tracer.record(req.request_id, timing, {
+            "gen_ai.usage.prompt_tokens": stats.num_prompt_tokens,
+            "gen_ai.usage.completion_tokens": stats.num_generation_tokens,
+            "prefixserve.cached_prompt_tokens": req.num_cached_tokens or 0,
+            "gen_ai.request.n": p.n, "gen_ai.request.max_tokens": p.max_tokens,
+            "gen_ai.request.temperature": p.temperature, "gen_ai.request.top_p": p.top_p,
+            "gen_ai.response.finish_reason": stats.finish_reason,
+        }, req.trace_headers)
 
     def request_output(self, req: Request) -> RequestOutput:
         outs = [CompletionOutput(index=s.index, text=s.text, token_ids=s.output_token_ids,
@@ -539,6 +565,7 @@ class AddRequest:
     arrival_time: float
     # The text prompt, reported back in the RequestOutput; None for token-id prompts.
     prompt_text: str | None = None
+    trace_headers: dict[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -622,7 +649,8 @@ class AsyncEngine:
     # --- requests ------------------------------------------------------------
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                       cache_salt: str | None = None) -> AsyncIterator[StreamDelta]:
+                       cache_salt: str | None = None,
+                       trace_headers: dict[str, str] | None = None) -> AsyncIterator[StreamDelta]:
         """Stream the deltas of one request.
 
         Raises PromptTooLongError / RequestRejected / EngineOverloadedError /
@@ -656,7 +684,8 @@ class AsyncEngine:
             self._pending_adds += 1
             self._commands.append(AddRequest(request_id=request_id, prompt_token_ids=ids, params=params,
                                              cache_salt=cache_salt, arrival_time=arrival,
-                                             prompt_text=prompt if isinstance(prompt, str) else None))
+                                             prompt_text=prompt if isinstance(prompt, str) else None,
+                                             trace_headers=trace_headers))
         self._wake.set()
         done = False
         try:
@@ -771,7 +800,8 @@ class AsyncEngine:
             return
         try:
             self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.cache_salt,
-                                    cmd.arrival_time, prompt_text=cmd.prompt_text)
+                                    cmd.arrival_time, prompt_text=cmd.prompt_text,
+                                    trace_headers=cmd.trace_headers)
         except Exception as exc:  # noqa: BLE001 - handed to the consumer
             self._post(stream, exc)
 

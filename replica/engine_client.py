@@ -56,6 +56,9 @@ class EngineRequest:
     cache_salt: str | None = None
     # Contract 1's key (router/prefix.py), computed by the ingress; None = no affinity.
     routing_key: str | None = None
+    # The W3C trace context (traceparent, tracestate) the request's spans hang under
+    # (replica/tracing.py); the router replaces it with its route span's.
+    trace_headers: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -194,7 +197,7 @@ class RequestRunner:
         prompt_ids = await self.prompt_ids(request)
         params = fit_max_tokens(request, len(prompt_ids), self.max_model_len)
         stream = self.engine.generate(prompt_ids, params, request_id=request.request_id,
-                                      cache_salt=request.cache_salt)
+                                      cache_salt=request.cache_salt, trace_headers=request.trace_headers)
         try:
             async for delta in stream:
                 yield delta

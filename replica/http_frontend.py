@@ -45,6 +45,7 @@ from prefixserve.replica.api import OpenAIRequest
 from prefixserve.replica.engine_client import EngineClient, EngineRequest, EngineStream, ModelInfo
 from prefixserve.replica.log_json import REQUEST_ID
 from prefixserve.replica.openai_serving import Generation
+from prefixserve.replica.tracing import trace_headers
 
 log = logging.getLogger(__name__)
 
@@ -230,10 +231,11 @@ def client_request_id(headers: Mapping[str, str]) -> str | None:
 
 
 def engine_request(body: OpenAIRequest, info: ModelInfo, routing_key: str | None,
-                   client_id: str | None = None) -> EngineRequest:
+                   client_id: str | None = None, headers: Mapping[str, str] | None = None) -> EngineRequest:
     """What the engine is asked: the client's max_tokens, or the default the engine host fits to the prompt.
 
     ``client_id``: the client's X-Request-Id, which the engine request id then carries.
+    ``headers``: the HTTP request's, whose W3C trace context the engine's spans hang under.
     """
     default_max = body.default_max_tokens(info.max_model_len)
     return EngineRequest(
@@ -243,6 +245,7 @@ def engine_request(body: OpenAIRequest, info: ModelInfo, routing_key: str | None
         max_tokens_default=None if body.requested_max_tokens() is not None else default_max,
         cache_salt=body.cache_salt,
         routing_key=routing_key,
+        trace_headers=trace_headers(headers or {}),
     )
 
 
@@ -277,7 +280,7 @@ async def handle_generate(
         info = await client.model_info()
         model = check_model(info, body.model)
         key = routing_key(data, request.headers) if routing_key is not None else None
-        prepared = engine_request(body, info, key, client_id)
+        prepared = engine_request(body, info, key, client_id, request.headers)
         request_id = client_id or prepared.request_id
         REQUEST_ID.set(request_id)  # this task's log lines name the request (replica/log_json.py)
         log.info("request %s: %s, routing key %s", request_id, request.url.path, key)

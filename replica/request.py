@@ -48,6 +48,8 @@ class Request:
     finished_time: float | None = None
     # True once the n > 1 children exist (they are forked after the prompt's prefill).
     forked: bool = False
+    # The W3C trace context it arrived with (replica/tracing.py); None = untraced.
+    trace_headers: dict[str, str] | None = None
 
     @property
     def finished(self) -> bool:

@@ -73,6 +73,8 @@ class RouterArgs:
     policy: str = DEFAULT_POLICY
     kwargs: dict[str, Any] = field(default_factory=dict)
     stats_period_s: float = 1.0
+    # OpenTelemetry collector for the router's ``route`` spans (replica/tracing.py); None = none.
+    otlp_traces_endpoint: str | None = None
     policy_options: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -94,6 +96,9 @@ class RouterArgs:
             )
         if self.stats_period_s <= 0:
             raise ValueError(f"router.stats_period_s must be positive, got {self.stats_period_s}")
+        if self.otlp_traces_endpoint is not None and not self.otlp_traces_endpoint.startswith(("http://",
+                                                                                                 "https://")):
+            raise ValueError(f"router.otlp_traces_endpoint must be an http(s) URL, got {self.otlp_traces_endpoint!r}")
         if self.router_class != "prefixserve":
             if self.policy != DEFAULT_POLICY or self.policy_options:
                 raise ValueError(
@@ -112,6 +117,8 @@ class RouterArgs:
     def request_router_config(self) -> RequestRouterConfig:
         if self.router_class == "prefixserve":
             kwargs: dict[str, Any] = {"policy": self.policy, **self.policy_options}
+            if self.otlp_traces_endpoint is not None:
+                kwargs["otlp_traces_endpoint"] = self.otlp_traces_endpoint
         else:
             kwargs = dict(self.kwargs)
         return RequestRouterConfig(

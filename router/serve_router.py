@@ -43,10 +43,11 @@ from __future__ import annotations
 import time
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
+from prefixserve.replica.tracing import build_tracer, route_span
 from prefixserve.router.metrics import (
     KIND_FALLBACK,
     KIND_NO_KEY,
@@ -57,6 +58,9 @@ from prefixserve.router.metrics import (
     router_metrics,
 )
 from prefixserve.router.policies import DEFAULT_POLICY, Policy, make_policy
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Tracer
 
 # Import path of this router for RequestRouterConfig(request_router_class=...).
 ROUTER_CLASS_PATH = "prefixserve.router.serve_router:PrefixRouter"
@@ -125,10 +129,19 @@ class PrefixRouter(RequestRouter):
         self,
         policy: str = DEFAULT_POLICY,
         metrics: RouterMetrics | None = None,
+        otlp_traces_endpoint: str | None = None,
+        tracer: Tracer | None = None,
         **options: Any,
     ) -> None:
-        """``options`` go to the policy as declared by its ``Options`` (router/policies.py)."""
+        """``options`` go to the policy as declared by its ``Options`` (router/policies.py).
+
+        ``otlp_traces_endpoint`` (or, in tests, ``tracer``): record a ``route`` span per
+        decision and make it the parent of the engine's spans (replica/tracing.py).
+        """
         self._policy: Policy = make_policy(policy, **options)
+        if tracer is None and otlp_traces_endpoint is not None:
+            tracer = build_tracer("prefixserve-router", otlp_traces_endpoint)
+        self._tracer = tracer
         self._metrics = metrics if metrics is not None else router_metrics()
         self._deployment = self._deployment_id.name
         # Per request: the decision (owner, first choice), for the spill and decision-kind metrics.
@@ -168,7 +181,16 @@ class PrefixRouter(RequestRouter):
         if not candidate_replicas:
             return []
         key = request_routing_key(pending_request)
-        ranking, owner = self.rank(candidate_replicas, key)
+        request = pending_request.args[0] if pending_request is not None and pending_request.args else None
+        parent = getattr(request, "trace_headers", None)
+        with route_span(self._tracer, parent, {"prefixserve.policy": self._policy.name,
+                                               "prefixserve.routing_key": key or ""}) as (span, headers):
+            ranking, owner = self.rank(candidate_replicas, key)
+            if span is not None:
+                span.set_attributes({"prefixserve.owner": owner or "",
+                                     "prefixserve.chosen": replica_name(ranking[0].replica_id) if ranking else ""})
+                if hasattr(request, "trace_headers"):
+                    request.trace_headers = headers  # the engine's spans hang under this decision
         if pending_request is not None:
             # Every tier is on offer, so when all are full the base class should back
             # off before asking again rather than spin.

@@ -55,6 +55,8 @@ def app_args(args: argparse.Namespace) -> dict[str, Any]:
     router: dict[str, Any] = {"policy": args.policy}
     if args.epsilon is not None:
         router["epsilon"] = args.epsilon
+    if engine.otlp_traces_endpoint is not None:  # the router's route spans go where the engines' go
+        router["otlp_traces_endpoint"] = engine.otlp_traces_endpoint
     return {
         "engine": dataclasses.asdict(engine),
         "num_replicas": args.replicas,
