@@ -22,6 +22,7 @@ import threading
 from typing import Any
 
 from prefixserve.replica.config import EngineConfig
+from prefixserve.replica.log_json import LOG_FORMATS, configure_logging
 from prefixserve.replica.logs import add_verbose_flag, quiet_libraries
 from prefixserve.router.policies import DEFAULT_POLICY, POLICIES
 
@@ -45,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--api-key", dest="api_keys", action="append", default=None,
                       help="require 'Authorization: Bearer KEY' on /v1/* (repeat for several keys)")
     http.add_argument("--ingress-replicas", type=int, default=1, help="ingress replicas (default: 1)")
+    http.add_argument("--log-format", default="text", choices=list(LOG_FORMATS),
+                      help="text, or json: one object per line here and in Serve's own logs (its JSON "
+                           "encoding, which names each line's request id: the X-Request-Id)")
     EngineConfig.add_cli_arguments(parser)
     add_verbose_flag(parser)
 
@@ -78,10 +82,11 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--replicas must be at least 1")
     app = app_args(args)
     AppArgs.from_dict(app)  # refuse bad options before starting anything
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(logging.INFO, args.log_format)
     level = quiet_libraries(args.verbose)
     # Serve's controller, proxies and replicas log each request and step at INFO.
-    serve_logging = {"log_level": logging.getLevelName(level), "enable_access_log": args.verbose}
+    serve_logging = {"log_level": logging.getLevelName(level), "enable_access_log": args.verbose,
+                     "encoding": args.log_format.upper()}
     # Replicas inherit the environment: nothing from a model hub at run time.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
