@@ -22,6 +22,7 @@ from typing import TextIO
 # The id of the request the current task serves (set by replica/http_frontend.py).
 REQUEST_ID: ContextVar[str | None] = ContextVar("prefixserve_request_id", default=None)
 LOG_FORMATS = ("text", "json")
+UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
@@ -59,4 +60,11 @@ def configure_logging(level: str | int, log_format: str = "text", replica: str |
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper() if isinstance(level, str) else level)
+    # uvicorn, once configured in this process, keeps handlers of its own and stops propagating:
+    # hand its loggers back to the root handler so they share the format.
+    for name in UVICORN_LOGGERS:
+        logger = logging.getLogger(name)
+        logger.handlers.clear()
+        logger.propagate = True
+        logger.setLevel(logging.NOTSET)
     return handler
