@@ -44,6 +44,12 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     missing = [name for name, (found, _) in _SYSTEM_DEPS.items() if not found]
     if missing and os.environ.get("PREFIXSERVE_REQUIRE_SYSTEM_DEPS") == "1":
         raise pytest.UsageError(f"PREFIXSERVE_REQUIRE_SYSTEM_DEPS=1 but missing: {', '.join(missing)}")
+    # The report header is hidden under -q (as make test runs): say what will skip anyway.
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if missing and reporter is not None and session.config.get_verbosity() < 0:
+        for line in pytest_report_header(session.config):
+            if "MISSING" in line:
+                reporter.write_line(line, yellow=True)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:  # noqa: ANN001
