@@ -13,7 +13,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import httpx
 from nginx_helpers import free_ports
+from process_helpers import ManagedProcess
 
 REPO = Path(__file__).resolve().parent.parent
 DASHBOARD = REPO / "observability" / "grafana-dashboard.json"
@@ -82,8 +82,10 @@ def check_plausible(query: Query, values: Sequence[float]) -> str | None:
     return None
 
 
-class PrometheusProcess:
+class PrometheusProcess(ManagedProcess):
     """A real Prometheus scraping ``targets`` (host:port) every second, on a free loopback port."""
+
+    name = "prometheus"
 
     def __init__(self, targets: Sequence[str], workdir: Path, metrics_path: str = "/metrics") -> None:
         binary = find_prometheus()
@@ -97,54 +99,11 @@ class PrometheusProcess:
             "scrape_configs": [{"job_name": "prefixserve", "metrics_path": metrics_path,
                                 "static_configs": [{"targets": list(targets)}]}],
         }))
-        self.command = [binary, f"--config.file={config}", f"--storage.tsdb.path={workdir / 'data'}",
-                        f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"]
-        self.log_path = workdir / "prometheus.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def __enter__(self) -> PrometheusProcess:
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir,
-                                         start_new_session=True)
-        try:
-            self._wait_ready(60.0)
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def _wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        assert self.proc is not None
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"prometheus exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.base_url}/-/ready", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"prometheus not ready after {timeout_s} s:\n{self.log_tail()}")
-
-    def log_tail(self, chars: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
+        super().__init__(
+            [binary, f"--config.file={config}", f"--storage.tsdb.path={workdir / 'data'}",
+             f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
+            log_path=workdir / "prometheus.log", ready_url=f"{self.base_url}/-/ready", startup_timeout_s=60.0,
+            cwd=workdir)
 
     def query(self, expr: str) -> list[float]:
         """The values of an instant query's result (one per series); raises on a PromQL error."""

