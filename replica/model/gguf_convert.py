@@ -130,7 +130,8 @@ def gguf_to_hf_names(config: Any, processor: Any) -> dict[str, str]:
 
     arch = next((key for key, value in MODEL_ARCH_NAMES.items() if value == config.model_type), None)
     if arch is None:
-        raise NotImplementedError(f"gguf has no tensor names for model_type {config.model_type!r}")
+        raise ValueError(f"this GGUF file's architecture {config.model_type!r} has no tensor-name table in gguf: "
+                         "convert it to a Hugging Face checkpoint directory instead")
     table = get_tensor_name_map(arch, config.num_hidden_layers)
     with torch.device("meta"):  # parameter names only: no storage is allocated
         names = list(AutoModelForCausalLM.from_config(config).state_dict())
