@@ -16,6 +16,7 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any
 
 from prefixserve.replica.config_util import from_dict
+from prefixserve.replica.tracing import check_endpoint
 
 HASH_ALGOS = ("xxh3_128", "sha256")
 KV_CACHE_DTYPES = ("auto", "fp8")
@@ -78,9 +79,7 @@ class EngineConfig:
         self._validate()
 
     def _validate(self) -> None:
-        if self.otlp_traces_endpoint is not None and not self.otlp_traces_endpoint.startswith(("http://",
-                                                                                                 "https://")):
-            raise ValueError(f"otlp_traces_endpoint must be an http(s) URL, got {self.otlp_traces_endpoint!r}")
+        check_endpoint(self.otlp_traces_endpoint, "otlp_traces_endpoint")
         if not self.model:
             raise ValueError("model must be a checkpoint directory, a .gguf file or 'smollm2'")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):

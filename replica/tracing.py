@@ -40,6 +40,12 @@ def trace_headers(headers: Mapping[str, str]) -> dict[str, str] | None:
     return found or None
 
 
+def check_endpoint(endpoint: str | None, where: str) -> None:
+    """Raise ValueError unless ``endpoint`` is None or an http(s) URL (``where`` names the setting)."""
+    if endpoint is not None and not endpoint.startswith(("http://", "https://")):
+        raise ValueError(f"{where} must be an http(s) URL, got {endpoint!r}")
+
+
 def build_tracer(service_name: str, endpoint: str | None = None,
                  exporter: SpanExporter | None = None) -> Tracer:
     """A tracer exporting to ``endpoint`` over OTLP/HTTP (batched), or to ``exporter`` (tests: synchronous).

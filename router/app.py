@@ -50,6 +50,7 @@ from ray.serve.config import RequestRouterConfig
 from prefixserve.replica.config import EngineConfig
 from prefixserve.replica.config_util import from_dict
 from prefixserve.replica.deployment import EngineDeployment
+from prefixserve.replica.tracing import check_endpoint
 from prefixserve.router.ingress import IngressConfig, OpenAIIngress
 from prefixserve.router.policies import DEFAULT_POLICY, POLICIES, check_options
 from prefixserve.router.serve_router import RAY_LLM_PREFIX_ROUTER_PATH, ROUTER_CLASS_PATH
@@ -96,9 +97,7 @@ class RouterArgs:
             )
         if self.stats_period_s <= 0:
             raise ValueError(f"router.stats_period_s must be positive, got {self.stats_period_s}")
-        if self.otlp_traces_endpoint is not None and not self.otlp_traces_endpoint.startswith(("http://",
-                                                                                                 "https://")):
-            raise ValueError(f"router.otlp_traces_endpoint must be an http(s) URL, got {self.otlp_traces_endpoint!r}")
+        check_endpoint(self.otlp_traces_endpoint, "router.otlp_traces_endpoint")
         if self.router_class != "prefixserve":
             if self.policy != DEFAULT_POLICY or self.policy_options:
                 raise ValueError(
