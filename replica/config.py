@@ -16,12 +16,12 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any
 
 from prefixserve.replica.config_util import from_dict
+from prefixserve.replica.kv.block_pool import EVICTION_POLICIES
 from prefixserve.replica.tracing import check_endpoint
 
 HASH_ALGOS = ("xxh3_128", "sha256")
 KV_CACHE_DTYPES = ("auto", "fp8")
 PREEMPTION_MODES = ("recompute", "swap")
-EVICTION_POLICIES = ("lru",)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "triton", "cpu", "torch")
 DEFAULT_MODEL = "smollm2"

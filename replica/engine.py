@@ -123,7 +123,8 @@ class LLMEngine:
         """Fresh request bookkeeping, KV manager and scheduler over the runner's cache."""
         config = self.config
         self.kv_manager = KVCacheManager(self.runner.num_blocks, config.block_size,
-                                         config.enable_prefix_caching, config.prefix_hash_algo)
+                                         config.enable_prefix_caching, config.prefix_hash_algo,
+                                         eviction_policy=config.eviction_policy)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    config.enable_chunked_prefill), self.kv_manager)
         self.requests: dict[str, Request] = {}

@@ -33,11 +33,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+# The eviction orders the pool implements (EngineConfig.eviction_policy).
+EVICTION_POLICIES: tuple[str, ...] = ("lru",)
+
 
 class BlockPool:
     """The pool of ``num_blocks`` physical blocks (see the module docstring)."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, eviction_policy: str = "lru") -> None:
+        if eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(f"eviction_policy must be one of {list(EVICTION_POLICIES)}, got {eviction_policy!r}")
+        self.eviction_policy = eviction_policy
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}: give the KV cache more memory")
         self.num_blocks = num_blocks

@@ -88,13 +88,14 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         hash_algo: str = DEFAULT_HASH_ALGO,
         hash_seed: str | bytes = DEFAULT_HASH_SEED,
+        eviction_policy: str = "lru",
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.hasher = BlockHasher(hash_algo, hash_seed)  # validates the algo even when caching is off
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, eviction_policy)
         self._requests: dict[str, _Request] = {}
         self._copy_ops: list[tuple[int, int]] = []
         self._lookup: _Lookup | None = None
