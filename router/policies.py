@@ -33,6 +33,11 @@ options the policy takes). Callers pass options through (``pick_options``
 selects, from settings a caller has, those a policy takes) instead of
 re-encoding which policy takes what.
 
+Load: a candidate is a ReplicaView (``name``, ``in_flight``); it may also carry
+an optional ``load`` attribute, a ``ReplicaLoad`` the replica reported (queue
+depth, running requests, KV usage, queued prefill tokens). Policies that use it
+read it through ``load_of``; without it they use ``in_flight`` alone.
+
 Pure Python: must not import Ray, HTTP frameworks or torch. A thin adapter over
 Ray Serve's RunningReplica (name = replica id, in_flight = queue length)
 satisfies ReplicaView.
@@ -67,6 +72,42 @@ class Replica:
 
     name: str
     in_flight: int = 0
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    """What a replica reports of its own load (optional; the ``load`` attribute of a candidate).
+
+    num_waiting: requests queued, not yet admitted.
+    num_running: requests admitted (prefilling or decoding).
+    kv_usage: fraction of KV blocks in use, 0..1.
+    queued_prefill_tokens: prompt tokens of the waiting requests not covered by the
+        prefix cache (the prefill work ahead of a new request).
+
+    Policies read it with ``load_of(candidate)``: a candidate without a ``load``
+    attribute (or with None) is known by its ``in_flight`` count alone.
+    """
+
+    num_waiting: int = 0
+    num_running: int = 0
+    kv_usage: float = 0.0
+    queued_prefill_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_waiting", "num_running", "queued_prefill_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"ReplicaLoad.{name} must be an integer >= 0, got {v!r}")
+        if isinstance(self.kv_usage, bool) or not isinstance(self.kv_usage, (int, float)) or not (
+            0.0 <= self.kv_usage <= 1.0
+        ):
+            raise ValueError(f"ReplicaLoad.kv_usage must be a number in [0, 1], got {self.kv_usage!r}")
+
+
+def load_of(candidate: object) -> ReplicaLoad | None:
+    """The candidate's reported load (its optional ``load`` attribute), or None when it has none."""
+    load = getattr(candidate, "load", None)
+    return load if isinstance(load, ReplicaLoad) else None
 
 
 R = TypeVar("R", bound=ReplicaView)
