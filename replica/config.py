@@ -20,6 +20,23 @@ from prefixserve.replica.kv.block_pool import EVICTION_POLICIES
 from prefixserve.replica.tracing import check_endpoint
 
 HASH_ALGOS = ("xxh3_128", "sha256")
+# vLLM's spellings of the block-hash algorithm (its knob ``prefix_caching_hash_algo``),
+# mapped onto ours. vLLM serializes a block's key (parent, tokens, extra keys) with
+# pickle or CBOR before hashing; we always use the language-neutral byte layout of
+# docs/design.md (Contract 2), so only the digest function carries over:
+#   sha256, sha256_cbor, sha256_cbor_64bit  -> sha256   (collision-resistant; untrusted tenants)
+#   xxhash, xxhash_cbor                     -> xxh3_128 (vLLM's xxhash is xxh3_128 too)
+#   builtin (vLLM < 0.10, Python's hash())  -> xxh3_128 (fast, not collision-resistant)
+# Our own names map to themselves. Anything else is refused with the accepted list.
+HASH_ALGO_ALIASES: dict[str, str] = {
+    "xxh3_128": "xxh3_128",
+    "sha256": "sha256",
+    "sha256_cbor": "sha256",
+    "sha256_cbor_64bit": "sha256",
+    "xxhash": "xxh3_128",
+    "xxhash_cbor": "xxh3_128",
+    "builtin": "xxh3_128",
+}
 KV_CACHE_DTYPES = ("auto", "fp8")
 PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -39,7 +56,12 @@ class EngineConfig:
     served_model_name: str | None = None
     block_size: int = 16
     enable_prefix_caching: bool = True
+    # Block-hash digest: "xxh3_128" (default) or "sha256"; vLLM's values are accepted too
+    # (HASH_ALGO_ALIASES) and stored as ours.
     prefix_hash_algo: str = "xxh3_128"
+    # vLLM's name of the knob above, accepted as an alias (same values). When both are
+    # given they must name the same algorithm.
+    prefix_caching_hash_algo: str | None = None
     # Fraction of free accelerator memory given to weights + KV cache (CUDA only).
     gpu_memory_utilization: float = 0.9
     # KV cache size on CPU (on CUDA gpu_memory_utilization decides).
@@ -84,7 +106,7 @@ class EngineConfig:
             raise ValueError("model must be a checkpoint directory, a .gguf file or 'smollm2'")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two in [1, 128], got {self.block_size}")
-        _choice("prefix_hash_algo", self.prefix_hash_algo, HASH_ALGOS)
+        self.prefix_hash_algo = resolve_hash_algo(self.prefix_hash_algo, self.prefix_caching_hash_algo)
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         _choice("eviction_policy", self.eviction_policy, EVICTION_POLICIES)
@@ -173,7 +195,8 @@ class EngineConfig:
 
 
 _CHOICES = {
-    "prefix_hash_algo": HASH_ALGOS,
+    "prefix_hash_algo": tuple(HASH_ALGO_ALIASES),
+    "prefix_caching_hash_algo": tuple(HASH_ALGO_ALIASES),
     "kv_cache_dtype": KV_CACHE_DTYPES,
     "preemption_mode": PREEMPTION_MODES,
     "eviction_policy": EVICTION_POLICIES,
@@ -191,3 +214,26 @@ def _field_type(annotation: str) -> type:
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+
+
+def _hash_algo(name: str, value: object) -> str:
+    if not isinstance(value, str) or value not in HASH_ALGO_ALIASES:
+        raise ValueError(f"{name} must be one of {HASH_ALGOS} or one of vLLM's spellings "
+                         f"{tuple(a for a in HASH_ALGO_ALIASES if a not in HASH_ALGOS)}, got {value!r}")
+    return HASH_ALGO_ALIASES[value]
+
+
+def resolve_hash_algo(ours: str, vllm_alias: str | None) -> str:
+    """Our algorithm name for ``prefix_hash_algo`` / vLLM's ``prefix_caching_hash_algo``.
+
+    Either knob accepts either spelling; when both are set (``ours`` not the default)
+    they must agree.
+    """
+    algo = _hash_algo("prefix_hash_algo", ours)
+    if vllm_alias is None:
+        return algo
+    alias = _hash_algo("prefix_caching_hash_algo", vllm_alias)
+    if algo != alias and ours != "xxh3_128":
+        raise ValueError(f"prefix_hash_algo={ours!r} and prefix_caching_hash_algo={vllm_alias!r} name "
+                         "different algorithms: set only one of them")
+    return alias
