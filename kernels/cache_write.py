@@ -4,11 +4,14 @@ One program per token: it reads ``slot_mapping[t]`` (``block_id * block_size +
 offset``; negative = padding, the program does nothing) and writes that token's
 ``[num_kv_heads, head_dim]`` K and V rows into the slot. Into an fp8 (e4m3) cache
 it stores ``x / scale`` rounded to nearest-even and saturated to +-448, as
-:func:`prefixserve.kernels.reference.write_kv_cache` does. The division is IEEE-rounded
-(``div_rn``) so a GPU store matches the torch reference bit for bit.
-
-The interpreter's fp32 -> fp8 cast is wrong (no carry, no saturation), so the fp8
-store is checked on a GPU (loadtest/bench_kernels.py); CPU tests cover the others.
+:func:`prefixserve.kernels.reference.write_kv_cache` does, bit for bit: the division is
+IEEE-rounded float32 (``div_rn``; the reference divides by a device tensor, never by
+a reciprocal), and the fp32 -> e4m3 rounding is written out in integer ops
+(:func:`_fp8_e4m3_bits`, the algorithm of torch's c10 ``fp8e4m3fn_from_fp32_value``, also
+in kernels/cpu/paged_attention.c) and stored as bytes. Not relying on the hardware
+cast makes the store identical on every GPU generation and under the Triton
+interpreter (whose fp32 -> fp8 cast has no carry and no saturation), so CPU tests
+check it against the reference.
 
 Imports torch and triton only.
 """
@@ -26,13 +29,34 @@ CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16) + FP8_DTYPES
 
 
 @triton.jit
+def _fp8_e4m3_bits(y, FP8_MAX: tl.constexpr):
+    """fp32 ``y`` -> e4m3fn bit patterns (uint8): saturate to +-FP8_MAX, round to nearest even.
+
+    c10's fp8e4m3fn_from_fp32_value: below 2^-6 (subnormal) adding 2^14 rounds the
+    magnitude to a multiple of 2^-9 in float arithmetic; above, the fp32 bits are
+    rounded at mantissa bit 20 and rebiased (exponent 127 -> 7). NaN -> 0x7f.
+    """
+    is_nan = y != y
+    y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
+    bits = y.to(tl.int32, bitcast=True)
+    negative = bits < 0
+    mag = bits & 0x7FFFFFFF
+    sub = (tl.abs(y) + 16384.0).to(tl.int32, bitcast=True) - (141 << 23)
+    odd = (mag >> 20) & 1
+    norm = (mag + (((7 - 127) << 23) + 0x7FFFF) + odd) >> 20
+    r = tl.where(mag < (121 << 23), sub, norm)
+    r = tl.where(is_nan, 0x7F, r)
+    r = r | tl.where(negative, 0x80, 0)
+    return r.to(tl.uint8)
+
+
+@triton.jit
 def _store_rows(src_ptr, cache_ptr, t, block, in_block, scale, stride_t, stride_h,
                 stride_cb, stride_cs, stride_ch, offs_h, offs_d, mask,
                 FP8: tl.constexpr, FP8_MAX: tl.constexpr):
     x = tl.load(src_ptr + t * stride_t + offs_h[:, None] * stride_h + offs_d[None, :], mask=mask)
-    if FP8:
-        x = tl.math.div_rn(x.to(tl.float32), scale)
-        x = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
+    if FP8:  # the cache is passed as bytes (uint8)
+        x = _fp8_e4m3_bits(tl.math.div_rn(x.to(tl.float32), scale), FP8_MAX)
     tl.store(cache_ptr + block * stride_cb + in_block * stride_cs + offs_h[:, None] * stride_ch
              + offs_d[None, :], x.to(cache_ptr.dtype.element_ty), mask=mask)
 
@@ -110,6 +134,8 @@ def write_kv_cache(
         return
     fp8 = key_cache.dtype in FP8_DTYPES
     fp8_max = float(torch.finfo(key_cache.dtype).max) if fp8 else 0.0
+    if fp8:  # the kernel writes the e4m3 bit patterns it computed
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
     _write_kv_kernel[(num_tokens,)](
         key, value, key_cache, value_cache, slot_mapping,
         float(k_scale), float(v_scale), num_kv_heads, head_dim,

@@ -33,8 +33,10 @@ _i32, _i64, _f32, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.
 # name -> (restype, argtypes); the C signatures live in kernels/cpu/*.c.
 SIGNATURES = {
     "paged_attention_f32": (ctypes.c_int, [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i32, _i32, _i32, _i32,
-                                           _i32, _f32, _i32, _ptr, _i32]),
+                                           _i32, _f32, _i32, _ptr, _i32, _i32, _f32, _f32]),
     "write_kv_cache_f32": (ctypes.c_int, [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i32, _i32, _i32]),
+    "write_kv_cache_fp8": (ctypes.c_int, [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i32, _i32, _i32,
+                                          _f32, _f32]),
     "add_rms_norm_f32": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _i32, _f32, _i32]),
     "rotary_f32": (None, [_ptr, _i64, _i64, _i32, _i32, _ptr, _ptr, _ptr, _i32]),
     "silu_and_mul_f32": (None, [_ptr, _ptr, _i64, _i32, _i32]),

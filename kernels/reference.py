@@ -28,9 +28,17 @@ FP8_DTYPES = (torch.float8_e4m3fn,)
 
 
 def quantize_fp8(x: torch.Tensor, scale: float, dtype: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
-    """``x / scale`` rounded to nearest-even in ``dtype``, saturated to its finite range."""
+    """``x / scale`` rounded to nearest-even in ``dtype``, saturated to its finite range.
+
+    The division is float32 ``x / scale`` correctly rounded on every device: the scale is
+    a tensor on ``x``'s device, since CUDA torch turns division by a CPU scalar into a
+    multiplication by its reciprocal (a different rounding, which made one element of
+    the Triton store differ from this reference on a GPU). The Triton and C stores
+    round exactly like this.
+    """
     fp8_max = float(torch.finfo(dtype).max)
-    return (x.float() / scale).clamp(-fp8_max, fp8_max).to(dtype)
+    divisor = torch.full((), float(scale), dtype=torch.float32, device=x.device)
+    return torch.div(x.float(), divisor).clamp(-fp8_max, fp8_max).to(dtype)
 
 
 def fp8_scale_for(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> float:

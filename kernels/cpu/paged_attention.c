@@ -1,4 +1,9 @@
 /* Paged attention and cache write for CPUs, float32, over a CPU-friendly KV layout.
+ * The KV cache is float32, or fp8 e4m3 (one byte per element, with a per-tensor scale
+ * each for K and V): fp8 rows are converted to float32 as they are staged for a chunk
+ * of 16 keys (a 256-entry table, exact), K's scale is folded into the query's and
+ * V's into the output; the cache write quantizes x / scale exactly as torch does
+ * (round to nearest even through float32, saturated to +-448).
  *
  * Built at first use by kernels/cpu_library.py (cc -O3 -march=native -fopenmp) and
  * called through ctypes (kernels/cpu_attention.py): one call per layer per step runs every sequence of the step.
@@ -36,6 +41,60 @@
 #define MAX_TILE_ROWS 48  /* query rows (positions x heads of a group) per task */
 #define MAX_HEAD_DIM 512
 #define MASKED (-1e30f)
+#define FP8_MAX 448.0f
+
+/* fp8 e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinities,
+ * 0x7f/0xff are NaN; subnormals are m * 2^-9. */
+static float fp8_to_f32_table[256];
+
+__attribute__((constructor)) static void init_fp8_table(void) {
+    for (int b = 0; b < 256; b++) {
+        const int e = (b >> 3) & 15, m = b & 7;
+        float v;
+        if (e == 15 && m == 7)
+            v = NAN;
+        else if (e == 0)
+            v = ldexpf((float)m, -9);
+        else
+            v = ldexpf(1.0f + (float)m / 8.0f, e - 7);
+        fp8_to_f32_table[b] = (b & 0x80) ? -v : v;
+    }
+}
+
+static inline uint32_t f32_bits(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    return u;
+}
+
+static inline float f32_from_bits(uint32_t u) {
+    float x;
+    memcpy(&x, &u, 4);
+    return x;
+}
+
+/* x (already divided by the scale) -> fp8 e4m3fn: saturated to +-448, then rounded
+ * to nearest even; bit for bit c10's fp8e4m3fn_from_fp32_value (torch's .to()). */
+static inline uint8_t f32_to_fp8(float x) {
+    if (x > FP8_MAX) x = FP8_MAX;
+    if (x < -FP8_MAX) x = -FP8_MAX;
+    uint32_t bits = f32_bits(x);
+    const uint32_t sign = bits & UINT32_C(0x80000000);
+    bits ^= sign;
+    uint8_t result;
+    if (bits >= (UINT32_C(1087) << 20)) { /* NaN (finite values were clamped) */
+        result = 0x7f;
+    } else if (bits < (UINT32_C(121) << 23)) { /* below 2^-6: subnormal, rounded by a float add */
+        const uint32_t denorm = UINT32_C(141) << 23;
+        result = (uint8_t)(f32_bits(f32_from_bits(bits) + f32_from_bits(denorm)) - denorm);
+    } else {
+        const uint32_t mant_odd = (bits >> 20) & 1;
+        bits += ((uint32_t)(7 - 127) << 23) + 0x7FFFF;
+        bits += mant_odd;
+        result = (uint8_t)(bits >> 20);
+    }
+    return result | (uint8_t)(sign >> 24);
+}
 
 typedef struct {
     int32_t kv_head;
@@ -183,11 +242,13 @@ static void softmax_accumulate(Scratch *restrict sc, int r0, int r1, int head_di
 }
 
 typedef struct {
-    const float *key_cache, *value_cache;
+    const void *key_cache, *value_cache; /* float, or uint8_t (fp8 e4m3) when fp8 */
     const int32_t *block_tables;
     int64_t table_stride;
     int num_kv_heads, head_dim, block_size;
     int32_t window;
+    int fp8;
+    float k_scale, v_scale; /* fp8 only (1 otherwise) */
 } CacheView;
 
 /* Rows [r0, r1) over keys [key_begin, key_end) of the sequence whose block table is
@@ -203,19 +264,34 @@ static void attend_keys(Scratch *sc, int r0, int r1, const int32_t *positions, c
         int width = key_end - key_pos < CHUNK ? key_end - key_pos : CHUNK;
         const float *k, *v;
         int k_stride;
-        if (block_size >= CHUNK) {
+        if (c->fp8) {
+            /* fp8 rows converted to float as they are staged (the scales are applied elsewhere). */
+            const uint8_t *kc = c->key_cache, *vc = c->value_cache;
+            if (width < CHUNK) memset(k_stage, 0, sizeof(float) * head_dim * CHUNK);
+            for (int j = 0; j < width; j++) {
+                const int64_t phys = table[(key_pos + j) / block_size];
+                const int off = (key_pos + j) % block_size;
+                const uint8_t *kj = kc + phys * k_block + (int64_t)kv_head * head_dim * block_size + off;
+                const uint8_t *vj = vc + phys * v_block + ((int64_t)kv_head * block_size + off) * head_dim;
+                for (int d = 0; d < head_dim; d++) k_stage[d * CHUNK + j] = fp8_to_f32_table[kj[(int64_t)d * block_size]];
+                for (int d = 0; d < head_dim; d++) v_stage[j * head_dim + d] = fp8_to_f32_table[vj[d]];
+            }
+            k = k_stage, v = v_stage, k_stride = CHUNK;
+        } else if (block_size >= CHUNK) {
             const int64_t phys = table[key_pos / block_size];
             const int off = key_pos % block_size;
-            k = c->key_cache + phys * k_block + (int64_t)kv_head * head_dim * block_size + off;
-            v = c->value_cache + phys * v_block + ((int64_t)kv_head * block_size + off) * head_dim;
+            k = (const float *)c->key_cache + phys * k_block + (int64_t)kv_head * head_dim * block_size + off;
+            v = (const float *)c->value_cache + phys * v_block + ((int64_t)kv_head * block_size + off) * head_dim;
             k_stride = block_size;
         } else {
             memset(k_stage, 0, sizeof(float) * head_dim * CHUNK);
             for (int j = 0; j < width; j++) {
                 const int64_t phys = table[(key_pos + j) / block_size];
                 const int off = (key_pos + j) % block_size;
-                const float *kj = c->key_cache + phys * k_block + (int64_t)kv_head * head_dim * block_size + off;
-                const float *vj = c->value_cache + phys * v_block + ((int64_t)kv_head * block_size + off) * head_dim;
+                const float *kj =
+                    (const float *)c->key_cache + phys * k_block + (int64_t)kv_head * head_dim * block_size + off;
+                const float *vj =
+                    (const float *)c->value_cache + phys * v_block + ((int64_t)kv_head * block_size + off) * head_dim;
                 for (int d = 0; d < head_dim; d++) k_stage[d * CHUNK + j] = kj[(int64_t)d * block_size];
                 memcpy(v_stage + j * head_dim, vj, sizeof(float) * head_dim);
             }
@@ -235,6 +311,7 @@ static void run_task(const Task *t, Scratch *sc, const int32_t *members, const f
     const int rows_per_member = tile * group;
     const int rows = t->count * rows_per_member;
     int32_t positions[MAX_TILE_ROWS];
+    const float q_scale = scale * c->k_scale, o_scale = c->v_scale;
     /* Row r = (member m, query position i, head g of the group), m then i major. */
     for (int r = 0; r < rows; r++) {
         const int m = r / rows_per_member, i = t->q_begin + (r % rows_per_member) / group, g = r % group;
@@ -242,7 +319,7 @@ static void run_task(const Task *t, Scratch *sc, const int32_t *members, const f
         const int32_t q_start = query_start_loc[seq], q_len = query_start_loc[seq + 1] - q_start;
         positions[r] = seq_lens[seq] - q_len + i;
         const float *src = query + (int64_t)(q_start + i) * q_stride + (int64_t)(t->kv_head * group + g) * head_dim;
-        for (int d = 0; d < head_dim; d++) sc->q[r * head_dim + d] = src[d] * scale;
+        for (int d = 0; d < head_dim; d++) sc->q[r * head_dim + d] = src[d] * q_scale;
         memset(sc->acc + r * head_dim, 0, sizeof(float) * head_dim);
         sc->row_max[r] = MASKED;
         sc->row_sum[r] = splat(0.0f);
@@ -265,7 +342,7 @@ static void run_task(const Task *t, Scratch *sc, const int32_t *members, const f
         const int seq = members[t->first + m];
         float *dst = out + ((int64_t)(query_start_loc[seq] + i) * num_heads + t->kv_head * group + g) * head_dim;
         float total = hsum(sc->row_sum[r]);
-        float inv = total > 0.0f ? 1.0f / total : 0.0f;
+        float inv = total > 0.0f ? o_scale / total : 0.0f;
         for (int d = 0; d < head_dim; d++) dst[d] = sc->acc[r * head_dim + d] * inv;
     }
 }
@@ -303,12 +380,15 @@ static int32_t common_blocks(const SeqRef *a, const SeqRef *b) {
     return i;
 }
 
-/* Returns 0 on success, a negative code on bad arguments (checked again in Python). */
-int paged_attention_f32(const float *query, int64_t q_stride, const float *key_cache, const float *value_cache,
+/* Returns 0 on success, a negative code on bad arguments (checked again in Python).
+ * kv_fp8: the caches hold fp8 e4m3 bytes, dequantized with k_scale / v_scale;
+ * else float32 (the scales must then be 1). */
+int paged_attention_f32(const float *query, int64_t q_stride, const void *key_cache, const void *value_cache,
                         const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
                         const int32_t *query_start_loc, int32_t num_seqs, int32_t num_heads,
                         int32_t num_kv_heads, int32_t head_dim, int32_t block_size, float scale,
-                        int32_t window, float *out, int32_t num_threads) {
+                        int32_t window, float *out, int32_t num_threads, int32_t kv_fp8, float k_scale,
+                        float v_scale) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads || head_dim > MAX_HEAD_DIM || head_dim <= 0) return -1;
     const int group = num_heads / num_kv_heads;
     if (group > MAX_TILE_ROWS) return -2;
@@ -368,7 +448,7 @@ int paged_attention_f32(const float *query, int64_t q_stride, const float *key_c
      * they share are read from cache, not memory, by all but the first. */
     qsort(tasks, n, sizeof(Task), compare_tasks);
     const CacheView cache = {key_cache, value_cache, block_tables, table_stride, num_kv_heads, head_dim, block_size,
-                             window};
+                             window, kv_fp8 != 0, kv_fp8 ? k_scale : 1.0f, kv_fp8 ? v_scale : 1.0f};
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -407,6 +487,30 @@ int write_kv_cache_f32(const float *key, int64_t k_stride, const float *value, i
             float *vc = value_cache + block * block_elems + ((int64_t)h * block_size + offset) * head_dim;
             for (int d = 0; d < head_dim; d++) kc[(int64_t)d * block_size] = k[d];
             memcpy(vc, v, sizeof(float) * head_dim);
+        }
+    }
+    return 0;
+}
+
+/* The same store into an fp8 e4m3 cache (uint8 bytes in the same layouts): each element
+ * is x / scale (IEEE float32 division) saturated and rounded by f32_to_fp8. */
+int write_kv_cache_fp8(const float *key, int64_t k_stride, const float *value, int64_t v_stride, uint8_t *key_cache,
+                       uint8_t *value_cache, const int64_t *slot_mapping, int64_t num_tokens, int64_t num_slots,
+                       int32_t num_kv_heads, int32_t head_dim, int32_t block_size, float k_scale, float v_scale) {
+    for (int64_t t = 0; t < num_tokens; t++)
+        if (slot_mapping[t] >= num_slots) return -1;
+    const int64_t block_elems = (int64_t)num_kv_heads * head_dim * block_size;
+    for (int64_t t = 0; t < num_tokens; t++) {
+        int64_t slot = slot_mapping[t];
+        if (slot < 0) continue;
+        int64_t block = slot / block_size, offset = slot % block_size;
+        for (int h = 0; h < num_kv_heads; h++) {
+            const float *k = key + t * k_stride + (int64_t)h * head_dim;
+            const float *v = value + t * v_stride + (int64_t)h * head_dim;
+            uint8_t *kc = key_cache + block * block_elems + (int64_t)h * head_dim * block_size + offset;
+            uint8_t *vc = value_cache + block * block_elems + ((int64_t)h * block_size + offset) * head_dim;
+            for (int d = 0; d < head_dim; d++) kc[(int64_t)d * block_size] = f32_to_fp8(k[d] / k_scale);
+            for (int d = 0; d < head_dim; d++) vc[d] = f32_to_fp8(v[d] / v_scale);
         }
     }
     return 0;
