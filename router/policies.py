@@ -45,13 +45,16 @@ satisfies ReplicaView.
 
 from __future__ import annotations
 
+import math
 import random as _random
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Generic, Protocol, TypeVar, runtime_checkable
 
 from prefixserve.replica.config_util import from_dict
+from prefixserve.router.placement import PlacementTable
 from prefixserve.router.ring import DEFAULT_EPSILON, HashRing, RingServer, bounded_capacity
 
 
@@ -120,10 +123,13 @@ class Decision(Generic[R]):
     ranking: every candidate, best first.
     owner: name of the key's ring owner among the candidates (ring policies
         with a key), else None.
+    kind: why the first choice was made, for metrics, where a policy says
+        (``placed``: one of the KIND_* constants), else None.
     """
 
     ranking: list[R]
     owner: str | None = None
+    kind: str | None = None
 
     @property
     def chosen(self) -> R:
@@ -359,14 +365,202 @@ class BoundedLoad(_RingPolicy):
         return Decision([by_name[n] for n in under + over], owner=order[0])
 
 
+# Decision kinds of ``placed`` (Decision.kind).
+KIND_OWNER = "owner"  # the key's ring owner, where the key is placed
+KIND_PLACED = "placed"  # the key's placed primary, moved off its ring owner by a rebalance
+KIND_REPLICATED = "replicated"  # another replica the (hot) key is placed on
+KIND_SPILLED = "spilled"  # no placed replica under the in-flight cap: the next ring successor under it
+KIND_NO_KEY = "no_key"  # no routing key: least loaded
+
+
+@dataclass(frozen=True)
+class PlacedOptions(RingOptions):
+    """Options of ``placed`` (router/placement.py explains the mechanism).
+
+    epsilon: slack of a replica's placed request rate and prefill work over its
+        fair share before it sheds keys (the hit-vs-balance dial; > 0).
+    tau_s: time constant of the decayed per-key statistics (seconds, > 0).
+    rebalance_interval_s: seconds between rebalances (> 0).
+    hot_share: a key is placed on one replica per ``hot_share`` of a replica's
+        fair share of the request rate it carries (0.5: a key above half a
+        replica's share gets its next ring successor too).
+    precise: use ``set_cached`` knowledge (which replicas hold a key's prefix).
+    leader: rebalance on its own; False for a follower that only applies
+        snapshots published by the leader (``apply_snapshot``).
+    clock: seconds, monotonic (default ``time.monotonic``); tests inject one.
+    """
+
+    epsilon: float = 0.1
+    tau_s: float = 300.0
+    rebalance_interval_s: float = 10.0
+    hot_share: float = 0.5
+    precise: bool = False
+    leader: bool = True
+    clock: Callable[[], float] | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("epsilon", "tau_s", "rebalance_interval_s", "hot_share"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > 0 and math.isfinite(v)):
+                raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+        for name in ("precise", "leader"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.clock is not None and not callable(self.clock):
+            raise ValueError(f"clock must be a callable returning seconds, got {self.clock!r}")
+
+
+def in_flight_cap(mean: float) -> float:
+    """The absolute in-flight cap of ``placed``: ``m + max(0.5 m, 3 sqrt(m)) + 1`` for mean in-flight m.
+
+    Proportional slack at high load, sqrt slack (about 3 standard deviations of
+    a Poisson count) at low load, so a busy key is not spilled on noise.
+    """
+    return mean + max(0.5 * mean, 3.0 * math.sqrt(mean)) + 1.0
+
+
+def effective_in_flight(c: ReplicaView) -> int:
+    """The in-flight count of a candidate: its own, or what it reports queued and running when more."""
+    load = load_of(c)
+    if load is None:
+        return c.in_flight
+    return max(c.in_flight, load.num_waiting + load.num_running)
+
+
+class Placed(_RingPolicy):
+    """Ring-placed bounded loads (the default): keys placed on ring replicas, hot keys replicated.
+
+    Per request: the key's request is counted (router/placement.py places a new
+    key on its first ring successor with room and rebalances every
+    ``rebalance_interval_s``); among the replicas the key is placed on, the
+    least loaded under the in-flight cap ``in_flight_cap(mean)`` wins, else the
+    next ring successor under the cap. The ranking is always the chosen replica,
+    then the rest of the placement, then the remaining ring order, so a failure
+    falls back as nginx's ring would. ``Decision.owner`` is the key's ring owner,
+    ``Decision.kind`` one of KIND_OWNER, KIND_PLACED, KIND_REPLICATED,
+    KIND_SPILLED, KIND_NO_KEY.
+
+    Inputs beyond ``rank``:
+
+    * ``observe(key, prompt_tokens, cached_tokens=None)``: the prefill work of a
+      request of ``key`` (call it once per request when its usage is known;
+      uncached tokens = prompt - cached, all of them when cached is None).
+      Without it the policy balances request rates alone.
+    * ``set_cached(replica, key, cached)``: precise mode's knowledge of which
+      replicas hold a key's prefix blocks (from KV events; see placement.py).
+    * ``placement_snapshot()`` / ``apply_snapshot(snapshot)``: agreement between
+      router processes; a follower (``leader=False``) that applies the leader's
+      snapshots routes as the leader does.
+    * candidates' optional ``load`` (ReplicaLoad): their queued + running
+      requests count as in-flight when higher than the router's own count.
+    """
+
+    name = "placed"
+    Options = PlacedOptions
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        o: PlacedOptions = self.options
+        self.epsilon = o.epsilon
+        self._clock: Callable[[], float] = o.clock if o.clock is not None else time.monotonic
+        self.table = PlacementTable(o.epsilon, o.tau_s, o.hot_share, o.precise)
+        self._next_rebalance: float | None = None
+        self._table_members: tuple[tuple[str, int], ...] = ()
+
+    # -- membership ---------------------------------------------------------------
+    def _sync_members(self, candidates: Sequence[ReplicaView]) -> HashRing:
+        ring = self.ring_for(candidates)
+        if self._members != self._table_members:
+            self.table.set_members([n for n, _ in self._members], [w for _, w in self._members], ring.successors)
+            self._table_members = self._members
+        return ring
+
+    def rebalance_due(self) -> bool:
+        """Whether the next ``rank`` with a key rebalances first (leader only)."""
+        return self.options.leader and (self._next_rebalance is None or self._clock() >= self._next_rebalance)
+
+    def rebalance(self) -> bool:
+        """Rebalance now (``rank`` does it every ``rebalance_interval_s``); True if placements changed."""
+        now = self._clock()
+        self._next_rebalance = now + self.options.rebalance_interval_s
+        return self.table.rebalance(now)
+
+    # -- the decision -------------------------------------------------------------
+    def rank(self, candidates: Sequence[R], key: str | None, count: bool = True) -> Decision[R]:
+        """Rank for one request of ``key``; ``count=False`` for a retry of a request already counted."""
+        _check(candidates)
+        if key is None:
+            return Decision(sorted(candidates, key=lambda c: (effective_in_flight(c), c.name)), kind=KIND_NO_KEY)
+        ring = self._sync_members(candidates)
+        now = self._clock()
+        if self.options.leader and (self._next_rebalance is None or now >= self._next_rebalance):
+            if self._next_rebalance is not None:
+                self.table.rebalance(now)
+            self._next_rebalance = now + self.options.rebalance_interval_s
+        placed = self.table.record(key, now) if count else self.table.placement(key)
+        order = ring.successors(key)
+        by_name = {c.name: c for c in candidates}
+        loads = {c.name: effective_in_flight(c) for c in candidates}
+        cap = in_flight_cap(sum(loads.values()) / len(candidates))
+        if not placed:  # not counted and unknown: the ring decides
+            placed = [order[0]]
+        under = [n for n in placed if loads[n] < cap]
+        if under:
+            # Least loaded first; ties keep placement order (primary first).
+            chosen = min(under, key=lambda n: loads[n])
+            kind = (KIND_REPLICATED if chosen != placed[0]
+                    else KIND_OWNER if chosen == order[0] else KIND_PLACED)
+        else:
+            spill = [n for n in order if n not in placed and loads[n] < cap]
+            chosen = spill[0] if spill else min(order, key=lambda n: loads[n])
+            kind = KIND_SPILLED
+        rest = [n for n in placed if n != chosen]
+        seen = {chosen, *rest}
+        names = [chosen, *rest, *(n for n in order if n not in seen)]
+        return Decision([by_name[n] for n in names], owner=order[0], kind=kind)
+
+    # -- other inputs -------------------------------------------------------------
+    def observe(self, key: str, prompt_tokens: int, cached_tokens: int | None = None) -> None:
+        """Record the prefill work of one request of ``key`` (see the class docstring)."""
+        uncached = prompt_tokens - (cached_tokens or 0)
+        self.table.observe(key, max(0, uncached), self._clock())
+
+    def set_cached(self, replica: str, key: str, cached: bool) -> None:
+        """Precise mode: whether ``replica`` holds ``key``'s prefix blocks (ignored unless ``precise``)."""
+        self.table.set_cached(replica, key, cached)
+
+    def placement(self, key: str) -> list[str]:
+        """The replicas ``key`` is placed on, primary first ([] if unknown)."""
+        return self.table.placement(key)
+
+    def placement_snapshot(self) -> dict[str, Any]:
+        """JSON-serializable placement: format, version, members with weights, per key replicas and stats."""
+        snap = self.table.snapshot(self._clock())
+        snap["weights"] = {n: w for n, w in self._table_members}
+        return snap
+
+    def apply_snapshot(self, snapshot: Mapping[str, Any]) -> None:
+        """Adopt a leader's snapshot: its members (ring), placements and statistics."""
+        members = snapshot.get("members")
+        weights = snapshot.get("weights", {})
+        if not isinstance(members, list) or not members or not isinstance(weights, Mapping):
+            raise ValueError("placement snapshot needs a non-empty 'members' list and a 'weights' mapping")
+        # The leader's ring weights (a follower configured alike already has them).
+        self._weights.update({str(n): int(w) for n, w in weights.items()})
+        self._sync_members([Replica(str(n)) for n in members])
+        self.table.apply(snapshot, self._clock())
+
+
 POLICIES: dict[str, type[_Configured]] = {
     RoundRobin.name: RoundRobin,
     Random.name: Random,
     PowerOfTwo.name: PowerOfTwo,
     ConsistentHash.name: ConsistentHash,
     BoundedLoad.name: BoundedLoad,
+    Placed.name: Placed,
 }
-DEFAULT_POLICY = BoundedLoad.name
+DEFAULT_POLICY = Placed.name
 # Policies that place keys on the ring (their decisions report owners and spills).
 RING_POLICIES = tuple(name for name, cls in POLICIES.items() if issubclass(cls, _RingPolicy))
 

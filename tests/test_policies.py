@@ -15,6 +15,7 @@ from prefixserve.router.policies import (
     BoundedLoad,
     ConsistentHash,
     Decision,
+    Placed,
     Replica,
     ReplicaView,
     accepted_options,
@@ -88,13 +89,13 @@ def test_every_policy_returns_a_permutation(name):
 
 
 def test_make_policy_errors_name_the_valid_choices():
-    with pytest.raises(ValueError, match="bounded_load.*consistent_hash.*power_of_two.*random.*round_robin"):
+    with pytest.raises(ValueError, match="bounded_load.*consistent_hash.*placed.*power_of_two.*random.*round_robin"):
         make_policy("least_conn")
     with pytest.raises(ValueError, match=r"unknown round_robin policy option keys \['epsilon'\]; known keys: none"):
         make_policy("round_robin", epsilon=0.1)
     with pytest.raises(ValueError, match="epsilon"):
         make_policy("bounded_load", epsilon=-1)
-    assert isinstance(make_policy(), BoundedLoad)
+    assert isinstance(make_policy(), Placed)
 
 
 @pytest.mark.parametrize(
@@ -120,7 +121,7 @@ def test_unknown_option_names_it_and_the_policys_options(name, bad, accepted):
 def test_options_are_declared_once_per_policy():
     assert accepted_options("round_robin") == ()
     assert accepted_options("bounded_load") == ("weights", "epsilon")
-    assert set(RING_POLICIES) == {"consistent_hash", "bounded_load"}
+    assert set(RING_POLICIES) == {"consistent_hash", "bounded_load", "placed"}
     settings = {"seed": 3, "epsilon": 0.5, "weights": None}
     assert pick_options("bounded_load", settings) == {"epsilon": 0.5}
     assert pick_options("random", settings) == {"seed": 3}
