@@ -7,15 +7,30 @@ every live request must read back exactly its own tokens through its block
 table, and every prefix hit must hand out blocks holding the prompt's tokens:
 a block shared where it should have been copied, or a stale hit, shows up as
 a wrong token.
+
+The machine runs once per eviction policy (``EVICTION_POLICIES``). Between
+steps it also checks the eviction contract: a (hash, block) pair leaves the
+hash map only when that block was free before the step and has been popped for
+reuse in it (so cached blocks are found by hash until evicted, and eviction
+never touches a referenced block), and ``num_evictions`` counts exactly those.
 """
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from prefixserve.replica.kv import KVCacheManager
+from prefixserve.replica.kv.block_pool import EVICTION_POLICIES
 from tests.kv_helpers import snapshot
 
 # A few shared system prompts, and a tiny vocabulary so that identical blocks
@@ -25,6 +40,8 @@ tokens_st = st.lists(st.integers(0, 3), min_size=0, max_size=9)
 
 
 class KVMachine(RuleBasedStateMachine):
+    policy = "lru"  # set per test (see test_kv_manager_random_interleavings)
+
     @initialize(
         num_blocks=st.integers(3, 14),
         block_size=st.integers(1, 4),
@@ -32,7 +49,13 @@ class KVMachine(RuleBasedStateMachine):
         algo=st.sampled_from(["xxh3_128", "sha256"]),
     )
     def setup(self, num_blocks, block_size, caching, algo):
-        self.m = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching, hash_algo=algo)
+        self.m = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching, hash_algo=algo,
+                                eviction_policy=self.policy)
+        assert self.m.pool.eviction_policy == self.policy
+        # The cache as the last invariant check saw it (the eviction contract compares against it).
+        self.prev_map: dict[bytes, int] = {}
+        self.prev_ref = [0] * num_blocks
+        self.prev_evictions = 0
         self.bs = block_size
         self.shadow: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.tokens: dict[str, list[int]] = {}
@@ -109,8 +132,25 @@ class KVMachine(RuleBasedStateMachine):
     def reset(self):
         in_use = self.m.stats.num_used_blocks > 0
         assert self.m.reset_prefix_cache() is (not in_use)
+        if not in_use:
+            assert not self.m.pool.hash_to_block and self.m.stats.num_cached_free_blocks == 0
+            self.prev_map = {}  # forgotten on purpose, not evicted
 
     # --- invariants ----------------------------------------------------------
+
+    @invariant()
+    def eviction_takes_only_free_blocks(self):
+        if not hasattr(self, "m"):
+            return
+        pool = self.m.pool
+        gone = [(h, b) for h, b in self.prev_map.items() if pool.hash_to_block.get(h) != b]
+        for h, b in gone:
+            assert self.prev_ref[b] == 0, f"block {b} lost its hash while referenced"
+            assert pool.ref_cnt[b] > 0 and pool.block_hash[b] != h, f"block {b} lost its hash but was not reused"
+        assert pool.num_evictions - self.prev_evictions == len(gone), "num_evictions miscounts"
+        self.prev_map = dict(pool.hash_to_block)
+        self.prev_ref = list(pool.ref_cnt)
+        self.prev_evictions = pool.num_evictions
 
     @invariant()
     def consistent(self):
@@ -148,11 +188,16 @@ class KVMachine(RuleBasedStateMachine):
         assert self.m.reset_prefix_cache()
 
 
-KVMachine.TestCase.settings = settings(
+SETTINGS = settings(
     max_examples=120,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
     derandomize=True,
 )
-test_kv_manager_random_interleavings = KVMachine.TestCase
+
+
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
+def test_kv_manager_random_interleavings(policy):
+    machine = type(f"KVMachine_{policy}", (KVMachine,), {"policy": policy})
+    run_state_machine_as_test(machine, settings=SETTINGS)
