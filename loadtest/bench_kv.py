@@ -7,7 +7,12 @@
 2. Manager throughput: admit (lookup + allocate) and free of 4,096-token prompts
    whose first half hits cached blocks, per second, with prefix caching on
    (xxh3_128, sha256) against off; plus decode steps (one slot per sequence).
-3. The seed article's memory table: on a seeded mixed-length workload (chat,
+3. Eviction policies (``EVICTION_POLICIES``): the same admit + free of 4,096-token
+   prompts, half hitting, on pools of growing size that start full of cached
+   free blocks (so every admission evicts); requests/s and microseconds per
+   block operation should not depend on the pool size (O(1) per operation).
+   vLLM is not a dependency; when it is importable nothing here compares with it.
+4. The seed article's memory table: on a seeded mixed-length workload (chat,
    RAG, short requests, caught mid-generation), the KV memory taken by a
    contiguous max_model_len reservation per request, a contiguous
    prompt + max_tokens reservation, paged allocation, and paged allocation
@@ -31,6 +36,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from prefixserve.replica.kv import BlockHasher, KVCacheManager
+from prefixserve.replica.kv.block_pool import EVICTION_POLICIES
 
 
 def _best_of(repeats: int, fn: Callable[[], None]) -> float:
@@ -92,6 +98,56 @@ def bench_manager(num_requests: int, prompt_len: int, block_size: int, repeats: 
                      "prompt_tokens_per_s": num_requests * prompt_len / t, "hit_rate": hit_rate}
     out["caching_over_no_caching"] = out["caching_xxh3_128"]["requests_per_s"] / out["no_caching"]["requests_per_s"]
     out["xxh3_over_sha256"] = out["caching_xxh3_128"]["requests_per_s"] / out["caching_sha256"]["requests_per_s"]
+    return out
+
+
+def bench_policies(num_requests: int, prompt_len: int, block_size: int, repeats: int, seed: int,
+                   pool_sizes: Sequence[int], policies: Sequence[str] = EVICTION_POLICIES) -> dict:
+    """Admit + free per eviction policy on pools that start full of cached free blocks.
+
+    Every pool block first carries a hash (half of them hit once more, so the
+    segmented policies hold both probationary and protected blocks); each
+    admission then evicts the unique half of its prompt. The per-block cost is
+    the time over the block operations of one request: 2 * blocks touched or
+    popped plus blocks freed.
+    """
+    rng = random.Random(f"{seed}-policies")
+    half = prompt_len // 2
+    shared = [rng.randrange(128_000) for _ in range(half)]
+    prompts = [shared + [rng.randrange(128_000) for _ in range(prompt_len - half)] for _ in range(num_requests)]
+    ids = [f"r{i}" for i in range(num_requests)]
+    ops_per_request = 2 * (prompt_len // block_size)  # touched/popped + freed
+    out: dict = {"num_requests": num_requests, "prompt_len": prompt_len, "block_size": block_size,
+                 "pool_sizes": list(pool_sizes), "rows": []}
+    for policy in policies:
+        for size in pool_sizes:
+            best = float("inf")
+            for _ in range(repeats):
+                m = KVCacheManager(size, block_size, eviction_policy=policy)
+                pool = m.pool
+                blocks = pool.get_new_blocks(size)
+                pool.cache_blocks(blocks, [b"fill" + b.to_bytes(12, "little") for b in blocks])
+                pool.touch(blocks[::2])
+                pool.free_blocks(blocks[::2])
+                pool.free_blocks(blocks)
+                m.allocate_slots("warm", prompts[0], prompt_len)  # the shared half enters the cache
+                m.free("warm")
+                evictions = pool.num_evictions
+                t0 = time.perf_counter()
+                for rid, p in zip(ids, prompts):
+                    got, n = m.get_computed_blocks(p)
+                    if m.allocate_slots(rid, p, prompt_len - n, got) is None:
+                        raise RuntimeError("pool too small for the benchmark")
+                    m.free(rid)
+                best = min(best, time.perf_counter() - t0)
+            out["rows"].append({"policy": policy, "num_blocks": size, "requests_per_s": num_requests / best,
+                                "us_per_block_op": 1e6 * best / (num_requests * ops_per_request),
+                                "hit_rate": m.stats.hit_rate,
+                                "evictions_per_request": (pool.num_evictions - evictions) / num_requests})
+    ratio = out["largest_over_smallest_us"] = {}
+    for policy in policies:
+        rows = [r for r in out["rows"] if r["policy"] == policy]
+        ratio[policy] = rows[-1]["us_per_block_op"] / rows[0]["us_per_block_op"]
     return out
 
 
@@ -227,6 +283,23 @@ def render(res: dict) -> str:
         f"xxh3_128 / sha256 = **{mg['xxh3_over_sha256']:.2f}x**",
         f"\nDecode: {dc['slot_allocations_per_s']:,.0f} one-token slot allocations/s "
         f"({dc['us_per_slot']:.2f} us each, {dc['num_seqs']} sequences x {dc['steps']} steps)",
+    ]
+    pol = res["policies"]
+    lines += [
+        "",
+        f"## Eviction policies: admit + free of {pol['prompt_len']:,}-token prompts, half hitting, "
+        f"on pools full of cached blocks ({pol['num_requests']} requests)",
+        "",
+        "| policy | pool blocks | requests/s | us per block op | hit rate | evictions/request |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in pol["rows"]:
+        lines.append(f"| {r['policy']} | {r['num_blocks']:,} | {r['requests_per_s']:,.0f} | "
+                     f"{r['us_per_block_op']:.3f} | {r['hit_rate']:.3f} | {r['evictions_per_request']:.0f} |")
+    lines += [
+        "",
+        "Largest / smallest pool, us per block op (1.0 = O(1)): "
+        + ", ".join(f"{p} {v:.2f}" for p, v in pol["largest_over_smallest_us"].items()),
         "",
         f"## KV memory, {mem['num_requests']} live requests mid-generation "
         f"(max_model_len {mem['max_model_len']}, block_size {mem['block_size']}, kinds {mem['request_kinds']})",
@@ -252,6 +325,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--hash-tokens", type=int, default=1 << 20)
     ap.add_argument("--requests", type=int, default=300, help="4,096-token prompts admitted and freed")
     ap.add_argument("--prompt-len", type=int, default=4096)
+    ap.add_argument("--policy-pool-sizes", default="1024,16384,262144",
+                    help="comma list of pool sizes (blocks) for the eviction-policy part")
+    ap.add_argument("--policies", default=",".join(EVICTION_POLICIES))
     ap.add_argument("--memory-requests", type=int, default=256)
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=3)
@@ -261,6 +337,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     steps = [
         ("hashing", lambda: bench_hashing(args.hash_tokens, args.block_size, args.repeats, args.seed)),
         ("manager", lambda: bench_manager(args.requests, args.prompt_len, args.block_size, args.repeats, args.seed)),
+        ("policies", lambda: bench_policies(args.requests, args.prompt_len, args.block_size, args.repeats,
+                                            args.seed, [int(x) for x in args.policy_pool_sizes.split(",")],
+                                            args.policies.split(","))),
         ("decode", lambda: bench_decode(256, 512, 64, args.block_size, args.seed)),
         ("memory", lambda: bench_memory(args.memory_requests, args.max_model_len, args.block_size, args.seed)),
     ]
