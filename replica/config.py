@@ -37,7 +37,7 @@ HASH_ALGO_ALIASES: dict[str, str] = {
     "xxhash_cbor": "xxh3_128",
     "builtin": "xxh3_128",
 }
-KV_CACHE_DTYPES = ("auto", "fp8")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "triton", "cpu", "torch")
@@ -68,7 +68,15 @@ class EngineConfig:
     kv_cache_memory_bytes: int = 512 * 1024**2
     # Exact number of KV blocks; overrides both sizing rules above.
     num_kv_blocks: int | None = None
+    # "auto" = the activations' dtype; "fp8" / "fp8_e4m3" = float8 e4m3 (1 byte per element:
+    # the same memory holds twice the fp16 blocks, four times the fp32 ones), stored as
+    # x / scale with one K and one V scale per layer (vLLM's semantics, below).
     kv_cache_dtype: str = "auto"
+    # fp8 only: compute each layer's K/V scales from the first forward pass
+    # (amax(K) / 200, amax(V) / 100, as vLLM does); False = the checkpoint's scales
+    # (``...self_attn.k_scale`` / ``v_scale`` and vLLM's other spellings) when it has
+    # them, else 1.0.
+    calculate_kv_scales: bool = False
     swap_space_gb: float = 0.0
     preemption_mode: str = "recompute"
     # None = the checkpoint's max_position_embeddings, capped at MAX_MODEL_LEN_CAP.
@@ -145,8 +153,9 @@ class EngineConfig:
         # Features of a later issue: refuse rather than silently ignore.
         if self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 is not implemented yet: set tensor_parallel_size=1")
-        if self.kv_cache_dtype != "auto":
-            raise ValueError("kv_cache_dtype='fp8' is not implemented yet: set kv_cache_dtype='auto'")
+        if self.calculate_kv_scales and not self.kv_cache_dtype.startswith("fp8"):
+            raise ValueError("calculate_kv_scales applies to an fp8 KV cache only: set kv_cache_dtype='fp8' "
+                             "or leave calculate_kv_scales off")
         if self.preemption_mode != "recompute":
             raise ValueError("preemption_mode='swap' is not implemented yet: set preemption_mode='recompute'")
         if self.swap_space_gb > 0:

@@ -30,6 +30,7 @@ from prefixserve.replica.sampling import SampleResult, SampleSpec, sample
 from prefixserve.replica.scheduler import ScheduledSeq
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 def _threads_pinned() -> bool:
@@ -84,6 +85,8 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, checkpoint_dtype)
         self.block_size = config.block_size
+        # The KV cache's element type: the activations' dtype, or fp8 e4m3 (1 byte per element).
+        self.kv_cache_dtype = KV_CACHE_DTYPES.get(config.kv_cache_dtype, self.dtype)
         self.max_model_len = max_model_len
         if self.device.type == "cpu" and torch.get_num_threads() < (os.cpu_count() or 1) and not _threads_pinned():
             torch.set_num_threads(os.cpu_count() or 1)
@@ -98,6 +101,8 @@ class ModelRunner:
                 self.model = LlamaForCausalLM(model_cfg, max_model_len=max_model_len, backend=self.backend,
                                               dtype=self.dtype, tp=TPGroup(), ops=ops)
             self.model.load_weights(weights)
+            self.model.configure_kv_cache(fp8=self.kv_cache_dtype != self.dtype,
+                                          calculate_scales=config.calculate_kv_scales)
             self.model.eval()
             if self.backend.name == "cpu":
                 self.model.pack_weights_for_cpu()
@@ -105,16 +110,19 @@ class ModelRunner:
             self.num_blocks = self._num_kv_blocks()
             k_shape, v_shape = self.backend.kv_cache_shape(self.num_blocks, self.block_size,
                                                            model_cfg.num_kv_heads, model_cfg.head_dim)
-            self.k_cache = torch.zeros((model_cfg.num_layers, *k_shape), dtype=self.dtype, device=self.device)
-            self.v_cache = torch.zeros((model_cfg.num_layers, *v_shape), dtype=self.dtype, device=self.device)
+            self.k_cache = torch.zeros((model_cfg.num_layers, *k_shape), dtype=self.kv_cache_dtype,
+                                       device=self.device)
+            self.v_cache = torch.zeros((model_cfg.num_layers, *v_shape), dtype=self.kv_cache_dtype,
+                                       device=self.device)
         self.model.bind_kv_cache(list(self.k_cache.unbind(0)), list(self.v_cache.unbind(0)))
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
 
     @property
     def kv_bytes_per_block(self) -> int:
+        """Bytes of one block over every layer, K and V (1 byte per element in fp8)."""
         c = self.model_cfg
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         return 2 * c.num_layers * self.block_size * c.num_kv_heads * c.head_dim * elem
 
     def _num_kv_blocks(self) -> int:
@@ -160,8 +168,8 @@ class ModelRunner:
     def _copy_blocks(self, ops: list[tuple[int, int]]) -> None:
         src = torch.tensor([s for s, _ in ops], dtype=torch.long, device=self.device)
         dst = torch.tensor([d for _, d in ops], dtype=torch.long, device=self.device)
-        self.k_cache[:, dst] = self.k_cache[:, src]
-        self.v_cache[:, dst] = self.v_cache[:, src]
+        for cache in (_raw(self.k_cache), _raw(self.v_cache)):
+            cache[:, dst] = cache[:, src]
 
     def _prepare(self, scheduled: list[ScheduledSeq]):
         ids: list[int] = []
@@ -196,3 +204,8 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
         last_rows = [q - 1 for q in query_start[1:]]
         return input_ids, positions.to(dev, non_blocking=True), meta, last_rows
+
+
+def _raw(cache: torch.Tensor) -> torch.Tensor:
+    """The cache as plain bytes when it is fp8 (indexing kernels do not all take float8 types)."""
+    return cache.view(torch.uint8) if cache.element_size() == 1 else cache

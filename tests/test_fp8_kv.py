@@ -168,3 +168,107 @@ def test_c_fp8_refuses_mixed_or_unscaled_caches():
     with pytest.raises(ValueError, match="positive"):
         cpu_attention.write_kv_cache(key, key, torch.zeros(kc, dtype=FP8), torch.zeros(vc, dtype=FP8),
                                      torch.zeros(1), k_scale=0.0)
+
+
+# --- the engine with kv_cache_dtype="fp8" ---------------------------------------------------
+
+def _engine_prompts(seed: int) -> list[list[int]]:
+    from model_helpers import random_prompts
+
+    shared = random_prompts(np.random.default_rng(seed), 1, 40, 41)[0]
+    return random_prompts(np.random.default_rng(seed + 1), 6, 5, 50, shared_prefix=shared)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from model_helpers import tiny_checkpoint
+
+    return tiny_checkpoint(tmp_path_factory.mktemp("fp8") / "tiny")
+
+
+def _greedy(llm, prompts) -> list[list[int]]:
+    from prefixserve.replica.sampling import SamplingParams
+
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))]
+
+
+def test_fp8_cache_holds_four_times_the_fp32_blocks(tiny):
+    from prefixserve.replica.llm import LLM
+
+    budget = 3 << 20
+    full = LLM(str(tiny), kv_cache_memory_bytes=budget).engine.runner
+    fp8 = LLM(str(tiny), kv_cache_memory_bytes=budget, kv_cache_dtype="fp8").engine.runner
+    assert fp8.k_cache.dtype == fp8.v_cache.dtype == torch.float8_e4m3fn
+    assert fp8.kv_bytes_per_block * 4 == full.kv_bytes_per_block  # float32 activations on CPU
+    assert (fp8.num_blocks, full.num_blocks) == (budget // fp8.kv_bytes_per_block, budget // full.kv_bytes_per_block)
+    assert fp8.k_cache.numel() * 1 + fp8.v_cache.numel() <= budget
+    assert fp8.num_blocks >= 4 * full.num_blocks - 3
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("cpu", marks=C_KERNELS)])
+def test_fp8_engine_equals_fake_quantized_fp32_engine(tiny, backend):
+    """The fp8 engine computes exactly attention over K/V quantized with its scales: an fp32
+    engine whose cache write rounds through fp8 and back (same scales) gives the same tokens."""
+    import dataclasses
+
+    from prefixserve.replica.llm import LLM
+
+    prompts = _engine_prompts(3)
+    fp8 = LLM(str(tiny), num_kv_blocks=64, kv_cache_dtype="fp8", calculate_kv_scales=True,
+              attention_backend=backend)
+    got = _greedy(fp8, prompts)
+    scales = fp8.engine.runner.model.kv_scales
+    assert all(k != 1.0 and v != 1.0 and k > 0 and v > 0 for k, v in scales)
+
+    fake = LLM(str(tiny), num_kv_blocks=64, attention_backend="torch")
+
+    def fake_write(key, value, key_cache, value_cache, slots, *, k_scale, v_scale):
+        key = reference.quantize_fp8(key, k_scale).float() * k_scale
+        value = reference.quantize_fp8(value, v_scale).float() * v_scale
+        reference.write_kv_cache(key, value, key_cache, value_cache, slots)
+
+    for layer, (k_scale, v_scale) in zip(fake.engine.runner.model.layers, scales, strict=True):
+        attn = layer.self_attn
+        attn.backend = dataclasses.replace(attn.backend, write_kv_cache=fake_write)
+        attn.k_scale, attn.v_scale = k_scale, v_scale
+    assert _greedy(fake, prompts) == got
+
+
+def test_fp8_scales_from_the_checkpoint(tiny, tmp_path):
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from prefixserve.replica.llm import LLM
+
+    ckpt = tmp_path / "with_scales"
+    shutil.copytree(tiny, ckpt)
+    save_file({"model.layers.0.self_attn.k_scale": torch.tensor(0.5),
+               "model.layers.0.self_attn.v_scale": torch.tensor(0.25),
+               "model.layers.1.self_attn.kv_scale": torch.tensor([0.125])}, ckpt / "zz_kv_scales.safetensors")
+    fp8 = LLM(str(ckpt), num_kv_blocks=16, kv_cache_dtype="fp8_e4m3").engine.runner.model
+    assert fp8.kv_scales == [(0.5, 0.25), (0.125, 0.125)]
+    # calculate_kv_scales wins over the checkpoint (vLLM); an unquantized cache ignores them.
+    calc = LLM(str(ckpt), num_kv_blocks=16, kv_cache_dtype="fp8", calculate_kv_scales=True)
+    _greedy(calc, _engine_prompts(1)[:1])
+    assert calc.engine.runner.model.kv_scales[0] != (0.5, 0.25)
+    assert LLM(str(ckpt), num_kv_blocks=16).engine.runner.model.kv_scales == [(1.0, 1.0), (1.0, 1.0)]
+    # No scales anywhere: 1.0.
+    assert LLM(str(tiny), num_kv_blocks=16, kv_cache_dtype="fp8").engine.runner.model.kv_scales == [(1.0, 1.0)] * 2
+
+
+@C_KERNELS
+def test_fp8_prefix_hits_and_copy_on_write(tiny):
+    """Prefix-cache hits and n > 1 forks (block copies of an fp8 cache) give the tokens of a fresh run."""
+    from prefixserve.replica.llm import LLM
+    from prefixserve.replica.sampling import SamplingParams
+
+    prompts = _engine_prompts(5)
+    cold = _greedy(LLM(str(tiny), num_kv_blocks=64, kv_cache_dtype="fp8", enable_prefix_caching=False), prompts)
+    warm = LLM(str(tiny), num_kv_blocks=64, kv_cache_dtype="fp8")
+    first = _greedy(warm, prompts)
+    again = _greedy(warm, prompts)
+    assert first == again == cold
+    assert all(o.num_cached_tokens > 0 for o in warm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=2)))
+    forks = warm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=12, n=2))
+    assert [[c.token_ids for c in o.outputs] for o in forks] == [[t, t] for t in cold[:2]]

@@ -25,7 +25,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 
 @pytest.mark.parametrize("knobs, fragment", [
     ({"tensor_parallel_size": 2}, "tensor_parallel_size=1"),
-    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype='auto'"),
+    ({"kv_cache_dtype": "fp8_e5m2"}, "kv_cache_dtype"),
+    ({"calculate_kv_scales": True}, "calculate_kv_scales"),
     ({"preemption_mode": "swap"}, "preemption_mode='recompute'"),
     ({"swap_space_gb": 4.0}, "swap_space_gb"),
     ({"sliding_window": 4096}, "sliding_window"),

@@ -34,6 +34,18 @@ from prefixserve.replica.model.layers import (
 from prefixserve.replica.model.rope import RopeConfig, RotaryEmbedding
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# vLLM's dynamic fp8 KV scales (calculate_kv_scales): amax / these constants.
+K_SCALE_CONSTANT = 200.0
+V_SCALE_CONSTANT = 100.0
+# Checkpoint names of fp8 KV scales (vLLM's spellings), by suffix after "layers.N.self_attn.":
+# -> which scales the tensor sets.
+KV_SCALE_NAMES = {
+    "k_scale": ("k",), "v_scale": ("v",), "kv_scale": ("k", "v"),
+    "attn.k_scale": ("k",), "attn.v_scale": ("v",),
+    "k_proj.k_scale": ("k",), "v_proj.v_scale": ("v",),
+    "qkv_proj.k_scale": ("k",), "qkv_proj.v_scale": ("v",),
+    "k_proj.output_scale": ("k",), "v_proj.output_scale": ("v",),
+}
 
 
 @dataclass(frozen=True)
@@ -137,6 +149,18 @@ class Attention(nn.Module):
         self.backend = backend
         self.k_cache: torch.Tensor | None = None  # [NB, ...] in the backend's layout, bound by the runner
         self.v_cache: torch.Tensor | None = None
+        # fp8 KV cache: the cache holds K / k_scale and V / v_scale (Python floats: no sync per step).
+        self.k_scale = 1.0
+        self.v_scale = 1.0
+        self.calculate_kv_scales = False  # set once: the next forward computes the scales
+        self.sliding_window: int | None = None
+
+    def _calculate_kv_scales(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """vLLM's dynamic scales: amax(K) / 200 and amax(V) / 100 (headroom below 448), once."""
+        self.calculate_kv_scales = False
+        k_amax, v_amax = float(k.abs().max()), float(v.abs().max())
+        self.k_scale = k_amax / K_SCALE_CONSTANT if k_amax > 0 else 1.0
+        self.v_scale = v_amax / V_SCALE_CONSTANT if v_amax > 0 else 1.0
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
@@ -146,12 +170,17 @@ class Attention(nn.Module):
         qk = qkv[:, :self.q_size + self.kv_size].unflatten(1, (heads, self.head_dim))
         q, k = self.ops.rotary(qk, meta.rotary).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size:].unflatten(1, (self.num_kv_heads, self.head_dim))
-        self.backend.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if self.calculate_kv_scales:
+            self._calculate_kv_scales(k, v)
+        self.backend.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping,
+                                    k_scale=self.k_scale, v_scale=self.v_scale)
         # Token rows of q/k/v may be strided views into qkv; the CPU backend reads them as they are.
         if self.backend.name != "cpu":
             q = q.contiguous()
         o = self.backend.paged_attention(q, self.k_cache, self.v_cache, meta.block_tables,
-                                         meta.seq_lens, meta.query_start_loc, scale=self.scale)
+                                         meta.seq_lens, meta.query_start_loc, scale=self.scale,
+                                         sliding_window=self.sliding_window, k_scale=self.k_scale,
+                                         v_scale=self.v_scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
@@ -216,6 +245,21 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # fp8 KV scales found in the checkpoint: layer -> {"k": s, "v": s}
+        self.checkpoint_kv_scales: dict[int, dict[str, float]] = {}
+
+    def configure_kv_cache(self, *, fp8: bool, calculate_scales: bool = False) -> None:
+        """Scales of an fp8 KV cache (vLLM's rule): computed from the first forward when
+        ``calculate_scales``, else the checkpoint's, else 1.0. Not fp8: scales stay 1."""
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            found = self.checkpoint_kv_scales.get(i, {}) if fp8 else {}
+            attn.k_scale, attn.v_scale = found.get("k", 1.0), found.get("v", 1.0)
+            attn.calculate_kv_scales = fp8 and calculate_scales
+
+    @property
+    def kv_scales(self) -> list[tuple[float, float]]:
+        return [(layer.self_attn.k_scale, layer.self_attn.v_scale) for layer in self.layers]
 
     def pack_weights_for_cpu(self) -> None:
         """Repack every linear's weight for MKL's packed GEMM (CPU float32; see layers.py)."""
@@ -239,6 +283,19 @@ class LlamaForCausalLM(nn.Module):
         """``[N, hidden]`` (pre-norm) -> ``[N, vocab]`` float32 logits."""
         return self.lm_head(self.norm(hidden)).float()
 
+    def _load_kv_scale(self, name: str, tensor: torch.Tensor) -> bool:
+        """Record an fp8 KV scale tensor (``layers.N.self_attn.<KV_SCALE_NAMES>``); False if ``name`` is none."""
+        parts = name.split(".", 3)
+        if len(parts) < 4 or parts[0] != "layers" or parts[2] != "self_attn" or parts[3] not in KV_SCALE_NAMES:
+            return False
+        value = float(tensor.float().reshape(-1).max())
+        if not value > 0:
+            raise ValueError(f"checkpoint KV scale {name!r} must be positive, got {value}")
+        scales = self.checkpoint_kv_scales.setdefault(int(parts[1]), {})
+        for which in KV_SCALE_NAMES[parts[3]]:
+            scales[which] = value
+        return True
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load checkpoint tensors (HF names); raise if a parameter is left unset."""
         params = dict(self.named_parameters(remove_duplicate=False))
@@ -248,6 +305,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             name = name.removeprefix("model.")
             if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                continue
+            if self._load_kv_scale(name, tensor):
                 continue
             shard_id = None
             for ckpt, (ours, sid) in self.PACKED.items():
