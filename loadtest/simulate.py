@@ -2,10 +2,25 @@
 
 Job: answer "which router, at what scale" without a cluster. R replicas, each a
 real ``prefixserve.replica.kv.manager.KVCacheManager`` (real block accounting, hashing,
-LRU eviction), routed by the real policies of ``router/policies.py`` (plus
-SGLang's approximate-tree policy from ``loadtest/approx_tree.py``), on Zipf
-tenant traffic (``prefixserve.loadtest.workloads.zipf_tenant_sequence``: the same tenant
+eviction policy ``--eviction-policy``), routed by the real policies of
+``router/policies.py`` (``placed``, the default, is the baseline of the tables)
+and by faithful models of the peer routers in ``loadtest/peers/`` (SGLang's
+cache_aware, Ray's PrefixCacheAffinityRouter, llm-d's weighted scorers,
+Dynamo's KV router), on Zipf tenant traffic
+(``prefixserve.loadtest.workloads.zipf_tenant_sequence``: the same tenant
 sequence the locust workload sends).
+
+Signals: every policy sees what a real router would. Our policies get each
+replica's in-flight count (routed, not finished) and its reported load
+(``ReplicaLoad``: waiting, running, KV usage, queued prompt tokens, updated on
+every event of that replica); ``placed`` runs on the simulated clock, learns
+each request's prefill work at completion (``observe`` with the prompt and
+cached tokens the response reports), and ``placed_precise`` also gets
+``set_cached`` from the replicas' real KV caches (whether the key's first
+prefix block is cached) for the key's placement and ring successors at each
+decision and for every placed key before a rebalance: KV events without delay.
+Peers get the prompt tokens, block hashes and the same loads (see
+loadtest/peers/__init__.py).
 
 The model, per replica:
 
@@ -33,7 +48,7 @@ replica's hits can never exceed it (a replica caches only what it admitted
 earlier, which arrived earlier).
 
 Outputs: a markdown table per policy (hit rate, of-oracle ratio, load max/mean,
-TTFT p50/p99), sweeps over the replica count and bounded_load's epsilon,
+TTFT p50/p99), sweeps over the replica count and one policy's epsilon (placed's by default),
 ``results/simulate.json`` and ``results/simulate.png``.
 
 Imports: numpy, the KV manager, router policies, matplotlib lazily (Agg). No
@@ -54,15 +69,20 @@ from pathlib import Path
 
 import numpy as np
 
-from prefixserve.loadtest.approx_tree import SGLangCacheAware, SGLangConfig
 from prefixserve.loadtest.cost_model import CostProfile, get_profile
+from prefixserve.loadtest.peers import PEERS, PeerRequest, make_peer
+from prefixserve.loadtest.peers.sglang import SGLangCacheAware, SGLangConfig
 from prefixserve.loadtest.workloads import zipf_tenant_sequence
 from prefixserve.replica.kv.hashing import BlockHasher
 from prefixserve.replica.kv.manager import KVCacheManager
-from prefixserve.router.policies import make_policy, pick_options
+from prefixserve.router.policies import Placed, ReplicaLoad, make_policy, pick_options
 from prefixserve.router.prefix import prefix_hash
 
-POLICY_NAMES = ("round_robin", "random", "power_of_two", "consistent_hash", "bounded_load", "sglang_tree")
+# Our policies, then the peers; "placed" (the default) is the tables' baseline.
+OWN_POLICIES = ("round_robin", "random", "power_of_two", "consistent_hash", "bounded_load", "placed",
+                "placed_precise")
+POLICY_NAMES = OWN_POLICIES + tuple(PEERS)
+BASELINE = "placed"
 VOCAB = 49152  # SmolLM2's vocabulary; any size works
 
 
@@ -91,6 +111,8 @@ class SimConfig:
     utilization: float = 0.6
     profile: str = "cpu"
     epsilon: float = 0.25
+    placed_epsilon: float | None = None  # None: the placed policy's own default
+    eviction_policy: str = "lru"
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     seed: int = 0
 
@@ -179,20 +201,39 @@ def _oracle(traffic: Traffic, config: SimConfig, hasher: BlockHasher) -> list[in
 
 
 class SimReplica:
-    """One replica: a ReplicaView for the policies, a KV manager, a queue and a prefill slot."""
+    """One replica: a ReplicaView (with reported load) for the policies, a KV manager, a queue, a prefill slot."""
 
-    __slots__ = ("index", "name", "in_flight", "kv", "queue", "busy", "running", "routed", "peak")
+    __slots__ = ("index", "name", "in_flight", "kv", "queue", "busy", "running", "routed", "peak", "load",
+                 "queued_tokens", "num_gpu_blocks")
 
     def __init__(self, index: int, config: SimConfig) -> None:
         self.index = index
         self.name = f"10.0.{index // 256}.{index % 256}:8000"
         self.in_flight = 0
-        self.kv = KVCacheManager(config.blocks_per_replica, config.block_size)
+        self.kv = KVCacheManager(config.blocks_per_replica, config.block_size,
+                                 eviction_policy=config.eviction_policy)
+        self.num_gpu_blocks = config.blocks_per_replica
         self.queue: deque[int] = deque()
         self.busy = False
         self.running = 0
         self.routed = 0
         self.peak = 0
+        self.queued_tokens = 0
+        self.load = ReplicaLoad()
+
+    def refresh_load(self) -> None:
+        """What the replica reports after a change: queue, running, KV usage, queued prompt tokens."""
+        self.load = ReplicaLoad(len(self.queue), self.running, self.kv.usage, self.queued_tokens)
+
+    def cached_blocks(self, block_hashes: Sequence[bytes]) -> int:
+        """Leading blocks of a prompt this replica's KV cache holds (what KV events would tell a router)."""
+        get = self.kv.pool.hash_to_block.get
+        n = 0
+        for h in block_hashes:
+            if get(h) is None:
+                break
+            n += 1
+        return n
 
 
 @dataclass
@@ -221,6 +262,101 @@ class PolicyResult:
     wall_seconds: float
 
 
+class _Router:
+    """Runs one policy (ours or a peer) with the signals a real router has (see the module docstring)."""
+
+    def __init__(self, policy: str, config: SimConfig, traffic: Traffic, replicas: list[SimReplica],
+                 clock: list[float]) -> None:
+        self.config, self.traffic, self.replicas = config, traffic, replicas
+        self.peer = None
+        self.tree: SGLangCacheAware | None = None
+        self.precise = policy == "placed_precise"
+        self.placed: Placed | None = None
+        self.options: dict = {}
+        self._hasher = BlockHasher()
+        if policy == "sglang_tree":
+            self.tree = SGLangCacheAware(config.sglang)
+        elif policy in PEERS:
+            self.peer = make_peer(policy, config.seed)
+        else:
+            name = "placed" if self.precise else policy
+            settings = {"seed": config.seed, "epsilon": config.epsilon}
+            if name == "placed":
+                settings["epsilon"] = config.placed_epsilon
+            self.options = pick_options(name, settings)
+            extra: dict = {}
+            if name == "placed":
+                extra = {"clock": lambda: clock[0], "precise": self.precise}
+            self.ring_policy = make_policy(name, **self.options, **extra)
+            if isinstance(self.ring_policy, Placed):
+                self.placed = self.ring_policy
+                self.options["epsilon"] = self.placed.epsilon
+        self._requests: dict[int, PeerRequest] = {}
+
+    def request(self, i: int, now: float) -> PeerRequest:
+        cfg, tr = self.config, self.traffic
+        t = tr.tenants[i]
+        prompt = tr.prompt(i, cfg)
+        base = tr.system_hashes[t]
+        hashes = base + self._hasher.hash_blocks(prompt, cfg.block_size, None, start=len(base),
+                                                 parent=base[-1] if base else None)
+        return PeerRequest(i, tuple(prompt), hashes, tr.keys[t], now, cfg.block_size)
+
+    def route(self, i: int, now: float) -> SimReplica:
+        tr = self.traffic
+        if self.tree is not None:
+            return self.tree.choose(self.replicas, tuple(tr.prompt(i, self.config)), now).chosen
+        if self.peer is not None:
+            req = self._requests[i] = self.request(i, now)
+            chosen = self.peer.route(self.replicas, req).chosen
+            assert isinstance(chosen, SimReplica)
+            return chosen
+        key = tr.keys[tr.tenants[i]]
+        if self.precise:
+            self._feed_cached(i, key)
+        return self.ring_policy.rank(self.replicas, key).chosen
+
+    def _feed_cached(self, i: int, key: str) -> None:
+        """Precise mode's KV events: which replicas hold the key's first prefix block, read from their caches."""
+        placed = self.placed
+        assert placed is not None
+        by_name = {r.name: r for r in self.replicas}
+        if placed.rebalance_due():
+            for k in placed.table.keys():
+                for name in placed.placement(k):
+                    self._tell(k, by_name[name])
+        ring = placed.ring_for(self.replicas)
+        for name in dict.fromkeys([*placed.placement(key), *ring.successors(key, limit=4)]):
+            self._tell(key, by_name[name])
+
+    def _tell(self, key: str, rep: SimReplica) -> None:
+        first = self._first_hash.get(key)
+        if first is None:
+            return
+        assert self.placed is not None
+        self.placed.set_cached(rep.name, key, rep.kv.pool.hash_to_block.get(first) is not None)
+
+    @property
+    def _first_hash(self) -> dict[str, bytes]:
+        cache = getattr(self, "_first_hash_cache", None)
+        if cache is None:
+            tr = self.traffic
+            cache = {tr.keys[t]: h[0] for t, h in enumerate(tr.system_hashes) if h}
+            self._first_hash_cache = cache
+        return cache
+
+    def prefilled(self, i: int, rep: SimReplica) -> None:
+        if self.peer is not None:
+            self.peer.on_prefilled(rep.name, self._requests[i])
+
+    def finished(self, i: int, rep: SimReplica, prompt_tokens: int, hit_tokens: int) -> None:
+        if self.peer is not None:
+            self.peer.on_finish(rep.name, self._requests.pop(i))
+        elif self.placed is not None:
+            # What the response's usage tells the router: prompt and cached tokens.
+            self.placed.observe(self.traffic.keys[self.traffic.tenants[i]], prompt_tokens, hit_tokens)
+
+
 _ARRIVE, _PREFILLED, _FINISH = 0, 1, 2
 
 
@@ -231,14 +367,9 @@ def simulate(config: SimConfig, policy: str, traffic: Traffic | None = None,
     traffic = traffic if traffic is not None else make_traffic(config)
     profile = profile if profile is not None else get_profile(config.profile)
     replicas = [SimReplica(r, config) for r in range(config.num_replicas)]
-    options: dict = {}
-    if policy == "sglang_tree":
-        tree_policy: SGLangCacheAware | None = SGLangCacheAware(config.sglang)
-        ring_policy = None
-    else:
-        tree_policy = None
-        options = pick_options(policy, {"seed": config.seed, "epsilon": config.epsilon})
-        ring_policy = make_policy(policy, **options)
+    clock = [0.0]  # the simulated time, the placed policy's clock
+    router = _Router(policy, config, traffic, replicas, clock)
+    options = router.options
 
     n = config.num_requests
     rate = config.utilization * config.num_replicas / profile.prefill_s(config.prompt_len)
@@ -273,8 +404,10 @@ def simulate(config: SimConfig, policy: str, traffic: Traffic | None = None,
         ok2 = kv.allocate_slots(rid, prompt + out, len(out))
         assert ok is not None and ok2 is not None
         rep.queue.popleft()
+        rep.queued_tokens -= len(prompt)
         rep.running += 1
         rep.busy = True
+        rep.refresh_load()
         hits[i] = num_hit
         prompt_tokens += len(prompt)
         # Decode time is fixed at admission from the batch it joins.
@@ -284,26 +417,26 @@ def simulate(config: SimConfig, policy: str, traffic: Traffic | None = None,
 
     while events:
         now, _, kind, i = pop(events)
+        clock[0] = now
         if kind == _ARRIVE:
             if i + 1 < n:
                 push(events, (arrivals[i + 1], seq, _ARRIVE, i + 1))
                 seq += 1
-            t = traffic.tenants[i]
-            if tree_policy is not None:
-                rep = tree_policy.route(replicas, tuple(traffic.prompt(i, config)), now).chosen
-            else:
-                rep = ring_policy.rank(replicas, traffic.keys[t]).chosen
+            rep = router.route(i, now)
             replica_of[i] = rep.index
             rep.in_flight += 1
             rep.routed += 1
             if rep.in_flight > rep.peak:
                 rep.peak = rep.in_flight
             rep.queue.append(i)
+            rep.queued_tokens += config.prompt_len
+            rep.refresh_load()
             try_admit(rep, now)
         elif kind == _PREFILLED:
             rep = replicas[replica_of[i]]
             ttft[i] = now - arrivals[i]
             rep.busy = False
+            router.prefilled(i, rep)
             push(events, (now + decode_s[i], seq, _FINISH, i))
             seq += 1
             try_admit(rep, now)
@@ -313,6 +446,8 @@ def simulate(config: SimConfig, policy: str, traffic: Traffic | None = None,
             rep.running -= 1
             rep.in_flight -= 1
             finished += 1
+            rep.refresh_load()
+            router.finished(i, rep, config.prompt_len, hits[i])
             try_admit(rep, now)
             if check_invariants:
                 rep.kv.check_invariants()
@@ -353,7 +488,7 @@ def simulate(config: SimConfig, policy: str, traffic: Traffic | None = None,
 # ------------------------------------------------------------------- reports
 
 
-def markdown_table(results: Sequence[PolicyResult], baseline: str | None = "bounded_load") -> str:
+def markdown_table(results: Sequence[PolicyResult], baseline: str | None = BASELINE) -> str:
     """One row per result; with ``baseline``, its ratios against each row.
 
     "hit x" is the baseline's hit rate over the row's; "TTFT /" the baseline's
@@ -419,13 +554,13 @@ def plot(main: Sequence[PolicyResult], by_replicas: Sequence[PolicyResult], by_e
     eps = [r.epsilon for r in by_epsilon]
     ax.plot(eps, [r.hit_rate * 100 for r in by_epsilon], "o-", color="tab:blue", label="hit rate")
     ax.set_xscale("log")
-    ax.set_xlabel("bounded_load epsilon")
+    ax.set_xlabel(f"{by_epsilon[0].policy} epsilon")
     ax.set_ylabel("hit rate (%)", color="tab:blue")
     ax2 = ax.twinx()
     ax2.plot(eps, [r.ttft_p99 for r in by_epsilon], "s--", color="tab:red", label="TTFT p99")
     ax2.plot(eps, [r.load_max_over_mean for r in by_epsilon], "^:", color="tab:gray", label="load max/mean")
     ax2.set_ylabel("TTFT p99 (s) / load max/mean")
-    ax.set_title("bounded_load: epsilon sweep")
+    ax.set_title(f"{by_epsilon[0].policy}: epsilon sweep")
     ax2.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -456,11 +591,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     p.add_argument("--utilization", type=float, default=d.utilization)
     p.add_argument("--profile", choices=("cpu", "h100"), default=d.profile)
-    p.add_argument("--epsilon", type=float, default=d.epsilon)
+    p.add_argument("--epsilon", type=float, default=d.epsilon, help="bounded_load's epsilon")
+    p.add_argument("--placed-epsilon", type=float, default=None, help="placed's epsilon (default: the policy's)")
+    p.add_argument("--eviction-policy", default=d.eviction_policy,
+                   help="the replicas' KV eviction policy (replica/kv/block_pool.py EVICTION_POLICIES)")
     p.add_argument("--policies", default=",".join(POLICY_NAMES))
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--sweep-replicas", default="8,16,32,64", help="comma list; empty to skip")
     p.add_argument("--sweep-epsilons", default="0.05,0.1,0.25,0.5,1,2", help="comma list; empty to skip")
+    p.add_argument("--sweep-policy", default=BASELINE, choices=("placed", "bounded_load"),
+                   help="the policy whose epsilon is swept")
     p.add_argument("--sweep-requests", type=int, default=20_000, help="requests per sweep run")
     p.add_argument("--out", default="results/simulate.json")
     p.add_argument("--png", default="results/simulate.png")
@@ -475,8 +615,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             num_replicas=args.replicas, num_tenants=args.tenants, num_requests=args.requests, zipf_s=args.zipf_s,
             hot_share=args.hot_share, system_prompt_len=args.system_len, question_len=args.question_len,
             output_len=args.output_len, blocks_per_replica=args.blocks_per_replica, max_num_seqs=args.max_num_seqs,
-            utilization=args.utilization, profile=args.profile, epsilon=args.epsilon, seed=args.seed,
+            utilization=args.utilization, profile=args.profile, epsilon=args.epsilon,
+            placed_epsilon=args.placed_epsilon, eviction_policy=args.eviction_policy, seed=args.seed,
         )
+        KVCacheManager(1, config.block_size, eviction_policy=config.eviction_policy)  # validates the name
         profile = get_profile(config.profile)
     except ValueError as exc:
         p.error(str(exc))
@@ -498,21 +640,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     by_epsilon: list[PolicyResult] = []
     eps_list = [float(s) for s in args.sweep_epsilons.split(",") if s]
     for eps in _progress(eps_list, len(eps_list), "epsilon sweep", show):
-        by_epsilon.append(simulate(replace(sweep_cfg, epsilon=eps), "bounded_load", sweep_traffic, profile))
+        eps_cfg = replace(sweep_cfg, epsilon=eps, placed_epsilon=eps)
+        by_epsilon.append(simulate(eps_cfg, args.sweep_policy, sweep_traffic, profile))
 
     print(f"## Simulator: {config.num_replicas} replicas x {config.num_tenants} tenants x "
           f"{config.num_requests} requests ({profile.name} profile; {profile.source})\n")
     print(f"KV blocks per replica {config.blocks_per_replica} x {config.block_size} tokens; prompts "
           f"{config.system_prompt_len}+{config.question_len} tokens, {config.output_len} out; Zipf s={config.zipf_s}, "
           f"hot tenant +{config.hot_share:.0%}; offered utilization {config.utilization} "
-          f"(all-miss); oracle hit rate {main_results[0].oracle_hit_rate:.1%}. "
+          f"(all-miss); KV eviction {config.eviction_policy}; oracle hit rate {main_results[0].oracle_hit_rate:.1%}. "
           f"All policies simulated in {main_wall:.1f} s wall.\n")
     print(markdown_table(main_results))
     if by_replicas:
         print(f"\n### Sweep over replicas ({sweep_cfg.num_requests} requests)\n")
         print(markdown_table(by_replicas))
     if by_epsilon:
-        print(f"\n### bounded_load epsilon sweep at {sweep_cfg.num_replicas} replicas "
+        print(f"\n### {args.sweep_policy} epsilon sweep at {sweep_cfg.num_replicas} replicas "
               f"({sweep_cfg.num_requests} requests)\n")
         print(markdown_table(by_epsilon, baseline=None))
 

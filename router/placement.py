@@ -427,6 +427,10 @@ class PlacementTable:
     def __len__(self) -> int:
         return len(self._slot)
 
+    def keys(self) -> list[str]:
+        """Every key the table knows."""
+        return list(self._slot)
+
     def snapshot(self, now: float) -> dict[str, Any]:
         """The table as JSON-serializable data, statistics decayed to ``now`` (see the module docstring)."""
         f = 1.0 if self._t0 is None else math.exp(-(now - self._t0) / self.tau_s)

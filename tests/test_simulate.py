@@ -9,7 +9,7 @@ from dataclasses import asdict, replace
 import pytest
 
 from prefixserve.loadtest import simulate as S
-from prefixserve.loadtest.approx_tree import ApproxTree, SGLangCacheAware, SGLangConfig
+from prefixserve.loadtest.peers.sglang import ApproxTree, SGLangCacheAware, SGLangConfig
 from prefixserve.router.policies import Replica
 
 SMALL = S.SimConfig(num_replicas=4, num_tenants=40, num_requests=600, system_prompt_len=64, question_len=16,
@@ -122,15 +122,15 @@ def test_tree_longest_match_is_exact() -> None:
 def test_sglang_policy_branches() -> None:
     pol = SGLangCacheAware(SGLangConfig(cache_threshold=0.5, balance_abs_threshold=4, balance_rel_threshold=1.5))
     reps = [Replica("a:1", 0), Replica("b:1", 0), Replica("c:1", 0)]
-    first = pol.route(reps, (1, 2, 3, 4), 0.0).chosen  # empty tree: smallest tree (ties by load, name)
+    first = pol.choose(reps, (1, 2, 3, 4), 0.0).chosen  # empty tree: smallest tree (ties by load, name)
     assert first.name == "a:1"
-    assert pol.route(reps, (1, 2, 3, 5), 1.0).chosen.name == "a:1"  # 3/4 matched > 0.5: affinity
-    assert pol.route(reps, (9, 9, 9, 9), 2.0).chosen.name == "b:1"  # no match: smallest tree
+    assert pol.choose(reps, (1, 2, 3, 5), 1.0).chosen.name == "a:1"  # 3/4 matched > 0.5: affinity
+    assert pol.choose(reps, (9, 9, 9, 9), 2.0).chosen.name == "b:1"  # no match: smallest tree
     loaded = [Replica("a:1", 9), Replica("b:1", 3), Replica("c:1", 1)]
-    assert pol.route(loaded, (1, 2, 3, 4), 3.0).chosen.name == "c:1"  # imbalanced: least loaded
+    assert pol.choose(loaded, (1, 2, 3, 4), 3.0).chosen.name == "c:1"  # imbalanced: least loaded
     mild = [Replica("a:1", 4), Replica("b:1", 3), Replica("c:1", 1)]
     # balanced again: affinity to the replica that got this prefix last (c, by the imbalanced branch)
-    assert pol.route(mild, (1, 2, 3, 4), 4.0).chosen.name == "c:1"
+    assert pol.choose(mild, (1, 2, 3, 4), 4.0).chosen.name == "c:1"
 
 
 def test_cpu_profile_from_the_engine_benchmark(tmp_path) -> None:

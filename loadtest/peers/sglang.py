@@ -1,28 +1,28 @@
-"""SGLang router's cache-aware policy: an approximate prefix tree per replica, for comparison.
+"""sglang-router's ``cache_aware`` policy: an approximate prefix tree of routed requests plus a load fallback.
 
-Job: reproduce, in the simulator, the policy that ``sglang-router`` (its Rust
-``cache_aware`` policy) uses, so that our ring policies can be measured against
-it on the same traffic:
+Source: sgl-project/sglang, ``sgl-router/src/policies/cache_aware.rs``
+(``CacheAwarePolicy::select_worker``) and ``sgl-router/src/tree.rs``; defaults
+from the router's CLI defaults (``cache_threshold 0.3, balance_abs_threshold
+64, balance_rel_threshold 1.5, eviction_interval 120 s, max_tree_size
+67,108,864``). What this model reproduces:
 
-* the router keeps a radix tree of the requests it has routed, each node
-  remembering which replicas it was sent to and when (one multi-tenant tree,
-  equivalent to one tree per replica);
-* the system is *imbalanced* when ``max_load - min_load > balance_abs_threshold``
-  and ``max_load > balance_rel_threshold * min_load`` (load = in-flight requests):
-  then the request goes to the least loaded replica;
+* the router keeps one radix tree of the requests it has routed, each node
+  remembering which workers it was sent to and when (the "approximate tree":
+  it never learns what a worker's KV cache evicted);
+* load = the router's own count of in-flight requests per worker; the system
+  is *imbalanced* when ``max_load - min_load > balance_abs_threshold`` and
+  ``max_load > balance_rel_threshold * min_load``: the request goes to the
+  least loaded worker (and is still inserted in the tree under it);
 * otherwise the request's longest match in the tree is found; when
-  ``matched / len(request) > cache_threshold`` it goes to the replica holding
-  that match (the most recently used one if several), else to the replica with
-  the smallest tree (the most free cache, as the router believes);
-* the chosen replica's tree then gets the request inserted; a periodic pass
-  evicts least-recently-used leaves of replicas whose tree exceeds
-  ``max_tree_size``.
+  ``matched / len(request) > cache_threshold`` it goes to the worker holding
+  that match (the most recently used one if several), else to the worker with
+  the smallest tree (the most free cache, as the router believes); the tree
+  then gets the request inserted under the chosen worker;
+* every ``eviction_interval_s`` least-recently-used leaves of workers whose
+  tree exceeds ``max_tree_size`` are evicted.
 
-The tree is "approximate" because it never learns what a replica's KV cache
-really evicted. SGLang matches raw characters; the simulator matches token ids
-(any hashable elements work), which changes the granularity, not the policy.
-Defaults are sglang-router's (cache_threshold 0.5, balance_abs_threshold 32,
-balance_rel_threshold 1.0001, eviction every 60 s, max_tree_size 2**24).
+Difference: SGLang matches raw characters; the model matches token ids (any
+hashable elements), which changes the granularity, not the policy.
 
 Invariants (``check_invariants``): a replica's size is the total edge length of
 the nodes it holds; a node held by no replica is detached; every child's edge
@@ -36,8 +36,12 @@ from __future__ import annotations
 import heapq
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prefixserve.router.policies import Decision, ReplicaView, by_load
+
+if TYPE_CHECKING:
+    from prefixserve.loadtest.peers import PeerReplica, PeerRequest
 
 
 class _Node:
@@ -71,6 +75,20 @@ class ApproxTree:
 
     def match(self, seq: tuple) -> tuple[int, str | None]:
         """(length of the longest match, a replica holding it: the most recently used)."""
+        pos, node = self._walk(seq)
+        if node is self.root or not node.access:
+            return 0, None
+        return pos, max(node.access.items(), key=lambda kv: (kv[1], kv[0]))[0]
+
+    def match_all(self, seq: tuple) -> tuple[int, list[str]]:
+        """(length of the longest match, every replica holding the deepest matched node, by name)."""
+        pos, node = self._walk(seq)
+        if node is self.root or not node.access:
+            return 0, []
+        return pos, sorted(node.access)
+
+    def _walk(self, seq: tuple) -> tuple[int, _Node]:
+        """The matched length and the deepest node reached (partially matched edges count)."""
         node, pos, n = self.root, 0, len(seq)
         while pos < n:
             child = node.children.get(seq[pos])
@@ -84,9 +102,7 @@ class ApproxTree:
             pos += _common_len(child.edge, seq, pos)
             node = child
             break
-        if node is self.root or not node.access:
-            return 0, None
-        return pos, max(node.access.items(), key=lambda kv: (kv[1], kv[0]))[0]
+        return pos, node
 
     def _split(self, child: _Node, k: int) -> _Node:
         """Split ``child``'s edge after k elements; return the new upper node."""
@@ -168,13 +184,13 @@ class ApproxTree:
 
 @dataclass(frozen=True)
 class SGLangConfig:
-    """sglang-router's cache_aware knobs (its defaults)."""
+    """sglang-router's cache_aware knobs (its current CLI defaults)."""
 
-    cache_threshold: float = 0.5
-    balance_abs_threshold: int = 32
-    balance_rel_threshold: float = 1.0001
-    eviction_interval_s: float = 60.0
-    max_tree_size: int = 2**24
+    cache_threshold: float = 0.3
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+    eviction_interval_s: float = 120.0
+    max_tree_size: int = 67_108_864
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.cache_threshold <= 1.0:
@@ -195,7 +211,17 @@ class SGLangCacheAware:
         self.tree = ApproxTree()
         self._next_eviction: float | None = None
 
-    def route(self, candidates: Sequence[ReplicaView], seq: tuple, now: float) -> Decision:
+    def route(self, candidates: Sequence[PeerReplica], request: PeerRequest) -> Decision:
+        """The peer interface (loadtest/peers): rank for the request's prompt tokens."""
+        return self.choose(candidates, request.tokens, request.now)
+
+    def on_prefilled(self, replica: str, request: PeerRequest) -> None:
+        """Nothing: the router learns only what it routed."""
+
+    def on_finish(self, replica: str, request: PeerRequest) -> None:
+        """Nothing: its load counter is the caller's in-flight count."""
+
+    def choose(self, candidates: Sequence[ReplicaView], seq: tuple, now: float) -> Decision:
         """Rank ``candidates`` for ``seq`` (best first) and record the choice in the tree."""
         if not candidates:
             raise ValueError("a routing policy needs at least one candidate replica")
