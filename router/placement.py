@@ -223,16 +223,17 @@ class PlacementTable:
 
     # -- room and placement ---------------------------------------------------------
     def _room(self, i: int, rate: float, work: float) -> bool:
-        """Whether member ``i`` stays within (1 + epsilon) of its fair share after taking rate and work.
+        """Whether member ``i`` stays within (1 + epsilon) of its fair share after taking a key's rate and work.
 
         An empty replica always has room (the ceiling of Mirrokni et al.'s bound).
         """
         if self._load_rate[i] <= 0.0:
             return True
+        # The totals already count the key (a new key's request is counted before it is placed).
         bound = (1.0 + self.epsilon) * self._share[i]
-        if self._load_rate[i] + rate > bound * (self._total_rate + rate):
+        if self._load_rate[i] + rate > bound * self._total_rate:
             return False
-        return not (self._total_work > 0.0 and self._load_work[i] + work > bound * (self._total_work + work))
+        return not (self._total_work > 0.0 and self._load_work[i] + work > bound * self._total_work)
 
     def holds(self, key: str, replica: str) -> bool | None:
         """Precise mode's knowledge: True/False when known, None when unknown (or not precise)."""

@@ -1,0 +1,373 @@
+"""The ``placed`` policy (router/policies.py) and its placement table (router/placement.py), on an injected clock."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixserve.router.placement import PlacementTable, bench_rebalance
+from prefixserve.router.policies import (
+    KIND_NO_KEY,
+    KIND_OWNER,
+    KIND_PLACED,
+    KIND_REPLICATED,
+    KIND_SPILLED,
+    Placed,
+    Replica,
+    ReplicaLoad,
+    in_flight_cap,
+    make_policy,
+    pick_options,
+)
+from prefixserve.router.ring import HashRing
+
+NAMES = [f"10.0.0.{i}:8000" for i in range(1, 5)]
+
+
+class Clock:
+    """A settable clock: the policy's time, no wall clock involved."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A ReplicaView carrying a replica-reported load."""
+
+    name: str
+    in_flight: int
+    load: ReplicaLoad | None = None
+
+
+def fleet(in_flight: dict[str, int] | None = None, names: list[str] = NAMES) -> list[Replica]:
+    return [Replica(n, (in_flight or {}).get(n, 0)) for n in names]
+
+
+def policy(clock: Clock, **options: object) -> Placed:
+    p = make_policy("placed", clock=clock, **options)
+    assert isinstance(p, Placed)
+    return p
+
+
+def keys_owned_by(owner: str, count: int, names: list[str] = NAMES) -> list[str]:
+    ring = HashRing(names)
+    found = [k for k in (f"key-{i}" for i in range(10_000)) if ring.owner(k) == owner]
+    return found[:count]
+
+
+def drive(p: Placed, clock: Clock, keys: list[str], seconds: float, rate: float = 10.0) -> None:
+    """Requests of ``keys`` in turn at ``rate`` per second for ``seconds``, all replicas idle."""
+    n = int(seconds * rate)
+    for i in range(n):
+        clock.t += 1.0 / rate
+        p.rank(fleet(), keys[i % len(keys)])
+
+
+# ------------------------------------------------------------------- the decision
+
+
+def test_new_keys_go_to_their_ring_owner_when_it_has_room() -> None:
+    clock = Clock()
+    p = policy(clock)
+    ring = HashRing(NAMES)
+    # one key per owner: every owner is empty, so each key lands on its owner
+    keys = [keys_owned_by(n, 1)[0] for n in NAMES]
+    for k in keys:
+        d = p.rank(fleet(), k)
+        assert d.chosen.name == ring.owner(k) == d.owner and not d.spilled and d.kind == KIND_OWNER
+        assert p.placement(k) == [ring.owner(k)]
+
+
+def test_a_new_key_goes_to_its_first_ring_successor_with_room() -> None:
+    clock = Clock()
+    p = policy(clock, epsilon=0.1)
+    keys = [f"k{i}" for i in range(200)]
+    ring = HashRing(NAMES)
+    for i, k in enumerate(keys):
+        clock.t = i * 0.01
+        before = p.table.loads()
+        total = sum(r for r, _ in before.values())
+        placed = p.rank(fleet(), k).chosen.name
+        # the reference rule: the first successor whose placed rate stays within (1+eps) of the fair share
+        succ = ring.successors(k)
+        w = math.exp((clock.t - 0.0) / 300.0)
+        rates = {n: before.get(n, (0.0, 0.0))[0] for n in NAMES}
+        room = [n for n in succ if rates[n] <= 0 or rates[n] + w <= 1.1 * (total + w) / 4]
+        assert placed == (room[0] if room else succ[0])
+
+
+def test_keyless_requests_go_least_loaded() -> None:
+    p = policy(Clock())
+    d = p.rank(fleet({NAMES[0]: 3, NAMES[1]: 1, NAMES[2]: 2, NAMES[3]: 1}), None)
+    assert [c.name for c in d.ranking] == [NAMES[1], NAMES[3], NAMES[2], NAMES[0]]
+    assert d.kind == KIND_NO_KEY and d.owner is None
+
+
+def test_over_the_in_flight_cap_spills_to_the_next_ring_successor_under_it() -> None:
+    clock = Clock()
+    p = policy(clock)
+    key = keys_owned_by(NAMES[0], 1)[0]
+    p.rank(fleet(), key)
+    succ = HashRing(NAMES).successors(key)
+    assert p.placement(key) == [succ[0]]
+    # mean in-flight m = 4: cap = 4 + max(2, 6) + 1 = 11
+    assert in_flight_cap(4.0) == 11.0
+    loads = {succ[0]: 11, succ[1]: 3, succ[2]: 1, succ[3]: 1}
+    d = p.rank(fleet(loads), key)
+    assert d.chosen.name == succ[1] and d.kind == KIND_SPILLED and d.spilled and d.owner == succ[0]
+    assert [c.name for c in d.ranking] == [succ[1], succ[0], succ[2], succ[3]]
+    # just under the cap: affinity holds however loaded the owner looks
+    loads[succ[0]] = 10
+    assert p.rank(fleet(loads), key).chosen.name == succ[0]
+    # the successor over the cap too: the next one under it
+    loads = {succ[0]: 30, succ[1]: 30, succ[2]: 0, succ[3]: 0}
+    assert p.rank(fleet(loads), key).chosen.name == succ[2]
+
+
+def test_replica_reported_load_counts_when_higher_than_the_routers_own() -> None:
+    clock = Clock()
+    p = policy(clock)
+    key = keys_owned_by(NAMES[0], 1)[0]
+    p.rank(fleet(), key)
+    succ = HashRing(NAMES).successors(key)
+    busy = [Loaded(n, 0, ReplicaLoad(num_waiting=40 if n == succ[0] else 0)) for n in NAMES]
+    assert p.rank(busy, key).chosen.name == succ[1]
+    quiet = [Loaded(n, 0, None) for n in NAMES]  # no load reported: in_flight alone
+    assert p.rank(quiet, key).chosen.name == succ[0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.integers(0, 30), min_size=1, max_size=6),
+    st.lists(st.sampled_from([f"t{i}" for i in range(12)] + [None]), min_size=1, max_size=40),
+)
+def test_the_ranking_is_chosen_then_placement_then_ring_order(loads: list[int], keys: list[str | None]) -> None:
+    clock = Clock()
+    p = policy(clock, rebalance_interval_s=1.0, hot_share=0.3)
+    names = [f"10.1.0.{i}:80" for i in range(len(loads))]
+    cands = [Replica(n, x) for n, x in zip(names, loads)]
+    ring = HashRing(names)
+    for step, key in enumerate(keys):
+        clock.t = step * 0.7
+        d = p.rank(cands, key)
+        got = [c.name for c in d.ranking]
+        assert sorted(got) == sorted(names) and all(c in cands for c in d.ranking)
+        if key is None:
+            continue
+        placed = p.placement(key)
+        order = ring.successors(key)
+        rest = [n for n in placed if n != got[0]]
+        assert got == [got[0], *rest, *(n for n in order if n != got[0] and n not in rest)]
+        assert d.owner == order[0]
+        cap = in_flight_cap(sum(loads) / len(loads))
+        under = [n for n in placed if dict(zip(names, loads))[n] < cap]
+        if under:
+            assert got[0] in under and d.kind in (KIND_OWNER, KIND_PLACED, KIND_REPLICATED)
+        else:
+            assert d.kind == KIND_SPILLED
+
+
+# ------------------------------------------------------------------- rebalancing
+
+
+def test_a_hot_key_gains_ring_successors_and_loses_them_when_it_cools() -> None:
+    clock = Clock()
+    p = policy(clock, hot_share=0.5, rebalance_interval_s=10.0)
+    cold = [f"c{i}" for i in range(40)]
+    hot = "the-hot-tenant"
+    # the hot key carries half the traffic: 2 replicas' fair share, 4 copies at hot_share 0.5
+    drive(p, clock, [k for c in cold for k in (hot, c)], seconds=120, rate=20)
+    clock.t += 10
+    p.rank(fleet(), cold[0])  # the rebalance runs at the next decision after the interval
+    placed = p.placement(hot)
+    assert len(placed) >= 3
+    succ = HashRing(NAMES).successors(hot)
+    start = succ.index(placed[0])
+    assert placed[1:] == [succ[(start + j) % 4] for j in range(1, len(placed))]  # next ring successors
+    kinds = {p.rank(fleet({n: (0 if n == placed[1] else 1) for n in NAMES}), hot, count=False).kind}
+    assert kinds == {KIND_REPLICATED}
+    # the hot tenant goes quiet: its rate decays below one copy's worth and it drops the copies
+    drive(p, clock, cold, seconds=1500, rate=20)
+    assert len(p.placement(hot)) == 1 or p.placement(hot) == []
+
+
+def test_an_overloaded_replica_sheds_its_coldest_keys_to_their_next_successor_with_room() -> None:
+    clock = Clock()
+    p = policy(clock, epsilon=0.1, hot_share=1.0)
+    p.rank(fleet(), "warm-up")  # membership
+    ring = HashRing(NAMES)
+    a = NAMES[0]
+    mine = keys_owned_by(a, 12)
+    others = [k for n in NAMES[1:] for k in keys_owned_by(n, 3)]
+    # replica a holds 12 keys with rates 1..12 (78 of 114 in total); the others 3 keys of rate 4 each
+    snap = {"format": 1, "version": 7, "members": NAMES, "weights": {},
+            "keys": {**{k: {"replicas": [a], "rate": float(i + 1), "work": 0.0} for i, k in enumerate(mine)},
+                     **{k: {"replicas": [ring.owner(k)], "rate": 4.0, "work": 0.0} for k in others}}}
+    p.apply_snapshot(snap)
+    p.table.rebalance(clock())
+    loads = {n: r for n, (r, _) in p.table.loads().items()}
+    bound = 1.1 * sum(loads.values()) / 4
+    assert all(loads[n] <= bound + 1e-9 for n in NAMES[1:])  # destinations take keys only with room
+    assert loads[a] < 78.0
+    if loads[a] > bound:  # still over: no kept key fits anywhere else
+        rate = {k: float(i + 1) for i, k in enumerate(mine)}
+        assert all(loads[n] + rate[k] > bound for k in mine if p.placement(k) == [a] for n in NAMES[1:])
+    moved = [k for k in mine if p.placement(k) != [a]]
+    kept = [k for k in mine if p.placement(k) == [a]]
+    assert moved and kept
+    # cheapest first: every moved key is colder than every kept one
+    assert max(mine.index(k) for k in moved) < min(mine.index(k) for k in kept)
+    for k in moved:
+        succ = ring.successors(k)
+        assert p.placement(k)[0] in succ[succ.index(a) + 1:] + succ[: succ.index(a)]
+    assert all(p.placement(k) == [ring.owner(k)] for k in others if ring.owner(k) != a)
+
+
+def test_statistics_decay_with_tau_and_quiet_keys_are_forgotten() -> None:
+    clock = Clock()
+    p = policy(clock, tau_s=100.0)
+    p.rank(fleet(), "k")
+    p.observe("k", prompt_tokens=300, cached_tokens=100)
+    clock.t = 100.0 * math.log(2)
+    p.rebalance()
+    rate, work = p.table.stats("k") or (0, 0)
+    assert rate == pytest.approx(0.5) and work == pytest.approx(100.0)
+    clock.t = 100.0 * 20  # e^-20 < FORGET_BELOW
+    p.rebalance()
+    assert p.table.stats("k") is None and p.placement("k") == []
+
+
+def test_a_departed_replica_moves_only_its_own_keys() -> None:
+    clock = Clock()
+    p = policy(clock)
+    keys = [f"k{i}" for i in range(60)]
+    drive(p, clock, keys, seconds=30)
+    before = {k: p.placement(k) for k in keys}
+    gone = NAMES[2]
+    for k in keys:
+        clock.t += 0.01
+        d = p.rank(fleet(names=[n for n in NAMES if n != gone]), k)
+        assert d.chosen.name != gone
+    after = {k: p.placement(k) for k in keys}
+    for k in keys:
+        if gone not in before[k]:
+            assert after[k] == before[k]
+
+
+# ------------------------------------------------------------------- agreement
+
+
+def test_a_follower_applying_the_leaders_snapshot_routes_as_the_leader() -> None:
+    lc, fc = Clock(), Clock()
+    leader = policy(lc, hot_share=0.3)
+    follower = policy(fc, leader=False)
+    keys = [f"tenant-{i}" for i in range(30)]
+    drive(leader, lc, [keys[0], keys[1]] * 5 + keys, seconds=100, rate=30)
+    lc.t += 20
+    leader.rank(fleet(), keys[0])  # a rebalance
+    snap = json.loads(json.dumps(leader.placement_snapshot()))  # travels as JSON
+    fc.t = 12345.0  # another process: another monotonic clock
+    follower.apply_snapshot(snap)
+    assert follower.table.version == leader.table.version
+    for k in keys + ["never-seen"]:
+        assert follower.placement(k) == leader.placement(k)
+    for i in range(300):
+        loads = {n: (i * 7 + j * 3) % 13 for j, n in enumerate(NAMES)}
+        k = keys[i % len(keys)]
+        a = leader.rank(fleet(loads), k, count=False)
+        b = follower.rank(fleet(loads), k, count=False)
+        assert [c.name for c in a.ranking] == [c.name for c in b.ranking] and a.kind == b.kind
+    # counted requests of new keys are placed alike too (same rule on the same state)
+    for k in ["new-1", "new-2", "new-3"]:
+        assert leader.rank(fleet(), k).chosen.name == follower.rank(fleet(), k).chosen.name
+    with pytest.raises(ValueError, match="format"):
+        follower.apply_snapshot({**snap, "format": 99})
+
+
+# ------------------------------------------------------------------- precise mode
+
+
+def test_precise_mode_places_a_new_key_where_its_prefix_is_cached() -> None:
+    clock = Clock()
+    key = keys_owned_by(NAMES[0], 1)[0]
+    succ = HashRing(NAMES).successors(key)
+    approx = policy(clock)
+    approx.set_cached(succ[2], key, True)
+    assert approx.rank(fleet(), key).chosen.name == succ[0]  # ignored unless precise
+    precise = policy(clock, precise=True)
+    precise.set_cached(succ[2], key, True)
+    assert precise.rank(fleet(), key).chosen.name == succ[2]
+    # no knowledge: the approximate answer
+    other = keys_owned_by(NAMES[1], 1)[0]
+    assert precise.rank(fleet(), other).chosen.name == HashRing(NAMES).owner(other)
+
+
+def test_precise_mode_sheds_keys_whose_prefix_is_gone_first() -> None:
+    clock = Clock()
+    ring = HashRing(NAMES)
+    a = NAMES[0]
+    mine = keys_owned_by(a, 12)
+    others = [k for n in NAMES[1:] for k in keys_owned_by(n, 3)]
+    snap = {"format": 1, "version": 1, "members": NAMES, "weights": {},
+            "keys": {**{k: {"replicas": [a], "rate": float(i + 1), "work": 0.0} for i, k in enumerate(mine)},
+                     **{k: {"replicas": [ring.owner(k)], "rate": 4.0, "work": 0.0} for k in others}}}
+    p = policy(clock, precise=True, epsilon=0.1, hot_share=1.0)
+    p.rank(fleet(), "warm-up")
+    p.apply_snapshot(snap)
+    evicted = mine[-1]  # the hottest key, but a no longer holds its prefix
+    p.set_cached(a, evicted, False)
+    p.table.rebalance(clock())
+    assert p.placement(evicted) != [a]
+    approx = policy(clock, epsilon=0.1, hot_share=1.0)
+    approx.rank(fleet(), "warm-up")
+    approx.apply_snapshot(snap)
+    approx.set_cached(a, evicted, False)
+    approx.table.rebalance(clock())
+    assert approx.placement(evicted) == [a]  # without precise knowledge the hottest key stays
+
+
+# ------------------------------------------------------------------- options
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"epsilon": 0}, "epsilon must be a finite number > 0"),
+        ({"tau_s": -1}, "tau_s"),
+        ({"rebalance_interval_s": float("inf")}, "rebalance_interval_s"),
+        ({"hot_share": "0.5"}, "hot_share"),
+        ({"precise": 1}, "precise must be true or false"),
+        ({"clock": 3}, "clock must be a callable"),
+        ({"seed": 3}, "unknown placed policy option keys"),
+    ],
+)
+def test_bad_placed_options_are_refused(options: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        make_policy("placed", **options)
+
+
+def test_placed_is_the_default_and_takes_ring_options() -> None:
+    assert isinstance(make_policy(), Placed)
+    assert pick_options("placed", {"epsilon": 0.2, "seed": 1, "weights": None}) == {"epsilon": 0.2}
+    p = policy(Clock(), weights={NAMES[0]: 3})
+    p.rank(fleet(), "k")
+    assert p.placement_snapshot()["weights"][NAMES[0]] == 3
+
+
+def test_rebalance_bench_runs() -> None:
+    # the figure is reported (README), never asserted: only that the bench works
+    assert bench_rebalance(num_keys=300, num_replicas=8, repeats=2) > 0
+
+
+def test_table_refuses_to_route_without_members() -> None:
+    with pytest.raises(ValueError, match="no members"):
+        PlacementTable(0.1, 300.0, 0.5).record("k", 0.0)
