@@ -97,7 +97,8 @@ class PlacementTable:
         self._rate: FloatArray = np.zeros(0)
         self._work: FloatArray = np.zeros(0)
         self._primary: IntArray = np.zeros(0, dtype=np.int64)  # member index, -1: unplaced or free slot
-        self._copies: IntArray = np.zeros(0, dtype=np.int64)  # replicas the key is placed on (0: free slot)
+        self._copies: IntArray = np.zeros(0, dtype=np.int64)  # replicas the key is placed on (0: unplaced)
+        self._live: npt.NDArray[np.bool_] = np.zeros(0, dtype=np.bool_)  # the slot holds a key
         self._extra: dict[int, list[int]] = {}  # slot -> copies beyond the primary, in ring order
         self._succ: list[tuple[int, ...] | None] = []  # slot -> member indices in ring order (lazy)
         self._cached: dict[str, dict[str, bool]] = {}  # key -> replica -> holds its prefix (precise mode)
@@ -201,6 +202,7 @@ class PlacementTable:
             self._work = np.concatenate([self._work, np.zeros(size - old)])
             self._primary = np.concatenate([self._primary, np.full(size - old, -1, dtype=np.int64)])
             self._copies = np.concatenate([self._copies, np.zeros(size - old, dtype=np.int64)])
+            self._live = np.concatenate([self._live, np.zeros(size - old, dtype=np.bool_)])
             self._keys.extend([None] * (size - old))
             self._succ.extend([None] * (size - old))
             self._free = list(range(size - 1, old - 1, -1))
@@ -210,6 +212,7 @@ class PlacementTable:
         self._rate[slot] = self._work[slot] = 0.0
         self._primary[slot] = -1
         self._copies[slot] = 0
+        self._live[slot] = True
         return slot
 
     def successors_of(self, slot: int) -> tuple[int, ...]:
@@ -306,23 +309,21 @@ class PlacementTable:
         return self.version != version
 
     def _forget(self) -> None:
-        quiet = np.nonzero(self._rate < FORGET_BELOW)[0]
-        forgotten = 0
+        quiet = np.nonzero(self._live & (self._rate < FORGET_BELOW))[0]
         for slot in quiet.tolist():
             key = self._keys[slot]
-            if key is None:
-                continue  # a free slot
-            forgotten += 1
+            assert key is not None
             del self._slot[key]
             self._cached.pop(key, None)
             self._keys[slot] = None
+            self._live[slot] = False
             self._primary[slot] = -1
             self._copies[slot] = 0
             self._rate[slot] = self._work[slot] = 0.0
             self._extra.pop(slot, None)
             self._succ[slot] = None
             self._free.append(slot)
-        if forgotten:
+        if len(quiet):
             self.version += 1
 
     def _replicate(self) -> None:
@@ -464,6 +465,7 @@ class PlacementTable:
         self._work = np.zeros(0)
         self._primary = np.zeros(0, dtype=np.int64)
         self._copies = np.zeros(0, dtype=np.int64)
+        self._live = np.zeros(0, dtype=np.bool_)
         self._extra = {}
         self._succ = []
         self._t0 = now
