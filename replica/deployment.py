@@ -42,6 +42,7 @@ from prometheus_client import generate_latest
 from ray import serve
 
 from prefixserve.replica.engine_client import EngineRequest, ModelInfo, RequestRunner
+from prefixserve.replica.kv_events import KVEventPublisher
 from prefixserve.replica.outputs import StreamDelta
 
 __all__ = ["EngineDeployment", "EngineRequest", "StreamItem", "StreamStart", "TokenTexts"]
@@ -69,6 +70,20 @@ class TokenTexts:
 StreamItem = StreamStart | TokenTexts | StreamDelta
 
 
+def queued_prefill_tokens(scheduler: Any) -> int:
+    """Prompt tokens not computed yet of the waiting and the still-prefilling running sequences.
+
+    Read from another thread than the engine's: ``list()`` of a deque or list is
+    one C call under the GIL, so the copies are consistent. Waiting sequences
+    count their whole uncomputed prompt (their prefix-cache lookup happens at
+    admission), so this is an upper bound of the prefill work ahead.
+    """
+    total = 0
+    for seq in list(scheduler.waiting) + list(scheduler.running):
+        total += max(0, int(seq.num_prompt_tokens) - int(seq.num_computed_tokens))
+    return total
+
+
 @serve.deployment(name="Engine")
 class EngineDeployment:
     """A Serve replica hosting one AsyncEngine built from an ``EngineConfig`` dict."""
@@ -80,8 +95,10 @@ class EngineDeployment:
         from prefixserve.replica.engine import AsyncEngine
 
         self.engine = AsyncEngine(EngineConfig.from_dict(dict(engine_config)))
-        self.runner = RequestRunner(self.engine)
+        self.kv_events = KVEventPublisher()
+        self.runner = RequestRunner(self.engine, self.kv_events)
         self.name = serve.get_replica_context().replica_id.to_full_id_str()
+        self._stats_seq = 0
 
     async def __del__(self) -> None:
         # Serve 2.60 awaits an async __del__, once, when it tears the replica down
@@ -117,12 +134,22 @@ class EngineDeployment:
                 await stream.aclose()
 
     async def record_routing_stats(self) -> dict[str, Any]:
-        """What routers see as ``RunningReplica.routing_stats`` (about one period late)."""
+        """What routers see as ``RunningReplica.routing_stats`` (about one period late).
+
+        ``seq`` counts reports (a router tells a new report from one it has seen);
+        the load fields are router/policies.py's ReplicaLoad; ``kv_events`` is the
+        KV event publisher's payload (replica/kv_events.py).
+        """
         stats = self.engine.stats()
+        self._stats_seq += 1
+        pool = self.engine.engine.kv_manager.pool
         return {
-            "kv_usage": float(stats.kv_usage),
+            "seq": self._stats_seq,
+            "kv_usage": min(1.0, max(0.0, float(stats.kv_usage))),
             "num_running": int(stats.num_running),
             "num_waiting": int(stats.num_waiting),
+            "queued_prefill_tokens": queued_prefill_tokens(self.engine.engine.scheduler),
+            "kv_events": self.kv_events.publish(pool.hash_to_block.__contains__),
         }
 
     async def check_health(self) -> None:

@@ -35,6 +35,7 @@ from prefixserve.replica.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from prefixserve.replica.engine import AsyncEngine
+    from prefixserve.replica.kv_events import KVEventPublisher
 
 @dataclass
 class EngineRequest:
@@ -156,9 +157,11 @@ def prompt_token_ids(
 class RequestRunner:
     """Runs EngineRequests on a local AsyncEngine: what every engine host does the same way."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, kv_events: KVEventPublisher | None = None) -> None:
         self.engine = engine
         self.max_model_len = int(engine.max_model_len)
+        # Remembers each routing key's prefix block hashes for the routers (replica/kv_events.py).
+        self.kv_events = kv_events
 
     def model_info(self) -> ModelInfo:
         return ModelInfo(model_name=self.engine.model_name, model=self.engine.config.model,
@@ -192,10 +195,28 @@ class RequestRunner:
         return await anyio.to_thread.run_sync(
             lambda: prompt_token_ids(self.engine, prompt=request.prompt, messages=request.messages))
 
+    def remember_prefix(self, key: str, prompt_ids: list[int], cache_salt: str | None) -> None:
+        """Tell the KV event publisher the block hashes (Contract 2) of this prompt of ``key``.
+
+        Only as many blocks as the key's remembered prefix still has are hashed
+        (the publisher keeps the common run), so a known key costs little.
+        """
+        assert self.kv_events is not None
+        kv = self.engine.engine.kv_manager
+        if not kv.enable_prefix_caching:
+            return
+        known = self.kv_events.prefix_blocks(key)
+        limit = self.kv_events.max_blocks_per_key if known is None else known
+        stop = min(limit, len(prompt_ids) // kv.block_size)
+        if stop > 0:
+            self.kv_events.remember(key, kv.hasher.hash_blocks(prompt_ids, kv.block_size, cache_salt, stop=stop))
+
     async def generate(self, request: EngineRequest) -> AsyncIterator[StreamDelta]:
         """The engine's deltas for ``request``; leaving early aborts it in the engine."""
         prompt_ids = await self.prompt_ids(request)
         params = fit_max_tokens(request, len(prompt_ids), self.max_model_len)
+        if self.kv_events is not None and request.routing_key:
+            self.remember_prefix(request.routing_key, prompt_ids, request.cache_salt)
         stream = self.engine.generate(prompt_ids, params, request_id=request.request_id,
                                       cache_salt=request.cache_salt, trace_headers=request.trace_headers)
         try:

@@ -19,20 +19,45 @@ Invariants:
 * A replica is placed on the ring by its full replica id
   (``SERVE_REPLICA::app#deployment#id``), the name replica/deployment.py reports
   back to clients (``X-Prefixserve-Replica``).
-* In-flight counts are this router's own bookkeeping: requests it routed to a
+* In-flight counts: this router's own bookkeeping of requests it routed to a
   replica (``on_request_routed``) that have not completed
-  (``on_request_completed``). Not Serve's queue-length cache: its entries mix
-  in queue-length probes that can land after the completion they predate, and
-  leave an idle replica looking busy for up to the cache timeout, which made
-  bounded_load spill keys with nothing in flight. With several ingress
-  replicas each router bounds its own share of every replica's load; Serve's
-  ``max_ongoing_requests`` (with replica-side rejection) stays the hard limit.
+  (``on_request_completed``) is fresh but sees only this router's requests.
+  Not Serve's queue-length cache: its entries mix in queue-length probes that
+  can land after the completion they predate, and leave an idle replica
+  looking busy for up to the cache timeout, which made bounded_load spill keys
+  with nothing in flight.
+* Replica-reported load: each engine replica reports its queue (waiting,
+  running), KV usage and queued prefill tokens in Serve's routing stats
+  (replica/deployment.py ``record_routing_stats``, every ``stats_period_s``),
+  which reach every router as ``RunningReplica.routing_stats``. Reports are
+  stale by up to a period (plus the controller's push), own counts are fresh,
+  so the candidate view (:class:`ServeReplicaView`) combines them with one
+  rule: the replica's load is its report corrected by this router's own
+  change since the report arrived (``own_now - own_at_report``: requests sent
+  since are added as waiting, requests completed since are taken off waiting
+  first, then running), never below 0; ``in_flight`` stays the router's own
+  count. The policy takes the larger of the two (router/policies.py
+  ``effective_in_flight``), so with several ingress replicas every router sees
+  the whole cluster's queue, and its own requests without delay. A report
+  older than ``stats_max_age_s`` is ignored.
+* KV events: the routing stats also carry the replica's KV event payload
+  (replica/kv_events.py); a :class:`KVEventConsumer` applies them in order
+  (a gap waits for the next snapshot) and feeds the policy's precise hook
+  (``set_cached``) when the policy has one.
+* ``placed`` placements agree across routers through the ingress
+  (router/ingress.py): the leader router rebalances and publishes
+  ``placement_snapshot``; followers ``apply_placement``. A request is counted
+  in the placement once (``count=False`` when Serve asks again for the same
+  request), and the counts a follower routed since the last sync are handed to
+  the leader (``take_counts`` / ``merge_counts``).
+* Thread safety: Ray runs the router on its own event-loop thread and the
+  ingress's methods on another; every use of the policy holds one lock.
 * The router never blocks its event loop: ranking is pure Python, metrics are
   in-process counters.
 
 Configuration (``RequestRouterConfig.request_router_kwargs``, passed to
 ``initialize_state``): ``policy`` (router/policies.py name, default
-``bounded_load``) and that policy's options as its ``Options`` declares them
+``placed``), ``stats_max_age_s``, and that policy's options as its ``Options`` declares them
 (e.g. ``epsilon``, ``seed``, ``weights``); any other key is refused.
 
 Imports Ray Serve (this is the adapter); the policy logic stays in router/policies.py.
@@ -40,13 +65,16 @@ Imports Ray Serve (this is the adapter); the policy logic stays in router/polici
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict, defaultdict
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
+from prefixserve.replica.kv_events import KVEventConsumer
 from prefixserve.replica.tracing import build_tracer, route_span
 from prefixserve.router.metrics import (
     KIND_FALLBACK,
@@ -57,7 +85,7 @@ from prefixserve.router.metrics import (
     RouterMetrics,
     router_metrics,
 )
-from prefixserve.router.policies import DEFAULT_POLICY, Policy, make_policy
+from prefixserve.router.policies import DEFAULT_POLICY, Placed, Policy, ReplicaLoad, make_policy
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Tracer
@@ -71,6 +99,15 @@ RAY_LLM_PREFIX_ROUTER_PATH = (
 # Remembered decisions (key owner per request) waiting for their routing outcome;
 # bounded so that requests cancelled before routing cannot grow it without end.
 _MAX_PENDING_DECISIONS = 10_000
+# A replica's routing-stats report older than this (seconds since it arrived) is not used.
+DEFAULT_STATS_MAX_AGE_S = 10.0
+# Routers of this process by (app, deployment): the ingress reaches its handle's router here.
+_ROUTERS: dict[tuple[str, str], PrefixRouter] = {}
+
+
+def router_for(app_name: str, deployment: str) -> PrefixRouter | None:
+    """The PrefixRouter this process runs for ``app_name``'s ``deployment`` (None before its first request)."""
+    return _ROUTERS.get((app_name, deployment))
 
 
 def replica_name(replica_id: ReplicaID) -> str:
@@ -114,12 +151,51 @@ def decision_kind(choice: Choice | None, landed: str) -> str:
 
 
 @dataclass(frozen=True)
-class ReplicaLoad:
-    """A RunningReplica seen through router/policies.py's ReplicaView."""
+class ServeReplicaView:
+    """A RunningReplica seen through router/policies.py's ReplicaView, with its reported load."""
 
     replica: Any  # RunningReplica (or a test double with the same attributes)
     name: str
     in_flight: int
+    load: ReplicaLoad | None = None
+
+
+@dataclass(frozen=True)
+class Report:
+    """A replica's routing-stats report as this router received it."""
+
+    seq: Any
+    load: ReplicaLoad
+    own_at_report: int  # this router's own in-flight count on the replica when the report arrived
+    arrived: float  # time.monotonic()
+
+
+def parse_load(stats: Mapping[str, Any]) -> ReplicaLoad | None:
+    """The ReplicaLoad of a routing-stats dict (None when it has no valid load fields)."""
+    try:
+        return ReplicaLoad(
+            num_waiting=int(stats["num_waiting"]),
+            num_running=int(stats["num_running"]),
+            kv_usage=min(1.0, max(0.0, float(stats.get("kv_usage", 0.0)))),
+            queued_prefill_tokens=int(stats.get("queued_prefill_tokens", 0)),
+        )
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def corrected_load(report: Report, own_now: int) -> ReplicaLoad:
+    """The report corrected by this router's own change since it arrived (the module docstring's rule)."""
+    load = report.load
+    waiting, running = load.num_waiting, load.num_running
+    delta = own_now - report.own_at_report
+    if delta > 0:
+        waiting += delta
+    elif delta < 0:
+        done = -delta
+        taken = min(waiting, done)
+        waiting -= taken
+        running = max(0, running - (done - taken))
+    return replace(load, num_waiting=waiting, num_running=running)
 
 
 class PrefixRouter(RequestRouter):
@@ -131,14 +207,22 @@ class PrefixRouter(RequestRouter):
         metrics: RouterMetrics | None = None,
         otlp_traces_endpoint: str | None = None,
         tracer: Tracer | None = None,
+        stats_max_age_s: float = DEFAULT_STATS_MAX_AGE_S,
         **options: Any,
     ) -> None:
         """``options`` go to the policy as declared by its ``Options`` (router/policies.py).
 
         ``otlp_traces_endpoint`` (or, in tests, ``tracer``): record a ``route`` span per
         decision and make it the parent of the engine's spans (replica/tracing.py).
+        ``stats_max_age_s``: replica reports older than this are not used.
         """
         self._policy: Policy = make_policy(policy, **options)
+        self._lock = threading.Lock()
+        self._stats_max_age_s = float(stats_max_age_s)
+        self._reports: dict[ReplicaID, Report] = {}
+        self._kv_events = KVEventConsumer()
+        # placed: requests and prefill work routed here since the last take_counts (key -> [n, tokens]).
+        self._counts: dict[str, list[int]] = {}
         if tracer is None and otlp_traces_endpoint is not None:
             tracer = build_tracer("prefixserve-router", otlp_traces_endpoint)
         self._tracer = tracer
@@ -151,10 +235,114 @@ class PrefixRouter(RequestRouter):
         self._own_in_flight: defaultdict[ReplicaID, int] = defaultdict(int)
         self._ring_names: set[str] = set()
         self._ring_version = -1  # the first membership becomes version 0
+        _ROUTERS[(self._deployment_id.app_name, self._deployment)] = self
 
     @property
     def policy(self) -> Policy:
         return self._policy
+
+    @property
+    def placed(self) -> Placed | None:
+        """The policy when it is ``placed`` (placements, snapshots, precise hook), else None."""
+        return self._policy if isinstance(self._policy, Placed) else None
+
+    # -- replica reports --------------------------------------------------------------
+    def refresh_reports(self, replicas: list[RunningReplica]) -> None:
+        """Take in every new routing-stats report of ``replicas`` (load, KV events)."""
+        now = time.monotonic()
+        for r in replicas:
+            stats = getattr(r, "routing_stats", None)
+            if not isinstance(stats, Mapping) or not stats:
+                continue
+            seq = stats.get("seq")
+            old = self._reports.get(r.replica_id)
+            if old is not None and seq is not None and old.seq == seq:
+                continue
+            load = parse_load(stats)
+            if load is not None:
+                self._reports[r.replica_id] = Report(seq, load, self.in_flight(r), now)
+            events = stats.get("kv_events")
+            if events is not None:
+                facts = self._kv_events.apply(replica_name(r.replica_id), events)
+                placed = self.placed
+                if placed is not None and facts:
+                    name = replica_name(r.replica_id)
+                    with self._lock:
+                        for key, holds in facts:
+                            placed.set_cached(name, key, holds)
+
+    def replica_load(self, replica: RunningReplica) -> ReplicaLoad | None:
+        """The replica's reported load corrected by this router's own change since (None: no recent report)."""
+        report = self._reports.get(replica.replica_id)
+        if report is None or time.monotonic() - report.arrived > self._stats_max_age_s:
+            return None
+        return corrected_load(report, self.in_flight(replica))
+
+    def view(self, replica: RunningReplica) -> ServeReplicaView:
+        return ServeReplicaView(replica, replica_name(replica.replica_id), self.in_flight(replica),
+                                self.replica_load(replica))
+
+    @property
+    def kv_event_gaps(self) -> int:
+        """KV-event diffs ignored after a gap (each waited for a snapshot)."""
+        return self._kv_events.gaps
+
+    # -- placement agreement (placed) -------------------------------------------------
+    def placement_snapshot(self) -> dict[str, Any] | None:
+        """The policy's placement snapshot (JSON-serializable), None when the policy is not ``placed``."""
+        placed = self.placed
+        if placed is None:
+            return None
+        with self._lock:
+            return placed.placement_snapshot()
+
+    @property
+    def is_leader(self) -> bool:
+        placed = self.placed
+        return placed is not None and bool(placed.options.leader)
+
+    def set_leader(self, leader: bool) -> None:
+        """Make this router the placement leader (rebalances) or a follower (applies snapshots)."""
+        placed = self.placed
+        if placed is not None and placed.options.leader != leader:
+            with self._lock:
+                placed.options = replace(placed.options, leader=leader)
+
+    def apply_placement(self, snapshot: Mapping[str, Any]) -> None:
+        """Adopt the leader's snapshot (a follower)."""
+        placed = self.placed
+        if placed is not None:
+            with self._lock:
+                placed.apply_snapshot(snapshot)
+
+    def take_counts(self) -> dict[str, list[int]]:
+        """The requests and uncached prompt tokens per key routed since the last call (and reset)."""
+        with self._lock:
+            counts, self._counts = self._counts, {}
+        return counts
+
+    def merge_counts(self, counts: Mapping[str, Any]) -> None:
+        """Count another router's requests in this (leader's) placement: ``{key: [requests, tokens]}``."""
+        placed = self.placed
+        if placed is None:
+            return
+        with self._lock:
+            now = time.monotonic()  # the policy's clock (its default)
+            for key, (n, tokens) in counts.items():
+                for _ in range(max(0, int(n))):
+                    placed.table.record(str(key), now)
+                if int(tokens) > 0:
+                    placed.table.observe(str(key), int(tokens), now)
+
+    def observe(self, key: str, prompt_tokens: int, cached_tokens: int | None) -> None:
+        """The prefill work of a finished request of ``key`` (the ingress reports it from the usage)."""
+        placed = self.placed
+        if placed is None:
+            return
+        with self._lock:
+            placed.observe(key, prompt_tokens, cached_tokens)
+            entry = self._counts.setdefault(key, [0, 0])
+            entry[1] += max(0, prompt_tokens - (cached_tokens or 0))
 
     # -- the decision -----------------------------------------------------------------
     def in_flight(self, replica: RunningReplica) -> int:
@@ -162,12 +350,23 @@ class PrefixRouter(RequestRouter):
         return self._own_in_flight.get(replica.replica_id, 0)
 
     def rank(
-        self, candidate_replicas: list[RunningReplica], key: str | None
+        self, candidate_replicas: list[RunningReplica], key: str | None, count: bool = True
     ) -> tuple[list[RunningReplica], str | None]:
-        """The candidates best first and the key's ring owner (None without a key or ring)."""
-        views = [ReplicaLoad(r, replica_name(r.replica_id), self.in_flight(r)) for r in candidate_replicas]
+        """The candidates best first and the key's ring owner (None without a key or ring).
+
+        ``count=False``: Serve asks again for a request already ranked (``placed`` counts it once).
+        """
+        self.refresh_reports(candidate_replicas)
+        views = [self.view(r) for r in candidate_replicas]
+        placed = self.placed
         start = time.perf_counter()
-        decision = self._policy.rank(views, key)
+        with self._lock:
+            if placed is not None:
+                decision = placed.rank(views, key, count=count)
+                if count and key is not None:
+                    self._counts.setdefault(key, [0, 0])[0] += 1
+            else:
+                decision = self._policy.rank(views, key)
         self._metrics.decision_seconds.labels(self._deployment, self._policy.name).observe(
             time.perf_counter() - start
         )
@@ -185,7 +384,9 @@ class PrefixRouter(RequestRouter):
         parent = getattr(request, "trace_headers", None)
         with route_span(self._tracer, parent, {"prefixserve.policy": self._policy.name,
                                                "prefixserve.routing_key": key or ""}) as (span, headers):
-            ranking, owner = self.rank(candidate_replicas, key)
+            seen = (pending_request is not None
+                    and pending_request.metadata.internal_request_id in self._choices)
+            ranking, owner = self.rank(candidate_replicas, key, count=not seen)
             if span is not None:
                 span.set_attributes({"prefixserve.owner": owner or "",
                                      "prefixserve.chosen": replica_name(ranking[0].replica_id) if ranking else ""})
@@ -236,6 +437,8 @@ class PrefixRouter(RequestRouter):
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         self._forget_departed()
+        if hasattr(self, "_reports"):  # new routing stats arrive with replica updates too
+            self.refresh_reports(replicas)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
@@ -243,6 +446,9 @@ class PrefixRouter(RequestRouter):
 
     def _forget_departed(self) -> None:
         live = set(self.curr_replicas)
+        for rid in [r for r in self._reports if r not in live]:
+            del self._reports[rid]
+            self._kv_events.forget(replica_name(rid))
         for rid in [r for r in self._own_in_flight if r not in live]:
             del self._own_in_flight[rid]
             try:

@@ -18,6 +18,7 @@ from ray.serve.request_router import PendingRequest
 
 from prefixserve.replica.deployment import EngineRequest
 from prefixserve.router.metrics import RouterMetrics
+from prefixserve.router.policies import ReplicaLoad, effective_in_flight
 from prefixserve.router.ring import HashRing
 from prefixserve.router.serve_router import PrefixRouter, replica_name, request_routing_key
 
@@ -287,3 +288,111 @@ def test_initialize_state_passes_every_declared_option_through():
     assert router.policy.options.weights == {"x": 3}
     router = make_router(policy="power_of_two", seed=4)
     assert router.policy.options.seed == 4
+
+
+# -- replica-reported load, KV events and placed ------------------------------------------
+
+
+def stats(seq: int, waiting: int, running: int, **extra) -> dict:
+    return {"seq": seq, "num_waiting": waiting, "num_running": running, "kv_usage": 0.5,
+            "queued_prefill_tokens": 100, **extra}
+
+
+def test_reported_load_is_corrected_by_the_routers_own_change_since_the_report():
+    from prefixserve.router.serve_router import Report, corrected_load
+
+    report = Report(seq=1, load=ReplicaLoad(num_waiting=2, num_running=3, kv_usage=0.5), own_at_report=4,
+                    arrived=0.0)
+    assert corrected_load(report, 4) == ReplicaLoad(2, 3, 0.5)  # nothing changed
+    assert corrected_load(report, 6) == ReplicaLoad(4, 3, 0.5)  # two sent since: queued
+    assert corrected_load(report, 1) == ReplicaLoad(0, 2, 0.5)  # three done: waiting first, then running
+    assert corrected_load(report, 0) == ReplicaLoad(0, 1, 0.5)
+
+
+async def test_views_carry_the_reported_load_and_every_router_sees_other_routers_requests():
+    rng = random.Random(20)
+    router = make_router(policy="placed")
+    reps = replicas(rng, 2)
+    router.update_replicas(reps)
+    a, b = reps
+    a.routing_stats = stats(1, waiting=5, running=2)  # another ingress's requests: this router sent none
+    router.refresh_reports(reps)
+    view = router.view(a)
+    assert view.in_flight == 0 and view.load == ReplicaLoad(5, 2, 0.5, 100)
+    assert router.view(b).load is None  # no report
+    assert effective_in_flight(view) == 7
+    load(router, a, 2)  # two of this router's own since the report
+    assert router.view(a).load == ReplicaLoad(7, 2, 0.5, 100)
+    a.routing_stats = stats(1, waiting=0, running=0)  # the same seq: not a new report
+    router.refresh_reports(reps)
+    assert router.view(a).load == ReplicaLoad(7, 2, 0.5, 100)
+    a.routing_stats = stats(2, waiting=0, running=2)  # now it counts this router's two
+    router.refresh_reports(reps)
+    assert effective_in_flight(router.view(a)) == 2
+
+
+async def test_placed_routes_away_from_a_replica_other_routers_fill():
+    """The key's placed replica is over the in-flight cap only in the reports (other routers' requests)."""
+    rng = random.Random(21)
+    router = make_router(policy="placed")
+    reps = replicas(rng, 3)
+    router.update_replicas(reps)
+    key = random_keys(rng, 1)[0]
+    owner = HashRing(sorted(r.name for r in reps)).owner(key)
+    first = await route(router, pending(key))
+    assert first.name == owner
+    by_name = {r.name: r for r in reps}
+    by_name[owner].routing_stats = stats(1, waiting=30, running=2)
+    chosen = await route(router, pending(key))
+    assert chosen.name != owner
+
+
+async def test_placed_counts_a_request_once_and_the_leader_merges_a_followers_counts():
+    rng = random.Random(22)
+    leader, follower = make_router(policy="placed"), make_router(policy="placed")
+    reps = replicas(rng, 2)
+    for r in (leader, follower):
+        r.update_replicas(reps)
+    key = random_keys(rng, 1)[0]
+    request = pending(key)
+    await follower.choose_replicas(reps, request)
+    await follower.choose_replicas(reps, request)  # Serve asks again (all full): counted once
+    follower.observe(key, prompt_tokens=100, cached_tokens=40)
+    counts = follower.take_counts()
+    assert counts == {key: [1, 60]} and follower.take_counts() == {}
+    await route(leader, pending(key))
+    leader.merge_counts(counts)
+    rate, work = leader.placed.table.stats(key)
+    assert rate == pytest.approx(2.0, rel=1e-3) and work == pytest.approx(60.0, rel=1e-3)
+    follower.set_leader(False)
+    assert not follower.is_leader and leader.is_leader
+    snapshot = leader.placement_snapshot()
+    follower.apply_placement(snapshot)
+    assert follower.placed.placement(key) == leader.placed.placement(key)
+    assert make_router(policy="bounded_load").placement_snapshot() is None
+
+
+async def test_kv_events_in_routing_stats_reach_the_placed_policys_precise_hook():
+    from prefixserve.replica.kv_events import KVEventPublisher
+
+    rng = random.Random(23)
+    router = make_router(policy="placed", precise=True)
+    reps = replicas(rng, 2)
+    router.update_replicas(reps)
+    pub = KVEventPublisher(snapshot_every=100)
+    pub.remember("tenant", [b"\x01" * 16, b"\x02" * 16])
+    pool = {b"\x01" * 16, b"\x02" * 16}
+    reps[0].routing_stats = stats(1, 0, 0, kv_events=pub.publish(pool.__contains__))
+    router.update_replicas(reps)  # reports arrive with replica updates
+    assert router.placed.table.holds("tenant", reps[0].name) is True
+    pool.clear()
+    reps[0].routing_stats = stats(2, 0, 0, kv_events=pub.publish(pool.__contains__))
+    router.update_replicas(reps)
+    assert router.placed.table.holds("tenant", reps[0].name) is False
+    pub.publish(pool.__contains__)  # seq 3 never reaches the router
+    pool.add(b"\x01" * 16)
+    pool.add(b"\x02" * 16)
+    reps[0].routing_stats = stats(4, 0, 0, kv_events=pub.publish(pool.__contains__))
+    router.update_replicas(reps)
+    # A gap: the diff is ignored (knowledge stays what it was) until the next snapshot.
+    assert router.kv_event_gaps == 1 and router.placed.table.holds("tenant", reps[0].name) is False
