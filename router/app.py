@@ -18,18 +18,22 @@ The args (every key optional except ``engine``)::
     health_check_timeout_s: 30
     router:
       router_class: prefixserve    # | ray_llm_prefix_aware | "module:Class"
-      policy: bounded_load         # prefixserve router: round_robin, random, power_of_two,
-                                   #   consistent_hash, bounded_load
-      epsilon: 0.25                # any other key: an option of that policy, as its Options
-                                   #   declares (router/policies.py): epsilon, seed, weights
+      policy: placed               # prefixserve router: round_robin, random, power_of_two,
+                                   #   consistent_hash, bounded_load, placed (the default)
+      epsilon: 0.1                 # any other key: an option of that policy, as its Options
+                                   #   declares (router/policies.py): epsilon, tau_s, precise, seed, ...
       kwargs: {}                   # other router classes: their initialize_state kwargs
-      stats_period_s: 1.0          # how often replicas report record_routing_stats
+      stats_period_s: 1.0          # how often replicas report record_routing_stats (load, KV events)
+      stats_max_age_s: 10.0        # reports older than this are not used
     ingress:
       num_replicas: 1
       ray_actor_options: {num_cpus: 0}
       api_keys: []                 # Bearer keys; empty = open
       max_body_bytes: 4194304
       max_attempts: 4              # sends per request while replicas die under it
+      placement_sync_s: 2.0        # placed: how often ingress replicas agree on placements
+      session_header: false        # multi-turn affinity: key by X-Session-Id (router/prefix.py)
+      key_turns: 0                 # multi-turn affinity: key by the first N turns too
 
 Invariants: the args are validated here, before anything is deployed, with
 messages that say what to change; the engine config is checked with
@@ -74,6 +78,7 @@ class RouterArgs:
     policy: str = DEFAULT_POLICY
     kwargs: dict[str, Any] = field(default_factory=dict)
     stats_period_s: float = 1.0
+    stats_max_age_s: float | None = None  # None: the router's default (DEFAULT_STATS_MAX_AGE_S)
     # OpenTelemetry collector for the router's ``route`` spans (replica/tracing.py); None = none.
     otlp_traces_endpoint: str | None = None
     policy_options: dict[str, Any] = field(default_factory=dict)
@@ -97,6 +102,8 @@ class RouterArgs:
             )
         if self.stats_period_s <= 0:
             raise ValueError(f"router.stats_period_s must be positive, got {self.stats_period_s}")
+        if self.stats_max_age_s is not None and self.stats_max_age_s <= 0:
+            raise ValueError(f"router.stats_max_age_s must be positive, got {self.stats_max_age_s}")
         check_endpoint(self.otlp_traces_endpoint, "router.otlp_traces_endpoint")
         if self.router_class != "prefixserve":
             if self.policy != DEFAULT_POLICY or self.policy_options:
@@ -116,6 +123,8 @@ class RouterArgs:
     def request_router_config(self) -> RequestRouterConfig:
         if self.router_class == "prefixserve":
             kwargs: dict[str, Any] = {"policy": self.policy, **self.policy_options}
+            if self.stats_max_age_s is not None:
+                kwargs["stats_max_age_s"] = self.stats_max_age_s
             if self.otlp_traces_endpoint is not None:
                 kwargs["otlp_traces_endpoint"] = self.otlp_traces_endpoint
         else:

@@ -22,6 +22,20 @@ Invariants:
   took (``X-Prefixserve-Attempts``).
 * ``/health`` answers 200 only while at least one engine replica passes its
   health check (asked at most once per ``HEALTH_CACHE_S``), else 503.
+* ``placed`` placements agree across ingress replicas through one publisher:
+  every ``placement_sync_s`` each ingress replica broadcasts
+  ``placement_exchange`` to its siblings (itself included), handing over the
+  requests and prefill work its router counted since the last exchange. The
+  leader is the replica whose name sorts first among those whose router
+  exists; it merges the others' counts, rebalances, and answers with its
+  ``placement_snapshot``, which every other router applies (as a follower
+  that does not rebalance). A replica that joins, leaves or dies changes the
+  leader at the next exchange; between exchanges a follower places only keys
+  the leader has not seen yet, with the leader's table as of the last
+  snapshot. ``GET /placement`` answers this replica's current snapshot (the
+  input of ``prefixserve nginx-config --placement``).
+* The prefill work of each request (prompt tokens minus cached ones, known
+  with its first token) goes to the router's policy (``observe``).
 * /metrics merges every ingress replica's router metrics (each sample
   labelled ``ingress``, this process's own included) with every engine
   replica's metrics (labelled ``replica``): whichever ingress replica the
@@ -40,7 +54,7 @@ never torch (the model lives in the engine replicas).
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +73,7 @@ from prefixserve.replica.http_frontend import DEFAULT_MAX_BODY_BYTES, REPLICA_HE
 from prefixserve.replica.outputs import StreamDelta
 from prefixserve.router.metrics import merge_expositions, router_metrics
 from prefixserve.router.prefix import PrefixKeyConfig, routing_key
+from prefixserve.router.serve_router import PrefixRouter, router_for
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +89,17 @@ METRICS_TIMEOUT_S = 2.0
 INGRESS_HEADER = "X-Prefixserve-Ingress"
 # How many times the request was sent to a replica (above 1: earlier replicas died under it).
 ATTEMPTS_HEADER = "X-Prefixserve-Attempts"
+# Seconds between placement exchanges of the ingress replicas (placed policy).
+DEFAULT_PLACEMENT_SYNC_S = 2.0
+# An exchange waits this long for the other ingress replicas.
+PLACEMENT_TIMEOUT_S = 5.0
+
+
+class NoPlacementError(api.APIError):
+    """``GET /placement`` where the router has no placement (404)."""
+
+    status_code = 404
+    default_code = "no_placement"
 
 
 @dataclass
@@ -85,8 +111,14 @@ class IngressConfig:
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
     completion_prefix_chars: int = PrefixKeyConfig().completion_prefix_chars
     honor_prefix_header: bool = True
+    # Multi-turn affinity (router/prefix.py): key by X-Session-Id / by the leading turns.
+    session_header: bool = False
+    key_turns: int = 0
+    placement_sync_s: float = DEFAULT_PLACEMENT_SYNC_S
 
     def __post_init__(self) -> None:
+        if not isinstance(self.placement_sync_s, (int, float)) or not self.placement_sync_s > 0:
+            raise ValueError(f"placement_sync_s must be a number > 0, got {self.placement_sync_s!r}")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
         if self.max_attempts < 1:
@@ -119,10 +151,12 @@ class RemoteStream:
     sent texts for (logprobs).
     """
 
-    def __init__(self, handle: DeploymentHandle, request: EngineRequest, max_attempts: int) -> None:
+    def __init__(self, handle: DeploymentHandle, request: EngineRequest, max_attempts: int,
+                 on_first: Callable[[EngineRequest, StreamDelta], None] | None = None) -> None:
         self._handle = handle
         self.request = request
         self._max_attempts = max_attempts
+        self._on_first = on_first
         self._response: DeploymentResponseGenerator | None = None
         self._started = False
         self._texts: dict[int, str] = {}
@@ -179,7 +213,13 @@ class RemoteStream:
     async def __anext__(self) -> StreamDelta:
         if not self._started:
             self._started = True
-            return await self._first_delta()
+            delta = await self._first_delta()
+            if self._on_first is not None:
+                try:
+                    self._on_first(self.request, delta)
+                except Exception:  # bookkeeping must never fail a request
+                    log.exception("observing the first delta of %s failed", self.request.request_id)
+            return delta
         try:
             return await self._next_delta()
         except StopAsyncIteration:
@@ -199,6 +239,7 @@ class ServeEngineClient:
     def __init__(self, handle: DeploymentHandle, max_attempts: int) -> None:
         self._handle = handle
         self._max_attempts = max_attempts
+        self._router: PrefixRouter | None = None
         self._model_info: ModelInfo | None = None
         self._model_info_lock = asyncio.Lock()
         self._health_lock = asyncio.Lock()
@@ -238,8 +279,20 @@ class ServeEngineClient:
             return False
         return any(not isinstance(a, BaseException) for a in answers)
 
+    @property
+    def router(self) -> PrefixRouter | None:
+        """This process's router of the engine deployment (None until the handle made it, or another class)."""
+        if self._router is None:
+            self._router = router_for(self._handle.app_name, self._handle.deployment_name)
+        return self._router
+
+    def _observe(self, request: EngineRequest, delta: StreamDelta) -> None:
+        router = self.router
+        if router is not None and request.routing_key:
+            router.observe(request.routing_key, delta.num_prompt_tokens, delta.num_cached_tokens)
+
     def open_stream(self, request: EngineRequest) -> RemoteStream:
-        return RemoteStream(self._handle, request, self._max_attempts)
+        return RemoteStream(self._handle, request, self._max_attempts, self._observe)
 
 
 app = FastAPI(title="prefixserve", docs_url=None, redoc_url=None)
@@ -261,11 +314,66 @@ class OpenAIIngress:
         self.key_config = PrefixKeyConfig(
             completion_prefix_chars=self.config.completion_prefix_chars,
             honor_header=self.config.honor_prefix_header,
+            session_header=self.config.session_header,
+            key_turns=self.config.key_turns,
         )
         context = serve.get_replica_context()
         self.name = context.replica_id.to_full_id_str()
         self._deployment = (context.deployment, context.app_name)
         self._siblings: DeploymentHandle | None = None  # this deployment's handle, made at first use
+        self._sync_task: asyncio.Task[None] | None = None
+        self.placement_leader: str | None = None  # the leader at the last exchange
+
+    def siblings(self) -> DeploymentHandle:
+        """A handle to this deployment (every ingress replica, this one included)."""
+        if self._siblings is None:
+            self._siblings = serve.get_deployment_handle(*self._deployment)
+        return self._siblings
+
+    # -- placement agreement ---------------------------------------------------------
+    def _ensure_placement_sync(self) -> None:
+        if self._sync_task is None or self._sync_task.done():
+            self._sync_task = asyncio.get_running_loop().create_task(self._placement_sync_loop())
+
+    async def _placement_sync_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.placement_sync_s)
+            try:
+                await self.sync_placement()
+            except Exception:
+                log.exception("placement exchange failed; retrying in %ss", self.config.placement_sync_s)
+
+    async def sync_placement(self) -> str | None:
+        """One exchange with the sibling ingress replicas (see the module docstring); the leader's name."""
+        router = self.client.router
+        if router is None or router.placed is None:
+            return None
+        counts = router.take_counts()
+        try:
+            answers = await self.siblings().broadcast("placement_exchange", self.name, counts).results_async(
+                timeout_s=PLACEMENT_TIMEOUT_S, return_exceptions=True)
+        except TimeoutError:
+            log.warning("ingress replicas did not all answer the placement exchange within %ss",
+                        PLACEMENT_TIMEOUT_S)
+            return self.placement_leader
+        ready = {name: snapshot for item in answers if not isinstance(item, BaseException)
+                 for name, is_ready, snapshot in [item] if is_ready}
+        ready.setdefault(self.name, None)
+        leader = min(ready)
+        router.set_leader(leader == self.name)
+        if leader != self.name and ready[leader] is not None:
+            router.apply_placement(ready[leader])
+        self.placement_leader = leader
+        return leader
+
+    def placement_exchange(self, caller: str, counts: dict[str, list[int]]) -> tuple[str, bool, Any]:
+        """A sibling's exchange: merge its counts if this router leads; (name, has a placed router, snapshot)."""
+        router = self.client.router
+        if router is None or router.placed is None:
+            return self.name, False, None
+        if caller != self.name and router.is_leader and counts:
+            router.merge_counts(counts)
+        return self.name, True, router.placement_snapshot() if router.is_leader else None
 
     def _named(self, response: Response) -> Response:
         response.headers[INGRESS_HEADER] = self.name
@@ -275,6 +383,7 @@ class OpenAIIngress:
         return routing_key(body, headers, self.key_config)
 
     async def _generate(self, request: Request, model_cls: type[api.OpenAIRequest]) -> Response:
+        self._ensure_placement_sync()
         response = await http_frontend.handle_generate(request, model_cls, self.client, self.options,
                                                        routing_key=self._routing_key)
         return self._named(response)
@@ -297,10 +406,8 @@ class OpenAIIngress:
     async def ingress_router_metrics(self) -> dict[str, str]:
         """Every ingress replica's router metrics text, by replica name; this one's always."""
         texts = dict([self.named_router_metrics_text()])
-        if self._siblings is None:
-            self._siblings = serve.get_deployment_handle(*self._deployment)
         try:
-            pairs = await self._siblings.broadcast("named_router_metrics_text").results_async(
+            pairs = await self.siblings().broadcast("named_router_metrics_text").results_async(
                 timeout_s=METRICS_TIMEOUT_S, return_exceptions=True)
         except TimeoutError:
             log.warning("ingress replicas did not all answer for /metrics within %ss", METRICS_TIMEOUT_S)
@@ -315,6 +422,18 @@ class OpenAIIngress:
         """Each live engine replica's Prometheus text, by replica name (a dead one is left out)."""
         pairs = await self.engine.broadcast("named_metrics_text").results_async(return_exceptions=True)
         return {name: text for item in pairs if not isinstance(item, BaseException) for name, text in [item]}
+
+    @app.get("/placement")
+    async def placement(self) -> Response:
+        """This replica's ``placed`` snapshot (router/policies.py); 404 when the policy is not ``placed``."""
+        router = self.client.router
+        snapshot = router.placement_snapshot() if router is not None else None
+        if snapshot is None:
+            return self._named(http_frontend.error_response(NoPlacementError(
+                "no placement here: the router's policy is not 'placed' or has routed nothing yet")))
+        response = JSONResponse(snapshot)
+        response.headers["X-Prefixserve-Placement-Leader"] = self.placement_leader or ""
+        return self._named(response)
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:

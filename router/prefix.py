@@ -24,6 +24,24 @@ The rule, which any client in any language can reproduce:
 * No static prefix (no leading system/developer message, empty text, empty
   prompt) means no affinity: the key is ``None`` and the policy routes by load.
 
+Multi-turn affinity (opt-in, off by default; the rule above is unchanged
+without it): a conversation's later turns share more than the system prompt,
+so the key may name the conversation instead of the tenant.
+
+* ``session_header``: a chat request carrying ``X-Session-Id`` gets the key of
+  ``static prefix || 0x00 || "session:" || session id`` (the same SHA-256/16
+  hex digits, salt first as above); without a static prefix, of
+  ``0x00 || "session:" || session id``.
+* ``key_turns = N``: a chat request with at least N messages after its
+  static prefix hashes ``static prefix || 0x00 || turn_1 || 0x00 || ... turn_N``
+  (the texts of the first N messages after it; their roles do not count), so
+  a conversation keeps one key from its opening (N = 1: the first user
+  message) on. A request with fewer keeps the plain key. The header wins
+  over ``key_turns``.
+
+Either puts each conversation's history on one replica; the system prompt
+then lives on several (as with any split of a hot key).
+
 Invariants: the key depends only on the request, never on time or process;
 a returned key is printable ASCII, so nginx's crc32 of the header equals the
 router's crc32 of the key.
@@ -40,6 +58,7 @@ from dataclasses import dataclass
 from typing import Any
 
 PREFIX_HASH_HEADER = "X-Prefix-Hash"
+SESSION_HEADER = "X-Session-Id"
 KEY_HEX_DIGITS = 16
 STATIC_ROLES = frozenset({"system", "developer"})
 
@@ -56,13 +75,20 @@ class PrefixKeyConfig:
         that form its static prefix.
     max_header_len: longest accepted ``X-Prefix-Hash`` value.
     honor_header: use a client's ``X-Prefix-Hash`` header when present.
+    session_header: key a chat request by its ``X-Session-Id`` too (multi-turn affinity).
+    key_turns: key a chat request by its first ``key_turns`` messages after the
+        static prefix too, once it has that many (multi-turn affinity; 0: off).
     """
 
     completion_prefix_chars: int = 256
     max_header_len: int = 128
     honor_header: bool = True
+    session_header: bool = False
+    key_turns: int = 0
 
     def __post_init__(self) -> None:
+        if isinstance(self.key_turns, bool) or not isinstance(self.key_turns, int) or self.key_turns < 0:
+            raise ValueError(f"key_turns must be an integer >= 0, got {self.key_turns!r}")
         if self.completion_prefix_chars < 1:
             raise ValueError(
                 f"completion_prefix_chars must be >= 1, got {self.completion_prefix_chars}"
@@ -149,16 +175,42 @@ def _prompt_payload(prompt: Any, n: int) -> bytes | None:
     )
 
 
-def _header_value(headers: Mapping[str, str]) -> str | None:
-    value = headers.get(PREFIX_HASH_HEADER)
+def _header_value(headers: Mapping[str, str], header: str = PREFIX_HASH_HEADER) -> str | None:
+    value = headers.get(header)
     if value is None:
-        value = headers.get(PREFIX_HASH_HEADER.lower())
+        value = headers.get(header.lower())
     if value is None:
-        wanted = PREFIX_HASH_HEADER.lower()
+        wanted = header.lower()
         for name, v in headers.items():
             if name.lower() == wanted:
                 return v
     return value
+
+
+def _static_count(messages: list[Any]) -> int:
+    n = 0
+    for message in messages:
+        if not isinstance(message, Mapping) or message.get("role") not in STATIC_ROLES:
+            break
+        n += 1
+    return n
+
+
+def conversation_key(messages: list[Any], headers: Mapping[str, str] | None, config: PrefixKeyConfig,
+                     cache_salt: str | None) -> str | None:
+    """The multi-turn key of a chat request (module docstring), or None when the plain key applies."""
+    text = static_prefix(messages) or ""
+    if config.session_header and headers is not None:
+        session = _header_value(headers, SESSION_HEADER)
+        if session:
+            return _digest(text.encode("utf-8") + b"\x00session:" + session.encode("utf-8"), cache_salt)
+    if config.key_turns > 0:
+        turns = messages[_static_count(messages):]
+        if len(turns) >= config.key_turns:
+            parts = [text] + [content_text(m.get("content")) if isinstance(m, Mapping) else ""
+                              for m in turns[: config.key_turns]]
+            return _digest(b"\x00".join(p.encode("utf-8") for p in parts), cache_salt)
+    return None
 
 
 def validate_prefix_hash(value: str, config: PrefixKeyConfig = DEFAULT_CONFIG) -> str:
@@ -206,6 +258,10 @@ def routing_key(
         messages = body["messages"]
         if not isinstance(messages, list):
             raise ValueError(f"messages must be a list, got {type(messages).__name__}")
+        if config.session_header or config.key_turns:
+            key = conversation_key(messages, headers, config, salt)
+            if key is not None:
+                return key
         text = static_prefix(messages)
         return None if text is None else prefix_hash(text, salt)
 

@@ -187,3 +187,45 @@ def test_malformed_bodies_raise_value_error():
 
 def test_body_without_messages_or_prompt_has_no_key():
     assert routing_key({"model": "m"}) is None
+
+
+# -- multi-turn affinity (opt-in) ----------------------------------------------------------
+
+
+def _conversation(system: str, turns: list[str]) -> list[dict]:
+    roles = ["user", "assistant"]
+    return [{"role": "system", "content": system}] + [
+        {"role": roles[i % 2], "content": t} for i, t in enumerate(turns)]
+
+
+def test_multi_turn_keys_are_off_by_default():
+    body = {"messages": _conversation("sys", ["hi", "hello", "more"])}
+    assert routing_key(body, {"X-Session-Id": "s1"}) == prefix_hash("sys")
+
+
+def test_session_header_keys_each_conversation_and_keeps_it():
+    config = PrefixKeyConfig(session_header=True)
+    first = routing_key({"messages": _conversation("sys", ["hi"])}, {"x-session-id": "s1"}, config)
+    later = routing_key({"messages": _conversation("sys", ["hi", "a", "b"])}, {"X-Session-Id": "s1"}, config)
+    other = routing_key({"messages": _conversation("sys", ["hi"])}, {"X-Session-Id": "s2"}, config)
+    assert first == later != other
+    assert first == hashlib.sha256(b"sys\x00session:s1").hexdigest()[:16]
+    # No header: the plain key; the X-Prefix-Hash header still wins.
+    assert routing_key({"messages": _conversation("sys", ["hi"])}, {}, config) == prefix_hash("sys")
+    assert routing_key({"messages": _conversation("sys", ["hi"])},
+                       {"X-Session-Id": "s1", "X-Prefix-Hash": "abc"}, config) == "abc"
+
+
+def test_key_turns_extends_the_key_with_the_conversations_leading_turns():
+    config = PrefixKeyConfig(key_turns=1)
+    opening = routing_key({"messages": _conversation("sys", ["question one"])}, {}, config)
+    later = routing_key({"messages": _conversation("sys", ["question one", "answer", "two"])}, {}, config)
+    other = routing_key({"messages": _conversation("sys", ["another user"])}, {}, config)
+    assert opening == later != other
+    assert opening == hashlib.sha256(b"sys\x00question one").hexdigest()[:16]
+    assert opening != prefix_hash("sys")
+    # Fewer turns than key_turns: the plain key.
+    two = PrefixKeyConfig(key_turns=2)
+    assert routing_key({"messages": _conversation("sys", ["q"])}, {}, two) == prefix_hash("sys")
+    with pytest.raises(ValueError, match="key_turns"):
+        PrefixKeyConfig(key_turns=-1)
