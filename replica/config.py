@@ -77,7 +77,12 @@ class EngineConfig:
     # (``...self_attn.k_scale`` / ``v_scale`` and vLLM's other spellings) when it has
     # them, else 1.0.
     calculate_kv_scales: bool = False
+    # Host memory (GiB) for swapped-out KV blocks (pinned on CUDA); needs preemption_mode="swap".
     swap_space_gb: float = 0.0
+    # What a preempted sequence loses: "recompute" = its KV (freed; recomputed on resume,
+    # with prefix hits on its cached blocks); "swap" = nothing (its private blocks are copied
+    # to the swap_space_gb host pool and back, cached/shared ones kept by reference; when the
+    # pool is full it is recomputed).
     preemption_mode: str = "recompute"
     # None = the checkpoint's max_position_embeddings, capped at MAX_MODEL_LEN_CAP.
     max_model_len: int | None = None
@@ -156,10 +161,12 @@ class EngineConfig:
         if self.calculate_kv_scales and not self.kv_cache_dtype.startswith("fp8"):
             raise ValueError("calculate_kv_scales applies to an fp8 KV cache only: set kv_cache_dtype='fp8' "
                              "or leave calculate_kv_scales off")
-        if self.preemption_mode != "recompute":
-            raise ValueError("preemption_mode='swap' is not implemented yet: set preemption_mode='recompute'")
-        if self.swap_space_gb > 0:
-            raise ValueError("swap_space_gb > 0 needs swap preemption, which is not implemented yet: set it to 0")
+        if self.preemption_mode == "swap" and not self.swap_space_gb > 0:
+            raise ValueError("preemption_mode='swap' needs a host swap pool: set swap_space_gb > 0 "
+                             "(e.g. 4, vLLM's default)")
+        if self.swap_space_gb > 0 and self.preemption_mode != "swap":
+            raise ValueError("swap_space_gb is used by swap preemption only: set preemption_mode='swap' "
+                             "or swap_space_gb=0")
         if self.sliding_window is not None:
             raise ValueError("sliding_window is not implemented yet: leave it unset (None)")
 

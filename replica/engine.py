@@ -48,7 +48,7 @@ from prefixserve.replica.errors import (
     RequestRejected,
 )
 from prefixserve.replica.kv.manager import KVCacheManager
-from prefixserve.replica.metrics import EngineMetrics, EngineStats, FinishedRequestStats
+from prefixserve.replica.metrics import EngineMetrics, EngineStats, FinishedRequestStats, SwapTotals
 from prefixserve.replica.model import loader
 from prefixserve.replica.model.llama import ModelConfig
 from prefixserve.replica.model.startup import StartupTimer
@@ -117,6 +117,7 @@ class LLMEngine:
         # Prefix queries, hits and preemptions of the states dropped by reset(): metrics are
         # cumulative since start, so a fresh KV manager and scheduler continue from here.
         self._carried = (0, 0, 0)
+        self._carried_swap = SwapTotals()
         self._new_state()
 
     def _new_state(self) -> None:
@@ -124,9 +125,11 @@ class LLMEngine:
         config = self.config
         self.kv_manager = KVCacheManager(self.runner.num_blocks, config.block_size,
                                          config.enable_prefix_caching, config.prefix_hash_algo,
-                                         eviction_policy=config.eviction_policy)
+                                         eviction_policy=config.eviction_policy,
+                                         num_host_blocks=self.runner.num_host_blocks)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   config.enable_chunked_prefill), self.kv_manager)
+                                                   config.enable_chunked_prefill, config.preemption_mode),
+                                   self.kv_manager)
         self.requests: dict[str, Request] = {}
         # True when the last step changed nothing: stepping again is pointless until a
         # request arrives or leaves (AsyncEngine then waits instead of spinning).
@@ -139,6 +142,7 @@ class LLMEngine:
         that failed midway may have left NaN there, which masked reads could pick up.
         """
         self._carried = self._totals()
+        self._carried_swap = self._swap_totals()
         self._new_state()
         self.runner.k_cache.zero_()
         self.runner.v_cache.zero_()
@@ -295,6 +299,8 @@ class LLMEngine:
         ``error``); an exception escaping this method is fatal (see ``reset``).
         """
         plan = self.scheduler.schedule()
+        if plan.swap_out or plan.swap_in:
+            self.runner.swap(plan.swap_out, plan.swap_in)
         self.stalled = not plan.changed_state
         scheduled_at = time.monotonic()
         for s in plan.scheduled:
@@ -516,7 +522,16 @@ class LLMEngine:
         return (queries + st.prefix_query_tokens, hits + st.prefix_hit_tokens,
                 preemptions + self.scheduler.num_preemptions)
 
+    def _swap_totals(self) -> SwapTotals:
+        st, sched = self.kv_manager.stats, self.scheduler
+        return self._carried_swap + SwapTotals(sched.num_swap_preemptions, sched.num_recompute_preemptions,
+                                               st.num_swapped_out_blocks, st.num_swapped_in_blocks,
+                                               sched.num_swap_in_fallbacks)
+
     def _observe_step(self, num_prompt_tokens: int, num_generated: int) -> None:
+        st = self.kv_manager.stats
+        host_usage = st.num_used_host_blocks / st.num_host_blocks if st.num_host_blocks else 0.0
+        self.metrics.observe_swap(self._swap_totals(), num_swapped=st.num_swapped_requests, host_usage=host_usage)
         queries, hits, preemptions = self._totals()
         self.metrics.observe_step(num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
                                   kv_usage=self.kv_manager.usage, prefix_queries=queries, prefix_hits=hits,

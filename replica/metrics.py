@@ -18,7 +18,7 @@ nothing here reads engine internals. Also ``EngineStats``, the snapshot that
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -35,6 +35,21 @@ N_BUCKETS = (1, 2, 5, 10, 20)
 ENGINE_INDEX = "0"
 # vLLM's finish reasons, each pre-created in request_success_total so that rates exist from the start.
 FINISH_REASONS = ("stop", "length", "abort")
+PREEMPTION_MODES = ("swap", "recompute")
+
+
+@dataclass(frozen=True)
+class SwapTotals:
+    """Cumulative swap counts since the engine started (prefixserve:preemptions{mode}, swapped blocks)."""
+
+    swap_preemptions: int = 0
+    recompute_preemptions: int = 0
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
+    swap_in_fallbacks: int = 0
+
+    def __add__(self, other: SwapTotals) -> SwapTotals:
+        return SwapTotals(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
 
 
 def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
@@ -149,6 +164,18 @@ class EngineMetrics:
         self.decode_time = h("vllm:request_decode_time_seconds",
                              "Histogram of time spent in DECODE phase for request.", LATENCY_BUCKETS)
         # Ours
+        # Swap preemption (preemption_mode="swap"): vLLM V0's gauges where it had them.
+        self.swapped = g("vllm:num_requests_swapped", "Number of requests swapped to CPU.")
+        self.cpu_cache_usage = g("vllm:cpu_cache_usage_perc", "CPU KV-cache usage. 1 means 100 percent usage.")
+        by_mode = Counter("prefixserve:preemptions", "Preemptions by how the sequence was set aside: swap "
+                          "(KV kept in the host pool) or recompute (KV dropped).", labels + ["mode"], registry=r)
+        self.preemptions_by_mode = {mode: by_mode.labels(*values, mode) for mode in PREEMPTION_MODES}
+        self.swapped_out_blocks = c("prefixserve:swapped_out_blocks", "KV blocks copied to the host swap pool.")
+        self.swapped_in_blocks = c("prefixserve:swapped_in_blocks", "KV blocks copied back from the host swap pool.")
+        self.swap_in_fallbacks = c("prefixserve:swap_in_fallbacks",
+                                   "Swapped sequences resumed by recompute (they could not be swapped in "
+                                   "even with nothing running).")
+        self._last_swap = SwapTotals()
         self.restarts = c("prefixserve:engine_restarts",
                           "Times the engine reset its state after a fatal step failure (weights kept).")
         self.startup = Gauge("prefixserve:engine_startup_seconds",
@@ -191,6 +218,18 @@ class EngineMetrics:
             self.generation_tokens.inc(num_generation_tokens)
         if num_prompt_tokens or num_generation_tokens:
             self.iteration_tokens.observe(num_prompt_tokens + num_generation_tokens)
+
+    def observe_swap(self, totals: SwapTotals, *, num_swapped: int, host_usage: float) -> None:
+        """Record swap state; ``totals`` are cumulative and turned into increments."""
+        self.swapped.set(num_swapped)
+        self.cpu_cache_usage.set(host_usage)
+        last = self._last_swap
+        self.preemptions_by_mode["swap"].inc(totals.swap_preemptions - last.swap_preemptions)
+        self.preemptions_by_mode["recompute"].inc(totals.recompute_preemptions - last.recompute_preemptions)
+        self.swapped_out_blocks.inc(totals.swapped_out_blocks - last.swapped_out_blocks)
+        self.swapped_in_blocks.inc(totals.swapped_in_blocks - last.swapped_in_blocks)
+        self.swap_in_fallbacks.inc(totals.swap_in_fallbacks - last.swap_in_fallbacks)
+        self._last_swap = totals
 
     def observe_startup(self, phases: dict[str, float]) -> None:
         """Record the start-up time of each phase (StartupTimer.phases)."""

@@ -10,6 +10,10 @@ head. It returns one sampled token per sampling sequence.
 The KV cache is two tensors ``[num_layers, num_blocks, ...]`` (K and V) in the
 attention backend's layout (blocks always second); each layer gets views. Nothing
 here knows requests beyond the ScheduledSeq records it is handed.
+
+With ``swap_space_gb`` > 0 a host pool of the same layout (``num_host_blocks``
+blocks; pinned memory on CUDA so the copies are DMA) holds swapped-out blocks;
+``swap(out_ops, in_ops)`` copies device -> host first, then host -> device.
 """
 
 from __future__ import annotations
@@ -114,6 +118,15 @@ class ModelRunner:
                                        device=self.device)
             self.v_cache = torch.zeros((model_cfg.num_layers, *v_shape), dtype=self.kv_cache_dtype,
                                        device=self.device)
+            self.num_host_blocks = int(config.swap_space_gb * 1024**3 // self.kv_bytes_per_block)
+            if config.swap_space_gb > 0 and self.num_host_blocks < 1:
+                raise ValueError(f"swap_space_gb={config.swap_space_gb} holds no KV block of "
+                                 f"{self.kv_bytes_per_block} bytes: raise it")
+            pin = self.device.type == "cuda"
+            self.k_host = torch.zeros((model_cfg.num_layers, self.num_host_blocks, *k_shape[1:]),
+                                      dtype=self.kv_cache_dtype, pin_memory=pin)
+            self.v_host = torch.zeros((model_cfg.num_layers, self.num_host_blocks, *v_shape[1:]),
+                                      dtype=self.kv_cache_dtype, pin_memory=pin)
         self.model.bind_kv_cache(list(self.k_cache.unbind(0)), list(self.v_cache.unbind(0)))
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
@@ -170,6 +183,22 @@ class ModelRunner:
         dst = torch.tensor([d for _, d in ops], dtype=torch.long, device=self.device)
         for cache in (_raw(self.k_cache), _raw(self.v_cache)):
             cache[:, dst] = cache[:, src]
+
+    def swap(self, out_ops: list[tuple[int, int]], in_ops: list[tuple[int, int]]) -> None:
+        """Apply a step's swap copies: (device block, host slot) out first, then (host slot, device block) in."""
+        if out_ops:
+            dev = torch.tensor([d for d, _ in out_ops], dtype=torch.long, device=self.device)
+            host = torch.tensor([h for _, h in out_ops], dtype=torch.long)
+            for cache, pool in ((self.k_cache, self.k_host), (self.v_cache, self.v_host)):
+                _raw(pool)[:, host] = _raw(cache)[:, dev].to("cpu")
+        if in_ops:
+            host = torch.tensor([h for h, _ in in_ops], dtype=torch.long)
+            dev = torch.tensor([d for _, d in in_ops], dtype=torch.long, device=self.device)
+            for cache, pool in ((self.k_cache, self.k_host), (self.v_cache, self.v_host)):
+                rows = _raw(pool)[:, host]
+                if self.device.type == "cuda":
+                    rows = rows.pin_memory().to(self.device, non_blocking=True)
+                _raw(cache)[:, dev] = rows.to(self.device)
 
     def _prepare(self, scheduled: list[ScheduledSeq]):
         ids: list[int] = []

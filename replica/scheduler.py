@@ -8,10 +8,17 @@ prefill). Then waiting sequences are admitted in arrival order while the budget,
 prefix of its tokens (``KVCacheManager.get_computed_blocks``).
 
 When a running sequence cannot get a block, the most recently admitted running
-sequence is preempted by recompute: its blocks are freed, its progress reset, and it
-goes back to the front of the waiting queue (its full blocks usually remain cached,
-so it resumes with prefix hits). No waiting sequence is admitted in a step that
-preempted: the blocks just freed go to the sequences already running.
+sequence is preempted and goes back to the front of the waiting queue. By recompute
+(``preemption_mode="recompute"``): its blocks are freed and its progress reset (its
+full blocks usually remain cached, so it resumes with prefix hits). By swap
+(``"swap"``): ``KVCacheManager.swap_out`` keeps its KV (blocks copied to the host
+pool, blocks shared with running sequences kept by reference) and its progress; when
+it is admitted again ``swap_in`` restores the same table and it continues where it
+stopped, recomputing nothing. A swap that cannot happen (host pool full) is a
+recompute, and so is a swapped sequence that cannot be swapped in even with nothing
+running. No waiting sequence is admitted (or swapped in) in a step that
+preempted: the blocks just freed go to the sequences already running, and no step
+both swaps out and swaps in.
 
 A waiting sequence that does not fit while nothing runs (every seat, block and token
 of the budget free) can never be admitted: it leaves the queue as ``rejected`` so it
@@ -40,6 +47,7 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"  # or "swap" (needs a KV manager with host blocks)
 
 
 @dataclass(frozen=True)
@@ -63,6 +71,10 @@ class SchedulerOutput:
     rejected: list[Sequence] = field(default_factory=list)
     # Copy-on-write block copies (src, dst) to apply before the forward pass.
     copy_ops: list[tuple[int, int]] = field(default_factory=list)
+    # Swap copies: (device block, host slot) out, applied first (before anything reuses the
+    # blocks), then (host slot, device block) in, before the forward pass.
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -86,6 +98,11 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # By how they happened: swapped out, or recomputed (incl. swaps the host pool refused).
+        self.num_swap_preemptions = 0
+        self.num_recompute_preemptions = 0
+        # Swapped sequences resumed by recompute (they could not be swapped in with nothing running).
+        self.num_swap_in_fallbacks = 0
 
     # --- queue changes -----------------------------------------------------
 
@@ -154,12 +171,17 @@ class Scheduler:
         if not out.preempted:
             self._admit(out, budget)
         out.copy_ops = kv.take_copy_ops()
+        out.swap_out, out.swap_in = kv.take_swap_ops()
         return out
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
-        self.kv.free(seq.seq_id)
-        seq.num_computed_tokens = 0
+        if self.config.preemption_mode == "swap" and self.kv.swap_out(seq.seq_id):
+            self.num_swap_preemptions += 1  # progress kept: it resumes where it stopped
+        else:
+            self.kv.free(seq.seq_id)
+            seq.num_computed_tokens = 0
+            self.num_recompute_preemptions += 1
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -172,6 +194,12 @@ class Scheduler:
             seq = self.waiting[0]
             # The parent of an n > 1 request brings its children after the prefill.
             width = seq.request.params.n if seq.awaits_fork else 1
+            if kv.is_swapped(seq.seq_id):
+                if self._swap_in(seq, out, budget, width):
+                    budget -= out.scheduled[-1].num_new_tokens
+                    continue
+                if kv.is_swapped(seq.seq_id):
+                    break  # it waits for room
             table = None
             if len(self.running) + width <= self.config.max_num_seqs:
                 salt = seq.request.cache_salt
@@ -196,3 +224,33 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, num_cached, n, table))
             seq.num_computed_tokens = num_cached + n
             budget -= n
+
+    def _swap_in(self, seq: Sequence, out: SchedulerOutput, budget: int, width: int) -> bool:
+        """Resume a swapped sequence at the front of the queue: True when it runs this step.
+
+        False with the sequence still swapped: no room yet. False with it no longer swapped:
+        it cannot fit even with nothing running, so its swapped KV was dropped and it goes
+        through ordinary admission (recompute).
+        """
+        kv = self.kv
+        table = None
+        remaining = seq.num_tokens - seq.num_computed_tokens
+        n = min(remaining, budget)
+        fits = n == remaining or self.config.enable_chunked_prefill
+        if len(self.running) + width <= self.config.max_num_seqs and fits:
+            table = kv.swap_in(seq.seq_id, seq.token_ids, n)
+        if table is None:
+            if not self.running:
+                self._swap_in_fallback(seq)
+            return False
+        self.waiting.popleft()
+        self.running.append(seq)
+        seq.status = SeqStatus.RUNNING
+        out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n, table))
+        seq.num_computed_tokens += n
+        return True
+
+    def _swap_in_fallback(self, seq: Sequence) -> None:
+        self.kv.discard_swapped(seq.seq_id)
+        seq.num_computed_tokens = 0
+        self.num_swap_in_fallbacks += 1

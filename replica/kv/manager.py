@@ -29,6 +29,24 @@ Choices a reader should know:
   * ``fork`` expects every slot of the parent to hold a known token (call it
     between steps, e.g. for parallel sampling after the prefill).
 
+Swap (``preemption_mode="swap"``; ``num_host_blocks`` > 0): ``swap_out`` takes a
+request's table off the device without losing its KV, block by block, in table order:
+  * a block others also hold (ref > 1) stays held by the swapped request: not copied
+    (releasing it would free no memory, and holding it keeps it for the resume);
+  * every other block is copied to a host slot and released. A block with a cached
+    hash is copied once: a second swapped request with the same block shares the
+    host copy (host slots are ref-counted by hash, as vLLM's CPU block allocator
+    does), and the released device block stays in the pool as an evictable cached
+    block that other requests may still hit.
+If the host pool lacks slots for the copies, ``swap_out`` refuses (False) and changes
+nothing: the caller preempts by recompute instead. ``swap_in`` rebuilds the same
+table in the same order (a hashed block still cached on the device is taken from
+there; the others are copied from the host into fresh blocks and cached again) and
+allocates the next tokens. The (device, host) and (host, device) copies are queued
+for the model runner (``take_swap_ops``): swap-outs before anything reuses those
+device blocks in the same step, swap-ins before the forward pass. Host slots freed
+in a step are reused only after ``take_swap_ops``.
+
 Pure Python, no torch and no ray: the cluster simulator runs thousands of these.
 """
 
@@ -58,6 +76,11 @@ class KVCacheStats:
     num_evictions: int  # cached blocks popped for reuse
     num_cow_copies: int  # copy-on-write copies queued for the model runner
     num_requests: int  # requests holding a block table
+    num_swapped_requests: int = 0  # requests swapped out (their tables held off the device)
+    num_host_blocks: int = 0  # the swap pool's size
+    num_used_host_blocks: int = 0  # host slots holding swapped blocks
+    num_swapped_out_blocks: int = 0  # blocks copied device -> host, cumulative
+    num_swapped_in_blocks: int = 0  # blocks copied host -> device, cumulative
 
 
 @dataclass(slots=True)
@@ -66,6 +89,22 @@ class _Request:
     num_tokens: int  # tokens with slots
     hashes: list[bytes]  # chained hashes of the known full blocks (caching on)
     num_registered: int  # leading full blocks already offered to the hash map
+    salt: str | bytes | None
+
+
+# A swapped request's logical block is either still held on the device (block id) or in a
+# host slot (slot id; with the block's hash when it had one).
+_HELD, _HOST = 0, 1
+
+
+@dataclass(slots=True)
+class _Swapped:
+    """A request's block table while it is swapped out (see the module docstring)."""
+
+    entries: list[tuple[int, int, bytes | None]]  # per logical block: (_HELD, block, None) | (_HOST, slot, hash)
+    num_tokens: int
+    hashes: list[bytes]
+    num_registered: int
     salt: str | bytes | None
 
 
@@ -89,6 +128,7 @@ class KVCacheManager:
         hash_algo: str = DEFAULT_HASH_ALGO,
         hash_seed: str | bytes = DEFAULT_HASH_SEED,
         eviction_policy: str = "lru",
+        num_host_blocks: int = 0,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -102,6 +142,19 @@ class KVCacheManager:
         self._query_tokens = 0
         self._hit_tokens = 0
         self._cow_copies = 0
+        if num_host_blocks < 0:
+            raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
+        self.num_host_blocks = num_host_blocks
+        self._host_free: list[int] = list(range(num_host_blocks - 1, -1, -1))  # a stack: slot 0 first
+        self._host_pending: list[int] = []  # freed since the last take_swap_ops, reusable after it
+        self._host_ref = [0] * num_host_blocks  # swapped table entries per host slot
+        self._host_of_hash: dict[bytes, int] = {}  # a cached block's one host copy (shared, not duplicated)
+        self._hash_of_host: dict[int, bytes] = {}
+        self._swapped: dict[str, _Swapped] = {}
+        self._swap_out_ops: list[tuple[int, int]] = []
+        self._swap_in_ops: list[tuple[int, int]] = []
+        self._swapped_out_blocks = 0
+        self._swapped_in_blocks = 0
 
     # --- hashing -----------------------------------------------------------
 
@@ -270,10 +323,10 @@ class KVCacheManager:
     # --- release, sharing --------------------------------------------------
 
     def free(self, request_id: str) -> bool:
-        """Release a request's blocks tail-first; False when it held no table."""
+        """Release a request's blocks tail-first (or its swapped table); False when it held no table."""
         req = self._requests.pop(request_id, None)
         if req is None:
-            return False
+            return self.discard_swapped(request_id)
         self.pool.free_blocks(reversed(req.blocks))
         return True
 
@@ -289,6 +342,129 @@ class KVCacheManager:
             list(parent.blocks), parent.num_tokens, list(parent.hashes), parent.num_registered, parent.salt
         )
         return list(parent.blocks)
+
+    # --- swap ---------------------------------------------------------------
+
+    def swap_out(self, request_id: str) -> bool:
+        """Take a request's table off the device (module docstring); False, changing nothing,
+        when the host pool has too few free slots for the blocks it must copy."""
+        req = self._requests.get(request_id)
+        if req is None:
+            raise KeyError(f"swap_out: {request_id!r} has no block table")
+        pool = self.pool
+        ref, bhash = pool.ref_cnt, pool.block_hash
+        host_of = self._host_of_hash
+        needed = sum(1 for b in req.blocks if ref[b] == 1 and (bhash[b] is None or bhash[b] not in host_of))
+        if needed > len(self._host_free):
+            return False
+        entries: list[tuple[int, int, bytes | None]] = []
+        released: list[int] = []
+        for b in req.blocks:
+            if ref[b] > 1:
+                entries.append((_HELD, b, None))
+                continue
+            h = bhash[b]
+            slot = host_of.get(h) if h is not None else None
+            if slot is None:
+                slot = self._host_free.pop()
+                self._swap_out_ops.append((b, slot))
+                self._swapped_out_blocks += 1
+                if h is not None:
+                    host_of[h] = slot
+                    self._hash_of_host[slot] = h
+            self._host_ref[slot] += 1
+            entries.append((_HOST, slot, h))
+            released.append(b)
+        del self._requests[request_id]
+        pool.free_blocks(reversed(released))
+        self._swapped[request_id] = _Swapped(entries, req.num_tokens, req.hashes, req.num_registered, req.salt)
+        return True
+
+    def is_swapped(self, request_id: str) -> bool:
+        return request_id in self._swapped
+
+    def _release_host_slot(self, slot: int) -> None:
+        self._host_ref[slot] -= 1
+        if self._host_ref[slot] == 0:
+            h = self._hash_of_host.pop(slot, None)
+            if h is not None:
+                del self._host_of_hash[h]
+            self._host_pending.append(slot)
+
+    def discard_swapped(self, request_id: str) -> bool:
+        """Drop a swapped request's table (held blocks freed, host slots returned); False if not swapped."""
+        sw = self._swapped.pop(request_id, None)
+        if sw is None:
+            return False
+        self.pool.free_blocks(reversed([v for kind, v, _ in sw.entries if kind == _HELD]))
+        for kind, slot, _ in sw.entries:
+            if kind == _HOST:
+                self._release_host_slot(slot)
+        return True
+
+    def swap_in(self, request_id: str, token_ids: Sequence[int], num_new_tokens: int) -> list[int] | None:
+        """Restore a swapped request's table (same order) and allocate ``num_new_tokens`` more
+        slots, as ``allocate_slots`` does; None, changing nothing, when free blocks are too few.
+
+        A swapped block whose hash is still cached on the device is taken from there (no
+        copy); the others are copied from their host slots into fresh blocks, which are
+        registered under their hash again.
+        """
+        sw = self._swapped[request_id]
+        pool = self.pool
+        h2b, ref = pool.hash_to_block, pool.ref_cnt
+        on_device: dict[int, int] = {}  # entry index -> cached device block
+        num_copies = 0
+        for i, (kind, _, h) in enumerate(sw.entries):
+            if kind != _HOST:
+                continue
+            b = h2b.get(h) if h is not None else None
+            if b is None:
+                num_copies += 1
+            else:
+                on_device[i] = b
+        bs = self.block_size
+        revive = sum(1 for b in on_device.values() if ref[b] == 0)
+        grow = max(0, -(-(sw.num_tokens + num_new_tokens) // bs) - len(sw.entries))
+        last_kind, last, _ = sw.entries[-1] if sw.entries else (_HOST, 0, None)
+        cow = num_new_tokens > 0 and sw.num_tokens % bs != 0 and last_kind == _HELD and ref[last] > 1
+        if revive + num_copies + grow + cow > pool.num_free:
+            return None
+        del self._swapped[request_id]
+        pool.touch(list(on_device.values()))  # before any new block is popped, so none of them is evicted
+        fresh = iter(pool.get_new_blocks(num_copies))
+        blocks: list[int] = []
+        recached: list[tuple[int, bytes]] = []
+        for i, (kind, v, h) in enumerate(sw.entries):
+            if kind == _HELD:
+                blocks.append(v)
+                continue
+            if i in on_device:
+                blocks.append(on_device[i])
+            else:
+                dst = next(fresh)
+                self._swap_in_ops.append((v, dst))
+                self._swapped_in_blocks += 1
+                blocks.append(dst)
+                if h is not None:
+                    recached.append((dst, h))
+            self._release_host_slot(v)
+        if recached:
+            pool.cache_blocks([b for b, _ in recached], [h for _, h in recached])
+        self._requests[request_id] = _Request(blocks, sw.num_tokens, sw.hashes, sw.num_registered, sw.salt)
+        table = self.allocate_slots(request_id, token_ids, num_new_tokens)
+        assert table is not None, "swap_in counted the blocks allocate_slots needs"
+        return table
+
+    def take_swap_ops(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """(device block, host slot) swap-out copies and (host slot, device block) swap-in copies
+        queued since the last call; the runner applies the swap-outs first. Host slots freed
+        since the last call become reusable now."""
+        out, into = self._swap_out_ops, self._swap_in_ops
+        self._swap_out_ops, self._swap_in_ops = [], []
+        self._host_free += reversed(self._host_pending)
+        self._host_pending = []
+        return out, into
 
     def take_copy_ops(self) -> list[tuple[int, int]]:
         """Copy-on-write copies (src, dst) queued since the last call; the runner copies them."""
@@ -348,6 +524,11 @@ class KVCacheManager:
             num_evictions=pool.num_evictions,
             num_cow_copies=self._cow_copies,
             num_requests=len(self._requests),
+            num_swapped_requests=len(self._swapped),
+            num_host_blocks=self.num_host_blocks,
+            num_used_host_blocks=self.num_host_blocks - len(self._host_free) - len(self._host_pending),
+            num_swapped_out_blocks=self._swapped_out_blocks,
+            num_swapped_in_blocks=self._swapped_in_blocks,
         )
 
     def check_invariants(self) -> None:
@@ -369,6 +550,21 @@ class KVCacheManager:
                     assert i < len(req.hashes) and req.hashes[i] == h, (
                         f"{rid}: block {b} at position {i} carries a hash of other content"
                     )
+        host_used: list[int] = []
+        for rid, sw in self._swapped.items():
+            assert rid not in self._requests, f"{rid} is both swapped and on the device"
+            assert len(sw.entries) == -(-sw.num_tokens // bs), f"{rid}: swapped table does not fit its tokens"
+            for kind, v, _ in sw.entries:
+                if kind == _HELD:
+                    holders[v] += 1
+                else:
+                    host_used.append(v)
+        for slot in range(self.num_host_blocks):
+            assert self._host_ref[slot] == host_used.count(slot), f"host slot {slot}: wrong ref count"
+        host_all = sorted(set(host_used)) + self._host_free + self._host_pending
+        assert sorted(host_all) == list(range(self.num_host_blocks)), "host slots lost or double-booked"
+        for h, slot in self._host_of_hash.items():
+            assert self._hash_of_host.get(slot) == h and self._host_ref[slot] > 0, "host hash map out of sync"
         for b in range(pool.num_blocks):
             assert pool.ref_cnt[b] == holders[b], f"block {b}: ref {pool.ref_cnt[b]} but {holders[b]} tables"
         if not self.enable_prefix_caching:
