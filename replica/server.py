@@ -8,6 +8,12 @@ path reaches the same engine through ``replica/deployment.py``.
 
 Invariants:
 * Every answer carries the ``X-Prefixserve-Replica`` header naming this replica.
+* With ``max_in_flight`` set, a generation request arriving while that many
+  are in flight is answered 429 (OpenAI error body, code ``replica_busy``,
+  ``Retry-After``) before it is read: nginx's ``proxy_next_upstream http_429``
+  then walks the ring to the key's next replica, as the Ray router spills a
+  key past a replica over its in-flight cap. A streamed request counts until
+  its last byte is sent.
 * When the engine is dead for good, ``/health`` answers 503 and the process
   stops (after answering the requests in flight) with a non-zero exit status,
   so a supervisor restarts it: never a live process that answers 503 forever.
@@ -66,6 +72,37 @@ class ReplicaHeaderMiddleware:
         await self.app(scope, receive, send_with_header)
 
 
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+
+
+class InFlightCapMiddleware:
+    """Answers 429 to a generation request while ``cap`` generation requests are in flight."""
+
+    def __init__(self, app: ASGIApp, cap: int, retry_after_s: float = 1.0) -> None:
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+            raise ValueError(f"max_in_flight must be an integer >= 1, got {cap!r}")
+        self.app = app
+        self.cap = cap
+        self.retry_after_s = retry_after_s
+        self.in_flight = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("path") not in GENERATION_PATHS:
+            await self.app(scope, receive, send)
+            return
+        if self.in_flight >= self.cap:
+            busy = api.OverloadedError(
+                f"this replica has {self.in_flight} requests in flight (max_in_flight={self.cap}); "
+                "try the next replica", code="replica_busy", retry_after_s=self.retry_after_s)
+            await http_frontend.error_response(busy)(scope, receive, send)
+            return
+        self.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+
+
 async def watch_engine(engine: AsyncEngine, on_dead: Callable[[], None], period_s: float) -> None:
     """Call ``on_dead`` once the engine is dead for good (``is_running`` False), then return."""
     while engine.is_running:
@@ -82,6 +119,7 @@ def build_app(
     replica_name: str = f"{DEFAULT_HOST}:{DEFAULT_PORT}",
     on_engine_dead: Callable[[], None] | None = None,
     engine_watch_period_s: float = ENGINE_WATCH_PERIOD_S,
+    max_in_flight: int | None = None,
 ) -> FastAPI:
     """The FastAPI application serving ``engine``.
 
@@ -90,7 +128,9 @@ def build_app(
     ``max_body_bytes``: larger request bodies get 413. ``replica_name``: the value
     of the ``X-Prefixserve-Replica`` response header. ``on_engine_dead``: called
     once (while the application runs) when the engine has died for good; the
-    CLI stops the server there. The engine is shut down with the application.
+    CLI stops the server there. ``max_in_flight``: above this many generation
+    requests in flight, answer 429 (see the module docstring). The engine is
+    shut down with the application.
     """
     options = FrontendOptions.build(list(api_keys or []), max_body_bytes)
     client = LocalEngineClient(engine)
@@ -108,6 +148,9 @@ def build_app(
             await engine.shutdown()
 
     app = FastAPI(title="prefixserve replica", lifespan=lifespan, docs_url=None, redoc_url=None)
+    if max_in_flight is not None:
+        app.add_middleware(InFlightCapMiddleware, cap=max_in_flight)
+    # Added last, so outermost: the 429 of the cap names the replica too.
     app.add_middleware(ReplicaHeaderMiddleware, replica_name=replica_name)
     http_frontend.add_error_handlers(app)
 
@@ -152,6 +195,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="require 'Authorization: Bearer KEY' on /v1/* (repeat for several keys)")
     http.add_argument("--replica-name", default=None,
                       help="value of the X-Prefixserve-Replica header (default: HOST:PORT)")
+    http.add_argument("--max-in-flight", type=int, default=None,
+                      help="answer 429 (Retry-After) to generation requests above this many in flight, so nginx "
+                           "tries the key's next ring replica (default: no cap)")
     http.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                       help=f"largest accepted request body (default: {DEFAULT_MAX_BODY_BYTES})")
     http.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -163,7 +209,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def serve(engine: AsyncEngine, *, host: str, port: int, log_level: str = "info",
           api_keys: Iterable[str] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
           replica_name: str | None = None, engine_watch_period_s: float = ENGINE_WATCH_PERIOD_S,
-          uvicorn_logging: bool = True) -> int:
+          uvicorn_logging: bool = True, max_in_flight: int | None = None) -> int:
     """Serve ``engine`` over HTTP until interrupted or until it dies; the process's exit status.
 
     0 after a normal stop; EXIT_ENGINE_DEAD when the engine died for good (the
@@ -181,7 +227,7 @@ def serve(engine: AsyncEngine, *, host: str, port: int, log_level: str = "info",
 
     app = build_app(engine, api_keys=api_keys, max_body_bytes=max_body_bytes,
                     replica_name=replica_name or f"{host}:{port}", on_engine_dead=stop_on_dead_engine,
-                    engine_watch_period_s=engine_watch_period_s)
+                    engine_watch_period_s=engine_watch_period_s, max_in_flight=max_in_flight)
     extra = {} if uvicorn_logging else {"log_config": None}
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                            timeout_graceful_shutdown=5, **extra))
@@ -199,4 +245,4 @@ def run(args: argparse.Namespace) -> int:
     engine = AsyncEngine(EngineConfig.from_cli_args(args))
     return serve(engine, host=args.host, port=args.port, log_level=args.log_level, api_keys=args.api_keys,
                  max_body_bytes=args.max_body_bytes, replica_name=replica_name,
-                 uvicorn_logging=args.log_format == "text")
+                 uvicorn_logging=args.log_format == "text", max_in_flight=args.max_in_flight)

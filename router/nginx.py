@@ -6,6 +6,17 @@ upstream (the same ring as router/ring.py, server lines in the order given),
 a round-robin upstream for requests without the header, retries on failed or
 overloaded replicas, and proxy settings that let SSE streams through unbuffered.
 
+With ``--placement FILE|URL`` (a ``placed`` policy's ``placement_snapshot``
+JSON, e.g. an ingress's ``GET /placement``), the upstream hashes
+``$prefixserve_ring_key`` instead of the header: a ``map`` turns each key the
+placement moved off its ring owner into a salted key (``KEY~i``, the smallest
+``i`` whose ring owner is the placed replica; found with router/ring.py, which
+is nginx's ring), and a key placed on several replicas (a replicated hot key)
+into a ``split_clients`` variable spreading its requests evenly over one
+salted key per replica. Keys the ring already places where the snapshot does
+are left out of the map. The snapshot's members must be the configured
+servers (``host:port``).
+
 Invariants: the ``server`` names are written exactly as given (the ring hashes
 those strings); the output is accepted by ``nginx -t`` (tested with a real
 nginx). The sample nginx/nginx.conf is this module's output for the replicas
@@ -18,15 +29,18 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import json
 import re
 import sys
-from collections.abc import Callable
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from prefixserve.router.cli import arg_type
 from prefixserve.router.prefix import PREFIX_HASH_HEADER
-from prefixserve.router.ring import RingServer
+from prefixserve.router.ring import HashRing, RingServer
 
 # Characters nginx would read as syntax in a bare config token (and any control character).
 _UNSAFE = re.compile(r"[\s;{}#\"'$\\\x00-\x1f\x7f]")
@@ -38,6 +52,13 @@ _SIZE = re.compile(r"[0-9]{1,9}[kKmMgG]?")
 MAX_WORKER_PROCESSES = 1024
 # Longest duration or count written into the config: nginx refuses larger time values.
 MAX_SECONDS = 10 * 365 * 24 * 3600
+
+
+# Keys the placement map may name: Contract 1 keys are 16 hex digits; others must be plain tokens.
+_MAP_KEY = re.compile(r"[a-z0-9._:~+/=@-]{1,128}")
+# A salt search gives up after this many candidates (a replica owns >= 1/R of the ring: R tries on average).
+MAX_SALT_TRIES = 100_000
+RING_KEY_VAR = "$prefixserve_ring_key"
 
 
 # -- validation: each returns the value as written into the config, or raises ValueError ----------
@@ -155,6 +176,75 @@ def _int_in(lo: int, hi: int) -> Callable[[str], int]:
     return parse
 
 
+def salted_key(key: str, replica: str, ring: HashRing) -> str:
+    """``key`` itself when ``replica`` owns it on ``ring``, else ``key~i`` for the smallest i that it owns."""
+    for i in range(MAX_SALT_TRIES):
+        candidate = key if i == 0 else f"{key}~{i}"
+        if ring.owner(candidate) == replica:
+            return candidate
+    raise ValueError(f"no salted key of {key!r} lands on {replica!r} within {MAX_SALT_TRIES} tries")
+
+
+@dataclass(frozen=True)
+class PlacementMap:
+    """Keys whose placement differs from the ring: key -> one salted key per placed replica (primary first).
+
+    version: the snapshot's version (written in a comment); skipped: keys that
+    are not safe map tokens (left to the ring).
+    """
+
+    entries: tuple[tuple[str, tuple[str, ...]], ...]
+    version: int = 0
+    skipped: int = 0
+
+    @classmethod
+    def from_snapshot(cls, snapshot: Mapping[str, Any], servers: Sequence[RingServer]) -> PlacementMap:
+        """The map for a ``placement_snapshot`` over these nginx ``servers`` (their ring, weights included)."""
+        if not isinstance(snapshot, Mapping) or not isinstance(snapshot.get("keys"), Mapping):
+            raise ValueError("the placement is not a placement snapshot (it needs 'members' and 'keys')")
+        names = [s.name for s in servers]
+        members = snapshot.get("members") or []
+        unknown = sorted(set(map(str, members)) - set(names))
+        if unknown:
+            raise ValueError(f"the placement's members {unknown} are not among the replicas {names}: render it "
+                             "from a placement over the nginx servers (host:port)")
+        ring = HashRing(servers)
+        entries = []
+        skipped = 0
+        for key, entry in sorted(snapshot["keys"].items()):
+            replicas = [str(r) for r in (entry.get("replicas") or []) if str(r) in names]
+            if not replicas:
+                continue
+            if not _MAP_KEY.fullmatch(str(key)):
+                skipped += 1
+                continue
+            if len(replicas) == 1 and ring.owner(key) == replicas[0]:
+                continue  # the ring already sends it there
+            entries.append((str(key), tuple(salted_key(str(key), r, ring) for r in replicas)))
+        return cls(tuple(entries), int(snapshot.get("version", 0)), skipped)
+
+
+def load_placement(source: str, timeout_s: float = 10.0) -> dict[str, Any]:
+    """A placement snapshot from a file or an ``http(s)://`` URL (an ingress's ``/placement``)."""
+    try:
+        if source.startswith(("http://", "https://")):
+            with urllib.request.urlopen(source, timeout=timeout_s) as response:  # noqa: S310 (http(s) only)
+                data = json.loads(response.read().decode("utf-8"))
+        else:
+            data = json.loads(Path(source).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read the placement from {source}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"the placement in {source} is not a JSON object")
+    return data
+
+
+def _split_shares(n: int) -> list[str]:
+    """``n`` equal split_clients shares (the last one is ``*``), two decimals as nginx takes them."""
+    share = f"{int(10000 / n) / 100:.2f}%"
+    return [share] * (n - 1) + ["*"]
+
+
 @dataclass(frozen=True)
 class NginxConfig:
     """Everything the rendered nginx.conf depends on.
@@ -173,6 +263,7 @@ class NginxConfig:
     temp_dir / pid_file / error_log / access_log: file locations (None keeps
         nginx's compiled-in defaults; "off" is accepted for access_log).
     includes: extra files included in the ``http`` block (e.g. more servers).
+    placement: keys placed off their ring owner (``--placement``), or None.
     """
 
     replicas: tuple[RingServer, ...]
@@ -193,6 +284,7 @@ class NginxConfig:
     access_log: str | None = None
     includes: tuple[str, ...] = field(default_factory=tuple)
     command: str | None = None
+    placement: PlacementMap | None = None
 
     def __post_init__(self) -> None:
         if not self.replicas:
@@ -256,6 +348,7 @@ def render_config(cfg: NginxConfig) -> str:
     if cfg.command is not None and "\n" in cfg.command:
         raise ValueError("the command echoed in the header comment must be one line")
     servers = "\n".join(_server_line(cfg, r) for r in cfg.replicas)
+    hash_var = _HEADER_VAR if cfg.placement is None else RING_KEY_VAR
     retry_post = " non_idempotent" if cfg.retry_non_idempotent else ""
     out: list[str] = []
     w = out.append
@@ -296,8 +389,8 @@ def render_config(cfg: NginxConfig) -> str:
     # down (or failed max_fails times within fail_timeout) keeps its points and is
     # skipped: only its keys move, each to the next replica on the ring. Keep the
     # server names identical to those given to `prefixserve route`/the router.
-    upstream prefixserve_hash {{
-        hash {_HEADER_VAR} consistent;
+{_placement_block(cfg.placement)}    upstream prefixserve_hash {{
+        hash {hash_var} consistent;
 {servers}
         # After the balancing method (nginx requires this order): idle connections
         # to replicas are reused instead of opening one per request.
@@ -354,6 +447,39 @@ def render_config(cfg: NginxConfig) -> str:
     return "\n".join(out) + "\n"
 
 
+def _placement_block(placement: PlacementMap | None) -> str:
+    """The ``split_clients`` and ``map`` blocks of a placement ('' without one)."""
+    if placement is None:
+        return ""
+    for key, salted in placement.entries:
+        for token in (key, *salted):
+            if not _MAP_KEY.fullmatch(token.split("~", 1)[0]) or _UNSAFE.search(token):
+                raise ValueError(f"placement key {token!r} is not one safe token")
+    lines = [
+        f"    # Placement (prefixserve's placed policy, snapshot version {placement.version}): keys the",
+        "    # placement moved off their ring owner hash as a salted key that the placed replica owns;",
+        "    # a key placed on several replicas is split evenly over one salted key per replica.",
+        f"    # {len(placement.entries)} keys mapped; other keys hash as themselves.",
+    ]
+    if placement.skipped:
+        lines.append(f"    # {placement.skipped} keys that are not plain tokens are left to the ring.")
+    values: list[tuple[str, str]] = []
+    for i, (key, salted) in enumerate(placement.entries):
+        if len(salted) == 1:
+            values.append((key, salted[0]))
+            continue
+        var = f"$prefixserve_split_{i}"
+        lines.append(f'    split_clients "${{request_id}}" {var} {{')
+        lines.extend(f"        {share} {s};" for share, s in zip(_split_shares(len(salted)), salted, strict=True))
+        lines.append("    }")
+        values.append((key, var))
+    lines.append(f"    map {_HEADER_VAR} {RING_KEY_VAR} {{")
+    lines.append(f"        default {_HEADER_VAR};")
+    lines.extend(f"        {key} {value};" for key, value in values)
+    lines.append("    }")
+    return "\n".join(lines) + "\n\n"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     seconds = arg_type(_int_in(0, MAX_SECONDS))
     parser.add_argument(
@@ -389,13 +515,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="access log path or 'off' (default: nginx's own)")
     parser.add_argument("--include", action="append", default=[], type=arg_type(check_path),
                         help="extra file to include in the http block")
+    parser.add_argument("--placement", default=None, metavar="FILE|URL",
+                        help="render a placed policy's placement (a placement_snapshot JSON file, or a URL serving "
+                             "one such as an ingress's /placement) as a map of salted keys")
     parser.add_argument("-o", "--output", default=None, type=arg_type(check_output),
                         help="write here (its directory must exist) instead of stdout")
 
 
 def config_from_args(args: argparse.Namespace, command: str | None = None) -> NginxConfig:
+    replicas = tuple(args.replica)
+    source = getattr(args, "placement", None)
+    placement = None if source is None else PlacementMap.from_snapshot(load_placement(source), replicas)
     return NginxConfig(
-        replicas=tuple(args.replica),
+        replicas=replicas,
         down=frozenset(args.down),
         listen=str(args.listen),
         max_fails=args.max_fails,
@@ -410,6 +542,7 @@ def config_from_args(args: argparse.Namespace, command: str | None = None) -> Ng
         access_log=args.access_log,
         includes=tuple(args.include),
         command=command,
+        placement=placement,
     )
 
 

@@ -1,0 +1,49 @@
+"""replica/server.py's in-flight cap: above it a generation request gets 429 with Retry-After (nginx walks on)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from server_helpers import build_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny_llama(tmp_path_factory.mktemp("cap") / "tiny", max_position_embeddings=1024)
+
+
+async def test_a_replica_over_its_in_flight_cap_answers_429_and_serves_again(tiny):
+    from prefixserve.replica.config import EngineConfig
+    from prefixserve.replica.engine import AsyncEngine
+    from prefixserve.replica.server import build_app
+
+    engine = AsyncEngine(EngineConfig(model=str(tiny), max_model_len=512))
+    app = build_app(engine, replica_name="capped", max_in_flight=1)
+    long = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 300, "ignore_eos": True}
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r", timeout=120) as http:
+            first = asyncio.create_task(http.post("/v1/chat/completions", json=long))
+            for _ in range(2000):  # until the engine holds the first request
+                stats = engine.stats()
+                if stats.num_running + stats.num_waiting:
+                    break
+                await asyncio.sleep(0.01)
+            busy = await http.post("/v1/chat/completions", json={**long, "max_tokens": 2})
+            assert busy.status_code == 429
+            assert busy.json()["error"]["code"] == "replica_busy" and int(busy.headers["retry-after"]) >= 1
+            assert busy.headers["x-prefixserve-replica"] == "capped"
+            assert (await http.get("/health")).status_code == 200  # only generation is capped
+            assert (await first).status_code == 200
+            again = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert again.status_code == 200
+    finally:
+        await engine.shutdown()
+
+
+def test_the_cap_must_be_positive():
+    from prefixserve.replica.server import InFlightCapMiddleware
+
+    with pytest.raises(ValueError, match="max_in_flight"):
+        InFlightCapMiddleware(None, 0)  # type: ignore[arg-type]
