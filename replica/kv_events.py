@@ -181,6 +181,14 @@ class KVEventConsumer:
         self._last.pop(replica, None)
         self._held.pop(replica, None)
 
+    def held(self) -> dict[str, list[str]]:
+        """Per key, the replicas known to hold its prefix (sorted)."""
+        out: dict[str, list[str]] = {}
+        for replica, keys in sorted(self._held.items()):
+            for key in keys:
+                out.setdefault(key, []).append(replica)
+        return out
+
     def in_sync(self, replica: str) -> bool:
         return replica in self._last
 

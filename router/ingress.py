@@ -425,13 +425,15 @@ class OpenAIIngress:
 
     @app.get("/placement")
     async def placement(self) -> Response:
-        """This replica's ``placed`` snapshot (router/policies.py); 404 when the policy is not ``placed``."""
+        """This replica's ``placed`` snapshot (router/policies.py) plus ``held`` (per key, the replicas its
+        KV events say hold the prefix); 404 when the policy is not ``placed``."""
         router = self.client.router
         snapshot = router.placement_snapshot() if router is not None else None
         if snapshot is None:
             return self._named(http_frontend.error_response(NoPlacementError(
                 "no placement here: the router's policy is not 'placed' or has routed nothing yet")))
-        response = JSONResponse(snapshot)
+        # Beside the snapshot (apply_snapshot ignores it): which replicas KV events say hold each key.
+        response = JSONResponse({**snapshot, "held": router.kv_held()})
         response.headers["X-Prefixserve-Placement-Leader"] = self.placement_leader or ""
         return self._named(response)
 

@@ -101,6 +101,18 @@ class RouterMetrics:
             ["deployment", "replica"],
             registry=self.registry,
         )
+        self.kv_events = Counter(
+            "prefixserve_router_kv_events",
+            "KV events (BlockStored / BlockRemoved) received from each replica's routing stats.",
+            ["deployment", "replica", "type"],
+            registry=self.registry,
+        )
+        self.kv_event_gaps = Counter(
+            "prefixserve_router_kv_event_gaps",
+            "KV-event payloads ignored after a gap in a replica's sequence (the router waited for a snapshot).",
+            ["deployment", "replica"],
+            registry=self.registry,
+        )
 
     def exposition(self) -> bytes:
         """The registry in Prometheus text format."""

@@ -263,13 +263,26 @@ class PrefixRouter(RequestRouter):
                 self._reports[r.replica_id] = Report(seq, load, self.in_flight(r), now)
             events = stats.get("kv_events")
             if events is not None:
-                facts = self._kv_events.apply(replica_name(r.replica_id), events)
-                placed = self.placed
-                if placed is not None and facts:
-                    name = replica_name(r.replica_id)
-                    with self._lock:
-                        for key, holds in facts:
-                            placed.set_cached(name, key, holds)
+                self._take_kv_events(replica_name(r.replica_id), events)
+
+    def _take_kv_events(self, name: str, payload: Any) -> None:
+        gaps = self._kv_events.gaps
+        facts = self._kv_events.apply(name, payload)
+        if self._kv_events.gaps != gaps:
+            self._metrics.kv_event_gaps.labels(self._deployment, name).inc()
+        if facts and isinstance(payload, Mapping):
+            for event in payload.get("events") or ():
+                self._metrics.kv_events.labels(self._deployment, name, str(event.get("type"))).inc(
+                    len(event.get("block_hashes") or ()))
+        placed = self.placed
+        if placed is not None and facts:
+            with self._lock:
+                for key, holds in facts:
+                    placed.set_cached(name, key, holds)
+
+    def kv_held(self) -> dict[str, list[str]]:
+        """Per routing key, the replicas this router's KV events say hold its prefix."""
+        return self._kv_events.held()
 
     def replica_load(self, replica: RunningReplica) -> ReplicaLoad | None:
         """The replica's reported load corrected by this router's own change since (None: no recent report)."""
