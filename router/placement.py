@@ -17,8 +17,8 @@ exceeds ``(1 + epsilon)`` times its fair share:
   ``(1 + epsilon)`` of its fair share, in rate or in prefill work, shed whole
   keys cheapest first, each to its next ring successor with room. Cheapest:
   with precise information, keys whose prefix the replica no longer holds come
-  first (moving them loses nothing); then the coldest keys (in an LRU cache the
-  coldest prefixes are the ones already evicted).
+  first (moving them loses nothing); then the least recently requested keys
+  (in an LRU cache those prefixes are the likeliest to be evicted already).
 
 Statistics: a key's rate is an exponentially decayed request count (time
 constant ``tau_s``), its work a decayed count of uncached prompt tokens. They
@@ -79,8 +79,13 @@ class PlacementTable:
     owner first); it is asked once per key per membership.
     """
 
-    def __init__(self, epsilon: float, tau_s: float, hot_share: float, precise: bool = False) -> None:
+    def __init__(self, epsilon: float, tau_s: float, hot_share: float, precise: bool = False,
+                 work_epsilon: float | None = None) -> None:
         self.epsilon = float(epsilon)
+        # Slack of prefill work over its fair share (None: rates only). Looser than
+        # epsilon: work and rate pull apart (hot keys hit, so they carry rate with
+        # little work), and a tight bound on both leaves no replica with room for both.
+        self.work_epsilon = None if work_epsilon is None else float(work_epsilon)
         self.tau_s = float(tau_s)
         self.hot_share = float(hot_share)
         self.precise = precise
@@ -99,6 +104,7 @@ class PlacementTable:
         self._primary: IntArray = np.zeros(0, dtype=np.int64)  # member index, -1: unplaced or free slot
         self._copies: IntArray = np.zeros(0, dtype=np.int64)  # replicas the key is placed on (0: unplaced)
         self._live: npt.NDArray[np.bool_] = np.zeros(0, dtype=np.bool_)  # the slot holds a key
+        self._seen: FloatArray = np.zeros(0)  # time of the key's last request
         self._extra: dict[int, list[int]] = {}  # slot -> copies beyond the primary, in ring order
         self._succ: list[tuple[int, ...] | None] = []  # slot -> member indices in ring order (lazy)
         self._cached: dict[str, dict[str, bool]] = {}  # key -> replica -> holds its prefix (precise mode)
@@ -171,6 +177,7 @@ class PlacementTable:
             slot = self._new_slot(key)
         self._rate[slot] += w
         self._total_rate += w
+        self._seen[slot] = now
         if self._primary[slot] < 0:
             self._place_new(slot)
         else:
@@ -203,6 +210,7 @@ class PlacementTable:
             self._primary = np.concatenate([self._primary, np.full(size - old, -1, dtype=np.int64)])
             self._copies = np.concatenate([self._copies, np.zeros(size - old, dtype=np.int64)])
             self._live = np.concatenate([self._live, np.zeros(size - old, dtype=np.bool_)])
+            self._seen = np.concatenate([self._seen, np.zeros(size - old)])
             self._keys.extend([None] * (size - old))
             self._succ.extend([None] * (size - old))
             self._free = list(range(size - 1, old - 1, -1))
@@ -225,18 +233,21 @@ class PlacementTable:
         return succ
 
     # -- room and placement ---------------------------------------------------------
-    def _room(self, i: int, rate: float, work: float) -> bool:
-        """Whether member ``i`` stays within (1 + epsilon) of its fair share after taking a key's rate and work.
+    def _room(self, i: int, rate: float, work: float | None) -> bool:
+        """Whether member ``i`` stays within its bounds after taking a key's rate (and work, unless None).
 
-        An empty replica always has room (the ceiling of Mirrokni et al.'s bound).
+        Bounds: (1 + epsilon) of its fair share of the rate, (1 + work_epsilon)
+        of the work. An empty replica always has room (the ceiling of Mirrokni
+        et al.'s bound).
         """
         if self._load_rate[i] <= 0.0:
             return True
         # The totals already count the key (a new key's request is counted before it is placed).
-        bound = (1.0 + self.epsilon) * self._share[i]
-        if self._load_rate[i] + rate > bound * self._total_rate:
+        if self._load_rate[i] + rate > (1.0 + self.epsilon) * self._share[i] * self._total_rate:
             return False
-        return not (self._total_work > 0.0 and self._load_work[i] + work > bound * self._total_work)
+        if work is None or self.work_epsilon is None or self._total_work <= 0.0:
+            return True
+        return bool(self._load_work[i] + work <= (1.0 + self.work_epsilon) * self._share[i] * self._total_work)
 
     def holds(self, key: str, replica: str) -> bool | None:
         """Precise mode's knowledge: True/False when known, None when unknown (or not precise)."""
@@ -245,8 +256,13 @@ class PlacementTable:
         return self._cached.get(key, {}).get(replica)
 
     def _pick(self, slot: int, order: Sequence[int], rate: float, work: float) -> int | None:
-        """The first member of ``order`` with room, preferring (precise mode) one holding the key."""
+        """The first member of ``order`` with room, preferring (precise mode) one holding the key.
+
+        Room in rate and work if any member has it, else room in rate alone.
+        """
         with_room = [i for i in order if self._room(i, rate, work)]
+        if not with_room:
+            with_room = [i for i in order if self._room(i, rate, None)]
         if not with_room:
             return None
         if self.precise:
@@ -365,16 +381,20 @@ class PlacementTable:
 
     def _shed(self) -> None:
         n = len(self.members)
-        bound = (1.0 + self.epsilon) * self._share
-        cap_rate = bound * self._total_rate
-        cap_work = bound * self._total_work if self._total_work > 0 else np.full(n, np.inf)
+        cap_rate = (1.0 + self.epsilon) * self._share * self._total_rate
+        if self._total_work > 0 and self.work_epsilon is not None:
+            cap_work = (1.0 + self.work_epsilon) * self._share * self._total_work
+        else:
+            cap_work = np.full(n, np.inf)
         over = np.nonzero((self._load_rate > cap_rate) | (self._load_work > cap_work))[0]
         if not len(over):
             return
         # Candidates: single-copy keys on an overloaded replica, grouped by replica.
         single = (self._copies == 1) & np.isin(self._primary, over)
         slots = np.nonzero(single)[0]
-        order = np.lexsort((self._rate[slots], self._primary[slots]))  # by replica, coldest first
+        # By replica, least recently requested first: in an LRU cache those prefixes are
+        # the likeliest to be gone already, so moving them costs the fewest hits.
+        order = np.lexsort((self._seen[slots], self._primary[slots]))
         slots = slots[order]
         owners = self._primary[slots]
         for r in over.tolist():
@@ -442,6 +462,7 @@ class PlacementTable:
                 "replicas": self.placement(key),
                 "rate": float(self._rate[slot]) * f,
                 "work": float(self._work[slot]) * f,
+                "age": max(0.0, now - float(self._seen[slot])),
             }
         return {"format": SNAPSHOT_FORMAT, "version": self.version, "members": list(self.members), "keys": keys}
 
@@ -466,6 +487,7 @@ class PlacementTable:
         self._primary = np.zeros(0, dtype=np.int64)
         self._copies = np.zeros(0, dtype=np.int64)
         self._live = np.zeros(0, dtype=np.bool_)
+        self._seen = np.zeros(0)
         self._extra = {}
         self._succ = []
         self._t0 = now
@@ -473,6 +495,7 @@ class PlacementTable:
             slot = self._new_slot(str(key))
             self._rate[slot] = float(entry["rate"])
             self._work[slot] = float(entry["work"])
+            self._seen[slot] = now - float(entry.get("age", 0.0))
             idx = [self._index[n] for n in entry["replicas"] if n in self._index]
             if idx:
                 self._primary[slot] = idx[0]

@@ -377,8 +377,10 @@ KIND_NO_KEY = "no_key"  # no routing key: least loaded
 class PlacedOptions(RingOptions):
     """Options of ``placed`` (router/placement.py explains the mechanism).
 
-    epsilon: slack of a replica's placed request rate and prefill work over its
-        fair share before it sheds keys (the hit-vs-balance dial; > 0).
+    epsilon: slack of a replica's placed request rate over its fair share
+        before it sheds keys (the hit-vs-balance dial; > 0).
+    work_epsilon: the same slack for prefill work (uncached tokens, from
+        ``observe``); None balances rates only.
     tau_s: time constant of the decayed per-key statistics (seconds, > 0).
     rebalance_interval_s: seconds between rebalances (> 0).
     hot_share: a key is placed on one replica per ``hot_share`` of a replica's
@@ -391,6 +393,7 @@ class PlacedOptions(RingOptions):
     """
 
     epsilon: float = 0.1
+    work_epsilon: float | None = 0.5
     tau_s: float = 300.0
     rebalance_interval_s: float = 10.0
     hot_share: float = 0.5
@@ -400,8 +403,10 @@ class PlacedOptions(RingOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("epsilon", "tau_s", "rebalance_interval_s", "hot_share"):
+        for name in ("epsilon", "work_epsilon", "tau_s", "rebalance_interval_s", "hot_share"):
             v = getattr(self, name)
+            if name == "work_epsilon" and v is None:
+                continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > 0 and math.isfinite(v)):
                 raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
         for name in ("precise", "leader"):
@@ -464,9 +469,10 @@ class Placed(_RingPolicy):
         o: PlacedOptions = self.options
         self.epsilon = o.epsilon
         self._clock: Callable[[], float] = o.clock if o.clock is not None else time.monotonic
-        self.table = PlacementTable(o.epsilon, o.tau_s, o.hot_share, o.precise)
+        self.table = PlacementTable(o.epsilon, o.tau_s, o.hot_share, o.precise, o.work_epsilon)
         self._next_rebalance: float | None = None
         self._table_members: tuple[tuple[str, int], ...] = ()
+        self._turns: dict[str, int] = {}  # replicated key -> requests counted (tie rotation)
 
     # -- membership ---------------------------------------------------------------
     def _sync_members(self, candidates: Sequence[ReplicaView]) -> HashRing:
@@ -484,7 +490,12 @@ class Placed(_RingPolicy):
         """Rebalance now (``rank`` does it every ``rebalance_interval_s``); True if placements changed."""
         now = self._clock()
         self._next_rebalance = now + self.options.rebalance_interval_s
-        return self.table.rebalance(now)
+        return self._rebalance(now)
+
+    def _rebalance(self, now: float) -> bool:
+        changed = self.table.rebalance(now)
+        self._turns = {k: t for k, t in self._turns.items() if len(self.table.placement(k)) > 1}
+        return changed
 
     # -- the decision -------------------------------------------------------------
     def rank(self, candidates: Sequence[R], key: str | None, count: bool = True) -> Decision[R]:
@@ -496,7 +507,7 @@ class Placed(_RingPolicy):
         now = self._clock()
         if self.options.leader and (self._next_rebalance is None or now >= self._next_rebalance):
             if self._next_rebalance is not None:
-                self.table.rebalance(now)
+                self._rebalance(now)
             self._next_rebalance = now + self.options.rebalance_interval_s
         placed = self.table.record(key, now) if count else self.table.placement(key)
         order = ring.successors(key)
@@ -507,8 +518,14 @@ class Placed(_RingPolicy):
             placed = [order[0]]
         under = [n for n in placed if loads[n] < cap]
         if under:
-            # Least loaded first; ties keep placement order (primary first).
-            chosen = min(under, key=lambda n: loads[n])
+            # Least loaded; ties rotate over the key's requests, so that copies of a
+            # hot key share its traffic evenly (as the placement's accounting assumes).
+            low = min(loads[n] for n in under)
+            tied = [n for n in under if loads[n] == low]
+            turn = self._turns.get(key, 0)
+            if count and len(placed) > 1:
+                self._turns[key] = turn + 1
+            chosen = tied[turn % len(tied)]
             kind = (KIND_REPLICATED if chosen != placed[0]
                     else KIND_OWNER if chosen == order[0] else KIND_PLACED)
         else:
