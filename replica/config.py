@@ -3,8 +3,8 @@
 The replica CLI (``prefixserve replica``), the Ray Serve deployment and the offline
 ``LLM`` all build this one dataclass. Validation happens in ``__post_init__`` and
 raises ``ValueError`` whose message says what to change. Knobs whose feature a
-later issue implements (tensor parallelism above 1, fp8 KV, swap preemption,
-sliding window) are refused rather than accepted and ignored.
+later issue implements (tensor parallelism above 1) are refused rather than accepted
+and ignored.
 
 Pure Python: no torch here (device strings are checked later by the model runner).
 """
@@ -87,6 +87,11 @@ class EngineConfig:
     # None = the checkpoint's max_position_embeddings, capped at MAX_MODEL_LEN_CAP.
     max_model_len: int | None = None
     eviction_policy: str = "lru"
+    # Sliding-window attention: None = the checkpoint's (``sliding_window`` and per-layer
+    # ``layer_types``); an int = that window on the checkpoint's windowed layers, or on every
+    # layer of a checkpoint without any. Layers attend to the last ``sliding_window``
+    # positions; when every layer is windowed, blocks wholly outside the window are freed
+    # as decoding proceeds. max_model_len may exceed the window.
     sliding_window: int | None = None
     tensor_parallel_size: int = 1
     max_num_seqs: int = 64
@@ -167,8 +172,8 @@ class EngineConfig:
         if self.swap_space_gb > 0 and self.preemption_mode != "swap":
             raise ValueError("swap_space_gb is used by swap preemption only: set preemption_mode='swap' "
                              "or swap_space_gb=0")
-        if self.sliding_window is not None:
-            raise ValueError("sliding_window is not implemented yet: leave it unset (None)")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 (or None for the checkpoint's), got {self.sliding_window}")
 
     @property
     def model_name(self) -> str:

@@ -91,6 +91,8 @@ class LLMEngine:
         with startup.phase("config"):
             hf_config = loader.load_hf_config(src)
             self.model_config = ModelConfig.from_hf(hf_config)
+            if config.sliding_window is not None:
+                self.model_config = self.model_config.with_sliding_window(config.sliding_window)
         self.max_model_len = self._resolve_max_model_len()
         # The runner before the tokenizer: the loader reads a converted checkpoint's
         # tokenizer in the background meanwhile.
@@ -126,7 +128,8 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(self.runner.num_blocks, config.block_size,
                                          config.enable_prefix_caching, config.prefix_hash_algo,
                                          eviction_policy=config.eviction_policy,
-                                         num_host_blocks=self.runner.num_host_blocks)
+                                         num_host_blocks=self.runner.num_host_blocks,
+                                         sliding_window=self.model_config.kv_window)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    config.enable_chunked_prefill, config.preemption_mode),
                                    self.kv_manager)
@@ -158,11 +161,8 @@ class LLMEngine:
 
     def _resolve_max_model_len(self) -> int:
         m, asked = self.model_config, self.config.max_model_len
+        # Sliding-window layers attend to the last `window` positions: max_model_len may exceed it.
         limit = m.max_position_embeddings
-        if m.sliding_window is not None:
-            # Sliding-window attention is not implemented: serve what fits inside the window,
-            # where full attention is exactly the model's attention.
-            limit = min(limit, m.sliding_window)
         if asked is None:
             length = min(limit, MAX_MODEL_LEN_CAP)
         elif asked > limit and not (m.rope.rope_type == "dynamic" and m.sliding_window is None):

@@ -89,6 +89,8 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, checkpoint_dtype)
         self.block_size = config.block_size
+        # Tables may hold NULL_BLOCK entries (blocks freed outside the sliding window).
+        self.sliding = model_cfg.kv_window is not None
         # The KV cache's element type: the activations' dtype, or fp8 e4m3 (1 byte per element).
         self.kv_cache_dtype = KV_CACHE_DTYPES.get(config.kv_cache_dtype, self.dtype)
         self.max_model_len = max_model_len
@@ -217,6 +219,8 @@ class ModelRunner:
             query_start.append(query_start[-1] + s.num_new_tokens)
         width = max(len(t) for t in tables)
         table_t = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        if self.sliding:  # blocks freed outside the window (NULL_BLOCK, -1) read as block 0, masked
+            table_t.clamp_(min=0)
         q_lens_t = torch.tensor(q_lens, dtype=torch.long)
         seq_index = torch.repeat_interleave(torch.arange(len(scheduled)), q_lens_t)
         offsets = torch.arange(query_start[-1]) - torch.tensor(query_start[:-1]).repeat_interleave(q_lens_t)

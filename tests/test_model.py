@@ -29,7 +29,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
     ({"calculate_kv_scales": True}, "calculate_kv_scales"),
     ({"preemption_mode": "swap"}, "swap_space_gb > 0"),
     ({"swap_space_gb": 4.0}, "preemption_mode='swap'"),
-    ({"sliding_window": 4096}, "sliding_window"),
+    ({"sliding_window": 0}, "sliding_window"),
     ({"block_size": 12}, "block_size"),
     ({"prefix_hash_algo": "md5"}, "prefix_hash_algo"),
     ({"max_num_seqs": 0}, "max_num_seqs"),

@@ -47,6 +47,17 @@ for the model runner (``take_swap_ops``): swap-outs before anything reuses those
 device blocks in the same step, swap-ins before the forward pass. Host slots freed
 in a step are reused only after ``take_swap_ops``.
 
+Sliding window (``sliding_window``: every layer of the model attends to at most the
+last ``sliding_window`` positions; vLLM's SlidingWindowManager): a position ``p``
+needs keys from ``p - sliding_window + 1`` on, so once a request's next token is at
+``num_tokens``, its blocks wholly before ``num_tokens - sliding_window + 1`` are
+freed (``allocate_slots`` does it before allocating) and their table entries become
+``NULL_BLOCK`` (-1; always a leading run, ``_Request.num_skipped`` long; kernels
+never read them, the runner passes block 0 in their place). A prefix hit needs only
+the blocks inside the window of its first uncomputed token: the longest hit of ``k``
+blocks whose last ``ceil((sliding_window - 1) / block_size)`` blocks (all of them,
+when fewer) are cached; the blocks before are NULL_BLOCK.
+
 Pure Python, no torch and no ray: the cluster simulator runs thousands of these.
 """
 
@@ -81,6 +92,7 @@ class KVCacheStats:
     num_used_host_blocks: int = 0  # host slots holding swapped blocks
     num_swapped_out_blocks: int = 0  # blocks copied device -> host, cumulative
     num_swapped_in_blocks: int = 0  # blocks copied host -> device, cumulative
+    num_window_freed_blocks: int = 0  # blocks freed for lying outside the sliding window, cumulative
 
 
 @dataclass(slots=True)
@@ -90,11 +102,14 @@ class _Request:
     hashes: list[bytes]  # chained hashes of the known full blocks (caching on)
     num_registered: int  # leading full blocks already offered to the hash map
     salt: str | bytes | None
+    num_skipped: int = 0  # leading entries that are NULL_BLOCK (outside the sliding window)
 
 
-# A swapped request's logical block is either still held on the device (block id) or in a
-# host slot (slot id; with the block's hash when it had one).
-_HELD, _HOST = 0, 1
+# A swapped request's logical block is either still held on the device (block id), in a
+# host slot (slot id; with the block's hash when it had one), or outside the window.
+_HELD, _HOST, _SKIPPED = 0, 1, 2
+# The table entry of a block freed (or never needed) because it lies outside the sliding window.
+NULL_BLOCK = -1
 
 
 @dataclass(slots=True)
@@ -129,6 +144,7 @@ class KVCacheManager:
         hash_seed: str | bytes = DEFAULT_HASH_SEED,
         eviction_policy: str = "lru",
         num_host_blocks: int = 0,
+        sliding_window: int | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -142,6 +158,10 @@ class KVCacheManager:
         self._query_tokens = 0
         self._hit_tokens = 0
         self._cow_copies = 0
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+        self.sliding_window = sliding_window
+        self._num_window_freed = 0
         if num_host_blocks < 0:
             raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
         self.num_host_blocks = num_host_blocks
@@ -194,6 +214,8 @@ class KVCacheManager:
         hashes = self._full_block_hashes(token_ids, cache_salt)
         self._lookup = _Lookup(cache_salt, list(token_ids[: len(hashes) * self.block_size]), hashes)
         get = self.pool.hash_to_block.get
+        if self.sliding_window is not None:
+            return self._window_hit([get(h) for h in hashes[:max_blocks]])
         blocks: list[int] = []
         for h in hashes[:max_blocks]:
             b = get(h)
@@ -201,6 +223,19 @@ class KVCacheManager:
                 break
             blocks.append(b)
         return blocks, len(blocks) * self.block_size
+
+    def _window_hit(self, cached: list[int | None]) -> tuple[list[int], int]:
+        """vLLM's sliding-window hit: the longest ``k`` whose last ``need`` blocks are cached."""
+        assert self.sliding_window is not None
+        need = -(-(self.sliding_window - 1) // self.block_size)
+        best, run = 0, 0
+        for i, b in enumerate(cached):
+            run = run + 1 if b is not None else 0
+            if run >= need or run == i + 1:
+                best = i + 1
+        keep = min(best, need)
+        blocks = [NULL_BLOCK] * (best - keep) + [b for b in cached[best - keep:best] if b is not None]
+        return blocks, best * self.block_size
 
     # --- allocation --------------------------------------------------------
 
@@ -216,7 +251,7 @@ class KVCacheManager:
             if computed_blocks and not self.enable_prefix_caching:
                 raise ValueError("computed_blocks given but prefix caching is off")
             ref = self.pool.ref_cnt
-            revive = sum(1 for b in computed_blocks if ref[b] == 0)
+            revive = sum(1 for b in computed_blocks if b != NULL_BLOCK and ref[b] == 0)
             held = len(computed_blocks)
             num_tokens = held * bs
             cow = False
@@ -264,9 +299,11 @@ class KVCacheManager:
         Returns None and changes nothing when the free blocks are too few.
         ``cache_salt`` matters on the first call only (it is the request's).
         """
+        req = self._requests.get(request_id)
+        if req is not None and self.sliding_window is not None:
+            self._free_outside_window(req)
         needed, grow, cow = self._plan(request_id, num_new_tokens, computed_blocks)
         pool = self.pool
-        req = self._requests.get(request_id)
         hashes: list[bytes] = []
         if req is None and self.enable_prefix_caching:
             hashes = self._full_block_hashes(token_ids, cache_salt)
@@ -274,7 +311,7 @@ class KVCacheManager:
                 raise ValueError("computed_blocks cover more full blocks than token_ids has")
             bhash = pool.block_hash
             for i, b in enumerate(computed_blocks):
-                if bhash[b] != hashes[i]:
+                if b != NULL_BLOCK and bhash[b] != hashes[i]:
                     raise ValueError(
                         f"computed block {b} no longer holds block {i} of this prompt: "
                         "call get_computed_blocks right before allocate_slots"
@@ -286,9 +323,10 @@ class KVCacheManager:
                 self._query_tokens += len(token_ids)
                 self._hit_tokens += len(computed_blocks) * self.block_size
             # Hits leave the free queue before new blocks are popped, so none is evicted.
-            pool.touch(computed_blocks)
+            pool.touch([b for b in computed_blocks if b != NULL_BLOCK])
             held = len(computed_blocks)
-            req = _Request(list(computed_blocks), held * self.block_size, hashes, held, cache_salt)
+            skipped = sum(1 for b in computed_blocks if b == NULL_BLOCK)
+            req = _Request(list(computed_blocks), held * self.block_size, hashes, held, cache_salt, skipped)
             self._requests[request_id] = req
         if cow:
             src = req.blocks[-1]
@@ -317,7 +355,9 @@ class KVCacheManager:
                 token_ids, bs, req.salt, start=len(hashes), stop=known, parent=hashes[-1] if hashes else None
             )
         # Duplicate content (hash already mapped elsewhere) is skipped: the old mapping stays.
-        self.pool.cache_blocks(req.blocks[start:known], hashes[start:known])
+        start = max(start, req.num_skipped)
+        if start < known:
+            self.pool.cache_blocks(req.blocks[start:known], hashes[start:known])
         req.num_registered = known
 
     # --- release, sharing --------------------------------------------------
@@ -327,7 +367,7 @@ class KVCacheManager:
         req = self._requests.pop(request_id, None)
         if req is None:
             return self.discard_swapped(request_id)
-        self.pool.free_blocks(reversed(req.blocks))
+        self.pool.free_blocks(reversed(req.blocks[req.num_skipped:]))
         return True
 
     def fork(self, parent_id: str, child_id: str) -> list[int]:
@@ -337,11 +377,24 @@ class KVCacheManager:
         parent = self._requests.get(parent_id)
         if parent is None:
             raise KeyError(f"fork source {parent_id!r} has no block table")
-        self.pool.touch(parent.blocks)
+        self.pool.touch(parent.blocks[parent.num_skipped:])
         self._requests[child_id] = _Request(
-            list(parent.blocks), parent.num_tokens, list(parent.hashes), parent.num_registered, parent.salt
+            list(parent.blocks), parent.num_tokens, list(parent.hashes), parent.num_registered, parent.salt,
+            parent.num_skipped,
         )
         return list(parent.blocks)
+
+    def _free_outside_window(self, req: _Request) -> None:
+        """Free the blocks wholly before the window of the request's next token (``num_tokens``)."""
+        assert self.sliding_window is not None
+        first_needed = max(0, req.num_tokens - self.sliding_window + 1) // self.block_size
+        if first_needed <= req.num_skipped:
+            return
+        freed = req.blocks[req.num_skipped:first_needed]
+        req.blocks[req.num_skipped:first_needed] = [NULL_BLOCK] * len(freed)
+        req.num_skipped = first_needed
+        self._num_window_freed += len(freed)
+        self.pool.free_blocks(reversed(freed))
 
     # --- swap ---------------------------------------------------------------
 
@@ -354,12 +407,13 @@ class KVCacheManager:
         pool = self.pool
         ref, bhash = pool.ref_cnt, pool.block_hash
         host_of = self._host_of_hash
-        needed = sum(1 for b in req.blocks if ref[b] == 1 and (bhash[b] is None or bhash[b] not in host_of))
+        live = req.blocks[req.num_skipped:]
+        needed = sum(1 for b in live if ref[b] == 1 and (bhash[b] is None or bhash[b] not in host_of))
         if needed > len(self._host_free):
             return False
-        entries: list[tuple[int, int, bytes | None]] = []
+        entries: list[tuple[int, int, bytes | None]] = [(_SKIPPED, NULL_BLOCK, None)] * req.num_skipped
         released: list[int] = []
-        for b in req.blocks:
+        for b in live:
             if ref[b] > 1:
                 entries.append((_HELD, b, None))
                 continue
@@ -436,7 +490,7 @@ class KVCacheManager:
         blocks: list[int] = []
         recached: list[tuple[int, bytes]] = []
         for i, (kind, v, h) in enumerate(sw.entries):
-            if kind == _HELD:
+            if kind != _HOST:  # held, or NULL_BLOCK outside the window
                 blocks.append(v)
                 continue
             if i in on_device:
@@ -451,7 +505,9 @@ class KVCacheManager:
             self._release_host_slot(v)
         if recached:
             pool.cache_blocks([b for b, _ in recached], [h for _, h in recached])
-        self._requests[request_id] = _Request(blocks, sw.num_tokens, sw.hashes, sw.num_registered, sw.salt)
+        skipped = sum(1 for kind, _, _ in sw.entries if kind == _SKIPPED)
+        self._requests[request_id] = _Request(blocks, sw.num_tokens, sw.hashes, sw.num_registered, sw.salt,
+                                              skipped)
         table = self.allocate_slots(request_id, token_ids, num_new_tokens)
         assert table is not None, "swap_in counted the blocks allocate_slots needs"
         return table
@@ -529,6 +585,7 @@ class KVCacheManager:
             num_used_host_blocks=self.num_host_blocks - len(self._host_free) - len(self._host_pending),
             num_swapped_out_blocks=self._swapped_out_blocks,
             num_swapped_in_blocks=self._swapped_in_blocks,
+            num_window_freed_blocks=self._num_window_freed,
         )
 
     def check_invariants(self) -> None:
@@ -541,9 +598,16 @@ class KVCacheManager:
             assert len(req.blocks) == -(-req.num_tokens // bs), (
                 f"{rid}: {len(req.blocks)} blocks for {req.num_tokens} tokens"
             )
-            assert len(set(req.blocks)) == len(req.blocks), f"{rid} holds a block twice"
+            skipped, live = req.blocks[:req.num_skipped], req.blocks[req.num_skipped:]
+            assert all(b == NULL_BLOCK for b in skipped) and NULL_BLOCK not in live, (
+                f"{rid}: NULL_BLOCK entries must be exactly the leading {req.num_skipped}"
+            )
+            assert self.sliding_window is not None or not skipped, f"{rid} skips blocks without a window"
+            assert len(set(live)) == len(live), f"{rid} holds a block twice"
             assert req.num_registered <= len(req.blocks), f"{rid} registered blocks it does not hold"
             for i, b in enumerate(req.blocks):
+                if b == NULL_BLOCK:
+                    continue
                 holders[b] += 1
                 h = pool.block_hash[b]
                 if h is not None:
@@ -557,7 +621,7 @@ class KVCacheManager:
             for kind, v, _ in sw.entries:
                 if kind == _HELD:
                     holders[v] += 1
-                else:
+                elif kind == _HOST:
                     host_used.append(v)
         for slot in range(self.num_host_blocks):
             assert self._host_ref[slot] == host_used.count(slot), f"host slot {slot}: wrong ref count"

@@ -12,6 +12,7 @@ onto fused parameters. No knowledge of requests, schedulers or tokenizers.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -70,6 +71,33 @@ class ModelConfig:
     # Window of the checkpoint's sliding-window attention, None if it attends to all.
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
+    # Each layer's window (None = full attention): the checkpoint's ``layer_types``
+    # ("sliding_attention" / "full_attention", e.g. Gemma-2-style alternation, Qwen2's
+    # max_window_layers) when it has them, else ``sliding_window`` on every layer.
+    # Empty = ``sliding_window`` on every layer.
+    layer_windows: tuple[int | None, ...] = ()
+
+    def window_of(self, layer: int) -> int | None:
+        return self.layer_windows[layer] if self.layer_windows else self.sliding_window
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window the KV cache may forget beyond: the widest layer window when every
+        layer is windowed, else None (a full-attention layer needs every block)."""
+        windows = [self.window_of(i) for i in range(self.num_layers)]
+        if not windows or any(w is None for w in windows):
+            return None
+        return max(w for w in windows if w is not None)
+
+    def with_sliding_window(self, window: int) -> ModelConfig:
+        """The ``sliding_window`` knob: ``window`` on the checkpoint's windowed layers, or on
+        every layer when the checkpoint has none."""
+        current = [self.window_of(i) for i in range(self.num_layers)]
+        if all(w is None for w in current):
+            windows = [window] * self.num_layers
+        else:
+            windows = [None if w is None else window for w in current]
+        return dataclasses.replace(self, sliding_window=window, layer_windows=tuple(windows))
 
     @classmethod
     def from_hf(cls, hf: Any) -> ModelConfig:
@@ -89,6 +117,20 @@ class ModelConfig:
         window = getattr(hf, "sliding_window", None)
         if is_qwen2 and not getattr(hf, "use_sliding_window", False):
             window = None
+        window = int(window) if window else None
+        num_layers = hf.num_hidden_layers
+        layer_types = getattr(hf, "layer_types", None)
+        if window is None:
+            layer_windows: tuple[int | None, ...] = (None,) * num_layers
+        elif layer_types:
+            if len(layer_types) != num_layers:
+                raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+            unknown = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
+            if unknown:
+                raise ValueError(f"unsupported layer_types {unknown}: only sliding_attention / full_attention")
+            layer_windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
+        else:
+            layer_windows = (window,) * num_layers
         eos = getattr(hf, "eos_token_id", None)
         eos_ids = tuple(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
         return cls(
@@ -96,7 +138,7 @@ class ModelConfig:
             vocab_size=hf.vocab_size,
             hidden_size=hf.hidden_size,
             intermediate_size=hf.intermediate_size,
-            num_layers=hf.num_hidden_layers,
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
             head_dim=head_dim,
@@ -107,8 +149,9 @@ class ModelConfig:
             o_bias=not is_qwen2 and bool(getattr(hf, "attention_bias", False)),
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
             max_position_embeddings=max_pos,
-            sliding_window=int(window) if window else None,
+            sliding_window=window,
             eos_token_ids=tuple(int(e) for e in eos_ids),
+            layer_windows=layer_windows,
         )
 
 
@@ -241,6 +284,8 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_model_len, dtype)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, tp, backend, dtype, ops) for _ in range(cfg.num_layers))
+        for i, layer in enumerate(self.layers):  # each layer's attention mask: causal, windowed or not
+            layer.self_attn.sliding_window = cfg.window_of(i)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         if cfg.tie_word_embeddings:
