@@ -5,8 +5,8 @@ proxy, the OpenAI ingress, R engine replicas on CPU) and, for each policy in
 turn, deploys the app afresh (new replicas: cold KV caches), streams the
 workload through it with a closed-loop client, and deletes it. Policies:
 prefixserve's ``round_robin``, ``power_of_two`` (Ray Serve's default
-behaviour), ``consistent_hash`` and ``bounded_load`` (router/policies.py, run
-by router/serve_router.py), and ``ray_prefix``: Ray Serve LLM's own
+behaviour), ``consistent_hash``, ``bounded_load`` and ``placed`` (the default;
+router/policies.py, run by router/serve_router.py), and ``ray_prefix``: Ray Serve LLM's own
 ``PrefixCacheAffinityRouter`` plugged into our engine deployment as its
 request router. ``--url`` instead measures a running endpoint once (its
 requests salted so that earlier traffic cannot count as hits).
@@ -17,7 +17,7 @@ counters, read from the ingress's /metrics before and after), TTFT p50/p95
 measured by the client on the stream, requests/s, and the load per replica
 (in-flight requests over time, from the ``X-Prefixserve-Replica`` header of
 each response: the max and the mean over replicas of their time-averaged
-in-flight count, and the peak). Then ratios of the baseline (bounded_load)
+in-flight count, and the peak). Then ratios of the baseline (placed)
 against every other policy: a markdown table, results/bench_cluster.json and
 results/bench_cluster.png (hit-rate bars and a TTFT p50 line per policy).
 
@@ -25,6 +25,10 @@ KV pools are sized from the workload so that routing matters: the working set
 (every tenant's system-prompt blocks) exceeds one replica's pool but fits the
 cluster's: ``num_kv_blocks = ceil(headroom * W / R) + reserve`` with
 ``1 <= headroom < R`` (see :func:`size_kv`). The output states the sizing.
+
+``--workload multi_turn`` sends users who share one system prompt, each
+resending its growing conversation; ``--session-affinity header|turns``
+measures the opt-in multi-turn keys of router/prefix.py.
 
 Default run (SmolLM2-135M, 2 replicas, 5 policies): zipf_tenants with 16
 tenants (Zipf s=0.6, tenant-0 hot with 10% of the traffic on top), 48
@@ -73,10 +77,12 @@ from prefixserve.router.metrics import sum_samples
 from prefixserve.router.policies import POLICIES, RING_POLICIES, pick_options
 
 RAY_PREFIX = "ray_prefix"
-DEFAULT_POLICIES = ("round_robin", "power_of_two", RAY_PREFIX, "consistent_hash", "bounded_load")
+DEFAULT_POLICIES = ("round_robin", "power_of_two", RAY_PREFIX, "consistent_hash", "placed")
 KNOWN_POLICIES = tuple(sorted(POLICIES)) + (RAY_PREFIX,)
-BASELINE = "bounded_load"
-WORKLOADS = ("zipf_tenants", "shared_prefix")
+BASELINE = "placed"
+WORKLOADS = ("zipf_tenants", "shared_prefix", "multi_turn")
+# Multi-turn affinity (router/prefix.py): none, X-Session-Id (the client sends the user's id), or key_turns=1.
+SESSION_AFFINITY = ("none", "header", "turns")
 SPILLS = "prefixserve_router_spills_total"
 
 
@@ -102,11 +108,18 @@ class WorkloadSpec:
             raise ValueError(f"workload must be one of {WORKLOADS}, got {self.name!r}")
         if self.tenants < 1 or self.requests < 1:
             raise ValueError("--tenants and --requests must be >= 1")
-        if self.name == "shared_prefix" and self.requests < self.tenants:
-            raise ValueError(f"shared_prefix sends requests // tenants prompts per tenant: give at least "
+        if self.name in ("shared_prefix", "multi_turn") and self.requests < self.tenants:
+            raise ValueError(f"{self.name} sends requests // tenants prompts per tenant (user): give at least "
                              f"{self.tenants} requests or fewer tenants")
 
     def generate(self) -> list[WorkloadRequest]:
+        if self.name == "multi_turn":
+            # Users sharing one system prompt, each resending its growing conversation.
+            return generate(self.name, {
+                "num_users": self.tenants, "num_rounds": self.requests // self.tenants,
+                "system_prompt_len": self.system_len, "user_turn_len": self.question_len,
+                "assistant_turn_len": 2 * self.question_len, "output_len": self.output_len,
+                "shared_system_prompt": True, "seed": self.seed})
         if self.name == "zipf_tenants":
             params = {"num_tenants": self.tenants, "num_requests": self.requests, "zipf_s": self.zipf_s,
                       "hot_share": self.hot_share}
@@ -280,18 +293,33 @@ def router_args(policy: str, *, seed: int, epsilon: float | None) -> dict[str, A
 
 
 def app_args(policy: str, *, model: str, replicas: int, sizing: KVSizing | None, seed: int,
-             epsilon: float | None, engine_extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+             epsilon: float | None, engine_extra: Mapping[str, Any] | None = None,
+             session_affinity: str = "none") -> dict[str, Any]:
     """router/app.py's args for one policy's deployment."""
     engine: dict[str, Any] = {"model": model, "seed": seed, **(engine_extra or {})}
     if sizing is not None:
         engine.update(num_kv_blocks=sizing.num_kv_blocks, block_size=sizing.block_size)
+    ingress: dict[str, Any] = {"num_replicas": 1}
+    if session_affinity == "header":
+        ingress["session_header"] = True
+    elif session_affinity == "turns":
+        ingress["key_turns"] = 1
     return {
         "engine": engine,
         "num_replicas": replicas,
         "ray_actor_options": {"num_cpus": 1},
         "router": router_args(policy, seed=seed, epsilon=epsilon),
-        "ingress": {"num_replicas": 1},
+        "ingress": ingress,
     }
+
+
+def session_headers(requests: Sequence[WorkloadRequest], session_affinity: str) -> list[dict[str, str]] | None:
+    """Per request, the X-Session-Id its client sends (the user/tenant) under ``header`` affinity."""
+    if session_affinity != "header":
+        return None
+    from prefixserve.router.prefix import SESSION_HEADER
+
+    return [{SESSION_HEADER: r.tenant} for r in requests]
 
 
 # --------------------------------------------------------------------------- statistics
@@ -550,7 +578,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-headroom", type=float, default=1.5,
                    help="cluster prefix room over the working set, in [1, replicas)")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="override the computed per-replica pool")
-    p.add_argument("--epsilon", type=float, default=None, help="bounded_load's epsilon (default: the policy's)")
+    p.add_argument("--epsilon", type=float, default=None,
+                   help="bounded_load's and placed's epsilon (default: the policy's)")
+    p.add_argument("--session-affinity", default="none", choices=SESSION_AFFINITY,
+                   help="multi-turn affinity: 'header' sends X-Session-Id (the user) and keys by it, 'turns' keys "
+                        "by the first turn too (router/prefix.py)")
     p.add_argument("--port", type=int, default=8000, help="Serve's HTTP port for the local cluster")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request and per deployment")
     p.add_argument("--out-dir", type=Path, default=Path("results"))
@@ -635,11 +667,13 @@ def run(args: argparse.Namespace, p: Plan) -> int:
                     t0 = time.perf_counter()
                     base = cluster.deploy(
                         app_args(policy, model=args.model, replicas=args.replicas, sizing=sizing, seed=args.seed,
-                                 epsilon=args.epsilon), name, num_replicas=args.replicas, timeout_s=args.timeout)
+                                 epsilon=args.epsilon, session_affinity=args.session_affinity),
+                        name, num_replicas=args.replicas, timeout_s=args.timeout)
                     deploy_s = time.perf_counter() - t0
                     tqdm.write(f"{policy}: deployed in {deploy_s:.0f}s", file=sys.stderr)
                     bodies = _bodies(requests, served_model(base), None)
-                    result, recs = measure(base, policy, bodies, args.concurrency, timeout_s=args.timeout)
+                    result, recs = measure(base, policy, bodies, args.concurrency, timeout_s=args.timeout,
+                                           headers=session_headers(requests, args.session_affinity))
                     result.deploy_s = deploy_s
                     results.append(result)
                     records[policy] = [_record_json(r) for r in recs]
@@ -658,8 +692,9 @@ def run(args: argparse.Namespace, p: Plan) -> int:
     ratio_table = ratios(results, args.baseline)
     where = (f"{args.url}" if args.url is not None
              else f"{args.replicas} replicas, model {Path(args.model).name}")
+    affinity = "" if args.session_affinity == "none" else f", session affinity {args.session_affinity}"
     title = (f"{spec.name}: {spec.tenants} tenants, {spec.requests} requests, system {spec.system_len} tok, "
-             f"concurrency {args.concurrency}, {where}")
+             f"concurrency {args.concurrency}, {where}{affinity}")
     print(f"\n## Cluster benchmark: {title}\n")
     if sizing is not None:
         print(sizing.describe() + "\n")

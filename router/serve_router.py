@@ -76,6 +76,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, R
 
 from prefixserve.replica.kv_events import KVEventConsumer
 from prefixserve.replica.tracing import build_tracer, route_span
+from prefixserve.router import registry
 from prefixserve.router.metrics import (
     KIND_FALLBACK,
     KIND_NO_KEY,
@@ -101,13 +102,16 @@ RAY_LLM_PREFIX_ROUTER_PATH = (
 _MAX_PENDING_DECISIONS = 10_000
 # A replica's routing-stats report older than this (seconds since it arrived) is not used.
 DEFAULT_STATS_MAX_AGE_S = 10.0
-# Routers of this process by (app, deployment): the ingress reaches its handle's router here.
-_ROUTERS: dict[tuple[str, str], PrefixRouter] = {}
 
 
 def router_for(app_name: str, deployment: str) -> PrefixRouter | None:
-    """The PrefixRouter this process runs for ``app_name``'s ``deployment`` (None before its first request)."""
-    return _ROUTERS.get((app_name, deployment))
+    """The PrefixRouter this process runs for ``app_name``'s ``deployment`` (None before its first request).
+
+    Kept in router/registry.py: Serve ships this module to the process by value,
+    so a table here would be a private copy.
+    """
+    router = registry.router_for(app_name, deployment)
+    return router if hasattr(router, "placement_snapshot") else None
 
 
 def replica_name(replica_id: ReplicaID) -> str:
@@ -235,7 +239,7 @@ class PrefixRouter(RequestRouter):
         self._own_in_flight: defaultdict[ReplicaID, int] = defaultdict(int)
         self._ring_names: set[str] = set()
         self._ring_version = -1  # the first membership becomes version 0
-        _ROUTERS[(self._deployment_id.app_name, self._deployment)] = self
+        registry.register(self._deployment_id.app_name, self._deployment, self)
 
     @property
     def policy(self) -> Policy:

@@ -202,7 +202,7 @@ def test_summarize_counts_hits_load_and_latency():
 def test_ratios_of_the_baseline_against_each_policy():
     rng = random.Random(8)
     results = [_result("round_robin", 0.3, 1.2, rng), _result("consistent_hash", 0.0, 0.6, rng),
-               _result("bounded_load", 0.6, 0.6, rng)]
+               _result("placed", 0.6, 0.6, rng)]
     table = B.ratios(results)
     assert set(table) == {"round_robin", "consistent_hash"}
     assert table["round_robin"]["hit_rate_ratio"] == pytest.approx(2.0)
@@ -213,7 +213,7 @@ def test_ratios_of_the_baseline_against_each_policy():
 
 def test_tables_and_plot(tmp_path):
     rng = random.Random(9)
-    results = [_result("round_robin", 0.25, 1.5, rng), _result("bounded_load", 0.7, 0.5, rng)]
+    results = [_result("round_robin", 0.25, 1.5, rng), _result("placed", 0.7, 0.5, rng)]
     table = B.render_table(results)
     lines = table.splitlines()
     assert len(lines) == 4 and lines[2].startswith("| round_robin | 0.250 |")
@@ -240,6 +240,20 @@ def test_app_args_are_valid_router_app_args_for_every_policy():
             assert parsed.router.policy == policy
     with pytest.raises(ValueError, match="unknown policy"):
         B.router_args("nope", seed=0, epsilon=None)
+    turns = AppArgs.from_dict(B.app_args("placed", model="smollm2", replicas=2, sizing=sizing, seed=1,
+                                         epsilon=None, session_affinity="turns"))
+    assert turns.ingress.config.key_turns == 1 and not turns.ingress.config.session_header
+
+
+def test_multi_turn_workload_and_session_headers():
+    spec = B.WorkloadSpec("multi_turn", tenants=3, requests=9, system_len=20, question_len=4, output_len=2)
+    requests = spec.generate()
+    assert len(requests) == 9 and len({r.tenant for r in requests}) == 3
+    systems = {r.body["messages"][0]["content"] for r in requests}
+    assert len(systems) == 1  # one shared system prompt: the plain key puts every user on one key
+    assert max(len(r.body["messages"]) for r in requests) == 1 + 2 * 3 - 1
+    assert B.session_headers(requests, "none") is None
+    assert B.session_headers(requests, "header")[0] == {"X-Session-Id": requests[0].tenant}
 
 
 def test_cli_refuses_unknown_policies():
@@ -257,14 +271,14 @@ def test_benchmark_end_to_end_on_a_local_cluster(tmp_path):
 
     model = tiny_checkpoint(tmp_path / "tiny", seed=4)
     out = tmp_path / "out"
-    code = B.main(["--model", str(model), "--policies", "round_robin,bounded_load", "--tenants", "4",
+    code = B.main(["--model", str(model), "--policies", "round_robin,placed", "--tenants", "4",
                    "--requests", "12", "--system-len", "48", "--question-len", "8", "--output-len", "4",
                    "--concurrency", "2", "--seed", "4", "--port", str(free_port()), "--out-dir", str(out),
                    "--timeout", "300"])
     assert code == 0
     data = json.loads((out / "bench_cluster.json").read_text())
     assert data["failures"] == {}
-    assert [r["policy"] for r in data["results"]] == ["round_robin", "bounded_load"]
+    assert [r["policy"] for r in data["results"]] == ["round_robin", "placed"]
     sizing = data["kv_sizing"]
     assert sizing["replica_fraction"] < 1.0 <= sizing["cluster_fraction"]
     assert 0.0 < data["oracle_hit_rate"] < 1.0
@@ -279,6 +293,6 @@ def test_benchmark_end_to_end_on_a_local_cluster(tmp_path):
         assert r["ttft_p50_s"] > 0 and r["ttft_p95_s"] >= r["ttft_p50_s"]
         assert 0 < r["load_mean"] <= r["load_max"] <= r["peak_in_flight"] <= 2
     spills = {r["policy"]: r["spills"] for r in data["results"]}
-    assert spills["round_robin"] is None and 0 <= spills["bounded_load"] <= 12
+    assert spills["round_robin"] is None and 0 <= spills["placed"] <= 12
     assert set(data["ratios"]) == {"round_robin"}
     assert (out / "bench_cluster.png").stat().st_size > 0
