@@ -1,4 +1,4 @@
-"""``make demo``: the cluster on this machine, a shared-prefix load, round_robin against bounded_load.
+"""``make demo``: the cluster on this machine, a shared-prefix load, round_robin against the default policy.
 
 ``python -m prefixserve.loadtest.demo`` brings up a local Ray with Serve (the OpenAI
 ingress and two SmolLM2 engine replicas on CPU), then for each policy in turn
@@ -6,15 +6,16 @@ deploys the app afresh (cold caches), streams the same seeded shared-prefix
 load through it (a few tenants' system prompts, interleaved, closed loop) and
 prints the cluster's prefix-cache hit rate (the replicas' vLLM counters, read
 through the ingress's /metrics before and after), TTFT p50 and mean as the
-client saw it, and requests/s; then bounded_load's ratios over round_robin.
+client saw it, and requests/s; then the default policy's (``placed``) ratios
+over round_robin.
 Everything shuts down at the end (Ctrl-C included), quietly: library logs stay at
 WARNING unless ``--verbose``.
 
 KV pools are sized so that the working set (every tenant's system-prompt
 blocks) exceeds one replica's pool and fits the two together: round_robin
 sends every tenant to both replicas and they evict each other's prefixes;
-bounded_load keeps each tenant on its ring replica. About 1.5 minutes on 2 CPU
-cores. Writes results/demo.json.
+the default policy keeps each tenant on the replica it is placed on. About 2
+minutes on 2 CPU cores. Writes results/demo.json.
 
 The pieces (cluster bring-up, streaming client, KV sizing, summaries) are
 loadtest/cluster_run.py's and loadtest/bench_cluster.py's; this module only
@@ -48,8 +49,9 @@ from prefixserve.loadtest.bench_cluster import (
 from prefixserve.loadtest.cluster_run import LocalServeCluster, served_model
 from prefixserve.replica.logs import add_verbose_flag, quiet_libraries
 from prefixserve.replica.serve_shutdown import shutdown_serve
+from prefixserve.router.policies import DEFAULT_POLICY
 
-POLICIES = ("round_robin", "bounded_load")
+POLICIES = ("round_robin", DEFAULT_POLICY)
 RING_SIZE = "prefixserve_router_ring_size"
 
 
@@ -170,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "ttft_mean": _ratio(bl_mean, rr_mean),
         "requests_per_s": _ratio(bl.requests_per_s, rr.requests_per_s),
     }
-    print(f"\nbounded_load / round_robin: hit rate {_fmt(ratios['hit_rate'], '.2f')}x, "
+    print(f"\n{DEFAULT_POLICY} / round_robin: hit rate {_fmt(ratios['hit_rate'], '.2f')}x, "
           f"TTFT p50 {_fmt(ratios['ttft_p50'], '.2f')}x, TTFT mean {_fmt(ratios['ttft_mean'], '.2f')}x, "
           f"req/s {_fmt(ratios['requests_per_s'], '.2f')}x")
 
@@ -180,7 +182,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "kv_sizing": sizing.to_json(),
         "results": [{**r.to_json(), "ttft_mean_s": mean} for r, mean in rows],
-        "ratios_bounded_load_over_round_robin": ratios,
+        "default_policy": DEFAULT_POLICY,
+        "ratios_default_over_round_robin": ratios,
         "wall_s": time.perf_counter() - started,
         "workload": asdict(spec),
     }, indent=2))

@@ -104,8 +104,9 @@ def test_replicas_report_routing_stats_and_metrics_name_every_replica(base):
     stats = handle.broadcast("record_routing_stats").results(timeout_s=60)
     assert len(stats) == 3
     for s in stats:
-        assert set(s) == {"kv_usage", "num_running", "num_waiting"}
+        assert set(s) == {"seq", "kv_usage", "num_running", "num_waiting", "queued_prefill_tokens", "kv_events"}
         assert 0.0 <= s["kv_usage"] <= 1.0 and s["num_running"] >= 0 and s["num_waiting"] >= 0
+        assert s["queued_prefill_tokens"] >= 0 and s["kv_events"]["format"] == 1
     response = httpx.get(f"{base}/metrics", timeout=60)
     text = response.text
     for name in engine_replicas():
@@ -314,6 +315,50 @@ def test_adding_a_replica_moves_at_most_its_share_of_keys(base, model_dir):
     sizes = [s.value for f in text_string_to_metric_families(metrics) for s in f.samples
              if s.name == "prefixserve_router_ring_size" and s.labels["deployment"] == "Engine"]
     assert sizes == [4.0] * NUM_INGRESS
+
+
+def test_placed_ingress_replicas_agree_on_placements_and_hear_kv_events(base, model_dir):
+    """The default policy with two ingress replicas: one leader's placement table, applied by the other
+    (both answer /placement with the same table, which counts the keys either routed), and every
+    router learns from the engines' KV events which replica holds each key's prefix."""
+    args = app_args(model_dir, 3)
+    args["router"] = {"policy": "placed", "precise": True, "rebalance_interval_s": 1.0, "stats_period_s": 0.5}
+    args["ingress"] = {**args["ingress"], "placement_sync_s": 0.5}
+    url = deploy(args, PORT)
+    names = wait_for_replicas(3)
+    wait_for_ring(url, names, NUM_INGRESS)
+    rng = random.Random(107)
+    systems = [f"Tenant {i}: " + words(rng, 60) for i in range(6)]
+    keys = {prefix_hash(s) for s in systems}
+    served: dict[str, set[str]] = {k: set() for k in keys}
+    ingresses = set()
+    with httpx.Client(timeout=120) as http:
+        for i in range(36):  # tenant 0 every other request, the others in turn
+            system = systems[0] if i % 2 == 0 else systems[1 + (i // 2) % 5]
+            r = chat(url, words(rng, 4), system=system, client=http)
+            assert r.status == 200, r.body
+            served[prefix_hash(system)].add(r.replica)
+            ingresses.add(r.ingress)
+        assert len(ingresses) == NUM_INGRESS
+        deadline = time.monotonic() + 90
+        while True:
+            snaps = {}
+            for _ in range(16):
+                response = http.get(f"{url}/placement")
+                assert response.status_code == 200, response.text
+                snaps[response.headers[INGRESS_HEADER]] = (response.json(), response.headers.get(
+                    "X-Prefixserve-Placement-Leader"))
+            tables = [{k: v["replicas"] for k, v in snap["keys"].items()} for snap, _ in snaps.values()]
+            versions = {snap["version"] for snap, _ in snaps.values()}
+            leaders = {leader for _, leader in snaps.values()}
+            helds = [{k: set(v) for k, v in snap["held"].items()} for snap, _ in snaps.values()]
+            agreed = (len(snaps) == NUM_INGRESS and len(versions) == 1 and tables[0] == tables[1]
+                      and set(tables[0]) == keys and len(leaders) == 1 and leaders <= set(snaps))
+            heard = all(all(held.get(k) == served[k] for k in keys) for held in helds)
+            if agreed and heard:
+                break
+            assert time.monotonic() < deadline, (versions, leaders, tables, helds, served)
+            time.sleep(0.5)
 
 
 def test_ray_serve_llm_prefix_router_runs_on_the_engine_deployment(base, model_dir):
