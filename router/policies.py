@@ -392,7 +392,7 @@ class PlacedOptions(RingOptions):
     clock: seconds, monotonic (default ``time.monotonic``); tests inject one.
     """
 
-    epsilon: float = 0.1
+    epsilon: float = 0.25
     work_epsilon: float | None = 0.5
     tau_s: float = 300.0
     rebalance_interval_s: float = 10.0
