@@ -105,8 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2", help="'smollm2' or a checkpoint directory / .gguf file")
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--tenants", type=int, default=6, help="distinct system prompts")
-    p.add_argument("--requests", type=int, default=36)
-    p.add_argument("--system-len", type=int, default=160, help="system prompt tokens")
+    p.add_argument("--requests", type=int, default=30)
+    p.add_argument("--system-len", type=int, default=320,
+                   help="system prompt tokens (long enough that a miss's prefill shows in TTFT)")
     p.add_argument("--question-len", type=int, default=16, help="user message tokens")
     p.add_argument("--output-len", type=int, default=8, help="max_tokens")
     p.add_argument("--concurrency", type=int, default=4)
