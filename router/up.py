@@ -37,7 +37,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cluster.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES),
                          help=f"routing policy (default: {DEFAULT_POLICY})")
     cluster.add_argument("--epsilon", type=float, default=None,
-                         help="bounded_load's epsilon (default: the policy's)")
+                         help="bounded_load's and placed's epsilon (default: the policy's)")
+    cluster.add_argument("--precise", action="store_true",
+                         help="placed: use the replicas' KV events (which replica holds each key's prefix)")
+    cluster.add_argument("--session-header", action="store_true",
+                         help="multi-turn affinity: key chat requests by X-Session-Id too")
+    cluster.add_argument("--key-turns", type=int, default=0,
+                         help="multi-turn affinity: key chat requests by their first N turns too (default: 0, off)")
     cluster.add_argument("--max-ongoing-requests", type=int, default=64,
                          help="requests per engine replica before Serve tries the key's next replica (default: 64)")
     http = parser.add_argument_group("http")
@@ -59,6 +65,8 @@ def app_args(args: argparse.Namespace) -> dict[str, Any]:
     router: dict[str, Any] = {"policy": args.policy}
     if args.epsilon is not None:
         router["epsilon"] = args.epsilon
+    if args.precise:
+        router["precise"] = True
     if engine.otlp_traces_endpoint is not None:  # the router's route spans go where the engines' go
         router["otlp_traces_endpoint"] = engine.otlp_traces_endpoint
     return {
@@ -67,7 +75,8 @@ def app_args(args: argparse.Namespace) -> dict[str, Any]:
         "max_ongoing_requests": args.max_ongoing_requests,
         "ray_actor_options": {"num_cpus": args.replica_cpus},
         "router": router,
-        "ingress": {"num_replicas": args.ingress_replicas, "api_keys": list(args.api_keys or [])},
+        "ingress": {"num_replicas": args.ingress_replicas, "api_keys": list(args.api_keys or []),
+                    "session_header": bool(args.session_header), "key_turns": args.key_turns},
     }
 
 
