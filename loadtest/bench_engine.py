@@ -19,6 +19,14 @@ first with an empty checkpoint cache (cold: the GGUF is converted) and then agai
 checkpoint differs. The engine's start-up phases are shown where it exports them
 (``prefixserve:engine_startup_seconds``). ``--startup-only`` runs just this part.
 
+fp8 KV cache (issue 16), ``--fp8-only``: blocks held by ``kv_cache_dtype="fp8"`` vs
+"auto" at equal ``kv_cache_memory_bytes``; greedy agreement of fp8 (scales 1.0, and
+``calculate_kv_scales``) with the unquantized engine on the workload above (share of
+identical tokens, position by position, and of identical completions); and the
+prefix-cache hit rate of both under a memory-bound run (``--fp8-kv-mib``): the same
+requests arriving in waves of 4, each wave generated before the next arrives.
+Writes results/bench_engine_fp8.json.
+
 Run: ``python -m prefixserve.loadtest.bench_engine`` (prints markdown tables, writes
 results/bench_engine.json).
 """
@@ -225,6 +233,58 @@ def print_startup(rows: list[dict[str, Any]]) -> None:
     print(f"\nfirst token identical across starts: {len(tokens) == 1}")
 
 
+def measure_fp8(prompts: list[list[int]], kv_bytes: int, bound_bytes: int, wave: int = 4) -> dict[str, Any]:
+    """fp8 vs auto KV cache: blocks, greedy agreement, memory-bound hit rate (see the module doc)."""
+    from prefixserve.replica.llm import LLM
+    from prefixserve.replica.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN, min_tokens=OUTPUT_LEN)
+    variants = {"auto": {}, "fp8": {"kv_cache_dtype": "fp8"},
+                "fp8 + calculate_kv_scales": {"kv_cache_dtype": "fp8", "calculate_kv_scales": True}}
+    tokens: dict[str, list[list[int]]] = {}
+    blocks: dict[str, int] = {}
+    scales: dict[str, list[tuple[float, float]]] = {}
+    for name, knobs in variants.items():
+        llm = LLM("smollm2", kv_cache_memory_bytes=kv_bytes, dtype="float32", **knobs)
+        blocks[name] = llm.engine.runner.num_blocks
+        tokens[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        scales[name] = llm.engine.runner.model.kv_scales
+        del llm
+    agreement = {}
+    for name in variants:
+        pairs = [(a, b) for x, y in zip(tokens["auto"], tokens[name], strict=True) for a, b in zip(x, y, strict=True)]
+        same_prefix = [next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), len(x))
+                       for x, y in zip(tokens["auto"], tokens[name], strict=True)]
+        agreement[name] = {"tokens": sum(a == b for a, b in pairs) / len(pairs),
+                           "completions": sum(x == y for x, y in zip(tokens["auto"], tokens[name], strict=True))
+                           / len(prompts),
+                           "tokens_before_first_difference": statistics.mean(same_prefix)}
+    bound: dict[str, dict[str, Any]] = {}
+    for name in ("auto", "fp8"):
+        llm = LLM("smollm2", kv_cache_memory_bytes=bound_bytes, dtype="float32", **variants[name])
+        for i in range(0, len(prompts), wave):
+            llm.generate(prompts[i:i + wave], params)
+        stats = llm.engine.kv_manager.stats
+        bound[name] = {"blocks": llm.engine.runner.num_blocks, "hit_rate": stats.hit_rate,
+                       "preemptions": llm.engine.scheduler.num_preemptions}
+        del llm
+    print(f"\n### fp8 KV cache ({len(prompts)} requests)\n")
+    print(f"| KV cache | blocks in {kv_bytes / 2**20:.0f} MiB | identical tokens | identical completions "
+          f"| tokens before the first difference (of {OUTPUT_LEN}) |")
+    print("|---|---|---|---|---|")
+    for name in variants:
+        a = agreement[name]
+        print(f"| {name} | {blocks[name]} | {a['tokens']:.1%} | {a['completions']:.1%} "
+              f"| {a['tokens_before_first_difference']:.1f} |")
+    print(f"\nMemory-bound ({bound_bytes / 2**20:.0f} MiB KV, waves of {wave}):\n")
+    print("| KV cache | blocks | prefix hit rate | preemptions |")
+    print("|---|---|---|---|")
+    for name, row in bound.items():
+        print(f"| {name} | {row['blocks']} | {row['hit_rate']:.1%} | {row['preemptions']} |")
+    return {"blocks": blocks, "agreement": agreement, "memory_bound": bound, "kv_bytes": kv_bytes,
+            "memory_bound_bytes": bound_bytes, "wave": wave, "kv_scales": scales}
+
+
 def main(argv: list[str] | None = None) -> int:
     if argv is None and sys.argv[1:] == [STARTUP_CHILD]:
         startup_child()
@@ -241,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="runs of each prefixserve engine (median reported)")
     parser.add_argument("--startup-runs", type=int, default=3, help="cold+warm start pairs (0 to skip)")
     parser.add_argument("--startup-only", action="store_true", help="measure start-up only")
+    parser.add_argument("--fp8-only", action="store_true", help="measure the fp8 KV cache only (see above)")
+    parser.add_argument("--fp8-kv-mib", type=float, default=140.0, help="KV memory of the memory-bound fp8 run")
     parser.add_argument("--out", default="results/bench_engine.json")
     add_verbose_flag(parser)
     args = parser.parse_args(argv)
@@ -265,6 +327,10 @@ def main(argv: list[str] | None = None) -> int:
 
     prompts = build_prompts(tokenizer, encode_chat, args.seed, args.per_tenant)
     kv_bytes = int(args.kv_gib * 1024**3)
+    if args.fp8_only:
+        fp8 = measure_fp8(prompts, kv_bytes, int(args.fp8_kv_mib * 2**20))
+        _write(Path(args.out).with_name("bench_engine_fp8.json"), fp8)
+        return 0
     print(f"workload: {len(prompts)} requests, prompt tokens mean {statistics.mean(map(len, prompts)):.0f}, "
           f"{OUTPUT_LEN} output tokens, torch threads {torch.get_num_threads()}, cores {os.cpu_count()}")
     # Caching on and off alternate, each run `repeats` times on a fresh engine; each

@@ -272,3 +272,17 @@ def test_fp8_prefix_hits_and_copy_on_write(tiny):
     assert all(o.num_cached_tokens > 0 for o in warm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=2)))
     forks = warm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=12, n=2))
     assert [[c.token_ids for c in o.outputs] for o in forks] == [[t, t] for t in cold[:2]]
+
+
+@C_KERNELS
+def test_c_fp8_cascade_decodes_sharing_blocks(seed):
+    """Decodes sharing leading blocks are scored together (cascade) over fp8 blocks too."""
+    bs = 16
+    batch = make_paged_batch(seed, [(2 * bs + 5, 1), (2 * bs + 9, 1), (bs + 2, 1)], num_heads=9, num_kv_heads=3,
+                             head_dim=64, block_size=bs, dtype=torch.float32, fp8_kv=True, share=(1, 0))
+    assert torch.equal(batch.block_tables[0, :2], batch.block_tables[1, :2])
+    out = cpu_attention.paged_attention(batch.query, _cpu_layout(batch.key_cache, "key"),
+                                        _cpu_layout(batch.value_cache, "value"), batch.block_tables,
+                                        batch.seq_lens, batch.query_start_loc, scale=64 ** -0.5,
+                                        k_scale=batch.k_scale, v_scale=batch.v_scale)
+    assert relative_error(out, dense_attention(batch, 64 ** -0.5)) < 1e-5
