@@ -86,7 +86,10 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     # None = the checkpoint's max_position_embeddings, capped at MAX_MODEL_LEN_CAP.
     max_model_len: int | None = None
-    eviction_policy: str = "lru"
+    # Which free cached KV block is evicted first (replica/kv/block_pool.py EVICTION_POLICIES):
+    # "slru" (default: blocks hit again are protected, one-shot ones leave first; README
+    # "Eviction policy" has the measurements), "lru" (vLLM's order), "lfu", "s3fifo".
+    eviction_policy: str = "slru"
     # Sliding-window attention: None = the checkpoint's (``sliding_window`` and per-layer
     # ``layer_types``); an int = that window on the checkpoint's windowed layers, or on every
     # layer of a checkpoint without any. Layers attend to the last ``sliding_window``
