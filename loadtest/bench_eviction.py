@@ -119,14 +119,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=96)
     ap.add_argument("--zipf-s", type=float, default=0.8)
     ap.add_argument("--hot-share", type=float, default=0.05)
-    # 8 system blocks and 5 question blocks per request: the block-level shape of 128 + 80
-    # tokens at block size 16, at half the prefill cost (CPU time is scarce on a shared machine).
-    ap.add_argument("--system-len", type=int, default=64)
-    ap.add_argument("--question-len", type=int, default=40)
-    ap.add_argument("--output-len", type=int, default=8)
+    # 8 system blocks, 5 question blocks and 1 answer block per request: the block-level shape
+    # of 128 + 80 + 16 tokens at block size 16, at a quarter of the prefill cost (CPU time is
+    # scarce on a shared 2-core machine; --block-size 16 with 4x the lengths is the same test).
+    ap.add_argument("--system-len", type=int, default=32)
+    ap.add_argument("--question-len", type=int, default=20)
+    ap.add_argument("--output-len", type=int, default=4)
     ap.add_argument("--num-kv-blocks", type=int, default=100,
                     help="the pool: a wave of running requests (~56 blocks) and ~5 system prompts")
-    ap.add_argument("--block-size", type=int, default=8)
+    ap.add_argument("--block-size", type=int, default=4)
     ap.add_argument("--wave", type=int, default=4, help="requests per generate call (and max_num_seqs)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
