@@ -32,7 +32,7 @@ lint: $(STAMP)
 
 # mypy --strict on the typed core: the KV manager, the ring, the policies.
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy && $(VENV)/bin/mypy prefixserve/router/placement.py
+	$(VENV)/bin/mypy
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
