@@ -80,8 +80,13 @@ class PlacementTable:
     """
 
     def __init__(self, epsilon: float, tau_s: float, hot_share: float, precise: bool = False,
-                 work_epsilon: float | None = None) -> None:
+                 work_epsilon: float | None = None, noise_z: float = 0.0) -> None:
         self.epsilon = float(epsilon)
+        # Rebalancing acts on decayed request counts, which carry Poisson noise of about
+        # sqrt(count): a replica sheds, and a key gains a copy, only when its excess
+        # exceeds noise_z standard deviations. Each move costs a cold prefill, and on a
+        # small or young cluster the noise is the same size as the imbalance.
+        self.noise_z = float(noise_z)
         # Slack of prefill work over its fair share (None: rates only). Looser than
         # epsilon: work and rate pull apart (hot keys hit, so they carry rate with
         # little work), and a tight bound on both leaves no replica with room for both.
@@ -348,7 +353,9 @@ class PlacementTable:
             return
         unit = self.hot_share * self._total_rate / n  # rate one copy may carry
         placed = self._copies > 0
-        up = np.ceil(self._rate / unit).astype(np.int64)
+        # Copies are added for the rate a key surely carries (its count less noise_z sigma).
+        sure = np.maximum(self._rate - self.noise_z * np.sqrt(self._rate), 0.0)
+        up = np.ceil(sure / unit).astype(np.int64)
         down = np.ceil(self._rate / (SHRINK_HYSTERESIS * unit)).astype(np.int64)
         want = np.where(up > self._copies, up, np.where(down < self._copies, down, self._copies))
         want = np.clip(want, 1, n)
@@ -386,6 +393,10 @@ class PlacementTable:
             cap_work = (1.0 + self.work_epsilon) * self._share * self._total_work
         else:
             cap_work = np.full(n, np.inf)
+        # The bounds widen by noise_z sigma of each replica's own count (relative for work).
+        slack = self.noise_z * np.sqrt(np.maximum(self._load_rate, 0.0))
+        cap_rate = cap_rate + slack
+        cap_work = cap_work * (1.0 + slack / np.maximum(self._load_rate, 1.0))
         over = np.nonzero((self._load_rate > cap_rate) | (self._load_work > cap_work))[0]
         if not len(over):
             return

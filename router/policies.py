@@ -389,16 +389,20 @@ class PlacedOptions(RingOptions):
     precise: use ``set_cached`` knowledge (which replicas hold a key's prefix).
     leader: rebalance on its own; False for a follower that only applies
         snapshots published by the leader (``apply_snapshot``).
+    noise_z: rebalancing moves a key only for an excess above this many standard
+        deviations of the (Poisson) request counts behind it (>= 0; 0 trusts every
+        count): a young or small cluster does not pay cold prefills for noise.
     clock: seconds, monotonic (default ``time.monotonic``); tests inject one.
     """
 
-    epsilon: float = 0.25
+    epsilon: float = 0.2
     work_epsilon: float | None = 0.5
     tau_s: float = 300.0
     rebalance_interval_s: float = 10.0
     hot_share: float = 0.5
     precise: bool = False
     leader: bool = True
+    noise_z: float = 2.0
     clock: Callable[[], float] | None = None
 
     def __post_init__(self) -> None:
@@ -409,6 +413,9 @@ class PlacedOptions(RingOptions):
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > 0 and math.isfinite(v)):
                 raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+        z = self.noise_z
+        if isinstance(z, bool) or not isinstance(z, (int, float)) or not (z >= 0 and math.isfinite(z)):
+            raise ValueError(f"noise_z must be a finite number >= 0, got {z!r}")
         for name in ("precise", "leader"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -469,7 +476,7 @@ class Placed(_RingPolicy):
         o: PlacedOptions = self.options
         self.epsilon = o.epsilon
         self._clock: Callable[[], float] = o.clock if o.clock is not None else time.monotonic
-        self.table = PlacementTable(o.epsilon, o.tau_s, o.hot_share, o.precise, o.work_epsilon)
+        self.table = PlacementTable(o.epsilon, o.tau_s, o.hot_share, o.precise, o.work_epsilon, o.noise_z)
         self._next_rebalance: float | None = None
         self._table_members: tuple[tuple[str, int], ...] = ()
         self._turns: dict[str, int] = {}  # replicated key -> requests counted (tie rotation)

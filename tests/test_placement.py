@@ -53,6 +53,9 @@ def fleet(in_flight: dict[str, int] | None = None, names: list[str] = NAMES) -> 
 
 
 def policy(clock: Clock, **options: object) -> Placed:
+    # The mechanism tests drive a few dozen requests, every count trusted; the noise
+    # gate (noise_z, on by default) has its own test.
+    options.setdefault("noise_z", 0.0)
     p = make_policy("placed", clock=clock, **options)
     assert isinstance(p, Placed)
     return p
@@ -198,6 +201,27 @@ def test_a_hot_key_gains_ring_successors_and_loses_them_when_it_cools() -> None:
     # the hot tenant goes quiet: its rate decays below one copy's worth and it drops the copies
     drive(p, clock, cold, seconds=1500, rate=20)
     assert len(p.placement(hot)) == 1 or p.placement(hot) == []
+
+
+@pytest.mark.parametrize("scale", [1.0, 20.0])
+def test_an_imbalance_within_the_counts_noise_moves_nothing_and_a_sure_one_moves_keys(scale: float) -> None:
+    clock = Clock()
+    p = policy(clock, epsilon=0.1, hot_share=1.0, noise_z=2.0)
+    p.rank(fleet(), "warm-up")
+    ring = HashRing(NAMES)
+    a = NAMES[0]
+    mine = keys_owned_by(a, 6)
+    others = [k for n in NAMES[1:] for k in keys_owned_by(n, 2)]
+    # a carries half the requests, each other replica a sixth: over its bound (27.5%) either
+    # way; at 30 requests a's excess is within 2 sigma of its count (2 * sqrt(15) = 7.7), at
+    # 600 it is not
+    snap = {"format": 1, "version": 3, "members": NAMES, "weights": {},
+            "keys": {**{k: {"replicas": [a], "rate": 2.5 * scale, "work": 0.0} for k in mine},
+                     **{k: {"replicas": [ring.owner(k)], "rate": 2.5 * scale, "work": 0.0} for k in others}}}
+    p.apply_snapshot(snap)
+    p.table.rebalance(clock())
+    moved = [k for k in mine if p.placement(k) != [a]]
+    assert (len(moved) > 0) == (scale > 1.0)
 
 
 def test_an_overloaded_replica_sheds_its_coldest_keys_to_their_next_successor_with_room() -> None:
@@ -346,6 +370,7 @@ def test_precise_mode_sheds_keys_whose_prefix_is_gone_first() -> None:
         ({"rebalance_interval_s": float("inf")}, "rebalance_interval_s"),
         ({"hot_share": "0.5"}, "hot_share"),
         ({"precise": 1}, "precise must be true or false"),
+        ({"noise_z": -1.0}, "noise_z must be a finite number >= 0"),
         ({"clock": 3}, "clock must be a callable"),
         ({"seed": 3}, "unknown placed policy option keys"),
     ],
