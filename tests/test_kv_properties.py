@@ -147,7 +147,13 @@ class KVMachine(RuleBasedStateMachine):
         for h, b in gone:
             assert self.prev_ref[b] == 0, f"block {b} lost its hash while referenced"
             assert pool.ref_cnt[b] > 0 and pool.block_hash[b] != h, f"block {b} lost its hash but was not reused"
-        assert pool.num_evictions - self.prev_evictions == len(gone), "num_evictions miscounts"
+        # A free cached block now in use either was hit, or was evicted and refilled with the
+        # same content (a fully cached prompt recomputes its last block, and the pool may hand
+        # it exactly that block): its hash is back on it, so only a bound is observable.
+        refilled = [b for h, b in self.prev_map.items()
+                    if pool.hash_to_block.get(h) == b and self.prev_ref[b] == 0 and pool.ref_cnt[b] > 0]
+        delta = pool.num_evictions - self.prev_evictions
+        assert len(gone) <= delta <= len(gone) + len(refilled), "num_evictions miscounts"
         self.prev_map = dict(pool.hash_to_block)
         self.prev_ref = list(pool.ref_cnt)
         self.prev_evictions = pool.num_evictions
