@@ -58,8 +58,13 @@ def tiny_checkpoint(path: Path, *, arch: str = "llama", hidden: int = 64, heads:
         cls = Qwen2ForCausalLM
     else:
         raise ValueError(arch)
+    return save_random_checkpoint(cls, cfg, path, seed)
+
+
+def save_random_checkpoint(model_class: Any, config: Any, path: Path, seed: int) -> Path:
+    """``model_class(config)`` with seeded, sharpened random weights, saved with SmolLM2's tokenizer at ``path``."""
     torch.manual_seed(seed)
-    model = cls(cfg)
+    model = model_class(config)
     # Random init is near-uniform over the vocabulary; sharpen so greedy has clear winners.
     with torch.no_grad():
         for name, p in model.named_parameters():

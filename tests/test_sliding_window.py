@@ -6,12 +6,10 @@ sliding-window prefix-hit rule in the KV manager."""
 
 from __future__ import annotations
 
-import shutil
-
 import numpy as np
 import pytest
 import torch
-from model_helpers import VOCAB, _tokenizer_dir, hf_greedy, random_prompts
+from model_helpers import VOCAB, hf_greedy, random_prompts, save_random_checkpoint
 
 from prefixserve.replica.kv.manager import NULL_BLOCK, KVCacheManager
 from prefixserve.replica.sampling import SamplingParams
@@ -32,18 +30,7 @@ def windowed_checkpoint(path, *, arch: str = "mistral", window: int | None = WIN
         cfg, cls = MistralConfig(head_dim=16, **common), MistralForCausalLM
     else:
         cfg, cls = Qwen2Config(**common), Qwen2ForCausalLM
-    torch.manual_seed(seed)
-    model = cls(cfg)
-    with torch.no_grad():  # sharpen, so that greedy has clear winners
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.5 if "embed" in name else 0.15)
-            elif "bias" in name:
-                p.normal_(0, 0.1)
-    model.save_pretrained(path)
-    for f in _tokenizer_dir().iterdir():
-        shutil.copy(f, path / f.name)
-    return path
+    return save_random_checkpoint(cls, cfg, path, seed)
 
 
 def hf_windowed(path, window: int | None = None):
