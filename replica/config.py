@@ -3,8 +3,7 @@
 The replica CLI (``prefixserve replica``), the Ray Serve deployment and the offline
 ``LLM`` all build this one dataclass. Validation happens in ``__post_init__`` and
 raises ``ValueError`` whose message says what to change. Knobs whose feature a
-later issue implements (tensor parallelism above 1) are refused rather than accepted
-and ignored.
+a later issue implements are refused rather than accepted and ignored.
 
 Pure Python: no torch here (device strings are checked later by the model runner).
 """
@@ -96,7 +95,14 @@ class EngineConfig:
     # positions; when every layer is windowed, blocks wholly outside the window are freed
     # as decoding proceeds. max_model_len may exceed the window.
     sliding_window: int | None = None
+    # Processes (GPUs on CUDA) one engine spans: query and KV heads, MLP columns and the
+    # vocabulary are split over them (replica/tensor_parallel.py); every sizing knob above
+    # (gpu_memory_utilization, kv_cache_memory_bytes) applies to each rank, and the engine
+    # gets the smallest block count any rank can hold.
     tensor_parallel_size: int = 1
+    # Seconds any tensor-parallel collective may wait for a peer before the engine is
+    # declared dead (a hung or lost worker fails loudly instead of stalling the replica).
+    distributed_timeout_s: float = 120.0
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
@@ -163,9 +169,8 @@ class EngineConfig:
             raise ValueError(f"swap_space_gb must be >= 0, got {self.swap_space_gb}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
-        # Features of a later issue: refuse rather than silently ignore.
-        if self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not implemented yet: set tensor_parallel_size=1")
+        if not self.distributed_timeout_s > 0:
+            raise ValueError(f"distributed_timeout_s must be positive, got {self.distributed_timeout_s}")
         if self.calculate_kv_scales and not self.kv_cache_dtype.startswith("fp8"):
             raise ValueError("calculate_kv_scales applies to an fp8 KV cache only: set kv_cache_dtype='fp8' "
                              "or leave calculate_kv_scales off")

@@ -24,7 +24,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 # --- config ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("knobs, fragment", [
-    ({"tensor_parallel_size": 2}, "tensor_parallel_size=1"),
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+    ({"distributed_timeout_s": 0}, "distributed_timeout_s"),
     ({"kv_cache_dtype": "fp8_e5m2"}, "kv_cache_dtype"),
     ({"calculate_kv_scales": True}, "calculate_kv_scales"),
     ({"preemption_mode": "swap"}, "swap_space_gb > 0"),
