@@ -96,7 +96,7 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len()
         # The runner before the tokenizer: the loader reads a converted checkpoint's
         # tokenizer in the background meanwhile.
-        self.runner = ModelRunner(config, self.model_config, loader.iter_weights(src),
+        self.runner = ModelRunner(config, self.model_config, src,
                                   max_model_len=self.max_model_len,
                                   checkpoint_dtype=getattr(hf_config, "dtype", None), startup=startup)
         with startup.phase("tokenizer"):
@@ -147,8 +147,7 @@ class LLMEngine:
         self._carried = self._totals()
         self._carried_swap = self._swap_totals()
         self._new_state()
-        self.runner.k_cache.zero_()
-        self.runner.v_cache.zero_()
+        self.runner.clear_kv_cache()
         self._observe_step(0, 0)
 
     def _cache_config_info(self) -> dict[str, object]:
@@ -177,6 +176,10 @@ class LLMEngine:
     @property
     def model_name(self) -> str:
         return self.config.model_name
+
+    def shutdown(self) -> None:
+        """Release what outlives the object: the tensor-parallel worker processes (idempotent)."""
+        self.runner.shutdown()
 
     # --- requests ------------------------------------------------------------
 
@@ -646,14 +649,21 @@ class AsyncEngine:
 
         True while it restarts after a fatal failure (it serves again right after).
         """
-        return self._dead is None and not self._stopping and self._thread.is_alive()
+        return (self._dead is None and not self._stopping and self._thread.is_alive()
+                and self.engine.runner.is_alive)
 
     def check_health(self) -> None:
         """Raise EngineDeadError unless the engine serves requests (see ``is_running``)."""
         if not self.is_running:
-            cause = "it was shut down" if self._dead is None else (
-                f"it failed more often than max_engine_restarts={self.config.max_engine_restarts} within "
-                f"{self.config.engine_restart_window_s:g} s (last failure: {type(self._dead).__name__})")
+            lost_worker = self.engine.runner.death_reason
+            if self._stopping or (self._dead is None and lost_worker is None):
+                cause = "it was shut down"
+            elif lost_worker is not None:
+                cause = lost_worker
+            else:
+                cause = (f"it failed more often than max_engine_restarts={self.config.max_engine_restarts} "
+                         f"within {self.config.engine_restart_window_s:g} s "
+                         f"(last failure: {type(self._dead).__name__})")
             raise EngineDeadError(f"the engine loop is not running: {cause}")
 
     def encode_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
@@ -731,9 +741,11 @@ class AsyncEngine:
         return await fut
 
     async def shutdown(self) -> None:
+        """Stop the loop (in-flight requests get EngineDeadError), then the worker processes."""
         self._stopping = True
         self._wake.set()
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        self.engine.shutdown()
 
     # --- the engine thread ------------------------------------------------------
 
@@ -746,6 +758,10 @@ class AsyncEngine:
                     break  # shut down
                 except Exception as exc:  # noqa: BLE001 - a fatal step failure: restart or die
                     log.error("the engine loop failed", exc_info=exc)
+                    if isinstance(exc, EngineDeadError):  # a lost tensor-parallel worker: no way back
+                        self._dead = exc
+                        error = exc
+                        break
                     if not self._may_restart():
                         self._dead = exc
                         error = EngineDeadError(f"the engine loop failed ({type(exc).__name__}) and restarted "

@@ -3,7 +3,9 @@
 ``LLM(model="smollm2", **engine_knobs).generate(prompts, params)`` adds every prompt
 (text or token ids, so benchmarks can feed identical tokens to every engine), steps
 the engine until all finish and returns one RequestOutput per prompt, in order.
-``chat`` applies the checkpoint's chat template first.
+``chat`` applies the checkpoint's chat template first. ``shutdown()`` (or leaving a
+``with LLM(...) as llm:`` block) stops a tensor-parallel engine's worker processes;
+they are also stopped when the interpreter exits.
 """
 
 from __future__ import annotations
@@ -27,6 +29,16 @@ class LLM:
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop the engine's tensor-parallel workers (idempotent; nothing to do for TP 1)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None, *, use_tqdm: bool = False,

@@ -8,8 +8,11 @@ is a table in the model, not logic in the loader.
 
 Column-parallel layers split output features (no communication); row-parallel layers
 split input features and all-reduce their output; the embedding splits vocabulary rows
-and the LM head gathers its logits. With ``size == 1`` (the only size the engine runs
-today) every collective is skipped.
+and the LM head gathers its logits on rank 0 (the only rank that samples). With
+``size == 1`` every collective is skipped. KV heads fewer than ranks are replicated
+(vLLM's rule): rank ``r`` of ``N`` holds KV head ``r * num_kv_heads // N``, the one its
+query heads attend with.
+
 """
 
 from __future__ import annotations
@@ -34,22 +37,46 @@ class TPGroup:
         if not 0 <= self.rank < self.size:
             raise ValueError(f"tensor-parallel rank {self.rank} outside group of size {self.size}")
 
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0: the rank that samples (and the only one that gets logits)."""
+        return self.rank == 0
+
     def shard(self, total: int, what: str) -> int:
         if total % self.size:
             raise ValueError(f"{what}={total} is not divisible by tensor_parallel_size={self.size}")
         return total // self.size
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+    def kv_heads(self, total: int) -> tuple[int, int]:
+        """``(count, first)``: the KV heads this rank holds.
+
+        ``total >= size``: an even split. ``total < size``: one head per rank, each head
+        replicated on ``size // total`` consecutive ranks, so that every rank holds the KV
+        head its own query heads (``num_heads / size`` consecutive ones) attend with.
+        """
+        if total >= self.size:
+            count = self.shard(total, "num_key_value_heads")
+            return count, self.rank * count
+        if self.size % total:
+            raise ValueError(f"num_key_value_heads={total} neither divides nor is a multiple of "
+                             f"tensor_parallel_size={self.size}: KV heads cannot be sharded or replicated evenly")
+        return 1, self.rank * total // self.size
+
+    def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """In-place all-reduce (``op``: "sum" or "max") over the group; a no-op for one rank."""
         if self.size > 1:
-            torch.distributed.all_reduce(x)
+            reduce_op = torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.SUM
+            torch.distributed.all_reduce(x, op=reduce_op)
         return x
 
-    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+    def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Rank 0: every rank's ``x`` concatenated along the last dim; other ranks: None."""
         if self.size == 1:
             return x
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        torch.distributed.all_gather(parts, x.contiguous())
-        return torch.cat(parts, dim=-1)
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.is_driver else None
+        torch.distributed.gather(x, parts, dst=0)
+        return torch.cat(parts, dim=-1) if parts is not None else None
 
 
 def mkl_packing_available() -> bool:
@@ -92,26 +119,43 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=No
     param.data.copy_(loaded)
 
 
-class ColumnParallelLinear(_PackableLinear):
-    """``y = x W^T + b`` with W's output rows split over ranks; output stays sharded."""
+@dataclass(frozen=True)
+class OutputSegment:
+    """One checkpoint tensor fused into a column-parallel layer: this rank holds rows
+    ``[start, start + rows)`` of its ``full_rows``."""
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, tp: TPGroup, dtype: torch.dtype) -> None:
+    full_rows: int
+    rows: int
+    start: int
+
+    @classmethod
+    def even(cls, full_rows: int, tp: TPGroup) -> OutputSegment:
+        rows = tp.shard(full_rows, "output features")
+        return cls(full_rows, rows, tp.rank * rows)
+
+
+class ColumnParallelLinear(_PackableLinear):
+    """``y = x W^T + b`` with W's output rows split over ranks; output stays sharded.
+
+    ``out_sizes`` are the fused checkpoint tensors' output sizes, each split evenly, or
+    explicit ``OutputSegment``s (the QKV projection's replicated KV heads)."""
+
+    def __init__(self, in_features: int, out_sizes: list[int] | list[OutputSegment], bias: bool, tp: TPGroup,
+                 dtype: torch.dtype) -> None:
         super().__init__()
         self.tp = tp
-        # Output segments (one per fused checkpoint tensor), each split over ranks.
-        self.shard_sizes = [tp.shard(s, "output features") for s in out_sizes]
-        self.shard_offsets = [sum(self.shard_sizes[:i]) for i in range(len(self.shard_sizes))]
-        out = sum(self.shard_sizes)
+        self.segments = [s if isinstance(s, OutputSegment) else OutputSegment.even(s, tp) for s in out_sizes]
+        self.shard_offsets = [sum(seg.rows for seg in self.segments[:i]) for i in range(len(self.segments))]
+        out = sum(seg.rows for seg in self.segments)
         self.weight = _param((out, in_features), dtype, self._load)
         self.bias = _param((out,), dtype, self._load) if bias else None
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
         index = 0 if shard_id is None else shard_id
-        size, offset = self.shard_sizes[index], self.shard_offsets[index]
-        if loaded.shape[0] != size * self.tp.size:
-            raise ValueError(f"checkpoint tensor has {loaded.shape[0]} output rows, expected {size * self.tp.size}")
-        part = loaded.narrow(0, self.tp.rank * size, size)
-        param.data.narrow(0, offset, size).copy_(part)
+        seg, offset = self.segments[index], self.shard_offsets[index]
+        if loaded.shape[0] != seg.full_rows:
+            raise ValueError(f"checkpoint tensor has {loaded.shape[0]} output rows, expected {seg.full_rows}")
+        param.data.narrow(0, offset, seg.rows).copy_(loaded.narrow(0, seg.start, seg.rows))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._linear(x, self.bias)
@@ -123,14 +167,18 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """Fused q/k/v projection; shard ids ``"q"``, ``"k"``, ``"v"``; heads split over ranks."""
+    """Fused q/k/v projection; shard ids ``"q"``, ``"k"``, ``"v"``; query heads split over
+    ranks, KV heads split or replicated (``TPGroup.kv_heads``)."""
 
     SHARDS = {"q": 0, "k": 1, "v": 2}
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
                  tp: TPGroup, dtype: torch.dtype) -> None:
-        super().__init__(hidden, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim],
-                         bias, tp, dtype)
+        q_heads = tp.shard(num_heads, "num_attention_heads")
+        kv_count, kv_first = tp.kv_heads(num_kv_heads)
+        kv = OutputSegment(num_kv_heads * head_dim, kv_count * head_dim, kv_first * head_dim)
+        q = OutputSegment(num_heads * head_dim, q_heads * head_dim, tp.rank * q_heads * head_dim)
+        super().__init__(hidden, [q, kv, kv], bias, tp, dtype)
 
     def _load(self, param, loaded, shard_id=None) -> None:
         super()._load(param, loaded, self.SHARDS[shard_id])
@@ -184,11 +232,12 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding, _PackableLinear):
-    """Output projection to vocabulary logits; rows split like the embedding, logits gathered."""
+    """Output projection to vocabulary logits; rows split like the embedding, logits
+    gathered on rank 0 (None on the other ranks)."""
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = self.tp.all_gather_last_dim(self._linear(hidden, None))
-        return logits[..., : self.vocab_size]
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]
+        logits = self.tp.gather_last_dim(self._linear(hidden, None))
+        return None if logits is None else logits[..., : self.vocab_size]
 
 
 class RMSNorm(nn.Module):

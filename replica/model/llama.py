@@ -77,6 +77,15 @@ class ModelConfig:
     # Empty = ``sliding_window`` on every layer.
     layer_windows: tuple[int | None, ...] = ()
 
+    def check_tensor_parallel(self, size: int) -> None:
+        """Raise ValueError (naming the checkpoint number at fault) unless every layer
+        splits over ``size`` ranks: query heads, MLP columns, KV heads split or replicated."""
+        for rank in (0, size - 1):
+            tp = TPGroup(rank, size)
+            tp.shard(self.num_heads, "num_attention_heads")
+            tp.shard(self.intermediate_size, "intermediate_size")
+            tp.kv_heads(self.num_kv_heads)
+
     def window_of(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else self.sliding_window
 
@@ -180,8 +189,9 @@ class Attention(nn.Module):
                  ops: LayerOps) -> None:
         super().__init__()
         self.ops = ops
+        self.tp = tp
         self.num_heads = tp.shard(cfg.num_heads, "num_attention_heads")
-        self.num_kv_heads = tp.shard(cfg.num_kv_heads, "num_key_value_heads")
+        self.num_kv_heads, _ = tp.kv_heads(cfg.num_kv_heads)
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -199,9 +209,13 @@ class Attention(nn.Module):
         self.sliding_window: int | None = None
 
     def _calculate_kv_scales(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """vLLM's dynamic scales: amax(K) / 200 and amax(V) / 100 (headroom below 448), once."""
+        """vLLM's dynamic scales: amax(K) / 200 and amax(V) / 100 (headroom below 448), once.
+
+        Under tensor parallelism the amax is taken over every rank's heads, so all ranks
+        (and a TP=1 engine) store the cache with the same scales."""
         self.calculate_kv_scales = False
-        k_amax, v_amax = float(k.abs().max()), float(v.abs().max())
+        amax = self.tp.all_reduce(torch.stack([k.abs().max(), v.abs().max()]).float(), op="max")
+        k_amax, v_amax = float(amax[0]), float(amax[1])
         self.k_scale = k_amax / K_SCALE_CONSTANT if k_amax > 0 else 1.0
         self.v_scale = v_amax / V_SCALE_CONSTANT if v_amax > 0 else 1.0
 
@@ -324,9 +338,10 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = layer(hidden, residual, meta)
         return hidden if residual is None else hidden + residual
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden]`` (pre-norm) -> ``[N, vocab]`` float32 logits."""
-        return self.lm_head(self.norm(hidden)).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """``[N, hidden]`` (pre-norm) -> ``[N, vocab]`` float32 logits (None on TP ranks but 0)."""
+        logits = self.lm_head(self.norm(hidden))
+        return None if logits is None else logits.float()
 
     def _load_kv_scale(self, name: str, tensor: torch.Tensor) -> bool:
         """Record an fp8 KV scale tensor (``layers.N.self_attn.<KV_SCALE_NAMES>``); False if ``name`` is none."""
