@@ -105,8 +105,10 @@ class ModelRunner:
             for conn in self.workers.conns:
                 conn.send((blocks, host_blocks))
         self.shard.allocate_kv_cache(blocks, host_blocks)
+        # What each rank holds (weights, KV cache), by rank; logged at start under tensor parallelism.
+        self.rank_memory = [self.shard.memory()]
         if self.workers is not None:
-            self.workers.log_memory(self.shard.memory())
+            self.rank_memory = self.workers.log_memory(self.shard.memory())
 
     # --- what the engine reads ------------------------------------------------------
 
@@ -134,6 +136,11 @@ class ModelRunner:
     @property
     def v_cache(self) -> torch.Tensor:
         return self.shard.v_cache
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the worker ranks 1..N-1 (empty for TP 1)."""
+        return [] if self.workers is None else [p.pid for p in self.workers.procs if p.pid is not None]
 
     @property
     def is_alive(self) -> bool:

@@ -55,9 +55,9 @@ def unpack_step_inputs(buffer: torch.Tensor) -> StepInputs:
     """The inverse of :meth:`StepInputs.pack`."""
     t, s, w, r, c = (int(x) for x in buffer[:_HEADER])
     sizes = [t, t, t, s * w, s, s + 1, r, 2 * c]
-    fields = list(buffer[_HEADER:].split(sizes))
     if sum(sizes) != buffer.numel() - _HEADER:
         raise ValueError(f"step message of {buffer.numel()} int64 does not match its header {t, s, w, r, c}")
+    fields = list(buffer[_HEADER:].split(sizes))
     return StepInputs(input_ids=fields[0], positions=fields[1], slot_mapping=fields[2],
                       block_tables=fields[3].view(s, w).int(), seq_lens=fields[4].int(),
                       query_start_loc=fields[5].int(), sample_rows=fields[6], copy_ops=fields[7].view(c, 2))

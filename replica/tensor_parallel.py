@@ -247,10 +247,12 @@ class WorkerGroup:
             raise error[0]
         return result[0] if result else None
 
-    def log_memory(self, own: RankMemory) -> None:
-        """Log every rank's memory (the workers' reports come from :meth:`collect`)."""
-        for memory in [own, *self.collect("reporting memory")]:
+    def log_memory(self, own: RankMemory) -> list[RankMemory]:
+        """Log every rank's memory (the workers' reports come from :meth:`collect`); return them by rank."""
+        memories = [own, *self.collect("reporting memory")]
+        for memory in memories:
             log.info("tensor-parallel rank %d/%d %s", memory.rank, self.size, memory.describe())
+        return memories
 
     # --- stopping ---------------------------------------------------------------
 

@@ -1,0 +1,217 @@
+"""Tensor-parallel engines on CPU (gloo): same greedy tokens as one process, 1/N of the KV
+cache per rank, loud and clean failure (replica/tensor_parallel.py, tp_worker.py).
+
+The random Llama checkpoint has 8 query heads and 2 KV heads, so TP 2 splits KV heads
+and TP 4 replicates them (one per rank, each on two ranks); SmolLM2 (9 query heads,
+3 KV heads) runs at TP 3.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from model_helpers import tiny_checkpoint
+
+from prefixserve.replica.config import EngineConfig
+from prefixserve.replica.engine import AsyncEngine
+from prefixserve.replica.errors import EngineDeadError
+from prefixserve.replica.llm import LLM
+from prefixserve.replica.model.layers import TPGroup
+from prefixserve.replica.sampling import SamplingParams
+from prefixserve.replica.step_inputs import StepInputs, unpack_step_inputs
+from prefixserve.replica.tensor_parallel import parse_swap_message, swap_message
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def gqa_checkpoint(tmp_path_factory) -> Path:
+    return tiny_checkpoint(tmp_path_factory.mktemp("tp") / "llama8x2", hidden=64, heads=8, kv_heads=2,
+                           intermediate=128, layers=2, seed=3)
+
+
+def shared_prefix_prompts(count: int, prefix_len: int = 24, tail_len: int = 6) -> list[list[int]]:
+    """Prompts sharing one prefix (prefix hits) with distinct tails."""
+    prefix = [(37 * i + 11) % 4000 + 100 for i in range(prefix_len)]
+    return [prefix + [(53 * i + 7 * j) % 4000 + 100 for j in range(tail_len)] for i in range(count)]
+
+
+def pid_alive(pid: int) -> bool:
+    """True unless the process is gone or a zombie (an orphan's zombie may wait for a reaper)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def wait_gone(pids: list[int], timeout_s: float = 60.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
+        time.sleep(0.2)
+    return [p for p in pids if pid_alive(p)]
+
+
+# --- pure pieces -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kv_heads, size, expected", [
+    (8, 2, [(4, 0), (4, 4)]),
+    (2, 2, [(1, 0), (1, 1)]),
+    (2, 4, [(1, 0), (1, 0), (1, 1), (1, 1)]),  # replicated: ranks 0-1 hold head 0, ranks 2-3 head 1
+    (3, 3, [(1, 0), (1, 1), (1, 2)]),
+    (1, 4, [(1, 0)] * 4),
+])
+def test_kv_heads_are_split_or_replicated_so_each_rank_holds_its_query_heads_kv_head(kv_heads, size, expected):
+    assert [TPGroup(r, size).kv_heads(kv_heads) for r in range(size)] == expected
+    heads = 8 * size  # any query-head count that splits: each rank's query heads use its KV head
+    for rank, (count, first) in enumerate(expected):
+        group = heads // kv_heads
+        q_heads = range(rank * heads // size, (rank + 1) * heads // size)
+        assert {q // group for q in q_heads} <= set(range(first, first + count))
+
+
+@pytest.mark.parametrize("kv_heads, size", [(3, 2), (2, 3), (6, 4)])
+def test_kv_heads_that_neither_split_nor_replicate_evenly_are_refused(kv_heads, size):
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        TPGroup(0, size).kv_heads(kv_heads)
+
+
+def test_a_model_that_does_not_split_is_refused_before_any_worker_starts(gqa_checkpoint):
+    with pytest.raises(ValueError, match="num_attention_heads=8 is not divisible by tensor_parallel_size=3"):
+        LLM(str(gqa_checkpoint), num_kv_blocks=16, tensor_parallel_size=3)
+
+
+def test_step_inputs_and_swap_messages_survive_packing():
+    inputs = StepInputs(input_ids=torch.tensor([5, 6, 7, 8, 9]), positions=torch.tensor([0, 1, 2, 7, 8]),
+                        slot_mapping=torch.tensor([0, 1, 2, 23, 24]),
+                        block_tables=torch.tensor([[0, -1, 0], [3, 4, 5]], dtype=torch.int32),
+                        seq_lens=torch.tensor([3, 9], dtype=torch.int32),
+                        query_start_loc=torch.tensor([0, 3, 5], dtype=torch.int32),
+                        sample_rows=torch.tensor([2, 4, 4]), copy_ops=torch.tensor([[1, 2], [3, 6]]))
+    back = unpack_step_inputs(inputs.pack())
+    for name in inputs.__dataclass_fields__:
+        assert torch.equal(getattr(back, name), getattr(inputs, name)), name
+        assert getattr(back, name).dtype == getattr(inputs, name).dtype, name
+    with pytest.raises(ValueError, match="header"):
+        unpack_step_inputs(inputs.pack()[:-1])
+    out_ops, in_ops = [(3, 0), (9, 1)], [(2, 5)]
+    assert parse_swap_message(swap_message(out_ops, in_ops)) == (out_ops, in_ops)
+
+
+# --- engines -------------------------------------------------------------------------------
+
+KNOBS = dict(block_size=4, num_kv_blocks=16, max_num_seqs=4, max_num_batched_tokens=16)
+
+
+def run_engine(checkpoint: Path, prompts: list[list[int]], **knobs) -> tuple[list[list[int]], object, list]:
+    with LLM(str(checkpoint), **knobs) as llm:
+        outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+        return outputs, llm.engine.stats(), llm.engine.runner.rank_memory
+
+
+@pytest.fixture(scope="module")
+def tp1_reference(gqa_checkpoint):
+    return run_engine(gqa_checkpoint, shared_prefix_prompts(6), **KNOBS)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_greedy_tokens_equal_one_process_under_prefix_hits_chunked_prefill_and_preemption(
+        gqa_checkpoint, tp1_reference, size):
+    expected, reference_stats, _ = tp1_reference
+    got, stats, _ = run_engine(gqa_checkpoint, shared_prefix_prompts(6), tensor_parallel_size=size, **KNOBS)
+    assert got == expected
+    # The workload did exercise what it claims to: prefix hits and preemption (16 blocks of 4
+    # tokens for 6 sequences of ~42 tokens; 16-token steps chunk the 30-token prompts).
+    assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0
+    assert (stats.prefix_cache_hits, stats.num_preemptions) == (reference_stats.prefix_cache_hits,
+                                                                 reference_stats.num_preemptions)
+
+
+@pytest.mark.parametrize("size, kv_share", [(2, 2), (4, 2)])  # TP 4 replicates 2 KV heads: half each, not a quarter
+def test_each_rank_holds_its_share_of_the_kv_cache_for_the_same_block_count(gqa_checkpoint, tp1_reference,
+                                                                          size, kv_share):
+    _, _, (whole,) = tp1_reference
+    _, _, ranks = run_engine(gqa_checkpoint, shared_prefix_prompts(1), tensor_parallel_size=size, **KNOBS)
+    assert [m.rank for m in ranks] == list(range(size))
+    for memory in ranks:
+        assert memory.num_blocks == whole.num_blocks
+        assert memory.kv_cache * kv_share == whole.kv_cache
+        assert memory.weights < whole.weights
+
+
+def test_block_count_is_the_minimum_any_rank_can_hold_under_a_per_rank_memory_budget(gqa_checkpoint):
+    budget = 64 * 1024
+    with LLM(str(gqa_checkpoint), kv_cache_memory_bytes=budget) as one:
+        whole = one.engine.runner.num_blocks
+    with LLM(str(gqa_checkpoint), kv_cache_memory_bytes=budget, tensor_parallel_size=2) as two:
+        # The budget is per rank (vLLM's kv_cache_memory_bytes is per GPU) and each rank's
+        # blocks are half as large: twice the blocks.
+        assert two.engine.runner.num_blocks == 2 * whole
+        assert two.engine.stats().num_kv_blocks == 2 * whole
+
+
+async def test_killing_a_worker_mid_stream_fails_the_request_and_the_engine_for_good(gqa_checkpoint):
+    engine = AsyncEngine(EngineConfig(model=str(gqa_checkpoint), tensor_parallel_size=2, num_kv_blocks=300))
+    pids = engine.engine.runner.worker_pids
+    assert len(pids) == 1 and pid_alive(pids[0])
+    stream = engine.generate([101, 102, 103] * 4, SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True))
+    await stream.__anext__()
+    os.kill(pids[0], signal.SIGKILL)
+    with pytest.raises(EngineDeadError, match="dead"):
+        async for _ in stream:
+            pass
+    with pytest.raises(EngineDeadError, match="prefixserve-tp1"):
+        engine.check_health()
+    assert not engine.is_running
+    with pytest.raises(EngineDeadError):  # no restart: new requests are refused (503 over HTTP)
+        await engine.generate([101], GREEDY).__anext__()
+    await engine.shutdown()
+    assert wait_gone(pids) == []
+
+
+DRIVER = textwrap.dedent("""
+    import os, signal, sys
+    from prefixserve.replica.llm import LLM
+    from prefixserve.replica.sampling import SamplingParams
+    llm = LLM(sys.argv[1], num_kv_blocks=64, tensor_parallel_size=int(sys.argv[2]))
+    print(" ".join(map(str, llm.engine.runner.worker_pids)), flush=True)
+    if sys.argv[3] == "crash":
+        os.kill(os.getpid(), signal.SIGKILL)
+    while True:  # serve until interrupted
+        llm.generate([[101, 102, 103]], SamplingParams(temperature=0.0, max_tokens=8))
+""")
+
+
+@pytest.mark.parametrize("how", ["crash", "ctrl-c"])
+def test_no_worker_outlives_a_driver_that_crashes_or_is_interrupted(gqa_checkpoint, how):
+    proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(gqa_checkpoint), "2", how],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 1 and all(pid_alive(p) for p in pids)
+        if how == "ctrl-c":
+            proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+        assert wait_gone(pids) == []
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.slow
+def test_smollm2_at_tp3_gives_tp1s_greedy_tokens():
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a small robot"]
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    with LLM("smollm2", num_kv_blocks=128) as one:
+        expected = [o.outputs[0].token_ids for o in one.generate(prompts, params)]
+    with LLM("smollm2", num_kv_blocks=128, tensor_parallel_size=3) as three:
+        assert [m.num_kv_heads for m in three.engine.runner.rank_memory] == [1, 1, 1]
+        assert [o.outputs[0].token_ids for o in three.generate(prompts, params)] == expected
