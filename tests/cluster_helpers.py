@@ -217,3 +217,55 @@ def wait_for_ring(base: str, members: list[str], num_ingress: int, timeout_s: fl
             if time.monotonic() > deadline:
                 raise TimeoutError(f"ingress routers did not all see {sorted(members)}: {seen}")
             time.sleep(0.2)
+
+
+def submit_config(config: dict[str, Any]) -> None:
+    """Send a whole ``serve deploy`` config (cluster.yaml's shape) to the controller and return at once.
+
+    What ``serve deploy FILE`` asks the controller to do, without waiting for the
+    app to build or answer (see :func:`wait_for_app_status`). Apps the config
+    does not name are removed.
+    """
+    from ray import serve
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    http = config.get("http_options", {})
+    serve.start(proxy_location=config.get("proxy_location", "HeadOnly"),
+                http_options={"host": http.get("host", "127.0.0.1"), "port": http.get("port", 8000)})
+    _get_global_client().deploy_apps(ServeDeploySchema.model_validate(config))
+
+
+def wait_for_app_status(name: str, statuses: set[str], timeout_s: float = 180.0) -> Any:
+    """Wait until application ``name`` is in one of ``statuses``; returns its ``serve.status()`` entry.
+
+    The entry's ``message`` is what ``serve status`` prints for the app (e.g. why it is DEPLOY_FAILED).
+    """
+    from ray import serve
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        app = serve.status().applications.get(name)
+        if app is not None and app.status in statuses:
+            return app
+        if time.monotonic() > deadline:
+            seen = (app.status, app.message) if app is not None else None
+            raise TimeoutError(f"app {name!r} was not in {sorted(statuses)} within {timeout_s}s: {seen}")
+        time.sleep(0.5)
+
+
+def replica_processes(app_name: str = APP_NAME, deployment: str = "Engine") -> list[Any]:
+    """This machine's processes of the app's replicas of ``deployment`` (psutil.Process), by process title.
+
+    Ray titles an actor's worker process ``ray::<actor class>`` (``.<method>`` appended
+    while it runs one), and a Serve replica's class is ``ServeReplica:<app>:<deployment>``.
+    """
+    import psutil
+
+    title = f"ray::ServeReplica:{app_name}:{deployment}"
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(process.info["cmdline"] or ())
+        if cmdline.startswith(title) and cmdline[len(title):len(title) + 1] in ("", " ", "."):
+            found.append(process)
+    return found
