@@ -24,6 +24,7 @@ from prefixserve.replica.model.layers import TPGroup
 from prefixserve.replica.model.llama import LlamaForCausalLM, ModelConfig
 from prefixserve.replica.model.startup import StartupTimer
 from prefixserve.replica.model_shard import ModelShard, resolve_device, resolve_dtype
+from prefixserve.replica.ray_bundles import RankResources, reserve_rank_resources
 from prefixserve.replica.sampling import SampleResult, SampleSpec, sample
 from prefixserve.replica.scheduler import ScheduledSeq
 from prefixserve.replica.step_inputs import build_step_inputs
@@ -44,7 +45,7 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig, model_cfg: ModelConfig, checkpoint: loader.CheckpointSource,
                  *, max_model_len: int, checkpoint_dtype: torch.dtype | None = None,
-                 startup: StartupTimer | None = None, cuda_visible_devices: list[str] | None = None) -> None:
+                 startup: StartupTimer | None = None) -> None:
         self.config = config
         self.model_cfg = model_cfg
         self.max_model_len = max_model_len
@@ -54,17 +55,25 @@ class ModelRunner:
         # Tables may hold NULL_BLOCK entries (blocks freed outside the sliding window).
         self.sliding = model_cfg.kv_window is not None
         self.workers: WorkerGroup | None = None
+        # Inside a Ray Serve replica: what its placement group reserved for each rank.
+        self.rank_resources: RankResources | None = None
+        threads: list[int | None] = [None] * size
         if size > 1:
             model_cfg.check_tensor_parallel(size)
-            if self.device.type == "cuda" and cuda_visible_devices is None and torch.cuda.device_count() < size:
+            self.rank_resources = reserve_rank_resources(size)
+            if self.rank_resources is not None:
+                threads = [max(1, int(c)) for c in self.rank_resources.num_cpus]
+            gpus = self.rank_resources.cuda_visible_devices if self.rank_resources else None
+            if self.device.type == "cuda" and gpus is None and torch.cuda.device_count() < size:
                 raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs, "
                                  f"{torch.cuda.device_count()} visible")
         checkpoint = loader.prepare(checkpoint)
         try:
             if size > 1:
-                self.workers = self._start_workers(checkpoint, checkpoint_dtype, cuda_visible_devices)
+                self.workers = self._start_workers(checkpoint, checkpoint_dtype, threads)
             self.shard = ModelShard(config, model_cfg, loader.iter_weights(checkpoint), max_model_len=max_model_len,
-                                    tp=TPGroup(0, size), device=self.device, dtype=self.dtype, startup=startup)
+                                    tp=TPGroup(0, size), device=self.device, dtype=self.dtype,
+                                    num_threads=threads[0], startup=startup)
             with (startup or StartupTimer()).phase("kv_cache"):
                 self._allocate_kv_cache()
         except BaseException:
@@ -74,12 +83,14 @@ class ModelRunner:
         self.generator.manual_seed(config.seed)
 
     def _start_workers(self, checkpoint: loader.CheckpointSource, checkpoint_dtype: torch.dtype | None,
-                       cuda_visible_devices: list[str] | None) -> WorkerGroup:
+                       threads: list[int | None]) -> WorkerGroup:
         timeout = torch.distributed.distributed_c10d.default_pg_timeout
         store = torch.distributed.TCPStore("127.0.0.1", 0, world_size=self.tp_size, is_master=True,
                                            wait_for_workers=False, timeout=timeout)
-        spec = WorkerSpec(self.config, self.model_cfg, checkpoint, self.max_model_len, checkpoint_dtype, store.port)
-        workers = WorkerGroup(spec, self.tp_size, cuda_visible_devices=cuda_visible_devices)
+        spec = WorkerSpec(self.config, self.model_cfg, checkpoint, self.max_model_len, checkpoint_dtype, store.port,
+                          threads)
+        gpus = self.rank_resources.cuda_visible_devices if self.rank_resources else None
+        workers = WorkerGroup(spec, self.tp_size, cuda_visible_devices=gpus)
         self._store = store  # the rendezvous lives as long as the group
         try:
             workers.wait_while("joining the group", lambda: init_distributed(
@@ -193,5 +204,7 @@ class ModelRunner:
         """Stop the worker ranks and leave the process group; idempotent (a no-op for TP 1)."""
         if self.workers is not None:
             self.workers.shutdown()
+        if self.rank_resources is not None:
+            self.rank_resources.release()  # after the ranks are gone: the GPUs they used
         if torch.distributed.is_initialized() and self.tp_size > 1:
             torch.distributed.destroy_process_group()

@@ -107,11 +107,14 @@ def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: torch.dtype
 
 
 class ModelShard:
-    """The model and KV cache of one tensor-parallel rank (the whole model when TP is 1)."""
+    """The model and KV cache of one tensor-parallel rank (the whole model when TP is 1).
+
+    ``num_threads``: torch threads on CPU (what the rank's Ray bundle reserved); None =
+    :func:`cpu_threads_per_rank`."""
 
     def __init__(self, config: EngineConfig, model_cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]],
                  *, max_model_len: int, tp: TPGroup, device: torch.device, dtype: torch.dtype,
-                 startup: StartupTimer | None = None) -> None:
+                 num_threads: int | None = None, startup: StartupTimer | None = None) -> None:
         self.config = config
         self.model_cfg = model_cfg
         self.tp = tp
@@ -124,7 +127,7 @@ class ModelShard:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         else:
-            threads = cpu_threads_per_rank(tp.size)
+            threads = num_threads or cpu_threads_per_rank(tp.size)
             if threads is not None:
                 torch.set_num_threads(threads)
             keep_freed_memory_mapped()

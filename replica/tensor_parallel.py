@@ -71,6 +71,8 @@ class WorkerSpec:
     max_model_len: int
     checkpoint_dtype: torch.dtype | None
     store_port: int
+    # Torch threads of each rank on CPU (None: the default share of the cores).
+    cpu_threads: list[int | None]
 
 
 def backend_for(device: torch.device) -> str:
