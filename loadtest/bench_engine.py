@@ -27,6 +27,13 @@ prefix-cache hit rate of both under a memory-bound run (``--fp8-kv-mib``): the s
 requests arriving in waves of 4, each wave generated before the next arrives.
 Writes results/bench_engine_fp8.json.
 
+Tensor parallelism (issue 15), ``--tensor-parallel-size N``: the workload above, caching
+on, through a TP 1 and a TP N engine (``--repeats`` runs each, alternating): req/s,
+TTFT and whether the tokens are identical. On CPU each rank gets its share of the cores
+(on a 2-core machine TP 2 is expected to be slower: the same FLOPs plus two gloo
+all-reduces per layer per step); on CUDA it needs N GPUs, and with fewer only TP 1 runs.
+Writes results/bench_engine_tp.json.
+
 Run: ``python -m prefixserve.loadtest.bench_engine`` (prints markdown tables, writes
 results/bench_engine.json).
 """
@@ -59,11 +66,12 @@ def build_prompts(tokenizer: Any, encode_chat, seed: int, per_tenant: int = 8) -
     return [encode_chat(r.body["messages"]) for r in shared_prefix(cfg, tokenizer)]
 
 
-def run_prefixserve(prompts: list[list[int]], caching: bool, kv_bytes: int) -> dict[str, Any]:
+def run_prefixserve(prompts: list[list[int]], caching: bool, kv_bytes: int, tp: int = 1) -> dict[str, Any]:
     from prefixserve.replica.llm import LLM
     from prefixserve.replica.sampling import SamplingParams
 
-    llm = LLM("smollm2", enable_prefix_caching=caching, kv_cache_memory_bytes=kv_bytes, dtype="float32")
+    llm = LLM("smollm2", enable_prefix_caching=caching, kv_cache_memory_bytes=kv_bytes, dtype="float32",
+              tensor_parallel_size=tp)
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN, min_tokens=OUTPUT_LEN)
     llm.generate([prompts[0][:40]], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up (kernels, pages)
     llm.engine.kv_manager.reset_prefix_cache()
@@ -77,14 +85,14 @@ def run_prefixserve(prompts: list[list[int]], caching: bool, kv_bytes: int) -> d
     llm.engine.kv_manager.reset_prefix_cache()
     alone_miss = llm.generate([prompts[2]], SamplingParams(temperature=0.0, max_tokens=1))[0]
     result = {
-        "engine": f"prefixserve, caching {'on' if caching else 'off'}",
+        "engine": f"prefixserve, caching {'on' if caching else 'off'}" + (f", TP {tp}" if tp > 1 else ""),
         "requests_per_s": len(prompts) / wall, "wall_s": wall,
         "ttft_mean_s": statistics.mean(ttfts), "ttft_p50_s": statistics.median(ttfts),
         "hit_rate": stats.hit_rate, "preemptions": llm.engine.scheduler.num_preemptions,
         "ttft_alone_hit_s": alone_hit.ttft_s if caching else None, "ttft_alone_miss_s": alone_miss.ttft_s,
         "token_ids": [o.outputs[0].token_ids for o in outs],
     }
-    del llm
+    llm.shutdown()
     return result
 
 
@@ -285,6 +293,36 @@ def measure_fp8(prompts: list[list[int]], kv_bytes: int, bound_bytes: int, wave:
             "memory_bound_bytes": bound_bytes, "wave": wave, "kv_scales": scales}
 
 
+def measure_tensor_parallel(prompts: list[list[int]], kv_bytes: int, size: int, repeats: int) -> dict[str, Any]:
+    """TP 1 vs TP ``size`` on the workload, caching on (see the module docstring)."""
+    import torch
+
+    sizes = [1, size]
+    if torch.cuda.is_available() and torch.cuda.device_count() < size:
+        print(f"note: TP {size} needs {size} GPUs, {torch.cuda.device_count()} visible: measuring TP 1 only")
+        sizes = [1]
+    runs: dict[int, list[dict[str, Any]]] = {n: [] for n in sizes}
+    for _ in range(repeats):
+        for n in sizes:
+            runs[n].append(run_prefixserve(prompts, True, kv_bytes, tp=n))
+    rows = [_median_run(runs[n]) for n in sizes]
+    base = rows[0]
+    print("\n| engine | req/s | runs (req/s) | x TP 1 | TTFT mean (s) | TTFT p50 (s) | hit rate "
+          "| same tokens as TP 1 |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        same = sum(a == b for a, b in zip(base["token_ids"], r["token_ids"], strict=True))
+        r["same_tokens_as_tp1"] = f"{same}/{len(r['token_ids'])}"
+        spread = ", ".join(f"{x:.2f}" for x in r["requests_per_s_runs"])
+        print(f"| {r['engine']} | {r['requests_per_s']:.2f} | {spread} | "
+              f"{r['requests_per_s'] / base['requests_per_s']:.2f} | {_f(r['ttft_mean_s'])} | "
+              f"{_f(r['ttft_p50_s'])} | {_f(r['hit_rate'])} | {r['same_tokens_as_tp1']} |")
+    for r in rows:
+        r.pop("token_ids", None)
+    return {"rows": rows, "tensor_parallel_sizes": sizes, "cores": os.cpu_count(),
+            "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0}
+
+
 def main(argv: list[str] | None = None) -> int:
     if argv is None and sys.argv[1:] == [STARTUP_CHILD]:
         startup_child()
@@ -303,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--startup-only", action="store_true", help="measure start-up only")
     parser.add_argument("--fp8-only", action="store_true", help="measure the fp8 KV cache only (see above)")
     parser.add_argument("--fp8-kv-mib", type=float, default=140.0, help="KV memory of the memory-bound fp8 run")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="> 1: measure TP 1 vs this size only (see above)")
     parser.add_argument("--out", default="results/bench_engine.json")
     add_verbose_flag(parser)
     args = parser.parse_args(argv)
@@ -330,6 +370,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.fp8_only:
         fp8 = measure_fp8(prompts, kv_bytes, int(args.fp8_kv_mib * 2**20))
         _write(Path(args.out).with_name("bench_engine_fp8.json"), fp8)
+        return 0
+    if args.tensor_parallel_size > 1:
+        tp = measure_tensor_parallel(prompts, kv_bytes, args.tensor_parallel_size, args.repeats)
+        _write(Path(args.out).with_name("bench_engine_tp.json"), tp)
         return 0
     print(f"workload: {len(prompts)} requests, prompt tokens mean {statistics.mean(map(len, prompts)):.0f}, "
           f"{OUTPUT_LEN} output tokens, torch threads {torch.get_num_threads()}, cores {os.cpu_count()}")

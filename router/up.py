@@ -33,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cluster = parser.add_argument_group("cluster")
     cluster.add_argument("--replicas", type=int, default=2, help="engine replicas (default: 2)")
     cluster.add_argument("--replica-cpus", type=float, default=1.0,
-                         help="Ray CPUs per engine replica; also its torch threads (default: 1)")
+                         help="Ray CPUs per engine replica, per tensor-parallel rank; also its torch threads "
+                              "(default: 1)")
     cluster.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES),
                          help=f"routing policy (default: {DEFAULT_POLICY})")
     cluster.add_argument("--epsilon", type=float, default=None,
@@ -99,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
     # Replicas inherit the environment: nothing from a model hub at run time.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    cpus = max(os.cpu_count() or 1, int(args.replicas * args.replica_cpus + 0.999))
+    # Ray's logical CPUs: enough for every replica's bundles (one per tensor-parallel rank).
+    cpus = max(os.cpu_count() or 1, int(args.replicas * args.tensor_parallel_size * args.replica_cpus + 0.999))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
