@@ -169,6 +169,7 @@ class WorkerGroup:
         while pending and not self._stopping:
             for sentinel in multiprocessing.connection.wait(list(pending), timeout=1.0):
                 proc = pending.pop(sentinel)  # type: ignore[call-overload]
+                proc.join(1.0)  # collect the exit code
                 if not self._stopping:
                     self.mark_dead(f"tensor-parallel worker {proc.name} (pid {proc.pid}) exited "
                                    f"with code {proc.exitcode}")

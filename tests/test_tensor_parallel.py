@@ -16,9 +16,11 @@ import textwrap
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from model_helpers import tiny_checkpoint
+from server_helpers import ReplicaProcess
 
 from prefixserve.replica.config import EngineConfig
 from prefixserve.replica.engine import AsyncEngine
@@ -215,3 +217,82 @@ def test_smollm2_at_tp3_gives_tp1s_greedy_tokens():
     with LLM("smollm2", num_kv_blocks=128, tensor_parallel_size=3) as three:
         assert [m.num_kv_heads for m in three.engine.runner.rank_memory] == [1, 1, 1]
         assert [o.outputs[0].token_ids for o in three.generate(prompts, params)] == expected
+
+
+# --- the standalone server (real HTTP) -------------------------------------------------------
+
+def worker_children(pid: int) -> list[int]:
+    """Live children of ``pid`` named like tensor-parallel workers (tp_worker sets the name)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)
+            name = fields[0].split("(", 1)[1]
+            ppid = int(fields[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid and name.startswith("prefixserve-tp"):
+            found.append(int(stat.parent.name))
+    return [p for p in found if pid_alive(p)]
+
+
+@pytest.mark.slow
+def test_a_tp_server_answers_then_a_killed_worker_gets_503_and_a_nonzero_exit(gqa_checkpoint, tmp_path):
+    with ReplicaProcess(gqa_checkpoint, "--tensor-parallel-size", "2", "--num-kv-blocks", "64",
+                        log_dir=tmp_path) as replica:
+        (worker,) = worker_children(replica.proc.pid)
+        ok = httpx.post(f"{replica.base_url}/v1/completions", json={"prompt": "hello", "max_tokens": 4}, timeout=60)
+        assert ok.status_code == 200, ok.text
+        os.kill(worker, signal.SIGKILL)
+        health = None
+        deadline = time.monotonic() + 60
+        while replica.returncode is None and time.monotonic() < deadline:
+            try:
+                health = httpx.get(f"{replica.base_url}/health", timeout=5).status_code
+            except httpx.HTTPError:
+                pass  # the server stopped after the dead engine was noticed
+            if health == 503:
+                break
+            time.sleep(0.2)
+        assert health == 503 or replica.returncode not in (None, 0), replica.log_tail()
+        replica.proc.wait(timeout=60)
+        assert replica.returncode != 0
+        assert "prefixserve-tp1" in replica.log_tail(20000)
+
+
+@pytest.mark.slow
+def test_stopping_a_tp_server_stops_its_workers(gqa_checkpoint, tmp_path):
+    with ReplicaProcess(gqa_checkpoint, "--tensor-parallel-size", "2", "--num-kv-blocks", "64",
+                        log_dir=tmp_path) as replica:
+        workers = worker_children(replica.proc.pid)
+        assert len(workers) == 1
+    # uvicorn shuts down gracefully on SIGTERM (the engine stops its workers), then
+    # re-raises the signal so the exit status still says SIGTERM.
+    assert replica.returncode in (0, -signal.SIGTERM), replica.log_tail()
+    assert wait_gone(workers) == []
+
+
+def test_swap_preemption_moves_every_ranks_shard_and_keeps_tp1s_tokens(gqa_checkpoint):
+    knobs = dict(KNOBS, preemption_mode="swap", swap_space_gb=0.001)
+    prompts = shared_prefix_prompts(6)
+    with LLM(str(gqa_checkpoint), **knobs) as one:
+        expected = [o.outputs[0].token_ids for o in one.generate(prompts, GREEDY)]
+    with LLM(str(gqa_checkpoint), tensor_parallel_size=2, **knobs) as two:
+        got = [o.outputs[0].token_ids for o in two.generate(prompts, GREEDY)]
+        swapped = two.engine._swap_totals()
+    assert got == expected
+    assert swapped.swap_preemptions > 0 and swapped.swapped_in_blocks > 0
+
+
+def test_calculated_fp8_scales_are_taken_over_every_ranks_heads(gqa_checkpoint):
+    knobs = dict(num_kv_blocks=32, kv_cache_dtype="fp8", calculate_kv_scales=True)
+    prompt = shared_prefix_prompts(1)
+    with LLM(str(gqa_checkpoint), **knobs) as one:
+        one.generate(prompt, GREEDY)
+        expected = one.engine.runner.model.kv_scales
+    with LLM(str(gqa_checkpoint), tensor_parallel_size=2, **knobs) as two:
+        two.generate(prompt, GREEDY)
+        got = two.engine.runner.model.kv_scales
+    # Rank 0 alone holds half the KV heads: without the all-reduce its amax could be lower.
+    flat = [s for pair in got for s in pair]
+    assert flat == pytest.approx([s for pair in expected for s in pair], rel=1e-5)
