@@ -20,6 +20,7 @@ from prefixserve.router.policies import (
     Placed,
     Replica,
     ReplicaLoad,
+    bench_rank,
     in_flight_cap,
     make_policy,
     pick_options,
@@ -391,6 +392,13 @@ def test_placed_is_the_default_and_takes_ring_options() -> None:
 def test_rebalance_bench_runs() -> None:
     # the figure is reported (README), never asserted: only that the bench works
     assert bench_rebalance(num_keys=300, num_replicas=8, repeats=2) > 0
+
+
+@pytest.mark.parametrize("cold", [False, True])
+def test_rank_bench_runs(cold: bool) -> None:
+    # decision latency is reported (README), never asserted: only that the bench works
+    out = bench_rank(num_replicas=4, num_keys=50, num_requests=200, cold=cold)
+    assert 0 < out["p50"] <= out["p99"] <= out["max"]
 
 
 def test_table_refuses_to_route_without_members() -> None:
