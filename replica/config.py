@@ -100,6 +100,14 @@ class EngineConfig:
     # (gpu_memory_utilization, kv_cache_memory_bytes) applies to each rank, and the engine
     # gets the smallest block count any rank can hold.
     tensor_parallel_size: int = 1
+    # Decode steps through static buffers replayed as CUDA graphs (replica/graph_runner.py).
+    # None = auto: on CUDA with tensor_parallel_size 1, eager elsewhere; True = always eager
+    # (vLLM's enforce_eager); False = the static-buffer path wherever possible (uncaptured
+    # on CPU and under tensor parallelism: the same code, for tests and debugging).
+    enforce_eager: bool | None = None
+    # Batch sizes captured (a decode batch is padded to the next one); None = 1, 2, 4, 8,
+    # 16, 32, then every 32 up to max_num_seqs.
+    cuda_graph_sizes: list[int] | None = None
     # Seconds any tensor-parallel collective may wait for a peer before the engine is
     # declared dead (a hung or lost worker fails loudly instead of stalling the replica).
     distributed_timeout_s: float = 120.0
@@ -169,6 +177,10 @@ class EngineConfig:
             raise ValueError(f"swap_space_gb must be >= 0, got {self.swap_space_gb}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        if self.cuda_graph_sizes is not None and (
+                not self.cuda_graph_sizes or not all(isinstance(n, int) and n >= 1 for n in self.cuda_graph_sizes)):
+            raise ValueError(f"cuda_graph_sizes must be a non-empty list of positive batch sizes (or None), "
+                             f"got {self.cuda_graph_sizes!r}")
         if not self.distributed_timeout_s > 0:
             raise ValueError(f"distributed_timeout_s must be positive, got {self.distributed_timeout_s}")
         if self.calculate_kv_scales and not self.kv_cache_dtype.startswith("fp8"):
@@ -209,7 +221,10 @@ class EngineConfig:
             default = f.default if f.default is not MISSING else None
             flag = "--" + f.name.replace("_", "-")
             kind = _field_type(f.type)
-            if kind is bool:
+            if kind is list:
+                group.add_argument(flag, dest=f.name, type=int, nargs="+", default=default,
+                                   help=f"(default: {default})")
+            elif kind is bool:
                 group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
                                    default=default, help=f"(default: {default})")
             else:
@@ -237,7 +252,7 @@ _CHOICES = {
 def _field_type(annotation: str) -> type:
     """The scalar type of a field annotation written as a string (``int | None`` -> int)."""
     base = annotation.replace(" ", "").replace("|None", "")
-    return {"int": int, "float": float, "bool": bool, "str": str}[base]
+    return {"int": int, "float": float, "bool": bool, "str": str, "list[int]": list}[base]
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:

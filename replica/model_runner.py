@@ -19,6 +19,7 @@ import logging
 import torch
 
 from prefixserve.replica.config import EngineConfig
+from prefixserve.replica.errors import EngineDeadError
 from prefixserve.replica.model import loader
 from prefixserve.replica.model.layers import TPGroup
 from prefixserve.replica.model.llama import LlamaForCausalLM, ModelConfig
@@ -49,6 +50,7 @@ class ModelRunner:
         self.config = config
         self.model_cfg = model_cfg
         self.max_model_len = max_model_len
+        self._closed = False
         self.tp_size = size = config.tensor_parallel_size
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, checkpoint_dtype)
@@ -173,6 +175,8 @@ class ModelRunner:
         the same prompt logits). Returns one result per spec, in order. Under tensor
         parallelism any failure raises WorkerDiedError (ranks may be out of step).
         """
+        if self._closed:
+            raise EngineDeadError("the engine was shut down")
         inputs = build_step_inputs(scheduled, copy_ops, [i for i, _ in specs], self.shard.block_size,
                                    sliding=self.sliding)
         if self.workers is None:
@@ -201,9 +205,16 @@ class ModelRunner:
         self.shard.clear_kv_cache()
 
     def shutdown(self) -> None:
-        """Stop the worker ranks and leave the process group; idempotent (a no-op for TP 1)."""
+        """Stop the worker ranks, leave the process group and release this rank's model and
+        KV cache (on CUDA, back to the device); idempotent. The runner cannot step afterwards."""
+        if self._closed:
+            return
+        self._closed = True
         if self.workers is not None:
             self.workers.shutdown()
+        shard = getattr(self, "shard", None)  # absent when start-up failed before it was built
+        if shard is not None:
+            shard.release()
         if self.rank_resources is not None:
             self.rank_resources.release()  # after the ranks are gone: the GPUs they used
         if torch.distributed.is_initialized() and self.tp_size > 1:

@@ -20,6 +20,7 @@ the caller takes the minimum over ranks and calls :meth:`allocate_kv_cache`.
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ import torch
 from prefixserve.kernels import select_backend
 from prefixserve.kernels.layer_ops import select_layer_ops
 from prefixserve.replica.config import EngineConfig
+from prefixserve.replica.graph_runner import DecodeGraphRunner, graph_batch_sizes
 from prefixserve.replica.model.layers import TPGroup
 from prefixserve.replica.model.llama import AttentionMetadata, LlamaForCausalLM, ModelConfig
 from prefixserve.replica.model.startup import StartupTimer
@@ -145,9 +147,11 @@ class ModelShard:
             self.model.eval()
             if self.backend.name == "cpu":
                 self.model.pack_weights_for_cpu()
+        self.max_model_len = max_model_len
         self.num_blocks = 0
         self.num_host_blocks = 0
         self.k_cache = self.v_cache = self.k_host = self.v_host = torch.empty(0)
+        self.graph_runner: DecodeGraphRunner | None = None
 
     # --- memory -------------------------------------------------------------------
 
@@ -198,6 +202,21 @@ class ModelShard:
                                   pin_memory=pin)
         self.num_blocks, self.num_host_blocks = num_blocks, num_host_blocks
         self.model.bind_kv_cache(list(self.k_cache.unbind(0)), list(self.v_cache.unbind(0)))
+        self._start_graph_runner()
+
+    def _start_graph_runner(self) -> None:
+        """The decode static-buffer path per ``enforce_eager`` (see EngineConfig): captured on
+        CUDA at TP 1; uncaptured where asked for explicitly; none otherwise. After the KV
+        cache: graphs bake in its addresses. Its memory (buffers, graph pool: activations of
+        at most max_num_seqs rows) is within the activations reserve kv_block_capacity keeps."""
+        mode = self.config.enforce_eager
+        cuda_single = self.device.type == "cuda" and self.tp.size == 1
+        if mode is True or (mode is None and not cuda_single):
+            return
+        sizes = graph_batch_sizes(self.config.max_num_seqs, self.config.cuda_graph_sizes)
+        max_blocks = -(-self.max_model_len // self.block_size)
+        self.graph_runner = DecodeGraphRunner(self.model, sizes, max_blocks, self.device, capture=cuda_single)
+        self.graph_runner.capture_all()
 
     def memory(self) -> RankMemory:
         kv = sum(t.numel() * t.element_size() for t in (self.k_cache, self.v_cache))
@@ -219,12 +238,32 @@ class ModelShard:
             src, dst = inputs.copy_ops[:, 0], inputs.copy_ops[:, 1]
             for cache in (_raw(self.k_cache), _raw(self.v_cache)):
                 cache[:, dst] = cache[:, src]
-        meta = AttentionMetadata(slot_mapping=inputs.slot_mapping, block_tables=inputs.block_tables,
-                                 seq_lens=inputs.seq_lens, query_start_loc=inputs.query_start_loc)
-        hidden = self.model(inputs.input_ids, inputs.positions, meta)
+        graphs = self.graph_runner
+        # fp8 scales still to be computed come from the first forward: never a padded one.
+        if graphs is not None and graphs.accepts(inputs) and not self._kv_scales_pending():
+            hidden = graphs.run(inputs)
+        else:
+            meta = AttentionMetadata(slot_mapping=inputs.slot_mapping, block_tables=inputs.block_tables,
+                                     seq_lens=inputs.seq_lens, query_start_loc=inputs.query_start_loc)
+            hidden = self.model(inputs.input_ids, inputs.positions, meta)
         if not inputs.sample_rows.numel():
             return None
         return self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
+
+    def _kv_scales_pending(self) -> bool:
+        return any(layer.self_attn.calculate_kv_scales for layer in self.model.layers)
+
+    def release(self) -> None:
+        """Drop the model, the KV cache and the graphs (engine shutdown): on CUDA their
+        memory goes back to the device, so another engine in this process can size its cache."""
+        self.graph_runner = None
+        self.k_cache = self.v_cache = self.k_host = self.v_host = torch.empty(0)
+        self.model.bind_kv_cache([torch.empty(0)] * len(self.model.layers), [torch.empty(0)] * len(self.model.layers))
+        del self.model
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
 
     def swap(self, out_ops: list[tuple[int, int]], in_ops: list[tuple[int, int]]) -> None:
         """Apply a step's swap copies: (device block, host slot) out first, then (host slot, device block) in."""

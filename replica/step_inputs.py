@@ -46,14 +46,19 @@ class StepInputs:
                           self.sample_rows, self.copy_ops.reshape(-1)])
 
     def to(self, device: torch.device) -> StepInputs:
+        """On ``device`` with one host-to-device copy: the packed buffer, viewed back there."""
         if device.type == "cpu":
             return self
-        return StepInputs(*(getattr(self, f).to(device, non_blocking=True) for f in self.__dataclass_fields__))
+        packed = self.pack()
+        if device.type == "cuda":
+            packed = packed.pin_memory()
+        return unpack_step_inputs(packed.to(device, non_blocking=True), header=packed[:_HEADER].tolist())
 
 
-def unpack_step_inputs(buffer: torch.Tensor) -> StepInputs:
-    """The inverse of :meth:`StepInputs.pack`."""
-    t, s, w, r, c = (int(x) for x in buffer[:_HEADER])
+def unpack_step_inputs(buffer: torch.Tensor, header: list[int] | None = None) -> StepInputs:
+    """The inverse of :meth:`StepInputs.pack`; ``header``: the sizes when already known on
+    the host (``buffer`` on a device is then never read back)."""
+    t, s, w, r, c = header if header is not None else (int(x) for x in buffer[:_HEADER])
     sizes = [t, t, t, s * w, s, s + 1, r, 2 * c]
     if sum(sizes) != buffer.numel() - _HEADER:
         raise ValueError(f"step message of {buffer.numel()} int64 does not match its header {t, s, w, r, c}")
