@@ -1,12 +1,13 @@
 """The element-wise operations of a decoder layer, fused: residual add + RMSNorm,
 rotary embedding, SiLU-and-multiply.
 
-Two implementations share one interface (:class:`LayerOps`): torch (any device,
-any dtype: the reference) and the C kernels of ``kernels/cpu/layer_ops.c`` (CPU,
-float32), which do each operation in one pass over the activations instead of the
-five to eight passes of the torch chain. ``select_layer_ops`` picks one.
+Three implementations share one interface (:class:`LayerOps`): torch (any device,
+any dtype: the reference), the C kernels of ``kernels/cpu/layer_ops.c`` (CPU,
+float32) and the Triton kernels of :mod:`prefixserve.kernels.triton_layer_ops` (CUDA,
+fp16/bf16/fp32); the last two do each operation in one pass over the activations
+instead of the five to eight passes of the torch chain. ``select_layer_ops`` picks one.
 
-Semantics (both implementations):
+Semantics (every implementation):
   rms_norm(x, weight, eps)                -> rmsnorm(x) * weight
   add_rms_norm(x, residual, weight, eps)  -> (rmsnorm(x + residual) * weight, x + residual);
                                              may overwrite ``residual`` with the sum
@@ -15,6 +16,13 @@ Semantics (both implementations):
   rotary(x, prepared)                     -> x [T, heads, D] rotated (half-split layout);
                                              may rotate ``x`` in place
   silu_and_mul(gate_up)                   -> silu(gate_up[:, :I]) * gate_up[:, I:]
+
+Optional (None where an implementation does not fuse it):
+  rotary_and_write_kv(qk, v, prepared, k_cache, v_cache, slot_mapping, *, k_scale, v_scale)
+                                          -> rotary(qk, prepared) (in place, returned), and
+                                             the rotated K heads qk[:, H:] and v stored into
+                                             the paged cache as the attention backend's
+                                             write_kv_cache would, in the same pass
 """
 
 from __future__ import annotations
@@ -35,6 +43,9 @@ class LayerOps:
     prepare_rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any]
     rotary: Callable[[torch.Tensor, Any], torch.Tensor]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    # Rotary + KV-cache write in one kernel; only for the standard cache layout
+    # [num_blocks, block_size, num_kv_heads, head_dim] (torch and Triton backends).
+    rotary_and_write_kv: Callable[..., torch.Tensor] | None = None
 
 
 # --- torch (reference) ----------------------------------------------------------
@@ -154,5 +165,14 @@ C_LAYER_OPS = LayerOps("c", c_rms_norm, c_add_rms_norm, c_prepare_rotary, c_rota
 
 
 def select_layer_ops(attention_backend: str) -> LayerOps:
-    """The C ops alongside the C attention kernel (CPU, float32), torch otherwise."""
-    return C_LAYER_OPS if attention_backend == "cpu" else TORCH_LAYER_OPS
+    """The C ops alongside the C attention kernel (CPU, float32), the Triton ops alongside
+    the Triton attention kernels (CUDA), torch otherwise."""
+    if attention_backend == "cpu":
+        return C_LAYER_OPS
+    if attention_backend == "triton":
+        # Imported lazily, as kernels/__init__.py imports the Triton attention: CPU-only
+        # installs without a working Triton never import it.
+        from prefixserve.kernels.triton_layer_ops import TRITON_LAYER_OPS
+
+        return TRITON_LAYER_OPS
+    return TORCH_LAYER_OPS

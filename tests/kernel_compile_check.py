@@ -7,6 +7,10 @@ variant through PTX to a cubin with its bundled ptxas. It also checks that the f
 quantizing store divides with IEEE rounding (div.rn) and computes the e4m3 bits in
 integer ops (no hardware e4m3 conversion), which is what makes it match the torch
 reference bit for bit (tests/test_fp8_kv.py checks the same code under the interpreter).
+The fused layer kernels (kernels/triton_layer_ops.py) are compiled for every dtype and
+constexpr branch; the rotary kernel must contain no fused multiply-add (its fp32 path
+rounds like the torch chain only without contraction) and its fp8 cache store the same
+div.rn and integer e4m3 rounding as the cache write.
 
 Usage: ``python tests/kernel_compile_check.py [sm]`` (default 90); prints one line
 per variant and exits non-zero on the first failure.
@@ -26,7 +30,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from prefixserve.kernels import cache_write, paged_attention  # noqa: E402
+from prefixserve.kernels import cache_write, paged_attention, triton_layer_ops  # noqa: E402
 
 TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
                 torch.float8_e4m3fn: "fp8e4nv"}
@@ -90,6 +94,55 @@ def main(sm: int) -> None:
             if "div.rn.f32" not in ptx or "e4m3" in ptx:
                 raise SystemExit(f"fp8 store {src}: expected div.rn.f32 and no hardware e4m3 conversion")
         print("ok cache write", src, "->", cache, flush=True)
+    layer_ops_variants(target)
+
+
+def _check_fp8_store(ptx: str, label: str) -> None:
+    if "div.rn.f32" not in ptx or "e4m3" in ptx:
+        raise SystemExit(f"{label}: expected div.rn.f32 and no hardware e4m3 conversion")
+
+
+def layer_ops_variants(target: GPUTarget) -> None:
+    """Every kernel of triton_layer_ops with the constexpr branches the wrappers launch."""
+    # RMSNorm: (activation, weight, output) types, residual or not, row block (warps as launched).
+    for act, weight, out, residual, block in [
+        ("fp16", "fp16", "fp16", True, 2048), ("bf16", "bf16", "bf16", True, 2048),
+        ("bf16", "bf16", "bf16", False, 2048), ("fp32", "fp32", "fp32", True, 4096),
+        ("bf16", "bf16", "bf16", True, 8192), ("fp16", "fp16", "fp16", False, 16384),
+        ("bf16", "fp32", "fp32", False, 4096),  # an fp32 weight promotes the output
+    ]:
+        types = {"x_ptr": "*" + act, "residual_ptr": "*" + act, "weight_ptr": "*" + weight,
+                 "out_ptr": "*" + out, "eps": "fp32"}
+        _compile(triton_layer_ops._rms_norm_kernel, types, dict(HAS_RESIDUAL=residual, BLOCK=block), target,
+                 num_warps=triton_layer_ops._norm_warps(block))
+        print("ok layer rms_norm", act, weight, "->", out, f"residual={residual} block={block}", flush=True)
+    for act in ("fp16", "bf16", "fp32"):
+        _compile(triton_layer_ops._silu_and_mul_kernel, {"gate_up_ptr": "*" + act, "out_ptr": "*" + act},
+                 dict(BLOCK=triton_layer_ops.SILU_BLOCK), target, num_warps=4)
+        print("ok layer silu_and_mul", act, flush=True)
+    # Rotary alone (no cache) and fused with the cache write: (activation, cache, heads, head_dim).
+    for act, cache, heads, dim in [
+        ("fp16", None, 48, 64), ("bf16", None, 48, 128), ("fp32", None, 40, 80),
+        ("fp16", "fp16", 32, 128), ("bf16", "bf16", 32, 64), ("bf16", "fp8e4nv", 32, 128),
+        ("fp16", "fp8e4nv", 8, 96), ("fp32", "bf16", 8, 64), ("fp32", "fp8e4nv", 8, 64),
+    ]:
+        fp8 = cache == "fp8e4nv"
+        half_pad, block_h = triton_layer_ops._rotary_launch_shape(heads, dim)
+        stored = "u8" if fp8 else (cache or act)
+        types = {"x_ptr": "*" + act, "positions_ptr": "*i64", "cos_ptr": "*" + act, "sin_ptr": "*" + act,
+                 "value_ptr": "*" + act, "key_cache_ptr": "*" + stored, "value_cache_ptr": "*" + stored,
+                 "slot_mapping_ptr": "*i64", "k_scale": "fp32", "v_scale": "fp32"}
+        constants = dict(HALF=dim // 2, HALF_PAD=half_pad, BLOCK_H=block_h, WRITE_KV=cache is not None,
+                         CACHE_BLOCK_SIZE=16, FP8=fp8, FP8_MAX=448.0 if fp8 else 0.0)
+        compiled = _compile(triton_layer_ops._rotary_kernel, types, constants, target,
+                            **triton_layer_ops.ROTARY_LAUNCH_OPTIONS)
+        label = f"rotary {act} d={dim}" + (f" + cache write -> {cache}" if cache else "")
+        ptx = compiled.asm["ptx"]
+        if "fma.rn" in ptx:
+            raise SystemExit(f"{label}: fused multiply-add in the PTX; the rotation must round like torch")
+        if fp8:
+            _check_fp8_store(ptx, label)
+        print("ok layer", label, flush=True)
 
 
 if __name__ == "__main__":
