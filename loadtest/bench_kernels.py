@@ -1,4 +1,4 @@
-"""Paged-attention kernel benchmark for one CUDA GPU.
+"""Paged-attention and fused layer kernel benchmark for one CUDA GPU.
 
 ``python -m prefixserve.loadtest.bench_kernels`` runs, in one process, and prints one markdown
 table (and writes results/bench_kernels.json):
@@ -16,10 +16,17 @@ table (and writes results/bench_kernels.json):
    (the non-paged baseline) as a speed ratio; flash-attn and FlashInfer if importable.
 4. Prefill chunks over a cached prefix: TFLOP/s (visible keys only) as a share of
    the matmul rate, against SDPA with a lower-right causal mask.
+5. The fused layer kernels (kernels/triton_layer_ops.py), checked first against the
+   torch reference (rotary and the fp8 cache bytes bit for bit), then one row per
+   kernel at 64 decode rows and a 4096-token prefill of Llama-3.2-1B's shape (hidden
+   2048, 32/8 heads of 64, intermediate 8192, bf16): GB/s of the bytes the operation
+   must move, against the torch reference chain on the same bytes.
 
-Model shape: 32 query heads, 8 KV heads, head_dim 128, block size 16 (Llama-3-8B).
-Block tables are random permutations, so every sequence's blocks are scattered.
-On a machine without CUDA it says so and exits with status 2.
+Attention model shape: 32 query heads, 8 KV heads, head_dim 128, block size 16
+(Llama-3-8B). Block tables are random permutations, so every sequence's blocks are
+scattered. ``--layers-only`` runs parts 1 (layer checks), 2 and 5; ``--json`` prints
+nothing and only writes the JSON. On a machine without CUDA it says so and exits
+with status 2.
 """
 
 from __future__ import annotations
@@ -382,12 +389,195 @@ def bench_prefill(batch: int, prefix: int, chunk: int, act: torch.dtype, kv: tor
     return row
 
 
+# --- 5. fused layer kernels --------------------------------------------------------------
+
+# Llama-3.2-1B: hidden 2048, 32 query / 8 KV heads of 64, intermediate 8192, bf16.
+LAYER_HIDDEN, LAYER_HEADS, LAYER_KV_HEADS, LAYER_HEAD_DIM, LAYER_INTER = 2048, 32, 8, 64, 8192
+LAYER_DTYPE = torch.bfloat16
+LAYER_TOKENS = (64, 4096)  # a decode batch, a prefill chunk
+LAYER_EPS = 1e-5
+
+
+@dataclass
+class LayerInputs:
+    """One step's activations for every layer op, and a paged cache holding its tokens."""
+
+    x: torch.Tensor              # [T, hidden]
+    residual: torch.Tensor       # [T, hidden]
+    weight: torch.Tensor         # [hidden]
+    qkv: torch.Tensor            # [T, (H + 2 KVH) * D], the qkv projection's output
+    positions: torch.Tensor      # [T] int64
+    cos: torch.Tensor            # [max_pos, D/2]
+    sin: torch.Tensor
+    gate_up: torch.Tensor        # [T, 2 * inter]
+    slot_mapping: torch.Tensor   # [T] int64, scattered slots
+    num_blocks: int
+    heads: int = LAYER_HEADS
+    kv_heads: int = LAYER_KV_HEADS
+    head_dim: int = LAYER_HEAD_DIM
+
+    @property
+    def qk(self) -> torch.Tensor:
+        """q and k heads as the model rotates them: a strided view of ``qkv``."""
+        return self.qkv[:, :(self.heads + self.kv_heads) * self.head_dim].unflatten(
+            1, (self.heads + self.kv_heads, self.head_dim))
+
+    @property
+    def value(self) -> torch.Tensor:
+        return self.qkv[:, (self.heads + self.kv_heads) * self.head_dim:].unflatten(
+            1, (self.kv_heads, self.head_dim))
+
+    def caches(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (self.num_blocks, BLOCK_SIZE, self.kv_heads, self.head_dim)
+        return (torch.zeros(shape, dtype=dtype, device=self.x.device),
+                torch.zeros(shape, dtype=dtype, device=self.x.device))
+
+
+def make_layer_inputs(tokens: int, dtype: torch.dtype, device: torch.device, seed: int,
+                      max_pos: int = 8192) -> LayerInputs:
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(shape, generator=gen, device=device) * scale).to(dtype)
+
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, LAYER_HEAD_DIM, 2, device=device).float() / LAYER_HEAD_DIM))
+    angles = torch.arange(max_pos, device=device).float()[:, None] * inv_freq[None, :]
+    num_blocks = -(-tokens // BLOCK_SIZE) + 8
+    return LayerInputs(
+        x=randn(tokens, LAYER_HIDDEN, scale=4), residual=randn(tokens, LAYER_HIDDEN),
+        weight=randn(LAYER_HIDDEN, scale=0.1) + 1,
+        qkv=randn(tokens, (LAYER_HEADS + 2 * LAYER_KV_HEADS) * LAYER_HEAD_DIM, scale=3),
+        positions=torch.randint(0, max_pos, (tokens,), generator=gen, device=device),
+        cos=angles.cos().to(dtype), sin=angles.sin().to(dtype),
+        gate_up=randn(tokens, 2 * LAYER_INTER, scale=4),
+        slot_mapping=torch.randperm(num_blocks * BLOCK_SIZE, generator=gen, device=device)[:tokens],
+        num_blocks=num_blocks)
+
+
+def _mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
+    return int((a.contiguous().view(torch.uint8) != b.contiguous().view(torch.uint8)).sum())
+
+
+def layer_correctness(device: torch.device, seed: int) -> list[dict]:
+    """Each Triton layer kernel against the torch reference on ``device``.
+
+    RMSNorm and SiLU may differ by the two roundings to the dtype after an fp32 value
+    that differs in its last bits (rtol 2 eps of the dtype; see tests/test_triton_layer_ops.py);
+    the residual sum, rotary and everything the fused op stores must be identical.
+    """
+    from prefixserve.kernels import layer_ops, reference
+    from prefixserve.kernels.triton_layer_ops import TRITON_LAYER_OPS as T
+
+    out = []
+
+    def close(case: str, got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+        finfo = torch.finfo(dtype)
+        rtol = 1e-5 if dtype == torch.float32 else 2 * finfo.eps
+        rel = float(((got.float() - ref.float()).abs() / (ref.float().abs() + finfo.tiny)).max())
+        ok = torch.allclose(got.float(), ref.float(), rtol=rtol, atol=finfo.tiny)
+        out.append({"case": case, "rel_err": rel, "tol": rtol, "ok": ok})
+
+    def exact(case: str, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        bad = sum(_mismatches(a, b) for a, b in pairs)
+        out.append({"case": case + " (bitwise)", "rel_err": float(bad), "tol": 0.0, "ok": bad == 0,
+                    "note": f"{bad} differing elements"})
+
+    for i, dtype in enumerate((torch.float16, torch.bfloat16, torch.float32)):
+        name = DTYPE_NAMES[dtype]
+        inp = make_layer_inputs(300, dtype, device, seed + i, max_pos=4096)
+        close(f"rms_norm {name}", T.rms_norm(inp.x, inp.weight, LAYER_EPS),
+              layer_ops.torch_rms_norm(inp.x, inp.weight, LAYER_EPS), dtype)
+        ref_out, ref_sum = layer_ops.torch_add_rms_norm(inp.x, inp.residual, inp.weight, LAYER_EPS)
+        got_out, got_sum = T.add_rms_norm(inp.x, inp.residual.clone(), inp.weight, LAYER_EPS)
+        close(f"add_rms_norm {name}", got_out, ref_out, dtype)
+        exact(f"add_rms_norm residual sum {name}", [(got_sum, ref_sum)])
+        close(f"silu_and_mul {name}", T.silu_and_mul(inp.gate_up), layer_ops.torch_silu_and_mul(inp.gate_up), dtype)
+        ref_qk = layer_ops.torch_rotary(inp.qk.clone(), layer_ops.torch_prepare_rotary(inp.positions, inp.cos,
+                                                                                        inp.sin))
+        prepared = T.prepare_rotary(inp.positions, inp.cos, inp.sin)
+        exact(f"rotary {name}", [(T.rotary(inp.qk.clone(), prepared), ref_qk)])
+        slots = inp.slot_mapping.clone()
+        slots[::7] = -1  # padding tokens
+        for cache_dtype in (dtype, FP8):
+            k_scale = reference.fp8_scale_for(ref_qk[:, LAYER_HEADS:]) * 0.6 if cache_dtype == FP8 else 1.0
+            v_scale = reference.fp8_scale_for(inp.value) if cache_dtype == FP8 else 1.0
+            ref_caches, caches = inp.caches(cache_dtype), inp.caches(cache_dtype)
+            reference.write_kv_cache(ref_qk[:, LAYER_HEADS:], inp.value, *ref_caches, slots, k_scale=k_scale,
+                                     v_scale=v_scale)
+            qk = inp.qk.clone()
+            T.rotary_and_write_kv(qk, inp.value, prepared, *caches, slots, k_scale=k_scale, v_scale=v_scale)
+            exact(f"rotary + KV write {name} -> {DTYPE_NAMES[cache_dtype]}",
+                  [(qk, ref_qk), (caches[0], ref_caches[0]), (caches[1], ref_caches[1])])
+    return out
+
+
+def bench_layer_ops(tokens: int, device: torch.device, seed: int, timer: Callable, peaks: dict) -> list[Row]:
+    """One row per fused layer kernel at ``tokens`` rows: Triton vs the torch reference chain."""
+    from prefixserve.kernels import layer_ops, reference
+    from prefixserve.kernels.cache_write import write_kv_cache
+    from prefixserve.kernels.triton_layer_ops import TRITON_LAYER_OPS as T
+
+    dtype = LAYER_DTYPE
+    inp = make_layer_inputs(tokens, dtype, device, seed)
+    e = torch.finfo(dtype).bits // 8
+    hidden, heads, kvh, dim, inter = LAYER_HIDDEN, LAYER_HEADS, LAYER_KV_HEADS, LAYER_HEAD_DIM, LAYER_INTER
+    qk, value = inp.qk, inp.value
+    prepared = T.prepare_rotary(inp.positions, inp.cos, inp.sin)
+    torch_prepared = layer_ops.torch_prepare_rotary(inp.positions, inp.cos, inp.sin)
+    # Bytes each operation must move at least (the norm weight and int64 index reads included).
+    rotary_bytes = 2 * tokens * (heads + kvh) * dim * e + tokens * (8 + dim * e)
+    cases: list[tuple[str, int, Callable[[], object], Callable[[], object], str]] = [
+        ("rms_norm", 2 * tokens * hidden * e + hidden * e,
+         lambda: T.rms_norm(inp.x, inp.weight, LAYER_EPS),
+         lambda: layer_ops.torch_rms_norm(inp.x, inp.weight, LAYER_EPS), ""),
+        # Triton writes the running sum into the residual it is given: it grows each call (bf16: no overflow).
+        ("add_rms_norm", 4 * tokens * hidden * e + hidden * e,
+         lambda: T.add_rms_norm(inp.x, inp.residual, inp.weight, LAYER_EPS),
+         lambda: layer_ops.torch_add_rms_norm(inp.x, inp.residual, inp.weight, LAYER_EPS), ""),
+        ("rotary q+k", rotary_bytes, lambda: T.rotary(qk, prepared),
+         lambda: layer_ops.torch_rotary(qk, torch_prepared), ""),
+        ("silu_and_mul", 3 * tokens * inter * e, lambda: T.silu_and_mul(inp.gate_up),
+         lambda: layer_ops.torch_silu_and_mul(inp.gate_up), ""),
+    ]
+    for cache_dtype in (dtype, FP8):
+        caches = inp.caches(cache_dtype)
+        scales = dict(k_scale=0.05, v_scale=0.02) if cache_dtype == FP8 else {}
+        ec = torch.finfo(cache_dtype).bits // 8
+        nbytes = rotary_bytes + tokens * kvh * dim * (e + 2 * ec) + 8 * tokens
+
+        def fused(caches=caches, scales=scales) -> None:
+            T.rotary_and_write_kv(qk, value, prepared, *caches, inp.slot_mapping, **scales)
+
+        def torch_chain(caches=caches, scales=scales) -> None:
+            k = layer_ops.torch_rotary(qk, torch_prepared)[:, heads:]
+            reference.write_kv_cache(k, value, *caches, inp.slot_mapping, **scales)
+
+        def unfused(caches=caches, scales=scales) -> None:  # the CUDA model's path without the fused op
+            k = layer_ops.torch_rotary(qk, torch_prepared)[:, heads:]
+            write_kv_cache(k, value, *caches, inp.slot_mapping, **scales)
+
+        cases.append((f"rotary + KV write -> {DTYPE_NAMES[cache_dtype]}", nbytes, fused, torch_chain, unfused))
+    rows = []
+    for op, nbytes, ours, ref, extra in cases:
+        t, t_ref = timer(ours), timer(ref)
+        gbs = nbytes / (t * 1e-3) / 1e9
+        row = Row("layer", f"T={tokens} {op} {DTYPE_NAMES[dtype]}", f"{gbs:.0f} GB/s ({t:.3f} ms)",
+                  of_peak=f"{gbs / peaks['copy_GBps']:.0%} of copy",
+                  sdpa=f"{nbytes / (t_ref * 1e-3) / 1e9:.0f} GB/s ({t_ref:.3f} ms)", ratio=f"{t_ref / t:.2f}x")
+        if extra:
+            t_extra = timer(extra)
+            row.note = f"torch rotary + Triton cache write: {t_extra:.3f} ms ({t_extra / t:.2f}x)"
+        rows.append(row)
+    return rows
+
+
 # --- driver ------------------------------------------------------------------------------
 
 
 def render(rows: list[Row]) -> str:
-    # Every ratio is the peer's time over Triton's: above 1 means Triton is faster.
-    heads = ["part", "case", "Triton", "vs ceiling", "SDPA non-paged", "SDPA / Triton time",
+    # Every ratio is the peer's time over Triton's: above 1 means Triton is faster. The
+    # baseline is SDPA over non-paged K/V for attention, the torch reference chain for layer ops.
+    heads = ["part", "case", "Triton", "vs ceiling", "baseline: SDPA non-paged / torch ops", "baseline / Triton time",
              "flash-attn / Triton time", "FlashInfer / Triton time", "note"]
     lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
     for r in rows:
@@ -401,6 +591,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="batch 32 only, contexts 1k and 8k, one prefill case")
+    ap.add_argument("--layers-only", action="store_true",
+                    help="only the fused layer kernels (their checks, the ceilings, their rows)")
+    ap.add_argument("--json", action="store_true", help="print nothing; only write the JSON to --out")
     ap.add_argument("--out", type=Path, default=Path("results/bench_kernels.json"))
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -417,7 +610,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     started = time.time()
     rows: list[Row] = []
-    checks = correctness(device, args.seed)
+    checks = [] if args.layers_only else correctness(device, args.seed)
+    checks += layer_correctness(device, args.seed)
     for c in checks:
         verdict = "PASS" if c["ok"] else "FAIL"
         shown = c.get("note") or f"rel err {c['rel_err']:.2e} (tol {c['tol']:.0e})"
@@ -437,28 +631,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     prefill_kinds = ((torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16), (torch.float16, FP8))
     work = ([("decode", c) for c in decode_cases]
             + [("prefill", (b, p, ch, a, k)) for b, p, ch in prefill_cases for a, k in prefill_kinds])
-    for i, (kind, case) in enumerate(tqdm(work, desc="bench_kernels", unit="case")):
-        fn = bench_decode if kind == "decode" else bench_prefill
+    if args.layers_only:
+        work = []
+    work += [("layer", (tokens,)) for tokens in LAYER_TOKENS]
+    for i, (kind, case) in enumerate(tqdm(work, desc="bench_kernels", unit="case", disable=args.json)):
         try:
-            rows.append(fn(*case, device=device, seed=args.seed + i, timer=_time_ms, peaks=peaks))
+            if kind == "layer":
+                rows.extend(bench_layer_ops(*case, device=device, seed=args.seed + i, timer=_time_ms, peaks=peaks))
+            else:
+                fn = bench_decode if kind == "decode" else bench_prefill
+                rows.append(fn(*case, device=device, seed=args.seed + i, timer=_time_ms, peaks=peaks))
         except torch.cuda.OutOfMemoryError:
             rows.append(Row(kind, str(case), "skipped", note="out of memory"))
         torch.cuda.empty_cache()
 
     table = render(rows)
-    print(f"\n{torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
-          f"triton {__import__('triton').__version__}, {time.time() - started:.0f} s\n")
-    print(table)
+    if not args.json:
+        print(f"\n{torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
+              f"triton {__import__('triton').__version__}, {time.time() - started:.0f} s\n")
+        print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
         "triton": __import__("triton").__version__, "seed": args.seed,
         "shape": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
                   "block_size": BLOCK_SIZE},
+        "layer_shape": {"hidden": LAYER_HIDDEN, "num_heads": LAYER_HEADS, "num_kv_heads": LAYER_KV_HEADS,
+                        "head_dim": LAYER_HEAD_DIM, "intermediate": LAYER_INTER, "tokens": list(LAYER_TOKENS),
+                        "dtype": DTYPE_NAMES[LAYER_DTYPE]},
+        "layers_only": args.layers_only,
         "correctness": checks, "ceilings": peaks,
         "rows": [dataclasses.asdict(r) for r in rows],
     }, indent=2, default=str))
-    print(f"\nwrote {args.out}")
+    if not args.json:
+        print(f"\nwrote {args.out}")
     return 0 if all(c["ok"] for c in checks) else 1
 
 
