@@ -225,12 +225,17 @@ class Attention(nn.Module):
         # q and k are adjacent columns: rotate them as one [T, H + KVH, D] tensor.
         heads = self.num_heads + self.num_kv_heads
         qk = qkv[:, :self.q_size + self.kv_size].unflatten(1, (heads, self.head_dim))
-        q, k = self.ops.rotary(qk, meta.rotary).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size:].unflatten(1, (self.num_kv_heads, self.head_dim))
-        if self.calculate_kv_scales:
-            self._calculate_kv_scales(k, v)
-        self.backend.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping,
-                                    k_scale=self.k_scale, v_scale=self.v_scale)
+        if self.ops.rotary_and_write_kv is not None and not self.calculate_kv_scales:
+            # One pass (Triton): rotate q and k in place and store the rotated k and v into the cache.
+            q = self.ops.rotary_and_write_kv(qk, v, meta.rotary, self.k_cache, self.v_cache, meta.slot_mapping,
+                                             k_scale=self.k_scale, v_scale=self.v_scale)[:, :self.num_heads]
+        else:
+            q, k = self.ops.rotary(qk, meta.rotary).split([self.num_heads, self.num_kv_heads], dim=1)
+            if self.calculate_kv_scales:  # needs the rotated k: the first forward stays unfused
+                self._calculate_kv_scales(k, v)
+            self.backend.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping,
+                                        k_scale=self.k_scale, v_scale=self.v_scale)
         # Token rows of q/k/v may be strided views into qkv; the CPU backend reads them as they are.
         if self.backend.name != "cpu":
             q = q.contiguous()
