@@ -112,6 +112,9 @@ class PlacementTable:
         self._seen: FloatArray = np.zeros(0)  # time of the key's last request
         self._extra: dict[int, list[int]] = {}  # slot -> copies beyond the primary, in ring order
         self._succ: list[tuple[int, ...] | None] = []  # slot -> member indices in ring order (lazy)
+        # slot -> its placement (member indices, primary first), filled on a request and dropped by
+        # whatever changes the slot's placement: the per-request path reads no numpy for it.
+        self._placed_memo: dict[int, tuple[int, ...]] = {}
         self._cached: dict[str, dict[str, bool]] = {}  # key -> replica -> holds its prefix (precise mode)
         # Per member: the placed load (decayed units of t0), kept current between rebalances.
         self._load_rate: FloatArray = np.zeros(0)
@@ -148,6 +151,7 @@ class PlacementTable:
         for slot, extra in self._extra.items():
             self._copies[slot] += len(extra)
         self._succ = [None] * len(self._succ)
+        self._placed_memo.clear()
         self._recompute_loads()
         self.version += 1
 
@@ -164,16 +168,37 @@ class PlacementTable:
 
     def placement(self, key: str) -> list[str]:
         """The replicas ``key`` is placed on, primary first ([] when unknown or unplaced)."""
-        slot = self._slot.get(key)
-        if slot is None or self._primary[slot] < 0:
-            return []
-        return [self.members[i] for i in self._placed(slot)]
+        return [self.members[i] for i in self.placement_indices(key)]
 
-    def _placed(self, slot: int) -> list[int]:
-        return [int(self._primary[slot]), *self._extra.get(slot, ())]
+    def placement_indices(self, key: str) -> tuple[int, ...]:
+        """``placement(key)`` as member indices (into ``members``); () when unknown or unplaced."""
+        slot = self._slot.get(key)
+        if slot is None:
+            return ()
+        placed = self._placed_memo.get(slot)
+        if placed is None:
+            if self._primary[slot] < 0:
+                return ()
+            placed = self._placed(slot)
+        return placed
+
+    def _placed(self, slot: int) -> tuple[int, ...]:
+        """The member indices of a placed slot, primary first (memoized until its placement changes)."""
+        placed = self._placed_memo.get(slot)
+        if placed is None:
+            placed = self._placed_memo[slot] = (int(self._primary[slot]), *self._extra.get(slot, ()))
+        return placed
+
+    def _unplace(self, slot: int) -> None:
+        """Forget the memoized placement of ``slot`` (call on every change of its primary or copies)."""
+        self._placed_memo.pop(slot, None)
 
     def record(self, key: str, now: float) -> list[str]:
         """Count one request of ``key`` at ``now``, placing the key if it has no replica; its placement."""
+        return [self.members[i] for i in self.record_indices(key, now)]
+
+    def record_indices(self, key: str, now: float) -> tuple[int, ...]:
+        """``record(key, now)`` returning the placement as member indices, primary first."""
         if not self.members:
             raise ValueError("the placement table has no members")
         w = self._unit(now)
@@ -183,11 +208,18 @@ class PlacementTable:
         self._rate[slot] += w
         self._total_rate += w
         self._seen[slot] = now
-        if self._primary[slot] < 0:
-            self._place_new(slot)
-        else:
-            self._add_load(slot, w, 0.0)
-        return [self.members[i] for i in self._placed(slot)]
+        placed = self._placed_memo.get(slot)  # only a placed slot has one
+        if placed is None:
+            if self._primary[slot] < 0:
+                self._place_new(slot)
+                return self._placed(slot)
+            placed = self._placed(slot)
+        # The key's request adds its rate to each replica it is placed on (no work: observe adds that).
+        share = w / len(placed)
+        load_rate = self._load_rate
+        for i in placed:
+            load_rate[i] += share
+        return placed
 
     def observe(self, key: str, uncached_tokens: int, now: float) -> None:
         """Add ``uncached_tokens`` of prefill work to ``key`` (ignored for a key the table does not know)."""
@@ -203,8 +235,10 @@ class PlacementTable:
     def _add_load(self, slot: int, rate: float, work: float) -> None:
         placed = self._placed(slot)
         for i in placed:
-            self._load_rate[i] += rate / len(placed)
-            self._load_work[i] += work / len(placed)
+            if rate:
+                self._load_rate[i] += rate / len(placed)
+            if work:
+                self._load_work[i] += work / len(placed)
 
     def _new_slot(self, key: str) -> int:
         if not self._free:
@@ -220,6 +254,7 @@ class PlacementTable:
             self._succ.extend([None] * (size - old))
             self._free = list(range(size - 1, old - 1, -1))
         slot = self._free.pop()
+        self._unplace(slot)
         self._slot[key] = slot
         self._keys[slot] = key
         self._rate[slot] = self._work[slot] = 0.0
@@ -228,13 +263,23 @@ class PlacementTable:
         self._live[slot] = True
         return slot
 
+    def successor_indices(self, key: str) -> tuple[int, ...] | None:
+        """Member indices in ``key``'s ring order (memoized per membership); None for a key the table does not know."""
+        slot = self._slot.get(key)
+        return None if slot is None else self.successors_of(slot)
+
     def successors_of(self, slot: int) -> tuple[int, ...]:
         """Member indices in the ring order of the key in ``slot``."""
         succ = self._succ[slot]
         if succ is None:
             key = self._keys[slot]
             assert key is not None
-            succ = self._succ[slot] = tuple(self._index[n] for n in self._successors(key) if n in self._index)
+            names = self._successors(key)
+            try:
+                succ = tuple(map(self._index.__getitem__, names))
+            except KeyError:  # a name that is not a member: skipped
+                succ = tuple(self._index[n] for n in names if n in self._index)
+            self._succ[slot] = succ
         return succ
 
     # -- room and placement ---------------------------------------------------------
@@ -263,20 +308,25 @@ class PlacementTable:
     def _pick(self, slot: int, order: Sequence[int], rate: float, work: float) -> int | None:
         """The first member of ``order`` with room, preferring (precise mode) one holding the key.
 
-        Room in rate and work if any member has it, else room in rate alone.
+        Room in rate and work if any member has it, else room in rate alone. The
+        walk stops at the first member with room (approximate mode) or the first
+        with room holding the key (precise mode): room is asked of no member past it.
         """
-        with_room = [i for i in order if self._room(i, rate, work)]
-        if not with_room:
-            with_room = [i for i in order if self._room(i, rate, None)]
-        if not with_room:
-            return None
-        if self.precise:
-            key = self._keys[slot]
-            assert key is not None
-            for i in with_room:
+        key = self._keys[slot] if self.precise else None
+        for bound in (work, None):
+            first: int | None = None
+            for i in order:
+                if not self._room(i, rate, bound):
+                    continue
+                if key is None:
+                    return i
+                if first is None:
+                    first = i
                 if self.holds(key, self.members[i]):
                     return i
-        return with_room[0]
+            if first is not None:
+                return first
+        return None
 
     def _place_new(self, slot: int) -> None:
         rate, work = float(self._rate[slot]), float(self._work[slot])
@@ -285,6 +335,7 @@ class PlacementTable:
         self._primary[slot] = succ[0] if chosen is None else chosen
         self._copies[slot] = 1
         self._extra.pop(slot, None)
+        self._unplace(slot)
         self._add_load(slot, rate, work)
         self.version += 1
 
@@ -342,6 +393,7 @@ class PlacementTable:
             self._copies[slot] = 0
             self._rate[slot] = self._work[slot] = 0.0
             self._extra.pop(slot, None)
+            self._unplace(slot)
             self._succ[slot] = None
             self._free.append(slot)
         if len(quiet):
@@ -384,6 +436,7 @@ class PlacementTable:
         else:
             self._extra.pop(slot, None)
         self._copies[slot] = 1 + len(extra)
+        self._unplace(slot)
         self.version += 1
 
     def _shed(self) -> None:
@@ -431,6 +484,7 @@ class PlacementTable:
         if dst is None:
             return
         self._primary[slot] = dst
+        self._unplace(slot)
         self._load_rate[src] -= rate
         self._load_work[src] -= work
         self._load_rate[dst] += rate
@@ -501,6 +555,7 @@ class PlacementTable:
         self._seen = np.zeros(0)
         self._extra = {}
         self._succ = []
+        self._placed_memo = {}
         self._t0 = now
         for key, entry in entries.items():
             slot = self._new_slot(str(key))

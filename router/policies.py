@@ -51,6 +51,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
+from operator import itemgetter
 from typing import Any, ClassVar, Generic, Protocol, TypeVar, runtime_checkable
 
 from prefixserve.replica.config_util import from_dict
@@ -447,6 +448,48 @@ def effective_in_flight(c: ReplicaView) -> int:
 
 # Ring orders memoized by ``placed`` before the memo is dropped (bounds its memory).
 _MAX_MEMO_KEYS = 65536
+# Rankings memoized per key (one per distinct first choice and placement) before that key's are dropped.
+_MAX_RANKINGS_PER_KEY = 8
+# Ring orders memoized per ring point by ``placed``: at most this many names in all (16 MB of references).
+_MAX_POINT_MEMO_NAMES = 2_000_000
+
+
+class _KeyOrder:
+    """A key's ring order over the current candidate list (``Placed``'s per-request memo).
+
+    owner: the key's ring owner's name. order: candidate positions in ring order.
+    rankings: (chosen, rest of placement) positions -> a getter returning the
+    candidates in ranking order (chosen, rest, remaining ring order); None until
+    the key's second request (a key seen once gets its ranking built directly).
+    """
+
+    __slots__ = ("owner", "order", "rankings")
+
+    def __init__(self, owner: str, order: tuple[int, ...]) -> None:
+        self.owner = owner
+        self.order = order
+        self.rankings: dict[tuple[int, ...], Callable[[Sequence[Any]], Any]] | None = None
+
+    def positions(self, head: tuple[int, ...]) -> tuple[int, ...]:
+        """Candidate positions in ranking order: ``head`` (chosen, rest of placement), then the ring order."""
+        order = self.order
+        if len(head) == 1:  # the ring order with the chosen replica moved to the front (C-level slices)
+            i = order.index(head[0])
+            return order if i == 0 else (order[i], *order[:i], *order[i + 1 :])
+        return (*head, *(p for p in order if p not in head))
+
+    def rank(self, head: tuple[int, ...], candidates: Sequence[R]) -> list[R]:
+        """The candidates in ranking order for ``head`` (at least two candidates)."""
+        rankings = self.rankings
+        if rankings is None:
+            self.rankings = {}
+            return [candidates[p] for p in self.positions(head)]
+        getter = rankings.get(head)
+        if getter is None:
+            if len(rankings) >= _MAX_RANKINGS_PER_KEY:
+                rankings.clear()
+            getter = rankings[head] = itemgetter(*self.positions(head))
+        return list(getter(candidates))
 
 
 class Placed(_RingPolicy):
@@ -489,24 +532,36 @@ class Placed(_RingPolicy):
         self._next_rebalance: float | None = None
         self._table_members: tuple[tuple[str, int], ...] = ()
         self._turns: dict[str, int] = {}  # replicated key -> requests counted (tie rotation)
-        self._successors: dict[str, list[str]] = {}  # key -> ring order under the current membership
+        # The candidate list of the last keyed call (names in the caller's order) and what was
+        # derived from it: valid while the caller passes the same names in the same order and
+        # the ring is the one the view was built on.
+        self._view_names: list[str] | None = None
+        self._view_ring: HashRing | None = None
+        self._view_pos: dict[str, int] = {}  # name -> candidate position
+        self._member_pos: list[int] = []  # table member index -> candidate position
+        self._keyed: dict[str, _KeyOrder] = {}  # key -> its ring order in candidate positions
+        # Ring point (the start index of a key's walk) -> the members in ring order from it, per
+        # membership: a key never seen before is usually on a point some other key walked from.
+        self._points: dict[int, tuple[str, ...]] = {}
 
     # -- membership ---------------------------------------------------------------
     def _sync_members(self, candidates: Sequence[ReplicaView]) -> HashRing:
         ring = self.ring_for(candidates)
         if self._members != self._table_members:
-            self.table.set_members([n for n, _ in self._members], [w for _, w in self._members], ring.successors)
+            self._points.clear()
+            self.table.set_members([n for n, _ in self._members], [w for _, w in self._members],
+                                   lambda key: self._ring_order(ring, key))
             self._table_members = self._members
-            self._successors.clear()
         return ring
 
-    def _ring_order(self, ring: HashRing, key: str) -> list[str]:
-        """``ring.successors(key)``, memoized per membership (a ring walk costs ~13 us at 64 replicas)."""
-        order = self._successors.get(key)
+    def _ring_order(self, ring: HashRing, key: str) -> tuple[str, ...]:
+        """``ring.successors(key)``, memoized per ring point (the order depends on the key's point alone)."""
+        start = ring.start_index(key)
+        order = self._points.get(start)
         if order is None:
-            if len(self._successors) >= _MAX_MEMO_KEYS:
-                self._successors.clear()
-            order = self._successors[key] = list(ring.successors(key))
+            if len(self._points) * len(ring) >= _MAX_POINT_MEMO_NAMES:
+                self._points.clear()
+            order = self._points[start] = tuple(ring.successors(key))
         return order
 
     def rebalance_due(self) -> bool:
@@ -524,45 +579,110 @@ class Placed(_RingPolicy):
         self._turns = {k: t for k, t in self._turns.items() if len(self.table.placement(k)) > 1}
         return changed
 
+    def _set_view(self, candidates: Sequence[ReplicaView], names: list[str]) -> HashRing:
+        """Adopt a new candidate list: check it, sync the ring and table, map names to positions."""
+        _check(candidates)
+        ring = self._sync_members(candidates)
+        pos = {n: i for i, n in enumerate(names)}
+        self._view_names = names
+        self._view_ring = ring
+        self._view_pos = pos
+        self._member_pos = [pos[n] for n in self.table.members]
+        self._keyed.clear()
+        return ring
+
+    def _key_order(self, key: str) -> _KeyOrder:
+        """The key's ring order over the current view (memoized until the view changes).
+
+        From the table's ring order of the key (one ring walk per key and membership),
+        or, for a key the table does not know (an uncounted request), from the ring.
+        """
+        entry = self._keyed.get(key)
+        if entry is None:
+            if len(self._keyed) >= _MAX_MEMO_KEYS:
+                self._keyed.clear()
+            members = self.table.successor_indices(key)
+            if members is None:
+                assert self._view_ring is not None
+                names = self._ring_order(self._view_ring, key)
+                entry = _KeyOrder(names[0], tuple(map(self._view_pos.__getitem__, names)))
+            else:
+                entry = _KeyOrder(self.table.members[members[0]], tuple(map(self._member_pos.__getitem__, members)))
+            self._keyed[key] = entry
+        return entry
+
     # -- the decision -------------------------------------------------------------
     def rank(self, candidates: Sequence[R], key: str | None, count: bool = True) -> Decision[R]:
-        """Rank for one request of ``key``; ``count=False`` for a retry of a request already counted."""
-        _check(candidates)
+        """Rank for one request of ``key``; ``count=False`` for a retry of a request already counted.
+
+        The class docstring states the decision; this path reads each candidate
+        once and reuses, per key, its ring order in candidate positions and the
+        ranking for its first choice while the caller passes the same candidate
+        names in the same order (tests/test_placement.py checks it against a
+        direct statement of the decision on random inputs).
+        """
+        names = [c.name for c in candidates]
         if key is None:
+            if names != self._view_names:
+                _check(candidates)
             return Decision(sorted(candidates, key=lambda c: (effective_in_flight(c), c.name)), kind=KIND_NO_KEY)
-        ring = self._sync_members(candidates)
+        if names != self._view_names or self._ring is not self._view_ring or self._members is not self._table_members:
+            self._set_view(candidates, names)
         now = self._clock()
         if self.options.leader and (self._next_rebalance is None or now >= self._next_rebalance):
             if self._next_rebalance is not None:
                 self._rebalance(now)
             self._next_rebalance = now + self.options.rebalance_interval_s
-        placed = self.table.record(key, now) if count else self.table.placement(key)
-        order = self._ring_order(ring, key)
-        by_name = {c.name: c for c in candidates}
-        loads = {c.name: effective_in_flight(c) for c in candidates}
-        cap = in_flight_cap(sum(loads.values()) / len(candidates))
-        if not placed:  # not counted and unknown: the ring decides
-            placed = [order[0]]
-        under = [n for n in placed if loads[n] < cap]
-        if under:
-            # Least loaded; ties rotate over the key's requests, so that copies of a
-            # hot key share its traffic evenly (as the placement's accounting assumes).
-            low = min(loads[n] for n in under)
-            tied = [n for n in under if loads[n] == low]
-            turn = self._turns.get(key, 0)
-            if count and len(placed) > 1:
-                self._turns[key] = turn + 1
-            chosen = tied[turn % len(tied)]
-            kind = (KIND_REPLICATED if chosen != placed[0]
-                    else KIND_OWNER if chosen == order[0] else KIND_PLACED)
+        # Each candidate's in-flight count: its own, or its reported queued + running when more.
+        loads: list[int] = []
+        for c in candidates:
+            f = c.in_flight
+            load = getattr(c, "load", None)
+            if isinstance(load, ReplicaLoad):
+                q = load.num_waiting + load.num_running
+                if q > f:
+                    f = q
+            loads.append(f)
+        cap = in_flight_cap(sum(loads) / len(candidates))
+        table = self.table
+        placed_members = table.record_indices(key, now) if count else table.placement_indices(key)
+        entry = self._key_order(key)
+        order = entry.order
+        if not placed_members:  # not counted and unknown: the ring decides
+            placed: tuple[int, ...] = (order[0],)
+        elif len(placed_members) == 1:
+            placed = (self._member_pos[placed_members[0]],)
         else:
-            spill = [n for n in order if n not in placed and loads[n] < cap]
-            chosen = spill[0] if spill else min(order, key=lambda n: loads[n])
-            kind = KIND_SPILLED
-        rest = [n for n in placed if n != chosen]
-        seen = {chosen, *rest}
-        names = [chosen, *rest, *(n for n in order if n not in seen)]
-        return Decision([by_name[n] for n in names], owner=order[0], kind=kind)
+            member_pos = self._member_pos
+            placed = tuple([member_pos[i] for i in placed_members])
+        first = placed[0]
+        if len(placed) == 1 and loads[first] < cap:  # the common case: one replica, under the cap
+            chosen = first
+            kind = KIND_OWNER if first == order[0] else KIND_PLACED
+        else:
+            under = [p for p in placed if loads[p] < cap]
+            if under:
+                # Least loaded; ties rotate over the key's requests, so that copies of a
+                # hot key share its traffic evenly (as the placement's accounting assumes).
+                low = min(loads[p] for p in under)
+                tied = [p for p in under if loads[p] == low]
+                turn = self._turns.get(key, 0)
+                if count and len(placed) > 1:
+                    self._turns[key] = turn + 1
+                chosen = tied[turn % len(tied)]
+                kind = KIND_REPLICATED if chosen != first else KIND_OWNER if chosen == order[0] else KIND_PLACED
+            else:
+                # The first ring successor outside the placement under the cap, else the least loaded.
+                spill = next((p for p in order if loads[p] < cap and p not in placed), None)
+                chosen = spill if spill is not None else min(order, key=loads.__getitem__)
+                kind = KIND_SPILLED
+        if len(candidates) == 1:
+            return Decision([candidates[0]], owner=entry.owner, kind=kind)
+        if len(placed) == 1:
+            head: tuple[int, ...] = (chosen,) if chosen == first else (chosen, first)
+        else:
+            head = (chosen, *(p for p in placed if p != chosen))
+        return Decision(entry.rank(head, candidates), owner=entry.owner, kind=kind)
 
     # -- other inputs -------------------------------------------------------------
     def observe(self, key: str, prompt_tokens: int, cached_tokens: int | None = None) -> None:
@@ -659,7 +779,9 @@ def bench_rank(num_replicas: int = 64, num_keys: int = 2000, num_requests: int =
     """Microseconds per ``Placed.rank`` call, timed alone as the router's decision-latency metric times it.
 
     Traffic: Zipf (s 0.8) over ``num_keys`` keys (``cold``: every request a key never
-    seen, so no memo helps); ``rate`` requests per second on the policy's injected clock
+    seen, so no per-key memo helps); the first ``num_requests // 2`` requests warm the
+    process up untimed (with other never-seen keys when ``cold``: the ring's per-point
+    cache and the table are warm, the keys are not); ``rate`` requests per second on the policy's injected clock
     (a rebalance every 10 s of it, timed with the request that triggers it);
     ``in_flight_per_replica`` requests outstanding per replica on average; every
     candidate reports a load (queued + running) refreshed every ``num_replicas``
@@ -676,7 +798,7 @@ def bench_rank(num_replicas: int = 64, num_keys: int = 2000, num_requests: int =
     reported = [ReplicaLoad()] * num_replicas
     outstanding: list[int] = []
     index = {n: i for i, n in enumerate(names)}
-    warmup = 0 if cold else num_requests // 2
+    warmup = num_requests // 2
     stream = rng.choices(range(num_keys), weights, k=warmup + num_requests)
     times: list[float] = []
     for step, k in enumerate(stream):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import random
+from collections import Counter
 from dataclasses import dataclass
 
 import pytest
@@ -17,10 +19,12 @@ from prefixserve.router.policies import (
     KIND_PLACED,
     KIND_REPLICATED,
     KIND_SPILLED,
+    Decision,
     Placed,
     Replica,
     ReplicaLoad,
     bench_rank,
+    effective_in_flight,
     in_flight_cap,
     make_policy,
     pick_options,
@@ -178,6 +182,157 @@ def test_the_ranking_is_chosen_then_placement_then_ring_order(loads: list[int], 
             assert got[0] in under and d.kind in (KIND_OWNER, KIND_PLACED, KIND_REPLICATED)
         else:
             assert d.kind == KIND_SPILLED
+
+
+class ReferenceTable(PlacementTable):
+    """The placement table stated directly: ring orders walked afresh, placements read from the arrays,
+    ``_pick`` scanning every member (what the memoized, early-exit paths must equal)."""
+
+    def set_members(self, names, weights, successors) -> None:  # type: ignore[no-untyped-def]
+        ring = HashRing(list(zip(names, weights)))
+        super().set_members(names, weights, ring.successors)
+
+    def placement(self, key: str) -> list[str]:
+        slot = self._slot.get(key)
+        if slot is None or self._primary[slot] < 0:
+            return []
+        return [self.members[int(self._primary[slot])]] + [self.members[i] for i in self._extra.get(slot, ())]
+
+    def record(self, key: str, now: float) -> list[str]:
+        if not self.members:
+            raise ValueError("the placement table has no members")
+        w = self._unit(now)
+        slot = self._slot.get(key)
+        if slot is None:
+            slot = self._new_slot(key)
+        self._rate[slot] += w
+        self._total_rate += w
+        self._seen[slot] = now
+        if self._primary[slot] < 0:
+            self._place_new(slot)
+        else:
+            placed = self.placement(key)
+            for n in placed:
+                self._load_rate[self._index[n]] += w / len(placed)
+        return self.placement(key)
+
+    def _pick(self, slot: int, order, rate: float, work: float) -> int | None:  # type: ignore[no-untyped-def]
+        with_room = [i for i in order if self._room(i, rate, work)]
+        if not with_room:
+            with_room = [i for i in order if self._room(i, rate, None)]
+        if not with_room:
+            return None
+        if self.precise:
+            key = self._keys[slot]
+            assert key is not None
+            for i in with_room:
+                if self.holds(key, self.members[i]):
+                    return i
+        return with_room[0]
+
+
+def reference_rank(p: Placed, candidates: list[Loaded], key: str | None, count: bool = True) -> Decision:
+    """``Placed.rank``'s decision stated directly (no memo but the ring's), on ``p``'s state."""
+    if not candidates or len({c.name for c in candidates}) != len(candidates):
+        raise ValueError("bad candidates")
+    if key is None:
+        return Decision(sorted(candidates, key=lambda c: (effective_in_flight(c), c.name)), kind=KIND_NO_KEY)
+    ring = p._sync_members(candidates)
+    now = p._clock()
+    if p.options.leader and (p._next_rebalance is None or now >= p._next_rebalance):
+        if p._next_rebalance is not None:
+            p._rebalance(now)
+        p._next_rebalance = now + p.options.rebalance_interval_s
+    placed = p.table.record(key, now) if count else p.table.placement(key)
+    order = ring.successors(key)
+    by_name = {c.name: c for c in candidates}
+    loads = {c.name: effective_in_flight(c) for c in candidates}
+    cap = in_flight_cap(sum(loads.values()) / len(candidates))
+    if not placed:
+        placed = [order[0]]
+    under = [n for n in placed if loads[n] < cap]
+    if under:
+        low = min(loads[n] for n in under)
+        tied = [n for n in under if loads[n] == low]
+        turn = p._turns.get(key, 0)
+        if count and len(placed) > 1:
+            p._turns[key] = turn + 1
+        chosen = tied[turn % len(tied)]
+        kind = KIND_REPLICATED if chosen != placed[0] else KIND_OWNER if chosen == order[0] else KIND_PLACED
+    else:
+        spill = [n for n in order if n not in placed and loads[n] < cap]
+        chosen = spill[0] if spill else min(order, key=lambda n: loads[n])
+        kind = KIND_SPILLED
+    rest = [n for n in placed if n != chosen]
+    names = [chosen, *rest, *(n for n in order if n != chosen and n not in rest)]
+    return Decision([by_name[n] for n in names], owner=order[0], kind=kind)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_rank_decides_as_the_direct_statement_of_the_decision(seed: int) -> None:
+    """The memoized per-request path (positions, cached placements, early-exit room) against
+    ``reference_rank`` on a ``ReferenceTable``, fed the same random stream: candidate sets that
+    change and reorder, loads with and without reports, counted and uncounted requests,
+    keyless requests, prefill work, rebalances (hot keys, shedding), precise events, snapshots."""
+    rng = random.Random(seed)
+    precise = seed % 2 == 1
+    clock = Clock()
+    options = {"rebalance_interval_s": 1.0, "hot_share": 0.2, "epsilon": 0.1, "precise": precise,
+               "noise_z": 0.0 if seed % 3 else 1.0}
+    fast = policy(clock, **options)
+    ref = policy(clock, **options)
+    ref.table = ReferenceTable(ref.table.epsilon, ref.table.tau_s, ref.table.hot_share, precise,
+                               ref.table.work_epsilon, ref.table.noise_z)
+    pool = [f"10.2.0.{i}:80" for i in range(9)]
+    names = rng.sample(pool, 6)
+    keys = [f"k{i}" for i in range(40)]
+    spread = rng.choice([3, 12, 40])
+    kinds: Counter[str] = Counter()
+    for step in range(1500):
+        clock.t += rng.expovariate(20.0)
+        r = rng.random()
+        if r < 0.01:
+            names = rng.sample(pool, rng.randint(1, len(pool)))  # membership changes
+        elif r < 0.03:
+            rng.shuffle(names)  # same members, another order
+        cands = []
+        for n in names:
+            # some over the in-flight cap, so that requests spill
+            f = rng.randint(0, spread) if rng.random() < 0.7 else rng.randint(4 * spread, 8 * spread)
+            load = None if rng.random() < 0.3 else ReplicaLoad(rng.randint(0, spread), rng.randint(0, 4))
+            cands.append(Loaded(n, f, load))
+        u = rng.random()
+        key = None if u < 0.05 else f"new-{step}" if u < 0.1 else keys[min(int(rng.paretovariate(1.0)) - 1, 39)]
+        count = rng.random() > 0.1
+        a = fast.rank(cands, key, count=count)
+        b = reference_rank(ref, cands, key, count=count)
+        assert [c.name for c in a.ranking] == [c.name for c in b.ranking], step
+        assert all(x is y for x, y in zip(a.ranking, b.ranking))
+        assert (a.owner, a.kind) == (b.owner, b.kind), step
+        kinds[a.kind or ""] += 1
+        if key is not None and rng.random() < 0.5:
+            prompt, cached = rng.randint(1, 500), rng.choice([None, rng.randint(0, 500)])
+            fast.observe(key, prompt, cached)
+            ref.observe(key, prompt, cached)
+        if precise and rng.random() < 0.3:
+            k, n, held = rng.choice(keys), rng.choice(pool), rng.random() < 0.5
+            fast.set_cached(n, k, held)
+            ref.set_cached(n, k, held)
+        if rng.random() < 0.005:  # a leader's snapshot applied to both, at times over other members
+            snap = json.loads(json.dumps(fast.placement_snapshot()))
+            if rng.random() < 0.5:
+                snap["members"] = rng.sample(pool, rng.randint(1, len(pool)))
+            fast.apply_snapshot(snap)
+            ref.apply_snapshot(snap)
+        if step % 100 == 99:
+            assert fast.table.snapshot(clock.t) == ref.table.snapshot(clock.t)
+            assert fast.table.loads() == ref.table.loads()
+            for k in fast.table.keys():
+                assert fast.placement(k) == ref.table.placement(k)
+    # the stream reached every branch of the decision
+    assert {KIND_OWNER, KIND_PLACED, KIND_SPILLED, KIND_NO_KEY} <= set(kinds)
+    if seed % 3:
+        assert kinds[KIND_REPLICATED] > 0
 
 
 # ------------------------------------------------------------------- rebalancing
