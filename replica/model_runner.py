@@ -73,9 +73,9 @@ class ModelRunner:
         try:
             if size > 1:
                 self.workers = self._start_workers(checkpoint, checkpoint_dtype, threads)
-            self.shard = ModelShard(config, model_cfg, loader.iter_weights(checkpoint), max_model_len=max_model_len,
-                                    tp=TPGroup(0, size), device=self.device, dtype=self.dtype,
-                                    num_threads=threads[0], startup=startup)
+            self.shard = ModelShard(config, model_cfg, loader.iter_weights(checkpoint, mapped=size > 1),
+                                    max_model_len=max_model_len, tp=TPGroup(0, size), device=self.device,
+                                    dtype=self.dtype, num_threads=threads[0], startup=startup)
             with (startup or StartupTimer()).phase("kv_cache"):
                 self._allocate_kv_cache()
         except BaseException:

@@ -65,7 +65,7 @@ def _start(spec, rank: int, size: int, conn: Connection):
                           timeout=_timedelta(config.distributed_timeout_s))
     init_distributed(store, rank, size, device, config.distributed_timeout_s)
     dtype = resolve_dtype(config.dtype, device, spec.checkpoint_dtype)
-    shard = ModelShard(config, spec.model_cfg, loader.iter_weights(spec.checkpoint),
+    shard = ModelShard(config, spec.model_cfg, loader.iter_weights(spec.checkpoint, mapped=True),
                        max_model_len=spec.max_model_len, tp=TPGroup(rank, size), device=device, dtype=dtype,
                        num_threads=spec.cpu_threads[rank])
     conn.send((shard.kv_block_capacity(), shard.host_block_capacity()))

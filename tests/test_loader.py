@@ -169,3 +169,21 @@ def test_smollm2_cached_weights_equal_transformers_gguf_load(cache):
     assert set(got) == set(ref) - {"lm_head.weight"}  # tied to the embedding
     for name, tensor in got.items():
         assert torch.equal(tensor, ref[name]), name
+
+
+def test_mapped_weights_are_the_same_tensors_read_lazily(tmp_path):
+    """A tensor-parallel rank's mapped views hold exactly what the positioned reads return,
+    including a bf16 tensor and an empty one; narrowing a view reads only its slice."""
+    from safetensors.torch import save_file
+
+    tensors = {"a": torch.randn(6, 5), "b": torch.randn(3, 4).to(torch.bfloat16), "empty": torch.empty(0, 4),
+               "c": torch.arange(12, dtype=torch.int64).view(3, 4)}
+    save_file(tensors, tmp_path / "model.safetensors")
+    src = loader.CheckpointSource(tmp_path)
+    read = dict(loader.iter_weights(src))
+    mapped = dict(loader.iter_weights(src, mapped=True))
+    assert read.keys() == mapped.keys() == tensors.keys()
+    for name, tensor in tensors.items():
+        assert mapped[name].dtype == tensor.dtype and torch.equal(mapped[name], tensor), name
+        assert torch.equal(read[name], tensor), name
+    assert torch.equal(mapped["a"].narrow(1, 2, 2).clone(), tensors["a"][:, 2:4])

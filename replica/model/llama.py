@@ -382,7 +382,9 @@ class LlamaForCausalLM(nn.Module):
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no parameter in {self.cfg.architecture}")
             loader = getattr(param, "weight_loader", default_weight_loader)
-            loader(param, tensor.to(param.dtype), shard_id)
+            # No dtype conversion here: each loader narrows to its slice first, and copy_
+            # converts only that (a tensor-parallel rank's mapped weights are read lazily).
+            loader(param, tensor, shard_id)
             loaded.add(name)
         expected = {n for n in params if not (self.cfg.tie_word_embeddings and n == "lm_head.weight")}
         missing = sorted(expected - loaded)

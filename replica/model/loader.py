@@ -167,10 +167,12 @@ def generation_eos_ids(src: CheckpointSource) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
 
 
-def iter_weights(src: CheckpointSource) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(src: CheckpointSource, *, mapped: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, tensor)`` for every tensor of the checkpoint, shard by shard, each
-    tensor read on its own (see :mod:`.safetensors_files`). A converted GGUF's weights are
-    read only once their checksums match its manifest; a corrupt entry is rebuilt first."""
+    tensor read on its own (see :mod:`.safetensors_files`). ``mapped``: read-only views of
+    the memory-mapped files instead, for a tensor-parallel rank whose loaders copy only
+    their slice (so only its pages are read). A converted GGUF's weights are read only
+    once their checksums match its manifest; a corrupt entry is rebuilt first."""
     src = prepare(src)
     with _lock:
         conv = _conversions.get(src)
@@ -184,4 +186,4 @@ def iter_weights(src: CheckpointSource) -> Iterator[tuple[str, torch.Tensor]]:
     if not files:
         raise ValueError(f"no *.safetensors in {src.folder}: convert the checkpoint to safetensors")
     for file in files:
-        yield from safetensors_files.iter_file(file)
+        yield from (safetensors_files.iter_file_mapped(file) if mapped else safetensors_files.iter_file(file))
