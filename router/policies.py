@@ -446,12 +446,12 @@ def effective_in_flight(c: ReplicaView) -> int:
     return max(c.in_flight, load.num_waiting + load.num_running)
 
 
-# Ring orders memoized by ``placed`` before the memo is dropped (bounds its memory).
-_MAX_MEMO_KEYS = 65536
-# Rankings memoized per key (one per distinct first choice and placement) before that key's are dropped.
-_MAX_RANKINGS_PER_KEY = 8
-# Ring orders memoized per ring point by ``placed``: at most this many names in all (16 MB of references).
+# Bounds on ``placed``'s memos (a full memo is dropped and refills): its per-key ring orders in
+# candidate positions hold at most this many positions in all (32 MB of references), its per-ring-point
+# orders this many names (16 MB), and each key at most this many rankings (one per first choice and placement).
+_MAX_MEMO_POSITIONS = 4_000_000
 _MAX_POINT_MEMO_NAMES = 2_000_000
+_MAX_RANKINGS_PER_KEY = 8
 
 
 class _KeyOrder:
@@ -599,7 +599,7 @@ class Placed(_RingPolicy):
         """
         entry = self._keyed.get(key)
         if entry is None:
-            if len(self._keyed) >= _MAX_MEMO_KEYS:
+            if len(self._keyed) * len(self._member_pos) >= _MAX_MEMO_POSITIONS:
                 self._keyed.clear()
             members = self.table.successor_indices(key)
             if members is None:
@@ -781,8 +781,8 @@ def bench_rank(num_replicas: int = 64, num_keys: int = 2000, num_requests: int =
     Traffic: Zipf (s 0.8) over ``num_keys`` keys (``cold``: every request a key never
     seen, so no per-key memo helps); the first ``num_requests // 2`` requests warm the
     process up untimed (with other never-seen keys when ``cold``: the ring's per-point
-    cache and the table are warm, the keys are not); ``rate`` requests per second on the policy's injected clock
-    (a rebalance every 10 s of it, timed with the request that triggers it);
+    cache and the table are warm, the keys are not); ``rate`` requests per second on the
+    policy's injected clock (a rebalance every 10 s of it, timed with the request that triggers it);
     ``in_flight_per_replica`` requests outstanding per replica on average; every
     candidate reports a load (queued + running) refreshed every ``num_replicas``
     requests. Fresh candidate views are built per request (outside the timing), as

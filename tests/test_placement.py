@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from prefixserve.router import policies as policies_module
 from prefixserve.router.placement import PlacementTable, bench_rebalance
 from prefixserve.router.policies import (
     KIND_NO_KEY,
@@ -269,11 +270,16 @@ def reference_rank(p: Placed, candidates: list[Loaded], key: str | None, count: 
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_rank_decides_as_the_direct_statement_of_the_decision(seed: int) -> None:
+def test_rank_decides_as_the_direct_statement_of_the_decision(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The memoized per-request path (positions, cached placements, early-exit room) against
     ``reference_rank`` on a ``ReferenceTable``, fed the same random stream: candidate sets that
     change and reorder, loads with and without reports, counted and uncounted requests,
-    keyless requests, prefill work, rebalances (hot keys, shedding), precise events, snapshots."""
+    keyless requests, prefill work, rebalances (hot keys, shedding), precise events, snapshots.
+    Half the seeds run with tiny memo bounds, so that every memo is dropped and refilled often."""
+    if seed >= 6:
+        monkeypatch.setattr(policies_module, "_MAX_MEMO_POSITIONS", 40)
+        monkeypatch.setattr(policies_module, "_MAX_POINT_MEMO_NAMES", 30)
+        monkeypatch.setattr(policies_module, "_MAX_RANKINGS_PER_KEY", 2)
     rng = random.Random(seed)
     precise = seed % 2 == 1
     clock = Clock()
