@@ -212,7 +212,8 @@ class PlacementTable:
         if placed is None:
             if self._primary[slot] < 0:
                 self._place_new(slot)
-                return self._placed(slot)
+                # Not memoized yet: most keys placed now are never requested again.
+                return (int(self._primary[slot]),)
             placed = self._placed(slot)
         # The key's request adds its rate to each replica it is placed on (no work: observe adds that).
         share = w / len(placed)
@@ -513,6 +514,9 @@ class PlacementTable:
 
     def __len__(self) -> int:
         return len(self._slot)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._slot
 
     def keys(self) -> list[str]:
         """Every key the table knows."""

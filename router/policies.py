@@ -591,16 +591,14 @@ class Placed(_RingPolicy):
         self._keyed.clear()
         return ring
 
-    def _key_order(self, key: str) -> _KeyOrder:
-        """The key's ring order over the current view (memoized until the view changes).
+    def _key_order(self, key: str, memo: bool = True) -> _KeyOrder:
+        """The key's ring order over the current view (memoized until the view changes, unless not ``memo``).
 
         From the table's ring order of the key (one ring walk per key and membership),
         or, for a key the table does not know (an uncounted request), from the ring.
         """
         entry = self._keyed.get(key)
         if entry is None:
-            if len(self._keyed) * len(self._member_pos) >= _MAX_MEMO_POSITIONS:
-                self._keyed.clear()
             members = self.table.successor_indices(key)
             if members is None:
                 assert self._view_ring is not None
@@ -608,7 +606,10 @@ class Placed(_RingPolicy):
                 entry = _KeyOrder(names[0], tuple(map(self._view_pos.__getitem__, names)))
             else:
                 entry = _KeyOrder(self.table.members[members[0]], tuple(map(self._member_pos.__getitem__, members)))
-            self._keyed[key] = entry
+            if memo:
+                if len(self._keyed) * len(self._member_pos) >= _MAX_MEMO_POSITIONS:
+                    self._keyed.clear()
+                self._keyed[key] = entry
         return entry
 
     # -- the decision -------------------------------------------------------------
@@ -645,8 +646,10 @@ class Placed(_RingPolicy):
             loads.append(f)
         cap = in_flight_cap(sum(loads) / len(candidates))
         table = self.table
+        # A key's first request memoizes nothing here (most keys seen once are never seen again).
+        seen = key in table
         placed_members = table.record_indices(key, now) if count else table.placement_indices(key)
-        entry = self._key_order(key)
+        entry = self._key_order(key, memo=seen)
         order = entry.order
         if not placed_members:  # not counted and unknown: the ring decides
             placed: tuple[int, ...] = (order[0],)
