@@ -18,6 +18,22 @@ requests per CPU-second of the process (``time.process_time``: on a machine
 shared with other jobs wall time varies with their load, CPU time much less),
 evictions, preemptions; and hit rate, req/s and req/CPU-s relative to ``lru``.
 
+``--workload multi_turn``: ``--users`` conversations of ``--rounds`` turns on
+token ids; turn r's prompt is the user's previous prompt, the engine's actual
+answer to it (its generated token ids) and a new ``--question-len`` question, so a
+turn can hit the blocks its previous answer filled. Rounds go in order, users
+shuffled within a round (as ``workloads.multi_turn``, whose synthetic answers
+would never hit), waves of ``--wave``.
+
+``--generated-blocks`` (comma list, each run for every policy): ``warm`` frees a
+finished request's blocks as the engine does; ``cold`` passes
+``generated_cold=True`` to ``KVCacheManager.free`` for finished requests that are
+not conversation turns (every zipf request; no multi_turn request), so their
+generated blocks enter the pool's cold end; ``cold-all`` does it for every
+finished request, conversation turns included (what not knowing them costs).
+The engine does not pass the flag itself yet: the benchmark wraps the
+scheduler's ``finish`` (preempted requests are freed as usual).
+
 Run: ``python -m prefixserve.loadtest.bench_eviction`` (prints a markdown table,
 writes results/bench_eviction.json).
 """
@@ -25,11 +41,13 @@ writes results/bench_eviction.json).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,32 +72,112 @@ def build_workload(args: argparse.Namespace) -> tuple[list[int], list[list[int]]
     return tenants, [systems[t] + toks("q", i) for i, t in enumerate(tenants)]
 
 
-def run_policy(policy: str, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
+def request_kinds(args: argparse.Namespace) -> list[tuple[str, int]]:
+    """The sequence of requests: ("z", i) is zipf prompt i, ("c", u) user u's next conversation turn.
+
+    multi_turn: rounds in order, users shuffled within a round; mixed: the same
+    turns, each followed by ``--oneshots-per-turn`` zipf requests.
+    """
+    if args.workload == "zipf":
+        return [("z", i) for i in range(args.requests)]
+    out: list[tuple[str, int]] = []
+    z = 0
+    for r in range(args.rounds):
+        users = list(range(args.users))
+        random.Random(f"{args.seed}-round-{r}").shuffle(users)
+        for u in users:
+            out.append(("c", u))
+            if args.workload == "mixed":
+                out += [("z", z + k) for k in range(args.oneshots_per_turn)]
+                z += args.oneshots_per_turn
+    return out
+
+
+def _toks(args: argparse.Namespace, n: int, *key: object) -> list[int]:
+    rng = random.Random("-".join(map(str, (args.seed, *key))))
+    return [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(n)]
+
+
+GENERATED_MODES = ("warm", "cold", "cold-all")
+
+
+def _wire_generated_cold(llm: Any, cold: Callable[[Any], bool]) -> None:
+    """Free each *finished* sequence ``seq`` with ``generated_cold=cold(seq)``.
+
+    The scheduler's ``finish`` calls ``kv.free(seq_id)``; during that call the
+    manager's ``free`` is bound with the flag. Preemptions (``_preempt``) still
+    free without it: a preempted request comes back for its blocks.
+    """
+    sched, kv = llm.engine.scheduler, llm.engine.kv_manager
+    finish = sched.finish
+
+    def finish_cold(seq: Any) -> None:
+        kv.free = functools.partial(type(kv).free, kv, generated_cold=cold(seq))
+        try:
+            finish(seq)
+        finally:
+            del kv.free
+
+    sched.finish = finish_cold
+
+
+def run_policy(policy: str, prompts: list[list[int]], args: argparse.Namespace,
+               generated: str = "warm") -> dict[str, Any]:
+    """One engine, the whole request sequence (``request_kinds``): zipf requests take ``prompts[i]``;
+    conversation turns are built from the user's previous prompt and the engine's own answer."""
     from prefixserve.replica.llm import LLM
     from prefixserve.replica.sampling import SamplingParams
+
+    if generated not in GENERATED_MODES:
+        raise ValueError(f"--generated-blocks: {generated!r} is not one of {GENERATED_MODES}")
+    kinds = request_kinds(args)
+    history = {u: _toks(args, args.system_len, "user-system", u) for k, u in kinds if k == "c"}
+    # A finished sequence is a conversation turn when it starts with a user's system prompt.
+    conv_heads = {tuple(h[:8]) for h in history.values()}
+
+    def is_turn(seq: Any) -> bool:
+        return tuple(seq.token_ids[:8]) in conv_heads
 
     llm = LLM(args.model, eviction_policy=policy, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
               dtype=args.dtype, max_num_seqs=args.wave)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, min_tokens=args.output_len)
-    llm.generate([prompts[0][:40]], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up (kernels, pages)
+    warm_up = prompts[0][:40] if prompts else _toks(args, 40, "warmup")
+    llm.generate([warm_up], SamplingParams(temperature=0.0, max_tokens=2))  # kernels, pages
     kv = llm.engine.kv_manager
     assert kv.reset_prefix_cache()
+    if generated == "cold":
+        _wire_generated_cold(llm, lambda seq: not is_turn(seq))
+    elif generated == "cold-all":
+        _wire_generated_cold(llm, lambda seq: True)
     evictions0 = kv.stats.num_evictions
     preempt0 = llm.engine.scheduler.num_preemptions
     cached = total = 0
+    hit_by_kind = {"z": [0, 0], "c": [0, 0]}  # cached, prompt tokens
+    turn = dict.fromkeys(history, 0)
     cpu0 = time.process_time()
     start = time.perf_counter()
-    for w in range(0, len(prompts), args.wave):
-        wave = prompts[w : w + args.wave]
-        for out in llm.generate(wave, params):
+    for w in range(0, len(kinds), args.wave):
+        batch = kinds[w : w + args.wave]
+        wave = [history[x] + _toks(args, args.question_len, "q", x, turn[x]) if k == "c" else prompts[x]
+                for k, x in batch]
+        outs = llm.generate(wave, params)
+        for (k, x), prompt, out in zip(batch, wave, outs, strict=True):
             cached += out.num_cached_tokens
+            hit_by_kind[k][0] += out.num_cached_tokens
+            hit_by_kind[k][1] += len(prompt)
+            if k == "c":
+                history[x] = prompt + list(out.outputs[0].token_ids)
+                turn[x] += 1
         total += sum(len(p) for p in wave)
     wall = time.perf_counter() - start
     cpu = time.process_time() - cpu0
     result = {
-        "policy": policy, "requests_per_s": len(prompts) / wall, "wall_s": wall,
-        "requests_per_cpu_s": len(prompts) / cpu, "cpu_s": cpu,
-        "hit_rate": cached / total, "evictions": kv.stats.num_evictions - evictions0,
+        "policy": policy, "generated_blocks": generated, "requests_per_s": len(kinds) / wall, "wall_s": wall,
+        "requests_per_cpu_s": len(kinds) / cpu, "cpu_s": cpu, "num_requests": len(kinds),
+        "prompt_tokens": total, "hit_rate": cached / total,
+        "hit_rate_oneshot": hit_by_kind["z"][0] / hit_by_kind["z"][1] if hit_by_kind["z"][1] else None,
+        "hit_rate_conversation": hit_by_kind["c"][0] / hit_by_kind["c"][1] if hit_by_kind["c"][1] else None,
+        "evictions": kv.stats.num_evictions - evictions0,
         "preemptions": llm.engine.scheduler.num_preemptions - preempt0,
     }
     del llm
@@ -88,24 +186,35 @@ def run_policy(policy: str, prompts: list[list[int]], args: argparse.Namespace) 
 
 def render(res: dict[str, Any]) -> str:
     c = res["config"]
+    conv = (f"{c['users']} conversations x {c['rounds']} turns (system {c['system_len']}, each turn "
+            f"+ the previous answer + a {c['question_len']}-token question)")
+    zipf = (f"{c['requests']} requests of {c['tenants']} Zipf({c['zipf_s']}) tenants, "
+            f"system {c['system_len']} + question {c['question_len']} tokens")
+    what = {"zipf": zipf, "multi_turn": conv,
+            "mixed": f"{conv}, each turn followed by {c['oneshots_per_turn']} of the {zipf}"}[c["workload"]]
+    what += f", {c['output_len']} out"
     lines = [
-        f"## Eviction policies on one CPU replica ({c['model']}, {c['num_kv_blocks']} KV blocks of "
-        f"{c['block_size']} tokens; {c['requests']} requests of {c['tenants']} Zipf({c['zipf_s']}) tenants, "
-        f"system {c['system_len']} + question {c['question_len']} tokens, {c['output_len']} out, "
-        f"waves of {c['wave']})",
+        f"## Eviction policies on one CPU replica, {c['workload']} ({c['model']}, {c['num_kv_blocks']} KV blocks "
+        f"of {c['block_size']} tokens; {what}, waves of {c['wave']})",
         "",
-        "| policy | hit rate | x lru | req/s (median) | x lru | runs req/s | req/CPU-s (median) | x lru "
-        "| evictions | preemptions |",
-        "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|",
+        "| policy | generated blocks | hit rate | x lru | x warm | one-shot / conversation hit rate "
+        "| req/s (median) | x lru | runs req/s | req/CPU-s (median) | x lru | evictions | preemptions |",
+        "|---|---|---:|---:|---:|---|---:|---:|---|---:|---:|---:|---:|",
     ]
-    base = res["policies"].get("lru")
-    for p, r in res["policies"].items():
+    runs = res["policies"]
+    base = runs.get("lru")
+    for r in runs.values():
+        warm = runs.get(r["policy"])
         hx = f"{r['hit_rate'] / base['hit_rate']:.2f}" if base and base["hit_rate"] else "-"
+        wx = f"{r['hit_rate'] / warm['hit_rate']:.2f}" if warm and warm["hit_rate"] else "-"
         rx = f"{r['requests_per_s'] / base['requests_per_s']:.2f}" if base else "-"
         cx = f"{r['requests_per_cpu_s'] / base['requests_per_cpu_s']:.2f}" if base else "-"
-        runs = ", ".join(f"{x:.2f}" for x in r["runs_requests_per_s"])
-        lines.append(f"| {p} | {r['hit_rate']:.3f} | {hx} | {r['requests_per_s']:.2f} | {rx} | {runs} | "
-                     f"{r['requests_per_cpu_s']:.3f} | {cx} | {r['evictions']} | {r['preemptions']} |")
+        rr = ", ".join(f"{x:.2f}" for x in r["runs_requests_per_s"])
+        kinds = " / ".join("-" if r[k] is None else f"{r[k]:.3f}"
+                           for k in ("hit_rate_oneshot", "hit_rate_conversation"))
+        lines.append(f"| {r['policy']} | {r['generated_blocks']} | {r['hit_rate']:.3f} | {hx} | {wx} | {kinds} | "
+                     f"{r['requests_per_s']:.2f} | {rx} | {rr} | {r['requests_per_cpu_s']:.3f} | {cx} | "
+                     f"{r['evictions']} | {r['preemptions']} |")
     return "\n".join(lines)
 
 
@@ -123,10 +232,21 @@ def main(argv: list[str] | None = None) -> int:
     # of 128 + 80 + 16 tokens at block size 16, at a quarter of the prefill cost (CPU time is
     # scarce on a shared 2-core machine; --block-size 16 with 4x the lengths is the same test).
     ap.add_argument("--system-len", type=int, default=32)
-    ap.add_argument("--question-len", type=int, default=20)
-    ap.add_argument("--output-len", type=int, default=4)
-    ap.add_argument("--num-kv-blocks", type=int, default=100,
-                    help="the pool: a wave of running requests (~56 blocks) and ~5 system prompts")
+    ap.add_argument("--question-len", type=int, default=None, help="default: zipf 20, multi_turn and mixed 12")
+    ap.add_argument("--output-len", type=int, default=None,
+                    help="default: zipf 4 (its one answer block is never full: uncached), multi_turn and mixed 16 "
+                         "(3 cached answer blocks, the 4th holds the last token, whose KV is never computed)")
+    ap.add_argument("--num-kv-blocks", type=int, default=None,
+                    help="the pool (default: zipf 100, a wave of running requests (~56 blocks) and ~5 system "
+                         "prompts; multi_turn 240, a wave of last turns (~144 blocks) and ~3 conversations; "
+                         "mixed 400)")
+    ap.add_argument("--workload", choices=("zipf", "multi_turn", "mixed"), default="zipf",
+                    help="mixed: multi_turn's turns, each followed by --oneshots-per-turn zipf requests")
+    ap.add_argument("--users", type=int, default=12, help="multi_turn, mixed: conversations")
+    ap.add_argument("--rounds", type=int, default=4, help="multi_turn, mixed: turns per conversation")
+    ap.add_argument("--oneshots-per-turn", type=int, default=2, help="mixed: zipf requests after each turn")
+    ap.add_argument("--generated-blocks", default="warm",
+                    help=f"comma list of {','.join(GENERATED_MODES)} (module docstring); each runs every policy")
     ap.add_argument("--block-size", type=int, default=4)
     ap.add_argument("--wave", type=int, default=4, help="requests per generate call (and max_num_seqs)")
     ap.add_argument("--repeats", type=int, default=2)
@@ -135,6 +255,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("results/bench_eviction.json"))
     add_verbose_flag(ap)
     args = ap.parse_args(argv)
+    zipf = args.workload == "zipf"
+    if args.num_kv_blocks is None:
+        args.num_kv_blocks = {"zipf": 100, "multi_turn": 240, "mixed": 400}[args.workload]
+    if args.question_len is None:
+        args.question_len = 20 if zipf else 12
+    if args.output_len is None:
+        args.output_len = 4 if zipf else 16
+    if args.workload == "mixed":
+        args.requests = args.users * args.rounds * args.oneshots_per_turn  # the zipf prompts it needs
+    modes = args.generated_blocks.split(",")
+    if set(modes) - set(GENERATED_MODES):
+        ap.error(f"--generated-blocks takes {','.join(GENERATED_MODES)}, got {args.generated_blocks!r}")
     quiet_libraries(args.verbose)
     if args.threads:
         import torch
@@ -142,14 +274,19 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
 
     policies = args.policies.split(",")
-    tenants, prompts = build_workload(args)
-    runs: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
+    if args.workload == "multi_turn":
+        tenants, prompts = [], []
+    else:
+        tenants, prompts = build_workload(args)  # mixed: the one-shots
+    # Results are keyed "policy" (warm) or "policy+mode".
+    combos = [(p, m) for m in modes for p in policies]
+    runs: dict[str, list[dict[str, Any]]] = {(p if m == "warm" else f"{p}+{m}"): [] for p, m in combos}
     for rep in range(args.repeats):
-        for p in policies:
-            r = run_policy(p, prompts, args)
-            print(f"repeat {rep} {p}: hit {r['hit_rate']:.3f}, {r['requests_per_s']:.2f} req/s, "
+        for p, m in combos:
+            r = run_policy(p, prompts, args, m)
+            print(f"repeat {rep} {p} {m}: hit {r['hit_rate']:.3f}, {r['requests_per_s']:.2f} req/s, "
                   f"{r['requests_per_cpu_s']:.3f} req/CPU-s", file=sys.stderr, flush=True)
-            runs[p].append(r)
+            runs[p if m == "warm" else f"{p}+{m}"].append(r)
     res: dict[str, Any] = {
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "distinct_tenants": len(set(tenants)), "policies": {},

@@ -113,6 +113,9 @@ class SimConfig:
     epsilon: float = 0.25
     placed_epsilon: float | None = None  # None: the placed policy's own default
     eviction_policy: str = "lru"
+    # "cold": a finished request's generated blocks enter the pool's cold end (KVCacheManager.free's
+    # generated_cold; every simulated request is a one-shot, none a conversation turn).
+    generated_blocks: str = "warm"
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     seed: int = 0
 
@@ -123,6 +126,8 @@ class SimConfig:
                 raise ValueError(f"SimConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.system_prompt_len + self.question_len < 1:
             raise ValueError("a prompt needs at least one token: raise system_prompt_len or question_len")
+        if self.generated_blocks not in ("warm", "cold"):
+            raise ValueError(f"generated_blocks must be 'warm' or 'cold', got {self.generated_blocks!r}")
         if not 0 < self.utilization:
             raise ValueError(f"utilization must be > 0, got {self.utilization}")
         need = -(-(self.system_prompt_len + self.question_len + self.output_len) // self.block_size)
@@ -378,6 +383,7 @@ def simulate(config: SimConfig, policy: str, traffic: Traffic | None = None,
     decode_step = profile.decode_step
     per_token, overhead = profile.prefill_s_per_token, profile.prefill_overhead_s
     max_seqs = config.max_num_seqs
+    cold_generated = config.generated_blocks == "cold"
     ttft = [0.0] * n
     hits = [0] * n
     replica_of = [0] * n
@@ -442,7 +448,7 @@ def simulate(config: SimConfig, policy: str, traffic: Traffic | None = None,
             try_admit(rep, now)
         else:
             rep = replicas[replica_of[i]]
-            rep.kv.free(str(i))
+            rep.kv.free(str(i), generated_cold=cold_generated)
             rep.running -= 1
             rep.in_flight -= 1
             finished += 1
@@ -595,6 +601,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--placed-epsilon", type=float, default=None, help="placed's epsilon (default: the policy's)")
     p.add_argument("--eviction-policy", default=d.eviction_policy,
                    help="the replicas' KV eviction policy (replica/kv/block_pool.py EVICTION_POLICIES)")
+    p.add_argument("--generated-blocks", choices=("warm", "cold"), default=d.generated_blocks,
+                   help="cold: a finished request's generated blocks enter the KV pool's cold end")
     p.add_argument("--policies", default=",".join(POLICY_NAMES))
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--sweep-replicas", default="8,16,32,64", help="comma list; empty to skip")
@@ -616,7 +624,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             hot_share=args.hot_share, system_prompt_len=args.system_len, question_len=args.question_len,
             output_len=args.output_len, blocks_per_replica=args.blocks_per_replica, max_num_seqs=args.max_num_seqs,
             utilization=args.utilization, profile=args.profile, epsilon=args.epsilon,
-            placed_epsilon=args.placed_epsilon, eviction_policy=args.eviction_policy, seed=args.seed,
+            placed_epsilon=args.placed_epsilon, eviction_policy=args.eviction_policy,
+            generated_blocks=args.generated_blocks, seed=args.seed,
         )
         KVCacheManager(1, config.block_size, eviction_policy=config.eviction_policy)  # validates the name
         profile = get_profile(config.profile)
@@ -648,7 +657,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"KV blocks per replica {config.blocks_per_replica} x {config.block_size} tokens; prompts "
           f"{config.system_prompt_len}+{config.question_len} tokens, {config.output_len} out; Zipf s={config.zipf_s}, "
           f"hot tenant +{config.hot_share:.0%}; offered utilization {config.utilization} "
-          f"(all-miss); KV eviction {config.eviction_policy}; oracle hit rate {main_results[0].oracle_hit_rate:.1%}. "
+          f"(all-miss); KV eviction {config.eviction_policy}, generated blocks {config.generated_blocks}; "
+          f"oracle hit rate {main_results[0].oracle_hit_rate:.1%}. "
           f"All policies simulated in {main_wall:.1f} s wall.\n")
     print(markdown_table(main_results))
     if by_replicas:

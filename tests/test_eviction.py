@@ -12,7 +12,7 @@ import random
 import pytest
 
 from prefixserve.replica.kv import BlockPool, KVCacheManager
-from prefixserve.replica.kv.block_pool import EVICTION_POLICIES, LFUBlockPool, SLRUBlockPool
+from prefixserve.replica.kv.block_pool import EVICTION_POLICIES, LFUBlockPool, SLRUBlockPool, _MultiListPool
 
 BS = 4
 
@@ -176,7 +176,7 @@ def test_reset_forgets_hashes_and_hits(policy):
     assert sorted(pool.get_new_blocks(4)) == [0, 1, 2, 3] and pool.num_evictions == 1
 
 
-def zipf_hit_rate(policy: str, seed: int = 0) -> float:
+def zipf_hit_rate(policy: str, seed: int = 0, generated_cold: bool = False) -> float:
     """Hit rate of one memory-bound cache on Zipf tenants with one-shot questions and answers."""
     rng = random.Random(seed)
     tenants = 60
@@ -190,7 +190,7 @@ def zipf_hit_rate(policy: str, seed: int = 0) -> float:
         assert m.allocate_slots(str(i), p, len(p) - n, blocks) is not None
         out = p + toks(rng.random(), 3 * BS)  # the answer's blocks get cached too
         assert m.allocate_slots(str(i), out, 3 * BS) is not None
-        m.free(str(i))
+        m.free(str(i), generated_cold=generated_cold)
     m.check_invariants()
     return m.stats.hit_rate
 
@@ -200,3 +200,192 @@ def test_reuse_aware_policies_beat_lru_on_a_memory_bound_zipf_workload():
     assert rates["slru"] > 1.1 * rates["lru"], rates
     assert rates["s3fifo"] > 1.1 * rates["lru"], rates
     assert rates["lfu"] > rates["lru"], rates
+
+
+# --- generated blocks at the cold end (KVCacheManager.free(generated_cold=True)) ------------
+
+
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
+def test_free_blocks_cold_puts_unhit_blocks_at_the_evicted_end_first_given_first(policy):
+    pool = BlockPool(8, policy)
+    blocks = pool.get_new_blocks(8)
+    pool.cache_blocks(blocks, [h(i) for i in range(8)])
+    pool.free_blocks(blocks[:4])  # warm: evicted after the cold ones below, though freed earlier
+    pool.free_blocks_cold([7, 6])  # a request's generated blocks, tail first
+    pool.free_blocks(blocks[4:6])
+    pool.check_invariants()
+    assert pool.num_free == 8 and pool.num_cached_free == 8
+    assert pool.get_new_blocks(2) == [7, 6]
+    assert pool.get_cached_block(h(0)) == 0 and pool.get_cached_block(h(4)) == 4
+
+
+@pytest.mark.parametrize("policy", ["slru", "lfu", "s3fifo"])
+def test_free_blocks_cold_leaves_a_block_hit_during_its_use_where_free_blocks_puts_it(policy):
+    pool = BlockPool(6, policy)
+    blocks = pool.get_new_blocks(6)
+    pool.cache_blocks(blocks, [h(i) for i in range(6)])
+    pool.touch([5])  # another request shares block 5: hit again
+    pool.free_blocks([5])
+    pool.free_blocks(blocks[:4])
+    pool.free_blocks_cold([5, 4])  # 5 was hit: not moved; 4 was not: evicted first
+    pool.check_invariants()
+    assert pool.get_new_blocks(1) == [4]
+    assert pool.get_new_blocks(4) == [0, 1, 2, 3]  # 5 outlives the unhit blocks
+    assert pool.get_cached_block(h(5)) == 5
+
+
+def test_free_blocks_cold_with_a_block_still_shared_moves_only_what_reached_zero():
+    for policy in EVICTION_POLICIES:
+        pool = BlockPool(4, policy)
+        blocks = pool.get_new_blocks(4)
+        pool.cache_blocks(blocks, [h(i) for i in range(4)])
+        pool.touch([3])  # a fork still holds block 3
+        pool.free_blocks_cold([3, 2])
+        assert pool.ref_cnt[3] == 1 and pool.num_free == 1
+        pool.free_blocks([1, 0])
+        pool.check_invariants()
+        assert pool.get_new_blocks(1) == [2], policy
+
+
+@pytest.mark.parametrize(("policy", "swap"), [(p, False) for p in EVICTION_POLICIES] + [("lru", True)])
+def test_generated_cold_evicts_a_one_shot_answer_before_an_older_prompt(policy, swap):
+    """Request "old" (3 prompt blocks) finishes; then "new" (2 prompt blocks, 2 generated).
+    A 3-block allocation evicts old's prompt when new's answer enters warm, and new's
+    answer (plus the never-used block) when it enters cold; new's prompt survives both.
+    (With swap only under lru: the other policies count swap-in's re-use of the still
+    cached blocks as a hit, and a hit block is never sent cold.)"""
+
+    def old_prompt_hit(generated_cold: bool) -> tuple[int, int]:
+        m = KVCacheManager(8, BS, eviction_policy=policy, num_host_blocks=8 if swap else 0)
+        old = toks(1, 3 * BS)
+        assert admit_free(m, "old", old) == 0
+        new_prompt, answer = toks(2, 2 * BS), toks(3, 2 * BS)
+        assert m.allocate_slots("new", new_prompt, 2 * BS) is not None
+        assert m.allocate_slots("new", new_prompt + answer, 2 * BS) is not None  # the answer's blocks get cached
+        if swap:  # a swap round trip keeps the prompt length
+            assert m.swap_out("new")
+            m.take_swap_ops()
+            assert m.swap_in("new", new_prompt + answer, 0) is not None
+        assert m.free("new", generated_cold=generated_cold)
+        m.check_invariants()
+        assert admit_free(m, "x", toks(4, 3 * BS)) == 0
+        return m.get_computed_blocks(old + [0])[1], m.get_computed_blocks(new_prompt + [0])[1]
+
+    assert old_prompt_hit(generated_cold=False) == (BS, 2 * BS)  # old lost its last 2 blocks
+    assert old_prompt_hit(generated_cold=True) == (3 * BS, 2 * BS)
+
+
+def test_generated_cold_on_a_partial_prompt_block_takes_the_block_holding_the_prompt_end():
+    m = KVCacheManager(6, BS, eviction_policy="lru")
+    prompt = toks(5, 2 * BS + 2)  # blocks 0, 1 full; block 2 holds 2 prompt tokens + 2 generated
+    assert m.allocate_slots("r", prompt, len(prompt)) is not None
+    assert m.allocate_slots("r", prompt + toks(6, 2 + BS), 2 + BS) is not None  # 4 blocks
+    table = m.block_table("r")
+    assert table == [0, 1, 2, 3]
+    m.free("r", generated_cold=True)
+    m.check_invariants()
+    # The never-used blocks 4 and 5 still go first (popping them loses nothing), then the
+    # generated tail, tail first; the prompt joins the tail as free() always leaves it.
+    assert m.pool.free_queue() == [4, 5, 3, 2, 1, 0]
+    assert m.pool.get_new_blocks(3) == [4, 5, 3] and m.pool.num_evictions == 1
+
+
+def test_lru_cold_blocks_go_behind_the_never_used_blocks_of_a_new_or_reset_pool():
+    pool = BlockPool(6, "lru")
+    a = pool.get_new_blocks(2)  # 0, 1; the fresh run is 2..5
+    pool.cache_blocks(a, [h(0), h(1)])
+    pool.free_blocks_cold(a[::-1])
+    pool.check_invariants()
+    assert pool.free_queue() == [2, 3, 4, 5, 1, 0]
+    b = pool.get_new_blocks(5)  # the fresh run is used up: cold blocks now go to the very head
+    assert b == [2, 3, 4, 5, 1] and pool.num_evictions == 1
+    pool.cache_blocks(b[:2], [h(2), h(3)])
+    pool.free_blocks(b[2:])
+    pool.free_blocks_cold(b[:2])
+    pool.check_invariants()
+    assert pool.free_queue() == [2, 3, 0, 4, 5, 1]
+    pool.free_blocks(pool.get_new_blocks(6))
+    assert pool.reset_prefix_cache()  # every block uncached: the whole queue is the fresh run again
+    c = pool.get_new_blocks(1)
+    pool.cache_blocks(c, [h(9)])
+    pool.free_blocks_cold(c)
+    pool.check_invariants()
+    assert pool.free_queue()[-1] == c[0]
+
+
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
+def test_generated_cold_raises_the_zipf_hit_rate(policy):
+    """The one-shot answers of the zipf workload above hold no future hits: sent to the
+    cold end they leave room for system prompts (the simulator shows the same)."""
+    warm = sum(zipf_hit_rate(policy, seed) for seed in range(3))
+    cold = sum(zipf_hit_rate(policy, seed, generated_cold=True) for seed in range(3))
+    assert cold > warm, (warm, cold)
+
+
+# --- slru pops runs -------------------------------------------------------------------------
+
+
+class _OneBlockAtATimeSLRU(SLRUBlockPool):
+    """slru with the generic pop loop (one ``_victim`` per block): the reference for the run pops."""
+
+    get_new_blocks = _MultiListPool.get_new_blocks
+
+
+def _pool_state(pool: SLRUBlockPool) -> tuple:
+    return (pool.free_queue(), dict(pool.hash_to_block), list(pool.block_hash), list(pool.ref_cnt),
+            list(pool._hits), dict(pool._ghost), list(pool._ghost_ring), pool._ghost_pos, pool.num_evictions,
+            pool.num_free, pool.num_cached_free, list(pool._count))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_slru_run_pops_equal_popping_one_victim_at_a_time(seed):
+    rng = random.Random(seed)
+    n = rng.randint(2, 12)
+    fast, ref = SLRUBlockPool(n), _OneBlockAtATimeSLRU(n)
+    held: list[int] = []  # one entry per reference a test "request" holds
+    for _ in range(80):
+        op = rng.choice(["alloc", "alloc", "cache", "touch", "free", "free_cold"])
+        if op == "alloc" and fast.num_free:
+            k = rng.randint(1, fast.num_free)
+            got = fast.get_new_blocks(k)
+            assert got == ref.get_new_blocks(k)
+            held += got
+        elif op == "cache" and any(fast.block_hash[b] is None for b in held):
+            fresh = sorted({b for b in held if fast.block_hash[b] is None})
+            bs = rng.sample(fresh, rng.randint(1, len(fresh)))
+            hs = [h(rng.randrange(3 * n)) for _ in bs]
+            assert fast.cache_blocks(bs, hs) == ref.cache_blocks(bs, hs)
+        elif op == "touch" and fast.hash_to_block:
+            bs = rng.sample(sorted(fast.hash_to_block.values()), 1)
+            fast.touch(bs)
+            ref.touch(bs)
+            held += bs
+        elif op in ("free", "free_cold") and held:
+            rng.shuffle(held)
+            k = rng.randint(1, len(held))
+            # a request holds a block at most once
+            batch = list(dict.fromkeys(held[:k]))
+            for b in batch:
+                held.remove(b)
+            getattr(fast, op + "_blocks" if op == "free" else "free_blocks_cold")(batch)
+            getattr(ref, op + "_blocks" if op == "free" else "free_blocks_cold")(batch)
+        fast.check_invariants()
+        assert _pool_state(fast) == _pool_state(ref)
+
+
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
+def test_simulator_generated_blocks_cold_raises_the_hit_rate(policy):
+    """simulate.py --generated-blocks cold: every simulated request is a one-shot, so every
+    answer goes cold; the replicas' caches keep more system prompts (README, eviction)."""
+    from prefixserve.loadtest import simulate as sim
+
+    def hit_rate(generated: str) -> float:
+        cfg = sim.SimConfig(num_replicas=4, num_tenants=60, num_requests=1500, blocks_per_replica=128,
+                            eviction_policy=policy, generated_blocks=generated, profile="h100")
+        r = sim.simulate(cfg, "consistent_hash", check_invariants=True)
+        assert r.oracle_violations == 0 and r.finished == cfg.num_requests
+        return r.hit_rate
+
+    assert hit_rate("cold") > hit_rate("warm")
+    with pytest.raises(ValueError, match="generated_blocks"):
+        sim.SimConfig(generated_blocks="tepid")

@@ -8,6 +8,10 @@ table, and every prefix hit must hand out blocks holding the prompt's tokens:
 a block shared where it should have been copied, or a stale hit, shows up as
 a wrong token.
 
+Requests are freed with and without ``generated_cold``; under ``lru`` and
+``slru`` a cold free must leave the request's generated blocks next in the
+eviction order.
+
 The machine runs once per eviction policy (``EVICTION_POLICIES``). Between
 steps it also checks the eviction contract: a (hash, block) pair leaves the
 hash map only when that block was free before the step and has been popped for
@@ -59,6 +63,7 @@ class KVMachine(RuleBasedStateMachine):
         self.bs = block_size
         self.shadow: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.tokens: dict[str, list[int]] = {}
+        self.prompt_len: dict[str, int] = {}  # tokens at admission: blocks past them are generated
         self.next_id = 0
 
     # --- the model runner ----------------------------------------------------
@@ -95,6 +100,7 @@ class KVMachine(RuleBasedStateMachine):
             assert snapshot(self.m) == before, "a refused allocation changed state"
             return
         self.tokens[rid] = list(toks)
+        self.prompt_len[rid] = len(toks)
         self._run_step(rid, n, table)
 
     @precondition(lambda self: self.tokens)
@@ -119,14 +125,32 @@ class KVMachine(RuleBasedStateMachine):
         self.next_id += 1
         assert self.m.fork(parent, child) == self.m.block_table(parent)
         self.tokens[child] = list(self.tokens[parent])
+        self.prompt_len[child] = self.prompt_len[parent]
         assert self.m.take_copy_ops() == []
 
     @precondition(lambda self: self.tokens)
-    @rule(idx=st.integers(0, 1000))
-    def free(self, idx):
+    @rule(idx=st.integers(0, 1000), cold=st.booleans())
+    def free(self, idx, cold):
         rid = self._pick(idx)
-        assert self.m.free(rid)
+        table = self.m.block_table(rid)
+        assert self.m.free(rid, generated_cold=cold)
+        cut = self.prompt_len.pop(rid) // self.bs
         del self.tokens[rid]
+        pool = self.m.pool
+        if not cold or self.policy not in ("lru", "slru"):
+            return
+        # The generated blocks that reached 0 now lead the eviction order, tail first: under lru
+        # every one, behind the never-cached blocks leading a new pool; under slru the unhit
+        # (probation) ones, ahead of every other cached block.
+        gen = [b for b in reversed(table[cut:]) if pool.ref_cnt[b] == 0]
+        queue = pool.free_queue()
+        if self.policy == "lru":
+            fresh = pool._num_fresh
+            assert queue[fresh : fresh + len(gen)] == gen, "cold blocks are not next after the fresh run"
+        else:
+            gen = [b for b in gen if pool._where[b] == pool._PROBATION]
+            cached = [b for b in queue if pool.block_hash[b] is not None]
+            assert cached[: len(gen)] == gen, "cold blocks are not the next cached ones evicted"
 
     @rule()
     def reset(self):
@@ -186,8 +210,8 @@ class KVMachine(RuleBasedStateMachine):
     def teardown(self):
         if not hasattr(self, "m"):
             return
-        for rid in list(self.tokens):
-            self.m.free(rid)
+        for i, rid in enumerate(list(self.tokens)):
+            self.m.free(rid, generated_cold=i % 2 == 1)
         self.m.check_invariants()
         assert self.m.num_free_blocks == self.m.num_blocks
         assert self.m.usage == 0.0 and self.m.stats.num_used_blocks == 0

@@ -54,12 +54,22 @@ Under every policy but ``lru``, free blocks without a hash (never cached, or
 copies of content cached elsewhere) sit in a list of their own that is popped
 first: evicting them loses nothing.
 
+``free_blocks_cold`` frees blocks that are not expected to be hit again (a
+finished one-shot request's generated tokens): under ``lru`` they enter at the
+head of the queue instead of the tail (behind the never-cached blocks that lead
+the queue in a new or reset pool); under the other policies a block that
+would enter the policy's entry list unhit (``slru``'s probation, ``s3fifo``'s
+small FIFO, ``lfu``'s key ``floor + 1``) enters at the evicted end instead
+(``lfu``: key ``floor``), so it goes before every other cached block, while a
+block hit during its use still enters as ``free_blocks`` puts it.
+
 Invariants (``check_invariants``):
   * b is in a free list  <=>  ref_cnt[b] == 0; ``num_free`` is the lists' total.
   * block_hash[b] = h is not None  <=>  hash_to_block[h] == b (a bijection; a hash
     already mapped is never overwritten, so a block never changes identity while
     others may share it).
   * ``num_cached_free`` counts the blocks with ref 0 that carry a hash.
+  * ``lru``: the queue's first ``_num_fresh`` blocks carry no hash, ``_fresh_last`` the last of them.
   * policy-specific ones (list counts, the protected bound, key windows).
 
 Pure Python: no torch, no ray.
@@ -99,6 +109,10 @@ class BlockPool:
         # Initial order 0, 1, ..., n-1 so that a fresh pool hands out ids in order.
         self._next: list[int] = list(range(1, num_blocks + 1)) + [0]
         self._prev: list[int] = [s] + list(range(0, num_blocks))
+        # The queue's leading run of never-cached blocks (the whole pool at first and after a reset),
+        # ending at _fresh_last: free_blocks_cold inserts behind it, not ahead of empty blocks.
+        self._num_fresh = num_blocks
+        self._fresh_last = num_blocks - 1
 
     def _init_common(self, num_blocks: int, eviction_policy: str) -> None:
         if eviction_policy != self.eviction_policy:
@@ -148,6 +162,9 @@ class BlockPool:
                 self.num_free -= 1
                 if bhash[b] is not None:
                     self.num_cached_free -= 1
+                elif self._num_fresh:  # not a prefix hit (the manager never does it): forget the run
+                    self._num_fresh = 0
+                    self._fresh_last = self._sentinel
             ref[b] += 1
 
     def get_new_blocks(self, n: int) -> list[int]:
@@ -173,6 +190,11 @@ class BlockPool:
         head = nxt[b]
         nxt[s] = head
         self._prev[head] = s
+        if self._num_fresh:
+            fresh = self._num_fresh - n
+            self._num_fresh = fresh if fresh > 0 else 0
+            if fresh <= 0:
+                self._fresh_last = s
         self.num_free -= n
         self.num_cached_free -= evicted
         self.num_evictions += evicted
@@ -201,6 +223,24 @@ class BlockPool:
         prev[s] = last
         self.num_free += freed
         self.num_cached_free += cached
+
+    def free_blocks_cold(self, blocks: Iterable[int]) -> None:
+        """``free_blocks``, but those reaching 0 enter at the queue head (evicted next), the first given
+        first; behind the never-cached blocks leading the queue, if any (popping those loses nothing)."""
+        order = list(blocks)
+        self.free_blocks(order)
+        anchor = self._fresh_last if self._num_fresh else self._sentinel
+        ref, prev, nxt = self.ref_cnt, self._prev, self._next
+        for b in reversed(order):
+            if ref[b] == 0:
+                p, q = prev[b], nxt[b]
+                nxt[p] = q
+                prev[q] = p
+                q = nxt[anchor]
+                nxt[anchor] = b
+                prev[b] = anchor
+                nxt[b] = q
+                prev[q] = b
 
     def cache_block(self, block: int, block_hash: bytes) -> bool:
         """Register a full, in-use block under ``block_hash``.
@@ -248,6 +288,8 @@ class BlockPool:
         self.hash_to_block.clear()
         self.block_hash = [None] * self.num_blocks
         self.num_cached_free = 0
+        self._num_fresh = self.num_blocks  # every block is free and uncached: the whole queue
+        self._fresh_last = self._prev[self._sentinel]
         return True
 
     # --- checks ------------------------------------------------------------
@@ -284,6 +326,11 @@ class BlockPool:
         assert cached_free == self.num_cached_free, (
             f"num_cached_free={self.num_cached_free} but {cached_free} free blocks carry a hash"
         )
+        queue = self.free_queue()
+        k = self._num_fresh
+        assert 0 <= k <= len(queue), f"_num_fresh={k} but {len(queue)} blocks are free"
+        assert all(self.block_hash[b] is None for b in queue[:k]), "the fresh run holds a cached block"
+        assert self._fresh_last == (queue[k - 1] if k else s), "_fresh_last does not end the fresh run"
 
     def __repr__(self) -> str:
         return (
@@ -348,6 +395,17 @@ class _MultiListPool(BlockPool):
         self._where[b] = k
         self._count[k] += 1
 
+    def _push_head(self, k: int, b: int) -> None:
+        s = self.num_blocks + k
+        prev, nxt = self._prev, self._next
+        first = nxt[s]
+        nxt[s] = b
+        prev[b] = s
+        nxt[b] = first
+        prev[first] = b
+        self._where[b] = k
+        self._count[k] += 1
+
     def _head(self, k: int) -> int:
         return self._next[self.num_blocks + k]
 
@@ -372,6 +430,11 @@ class _MultiListPool(BlockPool):
 
     def _ghost_hit(self, block: int) -> None:
         """``block`` was registered under a hash evicted recently (ghost policies only)."""
+        raise NotImplementedError
+
+    def _cold_list(self, block: int) -> int:
+        """Where ``free_blocks_cold`` moves a block ``free_blocks`` just freed into list
+        ``_where[block]``: the list whose head it joins, or -1 to leave it."""
         raise NotImplementedError
 
     # --- queries ---------------------------------------------------------------
@@ -445,6 +508,19 @@ class _MultiListPool(BlockPool):
         self.num_cached_free -= evicted
         self.num_evictions += evicted
         return out
+
+    def free_blocks_cold(self, blocks: Iterable[int]) -> None:
+        """``free_blocks``; then each block that reached 0 and entered its policy's entry list
+        unhit moves to the evicted end (``_cold_list``), the first given evicted first."""
+        order = list(blocks)
+        self.free_blocks(order)
+        ref, cold = self.ref_cnt, self._cold_list
+        for b in reversed(order):
+            if ref[b] == 0:
+                k = cold(b)
+                if k >= 0:
+                    self._unlink(b)
+                    self._push_head(k, b)
 
     def _note_registered(self, block: int, block_hash: bytes) -> None:
         ghost = self._ghost
@@ -567,6 +643,9 @@ class SLRUBlockPool(_MultiListPool):
     def _ghost_hit(self, block: int) -> None:
         self._hits[block] = 1
 
+    def _cold_list(self, block: int) -> int:
+        return self._PROBATION if self._where[block] == self._PROBATION else -1
+
     def free_blocks(self, blocks: Iterable[int]) -> None:
         """ref-1 on each block, in the order given; those reaching 0 join their list's tail.
 
@@ -615,6 +694,62 @@ class SLRUBlockPool(_MultiListPool):
             return nxt[n + 1]
         return nxt[n + 2]
 
+    def get_new_blocks(self, n: int) -> list[int]:
+        """``_MultiListPool.get_new_blocks`` in ``_victim``'s order, popping runs.
+
+        The victims are the heads of the cold list, then probation, then
+        protected, so ``n`` pops take a leading run of each list in turn: each
+        run is unlinked at once (as ``BlockPool.get_new_blocks`` does), not block
+        by block.
+        """
+        if n > self.num_free:
+            raise ValueError(f"asked for {n} blocks but only {self.num_free} are free")
+        nb = self.num_blocks
+        ref, prev, nxt, bhash, h2b = self.ref_cnt, self._prev, self._next, self.block_hash, self.hash_to_block
+        where, count, hits = self._where, self._count, self._hits
+        ghost, ring = self._ghost, self._ghost_ring
+        ring_len = len(ring)
+        pos = self._ghost_pos
+        out: list[int] = []
+        append = out.append
+        evicted = 0
+        left = n
+        for k in (0, 1, 2):
+            if not left:
+                break
+            take = min(count[k], left)
+            if not take:
+                continue
+            s = nb + k
+            b = s
+            for _ in range(take):
+                b = nxt[b]
+                where[b] = -1
+                ref[b] = 1
+                hits[b] = 0
+                h = bhash[b]
+                if h is not None:
+                    del h2b[h]
+                    bhash[b] = None
+                    evicted += 1
+                    old = ring[pos]
+                    if old is not None and ghost.get(old) == pos:
+                        del ghost[old]
+                    ring[pos] = h
+                    ghost[h] = pos
+                    pos = pos + 1 if pos + 1 < ring_len else 0
+                append(b)
+            head = nxt[b]
+            nxt[s] = head
+            prev[head] = s
+            count[k] -= take
+            left -= take
+        self._ghost_pos = pos
+        self.num_free -= n
+        self.num_cached_free -= evicted
+        self.num_evictions += evicted
+        return out
+
     def check_invariants(self) -> None:
         super().check_invariants()
         assert self._count[2] <= self.protected_cap, "protected holds more than its cap"
@@ -639,6 +774,12 @@ class LFUBlockPool(_MultiListPool):
 
     def _bucket(self, key: int) -> int:
         return 1 + key % (self.LFU_MAX_FREQ + 1)
+
+    def _cold_list(self, block: int) -> int:
+        # An unhit cached block enters with key floor + 1; cold, it takes the floor's key.
+        if self._hits[block] == 0 and self._where[block] == self._bucket(self._floor + 1):
+            return self._bucket(self._floor)
+        return -1
 
     def free_blocks(self, blocks: Iterable[int]) -> None:
         """ref-1 on each block, in the order given; those reaching 0 join their key's bucket tail."""
@@ -707,6 +848,9 @@ class S3FIFOBlockPool(_MultiListPool):
 
     def _reset_block(self, block: int) -> None:
         self._main[block] = False
+
+    def _cold_list(self, block: int) -> int:
+        return self._SMALL if self._where[block] == self._SMALL and not self._hits[block] else -1
 
     def get_new_blocks(self, n: int) -> list[int]:
         """``_MultiListPool.get_new_blocks``; the popped blocks start in small again."""

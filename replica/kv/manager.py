@@ -28,6 +28,12 @@ Choices a reader should know:
     existing mapping wins and the new block stays a private, uncached copy.
   * ``fork`` expects every slot of the parent to hold a known token (call it
     between steps, e.g. for parallel sampling after the prefill).
+  * ``free(request_id, generated_cold=True)`` is for a finished request whose
+    generated tokens no later prompt will contain (not a conversation turn): its
+    blocks from the one holding the end of the prompt on enter the pool's cold end
+    (``BlockPool.free_blocks_cold``). The prompt is the tokens known at the first
+    ``allocate_slots`` (after a recompute preemption, what was generated before it
+    counts as prompt). Off unless the caller passes it.
 
 Swap (``preemption_mode="swap"``; ``num_host_blocks`` > 0): ``swap_out`` takes a
 request's table off the device without losing its KV, block by block, in table order:
@@ -103,6 +109,7 @@ class _Request:
     num_registered: int  # leading full blocks already offered to the hash map
     salt: str | bytes | None
     num_skipped: int = 0  # leading entries that are NULL_BLOCK (outside the sliding window)
+    num_prompt_tokens: int = 0  # tokens known at the first allocate_slots: blocks past them are generated
 
 
 # A swapped request's logical block is either still held on the device (block id), in a
@@ -121,6 +128,7 @@ class _Swapped:
     hashes: list[bytes]
     num_registered: int
     salt: str | bytes | None
+    num_prompt_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -326,7 +334,8 @@ class KVCacheManager:
             pool.touch([b for b in computed_blocks if b != NULL_BLOCK])
             held = len(computed_blocks)
             skipped = sum(1 for b in computed_blocks if b == NULL_BLOCK)
-            req = _Request(list(computed_blocks), held * self.block_size, hashes, held, cache_salt, skipped)
+            req = _Request(list(computed_blocks), held * self.block_size, hashes, held, cache_salt, skipped,
+                           len(token_ids))
             self._requests[request_id] = req
         if cow:
             src = req.blocks[-1]
@@ -362,12 +371,24 @@ class KVCacheManager:
 
     # --- release, sharing --------------------------------------------------
 
-    def free(self, request_id: str) -> bool:
-        """Release a request's blocks tail-first (or its swapped table); False when it held no table."""
+    def free(self, request_id: str, generated_cold: bool = False) -> bool:
+        """Release a request's blocks tail-first (or its swapped table); False when it held no table.
+
+        ``generated_cold``: the request finished and its generated tokens will not
+        be part of a later prompt (not a conversation turn): the blocks from the one
+        holding the end of the prompt on (``pool.free_blocks_cold``) enter at the
+        pool's cold end, evicted before the blocks other requests left cached. Not
+        for a preempted request (it comes back for them).
+        """
         req = self._requests.pop(request_id, None)
         if req is None:
             return self.discard_swapped(request_id)
-        self.pool.free_blocks(reversed(req.blocks[req.num_skipped:]))
+        if generated_cold:
+            cut = max(req.num_prompt_tokens // self.block_size, req.num_skipped)
+            self.pool.free_blocks_cold(reversed(req.blocks[cut:]))
+            self.pool.free_blocks(reversed(req.blocks[req.num_skipped:cut]))
+        else:
+            self.pool.free_blocks(reversed(req.blocks[req.num_skipped:]))
         return True
 
     def fork(self, parent_id: str, child_id: str) -> list[int]:
@@ -380,7 +401,7 @@ class KVCacheManager:
         self.pool.touch(parent.blocks[parent.num_skipped:])
         self._requests[child_id] = _Request(
             list(parent.blocks), parent.num_tokens, list(parent.hashes), parent.num_registered, parent.salt,
-            parent.num_skipped,
+            parent.num_skipped, parent.num_prompt_tokens,
         )
         return list(parent.blocks)
 
@@ -431,7 +452,8 @@ class KVCacheManager:
             released.append(b)
         del self._requests[request_id]
         pool.free_blocks(reversed(released))
-        self._swapped[request_id] = _Swapped(entries, req.num_tokens, req.hashes, req.num_registered, req.salt)
+        self._swapped[request_id] = _Swapped(entries, req.num_tokens, req.hashes, req.num_registered, req.salt,
+                                             req.num_prompt_tokens)
         return True
 
     def is_swapped(self, request_id: str) -> bool:
@@ -507,7 +529,7 @@ class KVCacheManager:
             pool.cache_blocks([b for b, _ in recached], [h for _, h in recached])
         skipped = sum(1 for kind, _, _ in sw.entries if kind == _SKIPPED)
         self._requests[request_id] = _Request(blocks, sw.num_tokens, sw.hashes, sw.num_registered, sw.salt,
-                                              skipped)
+                                              skipped, sw.num_prompt_tokens)
         table = self.allocate_slots(request_id, token_ids, num_new_tokens)
         assert table is not None, "swap_in counted the blocks allocate_slots needs"
         return table
