@@ -26,13 +26,16 @@ shuffled within a round (as ``workloads.multi_turn``, whose synthetic answers
 would never hit), waves of ``--wave``.
 
 ``--generated-blocks`` (comma list, each run for every policy): ``warm`` frees a
-finished request's blocks as the engine does; ``cold`` passes
-``generated_cold=True`` to ``KVCacheManager.free`` for finished requests that are
-not conversation turns (every zipf request; no multi_turn request), so their
-generated blocks enter the pool's cold end; ``cold-all`` does it for every
+finished request's blocks in vLLM's order (the engine with
+``evict_generated_first=False``); ``cold`` passes ``generated_cold=True`` to
+``KVCacheManager.free`` for finished requests that are not conversation turns
+(every zipf request; no multi_turn request), so their generated blocks enter the
+pool's cold end: the engine's default (``evict_generated_first``), with the
+benchmark knowing exactly which requests are turns (the engine infers it from
+the chat messages or an X-Session-Id header); ``cold-all`` does it for every
 finished request, conversation turns included (what not knowing them costs).
-The engine does not pass the flag itself yet: the benchmark wraps the
-scheduler's ``finish`` (preempted requests are freed as usual).
+The benchmark wraps the scheduler's ``finish`` to decide (preempted requests
+are freed as usual).
 
 Run: ``python -m prefixserve.loadtest.bench_eviction`` (prints a markdown table,
 writes results/bench_eviction.json).
@@ -139,7 +142,7 @@ def run_policy(policy: str, prompts: list[list[int]], args: argparse.Namespace,
         return tuple(seq.token_ids[:8]) in conv_heads
 
     llm = LLM(args.model, eviction_policy=policy, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
-              dtype=args.dtype, max_num_seqs=args.wave)
+              dtype=args.dtype, max_num_seqs=args.wave, evict_generated_first=False)  # the bench decides
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, min_tokens=args.output_len)
     warm_up = prompts[0][:40] if prompts else _toks(args, 40, "warmup")
     llm.generate([warm_up], SamplingParams(temperature=0.0, max_tokens=2))  # kernels, pages

@@ -89,6 +89,11 @@ class EngineConfig:
     # "slru" (default: blocks hit again are protected, one-shot ones leave first; README
     # "Eviction policy" has the measurements), "lru" (vLLM's order), "lfu", "s3fifo".
     eviction_policy: str = "slru"
+    # A finished request's blocks past its prompt (its answer) enter the cold end of the
+    # eviction order, unless the request is a conversation turn (a chat with an earlier
+    # assistant turn, or an X-Session-Id header): those come back in the next turn's
+    # prompt. README "Eviction policy" has the measurements; False = vLLM's order.
+    evict_generated_first: bool = True
     # Sliding-window attention: None = the checkpoint's (``sliding_window`` and per-layer
     # ``layer_types``); an int = that window on the checkpoint's windowed layers, or on every
     # layer of a checkpoint without any. Layers attend to the last ``sliding_window``

@@ -131,7 +131,8 @@ class LLMEngine:
                                          num_host_blocks=self.runner.num_host_blocks,
                                          sliding_window=self.model_config.kv_window)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   config.enable_chunked_prefill, config.preemption_mode),
+                                                   config.enable_chunked_prefill, config.preemption_mode,
+                                                   evict_generated_first=config.evict_generated_first),
                                    self.kv_manager)
         self.requests: dict[str, Request] = {}
         # True when the last step changed nothing: stepping again is pointless until a
@@ -235,10 +236,13 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
                     cache_salt: str | None = None, arrival_time: float | None = None, *,
-                    prompt_text: str | None = None, trace_headers: dict[str, str] | None = None) -> Request:
+                    prompt_text: str | None = None, trace_headers: dict[str, str] | None = None,
+                    conversation: bool = False) -> Request:
         """Validate and queue a request; ``prompt_text`` is reported back when ``prompt`` is token ids.
 
         ``trace_headers``: the W3C trace context the request arrived with (its spans' parent).
+        ``conversation``: a turn whose answer the next turn's prompt repeats (its generated
+        blocks are not sent to the cold end of the eviction order).
         """
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
@@ -250,7 +254,8 @@ class LLMEngine:
             raise EngineOverloadedError(f"{self.scheduler.num_waiting} requests are already waiting "
                                         f"(max_waiting_requests={bound}); retry later")
         req = Request(request_id, ids, params, cache_salt, arrival_time or time.monotonic(),
-                      prompt=prompt if isinstance(prompt, str) else prompt_text, trace_headers=trace_headers)
+                      prompt=prompt if isinstance(prompt, str) else prompt_text, trace_headers=trace_headers,
+                      conversation=conversation)
         seq = self._new_sequence(req, 0)
         self.scheduler.add(seq)
         req.seqs.append(seq)
@@ -585,6 +590,7 @@ class AddRequest:
     # The text prompt, reported back in the RequestOutput; None for token-id prompts.
     prompt_text: str | None = None
     trace_headers: dict[str, str] | None = None
+    conversation: bool = False
 
 
 @dataclass(frozen=True)
@@ -675,9 +681,9 @@ class AsyncEngine:
     # --- requests ------------------------------------------------------------
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                       cache_salt: str | None = None,
-                       trace_headers: dict[str, str] | None = None) -> AsyncIterator[StreamDelta]:
-        """Stream the deltas of one request.
+                       cache_salt: str | None = None, trace_headers: dict[str, str] | None = None,
+                       conversation: bool = False) -> AsyncIterator[StreamDelta]:
+        """Stream the deltas of one request (``conversation``: see LLMEngine.add_request).
 
         Raises PromptTooLongError / RequestRejected / EngineOverloadedError /
         EngineDeadError before the first delta. Later, the stream raises
@@ -711,7 +717,7 @@ class AsyncEngine:
             self._commands.append(AddRequest(request_id=request_id, prompt_token_ids=ids, params=params,
                                              cache_salt=cache_salt, arrival_time=arrival,
                                              prompt_text=prompt if isinstance(prompt, str) else None,
-                                             trace_headers=trace_headers))
+                                             trace_headers=trace_headers, conversation=conversation))
         self._wake.set()
         done = False
         try:
@@ -833,7 +839,7 @@ class AsyncEngine:
         try:
             self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.cache_salt,
                                     cmd.arrival_time, prompt_text=cmd.prompt_text,
-                                    trace_headers=cmd.trace_headers)
+                                    trace_headers=cmd.trace_headers, conversation=cmd.conversation)
         except Exception as exc:  # noqa: BLE001 - handed to the consumer
             self._post(stream, exc)
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -32,6 +32,9 @@ from prefixserve.replica import api
 from prefixserve.replica.errors import PromptTooLongError
 from prefixserve.replica.outputs import StreamDelta
 from prefixserve.replica.sampling import SamplingParams
+
+# The session header of multi-turn clients (router/prefix.py keys affinity by it too).
+SESSION_HEADER = "X-Session-Id"
 
 if TYPE_CHECKING:
     from prefixserve.replica.engine import AsyncEngine
@@ -60,6 +63,8 @@ class EngineRequest:
     # The W3C trace context (traceparent, tracestate) the request's spans hang under
     # (replica/tracing.py); the router replaces it with its route span's.
     trace_headers: dict[str, str] | None = None
+    # A conversation turn (is_conversation_turn): its answer returns in the next prompt.
+    conversation: bool = False
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -218,7 +223,8 @@ class RequestRunner:
         if self.kv_events is not None and request.routing_key:
             self.remember_prefix(request.routing_key, prompt_ids, request.cache_salt)
         stream = self.engine.generate(prompt_ids, params, request_id=request.request_id,
-                                      cache_salt=request.cache_salt, trace_headers=request.trace_headers)
+                                      cache_salt=request.cache_salt, trace_headers=request.trace_headers,
+                                      conversation=request.conversation)
         try:
             async for delta in stream:
                 yield delta
@@ -267,3 +273,13 @@ class LocalEngineClient:
 
     def open_stream(self, request: EngineRequest) -> LocalStream:
         return LocalStream(self.runner, request)
+
+
+def is_conversation_turn(messages: list[dict[str, str]] | None, headers: Mapping[str, str]) -> bool:
+    """Whether a request's answer will come back in a later prompt: a chat that already
+    holds an assistant turn, or any request carrying a session id (``X-Session-Id``, the
+    header router/prefix.py keys multi-turn affinity by)."""
+    if any(k.lower() == SESSION_HEADER.lower() and v for k, v in headers.items()):
+        return True
+    return any(m.get("role") == "assistant" for m in messages or ())
+

@@ -42,7 +42,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from prefixserve.replica import api, openai_serving
 from prefixserve.replica.api import OpenAIRequest
-from prefixserve.replica.engine_client import EngineClient, EngineRequest, EngineStream, ModelInfo
+from prefixserve.replica.engine_client import (
+    EngineClient,
+    EngineRequest,
+    EngineStream,
+    ModelInfo,
+    is_conversation_turn,
+)
 from prefixserve.replica.log_json import REQUEST_ID
 from prefixserve.replica.openai_serving import Generation
 from prefixserve.replica.tracing import trace_headers
@@ -238,14 +244,16 @@ def engine_request(body: OpenAIRequest, info: ModelInfo, routing_key: str | None
     ``headers``: the HTTP request's, whose W3C trace context the engine's spans hang under.
     """
     default_max = body.default_max_tokens(info.max_model_len)
+    prompt = body.prompt_fields()
     return EngineRequest(
         request_id=api.new_id(body.id_prefix) if client_id is None else f"{body.id_prefix}-{client_id}",
-        **body.prompt_fields(),
+        **prompt,
         sampling=body.to_sampling_params(default_max_tokens=default_max, max_model_len=info.max_model_len),
         max_tokens_default=None if body.requested_max_tokens() is not None else default_max,
         cache_salt=body.cache_salt,
         routing_key=routing_key,
         trace_headers=trace_headers(headers or {}),
+        conversation=is_conversation_turn(prompt.get("messages"), headers or {}),
     )
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from prefixserve.replica.config import EngineConfig
 from prefixserve.replica.engine import LLMEngine
+from prefixserve.replica.engine_client import is_conversation_turn
 from prefixserve.replica.outputs import RequestOutput
 from prefixserve.replica.sampling import SamplingParams
 
@@ -42,8 +43,13 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None, *, use_tqdm: bool = False,
-                 cache_salts: Sequence[str | None] | None = None) -> list[RequestOutput]:
-        """Generate for each prompt; ``params`` is one for all or one per prompt."""
+                 cache_salts: Sequence[str | None] | None = None,
+                 conversation: bool | Sequence[bool] = False) -> list[RequestOutput]:
+        """Generate for each prompt; ``params`` is one for all or one per prompt.
+
+        ``conversation``: whether each prompt is a conversation turn whose answer a later
+        prompt repeats (one for all or one per prompt; see EngineConfig.evict_generated_first).
+        """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
@@ -54,8 +60,11 @@ class LLM:
             raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts: pass one or one each")
         salts = list(cache_salts) if cache_salts is not None else [None] * len(prompts)
         order = {}
-        for i, (prompt, p, salt) in enumerate(zip(prompts, per_prompt, salts)):
-            req = self.engine.add_request(None, prompt, p, salt)
+        turns = [conversation] * len(prompts) if isinstance(conversation, bool) else list(conversation)
+        if len(turns) != len(prompts):
+            raise ValueError(f"got {len(turns)} conversation flags for {len(prompts)} prompts: pass one or one each")
+        for i, (prompt, p, salt, turn) in enumerate(zip(prompts, per_prompt, salts, turns, strict=True)):
+            req = self.engine.add_request(None, prompt, p, salt, conversation=turn)
             order[req.request_id] = i
         results: list[RequestOutput | None] = [None] * len(prompts)
         bar = None
@@ -89,4 +98,5 @@ class LLM:
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
         prompts = [self.engine.encode_chat(list(c), **template_kwargs) for c in conversations]
-        return self.generate(prompts, params, use_tqdm=use_tqdm)
+        turns = [is_conversation_turn(list(c), {}) for c in conversations]
+        return self.generate(prompts, params, use_tqdm=use_tqdm, conversation=turns)

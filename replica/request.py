@@ -50,6 +50,9 @@ class Request:
     forked: bool = False
     # The W3C trace context it arrived with (replica/tracing.py); None = untraced.
     trace_headers: dict[str, str] | None = None
+    # A conversation turn: its answer returns in the next turn's prompt, so its generated
+    # blocks keep their place in the eviction order (SchedulerConfig.evict_generated_first).
+    conversation: bool = False
 
     @property
     def finished(self) -> bool:

@@ -48,6 +48,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     preemption_mode: str = "recompute"  # or "swap" (needs a KV manager with host blocks)
+    # Free a finished sequence's generated blocks to the cold end, unless its request is a
+    # conversation turn (EngineConfig.evict_generated_first).
+    evict_generated_first: bool = False
 
 
 @dataclass(frozen=True)
@@ -129,7 +132,10 @@ class Scheduler:
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
-        self.kv.free(seq.seq_id)
+        if self.config.evict_generated_first and not seq.request.conversation:
+            self.kv.free(seq.seq_id, generated_cold=True)
+        else:
+            self.kv.free(seq.seq_id)
 
     @property
     def num_waiting(self) -> int:

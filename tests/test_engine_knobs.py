@@ -48,3 +48,50 @@ def test_hash_alias_on_the_cli():
     assert cfg.prefix_hash_algo == "sha256"
     with pytest.raises(SystemExit):
         parser.parse_args(["--prefix-caching-hash-algo", "md5"])
+
+
+# --- evict_generated_first ---------------------------------------------------------------
+
+@pytest.mark.parametrize("messages, headers, expected", [
+    ([{"role": "user", "content": "hi"}], {}, False),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+      {"role": "user", "content": "more"}], {}, True),
+    ([{"role": "user", "content": "hi"}], {"x-session-id": "s1"}, True),
+    (None, {"X-Session-Id": "s1"}, True),
+    (None, {"X-Session-Id": ""}, False),
+])
+def test_a_conversation_turn_is_a_chat_with_an_answer_in_it_or_a_session_id(messages, headers, expected):
+    from prefixserve.replica.engine_client import is_conversation_turn
+
+    assert is_conversation_turn(messages, headers) is expected
+
+
+def _surviving_answer_block(tmp_path, *, evict_generated_first: bool, conversation: bool) -> bool:
+    """Request C finishes, then A (whose 4 generated tokens fill one block); then a third
+    request needs one cached block evicted. True when A's answer block survived it."""
+    from model_helpers import tiny_checkpoint
+
+    from prefixserve.replica.llm import LLM
+    from prefixserve.replica.sampling import SamplingParams
+
+    ckpt = tiny_checkpoint(tmp_path / "tiny")
+    with LLM(str(ckpt), block_size=4, num_kv_blocks=7, eviction_policy="lru",
+             evict_generated_first=evict_generated_first) as llm:
+        c_prompt, a_prompt = ([base + i for i in range(8)] for base in (300, 500))
+        d_prompt = [700 + i for i in range(12)]
+        llm.generate([c_prompt], SamplingParams(temperature=0.0, max_tokens=1))
+        (a,) = llm.generate([a_prompt], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+                            conversation=conversation)
+        kv = llm.engine.kv_manager
+        answer = a_prompt + list(a.outputs[0].token_ids)
+        (answer_hash,) = kv.hasher.hash_blocks(answer, 4, None, stop=3)[2:]
+        assert answer_hash in kv.pool.hash_to_block
+        # C holds 2 cached blocks, A 3; 2 were never cached: D's 3 prompt blocks evict exactly one.
+        llm.generate([d_prompt], SamplingParams(temperature=0.0, max_tokens=1))
+        return answer_hash in kv.pool.hash_to_block
+
+
+def test_a_one_shot_answer_is_evicted_before_older_prompts_but_a_conversation_answer_is_kept(tmp_path):
+    assert not _surviving_answer_block(tmp_path, evict_generated_first=True, conversation=False)
+    assert _surviving_answer_block(tmp_path, evict_generated_first=True, conversation=True)
+    assert _surviving_answer_block(tmp_path, evict_generated_first=False, conversation=False)  # vLLM's LRU order
