@@ -616,6 +616,8 @@ class AsyncEngine:
 
     def __init__(self, config: EngineConfig, engine: LLMEngine | None = None) -> None:
         self.config = config
+        # An engine handed in belongs to the caller: shutdown() leaves its workers and memory alone.
+        self._owns_engine = engine is None
         self.engine = engine or LLMEngine(config)
         self._commands: deque[Command] = deque()
         self._lock = threading.Lock()
@@ -747,11 +749,13 @@ class AsyncEngine:
         return await fut
 
     async def shutdown(self) -> None:
-        """Stop the loop (in-flight requests get EngineDeadError), then the worker processes."""
+        """Stop the loop (in-flight requests get EngineDeadError), then, when this object built
+        the engine, its worker processes and memory."""
         self._stopping = True
         self._wake.set()
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
-        self.engine.shutdown()
+        if self._owns_engine:
+            self.engine.shutdown()
 
     # --- the engine thread ------------------------------------------------------
 

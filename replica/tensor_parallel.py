@@ -54,6 +54,8 @@ log = logging.getLogger(__name__)
 OP_STEP, OP_SWAP, OP_CLEAR, OP_SHUTDOWN = 1, 2, 3, 4
 # The seconds a worker may take to start (imports, weights, KV cache) before the engine gives up.
 START_TIMEOUT_S = 600.0
+# How long a failed step waits for a dying worker's exit to show, to name it in the error.
+DEATH_GRACE_S = 2.0
 _env_lock = threading.Lock()
 
 
@@ -184,7 +186,18 @@ class WorkerGroup:
 
     def failure(self, exc: BaseException) -> WorkerDiedError:
         """The error a failed tensor-parallel step raises: ranks may be out of step, so the
-        group is dead whatever the cause (the worker's death if one died, else ``exc``)."""
+        group is dead whatever the cause. A collective usually fails because a worker died:
+        the error then names that worker (waiting a moment for its exit to be visible),
+        else it carries ``exc``."""
+        deadline = time.monotonic() + DEATH_GRACE_S
+        while self._dead is None and time.monotonic() < deadline:
+            gone = next((p for p in self.procs if not p.is_alive()), None)
+            if gone is not None:
+                gone.join(1.0)
+                self.mark_dead(f"tensor-parallel worker {gone.name} (pid {gone.pid}) exited with code "
+                               f"{gone.exitcode}")
+                break
+            time.sleep(0.05)
         self.mark_dead(f"a tensor-parallel step failed: {type(exc).__name__}: {exc}")
         return WorkerDiedError(f"the engine is dead: {self._dead}")
 
