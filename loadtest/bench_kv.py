@@ -271,6 +271,12 @@ def bench_ours_vs_vllm(num_requests: int, prompt_len: int, block_size: int, repe
         for r in out["rows"]:
             ref = vllm_rows[(r["pool"], r["timing"])]
             r["x_vllm"] = r["requests_per_s"] / ref["requests_per_s"]
+            # Same work on both sides, or the ratio means nothing: LRU must hit and evict as vLLM does.
+            if r["manager"] == "prefixserve lru" and (r["hit_rate"], r["evictions_per_request"]) != (
+                    ref["hit_rate"], ref["evictions_per_request"]):
+                raise RuntimeError(f"prefixserve lru and vLLM did different work on the {r['pool']} pool: hit rate "
+                                   f"{r['hit_rate']} vs {ref['hit_rate']}, evictions per request "
+                                   f"{r['evictions_per_request']} vs {ref['evictions_per_request']}")
     out["loadavg_end"] = os.getloadavg()[0]
     return out
 
