@@ -115,8 +115,7 @@ class ModelRunner:
             raise ValueError(f"swap_space_gb={self.config.swap_space_gb} holds no KV block of "
                              f"{self.shard.kv_bytes_per_block} bytes: raise it")
         if self.workers is not None:
-            for conn in self.workers.conns:
-                conn.send((blocks, host_blocks))
+            self.workers.reply((blocks, host_blocks))
         self.shard.allocate_kv_cache(blocks, host_blocks)
         # What each rank holds (weights, KV cache), by rank; logged at start under tensor parallelism.
         self.rank_memory = [self.shard.memory()]

@@ -234,6 +234,11 @@ class WorkerGroup:
             replies.append(reply)
         return replies
 
+    def reply(self, message: Any) -> None:
+        """Answer every worker during the start-up hand-shake (pickled; steps use :meth:`send`)."""
+        for conn in self.conns:
+            conn.send(message)
+
     def wait_while(self, what: str, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` (a call that needs the workers, e.g. joining the group) on a helper
         thread; raise as soon as a worker dies or reports an error instead of waiting out
