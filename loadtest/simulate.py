@@ -263,6 +263,11 @@ class PolicyResult:
     kv_query_tokens: int  # the KV managers' own counters, for the balance check
     kv_hit_tokens: int
     leaked_blocks: int  # blocks still in use after every request finished (must be 0)
+    # Prompt tokens short of the oracle, by cause: the request's key had never been admitted on
+    # that replica before (a first touch there: the price of spreading a key over replicas) or it
+    # had (the replica evicted the prefix, or the key's earlier request is still being admitted).
+    first_touch_miss_tokens: int
+    evicted_miss_tokens: int
     sim_seconds: float  # simulated time
     wall_seconds: float
 
@@ -387,6 +392,8 @@ def simulate(config: SimConfig, policy: str, traffic: Traffic | None = None,
     ttft = [0.0] * n
     hits = [0] * n
     replica_of = [0] * n
+    admitted_keys: set[tuple[int, int]] = set()  # (tenant, replica) pairs admitted so far
+    first_touch_short = evicted_short = 0
     decode_s = [0.0] * n
     prompt_tokens = 0
     finished = 0
@@ -395,7 +402,7 @@ def simulate(config: SimConfig, policy: str, traffic: Traffic | None = None,
     push, pop = heapq.heappush, heapq.heappop
 
     def try_admit(rep: SimReplica, now: float) -> None:
-        nonlocal seq, prompt_tokens
+        nonlocal seq, prompt_tokens, first_touch_short, evicted_short
         if rep.busy or not rep.queue or rep.running >= max_seqs:
             return
         i = rep.queue[0]
@@ -416,6 +423,13 @@ def simulate(config: SimConfig, policy: str, traffic: Traffic | None = None,
         rep.refresh_load()
         hits[i] = num_hit
         prompt_tokens += len(prompt)
+        short = traffic.oracle_hits[i] - num_hit
+        if short > 0:
+            if (traffic.tenants[i], rep.index) in admitted_keys:
+                evicted_short += short
+            else:
+                first_touch_short += short
+        admitted_keys.add((traffic.tenants[i], rep.index))
         # Decode time is fixed at admission from the batch it joins.
         decode_s[i] = out_len * decode_step(rep.running)
         push(events, (now + overhead + (len(prompt) - num_hit) * per_token, seq, _PREFILLED, i))
@@ -486,6 +500,8 @@ def simulate(config: SimConfig, policy: str, traffic: Traffic | None = None,
         kv_query_tokens=sum(s.prefix_query_tokens for s in stats),
         kv_hit_tokens=sum(s.prefix_hit_tokens for s in stats),
         leaked_blocks=sum(s.num_used_blocks for s in stats),
+        first_touch_miss_tokens=first_touch_short,
+        evicted_miss_tokens=evicted_short,
         sim_seconds=arrivals[-1],
         wall_seconds=time.perf_counter() - started,
     )
@@ -498,18 +514,22 @@ def markdown_table(results: Sequence[PolicyResult], baseline: str | None = BASEL
     """One row per result; with ``baseline``, its ratios against each row.
 
     "hit x" is the baseline's hit rate over the row's; "TTFT /" the baseline's
-    TTFT over the row's (below 1: the baseline is faster).
+    TTFT over the row's (below 1: the baseline is faster). "short: first touch /
+    evicted": points of prompt tokens the row missed where the oracle hit, by cause.
     """
     # The baseline row of the same cluster size (sweeps hold several sizes).
     bases = {r.num_replicas: r for r in reversed(results) if baseline and r.policy == baseline}
-    head = "| policy | R | hit rate | of oracle | load max/mean | peak in-flight | TTFT p50 (s) | TTFT p99 (s) |"
+    head = ("| policy | R | hit rate | of oracle | short: first touch / evicted | load max/mean | peak in-flight "
+            "| TTFT p50 (s) | TTFT p99 (s) |")
     if bases:
         head += f" {baseline} hit x | {baseline} p50 TTFT / | {baseline} p99 TTFT / |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in results:
         name = r.policy if r.epsilon is None else f"{r.policy} (eps={r.epsilon:g})"
-        row = (f"| {name} | {r.num_replicas} | {r.hit_rate:.1%} | {r.of_oracle:.2f} | {r.load_max_over_mean:.2f} "
-               f"| {r.peak_in_flight} | {r.ttft_p50:.3f} | {r.ttft_p99:.3f} |")
+        tokens = max(r.prompt_tokens, 1)
+        short = f"{100 * r.first_touch_miss_tokens / tokens:.2f} / {100 * r.evicted_miss_tokens / tokens:.2f}"
+        row = (f"| {name} | {r.num_replicas} | {r.hit_rate:.1%} | {r.of_oracle:.2f} | {short} "
+               f"| {r.load_max_over_mean:.2f} | {r.peak_in_flight} | {r.ttft_p50:.3f} | {r.ttft_p99:.3f} |")
         base = bases.get(r.num_replicas)
         if bases and base is None:
             row += " - | - | - |"

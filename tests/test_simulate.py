@@ -32,6 +32,8 @@ def test_accounting_balances(policy, traffic) -> None:
     assert r.oracle_violations == 0 and r.hit_tokens <= sum(traffic.oracle_hits)
     assert 0 <= r.hit_rate <= r.oracle_hit_rate <= 1
     assert r.leaked_blocks == 0
+    # every token short of the oracle has one cause
+    assert r.first_touch_miss_tokens + r.evicted_miss_tokens == sum(traffic.oracle_hits) - r.hit_tokens
     assert r.ttft_p50 > 0 and r.ttft_p99 >= r.ttft_p50
     assert r.load_max_over_mean >= 1.0
 
@@ -41,6 +43,7 @@ def test_one_replica_with_room_for_everything_equals_the_oracle(traffic) -> None
     cfg = replace(SMALL, num_replicas=1, blocks_per_replica=blocks, max_num_seqs=10_000)
     r = S.simulate(cfg, "round_robin", traffic)
     assert r.hit_tokens == sum(traffic.oracle_hits)
+    assert r.first_touch_miss_tokens == r.evicted_miss_tokens == 0
     assert r.of_oracle == pytest.approx(1.0)
 
 
