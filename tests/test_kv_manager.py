@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from prefixserve.replica.kv import KVCacheManager
+from prefixserve.replica.kv import BlockHasher, KVCacheManager
 from tests.kv_helpers import snapshot
 
 BS = 4
@@ -279,6 +279,24 @@ def test_stale_computed_blocks_are_rejected():
     m.allocate_slots("x", [1] * 16, 16)  # evicts every cached block
     with pytest.raises(ValueError, match="get_computed_blocks right before"):
         m.allocate_slots("b", p, 1, blocks)
+
+
+def test_the_lookup_memo_never_serves_hashes_of_other_tokens():
+    """The hashes a lookup memoizes are reused only for the tokens they were computed from:
+    not after the caller changed its list in place, whatever the type or length passed."""
+    fresh = BlockHasher()
+    p = prompt(24, 12)  # three whole blocks: compared without a copy
+    m = mgr()
+    m.get_computed_blocks(p)
+    p[5] += 1  # the same list object, the same length, other content
+    m.allocate_slots("a", p, 12)
+    assert [m.pool.block_hash[b] for b in m.block_table("a")] == fresh.hash_blocks(p, BS)
+    for tokens in (tuple(p), p + [7, 7]):  # a tuple; a longer list
+        m = mgr()
+        m.get_computed_blocks(p)
+        m.allocate_slots("b", tokens, len(tokens))
+        assert [m.pool.block_hash[b] for b in m.block_table("b")[:3]] == fresh.hash_blocks(p, BS)
+        m.check_invariants()
 
 
 def test_prefix_caching_off_shares_nothing():

@@ -136,8 +136,22 @@ class _Lookup:
     """The last lookup's hashes, so the allocation right after it does not rehash."""
 
     salt: str | bytes | None
-    tokens: list[int]  # the tokens the hashes cover (whole blocks)
+    tokens: list[int]  # a private copy of the tokens the hashes cover (whole blocks)
     hashes: list[bytes]
+
+    def covers(self, token_ids: Sequence[int]) -> bool:
+        """Whether ``token_ids`` starts with ``tokens`` (the hashes are then its leading blocks').
+
+        Compares without copying when ``token_ids`` is a list of exactly that length
+        (a whole-block prompt): a 4,096-token copy costs more than the comparison.
+        """
+        n = len(self.tokens)
+        if len(token_ids) < n:
+            return False
+        if len(token_ids) == n and type(token_ids) is list:
+            return self.tokens == token_ids
+        head = token_ids[:n]
+        return self.tokens == (head if type(head) is list else list(head))
 
 
 class KVCacheManager:
@@ -187,19 +201,22 @@ class KVCacheManager:
     # --- hashing -----------------------------------------------------------
 
     def _full_block_hashes(self, token_ids: Sequence[int], salt: str | bytes | None) -> list[bytes]:
-        """Hashes of every full block of ``token_ids``, reusing the last lookup's."""
+        """Hashes of every full block of ``token_ids``, reusing the last lookup's.
+
+        When the last lookup covered them all this is its memo's own list: copy it
+        before changing it.
+        """
         bs = self.block_size
         n_full = len(token_ids) // bs
         memo = self._lookup
         if memo is not None and memo.salt == salt:
             k = len(memo.hashes)
-            if k <= n_full and memo.tokens == list(token_ids[: k * bs]):
-                hashes = list(memo.hashes)
-                if k < n_full:
-                    hashes += self.hasher.hash_blocks(
-                        token_ids, bs, salt, start=k, parent=hashes[-1] if hashes else None
-                    )
-                return hashes
+            if k <= n_full and memo.covers(token_ids):
+                if k == n_full:
+                    return memo.hashes
+                return memo.hashes + self.hasher.hash_blocks(
+                    token_ids, bs, salt, start=k, parent=memo.hashes[-1] if k else None
+                )
         return self.hasher.hash_blocks(token_ids, bs, salt)
 
     # --- lookup ------------------------------------------------------------
@@ -220,7 +237,9 @@ class KVCacheManager:
         if max_blocks <= 0:
             return [], 0
         hashes = self._full_block_hashes(token_ids, cache_salt)
-        self._lookup = _Lookup(cache_salt, list(token_ids[: len(hashes) * self.block_size]), hashes)
+        if self._lookup is None or hashes is not self._lookup.hashes:  # else the memo already holds these
+            tokens = token_ids[: len(hashes) * self.block_size]
+            self._lookup = _Lookup(cache_salt, tokens if type(tokens) is list else list(tokens), hashes)
         get = self.pool.hash_to_block.get
         if self.sliding_window is not None:
             return self._window_hit([get(h) for h in hashes[:max_blocks]])
@@ -315,6 +334,8 @@ class KVCacheManager:
         hashes: list[bytes] = []
         if req is None and self.enable_prefix_caching:
             hashes = self._full_block_hashes(token_ids, cache_salt)
+            if self._lookup is not None and hashes is self._lookup.hashes:
+                hashes = list(hashes)  # the request extends its own list (_register)
             if len(computed_blocks) > len(hashes):
                 raise ValueError("computed_blocks cover more full blocks than token_ids has")
             bhash = pool.block_hash
