@@ -326,9 +326,29 @@ def test_generated_cold_raises_the_zipf_hit_rate(policy):
 
 
 class _OneBlockAtATimeSLRU(SLRUBlockPool):
-    """slru with the generic pop loop (one ``_victim`` per block): the reference for the run pops."""
+    """slru with the generic pop loop (one ``_victim`` per block) and a free that links each block
+    with the list primitives: the reference for the run pops and the batched free."""
 
     get_new_blocks = _MultiListPool.get_new_blocks
+
+    def free_blocks(self, blocks):
+        for b in blocks:
+            if self.ref_cnt[b] == 0:
+                raise ValueError(f"block {b} freed more often than it was allocated")
+            self.ref_cnt[b] -= 1
+            if self.ref_cnt[b]:
+                continue
+            self.num_free += 1
+            if self.block_hash[b] is None:
+                self._push_tail(self._COLD, b)
+                continue
+            self.num_cached_free += 1
+            self._push_tail(self._PROTECTED if self._hits[b] else self._PROBATION, b)
+            if self._count[self._PROTECTED] > self.protected_cap:
+                d = self._head(self._PROTECTED)
+                self._unlink(d)
+                self._hits[d] = 0
+                self._push_tail(self._PROBATION, d)
 
 
 def _pool_state(pool: SLRUBlockPool) -> tuple:
@@ -338,7 +358,7 @@ def _pool_state(pool: SLRUBlockPool) -> tuple:
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_slru_run_pops_equal_popping_one_victim_at_a_time(seed):
+def test_slru_run_pops_and_batched_frees_equal_one_block_at_a_time(seed):
     rng = random.Random(seed)
     n = rng.randint(2, 12)
     fast, ref = SLRUBlockPool(n), _OneBlockAtATimeSLRU(n)

@@ -154,18 +154,26 @@ class BlockPool:
     def touch(self, blocks: Iterable[int]) -> None:
         """ref+1 on each block, taking ref-0 ones (prefix hits) out of the free queue."""
         ref, prev, nxt, bhash = self.ref_cnt, self._prev, self._next, self.block_hash
-        for b in blocks:
-            if ref[b] == 0:
-                p, n = prev[b], nxt[b]
-                nxt[p] = n
-                prev[n] = p
-                self.num_free -= 1
-                if bhash[b] is not None:
-                    self.num_cached_free -= 1
-                elif self._num_fresh:  # not a prefix hit (the manager never does it): forget the run
-                    self._num_fresh = 0
-                    self._fresh_last = self._sentinel
-            ref[b] += 1
+        # The counters are kept in locals (an attribute update per block costs more than the
+        # unlink) and written back once, also when a bad block id raises midway.
+        taken = cached = 0
+        try:
+            for b in blocks:
+                r = ref[b]
+                if r == 0:
+                    p, n = prev[b], nxt[b]
+                    nxt[p] = n
+                    prev[n] = p
+                    taken += 1
+                    if bhash[b] is not None:
+                        cached += 1
+                    elif self._num_fresh:  # not a prefix hit (the manager never does it): forget the run
+                        self._num_fresh = 0
+                        self._fresh_last = self._sentinel
+                ref[b] = r + 1
+        finally:
+            self.num_free -= taken
+            self.num_cached_free -= cached
 
     def get_new_blocks(self, n: int) -> list[int]:
         """Pop ``n`` blocks from the head of the free queue, ref = 1, hashes evicted."""
@@ -208,17 +216,19 @@ class BlockPool:
         freed = cached = 0
         for b in blocks:
             r = ref[b] - 1
-            if r < 0:
-                raise ValueError(f"block {b} freed more often than it was allocated")
-            ref[b] = r
-            if r == 0:
-                # Chain the freed blocks behind the old tail; closed once at the end.
-                nxt[last] = b
-                prev[b] = last
-                last = b
-                freed += 1
-                if bhash[b] is not None:
-                    cached += 1
+            if r:  # still held elsewhere, or freed once too often
+                if r < 0:
+                    raise ValueError(f"block {b} freed more often than it was allocated")
+                ref[b] = r
+                continue
+            ref[b] = 0
+            # Chain the freed blocks behind the old tail; closed once at the end.
+            nxt[last] = b
+            prev[b] = last
+            last = b
+            freed += 1
+            if bhash[b] is not None:
+                cached += 1
         nxt[last] = s
         prev[s] = last
         self.num_free += freed
@@ -456,20 +466,25 @@ class _MultiListPool(BlockPool):
         """ref+1 on each block, taking ref-0 ones (prefix hits) out of their list; counts a hit."""
         ref, prev, nxt, bhash = self.ref_cnt, self._prev, self._next, self.block_hash
         where, count, hits, cap = self._where, self._count, self._hits, self._hit_cap
-        for b in blocks:
-            r = ref[b]
-            if r == 0:
-                p, q = prev[b], nxt[b]
-                nxt[p] = q
-                prev[q] = p
-                count[where[b]] -= 1
-                where[b] = -1
-                self.num_free -= 1
-                if bhash[b] is not None:
-                    self.num_cached_free -= 1
-            ref[b] = r + 1
-            if hits[b] < cap:
-                hits[b] += 1
+        taken = cached = 0  # written back once, as BlockPool.touch does
+        try:
+            for b in blocks:
+                r = ref[b]
+                if r == 0:
+                    p, q = prev[b], nxt[b]
+                    nxt[p] = q
+                    prev[q] = p
+                    count[where[b]] -= 1
+                    where[b] = -1
+                    taken += 1
+                    if bhash[b] is not None:
+                        cached += 1
+                ref[b] = r + 1
+                if hits[b] < cap:
+                    hits[b] += 1
+        finally:
+            self.num_free -= taken
+            self.num_cached_free -= cached
 
     def get_new_blocks(self, n: int) -> list[int]:
         """Pop ``n`` victims (``_victim``), ref = 1, hits 0, hashes evicted (and remembered by the ghost)."""
@@ -650,41 +665,71 @@ class SLRUBlockPool(_MultiListPool):
         """ref-1 on each block, in the order given; those reaching 0 join their list's tail.
 
         No hash: the cold list; hit since allocated: protected (demoting
-        protected's least recent block past the cap); else probation.
+        protected's least recent block past the cap); else probation. Each
+        list's tail is kept in a local and extended in place (the lists are
+        closed and their counts written once, at the end), as ``BlockPool.free_blocks``
+        does with its one queue.
         """
         n = self.num_blocks
         ref, prev, nxt, bhash = self.ref_cnt, self._prev, self._next, self.block_hash
         where, count, hits = self._where, self._count, self._hits
-        cap = self.protected_cap
-        freed = cached = 0
-        for b in blocks:
-            r = ref[b] - 1
-            if r < 0:
-                raise ValueError(f"block {b} freed more often than it was allocated")
-            ref[b] = r
-            if r:
-                continue
-            freed += 1
-            if bhash[b] is None:
-                k = 0
-            else:
-                cached += 1
-                k = 2 if hits[b] else 1
-            s = n + k
-            last = prev[s]
-            nxt[last] = b
-            prev[b] = last
-            nxt[b] = s
-            prev[s] = b
-            where[b] = k
-            count[k] += 1
-            if k == 2 and count[2] > cap:
-                d = nxt[n + 2]
-                self._unlink(d)
-                hits[d] = 0
-                self._push_tail(1, d)
-        self.num_free += freed
-        self.num_cached_free += cached
+        s0, s1, s2 = n, n + 1, n + 2
+        t0, t1, t2 = prev[s0], prev[s1], prev[s2]
+        a0 = a1 = a2 = 0  # blocks added to each list
+        room = self.protected_cap - count[2]  # protected blocks addable before a demotion
+        try:
+            for b in blocks:
+                r = ref[b] - 1
+                if r:  # still held elsewhere, or freed once too often
+                    if r < 0:
+                        raise ValueError(f"block {b} freed more often than it was allocated")
+                    ref[b] = r
+                    continue
+                ref[b] = 0
+                if bhash[b] is None:
+                    nxt[t0] = b
+                    prev[b] = t0
+                    t0 = b
+                    where[b] = 0
+                    a0 += 1
+                elif hits[b]:
+                    nxt[t2] = b
+                    prev[b] = t2
+                    t2 = b
+                    where[b] = 2
+                    a2 += 1
+                    if a2 > room:
+                        # Past the cap: protected's head (not its tail: the cap is >= 1, so it holds
+                        # two blocks now) moves to probation's tail and must be hit again.
+                        d = nxt[s2]
+                        q = nxt[d]
+                        nxt[s2] = q
+                        prev[q] = s2
+                        hits[d] = 0
+                        nxt[t1] = d
+                        prev[d] = t1
+                        t1 = d
+                        where[d] = 1
+                        a2 -= 1
+                        a1 += 1
+                else:
+                    nxt[t1] = b
+                    prev[b] = t1
+                    t1 = b
+                    where[b] = 1
+                    a1 += 1
+        finally:
+            nxt[t0] = s0
+            prev[s0] = t0
+            nxt[t1] = s1
+            prev[s1] = t1
+            nxt[t2] = s2
+            prev[s2] = t2
+            count[0] += a0
+            count[1] += a1
+            count[2] += a2
+            self.num_free += a0 + a1 + a2
+            self.num_cached_free += a1 + a2
 
     def _victim(self) -> int:
         count, nxt, n = self._count, self._next, self.num_blocks
