@@ -15,10 +15,11 @@ exceeds ``(1 + epsilon)`` times its fair share:
   (one copy per ``hot_share`` of a fair share: hot-key replication) and takes
   them back when it cools (with hysteresis), then makes every replica over
   ``(1 + epsilon)`` of its fair share, in rate or in prefill work, shed whole
-  keys cheapest first, each to its next ring successor with room. Cheapest:
-  with precise information, keys whose prefix the replica no longer holds come
-  first (moving them loses nothing); then the least recently requested keys
-  (in an LRU cache those prefixes are the likeliest to be evicted already).
+  keys with the fewest moves, each to its next ring successor with room: every
+  move costs the key one cold prefill on its new replica whatever its size, so
+  the smallest key covering the whole excess goes first, then the largest. With
+  precise information, keys whose prefix the replica no longer holds come before
+  all others (moving them loses nothing).
 
 Statistics: a key's rate is an exponentially decayed request count (time
 constant ``tau_s``), its work a decayed count of uncached prompt tokens. They
@@ -457,24 +458,44 @@ class PlacementTable:
         # Candidates: single-copy keys on an overloaded replica, grouped by replica.
         single = (self._copies == 1) & np.isin(self._primary, over)
         slots = np.nonzero(single)[0]
-        # By replica, least recently requested first: in an LRU cache those prefixes are
-        # the likeliest to be gone already, so moving them costs the fewest hits.
-        order = np.lexsort((self._seen[slots], self._primary[slots]))
-        slots = slots[order]
         owners = self._primary[slots]
         for r in over.tolist():
-            mine = slots[owners == r]
-            if self.precise and len(mine):
-                # Keys whose prefix the replica is known not to hold go first (stable: coldest first within).
-                name = self.members[r]
-                rank = np.fromiter(
-                    (0 if self.holds(self._keys[s] or "", name) is False else 1 for s in mine.tolist()),
-                    dtype=np.int64, count=len(mine))
-                mine = mine[np.argsort(rank, kind="stable")]
+            mine = self._shed_order(slots[owners == r], r, cap_rate[r], cap_work[r])
             for slot in mine.tolist():
                 if self._load_rate[r] <= cap_rate[r] and self._load_work[r] <= cap_work[r]:
                     break
                 self._move(slot, r)
+
+    def _shed_order(self, mine: IntArray, r: int, cap_rate: float, cap_work: float) -> IntArray:
+        """The order in which replica ``r`` offers its single-copy keys ``mine`` when over its caps.
+
+        Every move costs the key one cold prefill on its new replica (its prefix stays
+        cached where it was), whatever the key's size, so the replica sheds with the
+        fewest moves: first the smallest key that covers the whole excess alone, then
+        the rest largest first. The excess is the rate's, or the work's when only the
+        work is over. Precise mode puts the keys whose prefix ``r`` is known not to hold
+        in front (moving them costs nothing), in the same order among themselves.
+        """
+        if not len(mine):
+            return mine
+        rate_excess = self._load_rate[r] - cap_rate
+        if rate_excess > 0:
+            size, excess = self._rate[mine], rate_excess
+        else:
+            size, excess = self._work[mine], self._load_work[r] - cap_work
+        by_size = np.argsort(-size, kind="stable")
+        mine, size = mine[by_size], size[by_size]
+        covering = np.nonzero(size >= excess)[0]
+        if len(covering):
+            best = int(covering[-1])  # sorted by size descending: the last cover is the smallest
+            mine = np.concatenate([mine[best : best + 1], mine[:best], mine[best + 1 :]])
+        if self.precise:
+            name = self.members[r]
+            known_gone = np.fromiter(
+                (0 if self.holds(self._keys[s] or "", name) is False else 1 for s in mine.tolist()),
+                dtype=np.int64, count=len(mine))
+            mine = mine[np.argsort(known_gone, kind="stable")]
+        return mine
 
     def _move(self, slot: int, src: int) -> None:
         rate, work = float(self._rate[slot]), float(self._work[slot])

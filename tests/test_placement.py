@@ -386,7 +386,7 @@ def test_an_imbalance_within_the_counts_noise_moves_nothing_and_a_sure_one_moves
     assert (len(moved) > 0) == (scale > 1.0)
 
 
-def test_an_overloaded_replica_sheds_its_coldest_keys_to_their_next_successor_with_room() -> None:
+def test_an_overloaded_replica_sheds_its_largest_keys_to_their_next_successor_with_room() -> None:
     clock = Clock()
     p = policy(clock, epsilon=0.1, hot_share=1.0)
     p.rank(fleet(), "warm-up")  # membership
@@ -410,12 +410,33 @@ def test_an_overloaded_replica_sheds_its_coldest_keys_to_their_next_successor_wi
     moved = [k for k in mine if p.placement(k) != [a]]
     kept = [k for k in mine if p.placement(k) == [a]]
     assert moved and kept
-    # cheapest first: every moved key is colder than every kept one
-    assert max(mine.index(k) for k in moved) < min(mine.index(k) for k in kept)
+    # fewest moves (no key covers the excess of 46.65 alone): every moved key is larger than every kept one
+    assert min(mine.index(k) for k in moved) > max(mine.index(k) for k in kept)
     for k in moved:
         succ = ring.successors(k)
         assert p.placement(k)[0] in succ[succ.index(a) + 1:] + succ[: succ.index(a)]
     assert all(p.placement(k) == [ring.owner(k)] for k in others if ring.owner(k) != a)
+
+
+def test_the_smallest_key_covering_the_excess_moves_alone() -> None:
+    clock = Clock()
+    p = policy(clock, epsilon=0.1, hot_share=1.0)
+    p.rank(fleet(), "warm-up")
+    ring = HashRing(NAMES)
+    a = NAMES[0]
+    mine = keys_owned_by(a, 5)
+    others = [k for n in NAMES[1:] for k in keys_owned_by(n, 2)]
+    # a: 13 of 43 in all (the others 2 keys of 5 each): bound 1.1 * 43 / 4 = 11.825, a's excess 1.175;
+    # a destination takes at most 1.825. Smallest cover: 1.5 (not 0.25 + 0.5 and more, not 1.75,
+    # which would fit as well).
+    rates = [0.25, 0.5, 1.5, 1.75, 9.0]
+    snap = {"format": 1, "version": 3, "members": NAMES, "weights": {},
+            "keys": {**{k: {"replicas": [a], "rate": r, "work": 0.0} for k, r in zip(mine, rates)},
+                     **{k: {"replicas": [ring.owner(k)], "rate": 5.0, "work": 0.0} for k in others}}}
+    p.apply_snapshot(snap)
+    p.table.rebalance(clock())
+    moved = [r for k, r in zip(mine, rates) if p.placement(k) != [a]]
+    assert moved == [1.5]
 
 
 def test_statistics_decay_with_tau_and_quiet_keys_are_forgotten() -> None:
@@ -509,7 +530,7 @@ def test_precise_mode_sheds_keys_whose_prefix_is_gone_first() -> None:
     p = policy(clock, precise=True, epsilon=0.1, hot_share=1.0)
     p.rank(fleet(), "warm-up")
     p.apply_snapshot(snap)
-    evicted = mine[-1]  # the hottest key, but a no longer holds its prefix
+    evicted = mine[0]  # the smallest key (last to go by size), but a no longer holds its prefix
     p.set_cached(a, evicted, False)
     p.table.rebalance(clock())
     assert p.placement(evicted) != [a]
@@ -518,7 +539,7 @@ def test_precise_mode_sheds_keys_whose_prefix_is_gone_first() -> None:
     approx.apply_snapshot(snap)
     approx.set_cached(a, evicted, False)
     approx.table.rebalance(clock())
-    assert approx.placement(evicted) == [a]  # without precise knowledge the hottest key stays
+    assert approx.placement(evicted) == [a]  # without precise knowledge the smallest key stays
 
 
 # ------------------------------------------------------------------- options
