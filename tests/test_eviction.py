@@ -363,18 +363,24 @@ def test_slru_run_pops_and_batched_frees_equal_one_block_at_a_time(seed):
     n = rng.randint(2, 12)
     fast, ref = SLRUBlockPool(n), _OneBlockAtATimeSLRU(n)
     held: list[int] = []  # one entry per reference a test "request" holds
+    # The ghost list as specified: the hashes of the last n evictions, less those registered since.
+    evictions: list[list] = []  # [hash, still a ghost]
     for _ in range(80):
         op = rng.choice(["alloc", "alloc", "cache", "touch", "free", "free_cold"])
         if op == "alloc" and fast.num_free:
             k = rng.randint(1, fast.num_free)
+            old_hash = list(fast.block_hash)
             got = fast.get_new_blocks(k)
             assert got == ref.get_new_blocks(k)
             held += got
+            evictions += [[old_hash[b], True] for b in got if old_hash[b] is not None]
         elif op == "cache" and any(fast.block_hash[b] is None for b in held):
             fresh = sorted({b for b in held if fast.block_hash[b] is None})
             bs = rng.sample(fresh, rng.randint(1, len(fresh)))
             hs = [h(rng.randrange(3 * n)) for _ in bs]
             assert fast.cache_blocks(bs, hs) == ref.cache_blocks(bs, hs)
+            for e in evictions:
+                e[1] = e[1] and not any(fast.block_hash[b] == e[0] for b in bs)
         elif op == "touch" and fast.hash_to_block:
             bs = rng.sample(sorted(fast.hash_to_block.values()), 1)
             fast.touch(bs)
@@ -391,6 +397,7 @@ def test_slru_run_pops_and_batched_frees_equal_one_block_at_a_time(seed):
             getattr(ref, op + "_blocks" if op == "free" else "free_blocks_cold")(batch)
         fast.check_invariants()
         assert _pool_state(fast) == _pool_state(ref)
+        assert set(fast._ghost) == {e[0] for e in evictions[-n:] if e[1]}
 
 
 @pytest.mark.parametrize("policy", EVICTION_POLICIES)

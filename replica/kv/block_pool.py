@@ -361,7 +361,10 @@ class _MultiListPool(BlockPool):
     The ghost list remembers the hashes of the last ``num_blocks`` evicted
     blocks (a ring buffer of hashes plus a dict hash -> ring slot, O(1) each
     way); a block registered under a remembered hash was evicted too early,
-    and the subclass promotes it (``_ghost_hit``).
+    and the subclass promotes it (``_ghost_hit``); the hash then leaves the
+    ghost and its ring slot is emptied. So every hash in the ring is a ghost
+    mapped to its slot, and an eviction overwriting a slot drops that hash from
+    the ghost without looking it up first.
     """
 
     _NUM_LISTS = 1
@@ -492,9 +495,8 @@ class _MultiListPool(BlockPool):
             raise ValueError(f"asked for {n} blocks but only {self.num_free} are free")
         ref, prev, nxt, bhash, h2b = self.ref_cnt, self._prev, self._next, self.block_hash, self.hash_to_block
         where, count, hits = self._where, self._count, self._hits
-        ghost, ring = self._ghost, self._ghost_ring
         out: list[int] = []
-        evicted = 0
+        gone: list[bytes] = []  # the evicted hashes, in eviction order
         victim = self._victim
         for _ in range(n):
             b = victim()
@@ -507,22 +509,36 @@ class _MultiListPool(BlockPool):
             if h is not None:
                 del h2b[h]
                 bhash[b] = None
-                evicted += 1
-                if ring:
-                    pos = self._ghost_pos
-                    old = ring[pos]
-                    if old is not None and ghost.get(old) == pos:
-                        del ghost[old]
-                    ring[pos] = h
-                    ghost[h] = pos
-                    self._ghost_pos = pos + 1 if pos + 1 < len(ring) else 0
+                gone.append(h)
             ref[b] = 1
             hits[b] = 0
             out.append(b)
+        if self._ghost_ring:
+            self._remember(gone)
         self.num_free -= n
-        self.num_cached_free -= evicted
-        self.num_evictions += evicted
+        self.num_cached_free -= len(gone)
+        self.num_evictions += len(gone)
         return out
+
+    def _remember(self, hashes: list[bytes]) -> None:
+        """Put evicted hashes in the ghost ring, in order, each in the oldest slot.
+
+        Slice by slice (at most two: ``hashes`` holds at most one ring's worth): an
+        overwritten hash is a ghost at that slot (class docstring) and simply leaves.
+        """
+        ring, ghost = self._ghost_ring, self._ghost
+        size, pos, done = len(ring), self._ghost_pos, 0
+        while done < len(hashes):
+            stop = min(size, pos + len(hashes) - done)
+            for old in ring[pos:stop]:
+                if old is not None:
+                    del ghost[old]
+            part = hashes[done:done + stop - pos]
+            ring[pos:stop] = part
+            ghost.update(zip(part, range(pos, stop)))
+            done += stop - pos
+            pos = stop if stop < size else 0
+        self._ghost_pos = pos
 
     def free_blocks_cold(self, blocks: Iterable[int]) -> None:
         """``free_blocks``; then each block that reached 0 and entered its policy's entry list
@@ -540,7 +556,7 @@ class _MultiListPool(BlockPool):
     def _note_registered(self, block: int, block_hash: bytes) -> None:
         ghost = self._ghost
         if ghost and block_hash in ghost:
-            del ghost[block_hash]
+            self._ghost_ring[ghost.pop(block_hash)] = None
             self._ghost_hit(block)
 
     def cache_block(self, block: int, block_hash: bytes) -> bool:
@@ -565,7 +581,7 @@ class _MultiListPool(BlockPool):
                 h2b[h] = b
                 bhash[b] = h
                 if ghost and h in ghost:
-                    del ghost[h]
+                    self._ghost_ring[ghost.pop(h)] = None
                     self._ghost_hit(b)
             elif current != h:
                 raise ValueError(f"block {b} already carries another hash")
@@ -639,6 +655,7 @@ class _MultiListPool(BlockPool):
         )
         for h, pos in self._ghost.items():
             assert self._ghost_ring[pos] == h, "a ghost points at a ring slot holding another hash"
+        assert sum(h is not None for h in self._ghost_ring) == len(self._ghost), "the ring holds a hash not a ghost"
 
 
 class SLRUBlockPool(_MultiListPool):
@@ -752,12 +769,10 @@ class SLRUBlockPool(_MultiListPool):
         nb = self.num_blocks
         ref, prev, nxt, bhash, h2b = self.ref_cnt, self._prev, self._next, self.block_hash, self.hash_to_block
         where, count, hits = self._where, self._count, self._hits
-        ghost, ring = self._ghost, self._ghost_ring
-        ring_len = len(ring)
-        pos = self._ghost_pos
         out: list[int] = []
         append = out.append
-        evicted = 0
+        gone: list[bytes] = []  # the evicted hashes, in eviction order
+        evict = gone.append
         left = n
         for k in (0, 1, 2):
             if not left:
@@ -776,23 +791,17 @@ class SLRUBlockPool(_MultiListPool):
                 if h is not None:
                     del h2b[h]
                     bhash[b] = None
-                    evicted += 1
-                    old = ring[pos]
-                    if old is not None and ghost.get(old) == pos:
-                        del ghost[old]
-                    ring[pos] = h
-                    ghost[h] = pos
-                    pos = pos + 1 if pos + 1 < ring_len else 0
+                    evict(h)
                 append(b)
             head = nxt[b]
             nxt[s] = head
             prev[head] = s
             count[k] -= take
             left -= take
-        self._ghost_pos = pos
+        self._remember(gone)
         self.num_free -= n
-        self.num_cached_free -= evicted
-        self.num_evictions += evicted
+        self.num_cached_free -= len(gone)
+        self.num_evictions += len(gone)
         return out
 
     def check_invariants(self) -> None:
