@@ -275,16 +275,16 @@ class BlockPool:
 
     def cache_blocks(self, blocks: Sequence[int], hashes: Sequence[bytes]) -> int:
         """``cache_block`` for each (block, hash) pair; returns how many were registered."""
-        h2b, bhash = self.hash_to_block, self.block_hash
+        h2b, bhash, ref = self.hash_to_block, self.block_hash, self.ref_cnt
         done = 0
         for b, h in zip(blocks, hashes):
             current = bhash[b]
             if current is None:
-                if self.ref_cnt[b] == 0:
+                if ref[b] == 0:
                     raise ValueError(f"block {b} is free; only blocks in use are registered")
-                if h in h2b:
+                # One dict operation: b carries no hash, so no hash maps to it yet (the bijection).
+                if h2b.setdefault(h, b) != b:
                     continue  # duplicate content: the existing mapping stays (see cache_block)
-                h2b[h] = b
                 bhash[b] = h
             elif current != h:
                 raise ValueError(f"block {b} already carries another hash")
@@ -569,16 +569,15 @@ class _MultiListPool(BlockPool):
 
     def cache_blocks(self, blocks: Sequence[int], hashes: Sequence[bytes]) -> int:
         """``BlockPool.cache_blocks``; hashes the ghost remembers promote their blocks."""
-        h2b, bhash, ghost = self.hash_to_block, self.block_hash, self._ghost
+        h2b, bhash, ref, ghost = self.hash_to_block, self.block_hash, self.ref_cnt, self._ghost
         done = 0
         for b, h in zip(blocks, hashes):
             current = bhash[b]
             if current is None:
-                if self.ref_cnt[b] == 0:
+                if ref[b] == 0:
                     raise ValueError(f"block {b} is free; only blocks in use are registered")
-                if h in h2b:
+                if h2b.setdefault(h, b) != b:  # as in BlockPool.cache_blocks
                     continue  # duplicate content: the existing mapping stays (see cache_block)
-                h2b[h] = b
                 bhash[b] = h
                 if ghost and h in ghost:
                     self._ghost_ring[ghost.pop(h)] = None

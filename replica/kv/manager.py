@@ -352,9 +352,9 @@ class KVCacheManager:
                 self._query_tokens += len(token_ids)
                 self._hit_tokens += len(computed_blocks) * self.block_size
             # Hits leave the free queue before new blocks are popped, so none is evicted.
-            pool.touch([b for b in computed_blocks if b != NULL_BLOCK])
+            skipped = computed_blocks.count(NULL_BLOCK)
+            pool.touch([b for b in computed_blocks if b != NULL_BLOCK] if skipped else computed_blocks)
             held = len(computed_blocks)
-            skipped = sum(1 for b in computed_blocks if b == NULL_BLOCK)
             req = _Request(list(computed_blocks), held * self.block_size, hashes, held, cache_salt, skipped,
                            len(token_ids))
             self._requests[request_id] = req
