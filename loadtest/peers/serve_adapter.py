@@ -18,8 +18,9 @@ Signals, per request and candidate (:class:`PeerServeReplica`):
 * prompt tokens: the engine call's first argument is replica/engine_client.py's
   ``EngineRequest``; its ``messages`` go through the served model's chat
   template, a text ``prompt`` through its tokenizer, exactly as the engine does
-  (:class:`PromptEncoder`; the tokenizer loads in a thread when the router
-  starts, and encoding runs in a worker thread). All four peers match these
+  (:class:`PromptEncoder`; the tokenizer loads when the router starts, which
+  holds the router's event loop for seconds once, before it knows any replica,
+  and encoding runs in a worker thread). All four peers match these
   tokens (SGLang and Ray match characters; peers/*.py say why tokens are the
   same policy);
 * block hashes: Contract 2 (replica/kv/hashing.py ``BlockHasher``) over the
@@ -70,11 +71,9 @@ Imports Ray Serve (through router/serve_router.py); router/ never imports this m
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -340,12 +339,9 @@ class PeerRouter(PrefixRouter):
         self._index = KvEventIndex()
         self._tracked: OrderedDict[str, _Tracked] = OrderedDict()
         self._next_index = 0
-        self._encoder: Future[PromptEncoder] = Future()
-        if encoder is not None:
-            self._encoder.set_result(encoder)
-        else:  # loading a tokenizer takes seconds: not on the router's event loop
-            threading.Thread(target=_load_into, args=(self._encoder, model), daemon=True,
-                             name="peer-router-tokenizer").start()
+        # Loaded before the router serves (seconds, once), as a real router loads its tokenizer at
+        # start-up: the router's replica view, which a deployment waits for, comes after it.
+        self._encoder = encoder if encoder is not None else PromptEncoder.load(model)
 
     @property
     def peer(self) -> Peer:
@@ -365,9 +361,9 @@ class PeerRouter(PrefixRouter):
                 return tracked.request
             index = self._next_index
             self._next_index += 1
-        encoder = await asyncio.wrap_future(self._encoder)
         now = time.monotonic()
-        req = await asyncio.to_thread(peer_request, request, index, now, encoder, self._hasher, self._block_size)
+        req = await asyncio.to_thread(peer_request, request, index, now, self._encoder, self._hasher,
+                                      self._block_size)
         with self._lock:
             self._tracked[request_id] = _Tracked(req)
             while len(self._tracked) > MAX_TRACKED_REQUESTS:
@@ -438,11 +434,3 @@ class PeerRouter(PrefixRouter):
             live = {replica_name(r) for r in self.curr_replicas}
             for name in [n for n in self._index.replicas() if n not in live]:
                 self._index.forget(name)
-
-
-def _load_into(future: Future[PromptEncoder], model: str) -> None:
-    try:
-        future.set_result(PromptEncoder.load(model))
-    except BaseException as exc:  # the first request reports it
-        future.set_exception(exc)
-
