@@ -6,10 +6,14 @@ turn, deploys the app afresh (new replicas: cold KV caches), streams the
 workload through it with a closed-loop client, and deletes it. Policies:
 prefixserve's ``round_robin``, ``power_of_two`` (Ray Serve's default
 behaviour), ``consistent_hash``, ``bounded_load`` and ``placed`` (the default;
-router/policies.py, run by router/serve_router.py), and ``ray_prefix``: Ray Serve LLM's own
+router/policies.py, run by router/serve_router.py), ``ray_prefix``: Ray Serve LLM's own
 ``PrefixCacheAffinityRouter`` plugged into our engine deployment as its
-request router. ``--url`` instead measures a running endpoint once (its
-requests salted so that earlier traffic cannot count as hits).
+request router, and the peer models of loadtest/peers run as the request
+router by loadtest/peers/serve_adapter.py (prompt tokens, block hashes,
+reported loads, KV events): ``sglang_tree`` (SGLang's cache_aware), ``llmd``
+(llm-d's weighted scorers) and ``dynamo`` (Dynamo's KV cost). ``--url``
+instead measures a running endpoint once (its requests salted so that earlier
+traffic cannot count as hits).
 
 Per policy it reports the cluster's prefix-cache hit rate (the replicas'
 ``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total``
@@ -77,13 +81,16 @@ from prefixserve.router.metrics import sum_samples
 from prefixserve.router.policies import POLICIES, RING_POLICIES, pick_options
 
 RAY_PREFIX = "ray_prefix"
+# Peer models (loadtest/peers) run by loadtest/peers/serve_adapter.py's PeerRouter.
+PEER_POLICIES = ("sglang_tree", "llmd", "dynamo")
 DEFAULT_POLICIES = ("round_robin", "power_of_two", RAY_PREFIX, "consistent_hash", "placed")
-KNOWN_POLICIES = tuple(sorted(POLICIES)) + (RAY_PREFIX,)
+KNOWN_POLICIES = tuple(sorted(POLICIES)) + (RAY_PREFIX,) + PEER_POLICIES
 BASELINE = "placed"
 WORKLOADS = ("zipf_tenants", "shared_prefix", "multi_turn")
 # Multi-turn affinity (router/prefix.py): none, X-Session-Id (the client sends the user's id), or key_turns=1.
 SESSION_AFFINITY = ("none", "header", "turns")
 SPILLS = "prefixserve_router_spills_total"
+ROUTED = "prefixserve_router_requests_total"
 
 
 # --------------------------------------------------------------------------- workload
@@ -267,24 +274,37 @@ def oracle_hit_rate(tenants: Sequence[str], prompt_tokens: Sequence[int], prefix
 
 def chat_encoder(model: str) -> Callable[[list[dict[str, str]]], list[int]]:
     """The model's chat template as the engine applies it (replica/engine.py's encode_chat)."""
-    from prefixserve.replica.model import loader
+    from prefixserve.loadtest.peers.serve_adapter import PromptEncoder
 
-    tokenizer = loader.load_tokenizer(loader.resolve(model))
-
-    def encode(messages: list[dict[str, str]]) -> list[int]:
-        return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False,
-                                                  add_generation_prompt=True))
-
-    return encode
+    return PromptEncoder.load(model).encode_chat
 
 
 # --------------------------------------------------------------------------- policies
 
 
-def router_args(policy: str, *, seed: int, epsilon: float | None) -> dict[str, Any]:
-    """The ``router`` section of router/app.py's args that runs ``policy``."""
+def router_args(policy: str, *, seed: int, epsilon: float | None, engine: Mapping[str, Any] | None = None
+                ) -> dict[str, Any]:
+    """The ``router`` section of router/app.py's args that runs ``policy``.
+
+    ``engine``: the engine section (a peer tokenizes with its model and hashes with its block size,
+    hash algorithm and pool size, as a real deployment of that router is configured).
+    """
     if policy == RAY_PREFIX:
         return {"router_class": "ray_llm_prefix_aware"}
+    if policy in PEER_POLICIES:
+        from prefixserve.loadtest.peers.serve_adapter import PEER_ROUTER_CLASS_PATH
+        from prefixserve.replica.config import EngineConfig, resolve_hash_algo
+
+        engine = engine or {}
+        kwargs: dict[str, Any] = {
+            "peer": policy, "seed": seed, "model": engine.get("model", EngineConfig.model),
+            "block_size": engine.get("block_size", EngineConfig.block_size),
+            "hash_algo": resolve_hash_algo(engine.get("prefix_hash_algo", EngineConfig.prefix_hash_algo),
+                                           engine.get("prefix_caching_hash_algo")),
+        }
+        if engine.get("num_kv_blocks") is not None:
+            kwargs["num_gpu_blocks"] = engine["num_kv_blocks"]
+        return {"router_class": PEER_ROUTER_CLASS_PATH, "kwargs": kwargs}
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose from {list(KNOWN_POLICIES)}")
     args: dict[str, Any] = {"router_class": "prefixserve", "policy": policy}
@@ -308,7 +328,7 @@ def app_args(policy: str, *, model: str, replicas: int, sizing: KVSizing | None,
         "engine": engine,
         "num_replicas": replicas,
         "ray_actor_options": {"num_cpus": 1},
-        "router": router_args(policy, seed=seed, epsilon=epsilon),
+        "router": router_args(policy, seed=seed, epsilon=epsilon, engine=engine),
         "ingress": ingress,
     }
 
@@ -367,6 +387,9 @@ class PolicyResult:
     deploy_s: float | None = None  # time to bring this policy's app up (local cluster only)
     # Keyed requests served off their ring owner (prefixserve's router metric; ring policies only).
     spills: int | None = None
+    # Requests the router counted under this policy's name (prefixserve's router and the peer
+    # routers, router/metrics.py; None for Ray's own router and --url).
+    routed: int | None = None
 
     @property
     def load_imbalance(self) -> float | None:
@@ -540,6 +563,9 @@ def measure(base_url: str, policy: str, bodies: Sequence[dict[str, Any]], concur
     result = summarize(policy, records, counter_deltas(replica_counters(before), replica_counters(after)))
     if policy in RING_POLICIES:
         result.spills = round(sum_samples(after, SPILLS) - sum_samples(before, SPILLS))
+    if policy in POLICIES or policy in PEER_POLICIES:
+        labels = {"policy": policy}
+        result.routed = round(sum_samples(after, ROUTED, labels) - sum_samples(before, ROUTED, labels))
     return result, records
 
 

@@ -236,6 +236,10 @@ def test_app_args_are_valid_router_app_args_for_every_policy():
         assert parsed.num_replicas == 2
         if policy == B.RAY_PREFIX:
             assert parsed.router.router_class == "ray_llm_prefix_aware"
+        elif policy in B.PEER_POLICIES:  # loadtest/peers/serve_adapter.py, configured like the engine
+            assert parsed.router.router_class.endswith("serve_adapter:PeerRouter")
+            assert parsed.router.kwargs == {"peer": policy, "seed": 1, "model": "smollm2", "block_size": 16,
+                                            "hash_algo": "xxh3_128", "num_gpu_blocks": sizing.num_kv_blocks}
         else:
             assert parsed.router.policy == policy
     with pytest.raises(ValueError, match="unknown policy"):

@@ -322,3 +322,36 @@ def test_unknown_peer_and_bad_options_are_refused():
 def test_candidates_satisfy_the_peer_interface():
     view = PeerServeReplica(None, "r", 1, ReplicaLoad(), KvEventIndex(), 8)
     assert (view.name, view.in_flight, view.num_gpu_blocks, view.cached_blocks([b"h"])) == ("r", 1, 8, 0)
+
+
+# --------------------------------------------------------------------------- a real cluster
+
+
+@pytest.mark.slow
+def test_bench_cluster_runs_the_peer_routers_on_a_local_cluster(tmp_path):
+    import json
+
+    from model_helpers import tiny_checkpoint
+    from server_helpers import free_port
+
+    from prefixserve.loadtest import bench_cluster as B
+
+    model = tiny_checkpoint(tmp_path / "tiny", seed=5)
+    out = tmp_path / "out"
+    policies = list(B.PEER_POLICIES)
+    code = B.main(["--model", str(model), "--policies", ",".join(policies), "--tenants", "4",
+                   "--requests", "12", "--system-len", "48", "--question-len", "8", "--output-len", "4",
+                   "--concurrency", "2", "--seed", "5", "--port", str(free_port()), "--out-dir", str(out),
+                   "--timeout", "300"])
+    data = json.loads((out / "bench_cluster.json").read_text())
+    assert data["failures"] == {} and code == 0
+    assert [r["policy"] for r in data["results"]] == policies
+    for r in data["results"]:
+        # Every request was routed by the peer (a router that failed would fail the requests) and served.
+        assert r["succeeded"] == r["requests"] == 12, r["errors"]
+        assert r["routed"] == 12  # the router counted every request under the peer's name
+        assert sum(v["requests"] for v in r["replicas"].values()) == 12
+        assert r["hit_rate"] is not None and 0.0 <= r["hit_rate"] <= 1.0
+        if r["preemptions"] == 0:
+            assert r["hit_rate"] <= data["oracle_hit_rate"] + 0.02
+        assert r["cached_token_ratio"] == pytest.approx(r["hit_rate"], abs=0.02)
