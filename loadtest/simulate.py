@@ -73,6 +73,7 @@ from prefixserve.loadtest.cost_model import CostProfile, get_profile
 from prefixserve.loadtest.peers import PEERS, PeerRequest, make_peer
 from prefixserve.loadtest.peers.sglang import SGLangCacheAware, SGLangConfig
 from prefixserve.loadtest.workloads import zipf_tenant_sequence
+from prefixserve.replica.config import EngineConfig
 from prefixserve.replica.kv.hashing import BlockHasher
 from prefixserve.replica.kv.manager import KVCacheManager
 from prefixserve.router.policies import Placed, ReplicaLoad, make_policy, pick_options
@@ -109,13 +110,15 @@ class SimConfig:
     blocks_per_replica: int = 1024
     max_num_seqs: int = 64
     utilization: float = 0.6
-    profile: str = "cpu"
+    profile: str = "h100"  # the issues' reference cluster; "cpu" models this project's CPU replicas
     epsilon: float = 0.25
     placed_epsilon: float | None = None  # None: the placed policy's own default
-    eviction_policy: str = "lru"
-    # "cold": a finished request's generated blocks enter the pool's cold end (KVCacheManager.free's
-    # generated_cold; every simulated request is a one-shot, none a conversation turn).
-    generated_blocks: str = "warm"
+    # The engine's defaults (EngineConfig.eviction_policy, evict_generated_first): the simulator
+    # models the replicas as they ship. "cold": a finished request's generated blocks enter the
+    # pool's cold end (KVCacheManager.free's generated_cold; every simulated request is a one-shot,
+    # none a conversation turn).
+    eviction_policy: str = EngineConfig.eviction_policy
+    generated_blocks: str = "cold" if EngineConfig.evict_generated_first else "warm"
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     seed: int = 0
 
