@@ -447,10 +447,10 @@ def effective_in_flight(c: ReplicaView) -> int:
 
 
 # Bounds on ``placed``'s memos (a full memo is dropped and refills): its per-key ring orders in
-# candidate positions hold at most this many positions in all (32 MB of references), its per-ring-point
-# orders this many names (16 MB), and each key at most this many rankings (one per first choice and placement).
+# candidate positions hold at most this many positions in all (32 MB of references), and each key
+# at most this many rankings (one per first choice and placement). Orders of ring points are the
+# ring's own memo (HashRing.order).
 _MAX_MEMO_POSITIONS = 4_000_000
-_MAX_POINT_MEMO_NAMES = 2_000_000
 _MAX_RANKINGS_PER_KEY = 8
 
 
@@ -540,29 +540,15 @@ class Placed(_RingPolicy):
         self._view_pos: dict[str, int] = {}  # name -> candidate position
         self._member_pos: list[int] = []  # table member index -> candidate position
         self._keyed: dict[str, _KeyOrder] = {}  # key -> its ring order in candidate positions
-        # Ring point (the start index of a key's walk) -> the members in ring order from it, per
-        # membership: a key never seen before is usually on a point some other key walked from.
-        self._points: dict[int, tuple[str, ...]] = {}
 
     # -- membership ---------------------------------------------------------------
     def _sync_members(self, candidates: Sequence[ReplicaView]) -> HashRing:
         ring = self.ring_for(candidates)
         if self._members != self._table_members:
-            self._points.clear()
             self.table.set_members([n for n, _ in self._members], [w for _, w in self._members],
-                                   lambda key: self._ring_order(ring, key))
+                                   ring.order)
             self._table_members = self._members
         return ring
-
-    def _ring_order(self, ring: HashRing, key: str) -> tuple[str, ...]:
-        """``ring.successors(key)``, memoized per ring point (the order depends on the key's point alone)."""
-        start = ring.start_index(key)
-        order = self._points.get(start)
-        if order is None:
-            if len(self._points) * len(ring) >= _MAX_POINT_MEMO_NAMES:
-                self._points.clear()
-            order = self._points[start] = tuple(ring.successors(key))
-        return order
 
     def rebalance_due(self) -> bool:
         """Whether the next ``rank`` with a key rebalances first (leader only)."""
@@ -602,7 +588,7 @@ class Placed(_RingPolicy):
             members = self.table.successor_indices(key)
             if members is None:
                 assert self._view_ring is not None
-                names = self._ring_order(self._view_ring, key)
+                names = self._view_ring.order(key)
                 entry = _KeyOrder(names[0], tuple(map(self._view_pos.__getitem__, names)))
             else:
                 entry = _KeyOrder(self.table.members[members[0]], tuple(map(self._member_pos.__getitem__, members)))

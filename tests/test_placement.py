@@ -278,7 +278,6 @@ def test_rank_decides_as_the_direct_statement_of_the_decision(seed: int, monkeyp
     Half the seeds run with tiny memo bounds, so that every memo is dropped and refilled often."""
     if seed >= 6:
         monkeypatch.setattr(policies_module, "_MAX_MEMO_POSITIONS", 40)
-        monkeypatch.setattr(policies_module, "_MAX_POINT_MEMO_NAMES", 30)
         monkeypatch.setattr(policies_module, "_MAX_RANKINGS_PER_KEY", 2)
     rng = random.Random(seed)
     precise = seed % 2 == 1

@@ -322,3 +322,19 @@ def test_route_cli_prints_key_owner_and_fallbacks(capsys):
     assert cli.main(["route", "--replica", "a:1", "--key", "bad key"]) == 2
     assert "visible ASCII" in capsys.readouterr().err
     assert cli.main(["route", "--replica", "a:1", "--key", "k", "--down", "b:1"]) == 2
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_distance_table_orders_servers_as_the_walk_does(seed: int) -> None:
+    # Rings of every size and weight mix, asked through the table and through the point walk
+    # (the path of rings too big for a table): the same servers in the same order.
+    rng = random.Random(seed)
+    servers = [RingServer(f"10.{seed}.{i}.{rng.randrange(256)}:80{i}", rng.choice([1, 1, 2, 5]))
+               for i in range(rng.choice([1, 2, 3, 7, 16, 40]))]
+    table, walk = HashRing(servers), HashRing(servers)
+    walk._distances_too_big = True
+    for _ in range(300):
+        key = f"{rng.getrandbits(64):016x}"
+        assert table.order(key) == walk.order(key) == tuple(walk.successors(key))
+        assert table.successors(key, limit=3) == walk.successors(key, usable=lambda _n: True, limit=3)
+    assert table._distances is not None and walk._distances is None
