@@ -120,14 +120,45 @@ def test_kv_event_index_credits_the_leading_blocks_a_replicas_events_report():
     assert index.cached_blocks("r1", a) == 0 and index.replicas() == []
 
 
-def test_a_snapshot_replaces_what_a_replica_held():
+def payload(seq: int, held: dict, snapshot: bool = False, epoch: str = "e1") -> dict:
+    return {"format": 1, "epoch": epoch, "seq": seq, "snapshot": snapshot, "events": [], "held": held}
+
+
+def test_a_snapshot_replaces_what_a_replica_held_and_old_payloads_are_ignored():
     index = KvEventIndex()
     index.remember("k", [b"1", b"2"])
     index.remember("j", [b"3"])
-    index.apply("r", {"snapshot": True, "held": {"k": [2, 2], "j": [1, 1]}})
+    assert index.apply("r", payload(1, {"k": [2, 2], "j": [1, 1]}, snapshot=True))
     assert index.cached_blocks("r", [b"1", b"2"]) == 2 and index.cached_blocks("r", [b"3"]) == 1
-    index.apply("r", {"snapshot": True, "held": {"j": [1, 1]}})  # k is no longer listed
+    assert index.apply("r", payload(2, {"j": [1, 1]}, snapshot=True))  # k is no longer listed
     assert index.cached_blocks("r", [b"1", b"2"]) == 0 and index.cached_blocks("r", [b"3"]) == 1
+    assert not index.apply("r", payload(1, {"k": [2, 2]}, snapshot=True))  # older: ignored
+    assert not index.apply("r", {"format": 99, "seq": 5, "held": {"k": [2, 2]}})  # unknown format
+    assert index.cached_blocks("r", [b"1", b"2"]) == 0
+    assert index.apply("r", payload(1, {"k": [1, 2]}, epoch="e2"))  # a new publisher: afresh
+    assert index.cached_blocks("r", [b"1", b"2"]) == 1 and index.cached_blocks("r", [b"3"]) == 0
+
+
+def test_a_diff_after_a_missed_report_still_updates_the_keys_it_lists():
+    pub = KVEventPublisher(snapshot_every=100)
+    index = KvEventIndex()
+    k, j = [b"k1", b"k2"], [b"j1"]
+    for key, hashes in (("k", k), ("j", j)):
+        pub.remember(key, hashes)
+        index.remember(key, hashes)
+    pool = set(k)
+    index.apply("r", pub.publish(pool.__contains__))
+    pool |= set(j)
+    pub.publish(pool.__contains__)  # the router misses this report (j stored)
+    pool -= set(k)
+    assert index.apply("r", pub.publish(pool.__contains__))  # after the gap: k removed
+    assert index.cached_blocks("r", k) == 0  # the diff's own keys: their state now
+    assert index.cached_blocks("r", j) == 0  # what only the missed report said stays unknown
+    snap = KVEventPublisher(snapshot_every=1)  # the next snapshot tells everything again
+    for key, hashes in (("k", k), ("j", j)):
+        snap.remember(key, hashes)
+    index.apply("r", {**snap.publish(pool.__contains__), "epoch": pub.epoch, "seq": 10})
+    assert index.cached_blocks("r", j) == 1 and index.cached_blocks("r", k) == 0
 
 
 def test_the_index_keeps_as_many_blocks_per_key_as_a_replica_reports():

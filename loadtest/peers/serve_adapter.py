@@ -40,7 +40,9 @@ Signals, per request and candidate (:class:`PeerServeReplica`):
   prefix (conversation history) are never credited; the index learns a
   key's hashes from the requests it routed and the replica's ``held``
   summary says how many leading ones the replica holds; events arrive with
-  the routing stats (about 1 s late where Dynamo's arrive in milliseconds);
+  the routing stats (about 1 s late where Dynamo's arrive in milliseconds),
+  and a report the router missed leaves what only it changed unknown until
+  the next snapshot (:class:`KvEventIndex`);
 * ``num_gpu_blocks`` (llm-d's LRU capacity per pod, which EPP reads from the
   pod's metrics): the ``num_gpu_blocks`` router kwarg (the deployer knows the
   engine's pool size; the routing stats do not carry it);
@@ -81,6 +83,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica
 
 from prefixserve.loadtest.peers import Peer, PeerRequest, make_peer
 from prefixserve.replica.kv.hashing import DEFAULT_HASH_ALGO, BlockHasher
+from prefixserve.replica.kv_events import KV_EVENTS_FORMAT
 from prefixserve.router.policies import Decision, ReplicaLoad, ReplicaView, by_load
 from prefixserve.router.serve_router import PrefixRouter, ServeReplicaView, is_generation, replica_name
 
@@ -163,6 +166,17 @@ class KvEventIndex:
     The replica's publisher only saw requests this router sent, so the
     router's run is a prefix of the replica's and its first ``leading``
     hashes are held.
+
+    A ``held`` summary is absolute (the key's state at that publish), so every
+    payload newer than the last one taken in is applied, also after a gap
+    (routers miss reports often: Serve delivers the latest routing stats, not
+    each one): it gives the keys it lists their current state, and the keys
+    that only the missed payloads changed keep their last known state until
+    the next snapshot (every ``snapshot_every`` publishes) replaces them all.
+    This approximates Dynamo's lossless event stream with the latest known
+    state, where router/serve_router.py's consumer (for ``placed``) waits for
+    the snapshot. Older or repeated payloads are ignored; a new epoch (a new
+    publisher) starts the replica afresh.
     """
 
     def __init__(self, max_keys: int = MAX_KEYS, max_blocks: int = MAX_BLOCKS_PER_KEY) -> None:
@@ -171,6 +185,7 @@ class KvEventIndex:
         self._prefix: OrderedDict[str, list[bytes]] = OrderedDict()
         self._leading: dict[str, dict[str, int]] = {}  # replica -> key -> leading blocks held
         self._held: dict[str, frozenset[bytes]] = {}  # replica -> hashes held
+        self._last: dict[str, tuple[str, int]] = {}  # replica -> (epoch, seq) taken in
 
     def remember(self, key: str, hashes: Sequence[bytes]) -> None:
         """A request of ``key`` whose prompt's leading full-block hashes are ``hashes``."""
@@ -195,10 +210,18 @@ class KvEventIndex:
     def prefix(self, key: str) -> list[bytes]:
         return list(self._prefix.get(key, ()))
 
-    def apply(self, replica: str, payload: Mapping[str, Any]) -> None:
-        """Take in one KV-event payload of ``replica`` that its consumer applied (in order, no gap)."""
+    def apply(self, replica: str, payload: Mapping[str, Any]) -> bool:
+        """Take in one KV-event payload of ``replica`` (replica/kv_events.py); False when it is not newer."""
+        if payload.get("format") != KV_EVENTS_FORMAT:
+            return False
+        epoch, seq = str(payload.get("epoch")), int(payload.get("seq", 0))
+        last = self._last.get(replica)
+        if last is not None and last[0] == epoch and seq <= last[1]:
+            return False
+        self._last[replica] = (epoch, seq)
         held = payload.get("held") or {}
-        leading = {} if payload.get("snapshot") else self._leading.setdefault(replica, {})
+        fresh = payload.get("snapshot") or last is None or last[0] != epoch
+        leading = {} if fresh else self._leading.setdefault(replica, {})
         for key, summary in held.items():
             n = int(summary[0])
             if n > 0:
@@ -207,6 +230,7 @@ class KvEventIndex:
                 leading.pop(str(key), None)
         self._leading[replica] = leading
         self._held[replica] = frozenset(h for key, n in leading.items() for h in self._prefix.get(key, ())[:n])
+        return True
 
     def cached_blocks(self, replica: str, hashes: Sequence[bytes]) -> int:
         """How many leading blocks of ``hashes`` ``replica`` holds, as its events said."""
@@ -227,6 +251,7 @@ class KvEventIndex:
     def forget(self, replica: str) -> None:
         self._leading.pop(replica, None)
         self._held.pop(replica, None)
+        self._last.pop(replica, None)
 
 
 # --------------------------------------------------------------------------- candidates and policy
@@ -394,7 +419,7 @@ class PeerRouter(PrefixRouter):
     # -- KV events, prefill and completion ------------------------------------------------
     def _take_kv_events(self, name: str, payload: Any) -> None:
         super()._take_kv_events(name, payload)
-        if isinstance(payload, Mapping) and self._kv_events.in_sync(name):
+        if isinstance(payload, Mapping):
             with self._lock:
                 self._index.apply(name, payload)
 
