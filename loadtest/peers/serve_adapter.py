@@ -58,8 +58,8 @@ Signals, per request and candidate (:class:`PeerServeReplica`):
 
 Limits: Serve asking again for a request whose tiers were all full gets the
 peer's first ranking again (the peer routes a request once, as the real
-routers do); a request cancelled before any replica accepted it stays in the
-peer's books (Dynamo's active blocks) until the peer forgets it.
+routers do); a request cancelled before any replica accepted it is never
+finished in the peer's books (Dynamo keeps counting its blocks as active).
 
 Configuration (``RequestRouterConfig.request_router_kwargs``; router/app.py's
 ``router: {router_class: "prefixserve.loadtest.peers.serve_adapter:PeerRouter",
