@@ -281,6 +281,27 @@ def test_stale_computed_blocks_are_rejected():
         m.allocate_slots("b", p, 1, blocks)
 
 
+def test_computed_blocks_other_than_the_lookup_returned_are_checked_again():
+    """allocate_slots trusts the last lookup's hit only as it was returned, and only while no
+    block lost its hash since: a reset, or a list the caller changed, is checked block by block."""
+    for policy in ("lru", "slru"):
+        m = mgr(8, eviction_policy=policy)
+        p = prompt(25, 9)
+        admit(m, "a", p)
+        m.free("a")
+        blocks, _ = m.get_computed_blocks(p)
+        assert m.reset_prefix_cache()  # every block free: forgets the hashes, evicts nothing
+        with pytest.raises(ValueError, match="get_computed_blocks right before"):
+            m.allocate_slots("b", p, 1, blocks)
+        admit(m, "a", p)
+        m.free("a")
+        blocks, _ = m.get_computed_blocks(p)
+        blocks[1] = next(b for b in range(8) if m.pool.block_hash[b] is None)  # the caller's own list
+        with pytest.raises(ValueError, match="block 1 of this prompt"):
+            m.allocate_slots("b", p, 1, blocks)
+        m.check_invariants()
+
+
 def test_the_lookup_memo_never_serves_hashes_of_other_tokens():
     """The hashes a lookup memoizes are reused only for the tokens they were computed from:
     not after the caller changed its list in place, whatever the type or length passed."""

@@ -128,6 +128,7 @@ class BlockPool:
         self.num_free = num_blocks
         self.num_cached_free = 0
         self.num_evictions = 0
+        self._num_resets = 0
 
     # --- queries -----------------------------------------------------------
 
@@ -138,6 +139,12 @@ class BlockPool:
     @property
     def num_used(self) -> int:
         return self.num_blocks - self.num_free
+
+    @property
+    def hash_epoch(self) -> int:
+        """Changes whenever a block loses its hash (an eviction, a reset): while it stays the
+        same, every block still carries the hash it carried (``cache_blocks`` only adds)."""
+        return self.num_evictions + self._num_resets
 
     def free_queue(self) -> list[int]:
         """The free queue head (next evicted) to tail; O(num_free), for tests and debugging."""
@@ -298,6 +305,7 @@ class BlockPool:
         self.hash_to_block.clear()
         self.block_hash = [None] * self.num_blocks
         self.num_cached_free = 0
+        self._num_resets += 1
         self._num_fresh = self.num_blocks  # every block is free and uncached: the whole queue
         self._fresh_last = self._prev[self._sentinel]
         return True
@@ -595,6 +603,7 @@ class _MultiListPool(BlockPool):
         self.hash_to_block.clear()
         self.block_hash = [None] * self.num_blocks
         self.num_cached_free = 0
+        self._num_resets += 1
         self._ghost.clear()
         self._ghost_ring = [None] * len(self._ghost_ring)
         self._ghost_pos = 0

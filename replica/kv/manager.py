@@ -70,7 +70,7 @@ Pure Python, no torch and no ray: the cluster simulator runs thousands of these.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prefixserve.replica.kv.block_pool import BlockPool
 from prefixserve.replica.kv.hashing import DEFAULT_HASH_ALGO, DEFAULT_HASH_SEED, BlockHasher
@@ -133,20 +133,24 @@ class _Swapped:
 
 @dataclass(slots=True)
 class _Lookup:
-    """The last lookup's hashes, so the allocation right after it does not rehash."""
+    """The last lookup's hashes and hit, so the allocation right after it neither rehashes
+    nor checks the hit blocks' hashes again."""
 
     salt: str | bytes | None
     tokens: list[int]  # a private copy of the tokens the hashes cover (whole blocks)
     hashes: list[bytes]
+    hit: list[int] = field(default_factory=list)  # a private copy of the blocks the lookup returned
+    hash_epoch: int = -1  # the pool's hash_epoch then: the hit blocks kept their hashes while it is unchanged
 
     def covers(self, token_ids: Sequence[int]) -> bool:
         """Whether ``token_ids`` starts with ``tokens`` (the hashes are then its leading blocks').
 
         Compares without copying when ``token_ids`` is a list of exactly that length
         (a whole-block prompt): a 4,096-token copy costs more than the comparison.
+        Another prompt usually differs in the last token covered: checked first.
         """
         n = len(self.tokens)
-        if len(token_ids) < n:
+        if len(token_ids) < n or (n and token_ids[n - 1] != self.tokens[-1]):
             return False
         if len(token_ids) == n and type(token_ids) is list:
             return self.tokens == token_ids
@@ -200,24 +204,29 @@ class KVCacheManager:
 
     # --- hashing -----------------------------------------------------------
 
-    def _full_block_hashes(self, token_ids: Sequence[int], salt: str | bytes | None) -> list[bytes]:
-        """Hashes of every full block of ``token_ids``, reusing the last lookup's.
+    def _memo_for(self, token_ids: Sequence[int], salt: str | bytes | None) -> _Lookup | None:
+        """The last lookup's memo when its hashes are those of leading blocks of ``token_ids``."""
+        memo = self._lookup
+        if memo is not None and memo.salt == salt and memo.covers(token_ids):
+            return memo
+        return None
 
-        When the last lookup covered them all this is its memo's own list: copy it
-        before changing it.
+    def _full_block_hashes(
+        self, token_ids: Sequence[int], salt: str | bytes | None, memo: _Lookup | None
+    ) -> list[bytes]:
+        """Hashes of every full block of ``token_ids``, the leading ones from ``memo`` (``_memo_for``).
+
+        When the memo covers them all this is its own list: copy it before changing it.
         """
         bs = self.block_size
-        n_full = len(token_ids) // bs
-        memo = self._lookup
-        if memo is not None and memo.salt == salt:
-            k = len(memo.hashes)
-            if k <= n_full and memo.covers(token_ids):
-                if k == n_full:
-                    return memo.hashes
-                return memo.hashes + self.hasher.hash_blocks(
-                    token_ids, bs, salt, start=k, parent=memo.hashes[-1] if k else None
-                )
-        return self.hasher.hash_blocks(token_ids, bs, salt)
+        if memo is None:
+            return self.hasher.hash_blocks(token_ids, bs, salt)
+        k = len(memo.hashes)
+        if k == len(token_ids) // bs:
+            return memo.hashes
+        return memo.hashes + self.hasher.hash_blocks(
+            token_ids, bs, salt, start=k, parent=memo.hashes[-1] if k else None
+        )
 
     # --- lookup ------------------------------------------------------------
 
@@ -236,20 +245,25 @@ class KVCacheManager:
         max_blocks = (len(token_ids) - 1) // self.block_size
         if max_blocks <= 0:
             return [], 0
-        hashes = self._full_block_hashes(token_ids, cache_salt)
-        if self._lookup is None or hashes is not self._lookup.hashes:  # else the memo already holds these
+        memo = self._memo_for(token_ids, cache_salt)
+        hashes = self._full_block_hashes(token_ids, cache_salt, memo)
+        if memo is None or hashes is not memo.hashes:  # else the memo already holds these
             tokens = token_ids[: len(hashes) * self.block_size]
-            self._lookup = _Lookup(cache_salt, tokens if type(tokens) is list else list(tokens), hashes)
-        get = self.pool.hash_to_block.get
+            memo = self._lookup = _Lookup(cache_salt, tokens if type(tokens) is list else list(tokens), hashes)
+        pool = self.pool
+        get = pool.hash_to_block.get
         if self.sliding_window is not None:
-            return self._window_hit([get(h) for h in hashes[:max_blocks]])
-        blocks: list[int] = []
-        for h in hashes[:max_blocks]:
-            b = get(h)
-            if b is None:
-                break
-            blocks.append(b)
-        return blocks, len(blocks) * self.block_size
+            blocks, num_hit = self._window_hit([get(h) for h in hashes[:max_blocks]])
+        else:
+            blocks = []
+            for h in hashes[:max_blocks]:
+                b = get(h)
+                if b is None:
+                    break
+                blocks.append(b)
+            num_hit = len(blocks) * self.block_size
+        memo.hit, memo.hash_epoch = list(blocks), pool.hash_epoch
+        return blocks, num_hit
 
     def _window_hit(self, cached: list[int | None]) -> tuple[list[int], int]:
         """vLLM's sliding-window hit: the longest ``k`` whose last ``need`` blocks are cached."""
@@ -333,18 +347,22 @@ class KVCacheManager:
         pool = self.pool
         hashes: list[bytes] = []
         if req is None and self.enable_prefix_caching:
-            hashes = self._full_block_hashes(token_ids, cache_salt)
-            if self._lookup is not None and hashes is self._lookup.hashes:
+            memo = self._memo_for(token_ids, cache_salt)
+            hashes = self._full_block_hashes(token_ids, cache_salt, memo)
+            if memo is not None and hashes is memo.hashes:
                 hashes = list(hashes)  # the request extends its own list (_register)
             if len(computed_blocks) > len(hashes):
                 raise ValueError("computed_blocks cover more full blocks than token_ids has")
-            bhash = pool.block_hash
-            for i, b in enumerate(computed_blocks):
-                if b != NULL_BLOCK and bhash[b] != hashes[i]:
-                    raise ValueError(
-                        f"computed block {b} no longer holds block {i} of this prompt: "
-                        "call get_computed_blocks right before allocate_slots"
-                    )
+            # Blocks the lookup of these hashes returned, with no hash lost since (no eviction, no
+            # reset), still carry them; other blocks are checked one by one.
+            if memo is None or memo.hash_epoch != pool.hash_epoch or memo.hit != computed_blocks:
+                bhash = pool.block_hash
+                for i, b in enumerate(computed_blocks):
+                    if b != NULL_BLOCK and bhash[b] != hashes[i]:
+                        raise ValueError(
+                            f"computed block {b} no longer holds block {i} of this prompt: "
+                            "call get_computed_blocks right before allocate_slots"
+                        )
         if needed > pool.num_free:
             return None
         if req is None:
