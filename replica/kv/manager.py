@@ -282,8 +282,9 @@ class KVCacheManager:
 
     def _plan(
         self, request_id: str, num_new_tokens: int, computed_blocks: Sequence[int]
-    ) -> tuple[int, int, bool]:
-        """(blocks taken from the free pool, new blocks for growth, copy-on-write?)."""
+    ) -> tuple[int, bool]:
+        """(new blocks for growth, copy-on-write?): with the revived hits (``_num_revived``),
+        the blocks ``allocate_slots`` takes from the free pool."""
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         bs = self.block_size
@@ -291,8 +292,6 @@ class KVCacheManager:
         if req is None:
             if computed_blocks and not self.enable_prefix_caching:
                 raise ValueError("computed_blocks given but prefix caching is off")
-            ref = self.pool.ref_cnt
-            revive = sum(1 for b in computed_blocks if b != NULL_BLOCK and ref[b] == 0)
             held = len(computed_blocks)
             num_tokens = held * bs
             cow = False
@@ -302,18 +301,22 @@ class KVCacheManager:
                     f"request {request_id!r} already has a block table; "
                     "computed_blocks belong to its first allocate_slots only"
                 )
-            revive = 0
             held = len(req.blocks)
             num_tokens = req.num_tokens
             # Writing into a partial last block that a fork shares: copy it first.
             cow = num_new_tokens > 0 and num_tokens % bs != 0 and self.pool.ref_cnt[req.blocks[-1]] > 1
         total = num_tokens + num_new_tokens
-        grow = max(0, -(-total // bs) - held)
-        return grow + cow + revive, grow, cow
+        return max(0, -(-total // bs) - held), cow
+
+    def _num_revived(self, computed_blocks: Sequence[int]) -> int:
+        """Hit blocks that are free now: attaching them takes them off the free pool."""
+        ref = self.pool.ref_cnt
+        return sum(1 for b in computed_blocks if b != NULL_BLOCK and ref[b] == 0)
 
     def num_blocks_needed(self, request_id: str, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> int:
         """Free blocks ``allocate_slots`` would consume (growth, copy-on-write, revived hits)."""
-        return self._plan(request_id, num_new_tokens, computed_blocks)[0]
+        grow, cow = self._plan(request_id, num_new_tokens, computed_blocks)
+        return grow + cow + self._num_revived(computed_blocks)
 
     def can_allocate(self, request_id: str, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
         """Whether ``allocate_slots`` with these arguments would succeed now."""
@@ -343,7 +346,7 @@ class KVCacheManager:
         req = self._requests.get(request_id)
         if req is not None and self.sliding_window is not None:
             self._free_outside_window(req)
-        needed, grow, cow = self._plan(request_id, num_new_tokens, computed_blocks)
+        grow, cow = self._plan(request_id, num_new_tokens, computed_blocks)
         pool = self.pool
         hashes: list[bytes] = []
         if req is None and self.enable_prefix_caching:
@@ -363,7 +366,9 @@ class KVCacheManager:
                             f"computed block {b} no longer holds block {i} of this prompt: "
                             "call get_computed_blocks right before allocate_slots"
                         )
-        if needed > pool.num_free:
+        # Counting every hit as revived bounds the need: the exact count only when the bound does not fit.
+        free = pool.num_free
+        if grow + cow + len(computed_blocks) > free and grow + cow + self._num_revived(computed_blocks) > free:
             return None
         if req is None:
             if self.enable_prefix_caching:
@@ -427,7 +432,7 @@ class KVCacheManager:
             self.pool.free_blocks_cold(reversed(req.blocks[cut:]))
             self.pool.free_blocks(reversed(req.blocks[req.num_skipped:cut]))
         else:
-            self.pool.free_blocks(reversed(req.blocks[req.num_skipped:]))
+            self.pool.free_blocks(reversed(req.blocks[req.num_skipped:] if req.num_skipped else req.blocks))
         return True
 
     def fork(self, parent_id: str, child_id: str) -> list[int]:
