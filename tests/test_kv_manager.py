@@ -135,6 +135,19 @@ def test_no_room_returns_none_and_changes_nothing():
     assert m.allocate_slots("b", p[:8] + [1], 1, blocks) == [0, 1, 2]
 
 
+def test_hits_held_by_a_running_request_take_no_free_block():
+    m = mgr(5)
+    p = prompt(26, 10)
+    admit(m, "a", p)  # [0, 1, 2], still running: its first two blocks can be hit
+    admit(m, "x", prompt(27, 4))  # [3]: one block is left free
+    q = p[:8] + [7]
+    blocks, n = m.get_computed_blocks(q)
+    assert (blocks, n) == ([0, 1], 8)
+    assert m.num_blocks_needed("b", 1, blocks) == 1  # the hits are in use: only the new block
+    assert admit(m, "b", q) == [0, 1, 4]
+    assert m.pool.ref_cnt[:2] == [2, 2] and m.num_free_blocks == 0
+
+
 def test_blocks_registered_at_allocation_are_shared_in_the_same_step():
     m = mgr()
     p = prompt(11, 13)
