@@ -17,6 +17,12 @@ salted key per replica. Keys the ring already places where the snapshot does
 are left out of the map. The snapshot's members must be the configured
 servers (``host:port``).
 
+With ``--key-log PATH`` the front server also logs each request's time, its
+original ``X-Prefix-Hash`` (never the salted ring key), status and upstream as
+one JSON object per line (``log_format prefixserve_keys``): the input of
+``prefixserve placement`` (router/nginx_placement.py), which replays it through
+the ``placed`` policy and writes the snapshot ``--placement`` renders.
+
 Invariants: the ``server`` names are written exactly as given (the ring hashes
 those strings); the output is accepted by ``nginx -t`` (tested with a real
 nginx). The sample nginx/nginx.conf is this module's output for the replicas
@@ -59,6 +65,15 @@ _MAP_KEY = re.compile(r"[a-z0-9._:~+/=@-]{1,128}")
 # A salt search gives up after this many candidates (a replica owns >= 1/R of the ring: R tries on average).
 MAX_SALT_TRIES = 100_000
 RING_KEY_VAR = "$prefixserve_ring_key"
+# The routing-key log (--key-log): one JSON object per request, fields -> nginx variables.
+# escape=json writes a missing header as "" and escapes quotes and controls, so every line is JSON.
+KEY_LOG_FORMAT = "prefixserve_keys"
+KEY_LOG_FIELDS: tuple[tuple[str, str], ...] = (
+    ("msec", "$msec"),  # seconds.milliseconds when the line is written (the request's end)
+    ("key", _HEADER_VAR),  # the client's header: what the placement map is keyed by
+    ("status", "$status"),
+    ("upstream", "$upstream_addr"),  # "a, b" when nginx retried on the next ring replica
+)
 
 
 # -- validation: each returns the value as written into the config, or raises ValueError ----------
@@ -148,6 +163,14 @@ def check_worker_processes(value: str) -> str:
 
 def check_path(value: str) -> str:
     return check_token(value, "path")
+
+
+def check_key_log(value: str) -> str:
+    """A key log path: one bare token, not ``off`` (that would turn every access log off)."""
+    check_path(value)
+    if value == "off":
+        raise ValueError("the key log needs a file path ('off' would turn off every access log of the server)")
+    return value
 
 
 def check_output(value: str) -> str:
@@ -262,6 +285,9 @@ class NginxConfig:
     keepalive: idle upstream connections kept per worker.
     temp_dir / pid_file / error_log / access_log: file locations (None keeps
         nginx's compiled-in defaults; "off" is accepted for access_log).
+    key_log: the routing-key log of the front server (``prefixserve placement``'s
+        input), or None. Like any access_log it replaces nginx's compiled-in
+        default access log there; give access_log too to keep one.
     includes: extra files included in the ``http`` block (e.g. more servers).
     placement: keys placed off their ring owner (``--placement``), or None.
     """
@@ -282,6 +308,7 @@ class NginxConfig:
     pid_file: str | None = None
     error_log: str | None = None
     access_log: str | None = None
+    key_log: str | None = None
     includes: tuple[str, ...] = field(default_factory=tuple)
     command: str | None = None
     placement: PlacementMap | None = None
@@ -311,9 +338,11 @@ class NginxConfig:
             raise ValueError(f"keepalive must be from 1 to 100000 (nginx refuses 0), got {self.keepalive!r}")
         if not isinstance(self.next_upstream_tries, int) or not 1 <= self.next_upstream_tries <= 100:
             raise ValueError(f"next_upstream_tries must be from 1 to 100, got {self.next_upstream_tries!r}")
-        for path in (self.temp_dir, self.pid_file, self.error_log, self.access_log, *self.includes):
+        for path in (self.temp_dir, self.pid_file, self.error_log, self.access_log, self.key_log, *self.includes):
             if path is not None and _UNSAFE.search(path):
                 raise ValueError(f"path {path!r} contains characters nginx would misread")
+        if self.key_log is not None:
+            check_key_log(self.key_log)
         if self.command is not None and re.search(r"[\x00-\x1f\x7f]", self.command):
             raise ValueError("the command echoed in the header comment must be one line")
 
@@ -341,6 +370,8 @@ def render_config(cfg: NginxConfig) -> str:
     for path in (cfg.temp_dir, cfg.pid_file, cfg.error_log, cfg.access_log, *cfg.includes):
         if path is not None:
             check_path(path)
+    if cfg.key_log is not None:
+        check_key_log(cfg.key_log)
     numbers = (cfg.max_fails, cfg.fail_timeout_s, cfg.read_timeout_s, cfg.connect_timeout_s,
                cfg.next_upstream_tries, cfg.keepalive)
     if not all(type(n) is int for n in numbers):
@@ -374,6 +405,8 @@ def render_config(cfg: NginxConfig) -> str:
     if cfg.temp_dir:
         for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
             w(f"    {kind}_temp_path {cfg.temp_dir}/{kind};")
+    if cfg.key_log is not None:
+        w(_key_log_format())
     w(f"""
     # Clients send {PREFIX_HASH_HEADER}: the first 16 hex digits of SHA-256 over the
     # request's static prefix (its leading system/developer messages joined by "\\n";
@@ -407,7 +440,7 @@ def render_config(cfg: NginxConfig) -> str:
 
         # Prompts with long system messages are large; the replica enforces its own limit.
         client_max_body_size {cfg.client_max_body_size};
-
+{_key_log_lines(cfg)}
         location / {{
             proxy_pass http://$prefixserve_upstream;
 
@@ -445,6 +478,37 @@ def render_config(cfg: NginxConfig) -> str:
         w(f"\n    include {path};")
     w("}")
     return "\n".join(out) + "\n"
+
+
+def _key_log_format() -> str:
+    """The ``log_format`` of the routing-key log (http block lines, after a blank line)."""
+    fields = ",".join(f'"{name}":"{var}"' for name, var in KEY_LOG_FIELDS)
+    return (
+        "\n    # The routing-key log (--key-log): one JSON object per request with the client's\n"
+        f"    # {PREFIX_HASH_HEADER} as sent (not the salted ring key), for `prefixserve placement`.\n"
+        f"    log_format {KEY_LOG_FORMAT} escape=json '{{{fields}}}';"
+    )
+
+
+def _key_log_lines(cfg: NginxConfig) -> str:
+    """The front server's ``access_log`` lines when it writes the key log ('' without ``key_log``).
+
+    In the server block, so that servers added with ``include`` do not write the
+    key log. An access_log there replaces those inherited from the http block, so
+    the general access log (when one is given and not "off") is repeated.
+    """
+    if cfg.key_log is None:
+        return ""
+    lines = ["", "        # Each request's routing key: `prefixserve placement <this log> --replica ...` replays it."]
+    general = cfg.access_log is not None and cfg.access_log != "off"
+    if general:
+        lines.append("        # An access_log here replaces the http block's: the general one is named again.")
+    elif cfg.access_log is None:
+        lines.append("        # It replaces nginx's default access log here (render with --access-log to keep one).")
+    lines.append(f"        access_log {cfg.key_log} {KEY_LOG_FORMAT};")
+    if general:
+        lines.append(f"        access_log {cfg.access_log};")
+    return "\n".join(lines) + "\n"
 
 
 def _placement_block(placement: PlacementMap | None) -> str:
@@ -513,6 +577,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--error-log", default=None, type=arg_type(check_path), help="error log (default: nginx's own)")
     parser.add_argument("--access-log", default=None, type=arg_type(check_path),
                         help="access log path or 'off' (default: nginx's own)")
+    parser.add_argument("--key-log", default=None, type=arg_type(check_key_log), metavar="PATH",
+                        help="also log each request's time and X-Prefix-Hash here as JSON lines, the input of "
+                             "`prefixserve placement` (replaces nginx's default access log: add --access-log "
+                             "to keep one)")
     parser.add_argument("--include", action="append", default=[], type=arg_type(check_path),
                         help="extra file to include in the http block")
     parser.add_argument("--placement", default=None, metavar="FILE|URL",
@@ -540,6 +608,7 @@ def config_from_args(args: argparse.Namespace, command: str | None = None) -> Ng
         pid_file=args.pid_file,
         error_log=args.error_log,
         access_log=args.access_log,
+        key_log=getattr(args, "key_log", None),
         includes=tuple(args.include),
         command=command,
         placement=placement,
