@@ -95,6 +95,40 @@ class NginxProcess:
                 time.sleep(0.02)
         return self
 
+    def worker_pids(self) -> set[int]:
+        """The pids of the master's children (its workers), read from /proc."""
+        assert self.proc is not None
+        master = self.proc.pid
+        children = set()
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue  # the process exited while we looked
+            if int(fields[1]) == master:  # fields after "(comm)": state, ppid, ...
+                children.add(int(stat.parent.name))
+        return children
+
+    def reload(self, timeout_s: float = 20.0) -> None:
+        """``nginx -s reload`` with ``self.conf`` (checked first), returning once only new workers remain."""
+        assert self.proc is not None
+        checked = nginx_test_config(self.nginx, self.conf, self.prefix)
+        if checked.returncode != 0:
+            raise RuntimeError(f"nginx -t rejected {self.conf}:\n{checked.stderr}")
+        old = self.worker_pids()
+        subprocess.run([self.nginx, "-p", str(self.prefix), "-c", str(self.conf), "-s", "reload"],
+                       check=True, capture_output=True, timeout=30)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            workers = self.worker_pids()
+            if workers and not workers & old:
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"nginx exited with {self.proc.returncode} on reload")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"nginx still runs old workers {sorted(workers & old)} after reload")
+            time.sleep(0.02)
+
     def __exit__(self, *exc) -> None:
         if self.proc is None:
             return
