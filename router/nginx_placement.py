@@ -28,6 +28,13 @@ What the replay can and cannot know:
   may interleave slightly out of order; the replay clock never goes back (a line
   older than the last one counts at the last one's time).
 
+Rounds: each replay starts from an empty table unless ``--previous SNAPSHOT``
+(the last round's output) seeds it, as a follower router applies its leader's
+snapshot: placements and decayed statistics carry over, taken as of the log's
+first line, so a rotated log replays into the placement nginx already has
+instead of one rebuilt from scratch (which would move keys, each move a cold
+prefill). Without it, replay the whole log each round.
+
 Lines that are not such JSON objects, or have no usable time, and requests
 without a key (``""``, or ``-`` from a hand-written log) are counted and
 skipped; one summary line on stderr reports them.
@@ -48,7 +55,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from prefixserve.router.cli import arg_type
-from prefixserve.router.nginx import check_output, check_replica
+from prefixserve.router.nginx import check_output, check_replica, load_placement
 from prefixserve.router.policies import Placed, Replica, check_options, pick_options
 from prefixserve.router.ring import HashRing, RingServer
 
@@ -142,11 +149,13 @@ def placed_options(servers: Sequence[RingServer], settings: Mapping[str, Any]) -
 
 
 def replay(entries: Iterable[tuple[float, str]], servers: Sequence[RingServer],
-           options: Mapping[str, Any], counts: ReplayCounts) -> dict[str, Any] | None:
+           options: Mapping[str, Any], counts: ReplayCounts,
+           previous: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
     """The placement snapshot after replaying ``entries`` through ``Placed`` (None when there were none).
 
     The candidates are the nginx servers, each with no request in flight (nginx
-    reports none). Ends with one rebalance at the last request's time.
+    reports none). ``previous``: a snapshot applied at the first entry's time
+    (ValueError if it is not one). Ends with one rebalance at the last request's time.
     """
     now = [0.0]
     policy = Placed(**options, clock=lambda: now[0])
@@ -154,6 +163,8 @@ def replay(entries: Iterable[tuple[float, str]], servers: Sequence[RingServer],
     for when, key in entries:
         if counts.first_s is None:
             counts.first_s = now[0] = when
+            if previous is not None:
+                _apply_previous(policy, previous, servers)
         now[0] = max(now[0], when)  # the policy's clock is monotonic; nginx workers' lines may interleave
         policy.rank(candidates, key)
         counts.requests += 1
@@ -162,6 +173,16 @@ def replay(entries: Iterable[tuple[float, str]], servers: Sequence[RingServer],
         return None
     policy.rebalance()
     return policy.placement_snapshot()
+
+
+def _apply_previous(policy: Placed, previous: Mapping[str, Any], servers: Sequence[RingServer]) -> None:
+    """Seed ``policy`` with a previous round's snapshot; the --replica weights win over its own."""
+    weights = {**(previous.get("weights") or {}), **{s.name: s.weight for s in servers}}
+    try:
+        policy.apply_snapshot({**previous, "weights": weights})
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        why = f"no {e}" if isinstance(e, KeyError) else str(e) or type(e).__name__
+        raise ValueError(f"--previous is not a placement snapshot: {why}") from None
 
 
 def _open_log(source: str) -> AbstractContextManager[IO[str]]:
@@ -184,6 +205,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="HOST:PORT[=WEIGHT]",
         help="an nginx upstream server, exactly as given to nginx-config; repeat for each",
     )
+    parser.add_argument("--previous", default=None, metavar="FILE|URL",
+                        help="the last round's snapshot: start from its placements and statistics (then give "
+                             "only the log written since)")
     for flag, option in POLICY_FLAGS:
         parser.add_argument(flag, dest=option, type=float, default=None,
                             help=f"placed's {option} (default: the policy's)")
@@ -197,8 +221,9 @@ def run(args: argparse.Namespace) -> int:
     counts = ReplayCounts()
     try:
         options = placed_options(servers, {option: getattr(args, option) for _, option in POLICY_FLAGS})
+        previous = None if args.previous is None else load_placement(args.previous)
         with _open_log(args.log) as stream:
-            snapshot = replay(read_key_log(stream, counts), servers, options, counts)
+            snapshot = replay(read_key_log(stream, counts), servers, options, counts, previous)
     except (OSError, UnicodeError) as e:
         print(f"{PROG}: error: cannot read {args.log}: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
         return 2

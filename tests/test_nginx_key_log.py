@@ -185,6 +185,34 @@ def test_weights_and_stdin(tmp_path, monkeypatch, capsys):
     assert snap["weights"] == {NAMES[0]: 1, NAMES[1]: 3} and set(snap["members"]) == set(NAMES[:2])
 
 
+def test_previous_carries_the_last_rounds_placement(tmp_path, capsys):
+    """A round seeded with the last one's snapshot keeps its placements; one from scratch rebuilds them."""
+    ring = HashRing(NAMES)
+    crowded = keys_owned(ring, NAMES[0], 24, seed="crowded")  # one replica's keys only: it sheds some
+    t0 = 1_700_000_000.0
+    first = "".join(line(t0 + i * 0.01, crowded[i % len(crowded)]) for i in range(24 * 8))
+    code, snap1 = run_placement(tmp_path, first)
+    assert code == 0 and snap1 is not None
+    placed1 = {k: e["replicas"] for k, e in snap1["keys"].items()}
+    assert any(r[0] != NAMES[0] for r in placed1.values())
+    (tmp_path / "round1.json").write_text(json.dumps(snap1))
+    # The next round's log (after rotation): each key once more in another order, too little to move anything.
+    second = "".join(line(t0 + 10 + i * 0.01, k) for i, k in enumerate(reversed(crowded)))
+    code, snap2 = run_placement(tmp_path, second, "--previous", str(tmp_path / "round1.json"))
+    assert code == 0 and snap2 is not None
+    assert {k: e["replicas"] for k, e in snap2["keys"].items()} == placed1
+    assert snap2["keys"][crowded[0]]["rate"] > 8  # the statistics carried over too
+    code, scratch = run_placement(tmp_path, second)
+    assert code == 0 and scratch is not None
+    assert {k: e["replicas"] for k, e in scratch["keys"].items()} != placed1
+    (tmp_path / "bad.json").write_text('{"format": 1, "members": ["a:1"], "keys": {"k": {}}}')
+    capsys.readouterr()
+    code, _ = run_placement(tmp_path, second, "--previous", str(tmp_path / "bad.json"))
+    assert code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "prefixserve placement: error: --previous is not a placement snapshot: no 'rate'"]
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -196,6 +224,7 @@ def test_weights_and_stdin(tmp_path, monkeypatch, capsys):
         (["EMPTY", "--replica", "bad host:80"], "not a valid host name"),
         (["EMPTY", "--replica", "a:1", "--replica", "a:1=2"], "replica names must be unique"),
         (["EMPTY"], "required: --replica"),
+        (["JUNK", "--replica", NAMES[0], "--previous", "MISSING"], "cannot read the placement from MISSING"),
     ],
 )
 def test_bad_input_is_one_line_and_status_2(argv, message, tmp_path, capsys):
