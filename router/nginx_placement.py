@@ -177,8 +177,8 @@ def replay(entries: Iterable[tuple[float, str]], servers: Sequence[RingServer],
 
 def _apply_previous(policy: Placed, previous: Mapping[str, Any], servers: Sequence[RingServer]) -> None:
     """Seed ``policy`` with a previous round's snapshot; the --replica weights win over its own."""
-    weights = {**(previous.get("weights") or {}), **{s.name: s.weight for s in servers}}
     try:
+        weights = {**(previous.get("weights") or {}), **{s.name: s.weight for s in servers}}
         policy.apply_snapshot({**previous, "weights": weights})
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         why = f"no {e}" if isinstance(e, KeyError) else str(e) or type(e).__name__
