@@ -256,11 +256,12 @@ class KVCacheManager:
             blocks, num_hit = self._window_hit([get(h) for h in hashes[:max_blocks]])
         else:
             blocks = []
-            for h in hashes[:max_blocks]:
+            for h in hashes:  # not a slice: a copy of the hashes costs more than one lookup too many
                 b = get(h)
                 if b is None:
                     break
                 blocks.append(b)
+            del blocks[max_blocks:]
             num_hit = len(blocks) * self.block_size
         memo.hit, memo.hash_epoch = list(blocks), pool.hash_epoch
         return blocks, num_hit
