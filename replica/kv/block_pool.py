@@ -475,9 +475,12 @@ class _MultiListPool(BlockPool):
 
     def touch(self, blocks: Iterable[int]) -> None:
         """ref+1 on each block, taking ref-0 ones (prefix hits) out of their list; counts a hit."""
-        ref, prev, nxt, bhash = self.ref_cnt, self._prev, self._next, self.block_hash
+        ref, prev, nxt = self.ref_cnt, self._prev, self._next
         where, count, hits, cap = self._where, self._count, self._hits, self._hit_cap
-        taken = cached = 0  # written back once, as BlockPool.touch does
+        # The free counters follow from the list counts once, after the loop (also when a bad
+        # block id raises midway): the blocks taken are the lists' loss, the uncached ones the
+        # cold list's (a free block carries a hash exactly when it is in another list).
+        uncached = count[self._COLD]
         try:
             for b in blocks:
                 r = ref[b]
@@ -487,15 +490,13 @@ class _MultiListPool(BlockPool):
                     prev[q] = p
                     count[where[b]] -= 1
                     where[b] = -1
-                    taken += 1
-                    if bhash[b] is not None:
-                        cached += 1
                 ref[b] = r + 1
                 if hits[b] < cap:
                     hits[b] += 1
         finally:
+            taken = self.num_free - sum(count)
             self.num_free -= taken
-            self.num_cached_free -= cached
+            self.num_cached_free -= taken - (uncached - count[self._COLD])
 
     def get_new_blocks(self, n: int) -> list[int]:
         """Pop ``n`` victims (``_victim``), ref = 1, hits 0, hashes evicted (and remembered by the ghost)."""
@@ -644,6 +645,9 @@ class _MultiListPool(BlockPool):
             if k == self._COLD:
                 assert all(self.block_hash[x] is None for x in self._list(k)), "the cold list holds a cached block"
         assert len(seen) == self.num_free, f"num_free={self.num_free} but the lists hold {len(seen)}"
+        assert self.num_cached_free == self.num_free - self._count[self._COLD], (
+            "the cached free blocks are not exactly those outside the cold list"
+        )
         for blk in range(n):
             r = self.ref_cnt[blk]
             assert r >= 0, f"block {blk} has ref {r}"
