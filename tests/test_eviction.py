@@ -50,6 +50,18 @@ def test_every_policy_is_built_and_unknown_ones_are_refused():
         BlockPool(0, "slru")
 
 
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
+def test_cache_blocks_counts_the_pairs_registered(policy):
+    pool = BlockPool(4, policy)
+    b = pool.get_new_blocks(4)
+    assert pool.cache_blocks(b[:2], [h(0), h(1)]) == 2
+    # b[0] again with its own hash counts; b[2] duplicates h(1) (it stays uncached); b[3] is new.
+    assert pool.cache_blocks(b, [h(0), h(1), h(1), h(3)]) == 3
+    assert pool.block_hash == [h(0), h(1), None, h(3)]
+    assert pool.cache_blocks(b[:1], []) == 0
+    pool.check_invariants()
+
+
 def test_engine_config_takes_every_policy():
     from prefixserve.replica.config import EngineConfig
 

@@ -283,7 +283,7 @@ class BlockPool:
     def cache_blocks(self, blocks: Sequence[int], hashes: Sequence[bytes]) -> int:
         """``cache_block`` for each (block, hash) pair; returns how many were registered."""
         h2b, bhash, ref = self.hash_to_block, self.block_hash, self.ref_cnt
-        done = 0
+        duplicates = 0  # every other pair is registered (or already was)
         for b, h in zip(blocks, hashes):
             current = bhash[b]
             if current is None:
@@ -291,12 +291,12 @@ class BlockPool:
                     raise ValueError(f"block {b} is free; only blocks in use are registered")
                 # One dict operation: b carries no hash, so no hash maps to it yet (the bijection).
                 if h2b.setdefault(h, b) != b:
-                    continue  # duplicate content: the existing mapping stays (see cache_block)
+                    duplicates += 1  # duplicate content: the existing mapping stays (see cache_block)
+                    continue
                 bhash[b] = h
             elif current != h:
                 raise ValueError(f"block {b} already carries another hash")
-            done += 1
-        return done
+        return min(len(blocks), len(hashes)) - duplicates
 
     def reset_prefix_cache(self) -> bool:
         """Forget every hash; refused (False) while any block is in use."""
@@ -579,22 +579,22 @@ class _MultiListPool(BlockPool):
     def cache_blocks(self, blocks: Sequence[int], hashes: Sequence[bytes]) -> int:
         """``BlockPool.cache_blocks``; hashes the ghost remembers promote their blocks."""
         h2b, bhash, ref, ghost = self.hash_to_block, self.block_hash, self.ref_cnt, self._ghost
-        done = 0
+        duplicates = 0  # every other pair is registered (or already was)
         for b, h in zip(blocks, hashes):
             current = bhash[b]
             if current is None:
                 if ref[b] == 0:
                     raise ValueError(f"block {b} is free; only blocks in use are registered")
                 if h2b.setdefault(h, b) != b:  # as in BlockPool.cache_blocks
-                    continue  # duplicate content: the existing mapping stays (see cache_block)
+                    duplicates += 1  # duplicate content: the existing mapping stays (see cache_block)
+                    continue
                 bhash[b] = h
                 if ghost and h in ghost:
                     self._ghost_ring[ghost.pop(h)] = None
                     self._ghost_hit(b)
             elif current != h:
                 raise ValueError(f"block {b} already carries another hash")
-            done += 1
-        return done
+        return min(len(blocks), len(hashes)) - duplicates
 
     def reset_prefix_cache(self) -> bool:
         """Forget every hash, hit count and ghost; refused (False) while any block is in use."""
