@@ -11,6 +11,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -42,6 +43,22 @@ def arg_type(check: Callable[[str], T]) -> Callable[[str], T]:
 
     convert.__name__ = getattr(check, "__name__", "value")
     return convert
+
+
+def write_output(prog: str, text: str, output: str | None) -> int:
+    """Write a command's output to the ``output`` file, or stdout when None; its exit status.
+
+    A file that cannot be written is one error line on stderr and status 1.
+    """
+    if not output:
+        sys.stdout.write(text)
+        return 0
+    try:
+        Path(output).write_text(text)
+    except OSError as e:
+        print(f"{prog}: error: cannot write {output}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

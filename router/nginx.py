@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prefixserve.router.cli import arg_type
+from prefixserve.router.cli import arg_type, write_output
 from prefixserve.router.prefix import PREFIX_HASH_HEADER
 from prefixserve.router.ring import HashRing, RingServer
 
@@ -622,12 +622,4 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"prefixserve nginx-config: error: {e}", file=sys.stderr)
         return 2
-    if not args.output:
-        sys.stdout.write(text)
-        return 0
-    try:
-        Path(args.output).write_text(text)
-    except OSError as e:
-        print(f"prefixserve nginx-config: error: cannot write {args.output}: {e.strerror or e}", file=sys.stderr)
-        return 1
-    return 0
+    return write_output("prefixserve nginx-config", text, args.output)

@@ -51,10 +51,9 @@ import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 from typing import IO, Any
 
-from prefixserve.router.cli import arg_type
+from prefixserve.router.cli import arg_type, write_output
 from prefixserve.router.nginx import check_output, check_replica, load_placement
 from prefixserve.router.policies import Placed, Replica, check_options, pick_options
 from prefixserve.router.ring import HashRing, RingServer
@@ -236,12 +235,4 @@ def run(args: argparse.Namespace) -> int:
         return 2
     text = json.dumps(snapshot) + "\n"
     print(counts.summary(snapshot, servers), file=sys.stderr)
-    if not args.output:
-        sys.stdout.write(text)
-        return 0
-    try:
-        Path(args.output).write_text(text)
-    except OSError as e:
-        print(f"{PROG}: error: cannot write {args.output}: {e.strerror or e}", file=sys.stderr)
-        return 1
-    return 0
+    return write_output(PROG, text, args.output)

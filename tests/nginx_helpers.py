@@ -15,6 +15,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from prefixserve.router.prefix import prefix_hash
+from prefixserve.router.ring import HashRing
+
 NGINX_CANDIDATES = ("/usr/sbin/nginx", "/usr/local/sbin/nginx", "/usr/local/nginx/sbin/nginx")
 
 
@@ -150,3 +153,15 @@ def _accepts(port: int) -> bool:
             return True
     except OSError:
         return False
+
+
+def keys_owned(ring: HashRing, owner: str, n: int, seed: str = "k") -> list[str]:
+    """The first ``n`` routing keys ``prefix_hash(f"{seed}-{i}")`` whose ring owner is ``owner``."""
+    out: list[str] = []
+    i = 0
+    while len(out) < n:
+        key = prefix_hash(f"{seed}-{i}")
+        if ring.owner(key) == owner:
+            out.append(key)
+        i += 1
+    return out

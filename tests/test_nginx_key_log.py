@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from nginx_helpers import NginxProcess, backends_conf, find_nginx, free_ports
+from nginx_helpers import NginxProcess, backends_conf, find_nginx, free_ports, keys_owned
 
 from prefixserve.router import cli
 from prefixserve.router.nginx import KEY_LOG_FORMAT, RING_KEY_VAR, NginxConfig
@@ -33,17 +33,6 @@ REPLICA_ARGS = [x for n in NAMES for x in ("--replica", n)]
 def line(msec: float, key: str, status: str = "200", upstream: str = "127.0.0.1:9101") -> str:
     """One key-log line as nginx writes it with the prefixserve_keys format."""
     return json.dumps({"msec": f"{msec:.3f}", "key": key, "status": status, "upstream": upstream}) + "\n"
-
-
-def keys_owned(ring: HashRing, owner: str, n: int, seed: str) -> list[str]:
-    out: list[str] = []
-    i = 0
-    while len(out) < n:
-        key = prefix_hash(f"{seed}-{i}")
-        if ring.owner(key) == owner:
-            out.append(key)
-        i += 1
-    return out
 
 
 def hot_log(hot: str, start: float = 1_700_000_000.0, n: int = 600) -> str:

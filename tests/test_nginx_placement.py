@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from nginx_helpers import NginxProcess, backends_conf, find_nginx, free_ports
+from nginx_helpers import NginxProcess, backends_conf, find_nginx, free_ports, keys_owned
 
 from prefixserve.router.nginx import NginxConfig, PlacementMap, render_config, salted_key
 from prefixserve.router.policies import Placed, Replica
@@ -23,17 +23,6 @@ from prefixserve.router.ring import HashRing, RingServer
 NGINX = find_nginx()
 needs_nginx = pytest.mark.skipif(NGINX is None, reason="nginx is not installed (scripts/system-deps.sh)")
 NAMES = ["127.0.0.1:9101", "127.0.0.1:9102", "127.0.0.1:9103"]
-
-
-def keys_owned(ring: HashRing, owner: str, n: int, seed: str = "k") -> list[str]:
-    out = []
-    i = 0
-    while len(out) < n:
-        key = prefix_hash(f"{seed}-{i}")
-        if ring.owner(key) == owner:
-            out.append(key)
-        i += 1
-    return out
 
 
 def snapshot_for(names: list[str], placements: dict[str, list[str]]) -> dict:
