@@ -129,11 +129,11 @@ class KVMachine(RuleBasedStateMachine):
         assert self.m.take_copy_ops() == []
 
     @precondition(lambda self: self.tokens)
-    @rule(idx=st.integers(0, 1000), cold=st.booleans())
-    def free(self, idx, cold):
+    @rule(idx=st.integers(0, 1000), cold=st.booleans(), static=st.integers(0, 12))
+    def free(self, idx, cold, static):
         rid = self._pick(idx)
         table = self.m.block_table(rid)
-        assert self.m.free(rid, generated_cold=cold)
+        assert self.m.free(rid, generated_cold=cold, static_prefix_tokens=static)
         cut = self.prompt_len.pop(rid) // self.bs
         del self.tokens[rid]
         pool = self.m.pool

@@ -50,6 +50,16 @@ still be hit until it is popped for reuse; popping it drops its hash (counted in
     that was hit since it entered moves to main instead of being evicted; a
     main block with hits is reinserted at main's tail with one hit fewer.
 
+``mark_reused`` tells the pool that in-use blocks hold content a later request
+will hit (the manager passes a request's static prefix, the system prompt its
+routing key names), so that a tenant's prompt survives the churn of other
+requests' one-shot blocks between its first request on a replica and its
+second: ``slru`` frees an unhit marked block into protected at its least
+recent end (after every one-shot block, before every block hit twice). The
+other policies ignore the hint: ``lru`` keeps vLLM's order, and entering
+``s3fifo``'s main or counting a hit under ``lfu`` cost hit rate where a replica
+sees more prompts than it holds (the simulator behind round-robin).
+
 Under every policy but ``lru``, free blocks without a hash (never cached, or
 copies of content cached elsewhere) sit in a list of their own that is popped
 first: evicting them loses nothing.
@@ -298,6 +308,10 @@ class BlockPool:
                 raise ValueError(f"block {b} already carries another hash")
         return min(len(blocks), len(hashes)) - duplicates
 
+    def mark_reused(self, blocks: Iterable[int]) -> None:
+        """Hint that these in-use blocks' content will be hit again (module docstring); only
+        ``slru`` acts on it (``SLRUBlockPool.mark_reused``)."""
+
     def reset_prefix_cache(self) -> bool:
         """Forget every hash; refused (False) while any block is in use."""
         if self.num_free != self.num_blocks:
@@ -450,8 +464,9 @@ class _MultiListPool(BlockPool):
         raise NotImplementedError
 
     def _ghost_hit(self, block: int) -> None:
-        """``block`` was registered under a hash evicted recently (ghost policies only)."""
+        """In-use ``block`` was registered under a hash evicted recently (ghost policies only)."""
         raise NotImplementedError
+
 
     def _cold_list(self, block: int) -> int:
         """Where ``free_blocks_cold`` moves a block ``free_blocks`` just freed into list
@@ -683,9 +698,38 @@ class SLRUBlockPool(_MultiListPool):
     def __init__(self, num_blocks: int, eviction_policy: str | None = None) -> None:
         super().__init__(num_blocks, eviction_policy)
         self.protected_cap = max(1, int(self.PROTECTED_FRACTION * num_blocks))
+        self._hinted: list[bool] = [False] * num_blocks  # marked reused, not hit (mark_reused)
 
     def _ghost_hit(self, block: int) -> None:
         self._hits[block] = 1
+
+    def mark_reused(self, blocks: Iterable[int]) -> None:
+        """Unhit in-use cached ``blocks`` enter protected at its least recent end when freed.
+
+        Not at its young end, where hit blocks go: a replica that sees more
+        distinct system prompts than it can hold (behind a round-robin balancer)
+        would otherwise churn its protected segment with prompts seen once. So a
+        marked block outlives every one-shot block and goes before every block hit
+        twice; past the protected cap it stays in probation.
+        """
+        ref, bhash, hits, hinted = self.ref_cnt, self.block_hash, self._hits, self._hinted
+        for b in blocks:
+            if ref[b] and bhash[b] is not None and not hits[b]:
+                hinted[b] = True
+
+    def _protect_hinted(self, freed: list[int]) -> None:
+        """Move marked blocks ``free_blocks`` just put in probation to protected's least recent end.
+
+        ``freed`` is in free order (a chain tail-first), so pushing it in reverse
+        leaves the chain's last block first to go, as in probation.
+        """
+        hinted, hits, count, cap = self._hinted, self._hits, self._count, self.protected_cap
+        for b in reversed(freed):
+            hinted[b] = False
+            if count[2] < cap:
+                self._unlink(b)
+                self._push_head(2, b)
+                hits[b] = 1
 
     def _cold_list(self, block: int) -> int:
         return self._PROBATION if self._where[block] == self._PROBATION else -1
@@ -701,11 +745,12 @@ class SLRUBlockPool(_MultiListPool):
         """
         n = self.num_blocks
         ref, prev, nxt, bhash = self.ref_cnt, self._prev, self._next, self.block_hash
-        where, count, hits = self._where, self._count, self._hits
+        where, count, hits, hinted = self._where, self._count, self._hits, self._hinted
         s0, s1, s2 = n, n + 1, n + 2
         t0, t1, t2 = prev[s0], prev[s1], prev[s2]
         a0 = a1 = a2 = 0  # blocks added to each list
         room = self.protected_cap - count[2]  # protected blocks addable before a demotion
+        marked: list[int] = []  # marked reused, freed unhit: moved to protected after the loop
         try:
             for b in blocks:
                 r = ref[b] - 1
@@ -722,6 +767,7 @@ class SLRUBlockPool(_MultiListPool):
                     where[b] = 0
                     a0 += 1
                 elif hits[b]:
+                    hinted[b] = False  # hit after it was marked: a hit block
                     nxt[t2] = b
                     prev[b] = t2
                     t2 = b
@@ -747,6 +793,8 @@ class SLRUBlockPool(_MultiListPool):
                     t1 = b
                     where[b] = 1
                     a1 += 1
+                    if hinted[b]:
+                        marked.append(b)
         finally:
             nxt[t0] = s0
             prev[s0] = t0
@@ -759,6 +807,8 @@ class SLRUBlockPool(_MultiListPool):
             count[2] += a2
             self.num_free += a0 + a1 + a2
             self.num_cached_free += a1 + a2
+        if marked:
+            self._protect_hinted(marked)
 
     def _victim(self) -> int:
         count, nxt, n = self._count, self._next, self.num_blocks
@@ -820,6 +870,8 @@ class SLRUBlockPool(_MultiListPool):
         super().check_invariants()
         assert self._count[2] <= self.protected_cap, "protected holds more than its cap"
         assert all(self._hits[b] for b in self._list(2)), "an unhit block is protected"
+        assert not any(self._hinted[b] for b in range(self.num_blocks) if self.ref_cnt[b] == 0), \
+            "a free block is still marked reused"
 
 
 class LFUBlockPool(_MultiListPool):

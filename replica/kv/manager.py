@@ -34,6 +34,10 @@ Choices a reader should know:
     (``BlockPool.free_blocks_cold``). The prompt is the tokens known at the first
     ``allocate_slots`` (after a recompute preemption, what was generated before it
     counts as prompt). Off unless the caller passes it.
+  * ``free(request_id, static_prefix_tokens=n)`` releases the full cached blocks of
+    the prompt's first ``n`` tokens (the static prefix the request's routing key
+    names) as reused (``BlockPool.mark_reused``): a system prompt is kept like a
+    block hit twice from its first request on. Preempted requests pass it too.
 
 Swap (``preemption_mode="swap"``; ``num_host_blocks`` > 0): ``swap_out`` takes a
 request's table off the device without losing its KV, block by block, in table order:
@@ -416,7 +420,7 @@ class KVCacheManager:
 
     # --- release, sharing --------------------------------------------------
 
-    def free(self, request_id: str, generated_cold: bool = False) -> bool:
+    def free(self, request_id: str, generated_cold: bool = False, static_prefix_tokens: int = 0) -> bool:
         """Release a request's blocks tail-first (or its swapped table); False when it held no table.
 
         ``generated_cold``: the request finished and its generated tokens will not
@@ -424,10 +428,17 @@ class KVCacheManager:
         holding the end of the prompt on (``pool.free_blocks_cold``) enter at the
         pool's cold end, evicted before the blocks other requests left cached. Not
         for a preempted request (it comes back for them).
+        ``static_prefix_tokens``: the prompt's leading tokens that later requests
+        share (its static prefix, Contract 1): its full cached blocks are released
+        as reused (``pool.mark_reused``), also on the request's first sight of them.
         """
         req = self._requests.pop(request_id, None)
         if req is None:
             return self.discard_swapped(request_id)
+        if static_prefix_tokens > 0:
+            n = min(static_prefix_tokens // self.block_size, req.num_registered, len(req.blocks))
+            if n > req.num_skipped:
+                self.pool.mark_reused(req.blocks[req.num_skipped:n])
         if generated_cold:
             cut = max(req.num_prompt_tokens // self.block_size, req.num_skipped)
             self.pool.free_blocks_cold(reversed(req.blocks[cut:]))
