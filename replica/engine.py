@@ -54,12 +54,15 @@ from prefixserve.replica.model.llama import ModelConfig
 from prefixserve.replica.model.startup import StartupTimer
 from prefixserve.replica.model_runner import ModelRunner
 from prefixserve.replica.outputs import CompletionOutput, FinishReason, RequestOutput, StreamDelta
-from prefixserve.replica.request import Request, Sequence
+from prefixserve.replica.request import Request, Sequence, static_prefix_messages
 from prefixserve.replica.sampling import SampleSpec, SamplingParams
 from prefixserve.replica.scheduler import Scheduler, SchedulerConfig
 from prefixserve.replica.tracing import RequestTiming, RequestTracer, build_tracer
 
 log = logging.getLogger(__name__)
+
+# Distinct system prompts whose token ids LLMEngine.static_prefix_tokens remembers (cleared when full).
+_STATIC_PREFIX_MEMO = 1024
 
 
 @dataclass
@@ -115,6 +118,10 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self._ids = itertools.count()
+        # Static prefix (system messages, template kwargs) -> its token ids through the chat
+        # template (static_prefix_tokens); cleared when full. Read and written from worker threads:
+        # a dict's get and set are atomic.
+        self._static_prefix_ids: dict[Any, tuple[int, ...]] = {}
         self.fault_hook: Callable[[Request], None] | None = None
         # Prefix queries, hits and preemptions of the states dropped by reset(): metrics are
         # cumulative since start, so a fresh KV manager and scheduler continue from here.
@@ -132,7 +139,8 @@ class LLMEngine:
                                          sliding_window=self.model_config.kv_window)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    config.enable_chunked_prefill, config.preemption_mode,
-                                                   evict_generated_first=config.evict_generated_first),
+                                                   evict_generated_first=config.evict_generated_first,
+                                                   protect_static_prefix=config.protect_static_prefix),
                                    self.kv_manager)
         self.requests: dict[str, Request] = {}
         # True when the last step changed nothing: stepping again is pointless until a
@@ -203,6 +211,39 @@ class LLMEngine:
         ids = self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **template_kwargs)
         return list(ids)
 
+    def static_prefix_tokens(self, messages: list[dict[str, Any]], prompt_ids: list[int],
+                             **template_kwargs: Any) -> int:
+        """How many leading tokens of ``prompt_ids`` (``messages`` through the chat template) are the
+        conversation's static prefix: its leading system/developer messages, rendered alone.
+
+        The common run of the two renderings, so a template that renders the system part
+        differently on its own costs only the tokens that differ. 0 without a static prefix,
+        or when the template refuses the system messages alone. Memoized per system prompt.
+        """
+        static = static_prefix_messages(messages)
+        if not static:
+            return 0
+        try:
+            key: Any = (tuple((m.get("role"), m.get("content")) for m in static),
+                        tuple(sorted(template_kwargs.items())))
+            hash(key)
+        except TypeError:  # unhashable contents or kwargs: render without the memo
+            key = None
+        ids = self._static_prefix_ids.get(key) if key is not None else None
+        if ids is None:
+            try:
+                ids = tuple(self.encode_chat(static, **{**template_kwargs, "add_generation_prompt": False}))
+            except Exception:  # noqa: BLE001 - a template that needs a user turn: no static prefix
+                ids = ()
+            if key is not None:
+                if len(self._static_prefix_ids) >= _STATIC_PREFIX_MEMO:
+                    self._static_prefix_ids.clear()
+                self._static_prefix_ids[key] = ids
+        n = len(ids)
+        if tuple(prompt_ids[:n]) == ids:
+            return n
+        return next((i for i, (a, b) in enumerate(zip(ids, prompt_ids)) if a != b), min(n, len(prompt_ids)))
+
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestRejected / PromptTooLongError for a request that can never be served.
 
@@ -237,12 +278,14 @@ class LLMEngine:
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
                     cache_salt: str | None = None, arrival_time: float | None = None, *,
                     prompt_text: str | None = None, trace_headers: dict[str, str] | None = None,
-                    conversation: bool = False) -> Request:
+                    conversation: bool = False, static_prefix_tokens: int = 0) -> Request:
         """Validate and queue a request; ``prompt_text`` is reported back when ``prompt`` is token ids.
 
         ``trace_headers``: the W3C trace context the request arrived with (its spans' parent).
         ``conversation``: a turn whose answer the next turn's prompt repeats (its generated
         blocks are not sent to the cold end of the eviction order).
+        ``static_prefix_tokens``: the prompt's leading tokens other requests share (its system
+        prompt, ``static_prefix_tokens()``): their blocks are kept as reused ones are.
         """
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
@@ -255,7 +298,7 @@ class LLMEngine:
                                         f"(max_waiting_requests={bound}); retry later")
         req = Request(request_id, ids, params, cache_salt, arrival_time or time.monotonic(),
                       prompt=prompt if isinstance(prompt, str) else prompt_text, trace_headers=trace_headers,
-                      conversation=conversation)
+                      conversation=conversation, static_prefix_tokens=max(0, int(static_prefix_tokens)))
         seq = self._new_sequence(req, 0)
         self.scheduler.add(seq)
         req.seqs.append(seq)
@@ -591,6 +634,7 @@ class AddRequest:
     prompt_text: str | None = None
     trace_headers: dict[str, str] | None = None
     conversation: bool = False
+    static_prefix_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -684,8 +728,9 @@ class AsyncEngine:
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                        cache_salt: str | None = None, trace_headers: dict[str, str] | None = None,
-                       conversation: bool = False) -> AsyncIterator[StreamDelta]:
-        """Stream the deltas of one request (``conversation``: see LLMEngine.add_request).
+                       conversation: bool = False, static_prefix_tokens: int = 0) -> AsyncIterator[StreamDelta]:
+        """Stream the deltas of one request (``conversation``, ``static_prefix_tokens``: see
+        LLMEngine.add_request).
 
         Raises PromptTooLongError / RequestRejected / EngineOverloadedError /
         EngineDeadError before the first delta. Later, the stream raises
@@ -719,7 +764,8 @@ class AsyncEngine:
             self._commands.append(AddRequest(request_id=request_id, prompt_token_ids=ids, params=params,
                                              cache_salt=cache_salt, arrival_time=arrival,
                                              prompt_text=prompt if isinstance(prompt, str) else None,
-                                             trace_headers=trace_headers, conversation=conversation))
+                                             trace_headers=trace_headers, conversation=conversation,
+                                             static_prefix_tokens=static_prefix_tokens))
         self._wake.set()
         done = False
         try:
@@ -843,7 +889,8 @@ class AsyncEngine:
         try:
             self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.cache_salt,
                                     cmd.arrival_time, prompt_text=cmd.prompt_text,
-                                    trace_headers=cmd.trace_headers, conversation=cmd.conversation)
+                                    trace_headers=cmd.trace_headers, conversation=cmd.conversation,
+                                    static_prefix_tokens=cmd.static_prefix_tokens)
         except Exception as exc:  # noqa: BLE001 - handed to the consumer
             self._post(stream, exc)
 

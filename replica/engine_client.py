@@ -31,10 +31,8 @@ import anyio
 from prefixserve.replica import api
 from prefixserve.replica.errors import PromptTooLongError
 from prefixserve.replica.outputs import StreamDelta
+from prefixserve.replica.request import SESSION_HEADER
 from prefixserve.replica.sampling import SamplingParams
-
-# The session header of multi-turn clients (router/prefix.py keys affinity by it too).
-SESSION_HEADER = "X-Session-Id"
 
 if TYPE_CHECKING:
     from prefixserve.replica.engine import AsyncEngine
@@ -194,11 +192,17 @@ class RequestRunner:
                     f"the messages have {chars} characters, more than any prompt that fits this model's "
                     f"maximum context length of {self.max_model_len} tokens can have: shorten them")
 
-    async def prompt_ids(self, request: EngineRequest) -> list[int]:
-        """The request's prompt token ids; the template and tokenizer run in a worker thread."""
+    async def prompt_ids(self, request: EngineRequest) -> tuple[list[int], int]:
+        """The request's prompt token ids and how many lead them as its static prefix (the
+        system prompt's tokens, 0 for completions); template and tokenizer run in a worker thread."""
         self.check_prompt_size(request)
-        return await anyio.to_thread.run_sync(
-            lambda: prompt_token_ids(self.engine, prompt=request.prompt, messages=request.messages))
+
+        def encode() -> tuple[list[int], int]:
+            ids = prompt_token_ids(self.engine, prompt=request.prompt, messages=request.messages)
+            static = self.engine.engine.static_prefix_tokens(request.messages, ids) if request.messages else 0
+            return ids, static
+
+        return await anyio.to_thread.run_sync(encode)
 
     def remember_prefix(self, key: str, prompt_ids: list[int], cache_salt: str | None) -> None:
         """Tell the KV event publisher the block hashes (Contract 2) of this prompt of ``key``.
@@ -218,13 +222,14 @@ class RequestRunner:
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[StreamDelta]:
         """The engine's deltas for ``request``; leaving early aborts it in the engine."""
-        prompt_ids = await self.prompt_ids(request)
+        prompt_ids, static_prefix_tokens = await self.prompt_ids(request)
         params = fit_max_tokens(request, len(prompt_ids), self.max_model_len)
         if self.kv_events is not None and request.routing_key:
             self.remember_prefix(request.routing_key, prompt_ids, request.cache_salt)
         stream = self.engine.generate(prompt_ids, params, request_id=request.request_id,
                                       cache_salt=request.cache_salt, trace_headers=request.trace_headers,
-                                      conversation=request.conversation)
+                                      conversation=request.conversation,
+                                      static_prefix_tokens=static_prefix_tokens)
         try:
             async for delta in stream:
                 yield delta

@@ -44,11 +44,15 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None, *, use_tqdm: bool = False,
                  cache_salts: Sequence[str | None] | None = None,
-                 conversation: bool | Sequence[bool] = False) -> list[RequestOutput]:
+                 conversation: bool | Sequence[bool] = False,
+                 static_prefix_tokens: int | Sequence[int] = 0) -> list[RequestOutput]:
         """Generate for each prompt; ``params`` is one for all or one per prompt.
 
         ``conversation``: whether each prompt is a conversation turn whose answer a later
         prompt repeats (one for all or one per prompt; see EngineConfig.evict_generated_first).
+        ``static_prefix_tokens``: each prompt's leading tokens that other prompts share, such
+        as a system prompt's (one for all or one per prompt; EngineConfig.protect_static_prefix;
+        ``chat`` derives them).
         """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
@@ -63,8 +67,14 @@ class LLM:
         turns = [conversation] * len(prompts) if isinstance(conversation, bool) else list(conversation)
         if len(turns) != len(prompts):
             raise ValueError(f"got {len(turns)} conversation flags for {len(prompts)} prompts: pass one or one each")
-        for i, (prompt, p, salt, turn) in enumerate(zip(prompts, per_prompt, salts, turns, strict=True)):
-            req = self.engine.add_request(None, prompt, p, salt, conversation=turn)
+        statics = ([static_prefix_tokens] * len(prompts) if isinstance(static_prefix_tokens, int)
+                   else list(static_prefix_tokens))
+        if len(statics) != len(prompts):
+            raise ValueError(f"got {len(statics)} static_prefix_tokens for {len(prompts)} prompts: "
+                             "pass one or one each")
+        for i, (prompt, p, salt, turn, static) in enumerate(
+                zip(prompts, per_prompt, salts, turns, statics, strict=True)):
+            req = self.engine.add_request(None, prompt, p, salt, conversation=turn, static_prefix_tokens=static)
             order[req.request_id] = i
         results: list[RequestOutput | None] = [None] * len(prompts)
         bar = None
@@ -99,4 +109,6 @@ class LLM:
             conversations = [conversations]  # type: ignore[list-item]
         prompts = [self.engine.encode_chat(list(c), **template_kwargs) for c in conversations]
         turns = [is_conversation_turn(list(c), {}) for c in conversations]
-        return self.generate(prompts, params, use_tqdm=use_tqdm, conversation=turns)
+        statics = [self.engine.static_prefix_tokens(list(c), ids, **template_kwargs)
+                   for c, ids in zip(conversations, prompts, strict=True)]
+        return self.generate(prompts, params, use_tqdm=use_tqdm, conversation=turns, static_prefix_tokens=statics)

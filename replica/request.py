@@ -24,6 +24,22 @@ from typing import Any
 from prefixserve.replica.outputs import FinishReason
 from prefixserve.replica.sampling import SamplingParams
 
+# The session header of multi-turn clients: their requests are conversation turns, and
+# router/prefix.py keys their affinity by it.
+SESSION_HEADER = "X-Session-Id"
+# Contract 1's static prefix (router/prefix.py): the leading run of chat messages with these roles.
+STATIC_ROLES = frozenset({"system", "developer"})
+
+
+def static_prefix_messages(messages: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """The leading run of system/developer messages: the static prefix Contract 1 keys on."""
+    out: list[dict[str, Any]] = []
+    for m in messages or ():
+        if not isinstance(m, dict) or m.get("role") not in STATIC_ROLES:
+            break
+        out.append(m)
+    return out
+
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
@@ -53,6 +69,9 @@ class Request:
     # A conversation turn: its answer returns in the next turn's prompt, so its generated
     # blocks keep their place in the eviction order (SchedulerConfig.evict_generated_first).
     conversation: bool = False
+    # Leading prompt tokens that are its static prefix (the system prompt's): their blocks are
+    # released as reused, kept like a block hit twice (SchedulerConfig.protect_static_prefix).
+    static_prefix_tokens: int = 0
 
     @property
     def finished(self) -> bool:

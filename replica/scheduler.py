@@ -51,6 +51,9 @@ class SchedulerConfig:
     # Free a finished sequence's generated blocks to the cold end, unless its request is a
     # conversation turn (EngineConfig.evict_generated_first).
     evict_generated_first: bool = False
+    # Free a sequence's static-prefix blocks as reused ones (Request.static_prefix_tokens;
+    # EngineConfig.protect_static_prefix).
+    protect_static_prefix: bool = False
 
 
 @dataclass(frozen=True)
@@ -132,10 +135,12 @@ class Scheduler:
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
-        if self.config.evict_generated_first and not seq.request.conversation:
-            self.kv.free(seq.seq_id, generated_cold=True)
-        else:
-            self.kv.free(seq.seq_id)
+        cold = self.config.evict_generated_first and not seq.request.conversation
+        self.kv.free(seq.seq_id, generated_cold=cold, static_prefix_tokens=self._static_prefix(seq))
+
+    def _static_prefix(self, seq: Sequence) -> int:
+        """The static-prefix tokens whose blocks ``kv.free`` releases as reused (0: none)."""
+        return seq.request.static_prefix_tokens if self.config.protect_static_prefix else 0
 
     @property
     def num_waiting(self) -> int:
@@ -185,7 +190,7 @@ class Scheduler:
         if self.config.preemption_mode == "swap" and self.kv.swap_out(seq.seq_id):
             self.num_swap_preemptions += 1  # progress kept: it resumes where it stopped
         else:
-            self.kv.free(seq.seq_id)
+            self.kv.free(seq.seq_id, static_prefix_tokens=self._static_prefix(seq))
             seq.num_computed_tokens = 0
             self.num_recompute_preemptions += 1
         seq.status = SeqStatus.WAITING

@@ -57,10 +57,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from prefixserve.replica.request import SESSION_HEADER, STATIC_ROLES
+
 PREFIX_HASH_HEADER = "X-Prefix-Hash"
-SESSION_HEADER = "X-Session-Id"
 KEY_HEX_DIGITS = 16
-STATIC_ROLES = frozenset({"system", "developer"})
 
 
 class InvalidPrefixHash(ValueError):

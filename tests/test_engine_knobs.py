@@ -95,3 +95,60 @@ def test_a_one_shot_answer_is_evicted_before_older_prompts_but_a_conversation_an
     assert not _surviving_answer_block(tmp_path, evict_generated_first=True, conversation=False)
     assert _surviving_answer_block(tmp_path, evict_generated_first=True, conversation=True)
     assert _surviving_answer_block(tmp_path, evict_generated_first=False, conversation=False)  # vLLM's LRU order
+
+
+# --- protect_static_prefix ---------------------------------------------------------------
+
+_SYSTEM = "You are the support assistant of a bakery. Answer in one short sentence, politely."
+
+
+def test_the_static_prefix_is_the_system_part_of_the_templated_prompt(tmp_path):
+    from model_helpers import tiny_checkpoint
+
+    from prefixserve.replica.llm import LLM
+
+    with LLM(str(tiny_checkpoint(tmp_path / "tiny")), block_size=4, num_kv_blocks=32) as llm:
+        engine = llm.engine
+        chat = [{"role": "system", "content": _SYSTEM}, {"role": "user", "content": "Do you sell rye bread?"}]
+        ids = engine.encode_chat(chat)
+        alone = engine.encode_chat(chat[:1], add_generation_prompt=False)
+        n = engine.static_prefix_tokens(chat, ids)
+        assert 0 < n == len(alone) < len(ids) and ids[:n] == alone
+        assert engine.static_prefix_tokens(chat, ids) == n  # memoized: the same answer
+        # Two leading static messages count together; a user-only chat has none.
+        two = [chat[0], {"role": "developer", "content": "Never mention prices."}, chat[1]]
+        two_ids = engine.encode_chat(two)
+        assert n < engine.static_prefix_tokens(two, two_ids) < len(two_ids)
+        assert engine.static_prefix_tokens(chat[1:], engine.encode_chat(chat[1:])) == 0
+        # Another prompt than the one the messages render to: only the common run counts.
+        assert engine.static_prefix_tokens(chat, ids[:3] + [0] * 20) == 3
+
+
+def _static_prefix_survives(tmp_path, protect: bool) -> bool:
+    """Chat A (system prompt + question), then one-shot B (no system prompt), both finished;
+    then D needs every free block but A's static-prefix ones. True when they all survive."""
+    from model_helpers import tiny_checkpoint
+
+    from prefixserve.replica.llm import LLM
+    from prefixserve.replica.sampling import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=1)
+    with LLM(str(tiny_checkpoint(tmp_path / "tiny")), block_size=4, num_kv_blocks=64, eviction_policy="slru",
+             protect_static_prefix=protect) as llm:
+        engine, kv = llm.engine, llm.engine.kv_manager
+        chat = [{"role": "system", "content": _SYSTEM}, {"role": "user", "content": "Do you sell rye bread?"}]
+        ids = engine.encode_chat(chat)
+        prefix_blocks = engine.static_prefix_tokens(chat, ids) // 4
+        prefix_hashes = kv.hasher.hash_blocks(ids, 4, None, stop=prefix_blocks)
+        llm.chat(chat, greedy)
+        llm.generate([[300 + i for i in range(4 * prefix_blocks + 4)]], greedy)  # B: younger than A
+        assert all(h in kv.pool.hash_to_block for h in prefix_hashes)
+        need = kv.pool.num_free - prefix_blocks
+        llm.generate([[700 + i for i in range(4 * need - 3)]], greedy)  # D: one token free in its last block
+        return all(h in kv.pool.hash_to_block for h in prefix_hashes)
+
+
+def test_a_system_prompt_outlives_younger_one_shot_blocks_only_when_protected(tmp_path):
+    assert _static_prefix_survives(tmp_path, protect=True)
+    # slru without the hint: A's prefix entered probation before B's blocks, so it goes first.
+    assert not _static_prefix_survives(tmp_path, protect=False)
