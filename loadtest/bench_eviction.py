@@ -44,7 +44,6 @@ writes results/bench_eviction.json).
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import random
 import statistics
@@ -102,6 +101,7 @@ def _toks(args: argparse.Namespace, n: int, *key: object) -> list[int]:
 
 
 GENERATED_MODES = ("warm", "cold", "cold-all")
+STATIC_MODES = ("protected", "plain")
 
 
 def _wire_generated_cold(llm: Any, cold: Callable[[Any], bool]) -> None:
@@ -115,7 +115,10 @@ def _wire_generated_cold(llm: Any, cold: Callable[[Any], bool]) -> None:
     finish = sched.finish
 
     def finish_cold(seq: Any) -> None:
-        kv.free = functools.partial(type(kv).free, kv, generated_cold=cold(seq))
+        def free(seq_id: str, generated_cold: bool = False, static_prefix_tokens: int = 0) -> bool:
+            return type(kv).free(kv, seq_id, generated_cold=cold(seq), static_prefix_tokens=static_prefix_tokens)
+
+        kv.free = free
         try:
             finish(seq)
         finally:
@@ -124,15 +127,24 @@ def _wire_generated_cold(llm: Any, cold: Callable[[Any], bool]) -> None:
     sched.finish = finish_cold
 
 
+def run_key(policy: str, generated: str, static: str) -> str:
+    """A run's key in the results: the policy, then "+mode" unless warm, "+plain" unless protected."""
+    return policy + ("" if generated == "warm" else f"+{generated}") + ("" if static == "protected" else "+plain")
+
+
 def run_policy(policy: str, prompts: list[list[int]], args: argparse.Namespace,
-               generated: str = "warm") -> dict[str, Any]:
+               generated: str = "warm", static: str = "protected") -> dict[str, Any]:
     """One engine, the whole request sequence (``request_kinds``): zipf requests take ``prompts[i]``;
-    conversation turns are built from the user's previous prompt and the engine's own answer."""
+    conversation turns are built from the user's previous prompt and the engine's own answer.
+    ``static``: "protected" frees each request's system prompt blocks as reused
+    (EngineConfig.protect_static_prefix), "plain" as any other block."""
     from prefixserve.replica.llm import LLM
     from prefixserve.replica.sampling import SamplingParams
 
     if generated not in GENERATED_MODES:
         raise ValueError(f"--generated-blocks: {generated!r} is not one of {GENERATED_MODES}")
+    if static not in STATIC_MODES:
+        raise ValueError(f"--static-prefix: {static!r} is not one of {STATIC_MODES}")
     kinds = request_kinds(args)
     history = {u: _toks(args, args.system_len, "user-system", u) for k, u in kinds if k == "c"}
     # A finished sequence is a conversation turn when it starts with a user's system prompt.
@@ -142,7 +154,8 @@ def run_policy(policy: str, prompts: list[list[int]], args: argparse.Namespace,
         return tuple(seq.token_ids[:8]) in conv_heads
 
     llm = LLM(args.model, eviction_policy=policy, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
-              dtype=args.dtype, max_num_seqs=args.wave, evict_generated_first=False)  # the bench decides
+              dtype=args.dtype, max_num_seqs=args.wave, evict_generated_first=False,  # the bench decides
+              protect_static_prefix=static == "protected")
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, min_tokens=args.output_len)
     warm_up = prompts[0][:40] if prompts else _toks(args, 40, "warmup")
     llm.generate([warm_up], SamplingParams(temperature=0.0, max_tokens=2))  # kernels, pages
@@ -163,7 +176,7 @@ def run_policy(policy: str, prompts: list[list[int]], args: argparse.Namespace,
         batch = kinds[w : w + args.wave]
         wave = [history[x] + _toks(args, args.question_len, "q", x, turn[x]) if k == "c" else prompts[x]
                 for k, x in batch]
-        outs = llm.generate(wave, params)
+        outs = llm.generate(wave, params, static_prefix_tokens=args.system_len)
         for (k, x), prompt, out in zip(batch, wave, outs, strict=True):
             cached += out.num_cached_tokens
             hit_by_kind[k][0] += out.num_cached_tokens
@@ -175,7 +188,8 @@ def run_policy(policy: str, prompts: list[list[int]], args: argparse.Namespace,
     wall = time.perf_counter() - start
     cpu = time.process_time() - cpu0
     result = {
-        "policy": policy, "generated_blocks": generated, "requests_per_s": len(kinds) / wall, "wall_s": wall,
+        "policy": policy, "generated_blocks": generated, "static_prefix": static,
+        "requests_per_s": len(kinds) / wall, "wall_s": wall,
         "requests_per_cpu_s": len(kinds) / cpu, "cpu_s": cpu, "num_requests": len(kinds),
         "prompt_tokens": total, "hit_rate": cached / total,
         "hit_rate_oneshot": hit_by_kind["z"][0] / hit_by_kind["z"][1] if hit_by_kind["z"][1] else None,
@@ -200,14 +214,15 @@ def render(res: dict[str, Any]) -> str:
         f"## Eviction policies on one CPU replica, {c['workload']} ({c['model']}, {c['num_kv_blocks']} KV blocks "
         f"of {c['block_size']} tokens; {what}, waves of {c['wave']})",
         "",
-        "| policy | generated blocks | hit rate | x lru | x warm | one-shot / conversation hit rate "
+        "| policy | generated blocks | static prefix | hit rate | x lru | x warm | one-shot / conversation hit rate "
         "| req/s (median) | x lru | runs req/s | req/CPU-s (median) | x lru | evictions | preemptions |",
-        "|---|---|---:|---:|---:|---|---:|---:|---|---:|---:|---:|---:|",
+        "|---|---|---|---:|---:|---:|---|---:|---:|---|---:|---:|---:|---:|",
     ]
     runs = res["policies"]
-    base = runs.get("lru")
     for r in runs.values():
-        warm = runs.get(r["policy"])
+        static = r.get("static_prefix", "protected")
+        base = runs.get(run_key("lru", r["generated_blocks"], static))
+        warm = runs.get(run_key(r["policy"], "warm", static))
         hx = f"{r['hit_rate'] / base['hit_rate']:.2f}" if base and base["hit_rate"] else "-"
         wx = f"{r['hit_rate'] / warm['hit_rate']:.2f}" if warm and warm["hit_rate"] else "-"
         rx = f"{r['requests_per_s'] / base['requests_per_s']:.2f}" if base else "-"
@@ -215,7 +230,8 @@ def render(res: dict[str, Any]) -> str:
         rr = ", ".join(f"{x:.2f}" for x in r["runs_requests_per_s"])
         kinds = " / ".join("-" if r[k] is None else f"{r[k]:.3f}"
                            for k in ("hit_rate_oneshot", "hit_rate_conversation"))
-        lines.append(f"| {r['policy']} | {r['generated_blocks']} | {r['hit_rate']:.3f} | {hx} | {wx} | {kinds} | "
+        lines.append(f"| {r['policy']} | {r['generated_blocks']} | {static} | {r['hit_rate']:.3f} | {hx} | {wx} | "
+                     f"{kinds} | "
                      f"{r['requests_per_s']:.2f} | {rx} | {rr} | {r['requests_per_cpu_s']:.3f} | {cx} | "
                      f"{r['evictions']} | {r['preemptions']} |")
     return "\n".join(lines)
@@ -250,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--oneshots-per-turn", type=int, default=2, help="mixed: zipf requests after each turn")
     ap.add_argument("--generated-blocks", default="warm",
                     help=f"comma list of {','.join(GENERATED_MODES)} (module docstring); each runs every policy")
+    ap.add_argument("--static-prefix", default="protected",
+                    help=f"comma list of {','.join(STATIC_MODES)}: whether each request's system prompt "
+                         "blocks are freed as reused (EngineConfig.protect_static_prefix); each runs every policy")
     ap.add_argument("--block-size", type=int, default=4)
     ap.add_argument("--wave", type=int, default=4, help="requests per generate call (and max_num_seqs)")
     ap.add_argument("--repeats", type=int, default=2)
@@ -270,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     modes = args.generated_blocks.split(",")
     if set(modes) - set(GENERATED_MODES):
         ap.error(f"--generated-blocks takes {','.join(GENERATED_MODES)}, got {args.generated_blocks!r}")
+    statics = args.static_prefix.split(",")
+    if set(statics) - set(STATIC_MODES):
+        ap.error(f"--static-prefix takes {','.join(STATIC_MODES)}, got {args.static_prefix!r}")
     quiet_libraries(args.verbose)
     if args.threads:
         import torch
@@ -281,15 +303,15 @@ def main(argv: list[str] | None = None) -> int:
         tenants, prompts = [], []
     else:
         tenants, prompts = build_workload(args)  # mixed: the one-shots
-    # Results are keyed "policy" (warm) or "policy+mode".
-    combos = [(p, m) for m in modes for p in policies]
-    runs: dict[str, list[dict[str, Any]]] = {(p if m == "warm" else f"{p}+{m}"): [] for p, m in combos}
+    # Results are keyed "policy" (warm, protected), "policy+mode" and "...+plain".
+    combos = [(p, m, st) for st in statics for m in modes for p in policies]
+    runs: dict[str, list[dict[str, Any]]] = {run_key(p, m, st): [] for p, m, st in combos}
     for rep in range(args.repeats):
-        for p, m in combos:
-            r = run_policy(p, prompts, args, m)
-            print(f"repeat {rep} {p} {m}: hit {r['hit_rate']:.3f}, {r['requests_per_s']:.2f} req/s, "
+        for p, m, st in combos:
+            r = run_policy(p, prompts, args, m, st)
+            print(f"repeat {rep} {p} {m} {st}: hit {r['hit_rate']:.3f}, {r['requests_per_s']:.2f} req/s, "
                   f"{r['requests_per_cpu_s']:.3f} req/CPU-s", file=sys.stderr, flush=True)
-            runs[p if m == "warm" else f"{p}+{m}"].append(r)
+            runs[run_key(p, m, st)].append(r)
     res: dict[str, Any] = {
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "distinct_tenants": len(set(tenants)), "policies": {},

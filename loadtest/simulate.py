@@ -119,6 +119,9 @@ class SimConfig:
     # none a conversation turn).
     eviction_policy: str = EngineConfig.eviction_policy
     generated_blocks: str = "cold" if EngineConfig.evict_generated_first else "warm"
+    # EngineConfig.protect_static_prefix: a finished request's system-prompt blocks are freed as
+    # reused (KVCacheManager.free's static_prefix_tokens), also on a replica's first sight of them.
+    protect_static_prefix: bool = EngineConfig.protect_static_prefix
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     seed: int = 0
 
@@ -392,6 +395,7 @@ def simulate(config: SimConfig, policy: str, traffic: Traffic | None = None,
     per_token, overhead = profile.prefill_s_per_token, profile.prefill_overhead_s
     max_seqs = config.max_num_seqs
     cold_generated = config.generated_blocks == "cold"
+    static_tokens = config.system_prompt_len if config.protect_static_prefix else 0
     ttft = [0.0] * n
     hits = [0] * n
     replica_of = [0] * n
@@ -465,7 +469,7 @@ def simulate(config: SimConfig, policy: str, traffic: Traffic | None = None,
             try_admit(rep, now)
         else:
             rep = replicas[replica_of[i]]
-            rep.kv.free(str(i), generated_cold=cold_generated)
+            rep.kv.free(str(i), generated_cold=cold_generated, static_prefix_tokens=static_tokens)
             rep.running -= 1
             rep.in_flight -= 1
             finished += 1
@@ -626,6 +630,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="the replicas' KV eviction policy (replica/kv/block_pool.py EVICTION_POLICIES)")
     p.add_argument("--generated-blocks", choices=("warm", "cold"), default=d.generated_blocks,
                    help="cold: a finished request's generated blocks enter the KV pool's cold end")
+    p.add_argument("--static-prefix", choices=("protected", "plain"),
+                   default="protected" if d.protect_static_prefix else "plain",
+                   help="protected: the system prompt's blocks are freed as reused "
+                        "(EngineConfig.protect_static_prefix)")
     p.add_argument("--policies", default=",".join(POLICY_NAMES))
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--sweep-replicas", default="8,16,32,64", help="comma list; empty to skip")
@@ -648,7 +656,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             output_len=args.output_len, blocks_per_replica=args.blocks_per_replica, max_num_seqs=args.max_num_seqs,
             utilization=args.utilization, profile=args.profile, epsilon=args.epsilon,
             placed_epsilon=args.placed_epsilon, eviction_policy=args.eviction_policy,
-            generated_blocks=args.generated_blocks, seed=args.seed,
+            generated_blocks=args.generated_blocks, protect_static_prefix=args.static_prefix == "protected",
+            seed=args.seed,
         )
         KVCacheManager(1, config.block_size, eviction_policy=config.eviction_policy)  # validates the name
         profile = get_profile(config.profile)
@@ -680,7 +689,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"KV blocks per replica {config.blocks_per_replica} x {config.block_size} tokens; prompts "
           f"{config.system_prompt_len}+{config.question_len} tokens, {config.output_len} out; Zipf s={config.zipf_s}, "
           f"hot tenant +{config.hot_share:.0%}; offered utilization {config.utilization} "
-          f"(all-miss); KV eviction {config.eviction_policy}, generated blocks {config.generated_blocks}; "
+          f"(all-miss); KV eviction {config.eviction_policy}, generated blocks {config.generated_blocks}, "
+          f"static prefix {'protected' if config.protect_static_prefix else 'plain'}; "
           f"oracle hit rate {main_results[0].oracle_hit_rate:.1%}. "
           f"All policies simulated in {main_wall:.1f} s wall.\n")
     print(markdown_table(main_results))
