@@ -28,9 +28,14 @@ routing stats, replica/deployment.py)::
   key it tracks and no events. Snapshots go out on the first publish, every
   ``snapshot_every`` publishes, and when a diff would exceed ``max_events``
   block hashes (overflow: the events are dropped, the snapshot replaces them).
-* Lossy-safe: a consumer that sees a gap in ``seq`` (or a new ``epoch``) must
-  ignore diffs until the next snapshot; until then it knows less, never
-  something false that it did not know before (router/serve_router.py).
+* Lossy-safe: every ``held`` summary is absolute (the key's state at that
+  publish), so a consumer that sees a gap in ``seq`` (reports it never saw:
+  Serve hands a router only each replica's latest routing stats) still applies
+  the diff after it, for the keys it lists; a key only the missed payloads
+  changed keeps its last known state until the next snapshot restates every
+  key. A diff from a publisher the consumer has no snapshot of (a new
+  ``epoch``: a restarted replica) is ignored until its next snapshot
+  (router/serve_router.py).
 * A key the publisher forgets (more than ``max_keys``, least recently seen
   first) is absent from the next snapshot.
 
@@ -163,19 +168,21 @@ class KVEventPublisher:
 
 
 class KVEventConsumer:
-    """A router's side: per publisher (replica), apply payloads in order; a gap waits for a snapshot.
+    """A router's side: per publisher (replica), apply each payload newer than the last one applied.
 
     ``apply(replica, payload)`` returns the ``(key, holds)`` facts the payload
     establishes (``holds_prefix`` of each ``held`` summary), in payload order,
-    or [] when the payload must be ignored (a diff after a gap, or an unknown
-    format). A snapshot also yields ``(key, False)`` for keys this consumer
-    knew held on the replica and that the snapshot no longer lists.
+    or [] when the payload must be ignored (not newer, a diff of a publisher
+    epoch never snapshotted, or an unknown format). A diff after a gap in
+    ``seq`` is applied (its summaries are absolute) and counted in ``gaps``. A
+    snapshot also yields ``(key, False)`` for keys this consumer knew held on
+    the replica and that the snapshot no longer lists.
     """
 
     def __init__(self) -> None:
         self._last: dict[str, tuple[str, int]] = {}  # replica -> (epoch, seq) applied
         self._held: dict[str, set[str]] = {}  # replica -> keys known held there
-        self.gaps = 0  # diffs ignored after a gap
+        self.gaps = 0  # diffs applied after missed payloads
 
     def forget(self, replica: str) -> None:
         self._last.pop(replica, None)
@@ -200,10 +207,11 @@ class KVEventConsumer:
         if last is not None and last[0] == epoch and seq <= last[1]:
             return []  # already applied (the same routing stats seen again)
         snapshot = bool(payload.get("snapshot"))
-        if not snapshot and (last is None or last[0] != epoch or seq != last[1] + 1):
-            self.gaps += 1
-            self._last.pop(replica, None)  # wait for a snapshot
-            return []
+        if not snapshot:
+            if last is None or last[0] != epoch:
+                return []  # no snapshot of this publisher yet: wait for one
+            if seq != last[1] + 1:
+                self.gaps += 1  # missed payloads: their keys keep their last known state
         self._last[replica] = (epoch, seq)
         known = self._held.setdefault(replica, set())
         facts: list[tuple[str, bool]] = []

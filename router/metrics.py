@@ -109,7 +109,7 @@ class RouterMetrics:
         )
         self.kv_event_gaps = Counter(
             "prefixserve_router_kv_event_gaps",
-            "KV-event payloads ignored after a gap in a replica's sequence (the router waited for a snapshot).",
+            "KV-event payloads applied after a gap in a replica's sequence (reports this router never saw).",
             ["deployment", "replica"],
             registry=self.registry,
         )

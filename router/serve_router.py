@@ -41,8 +41,8 @@ Invariants:
   the whole cluster's queue, and its own requests without delay. A report
   older than ``stats_max_age_s`` is ignored.
 * KV events: the routing stats also carry the replica's KV event payload
-  (replica/kv_events.py); a :class:`KVEventConsumer` applies them in order
-  (a gap waits for the next snapshot) and feeds the policy's precise hook
+  (replica/kv_events.py); a :class:`KVEventConsumer` applies each newer one
+  (after missed ones too: their summaries are absolute) and feeds the policy's precise hook
   (``set_cached``) when the policy has one.
 * ``placed`` placements agree across routers through the ingress
   (router/ingress.py): the leader router rebalances and publishes
@@ -301,7 +301,7 @@ class PrefixRouter(RequestRouter):
 
     @property
     def kv_event_gaps(self) -> int:
-        """KV-event diffs ignored after a gap (each waited for a snapshot)."""
+        """KV-event diffs applied after a gap (missed reports; router/metrics.py kv_event_gaps)."""
         return self._kv_events.gaps
 
     # -- placement agreement (placed) -------------------------------------------------

@@ -88,7 +88,7 @@ def test_held_summary_reading(present, leading, holds):
     assert holds_prefix(leading, len(present)) is holds
 
 
-def test_consumer_applies_in_order_waits_for_a_snapshot_after_a_gap():
+def test_consumer_applies_the_diff_after_a_gap_and_a_new_epoch_waits_for_its_snapshot():
     pub = KVEventPublisher(snapshot_every=4)
     pub.remember("k", [h(1), h(2)])
     pool = {h(1), h(2)}
@@ -104,17 +104,24 @@ def test_consumer_applies_in_order_waits_for_a_snapshot_after_a_gap():
     pub.snapshot_every = 100
     after_gap = pub.publish(pool.__contains__)
     assert not after_gap["snapshot"]
-    assert consumer.apply("r", after_gap) == [] and consumer.gaps == 1 and not consumer.in_sync("r")
+    # Its summary is absolute: the key is held again, whatever the missed payload said.
+    assert consumer.apply("r", after_gap) == [("k", True)] and consumer.gaps == 1 and consumer.in_sync("r")
     pub.snapshot_every = 5
     pool.clear()
     snap = pub.publish(pool.__contains__)  # seq 5: snapshot
     assert snap["snapshot"]
     assert consumer.apply("r", snap) == [("k", False)]
     assert consumer.apply("r", snap) == []  # the same report seen again
-    # A new publisher (a restarted replica) has another epoch: its first payload is a snapshot.
-    fresh = KVEventPublisher()
+    # A new publisher (a restarted replica) has another epoch: a diff of it before any snapshot
+    # is ignored; its snapshot is taken in.
+    fresh = KVEventPublisher(snapshot_every=3)
     fresh.remember("k2", [h(5)])
-    assert consumer.apply("r", fresh.publish(lambda _h: True)) == [("k2", True)]
+    fresh.publish(lambda _h: True)  # seq 1, the snapshot: never delivered
+    fresh.remember("k3", [h(6)])
+    diff = fresh.publish(lambda _h: True)  # seq 2: k3 is new
+    assert not diff["snapshot"] and consumer.apply("r", diff) == [] and consumer.gaps == 1
+    snap = fresh.publish(lambda _h: True)  # seq 3
+    assert snap["snapshot"] and consumer.apply("r", snap) == [("k2", True), ("k3", True)]
 
 
 def test_a_snapshot_withdraws_keys_it_no_longer_lists():

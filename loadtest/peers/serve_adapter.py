@@ -174,9 +174,9 @@ class KvEventIndex:
     that only the missed payloads changed keep their last known state until
     the next snapshot (every ``snapshot_every`` publishes) replaces them all.
     This approximates Dynamo's lossless event stream with the latest known
-    state, where router/serve_router.py's consumer (for ``placed``) waits for
-    the snapshot. Older or repeated payloads are ignored; a new epoch (a new
-    publisher) starts the replica afresh.
+    state, as router/serve_router.py's consumer (for ``placed``) does. Older or
+    repeated payloads are ignored; a new epoch (a new publisher) starts the
+    replica afresh.
     """
 
     def __init__(self, max_keys: int = MAX_KEYS, max_blocks: int = MAX_BLOCKS_PER_KEY) -> None:
