@@ -152,3 +152,38 @@ def test_a_system_prompt_outlives_younger_one_shot_blocks_only_when_protected(tm
     assert _static_prefix_survives(tmp_path, protect=True)
     # slru without the hint: A's prefix entered probation before B's blocks, so it goes first.
     assert not _static_prefix_survives(tmp_path, protect=False)
+
+
+def test_the_request_runner_hands_the_static_prefix_to_the_engine(tmp_path):
+    """A chat through RequestRunner (what every engine host runs): after one request its
+    system prompt's full blocks are protected, its question's are in probation."""
+    import asyncio
+
+    from model_helpers import tiny_checkpoint
+
+    from prefixserve.replica.config import EngineConfig
+    from prefixserve.replica.engine import AsyncEngine
+    from prefixserve.replica.engine_client import EngineRequest, RequestRunner
+    from prefixserve.replica.sampling import SamplingParams
+
+    engine = AsyncEngine(EngineConfig.from_dict({"model": str(tiny_checkpoint(tmp_path / "tiny", max_pos=512)),
+                                                 "num_kv_blocks": 64, "block_size": 4, "max_model_len": 256}))
+    chat = [{"role": "system", "content": _SYSTEM}, {"role": "user", "content": "Do you sell rye bread today?"}]
+
+    async def ask() -> None:
+        request = EngineRequest(messages=chat, sampling=SamplingParams(max_tokens=2, temperature=0))
+        async for _ in RequestRunner(engine).generate(request):
+            pass
+
+    try:
+        asyncio.run(ask())
+        llm = engine.engine
+        ids = llm.encode_chat(chat)
+        static = llm.static_prefix_tokens(chat, ids) // 4
+        pool = llm.kv_manager.pool
+        where = [pool._where[pool.hash_to_block[h]] for h in llm.kv_manager.hasher.hash_blocks(ids, 4, None)]
+        assert 0 < static < len(where)
+        assert where[:static] == [pool._PROTECTED] * static
+        assert set(where[static:]) == {pool._PROBATION}
+    finally:
+        asyncio.run(engine.shutdown())
