@@ -96,9 +96,9 @@ class EngineConfig:
     evict_generated_first: bool = True
     # A chat request's static prefix (its leading system/developer messages, the prefix
     # the router keys on) is freed as reused content from its first request on: "slru"
-    # protects it, "s3fifo" puts it in main, "lfu" counts a hit ("lru" has no such class).
-    # One-shot question blocks then churn without evicting a tenant's system prompt
-    # between its requests. README "Eviction policy" has the measurements.
+    # puts it at protected's least recent end, so one-shot question blocks churn without
+    # evicting a tenant's system prompt between its requests; the other policies ignore
+    # it. README "The static prefix, kept from its first request" has the measurements.
     protect_static_prefix: bool = True
     # Sliding-window attention: None = the checkpoint's (``sliding_window`` and per-layer
     # ``layer_types``); an int = that window on the checkpoint's windowed layers, or on every

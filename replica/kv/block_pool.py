@@ -464,9 +464,8 @@ class _MultiListPool(BlockPool):
         raise NotImplementedError
 
     def _ghost_hit(self, block: int) -> None:
-        """In-use ``block`` was registered under a hash evicted recently (ghost policies only)."""
+        """``block`` was registered under a hash evicted recently (ghost policies only)."""
         raise NotImplementedError
-
 
     def _cold_list(self, block: int) -> int:
         """Where ``free_blocks_cold`` moves a block ``free_blocks`` just freed into list

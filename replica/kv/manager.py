@@ -36,8 +36,9 @@ Choices a reader should know:
     counts as prompt). Off unless the caller passes it.
   * ``free(request_id, static_prefix_tokens=n)`` releases the full cached blocks of
     the prompt's first ``n`` tokens (the static prefix the request's routing key
-    names) as reused (``BlockPool.mark_reused``): a system prompt is kept like a
-    block hit twice from its first request on. Preempted requests pass it too.
+    names) as reused (``BlockPool.mark_reused``): under ``slru`` a system prompt
+    outlives every one-shot block from its first request on. Preempted requests pass
+    it too.
 
 Swap (``preemption_mode="swap"``; ``num_host_blocks`` > 0): ``swap_out`` takes a
 request's table off the device without losing its KV, block by block, in table order:
