@@ -70,7 +70,7 @@ class Request:
     # blocks keep their place in the eviction order (SchedulerConfig.evict_generated_first).
     conversation: bool = False
     # Leading prompt tokens that are its static prefix (the system prompt's): their blocks are
-    # released as reused, kept like a block hit twice (SchedulerConfig.protect_static_prefix).
+    # released as reused content (SchedulerConfig.protect_static_prefix; BlockPool.mark_reused).
     static_prefix_tokens: int = 0
 
     @property
