@@ -147,6 +147,12 @@ class EngineConfig:
         self._validate()
 
     def _validate(self) -> None:
+        # A YAML or JSON typo ("maybe", "no", 1) would otherwise pass as a truthy switch.
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type in ("bool", "bool | None") and not isinstance(value, bool) \
+                    and not (value is None and f.type == "bool | None"):
+                raise ValueError(f"{f.name} must be true or false, got {value!r}")
         check_endpoint(self.otlp_traces_endpoint, "otlp_traces_endpoint")
         if not self.model:
             raise ValueError("model must be a checkpoint directory, a .gguf file or 'smollm2'")

@@ -187,3 +187,12 @@ def test_the_request_runner_hands_the_static_prefix_to_the_engine(tmp_path):
         assert set(where[static:]) == {pool._PROBATION}
     finally:
         asyncio.run(engine.shutdown())
+
+
+@pytest.mark.parametrize("knob", ["enable_prefix_caching", "calculate_kv_scales", "evict_generated_first",
+                                  "protect_static_prefix", "enforce_eager", "enable_chunked_prefill"])
+@pytest.mark.parametrize("value", ["maybe", "false", 1, 0.0])
+def test_a_switch_that_is_not_a_boolean_is_refused_naming_it(knob, value):
+    with pytest.raises(ValueError, match=f"{knob} must be true or false"):
+        EngineConfig.from_dict({knob: value})
+    assert EngineConfig.from_dict({knob: False}).to_dict()[knob] is False
