@@ -14,7 +14,7 @@ import argparse
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any
 
-from prefixserve.replica.config_util import from_dict
+from prefixserve.replica.config_util import check_switches, from_dict
 from prefixserve.replica.kv.block_pool import EVICTION_POLICIES
 from prefixserve.replica.tracing import check_endpoint
 
@@ -147,12 +147,7 @@ class EngineConfig:
         self._validate()
 
     def _validate(self) -> None:
-        # A YAML or JSON typo ("maybe", "no", 1) would otherwise pass as a truthy switch.
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.type in ("bool", "bool | None") and not isinstance(value, bool) \
-                    and not (value is None and f.type == "bool | None"):
-                raise ValueError(f"{f.name} must be true or false, got {value!r}")
+        check_switches(self)  # also for LLM(**knobs), which does not go through from_dict
         check_endpoint(self.otlp_traces_endpoint, "otlp_traces_endpoint")
         if not self.model:
             raise ValueError("model must be a checkpoint directory, a .gguf file or 'smollm2'")

@@ -26,6 +26,8 @@ def from_dict(cls: type[T], data: Mapping[str, Any] | None, where: str) -> T:
     * A field typed as another dataclass and given a mapping is built with
       this same function (``where`` becomes ``{where}.{field}``).
     * ``None`` stands for an empty mapping (a YAML section left blank).
+    * A field typed ``bool`` (or ``bool | None``) given anything else: ValueError
+      ``{where}.{field} must be true or false``.
 
     Values are otherwise passed as given; ``cls.__post_init__`` validates them.
     """
@@ -51,8 +53,29 @@ def from_dict(cls: type[T], data: Mapping[str, Any] | None, where: str) -> T:
         nested = hints.get(name)
         if isinstance(nested, type) and dataclasses.is_dataclass(nested) and isinstance(value, Mapping):
             value = from_dict(nested, value, f"{where}.{name}")
+        elif not _fits_switch(nested, value):
+            raise ValueError(f"{where}.{name} must be true or false, got {value!r}")
         values[name] = value
     return cls(**values)
+
+
+def check_switches(obj: Any) -> None:
+    """Raise ValueError naming the first ``bool`` (or ``bool | None``) field of dataclass ``obj``
+    that holds something else: a YAML or JSON typo ("maybe", "no", 1) is not a truthy switch."""
+    hints = _type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if not _fits_switch(hints.get(f.name), value):
+            raise ValueError(f"{f.name} must be true or false, got {value!r}")
+
+
+def _fits_switch(hint: Any, value: Any) -> bool:
+    """False only when ``hint`` is ``bool`` (or ``bool | None``) and ``value`` is not one of those."""
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint == (bool | None):
+        return value is None or isinstance(value, bool)
+    return True
 
 
 def _type_hints(cls: type) -> dict[str, Any]:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from prefixserve.replica.config_util import from_dict
+from prefixserve.replica.config_util import check_switches, from_dict
 
 
 @dataclass
@@ -48,3 +48,28 @@ def test_missing_required_keys_and_non_mappings_are_value_errors():
 def test_the_dataclass_still_validates_values():
     with pytest.raises(ValueError, match="size must be >= 1"):
         from_dict(Outer, {"name": "a", "inner": {"size": 0}}, "outer")
+
+
+@dataclass
+class Switches:
+    on: bool = True
+    maybe_on: bool | None = None
+    count: int = 0
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"on": "false"}, r"switches.on must be true or false, got 'false'"),
+    ({"on": 1}, r"switches.on must be true or false, got 1"),
+    ({"maybe_on": "auto"}, r"switches.maybe_on must be true or false, got 'auto'"),
+])
+def test_a_boolean_field_takes_only_true_or_false(data, message):
+    with pytest.raises(ValueError, match=message):
+        from_dict(Switches, data, "switches")
+
+
+def test_booleans_none_and_other_types_pass():
+    assert from_dict(Switches, {"on": False, "maybe_on": None, "count": 3}, "switches") == Switches(False, None, 3)
+    assert from_dict(Switches, {"maybe_on": True}, "switches").maybe_on is True
+    check_switches(Switches())
+    with pytest.raises(ValueError, match="on must be true or false, got 'no'"):
+        check_switches(Switches(on="no"))  # type: ignore[arg-type]
