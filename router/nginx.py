@@ -544,16 +544,15 @@ def _placement_block(placement: PlacementMap | None) -> str:
     return "\n".join(lines) + "\n\n"
 
 
+def add_replica_argument(parser: argparse.ArgumentParser, help: str) -> None:
+    """``--replica HOST:PORT[=WEIGHT]``, repeated: the upstream servers (nginx-config, placement)."""
+    parser.add_argument("--replica", action="append", required=True, type=arg_type(check_replica),
+                        metavar="HOST:PORT[=WEIGHT]", help=help)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     seconds = arg_type(_int_in(0, MAX_SECONDS))
-    parser.add_argument(
-        "--replica",
-        action="append",
-        required=True,
-        type=arg_type(check_replica),
-        metavar="HOST:PORT[=WEIGHT]",
-        help="an upstream replica; repeat in a stable order",
-    )
+    add_replica_argument(parser, "an upstream replica; repeat in a stable order")
     parser.add_argument("--down", action="append", default=[], type=arg_type(check_server_address), metavar="HOST:PORT",
                         help="mark a listed replica down")
     parser.add_argument("--listen", default="8080", type=arg_type(check_listen),

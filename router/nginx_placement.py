@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from prefixserve.router.cli import arg_type, write_output
-from prefixserve.router.nginx import check_output, check_replica, load_placement
+from prefixserve.router.nginx import add_replica_argument, check_output, load_placement
 from prefixserve.router.policies import Placed, Replica, check_options, pick_options
 from prefixserve.router.ring import HashRing, RingServer
 
@@ -196,14 +196,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The command's flags: the log, the nginx servers as nginx-config takes them, the placed knobs, --output."""
     parser.add_argument("log", metavar="LOG",
                         help="nginx's routing-key log (nginx-config --key-log), or - for stdin")
-    parser.add_argument(
-        "--replica",
-        action="append",
-        required=True,
-        type=arg_type(check_replica),
-        metavar="HOST:PORT[=WEIGHT]",
-        help="an nginx upstream server, exactly as given to nginx-config; repeat for each",
-    )
+    add_replica_argument(parser, "an nginx upstream server, exactly as given to nginx-config; repeat for each")
     parser.add_argument("--previous", default=None, metavar="FILE|URL",
                         help="the last round's snapshot: start from its placements and statistics (then give "
                              "only the log written since)")

@@ -15,6 +15,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import pytest
+
 from prefixserve.router.prefix import prefix_hash
 from prefixserve.router.ring import HashRing
 
@@ -26,6 +28,11 @@ def find_nginx() -> str | None:
     if found:
         return found
     return next((p for p in NGINX_CANDIDATES if os.access(p, os.X_OK)), None)
+
+
+NGINX = find_nginx()
+# Tests that run the real nginx binary (CI installs nginx-light: scripts/system-deps.sh).
+needs_nginx = pytest.mark.skipif(NGINX is None, reason="nginx is not installed (scripts/system-deps.sh)")
 
 
 def free_ports(n: int) -> list[int]:

@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from nginx_helpers import NginxProcess, find_nginx, free_ports
+from nginx_helpers import NGINX, NginxProcess, free_ports, needs_nginx
 from server_helpers import ReplicaProcess, build_tiny_llama, metric
 
 from prefixserve.router.nginx import NginxConfig, render_config
 from prefixserve.router.prefix import PREFIX_HASH_HEADER, prefix_hash
 from prefixserve.router.ring import HashRing, RingServer
 
-NGINX = find_nginx()
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(NGINX is None, reason="nginx is not installed (.ci/run installs nginx-light)"),
+    needs_nginx,
 ]
 
 REPLICA_HEADER = "X-Prefixserve-Replica"

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from nginx_helpers import NginxProcess, backends_conf, find_nginx, free_ports, nginx_test_config
+from nginx_helpers import NGINX, NginxProcess, backends_conf, free_ports, needs_nginx, nginx_test_config
 
 from prefixserve.router import cli
 from prefixserve.router import nginx as nginx_cli
@@ -37,10 +37,6 @@ SAMPLE_ARGS = [
     "--listen", "8080",
 ]  # fmt: skip
 
-NGINX = find_nginx()
-needs_nginx = pytest.mark.skipif(
-    NGINX is None, reason="nginx is not installed (CI installs Debian's nginx-light: apt-get install nginx-light)"
-)
 
 
 def _random_keys(seed: int, n: int) -> list[str]:

@@ -13,15 +13,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from nginx_helpers import NginxProcess, backends_conf, find_nginx, free_ports, keys_owned
+from nginx_helpers import NGINX, NginxProcess, backends_conf, free_ports, keys_owned, needs_nginx
 
 from prefixserve.router.nginx import NginxConfig, PlacementMap, render_config, salted_key
 from prefixserve.router.policies import Placed, Replica
 from prefixserve.router.prefix import PREFIX_HASH_HEADER, prefix_hash
 from prefixserve.router.ring import HashRing, RingServer
 
-NGINX = find_nginx()
-needs_nginx = pytest.mark.skipif(NGINX is None, reason="nginx is not installed (scripts/system-deps.sh)")
 NAMES = ["127.0.0.1:9101", "127.0.0.1:9102", "127.0.0.1:9103"]
 
 
