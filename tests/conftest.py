@@ -12,6 +12,7 @@ fails the run instead.
 
 import os
 import shutil
+import zlib
 from collections import Counter
 
 import pytest
@@ -30,6 +31,12 @@ _SYSTEM_DEPS = {
     "prometheus": (find_prometheus() is not None,
                    "tests/test_observability.py, tests/test_cluster.py's dashboard test"),
 }
+
+
+@pytest.fixture
+def seed(request: pytest.FixtureRequest) -> int:
+    """A seed per test and parametrization (a crc32 of its node id): fresh data everywhere, reproducible."""
+    return zlib.crc32(request.node.nodeid.encode())
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:

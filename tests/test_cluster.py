@@ -14,11 +14,7 @@ import time
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
-from prefixserve.router.prefix import PREFIX_HASH_HEADER, prefix_hash
-from prefixserve.router.ring import HashRing
-from tests.cluster_helpers import (
+from cluster_helpers import (
     INGRESS_HEADER,
     REPLICA_HEADER,
     LocalRayCluster,
@@ -29,9 +25,13 @@ from tests.cluster_helpers import (
     wait_for_replicas,
     wait_for_ring,
 )
-from tests.model_helpers import tiny_checkpoint
-from tests.prometheus_helpers import PrometheusProcess, dashboard_queries, find_prometheus
-from tests.server_helpers import metric
+from model_helpers import tiny_checkpoint
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_helpers import PrometheusProcess, dashboard_queries, find_prometheus
+from server_helpers import metric
+
+from prefixserve.router.prefix import PREFIX_HASH_HEADER, prefix_hash
+from prefixserve.router.ring import HashRing
 
 pytestmark = pytest.mark.slow
 

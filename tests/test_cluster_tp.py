@@ -22,8 +22,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from tests.cluster_helpers import (
+from cluster_helpers import (
     LocalRayCluster,
     chat,
     deploy,
@@ -33,7 +32,7 @@ from tests.cluster_helpers import (
     wait_for_app_status,
     wait_for_replicas,
 )
-from tests.model_helpers import tiny_checkpoint
+from model_helpers import tiny_checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -10,24 +10,18 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import zlib
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_helpers import dense_attention, make_paged_batch, relative_error
 
 from prefixserve.kernels import cpu_attention, cpu_library, layer_ops, select_backend
-from tests.kernel_helpers import dense_attention, make_paged_batch, relative_error
 
 pytestmark = pytest.mark.skipif(not cpu_library.available()[0],
                                 reason=f"C kernels unavailable: {cpu_library.available()[1]}")
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture
-def seed(request) -> int:
-    return zlib.crc32(request.node.nodeid.encode())
 
 
 def to_cpu_layout(cache: torch.Tensor, kind: str) -> torch.Tensor:

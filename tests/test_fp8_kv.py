@@ -11,23 +11,17 @@ values under random scales: not data any of the writers was tuned on.
 from __future__ import annotations
 
 import struct
-import zlib
 
 import numpy as np
 import pytest
 import torch
+from kernel_helpers import FP8, dense_attention, make_paged_batch, relative_error
 
 from prefixserve.kernels import cpu_attention, cpu_library, reference
 from prefixserve.kernels.cache_write import write_kv_cache as triton_write_kv_cache
-from tests.kernel_helpers import FP8, dense_attention, make_paged_batch, relative_error
 
 C_KERNELS = pytest.mark.skipif(not cpu_library.available()[0],
                                reason=f"C kernels unavailable: {cpu_library.available()[1]}")
-
-
-@pytest.fixture
-def seed(request) -> int:
-    return zlib.crc32(request.node.nodeid.encode())
 
 
 # --- a pure-Python oracle -------------------------------------------------------------

@@ -17,11 +17,11 @@ import dataclasses
 import os
 import subprocess
 import sys
-import zlib
 from pathlib import Path
 
 import pytest
 import torch
+from kernel_helpers import FP8, PagedBatch, dense_attention, make_paged_batch, relative_error
 
 from prefixserve.kernels import reference, select_backend
 from prefixserve.kernels.cache_write import write_kv_cache as triton_write_kv_cache
@@ -31,17 +31,10 @@ from prefixserve.kernels.paged_attention import (
     paged_attention_planned,
     plan_launch,
 )
-from tests.kernel_helpers import FP8, PagedBatch, dense_attention, make_paged_batch, relative_error
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 # The reference dequantizes fp8 to the activation dtype before SDPA (one more rounding).
 REF_TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
-
-
-@pytest.fixture
-def seed(request) -> int:
-    """A seed per test and parametrization: fresh data everywhere, reproducible."""
-    return zlib.crc32(request.node.nodeid.encode())
 
 
 def mixed_seqs(bs: int) -> list[tuple[int, int]]:

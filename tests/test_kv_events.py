@@ -136,11 +136,12 @@ def test_a_snapshot_withdraws_keys_it_no_longer_lists():
 def test_a_real_engine_feeds_the_publisher_through_the_request_runner(tmp_path):
     """Requests with a routing key through RequestRunner: the publisher learns the key's shared prefix
     blocks (Contract-2 hashes equal to the KV manager's) and sees them in the real pool."""
+    from model_helpers import tiny_checkpoint
+
     from prefixserve.replica.config import EngineConfig
     from prefixserve.replica.engine import AsyncEngine
     from prefixserve.replica.engine_client import EngineRequest, RequestRunner
     from prefixserve.replica.sampling import SamplingParams
-    from tests.model_helpers import tiny_checkpoint
 
     model = tiny_checkpoint(tmp_path / "tiny", max_pos=512)
     engine = AsyncEngine(EngineConfig.from_dict({"model": str(model), "num_kv_blocks": 64, "block_size": 4,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import random
 
 import pytest
+from kv_helpers import snapshot
 
 from prefixserve.replica.kv import BlockHasher, KVCacheManager
-from tests.kv_helpers import snapshot
 
 BS = 4
 

@@ -32,10 +32,10 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from kv_helpers import snapshot
 
 from prefixserve.replica.kv import KVCacheManager
 from prefixserve.replica.kv.block_pool import EVICTION_POLICIES
-from tests.kv_helpers import snapshot
 
 # A few shared system prompts, and a tiny vocabulary so that identical blocks
 # (and so duplicate hashes) happen often.

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import zlib
 
 import pytest
 import torch
@@ -48,12 +47,6 @@ def _tol(dtype: torch.dtype, fp32_rtol: float) -> dict[str, float]:
     finfo = torch.finfo(dtype)
     rtol = fp32_rtol if dtype == torch.float32 else 2 * finfo.eps
     return dict(rtol=rtol, atol=finfo.tiny)
-
-
-@pytest.fixture
-def seed(request) -> int:
-    """A seed per test and parametrization: fresh data everywhere, reproducible."""
-    return zlib.crc32(request.node.nodeid.encode())
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
