@@ -91,14 +91,6 @@ def init_distributed(store: dist.Store, rank: int, size: int, device: torch.devi
                             device_id=device if device.type == "cuda" else None)
 
 
-def agree_on_blocks(capacity: int, host_capacity: int, device: torch.device) -> tuple[int, int]:
-    """The KV block and swap-pool counts every rank can hold: the minimum over ranks."""
-    counts = torch.tensor([capacity, host_capacity], dtype=torch.int64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(counts, op=dist.ReduceOp.MIN)
-    return int(counts[0]), int(counts[1])
-
-
 def step_message(packed_inputs: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.tensor([OP_STEP], dtype=torch.int64), packed_inputs])
 
@@ -131,7 +123,6 @@ class WorkerGroup:
         self.timeout_s = spec.config.distributed_timeout_s
         self._dead: str | None = None
         self._stopping = False
-        self._on_death: list[Callable[[str], None]] = []
         ctx = multiprocessing.get_context("spawn")
         self.conns: list[multiprocessing.connection.Connection] = []
         self.procs: list[multiprocessing.process.BaseProcess] = []
@@ -162,10 +153,6 @@ class WorkerGroup:
     def death_reason(self) -> str | None:
         return self._dead
 
-    def on_death(self, callback: Callable[[str], None]) -> None:
-        """Call ``callback(reason)`` (from the watcher thread) when a worker dies."""
-        self._on_death.append(callback)
-
     def _watch(self) -> None:
         pending = {p.sentinel: p for p in self.procs}
         while pending and not self._stopping:
@@ -181,8 +168,6 @@ class WorkerGroup:
             return
         self._dead = reason
         log.error("engine is dead: %s", reason)
-        for callback in self._on_death:
-            callback(reason)
 
     def failure(self, exc: BaseException) -> WorkerDiedError:
         """The error a failed tensor-parallel step raises: ranks may be out of step, so the

@@ -25,15 +25,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-# Decision kinds (prefixserve_router_decisions_total{kind}): where a request landed
-# relative to its key's ring owner and the policy's first choice.
-KIND_OWNER = "owner"  # the key's ring owner
-KIND_SPILL = "spill"  # the policy put another replica first (bounded load: the owner was over capacity)
-KIND_FALLBACK = "fallback"  # not the policy's first choice: that replica was full or refused it
-KIND_NO_KEY = "no_key"  # no routing key (no static prefix): routed by load alone
-KIND_NO_RING = "no_ring"  # a key, but a policy without a ring (round_robin, random, power_of_two)
-DECISION_KINDS = (KIND_OWNER, KIND_SPILL, KIND_FALLBACK, KIND_NO_KEY, KIND_NO_RING)
-
 # Decisions are pure-Python ring walks: tens of microseconds normally, more under
 # a big ring or a stalled loop.
 _DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
@@ -59,7 +50,7 @@ class RouterMetrics:
         self.decisions = Counter(
             "prefixserve_router_decisions",
             "Requests routed, by policy, replica and decision kind "
-            "(owner, spill, fallback, no_key, no_ring: see router/metrics.py).",
+            "(owner, spill, fallback, no_key, no_ring: see router/policies.py's KIND_*).",
             ["deployment", "policy", "replica", "kind"],
             registry=self.registry,
         )

@@ -371,12 +371,18 @@ class BoundedLoad(_RingPolicy):
         return Decision([by_name[n] for n in under + over], owner=order[0])
 
 
-# Decision kinds of ``placed`` (Decision.kind).
-KIND_OWNER = "owner"  # the key's ring owner, where the key is placed
+# Decision kinds: ``placed``'s Decision.kind, and where a request landed relative to its key's
+# ring owner and the policy's first choice (prefixserve_router_decisions_total{kind}, set by
+# router/serve_router.decision_kind: owner, spill, fallback, no_key, no_ring).
+KIND_OWNER = "owner"  # the key's ring owner (placed: where the key is placed)
 KIND_PLACED = "placed"  # the key's placed primary, moved off its ring owner by a rebalance
 KIND_REPLICATED = "replicated"  # another replica the (hot) key is placed on
-KIND_SPILLED = "spilled"  # no placed replica under the in-flight cap: the next ring successor under it
-KIND_NO_KEY = "no_key"  # no routing key: least loaded
+# Moved off the owner by load: placed found no placed replica under the in-flight cap and took
+# the next ring successor under it; in the metric, the policy put a replica other than the owner first.
+KIND_SPILL = "spill"
+KIND_FALLBACK = "fallback"  # not the policy's first choice: that replica was full or refused it
+KIND_NO_KEY = "no_key"  # no routing key (no static prefix): routed by load alone
+KIND_NO_RING = "no_ring"  # a key, but a policy without a ring (round_robin, random, power_of_two)
 
 
 @dataclass(frozen=True)
@@ -503,7 +509,7 @@ class Placed(_RingPolicy):
     then the rest of the placement, then the remaining ring order, so a failure
     falls back as nginx's ring would. ``Decision.owner`` is the key's ring owner,
     ``Decision.kind`` one of KIND_OWNER, KIND_PLACED, KIND_REPLICATED,
-    KIND_SPILLED, KIND_NO_KEY.
+    KIND_SPILL, KIND_NO_KEY.
 
     Inputs beyond ``rank``:
 
@@ -664,7 +670,7 @@ class Placed(_RingPolicy):
                 # The first ring successor outside the placement under the cap, else the least loaded.
                 spill = next((p for p in order if loads[p] < cap and p not in placed), None)
                 chosen = spill if spill is not None else min(order, key=loads.__getitem__)
-                kind = KIND_SPILLED
+                kind = KIND_SPILL
         if len(candidates) == 1:
             return Decision([candidates[0]], owner=entry.owner, kind=kind)
         if len(placed) == 1:

@@ -77,16 +77,19 @@ from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, R
 from prefixserve.replica.kv_events import KVEventConsumer
 from prefixserve.replica.tracing import build_tracer, route_span
 from prefixserve.router import registry
-from prefixserve.router.metrics import (
+from prefixserve.router.metrics import RouterMetrics, router_metrics
+from prefixserve.router.policies import (
+    DEFAULT_POLICY,
     KIND_FALLBACK,
     KIND_NO_KEY,
     KIND_NO_RING,
     KIND_OWNER,
     KIND_SPILL,
-    RouterMetrics,
-    router_metrics,
+    Placed,
+    Policy,
+    ReplicaLoad,
+    make_policy,
 )
-from prefixserve.router.policies import DEFAULT_POLICY, Placed, Policy, ReplicaLoad, make_policy
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Tracer
@@ -144,7 +147,7 @@ class Choice:
 
 
 def decision_kind(choice: Choice | None, landed: str) -> str:
-    """The decision kind of a request that landed on ``landed`` (router/metrics.py's KIND_*)."""
+    """The decision kind of a request that landed on ``landed`` (router/policies.py's KIND_*)."""
     if choice is None or not choice.keyed:
         return KIND_NO_KEY
     if choice.owner is not None and landed == choice.owner:

@@ -19,7 +19,7 @@ from prefixserve.router.policies import (
     KIND_OWNER,
     KIND_PLACED,
     KIND_REPLICATED,
-    KIND_SPILLED,
+    KIND_SPILL,
     Decision,
     Placed,
     Replica,
@@ -132,7 +132,7 @@ def test_over_the_in_flight_cap_spills_to_the_next_ring_successor_under_it() -> 
     assert in_flight_cap(4.0) == 11.0
     loads = {succ[0]: 11, succ[1]: 3, succ[2]: 1, succ[3]: 1}
     d = p.rank(fleet(loads), key)
-    assert d.chosen.name == succ[1] and d.kind == KIND_SPILLED and d.spilled and d.owner == succ[0]
+    assert d.chosen.name == succ[1] and d.kind == KIND_SPILL and d.spilled and d.owner == succ[0]
     assert [c.name for c in d.ranking] == [succ[1], succ[0], succ[2], succ[3]]
     # just under the cap: affinity holds however loaded the owner looks
     loads[succ[0]] = 10
@@ -182,7 +182,7 @@ def test_the_ranking_is_chosen_then_placement_then_ring_order(loads: list[int], 
         if under:
             assert got[0] in under and d.kind in (KIND_OWNER, KIND_PLACED, KIND_REPLICATED)
         else:
-            assert d.kind == KIND_SPILLED
+            assert d.kind == KIND_SPILL
 
 
 class ReferenceTable(PlacementTable):
@@ -263,7 +263,7 @@ def reference_rank(p: Placed, candidates: list[Loaded], key: str | None, count: 
     else:
         spill = [n for n in order if n not in placed and loads[n] < cap]
         chosen = spill[0] if spill else min(order, key=lambda n: loads[n])
-        kind = KIND_SPILLED
+        kind = KIND_SPILL
     rest = [n for n in placed if n != chosen]
     names = [chosen, *rest, *(n for n in order if n != chosen and n not in rest)]
     return Decision([by_name[n] for n in names], owner=order[0], kind=kind)
@@ -335,7 +335,7 @@ def test_rank_decides_as_the_direct_statement_of_the_decision(seed: int, monkeyp
             for k in fast.table.keys():
                 assert fast.placement(k) == ref.table.placement(k)
     # the stream reached every branch of the decision
-    assert {KIND_OWNER, KIND_PLACED, KIND_SPILLED, KIND_NO_KEY} <= set(kinds)
+    assert {KIND_OWNER, KIND_PLACED, KIND_SPILL, KIND_NO_KEY} <= set(kinds)
     if seed % 3:
         assert kinds[KIND_REPLICATED] > 0
 

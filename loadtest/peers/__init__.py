@@ -76,10 +76,6 @@ def rest_by_load(chosen: PeerReplica, candidates: Sequence[PeerReplica]) -> list
     return [chosen, *others]
 
 
-def peer_names() -> tuple[str, ...]:
-    return tuple(PEERS)
-
-
 def make_peer(name: str, seed: int = 0) -> Peer:
     """Build the peer called ``name`` with its source's defaults (ValueError lists the names)."""
     try:
