@@ -2,7 +2,7 @@
 and off), transformers ``generate`` one request at a time, and vLLM's CPU build when
 it is importable; plus decode throughput at batch 1, 8 and 32.
 
-Workload (issue 4): 8 tenants, each with its own ~500-token system prompt, 64 chat
+Workload: 8 tenants, each with its own ~500-token system prompt, 64 chat
 requests (8 per tenant, interleaved), a distinct ~30-token question each, 16 output
 tokens, greedy, fp32, SmolLM2. Every engine gets the same token ids (the chat
 template applied once). All requests are submitted at once (offline batch), so TTFT
@@ -12,14 +12,14 @@ includes queueing; "alone" TTFTs are one request on an idle engine whose cache h
 Each prefixserve engine runs ``--repeats`` times (3), on and off alternating, and
 reports its median run with every run's req/s beside it.
 
-Start-up (issue 20): ``--startup-runs`` times (3), a fresh process constructs
+Start-up: ``--startup-runs`` times (3), a fresh process constructs
 ``LLM("smollm2")`` and generates one greedy token, timed from launch to that token,
 first with an empty checkpoint cache (cold: the GGUF is converted) and then again
 (warm: the cache is read); the C kernels are built beforehand and shared, so only the
 checkpoint differs. The engine's start-up phases are shown where it exports them
 (``prefixserve:engine_startup_seconds``). ``--startup-only`` runs just this part.
 
-fp8 KV cache (issue 16), ``--fp8-only``: blocks held by ``kv_cache_dtype="fp8"`` vs
+fp8 KV cache, ``--fp8-only``: blocks held by ``kv_cache_dtype="fp8"`` vs
 "auto" at equal ``kv_cache_memory_bytes``; greedy agreement of fp8 (scales 1.0, and
 ``calculate_kv_scales``) with the unquantized engine on the workload above (share of
 identical tokens, position by position, and of identical completions); and the
@@ -27,7 +27,7 @@ prefix-cache hit rate of both under a memory-bound run (``--fp8-kv-mib``): the s
 requests arriving in waves of 4, each wave generated before the next arrives.
 Writes results/bench_engine_fp8.json.
 
-Tensor parallelism (issue 15), ``--tensor-parallel-size N``: the workload above, caching
+Tensor parallelism, ``--tensor-parallel-size N``: the workload above, caching
 on, through a TP 1 and a TP N engine (``--repeats`` runs each, alternating): req/s,
 TTFT and whether the tokens are identical. On CPU each rank gets its share of the cores
 (on a 2-core machine TP 2 is expected to be slower: the same FLOPs plus two gloo
@@ -411,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     on, off = rows[0], rows[1]
     print(f"\nTTFT alone: cache hit {_f(on['ttft_alone_hit_s'])} s vs miss {_f(off['ttft_alone_miss_s'])} s "
           f"({off['ttft_alone_miss_s'] / on['ttft_alone_hit_s']:.1f}x)")
-    print("vLLM CPU reference figures on this workload (issue 4): 5.3 req/s caching on, 1.3 off; "
+    print("vLLM CPU reference figures on this workload (measured on the 2-core VM): 5.3 req/s caching on, 1.3 off; "
           "transformers one at a time 0.50 req/s")
     print("\n| decode batch | tokens/s |\n|---|---|")
     for b, tps in decode.items():

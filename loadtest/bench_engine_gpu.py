@@ -1,4 +1,4 @@
-"""The engine on a GPU (issue 13): decode step time with and without CUDA graphs, GPU-busy
+"""The engine on a GPU: decode step time with and without CUDA graphs, GPU-busy
 fraction, kernel launches per step, TTFT alone (miss vs hit), caching on vs off, and
 transformers ``generate`` on the same prompts; plus greedy equivalence (graphs on/off,
 and fp32 against transformers under prefix hits, chunked prefill and preemption).

@@ -5,7 +5,7 @@ Two profiles:
 * ``cpu``: our engine on this 2-core machine, derived from ``results/bench_engine.json``
   when ``loadtest/bench_engine.py`` has written it (``profile_from_bench``);
   otherwise the documented default below, derived from the figures measured here for vLLM's CPU build on
-  the engine issue's workload (SmolLM2, ~530-token prompts): TTFT 0.71 s for a
+  bench_engine's workload (SmolLM2, ~530-token prompts): TTFT 0.71 s for a
   miss, 0.10 s for a hit computing ~40 tokens alone, so
   (0.71 - 0.10) / 490 = 1.25 ms per uncached token and 0.05 s fixed.
 * ``h100``: from the seed articles' figures. The prefix-cache article gives a
@@ -58,7 +58,7 @@ class CostProfile:
 
 CPU_DEFAULT = CostProfile(
     "cpu", 1.25e-3, 0.05, 0.030, 0.002,
-    "default: vLLM CPU build on this machine (issue 4 figures): 0.71 s miss / 0.10 s hit TTFT on ~530-token prompts",
+    "default: vLLM CPU build here, bench_engine workload: 0.71 s miss / 0.10 s hit TTFT on ~530-token prompts",
 )
 H100 = CostProfile(
     "h100", 1.25e-3, 0.055, 0.015, 0.00005,

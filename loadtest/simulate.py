@@ -110,7 +110,7 @@ class SimConfig:
     blocks_per_replica: int = 1024
     max_num_seqs: int = 64
     utilization: float = 0.6
-    profile: str = "h100"  # the issues' reference cluster; "cpu" models this project's CPU replicas
+    profile: str = "h100"  # the reference GPU cluster (H100 figures); "cpu" models this project's CPU replicas
     epsilon: float = 0.25
     placed_epsilon: float | None = None  # None: the placed policy's own default
     # The engine's defaults (EngineConfig.eviction_policy, evict_generated_first): the simulator

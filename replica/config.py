@@ -2,8 +2,8 @@
 
 The replica CLI (``prefixserve replica``), the Ray Serve deployment and the offline
 ``LLM`` all build this one dataclass. Validation happens in ``__post_init__`` and
-raises ``ValueError`` whose message says what to change. Knobs whose feature a
-a later issue implements are refused rather than accepted and ignored.
+raises ``ValueError`` whose message says what to change. A knob whose feature the
+engine does not implement is refused rather than accepted and ignored.
 
 Pure Python: no torch here (device strings are checked later by the model runner).
 """
@@ -86,19 +86,19 @@ class EngineConfig:
     # None = the checkpoint's max_position_embeddings, capped at MAX_MODEL_LEN_CAP.
     max_model_len: int | None = None
     # Which free cached KV block is evicted first (replica/kv/block_pool.py EVICTION_POLICIES):
-    # "slru" (default: blocks hit again are protected, one-shot ones leave first; README
-    # "Eviction policy" has the measurements), "lru" (vLLM's order), "lfu", "s3fifo".
+    # "slru" (default: blocks hit again are protected, one-shot ones leave first;
+    # docs/benchmarks/eviction.md has the measurements), "lru" (vLLM's order), "lfu", "s3fifo".
     eviction_policy: str = "slru"
     # A finished request's blocks past its prompt (its answer) enter the cold end of the
     # eviction order, unless the request is a conversation turn (a chat with an earlier
     # assistant turn, or an X-Session-Id header): those come back in the next turn's
-    # prompt. README "Eviction policy" has the measurements; False = vLLM's order.
+    # prompt. docs/benchmarks/eviction.md has the measurements; False = vLLM's order.
     evict_generated_first: bool = True
     # A chat request's static prefix (its leading system/developer messages, the prefix
     # the router keys on) is freed as reused content from its first request on: "slru"
     # puts it at protected's least recent end, so one-shot question blocks churn without
     # evicting a tenant's system prompt between its requests; the other policies ignore
-    # it. README "The static prefix, kept from its first request" has the measurements.
+    # it. docs/benchmarks/eviction.md, "The static prefix", has the measurements.
     protect_static_prefix: bool = True
     # Sliding-window attention: None = the checkpoint's (``sliding_window`` and per-layer
     # ``layer_types``); an int = that window on the checkpoint's windowed layers, or on every

@@ -280,7 +280,7 @@ def test_memory_does_not_grow_with_the_number_of_records(tmp_path) -> None:
     large_peak, large = _peak(_log(tmp_path / "20k.jsonl", 20_000, pool=50))
     assert small.num_records == 2_000 and large.num_records == 20_000
     assert large.unique_prefixes == small.unique_prefixes == 50 and not large.approximate
-    # Ten times the records, the same distinct prefixes: the same memory (it used to be ten times).
+    # Ten times the records, the same distinct prefixes: the same memory, not ten times it.
     assert large_peak < 1.5 * small_peak
 
 

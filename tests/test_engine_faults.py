@@ -44,10 +44,10 @@ def _free(engine: LLMEngine) -> int:
 # --- refused before the queue -------------------------------------------------------------
 
 @pytest.mark.parametrize("params, words", [
-    # Finding 1: an id past the vocabulary reached the sampler's ban mask and killed the loop.
+    # An id past the vocabulary would reach the sampler's ban mask and kill the loop.
     (SamplingParams(stop_token_ids=[1_000_000_000], min_tokens=1), "stop_token_ids must be in [0, 49152)"),
     (SamplingParams(logit_bias={49152: 1.0}), "logit_bias keys must be token ids in [0, 49152)"),
-    # Finding 3: n above max_num_seqs was never admitted and blocked the queue.
+    # n above max_num_seqs could never be admitted and would block the queue.
     (SamplingParams(n=5, temperature=1.0), "n is 5 but this engine runs at most max_num_seqs=4"),
 ])
 def test_requests_the_loop_cannot_serve_are_refused_up_front(llm, params, words):
@@ -58,7 +58,7 @@ def test_requests_the_loop_cannot_serve_are_refused_up_front(llm, params, words)
 
 
 def test_seed_at_the_top_of_the_range_with_n_children_wraps(llm):
-    # Finding 2: seed + index overflowed torch's manual_seed inside step().
+    # seed + index must wrap, not overflow torch's manual_seed inside step().
     top = SamplingParams(n=2, temperature=1.0, seed=2**64 - 1, max_tokens=8, ignore_eos=True)
     out = llm.generate(PROMPTS[1], top)[0]
     wrapped = llm.generate(PROMPTS[1], SamplingParams(temperature=1.0, seed=0, max_tokens=8, ignore_eos=True))[0]
@@ -67,7 +67,7 @@ def test_seed_at_the_top_of_the_range_with_n_children_wraps(llm):
 
 
 def test_a_tiny_temperature_is_greedy(llm):
-    # Finding 4: 1e-45 is 0 in float32; dividing by it gave NaN and an empty completion.
+    # 1e-45 is 0 in float32: dividing by it would give NaN and an empty completion.
     greedy = llm.generate(PROMPTS[2], LONG)[0].outputs[0]
     tiny = llm.generate(PROMPTS[2], SamplingParams(temperature=1e-45, max_tokens=24, ignore_eos=True))[0]
     assert tiny.outputs[0].token_ids == greedy.token_ids and len(greedy.token_ids) == 24

@@ -1,4 +1,4 @@
-"""Engine knobs of issue 16: vLLM's hash-algorithm spellings (config, dict, CLI, LLM)."""
+"""Engine knobs: vLLM's hash-algorithm spellings (config, dict, CLI, LLM)."""
 
 from __future__ import annotations
 

@@ -457,7 +457,7 @@ def test_slru_run_pops_and_batched_frees_equal_one_block_at_a_time(seed):
 @pytest.mark.parametrize("policy", EVICTION_POLICIES)
 def test_simulator_generated_blocks_cold_raises_the_hit_rate(policy):
     """simulate.py --generated-blocks cold: every simulated request is a one-shot, so every
-    answer goes cold; the replicas' caches keep more system prompts (README, eviction)."""
+    answer goes cold; the replicas' caches keep more system prompts (docs/benchmarks/eviction.md)."""
     from prefixserve.loadtest import simulate as sim
 
     def hit_rate(generated: str) -> float:

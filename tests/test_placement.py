@@ -571,13 +571,13 @@ def test_placed_is_the_default_and_takes_ring_options() -> None:
 
 
 def test_rebalance_bench_runs() -> None:
-    # the figure is reported (README), never asserted: only that the bench works
+    # the figure is reported (docs/benchmarks/router.md), never asserted: only that the bench works
     assert bench_rebalance(num_keys=300, num_replicas=8, repeats=2) > 0
 
 
 @pytest.mark.parametrize("cold", [False, True])
 def test_rank_bench_runs(cold: bool) -> None:
-    # decision latency is reported (README), never asserted: only that the bench works
+    # decision latency is reported (docs/benchmarks/router.md), never asserted: only that the bench works
     out = bench_rank(num_replicas=4, num_keys=50, num_requests=200, cold=cold)
     assert 0 < out["p50"] <= out["p99"] <= out["max"]
 

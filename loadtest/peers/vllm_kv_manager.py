@@ -1,7 +1,7 @@
 """vLLM's own ``KVCacheManager`` on bench_kv's admit + free workload (the peer row of ``bench_kv``).
 
 Run by a *vLLM* interpreter, never by ours: vLLM's CPU build replaces torch, so
-it lives in a virtualenv of its own (README, "Block-manager cost"). This file
+it lives in a virtualenv of its own (docs/benchmarks/kv_manager.md). This file
 imports only the standard library at module level and vLLM inside ``run_vllm``;
 it never imports prefixserve, so ``/path/to/vllm-venv/bin/python
 loadtest/peers/vllm_kv_manager.py`` works with nothing else installed.
