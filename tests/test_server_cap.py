@@ -43,7 +43,10 @@ async def test_a_replica_over_its_in_flight_cap_answers_429_and_serves_again(tin
 
 
 def test_the_cap_must_be_positive():
-    from prefixserve.replica.server import InFlightCapMiddleware
+    from prefixserve.replica.http_frontend import InFlightCounter
+    from prefixserve.replica.server import ServerConfig
 
     with pytest.raises(ValueError, match="max_in_flight"):
-        InFlightCapMiddleware(None, 0)  # type: ignore[arg-type]
+        InFlightCounter(0)
+    with pytest.raises(ValueError, match="max_in_flight"):
+        ServerConfig(max_in_flight=0)
