@@ -88,12 +88,17 @@ class FrontendOptions:
     ``echo_request_id``: set X-Request-Id on answers (False behind Ray Serve's proxy,
     which already echoes the id it passes in, generating one when the client sent none).
     ``client_body_timeout_s``: a body not received whole within this gets 408.
+    ``max_header_count`` / ``max_header_bytes``: more header fields, or a request line
+    and headers larger than this, get 431 before the API key is checked (None: not
+    checked here; the standalone server refuses them in its HTTP protocol already).
     """
 
     api_keys: tuple[bytes, ...] = ()
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     echo_request_id: bool = True
     client_body_timeout_s: float = DEFAULT_CLIENT_BODY_TIMEOUT_S
+    max_header_count: int | None = None
+    max_header_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:
@@ -103,9 +108,10 @@ class FrontendOptions:
 
     @classmethod
     def build(cls, api_keys: Sequence[str] | None, max_body_bytes: int, echo_request_id: bool = True,
-              client_body_timeout_s: float = DEFAULT_CLIENT_BODY_TIMEOUT_S) -> FrontendOptions:
+              client_body_timeout_s: float = DEFAULT_CLIENT_BODY_TIMEOUT_S, max_header_count: int | None = None,
+              max_header_bytes: int | None = None) -> FrontendOptions:
         return cls(tuple(k.encode("utf-8") for k in (api_keys or []) if k), max_body_bytes, echo_request_id,
-                   client_body_timeout_s)
+                   client_body_timeout_s, max_header_count, max_header_bytes)
 
 
 class InFlightSlot:
@@ -273,8 +279,22 @@ async def respond(
 # ---------------------------------------------------------------------------
 
 
+def check_headers(request: Request, options: FrontendOptions) -> None:
+    """Raise HeaderFieldsTooLargeError (431) when the request has more or larger headers than ``options`` allow."""
+    headers = request.scope.get("headers") or []
+    if options.max_header_count is not None and len(headers) > options.max_header_count:
+        raise api.HeaderFieldsTooLargeError(
+            f"the request has {len(headers)} header fields; this server accepts at most {options.max_header_count}")
+    if options.max_header_bytes is not None:
+        size = len(request.scope.get("raw_path") or b"") + sum(len(k) + len(v) + 4 for k, v in headers)
+        if size > options.max_header_bytes:
+            raise api.HeaderFieldsTooLargeError(
+                f"the request line and headers exceed {options.max_header_bytes} bytes, the most this server accepts")
+
+
 def check_auth(request: Request, options: FrontendOptions) -> None:
     """Raise AuthenticationError (401) unless the request carries one of the accepted keys."""
+    check_headers(request, options)
     openai_serving.check_api_key(request.headers.get("authorization", ""), options.api_keys)
 
 

@@ -218,10 +218,14 @@ class GenerationGateMiddleware:
             self.drain.open_requests -= 1
 
 
-async def watch_engine(engine: AsyncEngine, on_dead: Callable[[], None], period_s: float) -> None:
-    """Call ``on_dead`` once the engine is dead for good (``is_running`` False), then return."""
+async def watch_engine(engine: AsyncEngine, on_dead: Callable[[], None], period_s: float,
+                       stopping: Callable[[], bool] = lambda: False) -> None:
+    """Call ``on_dead`` once the engine is dead for good (``is_running`` False), then return;
+    return silently when it stopped while ``stopping()`` (a drain ends the engine on purpose)."""
     while engine.is_running:
         await asyncio.sleep(period_s)
+    if stopping():
+        return
     log.error("the engine is dead for good; stopping the server so that it is restarted")
     on_dead()
 
@@ -261,7 +265,8 @@ def build_app(
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         watchdog = None
         if on_engine_dead is not None:
-            watchdog = asyncio.create_task(watch_engine(engine, on_engine_dead, engine_watch_period_s))
+            watchdog = asyncio.create_task(watch_engine(engine, on_engine_dead, engine_watch_period_s,
+                                                        stopping=lambda: drain.draining))
         try:
             yield
         finally:

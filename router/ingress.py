@@ -120,6 +120,10 @@ class IngressConfig:
     placement_sync_s: float = DEFAULT_PLACEMENT_SYNC_S
     # Seconds a client may take to send a whole request body (408); Serve's proxy itself has no such bound.
     client_body_timeout_s: float = http_frontend.DEFAULT_CLIENT_BODY_TIMEOUT_S
+    # 431 above these, before the API key is checked (the standalone server's knobs and defaults). Serve's
+    # proxy has read the whole head by then: this bounds what reaches the engines, not the proxy's memory.
+    h11_max_header_count: int = 100
+    h11_max_incomplete_event_size: int = 32 * 1024
 
     def __post_init__(self) -> None:
         if not isinstance(self.placement_sync_s, (int, float)) or not self.placement_sync_s > 0:
@@ -316,7 +320,9 @@ class OpenAIIngress:
         # Serve's proxy passes the client's X-Request-Id (or one it generates) in and echoes it itself.
         self.options = FrontendOptions.build(self.config.api_keys, self.config.max_body_bytes,
                                              echo_request_id=False,
-                                             client_body_timeout_s=self.config.client_body_timeout_s)
+                                             client_body_timeout_s=self.config.client_body_timeout_s,
+                                             max_header_count=self.config.h11_max_header_count,
+                                             max_header_bytes=self.config.h11_max_incomplete_event_size)
         self.draining = False
         self.key_config = PrefixKeyConfig(
             completion_prefix_chars=self.config.completion_prefix_chars,
