@@ -17,6 +17,8 @@ Invariants:
   while it streams (Starlette cancels the body iterator on ``http.disconnect``;
   the iterator then closes the engine stream and aborts the request).
 * The body is parsed once; the routing key is computed from that parse.
+* A body not received whole within ``client_body_timeout_s`` is 408; a host's
+  in-flight slot (:class:`InFlightSlot`) is taken only after the body is read.
 * Every generation answer (errors included) carries ``X-Request-Id``: the
   client's own when it sent a valid one, else the id generated here. The
   engine request id is ``<id_prefix>-<client id>`` or the generated id, so the
