@@ -29,13 +29,16 @@ CALL_TIMEOUT_S = 10.0
 POLL_S = 0.25
 
 
-def open_requests(stats: list[Any]) -> int:
-    """Running plus waiting requests over the engine replicas' ``engine_stats`` answers (errors skipped)."""
-    return sum(int(s["num_running"]) + int(s["num_waiting"]) for s in stats if isinstance(s, dict))
+def open_requests(stats: list[Any]) -> int | None:
+    """Running plus waiting requests over the engine replicas' ``engine_stats`` answers; None when a
+    replica did not answer (it may hold requests: the drain waits on)."""
+    if not all(isinstance(s, dict) for s in stats):
+        return None
+    return sum(int(s["num_running"]) + int(s["num_waiting"]) for s in stats)
 
 
 def drain_app(app_name: str, timeout_s: float) -> int:
-    """Drain ``app_name`` (see the module docstring); how many requests were still open at the timeout."""
+    """Drain ``app_name`` (see the module docstring); how many requests were ended at the timeout."""
     from ray import serve
 
     ingress = serve.get_deployment_handle(INGRESS_DEPLOYMENT, app_name)
@@ -51,6 +54,7 @@ def drain_app(app_name: str, timeout_s: float) -> int:
         if time.monotonic() >= deadline:
             break
         time.sleep(POLL_S)
-    log.warning("drain timeout (%g s): ending %d open requests with an error", timeout_s, left)
-    engine.broadcast("end_requests").results(timeout_s=CALL_TIMEOUT_S, return_exceptions=True)
-    return left
+    ended = engine.broadcast("end_requests").results(timeout_s=CALL_TIMEOUT_S, return_exceptions=True)
+    count = sum(n for n in ended if isinstance(n, int))
+    log.warning("drain timeout (%g s): ended %d open requests with an error", timeout_s, count)
+    return count
