@@ -37,24 +37,31 @@ def open_requests(stats: list[Any]) -> int | None:
     return sum(int(s["num_running"]) + int(s["num_waiting"]) for s in stats)
 
 
+def _broadcast(handle: Any, method: str) -> list[Any]:
+    """Every replica's answer to ``method`` (an exception for one that failed or did not answer in time)."""
+    try:
+        return list(handle.broadcast(method).results(timeout_s=CALL_TIMEOUT_S, return_exceptions=True))
+    except TimeoutError as exc:
+        return [exc]
+
+
 def drain_app(app_name: str, timeout_s: float) -> int:
     """Drain ``app_name`` (see the module docstring); how many requests were ended at the timeout."""
     from ray import serve
 
     ingress = serve.get_deployment_handle(INGRESS_DEPLOYMENT, app_name)
     engine = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name)
-    ingress.broadcast("begin_drain").results(timeout_s=CALL_TIMEOUT_S, return_exceptions=True)
+    _broadcast(ingress, "begin_drain")
     deadline = time.monotonic() + timeout_s
     while True:
-        left = open_requests(engine.broadcast("engine_stats").results(timeout_s=CALL_TIMEOUT_S,
-                                                                       return_exceptions=True))
+        left = open_requests(_broadcast(engine, "engine_stats"))
         if left == 0:
             log.info("drained: no request open")
             return 0
         if time.monotonic() >= deadline:
             break
         time.sleep(POLL_S)
-    ended = engine.broadcast("end_requests").results(timeout_s=CALL_TIMEOUT_S, return_exceptions=True)
+    ended = _broadcast(engine, "end_requests")
     count = sum(n for n in ended if isinstance(n, int))
     log.warning("drain timeout (%g s): ended %d open requests with an error", timeout_s, count)
     return count
