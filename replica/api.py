@@ -160,6 +160,26 @@ class PayloadTooLargeError(APIError):
     default_code = "payload_too_large"
 
 
+class RequestTimeoutError(APIError):
+    """The client did not send its request (head or body) within the server's timeout (408)."""
+
+    status_code = 408
+    error_type = "invalid_request_error"
+    default_code = "request_timeout"
+
+    def headers(self) -> dict[str, str]:
+        # The rest of a late body may still come: the connection cannot carry another request.
+        return {**super().headers(), "Connection": "close"}
+
+
+class HeaderFieldsTooLargeError(APIError):
+    """The request's head (request line and headers) exceeds the server's size or count limit (431)."""
+
+    status_code = 431
+    error_type = "invalid_request_error"
+    default_code = "request_header_fields_too_large"
+
+
 class OverloadedError(APIError):
     """The engine's waiting queue is full; retry after ``retry_after_s`` (429)."""
 

@@ -11,10 +11,10 @@ Pure Python: no torch here (device strings are checked later by the model runner
 from __future__ import annotations
 
 import argparse
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any
 
-from prefixserve.replica.config_util import check_switches, from_dict
+from prefixserve.replica.config_util import add_cli_arguments, check_switches, from_cli_args, from_dict
 from prefixserve.replica.kv.block_pool import EVICTION_POLICIES
 from prefixserve.replica.tracing import check_endpoint
 
@@ -228,26 +228,12 @@ class EngineConfig:
     @classmethod
     def add_cli_arguments(cls, parser: argparse.ArgumentParser) -> None:
         """Add one ``--kebab-case`` option per field (defaults from the dataclass)."""
-        group = parser.add_argument_group("engine")
-        for f in fields(cls):
-            default = f.default if f.default is not MISSING else None
-            flag = "--" + f.name.replace("_", "-")
-            kind = _field_type(f.type)
-            if kind is list:
-                group.add_argument(flag, dest=f.name, type=int, nargs="+", default=default,
-                                   help=f"(default: {default})")
-            elif kind is bool:
-                group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
-                                   default=default, help=f"(default: {default})")
-            else:
-                choices = _CHOICES.get(f.name)
-                group.add_argument(flag, dest=f.name, type=kind, default=default, choices=choices,
-                                   help=f"(default: {default})")
+        add_cli_arguments(parser, cls, "engine", _CHOICES)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
         """Build from a namespace parsed with :meth:`add_cli_arguments`."""
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+        return from_cli_args(cls, args)
 
 
 _CHOICES = {
@@ -259,12 +245,6 @@ _CHOICES = {
     "dtype": DTYPES,
     "attention_backend": ATTENTION_BACKENDS,
 }
-
-
-def _field_type(annotation: str) -> type:
-    """The scalar type of a field annotation written as a string (``int | None`` -> int)."""
-    base = annotation.replace(" ", "").replace("|None", "")
-    return {"int": int, "float": float, "bool": bool, "str": str, "list[int]": list}[base]
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -10,6 +10,7 @@ imports point one way (router -> replica). Pure stdlib.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import typing
 from collections.abc import Mapping
@@ -85,3 +86,39 @@ def _type_hints(cls: type) -> dict[str, Any]:
         return typing.get_type_hints(cls)
     except Exception:
         return {}
+
+
+def add_cli_arguments(parser: argparse.ArgumentParser, cls: type, title: str,
+                      choices: Mapping[str, tuple[str, ...]] | None = None) -> None:
+    """Add one ``--kebab-case`` option per field of dataclass ``cls`` to a group named ``title``.
+
+    Defaults come from the dataclass; a field's ``metadata["help"]`` is its help
+    text. Fields typed ``bool`` become ``--x/--no-x``, ``list[int]`` take several
+    values; ``choices`` restricts a field's values by name.
+    """
+    group = parser.add_argument_group(title)
+    for f in dataclasses.fields(cls):
+        default = f.default if f.default is not dataclasses.MISSING else None
+        flag = "--" + f.name.replace("_", "-")
+        kind = _field_type(f.type)
+        text = f"{f.metadata['help']} " if "help" in f.metadata else ""
+        text += f"(default: {default})"
+        if kind is list:
+            group.add_argument(flag, dest=f.name, type=int, nargs="+", default=default, help=text)
+        elif kind is bool:
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=text)
+        else:
+            group.add_argument(flag, dest=f.name, type=kind, default=default,
+                               choices=(choices or {}).get(f.name), help=text)
+
+
+def from_cli_args(cls: type[T], args: argparse.Namespace) -> T:
+    """Build dataclass ``cls`` from a namespace parsed with :func:`add_cli_arguments`."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+                  if hasattr(args, f.name)})
+
+
+def _field_type(annotation: object) -> type:
+    """The scalar type of a field annotation written as a string (``int | None`` -> int)."""
+    base = str(annotation).replace(" ", "").replace("|None", "")
+    return {"int": int, "float": float, "bool": bool, "str": str, "list[int]": list}[base]

@@ -24,6 +24,11 @@ Invariants:
   freeing its KV blocks.
 * The replica's name is its full Serve replica id, the name the request router
   places on the ring.
+* Stopping ends every open stream in-band: :meth:`EngineDeployment.end_requests`
+  (called by the cluster's drain once its timeout has passed) and the
+  destructor fail each request still in the engine with a 503
+  ``server_shutting_down``, which the ingress sends as an error event and
+  ``[DONE]``; its KV blocks are freed.
 
 Imports Ray Serve and the engine; torch and the model load only inside the
 replica (``EngineDeployment.__init__``), so the ingress can import
@@ -41,6 +46,7 @@ import anyio
 from prometheus_client import generate_latest
 from ray import serve
 
+from prefixserve.replica import api
 from prefixserve.replica.engine_client import EngineRequest, ModelInfo, RequestRunner
 from prefixserve.replica.kv_events import KVEventPublisher
 from prefixserve.replica.outputs import StreamDelta
@@ -84,6 +90,11 @@ def queued_prefill_tokens(scheduler: Any) -> int:
     return total
 
 
+def _shutting_down() -> api.ServiceUnavailableError:
+    return api.ServiceUnavailableError("this replica is shutting down and the request did not finish within the "
+                                       "drain timeout; retry it", code="server_shutting_down", retry_after_s=1.0)
+
+
 @serve.deployment(name="Engine")
 class EngineDeployment:
     """A Serve replica hosting one AsyncEngine built from an ``EngineConfig`` dict."""
@@ -106,7 +117,15 @@ class EngineDeployment:
         # failed before the engine existed.
         engine = getattr(self, "engine", None)
         if engine is not None and engine.is_running:
-            await engine.shutdown()
+            await engine.shutdown(_shutting_down())
+
+    async def end_requests(self) -> int:
+        """End every request this replica still serves (a 503 ``server_shutting_down`` each, sent
+        in-band on a stream) and stop its engine; how many there were. The last step of a drain."""
+        stats = self.engine.stats()
+        if self.engine.is_running:
+            await self.engine.shutdown(_shutting_down())
+        return int(stats.num_running + stats.num_waiting)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[StreamItem]:
         """Stream one request: a StreamStart, then the engine's deltas (and TokenTexts for logprobs).

@@ -669,6 +669,7 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._pending_adds = 0
         self._stopping = False
+        self._shutdown_error: Exception | None = None
         self._dead: BaseException | None = None
         self._restart_times: deque[float] = deque()
         self.num_restarts = 0
@@ -794,9 +795,11 @@ class AsyncEngine:
         self._wake.set()
         return await fut
 
-    async def shutdown(self) -> None:
-        """Stop the loop (in-flight requests get EngineDeadError), then, when this object built
-        the engine, its worker processes and memory."""
+    async def shutdown(self, error: Exception | None = None) -> None:
+        """Stop the loop (in-flight requests fail with ``error``, by default EngineDeadError), then,
+        when this object built the engine, its worker processes and memory."""
+        if error is not None and not self._stopping:
+            self._shutdown_error = error
         self._stopping = True
         self._wake.set()
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
@@ -832,6 +835,8 @@ class AsyncEngine:
         except BaseException as exc:  # a failed reset, or KeyboardInterrupt/SystemExit: no restart
             self._dead = exc
             error = EngineDeadError(f"the engine loop failed ({type(exc).__name__}): it is stopped")
+        if self._dead is None and self._shutdown_error is not None:
+            error = self._shutdown_error
         with self._lock:
             streams = list(self._streams.values())
             self._streams.clear()

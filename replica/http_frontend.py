@@ -17,6 +17,8 @@ Invariants:
   while it streams (Starlette cancels the body iterator on ``http.disconnect``;
   the iterator then closes the engine stream and aborts the request).
 * The body is parsed once; the routing key is computed from that parse.
+* A body not received whole within ``client_body_timeout_s`` is 408; a host's
+  in-flight slot (:class:`InFlightSlot`) is taken only after the body is read.
 * Every generation answer (errors included) carries ``X-Request-Id``: the
   client's own when it sent a valid one, else the id generated here. The
   engine request id is ``<id_prefix>-<client id>`` or the generated id, so the
@@ -58,6 +60,11 @@ log = logging.getLogger(__name__)
 # Names the engine replica that served a request (the standalone server: itself).
 REPLICA_HEADER = "X-Prefixserve-Replica"
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+# Seconds a client may take to send a whole request body (nginx's client_body_timeout, 60 s, bounds the
+# gap between two reads; a bound on the whole body also stops a client that trickles a byte at a time).
+DEFAULT_CLIENT_BODY_TIMEOUT_S = 60.0
+# Where a host that caps generation requests in flight puts the request's InFlightSlot (the ASGI scope).
+IN_FLIGHT_SLOT_SCOPE_KEY = "prefixserve.in_flight_slot"
 # Accepted from the client or generated, carried to the engine, echoed on the answer.
 REQUEST_ID_HEADER = "X-Request-Id"
 # What a client's request id may be: it reaches log lines and headers, so no spaces or control
@@ -82,20 +89,73 @@ class FrontendOptions:
     ``max_body_bytes``: larger request bodies get 413.
     ``echo_request_id``: set X-Request-Id on answers (False behind Ray Serve's proxy,
     which already echoes the id it passes in, generating one when the client sent none).
+    ``client_body_timeout_s``: a body not received whole within this gets 408.
+    ``max_header_count`` / ``max_header_bytes``: more header fields, or a request line
+    and headers larger than this, get 431 before the API key is checked (None: not
+    checked here; the standalone server refuses them in its HTTP protocol already).
     """
 
     api_keys: tuple[bytes, ...] = ()
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     echo_request_id: bool = True
+    client_body_timeout_s: float = DEFAULT_CLIENT_BODY_TIMEOUT_S
+    max_header_count: int | None = None
+    max_header_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
+        if not self.client_body_timeout_s > 0:
+            raise ValueError(f"client_body_timeout_s must be positive, got {self.client_body_timeout_s}")
 
     @classmethod
-    def build(cls, api_keys: Sequence[str] | None, max_body_bytes: int,
-              echo_request_id: bool = True) -> FrontendOptions:
-        return cls(tuple(k.encode("utf-8") for k in (api_keys or []) if k), max_body_bytes, echo_request_id)
+    def build(cls, api_keys: Sequence[str] | None, max_body_bytes: int, echo_request_id: bool = True,
+              client_body_timeout_s: float = DEFAULT_CLIENT_BODY_TIMEOUT_S, max_header_count: int | None = None,
+              max_header_bytes: int | None = None) -> FrontendOptions:
+        return cls(tuple(k.encode("utf-8") for k in (api_keys or []) if k), max_body_bytes, echo_request_id,
+                   client_body_timeout_s, max_header_count, max_header_bytes)
+
+
+class InFlightSlot:
+    """One generation request's claim on its host's in-flight cap, taken once its body is read.
+
+    A host that caps generation requests (replica/server.py) puts one in the
+    request's ASGI scope under ``IN_FLIGHT_SLOT_SCOPE_KEY`` and releases it when
+    the answer is sent; :func:`handle_generate` takes it after reading the body,
+    so a client that sends its body slowly (or never) holds no slot.
+    """
+
+    def __init__(self, counter: InFlightCounter) -> None:
+        self._counter = counter
+        self.taken = False
+
+    def take(self) -> None:
+        """Take the slot, or raise OverloadedError (429, ``replica_busy``) when the cap is reached."""
+        counter = self._counter
+        if counter.cap is not None and counter.running >= counter.cap:
+            raise api.OverloadedError(
+                f"this replica has {counter.running} requests in flight (max_in_flight={counter.cap}); "
+                "try the next replica", code="replica_busy", retry_after_s=counter.retry_after_s)
+        counter.running += 1
+        self.taken = True
+
+    def release(self) -> None:
+        if self.taken:
+            self.taken = False
+            self._counter.running -= 1
+
+
+@dataclass
+class InFlightCounter:
+    """Generation requests holding a slot (``running``), at most ``cap`` (None: no cap)."""
+
+    cap: int | None = None
+    retry_after_s: float = 1.0
+    running: int = 0
+
+    def __post_init__(self) -> None:
+        if self.cap is not None and (isinstance(self.cap, bool) or not isinstance(self.cap, int) or self.cap < 1):
+            raise ValueError(f"max_in_flight must be an integer >= 1, got {self.cap!r}")
 
 
 # ---------------------------------------------------------------------------
@@ -103,12 +163,22 @@ class FrontendOptions:
 # ---------------------------------------------------------------------------
 
 
-async def read_body(request: Request, max_body_bytes: int) -> bytes:
-    """The request body, refusing (413) one over ``max_body_bytes``.
+async def read_body(request: Request, max_body_bytes: int,
+                    timeout_s: float = DEFAULT_CLIENT_BODY_TIMEOUT_S) -> bytes:
+    """The request body, refusing (413) one over ``max_body_bytes`` and (408) one not whole within ``timeout_s``.
 
     Both the declared Content-Length and the bytes actually received are checked,
     so a chunked or lying client cannot push more than the limit into memory.
     """
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await _read_body(request, max_body_bytes)
+    except TimeoutError:
+        log.info("request body not received within %g s (client_body_timeout_s)", timeout_s)
+        raise api.RequestTimeoutError(f"the request body did not arrive within {timeout_s:g} s") from None
+
+
+async def _read_body(request: Request, max_body_bytes: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None:
         try:
@@ -211,8 +281,22 @@ async def respond(
 # ---------------------------------------------------------------------------
 
 
+def check_headers(request: Request, options: FrontendOptions) -> None:
+    """Raise HeaderFieldsTooLargeError (431) when the request has more or larger headers than ``options`` allow."""
+    headers = request.scope.get("headers") or []
+    if options.max_header_count is not None and len(headers) > options.max_header_count:
+        raise api.HeaderFieldsTooLargeError(
+            f"the request has {len(headers)} header fields; this server accepts at most {options.max_header_count}")
+    if options.max_header_bytes is not None:
+        size = len(request.scope.get("raw_path") or b"") + sum(len(k) + len(v) + 4 for k, v in headers)
+        if size > options.max_header_bytes:
+            raise api.HeaderFieldsTooLargeError(
+                f"the request line and headers exceed {options.max_header_bytes} bytes, the most this server accepts")
+
+
 def check_auth(request: Request, options: FrontendOptions) -> None:
     """Raise AuthenticationError (401) unless the request carries one of the accepted keys."""
+    check_headers(request, options)
     openai_serving.check_api_key(request.headers.get("authorization", ""), options.api_keys)
 
 
@@ -283,7 +367,10 @@ async def handle_generate(
     try:
         request_id = client_id = client_request_id(request.headers)
         check_auth(request, options)
-        data = api.parse_json_object(await read_body(request, options.max_body_bytes))
+        data = api.parse_json_object(await read_body(request, options.max_body_bytes, options.client_body_timeout_s))
+        slot = request.scope.get(IN_FLIGHT_SLOT_SCOPE_KEY)
+        if slot is not None:
+            slot.take()
         body = api.validate_request(body_cls, data)
         info = await client.model_info()
         model = check_model(info, body.model)

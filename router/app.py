@@ -19,6 +19,8 @@ The args (every key optional except ``engine``)::
                                    #   whose autoscaler adds such nodes on demand
     health_check_period_s: 10
     health_check_timeout_s: 30
+    drain_timeout_s: 30            # stopping: requests in flight run on this long, then end in-band;
+                                   #   both deployments' Serve graceful_shutdown_timeout_s derive from it
     router:
       router_class: prefixserve    # | ray_llm_prefix_aware | "module:Class"
       policy: placed               # prefixserve router: round_robin, random, power_of_two,
@@ -98,6 +100,11 @@ from prefixserve.router.serve_router import RAY_LLM_PREFIX_ROUTER_PATH, ROUTER_C
 TP_PLACEMENT_STRATEGY = "STRICT_PACK"
 # Serve's default num_cpus for a replica actor that does not say (ray/serve/_private/config.py).
 SERVE_DEFAULT_NUM_CPUS = 1
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+# Serve's force-kill comes this long after the drain timeout: time to end what is left in-band and send it.
+SHUTDOWN_MARGIN_S = 5.0
+# How often a stopping replica looks whether its requests are done (Serve's default, 2 s, delays every stop).
+GRACEFUL_SHUTDOWN_WAIT_LOOP_S = 0.5
 # What Ray asks of a node for ``accelerator_type`` (ray/_common/utils.py, resources_from_ray_options).
 ACCELERATOR_TYPE_RESOURCE = "accelerator_type:{}"
 ACCELERATOR_TYPE_AMOUNT = 0.001
@@ -218,6 +225,7 @@ class AppArgs:
     ray_actor_options: dict[str, Any] = field(default_factory=lambda: {"num_cpus": 1})
     health_check_period_s: float = 10.0
     health_check_timeout_s: float = 30.0
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     check_resources: bool = True
     router: RouterArgs = field(default_factory=RouterArgs)
     ingress: IngressArgs = field(default_factory=IngressArgs)
@@ -257,6 +265,15 @@ class AppArgs:
             raise ValueError(f"max_ongoing_requests must be >= 1, got {self.max_ongoing_requests}")
         if self.health_check_period_s <= 0 or self.health_check_timeout_s <= 0:
             raise ValueError("health_check_period_s and health_check_timeout_s must be positive")
+        if isinstance(self.drain_timeout_s, bool) or not isinstance(self.drain_timeout_s, (int, float)) \
+                or not self.drain_timeout_s >= 0:
+            raise ValueError(f"drain_timeout_s must be a number >= 0, got {self.drain_timeout_s!r}")
+
+    def shutdown_options(self) -> dict[str, float]:
+        """Serve's graceful-shutdown options of both deployments: a stopping replica waits for its
+        requests up to the drain timeout plus SHUTDOWN_MARGIN_S before Serve kills it."""
+        return {"graceful_shutdown_timeout_s": float(self.drain_timeout_s) + SHUTDOWN_MARGIN_S,
+                "graceful_shutdown_wait_loop_s": GRACEFUL_SHUTDOWN_WAIT_LOOP_S}
 
 
 def rank_bundle(ray_actor_options: Mapping[str, Any]) -> dict[str, float]:
@@ -368,6 +385,7 @@ def build_engine(args: AppArgs) -> serve.Application:
         "health_check_period_s": args.health_check_period_s,
         "health_check_timeout_s": args.health_check_timeout_s,
         "request_router_config": args.router.request_router_config(),
+        **args.shutdown_options(),
     }
     bundles = engine_bundles(args)
     if bundles is not None:
@@ -392,7 +410,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         engine = build_engine(parsed)
         ingress = parsed.ingress
         return OpenAIIngress.options(
-            num_replicas=ingress.num_replicas, ray_actor_options=dict(ingress.ray_actor_options)
+            num_replicas=ingress.num_replicas, ray_actor_options=dict(ingress.ray_actor_options),
+            **parsed.shutdown_options(),
         ).bind(engine, vars(ingress.config))
     except AppArgsError:
         raise

@@ -22,6 +22,9 @@ Invariants:
   took (``X-Prefixserve-Attempts``).
 * ``/health`` answers 200 only while at least one engine replica passes its
   health check (asked at most once per ``HEALTH_CACHE_S``), else 503.
+* Once :meth:`OpenAIIngress.begin_drain` was called (the cluster is stopping),
+  ``/health`` and new generation requests answer 503 ``server_shutting_down``
+  with ``Retry-After``; requests already here run on.
 * ``placed`` placements agree across ingress replicas through one publisher:
   every ``placement_sync_s`` each ingress replica broadcasts
   ``placement_exchange`` to its siblings (itself included), handing over the
@@ -115,6 +118,12 @@ class IngressConfig:
     session_header: bool = False
     key_turns: int = 0
     placement_sync_s: float = DEFAULT_PLACEMENT_SYNC_S
+    # Seconds a client may take to send a whole request body (408); Serve's proxy itself has no such bound.
+    client_body_timeout_s: float = http_frontend.DEFAULT_CLIENT_BODY_TIMEOUT_S
+    # 431 above these, before the API key is checked (the standalone server's knobs and defaults). Serve's
+    # proxy has read the whole head by then: this bounds what reaches the engines, not the proxy's memory.
+    h11_max_header_count: int = 100
+    h11_max_incomplete_event_size: int = 32 * 1024
 
     def __post_init__(self) -> None:
         if not isinstance(self.placement_sync_s, (int, float)) or not self.placement_sync_s > 0:
@@ -310,7 +319,11 @@ class OpenAIIngress:
         self.client = ServeEngineClient(engine, self.config.max_attempts)
         # Serve's proxy passes the client's X-Request-Id (or one it generates) in and echoes it itself.
         self.options = FrontendOptions.build(self.config.api_keys, self.config.max_body_bytes,
-                                             echo_request_id=False)
+                                             echo_request_id=False,
+                                             client_body_timeout_s=self.config.client_body_timeout_s,
+                                             max_header_count=self.config.h11_max_header_count,
+                                             max_header_bytes=self.config.h11_max_incomplete_event_size)
+        self.draining = False
         self.key_config = PrefixKeyConfig(
             completion_prefix_chars=self.config.completion_prefix_chars,
             honor_header=self.config.honor_prefix_header,
@@ -382,7 +395,21 @@ class OpenAIIngress:
     def _routing_key(self, body: Mapping[str, Any], headers: Mapping[str, str]) -> str | None:
         return routing_key(body, headers, self.key_config)
 
+    def begin_drain(self) -> None:
+        """Stop taking requests (``/health`` and new generation requests: 503); those here run on."""
+        if not self.draining:
+            log.info("draining: new requests are refused")
+        self.draining = True
+
+    def _drain_refusal(self) -> Response:
+        err = api.ServiceUnavailableError("the cluster is shutting down; retry later",
+                                          code="server_shutting_down", retry_after_s=1.0)
+        # Not http_frontend.error_response: an expected refusal, not a failure to log.
+        return self._named(JSONResponse(err.body(), status_code=err.status_code, headers=err.headers()))
+
     async def _generate(self, request: Request, model_cls: type[api.OpenAIRequest]) -> Response:
+        if self.draining:
+            return self._drain_refusal()
         self._ensure_placement_sync()
         response = await http_frontend.handle_generate(request, model_cls, self.client, self.options,
                                                        routing_key=self._routing_key)
@@ -391,6 +418,8 @@ class OpenAIIngress:
     # -- endpoints -------------------------------------------------------------------
     @app.get("/health")
     async def health(self) -> Response:
+        if self.draining:
+            return self._drain_refusal()
         return self._named(await http_frontend.handle_health(self.client))
 
     @app.get("/metrics")

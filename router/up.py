@@ -3,7 +3,9 @@
 Job: start a local Ray, run the prefixserve Serve application (router/app.py:
 N engine replicas on CPU, the prefix-aware request router, the OpenAI
 ingress) with Serve's HTTP proxy on ``--host:--port``, print the endpoint, and
-on Ctrl-C (or SIGTERM) shut Serve and Ray down cleanly.
+on Ctrl-C (or SIGTERM) drain (router/drain.py: new requests 503, requests in
+flight run on for up to ``--drain-timeout-s``, then end in-band) and shut
+Serve and Ray down cleanly.
 
 Every EngineConfig knob is an option (``--block-size``, ``--num-kv-blocks``,
 ...), as for ``prefixserve replica``.
@@ -53,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--api-key", dest="api_keys", action="append", default=None,
                       help="require 'Authorization: Bearer KEY' on /v1/* (repeat for several keys)")
     http.add_argument("--ingress-replicas", type=int, default=1, help="ingress replicas (default: 1)")
+    http.add_argument("--drain-timeout-s", type=float, default=None,
+                      help="on Ctrl-C or SIGTERM, seconds requests in flight may still run before they end with "
+                           "an error event (default: the app's drain_timeout_s, 30)")
     http.add_argument("--log-format", default="text", choices=list(LOG_FORMATS),
                       help="text, or json: one object per line here and in Serve's own logs (its JSON "
                            "encoding, which names each line's request id: the X-Request-Id)")
@@ -70,7 +75,9 @@ def app_args(args: argparse.Namespace) -> dict[str, Any]:
         router["precise"] = True
     if engine.otlp_traces_endpoint is not None:  # the router's route spans go where the engines' go
         router["otlp_traces_endpoint"] = engine.otlp_traces_endpoint
+    drain = {} if args.drain_timeout_s is None else {"drain_timeout_s": args.drain_timeout_s}
     return {
+        **drain,
         "engine": dataclasses.asdict(engine),
         "num_replicas": args.replicas,
         "max_ongoing_requests": args.max_ongoing_requests,
@@ -87,11 +94,12 @@ def run(args: argparse.Namespace) -> int:
 
     from prefixserve.replica.serve_shutdown import shutdown_serve
     from prefixserve.router.app import AppArgs, build_app
+    from prefixserve.router.drain import drain_app
 
     if args.replicas < 1:
         raise SystemExit("--replicas must be at least 1")
     app = app_args(args)
-    AppArgs.from_dict(app)  # refuse bad options before starting anything
+    drain_timeout_s = AppArgs.from_dict(app).drain_timeout_s  # refuse bad options before starting anything
     configure_logging(logging.INFO, args.log_format)
     level = quiet_libraries(args.verbose)
     # Serve's controller, proxies and replicas log each request and step at INFO.
@@ -105,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    running = False
     ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True, logging_level=level)
     try:
         serve.start(http_options={"host": args.host, "port": args.port}, logging_config=serve_logging)
@@ -120,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
                 return 1
             stop.wait(1.0)
         if not stop.is_set():
+            running = True
             print(f"OpenAI endpoint: http://{args.host}:{args.port}/v1 "
                   f"(models: {EngineConfig.from_cli_args(args).model_name}); Ctrl-C to stop", flush=True)
         stop.wait()
@@ -127,6 +137,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
     finally:
         try:
+            if running:
+                try:
+                    drain_app(APP_NAME, drain_timeout_s)
+                except Exception:  # the stop must go on
+                    logging.getLogger(__name__).exception("draining failed; stopping now")
             shutdown_serve()
         finally:
             ray.shutdown()

@@ -10,15 +10,18 @@
 * :func:`metric`: one sample of the Prometheus text ``/metrics`` serves.
 * :class:`InProcessReplica`: the real app and engine in this process (fast tests).
 * :func:`assert_openai_error`: checks a 4xx carries the OpenAI error body.
+* :class:`StreamReader`: one streamed completion read on a thread, event by event.
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import os
 import socket
 import sys
+import threading
 from pathlib import Path
 
 import httpx
@@ -157,3 +160,41 @@ def assert_openai_error(response: httpx.Response) -> dict:
     assert isinstance(error["code"], str) and error["code"], error
     assert error["param"] is None or isinstance(error["param"], str), error
     return error
+
+
+class StreamReader:
+    """One streamed ``/v1/completions`` request read on a thread: its status and its SSE ``data:`` payloads.
+
+    ``started`` is set once the first event arrived (or the request ended); ``join`` waits for the end.
+    """
+
+    def __init__(self, base_url: str, max_tokens: int, timeout_s: float = 120.0) -> None:
+        self.events: list[str] = []
+        self.status: int | None = None
+        self.started = threading.Event()
+        self.timeout_s = timeout_s
+        body = {"prompt": "go", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+        self.thread = threading.Thread(target=self._read, args=(base_url, body), daemon=True)
+        self.thread.start()
+
+    def _read(self, base_url: str, body: dict) -> None:
+        try:
+            with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=self.timeout_s) as response:
+                self.status = response.status_code
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        self.events.append(line[len("data: "):])
+                        self.started.set()
+        finally:
+            self.started.set()
+
+    def join(self) -> None:
+        self.thread.join(timeout=self.timeout_s)
+        assert not self.thread.is_alive(), "the stream never ended"
+
+    def payloads(self) -> list[dict]:
+        """The JSON events before ``[DONE]``."""
+        return [json.loads(e) for e in self.events if e != "[DONE]"]
+
+    def finish_reasons(self) -> list[str]:
+        return [c["finish_reason"] for p in self.payloads() for c in p.get("choices", []) if c.get("finish_reason")]

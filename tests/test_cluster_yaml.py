@@ -211,3 +211,16 @@ def test_policy_options_pass_through_to_the_router(app_args):
     router = engine._deployment_config.request_router_config
     assert router.request_router_kwargs == {"policy": "consistent_hash", "weights": {"a": 2}}
     assert router.request_routing_stats_period_s == 3.0
+
+
+def test_both_deployments_wait_the_drain_timeout_before_serve_kills_them(app_args):
+    from prefixserve.router.app import GRACEFUL_SHUTDOWN_WAIT_LOOP_S, SHUTDOWN_MARGIN_S
+
+    application = build_app({**app_args, "drain_timeout_s": 12})
+    for deployment in (application._bound_deployment, engine_of(application)):
+        dc = deployment._deployment_config
+        assert dc.graceful_shutdown_timeout_s == 12 + SHUTDOWN_MARGIN_S
+        assert dc.graceful_shutdown_wait_loop_s == GRACEFUL_SHUTDOWN_WAIT_LOOP_S
+    for bad in (-1, "soon", True):
+        with pytest.raises(AppArgsError, match="drain_timeout_s"):
+            build_app({**app_args, "drain_timeout_s": bad})

@@ -43,7 +43,32 @@ async def test_a_replica_over_its_in_flight_cap_answers_429_and_serves_again(tin
 
 
 def test_the_cap_must_be_positive():
-    from prefixserve.replica.server import InFlightCapMiddleware
+    from prefixserve.replica.http_frontend import InFlightCounter
+    from prefixserve.replica.server import ServerConfig
 
     with pytest.raises(ValueError, match="max_in_flight"):
-        InFlightCapMiddleware(None, 0)  # type: ignore[arg-type]
+        InFlightCounter(0)
+    with pytest.raises(ValueError, match="max_in_flight"):
+        ServerConfig(max_in_flight=0)
+
+
+def test_every_server_knob_is_a_flag_of_prefixserve_replica():
+    import argparse
+    import dataclasses
+
+    from prefixserve.replica.config_util import from_cli_args
+    from prefixserve.replica.server import ServerConfig, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    defaults = from_cli_args(ServerConfig, parser.parse_args([]))
+    assert defaults == ServerConfig()
+    given = from_cli_args(ServerConfig, parser.parse_args(
+        ["--max-in-flight", "2", "--h11-max-header-count", "7", "--send-timeout-s", "0.5", "--drain-timeout-s", "0"]))
+    assert (given.max_in_flight, given.h11_max_header_count) == (2, 7)
+    assert (given.send_timeout_s, given.drain_timeout_s) == (0.5, 0)
+    flags = {action.dest for action in parser._actions}
+    assert {f.name for f in dataclasses.fields(ServerConfig)} <= flags
+    for bad in ({"h11_max_header_count": 0}, {"send_timeout_s": 0}, {"limit_concurrency": -1}, {"drain_timeout_s": -1}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            ServerConfig(**bad)
