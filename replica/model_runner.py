@@ -15,6 +15,8 @@ Nothing here knows requests beyond the ScheduledSeq records it is handed.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -26,7 +28,7 @@ from prefixserve.replica.model.llama import LlamaForCausalLM, ModelConfig
 from prefixserve.replica.model.startup import StartupTimer
 from prefixserve.replica.model_shard import ModelShard, resolve_device, resolve_dtype
 from prefixserve.replica.ray_bundles import RankResources, reserve_rank_resources
-from prefixserve.replica.sampling import SampleResult, SampleSpec, sample
+from prefixserve.replica.sampling import SampleResult, SampleSpec, prompt_logprobs, sample
 from prefixserve.replica.scheduler import ScheduledSeq
 from prefixserve.replica.step_inputs import build_step_inputs
 from prefixserve.replica.tensor_parallel import (
@@ -39,6 +41,21 @@ from prefixserve.replica.tensor_parallel import (
 )
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class PromptLogprobSpan:
+    """Prompt tokens of one scheduled sequence whose logits a request's prompt_logprobs needs.
+
+    Rows ``first .. first + len(next_tokens) - 1`` of the sequence's new tokens; row ``j``
+    predicts ``next_tokens[j]``. ``execute`` fills ``logprobs`` (top ``k`` plus that token).
+    """
+
+    index: int
+    first: int
+    next_tokens: list[int]
+    k: int
+    logprobs: list[dict[int, float]] | None = None
 
 
 class ModelRunner:
@@ -166,18 +183,22 @@ class ModelRunner:
     # --- one step ------------------------------------------------------------
 
     def execute(self, scheduled: list[ScheduledSeq], copy_ops: list[tuple[int, int]],
-                specs: list[tuple[int, SampleSpec]]) -> list[SampleResult]:
+                specs: list[tuple[int, SampleSpec]],
+                prompt_spans: Sequence[PromptLogprobSpan] = ()) -> list[SampleResult]:
         """Run one packed forward pass and sample.
 
         ``specs`` pairs an index into ``scheduled`` (a sequence that samples) with its
         SampleSpec; several specs may share one row (the children of a fork sample
-        the same prompt logits). Returns one result per spec, in order. Under tensor
-        parallelism any failure raises WorkerDiedError (ranks may be out of step).
+        the same prompt logits). Returns one result per spec, in order. Each of
+        ``prompt_spans`` gets its tokens' prompt logprobs in ``span.logprobs`` (from the
+        raw logits of those rows, on rank 0). Under tensor parallelism any failure raises
+        WorkerDiedError (ranks may be out of step).
         """
         if self._closed:
             raise EngineDeadError("the engine was shut down")
         inputs = build_step_inputs(scheduled, copy_ops, [i for i, _ in specs], self.shard.block_size,
-                                   sliding=self.sliding)
+                                   sliding=self.sliding,
+                                   logit_spans=[(p.index, p.first, len(p.next_tokens)) for p in prompt_spans])
         if self.workers is None:
             logits = self.shard.run(inputs)
         else:
@@ -189,7 +210,14 @@ class ModelRunner:
         if logits is None:
             return []
         with torch.inference_mode():
-            return sample(logits, [s for _, s in specs], self.generator)
+            row = len(specs)
+            for span in prompt_spans:
+                count = len(span.next_tokens)
+                span.logprobs = prompt_logprobs(logits[row:row + count], span.next_tokens, span.k)
+                row += count
+            if not specs:
+                return []
+            return sample(logits[:len(specs)], [s for _, s in specs], self.generator)
 
     def swap(self, out_ops: list[tuple[int, int]], in_ops: list[tuple[int, int]]) -> None:
         """Apply a step's swap copies on every rank (see ModelShard.swap)."""
