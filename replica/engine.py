@@ -569,11 +569,12 @@ class LLMEngine:
             lps = seq.logprobs[-len(ids):] if seq.logprobs is not None and ids else None
             # The request's first delta carries its prompt_logprobs (complete by then).
             prompt_lps = req.prompt_logprobs if not req.prompt_logprobs_sent else None
+            prompt_ids = req.prompt_token_ids if prompt_lps is not None else None
             req.prompt_logprobs_sent = True
             deltas.append(StreamDelta(request_id=req.request_id, index=seq.index, text=text, token_ids=ids,
                                       finish_reason=seq.finish_reason, num_prompt_tokens=len(req.prompt_token_ids),
                                       num_cached_tokens=cached, num_output_tokens=num_output, logprobs=lps,
-                                      prompt_logprobs=prompt_lps))
+                                      prompt_logprobs=prompt_lps, prompt_token_ids=prompt_ids))
         output = None
         if req.finished:
             req.finished_time = now

@@ -72,5 +72,6 @@ class StreamDelta:
     num_cached_tokens: int
     num_output_tokens: int
     logprobs: list[dict[int, float]] | None = None
-    # The request's prompt_logprobs, on its first delta only (see RequestOutput).
+    # The request's prompt_logprobs and prompt token ids, on its first delta only (see RequestOutput).
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_token_ids: list[int] | None = None
