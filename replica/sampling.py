@@ -285,6 +285,8 @@ def process_logits(logits: torch.Tensor, specs: list[SampleSpec]) -> dict[int, E
     penalized = [i for i, spec in enumerate(specs) if spec.params.has_penalties and i not in errors]
     if penalized:
         _apply_penalties(logits, penalized, specs)
+    # The grammar bitmask of structured output goes here: after penalties, before temperature
+    # (and before the check below, which its mask may make fail).
     masked = [i for i in masked if i not in errors]
     if masked:
         rows = torch.tensor(masked, dtype=torch.long, device=logits.device)
