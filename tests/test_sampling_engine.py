@@ -130,7 +130,8 @@ def _check_prompt_logprobs(got, hf, prompt, k):
     dict(),
     dict(max_num_batched_tokens=8),  # chunked prefill: the rows arrive over several steps
     dict(num_kv_blocks=9, max_num_batched_tokens=64),  # preemption
-], ids=["plain", "chunked-8", "preempt"])
+    dict(num_kv_blocks=9, max_num_batched_tokens=8, preemption_mode="swap", swap_space_gb=0.01),
+], ids=["plain", "chunked-8", "preempt", "swap-chunked"])
 def test_prompt_logprobs_equal_a_transformers_forward(ckpt, hf, prompts, knobs):
     llm = LLM(ckpt, **{"num_kv_blocks": 64, "max_num_batched_tokens": 128, **knobs})
     # Warm the prefix cache with the same prompts: a prompt_logprobs request must not take the hit.
