@@ -807,17 +807,19 @@ def completion_logprobs(
     return out
 
 
-def prompt_logprobs(logprobs: Sequence[dict[int, float] | None], k: int, token_text: TokenText) -> PromptLogprobs:
-    """vLLM's ``prompt_logprobs`` from the engine's entries (the top ``k`` plus the prompt token).
-
-    Ranks count from 1 in the top ``k``; a prompt token outside it has a null rank.
-    """
+def prompt_logprobs(token_ids: list[int], logprobs: Sequence[dict[int, float] | None],
+                    ranks: Sequence[int | None], token_text: TokenText) -> PromptLogprobs:
+    """vLLM's ``prompt_logprobs`` from the engine's entries (the top-k plus the prompt token)
+    and each prompt token's rank: the top-k rank from 1 in logprob order, the prompt token
+    has its own rank (past k when it is not among them)."""
     out: PromptLogprobs = []
-    for entry in logprobs:
+    for token, entry, own in zip(token_ids, logprobs, ranks, strict=True):
         if entry is None:
             out.append(None)
             continue
-        ordered = sorted(entry, key=lambda t: -entry[t])
-        out.append({t: PromptLogprob(logprob=entry[t], rank=i + 1 if i < k else None, decoded_token=token_text(t))
-                    for i, t in enumerate(ordered)})
+        # A prompt token outside the top-k has the lowest logprob here: the others rank 1..k.
+        rank = {t: i + 1 for i, t in enumerate(sorted(entry, key=lambda t: -entry[t]))}
+        if own is not None:
+            rank[token] = own
+        out.append({t: PromptLogprob(logprob=entry[t], rank=rank.get(t), decoded_token=token_text(t)) for t in entry})
     return out

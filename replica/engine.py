@@ -409,8 +409,9 @@ class LLMEngine:
         results = self.runner.execute(plan.scheduled, plan.copy_ops, specs, spans)
         for span in spans:
             req = plan.scheduled[span.index].seq.request
-            if req.prompt_logprobs is not None and span.logprobs is not None:
+            if req.prompt_logprobs is not None and span.logprobs is not None and span.ranks is not None:
                 req.prompt_logprobs.extend(span.logprobs)
+                req.prompt_logprob_ranks.extend(span.ranks)
         for parent, children in forks:
             try:
                 self._fork(parent, children)
@@ -570,11 +571,13 @@ class LLMEngine:
             # The request's first delta carries its prompt_logprobs (complete by then).
             prompt_lps = req.prompt_logprobs if not req.prompt_logprobs_sent else None
             prompt_ids = req.prompt_token_ids if prompt_lps is not None else None
+            prompt_ranks = req.prompt_logprob_ranks if prompt_lps is not None else None
             req.prompt_logprobs_sent = True
             deltas.append(StreamDelta(request_id=req.request_id, index=seq.index, text=text, token_ids=ids,
                                       finish_reason=seq.finish_reason, num_prompt_tokens=len(req.prompt_token_ids),
                                       num_cached_tokens=cached, num_output_tokens=num_output, logprobs=lps,
-                                      prompt_logprobs=prompt_lps, prompt_token_ids=prompt_ids))
+                                      prompt_logprobs=prompt_lps, prompt_token_ids=prompt_ids,
+                                      prompt_logprob_ranks=prompt_ranks))
         output = None
         if req.finished:
             req.finished_time = now

@@ -48,7 +48,8 @@ class PromptLogprobSpan:
     """Prompt tokens of one scheduled sequence whose logits a request's prompt_logprobs needs.
 
     Rows ``first .. first + len(next_tokens) - 1`` of the sequence's new tokens; row ``j``
-    predicts ``next_tokens[j]``. ``execute`` fills ``logprobs`` (top ``k`` plus that token).
+    predicts ``next_tokens[j]``. ``execute`` fills ``logprobs`` (top ``k`` plus that token)
+    and ``ranks`` (that token's rank in its row).
     """
 
     index: int
@@ -56,6 +57,7 @@ class PromptLogprobSpan:
     next_tokens: list[int]
     k: int
     logprobs: list[dict[int, float]] | None = None
+    ranks: list[int] | None = None
 
 
 class ModelRunner:
@@ -213,7 +215,7 @@ class ModelRunner:
             row = len(specs)
             for span in prompt_spans:
                 count = len(span.next_tokens)
-                span.logprobs = prompt_logprobs(logits[row:row + count], span.next_tokens, span.k)
+                span.logprobs, span.ranks = prompt_logprobs(logits[row:row + count], span.next_tokens, span.k)
                 row += count
             if not specs:
                 return []

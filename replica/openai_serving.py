@@ -121,15 +121,19 @@ class _Prompt:
 
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    ranks: list[int | None] = field(default_factory=list)
     received: bool = False
 
     def update(self, delta: StreamDelta) -> None:
         if delta.prompt_logprobs is not None and delta.prompt_token_ids is not None:
             self.token_ids, self.logprobs, self.received = delta.prompt_token_ids, delta.prompt_logprobs, True
+            self.ranks = delta.prompt_logprob_ranks or [None] * len(self.logprobs)
 
     def render(self, k: int | None, token_text: api.TokenText) -> api.PromptLogprobs | None:
         """vLLM's ``prompt_logprobs`` field, when the client asked for them (``k`` set)."""
-        return api.prompt_logprobs(self.logprobs, k, token_text) if k is not None and self.received else None
+        if k is None or not self.received:
+            return None
+        return api.prompt_logprobs(self.token_ids, self.logprobs, self.ranks, token_text)
 
     @staticmethod
     def text(body: api.CompletionRequest, token_text: api.TokenText) -> str:

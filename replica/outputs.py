@@ -75,3 +75,4 @@ class StreamDelta:
     # The request's prompt_logprobs and prompt token ids, on its first delta only (see RequestOutput).
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_token_ids: list[int] | None = None
+    prompt_logprob_ranks: list[int | None] | None = None

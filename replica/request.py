@@ -77,6 +77,8 @@ class Request:
     # With ``params.prompt_logprobs``: one entry per prompt token computed so far (the first
     # is None, as vLLM's: nothing predicts it). Complete once it has one per prompt token.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # The rank of each prompt token among its position's logprobs (None for the first).
+    prompt_logprob_ranks: list[int | None] = field(default_factory=lambda: [None])
     # Whether a stream delta has carried ``prompt_logprobs`` (only the first one does).
     prompt_logprobs_sent: bool = False
 

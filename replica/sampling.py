@@ -447,14 +447,18 @@ def _row_logprobs(logprobs: torch.Tensor, k: int, token: int) -> dict[int, float
     return entry
 
 
-def prompt_logprobs(logits: torch.Tensor, next_tokens: Sequence[int], k: int) -> list[dict[int, float]]:
+def prompt_logprobs(logits: torch.Tensor, next_tokens: Sequence[int],
+                    k: int) -> tuple[list[dict[int, float]], list[int]]:
     """{token_id: logprob} per row of raw ``logits`` ([P, vocab]): the top ``k`` plus the
-    prompt token that follows the row's position (vLLM's prompt_logprobs, unprocessed logits)."""
+    prompt token that follows the row's position (vLLM's prompt_logprobs, unprocessed logits),
+    and that token's rank in its row (1 = the most likely; vLLM's ``rank``)."""
     import torch
 
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    actual = logprobs.gather(1, torch.tensor(list(next_tokens), dtype=torch.long,
-                                             device=logits.device).unsqueeze(1)).squeeze(1).tolist()
+    column = logprobs.gather(1, torch.tensor(list(next_tokens), dtype=torch.long,
+                                             device=logits.device).unsqueeze(1))
+    ranks = ((logprobs > column).sum(dim=-1) + 1).tolist()
+    actual = column.squeeze(1).tolist()
     out: list[dict[int, float]] = []
     if k:
         top = torch.topk(logprobs, k, dim=-1)
@@ -464,7 +468,7 @@ def prompt_logprobs(logits: torch.Tensor, next_tokens: Sequence[int], k: int) ->
         out = [{} for _ in next_tokens]
     for entry, token, value in zip(out, next_tokens, actual):
         entry[token] = value
-    return out
+    return out, ranks
 
 
 def _min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -58,6 +58,7 @@ def test_completion_prompt_logprobs_are_vllms_and_equal_transformers(replica, ck
             assert math.isclose(item["logprob"], float(ref[pos - 1, int(token)]), abs_tol=2e-4)
             assert item["decoded_token"] == tok.decode([int(token)])
         assert sorted(item["rank"] for t, item in entry.items() if int(t) in top) == [1, 2]
+        assert entry[str(ids[pos])]["rank"] == ref[pos - 1].argsort(descending=True).tolist().index(ids[pos]) + 1
     assert completion(replica)["choices"][0]["prompt_logprobs"] is None
 
 

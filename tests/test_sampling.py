@@ -258,14 +258,15 @@ def test_prompt_logprobs_are_the_raw_log_softmax():
 
     logits = _logits(3, seed=14)
     nxt = [4, 9, 1]
-    out = prompt_logprobs(logits, nxt, 2)
+    out, ranks = prompt_logprobs(logits, nxt, 2)
     ref = torch.log_softmax(logits, dim=-1)
-    for row, token, entry in zip(ref, nxt, out):
+    for row, token, entry, rank in zip(ref, nxt, out, ranks):
         top = row.topk(2)
         want = {**dict(zip(top.indices.tolist(), top.values.tolist())), token: float(row[token])}
         assert entry.keys() == want.keys()
         assert all(math.isclose(entry[t], want[t], rel_tol=1e-6) for t in want)
-    assert [list(e) for e in prompt_logprobs(logits, nxt, 0)] == [[4], [9], [1]]
+        assert rank == row.argsort(descending=True).tolist().index(token) + 1
+    assert [list(e) for e in prompt_logprobs(logits, nxt, 0)[0]] == [[4], [9], [1]]
 
 
 @pytest.mark.parametrize("kwargs, words", [
