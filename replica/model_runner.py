@@ -60,6 +60,39 @@ class PromptLogprobSpan:
     ranks: list[int] | None = None
 
 
+class _PromptLogitsConsumer:
+    """Takes the LM head's slices: keeps the sampled rows' logits (the first ``num_sampled``
+    rows) and reduces each span's rows to prompt logprobs as they arrive."""
+
+    def __init__(self, num_sampled: int, spans: Sequence[PromptLogprobSpan]) -> None:
+        self.num_sampled = num_sampled
+        self.sampled: list[torch.Tensor] = []
+        self.spans: list[tuple[int, PromptLogprobSpan]] = []
+        row = num_sampled
+        for span in spans:
+            self.spans.append((row, span))
+            span.logprobs, span.ranks = [], []
+            row += len(span.next_tokens)
+
+    def __call__(self, first: int, logits: torch.Tensor) -> None:
+        end = first + logits.shape[0]
+        if first < self.num_sampled:
+            self.sampled.append(logits[:min(end, self.num_sampled) - first])
+        for start, span in self.spans:
+            lo, hi = max(first, start), min(end, start + len(span.next_tokens))
+            if lo < hi:
+                entries, ranks = prompt_logprobs(logits[lo - first:hi - first],
+                                                 span.next_tokens[lo - start:hi - start], span.k)
+                assert span.logprobs is not None and span.ranks is not None
+                span.logprobs += entries
+                span.ranks += ranks
+
+    def sample_logits(self) -> torch.Tensor | None:
+        if not self.sampled:
+            return None
+        return self.sampled[0] if len(self.sampled) == 1 else torch.cat(self.sampled)
+
+
 class ModelRunner:
     """Rank 0's model shard, plus the worker ranks when ``tensor_parallel_size`` > 1."""
 
@@ -201,25 +234,21 @@ class ModelRunner:
         inputs = build_step_inputs(scheduled, copy_ops, [i for i, _ in specs], self.shard.block_size,
                                    sliding=self.sliding,
                                    logit_spans=[(p.index, p.first, len(p.next_tokens)) for p in prompt_spans])
+        consumer = _PromptLogitsConsumer(len(specs), prompt_spans) if prompt_spans else None
         if self.workers is None:
-            logits = self.shard.run(inputs)
+            logits = self.shard.run(inputs, consumer)
         else:
             self.workers.send(step_message(inputs.pack()))
             try:
-                logits = self.shard.run(inputs)
+                logits = self.shard.run(inputs, consumer)
             except Exception as exc:
                 raise self.workers.failure(exc) from exc
-        if logits is None:
+        if consumer is not None:
+            logits = consumer.sample_logits()
+        if logits is None or not specs:
             return []
         with torch.inference_mode():
-            row = len(specs)
-            for span in prompt_spans:
-                count = len(span.next_tokens)
-                span.logprobs, span.ranks = prompt_logprobs(logits[row:row + count], span.next_tokens, span.k)
-                row += count
-            if not specs:
-                return []
-            return sample(logits[:len(specs)], [s for _, s in specs], self.generator)
+            return sample(logits, [s for _, s in specs], self.generator)
 
     def swap(self, out_ops: list[tuple[int, int]], in_ops: list[tuple[int, int]]) -> None:
         """Apply a step's swap copies on every rank (see ModelShard.swap)."""

@@ -177,3 +177,18 @@ def test_skip_special_tokens_off_keeps_their_text(llm, prompts):
     spaced = llm.generate([prompts[0]], SamplingParams(skip_special_tokens=False, spaces_between_special_tokens=False,
                                                        **params))[0].outputs[0]
     assert spaced.text == kept.text
+
+
+def test_prompt_logprobs_of_a_prompt_longer_than_an_lm_head_slice(ckpt, hf, prompts):
+    from prefixserve.replica.model_shard import LOGIT_SLICE_ROWS
+
+    rng = np.random.default_rng(9)
+    long_prompt = [int(t) for t in rng.integers(17, 40000, LOGIT_SLICE_ROWS + 45)]
+    llm = LLM(ckpt, num_kv_blocks=128, max_num_batched_tokens=1024)
+    # Sampled rows and two spans share the step's slices.
+    outs = llm.generate([prompts[0], long_prompt, prompts[1]],
+                        [greedy(), greedy(prompt_logprobs=1), greedy(prompt_logprobs=0)])
+    _check_prompt_logprobs(outs[1].prompt_logprobs, hf, long_prompt, 1)
+    _check_prompt_logprobs(outs[2].prompt_logprobs, hf, prompts[1], 0)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, MAX_TOKENS)
+                                                     for p in (prompts[0], long_prompt, prompts[1])]
