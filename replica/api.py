@@ -18,14 +18,22 @@ Invariants:
   Python overflow text ever reaches a client.
 * Fields OpenAI (or vLLM) defines that this engine does not implement are
   refused (400, code ``unsupported_parameter`` / ``unsupported_value``) when set
-  to a value that would change the answer, never silently ignored: penalties,
+  to a value that would change the answer, never silently ignored:
   ``tools`` / ``functions`` (non-empty), ``function_call`` / ``tool_choice``
   other than ``"none"``, ``parallel_tool_calls``, ``response_format`` other than
   ``{"type": "text"}``, ``audio``, ``modalities`` other than ``["text"]``,
   ``prediction``, ``web_search_options``, ``reasoning_effort``, ``verbosity``,
   ``moderation``, ``store: true``, ``service_tier`` other than ``auto`` /
-  ``default``; completions' ``echo``, ``suffix`` and ``best_of`` != ``n``.
+  ``default``; completions' ``suffix`` and ``best_of`` != ``n``.
   vLLM extensions other than the ones declared here are unknown fields.
+* Sampling fields with vLLM's names and ranges (``SamplingParams`` checks them):
+  ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``, ``min_p``,
+  ``bad_words``, ``allowed_token_ids``, ``include_stop_str_in_output``,
+  ``skip_special_tokens``, ``spaces_between_special_tokens``, ``prompt_logprobs``
+  (not with ``stream`` unless 0, as vLLM; answered as vLLM's ``prompt_logprobs``:
+  per prompt token, null first, ``{token_id: {logprob, rank, decoded_token}}``) and
+  completions' ``echo`` (the prompt before the output; with ``logprobs``, the prompt
+  tokens' logprobs first, null for the first token).
 * Harmless fields real clients send are accepted and ignored, as vLLM does:
   ``user``, ``safety_identifier``, ``metadata``, ``prompt_cache_key``,
   ``prompt_cache_retention``, ``prompt_cache_options`` (caching hints: our
@@ -44,7 +52,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
@@ -349,13 +357,24 @@ class _SamplingRequest(RequestModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    # vLLM extensions of the sampler.
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    prompt_logprobs: Int | None = None
     cache_salt: str | None = None  # vLLM extension: isolates the prefix cache per tenant
     user: str | None = None
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @field_validator("prompt_logprobs")
     @classmethod
-    def _no_penalties(cls, value: float | None, info: ValidationInfo) -> float | None:
-        return _refuse_unless(info, value, lambda v: v == 0.0, "0")
+    def _prompt_logprobs_not_streamed(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and info.data.get("stream"):
+            raise ValueError("prompt_logprobs are not available when stream is true")
+        return value
 
     @field_validator("cache_salt")
     @classmethod
@@ -374,6 +393,9 @@ class _SamplingRequest(RequestModel):
 
     def _logprobs(self) -> int | None:
         return None
+
+    def _prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
 
     def to_sampling_params(self, *, default_max_tokens: int, max_model_len: int | None = None) -> SamplingParams:
         """The engine's SamplingParams for this request.
@@ -407,6 +429,16 @@ class _SamplingRequest(RequestModel):
             ignore_eos=self.ignore_eos,
             logprobs=self._logprobs(),
             logit_bias=dict(self.logit_bias) if self.logit_bias else None,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            min_p=self.min_p or 0.0,
+            bad_words=list(self.bad_words or []),
+            allowed_token_ids=None if self.allowed_token_ids is None else list(self.allowed_token_ids),
+            prompt_logprobs=self._prompt_logprobs(),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
         )
 
 
@@ -530,13 +562,6 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("prompt must not be empty")
         return value
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        if value:
-            raise _unsupported("echo", "; send false or omit it")
-        return value
-
     @field_validator("suffix")
     @classmethod
     def _no_suffix(cls, value: str | None) -> str | None:
@@ -554,6 +579,12 @@ class CompletionRequest(_SamplingRequest):
 
     def _logprobs(self) -> int | None:
         return self.logprobs
+
+    def _prompt_logprobs(self) -> int | None:
+        # An echoed prompt comes with its tokens' logprobs when logprobs are asked (vLLM's rule).
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
 
     def default_max_tokens(self, max_model_len: int) -> int:
         """The limit when the client sets none, before the prompt is known: OpenAI's legacy 16."""
@@ -651,6 +682,17 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+class PromptLogprob(BaseModel):
+    """One entry of vLLM's ``prompt_logprobs`` (its ``Logprob``)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class ChatCompletionResponse(BaseModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -658,6 +700,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -695,6 +738,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -760,19 +804,42 @@ def chat_logprobs(
 
 def completion_logprobs(
     token_ids: list[int],
-    logprobs: list[dict[int, float]],
+    logprobs: Sequence[dict[int, float] | None],
     top_k: int,
     token_text: TokenText,
     text_offset: int = 0,
 ) -> CompletionLogprobs:
-    """Legacy completions ``logprobs`` (tokens, token_logprobs, top_logprobs, text_offset)."""
+    """Legacy completions ``logprobs`` (tokens, token_logprobs, top_logprobs, text_offset).
+
+    An entry of None (an echoed prompt's first token, which nothing predicts) gives
+    null logprobs for that token.
+    """
     out = CompletionLogprobs()
     offset = text_offset
     for token_id, entry in zip(token_ids, logprobs, strict=True):
         text = token_text(token_id)
         out.tokens.append(text)
-        out.token_logprobs.append(entry.get(token_id))
-        out.top_logprobs.append({token_text(tid): lp for tid, lp in _top(entry, top_k)} if top_k else None)
+        out.token_logprobs.append(None if entry is None else entry.get(token_id))
+        out.top_logprobs.append({token_text(tid): lp for tid, lp in _top(entry, top_k)}
+                                if top_k and entry is not None else None)
         out.text_offset.append(offset)
         offset += len(text)
+    return out
+
+
+def prompt_logprobs(token_ids: list[int], logprobs: Sequence[dict[int, float] | None],
+                    ranks: Sequence[int | None], token_text: TokenText) -> PromptLogprobs:
+    """vLLM's ``prompt_logprobs`` from the engine's entries (the top-k plus the prompt token)
+    and each prompt token's rank: the top-k rank from 1 in logprob order, the prompt token
+    has its own rank (past k when it is not among them)."""
+    out: PromptLogprobs = []
+    for token, entry, own in zip(token_ids, logprobs, ranks, strict=True):
+        if entry is None:
+            out.append(None)
+            continue
+        # A prompt token outside the top-k has the lowest logprob here: the others rank 1..k.
+        rank = {t: i + 1 for i, t in enumerate(sorted(entry, key=lambda t: -entry[t]))}
+        if own is not None:
+            rank[token] = own
+        out.append({t: PromptLogprob(logprob=entry[t], rank=rank.get(t), decoded_token=token_text(t)) for t in entry})
     return out

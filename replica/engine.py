@@ -52,11 +52,11 @@ from prefixserve.replica.metrics import EngineMetrics, EngineStats, FinishedRequ
 from prefixserve.replica.model import loader
 from prefixserve.replica.model.llama import ModelConfig
 from prefixserve.replica.model.startup import StartupTimer
-from prefixserve.replica.model_runner import ModelRunner
+from prefixserve.replica.model_runner import ModelRunner, PromptLogprobSpan
 from prefixserve.replica.outputs import CompletionOutput, FinishReason, RequestOutput, StreamDelta
 from prefixserve.replica.request import Request, Sequence, static_prefix_messages
 from prefixserve.replica.sampling import SampleSpec, SamplingParams
-from prefixserve.replica.scheduler import Scheduler, SchedulerConfig
+from prefixserve.replica.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from prefixserve.replica.tracing import RequestTiming, RequestTracer, build_tracer
 
 log = logging.getLogger(__name__)
@@ -266,6 +266,8 @@ class LLMEngine:
             raise RequestRejected(f"stop_token_ids must be in [0, {vocab})")
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise RequestRejected(f"logit_bias keys must be token ids in [0, {vocab})")
+        if params.allowed_token_ids is not None and max(params.allowed_token_ids) >= vocab:
+            raise RequestRejected(f"allowed_token_ids must be token ids in [0, {vocab})")
         if params.n > self.config.max_num_seqs:
             raise RequestRejected(f"n is {params.n} but this engine runs at most max_num_seqs="
                                   f"{self.config.max_num_seqs} sequences at once: lower n")
@@ -298,13 +300,29 @@ class LLMEngine:
                                         f"(max_waiting_requests={bound}); retry later")
         req = Request(request_id, ids, params, cache_salt, arrival_time or time.monotonic(),
                       prompt=prompt if isinstance(prompt, str) else prompt_text, trace_headers=trace_headers,
-                      conversation=conversation, static_prefix_tokens=max(0, int(static_prefix_tokens)))
+                      conversation=conversation, static_prefix_tokens=max(0, int(static_prefix_tokens)),
+                      bad_words_token_ids=self.bad_words_token_ids(params.bad_words),
+                      prompt_logprobs=None if params.prompt_logprobs is None else [None])
         seq = self._new_sequence(req, 0)
         self.scheduler.add(seq)
         req.seqs.append(seq)
         self.requests[request_id] = req
         self.stalled = False
         return req
+
+    def bad_words_token_ids(self, bad_words: list[str]) -> tuple[tuple[int, ...], ...]:
+        """vLLM's tokenization of ``bad_words``: each word alone and after a space (so that it is
+        banned at the start and in the middle of a text), the second only when it is a
+        different word token of the same length."""
+        out: list[list[int]] = []
+        for word in bad_words:
+            for prefix in ("", " "):
+                ids = list(self.tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False))
+                if not ids:
+                    continue
+                if not prefix or (out and ids[0] != out[-1][0] and len(ids) == len(out[-1])):
+                    out.append(ids)
+        return tuple(tuple(ids) for ids in out)
 
     def _new_sequence(self, req: Request, index: int) -> Sequence:
         """Sequence ``index`` of ``req`` (not yet in ``req.seqs``: the caller adds it once it is scheduled)."""
@@ -314,7 +332,9 @@ class LLMEngine:
         if seed is not None:
             seq.generator = torch.Generator(device=self.runner.device)
             seq.generator.manual_seed(seed)
-        seq.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids)
+        seq.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
+                                           skip_special_tokens=req.params.skip_special_tokens,
+                                           spaces_between_special_tokens=req.params.spaces_between_special_tokens)
         if req.params.logprobs is not None:
             seq.logprobs = []
         return seq
@@ -376,7 +396,8 @@ class LLMEngine:
                 family = [s.seq]
                 if s.seq.awaits_fork:
                     family += [self._new_sequence(req, k) for k in range(1, req.params.n)]
-                family_specs = [SampleSpec(req.params, seq.generator, self._banned(seq)) for seq in family]
+                family_specs = [SampleSpec(req.params, seq.generator, self._banned(seq), seq.token_ids,
+                                           seq.num_prompt_tokens, req.bad_words_token_ids) for seq in family]
             except Exception as exc:  # noqa: BLE001 - this request fails alone
                 failed[req.request_id] = (req, self._request_error(req, exc))
                 continue
@@ -384,7 +405,13 @@ class LLMEngine:
                 forks.append((s.seq, family[1:]))
             specs += ((i, spec) for spec in family_specs)
             owners += family
-        results = self.runner.execute(plan.scheduled, plan.copy_ops, specs)
+        spans = self._prompt_logprob_spans(plan.scheduled)
+        results = self.runner.execute(plan.scheduled, plan.copy_ops, specs, spans)
+        for span in spans:
+            req = plan.scheduled[span.index].seq.request
+            if req.prompt_logprobs is not None and span.logprobs is not None and span.ranks is not None:
+                req.prompt_logprobs.extend(span.logprobs)
+                req.prompt_logprob_ranks.extend(span.ranks)
         for parent, children in forks:
             try:
                 self._fork(parent, children)
@@ -421,6 +448,27 @@ class LLMEngine:
         num_prompt = sum(s.num_new_tokens for s in plan.scheduled if s.start < s.seq.num_prompt_tokens)
         self._observe_step(num_prompt, len(owners))
         return updates + self._fail_all(failed)
+
+    @staticmethod
+    def _prompt_logprob_spans(scheduled: list[ScheduledSeq]) -> list[PromptLogprobSpan]:
+        """The prompt rows of this step whose logits prompt_logprobs still need.
+
+        Position ``p``'s logits give the logprobs of prompt token ``p + 1``; a position
+        already covered (a prefill recomputed after preemption) is not asked again.
+        """
+        spans = []
+        for i, s in enumerate(scheduled):
+            req = s.seq.request
+            if not req.needs_prompt_logits or s.seq.index != 0:
+                continue
+            assert req.prompt_logprobs is not None
+            prompt = req.prompt_token_ids
+            first = max(s.start, len(req.prompt_logprobs) - 1)
+            last = min(s.start + s.num_new_tokens, len(prompt) - 1)  # exclusive
+            if first < last:
+                spans.append(PromptLogprobSpan(i, first - s.start, prompt[first + 1:last + 1],
+                                               req.params.prompt_logprobs or 0))
+        return spans
 
     def _fork(self, parent: Sequence, children: list[Sequence]) -> None:
         """Give the children of an n > 1 request their parent's blocks and start them running."""
@@ -471,6 +519,8 @@ class LLMEngine:
         if seq.logprobs is not None and logprobs is not None:
             seq.logprobs.append(logprobs)
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            if p.include_stop_str_in_output:  # vLLM then detokenizes the stop token too
+                seq.text += seq.detok.add(token)
             self._finish(seq, FinishReason.STOP)
             return
         delta = seq.detok.add(token)
@@ -484,13 +534,16 @@ class LLMEngine:
 
     @staticmethod
     def _truncate_at_stop(seq: Sequence, delta_len: int) -> bool:
-        stops = seq.request.params.stop
+        """Cut the text at the first stop string in it (after it with include_stop_str_in_output)."""
+        params = seq.request.params
+        stops = params.stop
         longest = max(len(s) for s in stops)
         search_from = max(0, len(seq.text) - delta_len - longest + 1)
-        hits = [i for i in (seq.text.find(s, search_from) for s in stops) if i >= 0]
+        hits = [(i, len(s)) for i, s in ((seq.text.find(s, search_from), s) for s in stops) if i >= 0]
         if not hits:
             return False
-        seq.text = seq.text[:min(hits)]
+        start, length = min(hits)
+        seq.text = seq.text[:start + length if params.include_stop_str_in_output else start]
         return True
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
@@ -501,7 +554,9 @@ class LLMEngine:
         deltas = []
         num_output = req.num_output_tokens
         cached = req.num_cached_tokens or 0
-        holdback = max((len(s) for s in req.params.stop), default=1) - 1
+        # A stop string the output keeps is never taken back: nothing to hold (vLLM's rule).
+        holdback = 0 if req.params.include_stop_str_in_output else max((len(s) for s in req.params.stop),
+                                                                         default=1) - 1
         for seq in req.seqs:
             new_tokens = seq.num_output_tokens - seq.num_emitted_tokens
             if new_tokens == 0 and not (seq.is_finished and seq.num_emitted_chars < len(seq.text)):
@@ -513,9 +568,16 @@ class LLMEngine:
             ids = seq.output_token_ids[seq.num_emitted_tokens:]
             seq.num_emitted_tokens = seq.num_output_tokens
             lps = seq.logprobs[-len(ids):] if seq.logprobs is not None and ids else None
+            # The request's first delta carries its prompt_logprobs (complete by then).
+            prompt_lps = req.prompt_logprobs if not req.prompt_logprobs_sent else None
+            prompt_ids = req.prompt_token_ids if prompt_lps is not None else None
+            prompt_ranks = req.prompt_logprob_ranks if prompt_lps is not None else None
+            req.prompt_logprobs_sent = True
             deltas.append(StreamDelta(request_id=req.request_id, index=seq.index, text=text, token_ids=ids,
                                       finish_reason=seq.finish_reason, num_prompt_tokens=len(req.prompt_token_ids),
-                                      num_cached_tokens=cached, num_output_tokens=num_output, logprobs=lps))
+                                      num_cached_tokens=cached, num_output_tokens=num_output, logprobs=lps,
+                                      prompt_logprobs=prompt_lps, prompt_token_ids=prompt_ids,
+                                      prompt_logprob_ranks=prompt_ranks))
         output = None
         if req.finished:
             req.finished_time = now
@@ -562,7 +624,7 @@ class LLMEngine:
         e2e = None if req.finished_time is None else req.finished_time - req.arrival_time
         return RequestOutput(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, outputs=outs,
                              num_cached_tokens=req.num_cached_tokens or 0, ttft_s=ttft, e2e_s=e2e,
-                             prompt=req.prompt)
+                             prompt=req.prompt, prompt_logprobs=req.prompt_logprobs)
 
     # --- observability ------------------------------------------------------------
 

@@ -15,6 +15,8 @@ Nothing here knows requests beyond the ScheduledSeq records it is handed.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -26,7 +28,7 @@ from prefixserve.replica.model.llama import LlamaForCausalLM, ModelConfig
 from prefixserve.replica.model.startup import StartupTimer
 from prefixserve.replica.model_shard import ModelShard, resolve_device, resolve_dtype
 from prefixserve.replica.ray_bundles import RankResources, reserve_rank_resources
-from prefixserve.replica.sampling import SampleResult, SampleSpec, sample
+from prefixserve.replica.sampling import SampleResult, SampleSpec, prompt_logprobs, sample
 from prefixserve.replica.scheduler import ScheduledSeq
 from prefixserve.replica.step_inputs import build_step_inputs
 from prefixserve.replica.tensor_parallel import (
@@ -39,6 +41,56 @@ from prefixserve.replica.tensor_parallel import (
 )
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class PromptLogprobSpan:
+    """Prompt tokens of one scheduled sequence whose logits a request's prompt_logprobs needs.
+
+    Rows ``first .. first + len(next_tokens) - 1`` of the sequence's new tokens; row ``j``
+    predicts ``next_tokens[j]``. ``execute`` fills ``logprobs`` (top ``k`` plus that token)
+    and ``ranks`` (that token's rank in its row).
+    """
+
+    index: int
+    first: int
+    next_tokens: list[int]
+    k: int
+    logprobs: list[dict[int, float]] | None = None
+    ranks: list[int] | None = None
+
+
+class _PromptLogitsConsumer:
+    """Takes the LM head's slices: keeps the sampled rows' logits (the first ``num_sampled``
+    rows) and reduces each span's rows to prompt logprobs as they arrive."""
+
+    def __init__(self, num_sampled: int, spans: Sequence[PromptLogprobSpan]) -> None:
+        self.num_sampled = num_sampled
+        self.sampled: list[torch.Tensor] = []
+        self.spans: list[tuple[int, PromptLogprobSpan]] = []
+        row = num_sampled
+        for span in spans:
+            self.spans.append((row, span))
+            span.logprobs, span.ranks = [], []
+            row += len(span.next_tokens)
+
+    def __call__(self, first: int, logits: torch.Tensor) -> None:
+        end = first + logits.shape[0]
+        if first < self.num_sampled:
+            self.sampled.append(logits[:min(end, self.num_sampled) - first])
+        for start, span in self.spans:
+            lo, hi = max(first, start), min(end, start + len(span.next_tokens))
+            if lo < hi:
+                entries, ranks = prompt_logprobs(logits[lo - first:hi - first],
+                                                 span.next_tokens[lo - start:hi - start], span.k)
+                assert span.logprobs is not None and span.ranks is not None
+                span.logprobs += entries
+                span.ranks += ranks
+
+    def sample_logits(self) -> torch.Tensor | None:
+        if not self.sampled:
+            return None
+        return self.sampled[0] if len(self.sampled) == 1 else torch.cat(self.sampled)
 
 
 class ModelRunner:
@@ -166,27 +218,34 @@ class ModelRunner:
     # --- one step ------------------------------------------------------------
 
     def execute(self, scheduled: list[ScheduledSeq], copy_ops: list[tuple[int, int]],
-                specs: list[tuple[int, SampleSpec]]) -> list[SampleResult]:
+                specs: list[tuple[int, SampleSpec]],
+                prompt_spans: Sequence[PromptLogprobSpan] = ()) -> list[SampleResult]:
         """Run one packed forward pass and sample.
 
         ``specs`` pairs an index into ``scheduled`` (a sequence that samples) with its
         SampleSpec; several specs may share one row (the children of a fork sample
-        the same prompt logits). Returns one result per spec, in order. Under tensor
-        parallelism any failure raises WorkerDiedError (ranks may be out of step).
+        the same prompt logits). Returns one result per spec, in order. Each of
+        ``prompt_spans`` gets its tokens' prompt logprobs in ``span.logprobs`` (from the
+        raw logits of those rows, on rank 0). Under tensor parallelism any failure raises
+        WorkerDiedError (ranks may be out of step).
         """
         if self._closed:
             raise EngineDeadError("the engine was shut down")
         inputs = build_step_inputs(scheduled, copy_ops, [i for i, _ in specs], self.shard.block_size,
-                                   sliding=self.sliding)
+                                   sliding=self.sliding,
+                                   logit_spans=[(p.index, p.first, len(p.next_tokens)) for p in prompt_spans])
+        consumer = _PromptLogitsConsumer(len(specs), prompt_spans) if prompt_spans else None
         if self.workers is None:
-            logits = self.shard.run(inputs)
+            logits = self.shard.run(inputs, consumer)
         else:
             self.workers.send(step_message(inputs.pack()))
             try:
-                logits = self.shard.run(inputs)
+                logits = self.shard.run(inputs, consumer)
             except Exception as exc:
                 raise self.workers.failure(exc) from exc
-        if logits is None:
+        if consumer is not None:
+            logits = consumer.sample_logits()
+        if logits is None or not specs:
             return []
         with torch.inference_mode():
             return sample(logits, [s for _, s in specs], self.generator)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +38,9 @@ from prefixserve.replica.step_inputs import StepInputs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+# LM-head rows per call: prompt_logprobs ask for every prompt row of a chunk, whose logits are
+# consumed slice by slice rather than held at once. Every rank slices alike (the head is collective).
+LOGIT_SLICE_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -230,9 +233,14 @@ class ModelShard:
     # --- one step -------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, inputs: StepInputs) -> torch.Tensor | None:
+    def run(self, inputs: StepInputs,
+            consume: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor | None:
         """Block copies, then one forward pass; the float32 logits of ``inputs.sample_rows``
-        on rank 0 (None on other ranks, and when no row samples)."""
+        on rank 0 (None on other ranks, and when no row samples).
+
+        The LM head runs on at most ``LOGIT_SLICE_ROWS`` rows at a time. With ``consume``,
+        rank 0 hands each slice to ``consume(first_row, logits)`` instead and returns None.
+        """
         inputs = inputs.to(self.device)
         if inputs.copy_ops.numel():
             src, dst = inputs.copy_ops[:, 0], inputs.copy_ops[:, 1]
@@ -248,7 +256,19 @@ class ModelShard:
             hidden = self.model(inputs.input_ids, inputs.positions, meta)
         if not inputs.sample_rows.numel():
             return None
-        return self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
+        rows = hidden.index_select(0, inputs.sample_rows)
+        parts = []
+        for first in range(0, rows.shape[0], LOGIT_SLICE_ROWS):
+            logits = self.model.compute_logits(rows[first:first + LOGIT_SLICE_ROWS])
+            if logits is None:
+                continue
+            if consume is None:
+                parts.append(logits)
+            else:
+                consume(first, logits)
+        if not parts:
+            return None
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _kv_scales_pending(self) -> bool:
         return any(layer.self_attn.calculate_kv_scales for layer in self.model.layers)

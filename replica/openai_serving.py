@@ -92,7 +92,7 @@ class _Choice:
     finish_reason: str | None = None
 
     def render(
-        self, index: int, body: OpenAIRequest, token_text: api.TokenText
+        self, index: int, body: OpenAIRequest, token_text: api.TokenText, prompt: _Prompt
     ) -> api.ChatChoice | api.CompletionChoice:
         """This choice of the collected answer to ``body``."""
         text = "".join(self.text)
@@ -101,10 +101,44 @@ class _Choice:
             logprobs = api.chat_logprobs(self.token_ids, self.logprobs, top_k, token_text) if body.logprobs else None
             return api.ChatChoice(index=index, message=api.ChatResponseMessage(content=text), logprobs=logprobs,
                                   finish_reason=self.finish_reason)
-        completion_logprobs = (api.completion_logprobs(self.token_ids, self.logprobs, top_k, token_text)
+        token_ids: list[int] = self.token_ids
+        entries: list[dict[int, float] | None] = list(self.logprobs)
+        if body.echo:
+            text = prompt.text(body, token_text) + text
+            if body.logprobs is not None:
+                token_ids = prompt.token_ids + token_ids
+                entries = prompt.logprobs + entries
+        completion_logprobs = (api.completion_logprobs(token_ids, entries, top_k, token_text)
                                if body.logprobs is not None else None)
         return api.CompletionChoice(index=index, text=text, logprobs=completion_logprobs,
-                                    finish_reason=self.finish_reason)
+                                    finish_reason=self.finish_reason,
+                                    prompt_logprobs=prompt.render(body.prompt_logprobs, token_text))
+
+
+@dataclass
+class _Prompt:
+    """The prompt's token ids and logprobs, from the first delta of a request that asked for them."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    ranks: list[int | None] = field(default_factory=list)
+    received: bool = False
+
+    def update(self, delta: StreamDelta) -> None:
+        if delta.prompt_logprobs is not None and delta.prompt_token_ids is not None:
+            self.token_ids, self.logprobs, self.received = delta.prompt_token_ids, delta.prompt_logprobs, True
+            self.ranks = delta.prompt_logprob_ranks or [None] * len(self.logprobs)
+
+    def render(self, k: int | None, token_text: api.TokenText) -> api.PromptLogprobs | None:
+        """vLLM's ``prompt_logprobs`` field, when the client asked for them (``k`` set)."""
+        if k is None or not self.received:
+            return None
+        return api.prompt_logprobs(self.token_ids, self.logprobs, self.ranks, token_text)
+
+    @staticmethod
+    def text(body: api.CompletionRequest, token_text: api.TokenText) -> str:
+        """The prompt's text as ``echo`` repeats it (a token-id prompt spelled token by token)."""
+        return body.prompt if isinstance(body.prompt, str) else "".join(token_text(t) for t in body.prompt)
 
 
 @dataclass
@@ -135,9 +169,11 @@ async def collect_response(
     """The whole non-streaming answer to ``body``: every choice's text, logprobs and finish reason, and usage."""
     choices = [_Choice() for _ in range(body.n)]
     usage = _Usage()
+    prompt = _Prompt()
     try:
         async for delta in gen.deltas():
             usage.update(delta)
+            prompt.update(delta)
             choice = choices[delta.index]
             choice.text.append(delta.text)
             choice.token_ids.extend(delta.token_ids)
@@ -147,13 +183,11 @@ async def collect_response(
                 choice.finish_reason = delta.finish_reason
     finally:
         await gen.close()
-    response_cls = api.ChatCompletionResponse if isinstance(body, api.ChatCompletionRequest) else api.CompletionResponse
-    return response_cls(
-        id=gen.request_id,
-        model=model,
-        choices=[c.render(i, body, token_text) for i, c in enumerate(choices)],
-        usage=usage.build(),
-    )
+    rendered = [c.render(i, body, token_text, prompt) for i, c in enumerate(choices)]
+    if isinstance(body, api.ChatCompletionRequest):
+        return api.ChatCompletionResponse(id=gen.request_id, model=model, choices=rendered, usage=usage.build(),
+                                          prompt_logprobs=prompt.render(body.prompt_logprobs, token_text))
+    return api.CompletionResponse(id=gen.request_id, model=model, choices=rendered, usage=usage.build())
 
 
 def sse_stream(gen: Generation, body: OpenAIRequest, model: str, token_text: api.TokenText) -> AsyncIterator[str]:
@@ -205,6 +239,8 @@ async def _completion_stream(
     usage = _Usage()
     top_k = _top_k(body)
     offsets = [0] * body.n
+    prompt = _Prompt()
+    echoed = [not body.echo] * body.n
 
     def chunk(choices: list[api.CompletionChoice], usage_: api.Usage | None = None) -> str:
         return _sse(api.CompletionResponse(id=gen.request_id, model=model, choices=choices,
@@ -213,14 +249,24 @@ async def _completion_stream(
     try:
         async for delta in gen.deltas():
             usage.update(delta)
+            prompt.update(delta)
+            i = delta.index
+            if not echoed[i]:  # each choice's first event repeats the prompt (and its logprobs)
+                echoed[i] = True
+                text = _Prompt.text(body, token_text)
+                logprobs = None
+                if body.logprobs is not None:
+                    logprobs = api.completion_logprobs(prompt.token_ids, prompt.logprobs, top_k, token_text)
+                offsets[i] += len(text)
+                yield chunk([api.CompletionChoice(index=i, text=text, logprobs=logprobs)])
             if not delta.text and delta.finish_reason is None:
                 continue
             logprobs = None
             if body.logprobs is not None and delta.logprobs:
                 logprobs = api.completion_logprobs(delta.token_ids, delta.logprobs, top_k, token_text,
-                                                   text_offset=offsets[delta.index])
-            offsets[delta.index] += len(delta.text)
-            yield chunk([api.CompletionChoice(index=delta.index, text=delta.text, logprobs=logprobs,
+                                                   text_offset=offsets[i])
+            offsets[i] += len(delta.text)
+            yield chunk([api.CompletionChoice(index=i, text=delta.text, logprobs=logprobs,
                                               finish_reason=delta.finish_reason)])
         if body.include_usage:
             yield chunk([], usage.build())

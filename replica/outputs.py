@@ -46,6 +46,9 @@ class RequestOutput:
     ttft_s: float | None
     e2e_s: float | None = None
     prompt: str | None = None
+    # With SamplingParams.prompt_logprobs: per prompt token {token_id: logprob} of the top-k plus
+    # that token (the first is None: nothing predicts it).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -69,3 +72,7 @@ class StreamDelta:
     num_cached_tokens: int
     num_output_tokens: int
     logprobs: list[dict[int, float]] | None = None
+    # The request's prompt_logprobs and prompt token ids, on its first delta only (see RequestOutput).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_token_ids: list[int] | None = None
+    prompt_logprob_ranks: list[int | None] | None = None

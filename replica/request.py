@@ -72,6 +72,20 @@ class Request:
     # Leading prompt tokens that are its static prefix (the system prompt's): their blocks are
     # released as reused content (SchedulerConfig.protect_static_prefix; BlockPool.mark_reused).
     static_prefix_tokens: int = 0
+    # ``params.bad_words`` as token ids (LLMEngine.bad_words_token_ids).
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    # With ``params.prompt_logprobs``: one entry per prompt token computed so far (the first
+    # is None, as vLLM's: nothing predicts it). Complete once it has one per prompt token.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    # The rank of each prompt token among its position's logprobs (None for the first).
+    prompt_logprob_ranks: list[int | None] = field(default_factory=lambda: [None])
+    # Whether a stream delta has carried ``prompt_logprobs`` (only the first one does).
+    prompt_logprobs_sent: bool = False
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Whether prompt positions still lack their logprobs (such a prompt skips prefix-cache hits)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
     def finished(self) -> bool:

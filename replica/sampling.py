@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from prefixserve.replica.errors import RequestRejected
 
 MAX_N = 16
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): 1e-45 is a float64 but 0 in
@@ -30,6 +33,13 @@ MAX_STOP_TOKEN_IDS = 64
 # OpenAI's logit_bias: at most 300 tokens, each bias in [-100, 100].
 MAX_LOGIT_BIAS_ENTRIES = 300
 LOGIT_BIAS_LIMIT = 100.0
+# vLLM's ranges: presence and frequency penalties in [-2, 2] (OpenAI's), repetition_penalty
+# above 0 (1.0 is off), min_p in [0, 1], logprobs and prompt_logprobs up to max_logprobs (20).
+PENALTY_LIMIT = 2.0
+MAX_LOGPROBS = 20
+# bad_words are tokenized per request and matched against the output every step: bounded.
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_CHARS = 256
 
 
 def _is_int(value: Any) -> bool:
@@ -41,7 +51,10 @@ def _check_float(name: str, value: Any, lo: float, hi: float, *, lo_open: bool =
     """``value`` as a float in [lo, hi] ((lo, hi] with ``lo_open``); NaN and inf are refused."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number, got {value!r}")
-    number = float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an int past float's range
+        raise ValueError(f"{name} is out of range, got {value!r}") from None
     interval = f"({lo:g}, {hi:g}]" if lo_open else f"[{lo:g}, {hi:g}]"
     if not math.isfinite(number) or number > hi or number < lo or (lo_open and number == lo):
         raise ValueError(f"{name} must be in {interval}, got {number}")
@@ -60,6 +73,16 @@ class SamplingParams:
     [-100, 100] added to their logits before sampling (OpenAI's semantics; at most
     300 entries). Stop lists are bounded: at most 16 stop strings of at most 256
     characters each, at most 64 stop token ids.
+
+    vLLM's logits processing: ``allowed_token_ids`` (only these may be sampled),
+    ``bad_words`` (a word's last token is banned where the output ends in the rest of
+    it), ``presence_penalty`` / ``frequency_penalty`` in [-2, 2] over the output
+    tokens, ``repetition_penalty`` > 0 over prompt and output tokens (1.0 is off),
+    ``min_p`` in [0, 1] (tokens below ``min_p`` times the top probability are
+    dropped). ``prompt_logprobs`` in [0, 20]: the logprobs of every prompt token
+    (the request then skips prefix-cache hits: it needs every prompt position's
+    logits). Output text: ``include_stop_str_in_output``, ``skip_special_tokens``,
+    ``spaces_between_special_tokens``. At their defaults none of these costs anything.
     """
 
     n: int = 1
@@ -74,6 +97,16 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    bad_words: list[str] = field(default_factory=list)
+    allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -94,11 +127,40 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens!r}")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value!r}")
         self._check_stops()
         # An empty map is no map: the sampler then skips the bias entirely.
         self.logit_bias = self._checked_logit_bias(self.logit_bias) if self.logit_bias else None
+        self.presence_penalty = _check_float("presence_penalty", self.presence_penalty, -PENALTY_LIMIT, PENALTY_LIMIT)
+        self.frequency_penalty = _check_float("frequency_penalty", self.frequency_penalty,
+                                              -PENALTY_LIMIT, PENALTY_LIMIT)
+        self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty, 0.0, math.inf,
+                                               lo_open=True)
+        self.min_p = _check_float("min_p", self.min_p, 0.0, 1.0)
+        self._check_token_lists()
+        for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+
+    def _check_token_lists(self) -> None:
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        if not isinstance(self.bad_words, list) or len(self.bad_words) > MAX_BAD_WORDS:
+            raise ValueError(f"bad_words must be a list of at most {MAX_BAD_WORDS} strings")
+        for word in self.bad_words:
+            if not isinstance(word, str) or not word.strip() or len(word) > MAX_BAD_WORD_CHARS:
+                raise ValueError(f"bad_words must be non-blank strings of at most {MAX_BAD_WORD_CHARS} characters, "
+                                 f"got {word!r:.40}")
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if not isinstance(allowed, list) or not allowed:
+                raise ValueError("allowed_token_ids must be a non-empty list of token ids or omitted")
+            if any(not _is_int(t) or t < 0 for t in allowed):
+                raise ValueError("allowed_token_ids must be non-negative integers")
+            self.allowed_token_ids = [int(t) for t in allowed]
 
     def _check_stops(self) -> None:
         if len(self.stop) > MAX_STOP_STRINGS:
@@ -133,6 +195,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def has_penalties(self) -> bool:
+        """Whether any of the three penalties is on (the sampler then counts the row's tokens)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
     def child_seed(self, index: int) -> int | None:
         """The seed of sequence ``index`` (None when unseeded); always in [0, 2**64 - 1]."""
         return None if self.seed is None else (self.seed + index) % SEED_MODULUS
@@ -147,6 +214,11 @@ if TYPE_CHECKING:
     import torch
 
 
+# Penalized logits are bounded so that dividing by the smallest temperature stays finite
+# (a repetition_penalty near 0 scales logits past float32's range).
+_PENALIZED_LOGIT_BOUND = 3.0e38 * GREEDY_TEMPERATURE
+
+
 @dataclass
 class SampleSpec:
     """What the sampler needs for one logits row."""
@@ -156,6 +228,21 @@ class SampleSpec:
     generator: torch.Generator | None
     # Token ids that must not be sampled now (EOS/stop ids before min_tokens is reached).
     banned_ids: tuple[int, ...] = ()
+    # The sequence's tokens so far, prompt first (read by penalties and bad_words only).
+    token_ids: Sequence[int] = ()
+    num_prompt_tokens: int = 0
+    # ``params.bad_words`` as token ids (the engine tokenizes them once per request).
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def output_token_ids(self) -> Sequence[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def masks_row(self) -> bool:
+        """Whether this row has per-row mask or bias work (the first stage of ``process_logits``)."""
+        p = self.params
+        return bool(self.banned_ids or p.logit_bias or p.allowed_token_ids is not None or self.bad_words_token_ids)
 
 
 @dataclass
@@ -168,14 +255,50 @@ class SampleResult:
     error: Exception | None = None
 
 
+class NoTokenLeftError(RequestRejected):
+    """Every token of a row is masked (allowed_token_ids, bad_words and min_tokens exclude all)."""
+
+
+def process_logits(logits: torch.Tensor, specs: list[SampleSpec]) -> dict[int, Exception]:
+    """The temperature-independent stages, in place, in vLLM v1's order; per-row errors.
+
+    1. Masks and bias, per row: ``allowed_token_ids``, ``bad_words``, ``logit_bias``,
+       then the min_tokens ban (a ban wins over any bias).
+    2. Penalties, batched over the rows that set one: repetition (prompt and output
+       tokens), then frequency and presence (output tokens).
+    3. The place of the grammar bitmask of structured output (after penalties,
+       before temperature): none is applied yet.
+
+    A row with no work in a stage is not touched by it; a batch with none costs
+    nothing. A row whose own work fails is zeroed and reported. A row left with no
+    token at all is ``sample``'s to report (its top logit is -inf).
+    """
+
+    errors: dict[int, Exception] = {}
+    masked = [i for i, spec in enumerate(specs) if spec.masks_row]
+    for i in masked:
+        try:
+            _mask_row(logits, i, specs[i])
+        except Exception as exc:  # noqa: BLE001 - reported on the row
+            errors[i] = exc
+            logits[i] = 0.0  # keeps the batched math finite; the row's token is discarded
+    penalized = [i for i, spec in enumerate(specs) if spec.params.has_penalties and i not in errors]
+    if penalized:
+        _apply_penalties(logits, penalized, specs)
+    # The grammar bitmask of structured output goes here: after penalties, before temperature.
+    return errors
+
+
 def sample(logits: torch.Tensor, specs: list[SampleSpec], shared: torch.Generator) -> list[SampleResult]:
     """Pick one token per row of ``logits`` ([N, vocab], float32).
 
     Each row depends only on its own logits and generator, never on the rest of the
     batch, so a seeded request samples the same tokens whatever it is batched with.
-    ``logit_bias`` is added first, then banned ids are masked, for greedy and random
-    rows alike. Random rows use the exponential race (argmax of p / Exp(1)), which
-    equals sampling from p and needs one generator call per row.
+    ``process_logits`` runs first (masks, bias, penalties) for greedy and random rows
+    alike; logprobs are read there. Greedy rows then take the argmax; random rows are
+    divided by their temperature, then ``min_p``, ``top_k`` and ``top_p`` drop tokens
+    (the top token always stays), and the exponential race (argmax of p / Exp(1)),
+    which equals sampling from p, picks one with one generator call per row.
 
     Work done for one row alone runs under its own ``try``: a failure there marks that
     row's result (``SampleResult.error``) instead of failing the whole batch. Only a
@@ -183,22 +306,18 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec], shared: torch.Generato
     """
     import torch
 
-    errors: dict[int, Exception] = {}
-    for i, spec in enumerate(specs):
-        if spec.banned_ids or spec.params.logit_bias:
-            try:
-                _adjust_row(logits, i, spec)
-            except Exception as exc:  # noqa: BLE001 - reported on the row
-                errors[i] = exc
-                logits[i] = 0.0  # keeps the batched math finite; the row's token is discarded
-    tokens = logits.max(dim=-1).indices  # the first maximum, like argmax, and ~2x faster on CPU
+    errors = process_logits(logits, specs)
+    best = logits.max(dim=-1)  # the first maximum, like argmax, and ~2x faster on CPU
+    tokens = best.indices
+    # Rows whose masks exclude every token: found with the tokens' own transfer, no extra sync.
+    dead = best.values == float("-inf") if any(s.masks_row for s in specs) else None
     random_rows = [i for i, s in enumerate(specs) if not s.params.greedy]
     if random_rows:
         rows = torch.tensor(random_rows, dtype=torch.long, device=logits.device)
         sub = logits.index_select(0, rows)
-        temps = torch.tensor([specs[i].params.temperature for i in random_rows],
-                             dtype=sub.dtype, device=sub.device)
-        sub = _top_k_top_p(sub / temps.unsqueeze(1), [specs[i].params for i in random_rows])
+        params = [specs[i].params for i in random_rows]
+        temps = torch.tensor([p.temperature for p in params], dtype=sub.dtype, device=sub.device)
+        sub = _top_k_top_p(_min_p(sub / temps.unsqueeze(1), params), params)
         probs = torch.softmax(sub, dim=-1)
         noise = torch.empty_like(probs)
         shared_rows = []
@@ -217,7 +336,14 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec], shared: torch.Generato
             noise[idx] = torch.empty(len(shared_rows), probs.shape[1], device=noise.device).exponential_(
                 generator=shared)
         tokens[rows] = (probs / noise).argmax(dim=-1)
+    if dead is not None:
+        tokens = tokens.masked_fill(dead, -1)
     token_list = tokens.tolist()
+    for i, t in enumerate(token_list):
+        if t < 0 and i not in errors:
+            errors[i] = NoTokenLeftError("no token can be sampled: allowed_token_ids, bad_words, logit_bias "
+                                         "and min_tokens exclude every token")
+            token_list[i] = 0
     results = [SampleResult(t) for t in token_list]
     want = [i for i, s in enumerate(specs) if s.params.logprobs is not None]
     if want:
@@ -232,17 +358,81 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec], shared: torch.Generato
     return results
 
 
-def _adjust_row(logits: torch.Tensor, i: int, spec: SampleSpec) -> None:
-    """Add row ``i``'s logit bias, then mask its banned ids (a ban wins over any bias)."""
+def _mask_row(logits: torch.Tensor, i: int, spec: SampleSpec) -> None:
+    """Row ``i``'s masks and bias: allowed_token_ids, bad_words, logit_bias, then banned ids."""
     import torch
 
     row = logits[i]
-    bias = spec.params.logit_bias
+    p = spec.params
+    if p.allowed_token_ids is not None:
+        keep = torch.zeros_like(row, dtype=torch.bool)
+        keep[torch.tensor(p.allowed_token_ids, dtype=torch.long, device=row.device)] = True
+        row.masked_fill_(~keep, float("-inf"))
+    if spec.bad_words_token_ids:
+        banned = bad_word_bans(spec.bad_words_token_ids, spec.output_token_ids)
+        if banned:
+            row[list(banned)] = float("-inf")
+    bias = p.logit_bias
     if bias:
         ids = torch.tensor(list(bias), dtype=torch.long, device=row.device)
         row.index_add_(0, ids, torch.tensor(list(bias.values()), dtype=row.dtype, device=row.device))
     if spec.banned_ids:
         row[list(spec.banned_ids)] = float("-inf")
+
+
+def bad_word_bans(bad_words: tuple[tuple[int, ...], ...], output: Sequence[int]) -> set[int]:
+    """Tokens ``bad_words`` ban next (vLLM's rule): a word's last token, where the output
+    ends in the rest of the word (a one-token word is always banned)."""
+    banned = set()
+    for word in bad_words:
+        prefix = len(word) - 1
+        if prefix > len(output):
+            continue
+        if prefix == 0 or list(output[len(output) - prefix:]) == list(word[:prefix]):
+            banned.add(word[-1])
+    return banned
+
+
+def _apply_penalties(logits: torch.Tensor, rows_list: list[int], specs: list[SampleSpec]) -> None:
+    """vLLM's penalties on ``rows_list``, in place.
+
+    Repetition: a token seen in the prompt or the output has its logit divided by the
+    penalty when positive, multiplied when not. Then ``frequency_penalty`` times the
+    token's count in the output and ``presence_penalty`` once if it occurs there are
+    subtracted. Masked tokens stay masked and the rest stay finite.
+    """
+    import torch
+
+    device = logits.device
+    rows = torch.tensor(rows_list, dtype=torch.long, device=device)
+    sub = logits.index_select(0, rows)
+    num, vocab = sub.shape
+    params = [specs[i].params for i in rows_list]
+    # One bincount over (row, token) pairs gives every row's output counts.
+    flat: list[int] = []
+    for j, i in enumerate(rows_list):
+        base = j * vocab
+        flat += (base + t for t in specs[i].output_token_ids)
+    counts = torch.bincount(torch.tensor(flat, dtype=torch.long, device=device), minlength=num * vocab)
+    counts = counts.view(num, vocab).to(sub.dtype)
+    seen_out = counts > 0
+    was_masked = sub == float("-inf")
+    if any(p.repetition_penalty != 1.0 for p in params):
+        seen = seen_out.clone()
+        for j, i in enumerate(rows_list):
+            prompt = specs[i].token_ids[:specs[i].num_prompt_tokens]
+            if prompt and params[j].repetition_penalty != 1.0:
+                seen[j, torch.tensor(list(prompt), dtype=torch.long, device=device)] = True
+        # float32's range: a penalty of 1e-300 or 1e300 is 0 or inf there.
+        rep = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float64)
+        rep = rep.clamp(torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max).to(sub.dtype).to(device)
+        factor = torch.where(seen, rep.unsqueeze(1), torch.ones((), dtype=sub.dtype, device=device))
+        sub = torch.where(sub > 0, sub / factor, sub * factor)
+    freq = torch.tensor([p.frequency_penalty for p in params], dtype=sub.dtype, device=device).unsqueeze(1)
+    presence = torch.tensor([p.presence_penalty for p in params], dtype=sub.dtype, device=device).unsqueeze(1)
+    sub = sub - freq * counts - presence * seen_out.to(sub.dtype)
+    sub = sub.clamp(-_PENALIZED_LOGIT_BOUND, _PENALIZED_LOGIT_BOUND).masked_fill(was_masked, float("-inf"))
+    logits.index_copy_(0, rows, sub)
 
 
 def _row_logprobs(logprobs: torch.Tensor, k: int, token: int) -> dict[int, float]:
@@ -257,8 +447,45 @@ def _row_logprobs(logprobs: torch.Tensor, k: int, token: int) -> dict[int, float
     return entry
 
 
+def prompt_logprobs(logits: torch.Tensor, next_tokens: Sequence[int],
+                    k: int) -> tuple[list[dict[int, float]], list[int]]:
+    """{token_id: logprob} per row of raw ``logits`` ([P, vocab]): the top ``k`` plus the
+    prompt token that follows the row's position (vLLM's prompt_logprobs, unprocessed logits),
+    and that token's rank in its row (1 = the most likely; vLLM's ``rank``)."""
+    import torch
+
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    column = logprobs.gather(1, torch.tensor(list(next_tokens), dtype=torch.long,
+                                             device=logits.device).unsqueeze(1))
+    ranks = ((logprobs > column).sum(dim=-1) + 1).tolist()
+    actual = column.squeeze(1).tolist()
+    out: list[dict[int, float]] = []
+    if k:
+        top = torch.topk(logprobs, k, dim=-1)
+        for ids, values in zip(top.indices.tolist(), top.values.tolist()):
+            out.append(dict(zip(ids, values)))
+    else:
+        out = [{} for _ in next_tokens]
+    for entry, token, value in zip(out, next_tokens, actual):
+        entry[token] = value
+    return out, ranks
+
+
+def _min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """vLLM's min_p on temperature-scaled logits: drop tokens whose probability is below
+    ``min_p`` times the row's top probability (the top token always stays)."""
+    import torch
+
+    if all(p.min_p == 0.0 for p in params):
+        return logits
+    probs = torch.softmax(logits, dim=-1)
+    min_ps = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=logits.device).unsqueeze(1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_ps
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
 def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Mask (to -inf) tokens outside each row's top_k and top_p nucleus."""
+    """Mask (to -inf) tokens outside each row's top_k and top_p nucleus; the top token always stays."""
     import torch
 
     if all(p.top_k is None and p.top_p >= 1.0 for p in params):
@@ -268,9 +495,11 @@ def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     ks = torch.tensor([min(p.top_k or vocab, vocab) for p in params], device=logits.device)
     ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
     sorted_logits = sorted_logits.masked_fill(ranks >= ks.unsqueeze(1), float("-inf"))
+    # float32: a top_p of 1e-300 is 0 here, and the rule below alone would then drop every token.
     top_ps = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=logits.device)
     probs = torch.softmax(sorted_logits, dim=-1)
-    # Drop a token when the tokens ranked above it already cover top_p (the first always stays).
+    # Drop a token when the tokens ranked above it already cover top_p; rank 0 never.
     above = probs.cumsum(dim=-1) - probs
-    sorted_logits = sorted_logits.masked_fill(above >= top_ps.unsqueeze(1), float("-inf"))
+    drop = (above >= top_ps.unsqueeze(1)) & (ranks > 0)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)

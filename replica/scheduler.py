@@ -214,7 +214,9 @@ class Scheduler:
             table = None
             if len(self.running) + width <= self.config.max_num_seqs:
                 salt = seq.request.cache_salt
-                blocks, num_cached = kv.get_computed_blocks(seq.token_ids, salt)
+                # prompt_logprobs need every prompt position's logits: no hit (as vLLM).
+                blocks, num_cached = (([], 0) if seq.request.needs_prompt_logits
+                                      else kv.get_computed_blocks(seq.token_ids, salt))
                 remaining = seq.num_tokens - num_cached
                 n = min(remaining, budget)
                 if n == remaining or self.config.enable_chunked_prefill:

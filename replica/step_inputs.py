@@ -14,6 +14,7 @@ field: a step reaches each worker as one message, not as pickled tensors.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -69,11 +70,13 @@ def unpack_step_inputs(buffer: torch.Tensor, header: list[int] | None = None) ->
 
 
 def build_step_inputs(scheduled: list[ScheduledSeq], copy_ops: list[tuple[int, int]], sample_rows: list[int],
-                      block_size: int, *, sliding: bool) -> StepInputs:
+                      block_size: int, *, sliding: bool,
+                      logit_spans: Sequence[tuple[int, int, int]] = ()) -> StepInputs:
     """The inputs of one step. ``sample_rows`` index ``scheduled``: the last token of each
     listed sequence goes through the LM head (a row may repeat: forked children sample
-    their parent's prompt logits). ``sliding``: tables may hold freed blocks (NULL_BLOCK, -1),
-    read as block 0 and masked by the window."""
+    their parent's prompt logits). ``logit_spans`` (scheduled index, first new token, count)
+    add those tokens' rows after the sampled ones (prompt_logprobs). ``sliding``: tables may
+    hold freed blocks (NULL_BLOCK, -1), read as block 0 and masked by the window."""
     ids: list[int] = []
     starts: list[int] = []
     q_lens: list[int] = []
@@ -104,6 +107,9 @@ def build_step_inputs(scheduled: list[ScheduledSeq], copy_ops: list[tuple[int, i
         block_tables=table_t,
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         query_start_loc=torch.tensor(query_start, dtype=torch.int32),
-        sample_rows=torch.tensor([query_start[i + 1] - 1 for i in sample_rows], dtype=torch.long),
+        sample_rows=torch.tensor([query_start[i + 1] - 1 for i in sample_rows]
+                                 + [r for i, first, count in logit_spans
+                                    for r in range(query_start[i] + first, query_start[i] + first + count)],
+                                 dtype=torch.long),
         copy_ops=torch.tensor(copy_ops, dtype=torch.long).reshape(-1, 2),
     )

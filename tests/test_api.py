@@ -75,7 +75,9 @@ def test_chat_request_parses_roles_content_parts_and_harmless_fields():
         (json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}),
          "messages.0.content"),
         (json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}), "max_tokens"),
-        (json.dumps({"messages": [{"role": "user", "content": "x"}], "presence_penalty": 0.5}), "presence_penalty"),
+        (json.dumps({"messages": [{"role": "user", "content": "x"}], "bad_words": "x"}), "bad_words"),
+        (json.dumps({"messages": [{"role": "user", "content": "x"}], "stream": True, "prompt_logprobs": 1}),
+         "prompt_logprobs"),
         (json.dumps({"messages": [{"role": "user", "content": "x"}], "cache_salt": ""}), "cache_salt"),
     ],
 )
@@ -85,7 +87,7 @@ def test_malformed_or_incomplete_chat_bodies_are_400(body, param):
     assert err.message
 
 
-@pytest.mark.parametrize("field", ["some_future_field", "min_p", "temprature"])
+@pytest.mark.parametrize("field", ["some_future_field", "mini_p", "temprature"])
 def test_unknown_fields_are_400_naming_the_field(field):
     err = bad_request(api.ChatCompletionRequest, chat_body(**{field: 1}))
     assert err.code == "unknown_parameter" and err.param == field
@@ -117,8 +119,6 @@ def test_unknown_fields_are_400_naming_the_field(field):
         ("reasoning_effort", "low"),
         ("verbosity", "high"),
         ("moderation", {}),
-        ("presence_penalty", 0.5),
-        ("frequency_penalty", -1),
     ],
 )
 def test_openai_fields_the_engine_does_not_implement_are_400(field, value):
@@ -282,7 +282,6 @@ def test_completion_prompt_forms(prompt, expected):
         {"prompt": ""},
         {"prompt": []},
         {"prompt": [1, -2]},
-        {"prompt": "x", "echo": True},
         {"prompt": "x", "suffix": "tail"},
         {"prompt": "x", "n": 2, "best_of": 3},
         {},
@@ -377,3 +376,35 @@ def test_prompt_too_long_has_openai_code():
     err = api.error_from_exception(PromptTooLongError("prompt of 5000 tokens exceeds max_model_len 4096"))
     assert err.code == "context_length_exceeded"
     assert "5000" in err.message and err.param == "messages"
+
+
+def test_vllm_sampling_fields_map_onto_sampling_params():
+    p = parse_chat(presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.2, min_p=0.1,
+                   bad_words=["no"], allowed_token_ids=[3, 4], include_stop_str_in_output=True,
+                   skip_special_tokens=False, spaces_between_special_tokens=False,
+                   prompt_logprobs=2).to_sampling_params(default_max_tokens=8)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_p) == (0.5, -1.0, 1.2, 0.1)
+    assert p.bad_words == ["no"] and p.allowed_token_ids == [3, 4] and p.prompt_logprobs == 2
+    assert p.include_stop_str_in_output and not p.skip_special_tokens and not p.spaces_between_special_tokens
+    # Their defaults (and repetition_penalty=1.0, which vLLM's own benchmark client sends) are no-ops.
+    off = parse_chat(repetition_penalty=1.0, presence_penalty=0, frequency_penalty=0).to_sampling_params(
+        default_max_tokens=8)
+    assert not off.has_penalties and off.min_p == 0.0 and off.prompt_logprobs is None
+    # Completions: an echoed prompt brings its logprobs when logprobs are asked (vLLM's rule).
+    echo = api.parse_request(api.CompletionRequest, json.dumps({"prompt": "x", "echo": True, "logprobs": 3}))
+    assert echo.to_sampling_params(default_max_tokens=4).prompt_logprobs == 3
+    plain = api.parse_request(api.CompletionRequest, json.dumps({"prompt": "x", "echo": True}))
+    assert plain.to_sampling_params(default_max_tokens=4).prompt_logprobs is None
+    # prompt_logprobs=0 may stream (vLLM: only positive values are refused with stream).
+    assert parse_chat(stream=True, prompt_logprobs=0).prompt_logprobs == 0
+
+
+@pytest.mark.parametrize("field, value", [
+    ("presence_penalty", 2.5), ("frequency_penalty", -2.01), ("repetition_penalty", 0), ("min_p", 1.5),
+    ("prompt_logprobs", 21), ("allowed_token_ids", []), ("bad_words", [""]),
+])
+def test_out_of_range_sampling_fields_are_400(field, value):
+    with pytest.raises(ValueError, match=field):
+        parse_chat(**{field: value}).to_sampling_params(default_max_tokens=8)
+    err = api.error_from_exception(ValueError(f"{field} ..."))
+    assert err.status_code == 400 and err.code == "invalid_value"

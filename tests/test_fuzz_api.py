@@ -39,6 +39,10 @@ odd_values = st.one_of(st.none(), st.booleans(), st.text(max_size=5), st.floats(
                                                                                   st.integers(), max_size=2))
 small_text = st.text(max_size=40)
 token_ids = st.one_of(st.integers(0, VOCAB - 1), st.integers(-3, -1), st.integers(VOCAB, VOCAB + 5), huge_ints)
+# The float edges every sampling parameter is tried at: subnormals, values that round to 0 or
+# overflow in float32, and the last floats inside and outside each range.
+TINY = [5e-324, 1e-300, 1e-45, 1e-39, 1.2e-38, 1e-8]
+HUGE = [3.5e38, 1e300, 1.7976931348623157e308]
 
 
 @dataclass(frozen=True)
@@ -56,26 +60,47 @@ def field(valid: st.SearchStrategy, invalid: st.SearchStrategy | None = None) ->
 max_tokens = field(st.integers(1, 3), st.one_of(st.integers(-2, 0), st.integers(MAX_MODEL_LEN, MAX_MODEL_LEN + 2),
                                                  huge_ints))
 SAMPLING_FIELDS = {
-    "temperature": field(st.floats(0, 2), st.one_of(st.floats(2.0001, 1e6), st.floats(-1e6, -0.0001),
-                                                    st.sampled_from([float("nan"), float("inf")]))),
-    "top_p": field(st.floats(0.01, 1), st.sampled_from([0.0, -0.5, 1.5, float("nan")])),
-    "top_k": field(st.sampled_from([-1, 1, 5, 50, 100000]), st.one_of(st.integers(-5, 0), huge_ints)),
+    "temperature": field(st.one_of(st.floats(0, 2), st.sampled_from([*TINY, 1e-5, 1.0000001e-5, 2.0, -0.0])),
+                         st.one_of(st.floats(2.0001, 1e6), st.floats(-1e6, -0.0001),
+                                   st.sampled_from([2.0000000001, -5e-324, *HUGE, float("nan"), float("inf")]))),
+    "top_p": field(st.one_of(st.floats(0.01, 1), st.sampled_from([*TINY, 1.0, 0.9999999999])),
+                   st.sampled_from([0.0, -0.0, -5e-324, -0.5, 1.0000000001, 1.5, *HUGE, float("nan")])),
+    "top_k": field(st.sampled_from([-1, 1, 2, 5, 50, VOCAB - 1, VOCAB, VOCAB + 1, 100000, 2**63 - 1]),
+                   st.one_of(st.integers(-5, 0), huge_ints)),
+    "min_p": field(st.one_of(st.floats(0, 1), st.sampled_from([0.0, *TINY, 1.0, 0.9999999999])),
+                   st.sampled_from([-5e-324, -0.1, 1.0000000001, *HUGE, float("nan"), float("inf")])),
     "n": field(st.integers(1, 3), st.one_of(st.integers(-1, 0), st.integers(17, 40), huge_ints)),
-    "seed": field(st.integers(0, 2**64 - 1), st.one_of(st.integers(-(2**63), -1), huge_ints)),
+    "seed": field(st.one_of(st.integers(0, 2**64 - 1), st.sampled_from([0, 1, 2**63 - 1, 2**63, 2**64 - 1])),
+                  st.one_of(st.integers(-(2**63), -1), huge_ints)),
     "stop": field(st.one_of(st.text(min_size=1, max_size=5), st.lists(st.text(min_size=1, max_size=5), max_size=4)),
                   st.one_of(st.just(""), st.lists(st.text(max_size=300), min_size=17, max_size=20))),
     "stop_token_ids": field(st.lists(st.integers(0, VOCAB - 1), max_size=3),
                             st.lists(token_ids, min_size=1, max_size=70)),
     "ignore_eos": field(st.booleans()),
     "min_tokens": field(st.integers(0, 1), st.one_of(st.integers(-3, -1), st.integers(4, 10**6), huge_ints)),
-    "logit_bias": field(st.dictionaries(st.integers(0, VOCAB - 1).map(str), st.floats(-100, 100), max_size=4),
+    "logit_bias": field(st.dictionaries(st.integers(0, VOCAB - 1).map(str),
+                                        st.one_of(st.floats(-100, 100), st.sampled_from([-100.0, 100, -5e-324])),
+                                        max_size=4),
                         st.dictionaries(st.one_of(token_ids.map(str), st.text(max_size=4)),
                                         st.one_of(st.floats(), st.integers()), min_size=1, max_size=4)),
     "stream": field(st.booleans()),
     "stream_options": field(st.fixed_dictionaries({}, optional={"include_usage": st.booleans(),
                                                                 "include_obfuscation": st.booleans()})),
-    "presence_penalty": field(st.just(0), st.floats(0.1, 2)),
-    "frequency_penalty": field(st.just(0.0), st.floats(-2, -0.1)),
+    "presence_penalty": field(st.one_of(st.floats(-2, 2), st.sampled_from([0, -2, 2.0, *TINY])),
+                              st.sampled_from([2.0000000001, -2.0000000001, *HUGE, float("nan")])),
+    "frequency_penalty": field(st.one_of(st.floats(-2, 2), st.sampled_from([0.0, -2.0, 2, *TINY])),
+                               st.sampled_from([2.0000000001, -3, *HUGE, float("inf")])),
+    "repetition_penalty": field(st.one_of(st.floats(0.5, 2), st.sampled_from([1.0, 1, *TINY, *HUGE])),
+                                st.sampled_from([0, 0.0, -0.0, -1e-300, -1.0, float("nan"), float("inf")])),
+    "bad_words": field(st.lists(st.text(min_size=1, max_size=8).filter(str.strip), max_size=3),
+                       st.one_of(st.just([""]), st.just([" "]), st.lists(st.just("x"), min_size=129, max_size=129))),
+    "allowed_token_ids": field(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=5),
+                               st.one_of(st.just([]), st.lists(token_ids, min_size=1, max_size=3).filter(
+                                   lambda ids: any(not 0 <= t < VOCAB for t in ids)))),
+    "prompt_logprobs": field(st.integers(0, 20), st.one_of(st.integers(21, 100), st.integers(-3, -1), huge_ints)),
+    "include_stop_str_in_output": field(st.booleans()),
+    "skip_special_tokens": field(st.booleans()),
+    "spaces_between_special_tokens": field(st.booleans()),
     "cache_salt": field(st.text(min_size=1, max_size=10), st.just("")),
     "user": field(small_text),
     "model": field(st.sampled_from(["tiny"]), st.sampled_from(["gpt-4o", ""])),
@@ -99,7 +124,7 @@ CHAT_FIELDS = {
 COMPLETION_FIELDS = {
     **SAMPLING_FIELDS,
     "logprobs": field(st.integers(0, 5), st.one_of(st.integers(21, 100), st.integers(-3, -1))),
-    "echo": field(st.just(False), st.just(True)),
+    "echo": field(st.booleans()),
     "suffix": field(st.just(""), st.text(min_size=1, max_size=5)),
     "best_of": field(st.just(1), st.integers(2, 4)),
 }

@@ -16,6 +16,7 @@ from prefixserve.replica.sampling import (
     MAX_STOP_TOKEN_IDS,
     SampleSpec,
     SamplingParams,
+    process_logits,
     sample,
 )
 
@@ -95,3 +96,205 @@ def test_a_failing_row_fails_alone():
                    torch.Generator().manual_seed(3))
     assert [out[0].token_id, out[2].token_id] == [r.token_id for r in alone]
     assert out[0].error is None and out[2].error is None
+
+
+# -- the logits pipeline: each parameter against a direct torch statement of its rule ----------
+
+V = 64
+
+
+def _logits(rows: int = 1, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, V, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def _processed(logits: torch.Tensor, spec: SampleSpec) -> torch.Tensor:
+    out = logits.clone()
+    assert process_logits(out, [spec]) == {}
+    return out[0]
+
+
+def test_allowed_token_ids_keep_only_those():
+    logits = _logits()
+    allowed = [3, 17, 40]
+    want = torch.full((V,), float("-inf"))
+    want[allowed] = logits[0, allowed]
+    assert torch.equal(_processed(logits, SampleSpec(SamplingParams(allowed_token_ids=allowed), None)), want)
+
+
+def test_bad_words_ban_the_last_token_after_the_rest():
+    logits = _logits()
+    words = ((5,), (7, 8), (9, 10, 11))
+    spec = SampleSpec(SamplingParams(bad_words=["x"]), None, token_ids=[1, 2, 7, 9, 10], num_prompt_tokens=2,
+                      bad_words_token_ids=words)
+    want = logits[0].clone()
+    want[[5, 11]] = float("-inf")  # (7, 8): the output ends in 10, not 7
+    assert torch.equal(_processed(logits, spec), want)
+    # The prompt is not the output: a word split across it is not matched.
+    spec = SampleSpec(SamplingParams(bad_words=["x"]), None, token_ids=[7], num_prompt_tokens=1,
+                      bad_words_token_ids=((7, 8),))
+    assert torch.equal(_processed(logits, spec), logits[0])
+
+
+def _penalized(logits: torch.Tensor, prompt: list[int], output: list[int], rep: float, freq: float,
+               pres: float) -> torch.Tensor:
+    """vLLM's apply_penalties, written directly."""
+    row = logits[0].clone()
+    counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=V).float()
+    seen = counts > 0
+    seen[prompt] = True
+    factor = torch.where(seen, torch.tensor(rep), torch.tensor(1.0))
+    row = torch.where(row > 0, row / factor, row * factor)
+    return row - freq * counts - pres * (counts > 0).float()
+
+
+@pytest.mark.parametrize("rep, freq, pres", [
+    (1.0, 0.5, 0.0), (1.0, 0.0, 1.5), (1.3, 0.0, 0.0), (0.7, -2.0, 2.0), (1.0, 2.0, -2.0), (2.0, -0.3, 0.4)])
+def test_penalties_are_vllms(rep, freq, pres):
+    logits = _logits(seed=4)
+    prompt, output = [1, 2, 3, 9], [3, 3, 4, 9, 9, 9, 20]
+    spec = SampleSpec(SamplingParams(repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres), None,
+                      token_ids=prompt + output, num_prompt_tokens=len(prompt))
+    torch.testing.assert_close(_processed(logits, spec), _penalized(logits, prompt, output, rep, freq, pres))
+
+
+def test_penalty_extremes_stay_finite_and_keep_masks():
+    logits = _logits(seed=5)
+    for rep in (1e-300, 1e-30, 1e30, 1e300):
+        spec = SampleSpec(SamplingParams(repetition_penalty=rep, frequency_penalty=2.0, presence_penalty=-2.0,
+                                         temperature=1e-5, logit_bias={0: -100.0}), None,
+                          banned_ids=(1,), token_ids=list(range(V)), num_prompt_tokens=V // 2)
+        row = _processed(logits, spec)
+        assert row[1] == float("-inf") and torch.isfinite(row[2:]).all()
+        # Sampling at the smallest temperature gives a token, never the banned one (the logits the
+        # penalties squash or inflate may tie: which of them is the generator's).
+        out = sample(logits.clone(), [spec], torch.Generator().manual_seed(0))[0]
+        assert out.error is None and out.token_id != 1 and torch.isfinite(row[out.token_id])
+
+
+def test_min_p_keeps_tokens_above_its_share_of_the_top():
+    from prefixserve.replica.sampling import _min_p
+
+    logits = _logits(2, seed=6)
+    params = [SamplingParams(min_p=0.1), SamplingParams(min_p=1.0)]
+    probs = torch.softmax(logits, dim=-1)
+    keep = probs >= probs.max(dim=-1, keepdim=True).values * torch.tensor([[0.1], [1.0]])
+    assert torch.equal(_min_p(logits, params), logits.masked_fill(~keep, float("-inf")))
+    assert int(keep[1].sum()) == 1
+    # min_p = 1.0 samples the top token whatever the seed.
+    spec = SampleSpec(SamplingParams(min_p=1.0, temperature=2.0), None)
+    shared = torch.Generator().manual_seed(7)
+    assert {sample(logits[1:].clone(), [spec], shared)[0].token_id for _ in range(20)} == {int(logits[1].argmax())}
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 5e-324, 1e-45, 1e-8])
+def test_a_top_p_below_float32_keeps_the_top_token(top_p):
+    logits = _logits(seed=8)
+    spec = SampleSpec(SamplingParams(top_p=top_p), None)
+    shared = torch.Generator().manual_seed(9)
+    assert {sample(logits.clone(), [spec], shared)[0].token_id for _ in range(20)} == {int(logits.argmax())}
+
+
+def test_top_k_edges():
+    from prefixserve.replica.sampling import _top_k_top_p
+
+    logits = _logits(seed=10)
+    one = _top_k_top_p(logits, [SamplingParams(top_k=1)])[0]
+    assert torch.isfinite(one).sum() == 1 and one.argmax() == logits.argmax()
+    assert torch.equal(_top_k_top_p(logits, [SamplingParams(top_k=10**9)]), logits)
+    # top_p: keep the smallest set of top tokens whose probability reaches top_p.
+    probs = torch.softmax(logits[0], dim=-1)
+    order = probs.argsort(descending=True)
+    need = int((probs[order].cumsum(0) < 0.5).sum()) + 1
+    kept = torch.isfinite(_top_k_top_p(logits, [SamplingParams(top_p=0.5)])[0])
+    assert set(kept.nonzero().flatten().tolist()) == set(order[:need].tolist())
+
+
+def test_temperature_edges_sample_valid_tokens():
+    logits = _logits(seed=11)
+    logits[0, 5] = 200.0  # far above the rest plus the largest bias
+    for t in (1e-5, 2.0):
+        spec = SampleSpec(SamplingParams(temperature=t, logit_bias={6: 100.0}), None)
+        out = sample(logits.clone(), [spec], torch.Generator().manual_seed(0))[0]
+        assert out.error is None and 0 <= out.token_id < V
+    spec = SampleSpec(SamplingParams(temperature=1e-5), None)
+    assert sample(logits.clone(), [spec], torch.Generator().manual_seed(0))[0].token_id == 5
+
+
+def test_a_row_with_no_token_left_fails_alone():
+    from prefixserve.replica.errors import RequestRejected
+
+    logits = _logits(2, seed=12)
+    specs = [SampleSpec(SamplingParams(allowed_token_ids=[2]), None, banned_ids=(2,)),
+             SampleSpec(SamplingParams(temperature=0.0), None)]
+    out = sample(logits.clone(), specs, torch.Generator().manual_seed(0))
+    assert isinstance(out[0].error, RequestRejected) and "no token" in str(out[0].error)
+    assert out[1].error is None and out[1].token_id == int(logits[1].argmax())
+
+
+def test_defaults_cost_no_tensor_work():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    logits = _logits(4, seed=13)
+    specs = [SampleSpec(SamplingParams(temperature=t), None, token_ids=[1, 2, 3], num_prompt_tokens=2)
+             for t in (0.0, 1.0, 0.5, 0.0)]
+    with Count():
+        errors = process_logits(logits, specs)
+    assert errors == {} and Count.ops == 0
+    with Count():
+        process_logits(logits, [SampleSpec(SamplingParams(presence_penalty=0.5), None, token_ids=[1, 2],
+                                           num_prompt_tokens=1)])
+    assert Count.ops > 0  # the counter sees the work a parameter does
+
+
+def test_prompt_logprobs_are_the_raw_log_softmax():
+    from prefixserve.replica.sampling import prompt_logprobs
+
+    logits = _logits(3, seed=14)
+    nxt = [4, 9, 1]
+    out, ranks = prompt_logprobs(logits, nxt, 2)
+    ref = torch.log_softmax(logits, dim=-1)
+    for row, token, entry, rank in zip(ref, nxt, out, ranks):
+        top = row.topk(2)
+        want = {**dict(zip(top.indices.tolist(), top.values.tolist())), token: float(row[token])}
+        assert entry.keys() == want.keys()
+        assert all(math.isclose(entry[t], want[t], rel_tol=1e-6) for t in want)
+        assert rank == row.argsort(descending=True).tolist().index(token) + 1
+    assert [list(e) for e in prompt_logprobs(logits, nxt, 0)[0]] == [[4], [9], [1]]
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(presence_penalty=2.01), "presence_penalty"),
+    (dict(frequency_penalty=-2.5), "frequency_penalty"),
+    (dict(frequency_penalty=math.inf), "frequency_penalty"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(repetition_penalty=-1.0), "repetition_penalty"),
+    (dict(repetition_penalty=math.inf), "repetition_penalty"),
+    (dict(min_p=1.0001), "min_p"),
+    (dict(min_p=-1e-300), "min_p"),
+    (dict(prompt_logprobs=21), "prompt_logprobs"),
+    (dict(prompt_logprobs=-1), "prompt_logprobs"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids"),
+    (dict(allowed_token_ids=[-1]), "allowed_token_ids"),
+    (dict(bad_words=[" "]), "bad_words"),
+    (dict(bad_words=["x"] * 129), "bad_words"),
+    (dict(skip_special_tokens=1), "skip_special_tokens"),
+    (dict(temperature=10**400), "temperature"),
+])
+def test_new_parameters_refuse_out_of_range_values(kwargs, words):
+    with pytest.raises(ValueError) as info:
+        SamplingParams(**kwargs)
+    assert words in str(info.value)
+
+
+def test_new_parameters_accept_their_edges():
+    p = SamplingParams(presence_penalty=-2, frequency_penalty=2, repetition_penalty=1e-300, min_p=1.0,
+                       prompt_logprobs=20, allowed_token_ids=[0], bad_words="word")
+    assert p.has_penalties and p.bad_words == ["word"] and p.min_p == 1.0
+    assert not SamplingParams(repetition_penalty=1.0).has_penalties

@@ -137,6 +137,26 @@ def test_greedy_tokens_equal_one_process_under_prefix_hits_chunked_prefill_and_p
                                                                  reference_stats.num_preemptions)
 
 
+def test_sampling_parameters_and_prompt_logprobs_at_tp2_equal_one_process(gqa_checkpoint):
+    # Sampling stays on rank 0; prompt_logprobs read the extra LM-head rows every rank computes.
+    prompts = shared_prefix_prompts(4)
+    params = [SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=3, repetition_penalty=0.5),
+              SamplingParams(temperature=1.0, seed=7, max_tokens=8, presence_penalty=-1.5, min_p=0.05, n=2),
+              SamplingParams(temperature=0.0, max_tokens=8, bad_words=["a"], allowed_token_ids=list(range(100, 400))),
+              SamplingParams(temperature=0.8, seed=9, max_tokens=8, frequency_penalty=-2.0, top_p=1e-300)]
+
+    def run(**knobs):
+        with LLM(str(gqa_checkpoint), **KNOBS, **knobs) as llm:
+            return llm.generate(prompts, params)
+
+    one, two = run(), run(tensor_parallel_size=2)
+    assert [[c.token_ids for c in o.outputs] for o in two] == [[c.token_ids for c in o.outputs] for o in one]
+    got, want = two[0].prompt_logprobs, one[0].prompt_logprobs
+    assert got is not None and want is not None and len(got) == len(prompts[0]) and got[0] is None
+    for a, b in zip(got[1:], want[1:]):
+        assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
+
+
 @pytest.mark.parametrize("size, kv_share", [(2, 2), (4, 2)])  # TP 4 replicates 2 KV heads: half each, not a quarter
 def test_each_rank_holds_its_share_of_the_kv_cache_for_the_same_block_count(gqa_checkpoint, tp1_reference,
                                                                           size, kv_share):
