@@ -24,14 +24,18 @@ The log is streamed line by line (binary, each line read with a bound), so
 memory does not grow with the file: per distinct prefix the audit keeps a count
 and its first N token ids, never the prompts (``AuditLimits`` bounds the
 distinct things it remembers; past a bound the report says it is approximate).
-Lines that are too long, not UTF-8, not JSON, nested too deeply or not a chat
-or completions body are counted, the first ones reported by line number, and
-skipped; a file with no usable record (empty, unreadable, all malformed)
-raises ``AuditError``. A byte progress bar goes to stderr on long files.
+Time is linear in the log's size: one regex scan per detector and record, the
+matches merged in one pass (see DETECTORS for the patterns' shape). Lines that
+are too long, not UTF-8, not JSON, nested too deeply, not a chat or completions
+body, or holding text that is not Unicode (a lone surrogate) are counted, the
+first ones reported by line number, and skipped; the CLI names each on stderr,
+prints the report and exits with status 3 (router/cli.py's EXIT_SKIPPED). A
+file with no usable record (empty, unreadable, all malformed) raises
+``AuditError`` (status 2). A byte progress bar goes to stderr on long files.
 
 Invariants: ``audit`` is pure given the records and a tokenizer (anything with
 ``encode``); only the CLI loads a model's tokenizer (never its weights).
-Imports: stdlib, tqdm, router/prefix.py; the tokenizer loader from
+Imports: stdlib, tqdm, router/prefix.py, router/cli.py; the tokenizer loader from
 prefixserve.replica.model.loader lazily (it pulls torch and transformers). No Ray, no HTTP.
 """
 
@@ -46,13 +50,14 @@ import re
 import sys
 from array import array
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
 from tqdm import tqdm
 
+from prefixserve.router.cli import EXIT_SKIPPED
 from prefixserve.router.prefix import PREFIX_HASH_HEADER, content_text, routing_key, static_prefix
 
 DEFAULT_PREFIX_TOKENS = 512
@@ -92,10 +97,25 @@ class MalformedLine:
     reason: str
 
 
+# JSON's \u escapes can spell a lone UTF-16 surrogate, which no tokenizer or hash can encode.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _text(value: str, where: str) -> str:
+    """``value`` if it is encodable Unicode text, else ValueError naming ``where`` and the offending character."""
+    bad = _SURROGATE.search(value)
+    if bad is not None:
+        raise ValueError(f"{where} holds a lone surrogate (\\u{ord(bad.group()):04x} at character "
+                         f"{bad.start()}): not Unicode text")
+    return value
+
+
 def parse_record(obj: Any, line: int) -> PromptRecord:
     """A PromptRecord from one decoded JSON line (ValueError says what is wrong)."""
     if not isinstance(obj, Mapping):
         raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
+    if isinstance(obj.get("cache_salt"), str):
+        _text(obj["cache_salt"], "'cache_salt'")
     if "messages" in obj:
         messages = obj["messages"]
         if not isinstance(messages, list) or not messages:
@@ -104,7 +124,8 @@ def parse_record(obj: Any, line: int) -> PromptRecord:
         for i, m in enumerate(messages):
             if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
                 raise ValueError(f"messages[{i}] must be an object with a string 'role'")
-            pairs.append((m["role"], content_text(m.get("content"))))
+            pairs.append((_text(m["role"], f"messages[{i}].role"),
+                          _text(content_text(m.get("content")), f"messages[{i}].content")))
         return PromptRecord(line, static_prefix(messages) or "", tuple(pairs), None, routing_key(obj))
     if "prompt" in obj:
         prompt = obj["prompt"]
@@ -112,23 +133,31 @@ def parse_record(obj: Any, line: int) -> PromptRecord:
             prompt = prompt[0]
         if not isinstance(prompt, str):
             raise ValueError("'prompt' must be a string")
-        return PromptRecord(line, "", None, prompt, routing_key(obj))
+        return PromptRecord(line, "", None, _text(prompt, "'prompt'"), routing_key(obj))
     raise ValueError("no 'messages' or 'prompt' field")
 
 
 @dataclass
 class LogStats:
-    """Per-line bookkeeping of one pass over a log: the first malformed lines and how many there were."""
+    """Per-line bookkeeping of one pass over a log: the first malformed lines and how many there were.
+
+    ``on_malformed``, when given, is called with every malformed line as it is
+    found (the CLI prints each on stderr), not only the first ``max_reported``.
+    """
 
     max_reported: int = MAX_REPORTED_MALFORMED
     lines: int = 0
     num_malformed: int = 0
     malformed: list[MalformedLine] = field(default_factory=list)
+    on_malformed: Callable[[MalformedLine], None] | None = None
 
     def bad(self, line: int, reason: str) -> None:
         self.num_malformed += 1
+        bad = MalformedLine(line, reason)
         if len(self.malformed) < self.max_reported:
-            self.malformed.append(MalformedLine(line, reason))
+            self.malformed.append(bad)
+        if self.on_malformed is not None:
+            self.on_malformed(bad)
 
 
 def open_log(path: str | Path) -> BinaryIO:
@@ -257,6 +286,10 @@ class Detector:
 
 # Order matters: a span claimed by an earlier detector is not reported again
 # (a timestamp is not also a date; a UUID is not also a user id).
+# Every pattern runs in linear time: no unbounded repeat is followed, through
+# optional items only, by another unbounded repeat that can take the same
+# character (``\s*[:=]?\s*`` backtracks quadratically on a run of spaces), so such
+# repeats are possessive (``*+``) or folded into one; nor is one nested in another.
 DETECTORS: tuple[Detector, ...] = (
     Detector(
         "uuid",
@@ -289,7 +322,7 @@ DETECTORS: tuple[Detector, ...] = (
             # "User ID: u-42", "session_id=abc", "customer #1234"; a bare "User:" (few-shot
             # speaker labels) is not an id.
             r"\b(?:user|customer|account|client|session|tenant|member)[ _-]?"
-            r"(?:id|name|handle|number|no\.?)\s*[:=#]?\s*[\"']?[A-Za-z0-9](?:[\w.@-]*[A-Za-z0-9])?"
+            r"(?:id|name|handle|number|no\.?)\s*+[:=#]?\s*+[\"']?[A-Za-z0-9](?:[\w.@-]*[A-Za-z0-9])?"
             r"|\b(?:user|customer|account|client|session|tenant|member)\s*#\s*\d+",
             re.IGNORECASE,
         ),
@@ -299,8 +332,8 @@ DETECTORS: tuple[Detector, ...] = (
     Detector(
         "version",
         re.compile(
-            r"\[v\d+(?:\.\d+)*[\w.-]*\]|\bv\d+\.\d+(?:\.\d+)*[\w.-]*\b"
-            r"|\b(?:version|release|build|rev(?:ision)?)\s*[:=#]?\s*v?\d+(?:\.\d+)+[\w.-]*\b",
+            r"\[v\d[\w.-]*\]|\bv\d+\.\d++[\w.-]*\b"
+            r"|\b(?:version|release|build|rev(?:ision)?)\s*+[:=#]?\s*+v?\d+\.\d++[\w.-]*\b",
             re.IGNORECASE,
         ),
         "Do not version the prompt in its text (it changes with every deploy); version it by name "
@@ -331,32 +364,52 @@ class VolatileFinding:
         return self.distinct_values > 1
 
 
-def _spans(text: str) -> list[tuple[str, int, int, str]]:
-    """(kind, start, end, value) of every volatile match, earlier detectors winning overlaps."""
+def _spans(text: str, detectors: Sequence[Detector] = DETECTORS) -> list[tuple[str, int, int, str]]:
+    """(kind, start, end, value) of every volatile match, earlier detectors winning overlaps.
+
+    One regex scan per detector; the spans claimed so far are kept sorted and
+    disjoint, and each detector's matches (in order, disjoint) are merged into
+    them in one pass, so the work is linear in the text and the matches.
+    """
     taken: list[tuple[int, int]] = []
     out = []
-    for det in DETECTORS:
+    for det in detectors:
+        merged: list[tuple[int, int]] = []
+        i = 0
         for m in det.pattern.finditer(text):
             s, e = m.span()
-            if any(s < te and ts < e for ts, te in taken):
-                continue
-            taken.append((s, e))
+            # Claimed spans ending by s overlap neither this match nor any later one.
+            while i < len(taken) and taken[i][1] <= s:
+                merged.append(taken[i])
+                i += 1
+            if i < len(taken) and taken[i][0] < e:
+                continue  # overlaps an earlier detector's span
+            merged.append((s, e))
             out.append((det.kind, s, e, m.group(0)))
+        merged.extend(taken[i:])
+        taken = merged
     return out
 
 
 def _normalized_lines(text: str, spans: Sequence[tuple[str, int, int, str]]) -> list[tuple[str, int]]:
-    """Non-empty lines of a system prompt with volatile spans masked by their kind, and their offsets."""
+    """Non-empty lines of a system prompt with volatile spans masked by their kind, and their offsets.
+
+    A span is masked in the line where it starts. The spans are sorted once and
+    walked alongside the lines, each visited once.
+    """
+    ordered = sorted(spans, key=lambda t: t[1])
     out = []
     pos = 0
+    j = 0
     for raw in text.splitlines(keepends=True):
         begin, end = pos, pos + len(raw)
         pos = end
         masked, cursor = [], begin
-        for kind, s, e, _ in sorted(spans, key=lambda t: t[1]):
-            if begin <= s < end:
-                masked += [text[cursor:s], f"<{kind}>"]
-                cursor = max(cursor, min(e, end))
+        while j < len(ordered) and ordered[j][1] < end:
+            kind, s, e, _ = ordered[j]
+            j += 1
+            masked += [text[cursor:s], f"<{kind}>"]
+            cursor = max(cursor, min(e, end))
         masked.append(text[cursor:end])
         line = "".join(masked).strip()
         if line:
@@ -500,9 +553,15 @@ class Auditor:
 
     # -- per record --------------------------------------------------------------
     def add(self, record: PromptRecord) -> None:
-        """Account one record: render, tokenize, count; nothing of the prompt is kept."""
+        """Account one record: render, tokenize, count; nothing of the prompt is kept.
+
+        ValueError, before anything is counted, when the tokenizer refuses the text.
+        """
         text = render(record, self.tokenizer)
-        tokens = _encode(self.tokenizer, text)
+        try:
+            tokens = _encode(self.tokenizer, text)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"the tokenizer refused it: {exc}") from None
         self.num_records += 1
         self._prompt_tokens += len(tokens)
         prefix = tokens[: self.prefix_tokens]
@@ -680,12 +739,20 @@ def audit_file(
     max_line_bytes: int = MAX_LINE_BYTES,
     progress: bool = False,
     limits: AuditLimits = AuditLimits(),
+    on_malformed: Callable[[MalformedLine], None] | None = None,
 ) -> AuditReport:
-    """Stream a JSONL log through the audit; AuditError when nothing in it is usable."""
+    """Stream a JSONL log through the audit; AuditError when nothing in it is usable.
+
+    A line that cannot be audited (see ``iter_log``; or its text refused by the
+    tokenizer) is skipped and counted; ``on_malformed`` sees each one as it is found.
+    """
     auditor = Auditor(tokenizer, prefix_tokens, block_size, limits)
-    stats = LogStats()
+    stats = LogStats(on_malformed=on_malformed)
     for record in iter_log(path, stats, max_line_bytes, progress):
-        auditor.add(record)
+        try:
+            auditor.add(record)
+        except ValueError as exc:
+            stats.bad(record.line, str(exc))
     if not auditor.num_records:
         if not stats.num_malformed:
             raise AuditError(f"{path}: the file is empty; expected one JSON request body per line")
@@ -766,14 +833,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Audit the log and print the report.
+
+    Each skipped line is one line on stderr (``PATH:LINE: reason``). Exit status:
+    0, every line audited; EXIT_SKIPPED (router/cli.py), the report was printed
+    but some lines were skipped; 2, nothing could be audited (one error line).
+    """
+
+    def skipped(bad: MalformedLine) -> None:
+        print(f"prefixserve audit: {args.prompts}:{bad.line}: {bad.reason} (skipped)", file=sys.stderr)
+
     try:
         open_log(args.prompts).close()  # a missing file fails before the tokenizer loads
         size = Path(args.prompts).stat().st_size
         tokenizer = load_tokenizer(args.model)
         report = audit_file(args.prompts, tokenizer, args.prefix_tokens, args.block_size,
-                            max_line_bytes=args.max_line_bytes, progress=size >= PROGRESS_MIN_BYTES)
+                            max_line_bytes=args.max_line_bytes, progress=size >= PROGRESS_MIN_BYTES,
+                            on_malformed=skipped)
     except (ValueError, AuditError, OSError) as exc:
         print(f"prefixserve audit: error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(report.to_json(), indent=2, ensure_ascii=False) if args.json else format_report(report))
-    return 0
+    return EXIT_SKIPPED if report.num_malformed else 0

@@ -16,6 +16,12 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
+# Exit statuses shared by the subcommands, as linters use them: 0 all good; 2 bad
+# input or command line (one error line, nothing written); EXIT_SKIPPED: the
+# output was written, but some input records were skipped, each named by one
+# line on stderr. (1: the output could not be written, see write_output.)
+EXIT_SKIPPED = 3
+
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "replica": ("prefixserve.replica.server", "run one engine replica as an OpenAI HTTP server"),

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixserve.router.cli import arg_type, write_output
+from prefixserve.router.placement import SNAPSHOT_FORMAT
 from prefixserve.router.prefix import PREFIX_HASH_HEADER
 from prefixserve.router.ring import HashRing, RingServer
 
@@ -222,12 +223,25 @@ class PlacementMap:
 
     @classmethod
     def from_snapshot(cls, snapshot: Mapping[str, Any], servers: Sequence[RingServer]) -> PlacementMap:
-        """The map for a ``placement_snapshot`` over these nginx ``servers`` (their ring, weights included)."""
+        """The map for a ``placement_snapshot`` over these nginx ``servers`` (their ring, weights included).
+
+        ValueError, naming what is wrong, for a snapshot of another format, a
+        malformed ``members``, ``version`` or per-key ``replicas`` field, or
+        replicas that are not among ``servers``.
+        """
         if not isinstance(snapshot, Mapping) or not isinstance(snapshot.get("keys"), Mapping):
             raise ValueError("the placement is not a placement snapshot (it needs 'members' and 'keys')")
+        if snapshot.get("format") != SNAPSHOT_FORMAT:
+            raise ValueError(f"the placement's format {snapshot.get('format')!r} is not one this version reads "
+                             f"(expected {SNAPSHOT_FORMAT})")
+        version = snapshot.get("version", 0)
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"the placement's version must be a whole number >= 0, got {version!r}")
         names = [s.name for s in servers]
         members = snapshot.get("members") or []
-        unknown = sorted(set(map(str, members)) - set(names))
+        if not isinstance(members, list) or not all(isinstance(m, str) for m in members):
+            raise ValueError("the placement's members must be a list of replica names")
+        unknown = sorted(set(members) - set(names))
         if unknown:
             raise ValueError(f"the placement's members {unknown} are not among the replicas {names}: render it "
                              "from a placement over the nginx servers (host:port)")
@@ -235,7 +249,7 @@ class PlacementMap:
         entries = []
         skipped = 0
         for key, entry in sorted(snapshot["keys"].items()):
-            replicas = [str(r) for r in (entry.get("replicas") or []) if str(r) in names]
+            replicas = _entry_replicas(key, entry, names)
             if not replicas:
                 continue
             if not _MAP_KEY.fullmatch(str(key)):
@@ -244,7 +258,22 @@ class PlacementMap:
             if len(replicas) == 1 and ring.owner(key) == replicas[0]:
                 continue  # the ring already sends it there
             entries.append((str(key), tuple(salted_key(str(key), r, ring) for r in replicas)))
-        return cls(tuple(entries), int(snapshot.get("version", 0)), skipped)
+        return cls(tuple(entries), version, skipped)
+
+
+def _entry_replicas(key: str, entry: Any, names: Sequence[str]) -> list[str]:
+    """The replicas one snapshot key is placed on (primary first); ValueError if the entry is malformed."""
+    replicas = entry.get("replicas") if isinstance(entry, Mapping) else None
+    where = f"the placement's key {key[:40]!r}"
+    if not isinstance(replicas, list) or not all(isinstance(r, str) for r in replicas):
+        got = type(entry).__name__ if not isinstance(entry, Mapping) else type(replicas).__name__
+        raise ValueError(f"{where}: 'replicas' must be a list of replica names, got {got}")
+    if len(set(replicas)) != len(replicas):
+        raise ValueError(f"{where}: 'replicas' names a replica twice: {replicas}")
+    unknown = sorted(set(replicas) - set(names))
+    if unknown:
+        raise ValueError(f"{where}: replicas {unknown} are not among the replicas {list(names)}")
+    return replicas
 
 
 def load_placement(source: str, timeout_s: float = 10.0) -> dict[str, Any]:
@@ -257,6 +286,8 @@ def load_placement(source: str, timeout_s: float = 10.0) -> dict[str, Any]:
             data = json.loads(Path(source).read_text())
     except (OSError, ValueError) as exc:
         raise ValueError(f"cannot read the placement from {source}: {exc}") from None
+    except RecursionError:  # the JSON decoder recurses per nesting level
+        raise ValueError(f"cannot read the placement from {source}: JSON nested too deeply") from None
     if not isinstance(data, dict):
         raise ValueError(f"the placement in {source} is not a JSON object")
     return data

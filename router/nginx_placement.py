@@ -35,9 +35,13 @@ first line, so a rotated log replays into the placement nginx already has
 instead of one rebuilt from scratch (which would move keys, each move a cold
 prefill). Without it, replay the whole log each round.
 
-Lines that are not such JSON objects, or have no usable time, and requests
-without a key (``""``, or ``-`` from a hand-written log) are counted and
-skipped; one summary line on stderr reports them.
+Lines that are not such JSON objects (nested too deeply, a key that is not
+Unicode text), or have no usable time, are skipped, each named by one line on
+stderr (``LOG:LINE: reason``); requests without a key (``""``, or ``-`` from a
+hand-written log) are counted and left out. One summary line on stderr reports
+both. Exit status: 0; 3 (router/cli.py's EXIT_SKIPPED) when the snapshot was
+written but lines were skipped; 2 for bad input (nothing written); 1 when the
+output cannot be written. Time is linear in the log's length.
 
 Pure Python + numpy (the placement table): must not import Ray, HTTP frameworks or torch.
 """
@@ -48,12 +52,12 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import IO, Any
 
-from prefixserve.router.cli import arg_type, write_output
+from prefixserve.router.cli import EXIT_SKIPPED, arg_type, write_output
 from prefixserve.router.nginx import add_replica_argument, check_output, load_placement
 from prefixserve.router.policies import Placed, Replica, check_options, pick_options
 from prefixserve.router.ring import HashRing, RingServer
@@ -101,30 +105,42 @@ def parse_key_line(line: str) -> tuple[float, str | None]:
         record = json.loads(line)
     except ValueError:
         raise ValueError("not a JSON object") from None
+    except RecursionError:  # the decoder recurses per nesting level
+        raise ValueError("not a JSON object (nested too deeply)") from None
     if not isinstance(record, dict):
         raise ValueError("not a JSON object")
     try:
         when = float(record["msec"])
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, OverflowError):
         raise ValueError("no msec time") from None
     if not math.isfinite(when) or when < 0:
         raise ValueError(f"msec {when!r} is not a time")
     key = record.get("key")
     if not isinstance(key, str):
         raise ValueError("no key field")
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError as e:  # a \u escape spelling a lone surrogate: no hash can encode it
+        raise ValueError(f"the key holds a lone surrogate at character {e.start}: not Unicode text") from None
     return when, None if key in NO_KEY else key
 
 
-def read_key_log(lines: Iterable[str], counts: ReplayCounts) -> Iterator[tuple[float, str]]:
-    """The keyed requests of a key log, in order, as ``(time_s, key)``; skipped lines are counted in ``counts``."""
-    for line in lines:
+def read_key_log(lines: Iterable[str], counts: ReplayCounts,
+                 on_skipped: Callable[[int, str], None] | None = None) -> Iterator[tuple[float, str]]:
+    """The keyed requests of a key log, in order, as ``(time_s, key)``; skipped lines are counted in ``counts``.
+
+    ``on_skipped(line_number, reason)`` is called for each unparsable line (numbered from 1).
+    """
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         counts.lines += 1
         try:
             when, key = parse_key_line(line)
-        except ValueError:
+        except ValueError as e:
             counts.unparsed += 1
+            if on_skipped is not None:
+                on_skipped(number, str(e))
             continue
         if key is None:
             counts.no_key += 1
@@ -208,14 +224,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Replay the log and write the snapshot; 2 with one line on stderr for bad input, 1 if it cannot write."""
+    """Replay the log and write the snapshot; 2 with one line on stderr for bad input, 1 if it cannot write,
+    EXIT_SKIPPED (3) when it was written but lines were skipped (each named on stderr)."""
     servers: list[RingServer] = list(args.replica)
     counts = ReplayCounts()
+
+    def skipped(number: int, reason: str) -> None:
+        print(f"{PROG}: {args.log}:{number}: {reason} (skipped)", file=sys.stderr)
+
     try:
         options = placed_options(servers, {option: getattr(args, option) for _, option in POLICY_FLAGS})
         previous = None if args.previous is None else load_placement(args.previous)
         with _open_log(args.log) as stream:
-            snapshot = replay(read_key_log(stream, counts), servers, options, counts, previous)
+            snapshot = replay(read_key_log(stream, counts, skipped), servers, options, counts, previous)
     except (OSError, UnicodeError) as e:
         print(f"{PROG}: error: cannot read {args.log}: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
         return 2
@@ -228,4 +249,5 @@ def run(args: argparse.Namespace) -> int:
         return 2
     text = json.dumps(snapshot) + "\n"
     print(counts.summary(snapshot, servers), file=sys.stderr)
-    return write_output(PROG, text, args.output)
+    status = write_output(PROG, text, args.output)
+    return EXIT_SKIPPED if status == 0 and counts.unparsed else status

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import tracemalloc
 import uuid
+from re import _constants as RC  # the parsed form of a pattern, for its shape
+from re import _parser as RP
 
 import pytest
 
 from prefixserve.router import audit as A
+from prefixserve.router.cli import EXIT_SKIPPED
 from prefixserve.router.cli import main as cli_main
 
 
@@ -311,3 +315,287 @@ def test_progress_bar_goes_to_stderr(tmp_path, capsys) -> None:
     assert len(records) == 50
     captured = capsys.readouterr()
     assert "audit" in captured.err and captured.out == ""
+
+
+# ------------------------------------------------------- linear time, bad text, exit status
+# Linearity is shown by counting work, never by timing it: regex scans per detector,
+# comparisons between span offsets, characters handed to the tokenizer, and the
+# shape of every detector pattern (what makes a backtracking regex super-linear).
+
+_CATEGORY_PATTERNS = {
+    RC.CATEGORY_DIGIT: r"\d", RC.CATEGORY_NOT_DIGIT: r"\D", RC.CATEGORY_SPACE: r"\s",
+    RC.CATEGORY_NOT_SPACE: r"\S", RC.CATEGORY_WORD: r"\w", RC.CATEGORY_NOT_WORD: r"\W",
+}
+# Latin, a few non-ASCII spaces, digits and letters: enough to tell the patterns' classes apart.
+_ALPHABET = frozenset(map(chr, range(0x250))) | frozenset("\u00a0\u2003\u3000\u0663\u4e00")
+_REPEATS = (RC.MAX_REPEAT, RC.MIN_REPEAT, RC.POSSESSIVE_REPEAT)
+
+
+def _chars(item, icase: bool, first_only: bool) -> frozenset[str]:
+    """The characters ``item`` (a parsed regex node) can match: its first one only, or any of them."""
+    op, av = item
+    if op is RC.LITERAL:
+        c = chr(av)
+        return frozenset({c, c.lower(), c.upper()} if icase else {c})
+    if op is RC.NOT_LITERAL:
+        return _ALPHABET - _chars((RC.LITERAL, av), icase, first_only)
+    if op is RC.ANY:
+        return _ALPHABET - {"\n"}
+    if op is RC.IN:
+        out: set[str] = set()
+        for sub_op, sub_av in av:
+            if sub_op is RC.RANGE:
+                out |= _chars_range(sub_av, icase)
+            elif sub_op is RC.CATEGORY:
+                out |= {c for c in _ALPHABET if re.match(_CATEGORY_PATTERNS[sub_av], c)}
+            elif sub_op is RC.LITERAL:
+                out |= _chars((RC.LITERAL, sub_av), icase, first_only)
+        return frozenset(_ALPHABET - out) if av and av[0][0] is RC.NEGATE else frozenset(out)
+    if op is RC.AT:
+        return frozenset()
+    return frozenset().union(*(_seq_chars(s, icase, first_only) for s in _children(op, av)))
+
+
+def _chars_range(bounds, icase: bool) -> set[str]:
+    out = {chr(c) for c in range(bounds[0], bounds[1] + 1)}
+    return out | {c.swapcase() for c in out} if icase else out
+
+
+def _children(op, av) -> list:
+    """The sub-sequences of a node: a repeat's body, a group's, each branch."""
+    if op in _REPEATS:
+        return [av[2]]
+    if op is RC.SUBPATTERN:
+        return [av[3]]
+    if op is RC.ATOMIC_GROUP:
+        return [av]
+    if op is RC.BRANCH:
+        return list(av[1])
+    return []
+
+
+def _nullable(item) -> bool:
+    op, av = item
+    if op is RC.AT:
+        return True
+    if op in _REPEATS:
+        return av[0] == 0 or all(_nullable(x) for x in av[2])
+    if op is RC.BRANCH:
+        return any(all(_nullable(x) for x in s) for s in av[1])
+    if op in (RC.SUBPATTERN, RC.ATOMIC_GROUP):
+        return all(_nullable(x) for x in _children(op, av)[0])
+    return False
+
+
+def _seq_chars(seq, icase: bool, first_only: bool) -> frozenset[str]:
+    out: frozenset[str] = frozenset()
+    for item in seq:
+        out |= _chars(item, icase, first_only)
+        if first_only and not _nullable(item):
+            break
+    return out
+
+
+def _unbounded(item) -> bool:
+    return item[0] in _REPEATS and item[1][1] == RC.MAXREPEAT
+
+
+def _walk(seq):
+    for item in seq:
+        yield item
+        for sub in _children(*item):
+            yield from _walk(sub)
+
+
+def _tail(item, icase: bool) -> frozenset[str]:
+    """Characters a backtracking unbounded repeat at the end of ``item`` can give back (empty: none)."""
+    op, av = item
+    if _unbounded(item) and op is not RC.POSSESSIVE_REPEAT:
+        return _seq_chars(av[2], icase, first_only=False)
+    if op in (RC.SUBPATTERN, RC.BRANCH):
+        return frozenset().union(*(_seq_tail(s, icase) for s in _children(op, av)))
+    return frozenset()  # an atomic group or a possessive repeat keeps what it took
+
+
+def _seq_tail(seq, icase: bool) -> frozenset[str]:
+    out: frozenset[str] = frozenset()
+    for item in reversed(list(seq)):
+        out |= _tail(item, icase)
+        if not _nullable(item):
+            break
+    return out
+
+
+def backtracking_hazards(pattern: re.Pattern[str]) -> list[str]:
+    """Shapes that make a backtracking regex super-linear, in any sequence of ``pattern``.
+
+    * a backtracking unbounded repeat (or a group or branch ending in one)
+      followed, through optional items only, by another unbounded repeat whose
+      first character it can also take (``\\s*:?\\s*`` on a run of spaces: quadratic);
+    * a backtracking unbounded repeat holding another unbounded repeat (``(\\.\\d+)*``).
+    A possessive repeat (``*+``) never gives characters back, so it is no hazard.
+    """
+    icase = bool(pattern.flags & re.IGNORECASE)
+    hazards = []
+
+    def check(seq) -> None:
+        items = list(seq)
+        for i, item in enumerate(items):
+            op, av = item
+            if _unbounded(item) and op is not RC.POSSESSIVE_REPEAT and any(_unbounded(x) for x in _walk(av[2])):
+                hazards.append(f"nested unbounded repeat at item {i}")
+            takes = _tail(item, icase)
+            for later in items[i + 1:] if takes else ():
+                if _unbounded(later) and _chars(later, icase, first_only=True) & takes:
+                    hazards.append(f"adjacent overlapping repeats at item {i}")
+                    break
+                if not _nullable(later):
+                    break
+            for sub in _children(op, av):
+                check(sub)
+
+    check(RP.parse(pattern.pattern, pattern.flags))
+    return hazards
+
+
+def test_the_hazard_check_finds_the_quadratic_shapes() -> None:
+    assert backtracking_hazards(re.compile(r"id\s*[:=#]?\s*x"))
+    assert backtracking_hazards(re.compile(r"\[v\d+(?:\.\d+)*[\w.-]*\]"))
+    assert backtracking_hazards(re.compile(r"(?:a|b\d*)\d+"))  # a branch ending in a repeat
+    assert not backtracking_hazards(re.compile(r"(?>a|b\d*)\d+"))  # atomic: gives nothing back
+    assert not backtracking_hazards(re.compile(r"id\s*+[:=#]?\s*+x"))
+    assert not backtracking_hazards(re.compile(r"\d+:\d+"))  # a required ':' between: linear
+    assert not backtracking_hazards(re.compile(r"[\w.-]*[A-Za-z0-9]"))  # one unbounded repeat
+
+
+@pytest.mark.parametrize("detector", A.DETECTORS, ids=lambda d: d.kind)
+def test_detector_patterns_have_no_backtracking_hazard(detector) -> None:
+    assert backtracking_hazards(detector.pattern) == []
+
+
+class CountedInt(int):
+    """An offset that counts the comparisons made with it."""
+
+    comparisons = 0
+
+    def _count(self, other, op):
+        CountedInt.comparisons += 1
+        return op(int(self), int(other))
+
+    def __lt__(self, other): return self._count(other, int.__lt__)  # noqa: E704
+    def __le__(self, other): return self._count(other, int.__le__)  # noqa: E704
+    def __gt__(self, other): return self._count(other, int.__gt__)  # noqa: E704
+    def __ge__(self, other): return self._count(other, int.__ge__)  # noqa: E704
+
+
+class _CountedMatch:
+    def __init__(self, m: re.Match[str]) -> None:
+        self._m = m
+
+    def span(self) -> tuple[int, int]:
+        s, e = self._m.span()
+        return CountedInt(s), CountedInt(e)
+
+    def group(self, i: int = 0) -> str:
+        return self._m.group(i)
+
+
+class CountedPattern:
+    """A detector's real regex, counting its scans and handing out counted offsets."""
+
+    def __init__(self, pattern: re.Pattern[str]) -> None:
+        self.pattern = pattern
+        self.scans = 0
+
+    def finditer(self, text: str):
+        self.scans += 1
+        return (_CountedMatch(m) for m in self.pattern.finditer(text))
+
+
+def _counted_detectors() -> list[A.Detector]:
+    return [A.Detector(d.kind, CountedPattern(d.pattern), d.fix) for d in A.DETECTORS]  # type: ignore[arg-type]
+
+
+def _timestamps(n: int, sep: str) -> str:
+    # Every timestamp also matches the date detector (its overlap is resolved per match).
+    return sep.join(f"at 2024-01-{1 + i % 28:02d}T10:{i % 60:02d}:00Z v1.{i}" for i in range(n))
+
+
+def _span_work(n: int, sep: str) -> tuple[int, int, list[int]]:
+    detectors = _counted_detectors()
+    text = _timestamps(n, sep)
+    CountedInt.comparisons = 0
+    spans = A._spans(text, detectors)
+    after_spans = CountedInt.comparisons
+    A._normalized_lines(text, spans)
+    assert len(spans) == 2 * n  # a timestamp and a version each; the dates lost to the timestamps
+    return after_spans, CountedInt.comparisons - after_spans, [d.pattern.scans for d in detectors]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("sep", [" ", "\n"], ids=["one line", "a line each"])
+def test_volatile_spans_take_linear_work(sep) -> None:
+    small_spans, small_lines, scans = _span_work(500, sep)
+    large_spans, large_lines, _ = _span_work(4_000, sep)
+    assert scans == [1] * len(A.DETECTORS)  # one regex scan per detector, whatever the matches
+    # Eight times the matches: about eight times the comparisons (a quadratic merge is 64x),
+    # the sort of the masking pass adding its log factor.
+    assert large_spans <= 9 * small_spans
+    assert large_lines <= 11 * small_lines
+
+
+class CountingTokenizer(CharTokenizer):
+    """Counts the calls and the characters it tokenizes."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.chars = 0
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        self.calls += 1
+        self.chars += len(text)
+        return super().encode(text)
+
+
+@pytest.mark.parametrize("sep", [" ", "\n"], ids=["one line", "a line each"])
+def test_a_record_is_tokenized_a_bounded_number_of_times(sep) -> None:
+    for n in (100, 3_000):
+        tokenizer = CountingTokenizer()
+        record = A.parse_record(_chat(_timestamps(n, sep)), 1)
+        auditor = A.Auditor(tokenizer)
+        auditor.add(record)
+        rendered = len(A.render(record, tokenizer))
+        # The whole prompt once, plus a prefix of it per kind of finding: a bounded number of passes.
+        assert tokenizer.calls <= 2 + len(A.DETECTORS)
+        assert tokenizer.chars <= (2 + len(A.DETECTORS)) * rendered
+
+
+SURROGATE_LINES = [
+    '{"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "a\\ud800b"}]}',
+    '{"messages": [{"role": "system", "content": "hi \\udc00"}, {"role": "user", "content": "q"}]}',
+    '{"prompt": "x\\udfff"}',
+    '{"messages": [{"role": "user", "content": "q"}], "cache_salt": "\\ud834"}',
+    '{"messages": [{"role": "system", "content": "pair \\ud83d\\ude00 is fine"}, {"role": "user", "content": "q"}]}',
+]
+
+
+def test_a_lone_surrogate_skips_its_record_only(tmp_path, tok) -> None:
+    path = _write(tmp_path / "sur.jsonl", [*SURROGATE_LINES, _chat(BASE)])
+    report = A.audit_file(path, tok)
+    assert report.num_records == 2  # the surrogate pair (an emoji) and the plain chat
+    reasons = {m.line: m.reason for m in report.malformed}
+    assert sorted(reasons) == [1, 2, 3, 4]
+    assert "messages[1].content holds a lone surrogate (\\ud800 at character 1)" in reasons[1]
+    assert "messages[0].content" in reasons[2] and "'prompt'" in reasons[3] and "'cache_salt'" in reasons[4]
+
+
+def test_cli_names_each_skipped_line_on_stderr_and_exits_3(tmp_path, tok, capsys) -> None:
+    path = _write(tmp_path / "sur.jsonl", [_chat(BASE), *SURROGATE_LINES[:2], "{bad", "[" * 5_000])
+    assert cli_main(["audit", path]) == EXIT_SKIPPED == 3
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert [e.split(": ", 2)[1] for e in err] == [f"{path}:{i}" for i in (2, 3, 4, 5)]
+    assert all(e.startswith("prefixserve audit: ") and e.endswith("(skipped)") for e in err)
+    assert "Traceback" not in captured.err and "Prefix-cache audit" in captured.out
+    good = _write(tmp_path / "good.jsonl", [_chat(BASE), _chat(BASE, "again")])
+    assert cli_main(["audit", good, "--json"]) == 0
+    assert capsys.readouterr().err == ""

@@ -19,6 +19,7 @@ import pytest
 from nginx_helpers import NGINX, NginxProcess, backends_conf, free_ports, keys_owned, needs_nginx
 
 from prefixserve.router import cli
+from prefixserve.router.cli import EXIT_SKIPPED
 from prefixserve.router.nginx import KEY_LOG_FORMAT, RING_KEY_VAR, NginxConfig
 from prefixserve.router.nginx_placement import ReplayCounts, parse_key_line, read_key_log
 from prefixserve.router.prefix import PREFIX_HASH_HEADER, prefix_hash
@@ -116,12 +117,13 @@ def test_a_hot_key_is_replicated_and_rendered_as_split_clients(tmp_path, capsys)
     hot = prefix_hash("hot")
     log = "not a line\n" + hot_log(hot) + line(1_700_000_031.0, "")
     code, snap = run_placement(tmp_path, log)
-    assert code == 0 and snap is not None
+    assert code == EXIT_SKIPPED and snap is not None  # written, and the bad first line named
     assert set(snap["members"]) == set(NAMES)
     assert len(snap["keys"][hot]["replicas"]) >= 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "replayed 800 requests" in err[0]
-    assert "1 unparsable lines and 1 requests without a key" in err[0]
+    assert err[0] == f"prefixserve placement: {tmp_path / 'keys.log'}:1: not a JSON object (skipped)"
+    assert len(err) == 2 and "replayed 800 requests" in err[1]
+    assert "1 unparsable lines and 1 requests without a key" in err[1]
     conf = tmp_path / "nginx.conf"
     assert cli.main(["nginx-config", *REPLICA_ARGS, "--placement", str(tmp_path / "placement.json"),
                      "-o", str(conf)]) == 0
@@ -229,6 +231,56 @@ def test_bad_input_is_one_line_and_status_2(argv, message, tmp_path, capsys):
         message = message.replace(name, path)
     assert message in last
     assert "Traceback" not in captured.err
+
+
+def test_hostile_lines_are_named_one_each_and_the_replay_goes_on(tmp_path, capsys):
+    hot = prefix_hash("hot")
+    bad = ["[" * 100_000 + "\n",  # nested past the decoder's recursion limit
+           '{"msec": "1700000000.5", "key": "\\ud800"}\n',  # a lone surrogate: no hash can encode it
+           '{"msec": 1' + "0" * 400 + ', "key": "k"}\n']  # a time too large for a float
+    code, snap = run_placement(tmp_path, "".join(bad) + hot_log(hot, n=30))
+    assert code == EXIT_SKIPPED and snap is not None and hot in snap["keys"]
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    path = tmp_path / "keys.log"
+    assert err[:3] == [f"prefixserve placement: {path}:1: not a JSON object (nested too deeply) (skipped)",
+                       f"prefixserve placement: {path}:2: the key holds a lone surrogate at character 0: "
+                       "not Unicode text (skipped)",
+                       f"prefixserve placement: {path}:3: no msec time (skipped)"]
+    assert len(err) == 4 and "skipped 3 unparsable lines" in err[3] and "Traceback" not in captured.err
+    assert run_placement(tmp_path, hot_log(hot, n=30))[0] == 0  # nothing skipped: status 0
+
+
+def _placement_file(tmp_path: Path, snapshot) -> str:
+    path = tmp_path / "p.json"
+    path.write_text(snapshot if isinstance(snapshot, str) else json.dumps(snapshot))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"format": 2}, "the placement's format 2 is not one this version reads (expected 1)"),
+        ({"format": None}, "the placement's format None is not one this version reads"),
+        ({"version": "7"}, "the placement's version must be a whole number >= 0, got '7'"),
+        ({"members": "127.0.0.1:9101"}, "the placement's members must be a list of replica names"),
+        ({"keys": {"abc": {"replicas": NAMES[1]}}}, "key 'abc': 'replicas' must be a list of replica names, got str"),
+        ({"keys": {"abc": {"replicas": [9101]}}}, "key 'abc': 'replicas' must be a list of replica names"),
+        ({"keys": {"abc": {}}}, "key 'abc': 'replicas' must be a list of replica names, got NoneType"),
+        ({"keys": {"abc": [NAMES[1]]}}, "key 'abc': 'replicas' must be a list of replica names, got list"),
+        ({"keys": {"abc": {"replicas": [NAMES[1], NAMES[1]]}}}, "key 'abc': 'replicas' names a replica twice"),
+        ({"keys": {"abc": {"replicas": ["10.9.9.9:1"]}}}, "key 'abc': replicas ['10.9.9.9:1'] are not among"),
+        ("[" * 100_000, "JSON nested too deeply"),
+    ],
+)
+def test_nginx_config_refuses_a_malformed_placement(change, message, tmp_path, capsys):
+    snap = change if isinstance(change, str) else {"format": 1, "version": 1, "members": NAMES, "keys": {}, **change}
+    argv = ["nginx-config", *REPLICA_ARGS, "--placement", _placement_file(tmp_path, snap)]
+    assert cli.main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "Traceback" not in captured.err
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("prefixserve nginx-config: error: ") and message in err[0]
 
 
 # -- a real nginx -------------------------------------------------------------------------------
