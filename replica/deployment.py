@@ -130,6 +130,7 @@ class EngineDeployment:
 
         self.engine = AsyncEngine(EngineConfig.from_dict(dict(engine_config)))
         self.kv_events = KVEventPublisher()
+        self.engine.metrics.track_cache_bytes("kv_events", lambda: self.kv_events.nbytes)
         self.runner = RequestRunner(self.engine, self.kv_events)
         self.name = serve.get_replica_context().replica_id.to_full_id_str()
         self._stats_seq = 0

@@ -130,6 +130,18 @@ def test_the_memo_is_bounded_by_bytes_least_recently_used_out_first():
     assert len(counted) == 3
 
 
+def test_the_kv_event_memo_is_bounded_in_bytes_and_reports_its_size():
+    from prefixserve.replica.kv_events import KVEventPublisher
+
+    publisher = KVEventPublisher(max_keys=8, max_blocks_per_key=4)
+    assert publisher.nbytes == 0
+    sizes = []
+    for i in range(100):
+        publisher.remember("k" * 128 + f"{i:03d}", [bytes([i % 256]) * 16] * 50)
+        sizes.append(publisher.nbytes)
+    assert sizes[0] > 0 and max(sizes) == sizes[-1] == sizes[8] and len(publisher) == 8
+
+
 def test_a_too_long_token_id_prompt_names_the_prompt(replica):
     for prompt in ([17] * (MAX_MODEL_LEN + 1), [17] * (MAX_MODEL_LEN - 2)):
         answer = replica.request("POST", "/v1/completions", headers=AUTH, json={"prompt": prompt, "max_tokens": 8})
