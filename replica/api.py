@@ -243,7 +243,7 @@ def error_from_exception(exc: BaseException) -> APIError:
     if isinstance(exc, ValidationError):
         return _format_validation_error(exc)
     if isinstance(exc, PromptTooLongError):
-        return BadRequestError(str(exc), param="messages", code="context_length_exceeded")
+        return BadRequestError(str(exc), param=exc.param, code="context_length_exceeded")
     if isinstance(exc, RequestRejected | ValueError):
         return BadRequestError(str(exc), code="invalid_value")
     if isinstance(exc, EngineOverloadedError):
@@ -381,6 +381,15 @@ class _SamplingRequest(RequestModel):
     def _salt_not_empty(cls, value: str | None) -> str | None:
         if value is not None and not value:
             raise ValueError("cache_salt must be a non-empty string or omitted")
+        return value
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        # vLLM's rule: options of a stream are an error on a request that does not stream
+        # (``stream`` is declared first, so it is validated by now).
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options can only be set when stream is true")
         return value
 
     @property

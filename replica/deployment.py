@@ -12,7 +12,11 @@ engine's ``StreamDelta`` objects until every sequence has a finish reason
 (with logprobs asked, a :class:`TokenTexts` before each delta that brings
 token ids not decoded yet). The StreamStart comes before the engine has done
 any work, so the caller knows where the request landed even if it fails
-later; prompt processing and admission errors are raised after it.
+later. A client error (a 4xx: prompt too long, overload, bad prompt) ends the
+stream with one :class:`StreamError` item, never an exception: an exception
+raised out of a Serve replica is logged with its traceback, and the traceback's
+frames hold the request (its whole message list) for as long as anything keeps
+the exception. Server errors are raised.
 
 Invariants:
 
@@ -38,6 +42,7 @@ replica (``EngineDeployment.__init__``), so the ingress can import
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -51,7 +56,9 @@ from prefixserve.replica.engine_client import EngineRequest, ModelInfo, RequestR
 from prefixserve.replica.kv_events import KVEventPublisher
 from prefixserve.replica.outputs import StreamDelta
 
-__all__ = ["EngineDeployment", "EngineRequest", "StreamItem", "StreamStart", "TokenTexts"]
+__all__ = ["EngineDeployment", "EngineRequest", "StreamError", "StreamItem", "StreamStart", "TokenTexts"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -73,7 +80,33 @@ class TokenTexts:
     texts: dict[int, str]
 
 
-StreamItem = StreamStart | TokenTexts | StreamDelta
+@dataclass(frozen=True)
+class StreamError:
+    """Last item of a stream refused for a client error: the OpenAI error to answer, as plain fields.
+
+    Only strings and numbers, so that nothing of the request outlives it.
+    """
+
+    status_code: int
+    error_type: str
+    code: str
+    message: str
+    param: str | None = None
+    retry_after_s: float | None = None
+
+    @classmethod
+    def of(cls, err: api.APIError) -> StreamError:
+        return cls(err.status_code, err.error_type, err.code, err.message, err.param, err.retry_after_s)
+
+    def to_api_error(self) -> api.APIError:
+        """The error as the front end answers it (its status, type and code)."""
+        err = api.APIError(self.message, param=self.param, code=self.code, retry_after_s=self.retry_after_s)
+        err.status_code = self.status_code
+        err.error_type = self.error_type
+        return err
+
+
+StreamItem = StreamStart | TokenTexts | StreamDelta | StreamError
 
 
 def queued_prefill_tokens(scheduler: Any) -> int:
@@ -107,6 +140,7 @@ class EngineDeployment:
 
         self.engine = AsyncEngine(EngineConfig.from_dict(dict(engine_config)))
         self.kv_events = KVEventPublisher()
+        self.engine.metrics.track_cache_bytes("kv_events", lambda: self.kv_events.nbytes)
         self.runner = RequestRunner(self.engine, self.kv_events)
         self.name = serve.get_replica_context().replica_id.to_full_id_str()
         self._stats_seq = 0
@@ -130,27 +164,39 @@ class EngineDeployment:
     async def generate(self, request: EngineRequest) -> AsyncIterator[StreamItem]:
         """Stream one request: a StreamStart, then the engine's deltas (and TokenTexts for logprobs).
 
-        Errors (prompt too long, overload, bad prompt) are raised to the caller
-        after the StreamStart; a stream left early (the caller cancelled it) is
-        aborted in the engine.
+        A client error (prompt too long, overload, bad prompt) ends the stream with a
+        StreamError, logged as one line; a server error is raised. A stream left early
+        (the caller cancelled it) is aborted in the engine.
         """
         yield StreamStart(request_id=request.request_id, replica=self.name)
         stream = self.runner.generate(request)
         known: set[int] = set()
+        refused: StreamError | None = None
         try:
-            async for delta in stream:
-                if request.sampling.logprobs is not None:
-                    ids = set(delta.token_ids).union(*(entry.keys() for entry in delta.logprobs or ()))
-                    new = ids - known
-                    if new:
-                        known |= new
-                        yield TokenTexts({i: self.engine.tokenizer.decode([i]) for i in sorted(new)})
-                yield delta
+            try:
+                async for delta in stream:
+                    if request.sampling.logprobs is not None:
+                        ids = set(delta.token_ids).union(*(entry.keys() for entry in delta.logprobs or ()))
+                        new = ids - known
+                        if new:
+                            known |= new
+                            yield TokenTexts({i: self.engine.tokenizer.decode([i]) for i in sorted(new)})
+                    yield delta
+            except Exception as exc:
+                err = api.error_from_exception(exc)
+                if err.status_code >= 500:
+                    raise
+                refused = StreamError.of(err)
         finally:
             # Closing an unfinished engine stream aborts the request and frees its blocks.
             # Shielded: this runs while Serve cancels a stream whose caller went away.
             with anyio.CancelScope(shield=True):
                 await stream.aclose()
+        if refused is not None:
+            # Yielded outside the except block: the exception and its frames are gone by now.
+            log.info("request %s refused: %d %s: %s", request.request_id, refused.status_code, refused.code,
+                     refused.message)
+            yield refused
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """What routers see as ``RunningReplica.routing_stats`` (about one period late).

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from prefixserve.replica.bounded_memo import BoundedMemo, str_bytes
 from prefixserve.replica.config import MAX_MODEL_LEN_CAP, EngineConfig
 from prefixserve.replica.detokenizer import IncrementalDetokenizer
 from prefixserve.replica.errors import (
@@ -61,8 +62,12 @@ from prefixserve.replica.tracing import RequestTiming, RequestTracer, build_trac
 
 log = logging.getLogger(__name__)
 
-# Distinct system prompts whose token ids LLMEngine.static_prefix_tokens remembers (cleared when full).
-_STATIC_PREFIX_MEMO = 1024
+# Distinct system prompts whose token ids LLMEngine.static_prefix_tokens remembers, and their bytes
+# (least recently used out first).
+STATIC_PREFIX_MEMO_ENTRIES = 1024
+STATIC_PREFIX_MEMO_BYTES = 16 * 1024**2
+# Bytes of one memoized token id: its slot in the tuple and the int object.
+_TOKEN_ID_BYTES = 36
 
 
 @dataclass
@@ -105,6 +110,7 @@ class LLMEngine:
         with startup.phase("tokenizer"):
             self.tokenizer = loader.load_tokenizer(src)
         self.max_prompt_chars = _max_prompt_chars(self.tokenizer, self.max_model_len)
+        self.min_message_tokens = min_message_tokens(self.tokenizer)
         self.metrics = EngineMetrics(config.model_name, self.max_model_len)
         self.metrics.observe_startup(startup.phases)
         startup.log(config.model_name)
@@ -119,9 +125,10 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos)
         self._ids = itertools.count()
         # Static prefix (system messages, template kwargs) -> its token ids through the chat
-        # template (static_prefix_tokens); cleared when full. Read and written from worker threads:
-        # a dict's get and set are atomic.
-        self._static_prefix_ids: dict[Any, tuple[int, ...]] = {}
+        # template (static_prefix_tokens). Read and written from worker threads.
+        self._static_prefix_ids: BoundedMemo[tuple[int, ...]] = BoundedMemo(STATIC_PREFIX_MEMO_BYTES,
+                                                                              STATIC_PREFIX_MEMO_ENTRIES)
+        self.metrics.track_cache_bytes("static_prefix", lambda: self._static_prefix_ids.nbytes)
         self.fault_hook: Callable[[Request], None] | None = None
         # Prefix queries, hits and preemptions of the states dropped by reset(): metrics are
         # cumulative since start, so a fresh KV manager and scheduler continue from here.
@@ -197,7 +204,32 @@ class LLMEngine:
         if self.max_prompt_chars is not None and len(prompt) > self.max_prompt_chars:
             raise PromptTooLongError(
                 f"the prompt has {len(prompt)} characters, more than any prompt that fits this model's "
-                f"maximum context length of {self.max_model_len} tokens can have: shorten it")
+                f"maximum context length of {self.max_model_len} tokens can have: shorten it", param="prompt")
+
+    @property
+    def max_messages(self) -> int | None:
+        """Messages above which a chat cannot fit ``max_model_len`` (see min_message_tokens); None if unknown."""
+        return self.max_model_len // self.min_message_tokens if self.min_message_tokens else None
+
+    def check_messages_size(self, messages: list[dict[str, Any]]) -> None:
+        """Refuse (PromptTooLongError) a chat too long to fit, without rendering it.
+
+        Sound bounds only: every message renders at least ``min_message_tokens``
+        template tokens (empty ones too), and the contents alone are under the
+        character bound of ``max_prompt_chars``.
+        """
+        limit = self.max_messages
+        if limit is not None and len(messages) > limit:
+            raise PromptTooLongError(
+                f"the chat has {len(messages)} messages; each renders at least {self.min_message_tokens} "
+                f"tokens, so at most {limit} fit this model's maximum context length of "
+                f"{self.max_model_len} tokens: send fewer")
+        if self.max_prompt_chars is not None:
+            chars = sum(len(m.get("content") or "") for m in messages)
+            if chars > self.max_prompt_chars:
+                raise PromptTooLongError(
+                    f"the messages have {chars} characters, more than any prompt that fits this model's "
+                    f"maximum context length of {self.max_model_len} tokens can have: shorten them")
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -218,7 +250,9 @@ class LLMEngine:
 
         The common run of the two renderings, so a template that renders the system part
         differently on its own costs only the tokens that differ. 0 without a static prefix,
-        or when the template refuses the system messages alone. Memoized per system prompt.
+        or when the template refuses the system messages alone. Memoized per system prompt
+        (bounded in bytes): call it only for a prompt the engine admits (``validate``), so
+        that refused requests leave nothing behind.
         """
         static = static_prefix_messages(messages)
         if not static:
@@ -236,16 +270,17 @@ class LLMEngine:
             except Exception:  # noqa: BLE001 - a template that needs a user turn: no static prefix
                 ids = ()
             if key is not None:
-                if len(self._static_prefix_ids) >= _STATIC_PREFIX_MEMO:
-                    self._static_prefix_ids.clear()
-                self._static_prefix_ids[key] = ids
+                size = str_bytes(v for pair in key[0] for v in pair) + _TOKEN_ID_BYTES * len(ids)
+                self._static_prefix_ids.put(key, ids, size + 64 * len(static))
         n = len(ids)
         if tuple(prompt_ids[:n]) == ids:
             return n
         return next((i for i, (a, b) in enumerate(zip(ids, prompt_ids)) if a != b), min(n, len(prompt_ids)))
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt_ids: list[int], params: SamplingParams, *, prompt_field: str = "messages") -> None:
         """Raise RequestRejected / PromptTooLongError for a request that can never be served.
+
+        ``prompt_field``: the request field a PromptTooLongError names (``prompt`` for completions).
 
         Everything that reaches the engine loop is checked here, before it is queued:
         what SamplingParams cannot check alone (the vocabulary, max_num_seqs, the
@@ -258,7 +293,7 @@ class LLMEngine:
             raise PromptTooLongError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
                 f"{len(prompt_ids)} tokens and max_tokens is {params.max_tokens}: shorten the prompt or "
-                f"lower max_tokens")
+                f"lower max_tokens", param=prompt_field)
         vocab = self.model_config.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise RequestRejected(f"prompt token ids must be in [0, {vocab})")
@@ -275,7 +310,7 @@ class LLMEngine:
         if blocks > self.kv_manager.num_blocks:
             raise PromptTooLongError(
                 f"the request needs {blocks} KV blocks but the cache has {self.kv_manager.num_blocks}: "
-                f"shorten it or give the engine more KV memory")
+                f"shorten it or give the engine more KV memory", param=prompt_field)
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
                     cache_salt: str | None = None, arrival_time: float | None = None, *,
@@ -676,6 +711,39 @@ def _max_prompt_chars(tokenizer: Any, max_model_len: int) -> int | None:
         return None
     longest = max((len(t) for t in tokenizer.get_vocab()), default=0)
     return max_model_len * longest if longest else None
+
+
+# Roles whose empty messages min_message_tokens renders.
+_CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def min_message_tokens(tokenizer: Any) -> int:
+    """The fewest tokens the chat template renders for one message, however empty; 0 if unknown.
+
+    Measured on the template itself: for every pair of roles, the tokens of one
+    empty message, and what a second and a third empty message add to it (a
+    template that renders a message as delimiters and a role name adds the same
+    each time). The minimum over all of them bounds every message, so a chat of
+    ``n`` messages has at least ``n * min_message_tokens`` tokens. A template that
+    renders some message as nothing (skips empty ones) gives 0: no bound.
+    """
+    if getattr(tokenizer, "chat_template", None) is None:
+        return 0
+
+    def count(roles: tuple[str, ...]) -> int:
+        messages = [{"role": r, "content": ""} for r in roles]
+        return len(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=False,
+                                                 return_dict=False))
+
+    costs: list[int] = []
+    for first in _CHAT_ROLES:
+        for then in _CHAT_ROLES:
+            try:
+                one, two, three = count((first,)), count((first, then)), count((first, then, then))
+            except Exception:  # noqa: BLE001 - a template refusing this role or order: not a bound
+                continue
+            costs += [one, two - one, three - two]
+    return max(0, min(costs)) if costs else 0
 
 
 # ----------------------------------------------------------------------------------------

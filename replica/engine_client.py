@@ -78,6 +78,9 @@ class ModelInfo:
     model_name: str  # the name clients use
     model: str  # where it was loaded from (also accepted as a name)
     max_model_len: int
+    # Chats of more messages cannot fit (LLMEngine.max_messages), refused before parsing them
+    # further; None when the chat template gives no bound.
+    max_messages: int | None = None
 
     def serves(self, name: str) -> bool:
         return name in (self.model_name, self.model)
@@ -168,14 +171,15 @@ class RequestRunner:
 
     def model_info(self) -> ModelInfo:
         return ModelInfo(model_name=self.engine.model_name, model=self.engine.config.model,
-                         max_model_len=self.max_model_len)
+                         max_model_len=self.max_model_len, max_messages=self.engine.engine.max_messages)
 
     def check_prompt_size(self, request: EngineRequest) -> None:
         """Refuse (400 context_length_exceeded) a prompt that cannot fit, without tokenizing it.
 
         Text uses the engine's character bound (``LLMEngine.max_prompt_chars``:
         more characters than ``max_model_len`` of the longest token can cover).
-        A chat's contents count alone: the template only adds tokens.
+        A chat is bounded by its message count (every message renders some
+        template tokens, ``LLMEngine.max_messages``) and its contents' characters.
         """
         if isinstance(request.prompt, str):
             self.engine.engine.check_prompt_text(request.prompt)
@@ -183,24 +187,27 @@ class RequestRunner:
             if len(request.prompt) > self.max_model_len:
                 raise PromptTooLongError(
                     f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
-                    f"{len(request.prompt)} tokens")
+                    f"{len(request.prompt)} tokens", param="prompt")
         else:
-            limit = self.engine.engine.max_prompt_chars
-            chars = sum(len(m.get("content") or "") for m in request.messages or ())
-            if limit is not None and chars > limit:
-                raise PromptTooLongError(
-                    f"the messages have {chars} characters, more than any prompt that fits this model's "
-                    f"maximum context length of {self.max_model_len} tokens can have: shorten them")
+            self.engine.engine.check_messages_size(request.messages or [])
 
-    async def prompt_ids(self, request: EngineRequest) -> tuple[list[int], int]:
-        """The request's prompt token ids and how many lead them as its static prefix (the
-        system prompt's tokens, 0 for completions); template and tokenizer run in a worker thread."""
+    async def prompt_ids(self, request: EngineRequest) -> tuple[list[int], int, SamplingParams]:
+        """The request's prompt token ids, how many lead them as its static prefix (the system
+        prompt's tokens, 0 for completions) and its SamplingParams (``fit_max_tokens``); template
+        and tokenizer run in a worker thread.
+
+        The request is checked as the engine will admit it (``LLMEngine.validate``) before its
+        static prefix is rendered and memoized: a refused request leaves nothing behind.
+        """
         self.check_prompt_size(request)
+        field = "prompt" if request.prompt is not None else "messages"
 
-        def encode() -> tuple[list[int], int]:
+        def encode() -> tuple[list[int], int, SamplingParams]:
             ids = prompt_token_ids(self.engine, prompt=request.prompt, messages=request.messages)
+            params = fit_max_tokens(request, len(ids), self.max_model_len)
+            self.engine.engine.validate(ids, params, prompt_field=field)
             static = self.engine.engine.static_prefix_tokens(request.messages, ids) if request.messages else 0
-            return ids, static
+            return ids, static, params
 
         return await anyio.to_thread.run_sync(encode)
 
@@ -222,8 +229,7 @@ class RequestRunner:
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[StreamDelta]:
         """The engine's deltas for ``request``; leaving early aborts it in the engine."""
-        prompt_ids, static_prefix_tokens = await self.prompt_ids(request)
-        params = fit_max_tokens(request, len(prompt_ids), self.max_model_len)
+        prompt_ids, static_prefix_tokens, params = await self.prompt_ids(request)
         if self.kv_events is not None and request.routing_key:
             self.remember_prefix(request.routing_key, prompt_ids, request.cache_salt)
         stream = self.engine.generate(prompt_ids, params, request_id=request.request_id,

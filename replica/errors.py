@@ -8,7 +8,19 @@ class RequestRejected(ValueError):
 
 
 class PromptTooLongError(RequestRejected):
-    """Prompt (plus max_tokens) does not fit max_model_len (HTTP 400)."""
+    """Prompt (plus max_tokens) does not fit max_model_len (HTTP 400).
+
+    ``param``: the request field that is too long (``"messages"`` for a chat, ``"prompt"``
+    for a completion), named in the error answer.
+    """
+
+    def __init__(self, message: str, param: str = "messages") -> None:
+        super().__init__(message)
+        self.param = param
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Pickled across Ray with its param (BaseException's default keeps only args).
+        return type(self), (str(self), self.param)
 
 
 class EngineOverloadedError(RuntimeError):

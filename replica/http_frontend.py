@@ -21,8 +21,11 @@ Invariants:
   in-flight slot (:class:`InFlightSlot`) is taken only after the body is read.
 * Every generation answer (errors included) carries ``X-Request-Id``: the
   client's own when it sent a valid one, else the id generated here. The
-  engine request id is ``<id_prefix>-<client id>`` or the generated id, so the
-  engine's and the replica's log lines and the answer's ``id`` name it.
+  answer's ``id`` is ``<id_prefix>-<client id>`` or the generated id; the
+  engine request id adds a random suffix to the client's (as vLLM does), so
+  concurrent requests with the same client id all run. Log lines name both.
+* A client error (4xx, a client gone while its body is read) logs one line at
+  info, never a traceback; only server errors (5xx) log at error.
 
 Imports FastAPI and the replica's framework-free modules; never Ray, torch or
 ``router`` (the ingress passes its routing-key function in).
@@ -33,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -41,6 +45,7 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from prefixserve.replica import api, openai_serving
 from prefixserve.replica.api import OpenAIRequest
@@ -51,6 +56,7 @@ from prefixserve.replica.engine_client import (
     ModelInfo,
     is_conversation_turn,
 )
+from prefixserve.replica.errors import PromptTooLongError
 from prefixserve.replica.log_json import REQUEST_ID
 from prefixserve.replica.openai_serving import Generation
 from prefixserve.replica.tracing import trace_headers
@@ -190,12 +196,15 @@ async def _read_body(request: Request, max_body_bytes: int) -> bytes:
                 f"request body is {declared_len} bytes; this server accepts at most {max_body_bytes}")
     chunks: list[bytes] = []
     received = 0
-    async for chunk in request.stream():
-        received += len(chunk)
-        if received > max_body_bytes:
-            raise api.PayloadTooLargeError(
-                f"request body exceeds {max_body_bytes} bytes, the most this server accepts")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            received += len(chunk)
+            if received > max_body_bytes:
+                raise api.PayloadTooLargeError(
+                    f"request body exceeds {max_body_bytes} bytes, the most this server accepts")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientDisconnected() from None
     return b"".join(chunks)
 
 
@@ -227,11 +236,14 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
 
 
 def error_response(exc: BaseException, request_id: str | None = None) -> JSONResponse:
-    """The OpenAI error answer to ``exc`` (logged, with ``request_id``, when it is a server error)."""
+    """The OpenAI error answer to ``exc``, logged with ``request_id``: a server error at error
+    (with its traceback unless it is an APIError), a client error as one line at info."""
     err = api.error_from_exception(exc)
     if err.status_code >= 500:
         log.error("request %s failed: %s", request_id or "-", err.message,
                   exc_info=exc if not isinstance(exc, api.APIError) else None)
+    else:
+        log.info("request %s refused: %d %s: %s", request_id or "-", err.status_code, err.code, err.message)
     return JSONResponse(err.body(), status_code=err.status_code, headers=err.headers())
 
 
@@ -320,17 +332,39 @@ def client_request_id(headers: Mapping[str, str]) -> str | None:
     return value
 
 
+def check_message_count(body_cls: type[OpenAIRequest], data: Mapping[str, Any], info: ModelInfo) -> None:
+    """Refuse (400 context_length_exceeded) a chat of more messages than can fit, before validating them.
+
+    Validating and rendering a message costs far more than counting it, so a chat of
+    100,000 empty messages costs one ``len`` (``ModelInfo.max_messages``).
+    """
+    messages = data.get("messages")
+    limit = info.max_messages
+    if "messages" in body_cls.model_fields and isinstance(messages, list) and limit is not None \
+            and len(messages) > limit:
+        raise api.error_from_exception(PromptTooLongError(
+            f"the chat has {len(messages)} messages; at most {limit} fit this model's maximum context "
+            f"length of {info.max_model_len} tokens (each renders some template tokens): send fewer"))
+
+
+def answer_id(body: OpenAIRequest, client_id: str | None, prepared: EngineRequest) -> str:
+    """The answer's ``id``: ``<id_prefix>-<client id>`` for a client's X-Request-Id, else the engine's."""
+    return prepared.request_id if client_id is None else f"{body.id_prefix}-{client_id}"
+
+
 def engine_request(body: OpenAIRequest, info: ModelInfo, routing_key: str | None,
                    client_id: str | None = None, headers: Mapping[str, str] | None = None) -> EngineRequest:
     """What the engine is asked: the client's max_tokens, or the default the engine host fits to the prompt.
 
-    ``client_id``: the client's X-Request-Id, which the engine request id then carries.
+    ``client_id``: the client's X-Request-Id, which the engine request id then carries, with a
+    random suffix: engine ids stay unique when clients reuse theirs.
     ``headers``: the HTTP request's, whose W3C trace context the engine's spans hang under.
     """
     default_max = body.default_max_tokens(info.max_model_len)
     prompt = body.prompt_fields()
     return EngineRequest(
-        request_id=api.new_id(body.id_prefix) if client_id is None else f"{body.id_prefix}-{client_id}",
+        request_id=(api.new_id(body.id_prefix) if client_id is None
+                    else f"{body.id_prefix}-{client_id}-{uuid.uuid4().hex[:8]}"),
         **prompt,
         sampling=body.to_sampling_params(default_max_tokens=default_max, max_model_len=info.max_model_len),
         max_tokens_default=None if body.requested_max_tokens() is not None else default_max,
@@ -371,18 +405,21 @@ async def handle_generate(
         slot = request.scope.get(IN_FLIGHT_SLOT_SCOPE_KEY)
         if slot is not None:
             slot.take()
-        body = api.validate_request(body_cls, data)
         info = await client.model_info()
+        check_message_count(body_cls, data, info)
+        body = api.validate_request(body_cls, data)
         model = check_model(info, body.model)
         key = routing_key(data, request.headers) if routing_key is not None else None
         prepared = engine_request(body, info, key, client_id, request.headers)
         request_id = client_id or prepared.request_id
         REQUEST_ID.set(request_id)  # this task's log lines name the request (replica/log_json.py)
-        log.info("request %s: %s, routing key %s", request_id, request.url.path, key)
+        log.info("request %s (engine %s): %s, routing key %s", request_id, prepared.request_id,
+                 request.url.path, key)
         stream = client.open_stream(prepared)
-        gen = Generation(prepared.request_id, stream)
+        gen = Generation(answer_id(body, client_id, prepared), stream)
         await start_generation(request, gen)
     except ClientDisconnected:
+        log.info("request %s: the client disconnected before its answer", request_id or "-")
         return Response(status_code=499)
     except Exception as exc:
         echoed = request_id if options.echo_request_id else None
@@ -397,6 +434,16 @@ async def handle_models(request: Request, client: EngineClient, options: Fronten
     info = await client.model_info()
     card = api.ModelCard(id=info.model_name, root=info.model, max_model_len=info.max_model_len)
     return JSONResponse(api.ModelList(data=[card]).model_dump())
+
+
+async def handle_openapi(request: Request, app: FastAPI, options: FrontendOptions) -> JSONResponse:
+    """``GET /openapi.json``: the application's OpenAPI schema, behind the API key like ``/v1/*``.
+
+    Hosts build their app with ``openapi_url=None`` (and no /docs, /redoc) and route this instead,
+    so that a key-protected server does not describe itself to anyone who asks.
+    """
+    check_auth(request, options)
+    return JSONResponse(app.openapi())
 
 
 async def handle_health(client: EngineClient) -> Response:

@@ -46,6 +46,7 @@ GIL, so the engine thread may run meanwhile).
 
 from __future__ import annotations
 
+import sys
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -98,6 +99,16 @@ class KVEventPublisher:
 
     def __len__(self) -> int:
         return len(self._keys)
+
+    @property
+    def nbytes(self) -> int:
+        """Estimated bytes of the remembered keys and hashes: at most ``max_keys`` keys (routing keys
+        are short, a client's X-Prefix-Hash at most router/prefix.py's max_header_len) of at most
+        ``max_blocks_per_key`` hashes each, so bounded in bytes too."""
+        total = 0
+        for key, state in list(self._keys.items()):
+            total += sys.getsizeof(key) + 200 + sum(sys.getsizeof(h) + 8 for h in state.hashes) + 8 * len(state.present)
+        return total
 
     def prefix_blocks(self, key: str) -> int | None:
         """How many blocks ``remember`` still hashes for ``key`` (None: a new key, up to the cap)."""

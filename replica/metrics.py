@@ -17,7 +17,7 @@ nothing here reads engine internals. Also ``EngineStats``, the snapshot that
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import astuple, dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -181,6 +181,9 @@ class EngineMetrics:
         self.startup = Gauge("prefixserve:engine_startup_seconds",
                              "Seconds this engine spent starting, by phase (see replica/model/startup.py).",
                              labels + ["phase"], registry=r)
+        self.cache_bytes = Gauge("prefixserve:request_cache_bytes",
+                                 "Estimated bytes held by each memo or cache on the request path, by name "
+                                 "(each is bounded in bytes).", labels + ["cache"], registry=r)
         self._cache_config: Gauge | None = None
         self._last_queries = 0
         self._last_hits = 0
@@ -259,6 +262,10 @@ class EngineMetrics:
     def observe_abort(self) -> None:
         """Count a request aborted before it finished (its client left); its timings are not recorded."""
         self.request_success["abort"].inc()
+
+    def track_cache_bytes(self, cache: str, nbytes: Callable[[], float]) -> None:
+        """Export ``nbytes()`` as ``prefixserve:request_cache_bytes{cache}``, read at each scrape."""
+        self.cache_bytes.labels(self.model_name, ENGINE_INDEX, cache).set_function(nbytes)
 
     def observe_restart(self) -> None:
         """Count one engine restart (AsyncEngine reset its state after a fatal failure)."""

@@ -244,7 +244,7 @@ def build_app(
 ) -> FastAPI:
     """The FastAPI application serving ``engine``.
 
-    ``api_keys``: when given, ``/v1/*`` needs ``Authorization: Bearer <key>`` with
+    ``api_keys``: when given, ``/v1/*`` and ``/openapi.json`` need ``Authorization: Bearer <key>`` with
     one of them (``/health`` and ``/metrics`` stay open for probes and scrapers).
     ``max_body_bytes``: larger request bodies get 413. ``replica_name``: the value
     of the ``X-Prefixserve-Replica`` response header. ``on_engine_dead``: called
@@ -274,7 +274,7 @@ def build_app(
                 watchdog.cancel()
             await engine.shutdown()
 
-    app = FastAPI(title="prefixserve replica", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="prefixserve replica", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(GenerationGateMiddleware, counter=InFlightCounter(max_in_flight, RETRY_AFTER_S), drain=drain)
     # Added last, so outermost: the 429 of the cap and the drain's 503 name the replica too.
     app.add_middleware(ReplicaHeaderMiddleware, replica_name=replica_name)
@@ -291,6 +291,10 @@ def build_app(
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(request: Request) -> JSONResponse:
+        return await http_frontend.handle_openapi(request, app, options)
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:

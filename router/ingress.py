@@ -70,7 +70,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from prefixserve.replica import api, http_frontend
 from prefixserve.replica.config_util import from_dict
-from prefixserve.replica.deployment import EngineRequest, StreamStart, TokenTexts
+from prefixserve.replica.deployment import EngineRequest, StreamError, StreamStart, TokenTexts
 from prefixserve.replica.engine_client import ModelInfo
 from prefixserve.replica.http_frontend import DEFAULT_MAX_BODY_BYTES, REPLICA_HEADER, FrontendOptions
 from prefixserve.replica.outputs import StreamDelta
@@ -190,6 +190,8 @@ class RemoteStream:
                 self.replica = item.replica
             elif isinstance(item, TokenTexts):
                 self._texts.update(item.texts)
+            elif isinstance(item, StreamError):
+                raise item.to_api_error()
             else:
                 return item
 
@@ -304,7 +306,7 @@ class ServeEngineClient:
         return RemoteStream(self._handle, request, self._max_attempts, self._observe)
 
 
-app = FastAPI(title="prefixserve", docs_url=None, redoc_url=None)
+app = FastAPI(title="prefixserve", docs_url=None, redoc_url=None, openapi_url=None)
 http_frontend.add_error_handlers(app)
 
 
@@ -465,6 +467,10 @@ class OpenAIIngress:
         response = JSONResponse({**snapshot, "held": router.kv_held()})
         response.headers["X-Prefixserve-Placement-Leader"] = self.placement_leader or ""
         return self._named(response)
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(self, request: Request) -> JSONResponse:
+        return self._named(await http_frontend.handle_openapi(request, app, self.options))
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:

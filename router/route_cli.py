@@ -3,7 +3,10 @@
 Job: compute a routing key (from ``--key`` or from ``--system`` text with
 ``--cache-salt``), then print its crc32, the replica the ring picks (as nginx
 with the same ``server`` lines would) and the ring successors a request falls
-back to. Pure: no network, no Ray.
+back to. The key of ``--system`` is the one the router computes for a chat
+whose system message is that text (router/prefix.py's ``routing_key``): an empty
+static prefix has no key, so no affinity (the policy routes such a request by
+load), and the command says so. Pure: no network, no Ray.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import json
 import sys
 
 from prefixserve.router.cli import arg_type
-from prefixserve.router.prefix import PREFIX_HASH_HEADER, prefix_hash, validate_prefix_hash
+from prefixserve.router.prefix import PREFIX_HASH_HEADER, routing_key, validate_prefix_hash
 from prefixserve.router.ring import MAX_WEIGHT, HashRing, RingServer, key_hash
 
 
@@ -52,15 +55,24 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError("--cache-salt applies to --system only: a --key is already salted")
             key = args.key
         else:
-            key = prefix_hash(args.system, args.cache_salt)
+            body = {"messages": [{"role": "system", "content": args.system}], "cache_salt": args.cache_salt}
+            key = routing_key({k: v for k, v in body.items() if v is not None})
     except ValueError as e:
         print(f"prefixserve route: error: {e}", file=sys.stderr)
         return 2
+    if key is None:
+        if args.json:
+            print(json.dumps({"key": None, "affinity": False}))
+        else:
+            print("no routing key: the static prefix is empty, so the request has no affinity "
+                  "(the policy routes it by load)")
+        return 0
 
     down = set(args.down)
     usable = [n for n in ring.names if n not in down]
     result = {
         "key": key,
+        "affinity": True,
         "crc32": key_hash(key),
         "owner": ring.owner(key),
         "replica": ring.lookup(key, usable),

@@ -44,7 +44,7 @@ def test_chat_request_parses_roles_content_parts_and_harmless_fields():
                 {"role": "assistant", "content": None},
                 {"role": "tool", "content": "42", "tool_call_id": "t1"},
             ],
-            "stream_options": {"include_usage": True, "include_obfuscation": True},
+            "stream": True, "stream_options": {"include_usage": True, "include_obfuscation": True},
             "logit_bias": {},
             # Harmless fields real clients send: accepted and ignored.
             "user": "u-1", "safety_identifier": "s", "metadata": {"k": "v"}, "store": False,
@@ -60,7 +60,7 @@ def test_chat_request_parses_roles_content_parts_and_harmless_fields():
         {"role": "tool", "content": "42"},
     ]
     assert req.include_usage
-    assert not req.stream
+    assert req.stream
 
 
 @pytest.mark.parametrize(
@@ -79,6 +79,11 @@ def test_chat_request_parses_roles_content_parts_and_harmless_fields():
         (json.dumps({"messages": [{"role": "user", "content": "x"}], "stream": True, "prompt_logprobs": 1}),
          "prompt_logprobs"),
         (json.dumps({"messages": [{"role": "user", "content": "x"}], "cache_salt": ""}), "cache_salt"),
+        # vLLM's rule: stream_options only with stream: true.
+        (json.dumps({"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": True}}),
+         "stream_options"),
+        (json.dumps({"messages": [{"role": "user", "content": "x"}], "stream": False, "stream_options": {}}),
+         "stream_options"),
     ],
 )
 def test_malformed_or_incomplete_chat_bodies_are_400(body, param):

@@ -11,6 +11,7 @@ import asyncio
 import random
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -157,6 +158,49 @@ def test_x_request_id_reaches_the_engine_and_comes_back_once(base):
     generated = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)
     (request_id,) = generated.headers.get_list("x-request-id")  # Serve's proxy made one up
     assert generated.json()["id"] == f"chatcmpl-{request_id}"
+
+
+def test_concurrent_requests_with_one_request_id_all_run(base):
+    body = {"prompt": "hello there", "max_tokens": 4, "ignore_eos": True}
+
+    async def main() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=120) as http:
+            return await asyncio.gather(*(http.post(f"{base}/v1/completions", json=body,
+                                                    headers={"X-Request-Id": "same-9"}) for _ in range(4)))
+
+    answers = asyncio.run(main())
+    assert [a.status_code for a in answers] == [200] * 4, [a.text for a in answers]
+    assert all(a.headers.get_list("x-request-id") == ["same-9"] for a in answers)
+    assert {a.json()["id"] for a in answers} == {"cmpl-same-9"}
+
+
+def serve_log_lines(deployment: str) -> list[str]:
+    """Every line the app's ``deployment`` replicas logged so far (Serve's per-replica log files)."""
+    import ray
+
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+    return [line for path in sorted(logs.glob(f"replica_prefixserve_{deployment}_*.log"))
+            for line in path.read_text(errors="replace").splitlines()]
+
+
+def test_prompt_too_long_is_a_400_with_no_traceback_in_any_replica_log(base):
+    before = {d: len(serve_log_lines(d)) for d in ("Engine", "Ingress")}
+    # Few characters per token, so only the rendered chat shows it is too long: the engine refuses it.
+    rendered = {"messages": [{"role": "system", "content": "x1 " * 1500}, {"role": "user", "content": "q"}],
+                "max_tokens": 1}
+    # More messages than can fit: the ingress refuses it before validating them.
+    many = {"messages": [{"role": "system", "content": ""}] * 50_000 + [{"role": "user", "content": "q"}],
+            "max_tokens": 1}
+    with httpx.Client(timeout=120) as http:
+        for i, body in enumerate([rendered, many] * 2):
+            answer = http.post(f"{base}/v1/chat/completions", json=body, headers={"X-Request-Id": f"long-{i}"})
+            assert answer.status_code == 400, answer.text
+            assert answer.json()["error"]["code"] == "context_length_exceeded"
+            assert answer.json()["error"]["param"] == "messages"
+        assert chat(base, "still serving").status == 200
+    new = [line for d, n in before.items() for line in serve_log_lines(d)[n:]]
+    assert not [line for line in new if "Traceback" in line or "PromptTooLongError" in line], new[-40:]
+    assert any("long-0" in line for line in new), new[-40:]  # the refusal is logged, with its id
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_replica(base):

@@ -143,8 +143,11 @@ invalid_message = st.one_of(
     valid_message.map(lambda m: {k: v for k, v in m.items() if k != "role"}),
     odd_values,
 )
+# More empty messages than can fit (each renders some template tokens): refused before rendering.
+too_many_messages = st.builds(lambda n, role: [{"role": role, "content": ""}] * n, st.integers(MAX_MODEL_LEN, 5000),
+                              st.sampled_from(["system", "developer", "user", "assistant", "tool"]))
 messages = Field(st.lists(valid_message, min_size=1, max_size=4),
-                 st.one_of(st.just([]), small_text,
+                 st.one_of(st.just([]), small_text, too_many_messages,
                            st.tuples(st.lists(valid_message, max_size=2), invalid_message).map(
                                lambda t: [*t[0], t[1]])))
 prompt = Field(
@@ -165,6 +168,8 @@ def request_bodies(draw: st.DrawFn, prompt_field: str, prompt_values: Field, fie
         value = draw(st.one_of(fields[name].valid, st.just(_SKIP)))
         if value is not _SKIP:
             body[name] = value
+    if "stream_options" in body:
+        body["stream"] = True  # stream_options without stream: true is a 400 (vLLM's rule)
     if body.get("stream") or "max_completion_tokens" in body:
         # Sometimes no max_tokens (what fits / 16): kept to streams and max_completion_tokens, as it is long.
         if draw(st.booleans()):
@@ -198,7 +203,9 @@ def check_answer(replica: InProcessReplica, path: str, content: bytes, statuses:
     response = replica.request("POST", path, content=content, headers={"content-type": "application/json"})
     statuses[response.status_code] += 1
     if response.status_code != 200:
-        assert_openai_error(response)
+        error = assert_openai_error(response)
+        if error["code"] == "context_length_exceeded":  # names the field that is too long
+            assert error["param"] == ("messages" if path.endswith("chat/completions") else "prompt"), error
         return
     if response.headers["content-type"].startswith("text/event-stream"):
         events = [line[len("data: "):] for line in response.text.split("\n") if line.startswith("data: ")]

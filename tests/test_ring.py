@@ -324,6 +324,26 @@ def test_route_cli_prints_key_owner_and_fallbacks(capsys):
     assert cli.main(["route", "--replica", "a:1", "--key", "k", "--down", "b:1"]) == 2
 
 
+def test_route_cli_prints_the_key_the_router_uses_and_no_key_for_an_empty_system_prompt(capsys):
+    import json
+
+    from prefixserve.router import cli
+    from prefixserve.router.prefix import routing_key
+
+    for system, salt in (("You are terse.", None), ("You are terse.", "tenant"), ("", None), ("", "tenant")):
+        body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": "q"}],
+                **({"cache_salt": salt} if salt else {})}
+        expected = routing_key(body)
+        argv = ["route", "--replica", "a:1", "--system", system, "--json", *(["--cache-salt", salt] if salt else [])]
+        assert cli.main(argv) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["key"] == expected and out["affinity"] == (expected is not None), (system, salt, out)
+    # An empty static prefix has no affinity: the text says so and prints no key.
+    assert cli.main(["route", "--replica", "a:1", "--system", ""]) == 0
+    text = capsys.readouterr().out
+    assert "no affinity" in text and "X-Prefix-Hash" not in text
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_the_distance_table_orders_servers_as_the_walk_does(seed: int) -> None:
     # Rings of every size and weight mix, asked through the table and through the point walk
