@@ -266,14 +266,13 @@ def process_logits(logits: torch.Tensor, specs: list[SampleSpec]) -> dict[int, E
        then the min_tokens ban (a ban wins over any bias).
     2. Penalties, batched over the rows that set one: repetition (prompt and output
        tokens), then frequency and presence (output tokens).
-    3. The place of the grammar bitmask of structured output (after penalties,
-       before temperature): none is applied yet.
+    3. Where the grammar bitmask of structured output belongs: after penalties,
+       before temperature.
 
     A row with no work in a stage is not touched by it; a batch with none costs
     nothing. A row whose own work fails is zeroed and reported. A row left with no
     token at all is ``sample``'s to report (its top logit is -inf).
     """
-
     errors: dict[int, Exception] = {}
     masked = [i for i, spec in enumerate(specs) if spec.masks_row]
     for i in masked:
