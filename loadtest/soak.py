@@ -29,7 +29,8 @@ nothing is sent and /metrics is polled until ``vllm:num_requests_running`` and
 Per bucket it reports requests by kind and status, TTFT p50/p99 of the normal
 chats, the RSS of every server process (psutil: the replica and its children,
 or every process this one started for the cluster), open file descriptors and
-threads. ``--compare-baseline`` first runs a phase with no hostile share
+threads. A few unrecorded chats warm the server up before the first phase.
+``--compare-baseline`` first runs a phase with no hostile share
 (``--baseline-s``) on the same server, so the TTFT p99 ratio comes from one
 invocation. It then evaluates the targets and prints PASS/FAIL for each:
 
@@ -347,6 +348,12 @@ class Traffic:
     async def __aexit__(self, *exc: object) -> None:
         if self.client is not None:
             await self.client.aclose()
+
+    async def warm_up(self) -> None:
+        """A few chats (twice as many as system prompts), not recorded, so that the first phase does not start cold."""
+        scratch = Bucket(-1, 0.0)
+        for _ in range(2 * len({json.dumps(b["messages"][0]) for b in self.bodies})):
+            await self.chat(scratch)
 
     # -- actions: each records into ``bucket`` ---------------------------------------------------
     async def chat(self, bucket: Bucket) -> None:
@@ -683,6 +690,8 @@ async def _drive(config: SoakConfig, server: StandaloneServer | ClusterServer) -
     phases: dict[str, list[Bucket]] = {}
     total = config.duration_s + (config.baseline_s if config.compare_baseline else 0.0)
     async with Traffic(config, server.base_url, server.port) as traffic:
+        await traffic.warm_up()
+        traffic.t0 = time.perf_counter()
         with tqdm(total=round(total), unit="s", desc="soak", file=sys.stderr) as bar:
             if config.compare_baseline:
                 phases["baseline"] = await run_phase(config, traffic, server, name="baseline",
@@ -691,6 +700,7 @@ async def _drive(config: SoakConfig, server: StandaloneServer | ClusterServer) -
             soak_start = time.perf_counter() - traffic.t0
             phases["soak"] = await run_phase(config, traffic, server, name="soak", duration_s=config.duration_s,
                                              hostile_share=config.hostile_share, samples=samples, bar=bar)
+            bar.n = bar.total
     targets = evaluate(phases, samples, soak_start, config.warmup_s)
     return {
         "config": asdict(config),
