@@ -14,6 +14,8 @@ import numbers
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from prefixserve.replica.structured_output.params import StructuredOutputsParams
+
 MAX_N = 16
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): 1e-45 is a float64 but 0 in
 # float32, and logits / 0 would turn the row into NaN.
@@ -59,7 +61,8 @@ class SamplingParams:
     request sent with that seed. ``logit_bias`` maps token ids to a bias in
     [-100, 100] added to their logits before sampling (OpenAI's semantics; at most
     300 entries). Stop lists are bounded: at most 16 stop strings of at most 256
-    characters each, at most 64 stop token ids.
+    characters each, at most 64 stop token ids. ``structured_outputs`` constrains the
+    output to a JSON schema, regex, choice or grammar (grammar-constrained decoding).
     """
 
     n: int = 1
@@ -74,6 +77,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -99,6 +103,9 @@ class SamplingParams:
         self._check_stops()
         # An empty map is no map: the sampler then skips the bias entirely.
         self.logit_bias = self._checked_logit_bias(self.logit_bias) if self.logit_bias else None
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                  StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams")
 
     def _check_stops(self) -> None:
         if len(self.stop) > MAX_STOP_STRINGS:
