@@ -72,6 +72,8 @@ class Request:
     # Leading prompt tokens that are its static prefix (the system prompt's): their blocks are
     # released as reused content (SchedulerConfig.protect_static_prefix; BlockPool.mark_reused).
     static_prefix_tokens: int = 0
+    # The compiled grammar of its structured_outputs constraint (replica/structured_output/); None = free.
+    grammar: Any = None
 
     @property
     def finished(self) -> bool:
@@ -102,6 +104,8 @@ class Sequence:
     detok: Any = None  # IncrementalDetokenizer
     last_token_time: float | None = None
     num_preemptions: int = 0
+    # Its matcher when the request is constrained (structured_output.state.SequenceGrammar).
+    grammar: Any = None
 
     @property
     def num_tokens(self) -> int:
