@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from prefixserve.replica.structured_output.backend import GrammarError, Matcher
-from prefixserve.replica.structured_output.params import StructuredOutputsParams
+from prefixserve.replica.structured_output.params import MAX_JSON_WHITESPACE, StructuredOutputsParams
 
 if TYPE_CHECKING:
     import torch
@@ -66,12 +66,15 @@ class XGrammarBackend:
 
     def compile(self, params: StructuredOutputsParams) -> XGrammarGrammar:
         kind = params.kind
+        whitespace: dict[str, Any] = ({"any_whitespace": False, "separators": (",", ":")}
+                                      if params.disable_any_whitespace else
+                                      {"any_whitespace": True, "max_whitespace_cnt": MAX_JSON_WHITESPACE})
         try:
             if kind == "json":
-                compiled = self.compiler.compile_json_schema(params.spec, any_whitespace=True)
+                compiled = self.compiler.compile_json_schema(params.spec, **whitespace)
             elif kind == "json_object":
                 # OpenAI: "the message the model generates is valid JSON" and an object.
-                compiled = self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=True)
+                compiled = self.compiler.compile_json_schema('{"type": "object"}', **whitespace)
             elif kind == "regex":
                 compiled = self.compiler.compile_regex(params.spec)
             elif kind == "choice":
