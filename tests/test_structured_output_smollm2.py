@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 def test_fifty_seeded_schemas_all_validate():
     schemas = seeded_schemas(50, seed=29)
     with LLM("smollm2", max_num_seqs=64, max_model_len=1024) as llm:
-        params = [SamplingParams(temperature=0.0, max_tokens=160, structured_outputs=StructuredOutputsParams(json=s))
+        params = [SamplingParams(temperature=0.0, max_tokens=192, structured_outputs=StructuredOutputsParams(json=s))
                   for s in schemas]
         outputs = llm.chat([schema_chat(s) for s in schemas], params)
     for schema, out in zip(schemas, outputs, strict=True):
