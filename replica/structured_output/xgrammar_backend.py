@@ -63,6 +63,7 @@ class XGrammarBackend:
                                                        stop_token_ids=sorted(stop_token_ids))
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=max_threads, cache_enabled=False)
         self.batch = xgr.BatchGrammarMatcher(max_threads=max_threads)
+        self._bitmask: torch.Tensor | None = None
 
     def compile(self, params: StructuredOutputsParams) -> XGrammarGrammar:
         kind = params.kind
@@ -90,7 +91,11 @@ class XGrammarBackend:
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
         import xgrammar as xgr
 
-        return xgr.allocate_token_bitmask(rows, self.vocab_size)
+        # One buffer, grown on demand: filling a row overwrites all of it and only filled rows are
+        # applied, so nothing needs clearing between steps (the engine thread is its only user).
+        if self._bitmask is None or self._bitmask.shape[0] < rows:
+            self._bitmask = xgr.allocate_token_bitmask(max(rows, 64), self.vocab_size)
+        return self._bitmask[:rows]
 
     def fill_bitmasks(self, matchers: list[Matcher], bitmask: torch.Tensor, rows: list[int]) -> None:
         self.batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
