@@ -20,8 +20,7 @@ Invariants:
   refused (400, code ``unsupported_parameter`` / ``unsupported_value``) when set
   to a value that would change the answer, never silently ignored:
   ``tools`` / ``functions`` (non-empty), ``function_call`` / ``tool_choice``
-  other than ``"none"``, ``parallel_tool_calls``, ``response_format`` other than
-  ``{"type": "text"}``, ``audio``, ``modalities`` other than ``["text"]``,
+  other than ``"none"``, ``parallel_tool_calls``, ``audio``, ``modalities`` other than ``["text"]``,
   ``prediction``, ``web_search_options``, ``reasoning_effort``, ``verbosity``,
   ``moderation``, ``store: true``, ``service_tier`` other than ``auto`` /
   ``default``; completions' ``suffix`` and ``best_of`` != ``n``.
@@ -42,6 +41,11 @@ Invariants:
   event sizes; events go unpadded).
 * ``logit_bias`` (token id strings to a bias in [-100, 100]) maps onto
   ``SamplingParams.logit_bias``.
+* Structured output, on both endpoints: ``response_format`` (``text``,
+  ``json_object``, ``json_schema``) and vLLM's ``structured_outputs`` and
+  ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``
+  map onto ``SamplingParams.structured_outputs`` (at most one of them;
+  replica/structured_output/openai_fields.py).
 
 Pure data: pydantic and the replica's plain types only; must not import an HTTP
 framework, Ray or torch.
@@ -66,6 +70,7 @@ from prefixserve.replica.errors import (
     RequestRejected,
 )
 from prefixserve.replica.sampling import SamplingParams
+from prefixserve.replica.structured_output.openai_fields import StructuredOutputFieldError, StructuredOutputFields
 
 # Completions' legacy default (OpenAI documents 16); chat defaults to "what fits".
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -368,6 +373,13 @@ class _SamplingRequest(RequestModel):
     prompt_logprobs: Int | None = None
     cache_salt: str | None = None  # vLLM extension: isolates the prefix cache per tenant
     user: str | None = None
+    # Structured output (replica/structured_output/openai_fields.py checks them in to_sampling_params).
+    response_format: Any = None
+    structured_outputs: Any = None  # vLLM extension
+    guided_json: Any = None  # vLLM's older extensions
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
     @field_validator("prompt_logprobs")
     @classmethod
@@ -425,6 +437,12 @@ class _SamplingRequest(RequestModel):
         if max_tokens is None:
             max_tokens = max(1, default_max_tokens)
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        fields = StructuredOutputFields(self.response_format, self.structured_outputs, self.guided_json,
+                                        self.guided_regex, self.guided_choice, self.guided_grammar)
+        try:
+            constraint = fields.constraint()
+        except StructuredOutputFieldError as exc:
+            raise BadRequestError(str(exc), param=exc.param, code="invalid_value") from None
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -448,6 +466,7 @@ class _SamplingRequest(RequestModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
+            structured_outputs=constraint,
         )
 
 
@@ -472,7 +491,6 @@ class ChatCompletionRequest(_SamplingRequest):
     function_call: Any = None
     tool_choice: Any = None
     parallel_tool_calls: Any = None
-    response_format: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
@@ -492,11 +510,6 @@ class ChatCompletionRequest(_SamplingRequest):
     @classmethod
     def _no_tool_choice(cls, value: Any, info: ValidationInfo) -> Any:
         return _refuse_unless(info, value, lambda v: v == "none", '"none"')
-
-    @field_validator("response_format", mode="before")
-    @classmethod
-    def _text_format_only(cls, value: Any, info: ValidationInfo) -> Any:
-        return _refuse_unless(info, value, lambda v: v == {"type": "text"}, '{"type": "text"}')
 
     @field_validator("modalities", mode="before")
     @classmethod

@@ -86,6 +86,8 @@ class Request:
     def needs_prompt_logits(self) -> bool:
         """Whether prompt positions still lack their logprobs (such a prompt skips prefix-cache hits)."""
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
+    # The compiled grammar of its structured_outputs constraint (replica/structured_output/); None = free.
+    grammar: Any = None
 
     @property
     def finished(self) -> bool:
@@ -116,6 +118,8 @@ class Sequence:
     detok: Any = None  # IncrementalDetokenizer
     last_token_time: float | None = None
     num_preemptions: int = 0
+    # Its matcher when the request is constrained (structured_output.state.SequenceGrammar).
+    grammar: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from prefixserve.replica.errors import RequestRejected
+from prefixserve.replica.structured_output.params import StructuredOutputsParams
+from prefixserve.replica.structured_output.state import SequenceGrammar, apply_grammar_bitmasks
 
 MAX_N = 16
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): 1e-45 is a float64 but 0 in
@@ -72,7 +74,8 @@ class SamplingParams:
     request sent with that seed. ``logit_bias`` maps token ids to a bias in
     [-100, 100] added to their logits before sampling (OpenAI's semantics; at most
     300 entries). Stop lists are bounded: at most 16 stop strings of at most 256
-    characters each, at most 64 stop token ids.
+    characters each, at most 64 stop token ids. ``structured_outputs`` constrains the
+    output to a JSON schema, regex, choice or grammar (grammar-constrained decoding).
 
     vLLM's logits processing: ``allowed_token_ids`` (only these may be sampled),
     ``bad_words`` (a word's last token is banned where the output ends in the rest of
@@ -107,6 +110,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -144,6 +148,9 @@ class SamplingParams:
         for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                  StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams")
 
     def _check_token_lists(self) -> None:
         if isinstance(self.bad_words, str):
@@ -233,6 +240,8 @@ class SampleSpec:
     num_prompt_tokens: int = 0
     # ``params.bad_words`` as token ids (the engine tokenizes them once per request).
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    # The sequence's grammar state when its request is constrained (structured output).
+    grammar: SequenceGrammar | None = None
 
     @property
     def output_token_ids(self) -> Sequence[int]:
@@ -266,8 +275,8 @@ def process_logits(logits: torch.Tensor, specs: list[SampleSpec]) -> dict[int, E
        then the min_tokens ban (a ban wins over any bias).
     2. Penalties, batched over the rows that set one: repetition (prompt and output
        tokens), then frequency and presence (output tokens).
-    3. Where the grammar bitmask of structured output belongs: after penalties,
-       before temperature.
+    3. The grammar bitmasks of structured output, batched over the constrained rows:
+       after penalties, before temperature.
 
     A row with no work in a stage is not touched by it; a batch with none costs
     nothing. A row whose own work fails is zeroed and reported. A row left with no
@@ -284,7 +293,9 @@ def process_logits(logits: torch.Tensor, specs: list[SampleSpec]) -> dict[int, E
     penalized = [i for i, spec in enumerate(specs) if spec.params.has_penalties and i not in errors]
     if penalized:
         _apply_penalties(logits, penalized, specs)
-    # The grammar bitmask of structured output goes here: after penalties, before temperature.
+    constrained = [i for i, s in enumerate(specs) if s.grammar is not None and i not in errors]
+    if constrained:
+        apply_grammar_bitmasks(logits, constrained, [specs[i].grammar for i in constrained], errors)
     return errors
 
 
@@ -293,11 +304,13 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec], shared: torch.Generato
 
     Each row depends only on its own logits and generator, never on the rest of the
     batch, so a seeded request samples the same tokens whatever it is batched with.
-    ``process_logits`` runs first (masks, bias, penalties) for greedy and random rows
-    alike; logprobs are read there. Greedy rows then take the argmax; random rows are
-    divided by their temperature, then ``min_p``, ``top_k`` and ``top_p`` drop tokens
-    (the top token always stays), and the exponential race (argmax of p / Exp(1)),
-    which equals sampling from p, picks one with one generator call per row.
+    ``process_logits`` runs first (masks, bias, penalties, then constrained rows'
+    grammar bitmasks in one batched fill; none when no row is constrained) for greedy
+    and random rows alike; logprobs are read there. Greedy rows then take the argmax;
+    random rows are divided by their temperature, then ``min_p``, ``top_k`` and
+    ``top_p`` drop tokens (the top token always stays), and the exponential race
+    (argmax of p / Exp(1)), which equals sampling from p, picks one with one generator
+    call per row.
 
     Work done for one row alone runs under its own ``try``: a failure there marks that
     row's result (``SampleResult.error``) instead of failing the whole batch. Only a
@@ -309,7 +322,7 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec], shared: torch.Generato
     best = logits.max(dim=-1)  # the first maximum, like argmax, and ~2x faster on CPU
     tokens = best.indices
     # Rows whose masks exclude every token: found with the tokens' own transfer, no extra sync.
-    dead = best.values == float("-inf") if any(s.masks_row for s in specs) else None
+    dead = best.values == float("-inf") if any(s.masks_row or s.grammar is not None for s in specs) else None
     random_rows = [i for i, s in enumerate(specs) if not s.params.greedy]
     if random_rows:
         rows = torch.tensor(random_rows, dtype=torch.long, device=logits.device)
@@ -441,7 +454,8 @@ def _row_logprobs(logprobs: torch.Tensor, k: int, token: int) -> dict[int, float
     entry: dict[int, float] = {}
     if k:
         top = torch.topk(logprobs, k)
-        entry = dict(zip(top.indices.tolist(), top.values.tolist()))
+        # Tokens masked to -inf (a grammar allowing fewer than k) cannot come next: not candidates.
+        entry = {t: v for t, v in zip(top.indices.tolist(), top.values.tolist()) if v != float("-inf")}
     entry[token] = float(logprobs[token])
     return entry
 
