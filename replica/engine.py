@@ -57,6 +57,8 @@ from prefixserve.replica.outputs import CompletionOutput, FinishReason, RequestO
 from prefixserve.replica.request import Request, Sequence, static_prefix_messages
 from prefixserve.replica.sampling import SampleSpec, SamplingParams
 from prefixserve.replica.scheduler import Scheduler, SchedulerConfig
+from prefixserve.replica.tools.choice import ToolCallMode
+from prefixserve.replica.tools.templates import canonical_json, load_chat_template, template_for
 from prefixserve.replica.tracing import RequestTiming, RequestTracer, build_tracer
 
 log = logging.getLogger(__name__)
@@ -104,6 +106,8 @@ class LLMEngine:
                                   checkpoint_dtype=getattr(hf_config, "dtype", None), startup=startup)
         with startup.phase("tokenizer"):
             self.tokenizer = loader.load_tokenizer(src)
+        # --chat-template: renders every chat request (replica/tools/templates.py).
+        self.chat_template = load_chat_template(config.chat_template) if config.chat_template else None
         self.max_prompt_chars = _max_prompt_chars(self.tokenizer, self.max_model_len)
         self.metrics = EngineMetrics(config.model_name, self.max_model_len)
         self.metrics.observe_startup(startup.phases)
@@ -206,26 +210,38 @@ class LLMEngine:
         return [int(t) for t in prompt]
 
     def encode_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
-        """Token ids of a conversation through the checkpoint's chat template (generation prompt added)."""
+        """Token ids of a conversation through the chat template (generation prompt added).
+
+        The template is ``--chat-template``'s, else the checkpoint's; a conversation with
+        ``tools=`` on a model whose template renders none gets the shipped tool template.
+        """
         template_kwargs.setdefault("add_generation_prompt", True)
+        template = template_for(getattr(self.tokenizer, "chat_template", None), self.chat_template,
+                                bool(template_kwargs.get("tools")))
+        if template is not None:
+            template_kwargs.setdefault("chat_template", template)
         ids = self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **template_kwargs)
         return list(ids)
 
     def static_prefix_tokens(self, messages: list[dict[str, Any]], prompt_ids: list[int],
                              **template_kwargs: Any) -> int:
         """How many leading tokens of ``prompt_ids`` (``messages`` through the chat template) are the
-        conversation's static prefix: its leading system/developer messages, rendered alone.
+        conversation's static prefix: its leading system/developer messages (and ``tools=``, which
+        the template renders before the conversation), rendered alone.
 
         The common run of the two renderings, so a template that renders the system part
         differently on its own costs only the tokens that differ. 0 without a static prefix,
         or when the template refuses the system messages alone. Memoized per system prompt.
         """
         static = static_prefix_messages(messages)
-        if not static:
+        tools = template_kwargs.get("tools")
+        if not static and not tools:
             return 0
         try:
+            # Tools are lists of dicts: their canonical JSON stands for them in the memo key.
             key: Any = (tuple((m.get("role"), m.get("content")) for m in static),
-                        tuple(sorted(template_kwargs.items())))
+                        tuple(sorted((k, canonical_json(v) if k == "tools" else v)
+                                     for k, v in template_kwargs.items())))
             hash(key)
         except TypeError:  # unhashable contents or kwargs: render without the memo
             key = None
@@ -278,7 +294,8 @@ class LLMEngine:
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
                     cache_salt: str | None = None, arrival_time: float | None = None, *,
                     prompt_text: str | None = None, trace_headers: dict[str, str] | None = None,
-                    conversation: bool = False, static_prefix_tokens: int = 0) -> Request:
+                    conversation: bool = False, static_prefix_tokens: int = 0,
+                    tool_mode: ToolCallMode | None = None) -> Request:
         """Validate and queue a request; ``prompt_text`` is reported back when ``prompt`` is token ids.
 
         ``trace_headers``: the W3C trace context the request arrived with (its spans' parent).
@@ -286,6 +303,7 @@ class LLMEngine:
         blocks are not sent to the cold end of the eviction order).
         ``static_prefix_tokens``: the prompt's leading tokens other requests share (its system
         prompt, ``static_prefix_tokens()``): their blocks are kept as reused ones are.
+        ``tool_mode``: read each sequence's text for tool calls (StreamDelta.content / tool_calls).
         """
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
@@ -298,7 +316,8 @@ class LLMEngine:
                                         f"(max_waiting_requests={bound}); retry later")
         req = Request(request_id, ids, params, cache_salt, arrival_time or time.monotonic(),
                       prompt=prompt if isinstance(prompt, str) else prompt_text, trace_headers=trace_headers,
-                      conversation=conversation, static_prefix_tokens=max(0, int(static_prefix_tokens)))
+                      conversation=conversation, static_prefix_tokens=max(0, int(static_prefix_tokens)),
+                      tool_mode=tool_mode)
         seq = self._new_sequence(req, 0)
         self.scheduler.add(seq)
         req.seqs.append(seq)
@@ -315,6 +334,8 @@ class LLMEngine:
             seq.generator = torch.Generator(device=self.runner.device)
             seq.generator.manual_seed(seed)
         seq.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids)
+        if req.tool_mode is not None:
+            seq.tool_stream = req.tool_mode.new_stream(self.config.tool_call_parser)
         if req.params.logprobs is not None:
             seq.logprobs = []
         return seq
@@ -513,15 +534,22 @@ class LLMEngine:
             ids = seq.output_token_ids[seq.num_emitted_tokens:]
             seq.num_emitted_tokens = seq.num_output_tokens
             lps = seq.logprobs[-len(ids):] if seq.logprobs is not None and ids else None
-            deltas.append(StreamDelta(request_id=req.request_id, index=seq.index, text=text, token_ids=ids,
-                                      finish_reason=seq.finish_reason, num_prompt_tokens=len(req.prompt_token_ids),
-                                      num_cached_tokens=cached, num_output_tokens=num_output, logprobs=lps))
+            delta = StreamDelta(request_id=req.request_id, index=seq.index, text=text, token_ids=ids,
+                                finish_reason=seq.finish_reason, num_prompt_tokens=len(req.prompt_token_ids),
+                                num_cached_tokens=cached, num_output_tokens=num_output, logprobs=lps)
+            if seq.tool_stream is not None:
+                tools = seq.tool_stream.feed(text, finished=seq.is_finished)
+                delta.content, delta.tool_calls = tools.content, list(tools.tool_calls) or None
+                delta.tool_result = seq.tool_result = tools.result
+            deltas.append(delta)
         output = None
         if req.finished:
             req.finished_time = now
             output = self.request_output(req)
             stats = self._finished_stats(req, now)
             self.metrics.observe_finished(stats)
+            if req.tool_mode is not None:
+                self.metrics.observe_tool_calls(*self._tool_counts(req))
             if self.tracer is not None:
                 self._trace(req, stats)
             self.requests.pop(req.request_id, None)
@@ -539,13 +567,25 @@ class LLMEngine:
                                     num_generation_tokens=req.num_output_tokens,
                                     max_tokens=req.params.max_tokens, n=req.params.n)
 
+    @staticmethod
+    def _tool_counts(req: Request) -> tuple[int, int]:
+        """A finished request's parsed tool calls and its sequences whose tool-call text did not parse."""
+        results = [s.tool_result for s in req.seqs if s.tool_result is not None]
+        return sum(len(r.calls) for r in results), sum(r.failed for r in results)
+
     def _trace(self, req: Request, stats: FinishedRequestStats) -> None:
         assert self.tracer is not None
         start = req.arrival_time
         timing = RequestTiming(arrival=start, scheduled=start + stats.queued_s,
                                first_token=start + stats.queued_s + stats.prefill_s, finished=start + stats.e2e_s)
         p = req.params
+        tool_attributes = {}
+        if req.tool_mode is not None:
+            parsed, failures = self._tool_counts(req)
+            tool_attributes = {"prefixserve.tool_choice": req.tool_mode.choice,
+                               "prefixserve.tool_calls": parsed, "prefixserve.tool_call_parse_failures": failures}
         self.tracer.record(req.request_id, timing, {
+            **tool_attributes,
             "gen_ai.usage.prompt_tokens": stats.num_prompt_tokens,
             "gen_ai.usage.completion_tokens": stats.num_generation_tokens,
             "prefixserve.cached_prompt_tokens": req.num_cached_tokens or 0,
@@ -635,6 +675,7 @@ class AddRequest:
     trace_headers: dict[str, str] | None = None
     conversation: bool = False
     static_prefix_tokens: int = 0
+    tool_mode: ToolCallMode | None = None
 
 
 @dataclass(frozen=True)
@@ -728,9 +769,10 @@ class AsyncEngine:
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                        cache_salt: str | None = None, trace_headers: dict[str, str] | None = None,
-                       conversation: bool = False, static_prefix_tokens: int = 0) -> AsyncIterator[StreamDelta]:
-        """Stream the deltas of one request (``conversation``, ``static_prefix_tokens``: see
-        LLMEngine.add_request).
+                       conversation: bool = False, static_prefix_tokens: int = 0,
+                       tool_mode: ToolCallMode | None = None) -> AsyncIterator[StreamDelta]:
+        """Stream the deltas of one request (``conversation``, ``static_prefix_tokens``, ``tool_mode``:
+        see LLMEngine.add_request).
 
         Raises PromptTooLongError / RequestRejected / EngineOverloadedError /
         EngineDeadError before the first delta. Later, the stream raises
@@ -765,7 +807,7 @@ class AsyncEngine:
                                              cache_salt=cache_salt, arrival_time=arrival,
                                              prompt_text=prompt if isinstance(prompt, str) else None,
                                              trace_headers=trace_headers, conversation=conversation,
-                                             static_prefix_tokens=static_prefix_tokens))
+                                             static_prefix_tokens=static_prefix_tokens, tool_mode=tool_mode))
         self._wake.set()
         done = False
         try:
@@ -890,7 +932,7 @@ class AsyncEngine:
             self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.cache_salt,
                                     cmd.arrival_time, prompt_text=cmd.prompt_text,
                                     trace_headers=cmd.trace_headers, conversation=cmd.conversation,
-                                    static_prefix_tokens=cmd.static_prefix_tokens)
+                                    static_prefix_tokens=cmd.static_prefix_tokens, tool_mode=cmd.tool_mode)
         except Exception as exc:  # noqa: BLE001 - handed to the consumer
             self._post(stream, exc)
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from prefixserve.replica.tools.stream import ToolCallDelta, ToolCallResult
+
 
 class FinishReason(StrEnum):
     """Why a sequence stopped (OpenAI's values; a StrEnum compares and serializes as the string).
@@ -69,3 +71,9 @@ class StreamDelta:
     num_cached_tokens: int
     num_output_tokens: int
     logprobs: list[dict[int, float]] | None = None
+    # Set when the request's output is read for tool calls (replica/tools/stream.py): ``text``
+    # stays the raw text; ``content`` is its part for the user, ``tool_calls`` the calls' new
+    # pieces, and the sequence's last delta carries the finished ``tool_result``.
+    content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+    tool_result: ToolCallResult | None = None

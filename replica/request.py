@@ -72,6 +72,8 @@ class Request:
     # Leading prompt tokens that are its static prefix (the system prompt's): their blocks are
     # released as reused content (SchedulerConfig.protect_static_prefix; BlockPool.mark_reused).
     static_prefix_tokens: int = 0
+    # How the output is read for tool calls (replica/tools/choice.py ToolCallMode); None = plain content.
+    tool_mode: Any = None
 
     @property
     def finished(self) -> bool:
@@ -100,6 +102,10 @@ class Sequence:
     num_emitted_tokens: int = 0
     logprobs: list[dict[int, float]] | None = None
     detok: Any = None  # IncrementalDetokenizer
+    # Reads the text for tool calls (replica/tools/stream.py ToolCallStream) when the request has a
+    # tool mode; its last result stays here for the request's metrics and span.
+    tool_stream: Any = None
+    tool_result: Any = None
     last_token_time: float | None = None
     num_preemptions: int = 0
 
