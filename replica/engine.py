@@ -237,6 +237,10 @@ class LLMEngine:
         tools = template_kwargs.get("tools")
         if not static and not tools:
             return 0
+        if not static:
+            # Templates refuse an empty conversation; an empty system turn renders as none in the
+            # shipped tool template, and any other difference only shortens the common run below.
+            static = [{"role": "system", "content": ""}]
         try:
             # Tools are lists of dicts: their canonical JSON stands for them in the memo key.
             key: Any = (tuple((m.get("role"), m.get("content")) for m in static),
