@@ -9,7 +9,7 @@ import json
 import jsonschema
 import pytest
 from model_helpers import tiny_checkpoint
-from server_helpers import InProcessReplica, assert_openai_error
+from server_helpers import InProcessReplica, assert_openai_error, metric
 
 from prefixserve.replica import api
 from prefixserve.router.prefix import PrefixKeyConfig, prefix_hash, routing_key
@@ -320,3 +320,64 @@ def test_auto_reads_the_output_with_the_parser_and_counts_it(tiny):
         assert "prefixserve:tool_call_parse_failures_total" in metrics
     finally:
         replica.close()
+
+
+# -- the engine reads the output: collected, streamed, counted, traced --------------------------
+
+# SmolLM2's token "{}": with a +100 bias a random model writes exactly it, an empty arguments object.
+EMPTY_OBJECT_TOKEN, CLOSE_BRACE_TOKEN = 6150, 109
+NOOP = {"type": "function", "function": {"name": "ping", "description": "Check the service is up."}}
+
+
+def test_a_named_function_call_comes_back_collected_and_streamed(tiny):
+    replica = InProcessReplica(tiny, max_model_len=512)
+    try:
+        body = chat(tools=[NOOP, WEATHER], tool_choice={"type": "function", "function": {"name": "ping"}},
+                    max_tokens=1, temperature=0, logit_bias={str(EMPTY_OBJECT_TOKEN): 100})
+        answer = replica.request("POST", "/v1/chat/completions", json=body)
+        assert answer.status_code == 200, answer.text
+        choice = answer.json()["choices"][0]
+        calls = choice["message"]["tool_calls"]
+        assert choice["message"]["content"] is None and choice["finish_reason"] == "length"
+        assert [(c["type"], c["function"]) for c in calls] == [("function", {"name": "ping", "arguments": "{}"})]
+        assert calls[0]["id"].startswith("call_")
+
+        streamed = replica.request("POST", "/v1/chat/completions", json={**body, "stream": True})
+        events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+        pieces = [d for e in events for c in e["choices"] for d in c["delta"].get("tool_calls") or ()]
+        assert pieces[0]["index"] == 0 and pieces[0]["type"] == "function" and pieces[0]["id"].startswith("call_")
+        assert pieces[0]["function"] == {"name": "ping", "arguments": ""}
+        assert "".join(p["function"].get("arguments", "") for p in pieces) == "{}"
+        assert all("id" not in p and "name" not in p["function"] for p in pieces[1:])
+        assert [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]] == ["length"]
+
+        assert metric(replica.request("GET", "/metrics").text, "prefixserve:tool_calls_parsed_total") == 2
+    finally:
+        replica.close()
+
+
+def test_tool_calls_and_parse_failures_are_counted_and_on_the_span(tmp_path):
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from prefixserve.replica.config import EngineConfig
+    from prefixserve.replica.engine import LLMEngine
+    from prefixserve.replica.sampling import SamplingParams
+    from prefixserve.replica.tools.choice import ToolCallMode
+    from prefixserve.replica.tracing import RequestTracer, build_tracer
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint(tmp_path / "tiny")), num_kv_blocks=64,
+                                    max_model_len=256))
+    exporter = InMemorySpanExporter()
+    engine.tracer = RequestTracer(build_tracer("test", exporter=exporter), engine.model_name)
+    mode = ToolCallMode("named", "ping")
+    for token, n in ((EMPTY_OBJECT_TOKEN, 2), (CLOSE_BRACE_TOKEN, 1)):
+        params = SamplingParams(temperature=0, max_tokens=1, n=n, logit_bias={token: 100.0})
+        engine.add_request(None, list(range(5, 30)), params, tool_mode=mode)
+        while engine.has_unfinished_requests():
+            engine.step()
+    spans = [s.attributes for s in exporter.get_finished_spans() if s.name == "llm_request"]
+    assert [(a["prefixserve.tool_choice"], a["prefixserve.tool_calls"], a["prefixserve.tool_call_parse_failures"])
+            for a in spans] == [("named", 2, 0), ("named", 0, 1)]
+    assert engine.metrics.tool_calls_parsed._value.get() == 2
+    assert engine.metrics.tool_call_parse_failures._value.get() == 1
+    engine.shutdown()
