@@ -659,6 +659,8 @@ class ChatCompletionRequest(_SamplingRequest):
         schema = self.tool_call_schema()
         if schema is None:
             return params
+        if params.structured_outputs is not None:  # vLLM's rule
+            raise ValueError("You can only either use constraints for structured outputs or tools, not both.")
         # required / a named function: decoding follows the arguments' schema, so they always parse.
         return dataclasses.replace(params, structured_outputs=StructuredOutputsParams(json=schema))
 
