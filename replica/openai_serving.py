@@ -106,7 +106,7 @@ class _Choice:
             finish_reason = self.finish_reason
             if self.tool_result is not None:
                 message = tool_message(self.tool_result)
-                finish_reason = tool_finish_reason(self.tool_result, finish_reason)
+                finish_reason = tool_finish_reason(self.tool_result, finish_reason, body)
             return api.ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=finish_reason)
         completion_logprobs = (api.completion_logprobs(self.token_ids, self.logprobs, top_k, token_text)
                                if body.logprobs is not None else None)
@@ -137,9 +137,13 @@ def tool_message(result: ToolCallResult) -> api.ChatResponseMessage:
     return api.ChatResponseMessage(content=result.content, tool_calls=calls or None)
 
 
-def tool_finish_reason(result: ToolCallResult, finish_reason: str | None) -> str | None:
-    """``"tool_calls"`` when the sequence stopped on its own with calls (OpenAI's), else the engine's reason."""
-    return "tool_calls" if result.calls and finish_reason == "stop" else finish_reason
+def tool_finish_reason(result: ToolCallResult, finish_reason: str | None,
+                       body: api.ChatCompletionRequest) -> str | None:
+    """OpenAI's (and vLLM's) finish reason of a sequence read for tool calls: ``"tool_calls"`` when it
+    stopped on its own with calls under ``auto`` or ``required``; a named function's call stays ``"stop"``."""
+    if result.calls and finish_reason == "stop" and body.effective_tool_choice() != "named":
+        return "tool_calls"
+    return finish_reason
 
 
 def delta_tool_calls(delta: StreamDelta) -> list[api.DeltaToolCall] | None:
@@ -217,7 +221,7 @@ async def _chat_stream(
                 if not delta.content and not delta.tool_calls and delta.finish_reason is None:
                     continue
                 message = api.DeltaMessage(content=delta.content or None, tool_calls=delta_tool_calls(delta))
-                finish = (tool_finish_reason(delta.tool_result, delta.finish_reason)
+                finish = (tool_finish_reason(delta.tool_result, delta.finish_reason, body)
                           if delta.tool_result is not None else delta.finish_reason)
             else:
                 if not delta.text and delta.finish_reason is None:
