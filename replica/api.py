@@ -19,8 +19,7 @@ Invariants:
 * Fields OpenAI (or vLLM) defines that this engine does not implement are
   refused (400, code ``unsupported_parameter`` / ``unsupported_value``) when set
   to a value that would change the answer, never silently ignored: penalties,
-  ``functions`` (non-empty), ``function_call``, ``response_format`` other than
-  ``{"type": "text"}``, ``audio``, ``modalities`` other than ``["text"]``,
+  ``functions`` (non-empty), ``function_call``, ``audio``, ``modalities`` other than ``["text"]``,
   ``prediction``, ``web_search_options``, ``reasoning_effort``, ``verbosity``,
   ``moderation``, ``store: true``, ``service_tier`` other than ``auto`` /
   ``default``; completions' ``echo``, ``suffix`` and ``best_of`` != ``n``.
@@ -40,6 +39,11 @@ Invariants:
   a ``tool`` message whose ``tool_call_id`` no earlier assistant call has are 400s
   naming the field. What depends on the server (``auto`` needs
   ``--enable-auto-tool-choice``) is ``replica/tools/choice.py``'s.
+* Structured output, on both endpoints: ``response_format`` (``text``,
+  ``json_object``, ``json_schema``) and vLLM's ``structured_outputs`` and
+  ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``
+  map onto ``SamplingParams.structured_outputs`` (at most one of them;
+  replica/structured_output/openai_fields.py).
 
 Pure data: pydantic and the replica's plain types only; must not import an HTTP
 framework, Ray or torch.
@@ -75,6 +79,7 @@ from prefixserve.replica.errors import (
     RequestRejected,
 )
 from prefixserve.replica.sampling import SamplingParams
+from prefixserve.replica.structured_output.openai_fields import StructuredOutputFieldError, StructuredOutputFields
 from prefixserve.replica.structured_output.params import StructuredOutputsParams
 from prefixserve.replica.tools.choice import ToolCallMode, named_schema, required_schema
 
@@ -441,6 +446,13 @@ class _SamplingRequest(RequestModel):
     frequency_penalty: float | None = None
     cache_salt: str | None = None  # vLLM extension: isolates the prefix cache per tenant
     user: str | None = None
+    # Structured output (replica/structured_output/openai_fields.py checks them in to_sampling_params).
+    response_format: Any = None
+    structured_outputs: Any = None  # vLLM extension
+    guided_json: Any = None  # vLLM's older extensions
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -484,6 +496,12 @@ class _SamplingRequest(RequestModel):
         if max_tokens is None:
             max_tokens = max(1, default_max_tokens)
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        fields = StructuredOutputFields(self.response_format, self.structured_outputs, self.guided_json,
+                                        self.guided_regex, self.guided_choice, self.guided_grammar)
+        try:
+            constraint = fields.constraint()
+        except StructuredOutputFieldError as exc:
+            raise BadRequestError(str(exc), param=exc.param, code="invalid_value") from None
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -497,6 +515,7 @@ class _SamplingRequest(RequestModel):
             ignore_eos=self.ignore_eos,
             logprobs=self._logprobs(),
             logit_bias=dict(self.logit_bias) if self.logit_bias else None,
+            structured_outputs=constraint,
         )
 
 
@@ -521,7 +540,6 @@ class ChatCompletionRequest(_SamplingRequest):
     # OpenAI fields this engine does not implement: refused unless harmless.
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
@@ -541,11 +559,6 @@ class ChatCompletionRequest(_SamplingRequest):
     @classmethod
     def _no_function_call(cls, value: Any, info: ValidationInfo) -> Any:
         return _refuse_unless(info, value, lambda v: v == "none", '"none" (use tool_choice)')
-
-    @field_validator("response_format", mode="before")
-    @classmethod
-    def _text_format_only(cls, value: Any, info: ValidationInfo) -> Any:
-        return _refuse_unless(info, value, lambda v: v == {"type": "text"}, '{"type": "text"}')
 
     @field_validator("modalities", mode="before")
     @classmethod

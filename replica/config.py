@@ -141,6 +141,10 @@ class EngineConfig:
     attention_backend: str = "auto"
     # "auto" = cuda when available, else cpu.
     device: str = "auto"
+    # Structured output: a constraint whose grammar does not compile within this many seconds
+    # is refused (400); compiled grammars are cached by (kind, spec), at most this many.
+    grammar_compile_timeout_s: float = 10.0
+    grammar_cache_size: int = 256
     # OpenTelemetry collector (vLLM's flag, e.g. http://127.0.0.1:4318): one llm_request span per
     # request with queue/prefill/decode children (replica/tracing.py). None = no tracing.
     otlp_traces_endpoint: str | None = None
@@ -201,6 +205,10 @@ class EngineConfig:
             raise ValueError(f"engine_restart_window_s must be positive, got {self.engine_restart_window_s}")
         if self.swap_space_gb < 0:
             raise ValueError(f"swap_space_gb must be >= 0, got {self.swap_space_gb}")
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError(f"grammar_compile_timeout_s must be positive, got {self.grammar_compile_timeout_s}")
+        if self.grammar_cache_size < 1:
+            raise ValueError(f"grammar_cache_size must be at least 1, got {self.grammar_cache_size}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if self.cuda_graph_sizes is not None and (

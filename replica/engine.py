@@ -57,6 +57,10 @@ from prefixserve.replica.outputs import CompletionOutput, FinishReason, RequestO
 from prefixserve.replica.request import Request, Sequence, static_prefix_messages
 from prefixserve.replica.sampling import SampleSpec, SamplingParams
 from prefixserve.replica.scheduler import Scheduler, SchedulerConfig
+from prefixserve.replica.structured_output.compile import GrammarCache
+from prefixserve.replica.structured_output.metrics import StructuredOutputMetrics
+from prefixserve.replica.structured_output.state import SequenceGrammar
+from prefixserve.replica.structured_output.xgrammar_backend import XGrammarBackend
 from prefixserve.replica.tools.choice import ToolCallMode
 from prefixserve.replica.tools.templates import canonical_json, load_chat_template, template_for
 from prefixserve.replica.tracing import RequestTiming, RequestTracer, build_tracer
@@ -121,6 +125,11 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        # Structured output: grammars compile in the cache's workers, never on the engine loop
+        # (AsyncEngine.generate compiles before the request is queued).
+        self.structured_metrics = StructuredOutputMetrics(self.metrics.registry, config.model_name)
+        self.grammars = GrammarCache(self._grammar_backend, timeout_s=config.grammar_compile_timeout_s,
+                                     max_entries=config.grammar_cache_size, metrics=self.structured_metrics)
         self._ids = itertools.count()
         # Static prefix (system messages, template kwargs) -> its token ids through the chat
         # template (static_prefix_tokens); cleared when full. Read and written from worker threads:
@@ -190,9 +199,15 @@ class LLMEngine:
     def model_name(self) -> str:
         return self.config.model_name
 
+    def _grammar_backend(self) -> XGrammarBackend:
+        # The logits' width is the model's vocabulary (it may exceed the tokenizer's).
+        return XGrammarBackend(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids))
+
     def shutdown(self) -> None:
-        """Release what outlives the object: the tensor-parallel worker processes (idempotent)."""
+        """Release what outlives the object: the tensor-parallel worker processes, the grammar
+        workers (idempotent)."""
         self.runner.shutdown()
+        self.grammars.close()
 
     # --- requests ------------------------------------------------------------
 
@@ -298,7 +313,7 @@ class LLMEngine:
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
                     cache_salt: str | None = None, arrival_time: float | None = None, *,
                     prompt_text: str | None = None, trace_headers: dict[str, str] | None = None,
-                    conversation: bool = False, static_prefix_tokens: int = 0,
+                    conversation: bool = False, static_prefix_tokens: int = 0, grammar: Any = None,
                     tool_mode: ToolCallMode | None = None) -> Request:
         """Validate and queue a request; ``prompt_text`` is reported back when ``prompt`` is token ids.
 
@@ -307,6 +322,9 @@ class LLMEngine:
         blocks are not sent to the cold end of the eviction order).
         ``static_prefix_tokens``: the prompt's leading tokens other requests share (its system
         prompt, ``static_prefix_tokens()``): their blocks are kept as reused ones are.
+        ``grammar``: the compiled grammar of ``params.structured_outputs`` (``self.grammars``);
+        when it is missing the constraint is compiled here, in the caller's thread (the offline
+        ``LLM``); the engine loop always receives it compiled.
         ``tool_mode``: read each sequence's text for tool calls (StreamDelta.content / tool_calls).
         """
         request_id = request_id or f"req-{next(self._ids)}"
@@ -314,6 +332,9 @@ class LLMEngine:
             raise RequestRejected(f"request id {request_id!r} is already in use")
         ids = self.tokenize(prompt)
         self.validate(ids, params)
+        constraint = params.structured_outputs
+        if constraint is not None and grammar is None:
+            grammar = self.grammars.get(constraint)
         bound = self.config.max_waiting_requests
         if bound is not None and self.scheduler.num_waiting >= bound:
             raise EngineOverloadedError(f"{self.scheduler.num_waiting} requests are already waiting "
@@ -321,12 +342,14 @@ class LLMEngine:
         req = Request(request_id, ids, params, cache_salt, arrival_time or time.monotonic(),
                       prompt=prompt if isinstance(prompt, str) else prompt_text, trace_headers=trace_headers,
                       conversation=conversation, static_prefix_tokens=max(0, int(static_prefix_tokens)),
-                      tool_mode=tool_mode)
+                      grammar=grammar if constraint is not None else None, tool_mode=tool_mode)
         seq = self._new_sequence(req, 0)
         self.scheduler.add(seq)
         req.seqs.append(seq)
         self.requests[request_id] = req
         self.stalled = False
+        if constraint is not None:
+            self.structured_metrics.requests[constraint.kind].inc()
         return req
 
     def _new_sequence(self, req: Request, index: int) -> Sequence:
@@ -342,6 +365,8 @@ class LLMEngine:
             seq.tool_stream = req.tool_mode.new_stream(self.config.tool_call_parser)
         if req.params.logprobs is not None:
             seq.logprobs = []
+        if req.grammar is not None:
+            seq.grammar = SequenceGrammar.start(req.grammar, self.grammars.backend)
         return seq
 
     def abort_request(self, request_id: str) -> bool:
@@ -401,7 +426,11 @@ class LLMEngine:
                 family = [s.seq]
                 if s.seq.awaits_fork:
                     family += [self._new_sequence(req, k) for k in range(1, req.params.n)]
-                family_specs = [SampleSpec(req.params, seq.generator, self._banned(seq)) for seq in family]
+                for seq in family:
+                    if seq.grammar is not None:
+                        seq.grammar.sync(seq.output_token_ids)
+                family_specs = [SampleSpec(req.params, seq.generator, self._banned(seq), seq.grammar)
+                                for seq in family]
             except Exception as exc:  # noqa: BLE001 - this request fails alone
                 failed[req.request_id] = (req, self._request_error(req, exc))
                 continue
@@ -479,13 +508,17 @@ class LLMEngine:
 
     def _banned(self, seq: Sequence) -> tuple[int, ...]:
         p = seq.request.params
-        if seq.num_output_tokens >= p.min_tokens:
+        # A constrained output ends where its grammar does: min_tokens must not ban the stop
+        # token the grammar requires (the row would have no token left).
+        if seq.num_output_tokens >= p.min_tokens or seq.grammar is not None:
             return ()
         eos = () if p.ignore_eos else tuple(self.eos_token_ids)
         return tuple(p.stop_token_ids) + eos
 
     def _append_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None, now: float) -> None:
         req, p = seq.request, seq.request.params
+        if seq.grammar is not None:
+            seq.grammar.accept(token)
         seq.token_ids.append(token)
         if req.first_token_time is None:
             req.first_token_time = now
@@ -496,6 +529,9 @@ class LLMEngine:
         if seq.logprobs is not None and logprobs is not None:
             seq.logprobs.append(logprobs)
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            self._finish(seq, FinishReason.STOP)
+            return
+        if seq.grammar is not None and seq.grammar.terminated:
             self._finish(seq, FinishReason.STOP)
             return
         delta = seq.detok.add(token)
@@ -583,20 +619,21 @@ class LLMEngine:
         timing = RequestTiming(arrival=start, scheduled=start + stats.queued_s,
                                first_token=start + stats.queued_s + stats.prefill_s, finished=start + stats.e2e_s)
         p = req.params
-        tool_attributes = {}
-        if req.tool_mode is not None:
-            parsed, failures = self._tool_counts(req)
-            tool_attributes = {"prefixserve.tool_choice": req.tool_mode.choice,
-                               "prefixserve.tool_calls": parsed, "prefixserve.tool_call_parse_failures": failures}
-        self.tracer.record(req.request_id, timing, {
-            **tool_attributes,
+        attributes: dict[str, Any] = {
             "gen_ai.usage.prompt_tokens": stats.num_prompt_tokens,
             "gen_ai.usage.completion_tokens": stats.num_generation_tokens,
             "prefixserve.cached_prompt_tokens": req.num_cached_tokens or 0,
             "gen_ai.request.n": p.n, "gen_ai.request.max_tokens": p.max_tokens,
             "gen_ai.request.temperature": p.temperature, "gen_ai.request.top_p": p.top_p,
             "gen_ai.response.finish_reason": stats.finish_reason,
-        }, req.trace_headers)
+        }
+        if p.structured_outputs is not None:
+            attributes["prefixserve.structured_output.kind"] = p.structured_outputs.kind
+        if req.tool_mode is not None:
+            parsed, failures = self._tool_counts(req)
+            attributes.update({"prefixserve.tool_choice": req.tool_mode.choice, "prefixserve.tool_calls": parsed,
+                               "prefixserve.tool_call_parse_failures": failures})
+        self.tracer.record(req.request_id, timing, attributes, req.trace_headers)
 
     def request_output(self, req: Request) -> RequestOutput:
         outs = [CompletionOutput(index=s.index, text=s.text, token_ids=s.output_token_ids,
@@ -680,6 +717,8 @@ class AddRequest:
     conversation: bool = False
     static_prefix_tokens: int = 0
     tool_mode: ToolCallMode | None = None
+    # The compiled grammar of params.structured_outputs (compiled before the command is queued).
+    grammar: Any = None
 
 
 @dataclass(frozen=True)
@@ -795,6 +834,10 @@ class AsyncEngine:
         else:
             ids = self.engine.tokenize(prompt)
         self.engine.validate(ids, params)
+        grammar = None
+        if params.structured_outputs is not None:
+            # In a grammar worker, bounded in time: the engine loop only ever sees compiled grammars.
+            grammar = await self.engine.grammars.get_async(params.structured_outputs)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         bound = self.config.max_waiting_requests
         with self._lock:
@@ -811,7 +854,8 @@ class AsyncEngine:
                                              cache_salt=cache_salt, arrival_time=arrival,
                                              prompt_text=prompt if isinstance(prompt, str) else None,
                                              trace_headers=trace_headers, conversation=conversation,
-                                             static_prefix_tokens=static_prefix_tokens, tool_mode=tool_mode))
+                                             static_prefix_tokens=static_prefix_tokens, grammar=grammar,
+                                             tool_mode=tool_mode))
         self._wake.set()
         done = False
         try:
@@ -936,7 +980,8 @@ class AsyncEngine:
             self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.cache_salt,
                                     cmd.arrival_time, prompt_text=cmd.prompt_text,
                                     trace_headers=cmd.trace_headers, conversation=cmd.conversation,
-                                    static_prefix_tokens=cmd.static_prefix_tokens, tool_mode=cmd.tool_mode)
+                                    static_prefix_tokens=cmd.static_prefix_tokens, grammar=cmd.grammar,
+                                    tool_mode=cmd.tool_mode)
         except Exception as exc:  # noqa: BLE001 - handed to the consumer
             self._post(stream, exc)
 

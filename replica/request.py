@@ -74,6 +74,8 @@ class Request:
     static_prefix_tokens: int = 0
     # How the output is read for tool calls (replica/tools/choice.py ToolCallMode); None = plain content.
     tool_mode: Any = None
+    # The compiled grammar of its structured_outputs constraint (replica/structured_output/); None = free.
+    grammar: Any = None
 
     @property
     def finished(self) -> bool:
@@ -108,6 +110,8 @@ class Sequence:
     tool_result: Any = None
     last_token_time: float | None = None
     num_preemptions: int = 0
+    # Its matcher when the request is constrained (structured_output.state.SequenceGrammar).
+    grammar: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from prefixserve.replica.structured_output.params import StructuredOutputsParams
+from prefixserve.replica.structured_output.state import SequenceGrammar, apply_grammar_bitmasks
 
 MAX_N = 16
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): 1e-45 is a float64 but 0 in
@@ -163,6 +164,8 @@ class SampleSpec:
     generator: torch.Generator | None
     # Token ids that must not be sampled now (EOS/stop ids before min_tokens is reached).
     banned_ids: tuple[int, ...] = ()
+    # The sequence's grammar state when its request is constrained (structured output).
+    grammar: SequenceGrammar | None = None
 
 
 @dataclass
@@ -180,9 +183,11 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec], shared: torch.Generato
 
     Each row depends only on its own logits and generator, never on the rest of the
     batch, so a seeded request samples the same tokens whatever it is batched with.
-    ``logit_bias`` is added first, then banned ids are masked, for greedy and random
-    rows alike. Random rows use the exponential race (argmax of p / Exp(1)), which
-    equals sampling from p and needs one generator call per row.
+    ``logit_bias`` is added first, then banned ids are masked, then constrained rows'
+    grammar bitmasks are applied (one batched fill for the step; none when no row is
+    constrained), for greedy and random rows alike, before temperature. Random rows use
+    the exponential race (argmax of p / Exp(1)), which equals sampling from p and needs
+    one generator call per row.
 
     Work done for one row alone runs under its own ``try``: a failure there marks that
     row's result (``SampleResult.error``) instead of failing the whole batch. Only a
@@ -198,6 +203,9 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec], shared: torch.Generato
             except Exception as exc:  # noqa: BLE001 - reported on the row
                 errors[i] = exc
                 logits[i] = 0.0  # keeps the batched math finite; the row's token is discarded
+    constrained = [i for i, s in enumerate(specs) if s.grammar is not None and i not in errors]
+    if constrained:
+        apply_grammar_bitmasks(logits, constrained, [specs[i].grammar for i in constrained], errors)
     tokens = logits.max(dim=-1).indices  # the first maximum, like argmax, and ~2x faster on CPU
     random_rows = [i for i, s in enumerate(specs) if not s.params.greedy]
     if random_rows:

@@ -80,6 +80,20 @@ SAMPLING_FIELDS = {
     "user": field(small_text),
     "model": field(st.sampled_from(["tiny"]), st.sampled_from(["gpt-4o", ""])),
     "some_unknown_field": Field(st.nothing(), odd_values),
+    # Structured output: invalid schemas, regexes and grammars are 400s before the engine.
+    "response_format": field(
+        st.sampled_from([{"type": "text"}, {"type": "json_object"},
+                         {"type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": {
+                             "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}]),
+        st.sampled_from([{"type": "json_schema", "json_schema": {"name": "x"}}, {"type": "yaml"}, "json",
+                         {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}},
+                         {"type": "json_schema", "json_schema": {"schema": {"$ref": "#/missing"}}},
+                         {"type": "json_schema", "json_schema": {"schema": {"type": "string", "pattern": "(("}}}])),
+    "guided_regex": field(st.just("[a-c]{1,3}"), st.sampled_from(["((", "", "[z-a]"])),
+    "guided_choice": field(st.just(["yes", "no"]), st.sampled_from([[], "yes", [1]])),
+    "guided_grammar": field(st.just('root ::= "a" | "b"'), st.sampled_from(["root ::= undefined_rule", "::="])),
+    "structured_outputs": field(st.just({"json": {"type": "string", "maxLength": 4}}),
+                                st.sampled_from([{"json": {}, "regex": "a"}, {"yaml": "x"}, {"regex": "(("}])),
 }
 CHAT_FIELDS = {
     **SAMPLING_FIELDS,
@@ -88,7 +102,6 @@ CHAT_FIELDS = {
     "top_logprobs": field(st.integers(0, 5), st.one_of(st.integers(21, 100), st.integers(-3, -1))),
     "tools": field(st.just([]), st.just([{"type": "function", "function": {"name": "f"}}])),
     "tool_choice": field(st.just("none"), st.sampled_from(["auto", "required"])),
-    "response_format": field(st.just({"type": "text"}), st.just({"type": "json_object"})),
     "modalities": field(st.just(["text"]), st.just(["text", "audio"])),
     "store": field(st.just(False), st.just(True)),
     "service_tier": field(st.sampled_from(["auto", "default"]), st.just("flex")),

@@ -90,11 +90,12 @@ class StructuredOutputsParams:
 
     @cached_property
     def spec(self) -> str:
-        """The constraint as canonical text (schemas with sorted keys): what is compiled and hashed."""
+        """The constraint as compact text: what is compiled and hashed."""
         kind = self.kind
         if kind == "json":
             value = _json.loads(self.json) if isinstance(self.json, str) else self.json
-            return _json.dumps(value, sort_keys=True, separators=(",", ":"))
+            # Key order is kept: a schema's property order is the order the output follows.
+            return _json.dumps(value, separators=(",", ":"))
         if kind == "choice":
             return _json.dumps(list(self.choice or ()), separators=(",", ":"))
         if kind == "json_object":

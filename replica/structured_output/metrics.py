@@ -1,0 +1,36 @@
+"""Prometheus series of structured output, on the engine's registry (``prefixserve:*``: vLLM has none)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from prefixserve.replica.structured_output.params import KINDS
+
+# Compiles take ~1 ms (a cached tokenizer, a small schema) to seconds (large schemas, grammars).
+COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# Why a constraint was refused: the backend cannot compile it, or it took longer than the bound.
+FAILURE_REASONS = ("invalid", "timeout")
+
+
+class StructuredOutputMetrics:
+    """Structured-output requests by kind, compile time, grammar cache hits and misses, refusals."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, engine: str = "0") -> None:
+        labels = ["model_name", "engine"]
+        values = (model_name, engine)
+        requests = Counter("prefixserve:structured_output_requests",
+                           "Requests with a structured-output constraint, by kind.", labels + ["kind"],
+                           registry=registry)
+        self.requests = {kind: requests.labels(*values, kind) for kind in KINDS}
+        self.compile_time = Histogram("prefixserve:grammar_compile_seconds",
+                                      "Seconds spent compiling a grammar (cache misses only).", labels,
+                                      buckets=COMPILE_BUCKETS, registry=registry).labels(*values)
+        self.cache_hits = Counter("prefixserve:grammar_cache_hits",
+                                  "Grammar lookups answered by the compiled-grammar cache.", labels,
+                                  registry=registry).labels(*values)
+        self.cache_misses = Counter("prefixserve:grammar_cache_misses",
+                                    "Grammar lookups that had to compile.", labels, registry=registry).labels(*values)
+        failures = Counter("prefixserve:grammar_compile_failures",
+                           "Constraints refused: invalid or unsupported, or compiling past the time bound.",
+                           labels + ["reason"], registry=registry)
+        self.failures = {reason: failures.labels(*values, reason) for reason in FAILURE_REASONS}
