@@ -267,7 +267,8 @@ def _row_logprobs(logprobs: torch.Tensor, k: int, token: int) -> dict[int, float
     entry: dict[int, float] = {}
     if k:
         top = torch.topk(logprobs, k)
-        entry = dict(zip(top.indices.tolist(), top.values.tolist()))
+        # Tokens masked to -inf (a grammar allowing fewer than k) cannot come next: not candidates.
+        entry = {t: v for t, v in zip(top.indices.tolist(), top.values.tolist()) if v != float("-inf")}
     entry[token] = float(logprobs[token])
     return entry
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import jsonschema
@@ -209,3 +210,12 @@ async def test_async_engine_compiles_off_the_loop_with_a_time_bound_and_caches(c
         assert not engine.engine.requests
     finally:
         await engine.shutdown()
+
+
+def test_logprobs_of_a_constrained_row_list_only_tokens_it_may_take(ckpt, prompts):
+    with LLM(ckpt) as llm:
+        [out] = llm.generate(prompts[:1], SamplingParams(
+            temperature=0.0, logprobs=5, structured_outputs=StructuredOutputsParams(choice=["x", "y"])))
+    entries = out.outputs[0].logprobs
+    assert entries and all(math.isfinite(v) for entry in entries for v in entry.values())
+    assert set(entries[0]) <= set(llm.tokenizer.convert_tokens_to_ids(["x", "y"]))

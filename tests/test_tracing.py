@@ -120,3 +120,20 @@ async def test_an_untraced_router_leaves_the_request_alone():
     request = pending("k1")
     await router.choose_replicas(reps, request)
     assert request.args[0].trace_headers is None
+
+
+def test_constrained_request_span_names_its_constraint_kind(engine):
+    from prefixserve.replica.structured_output.params import StructuredOutputsParams
+
+    exporter = InMemorySpanExporter()
+    engine.tracer = RequestTracer(build_tracer("test", exporter=exporter), engine.model_name)
+    try:
+        prompt = list(range(5, 25))
+        run_to_end(engine, prompt, SamplingParams(temperature=0, max_tokens=8, structured_outputs=(
+            StructuredOutputsParams(regex="[0-9]{2}"))), None)
+        run_to_end(engine, prompt, SamplingParams(temperature=0, max_tokens=2), None)
+    finally:
+        engine.tracer = None
+    constrained, free = [s for s in exporter.get_finished_spans() if s.name == "llm_request"]
+    assert constrained.attributes["prefixserve.structured_output.kind"] == "regex"
+    assert "prefixserve.structured_output.kind" not in free.attributes

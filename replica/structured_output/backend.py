@@ -53,7 +53,8 @@ class Backend(Protocol):
         """Compile ``params``' constraint; raises GrammarError naming what is wrong. Blocking: CPU work."""
 
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
-        """A bitmask tensor (on CPU) for ``rows`` logits rows."""
+        """A bitmask tensor (on CPU) for ``rows`` logits rows; it may be reused from step to step
+        (only rows filled in this step are applied)."""
 
     def fill_bitmasks(self, matchers: list[Matcher], bitmask: torch.Tensor, rows: list[int]) -> None:
         """Fill row ``rows[i]`` of ``bitmask`` with the tokens ``matchers[i]`` allows next, in one batch."""

@@ -18,7 +18,8 @@ from prefixserve.replica.structured_output.params import StructuredOutputsParams
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
-STRUCTURED_OUTPUTS_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+STRUCTURED_OUTPUTS_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag",
+                           "disable_any_whitespace")
 JSON_SCHEMA_KEYS = {"name", "schema", "strict", "description"}
 
 

@@ -22,6 +22,8 @@ MAX_CHOICES = 256
 
 # The constraint kinds, in vLLM's field order.
 KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+# Whitespace characters a JSON constraint allows between two tokens of the structure.
+MAX_JSON_WHITESPACE = 8
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,9 @@ class StructuredOutputsParams:
     JSON object (OpenAI's ``{"type": "json_object"}``); ``structural_tag``: xgrammar's
     structural tag, as JSON text. Exactly one must be set (``json_object`` counts as set
     only when True); a ``ValueError`` names what is wrong otherwise.
+    ``disable_any_whitespace`` (vLLM's option): JSON without whitespace between tokens;
+    otherwise whitespace is allowed but bounded per gap (``MAX_JSON_WHITESPACE``), so a
+    model cannot fill ``max_tokens`` with newlines inside a structure.
     """
 
     json: str | dict[str, Any] | None = None
@@ -42,6 +47,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     structural_tag: str | None = None
+    disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         set_kinds = [k for k in KINDS if self._is_set(k)]
@@ -74,6 +80,8 @@ class StructuredOutputsParams:
             value = getattr(self, kind)
             if not isinstance(value, str) or not value:
                 raise ValueError(f"structured_outputs.{kind} must be a non-empty string")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError("structured_outputs.disable_any_whitespace must be a boolean")
         if len(self.spec) > MAX_SPEC_CHARS:
             raise ValueError(f"structured_outputs.{kind} may have at most {MAX_SPEC_CHARS} characters")
 
@@ -105,4 +113,5 @@ class StructuredOutputsParams:
     @cached_property
     def key(self) -> str:
         """A hash of (kind, spec): the grammar cache's key."""
-        return hashlib.sha256(f"{self.kind}\0{self.spec}".encode()).hexdigest()
+        options = "compact" if self.disable_any_whitespace else ""
+        return hashlib.sha256(f"{self.kind}\0{options}\0{self.spec}".encode()).hexdigest()

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from prefixserve.replica.structured_output.backend import GrammarError, Matcher
-from prefixserve.replica.structured_output.params import StructuredOutputsParams
+from prefixserve.replica.structured_output.params import MAX_JSON_WHITESPACE, StructuredOutputsParams
 
 if TYPE_CHECKING:
     import torch
@@ -63,15 +63,19 @@ class XGrammarBackend:
                                                        stop_token_ids=sorted(stop_token_ids))
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=max_threads, cache_enabled=False)
         self.batch = xgr.BatchGrammarMatcher(max_threads=max_threads)
+        self._bitmask: torch.Tensor | None = None
 
     def compile(self, params: StructuredOutputsParams) -> XGrammarGrammar:
         kind = params.kind
+        whitespace: dict[str, Any] = ({"any_whitespace": False, "separators": (",", ":")}
+                                      if params.disable_any_whitespace else
+                                      {"any_whitespace": True, "max_whitespace_cnt": MAX_JSON_WHITESPACE})
         try:
             if kind == "json":
-                compiled = self.compiler.compile_json_schema(params.spec, any_whitespace=True)
+                compiled = self.compiler.compile_json_schema(params.spec, **whitespace)
             elif kind == "json_object":
                 # OpenAI: "the message the model generates is valid JSON" and an object.
-                compiled = self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=True)
+                compiled = self.compiler.compile_json_schema('{"type": "object"}', **whitespace)
             elif kind == "regex":
                 compiled = self.compiler.compile_regex(params.spec)
             elif kind == "choice":
@@ -87,7 +91,11 @@ class XGrammarBackend:
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
         import xgrammar as xgr
 
-        return xgr.allocate_token_bitmask(rows, self.vocab_size)
+        # One buffer, grown on demand: filling a row overwrites all of it and only filled rows are
+        # applied, so nothing needs clearing between steps (the engine thread is its only user).
+        if self._bitmask is None or self._bitmask.shape[0] < rows:
+            self._bitmask = xgr.allocate_token_bitmask(max(rows, 64), self.vocab_size)
+        return self._bitmask[:rows]
 
     def fill_bitmasks(self, matchers: list[Matcher], bitmask: torch.Tensor, rows: list[int]) -> None:
         self.batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
