@@ -3,8 +3,9 @@
 Behind nginx's `hash $http_x_prefix_hash consistent` upstream (see nginx/), every
 request carrying the same header value reaches the same replica, which then
 serves the shared system prompt from its prefix cache. The header is
-`prefixserve.router.prefix.prefix_hash(system_prompt)`: the first 16 hex digits of SHA-256
-over the prompt's UTF-8 bytes (see nginx/README.md for other languages).
+`prefixserve.router.prefix.prefix_hash(system_prompt, tools=tools)`: the first 16 hex digits
+of SHA-256 over the prompt's UTF-8 bytes, then (for a request with tools) a 0x00 byte and
+the tools' canonical JSON (see nginx/README.md for other languages).
 
 Two ways to attach it:
 
@@ -31,11 +32,14 @@ SYSTEM_PROMPT = (
 )
 
 
-def prefix_headers(messages: list[dict], cache_salt: str | None = None) -> dict[str, str]:
-    """The X-Prefix-Hash header for a chat request ({} when it has no system prompt)."""
+def prefix_headers(messages: list[dict], cache_salt: str | None = None,
+                   tools: list[dict] | None = None) -> dict[str, str]:
+    """The X-Prefix-Hash header for a chat request ({} when it has no system prompt and no tools)."""
     body: dict = {"messages": messages}
     if cache_salt is not None:
         body["cache_salt"] = cache_salt
+    if tools:
+        body["tools"] = tools
     key = routing_key(body)
     return {} if key is None else {PREFIX_HASH_HEADER: key}
 

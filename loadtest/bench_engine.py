@@ -34,6 +34,10 @@ TTFT and whether the tokens are identical. On CPU each rank gets its share of th
 all-reduces per layer per step); on CUDA it needs N GPUs, and with fewer only TP 1 runs.
 Writes results/bench_engine_tp.json.
 
+Agents (``--agents-only``): tenants with a ~2,000-token system prompt plus tool
+definitions and multi-turn tool calls (loadtest/bench_agents.py): prefix-cache hit rate
+and TTFT with caching on and off. Writes results/bench_agents.json.
+
 Run: ``python -m prefixserve.loadtest.bench_engine`` (prints markdown tables, writes
 results/bench_engine.json).
 """
@@ -343,15 +347,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fp8-kv-mib", type=float, default=140.0, help="KV memory of the memory-bound fp8 run")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="> 1: measure TP 1 vs this size only (see above)")
+    parser.add_argument("--agents-only", action="store_true", help="measure the agent workload only (see above)")
+    parser.add_argument("--device", default="auto", help="the engines' device (agent workload)")
     parser.add_argument("--out", default="results/bench_engine.json")
     add_verbose_flag(parser)
     args = parser.parse_args(argv)
     quiet_libraries(args.verbose)
-    startup = measure_startup(args.startup_runs) if args.startup_runs > 0 else []
+    startup = measure_startup(args.startup_runs) if args.startup_runs > 0 and not args.agents_only else []
     if startup:
         print_startup(startup)
     if args.startup_only:
         _write(Path(args.out), {"startup": startup})
+        return 0
+    if args.agents_only:
+        from prefixserve.loadtest.agent_workload import AgentConfig
+        from prefixserve.loadtest.bench_agents import measure_agents, print_agents
+
+        agents = measure_agents(AgentConfig(seed=args.seed), int(args.kv_gib * 1024**3), args.repeats, args.device)
+        print_agents(agents)
+        _write(Path(args.out).with_name("bench_agents.json"), agents)
         return 0
     import torch
 

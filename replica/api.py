@@ -19,8 +19,7 @@ Invariants:
 * Fields OpenAI (or vLLM) defines that this engine does not implement are
   refused (400, code ``unsupported_parameter`` / ``unsupported_value``) when set
   to a value that would change the answer, never silently ignored:
-  ``tools`` / ``functions`` (non-empty), ``function_call`` / ``tool_choice``
-  other than ``"none"``, ``parallel_tool_calls``, ``audio``, ``modalities`` other than ``["text"]``,
+  ``functions`` (non-empty), ``function_call``, ``audio``, ``modalities`` other than ``["text"]``,
   ``prediction``, ``web_search_options``, ``reasoning_effort``, ``verbosity``,
   ``moderation``, ``store: true``, ``service_tier`` other than ``auto`` /
   ``default``; completions' ``suffix`` and ``best_of`` != ``n``.
@@ -41,6 +40,13 @@ Invariants:
   event sizes; events go unpadded).
 * ``logit_bias`` (token id strings to a bias in [-100, 100]) maps onto
   ``SamplingParams.logit_bias``.
+* Tool calling (``tools``, ``tool_choice``, ``parallel_tool_calls``, assistant
+  ``tool_calls`` and ``tool`` messages) is checked here as vLLM checks it
+  (``check_tool_usage``): duplicate tool names, a ``tool_choice`` without tools or
+  naming an unknown tool, a parameters schema that is not a valid JSON Schema, and
+  a ``tool`` message whose ``tool_call_id`` no earlier assistant call has are 400s
+  naming the field. What depends on the server (``auto`` needs
+  ``--enable-auto-tool-choice``) is ``replica/tools/choice.py``'s.
 * Structured output, on both endpoints: ``response_format`` (``text``,
   ``json_object``, ``json_schema``) and vLLM's ``structured_outputs`` and
   ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``
@@ -53,13 +59,24 @@ framework, Ray or torch.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError, from_json
 
 from prefixserve.replica.errors import (
@@ -71,6 +88,8 @@ from prefixserve.replica.errors import (
 )
 from prefixserve.replica.sampling import SamplingParams
 from prefixserve.replica.structured_output.openai_fields import StructuredOutputFieldError, StructuredOutputFields
+from prefixserve.replica.structured_output.params import StructuredOutputsParams
+from prefixserve.replica.tools.choice import ToolCallMode, named_schema, required_schema
 
 # Completions' legacy default (OpenAI documents 16); chat defaults to "what fits".
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -295,18 +314,75 @@ class TextContentPart(RequestModel):
     text: str
 
 
+# OpenAI's rule for function names.
+FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+
+
+class FunctionDefinition(RequestModel):
+    """A tool's function: ``parameters`` is a JSON Schema of its arguments object."""
+
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _a_json_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None:
+            check_json_schema(value)
+        return value
+
+
+class ChatCompletionTool(RequestModel):
+    """One entry of ``tools``."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(RequestModel):
+    name: str
+
+
+class NamedToolChoice(RequestModel):
+    """``tool_choice`` naming one function: ``{"type": "function", "function": {"name": ...}}``."""
+
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class FunctionCall(BaseModel):
+    """A called function: ``arguments`` is the JSON text of its arguments object."""
+
+    name: str
+    arguments: str
+
+
+class MessageToolCall(RequestModel):
+    """A tool call of an earlier assistant turn, as the client sends it back."""
+
+    id: str = Field(min_length=1)
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(RequestModel):
     """One chat message; ``content`` is a string or a list of text content parts.
 
-    Tool calls and audio in the conversation are refused (the engine renders
-    text turns only).
+    An assistant message may carry ``tool_calls`` (its content may then be null); a
+    ``tool`` message answers one of them by ``tool_call_id``. Audio and the
+    deprecated ``function_call`` are refused (the engine renders text turns only).
     """
 
     role: Role
     content: str | list[TextContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[MessageToolCall] | None = None
     function_call: Any = None
     audio: Any = None
     refusal: str | None = None
@@ -321,10 +397,18 @@ class ChatMessage(RequestModel):
                     raise ValueError(f"only text content parts are supported, got type {kind!r}")
         return value
 
-    @field_validator("tool_calls", "function_call", "audio", "refusal", mode="before")
+    @field_validator("function_call", "audio", "refusal", mode="before")
     @classmethod
-    def _no_tool_or_audio_turns(cls, value: Any, info: ValidationInfo) -> Any:
+    def _no_function_call_or_audio_turns(cls, value: Any, info: ValidationInfo) -> Any:
         return _refuse_unless(info, value, lambda v: v == [], "null")
+
+    @model_validator(mode="after")
+    def _tool_fields_fit_the_role(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"only assistant messages carry tool_calls, not {self.role!r} ones")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
 
     def text(self) -> str:
         """The message's text; content parts are joined by ``"\\n"`` (as Contract 1 does)."""
@@ -333,6 +417,32 @@ class ChatMessage(RequestModel):
         if isinstance(self.content, str):
             return self.content
         return "\n".join(part.text for part in self.content)
+
+    def template_message(self) -> dict[str, Any]:
+        """The message as a chat template reads it: role and content text, plus tool fields when set."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": c.type, "function": {"name": c.function.name,
+                                                                          "arguments": c.function.arguments}}
+                                 for c in self.tool_calls]
+        if self.role == "tool":
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def check_json_schema(schema: Any) -> None:
+    """Raise ValueError unless ``schema`` is a valid JSON Schema (its meta-schema's check, jsonschema)."""
+    import jsonschema
+
+    if not isinstance(schema, dict):
+        raise ValueError("a JSON Schema must be an object")
+    try:
+        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path)
+        raise ValueError(f"not a valid JSON Schema{f' at {where}' if where else ''}: {exc.message}") from None
+    except (jsonschema.exceptions.UnknownType, jsonschema.exceptions.RefResolutionError) as exc:
+        raise ValueError(f"not a valid JSON Schema: {exc}") from None
 
 
 class StreamOptions(RequestModel):
@@ -485,12 +595,12 @@ class ChatCompletionRequest(_SamplingRequest):
     prompt_cache_options: dict[str, Any] | None = None
     store: bool | None = None
     service_tier: str | None = None
+    tools: list[ChatCompletionTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     # OpenAI fields this engine does not implement: refused unless harmless.
-    tools: list[Any] | None = None
     functions: list[Any] | None = None
     function_call: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
@@ -501,22 +611,22 @@ class ChatCompletionRequest(_SamplingRequest):
 
     id_prefix: ClassVar[str] = "chatcmpl"
 
-    @field_validator("tools", "functions", mode="before")
+    @field_validator("functions", mode="before")
     @classmethod
-    def _no_tools(cls, value: Any, info: ValidationInfo) -> Any:
-        return _refuse_unless(info, value, lambda v: v == [], "an empty list")
+    def _no_functions(cls, value: Any, info: ValidationInfo) -> Any:
+        return _refuse_unless(info, value, lambda v: v == [], "an empty list (use tools)")
 
-    @field_validator("function_call", "tool_choice", mode="before")
+    @field_validator("function_call", mode="before")
     @classmethod
-    def _no_tool_choice(cls, value: Any, info: ValidationInfo) -> Any:
-        return _refuse_unless(info, value, lambda v: v == "none", '"none"')
+    def _no_function_call(cls, value: Any, info: ValidationInfo) -> Any:
+        return _refuse_unless(info, value, lambda v: v == "none", '"none" (use tool_choice)')
 
     @field_validator("modalities", mode="before")
     @classmethod
     def _text_modality_only(cls, value: Any, info: ValidationInfo) -> Any:
         return _refuse_unless(info, value, lambda v: v == ["text"], '["text"]')
 
-    @field_validator("parallel_tool_calls", "audio", "prediction", "web_search_options", "reasoning_effort",
+    @field_validator("audio", "prediction", "web_search_options", "reasoning_effort",
                      "verbosity", "moderation", mode="before")
     @classmethod
     def _not_implemented(cls, value: Any, info: ValidationInfo) -> Any:
@@ -547,8 +657,86 @@ class ChatCompletionRequest(_SamplingRequest):
         return max_model_len
 
     def prompt_fields(self) -> dict[str, Any]:
-        """``{"messages": ...}``: the prompt as ``EngineRequest`` takes it."""
-        return {"messages": self.chat_messages()}
+        """``{"messages": ...}`` (and ``tools`` when there are some): the prompt as ``EngineRequest`` takes it."""
+        fields: dict[str, Any] = {"messages": self.chat_messages()}
+        if self.tools:
+            fields["tools"] = self.tool_dicts()
+        return fields
+
+    # -- tool calling (vLLM's check_tool_usage; replica/tools/choice.py) --------------------
+
+    def tool_dicts(self) -> list[dict[str, Any]]:
+        """The tools as the chat template renders them (unset optional fields left out)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools or ()]
+
+    def effective_tool_choice(self) -> str:
+        """"none", "auto", "required" or "named": vLLM's default is "auto" with tools, "none" without."""
+        choice = self.tool_choice
+        if not self.tools:
+            return "named" if isinstance(choice, NamedToolChoice) else "none"
+        if choice is None:
+            return "auto"
+        return "named" if isinstance(choice, NamedToolChoice) else choice
+
+    def tool_call_mode(self) -> ToolCallMode | None:
+        """How the engine host reads this request's output for tool calls; None: plain content."""
+        choice = self.effective_tool_choice()
+        if choice == "none":
+            return None
+        name = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+        parallel = self.parallel_tool_calls is not False
+        return ToolCallMode(choice, name, parallel)  # type: ignore[arg-type]
+
+    def tool_call_schema(self) -> dict[str, Any] | None:
+        """The JSON schema ``required`` or a named function constrains the output to; None otherwise."""
+        choice = self.effective_tool_choice()
+        tools = [(t.function.name, t.function.parameters) for t in self.tools or ()]
+        if choice == "required":
+            return required_schema(tools, parallel=self.parallel_tool_calls is not False)
+        if choice == "named":
+            assert isinstance(self.tool_choice, NamedToolChoice)
+            return named_schema(dict(tools)[self.tool_choice.function.name])
+        return None
+
+    def check(self) -> None:
+        """The checks across fields: tool names unique, tool_choice among the tools, tool results answer calls."""
+        names = [t.function.name for t in self.tools or ()]
+        seen: set[str] = set()
+        for i, name in enumerate(names):
+            if name in seen:
+                raise BadRequestError(f"tools[{i}] is a second function named {name!r}: tool names must be unique",
+                                      param=f"tools.{i}.function.name", code="invalid_value")
+            seen.add(name)
+        choice = self.tool_choice
+        if choice is not None and choice != "none" and self.tools is None:
+            raise BadRequestError("When using `tool_choice`, `tools` must be set.", param="tool_choice",
+                                  code="invalid_value")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in seen:
+            raise BadRequestError(f"The tool specified in `tool_choice` ({choice.function.name!r}) does not match "
+                                  f"any of the specified `tools` ({', '.join(names) or 'none'})",
+                                  param="tool_choice", code="invalid_value")
+        called: set[str] = set()
+        for i, m in enumerate(self.messages):
+            if m.tool_calls:
+                called.update(c.id for c in m.tool_calls)
+            if m.role == "tool" and m.tool_call_id not in called:
+                raise BadRequestError(f"messages[{i}] is a tool result for tool_call_id {m.tool_call_id!r}, which "
+                                      "no earlier assistant message called", param=f"messages.{i}.tool_call_id",
+                                      code="invalid_value")
+        try:
+            self.tool_call_schema()
+        except ValueError as exc:  # $defs that the required schema cannot merge
+            raise BadRequestError(str(exc), param="tools", code="invalid_value") from None
+
+    def to_sampling_params(self, *, default_max_tokens: int, max_model_len: int | None = None) -> SamplingParams:
+        params = super().to_sampling_params(default_max_tokens=default_max_tokens, max_model_len=max_model_len)
+        schema = self.tool_call_schema()
+        if schema is None:
+            return params
+        if params.structured_outputs is not None:  # vLLM's rule
+            raise ValueError("You can only either use constraints for structured outputs or tools, not both.")
+        # required / a named function: decoding follows the arguments' schema, so they always parse.
+        return dataclasses.replace(params, structured_outputs=StructuredOutputsParams(json=schema))
 
     def _logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -557,9 +745,10 @@ class ChatCompletionRequest(_SamplingRequest):
             return None
         return self.top_logprobs or 0
 
-    def chat_messages(self) -> list[dict[str, str]]:
-        """Messages as the chat template expects them: ``{"role", "content"}`` strings."""
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """Messages as the chat template expects them: ``{"role", "content"}`` strings, plus
+        ``tool_calls`` / ``tool_call_id`` on the messages that have them."""
+        return [m.template_message() for m in self.messages]
 
 
 class CompletionRequest(_SamplingRequest):
@@ -639,9 +828,12 @@ def parse_json_object(body: bytes | str) -> dict[str, Any]:
 def validate_request(model: type[OpenAIRequest], data: Mapping[str, Any]) -> OpenAIRequest:
     """``data`` (a parsed JSON body) as ``model``; raises BadRequestError (400) on any problem."""
     try:
-        return model.model_validate(data)
+        request = model.model_validate(data)
     except ValidationError as exc:
         raise _format_validation_error(exc) from None
+    if isinstance(request, ChatCompletionRequest):
+        request.check()
+    return request
 
 
 def parse_request(model: type[OpenAIRequest], body: bytes | str) -> OpenAIRequest:
@@ -688,9 +880,53 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+def _without_none(handler: SerializerFunctionWrapHandler, model: BaseModel, *names: str) -> dict[str, Any]:
+    """``model`` serialized without the keys ``names`` whose value is None (OpenAI leaves them out)."""
+    data = handler(model)
+    for name in names:
+        if data.get(name) is None:
+            data.pop(name, None)
+    return data
+
+
+class ToolCallOut(BaseModel):
+    """A tool call in an answer: ``call_...`` id, type ``function``, name and arguments' JSON text."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_none(handler, self, "name", "arguments")
+
+
+class DeltaToolCall(BaseModel):
+    """One streamed piece of a tool call: the first has id, type and name; later ones argument text."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_none(handler, self, "id", "type")
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_none(handler, self, "tool_calls")
 
 
 class ChatChoice(BaseModel):
@@ -728,6 +964,11 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_none(handler, self, "tool_calls")
 
 
 class ChatChunkChoice(BaseModel):

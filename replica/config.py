@@ -16,6 +16,8 @@ from typing import Any
 
 from prefixserve.replica.config_util import add_cli_arguments, check_switches, from_cli_args, from_dict
 from prefixserve.replica.kv.block_pool import EVICTION_POLICIES
+from prefixserve.replica.tools.parsers import TOOL_CALL_PARSERS
+from prefixserve.replica.tools.templates import load_chat_template
 from prefixserve.replica.tracing import check_endpoint
 
 HASH_ALGOS = ("xxh3_128", "sha256")
@@ -146,6 +148,18 @@ class EngineConfig:
     # OpenTelemetry collector (vLLM's flag, e.g. http://127.0.0.1:4318): one llm_request span per
     # request with queue/prefill/decode children (replica/tracing.py). None = no tracing.
     otlp_traces_endpoint: str | None = None
+    # A Jinja chat template file (vLLM's --chat-template) that renders every chat request instead
+    # of the checkpoint's; None = the checkpoint's, or, for a request with tools on a model whose
+    # template renders none (SmolLM2's), the shipped ChatML/Hermes tool template
+    # (replica/tools/templates.py).
+    chat_template: str | None = None
+    # How generated text becomes tool calls (vLLM's --tool-call-parser names: "hermes",
+    # "llama3_json"; replica/tools/parsers.py). Needed, with enable_auto_tool_choice, for
+    # tool_choice="auto"; "required" and a named function need neither.
+    tool_call_parser: str | None = None
+    # vLLM's --enable-auto-tool-choice: serve tool_choice="auto" (and requests with tools and no
+    # tool_choice); without it they get vLLM's 400.
+    enable_auto_tool_choice: bool = False
 
     def __post_init__(self) -> None:
         self._validate()
@@ -212,6 +226,13 @@ class EngineConfig:
         if self.swap_space_gb > 0 and self.preemption_mode != "swap":
             raise ValueError("swap_space_gb is used by swap preemption only: set preemption_mode='swap' "
                              "or swap_space_gb=0")
+        if self.tool_call_parser is not None:
+            _choice("tool_call_parser", self.tool_call_parser, tuple(TOOL_CALL_PARSERS))
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser (e.g. 'hermes') to read the "
+                             "model's tool calls")
+        if self.chat_template is not None:
+            load_chat_template(self.chat_template)
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 (or None for the checkpoint's), got {self.sliding_window}")
 
@@ -252,6 +273,7 @@ _CHOICES = {
     "eviction_policy": EVICTION_POLICIES,
     "dtype": DTYPES,
     "attention_backend": ATTENTION_BACKENDS,
+    "tool_call_parser": tuple(TOOL_CALL_PARSERS),
 }
 
 

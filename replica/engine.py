@@ -62,6 +62,8 @@ from prefixserve.replica.structured_output.compile import GrammarCache
 from prefixserve.replica.structured_output.metrics import StructuredOutputMetrics
 from prefixserve.replica.structured_output.state import SequenceGrammar
 from prefixserve.replica.structured_output.xgrammar_backend import XGrammarBackend
+from prefixserve.replica.tools.choice import ToolCallMode
+from prefixserve.replica.tools.templates import canonical_json, load_chat_template, template_for
 from prefixserve.replica.tracing import RequestTiming, RequestTracer, build_tracer
 
 log = logging.getLogger(__name__)
@@ -113,6 +115,8 @@ class LLMEngine:
                                   checkpoint_dtype=getattr(hf_config, "dtype", None), startup=startup)
         with startup.phase("tokenizer"):
             self.tokenizer = loader.load_tokenizer(src)
+        # --chat-template: renders every chat request (replica/tools/templates.py).
+        self.chat_template = load_chat_template(config.chat_template) if config.chat_template else None
         self.max_prompt_chars = _max_prompt_chars(self.tokenizer, self.max_model_len)
         self.min_message_tokens = min_message_tokens(self.tokenizer)
         self.metrics = EngineMetrics(config.model_name, self.max_model_len)
@@ -253,15 +257,24 @@ class LLMEngine:
         return [int(t) for t in prompt]
 
     def encode_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
-        """Token ids of a conversation through the checkpoint's chat template (generation prompt added)."""
+        """Token ids of a conversation through the chat template (generation prompt added).
+
+        The template is ``--chat-template``'s, else the checkpoint's; a conversation with
+        ``tools=`` on a model whose template renders none gets the shipped tool template.
+        """
         template_kwargs.setdefault("add_generation_prompt", True)
+        template = template_for(getattr(self.tokenizer, "chat_template", None), self.chat_template,
+                                bool(template_kwargs.get("tools")))
+        if template is not None:
+            template_kwargs.setdefault("chat_template", template)
         ids = self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **template_kwargs)
         return list(ids)
 
     def static_prefix_tokens(self, messages: list[dict[str, Any]], prompt_ids: list[int],
                              **template_kwargs: Any) -> int:
         """How many leading tokens of ``prompt_ids`` (``messages`` through the chat template) are the
-        conversation's static prefix: its leading system/developer messages, rendered alone.
+        conversation's static prefix: its leading system/developer messages (and ``tools=``, which
+        the template renders before the conversation), rendered alone.
 
         The common run of the two renderings, so a template that renders the system part
         differently on its own costs only the tokens that differ. 0 without a static prefix,
@@ -270,11 +283,18 @@ class LLMEngine:
         that refused requests leave nothing behind.
         """
         static = static_prefix_messages(messages)
-        if not static:
+        tools = template_kwargs.get("tools")
+        if not static and not tools:
             return 0
+        if not static:
+            # Templates refuse an empty conversation; an empty system turn renders as none in the
+            # shipped tool template, and any other difference only shortens the common run below.
+            static = [{"role": "system", "content": ""}]
         try:
+            # Tools are lists of dicts: their canonical JSON stands for them in the memo key.
             key: Any = (tuple((m.get("role"), m.get("content")) for m in static),
-                        tuple(sorted(template_kwargs.items())))
+                        tuple(sorted((k, canonical_json(v) if k == "tools" else v)
+                                     for k, v in template_kwargs.items())))
             hash(key)
         except TypeError:  # unhashable contents or kwargs: render without the memo
             key = None
@@ -330,7 +350,8 @@ class LLMEngine:
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
                     cache_salt: str | None = None, arrival_time: float | None = None, *,
                     prompt_text: str | None = None, trace_headers: dict[str, str] | None = None,
-                    conversation: bool = False, static_prefix_tokens: int = 0, grammar: Any = None) -> Request:
+                    conversation: bool = False, static_prefix_tokens: int = 0, grammar: Any = None,
+                    tool_mode: ToolCallMode | None = None) -> Request:
         """Validate and queue a request; ``prompt_text`` is reported back when ``prompt`` is token ids.
 
         ``trace_headers``: the W3C trace context the request arrived with (its spans' parent).
@@ -341,6 +362,7 @@ class LLMEngine:
         ``grammar``: the compiled grammar of ``params.structured_outputs`` (``self.grammars``);
         when it is missing the constraint is compiled here, in the caller's thread (the offline
         ``LLM``); the engine loop always receives it compiled.
+        ``tool_mode``: read each sequence's text for tool calls (StreamDelta.content / tool_calls).
         """
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
@@ -359,7 +381,7 @@ class LLMEngine:
                       conversation=conversation, static_prefix_tokens=max(0, int(static_prefix_tokens)),
                       bad_words_token_ids=self.bad_words_token_ids(params.bad_words),
                       prompt_logprobs=None if params.prompt_logprobs is None else [None],
-                      grammar=grammar if constraint is not None else None)
+                      grammar=grammar if constraint is not None else None, tool_mode=tool_mode)
         seq = self._new_sequence(req, 0)
         self.scheduler.add(seq)
         req.seqs.append(seq)
@@ -394,6 +416,8 @@ class LLMEngine:
         seq.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
                                            skip_special_tokens=req.params.skip_special_tokens,
                                            spaces_between_special_tokens=req.params.spaces_between_special_tokens)
+        if req.tool_mode is not None:
+            seq.tool_stream = req.tool_mode.new_stream(self.config.tool_call_parser)
         if req.params.logprobs is not None:
             seq.logprobs = []
         if req.grammar is not None:
@@ -645,17 +669,24 @@ class LLMEngine:
             prompt_ids = req.prompt_token_ids if prompt_lps is not None else None
             prompt_ranks = req.prompt_logprob_ranks if prompt_lps is not None else None
             req.prompt_logprobs_sent = True
-            deltas.append(StreamDelta(request_id=req.request_id, index=seq.index, text=text, token_ids=ids,
-                                      finish_reason=seq.finish_reason, num_prompt_tokens=len(req.prompt_token_ids),
-                                      num_cached_tokens=cached, num_output_tokens=num_output, logprobs=lps,
-                                      prompt_logprobs=prompt_lps, prompt_token_ids=prompt_ids,
-                                      prompt_logprob_ranks=prompt_ranks))
+            delta = StreamDelta(request_id=req.request_id, index=seq.index, text=text, token_ids=ids,
+                                finish_reason=seq.finish_reason, num_prompt_tokens=len(req.prompt_token_ids),
+                                num_cached_tokens=cached, num_output_tokens=num_output, logprobs=lps,
+                                prompt_logprobs=prompt_lps, prompt_token_ids=prompt_ids,
+                                prompt_logprob_ranks=prompt_ranks)
+            if seq.tool_stream is not None:
+                tools = seq.tool_stream.feed(text, finished=seq.is_finished)
+                delta.content, delta.tool_calls = tools.content, list(tools.tool_calls) or None
+                delta.tool_result = seq.tool_result = tools.result
+            deltas.append(delta)
         output = None
         if req.finished:
             req.finished_time = now
             output = self.request_output(req)
             stats = self._finished_stats(req, now)
             self.metrics.observe_finished(stats)
+            if req.tool_mode is not None:
+                self.metrics.observe_tool_calls(*self._tool_counts(req))
             if self.tracer is not None:
                 self._trace(req, stats)
             self.requests.pop(req.request_id, None)
@@ -673,6 +704,12 @@ class LLMEngine:
                                     num_generation_tokens=req.num_output_tokens,
                                     max_tokens=req.params.max_tokens, n=req.params.n)
 
+    @staticmethod
+    def _tool_counts(req: Request) -> tuple[int, int]:
+        """A finished request's parsed tool calls and its sequences whose tool-call text did not parse."""
+        results = [s.tool_result for s in req.seqs if s.tool_result is not None]
+        return sum(len(r.calls) for r in results), sum(r.failed for r in results)
+
     def _trace(self, req: Request, stats: FinishedRequestStats) -> None:
         assert self.tracer is not None
         start = req.arrival_time
@@ -689,6 +726,10 @@ class LLMEngine:
         }
         if p.structured_outputs is not None:
             attributes["prefixserve.structured_output.kind"] = p.structured_outputs.kind
+        if req.tool_mode is not None:
+            parsed, failures = self._tool_counts(req)
+            attributes.update({"prefixserve.tool_choice": req.tool_mode.choice, "prefixserve.tool_calls": parsed,
+                               "prefixserve.tool_call_parse_failures": failures})
         self.tracer.record(req.request_id, timing, attributes, req.trace_headers)
 
     def request_output(self, req: Request) -> RequestOutput:
@@ -805,6 +846,7 @@ class AddRequest:
     trace_headers: dict[str, str] | None = None
     conversation: bool = False
     static_prefix_tokens: int = 0
+    tool_mode: ToolCallMode | None = None
     # The compiled grammar of params.structured_outputs (compiled before the command is queued).
     grammar: Any = None
 
@@ -901,9 +943,10 @@ class AsyncEngine:
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                        cache_salt: str | None = None, trace_headers: dict[str, str] | None = None,
-                       conversation: bool = False, static_prefix_tokens: int = 0) -> AsyncIterator[StreamDelta]:
-        """Stream the deltas of one request (``conversation``, ``static_prefix_tokens``: see
-        LLMEngine.add_request).
+                       conversation: bool = False, static_prefix_tokens: int = 0,
+                       tool_mode: ToolCallMode | None = None) -> AsyncIterator[StreamDelta]:
+        """Stream the deltas of one request (``conversation``, ``static_prefix_tokens``, ``tool_mode``:
+        see LLMEngine.add_request).
 
         Raises PromptTooLongError / RequestRejected / EngineOverloadedError /
         EngineDeadError before the first delta. Later, the stream raises
@@ -942,7 +985,8 @@ class AsyncEngine:
                                              cache_salt=cache_salt, arrival_time=arrival,
                                              prompt_text=prompt if isinstance(prompt, str) else None,
                                              trace_headers=trace_headers, conversation=conversation,
-                                             static_prefix_tokens=static_prefix_tokens, grammar=grammar))
+                                             static_prefix_tokens=static_prefix_tokens, grammar=grammar,
+                                             tool_mode=tool_mode))
         self._wake.set()
         done = False
         try:
@@ -1071,7 +1115,8 @@ class AsyncEngine:
             self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.cache_salt,
                                     cmd.arrival_time, prompt_text=cmd.prompt_text,
                                     trace_headers=cmd.trace_headers, conversation=cmd.conversation,
-                                    static_prefix_tokens=cmd.static_prefix_tokens, grammar=cmd.grammar)
+                                    static_prefix_tokens=cmd.static_prefix_tokens, grammar=cmd.grammar,
+                                    tool_mode=cmd.tool_mode)
         except Exception as exc:  # noqa: BLE001 - handed to the consumer
             self._post(stream, exc)
 

@@ -24,7 +24,7 @@ import dataclasses
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 
@@ -33,6 +33,7 @@ from prefixserve.replica.errors import PromptTooLongError
 from prefixserve.replica.outputs import StreamDelta
 from prefixserve.replica.request import SESSION_HEADER
 from prefixserve.replica.sampling import SamplingParams
+from prefixserve.replica.tools.choice import ToolCallMode
 
 if TYPE_CHECKING:
     from prefixserve.replica.engine import AsyncEngine
@@ -43,8 +44,10 @@ class EngineRequest:
     """One generation request as a front end hands it to an engine.
 
     Exactly one of ``prompt`` (text or token ids, completions) and ``messages``
-    (chat; ``[{"role", "content"}]`` with string contents, rendered by the
-    engine's chat template) is set. ``sampling.max_tokens`` is what the client
+    (chat; ``[{"role", "content"}]`` with string contents, plus ``tool_calls`` /
+    ``tool_call_id`` on tool turns, rendered by the engine's chat template with
+    ``tools``) is set. ``tool_mode`` says how the output is read for tool calls
+    (None: plain content). ``sampling.max_tokens`` is what the client
     asked for; when the client asked nothing, ``max_tokens_default`` is set and
     the engine host, which knows the prompt's length, applies the one rule of
     :func:`fit_max_tokens`.
@@ -52,7 +55,9 @@ class EngineRequest:
 
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     prompt: str | list[int] | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_mode: ToolCallMode | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_tokens_default: int | None = None
     cache_salt: str | None = None
@@ -81,6 +86,9 @@ class ModelInfo:
     # Chats of more messages cannot fit (LLMEngine.max_messages), refused before parsing them
     # further; None when the chat template gives no bound.
     max_messages: int | None = None
+    # The engine's --tool-call-parser and --enable-auto-tool-choice (tool_choice="auto" needs both).
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
 
     def serves(self, name: str) -> bool:
         return name in (self.model_name, self.model)
@@ -136,16 +144,17 @@ def fit_max_tokens(request: EngineRequest, prompt_len: int, max_model_len: int) 
 
 
 def prompt_token_ids(
-    engine: AsyncEngine, *, prompt: str | list[int] | None = None, messages: list[dict[str, str]] | None = None
+    engine: AsyncEngine, *, prompt: str | list[int] | None = None, messages: list[dict[str, Any]] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """The token ids ``engine`` generates from: ``messages`` (chat) or ``prompt``. Blocking: CPU work.
+    """The token ids ``engine`` generates from: ``messages`` (chat, with ``tools``) or ``prompt``. Blocking.
 
     Raises BadRequestError (400) when the chat template rejects the messages or
     a token id is not in the tokenizer's vocabulary.
     """
     if messages is not None:
         try:
-            return list(engine.encode_chat(messages))
+            return list(engine.encode_chat(messages, tools=tools) if tools else engine.encode_chat(messages))
         except Exception as exc:  # a chat template refusing the conversation (jinja error)
             raise api.BadRequestError(f"the chat template rejected the messages: {exc}", param="messages",
                                       code="invalid_value") from exc
@@ -170,8 +179,10 @@ class RequestRunner:
         self.kv_events = kv_events
 
     def model_info(self) -> ModelInfo:
-        return ModelInfo(model_name=self.engine.model_name, model=self.engine.config.model,
-                         max_model_len=self.max_model_len, max_messages=self.engine.engine.max_messages)
+        config = self.engine.config
+        return ModelInfo(model_name=self.engine.model_name, model=config.model, max_model_len=self.max_model_len,
+                         max_messages=self.engine.engine.max_messages, tool_call_parser=config.tool_call_parser,
+                         enable_auto_tool_choice=config.enable_auto_tool_choice)
 
     def check_prompt_size(self, request: EngineRequest) -> None:
         """Refuse (400 context_length_exceeded) a prompt that cannot fit, without tokenizing it.
@@ -203,11 +214,13 @@ class RequestRunner:
         field = "prompt" if request.prompt is not None else "messages"
 
         def encode() -> tuple[list[int], int, SamplingParams]:
-            ids = prompt_token_ids(self.engine, prompt=request.prompt, messages=request.messages)
+            ids = prompt_token_ids(self.engine, prompt=request.prompt, messages=request.messages, tools=request.tools)
             params = fit_max_tokens(request, len(ids), self.max_model_len)
             self.engine.engine.validate(ids, params, prompt_field=field)
-            static = self.engine.engine.static_prefix_tokens(request.messages, ids) if request.messages else 0
-            return ids, static, params
+            if not request.messages:
+                return ids, 0, params
+            kwargs = {"tools": request.tools} if request.tools else {}
+            return ids, self.engine.engine.static_prefix_tokens(request.messages, ids, **kwargs), params
 
         return await anyio.to_thread.run_sync(encode)
 
@@ -235,7 +248,7 @@ class RequestRunner:
         stream = self.engine.generate(prompt_ids, params, request_id=request.request_id,
                                       cache_salt=request.cache_salt, trace_headers=request.trace_headers,
                                       conversation=request.conversation,
-                                      static_prefix_tokens=static_prefix_tokens)
+                                      static_prefix_tokens=static_prefix_tokens, tool_mode=request.tool_mode)
         try:
             async for delta in stream:
                 yield delta
@@ -286,7 +299,7 @@ class LocalEngineClient:
         return LocalStream(self.runner, request)
 
 
-def is_conversation_turn(messages: list[dict[str, str]] | None, headers: Mapping[str, str]) -> bool:
+def is_conversation_turn(messages: list[dict[str, Any]] | None, headers: Mapping[str, str]) -> bool:
     """Whether a request's answer will come back in a later prompt: a chat that already
     holds an assistant turn, or any request carrying a session id (``X-Session-Id``, the
     header router/prefix.py keys multi-turn affinity by)."""

@@ -59,6 +59,7 @@ from prefixserve.replica.engine_client import (
 from prefixserve.replica.errors import PromptTooLongError
 from prefixserve.replica.log_json import REQUEST_ID
 from prefixserve.replica.openai_serving import Generation
+from prefixserve.replica.tools.choice import check_auto_supported
 from prefixserve.replica.tracing import trace_headers
 
 log = logging.getLogger(__name__)
@@ -362,6 +363,14 @@ def engine_request(body: OpenAIRequest, info: ModelInfo, routing_key: str | None
     """
     default_max = body.default_max_tokens(info.max_model_len)
     prompt = body.prompt_fields()
+    tool_mode = None
+    if isinstance(body, api.ChatCompletionRequest):
+        tool_mode = body.tool_call_mode()
+        if tool_mode is not None and tool_mode.choice == "auto":
+            try:
+                check_auto_supported(info.enable_auto_tool_choice, info.tool_call_parser)
+            except ValueError as exc:
+                raise api.BadRequestError(str(exc), param="tool_choice", code="invalid_value") from None
     return EngineRequest(
         request_id=(api.new_id(body.id_prefix) if client_id is None
                     else f"{body.id_prefix}-{client_id}-{uuid.uuid4().hex[:8]}"),
@@ -370,6 +379,7 @@ def engine_request(body: OpenAIRequest, info: ModelInfo, routing_key: str | None
         max_tokens_default=None if body.requested_max_tokens() is not None else default_max,
         cache_salt=body.cache_salt,
         routing_key=routing_key,
+        tool_mode=tool_mode,
         trace_headers=trace_headers(headers or {}),
         conversation=is_conversation_turn(prompt.get("messages"), headers or {}),
     )

@@ -178,6 +178,11 @@ class EngineMetrics:
         self._last_swap = SwapTotals()
         self.restarts = c("prefixserve:engine_restarts",
                           "Times the engine reset its state after a fatal step failure (weights kept).")
+        # Tool calling (replica/tools/): finished sequences read for tool calls.
+        self.tool_calls_parsed = c("prefixserve:tool_calls_parsed",
+                                   "Tool calls parsed from generated text (one per call returned).")
+        self.tool_call_parse_failures = c("prefixserve:tool_call_parse_failures",
+                                          "Sequences whose tool-call text did not parse (answered as content).")
         self.startup = Gauge("prefixserve:engine_startup_seconds",
                              "Seconds this engine spent starting, by phase (see replica/model/startup.py).",
                              labels + ["phase"], registry=r)
@@ -266,6 +271,12 @@ class EngineMetrics:
     def track_cache_bytes(self, cache: str, nbytes: Callable[[], float]) -> None:
         """Export ``nbytes()`` as ``prefixserve:request_cache_bytes{cache}``, read at each scrape."""
         self.cache_bytes.labels(self.model_name, ENGINE_INDEX, cache).set_function(nbytes)
+    def observe_tool_calls(self, parsed: int, failures: int) -> None:
+        """Count a finished request's parsed tool calls and its sequences whose tool calls did not parse."""
+        if parsed:
+            self.tool_calls_parsed.inc(parsed)
+        if failures:
+            self.tool_call_parse_failures.inc(failures)
 
     def observe_restart(self) -> None:
         """Count one engine restart (AsyncEngine reset its state after a fatal failure)."""

@@ -30,6 +30,7 @@ from prefixserve.replica import api
 from prefixserve.replica.api import OpenAIRequest
 from prefixserve.replica.engine_client import EngineStream
 from prefixserve.replica.outputs import StreamDelta
+from prefixserve.replica.tools.stream import ToolCallResult
 
 
 def check_api_key(authorization: str, api_keys: Sequence[bytes]) -> None:
@@ -90,6 +91,8 @@ class _Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
+    # The finished tool-call reading of the text (requests with a tool mode).
+    tool_result: ToolCallResult | None = None
 
     def render(
         self, index: int, body: OpenAIRequest, token_text: api.TokenText, prompt: _Prompt
@@ -99,8 +102,12 @@ class _Choice:
         top_k = _top_k(body)
         if isinstance(body, api.ChatCompletionRequest):
             logprobs = api.chat_logprobs(self.token_ids, self.logprobs, top_k, token_text) if body.logprobs else None
-            return api.ChatChoice(index=index, message=api.ChatResponseMessage(content=text), logprobs=logprobs,
-                                  finish_reason=self.finish_reason)
+            message = api.ChatResponseMessage(content=text)
+            finish_reason = self.finish_reason
+            if self.tool_result is not None:
+                message = tool_message(self.tool_result)
+                finish_reason = tool_finish_reason(self.tool_result, finish_reason, body)
+            return api.ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=finish_reason)
         token_ids: list[int] = self.token_ids
         entries: list[dict[int, float] | None] = list(self.logprobs)
         if body.echo:
@@ -157,6 +164,31 @@ class _Usage:
         return api.Usage.build(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
 
 
+def tool_message(result: ToolCallResult) -> api.ChatResponseMessage:
+    """The collected assistant message of a sequence read for tool calls."""
+    calls = [api.ToolCallOut(id=c.id, function=api.FunctionCall(name=c.name, arguments=c.arguments))
+             for c in result.calls]
+    return api.ChatResponseMessage(content=result.content, tool_calls=calls or None)
+
+
+def tool_finish_reason(result: ToolCallResult, finish_reason: str | None,
+                       body: api.ChatCompletionRequest) -> str | None:
+    """OpenAI's (and vLLM's) finish reason of a sequence read for tool calls: ``"tool_calls"`` when it
+    stopped on its own with calls under ``auto`` or ``required``; a named function's call stays ``"stop"``."""
+    if result.calls and finish_reason == "stop" and body.effective_tool_choice() != "named":
+        return "tool_calls"
+    return finish_reason
+
+
+def delta_tool_calls(delta: StreamDelta) -> list[api.DeltaToolCall] | None:
+    """A delta's tool-call pieces in OpenAI's chunk shape."""
+    if not delta.tool_calls:
+        return None
+    return [api.DeltaToolCall(index=d.index, id=d.id, type="function" if d.id is not None else None,
+                              function=api.DeltaFunctionCall(name=d.name, arguments=d.arguments))
+            for d in delta.tool_calls]
+
+
 def _top_k(body: OpenAIRequest) -> int:
     if isinstance(body, api.ChatCompletionRequest):
         return body.top_logprobs or 0
@@ -181,6 +213,8 @@ async def collect_response(
                 choice.logprobs.extend(delta.logprobs)
             if delta.finish_reason is not None:
                 choice.finish_reason = delta.finish_reason
+            if delta.tool_result is not None:
+                choice.tool_result = delta.tool_result
     finally:
         await gen.close()
     rendered = [c.render(i, body, token_text, prompt) for i, c in enumerate(choices)]
@@ -217,13 +251,21 @@ async def _chat_stream(
                      for i in range(body.n)])
         async for delta in gen.deltas():
             usage.update(delta)
-            if not delta.text and delta.finish_reason is None:
-                continue  # the detokenizer holds back an incomplete character
+            if delta.content is not None:  # read for tool calls: content and call pieces
+                if not delta.content and not delta.tool_calls and delta.finish_reason is None:
+                    continue
+                message = api.DeltaMessage(content=delta.content or None, tool_calls=delta_tool_calls(delta))
+                finish = (tool_finish_reason(delta.tool_result, delta.finish_reason, body)
+                          if delta.tool_result is not None else delta.finish_reason)
+            else:
+                if not delta.text and delta.finish_reason is None:
+                    continue  # the detokenizer holds back an incomplete character
+                message, finish = api.DeltaMessage(content=delta.text), delta.finish_reason
             logprobs = None
             if body.logprobs and delta.logprobs:
                 logprobs = api.chat_logprobs(delta.token_ids, delta.logprobs, top_k, token_text)
-            yield chunk([api.ChatChunkChoice(index=delta.index, delta=api.DeltaMessage(content=delta.text),
-                                             logprobs=logprobs, finish_reason=delta.finish_reason)])
+            yield chunk([api.ChatChunkChoice(index=delta.index, delta=message, logprobs=logprobs,
+                                             finish_reason=finish)])
         if body.include_usage:
             yield chunk([], usage.build())
     except Exception as exc:  # the engine failed mid-stream: say so in-band, the status is sent

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from prefixserve.replica.tools.stream import ToolCallDelta, ToolCallResult
+
 
 class FinishReason(StrEnum):
     """Why a sequence stopped (OpenAI's values; a StrEnum compares and serializes as the string).
@@ -76,3 +78,9 @@ class StreamDelta:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_token_ids: list[int] | None = None
     prompt_logprob_ranks: list[int | None] | None = None
+    # Set when the request's output is read for tool calls (replica/tools/stream.py): ``text``
+    # stays the raw text; ``content`` is its part for the user, ``tool_calls`` the calls' new
+    # pieces, and the sequence's last delta carries the finished ``tool_result``.
+    content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+    tool_result: ToolCallResult | None = None

@@ -86,6 +86,8 @@ class Request:
     def needs_prompt_logits(self) -> bool:
         """Whether prompt positions still lack their logprobs (such a prompt skips prefix-cache hits)."""
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
+    # How the output is read for tool calls (replica/tools/choice.py ToolCallMode); None = plain content.
+    tool_mode: Any = None
     # The compiled grammar of its structured_outputs constraint (replica/structured_output/); None = free.
     grammar: Any = None
 
@@ -116,6 +118,10 @@ class Sequence:
     num_emitted_tokens: int = 0
     logprobs: list[dict[int, float]] | None = None
     detok: Any = None  # IncrementalDetokenizer
+    # Reads the text for tool calls (replica/tools/stream.py ToolCallStream) when the request has a
+    # tool mode; its last result stays here for the request's metrics and span.
+    tool_stream: Any = None
+    tool_result: Any = None
     last_token_time: float | None = None
     num_preemptions: int = 0
     # Its matcher when the request is constrained (structured_output.state.SequenceGrammar).

@@ -17,12 +17,20 @@ The rule, which any client in any language can reproduce:
   uses the first ``completion_prefix_chars`` characters of its prompt (a
   token-id prompt: its first ``completion_prefix_chars`` ids as little-endian
   uint32).
-* The key is the first 16 hex digits of SHA-256 over the prefix's UTF-8 bytes,
+* A chat request with a non-empty ``tools`` list: its tool definitions render
+  before the conversation (the chat template puts them in the system turn), so
+  they are part of the static prefix: the prefix bytes are the system text's
+  UTF-8 bytes, one 0x00 byte, then the tools as canonical JSON (the ``tools``
+  array as sent, object keys sorted, no whitespace, non-ASCII characters as
+  themselves, UTF-8). Same system prompt and same tools: one key; another tool
+  list: another key. Without tools the bytes are the system text's alone.
+* The key is the first 16 hex digits of SHA-256 over the prefix's bytes,
   with ``cache_salt`` UTF-8 bytes and one 0x00 byte in front when the request
-  has a salt. For one system message and no salt this is exactly
+  has a salt. For one system message, no tools and no salt this is exactly
   ``sha256(system_msg.encode()).hexdigest()[:16]``.
-* No static prefix (no leading system/developer message, empty text, empty
-  prompt) means no affinity: the key is ``None`` and the policy routes by load.
+* No static prefix (no leading system/developer message or empty text, and no
+  tools; an empty prompt) means no affinity: the key is ``None`` and the policy
+  routes by load.
 
 Multi-turn affinity (opt-in, off by default; the rule above is unchanged
 without it): a conversation's later turns share more than the system prompt,
@@ -46,7 +54,7 @@ Invariants: the key depends only on the request, never on time or process;
 a returned key is printable ASCII, so nginx's crc32 of the header equals the
 router's crc32 of the key.
 
-Pure Python (hashlib only): must not import Ray, HTTP frameworks or torch.
+Pure Python (hashlib, json): must not import Ray, HTTP frameworks or torch.
 """
 
 from __future__ import annotations
@@ -58,6 +66,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefixserve.replica.request import SESSION_HEADER, STATIC_ROLES
+from prefixserve.replica.tools.templates import canonical_json
 
 PREFIX_HASH_HEADER = "X-Prefix-Hash"
 KEY_HEX_DIGITS = 16
@@ -109,13 +118,32 @@ def _digest(payload: bytes, cache_salt: str | None) -> str:
     return h.hexdigest()[:KEY_HEX_DIGITS]
 
 
-def prefix_hash(system_text: str, cache_salt: str | None = None) -> str:
+def static_payload(system_text: str, tools: list[Any] | None = None) -> bytes:
+    """The static prefix's bytes: the system text, then 0x00 and the canonical JSON of ``tools`` if any."""
+    payload = system_text.encode("utf-8")
+    if tools:
+        payload += b"\x00" + canonical_json(tools).encode("utf-8")
+    return payload
+
+
+def prefix_hash(system_text: str, cache_salt: str | None = None, tools: list[Any] | None = None) -> str:
     """The ``X-Prefix-Hash`` value for a static prefix: what a client sends.
 
     ``system_text`` is the static prefix (the system prompt; several leading
-    system/developer messages joined by ``"\\n"``).
+    system/developer messages joined by ``"\\n"``); ``tools`` the request's tool
+    definitions (the ``tools`` array as sent), part of the static prefix when non-empty.
     """
-    return _digest(system_text.encode("utf-8"), cache_salt)
+    return _digest(static_payload(system_text, tools), cache_salt)
+
+
+def request_tools(body: Mapping[str, Any]) -> list[Any] | None:
+    """A chat body's ``tools`` when it has some (a non-empty list); ValueError when it is not a list."""
+    tools = body.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise ValueError(f"tools must be a list, got {type(tools).__name__}")
+    return tools or None
 
 
 def content_text(content: Any) -> str:
@@ -197,19 +225,22 @@ def _static_count(messages: list[Any]) -> int:
 
 
 def conversation_key(messages: list[Any], headers: Mapping[str, str] | None, config: PrefixKeyConfig,
-                     cache_salt: str | None) -> str | None:
-    """The multi-turn key of a chat request (module docstring), or None when the plain key applies."""
-    text = static_prefix(messages) or ""
+                     cache_salt: str | None, tools: list[Any] | None = None) -> str | None:
+    """The multi-turn key of a chat request (module docstring), or None when the plain key applies.
+
+    The static prefix's bytes (with ``tools``, see ``static_payload``) stand where the system text does.
+    """
+    static = static_payload(static_prefix(messages) or "", tools)
     if config.session_header and headers is not None:
         session = _header_value(headers, SESSION_HEADER)
         if session:
-            return _digest(text.encode("utf-8") + b"\x00session:" + session.encode("utf-8"), cache_salt)
+            return _digest(static + b"\x00session:" + session.encode("utf-8"), cache_salt)
     if config.key_turns > 0:
         turns = messages[_static_count(messages):]
         if len(turns) >= config.key_turns:
-            parts = [text] + [content_text(m.get("content")) if isinstance(m, Mapping) else ""
-                              for m in turns[: config.key_turns]]
-            return _digest(b"\x00".join(p.encode("utf-8") for p in parts), cache_salt)
+            parts = [static] + [content_text(m.get("content")).encode("utf-8") if isinstance(m, Mapping) else b""
+                                for m in turns[: config.key_turns]]
+            return _digest(b"\x00".join(parts), cache_salt)
     return None
 
 
@@ -258,12 +289,15 @@ def routing_key(
         messages = body["messages"]
         if not isinstance(messages, list):
             raise ValueError(f"messages must be a list, got {type(messages).__name__}")
+        tools = request_tools(body)
         if config.session_header or config.key_turns:
-            key = conversation_key(messages, headers, config, salt)
+            key = conversation_key(messages, headers, config, salt, tools)
             if key is not None:
                 return key
         text = static_prefix(messages)
-        return None if text is None else prefix_hash(text, salt)
+        if text is None and tools is None:
+            return None
+        return prefix_hash(text or "", salt, tools)
 
     if "prompt" in body:
         payload = _prompt_payload(body["prompt"], config.completion_prefix_chars)

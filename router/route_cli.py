@@ -1,7 +1,7 @@
 """``prefixserve route``: show where a prompt lands without sending it.
 
-Job: compute a routing key (from ``--key`` or from ``--system`` text with
-``--cache-salt``), then print its crc32, the replica the ring picks (as nginx
+Job: compute a routing key (from ``--key``, or from ``--system`` text with
+``--tools`` and ``--cache-salt``), then print its crc32, the replica the ring picks (as nginx
 with the same ``server`` lines would) and the ring successors a request falls
 back to. The key of ``--system`` is the one the router computes for a chat
 whose system message is that text (router/prefix.py's ``routing_key``): an empty
@@ -40,8 +40,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--key", type=arg_type(validate_prefix_hash),
                         help=f"a routing key as sent in {PREFIX_HASH_HEADER}")
     source.add_argument("--system", help="the static prefix (system prompt) to hash")
+    parser.add_argument("--tools", default=None, metavar="FILE",
+                        help="a JSON file holding the request's tools array (with --system; part of the key)")
     parser.add_argument("--cache-salt", default=None, help="the request's cache_salt (with --system)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def read_tools(path: str) -> list:
+    """The tools array in the JSON file ``path``; ValueError naming the file when it is not one."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            tools = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--tools {path}: cannot read a JSON file: {exc}") from None
+    if not isinstance(tools, list):
+        raise ValueError(f"--tools {path}: expected a JSON array of tools, got {type(tools).__name__}")
+    return tools
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,11 +65,12 @@ def run(args: argparse.Namespace) -> int:
         if unknown:
             raise ValueError(f"--down {unknown} not among the --replica names {list(ring.names)}")
         if args.key is not None:
-            if args.cache_salt is not None:
-                raise ValueError("--cache-salt applies to --system only: a --key is already salted")
+            if args.cache_salt is not None or args.tools is not None:
+                raise ValueError("--cache-salt and --tools apply to --system only: a --key is already computed")
             key = args.key
         else:
-            body = {"messages": [{"role": "system", "content": args.system}], "cache_salt": args.cache_salt}
+            body = {"messages": [{"role": "system", "content": args.system}], "cache_salt": args.cache_salt,
+                    "tools": read_tools(args.tools) if args.tools else None}
             key = routing_key({k: v for k, v in body.items() if v is not None})
     except ValueError as e:
         print(f"prefixserve route: error: {e}", file=sys.stderr)

@@ -128,12 +128,13 @@ class InProcessReplica:
     engine down.
     """
 
-    def __init__(self, model: str | Path, *, max_model_len: int = 128, **app_kwargs: object) -> None:
+    def __init__(self, model: str | Path, *, max_model_len: int = 128, engine_kwargs: dict | None = None,
+                 **app_kwargs: object) -> None:
         from prefixserve.replica.config import EngineConfig
         from prefixserve.replica.engine import AsyncEngine
         from prefixserve.replica.server import build_app
 
-        self.engine = AsyncEngine(EngineConfig(model=str(model), max_model_len=max_model_len))
+        self.engine = AsyncEngine(EngineConfig(model=str(model), max_model_len=max_model_len, **(engine_kwargs or {})))
         self.app = build_app(self.engine, **app_kwargs)  # type: ignore[arg-type]
         self.loop = asyncio.new_event_loop()
         self.http = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://replica",

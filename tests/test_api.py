@@ -41,7 +41,8 @@ def test_chat_request_parses_roles_content_parts_and_harmless_fields():
                 {"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
                 {"role": "system", "content": "c"},
                 {"role": "user", "content": "q", "name": "bob"},
-                {"role": "assistant", "content": None},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "t1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
                 {"role": "tool", "content": "42", "tool_call_id": "t1"},
             ],
             "stream": True, "stream_options": {"include_usage": True, "include_obfuscation": True},
@@ -56,8 +57,9 @@ def test_chat_request_parses_roles_content_parts_and_harmless_fields():
         {"role": "developer", "content": "a\nb"},
         {"role": "system", "content": "c"},
         {"role": "user", "content": "q"},
-        {"role": "assistant", "content": ""},
-        {"role": "tool", "content": "42"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "t1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "content": "42", "tool_call_id": "t1"},
     ]
     assert req.include_usage
     assert req.stream
@@ -108,13 +110,8 @@ def test_unknown_fields_are_400_naming_the_field(field):
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("tools", [{"type": "function", "function": {"name": "f"}}]),
         ("functions", [{"name": "f"}]),
         ("function_call", "auto"),
-        ("tool_choice", "auto"),
-        ("tool_choice", {"type": "function", "function": {"name": "f"}}),
-        ("parallel_tool_calls", True),
-        ("parallel_tool_calls", False),
         ("audio", {"voice": "alloy", "format": "wav"}),
         ("modalities", ["text", "audio"]),
         ("prediction", {"type": "content", "content": "x"}),
@@ -136,13 +133,12 @@ def test_unsupported_values_of_harmless_fields_are_400(field, value):
     assert err.code == "unsupported_value" and err.param == field
 
 
-def test_tool_and_audio_turns_in_the_conversation_are_400():
-    body = json.dumps({"messages": [
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
-                                                               "function": {"name": "f", "arguments": "{}"}}]},
-        {"role": "user", "content": "x"}]})
-    err = bad_request(api.ChatCompletionRequest, body)
-    assert err.code == "unsupported_parameter" and err.param == "messages.0.tool_calls"
+def test_function_call_and_audio_turns_in_the_conversation_are_400():
+    for field, value in (("function_call", {"name": "f", "arguments": "{}"}), ("audio", {"id": "a"})):
+        body = json.dumps({"messages": [{"role": "assistant", "content": None, field: value},
+                                        {"role": "user", "content": "x"}]})
+        err = bad_request(api.ChatCompletionRequest, body)
+        assert err.code == "unsupported_parameter" and err.param == f"messages.0.{field}"
 
 
 def test_logit_bias_maps_token_id_strings_onto_sampling_params():

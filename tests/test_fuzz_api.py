@@ -228,7 +228,7 @@ def check_answer(replica: InProcessReplica, path: str, content: bytes, statuses:
     else:
         answer = response.json()
         assert answer["choices"] and answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0, answer
-        assert all(c["finish_reason"] in ("stop", "length") for c in answer["choices"]), answer
+        assert all(c["finish_reason"] in ("stop", "length", "tool_calls") for c in answer["choices"]), answer
 
 
 def still_serves(replica: InProcessReplica) -> None:
@@ -276,6 +276,92 @@ def test_fuzz_completions(replica):
 
     case()
     assert_idle(replica)
+    assert_both_kinds_were_tried(statuses)
+
+
+# -- tool calling, on a replica that serves tool_choice="auto" ---------------------------------
+
+TOOL_EXAMPLES = 300
+tool_name = st.sampled_from(["get_weather", "find_flights", "lookup"])
+schema = st.one_of(st.none(), st.just({"type": "object", "properties": {"city": {"type": "string"}},
+                                       "required": ["city"]}),
+                   st.just({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0},
+                                                             "tags": {"type": "array", "items": {"type": "string"}}}}))
+tool = st.builds(lambda name, params: {"type": "function", "function": {"name": name, **(
+    {"parameters": params} if params is not None else {})}}, tool_name, schema)
+valid_tools = st.lists(tool, min_size=1, max_size=3, unique_by=lambda t: t["function"]["name"])
+invalid_tools = st.one_of(
+    tool.map(lambda t: [t, t]),  # duplicate names
+    tool.map(lambda t: [{**t, "function": {**t["function"], "parameters": {"type": "objekt"}}}]),
+    tool.map(lambda t: [{**t, "function": {**t["function"], "parameters": {"properties": [1]}}}]),
+    tool.map(lambda t: [{**t, "function": {**t["function"], "name": "no spaces allowed"}}]),
+    tool.map(lambda t: [{**t, "type": "retrieval"}]),
+    st.just([{"type": "function"}]),
+)
+call = st.builds(lambda i, name: {"id": f"call_{i}", "type": "function",
+                                  "function": {"name": name, "arguments": '{"city": "Oslo"}'}},
+                 st.integers(0, 3), tool_name)
+tool_turns = st.lists(call, min_size=1, max_size=2, unique_by=lambda c: c["id"]).map(lambda calls: [
+    {"role": "assistant", "content": None, "tool_calls": calls},
+    *({"role": "tool", "content": "ok", "tool_call_id": c["id"]} for c in calls)])
+tool_messages = Field(
+    st.tuples(st.lists(valid_message.filter(lambda m: m["role"] != "tool"), min_size=1, max_size=2), tool_turns)
+    .map(lambda t: [*t[0], *t[1], {"role": "user", "content": "and now?"}]),
+    st.one_of(tool_turns.map(lambda turns: [{"role": "user", "content": "q"}, turns[0],
+                                            {"role": "tool", "content": "x", "tool_call_id": "call_unknown"}]),
+              st.just([{"role": "user", "content": "q"}, {"role": "tool", "content": "x"}]),
+              call.map(lambda c: [{"role": "user", "content": "q", "tool_calls": [c]}])))
+TOOL_FIELDS = {
+    "tools": Field(valid_tools, invalid_tools),
+    "tool_choice": field(st.one_of(st.sampled_from(["none", "auto", "required"]),
+                                   tool_name.map(lambda n: {"type": "function", "function": {"name": n}})),
+                         st.one_of(st.sampled_from(["sometimes", ""]),
+                                   st.just({"type": "function", "function": {"name": "book_hotel"}}),
+                                   st.just({"type": "function"}))),
+    "parallel_tool_calls": field(st.booleans()),
+    "stream": field(st.booleans()),
+    "temperature": field(st.floats(0, 2)),
+}
+
+
+@st.composite
+def tool_bodies(draw: st.DrawFn) -> dict:
+    body = draw(request_bodies("messages", tool_messages, TOOL_FIELDS))
+    if "tools" not in body and draw(st.integers(0, 3)) > 0:
+        body["tools"] = draw(valid_tools)  # without tool_choice: "auto"
+        if draw(st.booleans()):
+            body["tool_choice"] = draw(TOOL_FIELDS["tool_choice"].valid)
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and isinstance(body.get("tools"), list) and draw(st.booleans()):
+        # Mostly a named function that is among the tools, sometimes one that is not.
+        names = [t.get("function", {}).get("name") for t in body["tools"] if isinstance(t, dict)]
+        if names and isinstance(names[0], str):
+            body["tool_choice"] = {"type": "function", "function": {"name": names[0]}}
+    return body
+
+
+@pytest.fixture(scope="module")
+def tool_replica(tmp_path_factory):
+    model_dir = tiny_checkpoint(tmp_path_factory.mktemp("fuzz-tools") / "tiny", max_pos=512)
+    r = InProcessReplica(model_dir, max_model_len=512, replica_name="fuzz-tools",
+                         engine_kwargs={"enable_auto_tool_choice": True, "tool_call_parser": "hermes"})
+    try:
+        yield r
+    finally:
+        r.close()
+
+
+def test_fuzz_tool_calling(tool_replica):
+    statuses: Counter[int] = Counter()
+
+    @settings(FUZZ, max_examples=TOOL_EXAMPLES)
+    @given(tool_bodies())
+    def case(payload: dict) -> None:
+        check_answer(tool_replica, "/v1/chat/completions", encode(payload), statuses)
+        still_serves(tool_replica)
+
+    case()
+    assert_idle(tool_replica)
     assert_both_kinds_were_tried(statuses)
 
 

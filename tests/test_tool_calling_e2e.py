@@ -1,0 +1,135 @@
+"""Tool calling end to end: the official ``openai`` client against a real standalone replica with SmolLM2.
+
+``tool_choice="required"`` and a named function constrain decoding to the tools'
+schemas, so the returned ``tool_calls`` always carry arguments that validate
+(jsonschema), collected and streamed; a full agent loop (call, tool result,
+answer) runs against the one replica. Greedy, small ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import pytest
+from server_helpers import ReplicaProcess, metric
+
+openai = pytest.importorskip("openai")
+# Constrained decoding (the grammar compiler of replica/structured_output/) is what makes the arguments parse.
+pytest.importorskip("prefixserve.replica.structured_output.compile")
+
+pytestmark = pytest.mark.slow
+
+SYSTEM = "You are a travel assistant. Use the tools to answer questions about weather and flights."
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get tomorrow's weather forecast for a city.",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "enum": ["Lisbon", "Oslo", "Rome", "Paris"]},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+FLIGHTS = {"type": "function", "function": {
+    "name": "find_flights", "description": "Find flights to a city.",
+    "parameters": {"type": "object", "properties": {
+        "to": {"type": "string", "enum": ["Lisbon", "Oslo", "Rome", "Paris"]},
+        "max_stops": {"type": "integer", "minimum": 0, "maximum": 2}},
+        "required": ["to", "max_stops"], "additionalProperties": False}}}
+TOOLS = [WEATHER, FLIGHTS]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+QUESTION = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Will it rain in Lisbon tomorrow?"}]
+NAMED = {"type": "function", "function": {"name": "find_flights"}}
+
+
+@pytest.fixture(scope="module")
+def replica(tmp_path_factory):
+    with ReplicaProcess("smollm2", "--max-model-len", "2048", "--tool-call-parser", "hermes",
+                        "--enable-auto-tool-choice", log_dir=tmp_path_factory.mktemp("logs")) as proc:
+        yield proc
+        assert proc.returncode is None, f"the replica died during the tests:\n{proc.log_tail()}"
+
+
+@pytest.fixture()
+def client(replica):
+    with openai.OpenAI(base_url=f"{replica.base_url}/v1", api_key="unused", max_retries=0, timeout=300) as c:
+        yield c
+
+
+def _valid(name: str, arguments: str) -> dict:
+    args = json.loads(arguments)
+    jsonschema.validate(args, SCHEMAS[name])
+    return args
+
+
+def _streamed(client, **kwargs) -> tuple[list[dict], str | None]:
+    """The tool calls reassembled from a stream's deltas (OpenAI's shape), and the finish reason."""
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            for d in choice.delta.tool_calls or ():
+                if d.id is not None:
+                    assert d.index not in calls and d.type == "function" and d.function.name
+                    assert d.id.startswith("call_")
+                    calls[d.index] = {"id": d.id, "name": d.function.name, "arguments": d.function.arguments or ""}
+                else:
+                    assert d.index in calls and not (d.function.name or "")
+                    calls[d.index]["arguments"] += d.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return [calls[i] for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("tool_choice", ["required", NAMED], ids=["required", "named"])
+def test_forced_tool_calls_have_arguments_that_validate_collected_and_streamed(client, tool_choice):
+    kwargs = dict(model="smollm2", messages=QUESTION, tools=TOOLS, tool_choice=tool_choice,
+                  parallel_tool_calls=False, max_tokens=96, temperature=0)
+    # OpenAI's (and vLLM's) finish reasons: "tool_calls" for required, "stop" for a named function.
+    finish_reason = "tool_calls" if tool_choice == "required" else "stop"
+    answer = client.chat.completions.create(**kwargs)
+    choice = answer.choices[0]
+    assert choice.finish_reason == finish_reason, choice
+    calls = choice.message.tool_calls
+    assert calls and len(calls) == 1 and calls[0].type == "function" and calls[0].id.startswith("call_")
+    if tool_choice != "required":
+        assert calls[0].function.name == "find_flights"
+    collected = _valid(calls[0].function.name, calls[0].function.arguments)
+
+    streamed, finish = _streamed(client, **kwargs)
+    assert finish == finish_reason and len(streamed) == 1
+    assert streamed[0]["name"] == calls[0].function.name
+    assert _valid(streamed[0]["name"], streamed[0]["arguments"]) == collected
+
+
+def test_an_agent_loop_calls_a_tool_reads_its_result_and_answers(client, replica):
+    before = httpx.get(f"{replica.base_url}/metrics", timeout=10).text
+    messages = list(QUESTION)
+    call = client.chat.completions.create(model="smollm2", messages=messages, tools=TOOLS, tool_choice="required",
+                                          parallel_tool_calls=False, max_tokens=96, temperature=0)
+    tool_call = call.choices[0].message.tool_calls[0]
+    args = _valid(tool_call.function.name, tool_call.function.arguments)
+    messages.append({"role": "assistant", "content": None, "tool_calls": [tool_call.model_dump()]})
+    result = {"forecast": "light rain", "city": args.get("city") or args.get("to")}
+    messages.append({"role": "tool", "tool_call_id": tool_call.id, "content": json.dumps(result)})
+
+    answer = client.chat.completions.create(model="smollm2", messages=messages, tools=TOOLS, max_tokens=24,
+                                            temperature=0)
+    choice = answer.choices[0]
+    assert choice.finish_reason in ("stop", "length", "tool_calls")
+    assert choice.message.content or choice.message.tool_calls
+    # The system prompt, the tools and the history came from the prefix cache.
+    assert answer.usage.prompt_tokens_details.cached_tokens > call.usage.prompt_tokens // 2
+
+    after = httpx.get(f"{replica.base_url}/metrics", timeout=10).text
+    name = "prefixserve:tool_calls_parsed_total"
+    assert metric(after, name) - metric(before, name) >= 1
+
+
+def test_bad_tool_requests_are_400_and_the_replica_keeps_serving(client):
+    cases = [dict(tools=[WEATHER, WEATHER]), dict(tools=TOOLS, tool_choice={"type": "function",
+                                                                            "function": {"name": "book"}}),
+             dict(messages=[*QUESTION, {"role": "tool", "tool_call_id": "call_x", "content": "?"}], tools=TOOLS)]
+    for case in cases:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(**{"model": "smollm2", "messages": QUESTION, "max_tokens": 4, **case})
+        assert info.value.status_code == 400 and info.value.body["param"]
+    ok = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=4)
+    assert ok.choices[0].finish_reason in ("stop", "length")
