@@ -386,6 +386,9 @@ KIND_HISTORY = "history"  # the replica holding the longest cached prefix of the
 KIND_NEW_CONVERSATION = "new_conversation"  # nothing beyond the static prefix held: least loaded of the set
 
 
+BALANCE_EPSILON: float | None = None
+
+
 @dataclass(frozen=True)
 class PlacedOptions(RingOptions):
     """Options of ``placed`` (router/placement.py explains the mechanism).
@@ -412,6 +415,10 @@ class PlacedOptions(RingOptions):
         new_epsilon`` fair shares (mean in-flight, at least 1) of the key's own
         in-flight requests (counted by ``rank``, ended by ``done``); None keeps new
         conversations on the placement alone.
+    balance_epsilon: with a history, the history and new-conversation branches take
+        a replica only under ``mean * (1 + balance_epsilon) + 1`` in flight (and the
+        ordinary cap); past it the request falls to the placement and spill logic.
+        None: the ordinary cap alone.
     clock: seconds, monotonic (default ``time.monotonic``); tests inject one.
     """
 
@@ -425,6 +432,7 @@ class PlacedOptions(RingOptions):
     noise_z: float = 2.0
     history_max_entries: int = DEFAULT_MAX_ENTRIES
     new_epsilon: float | None = 0.25
+    balance_epsilon: float | None = BALANCE_EPSILON
     clock: Callable[[], float] | None = None
 
     def __post_init__(self) -> None:
@@ -432,9 +440,10 @@ class PlacedOptions(RingOptions):
         h = self.history_max_entries
         if isinstance(h, bool) or not isinstance(h, int) or h < 0:
             raise ValueError(f"history_max_entries must be an integer >= 0, got {h!r}")
-        for name in ("epsilon", "work_epsilon", "tau_s", "rebalance_interval_s", "hot_share", "new_epsilon"):
+        for name in ("epsilon", "work_epsilon", "tau_s", "rebalance_interval_s", "hot_share", "new_epsilon",
+                     "balance_epsilon"):
             v = getattr(self, name)
-            if name in ("work_epsilon", "new_epsilon") and v is None:
+            if name in ("work_epsilon", "new_epsilon", "balance_epsilon") and v is None:
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > 0 and math.isfinite(v)):
                 raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
@@ -682,10 +691,13 @@ class Placed(_RingPolicy):
             pos = self._view_pos
             held = {pos[n]: b for n, b in self.history.held(history).items() if n in pos}
             best = max(held.values(), default=0)
+        conv_cap = cap
+        if history is not None and self.options.balance_epsilon is not None:
+            conv_cap = min(cap, sum(loads) / len(candidates) * (1.0 + self.options.balance_epsilon) + 1.0)
         if best > static_blocks:
             # A conversation's later turn: the replica holding most of its history, if under the cap
             # (the least loaded of several, the placement's first).
-            holders = [p for p, b in held.items() if b == best and loads[p] < cap]
+            holders = [p for p, b in held.items() if b == best and loads[p] < conv_cap]
             if holders:
                 chosen = min(holders, key=lambda p: (loads[p], p not in placed, p))
                 kind = KIND_HISTORY
@@ -702,7 +714,7 @@ class Placed(_RingPolicy):
             group = list(placed)
             if want > len(group):
                 group += [p for p in order if p not in placed][: want - len(group)]
-            under = [p for p in group if loads[p] < cap]
+            under = [p for p in group if loads[p] < conv_cap]
             if under:
                 low = min(loads[p] for p in under)
                 tied = [p for p in under if loads[p] == low]
