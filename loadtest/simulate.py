@@ -769,12 +769,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         eps_cfg = replace(sweep_cfg, epsilon=eps, placed_epsilon=eps)
         by_epsilon.append(simulate(eps_cfg, args.sweep_policy, sweep_traffic, profile))
 
-    print(f"## Simulator: {config.num_replicas} replicas x {config.num_tenants} tenants x "
+    what = f"{config.num_tenants} tenants" if config.workload == "tenants" else f"{config.workload} sessions"
+    print(f"## Simulator: {config.num_replicas} replicas x {what} x "
           f"{config.num_requests} requests ({profile.name} profile; {profile.source})\n")
-    print(f"KV blocks per replica {config.blocks_per_replica} x {config.block_size} tokens; prompts "
-          f"{config.system_prompt_len}+{config.question_len} tokens, {config.output_len} out; Zipf s={config.zipf_s}, "
-          f"hot tenant +{config.hot_share:.0%}; offered utilization {config.utilization} "
-          f"(all-miss); KV eviction {config.eviction_policy}, generated blocks {config.generated_blocks}, "
+    if config.workload == "tenants":
+        shape = (f"prompts {config.system_prompt_len}+{config.question_len} tokens, {config.output_len} out; "
+                 f"Zipf s={config.zipf_s}, hot tenant +{config.hot_share:.0%}; offered utilization "
+                 f"{config.utilization} (all-miss)")
+    else:
+        shape = (f"{config.workload} sessions (loadtest/conversations.py preset), {len(traffic.conv or ())} "
+                 f"requests; offered utilization {config.utilization} (each turn's new tokens)")
+    print(f"KV blocks per replica {config.blocks_per_replica} x {config.block_size} tokens; {shape}; "
+          f"KV eviction {config.eviction_policy}, generated blocks {config.generated_blocks}, "
           f"static prefix {'protected' if config.protect_static_prefix else 'plain'}; "
           f"oracle hit rate {main_results[0].oracle_hit_rate:.1%}. "
           f"All policies simulated in {main_wall:.1f} s wall.\n")
