@@ -415,6 +415,9 @@ class PlacedOptions(RingOptions):
         new_epsilon`` fair shares (mean in-flight, at least 1) of the key's own
         in-flight requests (counted by ``rank``, ended by ``done``); None keeps new
         conversations on the placement alone.
+    conversation_spread: a key at least half of whose recent decisions followed a
+        history (a conversational app) has its set grown by this many more ring
+        successors for new conversations (0: off).
     balance_epsilon: with a history, the history and new-conversation branches take
         a replica only under ``mean * (1 + balance_epsilon) + 1`` in flight (and the
         ordinary cap); past it the request falls to the placement and spill logic.
@@ -432,14 +435,16 @@ class PlacedOptions(RingOptions):
     noise_z: float = 2.0
     history_max_entries: int = DEFAULT_MAX_ENTRIES
     new_epsilon: float | None = 0.25
+    conversation_spread: int = 4
     balance_epsilon: float | None = BALANCE_EPSILON
     clock: Callable[[], float] | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        h = self.history_max_entries
-        if isinstance(h, bool) or not isinstance(h, int) or h < 0:
-            raise ValueError(f"history_max_entries must be an integer >= 0, got {h!r}")
+        for name in ("history_max_entries", "conversation_spread"):
+            h = getattr(self, name)
+            if isinstance(h, bool) or not isinstance(h, int) or h < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {h!r}")
         for name in ("epsilon", "work_epsilon", "tau_s", "rebalance_interval_s", "hot_share", "new_epsilon",
                      "balance_epsilon"):
             v = getattr(self, name)
@@ -480,6 +485,8 @@ def effective_in_flight(c: ReplicaView) -> int:
 # ring's own memo (HashRing.order).
 _MAX_MEMO_POSITIONS = 4_000_000
 _MAX_RANKINGS_PER_KEY = 8
+# Keys whose history-branch share ``placed`` tracks (conversation_spread); the table is cleared when full.
+_MAX_CONVERSATIONAL_KEYS = 200_000
 
 
 class _KeyOrder:
@@ -562,6 +569,7 @@ class Placed(_RingPolicy):
         self._table_members: tuple[tuple[str, int], ...] = ()
         self._turns: dict[str, int] = {}  # replicated key -> requests counted (tie rotation)
         self._key_in_flight: dict[str, int] = {}  # key -> its requests ranked and not yet ``done``
+        self._conversational: dict[str, list[int]] = {}  # key -> [history decisions, decisions]
         # The candidate list of the last keyed call (names in the caller's order) and what was
         # derived from it: valid while the caller passes the same names in the same order and
         # the ring is the one the view was built on.
@@ -593,6 +601,7 @@ class Placed(_RingPolicy):
     def _rebalance(self, now: float) -> bool:
         changed = self.table.rebalance(now)
         self._turns = {k: t for k, t in self._turns.items() if len(self.table.placement(k)) > 1}
+        self._conversational = {k: t for k, t in self._conversational.items() if k in self.table}
         return changed
 
     def _set_view(self, candidates: Sequence[ReplicaView], names: list[str]) -> HashRing:
@@ -711,6 +720,12 @@ class Placed(_RingPolicy):
             # from its first requests and shrinks when they finish.
             share = max(1.0, sum(loads) / len(candidates)) * (1.0 + self.options.new_epsilon)
             want = min(len(order), math.ceil((self._key_in_flight.get(key, 0) + 1) / share))
+            # A key whose requests mostly continue conversations (an app's users' chats):
+            # its new conversations also spread over its next ring successors, since a
+            # conversation stays where it starts and one static-prefix miss buys all its turns.
+            turns = self._conversational.get(key)
+            if turns is not None and 2 * turns[0] >= turns[1] and self.options.conversation_spread:
+                want = min(len(order), max(want, len(placed)) + self.options.conversation_spread)
             group = list(placed)
             if want > len(group):
                 group += [p for p in order if p not in placed][: want - len(group)]
@@ -746,6 +761,18 @@ class Placed(_RingPolicy):
                 chosen = spill if spill is not None else min(order, key=loads.__getitem__)
                 kind = KIND_SPILLED
         predicted = held.get(chosen, 0)
+        if count and history is not None:
+            # The key's recent history-branch share: [history decisions, decisions], halved at 64.
+            turns = self._conversational.get(key)
+            if turns is None:
+                if len(self._conversational) >= _MAX_CONVERSATIONAL_KEYS:
+                    self._conversational.clear()  # a follower never rebalances: bound it here too
+                turns = self._conversational[key] = [0, 0]
+            turns[0] += kind == KIND_HISTORY
+            turns[1] += 1
+            if turns[1] >= 64:
+                turns[0] //= 2
+                turns[1] //= 2
         if count:
             self._key_in_flight[key] = self._key_in_flight.get(key, 0) + 1
         if history and count and self.history is not None:

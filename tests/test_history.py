@@ -137,3 +137,28 @@ def test_what_the_router_sent_counts_as_held_from_the_next_turn_on():
     first = policy.rank(_replicas(names), "app", history=chain(conversation(1, 1)), static_blocks=STATIC_BLOCKS)
     d = policy.rank(_replicas(names), "app", history=chain(conversation(1, 2)), static_blocks=STATIC_BLOCKS)
     assert (d.chosen.name, d.kind, d.predicted_blocks) == (first.chosen.name, KIND_HISTORY, 5)
+
+
+def test_a_conversational_keys_new_conversations_spread_a_one_shot_keys_do_not():
+    names = [f"r{i}" for i in range(8)]
+    policy = Placed(clock=lambda: 0.0)
+    idle = dict.fromkeys(names, 0)
+    for key in ("chat-app", "one-shot-app"):
+        base = 0 if key == "chat-app" else 200
+        for user in range(base, base + 4):
+            policy.rank(_replicas(idle), key, history=chain(conversation(user, 1)), static_blocks=STATIC_BLOCKS)
+            policy.done(key)
+            if key == "chat-app":  # every conversation continues: half the key's decisions follow a history
+                d = policy.rank(_replicas(idle), key, history=chain(conversation(user, 2)),
+                                static_blocks=STATIC_BLOCKS)
+                assert d.kind == KIND_HISTORY
+            else:
+                policy.rank(_replicas(idle), key, history=chain(conversation(100 + user, 1)),
+                            static_blocks=STATIC_BLOCKS)  # one-shots: nothing continues
+            policy.done(key)
+    for key, base in (("chat-app", 0), ("one-shot-app", 200)):
+        owner = policy.placement(key)[0]
+        loads = {**idle, owner: 1}
+        d = policy.rank(_replicas(loads), key, history=chain(conversation(900 + base, 1)),
+                        static_blocks=STATIC_BLOCKS)
+        assert (d.chosen.name != owner) == (key == "chat-app"), key
