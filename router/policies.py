@@ -417,7 +417,8 @@ class PlacedOptions(RingOptions):
         conversations on the placement alone.
     conversation_spread: a key at least half of whose recent decisions followed a
         history (a conversational app) has its set grown by this many more ring
-        successors for new conversations (0: off).
+        successors for new conversations (0, the default: off; on small clusters with
+        long static prefixes the copies thrash the caches).
     balance_epsilon: with a history, the history and new-conversation branches take
         a replica only under ``mean * (1 + balance_epsilon) + 1`` in flight (and the
         ordinary cap); past it the request falls to the placement and spill logic.
@@ -435,7 +436,7 @@ class PlacedOptions(RingOptions):
     noise_z: float = 2.0
     history_max_entries: int = DEFAULT_MAX_ENTRIES
     new_epsilon: float | None = 0.25
-    conversation_spread: int = 4
+    conversation_spread: int = 0
     balance_epsilon: float | None = BALANCE_EPSILON
     clock: Callable[[], float] | None = None
 

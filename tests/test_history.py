@@ -141,7 +141,7 @@ def test_what_the_router_sent_counts_as_held_from_the_next_turn_on():
 
 def test_a_conversational_keys_new_conversations_spread_a_one_shot_keys_do_not():
     names = [f"r{i}" for i in range(8)]
-    policy = Placed(clock=lambda: 0.0)
+    policy = Placed(clock=lambda: 0.0, conversation_spread=4)
     idle = dict.fromkeys(names, 0)
     for key in ("chat-app", "one-shot-app"):
         base = 0 if key == "chat-app" else 200
