@@ -31,7 +31,9 @@ cluster's: ``num_kv_blocks = ceil(headroom * W / R) + reserve`` with
 ``1 <= headroom < R`` (see :func:`size_kv`). The output states the sizing.
 
 ``--workload multi_turn`` sends users who share one system prompt, each
-resending its growing conversation; ``--session-affinity header|turns``
+resending its growing conversation; ``--workload agent`` users of one agent app
+(a system prompt and tool definitions four times as long), each step adding a
+tool call and its result; ``--session-affinity header|turns``
 measures the opt-in multi-turn keys of router/prefix.py.
 
 Default run (SmolLM2-135M, 2 replicas, 5 policies): zipf_tenants with 16
@@ -86,7 +88,8 @@ PEER_POLICIES = ("sglang_tree", "llmd", "dynamo")
 DEFAULT_POLICIES = ("round_robin", "power_of_two", RAY_PREFIX, "consistent_hash", "placed")
 KNOWN_POLICIES = tuple(sorted(POLICIES)) + (RAY_PREFIX,) + PEER_POLICIES
 BASELINE = "placed"
-WORKLOADS = ("zipf_tenants", "shared_prefix", "multi_turn")
+WORKLOADS = ("zipf_tenants", "shared_prefix", "multi_turn", "agent")
+CONVERSATIONS = ("multi_turn", "agent")
 # Multi-turn affinity (router/prefix.py): none, X-Session-Id (the client sends the user's id), or key_turns=1.
 SESSION_AFFINITY = ("none", "header", "turns")
 SPILLS = "prefixserve_router_spills_total"
@@ -115,7 +118,7 @@ class WorkloadSpec:
             raise ValueError(f"workload must be one of {WORKLOADS}, got {self.name!r}")
         if self.tenants < 1 or self.requests < 1:
             raise ValueError("--tenants and --requests must be >= 1")
-        if self.name in ("shared_prefix", "multi_turn") and self.requests < self.tenants:
+        if self.name in ("shared_prefix", *CONVERSATIONS) and self.requests < self.tenants:
             raise ValueError(f"{self.name} sends requests // tenants prompts per tenant (user): give at least "
                              f"{self.tenants} requests or fewer tenants")
 
@@ -127,6 +130,13 @@ class WorkloadSpec:
                 "system_prompt_len": self.system_len, "user_turn_len": self.question_len,
                 "assistant_turn_len": 2 * self.question_len, "output_len": self.output_len,
                 "shared_system_prompt": True, "seed": self.seed})
+        if self.name == "agent":
+            # Users of one agent app (system prompt + tool definitions of 4x it), each step a tool result.
+            return generate(self.name, {
+                "num_users": self.tenants, "num_steps": self.requests // self.tenants,
+                "system_prompt_len": self.system_len, "tools_len": 4 * self.system_len,
+                "task_len": self.question_len, "tool_call_len": self.question_len,
+                "tool_result_len": 4 * self.question_len, "output_len": self.output_len, "seed": self.seed})
         if self.name == "zipf_tenants":
             params = {"num_tenants": self.tenants, "num_requests": self.requests, "zipf_s": self.zipf_s,
                       "hot_share": self.hot_share}
@@ -656,7 +666,7 @@ def plan(args: argparse.Namespace) -> Plan:
         sizing = KVSizing(**{**asdict(sizing), "num_kv_blocks": args.num_kv_blocks})
     prompts = [total - int(r.body["max_tokens"]) for r, (_, total) in zip(requests, totals)]
     # The oracle counts system-prompt hits only: a conversation's history hits more (no bound for multi_turn).
-    oracle = (None if spec.name == "multi_turn"
+    oracle = (None if spec.name in CONVERSATIONS
               else oracle_hit_rate([r.tenant for r in requests], prompts, prefix, args.block_size))
     return Plan(spec, requests, policies, sizing, oracle)
 

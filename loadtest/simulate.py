@@ -69,6 +69,7 @@ from pathlib import Path
 
 import numpy as np
 
+from prefixserve.loadtest.conversations import CONVERSATION_WORKLOADS, ConversationTraffic, preset
 from prefixserve.loadtest.cost_model import CostProfile, get_profile
 from prefixserve.loadtest.peers import PEERS, PeerRequest, make_peer
 from prefixserve.loadtest.peers.sglang import SGLangCacheAware, SGLangConfig
@@ -81,9 +82,10 @@ from prefixserve.router.prefix import prefix_hash
 
 # Our policies, then the peers; "placed" (the default) is the tables' baseline.
 OWN_POLICIES = ("round_robin", "random", "power_of_two", "consistent_hash", "bounded_load", "placed",
-                "placed_precise")
+                "placed_static", "placed_precise")
 POLICY_NAMES = OWN_POLICIES + tuple(PEERS)
 BASELINE = "placed"
+WORKLOADS = ("tenants", *CONVERSATION_WORKLOADS)
 VOCAB = 49152  # SmolLM2's vocabulary; any size works
 
 
@@ -124,6 +126,10 @@ class SimConfig:
     protect_static_prefix: bool = EngineConfig.protect_static_prefix
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     seed: int = 0
+    # "tenants" (the Zipf tenant sequence above) or a conversation workload of
+    # loadtest/conversations.py ("multi_turn", "agent": its preset; the tenant and
+    # prompt-length fields above are then unused).
+    workload: str = "tenants"
 
     def __post_init__(self) -> None:
         for name in ("num_replicas", "num_tenants", "num_requests", "output_len", "block_size",
@@ -132,6 +138,8 @@ class SimConfig:
                 raise ValueError(f"SimConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.system_prompt_len + self.question_len < 1:
             raise ValueError("a prompt needs at least one token: raise system_prompt_len or question_len")
+        if self.workload not in WORKLOADS:
+            raise ValueError(f"workload must be one of {WORKLOADS}, got {self.workload!r}")
         if self.generated_blocks not in ("warm", "cold"):
             raise ValueError(f"generated_blocks must be 'warm' or 'cold', got {self.generated_blocks!r}")
         if not 0 < self.utilization:
@@ -162,16 +170,30 @@ class Traffic:
     tail_tokens: np.ndarray  # [num_requests, question_len + output_len]
     unit_gaps: np.ndarray  # exponential inter-arrival gaps at rate 1
     oracle_hits: list[int]  # per request, tokens an unbounded single cache would hit
+    conv: ConversationTraffic | None = None  # a conversation workload's sessions (tenants = its apps)
+    previous: list[int] = field(default_factory=list)  # conv: per request its session's previous one, or -1
 
     def prompt(self, i: int, config: SimConfig) -> list[int]:
+        if self.conv is not None:
+            return self.conv.prompt(i)
         return self.system_tokens[self.tenants[i]] + self.tail_tokens[i, : config.question_len].tolist()
 
     def output(self, i: int, config: SimConfig) -> list[int]:
+        if self.conv is not None:
+            return self.conv.output(i)
         return self.tail_tokens[i, config.question_len :].tolist()
+
+    def prompt_len(self, i: int, config: SimConfig) -> int:
+        return self.conv.prompt_lens[i] if self.conv is not None else config.prompt_len
+
+    def static_len(self, i: int, config: SimConfig) -> int:
+        return self.conv.static_len(i) if self.conv is not None else config.system_prompt_len
 
 
 def make_traffic(config: SimConfig) -> Traffic:
     """Deterministic traffic for ``config`` (everything but the replica count and policy)."""
+    if config.workload != "tenants":
+        return _conversation_traffic(config)
     tenants = zipf_tenant_sequence(config.num_tenants, config.num_requests, config.zipf_s,
                                    config.hot_share, config.seed)
     hasher = BlockHasher()
@@ -187,6 +209,40 @@ def make_traffic(config: SimConfig) -> Traffic:
     gaps = rng.exponential(1.0, config.num_requests)
     traffic = Traffic(tenants, system_tokens, system_hashes, keys, tail, gaps, [])
     traffic.oracle_hits = _oracle(traffic, config, hasher)
+    return traffic
+
+
+def _conversation_traffic(config: SimConfig) -> Traffic:
+    """A conversation workload's traffic; its oracle: an unbounded cache holds every earlier block.
+
+    Sessions share nothing but their app's static prefix (their tokens are drawn
+    independently), so the oracle's hit is the previous turn's prompt and output
+    (all its full blocks), or on a session's first turn the static prefix's full
+    blocks once any earlier request of the app arrived; capped, as the engine
+    does, below the last prompt token.
+    """
+    conv = ConversationTraffic(preset(config.workload), config.num_requests, config.seed)
+    hasher = BlockHasher()
+    bs = config.block_size
+    keys = [prefix_hash(f"app-{a}:" + " ".join(map(str, toks[:32]))) for a, toks in enumerate(conv.static_tokens)]
+    static_hashes = [hasher.hash_blocks(toks, bs, None) for toks in conv.static_tokens]
+    previous = [-1] * len(conv)
+    for i, nxt in enumerate(conv.next_turn):
+        if nxt >= 0:
+            previous[nxt] = i
+    seen_apps: set[int] = set()
+    hits = []
+    for i, app in enumerate(conv.apps):
+        limit = (conv.prompt_lens[i] - 1) // bs
+        prev = previous[i]
+        if prev >= 0:
+            covered = (conv.prompt_lens[prev] + conv.output_lens[prev]) // bs
+        else:
+            covered = len(static_hashes[app]) if app in seen_apps else 0
+        seen_apps.add(app)
+        hits.append(min(limit, covered) * bs)
+    traffic = Traffic(list(conv.apps), conv.static_tokens, static_hashes, keys, np.zeros((0, 0), dtype=np.int64),
+                      np.zeros(0), hits, conv, previous)
     return traffic
 
 
@@ -287,6 +343,9 @@ class _Router:
         self.peer = None
         self.tree: SGLangCacheAware | None = None
         self.precise = policy == "placed_precise"
+        # placed matches each request's whole-prompt block hashes against its history index;
+        # placed_static is the same policy keyed by the static prefix alone.
+        self.history = policy != "placed_static"
         self.placed: Placed | None = None
         self.options: dict = {}
         self._hasher = BlockHasher()
@@ -295,7 +354,7 @@ class _Router:
         elif policy in PEERS:
             self.peer = make_peer(policy, config.seed)
         else:
-            name = "placed" if self.precise else policy
+            name = "placed" if policy in ("placed_precise", "placed_static") else policy
             settings = {"seed": config.seed, "epsilon": config.epsilon}
             if name == "placed":
                 settings["epsilon"] = config.placed_epsilon
@@ -330,6 +389,10 @@ class _Router:
         key = tr.keys[tr.tenants[i]]
         if self.precise:
             self._feed_cached(i, key)
+        if self.placed is not None and self.history:
+            req = self.request(i, now)
+            static_blocks = len(tr.system_hashes[tr.tenants[i]])
+            return self.placed.rank(self.replicas, key, history=req.block_hashes, static_blocks=static_blocks).chosen
         return self.ring_policy.rank(self.replicas, key).chosen
 
     def _feed_cached(self, i: int, key: str) -> None:
@@ -370,7 +433,9 @@ class _Router:
             self.peer.on_finish(rep.name, self._requests.pop(i))
         elif self.placed is not None:
             # What the response's usage tells the router: prompt and cached tokens.
-            self.placed.observe(self.traffic.keys[self.traffic.tenants[i]], prompt_tokens, hit_tokens)
+            key = self.traffic.keys[self.traffic.tenants[i]]
+            self.placed.observe(key, prompt_tokens, hit_tokens)
+            self.placed.done(key)
 
 
 _ARRIVE, _PREFILLED, _FINISH = 0, 1, 2
@@ -387,10 +452,17 @@ def simulate(config: SimConfig, policy: str, traffic: Traffic | None = None,
     router = _Router(policy, config, traffic, replicas, clock)
     options = router.options
 
-    n = config.num_requests
-    rate = config.utilization * config.num_replicas / profile.prefill_s(config.prompt_len)
-    arrivals = np.cumsum(traffic.unit_gaps / rate).tolist()
-    out_len = config.output_len
+    conv = traffic.conv
+    n = len(conv) if conv is not None else config.num_requests
+    if conv is None:
+        rate = config.utilization * config.num_replicas / profile.prefill_s(config.prompt_len)
+        arrivals = np.cumsum(traffic.unit_gaps / rate).tolist()
+    else:
+        # Sessions start at a rate that offers `utilization` of the cluster's prefill time
+        # if every turn computed only its new tokens (the oracle's work).
+        work = sum(profile.prefill_s(conv.new_tokens(i, p)) for i, p in enumerate(traffic.previous))
+        rate = config.utilization * config.num_replicas / (work / len(conv.starts))
+        arrivals = [0.0] * n  # set as each request arrives (a turn follows its predecessor's finish)
     decode_step = profile.decode_step
     per_token, overhead = profile.prefill_s_per_token, profile.prefill_overhead_s
     max_seqs = config.max_num_seqs
@@ -404,8 +476,12 @@ def simulate(config: SimConfig, policy: str, traffic: Traffic | None = None,
     decode_s = [0.0] * n
     prompt_tokens = 0
     finished = 0
-    events: list[tuple[float, int, int, int]] = [(arrivals[0], 0, _ARRIVE, 0)]
-    seq = 1  # tie-breaker: equal times keep push order
+    if conv is None:
+        events: list[tuple[float, int, int, int]] = [(arrivals[0], 0, _ARRIVE, 0)]
+    else:
+        events = [(t / rate, s, _ARRIVE, first) for s, (t, first) in enumerate(conv.starts)]
+        heapq.heapify(events)
+    seq = len(events)  # tie-breaker: equal times keep push order
     push, pop = heapq.heappush, heapq.heappop
 
     def try_admit(rep: SimReplica, now: float) -> None:
@@ -438,7 +514,7 @@ def simulate(config: SimConfig, policy: str, traffic: Traffic | None = None,
                 first_touch_short += short
         admitted_keys.add((traffic.tenants[i], rep.index))
         # Decode time is fixed at admission from the batch it joins.
-        decode_s[i] = out_len * decode_step(rep.running)
+        decode_s[i] = len(out) * decode_step(rep.running)
         push(events, (now + overhead + (len(prompt) - num_hit) * per_token, seq, _PREFILLED, i))
         seq += 1
 
@@ -446,7 +522,9 @@ def simulate(config: SimConfig, policy: str, traffic: Traffic | None = None,
         now, _, kind, i = pop(events)
         clock[0] = now
         if kind == _ARRIVE:
-            if i + 1 < n:
+            if conv is not None:
+                arrivals[i] = now
+            elif i + 1 < n:
                 push(events, (arrivals[i + 1], seq, _ARRIVE, i + 1))
                 seq += 1
             rep = router.route(i, now)
@@ -456,7 +534,7 @@ def simulate(config: SimConfig, policy: str, traffic: Traffic | None = None,
             if rep.in_flight > rep.peak:
                 rep.peak = rep.in_flight
             rep.queue.append(i)
-            rep.queued_tokens += config.prompt_len
+            rep.queued_tokens += traffic.prompt_len(i, config)
             rep.refresh_load()
             try_admit(rep, now)
         elif kind == _PREFILLED:
@@ -469,12 +547,17 @@ def simulate(config: SimConfig, policy: str, traffic: Traffic | None = None,
             try_admit(rep, now)
         else:
             rep = replicas[replica_of[i]]
-            rep.kv.free(str(i), generated_cold=cold_generated, static_prefix_tokens=static_tokens)
+            rep.kv.free(str(i), generated_cold=cold_generated,
+                        static_prefix_tokens=traffic.static_len(i, config) if static_tokens else 0)
             rep.running -= 1
             rep.in_flight -= 1
             finished += 1
             rep.refresh_load()
-            router.finished(i, rep, config.prompt_len, hits[i])
+            router.finished(i, rep, traffic.prompt_len(i, config), hits[i])
+            if conv is not None and conv.next_turn[i] >= 0:
+                nxt = conv.next_turn[i]
+                push(events, (now + conv.think[nxt], seq, _ARRIVE, nxt))
+                seq += 1
             try_admit(rep, now)
             if check_invariants:
                 rep.kv.check_invariants()
@@ -509,7 +592,7 @@ def simulate(config: SimConfig, policy: str, traffic: Traffic | None = None,
         leaked_blocks=sum(s.num_used_blocks for s in stats),
         first_touch_miss_tokens=first_touch_short,
         evicted_miss_tokens=evicted_short,
-        sim_seconds=arrivals[-1],
+        sim_seconds=max(arrivals),
         wall_seconds=time.perf_counter() - started,
     )
 
@@ -636,6 +719,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "(EngineConfig.protect_static_prefix)")
     p.add_argument("--policies", default=",".join(POLICY_NAMES))
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--workload", choices=WORKLOADS, default=d.workload,
+                   help="tenants (Zipf tenant one-shots) or a conversation workload (loadtest/conversations.py)")
     p.add_argument("--sweep-replicas", default="8,16,32,64", help="comma list; empty to skip")
     p.add_argument("--sweep-epsilons", default="0.05,0.1,0.25,0.5,1,2", help="comma list; empty to skip")
     p.add_argument("--sweep-policy", default=BASELINE, choices=("placed", "bounded_load"),
@@ -657,7 +742,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             utilization=args.utilization, profile=args.profile, epsilon=args.epsilon,
             placed_epsilon=args.placed_epsilon, eviction_policy=args.eviction_policy,
             generated_blocks=args.generated_blocks, protect_static_prefix=args.static_prefix == "protected",
-            seed=args.seed,
+            seed=args.seed, workload=args.workload,
         )
         KVCacheManager(1, config.block_size, eviction_policy=config.eviction_policy)  # validates the name
         profile = get_profile(config.profile)
@@ -684,12 +769,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         eps_cfg = replace(sweep_cfg, epsilon=eps, placed_epsilon=eps)
         by_epsilon.append(simulate(eps_cfg, args.sweep_policy, sweep_traffic, profile))
 
-    print(f"## Simulator: {config.num_replicas} replicas x {config.num_tenants} tenants x "
+    what = f"{config.num_tenants} tenants" if config.workload == "tenants" else f"{config.workload} sessions"
+    print(f"## Simulator: {config.num_replicas} replicas x {what} x "
           f"{config.num_requests} requests ({profile.name} profile; {profile.source})\n")
-    print(f"KV blocks per replica {config.blocks_per_replica} x {config.block_size} tokens; prompts "
-          f"{config.system_prompt_len}+{config.question_len} tokens, {config.output_len} out; Zipf s={config.zipf_s}, "
-          f"hot tenant +{config.hot_share:.0%}; offered utilization {config.utilization} "
-          f"(all-miss); KV eviction {config.eviction_policy}, generated blocks {config.generated_blocks}, "
+    if config.workload == "tenants":
+        shape = (f"prompts {config.system_prompt_len}+{config.question_len} tokens, {config.output_len} out; "
+                 f"Zipf s={config.zipf_s}, hot tenant +{config.hot_share:.0%}; offered utilization "
+                 f"{config.utilization} (all-miss)")
+    else:
+        shape = (f"{config.workload} sessions (loadtest/conversations.py preset), {len(traffic.conv or ())} "
+                 f"requests; offered utilization {config.utilization} (each turn's new tokens)")
+    print(f"KV blocks per replica {config.blocks_per_replica} x {config.block_size} tokens; {shape}; "
+          f"KV eviction {config.eviction_policy}, generated blocks {config.generated_blocks}, "
           f"static prefix {'protected' if config.protect_static_prefix else 'plain'}; "
           f"oracle hit rate {main_results[0].oracle_hit_rate:.1%}. "
           f"All policies simulated in {main_wall:.1f} s wall.\n")

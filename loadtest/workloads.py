@@ -380,6 +380,62 @@ def multi_turn(config: MultiTurnConfig, tokenizer: Tokenizer | None = None) -> l
     return out
 
 
+# ------------------------------------------------------------------------ agent
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """Agent sessions x steps over one app: a system prompt and long tool definitions shared by every user.
+
+    Step 0 sends the user's task; every later step resends the history with the
+    model's previous step (a synthetic tool call of ``tool_call_len`` tokens) and
+    the tool's result (``tool_result_len`` tokens, sent as a user message so
+    that any chat template takes it). Steps are sent in order; within a step
+    users are shuffled.
+    """
+
+    num_users: int = 8
+    num_steps: int = 4
+    system_prompt_len: int = 128
+    tools_len: int = 512
+    task_len: int = 48
+    tool_call_len: int = 24
+    tool_result_len: int = 160
+    output_len: int = 16
+    seed: int = 0
+    model: str = DEFAULT_MODEL
+    stream: bool = True
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "num_users", "num_steps", "output_len")
+        _check_non_negative(self, "system_prompt_len", "tools_len", "task_len", "tool_call_len", "tool_result_len")
+
+
+def agent(config: AgentConfig, tokenizer: Tokenizer | None = None) -> list[WorkloadRequest]:
+    system = words_text(_rng(config.seed, "agent-system"), config.system_prompt_len, tokenizer)
+    tools = words_text(_rng(config.seed, "agent-tools"), config.tools_len, tokenizer)
+    static = f"{system}\n\n# Tools\n{tools}"
+    histories = [[{"role": "system", "content": static}] for _ in range(config.num_users)]
+    out = []
+    for step in range(config.num_steps):
+        users = list(range(config.num_users))
+        _rng(config.seed, "agent-order", step).shuffle(users)
+        for u in users:
+            history = histories[u]
+            if step == 0:
+                history.append({"role": "user", "content": words_text(_rng(config.seed, "task", u),
+                                                                      config.task_len, tokenizer)})
+            else:
+                call = words_text(_rng(config.seed, "call", u, step), config.tool_call_len, tokenizer)
+                result = words_text(_rng(config.seed, "result", u, step), config.tool_result_len, tokenizer)
+                history.append({"role": "assistant", "content": f"call_tool({call})"})
+                history.append({"role": "user", "content": f"Tool result:\n{result}"})
+            messages = [dict(m) for m in history]
+            out.append(WorkloadRequest(_body(config.model, messages, config.output_len, config.stream),
+                                       f"user-{u}", "agent"))
+    return out
+
+
 # -------------------------------------------------------- volatile_system_prompt
 
 VOLATILE_PATTERNS = ("timestamp", "user_id", "version", "fewshots")
@@ -478,6 +534,7 @@ WORKLOADS: dict[str, tuple[type, Generator]] = {
     "zipf_tenants": (ZipfTenantsConfig, zipf_tenants),
     "prefix_repetition": (PrefixRepetitionConfig, prefix_repetition),
     "multi_turn": (MultiTurnConfig, multi_turn),
+    "agent": (AgentConfig, agent),
     "volatile_system_prompt": (VolatileSystemPromptConfig, volatile_system_prompt),
 }
 

@@ -28,6 +28,8 @@ from prometheus_client.parser import text_string_to_metric_families
 # Decisions are pure-Python ring walks: tens of microseconds normally, more under
 # a big ring or a stalled loop.
 _DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
+# Fractions of a prompt cached (predicted or reported): 0 to 1.
+_FRACTION_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
 
 
 class RouterMetrics:
@@ -102,6 +104,41 @@ class RouterMetrics:
             "prefixserve_router_kv_event_gaps",
             "KV-event payloads applied after a gap in a replica's sequence (reports this router never saw).",
             ["deployment", "replica"],
+            registry=self.registry,
+        )
+
+        self.placed_branches = Counter(
+            "prefixserve_router_placed_branches",
+            "placed's decisions by branch: history, new_conversation, owner, placed, replicated, spilled, "
+            "no_key (router/policies.py KIND_*), and fallback (the request landed elsewhere than ranked first).",
+            ["deployment", "branch"],
+            registry=self.registry,
+        )
+        self.predicted_cached_fraction = Histogram(
+            "prefixserve_router_predicted_cached_fraction",
+            "Per decision with a history: the fraction of the prompt's blocks the router's index says are "
+            "cached on the chosen replica (which=chosen) and on the best replica anywhere (which=best).",
+            ["deployment", "which"],
+            buckets=_FRACTION_BUCKETS,
+            registry=self.registry,
+        )
+        self.reported_cached_fraction = Histogram(
+            "prefixserve_router_reported_cached_fraction",
+            "Per request: the fraction of its prompt tokens the engine reported cached (usage).",
+            ["deployment"],
+            buckets=_FRACTION_BUCKETS,
+            registry=self.registry,
+        )
+        self.history_index_entries = Gauge(
+            "prefixserve_router_history_index_entries",
+            "Block hashes in the router's history index (bounded; least recently used evicted).",
+            ["deployment"],
+            registry=self.registry,
+        )
+        self.history_unhashable = Counter(
+            "prefixserve_router_history_unhashable",
+            "Requests whose prompt the router could not hash: routed by their static key, then load.",
+            ["deployment"],
             registry=self.registry,
         )
 

@@ -55,6 +55,7 @@ from operator import itemgetter
 from typing import Any, ClassVar, Generic, Protocol, TypeVar, runtime_checkable
 
 from prefixserve.replica.config_util import from_dict
+from prefixserve.router.history import DEFAULT_MAX_ENTRIES, HistoryIndex
 from prefixserve.router.placement import PlacementTable
 from prefixserve.router.ring import DEFAULT_EPSILON, HashRing, RingServer, bounded_capacity
 
@@ -126,11 +127,15 @@ class Decision(Generic[R]):
         with a key), else None.
     kind: why the first choice was made, for metrics, where a policy says
         (``placed``: one of the KIND_* constants), else None.
+    predicted_blocks / best_blocks: ``placed`` with a history: leading prompt blocks
+        its index says the chosen replica holds, and the most any candidate holds.
     """
 
     ranking: list[R]
     owner: str | None = None
     kind: str | None = None
+    predicted_blocks: int | None = None
+    best_blocks: int | None = None
 
     @property
     def chosen(self) -> R:
@@ -383,6 +388,11 @@ KIND_SPILL = "spill"
 KIND_FALLBACK = "fallback"  # not the policy's first choice: that replica was full or refused it
 KIND_NO_KEY = "no_key"  # no routing key (no static prefix): routed by load alone
 KIND_NO_RING = "no_ring"  # a key, but a policy without a ring (round_robin, random, power_of_two)
+KIND_HISTORY = "history"  # the replica holding the longest cached prefix of the whole prompt
+KIND_NEW_CONVERSATION = "new_conversation"  # nothing beyond the static prefix held: least loaded of the set
+
+
+BALANCE_EPSILON: float | None = None
 
 
 @dataclass(frozen=True)
@@ -404,6 +414,21 @@ class PlacedOptions(RingOptions):
     noise_z: rebalancing moves a key only for an excess above this many standard
         deviations of the (Poisson) request counts behind it (>= 0; 0 trusts every
         count): a young or small cluster does not pay cold prefills for noise.
+    history_max_entries: bound of the router-side history index (router/history.py;
+        block hashes, least recently used evicted; 0 disables history matching).
+    new_epsilon: a new conversation goes to the least loaded replica of its key's
+        set: the placement, grown by ring successors to one replica per ``1 +
+        new_epsilon`` fair shares (mean in-flight, at least 1) of the key's own
+        in-flight requests (counted by ``rank``, ended by ``done``); None keeps new
+        conversations on the placement alone.
+    conversation_spread: a key at least half of whose recent decisions followed a
+        history (a conversational app) has its set grown by this many more ring
+        successors for new conversations (0, the default: off; on small clusters with
+        long static prefixes the copies thrash the caches).
+    balance_epsilon: with a history, the history and new-conversation branches take
+        a replica only under ``mean * (1 + balance_epsilon) + 1`` in flight (and the
+        ordinary cap); past it the request falls to the placement and spill logic.
+        None: the ordinary cap alone.
     clock: seconds, monotonic (default ``time.monotonic``); tests inject one.
     """
 
@@ -415,13 +440,22 @@ class PlacedOptions(RingOptions):
     precise: bool = False
     leader: bool = True
     noise_z: float = 2.0
+    history_max_entries: int = DEFAULT_MAX_ENTRIES
+    new_epsilon: float | None = 0.25
+    conversation_spread: int = 0
+    balance_epsilon: float | None = BALANCE_EPSILON
     clock: Callable[[], float] | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("epsilon", "work_epsilon", "tau_s", "rebalance_interval_s", "hot_share"):
+        for name in ("history_max_entries", "conversation_spread"):
+            h = getattr(self, name)
+            if isinstance(h, bool) or not isinstance(h, int) or h < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {h!r}")
+        for name in ("epsilon", "work_epsilon", "tau_s", "rebalance_interval_s", "hot_share", "new_epsilon",
+                     "balance_epsilon"):
             v = getattr(self, name)
-            if name == "work_epsilon" and v is None:
+            if name in ("work_epsilon", "new_epsilon", "balance_epsilon") and v is None:
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > 0 and math.isfinite(v)):
                 raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
@@ -458,6 +492,8 @@ def effective_in_flight(c: ReplicaView) -> int:
 # ring's own memo (HashRing.order).
 _MAX_MEMO_POSITIONS = 4_000_000
 _MAX_RANKINGS_PER_KEY = 8
+# Keys whose history-branch share ``placed`` tracks (conversation_spread); the table is cleared when full.
+_MAX_CONVERSATIONAL_KEYS = 200_000
 
 
 class _KeyOrder:
@@ -535,9 +571,12 @@ class Placed(_RingPolicy):
         self.epsilon = o.epsilon
         self._clock: Callable[[], float] = o.clock if o.clock is not None else time.monotonic
         self.table = PlacementTable(o.epsilon, o.tau_s, o.hot_share, o.precise, o.work_epsilon, o.noise_z)
+        self.history = HistoryIndex(o.history_max_entries) if o.history_max_entries else None
         self._next_rebalance: float | None = None
         self._table_members: tuple[tuple[str, int], ...] = ()
         self._turns: dict[str, int] = {}  # replicated key -> requests counted (tie rotation)
+        self._key_in_flight: dict[str, int] = {}  # key -> its requests ranked and not yet ``done``
+        self._conversational: dict[str, list[int]] = {}  # key -> [history decisions, decisions]
         # The candidate list of the last keyed call (names in the caller's order) and what was
         # derived from it: valid while the caller passes the same names in the same order and
         # the ring is the one the view was built on.
@@ -569,6 +608,7 @@ class Placed(_RingPolicy):
     def _rebalance(self, now: float) -> bool:
         changed = self.table.rebalance(now)
         self._turns = {k: t for k, t in self._turns.items() if len(self.table.placement(k)) > 1}
+        self._conversational = {k: t for k, t in self._conversational.items() if k in self.table}
         return changed
 
     def _set_view(self, candidates: Sequence[ReplicaView], names: list[str]) -> HashRing:
@@ -605,8 +645,17 @@ class Placed(_RingPolicy):
         return entry
 
     # -- the decision -------------------------------------------------------------
-    def rank(self, candidates: Sequence[R], key: str | None, count: bool = True) -> Decision[R]:
+    def rank(self, candidates: Sequence[R], key: str | None, count: bool = True,
+             history: Sequence[bytes] | None = None, static_blocks: int = 0) -> Decision[R]:
         """Rank for one request of ``key``; ``count=False`` for a retry of a request already counted.
+
+        ``history``: the chained block hashes of the request's whole prompt (Contract 2,
+        or the ingress's text blocks: any chained hashes the caller computes alike for
+        every request); ``static_blocks``: how many of them the static prefix covers.
+        With a history, a request of which some replica holds more than the static
+        prefix goes to the one holding most (KIND_HISTORY) if under the cap; a new
+        conversation to the least loaded of the key's set (PlacedOptions.new_epsilon)
+        under the cap. Call ``done(key)`` when a counted request ends.
 
         The class docstring states the decision; this path reads each candidate
         once and reuses, per key, its ring order in candidate positions and the
@@ -651,7 +700,54 @@ class Placed(_RingPolicy):
             member_pos = self._member_pos
             placed = tuple([member_pos[i] for i in placed_members])
         first = placed[0]
-        if len(placed) == 1 and loads[first] < cap:  # the common case: one replica, under the cap
+        held: dict[int, int] = {}
+        best = 0
+        chosen = -1
+        if history and self.history is not None:
+            pos = self._view_pos
+            held = {pos[n]: b for n, b in self.history.held(history).items() if n in pos}
+            best = max(held.values(), default=0)
+        conv_cap = cap
+        if history is not None and self.options.balance_epsilon is not None:
+            conv_cap = min(cap, sum(loads) / len(candidates) * (1.0 + self.options.balance_epsilon) + 1.0)
+        if best > static_blocks:
+            # A conversation's later turn: the replica holding most of its history, if under the cap
+            # (the least loaded of several, the placement's first).
+            holders = [p for p, b in held.items() if b == best and loads[p] < conv_cap]
+            if holders:
+                chosen = min(holders, key=lambda p: (loads[p], p not in placed, p))
+                kind = KIND_HISTORY
+        if chosen >= 0:
+            pass
+        elif history is not None and self.options.new_epsilon is not None and count:
+            # A new conversation (nothing beyond the static prefix held anywhere): the least
+            # loaded replica of the key's set under the cap. The set is the placement, grown
+            # by the next ring successors while the key's own in-flight requests exceed what
+            # ``1 + new_epsilon`` replicas' fair shares hold, so it grows with the key's load
+            # from its first requests and shrinks when they finish.
+            share = max(1.0, sum(loads) / len(candidates)) * (1.0 + self.options.new_epsilon)
+            want = min(len(order), math.ceil((self._key_in_flight.get(key, 0) + 1) / share))
+            # A key whose requests mostly continue conversations (an app's users' chats):
+            # its new conversations also spread over its next ring successors, since a
+            # conversation stays where it starts and one static-prefix miss buys all its turns.
+            turns = self._conversational.get(key)
+            if turns is not None and 2 * turns[0] >= turns[1] and self.options.conversation_spread:
+                want = min(len(order), max(want, len(placed)) + self.options.conversation_spread)
+            group = list(placed)
+            if want > len(group):
+                group += [p for p in order if p not in placed][: want - len(group)]
+            under = [p for p in group if loads[p] < conv_cap]
+            if under:
+                low = min(loads[p] for p in under)
+                tied = [p for p in under if loads[p] == low]
+                turn = self._turns.get(key, 0)
+                if len(group) > 1:
+                    self._turns[key] = turn + 1
+                chosen = tied[turn % len(tied)]
+                kind = KIND_NEW_CONVERSATION if chosen in placed else KIND_SPILL
+        if chosen >= 0:
+            pass
+        elif len(placed) == 1 and loads[first] < cap:  # the common case: one replica, under the cap
             chosen = first
             kind = KIND_OWNER if first == order[0] else KIND_PLACED
         else:
@@ -671,15 +767,47 @@ class Placed(_RingPolicy):
                 spill = next((p for p in order if loads[p] < cap and p not in placed), None)
                 chosen = spill if spill is not None else min(order, key=loads.__getitem__)
                 kind = KIND_SPILL
+        predicted = held.get(chosen, 0)
+        if count and history is not None:
+            # The key's recent history-branch share: [history decisions, decisions], halved at 64.
+            turns = self._conversational.get(key)
+            if turns is None:
+                if len(self._conversational) >= _MAX_CONVERSATIONAL_KEYS:
+                    self._conversational.clear()  # a follower never rebalances: bound it here too
+                turns = self._conversational[key] = [0, 0]
+            turns[0] += kind == KIND_HISTORY
+            turns[1] += 1
+            if turns[1] >= 64:
+                turns[0] //= 2
+                turns[1] //= 2
+        if count:
+            self._key_in_flight[key] = self._key_in_flight.get(key, 0) + 1
+        if history and count and self.history is not None:
+            # What the router sent counts as held until a report says otherwise.
+            self.history.record(candidates[chosen].name, history)
         if len(candidates) == 1:
-            return Decision([candidates[0]], owner=entry.owner, kind=kind)
+            return Decision([candidates[0]], owner=entry.owner, kind=kind, predicted_blocks=predicted,
+                            best_blocks=best)
         if len(placed) == 1:
             head: tuple[int, ...] = (chosen,) if chosen == first else (chosen, first)
         else:
             head = (chosen, *(p for p in placed if p != chosen))
-        return Decision(entry.rank(head, candidates), owner=entry.owner, kind=kind)
+        return Decision(entry.rank(head, candidates), owner=entry.owner, kind=kind, predicted_blocks=predicted,
+                        best_blocks=best)
 
     # -- other inputs -------------------------------------------------------------
+    def done(self, key: str) -> None:
+        """A request of ``key`` ranked with ``count=True`` finished (or failed): its set may shrink."""
+        n = self._key_in_flight.get(key, 0) - 1
+        if n > 0:
+            self._key_in_flight[key] = n
+        else:
+            self._key_in_flight.pop(key, None)
+
+    def key_in_flight(self, key: str) -> int:
+        """Requests of ``key`` ranked and not yet ``done``."""
+        return self._key_in_flight.get(key, 0)
+
     def observe(self, key: str, prompt_tokens: int, cached_tokens: int | None = None) -> None:
         """Record the prefill work of one request of ``key`` (see the class docstring)."""
         uncached = prompt_tokens - (cached_tokens or 0)

@@ -90,6 +90,7 @@ from prefixserve.router.policies import (
     ReplicaLoad,
     make_policy,
 )
+from prefixserve.router.prompt_blocks import PromptBlocks, PromptHasher, UnhashablePrompt
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Tracer
@@ -139,11 +140,17 @@ def request_routing_key(pending_request: PendingRequest | None) -> str | None:
 
 @dataclass(frozen=True)
 class Choice:
-    """What the policy decided for one request: the key's ring owner and its own first choice."""
+    """What the policy decided for one request: the key's ring owner and its own first choice.
+
+    key: the routing key ``placed`` counted the request under (None: not counted);
+    blocks: the prompt's history hashes, recorded on the replica it lands on.
+    """
 
     keyed: bool
     owner: str | None
     first: str | None
+    key: str | None = None
+    blocks: PromptBlocks | None = None
 
 
 def decision_kind(choice: Choice | None, landed: str) -> str:
@@ -237,8 +244,9 @@ class PrefixRouter(RequestRouter):
         self._deployment = self._deployment_id.name
         # Per request: the decision (owner, first choice), for the spill and decision-kind metrics.
         self._choices: OrderedDict[str, Choice] = OrderedDict()
-        # Requests this router routed and that have not completed: id -> replica.
-        self._routed: dict[str, ReplicaID] = {}
+        # Requests this router routed and that have not completed: id -> (replica, key placed counted).
+        self._routed: dict[str, tuple[ReplicaID, str | None]] = {}
+        self._prompt_hasher = PromptHasher()
         self._own_in_flight: defaultdict[ReplicaID, int] = defaultdict(int)
         self._ring_names: set[str] = set()
         self._ring_version = -1  # the first membership becomes version 0
@@ -359,6 +367,9 @@ class PrefixRouter(RequestRouter):
         placed = self.placed
         if placed is None:
             return
+        if prompt_tokens > 0:
+            self._metrics.reported_cached_fraction.labels(self._deployment).observe(
+                min(1.0, (cached_tokens or 0) / prompt_tokens))
         with self._lock:
             placed.observe(key, prompt_tokens, cached_tokens)
             entry = self._counts.setdefault(key, [0, 0])
@@ -369,12 +380,29 @@ class PrefixRouter(RequestRouter):
         """Requests this router sent to ``replica`` that have not completed."""
         return self._own_in_flight.get(replica.replica_id, 0)
 
+    def prompt_blocks(self, request: Any) -> PromptBlocks | None:
+        """The request's history hashes for ``placed`` (router/prompt_blocks.py); None when not used.
+
+        A prompt the router cannot hash is counted and routes without a history
+        (by its static key, then load).
+        """
+        placed = self.placed
+        if placed is None or placed.history is None or request is None or not hasattr(request, "routing_key"):
+            return None
+        try:
+            return self._prompt_hasher.blocks(request)
+        except (UnhashablePrompt, TypeError, ValueError):
+            self._metrics.history_unhashable.labels(self._deployment).inc()
+            return None
+
     def rank(
-        self, candidate_replicas: list[RunningReplica], key: str | None, count: bool = True
+        self, candidate_replicas: list[RunningReplica], key: str | None, count: bool = True,
+        blocks: PromptBlocks | None = None,
     ) -> tuple[list[RunningReplica], str | None]:
         """The candidates best first and the key's ring owner (None without a key or ring).
 
         ``count=False``: Serve asks again for a request already ranked (``placed`` counts it once).
+        ``blocks``: the prompt's history hashes (``prompt_blocks``), for ``placed``.
         """
         self.refresh_reports(candidate_replicas)
         views = [self.view(r) for r in candidate_replicas]
@@ -382,14 +410,27 @@ class PrefixRouter(RequestRouter):
         start = time.perf_counter()
         with self._lock:
             if placed is not None:
-                decision = placed.rank(views, key, count=count)
+                history = blocks.hashes if blocks is not None else None
+                decision = placed.rank(views, key, count=count, history=history,
+                                       static_blocks=blocks.static_blocks if blocks is not None else 0)
                 if count and key is not None:
                     self._counts.setdefault(key, [0, 0])[0] += 1
+                entries = len(placed.history) if placed.history is not None else 0
             else:
                 decision = self._policy.rank(views, key)
         self._metrics.decision_seconds.labels(self._deployment, self._policy.name).observe(
             time.perf_counter() - start
         )
+        if placed is not None:
+            self._metrics.history_index_entries.labels(self._deployment).set(entries)
+            if count and decision.kind is not None:
+                self._metrics.placed_branches.labels(self._deployment, decision.kind).inc()
+            if blocks is not None and blocks.hashes and decision.best_blocks is not None:
+                n = len(blocks.hashes)
+                self._metrics.predicted_cached_fraction.labels(self._deployment, "chosen").observe(
+                    (decision.predicted_blocks or 0) / n)
+                self._metrics.predicted_cached_fraction.labels(self._deployment, "best").observe(
+                    decision.best_blocks / n)
         return [v.replica for v in decision.ranking], decision.owner
 
     async def choose_replicas(
@@ -406,7 +447,8 @@ class PrefixRouter(RequestRouter):
                                                "prefixserve.routing_key": key or ""}) as (span, headers):
             seen = (pending_request is not None
                     and pending_request.metadata.internal_request_id in self._choices)
-            ranking, owner = self.rank(candidate_replicas, key, count=not seen)
+            blocks = self.prompt_blocks(request) if not seen else None
+            ranking, owner = self.rank(candidate_replicas, key, count=not seen, blocks=blocks)
             if span is not None:
                 span.set_attributes({"prefixserve.owner": owner or "",
                                      "prefixserve.chosen": replica_name(ranking[0].replica_id) if ranking else ""})
@@ -417,14 +459,25 @@ class PrefixRouter(RequestRouter):
             # off before asking again rather than spin.
             pending_request.routing_context.should_backoff = True
             first = replica_name(ranking[0].replica_id) if ranking else None
-            self._remember(pending_request.metadata.internal_request_id, Choice(key is not None, owner, first))
+            request_id = pending_request.metadata.internal_request_id
+            old = self._choices.get(request_id)
+            counted = old.key if old is not None else (key if self.placed is not None and key is not None else None)
+            self._remember(request_id, Choice(key is not None, owner, first, counted,
+                                              blocks if blocks is not None else old.blocks if old else None))
         return [[r] for r in ranking]
 
     def _remember(self, request_id: str, choice: Choice) -> None:
         self._choices[request_id] = choice
         self._choices.move_to_end(request_id)
         while len(self._choices) > _MAX_PENDING_DECISIONS:
-            self._choices.popitem(last=False)
+            _, dropped = self._choices.popitem(last=False)
+            self._done(dropped.key)  # never routed (cancelled): its key's in-flight count ends here
+
+    def _done(self, key: str | None) -> None:
+        placed = self.placed
+        if placed is not None and key is not None:
+            with self._lock:
+                placed.done(key)
 
     # -- lifecycle hooks --------------------------------------------------------------
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
@@ -434,21 +487,29 @@ class PrefixRouter(RequestRouter):
         owner = choice.owner if choice is not None else None
         if is_generation(pending_request):  # control calls (model_info, ...) are not counted
             self._metrics.requests.labels(self._deployment, self._policy.name, name).inc()
-            self._metrics.decisions.labels(self._deployment, self._policy.name, name,
-                                           decision_kind(choice, name)).inc()
+            kind = decision_kind(choice, name)
+            self._metrics.decisions.labels(self._deployment, self._policy.name, name, kind).inc()
+            placed = self.placed
+            if placed is not None and kind == KIND_FALLBACK:
+                self._metrics.placed_branches.labels(self._deployment, KIND_FALLBACK).inc()
+                if choice is not None and choice.blocks is not None and placed.history is not None:
+                    with self._lock:  # the prompt went to this replica, not the one ranked first
+                        placed.history.record(name, choice.blocks.hashes)
             if owner is not None and owner != name:
                 self._metrics.spills.labels(self._deployment, self._policy.name).inc()
             if request_routing_key(pending_request) is None:
                 self._metrics.unkeyed_requests.labels(self._deployment, self._policy.name).inc()
         if request_id not in self._routed:
-            self._routed[request_id] = replica_id
+            self._routed[request_id] = (replica_id, choice.key if choice is not None else None)
             self._own_in_flight[replica_id] += 1
             self._metrics.in_flight.labels(self._deployment, name).set(self._own_in_flight[replica_id])
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        routed_to = self._routed.pop(internal_request_id, None)
-        if routed_to is None:
+        routed = self._routed.pop(internal_request_id, None)
+        if routed is None:
             return  # a rejected attempt: it was never counted
+        routed_to, key = routed
+        self._done(key)
         count = max(0, self._own_in_flight.get(routed_to, 0) - 1)
         if routed_to in self._own_in_flight:
             self._own_in_flight[routed_to] = count
@@ -476,7 +537,11 @@ class PrefixRouter(RequestRouter):
             except KeyError:
                 pass
         names = {replica_name(r) for r in live}
+        placed = self.placed
         for name in self._ring_names - names:
+            if placed is not None and placed.history is not None:
+                with self._lock:  # nothing a departed replica was sent is trusted if its id returns
+                    placed.history.forget(name)
             try:
                 self._metrics.ring_member.remove(self._deployment, name)
             except KeyError:

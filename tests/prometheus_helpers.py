@@ -34,6 +34,11 @@ def find_prometheus() -> str | None:
         (p for p in ("/usr/bin/prometheus", "/usr/local/bin/prometheus") if os.access(p, os.X_OK)), None)
 
 
+# Router series only the ``placed`` policy exports.
+PLACED_SERIES = ("prefixserve_router_placed_branches", "prefixserve_router_predicted_cached_fraction",
+                 "prefixserve_router_reported_cached_fraction", "prefixserve_router_history_index_entries")
+
+
 @dataclass(frozen=True)
 class Query:
     """One PromQL expression of the dashboard and the panel it belongs to."""
@@ -46,6 +51,11 @@ class Query:
     def needs_router(self) -> bool:
         """True when only the Ray ingress exports its series (not a standalone replica)."""
         return "prefixserve_router_" in self.expr
+
+    @property
+    def needs_placed(self) -> bool:
+        """True when only a ``placed`` router exports its series (conversation routing)."""
+        return any(name in self.expr for name in PLACED_SERIES)
 
 
 def dashboard_queries(path: Path = DASHBOARD) -> list[Query]:

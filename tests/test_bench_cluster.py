@@ -260,6 +260,14 @@ def test_multi_turn_workload_and_session_headers():
     assert B.session_headers(requests, "header")[0] == {"X-Session-Id": requests[0].tenant}
 
 
+def test_agent_workload_shares_one_tool_prefix_across_users():
+    spec = B.WorkloadSpec("agent", tenants=3, requests=9, system_len=20, question_len=4, output_len=2)
+    requests = spec.generate()
+    assert len(requests) == 9 and len({r.tenant for r in requests}) == 3
+    assert len({r.body["messages"][0]["content"] for r in requests}) == 1
+    assert max(len(r.body["messages"]) for r in requests) == 1 + 1 + 2 * 2
+
+
 def test_cli_refuses_unknown_policies():
     with pytest.raises(SystemExit):
         B.main(["--policies", "round_robin,nope", "--out-dir", "/nonexistent"])

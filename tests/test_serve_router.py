@@ -396,3 +396,81 @@ async def test_kv_events_in_routing_stats_reach_the_placed_policys_precise_hook(
     router.update_replicas(reps)
     # A gap (seq 3 missed): the diff after it still states the key's presence, absolutely.
     assert router.kv_event_gaps == 1 and router.placed.table.holds("tenant", reps[0].name) is True
+
+
+def chat(key: str, messages: list) -> PendingRequest:
+    request = EngineRequest(messages=messages, routing_key=key)
+    rid = uuid.uuid4().hex
+    return PendingRequest(
+        args=[request], kwargs={}, metadata=RequestMetadata(request_id=rid, internal_request_id=rid, is_streaming=True)
+    )
+
+
+SYSTEM = {"role": "system", "content": "You are the support bot of one app. " * 30}
+
+
+def history(user: int, turns: int) -> list[dict[str, str]]:
+    out = [SYSTEM]
+    for t in range(turns):
+        out.append({"role": "user", "content": f"user {user} asks question {t} " * 12})
+        if t + 1 < turns:
+            out.append({"role": "assistant", "content": f"answer {t} for user {user} " * 12})
+    return out
+
+
+async def send(router: PrefixRouter, request: PendingRequest) -> FakeReplica:
+    chosen = await route(router, request)
+    router.on_request_routed(request, chosen.replica_id, result=None)
+    return chosen
+
+
+async def test_placed_follows_each_conversation_without_a_client_key():
+    rng = random.Random(31)
+    router = make_router("placed")
+    reps = replicas(rng, 2)
+    router.update_replicas(reps)
+    first = {u: (await send(router, chat("app", history(u, 1)))).name for u in range(8)}
+    assert len(set(first.values())) == 2  # eight conversations at once: the app's set grew to both
+    again = {u: (await send(router, chat("app", history(u, 2)))).name for u in range(8)}
+    assert again == first
+    m = router._metrics
+    assert counter(m, "prefixserve_router_placed_branches_total", deployment="Engine", branch="history") == 8
+    assert counter(m, "prefixserve_router_history_index_entries", deployment="Engine") > 0
+    assert counter(m, "prefixserve_router_predicted_cached_fraction_count", deployment="Engine", which="best") == 16
+
+
+async def test_a_prompt_the_router_cannot_hash_still_routes_and_is_counted():
+    rng = random.Random(32)
+    router = make_router("placed")
+    reps = replicas(rng, 3)
+    router.update_replicas(reps)
+    bad = [SYSTEM, {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    chosen = await send(router, chat("app", bad))
+    assert chosen.name == HashRing(sorted(r.name for r in reps)).owner("app")  # by its static key
+    assert counter(router._metrics, "prefixserve_router_history_unhashable_total", deployment="Engine") == 1
+
+
+async def test_a_departed_replica_leaves_the_history_index():
+    rng = random.Random(33)
+    router = make_router("placed")
+    reps = replicas(rng, 3)
+    router.update_replicas(reps)
+    chosen = await send(router, chat("app", history(5, 1)))
+    blocks = router._prompt_hasher.blocks(chat("app", history(5, 2)).args[0])
+    assert chosen.name in router.placed.history.held(blocks.hashes)
+    router.update_replicas([r for r in reps if r is not chosen])
+    assert chosen.name not in router.placed.history.held(blocks.hashes)
+    assert (await send(router, chat("app", history(5, 2)))).name != chosen.name
+
+
+async def test_a_completed_conversation_frees_its_keys_in_flight_count():
+    rng = random.Random(34)
+    router = make_router("placed")
+    reps = replicas(rng, 2)
+    router.update_replicas(reps)
+    requests = [chat("app", history(u, 1)) for u in range(4)]
+    routed = [(r, await send(router, r)) for r in requests]
+    assert router.placed.key_in_flight("app") == 4
+    for r, rep in routed:
+        router.on_request_completed(rep.replica_id, r.metadata.internal_request_id)
+    assert router.placed.key_in_flight("app") == 0

@@ -21,6 +21,7 @@ def _params(name: str) -> dict:
         "zipf_tenants": dict(num_tenants=30, num_requests=400, system_prompt_len=20, question_len=6),
         "prefix_repetition": dict(num_prefixes=3, num_requests=30, prefix_len=24, suffix_len=10, output_len=5),
         "multi_turn": dict(num_users=3, num_rounds=4, system_prompt_len=16, user_turn_len=5, assistant_turn_len=9),
+        "agent": dict(num_users=3, num_steps=3, system_prompt_len=12, tools_len=30, tool_result_len=20),
         "volatile_system_prompt": dict(num_requests=40, num_users=5, system_prompt_len=30, deploy_every=10),
     }[name]
 
@@ -203,3 +204,17 @@ def test_jsonl_roundtrip_and_cli(tmp_path) -> None:
                     *[f"--{k.replace('_', '-')}={v}" for k, v in _params("multi_turn").items()]],
                    check=True, capture_output=True)
     assert out.read_text() == path.read_text()
+
+
+def test_agent_sessions_share_the_tool_prefix_and_grow_by_tool_results() -> None:
+    reqs = W.agent(W.AgentConfig(**_params("agent"), seed=4))
+    assert len(reqs) == 9
+    assert len({r.body["messages"][0]["content"] for r in reqs}) == 1  # one app: system + tools shared
+    by_user: dict[str, list[list[dict]]] = {}
+    for r in reqs:
+        by_user.setdefault(r.tenant, []).append(r.body["messages"])
+    for turns in by_user.values():
+        assert [len(m) for m in turns] == [2, 4, 6]
+        for earlier, later in zip(turns, turns[1:]):
+            assert later[: len(earlier)] == earlier
+        assert turns[1][-1]["content"].startswith("Tool result:")

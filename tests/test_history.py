@@ -1,0 +1,164 @@
+"""Conversation affinity: the router-side history index (router/history.py) and ``placed``'s use of it."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefixserve.replica.kv.hashing import BlockHasher
+from prefixserve.router.history import HistoryIndex
+from prefixserve.router.policies import (
+    KIND_HISTORY,
+    KIND_NEW_CONVERSATION,
+    Placed,
+    Replica,
+)
+
+BS = 16
+HASHER = BlockHasher()
+
+
+def chain(tokens: list[int]) -> list[bytes]:
+    return HASHER.hash_blocks(tokens, BS, None)
+
+
+SYSTEM = list(range(1000, 1000 + 4 * BS))  # 4 static blocks
+STATIC_BLOCKS = 4
+
+
+def conversation(user: int, turns: int) -> list[int]:
+    """The system prompt, then ``turns`` blocks of the user's own history."""
+    return SYSTEM + [user * 100_000 + t for t in range(turns * BS)]
+
+
+def test_held_counts_leading_blocks_per_replica():
+    index = HistoryIndex(100)
+    a, b = chain(conversation(1, 3)), chain(conversation(2, 2))
+    index.record("r1", a)
+    index.record("r2", b)
+    assert index.held(a) == {"r1": 7, "r2": 4}  # r2 holds the shared system blocks only
+    assert index.held(chain(conversation(1, 5))) == {"r1": 7, "r2": 4}
+    assert index.held(chain([7] * BS * 2)) == {}
+
+
+def test_remove_and_forget_drop_what_a_replica_holds():
+    index = HistoryIndex(100)
+    a = chain(conversation(1, 3))
+    index.record("r1", a)
+    index.record("r2", a)
+    index.remove("r1", a[5:])
+    assert index.held(a) == {"r1": 5, "r2": 7}
+    index.forget("r2")
+    assert index.held(a) == {"r1": 5}
+    index.record("r3", a[:2])  # the freed slot is reused without inheriting r2's blocks
+    assert index.held(a) == {"r1": 5, "r3": 2}
+
+
+def test_index_at_its_bound_evicts_never_grows():
+    index = HistoryIndex(50)
+    for user in range(100):
+        index.record(f"r{user % 4}", chain(conversation(user, 6)))
+        assert len(index) <= 50
+    assert index.evictions > 0
+    # The latest conversation's prefix survives its own tail: a chain's leading blocks go last.
+    last = chain(conversation(99, 6))
+    index.record("r9", last)
+    index.record("r9", chain(conversation(500, 40))[STATIC_BLOCKS:])  # 40 other blocks push 40 out
+    assert index.held(last).get("r9", 0) >= 4
+
+
+def test_bad_bound_is_refused():
+    with pytest.raises(ValueError, match="max_entries"):
+        HistoryIndex(0)
+
+
+def _replicas(loads: dict[str, int]) -> list[Replica]:
+    return [Replica(n, f) for n, f in loads.items()]
+
+
+def test_a_continuing_conversation_goes_to_the_replica_holding_its_history():
+    policy = Placed(clock=lambda: 0.0)
+    names = [f"r{i}" for i in range(4)]
+    key = "app"
+    owner = policy.rank(_replicas(dict.fromkeys(names, 0)), key).chosen.name
+    other = next(n for n in names if n != owner)
+    policy.history.record(other, chain(conversation(7, 3)))
+    loads = dict.fromkeys(names, 1)
+    loads[other] = 2  # busier than the owner, under the cap
+    d = policy.rank(_replicas(loads), key, history=chain(conversation(7, 4)), static_blocks=STATIC_BLOCKS)
+    assert (d.chosen.name, d.kind) == (other, KIND_HISTORY)
+    assert (d.predicted_blocks, d.best_blocks) == (7, 7)
+
+
+def test_a_history_holder_over_the_cap_is_passed_over():
+    policy = Placed(clock=lambda: 0.0)
+    names = [f"r{i}" for i in range(4)]
+    owner = policy.rank(_replicas(dict.fromkeys(names, 0)), "app").chosen.name
+    other = next(n for n in names if n != owner)
+    policy.history.record(other, chain(conversation(7, 3)))
+    loads = dict.fromkeys(names, 0)
+    loads[other] = 40
+    d = policy.rank(_replicas(loads), "app", history=chain(conversation(7, 4)), static_blocks=STATIC_BLOCKS)
+    assert d.chosen.name != other and d.kind != KIND_HISTORY
+
+
+def _send(policy: Placed, loads: dict[str, int], history: list[bytes] | None) -> str:
+    d = policy.rank(_replicas(loads), "app", history=history, static_blocks=STATIC_BLOCKS)
+    loads[d.chosen.name] += 1
+    return d.kind or ""
+
+
+def test_new_conversations_grow_the_set_with_the_keys_load_and_shrink_after():
+    static, conv = Placed(clock=lambda: 0.0), Placed(clock=lambda: 0.0)
+    static_loads, conv_loads = {"r0": 0, "r1": 0}, {"r0": 0, "r1": 0}
+    for user in range(8):  # eight conversations in flight at once, as a closed-loop client keeps them
+        _send(static, static_loads, None)
+        _send(conv, conv_loads, chain(conversation(user, 1)))
+    assert sorted(static_loads.values()) == [0, 8]  # the static key alone: all on its owner (under the cap)
+    assert sorted(conv_loads.values()) == [4, 4]
+    owner = max(static_loads, key=static_loads.__getitem__)
+    for _ in range(8):
+        conv.done("app")
+    assert conv.key_in_flight("app") == 0
+    kinds = [_send(conv, loads := {"r0": 0, "r1": 0}, chain(conversation(100, 1)))]
+    assert max(loads, key=loads.__getitem__) == owner and kinds == [KIND_NEW_CONVERSATION]
+
+
+def test_the_index_never_sends_to_a_replica_that_is_not_a_candidate():
+    policy = Placed(clock=lambda: 0.0)
+    policy.history.record("gone", chain(conversation(7, 5)))  # stale: its replica left, its events were lost
+    d = policy.rank(_replicas({"r0": 0, "r1": 0}), "app", history=chain(conversation(7, 6)),
+                    static_blocks=STATIC_BLOCKS)
+    assert d.chosen.name in ("r0", "r1") and d.kind != KIND_HISTORY
+
+
+def test_what_the_router_sent_counts_as_held_from_the_next_turn_on():
+    policy = Placed(clock=lambda: 0.0)
+    names = {f"r{i}": 0 for i in range(8)}
+    first = policy.rank(_replicas(names), "app", history=chain(conversation(1, 1)), static_blocks=STATIC_BLOCKS)
+    d = policy.rank(_replicas(names), "app", history=chain(conversation(1, 2)), static_blocks=STATIC_BLOCKS)
+    assert (d.chosen.name, d.kind, d.predicted_blocks) == (first.chosen.name, KIND_HISTORY, 5)
+
+
+def test_a_conversational_keys_new_conversations_spread_a_one_shot_keys_do_not():
+    names = [f"r{i}" for i in range(8)]
+    policy = Placed(clock=lambda: 0.0, conversation_spread=4)
+    idle = dict.fromkeys(names, 0)
+    for key in ("chat-app", "one-shot-app"):
+        base = 0 if key == "chat-app" else 200
+        for user in range(base, base + 4):
+            policy.rank(_replicas(idle), key, history=chain(conversation(user, 1)), static_blocks=STATIC_BLOCKS)
+            policy.done(key)
+            if key == "chat-app":  # every conversation continues: half the key's decisions follow a history
+                d = policy.rank(_replicas(idle), key, history=chain(conversation(user, 2)),
+                                static_blocks=STATIC_BLOCKS)
+                assert d.kind == KIND_HISTORY
+            else:
+                policy.rank(_replicas(idle), key, history=chain(conversation(100 + user, 1)),
+                            static_blocks=STATIC_BLOCKS)  # one-shots: nothing continues
+            policy.done(key)
+    for key, base in (("chat-app", 0), ("one-shot-app", 200)):
+        owner = policy.placement(key)[0]
+        loads = {**idle, owner: 1}
+        d = policy.rank(_replicas(loads), key, history=chain(conversation(900 + base, 1)),
+                        static_blocks=STATIC_BLOCKS)
+        assert (d.chosen.name != owner) == (key == "chat-app"), key

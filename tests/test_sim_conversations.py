@@ -1,0 +1,59 @@
+"""The simulator's conversation workloads (loadtest/conversations.py): sessions, accounting, history routing."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefixserve.loadtest import simulate as S
+from prefixserve.loadtest.conversations import ConversationTraffic, preset
+
+CONV = S.SimConfig(num_replicas=4, num_requests=600, blocks_per_replica=1024, max_num_seqs=8, utilization=0.7,
+                   seed=7, workload="multi_turn")
+
+
+@pytest.fixture(scope="module", params=["multi_turn", "agent"])
+def setup(request):
+    config = S.SimConfig(**{**CONV.__dict__, "workload": request.param})
+    return config, S.make_traffic(config)
+
+
+@pytest.mark.parametrize("workload", ["multi_turn", "agent"])
+def test_each_turn_resends_its_sessions_history_and_the_previous_answer(workload):
+    conv = ConversationTraffic(preset(workload), 300, seed=3)
+    assert len(conv) == 300
+    followed = 0
+    for i, nxt in enumerate(conv.next_turn):
+        if nxt < 0:
+            continue
+        followed += 1
+        assert conv.sessions[nxt] == conv.sessions[i] and conv.apps[nxt] == conv.apps[i]
+        assert conv.prompt(nxt)[: conv.prompt_lens[i]] == conv.prompt(i)
+        assert conv.prompt(nxt)[conv.prompt_lens[i] : conv.prompt_lens[i] + conv.output_lens[i]] == conv.output(i)
+        assert conv.prompt_lens[nxt] <= preset(workload).max_context
+    assert followed > 100  # most requests continue a session
+    first = {conv.apps[f] for _, f in conv.starts}
+    static = {a: conv.static_tokens[a] for a in first}
+    assert all(conv.prompt(f)[: len(static[conv.apps[f]])] == static[conv.apps[f]] for _, f in conv.starts)
+
+
+@pytest.mark.parametrize("policy", ["placed", "placed_static", "round_robin", "sglang_tree", "ray_prefix", "llmd",
+                                    "dynamo"])
+def test_accounting_balances_and_the_oracle_bounds_every_policy(policy, setup):
+    config, traffic = setup
+    r = S.simulate(config, policy, traffic, check_invariants=True)
+    assert r.finished == r.num_requests == len(traffic.conv)
+    assert r.prompt_tokens == sum(traffic.conv.prompt_lens)
+    assert (r.kv_query_tokens, r.kv_hit_tokens) == (r.prompt_tokens, r.hit_tokens)
+    assert r.oracle_violations == 0 and r.leaked_blocks == 0
+    assert r.first_touch_miss_tokens + r.evicted_miss_tokens == sum(traffic.oracle_hits) - r.hit_tokens
+
+
+@pytest.mark.parametrize("workload", ["multi_turn", "agent"])
+def test_history_matching_beats_the_static_key_alone(workload):
+    # Enough cache that routing, not thrashing, decides the hits.
+    config = S.SimConfig(**{**CONV.__dict__, "workload": workload, "num_replicas": 8, "num_requests": 2000,
+                            "blocks_per_replica": 2048})
+    traffic = S.make_traffic(config)
+    history = S.simulate(config, "placed", traffic)
+    static = S.simulate(config, "placed_static", traffic)
+    assert history.hit_rate > static.hit_rate
