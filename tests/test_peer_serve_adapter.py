@@ -66,7 +66,7 @@ def chat(system: str, user: str, **kwargs: Any) -> EngineRequest:
 def test_encoder_tokenizes_as_the_engine_does():
     from prefixserve.replica.engine import LLMEngine
 
-    engine = SimpleNamespace(tokenizer=CharTokenizer(), check_prompt_text=lambda text: None)
+    engine = SimpleNamespace(tokenizer=CharTokenizer(), chat_template=None, check_prompt_text=lambda text: None)
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     assert ENCODER.encode(messages=messages) == LLMEngine.encode_chat(engine, messages)  # type: ignore[arg-type]
     assert ENCODER.encode(prompt="abc") == LLMEngine.tokenize(engine, "abc") == [97, 98, 99]  # type: ignore[arg-type]
