@@ -522,8 +522,9 @@ async def run_phase(config: SoakConfig, traffic: Traffic, server: StandaloneServ
     n_buckets = max(1, round(duration_s / config.bucket_s))
     for b in range(n_buckets):
         bucket = Bucket(b, time.perf_counter() - traffic.t0)
-        # Traffic stops being started this long before the bucket's end: room for the idle pause.
-        stop_at = time.perf_counter() + config.bucket_s * 0.8
+        # New actions stop a fifth of a bucket before its end: the rest is the idle pause.
+        end_at = time.perf_counter() + config.bucket_s
+        stop_at = end_at - config.bucket_s * 0.2
 
         async def worker(seed: int, bucket: Bucket = bucket, stop_at: float = stop_at) -> None:
             wrng = random.Random(seed)
@@ -542,6 +543,7 @@ async def run_phase(config: SoakConfig, traffic: Traffic, server: StandaloneServ
 
         await asyncio.gather(sampler(), *(worker(rng.randrange(1 << 30)) for _ in range(config.concurrency)))
         await _idle_probe(traffic, bucket, config.idle_timeout_s)
+        await asyncio.sleep(max(0.0, end_at - time.perf_counter()))
         bucket.sample = sample_processes(server.processes(), time.perf_counter() - traffic.t0)
         bucket.end_s = time.perf_counter() - traffic.t0
         buckets.append(bucket)
@@ -579,7 +581,7 @@ def evaluate(phases: dict[str, list[Bucket]], samples: Sequence[ProcessSample], 
              for s, n in c.items() if s.isdigit() and int(s) >= 500}
     targets.append(Target("no 5xx", not fives, f"5xx by kind: {fives}" if fives else "none"))
     settled = soak_start_s + warmup_s
-    idle = [b.sample.rss_total for b in soak if b.sample is not None and b.start_s >= settled]
+    idle = [b.sample.rss_total for b in soak if b.sample is not None and b.sample.t_s >= settled]
     if idle:
         worst = max(abs(r - idle[0]) / idle[0] for r in idle)
         targets.append(Target("RSS after warm-up within 2%", worst <= RSS_TOLERANCE,
