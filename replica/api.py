@@ -793,8 +793,10 @@ class CompletionRequest(_SamplingRequest):
 
     def _prompt_logprobs(self) -> int | None:
         # An echoed prompt comes with its tokens' logprobs when logprobs are asked (vLLM's rule).
+        # A token-id prompt is echoed from the ids the engine sends back with them (with their
+        # texts on the Ray path, which has no tokenizer): it asks for them at k = 0.
         if self.prompt_logprobs is None and self.echo:
-            return self.logprobs
+            return self.logprobs if self.logprobs is not None or isinstance(self.prompt, str) else 0
         return self.prompt_logprobs
 
     def default_max_tokens(self, max_model_len: int) -> int:

@@ -175,8 +175,11 @@ class EngineDeployment:
         try:
             try:
                 async for delta in stream:
-                    if request.sampling.logprobs is not None:
-                        ids = set(delta.token_ids).union(*(entry.keys() for entry in delta.logprobs or ()))
+                    if request.sampling.logprobs is not None or request.sampling.prompt_logprobs is not None:
+                        ids = set(delta.token_ids).union(
+                            *(entry.keys() for entry in delta.logprobs or ()),
+                            *(entry.keys() for entry in delta.prompt_logprobs or () if entry),
+                            delta.prompt_token_ids or ())
                         new = ids - known
                         if new:
                             known |= new

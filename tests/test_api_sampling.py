@@ -129,3 +129,11 @@ def test_a_request_that_masks_every_token_fails_alone_with_400(replica):
     assert completion(replica)["choices"][0]["text"] is not None
     stats = replica.engine.stats()
     assert (stats.num_running, stats.num_waiting, stats.kv_usage) == (0, 0, 0.0)
+
+
+def test_echo_of_a_token_id_prompt(replica):
+    ids = replica.engine.engine.tokenizer(PROMPT).input_ids
+    response = post(replica, "/v1/completions", prompt=ids, max_tokens=3, temperature=0, echo=True)
+    plain = post(replica, "/v1/completions", prompt=ids, max_tokens=3, temperature=0)
+    assert response.status_code == plain.status_code == 200
+    assert response.json()["choices"][0]["text"] == PROMPT + plain.json()["choices"][0]["text"]
