@@ -211,6 +211,23 @@ def test_prompt_too_long_is_a_400_with_no_traceback_in_any_replica_log(base):
     assert not [line for line in new if "Traceback" in line or "PromptTooLongError" in line], new[-40:]
 
 
+def test_vllm_sampling_fields_cross_the_ray_path(base):
+    # prompt_logprobs, echo and penalties ride the deltas from the engine replica through the ingress.
+    body = {"prompt": "one two three four", "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 1,
+            "prompt_logprobs": 1, "presence_penalty": -2.0, "repetition_penalty": 1.0, "min_p": 0.1}
+    answer = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+    assert answer.status_code == 200, answer.text
+    choice = answer.json()["choices"][0]
+    assert choice["text"].startswith("one two three four")
+    assert choice["prompt_logprobs"][0] is None and len(choice["prompt_logprobs"]) > 1
+    assert choice["logprobs"]["token_logprobs"][0] is None
+    ids = httpx.post(f"{base}/v1/completions", json={"prompt": [300, 301, 302], "max_tokens": 2, "echo": True},
+                     timeout=120)
+    assert ids.status_code == 200, ids.text
+    refused = httpx.post(f"{base}/v1/completions", json={**body, "presence_penalty": 3}, timeout=120)
+    assert refused.status_code == 400 and "presence_penalty" in refused.json()["error"]["message"]
+
+
 def test_a_client_that_disconnects_mid_stream_frees_its_replica(base):
     body = {"messages": [{"role": "user", "content": "go on"}], "max_tokens": 800, "ignore_eos": True,
             "stream": True}
