@@ -32,8 +32,9 @@ SYSTEM_PROMPT = (
 )
 
 
-def prefix_headers(messages: list[dict], cache_salt: str | None = None,
-                   tools: list[dict] | None = None) -> dict[str, str]:
+def prefix_headers(
+    messages: list[dict], cache_salt: str | None = None, tools: list[dict] | None = None
+) -> dict[str, str]:
     """The X-Prefix-Hash header for a chat request ({} when it has no system prompt and no tools)."""
     body: dict = {"messages": messages}
     if cache_salt is not None:

@@ -26,8 +26,9 @@ log = logging.getLogger(__name__)
 CacheShapeFn = Callable[[int, int, int, int], tuple[tuple[int, ...], tuple[int, ...]]]
 
 
-def standard_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
-                         ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def standard_cache_shape(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``[num_blocks, block_size, num_kv_heads, head_dim]`` for K and V (torch and Triton)."""
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     return shape, shape
@@ -44,8 +45,9 @@ class AttentionBackend:
     kv_cache_shape: CacheShapeFn = standard_cache_shape
 
 
-def select_backend(name: str = "auto", device: torch.device | str = "cpu",
-                   dtype: torch.dtype = torch.float32) -> AttentionBackend:
+def select_backend(
+    name: str = "auto", device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> AttentionBackend:
     """Return the attention backend for ``device`` and ``dtype`` (``name`` in :data:`BACKENDS`)."""
     if name not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {name!r}")
@@ -70,8 +72,9 @@ def select_backend(name: str = "auto", device: torch.device | str = "cpu",
         if device.type != "cpu" or dtype != torch.float32:
             raise ValueError(f"the 'cpu' attention backend runs float32 on a CPU, not {dtype} on {device}")
         cpu_attention.load()  # raises CPUKernelUnavailable with the compiler's message
-        return AttentionBackend("cpu", cpu_attention.paged_attention, cpu_attention.write_kv_cache,
-                                cpu_attention.kv_cache_shape)
+        return AttentionBackend(
+            "cpu", cpu_attention.paged_attention, cpu_attention.write_kv_cache, cpu_attention.kv_cache_shape
+        )
     # Imported lazily: on CPU-only machines Triton is only used under TRITON_INTERPRET.
     from prefixserve.kernels.cache_write import write_kv_cache
     from prefixserve.kernels.paged_attention import paged_attention

@@ -51,24 +51,60 @@ def _fp8_e4m3_bits(y, FP8_MAX: tl.constexpr):
 
 
 @triton.jit
-def _store_rows(src_ptr, cache_ptr, t, block, in_block, scale, stride_t, stride_h,
-                stride_cb, stride_cs, stride_ch, offs_h, offs_d, mask,
-                FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+def _store_rows(
+    src_ptr,
+    cache_ptr,
+    t,
+    block,
+    in_block,
+    scale,
+    stride_t,
+    stride_h,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    offs_h,
+    offs_d,
+    mask,
+    FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+):
     x = tl.load(src_ptr + t * stride_t + offs_h[:, None] * stride_h + offs_d[None, :], mask=mask)
     if FP8:  # the cache is passed as bytes (uint8)
         x = _fp8_e4m3_bits(tl.math.div_rn(x.to(tl.float32), scale), FP8_MAX)
-    tl.store(cache_ptr + block * stride_cb + in_block * stride_cs + offs_h[:, None] * stride_ch
-             + offs_d[None, :], x.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(
+        cache_ptr + block * stride_cb + in_block * stride_cs + offs_h[:, None] * stride_ch + offs_d[None, :],
+        x.to(cache_ptr.dtype.element_ty),
+        mask=mask,
+    )
 
 
 @triton.jit
 def _write_kv_kernel(
-    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
-    k_scale, v_scale, num_kv_heads, head_dim,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
-    BLOCK_SIZE: tl.constexpr, HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
-    FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+    key_ptr,
+    value_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_mapping_ptr,
+    k_scale,
+    v_scale,
+    num_kv_heads,
+    head_dim,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    BLOCK_SIZE: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
@@ -79,10 +115,42 @@ def _write_kv_kernel(
     offs_h = tl.arange(0, HEADS_PAD)
     offs_d = tl.arange(0, DIM_PAD)
     mask = (offs_h < num_kv_heads)[:, None] & (offs_d < head_dim)[None, :]
-    _store_rows(key_ptr, key_cache_ptr, t, block, in_block, k_scale, stride_kt, stride_kh,
-                stride_kcb, stride_kcs, stride_kch, offs_h, offs_d, mask, FP8, FP8_MAX)
-    _store_rows(value_ptr, value_cache_ptr, t, block, in_block, v_scale, stride_vt, stride_vh,
-                stride_vcb, stride_vcs, stride_vch, offs_h, offs_d, mask, FP8, FP8_MAX)
+    _store_rows(
+        key_ptr,
+        key_cache_ptr,
+        t,
+        block,
+        in_block,
+        k_scale,
+        stride_kt,
+        stride_kh,
+        stride_kcb,
+        stride_kcs,
+        stride_kch,
+        offs_h,
+        offs_d,
+        mask,
+        FP8,
+        FP8_MAX,
+    )
+    _store_rows(
+        value_ptr,
+        value_cache_ptr,
+        t,
+        block,
+        in_block,
+        v_scale,
+        stride_vt,
+        stride_vh,
+        stride_vcb,
+        stride_vcs,
+        stride_vch,
+        offs_h,
+        offs_d,
+        mask,
+        FP8,
+        FP8_MAX,
+    )
 
 
 def write_kv_cache(
@@ -101,22 +169,32 @@ def write_kv_cache(
     are used only by an fp8 cache.
     """
     if key.dim() != 3 or key.shape != value.shape:
-        raise ValueError(f"key and value must both be [num_tokens, num_kv_heads, head_dim], got "
-                         f"{tuple(key.shape)} and {tuple(value.shape)}")
+        raise ValueError(
+            f"key and value must both be [num_tokens, num_kv_heads, head_dim], got "
+            f"{tuple(key.shape)} and {tuple(value.shape)}"
+        )
     if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
-        raise ValueError(f"key_cache and value_cache must both be [num_blocks, block_size, num_kv_heads, "
-                         f"head_dim], got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}")
+        raise ValueError(
+            f"key_cache and value_cache must both be [num_blocks, block_size, num_kv_heads, "
+            f"head_dim], got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
+        )
     if tuple(key.shape[1:]) != tuple(key_cache.shape[2:]):
-        raise ValueError(f"key rows {tuple(key.shape[1:])} do not match the cache's "
-                         f"[num_kv_heads, head_dim] {tuple(key_cache.shape[2:])}")
+        raise ValueError(
+            f"key rows {tuple(key.shape[1:])} do not match the cache's "
+            f"[num_kv_heads, head_dim] {tuple(key_cache.shape[2:])}"
+        )
     if key_cache.dtype != value_cache.dtype or key_cache.dtype not in CACHE_DTYPES:
-        raise ValueError(f"key_cache and value_cache must share one dtype of {CACHE_DTYPES}, got "
-                         f"{key_cache.dtype} and {value_cache.dtype}")
+        raise ValueError(
+            f"key_cache and value_cache must share one dtype of {CACHE_DTYPES}, got "
+            f"{key_cache.dtype} and {value_cache.dtype}"
+        )
     if key.dtype not in (torch.float32, torch.float16, torch.bfloat16) or value.dtype != key.dtype:
         raise ValueError(f"key and value must share a float dtype, got {key.dtype} and {value.dtype}")
     if slot_mapping.shape != (key.shape[0],) or slot_mapping.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"slot_mapping must be an int32/int64 [{key.shape[0]}] tensor, got "
-                         f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+        raise ValueError(
+            f"slot_mapping must be an int32/int64 [{key.shape[0]}] tensor, got "
+            f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}"
+        )
     for name, t in (("key", key), ("value", value), ("key_cache", key_cache), ("value_cache", value_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dimension (stride 1); call .contiguous()")
@@ -127,8 +205,10 @@ def write_kv_cache(
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
     device = key.device
     if interpreting() != (device.type == "cpu") or device.type not in ("cpu", "cuda"):
-        raise ValueError(f"the Triton kernels need CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 "
-                         f"set before importing kernels; got {device}")
+        raise ValueError(
+            f"the Triton kernels need CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 "
+            f"set before importing kernels; got {device}"
+        )
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
@@ -137,12 +217,29 @@ def write_kv_cache(
     if fp8:  # the kernel writes the e4m3 bit patterns it computed
         key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
     _write_kv_kernel[(num_tokens,)](
-        key, value, key_cache, value_cache, slot_mapping,
-        float(k_scale), float(v_scale), num_kv_heads, head_dim,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        BLOCK_SIZE=key_cache.shape[1], HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-        DIM_PAD=triton.next_power_of_2(head_dim), FP8=fp8, FP8_MAX=fp8_max,
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        float(k_scale),
+        float(v_scale),
+        num_kv_heads,
+        head_dim,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        BLOCK_SIZE=key_cache.shape[1],
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        DIM_PAD=triton.next_power_of_2(head_dim),
+        FP8=fp8,
+        FP8_MAX=fp8_max,
         num_warps=4,
     )

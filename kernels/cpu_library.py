@@ -32,11 +32,36 @@ CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "
 _i32, _i64, _f32, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 # name -> (restype, argtypes); the C signatures live in kernels/cpu/*.c.
 SIGNATURES = {
-    "paged_attention_f32": (ctypes.c_int, [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i32, _i32, _i32, _i32,
-                                           _i32, _f32, _i32, _ptr, _i32, _i32, _f32, _f32]),
+    "paged_attention_f32": (
+        ctypes.c_int,
+        [
+            _ptr,
+            _i64,
+            _ptr,
+            _ptr,
+            _ptr,
+            _i64,
+            _ptr,
+            _ptr,
+            _i32,
+            _i32,
+            _i32,
+            _i32,
+            _i32,
+            _f32,
+            _i32,
+            _ptr,
+            _i32,
+            _i32,
+            _f32,
+            _f32,
+        ],
+    ),
     "write_kv_cache_f32": (ctypes.c_int, [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i32, _i32, _i32]),
-    "write_kv_cache_fp8": (ctypes.c_int, [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i32, _i32, _i32,
-                                          _f32, _f32]),
+    "write_kv_cache_fp8": (
+        ctypes.c_int,
+        [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i32, _i32, _i32, _f32, _f32],
+    ),
     "add_rms_norm_f32": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _i32, _f32, _i32]),
     "rotary_f32": (None, [_ptr, _i64, _i64, _i32, _i32, _ptr, _ptr, _ptr, _i32]),
     "silu_and_mul_f32": (None, [_ptr, _ptr, _i64, _i32, _i32]),
@@ -76,8 +101,7 @@ def _build(compiler: str, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([compiler, *CFLAGS, *map(str, SOURCES), "-o", tmp, "-lm"],
-                              capture_output=True, text=True)
+        proc = subprocess.run([compiler, *CFLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True)
         if proc.returncode != 0:
             raise CPUKernelUnavailable(f"{compiler} failed to build kernels/cpu:\n{proc.stderr[-2000:]}")
         os.replace(tmp, target)

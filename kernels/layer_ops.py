@@ -50,6 +50,7 @@ class LayerOps:
 
 # --- torch (reference) ----------------------------------------------------------
 
+
 def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in float32, like the transformers implementation."""
     x32 = x.to(torch.float32)
@@ -57,14 +58,16 @@ def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return weight * (x32 * torch.rsqrt(variance + eps)).to(x.dtype)
 
 
-def torch_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+def torch_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     total = x + residual
     return torch_rms_norm(total, weight, eps), total
 
 
-def torch_prepare_rotary(positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+def torch_prepare_rotary(
+    positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     # Gathered once per step, shared by every layer: [T, 1, D/2].
     return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
 
@@ -81,11 +84,13 @@ def torch_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-TORCH_LAYER_OPS = LayerOps("torch", torch_rms_norm, torch_add_rms_norm, torch_prepare_rotary, torch_rotary,
-                           torch_silu_and_mul)
+TORCH_LAYER_OPS = LayerOps(
+    "torch", torch_rms_norm, torch_add_rms_norm, torch_prepare_rotary, torch_rotary, torch_silu_and_mul
+)
 
 
 # --- C (CPU, float32) -----------------------------------------------------------
+
 
 def _dense(x: torch.Tensor) -> torch.Tensor:
     if x.dtype != torch.float32 or x.device.type != "cpu":
@@ -105,13 +110,15 @@ def c_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tenso
     _check_norm_weight(x, weight)
     out = torch.empty_like(x)
     hidden = x.shape[-1]
-    load().add_rms_norm_f32(x.data_ptr(), None, weight.data_ptr(), out.data_ptr(), x.numel() // hidden, hidden,
-                            eps, torch.get_num_threads())
+    load().add_rms_norm_f32(
+        x.data_ptr(), None, weight.data_ptr(), out.data_ptr(), x.numel() // hidden, hidden, eps, torch.get_num_threads()
+    )
     return out
 
 
-def c_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def c_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     from prefixserve.kernels.cpu_library import load
 
     x, weight = _dense(x), _dense(weight)
@@ -121,13 +128,22 @@ def c_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
     residual = _dense(residual)
     out = torch.empty_like(x)
     hidden = x.shape[-1]
-    load().add_rms_norm_f32(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
-                            x.numel() // hidden, hidden, eps, torch.get_num_threads())
+    load().add_rms_norm_f32(
+        x.data_ptr(),
+        residual.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        x.numel() // hidden,
+        hidden,
+        eps,
+        torch.get_num_threads(),
+    )
     return out, residual
 
 
-def c_prepare_rotary(positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def c_prepare_rotary(
+    positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     positions = positions.to(torch.int64).contiguous()
     if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= cos.shape[0]):
         raise ValueError(f"positions outside the rotary table of {cos.shape[0]} positions")
@@ -143,10 +159,21 @@ def c_rotary(x: torch.Tensor, prepared: tuple[torch.Tensor, torch.Tensor, torch.
     if x.dtype != torch.float32 or x.stride(2) != 1 or x.stride(1) != head_dim:
         raise ValueError("c_rotary needs a float32 [T, heads, D] tensor with dense heads")
     if positions.shape[0] != rows or cos.shape[1] * 2 != head_dim:
-        raise ValueError(f"{rows} rows / head_dim {head_dim} do not match {positions.shape[0]} positions / "
-                         f"table width {cos.shape[1]}")
-    load().rotary_f32(x.data_ptr(), rows, x.stride(0), heads, head_dim, positions.data_ptr(), cos.data_ptr(),
-                      sin.data_ptr(), torch.get_num_threads())
+        raise ValueError(
+            f"{rows} rows / head_dim {head_dim} do not match {positions.shape[0]} positions / "
+            f"table width {cos.shape[1]}"
+        )
+    load().rotary_f32(
+        x.data_ptr(),
+        rows,
+        x.stride(0),
+        heads,
+        head_dim,
+        positions.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        torch.get_num_threads(),
+    )
     return x
 
 
@@ -156,8 +183,9 @@ def c_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate_up = _dense(gate_up)
     inter = gate_up.shape[-1] // 2
     out = gate_up.new_empty((*gate_up.shape[:-1], inter))
-    load().silu_and_mul_f32(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter,
-                            torch.get_num_threads())
+    load().silu_and_mul_f32(
+        gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter, torch.get_num_threads()
+    )
     return out
 
 

@@ -67,19 +67,46 @@ def _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _paged_attention_kernel(
-    out_ptr, query_ptr, key_cache_ptr, value_cache_ptr,
-    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    part_out_ptr, part_lse_ptr,
-    qk_scale, v_scale, sliding_window, num_seqs,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    out_ptr,
+    query_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    qk_scale,
+    v_scale,
+    sliding_window,
+    num_seqs,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
     stride_bt,
-    stride_pos, stride_pot, stride_poh, stride_pls, stride_plt,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_WINDOW: tl.constexpr, SPLIT: tl.constexpr,
+    stride_pos,
+    stride_pot,
+    stride_poh,
+    stride_pls,
+    stride_plt,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -105,8 +132,11 @@ def _paged_attention_kernel(
     q_pos = context_len + q_idx
     token = (q_start + q_idx).to(tl.int64)
 
-    q = tl.load(query_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(
+        query_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     q = q.to(COMPUTE_DTYPE)
 
     # Keys this tile needs: up to its last query's position, from the window start.
@@ -131,9 +161,15 @@ def _paged_attention_kernel(
         k_ok = k_pos < kv_end
         block = tl.load(table_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
         in_block = k_pos % BLOCK_SIZE
-        k = tl.load(key_cache_ptr + block[None, :] * stride_kb + in_block[None, :] * stride_ks
-                    + kv_head * stride_kh + offs_d[:, None],
-                    mask=k_ok[None, :] & d_ok[:, None], other=0.0)
+        k = tl.load(
+            key_cache_ptr
+            + block[None, :] * stride_kb
+            + in_block[None, :] * stride_ks
+            + kv_head * stride_kh
+            + offs_d[:, None],
+            mask=k_ok[None, :] & d_ok[:, None],
+            other=0.0,
+        )
         k = k.to(tl.float32).to(COMPUTE_DTYPE)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
         visible = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
@@ -146,9 +182,15 @@ def _paged_attention_kernel(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(value_cache_ptr + block[:, None] * stride_vb + in_block[:, None] * stride_vs
-                    + kv_head * stride_vh + offs_d[None, :],
-                    mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(
+            value_cache_ptr
+            + block[:, None] * stride_vb
+            + in_block[:, None] * stride_vs
+            + kv_head * stride_vh
+            + offs_d[None, :],
+            mask=k_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
         v = v.to(tl.float32).to(COMPUTE_DTYPE)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(COMPUTE_DTYPE), v, acc, input_precision=DOT_PRECISION)
@@ -159,19 +201,43 @@ def _paged_attention_kernel(
     store_mask = row_ok[:, None] & d_ok[None, :]
     if SPLIT:
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-        tl.store(part_out_ptr + split * stride_pos + token[:, None] * stride_pot
-                 + head[:, None] * stride_poh + offs_d[None, :], o, mask=store_mask)
+        tl.store(
+            part_out_ptr
+            + split * stride_pos
+            + token[:, None] * stride_pot
+            + head[:, None] * stride_poh
+            + offs_d[None, :],
+            o,
+            mask=store_mask,
+        )
         tl.store(part_lse_ptr + split * stride_pls + token * stride_plt + head, lse, mask=row_ok)
     else:
-        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=store_mask)
+        tl.store(
+            out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=store_mask,
+        )
 
 
 @triton.jit
 def _reduce_splits_kernel(
-    out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr, num_seqs, num_splits, num_heads,
-    stride_ot, stride_oh, stride_pos, stride_pot, stride_poh, stride_pls, stride_plt,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEADS_PAD: tl.constexpr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    query_start_loc_ptr,
+    num_seqs,
+    num_splits,
+    num_heads,
+    stride_ot,
+    stride_oh,
+    stride_pos,
+    stride_pot,
+    stride_poh,
+    stride_pls,
+    stride_plt,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
@@ -181,9 +247,11 @@ def _reduce_splits_kernel(
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_h = tl.arange(0, HEADS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    lse = tl.load(part_lse_ptr + offs_s[:, None] * stride_pls + token * stride_plt + offs_h[None, :],
-                  mask=(offs_s < num_splits)[:, None] & (offs_h < num_heads)[None, :],
-                  other=float("-inf"))  # [splits, heads]
+    lse = tl.load(
+        part_lse_ptr + offs_s[:, None] * stride_pls + token * stride_plt + offs_h[None, :],
+        mask=(offs_s < num_splits)[:, None] & (offs_h < num_heads)[None, :],
+        other=float("-inf"),
+    )  # [splits, heads]
     m = tl.max(lse, 0)
     m = tl.where(m > float("-inf"), m, 0.0)
     total = tl.sum(tl.exp2(lse - m[None, :]), 0)  # empty splits weigh 0
@@ -191,14 +259,21 @@ def _reduce_splits_kernel(
     o = tl.zeros([HEADS_PAD, HEAD_DIM_PAD], tl.float32)
     hd_ok = (offs_h < num_heads)[:, None] & (offs_d < HEAD_DIM)[None, :]
     for s in range(num_splits):
-        lse_s = tl.load(part_lse_ptr + s * stride_pls + token * stride_plt + offs_h,
-                        mask=offs_h < num_heads, other=float("-inf"))
-        part = tl.load(part_out_ptr + s * stride_pos + token * stride_pot + offs_h[:, None] * stride_poh
-                       + offs_d[None, :], mask=hd_ok & (lse_s > float("-inf"))[:, None], other=0.0)
+        lse_s = tl.load(
+            part_lse_ptr + s * stride_pls + token * stride_plt + offs_h, mask=offs_h < num_heads, other=float("-inf")
+        )
+        part = tl.load(
+            part_out_ptr + s * stride_pos + token * stride_pot + offs_h[:, None] * stride_poh + offs_d[None, :],
+            mask=hd_ok & (lse_s > float("-inf"))[:, None],
+            other=0.0,
+        )
         o += part * tl.exp2(lse_s - m)[:, None]
     o = o / tl.where(total > 0.0, total, 1.0)[:, None]
-    tl.store(out_ptr + token * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=hd_ok)
+    tl.store(
+        out_ptr + token * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=hd_ok,
+    )
 
 
 @dataclass(frozen=True)
@@ -259,26 +334,37 @@ def plan_launch(
             sms = torch.cuda.get_device_properties(device).multi_processor_count
             programs = max(num_seqs, 1) * num_kv_heads
             splits = max(1, min(triton.cdiv(4 * sms, programs), max_context // 512, 64))
-        return LaunchPlan(block_m=group_rows, tile_n=64 if wide else 32, num_kv_splits=splits,
-                          num_warps=4, num_stages=3 if wide else 2, upcast_bf16=upcast)
-    return LaunchPlan(block_m=max(64, group_rows), tile_n=64 if wide else 32,
-                      num_warps=4 if head_dim <= 64 else 8, num_stages=2, upcast_bf16=upcast)
+        return LaunchPlan(
+            block_m=group_rows,
+            tile_n=64 if wide else 32,
+            num_kv_splits=splits,
+            num_warps=4,
+            num_stages=3 if wide else 2,
+            upcast_bf16=upcast,
+        )
+    return LaunchPlan(
+        block_m=max(64, group_rows),
+        tile_n=64 if wide else 32,
+        num_warps=4 if head_dim <= 64 else 8,
+        num_stages=2,
+        upcast_bf16=upcast,
+    )
 
 
-def _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
-                  sliding_window) -> None:
+def _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, sliding_window) -> None:
     if query.dim() != 3:
         raise ValueError(f"query must be [num_tokens, num_heads, head_dim], got shape {tuple(query.shape)}")
     if query.dtype not in ACTIVATION_DTYPES:
         raise ValueError(f"query dtype must be one of {ACTIVATION_DTYPES}, got {query.dtype}")
     if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
-        raise ValueError("key_cache and value_cache must both be [num_blocks, block_size, num_kv_heads, "
-                         f"head_dim], got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}")
+        raise ValueError(
+            "key_cache and value_cache must both be [num_blocks, block_size, num_kv_heads, "
+            f"head_dim], got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
+        )
     if key_cache.dtype != value_cache.dtype:
         raise ValueError(f"key_cache is {key_cache.dtype} but value_cache is {value_cache.dtype}")
     if key_cache.dtype != query.dtype and key_cache.dtype not in FP8_DTYPES:
-        raise ValueError(f"the KV cache must be {query.dtype} like the query, or fp8 e4m3; "
-                         f"got {key_cache.dtype}")
+        raise ValueError(f"the KV cache must be {query.dtype} like the query, or fp8 e4m3; got {key_cache.dtype}")
     _, block_size, num_kv_heads, head_dim = key_cache.shape
     num_heads = query.shape[1]
     if query.shape[2] != head_dim:
@@ -291,19 +377,29 @@ def _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_s
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dimension (stride 1); call .contiguous()")
     if block_tables.dim() != 2 or block_tables.dtype != torch.int32 or block_tables.stride(1) != 1:
-        raise ValueError("block_tables must be a row-major int32 [num_seqs, max_blocks] tensor, got "
-                         f"{block_tables.dtype} {tuple(block_tables.shape)} strides {block_tables.stride()}")
+        raise ValueError(
+            "block_tables must be a row-major int32 [num_seqs, max_blocks] tensor, got "
+            f"{block_tables.dtype} {tuple(block_tables.shape)} strides {block_tables.stride()}"
+        )
     num_seqs = block_tables.shape[0]
     if seq_lens.shape != (num_seqs,) or seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous():
-        raise ValueError(f"seq_lens must be a contiguous int32 [{num_seqs}] tensor, got "
-                         f"{seq_lens.dtype} {tuple(seq_lens.shape)}")
-    if (query_start_loc.shape != (num_seqs + 1,) or query_start_loc.dtype != torch.int32
-            or not query_start_loc.is_contiguous()):
-        raise ValueError(f"query_start_loc must be a contiguous int32 [{num_seqs + 1}] tensor, got "
-                         f"{query_start_loc.dtype} {tuple(query_start_loc.shape)}")
+        raise ValueError(
+            f"seq_lens must be a contiguous int32 [{num_seqs}] tensor, got {seq_lens.dtype} {tuple(seq_lens.shape)}"
+        )
+    if (
+        query_start_loc.shape != (num_seqs + 1,)
+        or query_start_loc.dtype != torch.int32
+        or not query_start_loc.is_contiguous()
+    ):
+        raise ValueError(
+            f"query_start_loc must be a contiguous int32 [{num_seqs + 1}] tensor, got "
+            f"{query_start_loc.dtype} {tuple(query_start_loc.shape)}"
+        )
     if out is not None and (out.shape != query.shape or out.dtype != query.dtype or out.stride(-1) != 1):
-        raise ValueError(f"out must match the query ({query.dtype} {tuple(query.shape)}, last dim "
-                         f"contiguous), got {out.dtype} {tuple(out.shape)}")
+        raise ValueError(
+            f"out must match the query ({query.dtype} {tuple(query.shape)}, last dim "
+            f"contiguous), got {out.dtype} {tuple(out.shape)}"
+        )
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
     tensors = [query, key_cache, value_cache, block_tables, seq_lens, query_start_loc]
@@ -316,8 +412,10 @@ def _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_s
     if interpreting() and device.type != "cpu":
         raise ValueError("TRITON_INTERPRET=1 runs kernels on CPU tensors; move the inputs to the CPU")
     if not interpreting() and device.type != "cuda":
-        raise ValueError(f"the Triton kernels need CUDA tensors (got {device}); use kernels.reference "
-                         "on CPU, or set TRITON_INTERPRET=1 before importing kernels")
+        raise ValueError(
+            f"the Triton kernels need CUDA tensors (got {device}); use kernels.reference "
+            "on CPU, or set TRITON_INTERPRET=1 before importing kernels"
+        )
 
 
 def paged_attention(
@@ -339,13 +437,32 @@ def paged_attention(
     Tile sizes come from :func:`plan_launch`; :func:`paged_attention_planned` takes
     an explicit :class:`LaunchPlan`.
     """
-    _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
-                  sliding_window)
+    _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, sliding_window)
     num_tokens, num_heads, head_dim = query.shape
-    plan = plan_launch(num_tokens, block_tables.shape[0], num_heads, key_cache.shape[2], head_dim,
-                       block_tables.shape[1] * key_cache.shape[1], query.dtype, query.device)
-    return _launch(plan, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                   scale, sliding_window, k_scale, v_scale, out)
+    plan = plan_launch(
+        num_tokens,
+        block_tables.shape[0],
+        num_heads,
+        key_cache.shape[2],
+        head_dim,
+        block_tables.shape[1] * key_cache.shape[1],
+        query.dtype,
+        query.device,
+    )
+    return _launch(
+        plan,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale,
+        sliding_window,
+        k_scale,
+        v_scale,
+        out,
+    )
 
 
 def paged_attention_planned(
@@ -364,29 +481,61 @@ def paged_attention_planned(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`paged_attention` with explicit tile sizes (tests and benchmarks)."""
-    _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
-                  sliding_window)
-    return _launch(plan, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                   scale, sliding_window, k_scale, v_scale, out)
+    _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, sliding_window)
+    return _launch(
+        plan,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale,
+        sliding_window,
+        k_scale,
+        v_scale,
+        out,
+    )
 
 
-def kernel_constants(plan: LaunchPlan, group: int, head_dim: int, block_size: int, dtype: torch.dtype,
-                     use_window: bool) -> dict:
+def kernel_constants(
+    plan: LaunchPlan, group: int, head_dim: int, block_size: int, dtype: torch.dtype, use_window: bool
+) -> dict:
     """The constexpr arguments of :func:`_paged_attention_kernel` for one launch (one compiled variant)."""
     if dtype == torch.float32 or (dtype == torch.bfloat16 and plan.upcast_bf16):
         # tf32 is exact for bf16 values; fp32 activations want true fp32 products.
         compute, precision = tl.float32, "ieee" if dtype == torch.float32 else "tf32"
     else:
         compute, precision = (tl.float16 if dtype == torch.float16 else tl.bfloat16), "tf32"
-    return dict(GROUP=group, BLOCK_M=plan.block_m, BLOCK_Q=plan.block_q(group),
-                HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
-                BLOCK_SIZE=block_size, TILE_N=plan.tile_n,
-                COMPUTE_DTYPE=compute, DOT_PRECISION=precision,
-                USE_WINDOW=use_window, SPLIT=plan.num_kv_splits > 1)
+    return dict(
+        GROUP=group,
+        BLOCK_M=plan.block_m,
+        BLOCK_Q=plan.block_q(group),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size,
+        TILE_N=plan.tile_n,
+        COMPUTE_DTYPE=compute,
+        DOT_PRECISION=precision,
+        USE_WINDOW=use_window,
+        SPLIT=plan.num_kv_splits > 1,
+    )
 
 
-def _launch(plan, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-            scale, sliding_window, k_scale, v_scale, out) -> torch.Tensor:
+def _launch(
+    plan,
+    query,
+    key_cache,
+    value_cache,
+    block_tables,
+    seq_lens,
+    query_start_loc,
+    scale,
+    sliding_window,
+    k_scale,
+    v_scale,
+    out,
+) -> torch.Tensor:
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     group = num_heads // num_kv_heads
@@ -403,33 +552,65 @@ def _launch(plan, query, key_cache, value_cache, block_tables, seq_lens, query_s
     splits = plan.num_kv_splits
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, splits)
     if splits > 1:
-        part_out = torch.empty((splits, num_tokens, num_heads, head_dim), dtype=torch.float32,
-                               device=query.device)
+        part_out = torch.empty((splits, num_tokens, num_heads, head_dim), dtype=torch.float32, device=query.device)
         part_lse = torch.empty((splits, num_tokens, num_heads), dtype=torch.float32, device=query.device)
     else:  # never read: the SPLIT branch is compiled out
         part_out = part_lse = out
     head_dim_pad = triton.next_power_of_2(head_dim)
     _paged_attention_kernel[grid](
-        out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-        part_out, part_lse,
-        float(scale) * k_scale * _LOG2E, v_scale, int(sliding_window or 0), num_seqs,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        out,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        part_out,
+        part_lse,
+        float(scale) * k_scale * _LOG2E,
+        v_scale,
+        int(sliding_window or 0),
+        num_seqs,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
         block_tables.stride(0),
-        part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
         **kernel_constants(plan, group, head_dim, block_size, query.dtype, sliding_window is not None),
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
+        num_warps=plan.num_warps,
+        num_stages=plan.num_stages,
     )
     if splits > 1:
         _reduce_splits_kernel[(num_tokens,)](
-            out, part_out, part_lse, query_start_loc, num_seqs, splits, num_heads,
-            out.stride(0), out.stride(1),
-            part_out.stride(0), part_out.stride(1), part_out.stride(2),
-            part_lse.stride(0), part_lse.stride(1),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, HEADS_PAD=triton.next_power_of_2(num_heads),
-            SPLITS_PAD=triton.next_power_of_2(splits), num_warps=4,
+            out,
+            part_out,
+            part_lse,
+            query_start_loc,
+            num_seqs,
+            splits,
+            num_heads,
+            out.stride(0),
+            out.stride(1),
+            part_out.stride(0),
+            part_out.stride(1),
+            part_out.stride(2),
+            part_lse.stride(0),
+            part_lse.stride(1),
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=head_dim_pad,
+            HEADS_PAD=triton.next_power_of_2(num_heads),
+            SPLITS_PAD=triton.next_power_of_2(splits),
+            num_warps=4,
         )
     return out
-

@@ -91,9 +91,17 @@ def _to_storage(x, DTYPE: tl.constexpr):
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr,
-    hidden, stride_x, stride_r, stride_o, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    hidden,
+    stride_x,
+    stride_r,
+    stride_o,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -120,8 +128,10 @@ def _device_check(*tensors: torch.Tensor) -> None:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
     device = next(iter(devices))
     if interpreting() != (device.type == "cpu") or device.type not in ("cpu", "cuda"):
-        raise ValueError(f"the Triton kernels need CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 "
-                         f"set before importing kernels; got {device}")
+        raise ValueError(
+            f"the Triton kernels need CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 "
+            f"set before importing kernels; got {device}"
+        )
 
 
 def _activation_check(name: str, x: torch.Tensor) -> None:
@@ -141,19 +151,22 @@ def _norm_warps(block: int) -> int:
     return 4 if block <= 4096 else 8 if block <= 8192 else 16
 
 
-def _rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     _activation_check("x", x)
     _activation_check("weight", weight)
     hidden = x.shape[-1]
     if weight.shape != (hidden,) or not weight.is_contiguous():
-        raise ValueError(f"norm weight {tuple(weight.shape)} does not match hidden size {hidden} "
-                         f"(or is not contiguous)")
+        raise ValueError(
+            f"norm weight {tuple(weight.shape)} does not match hidden size {hidden} (or is not contiguous)"
+        )
     tensors = [x, weight]
     if residual is not None:
         if residual.shape != x.shape or residual.dtype != x.dtype:
-            raise ValueError(f"residual {residual.dtype} {tuple(residual.shape)} does not match x "
-                             f"{x.dtype} {tuple(x.shape)}")
+            raise ValueError(
+                f"residual {residual.dtype} {tuple(residual.shape)} does not match x {x.dtype} {tuple(x.shape)}"
+            )
         _activation_check("residual", residual)
         tensors.append(residual)
     _device_check(*tensors)
@@ -165,9 +178,18 @@ def _rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tens
     if rows:
         block = triton.next_power_of_2(hidden)
         _rms_norm_kernel[(rows,)](
-            x2, r2 if r2 is not None else x2, weight, out,
-            hidden, x2.stride(0), r2.stride(0) if r2 is not None else 0, out.stride(0), float(eps),
-            HAS_RESIDUAL=r2 is not None, BLOCK=block, num_warps=_norm_warps(block),
+            x2,
+            r2 if r2 is not None else x2,
+            weight,
+            out,
+            hidden,
+            x2.stride(0),
+            r2.stride(0) if r2 is not None else 0,
+            out.stride(0),
+            float(eps),
+            HAS_RESIDUAL=r2 is not None,
+            BLOCK=block,
+            num_warps=_norm_warps(block),
         )
     return out.view(x.shape), (r2.view(x.shape) if r2 is not None else None)
 
@@ -177,8 +199,9 @@ def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     return _rms_norm(x, None, weight, eps)[0]
 
 
-def triton_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+def triton_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rmsnorm(x + residual) * weight, x + residual)`` in one pass.
 
     The sum is written into ``residual`` (which is also returned, reshaped like ``x``);
@@ -194,13 +217,37 @@ def triton_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
 
 @triton.jit
 def _rotary_kernel(
-    x_ptr, positions_ptr, cos_ptr, sin_ptr,
-    value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr, k_scale, v_scale,
-    first_kv_head, num_heads, num_q_blocks,
-    stride_xt, stride_xh, stride_cos,
-    stride_vt, stride_vh, stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
-    HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
-    WRITE_KV: tl.constexpr, CACHE_BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+    x_ptr,
+    positions_ptr,
+    cos_ptr,
+    sin_ptr,
+    value_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_mapping_ptr,
+    k_scale,
+    v_scale,
+    first_kv_head,
+    num_heads,
+    num_q_blocks,
+    stride_xt,
+    stride_xh,
+    stride_cos,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    WRITE_KV: tl.constexpr,
+    CACHE_BLOCK_SIZE: tl.constexpr,
+    FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):
     """Rotate heads ``[h0, h0 + BLOCK_H)`` of token ``t`` in place (half-split layout).
 
@@ -239,13 +286,23 @@ def _rotary_kernel(
             block = slot // CACHE_BLOCK_SIZE
             in_block = slot % CACHE_BLOCK_SIZE
             kv_h = offs_h - first_kv_head
-            k_ptrs = key_cache_ptr + block * stride_kcb + in_block * stride_kcs + kv_h[:, None] * stride_kch \
+            k_ptrs = (
+                key_cache_ptr
+                + block * stride_kcb
+                + in_block * stride_kcs
+                + kv_h[:, None] * stride_kch
                 + offs_d[None, :]
+            )
             _store_cache(k_ptrs, o1, k_scale, mask, FP8, FP8_MAX)
             _store_cache(k_ptrs + HALF, o2, k_scale, mask, FP8, FP8_MAX)
             v_ptrs = value_ptr + t * stride_vt + kv_h[:, None] * stride_vh + offs_d[None, :]
-            vc_ptrs = value_cache_ptr + block * stride_vcb + in_block * stride_vcs \
-                + kv_h[:, None] * stride_vch + offs_d[None, :]
+            vc_ptrs = (
+                value_cache_ptr
+                + block * stride_vcb
+                + in_block * stride_vcs
+                + kv_h[:, None] * stride_vch
+                + offs_d[None, :]
+            )
             v1 = tl.load(v_ptrs, mask=mask, other=0.0).to(tl.float32)
             v2 = tl.load(v_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
             _store_cache(vc_ptrs, v1, v_scale, mask, FP8, FP8_MAX)
@@ -263,8 +320,9 @@ def _store_cache(ptrs, x, scale, mask, FP8: tl.constexpr, FP8_MAX: tl.constexpr)
         tl.store(ptrs, _to_storage(_round_to(x, CT), CT), mask=mask)
 
 
-def triton_prepare_rotary(positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def triton_prepare_rotary(
+    positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(positions, cos, sin)`` made dense once per step, shared by every layer.
 
     Positions are range-checked only on CPU tensors (the interpreter): on a GPU the
@@ -272,13 +330,17 @@ def triton_prepare_rotary(positions: torch.Tensor, cos: torch.Tensor, sin: torch
     model's positions are below ``max_model_len``, the tables' length.
     """
     if positions.dim() != 1 or positions.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"positions must be a 1-D int32/int64 tensor, got {positions.dtype} "
-                         f"{tuple(positions.shape)}")
+        raise ValueError(f"positions must be a 1-D int32/int64 tensor, got {positions.dtype} {tuple(positions.shape)}")
     if cos.dim() != 2 or cos.shape != sin.shape or cos.dtype != sin.dtype:
-        raise ValueError(f"cos and sin must be equal [max_pos, D/2] tables, got {cos.dtype} "
-                         f"{tuple(cos.shape)} and {sin.dtype} {tuple(sin.shape)}")
-    if positions.device.type == "cpu" and positions.numel() and (
-            int(positions.min()) < 0 or int(positions.max()) >= cos.shape[0]):
+        raise ValueError(
+            f"cos and sin must be equal [max_pos, D/2] tables, got {cos.dtype} "
+            f"{tuple(cos.shape)} and {sin.dtype} {tuple(sin.shape)}"
+        )
+    if (
+        positions.device.type == "cpu"
+        and positions.numel()
+        and (int(positions.min()) < 0 or int(positions.max()) >= cos.shape[0])
+    ):
         raise ValueError(f"positions outside the rotary table of {cos.shape[0]} positions")
     return positions.contiguous(), cos.contiguous(), sin.contiguous()
 
@@ -295,8 +357,10 @@ def _check_rotary(x: torch.Tensor, prepared: tuple[torch.Tensor, torch.Tensor, t
     if x.dim() != 3 or x.shape[2] % 2:
         raise ValueError(f"x must be [num_tokens, heads, head_dim] with an even head_dim, got {tuple(x.shape)}")
     if positions.shape != (x.shape[0],) or cos.shape[1] * 2 != x.shape[2]:
-        raise ValueError(f"{x.shape[0]} rows / head_dim {x.shape[2]} do not match {positions.shape[0]} "
-                         f"positions / table width {cos.shape[1]}")
+        raise ValueError(
+            f"{x.shape[0]} rows / head_dim {x.shape[2]} do not match {positions.shape[0]} "
+            f"positions / table width {cos.shape[1]}"
+        )
     if cos.dtype != x.dtype:
         # The reference would promote the result to the tables' dtype; the model keeps both equal.
         raise ValueError(f"rotary tables are {cos.dtype} but x is {x.dtype}; build them in x's dtype")
@@ -317,13 +381,37 @@ def triton_rotary(x: torch.Tensor, prepared: tuple[torch.Tensor, torch.Tensor, t
     half_pad, block_h = _rotary_launch_shape(heads, head_dim)
     num_q_blocks = triton.cdiv(heads, block_h)
     _rotary_kernel[(rows, num_q_blocks)](
-        x, positions, cos, sin,
-        x, x, x, positions, 1.0, 1.0,  # no cache write: placeholders never read
-        heads, heads, num_q_blocks,
-        x.stride(0), x.stride(1), cos.stride(0),
-        0, 0, 0, 0, 0, 0, 0, 0,
-        HALF=head_dim // 2, HALF_PAD=half_pad, BLOCK_H=block_h,
-        WRITE_KV=False, CACHE_BLOCK_SIZE=1, FP8=False, FP8_MAX=0.0,
+        x,
+        positions,
+        cos,
+        sin,
+        x,
+        x,
+        x,
+        positions,
+        1.0,
+        1.0,  # no cache write: placeholders never read
+        heads,
+        heads,
+        num_q_blocks,
+        x.stride(0),
+        x.stride(1),
+        cos.stride(0),
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        HALF=head_dim // 2,
+        HALF_PAD=half_pad,
+        BLOCK_H=block_h,
+        WRITE_KV=False,
+        CACHE_BLOCK_SIZE=1,
+        FP8=False,
+        FP8_MAX=0.0,
         **ROTARY_LAUNCH_OPTIONS,
     )
     return x
@@ -357,19 +445,31 @@ def triton_rotary_and_write_kv(
     num_kv_heads = value.shape[1]
     if value.dtype != qk.dtype or value.stride(-1) != 1:
         raise ValueError(f"value must be {qk.dtype} with a contiguous last dimension, got {value.dtype}")
-    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape or \
-            tuple(key_cache.shape[2:]) != (num_kv_heads, head_dim):
-        raise ValueError(f"key_cache and value_cache must both be [num_blocks, block_size, {num_kv_heads}, "
-                         f"{head_dim}], got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}")
+    if (
+        key_cache.dim() != 4
+        or key_cache.shape != value_cache.shape
+        or tuple(key_cache.shape[2:]) != (num_kv_heads, head_dim)
+    ):
+        raise ValueError(
+            f"key_cache and value_cache must both be [num_blocks, block_size, {num_kv_heads}, "
+            f"{head_dim}], got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
+        )
     if key_cache.dtype != value_cache.dtype or key_cache.dtype not in CACHE_DTYPES:
-        raise ValueError(f"key_cache and value_cache must share one dtype of {CACHE_DTYPES}, got "
-                         f"{key_cache.dtype} and {value_cache.dtype}")
+        raise ValueError(
+            f"key_cache and value_cache must share one dtype of {CACHE_DTYPES}, got "
+            f"{key_cache.dtype} and {value_cache.dtype}"
+        )
     if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
         raise ValueError("key_cache and value_cache must have a contiguous last dimension")
-    if slot_mapping.shape != (rows,) or slot_mapping.dtype not in (torch.int32, torch.int64) or \
-            not slot_mapping.is_contiguous():
-        raise ValueError(f"slot_mapping must be a contiguous int32/int64 [{rows}] tensor, got "
-                         f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    if (
+        slot_mapping.shape != (rows,)
+        or slot_mapping.dtype not in (torch.int32, torch.int64)
+        or not slot_mapping.is_contiguous()
+    ):
+        raise ValueError(
+            f"slot_mapping must be a contiguous int32/int64 [{rows}] tensor, got "
+            f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}"
+        )
     _device_check(qk, value, positions, cos, sin, key_cache, value_cache, slot_mapping)
     if rows == 0:
         return qk
@@ -382,15 +482,37 @@ def triton_rotary_and_write_kv(
     if fp8:  # the kernel writes the e4m3 bit patterns it computed, as cache_write does
         key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
     _rotary_kernel[(rows, num_q_blocks + num_kv_blocks)](
-        qk, positions, cos, sin,
-        value, key_cache, value_cache, slot_mapping, float(k_scale), float(v_scale),
-        num_q_heads, heads, num_q_blocks,
-        qk.stride(0), qk.stride(1), cos.stride(0),
-        value.stride(0), value.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        HALF=head_dim // 2, HALF_PAD=half_pad, BLOCK_H=block_h,
-        WRITE_KV=True, CACHE_BLOCK_SIZE=key_cache.shape[1], FP8=fp8, FP8_MAX=fp8_max,
+        qk,
+        positions,
+        cos,
+        sin,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        float(k_scale),
+        float(v_scale),
+        num_q_heads,
+        heads,
+        num_q_blocks,
+        qk.stride(0),
+        qk.stride(1),
+        cos.stride(0),
+        value.stride(0),
+        value.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        HALF=head_dim // 2,
+        HALF_PAD=half_pad,
+        BLOCK_H=block_h,
+        WRITE_KV=True,
+        CACHE_BLOCK_SIZE=key_cache.shape[1],
+        FP8=fp8,
+        FP8_MAX=fp8_max,
         **ROTARY_LAUNCH_OPTIONS,
     )
     return qk
@@ -423,9 +545,17 @@ def triton_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((g2.shape[0], inter), dtype=gate_up.dtype, device=gate_up.device)
     if g2.shape[0] and inter:
         _silu_and_mul_kernel[(g2.shape[0], triton.cdiv(inter, SILU_BLOCK))](
-            g2, out, inter, g2.stride(0), out.stride(0), BLOCK=SILU_BLOCK, num_warps=4)
+            g2, out, inter, g2.stride(0), out.stride(0), BLOCK=SILU_BLOCK, num_warps=4
+        )
     return out.view(*gate_up.shape[:-1], inter)
 
 
-TRITON_LAYER_OPS = LayerOps("triton", triton_rms_norm, triton_add_rms_norm, triton_prepare_rotary, triton_rotary,
-                            triton_silu_and_mul, rotary_and_write_kv=triton_rotary_and_write_kv)
+TRITON_LAYER_OPS = LayerOps(
+    "triton",
+    triton_rms_norm,
+    triton_add_rms_norm,
+    triton_prepare_rotary,
+    triton_rotary,
+    triton_silu_and_mul,
+    rotary_and_write_kv=triton_rotary_and_write_kv,
+)

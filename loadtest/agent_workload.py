@@ -64,18 +64,29 @@ def tenant_tools(config: AgentConfig, tenant: int) -> list[dict[str, Any]]:
     rng = _rng(config.seed, "tools", tenant)
     tools = []
     for i in range(config.tools_per_tenant):
-        props = {f"arg_{j}": {"type": rng.choice(PARAM_TYPES), "description": words_text(rng, 8)}
-                 for j in range(rng.randint(2, 5))}
-        tools.append({"type": "function", "function": {
-            "name": f"t{tenant}_tool_{i}", "description": words_text(rng, 24),
-            "parameters": {"type": "object", "properties": props, "required": sorted(props)[:1]}}})
+        props = {
+            f"arg_{j}": {"type": rng.choice(PARAM_TYPES), "description": words_text(rng, 8)}
+            for j in range(rng.randint(2, 5))
+        }
+        tools.append(
+            {
+                "type": "function",
+                "function": {
+                    "name": f"t{tenant}_tool_{i}",
+                    "description": words_text(rng, 24),
+                    "parameters": {"type": "object", "properties": props, "required": sorted(props)[:1]},
+                },
+            }
+        )
     return tools
 
 
 def agent_requests(config: AgentConfig, tokenizer: Tokenizer | None = None) -> list[list[AgentRequest]]:
     """The workload's waves: wave k holds every session's step k."""
-    systems = [words_text(_rng(config.seed, "system", t), config.system_prompt_len, tokenizer)
-               for t in range(config.num_tenants)]
+    systems = [
+        words_text(_rng(config.seed, "system", t), config.system_prompt_len, tokenizer)
+        for t in range(config.num_tenants)
+    ]
     tools = [tenant_tools(config, t) for t in range(config.num_tenants)]
     histories: dict[tuple[int, int], list[dict[str, Any]]] = {}
     waves: list[list[AgentRequest]] = []
@@ -84,21 +95,38 @@ def agent_requests(config: AgentConfig, tokenizer: Tokenizer | None = None) -> l
         for s in range(config.sessions_per_tenant):
             for t in range(config.num_tenants):
                 rng = _rng(config.seed, "session", t, s, step)
-                history = histories.setdefault((t, s), [
-                    {"role": "system", "content": systems[t]},
-                    {"role": "user", "content": words_text(rng, config.question_len)}])
+                history = histories.setdefault(
+                    (t, s),
+                    [
+                        {"role": "system", "content": systems[t]},
+                        {"role": "user", "content": words_text(rng, config.question_len)},
+                    ],
+                )
                 if step > 0:
                     tool = rng.choice(tools[t])["function"]
                     call_id = f"call_{t}_{s}_{step}"
                     args = {k: words_text(rng, 2) for k in list(tool["parameters"]["properties"])[:2]}
                     history += [
-                        {"role": "assistant", "content": None, "tool_calls": [{
-                            "id": call_id, "type": "function",
-                            "function": {"name": tool["name"], "arguments": json.dumps(args)}}]},
-                        {"role": "tool", "tool_call_id": call_id,
-                         "content": words_text(rng, config.tool_result_len)}]
-                body = {"messages": [dict(m) for m in history], "tools": tools[t], "tool_choice": "auto",
-                        "max_tokens": config.output_len, "temperature": 0}
+                        {
+                            "role": "assistant",
+                            "content": None,
+                            "tool_calls": [
+                                {
+                                    "id": call_id,
+                                    "type": "function",
+                                    "function": {"name": tool["name"], "arguments": json.dumps(args)},
+                                }
+                            ],
+                        },
+                        {"role": "tool", "tool_call_id": call_id, "content": words_text(rng, config.tool_result_len)},
+                    ]
+                body = {
+                    "messages": [dict(m) for m in history],
+                    "tools": tools[t],
+                    "tool_choice": "auto",
+                    "max_tokens": config.output_len,
+                    "temperature": 0,
+                }
                 wave.append(AgentRequest(t, s, step, body))
         waves.append(wave)
     return waves

@@ -36,15 +36,15 @@ def render(engine: Any, waves: list[list[AgentRequest]]) -> list[list[tuple[list
     return out
 
 
-def run_engine(waves: list[list[AgentRequest]], output_len: int, caching: bool, kv_bytes: int,
-               device: str = "auto") -> dict[str, Any]:
+def run_engine(
+    waves: list[list[AgentRequest]], output_len: int, caching: bool, kv_bytes: int, device: str = "auto"
+) -> dict[str, Any]:
     """One engine over the workload's waves."""
     from prefixserve.replica.llm import LLM
     from prefixserve.replica.sampling import SamplingParams
     from prefixserve.replica.tools.templates import template_for
 
-    llm = LLM("smollm2", enable_prefix_caching=caching, kv_cache_memory_bytes=kv_bytes, dtype="float32",
-              device=device)
+    llm = LLM("smollm2", enable_prefix_caching=caching, kv_cache_memory_bytes=kv_bytes, dtype="float32", device=device)
     try:
         rendered = render(llm.engine, waves)
         params = SamplingParams(temperature=0.0, max_tokens=output_len, min_tokens=output_len)
@@ -58,9 +58,14 @@ def run_engine(waves: list[list[AgentRequest]], output_len: int, caching: bool, 
             outs = llm.generate([ids for ids, _ in wave], params, static_prefix_tokens=[n for _, n in wave])
             sizes = [len(ids) for ids, _ in wave]
             step_ttfts = [o.ttft_s for o in outs]
-            per_step.append({"requests": len(wave), "ttft_mean_s": statistics.mean(step_ttfts),
-                             "prompt_tokens_mean": statistics.mean(sizes),
-                             "cached_share": sum(o.num_cached_tokens for o in outs) / sum(sizes)})
+            per_step.append(
+                {
+                    "requests": len(wave),
+                    "ttft_mean_s": statistics.mean(step_ttfts),
+                    "prompt_tokens_mean": statistics.mean(sizes),
+                    "cached_share": sum(o.num_cached_tokens for o in outs) / sum(sizes),
+                }
+            )
             ttfts += step_ttfts
             tokens += [o.outputs[0].token_ids for o in outs]
             prompt_tokens += sum(sizes)
@@ -69,15 +74,22 @@ def run_engine(waves: list[list[AgentRequest]], output_len: int, caching: bool, 
         stats = llm.engine.kv_manager.stats
         queried = stats.prefix_query_tokens - queried0
         template = template_for(llm.engine.tokenizer.chat_template, llm.engine.chat_template, True)
-        return {"engine": f"prefixserve, caching {'on' if caching else 'off'}", "wall_s": wall,
-                "requests": sum(map(len, rendered)), "prompt_tokens": prompt_tokens,
-                "prompt_tokens_mean": prompt_tokens / sum(map(len, rendered)),
-                "static_prefix_tokens": rendered[0][0][1],
-                "template": "the shipped ChatML tool template" if template else "the checkpoint's",
-                "cached_prompt_tokens": cached, "cached_share": cached / prompt_tokens,
-                "hit_rate": (stats.prefix_hit_tokens - hit0) / queried if queried else 0.0,
-                "ttft_mean_s": statistics.mean(ttfts), "ttft_p50_s": statistics.median(ttfts),
-                "per_step": per_step, "token_ids": tokens}
+        return {
+            "engine": f"prefixserve, caching {'on' if caching else 'off'}",
+            "wall_s": wall,
+            "requests": sum(map(len, rendered)),
+            "prompt_tokens": prompt_tokens,
+            "prompt_tokens_mean": prompt_tokens / sum(map(len, rendered)),
+            "static_prefix_tokens": rendered[0][0][1],
+            "template": "the shipped ChatML tool template" if template else "the checkpoint's",
+            "cached_prompt_tokens": cached,
+            "cached_share": cached / prompt_tokens,
+            "hit_rate": (stats.prefix_hit_tokens - hit0) / queried if queried else 0.0,
+            "ttft_mean_s": statistics.mean(ttfts),
+            "ttft_p50_s": statistics.median(ttfts),
+            "per_step": per_step,
+            "token_ids": tokens,
+        }
     finally:
         llm.shutdown()
 
@@ -103,19 +115,29 @@ def measure_agents(config: AgentConfig, kv_bytes: int, repeats: int = 1, device:
 
 def print_agents(result: dict[str, Any]) -> None:
     info, (on, off) = result["workload"], result["rows"]
-    print(f"\nagent workload: {info['requests']} requests in {info['waves']} waves, prompt tokens mean "
-          f"{info['prompt_tokens_mean']:.0f}, static prefix (system + tools) {info['static_prefix_tokens']} "
-          f"tokens, template: {info['template']}")
-    print("\n| engine | prefix hit rate | cached share of prompt tokens | TTFT mean (s) | TTFT p50 (s) | wall (s) "
-          "| runs (s) |")
+    print(
+        f"\nagent workload: {info['requests']} requests in {info['waves']} waves, prompt tokens mean "
+        f"{info['prompt_tokens_mean']:.0f}, static prefix (system + tools) {info['static_prefix_tokens']} "
+        f"tokens, template: {info['template']}"
+    )
+    print(
+        "\n| engine | prefix hit rate | cached share of prompt tokens | TTFT mean (s) | TTFT p50 (s) | wall (s) "
+        "| runs (s) |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in (on, off):
-        print(f"| {r['engine']} | {r['hit_rate']:.3f} | {r['cached_share']:.3f} | {r['ttft_mean_s']:.3f} | "
-              f"{r['ttft_p50_s']:.3f} | {r['wall_s']:.1f} | {', '.join(map(str, r['wall_s_runs']))} |")
-    print(f"\nTTFT mean, caching off / on: {off['ttft_mean_s'] / on['ttft_mean_s']:.2f}x; "
-          f"same tokens: {result['same_tokens']}")
+        print(
+            f"| {r['engine']} | {r['hit_rate']:.3f} | {r['cached_share']:.3f} | {r['ttft_mean_s']:.3f} | "
+            f"{r['ttft_p50_s']:.3f} | {r['wall_s']:.1f} | {', '.join(map(str, r['wall_s_runs']))} |"
+        )
+    print(
+        f"\nTTFT mean, caching off / on: {off['ttft_mean_s'] / on['ttft_mean_s']:.2f}x; "
+        f"same tokens: {result['same_tokens']}"
+    )
     print("\n| step | requests | prompt tokens mean | cached share (on) | TTFT mean on (s) | TTFT mean off (s) |")
     print("|---|---|---|---|---|---|")
     for k, (a, b) in enumerate(zip(on["per_step"], off["per_step"])):
-        print(f"| {k + 1} | {a['requests']} | {a['prompt_tokens_mean']:.0f} | {a['cached_share']:.3f} | "
-              f"{a['ttft_mean_s']:.3f} | {b['ttft_mean_s']:.3f} |")
+        print(
+            f"| {k + 1} | {a['requests']} | {a['prompt_tokens_mean']:.0f} | {a['cached_share']:.3f} | "
+            f"{a['ttft_mean_s']:.3f} | {b['ttft_mean_s']:.3f} |"
+        )

@@ -119,31 +119,58 @@ class WorkloadSpec:
         if self.tenants < 1 or self.requests < 1:
             raise ValueError("--tenants and --requests must be >= 1")
         if self.name in ("shared_prefix", *CONVERSATIONS) and self.requests < self.tenants:
-            raise ValueError(f"{self.name} sends requests // tenants prompts per tenant (user): give at least "
-                             f"{self.tenants} requests or fewer tenants")
+            raise ValueError(
+                f"{self.name} sends requests // tenants prompts per tenant (user): give at least "
+                f"{self.tenants} requests or fewer tenants"
+            )
 
     def generate(self) -> list[WorkloadRequest]:
         if self.name == "multi_turn":
             # Users sharing one system prompt, each resending its growing conversation.
-            return generate(self.name, {
-                "num_users": self.tenants, "num_rounds": self.requests // self.tenants,
-                "system_prompt_len": self.system_len, "user_turn_len": self.question_len,
-                "assistant_turn_len": 2 * self.question_len, "output_len": self.output_len,
-                "shared_system_prompt": True, "seed": self.seed})
+            return generate(
+                self.name,
+                {
+                    "num_users": self.tenants,
+                    "num_rounds": self.requests // self.tenants,
+                    "system_prompt_len": self.system_len,
+                    "user_turn_len": self.question_len,
+                    "assistant_turn_len": 2 * self.question_len,
+                    "output_len": self.output_len,
+                    "shared_system_prompt": True,
+                    "seed": self.seed,
+                },
+            )
         if self.name == "agent":
             # Users of one agent app (system prompt + tool definitions of 4x it), each step a tool result.
-            return generate(self.name, {
-                "num_users": self.tenants, "num_steps": self.requests // self.tenants,
-                "system_prompt_len": self.system_len, "tools_len": 4 * self.system_len,
-                "task_len": self.question_len, "tool_call_len": self.question_len,
-                "tool_result_len": 4 * self.question_len, "output_len": self.output_len, "seed": self.seed})
+            return generate(
+                self.name,
+                {
+                    "num_users": self.tenants,
+                    "num_steps": self.requests // self.tenants,
+                    "system_prompt_len": self.system_len,
+                    "tools_len": 4 * self.system_len,
+                    "task_len": self.question_len,
+                    "tool_call_len": self.question_len,
+                    "tool_result_len": 4 * self.question_len,
+                    "output_len": self.output_len,
+                    "seed": self.seed,
+                },
+            )
         if self.name == "zipf_tenants":
-            params = {"num_tenants": self.tenants, "num_requests": self.requests, "zipf_s": self.zipf_s,
-                      "hot_share": self.hot_share}
+            params = {
+                "num_tenants": self.tenants,
+                "num_requests": self.requests,
+                "zipf_s": self.zipf_s,
+                "hot_share": self.hot_share,
+            }
         else:
             params = {"num_groups": self.tenants, "prompts_per_group": self.requests // self.tenants}
-        params.update(system_prompt_len=self.system_len, question_len=self.question_len,
-                      output_len=self.output_len, seed=self.seed)
+        params.update(
+            system_prompt_len=self.system_len,
+            question_len=self.question_len,
+            output_len=self.output_len,
+            seed=self.seed,
+        )
         return generate(self.name, params)
 
 
@@ -188,19 +215,27 @@ class KVSizing:
         return self.replicas * self.prefix_room_blocks / self.working_set_blocks
 
     def describe(self) -> str:
-        return (f"KV sizing: working set W = {self.working_set_blocks} blocks ({self.tenants} tenants' system "
-                f"prompts, block size {self.block_size}); num_kv_blocks = {self.num_kv_blocks} per replica "
-                f"= ceil({self.headroom:g} x W / {self.replicas}) + {self.reserve_blocks} reserved for in-flight "
-                f"requests; prefix room: one replica {self.replica_fraction:.0%} of W, the cluster "
-                f"{self.cluster_fraction:.0%} of W")
+        return (
+            f"KV sizing: working set W = {self.working_set_blocks} blocks ({self.tenants} tenants' system "
+            f"prompts, block size {self.block_size}); num_kv_blocks = {self.num_kv_blocks} per replica "
+            f"= ceil({self.headroom:g} x W / {self.replicas}) + {self.reserve_blocks} reserved for in-flight "
+            f"requests; prefix room: one replica {self.replica_fraction:.0%} of W, the cluster "
+            f"{self.cluster_fraction:.0%} of W"
+        )
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "replica_fraction": self.replica_fraction,
-                "cluster_fraction": self.cluster_fraction}
+        return {**asdict(self), "replica_fraction": self.replica_fraction, "cluster_fraction": self.cluster_fraction}
 
 
-def size_kv(prefix_tokens: Mapping[str, int], requests: Sequence[tuple[str, int]], *, block_size: int,
-            replicas: int, concurrency: int, headroom: float) -> KVSizing:
+def size_kv(
+    prefix_tokens: Mapping[str, int],
+    requests: Sequence[tuple[str, int]],
+    *,
+    block_size: int,
+    replicas: int,
+    concurrency: int,
+    headroom: float,
+) -> KVSizing:
     """Size one replica's KV pool for a workload.
 
     ``prefix_tokens``: per tenant, the tokens its requests share (the chat
@@ -211,8 +246,10 @@ def size_kv(prefix_tokens: Mapping[str, int], requests: Sequence[tuple[str, int]
     if replicas < 2:
         raise ValueError("routing only matters with at least 2 replicas: set --replicas 2 or more")
     if not 1.0 <= headroom < replicas:
-        raise ValueError(f"headroom must be in [1, replicas={replicas}) so that the working set fits the cluster "
-                         f"but not one replica; got {headroom}")
+        raise ValueError(
+            f"headroom must be in [1, replicas={replicas}) so that the working set fits the cluster "
+            f"but not one replica; got {headroom}"
+        )
     if block_size < 1 or concurrency < 1:
         raise ValueError("block_size and concurrency must be >= 1")
     if not requests:
@@ -223,15 +260,26 @@ def size_kv(prefix_tokens: Mapping[str, int], requests: Sequence[tuple[str, int]
     full = {t: n // block_size for t, n in prefix_tokens.items()}
     working_set = sum(full.values())
     if working_set == 0:
-        raise ValueError(f"the system prompts are shorter than one block ({block_size} tokens): "
-                         "lengthen them (--system-len) so there is something to cache")
+        raise ValueError(
+            f"the system prompts are shorter than one block ({block_size} tokens): "
+            "lengthen them (--system-len) so there is something to cache"
+        )
     request_blocks = max(-(-total // block_size) for _, total in requests)
     private = max(-(-total // block_size) - full[t] for t, total in requests)
     reserve = -(-concurrency // replicas) * private
     num_kv_blocks = max(request_blocks, math.ceil(headroom * working_set / replicas) + reserve)
-    return KVSizing(block_size=block_size, replicas=replicas, concurrency=concurrency, headroom=headroom,
-                    tenants=len(full), working_set_blocks=working_set, request_blocks=request_blocks,
-                    private_blocks=private, reserve_blocks=reserve, num_kv_blocks=num_kv_blocks)
+    return KVSizing(
+        block_size=block_size,
+        replicas=replicas,
+        concurrency=concurrency,
+        headroom=headroom,
+        tenants=len(full),
+        working_set_blocks=working_set,
+        request_blocks=request_blocks,
+        private_blocks=private,
+        reserve_blocks=reserve,
+        num_kv_blocks=num_kv_blocks,
+    )
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -243,9 +291,9 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def workload_token_counts(requests: Sequence[WorkloadRequest],
-                          encode_chat: Callable[[list[dict[str, str]]], list[int]]
-                          ) -> tuple[dict[str, int], list[tuple[str, int]]]:
+def workload_token_counts(
+    requests: Sequence[WorkloadRequest], encode_chat: Callable[[list[dict[str, str]]], list[int]]
+) -> tuple[dict[str, int], list[tuple[str, int]]]:
     """(prefix tokens per tenant, (tenant, prompt + max_tokens) per request) with the model's chat template.
 
     A tenant's prefix is what two requests with its system prompt and
@@ -264,8 +312,9 @@ def workload_token_counts(requests: Sequence[WorkloadRequest],
     return prefix, totals
 
 
-def oracle_hit_rate(tenants: Sequence[str], prompt_tokens: Sequence[int], prefix_tokens: Mapping[str, int],
-                    block_size: int) -> float:
+def oracle_hit_rate(
+    tenants: Sequence[str], prompt_tokens: Sequence[int], prefix_tokens: Mapping[str, int], block_size: int
+) -> float:
     """Hit rate of one replica with an unbounded cache replaying the requests in order.
 
     Every request after its tenant's first hits the full blocks of the tenant's
@@ -292,8 +341,9 @@ def chat_encoder(model: str) -> Callable[[list[dict[str, str]]], list[int]]:
 # --------------------------------------------------------------------------- policies
 
 
-def router_args(policy: str, *, seed: int, epsilon: float | None, engine: Mapping[str, Any] | None = None
-                ) -> dict[str, Any]:
+def router_args(
+    policy: str, *, seed: int, epsilon: float | None, engine: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """The ``router`` section of router/app.py's args that runs ``policy``.
 
     ``engine``: the engine section (a peer tokenizes with its model and hashes with its block size,
@@ -307,10 +357,13 @@ def router_args(policy: str, *, seed: int, epsilon: float | None, engine: Mappin
 
         engine = engine or {}
         kwargs: dict[str, Any] = {
-            "peer": policy, "seed": seed, "model": engine.get("model", EngineConfig.model),
+            "peer": policy,
+            "seed": seed,
+            "model": engine.get("model", EngineConfig.model),
             "block_size": engine.get("block_size", EngineConfig.block_size),
-            "hash_algo": resolve_hash_algo(engine.get("prefix_hash_algo", EngineConfig.prefix_hash_algo),
-                                           engine.get("prefix_caching_hash_algo")),
+            "hash_algo": resolve_hash_algo(
+                engine.get("prefix_hash_algo", EngineConfig.prefix_hash_algo), engine.get("prefix_caching_hash_algo")
+            ),
         }
         if engine.get("num_kv_blocks") is not None:
             kwargs["num_gpu_blocks"] = engine["num_kv_blocks"]
@@ -322,9 +375,17 @@ def router_args(policy: str, *, seed: int, epsilon: float | None, engine: Mappin
     return args
 
 
-def app_args(policy: str, *, model: str, replicas: int, sizing: KVSizing | None, seed: int,
-             epsilon: float | None, engine_extra: Mapping[str, Any] | None = None,
-             session_affinity: str = "none") -> dict[str, Any]:
+def app_args(
+    policy: str,
+    *,
+    model: str,
+    replicas: int,
+    sizing: KVSizing | None,
+    seed: int,
+    epsilon: float | None,
+    engine_extra: Mapping[str, Any] | None = None,
+    session_affinity: str = "none",
+) -> dict[str, Any]:
     """router/app.py's args for one policy's deployment."""
     engine: dict[str, Any] = {"model": model, "seed": seed, **(engine_extra or {})}
     if sizing is not None:
@@ -410,8 +471,9 @@ class PolicyResult:
         return {**asdict(self), "load_imbalance": self.load_imbalance}
 
 
-def summarize(policy: str, records: Sequence[RequestRecord],
-              counters: Mapping[str, Mapping[str, float]]) -> PolicyResult:
+def summarize(
+    policy: str, records: Sequence[RequestRecord], counters: Mapping[str, Mapping[str, float]]
+) -> PolicyResult:
     """One policy's result from its request records and its replicas' counter deltas.
 
     Replicas known from the counters but absent from the records served no
@@ -470,10 +532,13 @@ def ratios(results: Sequence[PolicyResult], baseline: str = BASELINE) -> dict[st
     if base is None:
         return {}
     return {
-        r.policy: {"hit_rate_ratio": _ratio(base.hit_rate, r.hit_rate),
-                   "ttft_p50_ratio": _ratio(base.ttft_p50_s, r.ttft_p50_s),
-                   "ttft_p95_ratio": _ratio(base.ttft_p95_s, r.ttft_p95_s)}
-        for r in results if r.policy != baseline
+        r.policy: {
+            "hit_rate_ratio": _ratio(base.hit_rate, r.hit_rate),
+            "ttft_p50_ratio": _ratio(base.ttft_p50_s, r.ttft_p50_s),
+            "ttft_p95_ratio": _ratio(base.ttft_p95_s, r.ttft_p95_s),
+        }
+        for r in results
+        if r.policy != baseline
     }
 
 
@@ -510,8 +575,10 @@ def render_ratios(table: Mapping[str, Mapping[str, float | None]], baseline: str
         "|---|---:|---:|---:|",
     ]
     for policy, r in table.items():
-        lines.append(f"| {policy} | {_fmt(r['hit_rate_ratio'], '.2f')}x | {_fmt(r['ttft_p50_ratio'], '.2f')}x "
-                     f"| {_fmt(r['ttft_p95_ratio'], '.2f')}x |")
+        lines.append(
+            f"| {policy} | {_fmt(r['hit_rate_ratio'], '.2f')}x | {_fmt(r['ttft_p50_ratio'], '.2f')}x "
+            f"| {_fmt(r['ttft_p95_ratio'], '.2f')}x |"
+        )
     return "\n".join(lines)
 
 
@@ -527,16 +594,32 @@ def plot(results: Sequence[PolicyResult], path: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(names)), 4.5))
     bars = ax.bar(xs, [r.hit_rate or 0.0 for r in results], color="#4c72b0", alpha=0.8, label="prefix-cache hit rate")
     for bar, r in zip(bars, results):
-        ax.annotate(_fmt(r.hit_rate, ".2f"), (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                    ha="center", va="bottom", fontsize=8)
+        ax.annotate(
+            _fmt(r.hit_rate, ".2f"),
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     ax.set_ylim(0, 1.05)
     ax.set_ylabel("cluster prefix-cache hit rate")
     ax.set_xticks(list(xs), names, rotation=15)
     ax2 = ax.twinx()
-    ax2.plot(xs, [r.ttft_p50_s if r.ttft_p50_s is not None else float("nan") for r in results], "o-",
-             color="#c44e52", label="TTFT p50")
-    ax2.plot(xs, [r.ttft_p95_s if r.ttft_p95_s is not None else float("nan") for r in results], "s--",
-             color="#c44e52", alpha=0.5, label="TTFT p95")
+    ax2.plot(
+        xs,
+        [r.ttft_p50_s if r.ttft_p50_s is not None else float("nan") for r in results],
+        "o-",
+        color="#c44e52",
+        label="TTFT p50",
+    )
+    ax2.plot(
+        xs,
+        [r.ttft_p95_s if r.ttft_p95_s is not None else float("nan") for r in results],
+        "s--",
+        color="#c44e52",
+        alpha=0.5,
+        label="TTFT p95",
+    )
     ax2.set_ylim(bottom=0)
     ax2.set_ylabel("TTFT (s)")
     handles = [bars] + ax2.get_lines()
@@ -561,14 +644,28 @@ def _bodies(requests: Sequence[WorkloadRequest], model: str, salt: str | None) -
     return bodies
 
 
-def measure(base_url: str, policy: str, bodies: Sequence[dict[str, Any]], concurrency: int, *,
-            api_key: str | None = None, headers: Sequence[Mapping[str, str]] | None = None,
-            timeout_s: float = 600.0) -> tuple[PolicyResult, list[RequestRecord]]:
+def measure(
+    base_url: str,
+    policy: str,
+    bodies: Sequence[dict[str, Any]],
+    concurrency: int,
+    *,
+    api_key: str | None = None,
+    headers: Sequence[Mapping[str, str]] | None = None,
+    timeout_s: float = 600.0,
+) -> tuple[PolicyResult, list[RequestRecord]]:
     """Stream ``bodies`` through ``base_url`` and summarize it, with the counters read before and after."""
     before = scrape_metrics(base_url, api_key=api_key)
     with tqdm(total=len(bodies), desc=policy, unit="req", leave=False, file=sys.stderr) as bar:
-        records = run_load(base_url, bodies, concurrency, headers=headers, api_key=api_key, timeout_s=timeout_s,
-                           on_done=lambda _: bar.update(1))
+        records = run_load(
+            base_url,
+            bodies,
+            concurrency,
+            headers=headers,
+            api_key=api_key,
+            timeout_s=timeout_s,
+            on_done=lambda _: bar.update(1),
+        )
     after = scrape_metrics(base_url, api_key=api_key)
     result = summarize(policy, records, counter_deltas(replica_counters(before), replica_counters(after)))
     if policy in RING_POLICIES:
@@ -580,23 +677,38 @@ def measure(base_url: str, policy: str, bodies: Sequence[dict[str, Any]], concur
 
 
 def _record_json(r: RequestRecord) -> dict[str, Any]:
-    return {"i": r.index, "ok": r.ok, "replica": r.replica, "sent_s": round(r.sent_s, 4),
-            "ttft_s": None if r.ttft_s is None else round(r.ttft_s, 4), "e2e_s": round(r.e2e_s, 4),
-            "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens, "error": r.error}
+    return {
+        "i": r.index,
+        "ok": r.ok,
+        "replica": r.replica,
+        "sent_s": round(r.sent_s, 4),
+        "ttft_s": None if r.ttft_s is None else round(r.ttft_s, 4),
+        "e2e_s": round(r.e2e_s, 4),
+        "prompt_tokens": r.prompt_tokens,
+        "cached_tokens": r.cached_tokens,
+        "error": r.error,
+    }
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m prefixserve.loadtest.bench_cluster",
-                                description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--url", default=None,
-                   help="measure a running endpoint (one row, salted requests) instead of a local cluster")
+    p = argparse.ArgumentParser(
+        prog="python -m prefixserve.loadtest.bench_cluster",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--url", default=None, help="measure a running endpoint (one row, salted requests) instead of a local cluster"
+    )
     p.add_argument("--label", default="endpoint", help="row name of the --url run")
     p.add_argument("--api-key", default=None, help="Bearer key for --url")
-    p.add_argument("--send-prefix-hash", action="store_true",
-                   help="send X-Prefix-Hash (router/prefix.py's key), for an nginx --url")
-    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
-                   help=f"comma-separated, from {', '.join(KNOWN_POLICIES)}")
+    p.add_argument(
+        "--send-prefix-hash",
+        action="store_true",
+        help="send X-Prefix-Hash (router/prefix.py's key), for an nginx --url",
+    )
+    p.add_argument(
+        "--policies", default=",".join(DEFAULT_POLICIES), help=f"comma-separated, from {', '.join(KNOWN_POLICIES)}"
+    )
     p.add_argument("--baseline", default=BASELINE, help="policy the ratios compare against the others")
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--model", default="smollm2", help="'smollm2' or a checkpoint directory / .gguf file")
@@ -611,14 +723,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight (closed loop)")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-headroom", type=float, default=1.5,
-                   help="cluster prefix room over the working set, in [1, replicas)")
+    p.add_argument(
+        "--kv-headroom", type=float, default=1.5, help="cluster prefix room over the working set, in [1, replicas)"
+    )
     p.add_argument("--num-kv-blocks", type=int, default=None, help="override the computed per-replica pool")
-    p.add_argument("--epsilon", type=float, default=None,
-                   help="bounded_load's and placed's epsilon (default: the policy's)")
-    p.add_argument("--session-affinity", default="none", choices=SESSION_AFFINITY,
-                   help="multi-turn affinity: 'header' sends X-Session-Id (the user) and keys by it, 'turns' keys "
-                        "by the first turn too (router/prefix.py)")
+    p.add_argument(
+        "--epsilon", type=float, default=None, help="bounded_load's and placed's epsilon (default: the policy's)"
+    )
+    p.add_argument(
+        "--session-affinity",
+        default="none",
+        choices=SESSION_AFFINITY,
+        help="multi-turn affinity: 'header' sends X-Session-Id (the user) and keys by it, 'turns' keys "
+        "by the first turn too (router/prefix.py)",
+    )
     p.add_argument("--port", type=int, default=8000, help="Serve's HTTP port for the local cluster")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request and per deployment")
     p.add_argument("--out-dir", type=Path, default=Path("results"))
@@ -649,8 +767,17 @@ class Plan:
 
 def plan(args: argparse.Namespace) -> Plan:
     """Validate the options and size the KV pools; raises ValueError saying what to change."""
-    spec = WorkloadSpec(args.workload, args.tenants, args.requests, args.system_len, args.question_len,
-                        args.output_len, args.zipf_s, args.hot_share, args.seed)
+    spec = WorkloadSpec(
+        args.workload,
+        args.tenants,
+        args.requests,
+        args.system_len,
+        args.question_len,
+        args.output_len,
+        args.zipf_s,
+        args.hot_share,
+        args.seed,
+    )
     if args.concurrency < 1:
         raise ValueError("--concurrency must be >= 1")
     requests = spec.generate()
@@ -658,16 +785,25 @@ def plan(args: argparse.Namespace) -> Plan:
         return Plan(spec, requests, [], None)
     policies = _parse_policies(args.policies)
     prefix, totals = workload_token_counts(requests, chat_encoder(args.model))
-    sizing = size_kv(prefix, totals, block_size=args.block_size, replicas=args.replicas,
-                     concurrency=args.concurrency, headroom=args.kv_headroom)
+    sizing = size_kv(
+        prefix,
+        totals,
+        block_size=args.block_size,
+        replicas=args.replicas,
+        concurrency=args.concurrency,
+        headroom=args.kv_headroom,
+    )
     if args.num_kv_blocks is not None:
         if args.num_kv_blocks < sizing.request_blocks:
             raise ValueError(f"--num-kv-blocks must hold one request: at least {sizing.request_blocks}")
         sizing = KVSizing(**{**asdict(sizing), "num_kv_blocks": args.num_kv_blocks})
     prompts = [total - int(r.body["max_tokens"]) for r, (_, total) in zip(requests, totals)]
     # The oracle counts system-prompt hits only: a conversation's history hits more (no bound for multi_turn).
-    oracle = (None if spec.name in CONVERSATIONS
-              else oracle_hit_rate([r.tenant for r in requests], prompts, prefix, args.block_size))
+    oracle = (
+        None
+        if spec.name in CONVERSATIONS
+        else oracle_hit_rate([r.tenant for r in requests], prompts, prefix, args.block_size)
+    )
     return Plan(spec, requests, policies, sizing, oracle)
 
 
@@ -688,8 +824,9 @@ def run(args: argparse.Namespace, p: Plan) -> int:
             from prefixserve.router.prefix import PREFIX_HASH_HEADER, routing_key
 
             headers = [{PREFIX_HASH_HEADER: k} if (k := routing_key(b)) is not None else {} for b in bodies]
-        result, recs = measure(base, args.label, bodies, args.concurrency, api_key=args.api_key, headers=headers,
-                               timeout_s=args.timeout)
+        result, recs = measure(
+            base, args.label, bodies, args.concurrency, api_key=args.api_key, headers=headers, timeout_s=args.timeout
+        )
         results.append(result)
         records[args.label] = [_record_json(r) for r in recs]
     else:
@@ -704,20 +841,38 @@ def run(args: argparse.Namespace, p: Plan) -> int:
                 try:
                     t0 = time.perf_counter()
                     base = cluster.deploy(
-                        app_args(policy, model=args.model, replicas=args.replicas, sizing=sizing, seed=args.seed,
-                                 epsilon=args.epsilon, session_affinity=args.session_affinity),
-                        name, num_replicas=args.replicas, timeout_s=args.timeout)
+                        app_args(
+                            policy,
+                            model=args.model,
+                            replicas=args.replicas,
+                            sizing=sizing,
+                            seed=args.seed,
+                            epsilon=args.epsilon,
+                            session_affinity=args.session_affinity,
+                        ),
+                        name,
+                        num_replicas=args.replicas,
+                        timeout_s=args.timeout,
+                    )
                     deploy_s = time.perf_counter() - t0
                     tqdm.write(f"{policy}: deployed in {deploy_s:.0f}s", file=sys.stderr)
                     bodies = _bodies(requests, served_model(base), None)
-                    result, recs = measure(base, policy, bodies, args.concurrency, timeout_s=args.timeout,
-                                           headers=session_headers(requests, args.session_affinity))
+                    result, recs = measure(
+                        base,
+                        policy,
+                        bodies,
+                        args.concurrency,
+                        timeout_s=args.timeout,
+                        headers=session_headers(requests, args.session_affinity),
+                    )
                     result.deploy_s = deploy_s
                     results.append(result)
                     records[policy] = [_record_json(r) for r in recs]
-                    tqdm.write(f"{policy}: hit rate {_fmt(result.hit_rate, '.3f')}, TTFT p50 "
-                               f"{_fmt(result.ttft_p50_s, '.3f')}s, {result.succeeded}/{result.requests} ok",
-                               file=sys.stderr)
+                    tqdm.write(
+                        f"{policy}: hit rate {_fmt(result.hit_rate, '.3f')}, TTFT p50 "
+                        f"{_fmt(result.ttft_p50_s, '.3f')}s, {result.succeeded}/{result.requests} ok",
+                        file=sys.stderr,
+                    )
                 except Exception as exc:  # one policy failing must not lose the others' figures
                     failures[policy] = f"{type(exc).__name__}: {exc}"
                     tqdm.write(f"{policy}: FAILED {failures[policy]}", file=sys.stderr)
@@ -728,17 +883,20 @@ def run(args: argparse.Namespace, p: Plan) -> int:
                         tqdm.write(f"{policy}: could not delete the app: {exc}", file=sys.stderr)
 
     ratio_table = ratios(results, args.baseline)
-    where = (f"{args.url}" if args.url is not None
-             else f"{args.replicas} replicas, model {Path(args.model).name}")
+    where = f"{args.url}" if args.url is not None else f"{args.replicas} replicas, model {Path(args.model).name}"
     affinity = "" if args.session_affinity == "none" else f", session affinity {args.session_affinity}"
-    title = (f"{spec.name}: {spec.tenants} tenants, {spec.requests} requests, system {spec.system_len} tok, "
-             f"concurrency {args.concurrency}, {where}{affinity}")
+    title = (
+        f"{spec.name}: {spec.tenants} tenants, {spec.requests} requests, system {spec.system_len} tok, "
+        f"concurrency {args.concurrency}, {where}{affinity}"
+    )
     print(f"\n## Cluster benchmark: {title}\n")
     if sizing is not None:
         print(sizing.describe() + "\n")
     if p.oracle_hit_rate is not None:
-        print(f"Upper bound: one replica with an unbounded cache would hit {p.oracle_hit_rate:.3f} of the "
-              "prompt tokens.\n")
+        print(
+            f"Upper bound: one replica with an unbounded cache would hit {p.oracle_hit_rate:.3f} of the "
+            "prompt tokens.\n"
+        )
     print(render_table(results))
     preempted = {r.policy: r.preemptions for r in results if r.preemptions}
     if preempted:

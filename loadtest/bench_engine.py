@@ -65,8 +65,15 @@ STARTUP_METRIC = "prefixserve:engine_startup_seconds"
 def build_prompts(tokenizer: Any, encode_chat, seed: int, per_tenant: int = 8) -> list[list[int]]:
     from prefixserve.loadtest.workloads import SharedPrefixConfig, shared_prefix
 
-    cfg = SharedPrefixConfig(num_groups=8, prompts_per_group=per_tenant, system_prompt_len=SYSTEM_LEN,
-                             question_len=QUESTION_LEN, output_len=OUTPUT_LEN, shuffle=True, seed=seed)
+    cfg = SharedPrefixConfig(
+        num_groups=8,
+        prompts_per_group=per_tenant,
+        system_prompt_len=SYSTEM_LEN,
+        question_len=QUESTION_LEN,
+        output_len=OUTPUT_LEN,
+        shuffle=True,
+        seed=seed,
+    )
     return [encode_chat(r.body["messages"]) for r in shared_prefix(cfg, tokenizer)]
 
 
@@ -74,8 +81,13 @@ def run_prefixserve(prompts: list[list[int]], caching: bool, kv_bytes: int, tp: 
     from prefixserve.replica.llm import LLM
     from prefixserve.replica.sampling import SamplingParams
 
-    llm = LLM("smollm2", enable_prefix_caching=caching, kv_cache_memory_bytes=kv_bytes, dtype="float32",
-              tensor_parallel_size=tp)
+    llm = LLM(
+        "smollm2",
+        enable_prefix_caching=caching,
+        kv_cache_memory_bytes=kv_bytes,
+        dtype="float32",
+        tensor_parallel_size=tp,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN, min_tokens=OUTPUT_LEN)
     llm.generate([prompts[0][:40]], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up (kernels, pages)
     llm.engine.kv_manager.reset_prefix_cache()
@@ -90,10 +102,14 @@ def run_prefixserve(prompts: list[list[int]], caching: bool, kv_bytes: int, tp: 
     alone_miss = llm.generate([prompts[2]], SamplingParams(temperature=0.0, max_tokens=1))[0]
     result = {
         "engine": f"prefixserve, caching {'on' if caching else 'off'}" + (f", TP {tp}" if tp > 1 else ""),
-        "requests_per_s": len(prompts) / wall, "wall_s": wall,
-        "ttft_mean_s": statistics.mean(ttfts), "ttft_p50_s": statistics.median(ttfts),
-        "hit_rate": stats.hit_rate, "preemptions": llm.engine.scheduler.num_preemptions,
-        "ttft_alone_hit_s": alone_hit.ttft_s if caching else None, "ttft_alone_miss_s": alone_miss.ttft_s,
+        "requests_per_s": len(prompts) / wall,
+        "wall_s": wall,
+        "ttft_mean_s": statistics.mean(ttfts),
+        "ttft_p50_s": statistics.median(ttfts),
+        "hit_rate": stats.hit_rate,
+        "preemptions": llm.engine.scheduler.num_preemptions,
+        "ttft_alone_hit_s": alone_hit.ttft_s if caching else None,
+        "ttft_alone_miss_s": alone_miss.ttft_s,
         "token_ids": [o.outputs[0].token_ids for o in outs],
     }
     llm.shutdown()
@@ -115,15 +131,28 @@ def run_transformers(prompts: list[list[int]], limit: int) -> dict[str, Any]:
         for p in subset:
             ids = torch.tensor([p])
             first = _FirstToken()
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=OUTPUT_LEN,
-                                 min_new_tokens=OUTPUT_LEN, do_sample=False, pad_token_id=2, streamer=first)
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=OUTPUT_LEN,
+                min_new_tokens=OUTPUT_LEN,
+                do_sample=False,
+                pad_token_id=2,
+                streamer=first,
+            )
             # A one-at-a-time server: TTFT includes the wait for every earlier request.
             ttfts.append(first.time - start)
-            token_ids.append(out[0, len(p):].tolist())
+            token_ids.append(out[0, len(p) :].tolist())
     wall = time.perf_counter() - start
-    return {"engine": f"transformers generate, one at a time ({limit} requests)",
-            "requests_per_s": len(subset) / wall, "wall_s": wall, "ttft_mean_s": statistics.mean(ttfts),
-            "ttft_p50_s": statistics.median(ttfts), "hit_rate": 0.0, "token_ids": token_ids}
+    return {
+        "engine": f"transformers generate, one at a time ({limit} requests)",
+        "requests_per_s": len(subset) / wall,
+        "wall_s": wall,
+        "ttft_mean_s": statistics.mean(ttfts),
+        "ttft_p50_s": statistics.median(ttfts),
+        "hit_rate": 0.0,
+        "token_ids": token_ids,
+    }
 
 
 class _FirstToken:
@@ -157,10 +186,15 @@ def run_vllm(prompts: list[list[int]]) -> dict[str, Any] | str:
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
     wall = time.perf_counter() - start
     ttfts = [o.metrics.first_token_time - o.metrics.arrival_time for o in outs if o.metrics]
-    return {"engine": "vLLM CPU, caching on", "requests_per_s": len(prompts) / wall, "wall_s": wall,
-            "ttft_mean_s": statistics.mean(ttfts) if ttfts else None,
-            "ttft_p50_s": statistics.median(ttfts) if ttfts else None, "hit_rate": None,
-            "token_ids": [list(o.outputs[0].token_ids) for o in outs]}
+    return {
+        "engine": "vLLM CPU, caching on",
+        "requests_per_s": len(prompts) / wall,
+        "wall_s": wall,
+        "ttft_mean_s": statistics.mean(ttfts) if ttfts else None,
+        "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
+        "hit_rate": None,
+        "token_ids": [list(o.outputs[0].token_ids) for o in outs],
+    }
 
 
 def _gguf_path() -> Path:
@@ -203,8 +237,12 @@ def startup_child() -> None:
     llm = LLM("smollm2")
     out = llm.generate("Hello, my name is", SamplingParams(temperature=0.0, max_tokens=1))[0]
     at = time.time()
-    phases = {sample.labels["phase"]: sample.value for family in llm.engine.metrics.registry.collect()
-              if family.name == STARTUP_METRIC for sample in family.samples}
+    phases = {
+        sample.labels["phase"]: sample.value
+        for family in llm.engine.metrics.registry.collect()
+        if family.name == STARTUP_METRIC
+        for sample in family.samples
+    }
     print(json.dumps({"first_token_at": at, "token_ids": out.outputs[0].token_ids, "phases": phases}))
 
 
@@ -222,13 +260,24 @@ def measure_startup(runs: int) -> list[dict[str, Any]]:
             env = {**os.environ, "PREFIXSERVE_CACHE_DIR": root}
             for kind in ("cold", "warm"):
                 start = time.time()
-                proc = subprocess.run([sys.executable, "-m", "prefixserve.loadtest.bench_engine", STARTUP_CHILD],
-                                      env=env, capture_output=True, text=True)
+                proc = subprocess.run(
+                    [sys.executable, "-m", "prefixserve.loadtest.bench_engine", STARTUP_CHILD],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                )
                 if proc.returncode != 0:
                     raise RuntimeError(f"{kind} start failed:\n{proc.stderr[-3000:]}")
                 child = json.loads(proc.stdout.strip().splitlines()[-1])
-                rows.append({"kind": kind, "run": run, "first_token_s": child["first_token_at"] - start,
-                             "phases": child["phases"], "token_ids": child["token_ids"]})
+                rows.append(
+                    {
+                        "kind": kind,
+                        "run": run,
+                        "first_token_s": child["first_token_at"] - start,
+                        "phases": child["phases"],
+                        "token_ids": child["token_ids"],
+                    }
+                )
     return rows
 
 
@@ -251,8 +300,11 @@ def measure_fp8(prompts: list[list[int]], kv_bytes: int, bound_bytes: int, wave:
     from prefixserve.replica.sampling import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN, min_tokens=OUTPUT_LEN)
-    variants = {"auto": {}, "fp8": {"kv_cache_dtype": "fp8"},
-                "fp8 + calculate_kv_scales": {"kv_cache_dtype": "fp8", "calculate_kv_scales": True}}
+    variants = {
+        "auto": {},
+        "fp8": {"kv_cache_dtype": "fp8"},
+        "fp8 + calculate_kv_scales": {"kv_cache_dtype": "fp8", "calculate_kv_scales": True},
+    }
     tokens: dict[str, list[list[int]]] = {}
     blocks: dict[str, int] = {}
     scales: dict[str, list[tuple[float, float]]] = {}
@@ -265,36 +317,53 @@ def measure_fp8(prompts: list[list[int]], kv_bytes: int, bound_bytes: int, wave:
     agreement = {}
     for name in variants:
         pairs = [(a, b) for x, y in zip(tokens["auto"], tokens[name], strict=True) for a, b in zip(x, y, strict=True)]
-        same_prefix = [next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), len(x))
-                       for x, y in zip(tokens["auto"], tokens[name], strict=True)]
-        agreement[name] = {"tokens": sum(a == b for a, b in pairs) / len(pairs),
-                           "completions": sum(x == y for x, y in zip(tokens["auto"], tokens[name], strict=True))
-                           / len(prompts),
-                           "tokens_before_first_difference": statistics.mean(same_prefix)}
+        same_prefix = [
+            next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), len(x))
+            for x, y in zip(tokens["auto"], tokens[name], strict=True)
+        ]
+        agreement[name] = {
+            "tokens": sum(a == b for a, b in pairs) / len(pairs),
+            "completions": sum(x == y for x, y in zip(tokens["auto"], tokens[name], strict=True)) / len(prompts),
+            "tokens_before_first_difference": statistics.mean(same_prefix),
+        }
     bound: dict[str, dict[str, Any]] = {}
     for name in ("auto", "fp8"):
         llm = LLM("smollm2", kv_cache_memory_bytes=bound_bytes, dtype="float32", **variants[name])
         for i in range(0, len(prompts), wave):
-            llm.generate(prompts[i:i + wave], params)
+            llm.generate(prompts[i : i + wave], params)
         stats = llm.engine.kv_manager.stats
-        bound[name] = {"blocks": llm.engine.runner.num_blocks, "hit_rate": stats.hit_rate,
-                       "preemptions": llm.engine.scheduler.num_preemptions}
+        bound[name] = {
+            "blocks": llm.engine.runner.num_blocks,
+            "hit_rate": stats.hit_rate,
+            "preemptions": llm.engine.scheduler.num_preemptions,
+        }
         del llm
     print(f"\n### fp8 KV cache ({len(prompts)} requests)\n")
-    print(f"| KV cache | blocks in {kv_bytes / 2**20:.0f} MiB | identical tokens | identical completions "
-          f"| tokens before the first difference (of {OUTPUT_LEN}) |")
+    print(
+        f"| KV cache | blocks in {kv_bytes / 2**20:.0f} MiB | identical tokens | identical completions "
+        f"| tokens before the first difference (of {OUTPUT_LEN}) |"
+    )
     print("|---|---|---|---|---|")
     for name in variants:
         a = agreement[name]
-        print(f"| {name} | {blocks[name]} | {a['tokens']:.1%} | {a['completions']:.1%} "
-              f"| {a['tokens_before_first_difference']:.1f} |")
+        print(
+            f"| {name} | {blocks[name]} | {a['tokens']:.1%} | {a['completions']:.1%} "
+            f"| {a['tokens_before_first_difference']:.1f} |"
+        )
     print(f"\nMemory-bound ({bound_bytes / 2**20:.0f} MiB KV, waves of {wave}):\n")
     print("| KV cache | blocks | prefix hit rate | preemptions |")
     print("|---|---|---|---|")
     for name, row in bound.items():
         print(f"| {name} | {row['blocks']} | {row['hit_rate']:.1%} | {row['preemptions']} |")
-    return {"blocks": blocks, "agreement": agreement, "memory_bound": bound, "kv_bytes": kv_bytes,
-            "memory_bound_bytes": bound_bytes, "wave": wave, "kv_scales": scales}
+    return {
+        "blocks": blocks,
+        "agreement": agreement,
+        "memory_bound": bound,
+        "kv_bytes": kv_bytes,
+        "memory_bound_bytes": bound_bytes,
+        "wave": wave,
+        "kv_scales": scales,
+    }
 
 
 def measure_tensor_parallel(prompts: list[list[int]], kv_bytes: int, size: int, repeats: int) -> dict[str, Any]:
@@ -311,20 +380,27 @@ def measure_tensor_parallel(prompts: list[list[int]], kv_bytes: int, size: int, 
             runs[n].append(run_prefixserve(prompts, True, kv_bytes, tp=n))
     rows = [_median_run(runs[n]) for n in sizes]
     base = rows[0]
-    print("\n| engine | req/s | runs (req/s) | x TP 1 | TTFT mean (s) | TTFT p50 (s) | hit rate "
-          "| same tokens as TP 1 |")
+    print(
+        "\n| engine | req/s | runs (req/s) | x TP 1 | TTFT mean (s) | TTFT p50 (s) | hit rate | same tokens as TP 1 |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         same = sum(a == b for a, b in zip(base["token_ids"], r["token_ids"], strict=True))
         r["same_tokens_as_tp1"] = f"{same}/{len(r['token_ids'])}"
         spread = ", ".join(f"{x:.2f}" for x in r["requests_per_s_runs"])
-        print(f"| {r['engine']} | {r['requests_per_s']:.2f} | {spread} | "
-              f"{r['requests_per_s'] / base['requests_per_s']:.2f} | {_f(r['ttft_mean_s'])} | "
-              f"{_f(r['ttft_p50_s'])} | {_f(r['hit_rate'])} | {r['same_tokens_as_tp1']} |")
+        print(
+            f"| {r['engine']} | {r['requests_per_s']:.2f} | {spread} | "
+            f"{r['requests_per_s'] / base['requests_per_s']:.2f} | {_f(r['ttft_mean_s'])} | "
+            f"{_f(r['ttft_p50_s'])} | {_f(r['hit_rate'])} | {r['same_tokens_as_tp1']} |"
+        )
     for r in rows:
         r.pop("token_ids", None)
-    return {"rows": rows, "tensor_parallel_sizes": sizes, "cores": os.cpu_count(),
-            "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0}
+    return {
+        "rows": rows,
+        "tensor_parallel_sizes": sizes,
+        "cores": os.cpu_count(),
+        "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -333,8 +409,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--hf-requests", type=int, default=16,
-                        help="requests run through transformers (it is slow; the rate is per request)")
+    parser.add_argument(
+        "--hf-requests",
+        type=int,
+        default=16,
+        help="requests run through transformers (it is slow; the rate is per request)",
+    )
     parser.add_argument("--kv-gib", type=float, default=2.0, help="KV cache size of each prefixserve engine")
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--skip-hf", action="store_true")
@@ -345,8 +425,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--startup-only", action="store_true", help="measure start-up only")
     parser.add_argument("--fp8-only", action="store_true", help="measure the fp8 KV cache only (see above)")
     parser.add_argument("--fp8-kv-mib", type=float, default=140.0, help="KV memory of the memory-bound fp8 run")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1,
-                        help="> 1: measure TP 1 vs this size only (see above)")
+    parser.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="> 1: measure TP 1 vs this size only (see above)"
+    )
     parser.add_argument("--agents-only", action="store_true", help="measure the agent workload only (see above)")
     parser.add_argument("--device", default="auto", help="the engines' device (agent workload)")
     parser.add_argument("--out", default="results/bench_engine.json")
@@ -376,8 +457,9 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(resolve("smollm2"))
 
     def encode_chat(messages):
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False))
+        return list(
+            tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        )
 
     prompts = build_prompts(tokenizer, encode_chat, args.seed, args.per_tenant)
     kv_bytes = int(args.kv_gib * 1024**3)
@@ -389,8 +471,10 @@ def main(argv: list[str] | None = None) -> int:
         tp = measure_tensor_parallel(prompts, kv_bytes, args.tensor_parallel_size, args.repeats)
         _write(Path(args.out).with_name("bench_engine_tp.json"), tp)
         return 0
-    print(f"workload: {len(prompts)} requests, prompt tokens mean {statistics.mean(map(len, prompts)):.0f}, "
-          f"{OUTPUT_LEN} output tokens, torch threads {torch.get_num_threads()}, cores {os.cpu_count()}")
+    print(
+        f"workload: {len(prompts)} requests, prompt tokens mean {statistics.mean(map(len, prompts)):.0f}, "
+        f"{OUTPUT_LEN} output tokens, torch threads {torch.get_num_threads()}, cores {os.cpu_count()}"
+    )
     # Caching on and off alternate, each run `repeats` times on a fresh engine; each
     # reports its median run (by req/s), with every run's req/s alongside: on a shared
     # 2-core machine one run can be off by several percent.
@@ -414,19 +498,27 @@ def main(argv: list[str] | None = None) -> int:
     decode = decode_throughput([1, 8, 32], args.decode_steps, kv_bytes)
 
     base = rows[1]["requests_per_s"]
-    print("\n| engine | req/s | runs (req/s) | x caching off | TTFT mean (s) | TTFT p50 (s) | prefix hit rate "
-          "| same tokens |")
+    print(
+        "\n| engine | req/s | runs (req/s) | x caching off | TTFT mean (s) | TTFT p50 (s) | prefix hit rate "
+        "| same tokens |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         spread = ", ".join(f"{x:.2f}" for x in r.get("requests_per_s_runs", [])) or "-"
-        print(f"| {r['engine']} | {r['requests_per_s']:.2f} | {spread} | {r['requests_per_s'] / base:.2f} | "
-              f"{_f(r['ttft_mean_s'])} | {_f(r['ttft_p50_s'])} | {_f(r['hit_rate'])} | "
-              f"{r.get('same_tokens_as_caching_on', '-')} |")
+        print(
+            f"| {r['engine']} | {r['requests_per_s']:.2f} | {spread} | {r['requests_per_s'] / base:.2f} | "
+            f"{_f(r['ttft_mean_s'])} | {_f(r['ttft_p50_s'])} | {_f(r['hit_rate'])} | "
+            f"{r.get('same_tokens_as_caching_on', '-')} |"
+        )
     on, off = rows[0], rows[1]
-    print(f"\nTTFT alone: cache hit {_f(on['ttft_alone_hit_s'])} s vs miss {_f(off['ttft_alone_miss_s'])} s "
-          f"({off['ttft_alone_miss_s'] / on['ttft_alone_hit_s']:.1f}x)")
-    print("vLLM CPU reference figures on this workload (measured on the 2-core VM): 5.3 req/s caching on, 1.3 off; "
-          "transformers one at a time 0.50 req/s")
+    print(
+        f"\nTTFT alone: cache hit {_f(on['ttft_alone_hit_s'])} s vs miss {_f(off['ttft_alone_miss_s'])} s "
+        f"({off['ttft_alone_miss_s'] / on['ttft_alone_hit_s']:.1f}x)"
+    )
+    print(
+        "vLLM CPU reference figures on this workload (measured on the 2-core VM): 5.3 req/s caching on, 1.3 off; "
+        "transformers one at a time 0.50 req/s"
+    )
     print("\n| decode batch | tokens/s |\n|---|---|")
     for b, tps in decode.items():
         print(f"| {b} | {tps:.1f} |")

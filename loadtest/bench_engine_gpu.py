@@ -61,11 +61,20 @@ def build_checkpoint(shape: Shape, out: Path, tokenizer_dir: Path, seed: int = 0
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
-                      num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
-                      num_key_value_heads=shape.kv_heads, max_position_embeddings=8192,
-                      rope_parameters={"rope_theta": shape.rope_theta, "rope_type": "default"},
-                      tie_word_embeddings=shape.tie, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    cfg = LlamaConfig(
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        max_position_embeddings=8192,
+        rope_parameters={"rope_theta": shape.rope_theta, "rope_type": "default"},
+        tie_word_embeddings=shape.tie,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():
@@ -167,14 +176,18 @@ def engine_throughput(make_llm, prompts: list[list[int]], output_len: int, cachi
         start = time.perf_counter()
         outs = llm.generate(prompts, params)
         wall = time.perf_counter() - start
-        return {"caching": caching, "requests_per_s": len(prompts) / wall,
-                "ttft_p50_s": statistics.median(o.ttft_s for o in outs),
-                "hit_rate": llm.engine.kv_manager.stats.hit_rate,
-                "token_ids": [o.outputs[0].token_ids for o in outs]}
+        return {
+            "caching": caching,
+            "requests_per_s": len(prompts) / wall,
+            "ttft_p50_s": statistics.median(o.ttft_s for o in outs),
+            "hit_rate": llm.engine.kv_manager.stats.hit_rate,
+            "token_ids": [o.outputs[0].token_ids for o in outs],
+        }
 
 
-def transformers_throughput(folder: Path, prompts: list[list[int]], output_len: int, batch: int, device: str,
-                            dtype: Any) -> dict[str, Any]:
+def transformers_throughput(
+    folder: Path, prompts: list[list[int]], output_len: int, batch: int, device: str, dtype: Any
+) -> dict[str, Any]:
     """transformers ``generate`` in left-padded batches of ``batch`` on the same prompts."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -183,12 +196,18 @@ def transformers_throughput(folder: Path, prompts: list[list[int]], output_len: 
     start = time.perf_counter()
     with torch.inference_mode():
         for i in range(0, len(prompts), batch):
-            chunk = prompts[i:i + batch]
+            chunk = prompts[i : i + batch]
             width = max(map(len, chunk))
             ids = torch.tensor([[2] * (width - len(p)) + p for p in chunk], device=device)
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)
-            model.generate(ids, attention_mask=mask, max_new_tokens=output_len, min_new_tokens=output_len,
-                           do_sample=False, pad_token_id=2)
+            model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=output_len,
+                min_new_tokens=output_len,
+                do_sample=False,
+                pad_token_id=2,
+            )
     _sync(device)
     del model
     return {"requests_per_s": len(prompts) / (time.perf_counter() - start), "batch": batch}
@@ -210,12 +229,14 @@ def greedy_checks(folder: Path, device: str, graphs_possible: bool) -> dict[str,
     expected = []
     with torch.inference_mode():
         for p in prompts:
-            out = model.generate(torch.tensor([p], device=device), max_new_tokens=16, min_new_tokens=16,
-                                 do_sample=False, pad_token_id=2)
-            expected.append(out[0, len(p):].tolist())
+            out = model.generate(
+                torch.tensor([p], device=device), max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=2
+            )
+            expected.append(out[0, len(p) :].tolist())
     del model
-    knobs = dict(dtype="float32", device=device, block_size=16, num_kv_blocks=12, max_num_seqs=4,
-                 max_num_batched_tokens=32)
+    knobs = dict(
+        dtype="float32", device=device, block_size=16, num_kv_blocks=12, max_num_seqs=4, max_num_batched_tokens=32
+    )
     modes = {"eager": True, "graphs": False} if graphs_possible else {"eager": True}
     result: dict[str, Any] = {}
     for mode, enforce_eager in modes.items():
@@ -223,8 +244,11 @@ def greedy_checks(folder: Path, device: str, graphs_possible: bool) -> dict[str,
             got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
             stats = llm.engine.stats()
         same = sum(a == b for a, b in zip(got, expected, strict=True))
-        result[mode] = {"identical": f"{same}/{len(prompts)}", "prefix_hits": stats.prefix_cache_hits,
-                        "preemptions": stats.num_preemptions}
+        result[mode] = {
+            "identical": f"{same}/{len(prompts)}",
+            "prefix_hits": stats.prefix_cache_hits,
+            "preemptions": stats.num_preemptions,
+        }
     return result
 
 
@@ -241,8 +265,9 @@ def bench_shape(shape: Shape, args: argparse.Namespace, tokenizer_dir: Path, wor
     batches = [b for b in args.batches if b <= args.max_num_seqs]
 
     def make_llm(**knobs: Any) -> LLM:
-        base = dict(dtype=dtype, device=device, max_num_seqs=args.max_num_seqs, max_model_len=4096,
-                    max_num_batched_tokens=4096)
+        base = dict(
+            dtype=dtype, device=device, max_num_seqs=args.max_num_seqs, max_model_len=4096, max_num_batched_tokens=4096
+        )
         if not cuda:
             base["kv_cache_memory_bytes"] = 256 * 2**20
         return LLM(str(folder), **{**base, **knobs})
@@ -259,10 +284,15 @@ def bench_shape(shape: Shape, args: argparse.Namespace, tokenizer_dir: Path, wor
     on = engine_throughput(lambda **k: make_llm(enforce_eager=graphs, **k), prompts, args.output_len, True)
     off = engine_throughput(lambda **k: make_llm(enforce_eager=graphs, **k), prompts, args.output_len, False)
     same = sum(a == b for a, b in zip(on.pop("token_ids"), off.pop("token_ids"), strict=True))
-    result["caching"] = {"on": on, "off": off, "on_over_off": on["requests_per_s"] / off["requests_per_s"],
-                         "same_tokens": f"{same}/{len(prompts)}"}
-    result["transformers"] = transformers_throughput(folder, prompts, args.output_len, args.hf_batch, device,
-                                                     torch.bfloat16 if cuda else torch.float32)
+    result["caching"] = {
+        "on": on,
+        "off": off,
+        "on_over_off": on["requests_per_s"] / off["requests_per_s"],
+        "same_tokens": f"{same}/{len(prompts)}",
+    }
+    result["transformers"] = transformers_throughput(
+        folder, prompts, args.output_len, args.hf_batch, device, torch.bfloat16 if cuda else torch.float32
+    )
     if shape.layers <= 30 and shape.hidden <= 1024:  # fp32 references: the small shapes only
         result["greedy_fp32"] = greedy_checks(folder, device, graphs_possible=cuda)
     return result
@@ -277,20 +307,30 @@ def print_tables(results: list[dict[str, Any]]) -> None:
             for d in rows:
                 busy = d.get("gpu_busy_fraction")
                 launches = d.get("launches_per_step")
-                print(f"| {mode} | {d['batch']} | {d['step_ms']:.2f} | {d['batch'] / d['step_ms'] * 1e3:,.0f} | "
-                      f"{'-' if busy is None else f'{busy:.2f}'} | "
-                      f"{'-' if launches is None else f'{launches:.0f}'} |")
+                print(
+                    f"| {mode} | {d['batch']} | {d['step_ms']:.2f} | {d['batch'] / d['step_ms'] * 1e3:,.0f} | "
+                    f"{'-' if busy is None else f'{busy:.2f}'} | "
+                    f"{'-' if launches is None else f'{launches:.0f}'} |"
+                )
         t = r["ttft_alone"]
         c = r["caching"]
-        print(f"\nTTFT alone, {t['prefix_tokens']}-token prefix: miss {t['miss_s'] * 1e3:.1f} ms, hit "
-              f"{t['hit_s'] * 1e3:.1f} ms (hit/miss {t['hit_over_miss']:.2f})")
-        print(f"shared prefix: caching on {c['on']['requests_per_s']:.1f} req/s, off {c['off']['requests_per_s']:.1f}"
-              f" ({c['on_over_off']:.2f}x; same tokens {c['same_tokens']}); transformers generate batch "
-              f"{r['transformers']['batch']}: {r['transformers']['requests_per_s']:.1f} req/s")
+        print(
+            f"\nTTFT alone, {t['prefix_tokens']}-token prefix: miss {t['miss_s'] * 1e3:.1f} ms, hit "
+            f"{t['hit_s'] * 1e3:.1f} ms (hit/miss {t['hit_over_miss']:.2f})"
+        )
+        print(
+            f"shared prefix: caching on {c['on']['requests_per_s']:.1f} req/s, off {c['off']['requests_per_s']:.1f}"
+            f" ({c['on_over_off']:.2f}x; same tokens {c['same_tokens']}); transformers generate batch "
+            f"{r['transformers']['batch']}: {r['transformers']['requests_per_s']:.1f} req/s"
+        )
         if "greedy_fp32" in r:
-            print("fp32 greedy vs transformers: " + ", ".join(
-                f"{m} {v['identical']} (prefix hits {v['prefix_hits']}, preemptions {v['preemptions']})"
-                for m, v in r["greedy_fp32"].items()))
+            print(
+                "fp32 greedy vs transformers: "
+                + ", ".join(
+                    f"{m} {v['identical']} (prefix hits {v['prefix_hits']}, preemptions {v['preemptions']})"
+                    for m, v in r["greedy_fp32"].items()
+                )
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -320,8 +360,12 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import LlamaConfig, LlamaForCausalLM  # noqa: F401
 
     tokenizer_dir = args.tokenizer or default_tokenizer_dir()
-    env = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
-           "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor()}
+    env = {
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor(),
+    }
     print(f"environment: {env}")
     results = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -67,8 +67,9 @@ def build_workload(args: argparse.Namespace) -> tuple[list[int], list[list[int]]
 
     def toks(*key: object) -> list[int]:
         rng = random.Random("-".join(map(str, (args.seed, *key))))
-        return [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(args.system_len if key[0] == "s" else
-                                                                      args.question_len)]
+        return [
+            rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(args.system_len if key[0] == "s" else args.question_len)
+        ]
 
     systems = {t: toks("s", t) for t in set(tenants)}
     return tenants, [systems[t] + toks("q", i) for i, t in enumerate(tenants)]
@@ -132,8 +133,9 @@ def run_key(policy: str, generated: str, static: str) -> str:
     return policy + ("" if generated == "warm" else f"+{generated}") + ("" if static == "protected" else "+plain")
 
 
-def run_policy(policy: str, prompts: list[list[int]], args: argparse.Namespace,
-               generated: str = "warm", static: str = "protected") -> dict[str, Any]:
+def run_policy(
+    policy: str, prompts: list[list[int]], args: argparse.Namespace, generated: str = "warm", static: str = "protected"
+) -> dict[str, Any]:
     """One engine, the whole request sequence (``request_kinds``): zipf requests take ``prompts[i]``;
     conversation turns are built from the user's previous prompt and the engine's own answer.
     ``static``: "protected" frees each request's system prompt blocks as reused
@@ -153,9 +155,16 @@ def run_policy(policy: str, prompts: list[list[int]], args: argparse.Namespace,
     def is_turn(seq: Any) -> bool:
         return tuple(seq.token_ids[:8]) in conv_heads
 
-    llm = LLM(args.model, eviction_policy=policy, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
-              dtype=args.dtype, max_num_seqs=args.wave, evict_generated_first=False,  # the bench decides
-              protect_static_prefix=static == "protected")
+    llm = LLM(
+        args.model,
+        eviction_policy=policy,
+        num_kv_blocks=args.num_kv_blocks,
+        block_size=args.block_size,
+        dtype=args.dtype,
+        max_num_seqs=args.wave,
+        evict_generated_first=False,  # the bench decides
+        protect_static_prefix=static == "protected",
+    )
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, min_tokens=args.output_len)
     warm_up = prompts[0][:40] if prompts else _toks(args, 40, "warmup")
     llm.generate([warm_up], SamplingParams(temperature=0.0, max_tokens=2))  # kernels, pages
@@ -174,8 +183,9 @@ def run_policy(policy: str, prompts: list[list[int]], args: argparse.Namespace,
     start = time.perf_counter()
     for w in range(0, len(kinds), args.wave):
         batch = kinds[w : w + args.wave]
-        wave = [history[x] + _toks(args, args.question_len, "q", x, turn[x]) if k == "c" else prompts[x]
-                for k, x in batch]
+        wave = [
+            history[x] + _toks(args, args.question_len, "q", x, turn[x]) if k == "c" else prompts[x] for k, x in batch
+        ]
         outs = llm.generate(wave, params, static_prefix_tokens=args.system_len)
         for (k, x), prompt, out in zip(batch, wave, outs, strict=True):
             cached += out.num_cached_tokens
@@ -188,10 +198,16 @@ def run_policy(policy: str, prompts: list[list[int]], args: argparse.Namespace,
     wall = time.perf_counter() - start
     cpu = time.process_time() - cpu0
     result = {
-        "policy": policy, "generated_blocks": generated, "static_prefix": static,
-        "requests_per_s": len(kinds) / wall, "wall_s": wall,
-        "requests_per_cpu_s": len(kinds) / cpu, "cpu_s": cpu, "num_requests": len(kinds),
-        "prompt_tokens": total, "hit_rate": cached / total,
+        "policy": policy,
+        "generated_blocks": generated,
+        "static_prefix": static,
+        "requests_per_s": len(kinds) / wall,
+        "wall_s": wall,
+        "requests_per_cpu_s": len(kinds) / cpu,
+        "cpu_s": cpu,
+        "num_requests": len(kinds),
+        "prompt_tokens": total,
+        "hit_rate": cached / total,
         "hit_rate_oneshot": hit_by_kind["z"][0] / hit_by_kind["z"][1] if hit_by_kind["z"][1] else None,
         "hit_rate_conversation": hit_by_kind["c"][0] / hit_by_kind["c"][1] if hit_by_kind["c"][1] else None,
         "evictions": kv.stats.num_evictions - evictions0,
@@ -203,12 +219,19 @@ def run_policy(policy: str, prompts: list[list[int]], args: argparse.Namespace,
 
 def render(res: dict[str, Any]) -> str:
     c = res["config"]
-    conv = (f"{c['users']} conversations x {c['rounds']} turns (system {c['system_len']}, each turn "
-            f"+ the previous answer + a {c['question_len']}-token question)")
-    zipf = (f"{c['requests']} requests of {c['tenants']} Zipf({c['zipf_s']}) tenants, "
-            f"system {c['system_len']} + question {c['question_len']} tokens")
-    what = {"zipf": zipf, "multi_turn": conv,
-            "mixed": f"{conv}, each turn followed by {c['oneshots_per_turn']} of the {zipf}"}[c["workload"]]
+    conv = (
+        f"{c['users']} conversations x {c['rounds']} turns (system {c['system_len']}, each turn "
+        f"+ the previous answer + a {c['question_len']}-token question)"
+    )
+    zipf = (
+        f"{c['requests']} requests of {c['tenants']} Zipf({c['zipf_s']}) tenants, "
+        f"system {c['system_len']} + question {c['question_len']} tokens"
+    )
+    what = {
+        "zipf": zipf,
+        "multi_turn": conv,
+        "mixed": f"{conv}, each turn followed by {c['oneshots_per_turn']} of the {zipf}",
+    }[c["workload"]]
     what += f", {c['output_len']} out"
     lines = [
         f"## Eviction policies on one CPU replica, {c['workload']} ({c['model']}, {c['num_kv_blocks']} KV blocks "
@@ -228,18 +251,22 @@ def render(res: dict[str, Any]) -> str:
         rx = f"{r['requests_per_s'] / base['requests_per_s']:.2f}" if base else "-"
         cx = f"{r['requests_per_cpu_s'] / base['requests_per_cpu_s']:.2f}" if base else "-"
         rr = ", ".join(f"{x:.2f}" for x in r["runs_requests_per_s"])
-        kinds = " / ".join("-" if r[k] is None else f"{r[k]:.3f}"
-                           for k in ("hit_rate_oneshot", "hit_rate_conversation"))
-        lines.append(f"| {r['policy']} | {r['generated_blocks']} | {static} | {r['hit_rate']:.3f} | {hx} | {wx} | "
-                     f"{kinds} | "
-                     f"{r['requests_per_s']:.2f} | {rx} | {rr} | {r['requests_per_cpu_s']:.3f} | {cx} | "
-                     f"{r['evictions']} | {r['preemptions']} |")
+        kinds = " / ".join(
+            "-" if r[k] is None else f"{r[k]:.3f}" for k in ("hit_rate_oneshot", "hit_rate_conversation")
+        )
+        lines.append(
+            f"| {r['policy']} | {r['generated_blocks']} | {static} | {r['hit_rate']:.3f} | {hx} | {wx} | "
+            f"{kinds} | "
+            f"{r['requests_per_s']:.2f} | {rx} | {rr} | {r['requests_per_cpu_s']:.3f} | {cx} | "
+            f"{r['evictions']} | {r['preemptions']} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m prefixserve.loadtest.bench_eviction",
-                                 description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m prefixserve.loadtest.bench_eviction", description=__doc__.splitlines()[0]
+    )
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--policies", default=",".join(EVICTION_POLICIES))
@@ -252,23 +279,41 @@ def main(argv: list[str] | None = None) -> int:
     # scarce on a shared 2-core machine; --block-size 16 with 4x the lengths is the same test).
     ap.add_argument("--system-len", type=int, default=32)
     ap.add_argument("--question-len", type=int, default=None, help="default: zipf 20, multi_turn and mixed 12")
-    ap.add_argument("--output-len", type=int, default=None,
-                    help="default: zipf 4 (its one answer block is never full: uncached), multi_turn and mixed 16 "
-                         "(3 cached answer blocks, the 4th holds the last token, whose KV is never computed)")
-    ap.add_argument("--num-kv-blocks", type=int, default=None,
-                    help="the pool (default: zipf 100, a wave of running requests (~56 blocks) and ~5 system "
-                         "prompts; multi_turn 240, a wave of last turns (~144 blocks) and ~3 conversations; "
-                         "mixed 400)")
-    ap.add_argument("--workload", choices=("zipf", "multi_turn", "mixed"), default="zipf",
-                    help="mixed: multi_turn's turns, each followed by --oneshots-per-turn zipf requests")
+    ap.add_argument(
+        "--output-len",
+        type=int,
+        default=None,
+        help="default: zipf 4 (its one answer block is never full: uncached), multi_turn and mixed 16 "
+        "(3 cached answer blocks, the 4th holds the last token, whose KV is never computed)",
+    )
+    ap.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="the pool (default: zipf 100, a wave of running requests (~56 blocks) and ~5 system "
+        "prompts; multi_turn 240, a wave of last turns (~144 blocks) and ~3 conversations; "
+        "mixed 400)",
+    )
+    ap.add_argument(
+        "--workload",
+        choices=("zipf", "multi_turn", "mixed"),
+        default="zipf",
+        help="mixed: multi_turn's turns, each followed by --oneshots-per-turn zipf requests",
+    )
     ap.add_argument("--users", type=int, default=12, help="multi_turn, mixed: conversations")
     ap.add_argument("--rounds", type=int, default=4, help="multi_turn, mixed: turns per conversation")
     ap.add_argument("--oneshots-per-turn", type=int, default=2, help="mixed: zipf requests after each turn")
-    ap.add_argument("--generated-blocks", default="warm",
-                    help=f"comma list of {','.join(GENERATED_MODES)} (module docstring); each runs every policy")
-    ap.add_argument("--static-prefix", default="protected",
-                    help=f"comma list of {','.join(STATIC_MODES)}: whether each request's system prompt "
-                         "blocks are freed as reused (EngineConfig.protect_static_prefix); each runs every policy")
+    ap.add_argument(
+        "--generated-blocks",
+        default="warm",
+        help=f"comma list of {','.join(GENERATED_MODES)} (module docstring); each runs every policy",
+    )
+    ap.add_argument(
+        "--static-prefix",
+        default="protected",
+        help=f"comma list of {','.join(STATIC_MODES)}: whether each request's system prompt "
+        "blocks are freed as reused (EngineConfig.protect_static_prefix); each runs every policy",
+    )
     ap.add_argument("--block-size", type=int, default=4)
     ap.add_argument("--wave", type=int, default=4, help="requests per generate call (and max_num_seqs)")
     ap.add_argument("--repeats", type=int, default=2)
@@ -309,19 +354,28 @@ def main(argv: list[str] | None = None) -> int:
     for rep in range(args.repeats):
         for p, m, st in combos:
             r = run_policy(p, prompts, args, m, st)
-            print(f"repeat {rep} {p} {m} {st}: hit {r['hit_rate']:.3f}, {r['requests_per_s']:.2f} req/s, "
-                  f"{r['requests_per_cpu_s']:.3f} req/CPU-s", file=sys.stderr, flush=True)
+            print(
+                f"repeat {rep} {p} {m} {st}: hit {r['hit_rate']:.3f}, {r['requests_per_s']:.2f} req/s, "
+                f"{r['requests_per_cpu_s']:.3f} req/CPU-s",
+                file=sys.stderr,
+                flush=True,
+            )
             runs[run_key(p, m, st)].append(r)
     res: dict[str, Any] = {
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "distinct_tenants": len(set(tenants)), "policies": {},
+        "distinct_tenants": len(set(tenants)),
+        "policies": {},
     }
     for p, rs in runs.items():
         rps = [r["requests_per_s"] for r in rs]
         med = sorted(rs, key=lambda r: r["requests_per_s"])[len(rs) // 2]
-        res["policies"][p] = {**med, "requests_per_s": statistics.median(rps), "runs_requests_per_s": rps,
-                              "requests_per_cpu_s": statistics.median(r["requests_per_cpu_s"] for r in rs),
-                              "hit_rates": [r["hit_rate"] for r in rs]}
+        res["policies"][p] = {
+            **med,
+            "requests_per_s": statistics.median(rps),
+            "runs_requests_per_s": rps,
+            "requests_per_cpu_s": statistics.median(r["requests_per_cpu_s"] for r in rs),
+            "hit_rates": [r["hit_rate"] for r in rs],
+        }
     print(render(res))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=2))

@@ -84,8 +84,15 @@ def _bench_size(tokens: int, repeats: int, replicas: Sequence[Replica]) -> dict[
         policy.done("app")
 
     rank = _cpu_per_call(decide, repeats)
-    return {"tokens": tokens, "chars": len(body), "blocks": len(blocks.hashes), "hash_cold_us": cold * 1e6,
-            "hash_warm_us": warm * 1e6, "json_loads_us": parse * 1e6, "rank_us": rank * 1e6}
+    return {
+        "tokens": tokens,
+        "chars": len(body),
+        "blocks": len(blocks.hashes),
+        "hash_cold_us": cold * 1e6,
+        "hash_warm_us": warm * 1e6,
+        "json_loads_us": parse * 1e6,
+        "rank_us": rank * 1e6,
+    }
 
 
 def bench_hashing(sizes: Sequence[int] = (1000, 8000, 32000), repeats: int = 50) -> list[dict[str, float]]:
@@ -94,8 +101,14 @@ def bench_hashing(sizes: Sequence[int] = (1000, 8000, 32000), repeats: int = 50)
     return [_bench_size(tokens, repeats, replicas) for tokens in sizes]
 
 
-def bench_bound(requests: int = 1_000_000, num_replicas: int = 64, num_apps: int = 200, seed: int = 0,
-                max_entries: int = DEFAULT_MAX_ENTRIES, in_flight_per_replica: int = 8) -> dict[str, Any]:
+def bench_bound(
+    requests: int = 1_000_000,
+    num_replicas: int = 64,
+    num_apps: int = 200,
+    seed: int = 0,
+    max_entries: int = DEFAULT_MAX_ENTRIES,
+    in_flight_per_replica: int = 8,
+) -> dict[str, Any]:
     """Feed ``requests`` synthetic conversation turns to ``placed``; the index size over the run."""
     rng = random.Random(seed)
     policy = Placed(clock=lambda: 0.0, history_max_entries=max_entries)
@@ -131,9 +144,14 @@ def bench_bound(requests: int = 1_000_000, num_replicas: int = 64, num_apps: int
             live.pop()
         if i % 1000 == 0:
             sizes.append(len(policy.history))
-    return {"requests": requests, "bound": max_entries, "max_entries_seen": max(sizes),
-            "final_entries": len(policy.history), "evictions": policy.history.evictions,
-            "wall_s": time.perf_counter() - started}
+    return {
+        "requests": requests,
+        "bound": max_entries,
+        "max_entries_seen": max(sizes),
+        "final_entries": len(policy.history),
+        "evictions": policy.history.evictions,
+        "wall_s": time.perf_counter() - started,
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -141,17 +159,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=1_000_000, help="requests of the bound run (0: skip)")
     p.add_argument("--repeats", type=int, default=50)
     args = p.parse_args(argv)
-    print("| prompt tokens | body chars | blocks | hash cold (us) | hash warm (us) | json.loads (us) "
-          "| placed rank, 64 replicas (us) |")
+    print(
+        "| prompt tokens | body chars | blocks | hash cold (us) | hash warm (us) | json.loads (us) "
+        "| placed rank, 64 replicas (us) |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for r in bench_hashing(repeats=args.repeats):
-        print(f"| {r['tokens']:,} | {r['chars']:,} | {r['blocks']} | {r['hash_cold_us']:.0f} | "
-              f"{r['hash_warm_us']:.0f} | {r['json_loads_us']:.0f} | {r['rank_us']:.0f} |", flush=True)
+        print(
+            f"| {r['tokens']:,} | {r['chars']:,} | {r['blocks']} | {r['hash_cold_us']:.0f} | "
+            f"{r['hash_warm_us']:.0f} | {r['json_loads_us']:.0f} | {r['rank_us']:.0f} |",
+            flush=True,
+        )
     if args.requests:
         b = bench_bound(args.requests)
-        print(f"\nbound run: {b['requests']:,} requests, bound {b['bound']:,} entries, at most "
-              f"{b['max_entries_seen']:,} seen, {b['final_entries']:,} at the end, {b['evictions']:,} evicted, "
-              f"{b['wall_s']:.0f} s wall")
+        print(
+            f"\nbound run: {b['requests']:,} requests, bound {b['bound']:,} entries, at most "
+            f"{b['max_entries_seen']:,} seen, {b['final_entries']:,} at the end, {b['evictions']:,} evicted, "
+            f"{b['wall_s']:.0f} s wall"
+        )
         if b["max_entries_seen"] > b["bound"]:
             print("the index outgrew its bound", file=sys.stderr)
             return 1

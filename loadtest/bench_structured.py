@@ -32,24 +32,44 @@ from prefixserve.replica.structured_output.compile import GrammarCache
 from prefixserve.replica.structured_output.params import StructuredOutputsParams
 from prefixserve.replica.structured_output.xgrammar_backend import XGrammarBackend
 
-SCHEMA = {"type": "array", "minItems": 1000, "items": {
-    "type": "object", "properties": {
-        "id": {"type": "integer", "minimum": 0, "maximum": 100000},
-        "name": {"type": "string", "maxLength": 12},
-        "status": {"enum": ["open", "closed", "pending"]},
-        "score": {"type": "number", "minimum": 0, "maximum": 1}},
-    "required": ["id", "name", "status", "score"], "additionalProperties": False}}
-COMPILE_SCHEMA = {"type": "object", "properties": {
-    "user": {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[A-Z][a-z]+$"},
-                                              "age": {"type": "integer", "minimum": 0, "maximum": 150}},
-             "required": ["name", "age"]},
-    "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 5},
-    "note": {"type": "string", "maxLength": 80}}, "required": ["user", "tags"]}
+SCHEMA = {
+    "type": "array",
+    "minItems": 1000,
+    "items": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer", "minimum": 0, "maximum": 100000},
+            "name": {"type": "string", "maxLength": 12},
+            "status": {"enum": ["open", "closed", "pending"]},
+            "score": {"type": "number", "minimum": 0, "maximum": 1},
+        },
+        "required": ["id", "name", "status", "score"],
+        "additionalProperties": False,
+    },
+}
+COMPILE_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "user": {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "pattern": "^[A-Z][a-z]+$"},
+                "age": {"type": "integer", "minimum": 0, "maximum": 150},
+            },
+            "required": ["name", "age"],
+        },
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 5},
+        "note": {"type": "string", "maxLength": 80},
+    },
+    "required": ["user", "tags"],
+}
 
 
 def chat(i: int) -> list[dict[str, str]]:
-    return [{"role": "system", "content": "You produce JSON records for a ticket database."},
-            {"role": "user", "content": f"List the tickets of queue {i} as a JSON array of records."}]
+    return [
+        {"role": "system", "content": "You produce JSON records for a ticket database."},
+        {"role": "user", "content": f"List the tickets of queue {i} as a JSON array of records."},
+    ]
 
 
 def tpot(outputs: list) -> float:
@@ -60,8 +80,9 @@ def tpot(outputs: list) -> float:
 
 def run_pair(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, float]:
     free = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    constrained = SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                 structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    constrained = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, structured_outputs=StructuredOutputsParams(json=SCHEMA)
+    )
     a = llm.generate(prompts, free)
     b = llm.generate(prompts, constrained)
     assert all(len(o.outputs[0].token_ids) == max_tokens for o in a + b)
@@ -99,21 +120,36 @@ def main() -> None:
     for batch in args.batch_sizes:
         pairs = [run_pair(llm, prompts[:batch], args.max_tokens) for _ in range(args.repeats)]
         ratios = [c / f for f, c in pairs]
-        rows.append({"batch": batch, "tpot_free_ms": 1e3 * statistics.median(f for f, _ in pairs),
-                     "tpot_constrained_ms": 1e3 * statistics.median(c for _, c in pairs),
-                     "ratio": statistics.median(ratios), "ratios": ratios})
+        rows.append(
+            {
+                "batch": batch,
+                "tpot_free_ms": 1e3 * statistics.median(f for f, _ in pairs),
+                "tpot_constrained_ms": 1e3 * statistics.median(c for _, c in pairs),
+                "ratio": statistics.median(ratios),
+                "ratios": ratios,
+            }
+        )
     compiled = compile_times(llm)
     llm.shutdown()
     versions = {p: metadata.version(p) for p in ("torch", "xgrammar", "transformers")}
-    result = {"machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, "
-                         f"{len(__import__('os').sched_getaffinity(0))} cores",
-              "python": platform.python_version(), "versions": versions, "max_tokens": args.max_tokens,
-              "repeats": args.repeats, "tpot": rows, "compile": compiled}
+    result = {
+        "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, "
+        f"{len(__import__('os').sched_getaffinity(0))} cores",
+        "python": platform.python_version(),
+        "versions": versions,
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "tpot": rows,
+        "compile": compiled,
+    }
     print("| batch | TPOT unconstrained (ms) | TPOT json_schema (ms) | ratio (median) | ratios |")
     print("|---:|---:|---:|---:|---|")
     for r in rows:
-        print(f"| {r['batch']} | {r['tpot_free_ms']:.1f} | {r['tpot_constrained_ms']:.1f} | {r['ratio']:.3f} | "
-              + ", ".join(f"{x:.3f}" for x in r["ratios"]) + " |")
+        print(
+            f"| {r['batch']} | {r['tpot_free_ms']:.1f} | {r['tpot_constrained_ms']:.1f} | {r['ratio']:.3f} | "
+            + ", ".join(f"{x:.3f}" for x in r["ratios"])
+            + " |"
+        )
     print()
     print("| grammar compile | seconds |")
     print("|---|---:|")

@@ -55,8 +55,9 @@ OBJECT_STORE_BYTES = 256 * 1024**2
 # --------------------------------------------------------------------------- metrics
 
 
-def replica_counters(text: str, names: Sequence[str] = (QUERIES, HITS, PREEMPTIONS),
-                     label: str = "replica") -> dict[str, dict[str, float]]:
+def replica_counters(
+    text: str, names: Sequence[str] = (QUERIES, HITS, PREEMPTIONS), label: str = "replica"
+) -> dict[str, dict[str, float]]:
     """``{replica: {sample name: value summed over its other labels}}`` for the samples in ``names``.
 
     A replica that exposes none of ``names`` is absent; one that exposes some
@@ -72,8 +73,9 @@ def replica_counters(text: str, names: Sequence[str] = (QUERIES, HITS, PREEMPTIO
     return out
 
 
-def counter_deltas(before: Mapping[str, Mapping[str, float]],
-                   after: Mapping[str, Mapping[str, float]]) -> dict[str, dict[str, float]]:
+def counter_deltas(
+    before: Mapping[str, Mapping[str, float]], after: Mapping[str, Mapping[str, float]]
+) -> dict[str, dict[str, float]]:
     """Per replica, ``after - before`` (a replica absent before started from zero)."""
     out = {}
     for replica, values in after.items():
@@ -115,8 +117,9 @@ def wait_for_router(base_url: str, num_replicas: int, *, timeout_s: float = 120.
         if seen == num_replicas:
             return
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the ingress's router knew {seen} engine replicas, not {num_replicas}, "
-                               f"after {timeout_s}s")
+            raise TimeoutError(
+                f"the ingress's router knew {seen} engine replicas, not {num_replicas}, after {timeout_s}s"
+            )
         time.sleep(0.25)
 
 
@@ -152,8 +155,9 @@ class RequestRecord:
         return self.ended_s - self.sent_s
 
 
-async def _stream_one(client: httpx.AsyncClient, url: str, index: int, body: dict[str, Any],
-                      headers: dict[str, str], t0: float) -> RequestRecord:
+async def _stream_one(
+    client: httpx.AsyncClient, url: str, index: int, body: dict[str, Any], headers: dict[str, str], t0: float
+) -> RequestRecord:
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     sent = time.perf_counter() - t0
     first: float | None = None
@@ -180,8 +184,10 @@ async def _stream_one(client: httpx.AsyncClient, url: str, index: int, body: dic
                         break
                     if event.get("usage"):
                         usage = event["usage"]
-                    if first is None and any((c.get("delta") or {}).get("content") or c.get("finish_reason")
-                                             for c in event.get("choices") or ()):
+                    if first is None and any(
+                        (c.get("delta") or {}).get("content") or c.get("finish_reason")
+                        for c in event.get("choices") or ()
+                    ):
                         first = time.perf_counter() - t0
                 if error is None and first is None:
                     error = "the stream ended without a token"
@@ -190,16 +196,30 @@ async def _stream_one(client: httpx.AsyncClient, url: str, index: int, body: dic
     ended = time.perf_counter() - t0
     details = (usage or {}).get("prompt_tokens_details") or {}
     return RequestRecord(
-        index=index, ok=error is None, status=status, replica=replica, sent_s=sent, first_token_s=first,
-        ended_s=ended, prompt_tokens=(usage or {}).get("prompt_tokens"), cached_tokens=details.get("cached_tokens"),
-        completion_tokens=(usage or {}).get("completion_tokens"), error=error,
+        index=index,
+        ok=error is None,
+        status=status,
+        replica=replica,
+        sent_s=sent,
+        first_token_s=first,
+        ended_s=ended,
+        prompt_tokens=(usage or {}).get("prompt_tokens"),
+        cached_tokens=details.get("cached_tokens"),
+        completion_tokens=(usage or {}).get("completion_tokens"),
+        error=error,
     )
 
 
-async def run_load_async(base_url: str, bodies: Sequence[dict[str, Any]], concurrency: int, *,
-                         headers: Sequence[Mapping[str, str]] | None = None, api_key: str | None = None,
-                         timeout_s: float = 600.0,
-                         on_done: Callable[[RequestRecord], None] | None = None) -> list[RequestRecord]:
+async def run_load_async(
+    base_url: str,
+    bodies: Sequence[dict[str, Any]],
+    concurrency: int,
+    *,
+    headers: Sequence[Mapping[str, str]] | None = None,
+    api_key: str | None = None,
+    timeout_s: float = 600.0,
+    on_done: Callable[[RequestRecord], None] | None = None,
+) -> list[RequestRecord]:
     """Send ``bodies`` (OpenAI chat bodies) with ``concurrency`` workers; one record per body, in order.
 
     Closed loop: each worker sends its next body when its previous one ends, so
@@ -274,8 +294,7 @@ def in_flight_by_replica(records: Sequence[RequestRecord]) -> dict[str, InFlight
             last = t
             level += step
             peak = max(peak, level)
-        out[replica] = InFlight(peak=peak, mean=area / window if window > 0 else float(peak),
-                                requests=len(evs) // 2)
+        out[replica] = InFlight(peak=peak, mean=area / window if window > 0 else float(peak), requests=len(evs) // 2)
     return out
 
 
@@ -297,8 +316,14 @@ class LocalServeCluster:
         # Replicas inherit this process's environment: no model hub at run time.
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         # address="local": always a new instance, never another Ray found running on this machine.
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
-                 object_store_memory=OBJECT_STORE_BYTES, logging_level=logging.WARNING)
+        ray.init(
+            address="local",
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            log_to_driver=False,
+            object_store_memory=OBJECT_STORE_BYTES,
+            logging_level=logging.WARNING,
+        )
         # Serve's driver-side INFO lines (deploying, deleting) would break the progress bars.
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
         try:
@@ -324,8 +349,11 @@ class LocalServeCluster:
         while True:
             app = serve.status().applications.get(name)
             engine = app.deployments.get("Engine") if app is not None else None
-            if engine is not None and engine.replica_states.get("RUNNING", 0) == num_replicas \
-                    and engine.status == "HEALTHY":
+            if (
+                engine is not None
+                and engine.replica_states.get("RUNNING", 0) == num_replicas
+                and engine.status == "HEALTHY"
+            ):
                 try:
                     served_model(self.base_url, timeout_s=30)
                     wait_for_router(self.base_url, num_replicas, timeout_s=max(1.0, deadline - time.monotonic()))
@@ -335,8 +363,9 @@ class LocalServeCluster:
             elif app is not None:
                 last = f"app {app.status}: {app.message or ''} engine {engine.status if engine else None}"
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the app {name!r} was not serving {num_replicas} engine replicas "
-                                   f"within {timeout_s}s: {last}")
+                raise TimeoutError(
+                    f"the app {name!r} was not serving {num_replicas} engine replicas within {timeout_s}s: {last}"
+                )
             time.sleep(1.0)
 
     def delete(self, name: str) -> None:

@@ -68,9 +68,17 @@ class ConversationConfig:
 def preset(workload: str) -> ConversationConfig:
     """The simulator's two conversation workloads."""
     if workload == "agent":
-        return ConversationConfig(workload="agent", num_apps=50, system_len=(300, 600), tools_len=(2000, 4000),
-                                  first_len=(50, 200), turn_len=(200, 600), output_len=(30, 150),
-                                  mean_turns=8.0, think_s=1.5)
+        return ConversationConfig(
+            workload="agent",
+            num_apps=50,
+            system_len=(300, 600),
+            tools_len=(2000, 4000),
+            first_len=(50, 200),
+            turn_len=(200, 600),
+            output_len=(30, 150),
+            mean_turns=8.0,
+            think_s=1.5,
+        )
     return ConversationConfig(workload=workload)
 
 
@@ -87,7 +95,7 @@ class ConversationTraffic:
         self.config = config
         rng = np.random.default_rng([seed, 11])
         ranks = np.arange(1, config.num_apps + 1, dtype=np.float64)
-        weights = ranks ** -config.zipf_s
+        weights = ranks**-config.zipf_s
         weights /= weights.sum()
         self.static_tokens: list[list[int]] = []
         for a in range(config.num_apps):

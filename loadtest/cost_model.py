@@ -45,8 +45,12 @@ class CostProfile:
     source: str
 
     def __post_init__(self) -> None:
-        if (self.prefill_s_per_token <= 0 or self.decode_step_s <= 0
-                or self.prefill_overhead_s < 0 or self.decode_per_seq_s < 0):
+        if (
+            self.prefill_s_per_token <= 0
+            or self.decode_step_s <= 0
+            or self.prefill_overhead_s < 0
+            or self.decode_per_seq_s < 0
+        ):
             raise ValueError(f"cost profile {self.name!r}: times must be positive (overhead, per-seq >= 0)")
 
     def prefill_s(self, uncached_tokens: int) -> float:
@@ -57,11 +61,19 @@ class CostProfile:
 
 
 CPU_DEFAULT = CostProfile(
-    "cpu", 1.25e-3, 0.05, 0.030, 0.002,
+    "cpu",
+    1.25e-3,
+    0.05,
+    0.030,
+    0.002,
     "default: vLLM CPU build here, bench_engine workload: 0.71 s miss / 0.10 s hit TTFT on ~530-token prompts",
 )
 H100 = CostProfile(
-    "h100", 1.25e-3, 0.055, 0.015, 0.00005,
+    "h100",
+    1.25e-3,
+    0.055,
+    0.015,
+    0.00005,
     "seed articles: 820 ms vs 180 ms TTFT (512+100 vs 100 tokens); 47 req/s x 200 tokens at batch 256",
 )
 
@@ -92,9 +104,15 @@ def profile_from_bench(data: Any, source: str) -> CostProfile | None:
     per_seq = max(0.0, (step32 - step1) / 31)
     if per_token <= 0 or step1 - per_seq <= 0:
         return None
-    return CostProfile("cpu", per_token, max(0.0, hit - _BENCH_HIT_TOKENS * per_token), step1 - per_seq, per_seq,
-                       f"measured by loadtest/bench_engine.py ({source}): TTFT alone {miss:.3f} s miss / "
-                       f"{hit:.3f} s hit; decode {tps[1]:.1f} tok/s at batch 1, {tps[32]:.1f} at 32")
+    return CostProfile(
+        "cpu",
+        per_token,
+        max(0.0, hit - _BENCH_HIT_TOKENS * per_token),
+        step1 - per_seq,
+        per_seq,
+        f"measured by loadtest/bench_engine.py ({source}): TTFT alone {miss:.3f} s miss / "
+        f"{hit:.3f} s hit; decode {tps[1]:.1f} tok/s at batch 1, {tps[32]:.1f} at 32",
+    )
 
 
 def cpu_profile(path: str | Path = DEFAULT_BENCH_ENGINE) -> CostProfile:

@@ -65,8 +65,12 @@ def wait_for_ring(base_url: str, replicas: int, timeout_s: float = 120.0) -> Non
     while True:
         text = httpx.get(f"{base_url}/metrics", timeout=30).text
         # One ring-size sample per ingress replica (label ingress): each must see them all.
-        sizes = [s.value for family in text_string_to_metric_families(text) for s in family.samples
-                 if s.name == RING_SIZE and s.labels.get("deployment") == "Engine"]
+        sizes = [
+            s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name == RING_SIZE and s.labels.get("deployment") == "Engine"
+        ]
         if sizes and all(size == replicas for size in sizes):
             return
         if time.monotonic() > deadline:
@@ -90,8 +94,10 @@ def render(rows: Sequence[tuple[PolicyResult, float | None]]) -> str:
     ]
     for r, mean in rows:
         split = " / ".join(str(int(v["requests"])) for _, v in sorted(r.replicas.items()))
-        lines.append(f"| {r.policy} | {_fmt(r.hit_rate, '.3f')} | {_fmt(r.ttft_p50_s, '.3f')} | {_fmt(mean, '.3f')} "
-                     f"| {r.requests_per_s:.2f} | {split} | {r.succeeded}/{r.requests} |")
+        lines.append(
+            f"| {r.policy} | {_fmt(r.hit_rate, '.3f')} | {_fmt(r.ttft_p50_s, '.3f')} | {_fmt(mean, '.3f')} "
+            f"| {r.requests_per_s:.2f} | {split} | {r.succeeded}/{r.requests} |"
+        )
     return "\n".join(lines)
 
 
@@ -100,19 +106,27 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m prefixserve.loadtest.demo", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m prefixserve.loadtest.demo",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--model", default="smollm2", help="'smollm2' or a checkpoint directory / .gguf file")
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--tenants", type=int, default=6, help="distinct system prompts")
     p.add_argument("--requests", type=int, default=30)
-    p.add_argument("--system-len", type=int, default=320,
-                   help="system prompt tokens (long enough that a miss's prefill shows in TTFT)")
+    p.add_argument(
+        "--system-len",
+        type=int,
+        default=320,
+        help="system prompt tokens (long enough that a miss's prefill shows in TTFT)",
+    )
     p.add_argument("--question-len", type=int, default=16, help="user message tokens")
     p.add_argument("--output-len", type=int, default=8, help="max_tokens")
     p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--kv-headroom", type=float, default=1.5,
-                   help="cluster prefix room over the working set, in [1, replicas)")
+    p.add_argument(
+        "--kv-headroom", type=float, default=1.5, help="cluster prefix room over the working set, in [1, replicas)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request and per deployment")
@@ -126,12 +140,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     quiet_libraries(args.verbose)
     try:
-        spec = WorkloadSpec("shared_prefix", args.tenants, args.requests, args.system_len, args.question_len,
-                            args.output_len, seed=args.seed)
+        spec = WorkloadSpec(
+            "shared_prefix",
+            args.tenants,
+            args.requests,
+            args.system_len,
+            args.question_len,
+            args.output_len,
+            seed=args.seed,
+        )
         requests = spec.generate()
         prefix, totals = workload_token_counts(requests, chat_encoder(args.model))
-        sizing = size_kv(prefix, totals, block_size=16, replicas=args.replicas, concurrency=args.concurrency,
-                         headroom=args.kv_headroom)
+        sizing = size_kv(
+            prefix,
+            totals,
+            block_size=16,
+            replicas=args.replicas,
+            concurrency=args.concurrency,
+            headroom=args.kv_headroom,
+        )
     except ValueError as exc:
         parser.error(str(exc))
     print(sizing.describe(), file=sys.stderr)
@@ -145,14 +172,30 @@ def main(argv: Sequence[str] | None = None) -> int:
                 name = f"demo-{policy}"
                 try:
                     t0 = time.perf_counter()
-                    base = cluster.deploy(app_args(policy, model=args.model, replicas=args.replicas,
-                                                   sizing=sizing, seed=args.seed, epsilon=None),
-                                          name, num_replicas=args.replicas, timeout_s=args.timeout)
+                    base = cluster.deploy(
+                        app_args(
+                            policy,
+                            model=args.model,
+                            replicas=args.replicas,
+                            sizing=sizing,
+                            seed=args.seed,
+                            epsilon=None,
+                        ),
+                        name,
+                        num_replicas=args.replicas,
+                        timeout_s=args.timeout,
+                    )
                     wait_for_ring(base, args.replicas)
-                    tqdm.write(f"{policy}: {args.replicas} replicas up in {time.perf_counter() - t0:.0f}s",
-                               file=sys.stderr)
-                    result, records = measure(base, policy, _bodies(requests, served_model(base), None),
-                                              args.concurrency, timeout_s=args.timeout)
+                    tqdm.write(
+                        f"{policy}: {args.replicas} replicas up in {time.perf_counter() - t0:.0f}s", file=sys.stderr
+                    )
+                    result, records = measure(
+                        base,
+                        policy,
+                        _bodies(requests, served_model(base), None),
+                        args.concurrency,
+                        timeout_s=args.timeout,
+                    )
                     rows.append((result, _ttft_mean(records)))
                 finally:
                     cluster.delete(name)
@@ -162,9 +205,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             shutdown_serve()
 
     (rr, rr_mean), (bl, bl_mean) = rows
-    print(f"\n## prefixserve demo: {args.tenants} tenants x {args.requests // args.tenants} requests, system prompt "
-          f"{args.system_len} tokens, {args.output_len} output tokens, concurrency {args.concurrency}, "
-          f"{args.replicas} replicas of {Path(args.model).name} on CPU\n")
+    print(
+        f"\n## prefixserve demo: {args.tenants} tenants x {args.requests // args.tenants} requests, system prompt "
+        f"{args.system_len} tokens, {args.output_len} output tokens, concurrency {args.concurrency}, "
+        f"{args.replicas} replicas of {Path(args.model).name} on CPU\n"
+    )
     print(sizing.describe() + "\n")
     print(render(rows))
     ratios = {
@@ -173,25 +218,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         "ttft_mean": _ratio(bl_mean, rr_mean),
         "requests_per_s": _ratio(bl.requests_per_s, rr.requests_per_s),
     }
-    print(f"\n{DEFAULT_POLICY} / round_robin: hit rate {_fmt(ratios['hit_rate'], '.2f')}x, "
-          f"TTFT p50 {_fmt(ratios['ttft_p50'], '.2f')}x, TTFT mean {_fmt(ratios['ttft_mean'], '.2f')}x, "
-          f"req/s {_fmt(ratios['requests_per_s'], '.2f')}x")
+    print(
+        f"\n{DEFAULT_POLICY} / round_robin: hit rate {_fmt(ratios['hit_rate'], '.2f')}x, "
+        f"TTFT p50 {_fmt(ratios['ttft_p50'], '.2f')}x, TTFT mean {_fmt(ratios['ttft_mean'], '.2f')}x, "
+        f"req/s {_fmt(ratios['requests_per_s'], '.2f')}x"
+    )
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     path = args.out_dir / "demo.json"
-    path.write_text(json.dumps({
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "kv_sizing": sizing.to_json(),
-        "results": [{**r.to_json(), "ttft_mean_s": mean} for r, mean in rows],
-        "default_policy": DEFAULT_POLICY,
-        "ratios_default_over_round_robin": ratios,
-        "wall_s": time.perf_counter() - started,
-        "workload": asdict(spec),
-    }, indent=2))
+    path.write_text(
+        json.dumps(
+            {
+                "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                "kv_sizing": sizing.to_json(),
+                "results": [{**r.to_json(), "ttft_mean_s": mean} for r, mean in rows],
+                "default_policy": DEFAULT_POLICY,
+                "ratios_default_over_round_robin": ratios,
+                "wall_s": time.perf_counter() - started,
+                "workload": asdict(spec),
+            },
+            indent=2,
+        )
+    )
     print(f"\nwrote {path}")
-    print("\nWhere to look on a running cluster (`prefixserve up`): http://127.0.0.1:8000/metrics (every replica's "
-          "vllm:* series and the router's prefixserve_router_*), the Grafana dashboard "
-          "observability/grafana-dashboard.json and the Prometheus scrape config observability/prometheus.yml.")
+    print(
+        "\nWhere to look on a running cluster (`prefixserve up`): http://127.0.0.1:8000/metrics (every replica's "
+        "vllm:* series and the router's prefixserve_router_*), the Grafana dashboard "
+        "observability/grafana-dashboard.json and the Prometheus scrape config observability/prometheus.yml."
+    )
     return 0 if all(r.succeeded == r.requests for r, _ in rows) else 1
 
 

@@ -83,8 +83,14 @@ _cursor = itertools.count()
 
 
 def _fire(request_type: str, name: str, seconds: float, length: int, exc: BaseException | None, **ctx: Any) -> None:
-    events.request.fire(request_type=request_type, name=name, response_time=seconds * 1000.0,
-                        response_length=length, exception=exc, context=ctx)
+    events.request.fire(
+        request_type=request_type,
+        name=name,
+        response_time=seconds * 1000.0,
+        response_length=length,
+        exception=exc,
+        context=ctx,
+    )
 
 
 class ChatUser(HttpUser):
@@ -110,8 +116,14 @@ class ChatUser(HttpUser):
         first: float | None = None
         chunks = 0
         error: BaseException | None = None
-        with self.client.post(CHAT_PATH, data=json.dumps(req.body), headers=self.headers_for(req),
-                              stream=bool(req.body.get("stream")), catch_response=True, name=CHAT_PATH) as resp:
+        with self.client.post(
+            CHAT_PATH,
+            data=json.dumps(req.body),
+            headers=self.headers_for(req),
+            stream=bool(req.body.get("stream")),
+            catch_response=True,
+            name=CHAT_PATH,
+        ) as resp:
             try:
                 if resp.status_code != 200:
                     raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:200]}")

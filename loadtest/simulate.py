@@ -81,8 +81,16 @@ from prefixserve.router.policies import Placed, ReplicaLoad, make_policy, pick_o
 from prefixserve.router.prefix import prefix_hash
 
 # Our policies, then the peers; "placed" (the default) is the tables' baseline.
-OWN_POLICIES = ("round_robin", "random", "power_of_two", "consistent_hash", "bounded_load", "placed",
-                "placed_static", "placed_precise")
+OWN_POLICIES = (
+    "round_robin",
+    "random",
+    "power_of_two",
+    "consistent_hash",
+    "bounded_load",
+    "placed",
+    "placed_static",
+    "placed_precise",
+)
 POLICY_NAMES = OWN_POLICIES + tuple(PEERS)
 BASELINE = "placed"
 WORKLOADS = ("tenants", *CONVERSATION_WORKLOADS)
@@ -132,8 +140,15 @@ class SimConfig:
     workload: str = "tenants"
 
     def __post_init__(self) -> None:
-        for name in ("num_replicas", "num_tenants", "num_requests", "output_len", "block_size",
-                     "blocks_per_replica", "max_num_seqs"):
+        for name in (
+            "num_replicas",
+            "num_tenants",
+            "num_requests",
+            "output_len",
+            "block_size",
+            "blocks_per_replica",
+            "max_num_seqs",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"SimConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.system_prompt_len + self.question_len < 1:
@@ -194,8 +209,9 @@ def make_traffic(config: SimConfig) -> Traffic:
     """Deterministic traffic for ``config`` (everything but the replica count and policy)."""
     if config.workload != "tenants":
         return _conversation_traffic(config)
-    tenants = zipf_tenant_sequence(config.num_tenants, config.num_requests, config.zipf_s,
-                                   config.hot_share, config.seed)
+    tenants = zipf_tenant_sequence(
+        config.num_tenants, config.num_requests, config.zipf_s, config.hot_share, config.seed
+    )
     hasher = BlockHasher()
     bs = config.block_size
     system_tokens, system_hashes, keys = [], [], []
@@ -241,8 +257,17 @@ def _conversation_traffic(config: SimConfig) -> Traffic:
             covered = len(static_hashes[app]) if app in seen_apps else 0
         seen_apps.add(app)
         hits.append(min(limit, covered) * bs)
-    traffic = Traffic(list(conv.apps), conv.static_tokens, static_hashes, keys, np.zeros((0, 0), dtype=np.int64),
-                      np.zeros(0), hits, conv, previous)
+    traffic = Traffic(
+        list(conv.apps),
+        conv.static_tokens,
+        static_hashes,
+        keys,
+        np.zeros((0, 0), dtype=np.int64),
+        np.zeros(0),
+        hits,
+        conv,
+        previous,
+    )
     return traffic
 
 
@@ -270,15 +295,26 @@ def _oracle(traffic: Traffic, config: SimConfig, hasher: BlockHasher) -> list[in
 class SimReplica:
     """One replica: a ReplicaView (with reported load) for the policies, a KV manager, a queue, a prefill slot."""
 
-    __slots__ = ("index", "name", "in_flight", "kv", "queue", "busy", "running", "routed", "peak", "load",
-                 "queued_tokens", "num_gpu_blocks")
+    __slots__ = (
+        "index",
+        "name",
+        "in_flight",
+        "kv",
+        "queue",
+        "busy",
+        "running",
+        "routed",
+        "peak",
+        "load",
+        "queued_tokens",
+        "num_gpu_blocks",
+    )
 
     def __init__(self, index: int, config: SimConfig) -> None:
         self.index = index
         self.name = f"10.0.{index // 256}.{index % 256}:8000"
         self.in_flight = 0
-        self.kv = KVCacheManager(config.blocks_per_replica, config.block_size,
-                                 eviction_policy=config.eviction_policy)
+        self.kv = KVCacheManager(config.blocks_per_replica, config.block_size, eviction_policy=config.eviction_policy)
         self.num_gpu_blocks = config.blocks_per_replica
         self.queue: deque[int] = deque()
         self.busy = False
@@ -337,8 +373,9 @@ class PolicyResult:
 class _Router:
     """Runs one policy (ours or a peer) with the signals a real router has (see the module docstring)."""
 
-    def __init__(self, policy: str, config: SimConfig, traffic: Traffic, replicas: list[SimReplica],
-                 clock: list[float]) -> None:
+    def __init__(
+        self, policy: str, config: SimConfig, traffic: Traffic, replicas: list[SimReplica], clock: list[float]
+    ) -> None:
         self.config, self.traffic, self.replicas = config, traffic, replicas
         self.peer = None
         self.tree: SGLangCacheAware | None = None
@@ -373,8 +410,9 @@ class _Router:
         t = tr.tenants[i]
         prompt = tr.prompt(i, cfg)
         base = tr.system_hashes[t]
-        hashes = base + self._hasher.hash_blocks(prompt, cfg.block_size, None, start=len(base),
-                                                 parent=base[-1] if base else None)
+        hashes = base + self._hasher.hash_blocks(
+            prompt, cfg.block_size, None, start=len(base), parent=base[-1] if base else None
+        )
         return PeerRequest(i, tuple(prompt), hashes, tr.keys[t], now, cfg.block_size)
 
     def route(self, i: int, now: float) -> SimReplica:
@@ -441,8 +479,13 @@ class _Router:
 _ARRIVE, _PREFILLED, _FINISH = 0, 1, 2
 
 
-def simulate(config: SimConfig, policy: str, traffic: Traffic | None = None,
-             profile: CostProfile | None = None, check_invariants: bool = False) -> PolicyResult:
+def simulate(
+    config: SimConfig,
+    policy: str,
+    traffic: Traffic | None = None,
+    profile: CostProfile | None = None,
+    check_invariants: bool = False,
+) -> PolicyResult:
     """Run one policy over the traffic; returns its figures (see PolicyResult)."""
     started = time.perf_counter()
     traffic = traffic if traffic is not None else make_traffic(config)
@@ -547,8 +590,11 @@ def simulate(config: SimConfig, policy: str, traffic: Traffic | None = None,
             try_admit(rep, now)
         else:
             rep = replicas[replica_of[i]]
-            rep.kv.free(str(i), generated_cold=cold_generated,
-                        static_prefix_tokens=traffic.static_len(i, config) if static_tokens else 0)
+            rep.kv.free(
+                str(i),
+                generated_cold=cold_generated,
+                static_prefix_tokens=traffic.static_len(i, config) if static_tokens else 0,
+            )
             rep.running -= 1
             rep.in_flight -= 1
             finished += 1
@@ -609,8 +655,10 @@ def markdown_table(results: Sequence[PolicyResult], baseline: str | None = BASEL
     """
     # The baseline row of the same cluster size (sweeps hold several sizes).
     bases = {r.num_replicas: r for r in reversed(results) if baseline and r.policy == baseline}
-    head = ("| policy | R | hit rate | of oracle | short: first touch / evicted | load max/mean | peak in-flight "
-            "| TTFT p50 (s) | TTFT p99 (s) |")
+    head = (
+        "| policy | R | hit rate | of oracle | short: first touch / evicted | load max/mean | peak in-flight "
+        "| TTFT p50 (s) | TTFT p99 (s) |"
+    )
     if bases:
         head += f" {baseline} hit x | {baseline} p50 TTFT / | {baseline} p99 TTFT / |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -618,8 +666,10 @@ def markdown_table(results: Sequence[PolicyResult], baseline: str | None = BASEL
         name = r.policy if r.epsilon is None else f"{r.policy} (eps={r.epsilon:g})"
         tokens = max(r.prompt_tokens, 1)
         short = f"{100 * r.first_touch_miss_tokens / tokens:.2f} / {100 * r.evicted_miss_tokens / tokens:.2f}"
-        row = (f"| {name} | {r.num_replicas} | {r.hit_rate:.1%} | {r.of_oracle:.2f} | {short} "
-               f"| {r.load_max_over_mean:.2f} | {r.peak_in_flight} | {r.ttft_p50:.3f} | {r.ttft_p99:.3f} |")
+        row = (
+            f"| {name} | {r.num_replicas} | {r.hit_rate:.1%} | {r.of_oracle:.2f} | {short} "
+            f"| {r.load_max_over_mean:.2f} | {r.peak_in_flight} | {r.ttft_p50:.3f} | {r.ttft_p99:.3f} |"
+        )
         base = bases.get(r.num_replicas)
         if bases and base is None:
             row += " - | - | - |"
@@ -632,8 +682,9 @@ def markdown_table(results: Sequence[PolicyResult], baseline: str | None = BASEL
     return "\n".join(lines)
 
 
-def plot(main: Sequence[PolicyResult], by_replicas: Sequence[PolicyResult], by_epsilon: Sequence[PolicyResult],
-         path: Path) -> None:
+def plot(
+    main: Sequence[PolicyResult], by_replicas: Sequence[PolicyResult], by_epsilon: Sequence[PolicyResult], path: Path
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -709,22 +760,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--profile", choices=("cpu", "h100"), default=d.profile)
     p.add_argument("--epsilon", type=float, default=d.epsilon, help="bounded_load's epsilon")
     p.add_argument("--placed-epsilon", type=float, default=None, help="placed's epsilon (default: the policy's)")
-    p.add_argument("--eviction-policy", default=d.eviction_policy,
-                   help="the replicas' KV eviction policy (replica/kv/block_pool.py EVICTION_POLICIES)")
-    p.add_argument("--generated-blocks", choices=("warm", "cold"), default=d.generated_blocks,
-                   help="cold: a finished request's generated blocks enter the KV pool's cold end")
-    p.add_argument("--static-prefix", choices=("protected", "plain"),
-                   default="protected" if d.protect_static_prefix else "plain",
-                   help="protected: the system prompt's blocks are freed as reused "
-                        "(EngineConfig.protect_static_prefix)")
+    p.add_argument(
+        "--eviction-policy",
+        default=d.eviction_policy,
+        help="the replicas' KV eviction policy (replica/kv/block_pool.py EVICTION_POLICIES)",
+    )
+    p.add_argument(
+        "--generated-blocks",
+        choices=("warm", "cold"),
+        default=d.generated_blocks,
+        help="cold: a finished request's generated blocks enter the KV pool's cold end",
+    )
+    p.add_argument(
+        "--static-prefix",
+        choices=("protected", "plain"),
+        default="protected" if d.protect_static_prefix else "plain",
+        help="protected: the system prompt's blocks are freed as reused (EngineConfig.protect_static_prefix)",
+    )
     p.add_argument("--policies", default=",".join(POLICY_NAMES))
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--workload", choices=WORKLOADS, default=d.workload,
-                   help="tenants (Zipf tenant one-shots) or a conversation workload (loadtest/conversations.py)")
+    p.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default=d.workload,
+        help="tenants (Zipf tenant one-shots) or a conversation workload (loadtest/conversations.py)",
+    )
     p.add_argument("--sweep-replicas", default="8,16,32,64", help="comma list; empty to skip")
     p.add_argument("--sweep-epsilons", default="0.05,0.1,0.25,0.5,1,2", help="comma list; empty to skip")
-    p.add_argument("--sweep-policy", default=BASELINE, choices=("placed", "bounded_load"),
-                   help="the policy whose epsilon is swept")
+    p.add_argument(
+        "--sweep-policy", default=BASELINE, choices=("placed", "bounded_load"), help="the policy whose epsilon is swept"
+    )
     p.add_argument("--sweep-requests", type=int, default=20_000, help="requests per sweep run")
     p.add_argument("--out", default="results/simulate.json")
     p.add_argument("--png", default="results/simulate.png")
@@ -736,13 +801,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"unknown policies {sorted(unknown)}; choose from {POLICY_NAMES}")
     try:
         config = SimConfig(
-            num_replicas=args.replicas, num_tenants=args.tenants, num_requests=args.requests, zipf_s=args.zipf_s,
-            hot_share=args.hot_share, system_prompt_len=args.system_len, question_len=args.question_len,
-            output_len=args.output_len, blocks_per_replica=args.blocks_per_replica, max_num_seqs=args.max_num_seqs,
-            utilization=args.utilization, profile=args.profile, epsilon=args.epsilon,
-            placed_epsilon=args.placed_epsilon, eviction_policy=args.eviction_policy,
-            generated_blocks=args.generated_blocks, protect_static_prefix=args.static_prefix == "protected",
-            seed=args.seed, workload=args.workload,
+            num_replicas=args.replicas,
+            num_tenants=args.tenants,
+            num_requests=args.requests,
+            zipf_s=args.zipf_s,
+            hot_share=args.hot_share,
+            system_prompt_len=args.system_len,
+            question_len=args.question_len,
+            output_len=args.output_len,
+            blocks_per_replica=args.blocks_per_replica,
+            max_num_seqs=args.max_num_seqs,
+            utilization=args.utilization,
+            profile=args.profile,
+            epsilon=args.epsilon,
+            placed_epsilon=args.placed_epsilon,
+            eviction_policy=args.eviction_policy,
+            generated_blocks=args.generated_blocks,
+            protect_static_prefix=args.static_prefix == "protected",
+            seed=args.seed,
+            workload=args.workload,
         )
         KVCacheManager(1, config.block_size, eviction_policy=config.eviction_policy)  # validates the name
         profile = get_profile(config.profile)
@@ -752,8 +829,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     traffic = make_traffic(config)
-    main_results = [simulate(config, name, traffic, profile)
-                    for name in _progress(policies, len(policies), f"R={config.num_replicas}", show)]
+    main_results = [
+        simulate(config, name, traffic, profile)
+        for name in _progress(policies, len(policies), f"R={config.num_replicas}", show)
+    ]
     main_wall = time.perf_counter() - t0
 
     sweep_cfg = replace(config, num_requests=min(args.sweep_requests, config.num_requests))
@@ -770,39 +849,54 @@ def main(argv: Sequence[str] | None = None) -> int:
         by_epsilon.append(simulate(eps_cfg, args.sweep_policy, sweep_traffic, profile))
 
     what = f"{config.num_tenants} tenants" if config.workload == "tenants" else f"{config.workload} sessions"
-    print(f"## Simulator: {config.num_replicas} replicas x {what} x "
-          f"{config.num_requests} requests ({profile.name} profile; {profile.source})\n")
+    print(
+        f"## Simulator: {config.num_replicas} replicas x {what} x "
+        f"{config.num_requests} requests ({profile.name} profile; {profile.source})\n"
+    )
     if config.workload == "tenants":
-        shape = (f"prompts {config.system_prompt_len}+{config.question_len} tokens, {config.output_len} out; "
-                 f"Zipf s={config.zipf_s}, hot tenant +{config.hot_share:.0%}; offered utilization "
-                 f"{config.utilization} (all-miss)")
+        shape = (
+            f"prompts {config.system_prompt_len}+{config.question_len} tokens, {config.output_len} out; "
+            f"Zipf s={config.zipf_s}, hot tenant +{config.hot_share:.0%}; offered utilization "
+            f"{config.utilization} (all-miss)"
+        )
     else:
-        shape = (f"{config.workload} sessions (loadtest/conversations.py preset), {len(traffic.conv or ())} "
-                 f"requests; offered utilization {config.utilization} (each turn's new tokens)")
-    print(f"KV blocks per replica {config.blocks_per_replica} x {config.block_size} tokens; {shape}; "
-          f"KV eviction {config.eviction_policy}, generated blocks {config.generated_blocks}, "
-          f"static prefix {'protected' if config.protect_static_prefix else 'plain'}; "
-          f"oracle hit rate {main_results[0].oracle_hit_rate:.1%}. "
-          f"All policies simulated in {main_wall:.1f} s wall.\n")
+        shape = (
+            f"{config.workload} sessions (loadtest/conversations.py preset), {len(traffic.conv or ())} "
+            f"requests; offered utilization {config.utilization} (each turn's new tokens)"
+        )
+    print(
+        f"KV blocks per replica {config.blocks_per_replica} x {config.block_size} tokens; {shape}; "
+        f"KV eviction {config.eviction_policy}, generated blocks {config.generated_blocks}, "
+        f"static prefix {'protected' if config.protect_static_prefix else 'plain'}; "
+        f"oracle hit rate {main_results[0].oracle_hit_rate:.1%}. "
+        f"All policies simulated in {main_wall:.1f} s wall.\n"
+    )
     print(markdown_table(main_results))
     if by_replicas:
         print(f"\n### Sweep over replicas ({sweep_cfg.num_requests} requests)\n")
         print(markdown_table(by_replicas))
     if by_epsilon:
-        print(f"\n### {args.sweep_policy} epsilon sweep at {sweep_cfg.num_replicas} replicas "
-              f"({sweep_cfg.num_requests} requests)\n")
+        print(
+            f"\n### {args.sweep_policy} epsilon sweep at {sweep_cfg.num_replicas} replicas "
+            f"({sweep_cfg.num_requests} requests)\n"
+        )
         print(markdown_table(by_epsilon, baseline=None))
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "config": asdict(config),
-        "profile": asdict(profile),
-        "main_wall_seconds": main_wall,
-        "main": [asdict(r) for r in main_results],
-        "sweep_replicas": [asdict(r) for r in by_replicas],
-        "sweep_epsilon": [asdict(r) for r in by_epsilon],
-    }, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "config": asdict(config),
+                "profile": asdict(profile),
+                "main_wall_seconds": main_wall,
+                "main": [asdict(r) for r in main_results],
+                "sweep_replicas": [asdict(r) for r in by_replicas],
+                "sweep_epsilon": [asdict(r) for r in by_epsilon],
+            },
+            indent=2,
+        )
+    )
     if by_replicas and by_epsilon:
         plot(main_results, by_replicas, by_epsilon, Path(args.png))
     print(f"\nwrote {out}" + (f" and {args.png}" if by_replicas and by_epsilon else ""))

@@ -81,15 +81,30 @@ from prefixserve.loadtest.workloads import DEFAULT_MODEL, SharedPrefixConfig, sh
 HOST = "127.0.0.1"  # loopback only, not configurable
 API_KEY = "soak-key"
 HOSTILE_KINDS: dict[str, float] = {  # kind -> relative weight within the hostile share
-    "cancel": 3.0, "too_long": 1.0, "huge_messages": 0.5, "bad_params": 2.0, "bad_key": 2.0,
-    "big_header": 1.0, "many_headers": 1.0, "unread_stream": 1.0, "slow_headers": 1.0, "slow_body": 1.0,
+    "cancel": 3.0,
+    "too_long": 1.0,
+    "huge_messages": 0.5,
+    "bad_params": 2.0,
+    "bad_key": 2.0,
+    "big_header": 1.0,
+    "many_headers": 1.0,
+    "unread_stream": 1.0,
+    "slow_headers": 1.0,
+    "slow_body": 1.0,
     "dup_ids": 1.0,
 }
 NORMAL = "chat"
 BAD_PARAMS: tuple[dict[str, Any], ...] = (
-    {"temperature": -1.0}, {"top_p": 2.0}, {"max_tokens": -5}, {"n": 0}, {"top_k": -7},
-    {"stream_options": {"include_usage": True}}, {"logit_bias": {"not-a-token": 3}}, {"frequency_penalty": 9.0},
-    {"unknown_field": 1}, {"seed": "x"},
+    {"temperature": -1.0},
+    {"top_p": 2.0},
+    {"max_tokens": -5},
+    {"n": 0},
+    {"top_k": -7},
+    {"stream_options": {"include_usage": True}},
+    {"logit_bias": {"not-a-token": 3}},
+    {"frequency_penalty": 9.0},
+    {"unknown_field": 1},
+    {"seed": "x"},
 )
 METRICS = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting")
 RSS_TOLERANCE = 0.02
@@ -120,8 +135,19 @@ class SoakConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("duration_s", "bucket_s", "concurrency", "max_tokens", "hold_s", "sample_s",
-                     "client_timeout_s", "idle_timeout_s", "max_in_flight", "replicas", "huge_messages"):
+        for name in (
+            "duration_s",
+            "bucket_s",
+            "concurrency",
+            "max_tokens",
+            "hold_s",
+            "sample_s",
+            "client_timeout_s",
+            "idle_timeout_s",
+            "max_in_flight",
+            "replicas",
+            "huge_messages",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if not 0.0 <= self.hostile_share <= 1.0:
@@ -152,13 +178,27 @@ class StandaloneServer:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float = 600.0) -> None:
-        command = [sys.executable, "-m", "prefixserve.router.cli", "replica", "--model", self.config.model,
-                   "--host", HOST, "--port", str(self.port), "--api-key", API_KEY,
-                   "--max-in-flight", str(self.config.max_in_flight), "--log-level", "warning"]
+        command = [
+            sys.executable,
+            "-m",
+            "prefixserve.router.cli",
+            "replica",
+            "--model",
+            self.config.model,
+            "--host",
+            HOST,
+            "--port",
+            str(self.port),
+            "--api-key",
+            API_KEY,
+            "--max-in-flight",
+            str(self.config.max_in_flight),
+            "--log-level",
+            "warning",
+        ]
         env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -205,8 +245,14 @@ class ClusterServer:
         from prefixserve.loadtest.bench_cluster import app_args
         from prefixserve.router.policies import DEFAULT_POLICY
 
-        app = app_args(DEFAULT_POLICY, model=self.config.model, replicas=self.config.replicas, sizing=None,
-                       seed=self.config.seed, epsilon=None)
+        app = app_args(
+            DEFAULT_POLICY,
+            model=self.config.model,
+            replicas=self.config.replicas,
+            sizing=None,
+            seed=self.config.seed,
+            epsilon=None,
+        )
         app["ingress"]["api_keys"] = [API_KEY]
         self.cluster = LocalServeCluster(num_cpus=self.config.replicas + 1, port=self.port, host=HOST)
         self.cluster.deploy(app, "soak", num_replicas=self.config.replicas, timeout_s=timeout_s)
@@ -287,12 +333,16 @@ class Bucket:
         for counts in self.statuses.values():
             totals.update(counts)
         return {
-            "index": self.index, "start_s": round(self.start_s, 2), "end_s": round(self.end_s, 2),
+            "index": self.index,
+            "start_s": round(self.start_s, 2),
+            "end_s": round(self.end_s, 2),
             "statuses": {k: dict(sorted(v.items())) for k, v in sorted(self.statuses.items())},
             "status_totals": dict(sorted(totals.items())),
             "normal_ok": len(self.ttfts_s),
-            "ttft_p50_s": percentile(self.ttfts_s, 50), "ttft_p99_s": percentile(self.ttfts_s, 99),
-            "idle": self.idle, "idle_wait_s": round(self.idle_wait_s, 2),
+            "ttft_p50_s": percentile(self.ttfts_s, 50),
+            "ttft_p99_s": percentile(self.ttfts_s, 99),
+            "idle": self.idle,
+            "idle_wait_s": round(self.idle_wait_s, 2),
             "rss_total_bytes": self.sample.rss_total if self.sample else None,
             "rss_bytes": self.sample.rss_bytes if self.sample else {},
             "fds": self.sample.fds if self.sample else None,
@@ -325,8 +375,15 @@ class Traffic:
         self.port = port
         self.chat_url = f"{base_url}/v1/chat/completions"
         self.auth = {"Authorization": f"Bearer {API_KEY}"}
-        spec = SharedPrefixConfig(num_groups=4, prompts_per_group=32, system_prompt_len=192, question_len=24,
-                                  output_len=config.max_tokens, seed=config.seed, model=config.model)
+        spec = SharedPrefixConfig(
+            num_groups=4,
+            prompts_per_group=32,
+            system_prompt_len=192,
+            question_len=24,
+            output_len=config.max_tokens,
+            seed=config.seed,
+            model=config.model,
+        )
         self.bodies = [r.body for r in shared_prefix(spec)]
         self._next_body = 0
         self._next_bad = 0
@@ -341,8 +398,9 @@ class Traffic:
 
     async def __aenter__(self) -> Traffic:
         limits = httpx.Limits(max_connections=4 * self.config.concurrency + 8)
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(self.config.client_timeout_s, connect=30.0),
-                                        limits=limits)
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(self.config.client_timeout_s, connect=30.0), limits=limits
+        )
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -386,15 +444,17 @@ class Traffic:
             bucket.count("cancel", f"client_{type(exc).__name__}")
 
     async def too_long(self, bucket: Bucket) -> None:
-        body = {**self.body(), "stream": False,
-                "messages": [{"role": "user", "content": "lorem " * 40_000}]}
+        body = {**self.body(), "stream": False, "messages": [{"role": "user", "content": "lorem " * 40_000}]}
         bucket.count("too_long", await self._post(body))
 
     async def huge_messages(self, bucket: Bucket) -> None:
         messages = [{"role": "system", "content": ""}] * self.config.huge_messages
         self._ids += 1
-        body = {**self.body(), "stream": False,
-                "messages": [*messages, {"role": "user", "content": f"question {self._ids}"}]}
+        body = {
+            **self.body(),
+            "stream": False,
+            "messages": [*messages, {"role": "user", "content": f"question {self._ids}"}],
+        }
         bucket.count("huge_messages", await self._post(body))
 
     async def bad_params(self, bucket: Bucket) -> None:
@@ -406,8 +466,9 @@ class Traffic:
         status = await self._post({**self.body(), "stream": False}, {"Authorization": "Bearer not-the-key"})
         bucket.count("bad_key", status)
 
-    async def _raw(self, head: bytes, body: bytes = b"", *, byte_delay_s: float = 0.0,
-                   answer_timeout_s: float) -> int | str:
+    async def _raw(
+        self, head: bytes, body: bytes = b"", *, byte_delay_s: float = 0.0, answer_timeout_s: float
+    ) -> int | str:
         """One raw HTTP/1.1 exchange: ``head``, then ``body`` (a byte at a time with a delay); the status."""
         try:
             reader, writer = await asyncio.wait_for(asyncio.open_connection(HOST, self.port), 30.0)
@@ -418,7 +479,7 @@ class Traffic:
             await writer.drain()
             if byte_delay_s > 0:
                 for i in range(len(body)):
-                    writer.write(body[i:i + 1])
+                    writer.write(body[i : i + 1])
                     await writer.drain()
                     await asyncio.sleep(byte_delay_s)
             elif body:
@@ -436,8 +497,9 @@ class Traffic:
             except (ConnectionError, OSError):
                 pass
 
-    def _head(self, method: str, path: str, extra: Sequence[str] = (), length: int | None = None,
-              auth: bool = True) -> bytes:
+    def _head(
+        self, method: str, path: str, extra: Sequence[str] = (), length: int | None = None, auth: bool = True
+    ) -> bytes:
         lines = [f"{method} {path} HTTP/1.1", f"Host: {HOST}:{self.port}", "Connection: close", *extra]
         if auth:
             lines.append(f"Authorization: Bearer {API_KEY}")
@@ -459,11 +521,13 @@ class Traffic:
         bucket.count("slow_headers", await self._raw(head, answer_timeout_s=self.config.hold_s))
 
     async def slow_body(self, bucket: Bucket) -> None:
-        body = json.dumps({"model": self.config.model, "max_tokens": 4,
-                           "messages": [{"role": "user", "content": "hi"}]}).encode()
+        body = json.dumps(
+            {"model": self.config.model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+        ).encode()
         head = self._head("POST", "/v1/chat/completions", length=len(body))
-        status = await self._raw(head, body, byte_delay_s=self.config.hold_s / len(body),
-                                 answer_timeout_s=self.config.client_timeout_s)
+        status = await self._raw(
+            head, body, byte_delay_s=self.config.hold_s / len(body), answer_timeout_s=self.config.client_timeout_s
+        )
         bucket.count("slow_body", status)
 
     async def unread_stream(self, bucket: Bucket) -> None:
@@ -512,9 +576,17 @@ async def _idle_probe(traffic: Traffic, bucket: Bucket, timeout_s: float) -> Non
         await asyncio.sleep(0.5)
 
 
-async def run_phase(config: SoakConfig, traffic: Traffic, server: StandaloneServer | ClusterServer, *,
-                    name: str, duration_s: float, hostile_share: float, samples: list[ProcessSample],
-                    bar: tqdm) -> list[Bucket]:
+async def run_phase(
+    config: SoakConfig,
+    traffic: Traffic,
+    server: StandaloneServer | ClusterServer,
+    *,
+    name: str,
+    duration_s: float,
+    hostile_share: float,
+    samples: list[ProcessSample],
+    bar: tqdm,
+) -> list[Bucket]:
     """One phase: buckets of traffic, each closed by an idle pause; RSS sampled every ``sample_s``."""
     rng = random.Random(f"{config.seed}-{name}")
     kinds, weights = list(HOSTILE_KINDS), list(HOSTILE_KINDS.values())
@@ -572,20 +644,31 @@ def least_squares_slope(points: Sequence[tuple[float, float]]) -> float:
     return 0.0 if sxx == 0 else sum((x - mx) * (y - my) for x, y in points) / sxx
 
 
-def evaluate(phases: dict[str, list[Bucket]], samples: Sequence[ProcessSample], soak_start_s: float,
-             warmup_s: float) -> list[Target]:
+def evaluate(
+    phases: dict[str, list[Bucket]], samples: Sequence[ProcessSample], soak_start_s: float, warmup_s: float
+) -> list[Target]:
     """The four targets over the phases (the soak phase is ``"soak"``, the baseline ``"baseline"``)."""
     soak = phases["soak"]
     targets = []
-    fives = {kind: n for b in (x for p in phases.values() for x in p) for kind, c in b.statuses.items()
-             for s, n in c.items() if s.isdigit() and int(s) >= 500}
+    fives = {
+        kind: n
+        for b in (x for p in phases.values() for x in p)
+        for kind, c in b.statuses.items()
+        for s, n in c.items()
+        if s.isdigit() and int(s) >= 500
+    }
     targets.append(Target("no 5xx", not fives, f"5xx by kind: {fives}" if fives else "none"))
     settled = soak_start_s + warmup_s
     idle = [b.sample.rss_total for b in soak if b.sample is not None and b.sample.t_s >= settled]
     if idle:
         worst = max(abs(r - idle[0]) / idle[0] for r in idle)
-        targets.append(Target("RSS after warm-up within 2%", worst <= RSS_TOLERANCE,
-                              f"{len(idle)} idle samples, largest change {worst:.2%} of {idle[0] / 2**20:.0f} MiB"))
+        targets.append(
+            Target(
+                "RSS after warm-up within 2%",
+                worst <= RSS_TOLERANCE,
+                f"{len(idle)} idle samples, largest change {worst:.2%} of {idle[0] / 2**20:.0f} MiB",
+            )
+        )
     else:
         targets.append(Target("RSS after warm-up within 2%", None, "no idle sample after warm-up"))
     later = [(s.t_s, float(s.rss_total)) for s in samples if s.t_s >= settled]
@@ -594,28 +677,47 @@ def evaluate(phases: dict[str, list[Bucket]], samples: Sequence[ProcessSample], 
         span = later[-1][0] - later[0][0]
         mean = sum(y for _, y in later) / len(later)
         growth = slope * span / mean
-        targets.append(Target("RSS no upward trend", growth <= RSS_TOLERANCE,
-                              f"least-squares slope {slope * 60 / 2**20:+.2f} MiB/min over {span:.0f}s: "
-                              f"{growth:+.2%} of the mean"))
+        targets.append(
+            Target(
+                "RSS no upward trend",
+                growth <= RSS_TOLERANCE,
+                f"least-squares slope {slope * 60 / 2**20:+.2f} MiB/min over {span:.0f}s: {growth:+.2%} of the mean",
+            )
+        )
     else:
         targets.append(Target("RSS no upward trend", None, "fewer than two samples after warm-up"))
     base = phases.get("baseline")
     if base is None:
         targets.append(Target("TTFT p99 within 1.5x baseline", None, "no baseline phase (--compare-baseline)"))
     else:
-        p_soak = percentile([t for b in soak if b.start_s >= settled for t in b.ttfts_s]
-                            or [t for b in soak for t in b.ttfts_s], 99)
+        p_soak = percentile(
+            [t for b in soak if b.start_s >= settled for t in b.ttfts_s] or [t for b in soak for t in b.ttfts_s], 99
+        )
         p_base = percentile([t for b in base for t in b.ttfts_s], 99)
         if p_soak is None or not p_base:
             targets.append(Target("TTFT p99 within 1.5x baseline", None, "no normal chat answered in a phase"))
         else:
             ratio = p_soak / p_base
-            targets.append(Target("TTFT p99 within 1.5x baseline", ratio <= TTFT_RATIO,
-                                  f"{p_soak * 1e3:.0f} ms vs {p_base * 1e3:.0f} ms: {ratio:.2f}x"))
-    left = [(b.index, b.idle) for p in phases.values() for b in p
-            if not b.idle or any(b.idle.get(m, 1.0) != 0 for m in METRICS)]
-    targets.append(Target("idle: KV usage, running, waiting back to 0", not left,
-                          f"{len(left)} idle pauses not at 0: {left[:3]}" if left else "every idle pause at 0"))
+            targets.append(
+                Target(
+                    "TTFT p99 within 1.5x baseline",
+                    ratio <= TTFT_RATIO,
+                    f"{p_soak * 1e3:.0f} ms vs {p_base * 1e3:.0f} ms: {ratio:.2f}x",
+                )
+            )
+    left = [
+        (b.index, b.idle)
+        for p in phases.values()
+        for b in p
+        if not b.idle or any(b.idle.get(m, 1.0) != 0 for m in METRICS)
+    ]
+    targets.append(
+        Target(
+            "idle: KV usage, running, waiting back to 0",
+            not left,
+            f"{len(left)} idle pauses not at 0: {left[:3]}" if left else "every idle pause at 0",
+        )
+    )
     return targets
 
 
@@ -629,22 +731,30 @@ def _ms(value: float | None) -> str:
 def markdown(result: dict[str, Any]) -> str:
     """The per-bucket tables of every phase and the targets, as markdown."""
     config = result["config"]
-    out = [f"Soak: {'cluster, ' + str(config['replicas']) + ' replicas' if config['cluster'] else 'standalone replica'}"
-           f" of {config['model']}, {config['concurrency']} clients, hostile share {config['hostile_share']}, "
-           f"buckets of {config['bucket_s']:.0f}s, warm-up {config['warmup_s']:.0f}s.", ""]
+    out = [
+        f"Soak: {'cluster, ' + str(config['replicas']) + ' replicas' if config['cluster'] else 'standalone replica'}"
+        f" of {config['model']}, {config['concurrency']} clients, hostile share {config['hostile_share']}, "
+        f"buckets of {config['bucket_s']:.0f}s, warm-up {config['warmup_s']:.0f}s.",
+        "",
+    ]
     for name, buckets in result["phases"].items():
-        out += [f"### {name}", "",
-                "| bucket | start s | requests by status | normal ok | TTFT p50 / p99 ms | RSS MiB | fds | threads "
-                "| idle KV / running / waiting |",
-                "|---:|---:|---|---:|---:|---:|---:|---:|---|"]
+        out += [
+            f"### {name}",
+            "",
+            "| bucket | start s | requests by status | normal ok | TTFT p50 / p99 ms | RSS MiB | fds | threads "
+            "| idle KV / running / waiting |",
+            "|---:|---:|---|---:|---:|---:|---:|---:|---|",
+        ]
         for b in buckets:
             statuses = " ".join(f"{s}:{n}" for s, n in b["status_totals"].items())
             idle = b["idle"]
             idle_text = " / ".join(f"{idle.get(m, float('nan')):g}" for m in METRICS) if idle else "no answer"
             rss = "-" if b["rss_total_bytes"] is None else f"{b['rss_total_bytes'] / 2**20:.0f}"
-            out.append(f"| {b['index']} | {b['start_s']:.0f} | {statuses} | {b['normal_ok']} | "
-                       f"{_ms(b['ttft_p50_s'])} / {_ms(b['ttft_p99_s'])} | {rss} | {b['fds']} | {b['threads']} | "
-                       f"{idle_text} |")
+            out.append(
+                f"| {b['index']} | {b['start_s']:.0f} | {statuses} | {b['normal_ok']} | "
+                f"{_ms(b['ttft_p50_s'])} / {_ms(b['ttft_p99_s'])} | {rss} | {b['fds']} | {b['threads']} | "
+                f"{idle_text} |"
+            )
         kinds: dict[str, Counter[str]] = {}
         for b in buckets:
             for kind, counts in b["statuses"].items():
@@ -696,20 +806,37 @@ async def _drive(config: SoakConfig, server: StandaloneServer | ClusterServer) -
         traffic.t0 = time.perf_counter()
         with tqdm(total=round(total), unit="s", desc="soak", file=sys.stderr) as bar:
             if config.compare_baseline:
-                phases["baseline"] = await run_phase(config, traffic, server, name="baseline",
-                                                     duration_s=config.baseline_s, hostile_share=0.0,
-                                                     samples=samples, bar=bar)
+                phases["baseline"] = await run_phase(
+                    config,
+                    traffic,
+                    server,
+                    name="baseline",
+                    duration_s=config.baseline_s,
+                    hostile_share=0.0,
+                    samples=samples,
+                    bar=bar,
+                )
             soak_start = time.perf_counter() - traffic.t0
-            phases["soak"] = await run_phase(config, traffic, server, name="soak", duration_s=config.duration_s,
-                                             hostile_share=config.hostile_share, samples=samples, bar=bar)
+            phases["soak"] = await run_phase(
+                config,
+                traffic,
+                server,
+                name="soak",
+                duration_s=config.duration_s,
+                hostile_share=config.hostile_share,
+                samples=samples,
+                bar=bar,
+            )
             bar.n = bar.total
     targets = evaluate(phases, samples, soak_start, config.warmup_s)
     return {
         "config": asdict(config),
         "soak_start_s": round(soak_start, 2),
         "phases": {name: [b.summary() for b in buckets] for name, buckets in phases.items()},
-        "samples": [{"t_s": round(s.t_s, 2), "rss_total_bytes": s.rss_total, "fds": s.fds, "threads": s.threads}
-                    for s in samples],
+        "samples": [
+            {"t_s": round(s.t_s, 2), "rss_total_bytes": s.rss_total, "fds": s.fds, "threads": s.threads}
+            for s in samples
+        ],
         "targets": [asdict(t) for t in targets],
     }
 
@@ -717,8 +844,9 @@ async def _drive(config: SoakConfig, server: StandaloneServer | ClusterServer) -
 def run_soak(config: SoakConfig, out_dir: Path) -> dict[str, Any]:
     """Start the server, drive the phases, stop it; write soak.json, soak.md and soak.png into ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    server: StandaloneServer | ClusterServer = (ClusterServer(config) if config.cluster
-                                               else StandaloneServer(config, out_dir / "soak-replica.log"))
+    server: StandaloneServer | ClusterServer = (
+        ClusterServer(config) if config.cluster else StandaloneServer(config, out_dir / "soak-replica.log")
+    )
     server.start()
     try:
         result = asyncio.run(_drive(config, server))
@@ -732,33 +860,59 @@ def run_soak(config: SoakConfig, out_dir: Path) -> dict[str, Any]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = SoakConfig()
-    parser.add_argument("--duration-s", type=float, default=d.duration_s,
-                        help="length of the soak phase (default: %(default)s)")
-    parser.add_argument("--cluster", action="store_true",
-                        help="soak the local Ray cluster (prefixserve up's shape) instead of one standalone replica")
+    parser.add_argument(
+        "--duration-s", type=float, default=d.duration_s, help="length of the soak phase (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--cluster",
+        action="store_true",
+        help="soak the local Ray cluster (prefixserve up's shape) instead of one standalone replica",
+    )
     parser.add_argument("--replicas", type=int, default=d.replicas, help="engine replicas with --cluster")
-    parser.add_argument("--hostile-share", type=float, default=d.hostile_share,
-                        help="probability that a client's next action is a hostile one (default: %(default)s)")
-    parser.add_argument("--compare-baseline", action="store_true",
-                        help="first run a phase without the hostile share, for the TTFT p99 ratio")
+    parser.add_argument(
+        "--hostile-share",
+        type=float,
+        default=d.hostile_share,
+        help="probability that a client's next action is a hostile one (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--compare-baseline",
+        action="store_true",
+        help="first run a phase without the hostile share, for the TTFT p99 ratio",
+    )
     parser.add_argument("--baseline-s", type=float, default=d.baseline_s, help="length of that phase")
     parser.add_argument("--bucket-s", type=float, default=d.bucket_s, help="report bucket (default: a minute)")
-    parser.add_argument("--warmup-s", type=float, default=d.warmup_s,
-                        help="start of the soak phase left out of the RSS and TTFT targets")
-    parser.add_argument("--idle-timeout-s", type=float, default=d.idle_timeout_s,
-                        help="longest wait, at each idle pause, for running and waiting to reach 0")
+    parser.add_argument(
+        "--warmup-s",
+        type=float,
+        default=d.warmup_s,
+        help="start of the soak phase left out of the RSS and TTFT targets",
+    )
+    parser.add_argument(
+        "--idle-timeout-s",
+        type=float,
+        default=d.idle_timeout_s,
+        help="longest wait, at each idle pause, for running and waiting to reach 0",
+    )
     parser.add_argument("--concurrency", type=int, default=d.concurrency, help="closed-loop clients")
-    parser.add_argument("--max-in-flight", type=int, default=d.max_in_flight,
-                        help="the standalone replica's --max-in-flight")
+    parser.add_argument(
+        "--max-in-flight", type=int, default=d.max_in_flight, help="the standalone replica's --max-in-flight"
+    )
     parser.add_argument("--model", default=d.model, help="the model (default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=d.max_tokens, help="tokens per normal chat")
-    parser.add_argument("--hold-s", type=float, default=d.hold_s,
-                        help="how long a slow or non-reading client holds its connection")
-    parser.add_argument("--huge-messages", type=int, default=d.huge_messages,
-                        help="empty system messages in a huge_messages request")
+    parser.add_argument(
+        "--hold-s", type=float, default=d.hold_s, help="how long a slow or non-reading client holds its connection"
+    )
+    parser.add_argument(
+        "--huge-messages", type=int, default=d.huge_messages, help="empty system messages in a huge_messages request"
+    )
     parser.add_argument("--seed", type=int, default=d.seed)
-    parser.add_argument("--out-dir", type=Path, default=Path("results"),
-                        help="where soak.json, soak.md and soak.png go (default: %(default)s)")
+    parser.add_argument(
+        "--out-dir",
+        type=Path,
+        default=Path("results"),
+        help="where soak.json, soak.md and soak.png go (default: %(default)s)",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -237,9 +237,7 @@ class ZipfTenantsConfig:
             raise ValueError(f"ZipfTenantsConfig.hot_share must be in [0, 1), got {self.hot_share}")
 
 
-def zipf_tenant_sequence(
-    num_tenants: int, num_requests: int, zipf_s: float, hot_share: float, seed: int
-) -> list[int]:
+def zipf_tenant_sequence(num_tenants: int, num_requests: int, zipf_s: float, hot_share: float, seed: int) -> list[int]:
     """Tenant index of each request: tenant 0 is hot, the others Zipf by index.
 
     Shared with the simulator so that it replays the same traffic as the locust run.
@@ -272,8 +270,9 @@ def zipf_tenants(config: ZipfTenantsConfig, tokenizer: Tokenizer | None = None) 
         question = words_text(_rng(config.seed, "question", i), config.question_len, tokenizer)
         messages = [{"role": "system", "content": systems[t]}, {"role": "user", "content": question}]
         out.append(
-            WorkloadRequest(_body(config.model, messages, config.output_len, config.stream),
-                            f"tenant-{t}", "zipf_tenants")
+            WorkloadRequest(
+                _body(config.model, messages, config.output_len, config.stream), f"tenant-{t}", "zipf_tenants"
+            )
         )
     return out
 
@@ -308,8 +307,9 @@ class PrefixRepetitionConfig:
 
 
 def prefix_repetition(config: PrefixRepetitionConfig, tokenizer: Tokenizer | None = None) -> list[WorkloadRequest]:
-    prefixes = [words_text(_rng(config.seed, "prefix", k), config.prefix_len, tokenizer)
-                for k in range(config.num_prefixes)]
+    prefixes = [
+        words_text(_rng(config.seed, "prefix", k), config.prefix_len, tokenizer) for k in range(config.num_prefixes)
+    ]
     out = []
     for i in range(config.num_requests):
         # Like vLLM: requests go to the prefixes in turn, then the whole list is shuffled.
@@ -320,8 +320,9 @@ def prefix_repetition(config: PrefixRepetitionConfig, tokenizer: Tokenizer | Non
         else:
             messages = [{"role": "user", "content": f"{prefixes[k]} {suffix}".strip()}]
         out.append(
-            WorkloadRequest(_body(config.model, messages, config.output_len, config.stream),
-                            f"prefix-{k}", "prefix_repetition")
+            WorkloadRequest(
+                _body(config.model, messages, config.output_len, config.stream), f"prefix-{k}", "prefix_repetition"
+            )
         )
     _rng(config.seed, "order").shuffle(out)
     return out
@@ -374,8 +375,9 @@ def multi_turn(config: MultiTurnConfig, tokenizer: Tokenizer | None = None) -> l
             history.append({"role": "user", "content": question})
             messages = [dict(m) for m in history]
             out.append(
-                WorkloadRequest(_body(config.model, messages, config.output_len, config.stream),
-                            f"user-{u}", "multi_turn")
+                WorkloadRequest(
+                    _body(config.model, messages, config.output_len, config.stream), f"user-{u}", "multi_turn"
+                )
             )
     return out
 
@@ -423,16 +425,18 @@ def agent(config: AgentConfig, tokenizer: Tokenizer | None = None) -> list[Workl
         for u in users:
             history = histories[u]
             if step == 0:
-                history.append({"role": "user", "content": words_text(_rng(config.seed, "task", u),
-                                                                      config.task_len, tokenizer)})
+                history.append(
+                    {"role": "user", "content": words_text(_rng(config.seed, "task", u), config.task_len, tokenizer)}
+                )
             else:
                 call = words_text(_rng(config.seed, "call", u, step), config.tool_call_len, tokenizer)
                 result = words_text(_rng(config.seed, "result", u, step), config.tool_result_len, tokenizer)
                 history.append({"role": "assistant", "content": f"call_tool({call})"})
                 history.append({"role": "user", "content": f"Tool result:\n{result}"})
             messages = [dict(m) for m in history]
-            out.append(WorkloadRequest(_body(config.model, messages, config.output_len, config.stream),
-                                       f"user-{u}", "agent"))
+            out.append(
+                WorkloadRequest(_body(config.model, messages, config.output_len, config.stream), f"user-{u}", "agent")
+            )
     return out
 
 
@@ -519,8 +523,9 @@ def volatile_system_prompt(
             user_text = question
         messages = [{"role": "system", "content": system}, {"role": "user", "content": user_text}]
         out.append(
-            WorkloadRequest(_body(config.model, messages, config.output_len, config.stream),
-                            user, "volatile_system_prompt")
+            WorkloadRequest(
+                _body(config.model, messages, config.output_len, config.stream), user, "volatile_system_prompt"
+            )
         )
     return out
 
@@ -577,8 +582,9 @@ def make_config(name: str, params: dict[str, Any] | None = None) -> Any:
     return config_cls(**kwargs)
 
 
-def generate(name: str, params: dict[str, Any] | None = None,
-             tokenizer: Tokenizer | None = None) -> list[WorkloadRequest]:
+def generate(
+    name: str, params: dict[str, Any] | None = None, tokenizer: Tokenizer | None = None
+) -> list[WorkloadRequest]:
     """The requests of workload ``name`` with ``params`` overriding its config's defaults."""
     _, gen = _lookup(name)
     return gen(make_config(name, params), tokenizer)
@@ -620,8 +626,9 @@ def read_jsonl(path: str | Path) -> list[WorkloadRequest]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m prefixserve.loadtest.workloads",
-                                     description="Write a workload as JSONL.")
+    parser = argparse.ArgumentParser(
+        prog="python -m prefixserve.loadtest.workloads", description="Write a workload as JSONL."
+    )
     sub = parser.add_subparsers(dest="name", required=True)
     for name, (config_cls, _) in WORKLOADS.items():
         p = sub.add_parser(name, help=(config_cls.__doc__ or "").strip().splitlines()[0])

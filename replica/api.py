@@ -299,7 +299,8 @@ class RequestModel(BaseModel):
 
 def _unsupported(name: str, why: str = "") -> PydanticCustomError:
     return PydanticCustomError(
-        "unsupported_parameter", "{name} is not supported by this server{why}", {"name": name, "why": why})
+        "unsupported_parameter", "{name} is not supported by this server{why}", {"name": name, "why": why}
+    )
 
 
 def _refuse_unless(info: ValidationInfo, value: Any, harmless: Callable[[Any], bool], allowed: str) -> Any:
@@ -422,9 +423,10 @@ class ChatMessage(RequestModel):
         """The message as a chat template reads it: role and content text, plus tool fields when set."""
         out: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.tool_calls:
-            out["tool_calls"] = [{"id": c.id, "type": c.type, "function": {"name": c.function.name,
-                                                                          "arguments": c.function.arguments}}
-                                 for c in self.tool_calls]
+            out["tool_calls"] = [
+                {"id": c.id, "type": c.type, "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                for c in self.tool_calls
+            ]
         if self.role == "tool":
             out["tool_call_id"] = self.tool_call_id
         return out
@@ -547,8 +549,14 @@ class _SamplingRequest(RequestModel):
         if max_tokens is None:
             max_tokens = max(1, default_max_tokens)
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        fields = StructuredOutputFields(self.response_format, self.structured_outputs, self.guided_json,
-                                        self.guided_regex, self.guided_choice, self.guided_grammar)
+        fields = StructuredOutputFields(
+            self.response_format,
+            self.structured_outputs,
+            self.guided_json,
+            self.guided_regex,
+            self.guided_choice,
+            self.guided_grammar,
+        )
         try:
             constraint = fields.constraint()
         except StructuredOutputFieldError as exc:
@@ -626,8 +634,9 @@ class ChatCompletionRequest(_SamplingRequest):
     def _text_modality_only(cls, value: Any, info: ValidationInfo) -> Any:
         return _refuse_unless(info, value, lambda v: v == ["text"], '["text"]')
 
-    @field_validator("audio", "prediction", "web_search_options", "reasoning_effort",
-                     "verbosity", "moderation", mode="before")
+    @field_validator(
+        "audio", "prediction", "web_search_options", "reasoning_effort", "verbosity", "moderation", mode="before"
+    )
     @classmethod
     def _not_implemented(cls, value: Any, info: ValidationInfo) -> Any:
         return _refuse_unless(info, value, lambda v: False, "null")
@@ -636,16 +645,21 @@ class ChatCompletionRequest(_SamplingRequest):
     @classmethod
     def _nothing_stored(cls, value: bool | None) -> bool | None:
         if value:
-            raise PydanticCustomError("unsupported_value", "store=true is not supported: this server keeps no "
-                                      "completions; send false or omit it")
+            raise PydanticCustomError(
+                "unsupported_value",
+                "store=true is not supported: this server keeps no completions; send false or omit it",
+            )
         return value
 
     @field_validator("service_tier")
     @classmethod
     def _default_tier_only(cls, value: str | None) -> str | None:
         if value not in (None, "auto", "default"):
-            raise PydanticCustomError("unsupported_value", "service_tier {tier!r} is not supported; send "
-                                      '"auto", "default" or omit it', {"tier": value})
+            raise PydanticCustomError(
+                "unsupported_value",
+                'service_tier {tier!r} is not supported; send "auto", "default" or omit it',
+                {"tier": value},
+            )
         return value
 
     def requested_max_tokens(self) -> int | None:
@@ -670,7 +684,7 @@ class ChatCompletionRequest(_SamplingRequest):
         return [t.model_dump(exclude_none=True) for t in self.tools or ()]
 
     def effective_tool_choice(self) -> str:
-        """"none", "auto", "required" or "named": vLLM's default is "auto" with tools, "none" without."""
+        """ "none", "auto", "required" or "named": vLLM's default is "auto" with tools, "none" without."""
         choice = self.tool_choice
         if not self.tools:
             return "named" if isinstance(choice, NamedToolChoice) else "none"
@@ -704,25 +718,35 @@ class ChatCompletionRequest(_SamplingRequest):
         seen: set[str] = set()
         for i, name in enumerate(names):
             if name in seen:
-                raise BadRequestError(f"tools[{i}] is a second function named {name!r}: tool names must be unique",
-                                      param=f"tools.{i}.function.name", code="invalid_value")
+                raise BadRequestError(
+                    f"tools[{i}] is a second function named {name!r}: tool names must be unique",
+                    param=f"tools.{i}.function.name",
+                    code="invalid_value",
+                )
             seen.add(name)
         choice = self.tool_choice
         if choice is not None and choice != "none" and self.tools is None:
-            raise BadRequestError("When using `tool_choice`, `tools` must be set.", param="tool_choice",
-                                  code="invalid_value")
+            raise BadRequestError(
+                "When using `tool_choice`, `tools` must be set.", param="tool_choice", code="invalid_value"
+            )
         if isinstance(choice, NamedToolChoice) and choice.function.name not in seen:
-            raise BadRequestError(f"The tool specified in `tool_choice` ({choice.function.name!r}) does not match "
-                                  f"any of the specified `tools` ({', '.join(names) or 'none'})",
-                                  param="tool_choice", code="invalid_value")
+            raise BadRequestError(
+                f"The tool specified in `tool_choice` ({choice.function.name!r}) does not match "
+                f"any of the specified `tools` ({', '.join(names) or 'none'})",
+                param="tool_choice",
+                code="invalid_value",
+            )
         called: set[str] = set()
         for i, m in enumerate(self.messages):
             if m.tool_calls:
                 called.update(c.id for c in m.tool_calls)
             if m.role == "tool" and m.tool_call_id not in called:
-                raise BadRequestError(f"messages[{i}] is a tool result for tool_call_id {m.tool_call_id!r}, which "
-                                      "no earlier assistant message called", param=f"messages.{i}.tool_call_id",
-                                      code="invalid_value")
+                raise BadRequestError(
+                    f"messages[{i}] is a tool result for tool_call_id {m.tool_call_id!r}, which "
+                    "no earlier assistant message called",
+                    param=f"messages.{i}.tool_call_id",
+                    code="invalid_value",
+                )
         try:
             self.tool_call_schema()
         except ValueError as exc:  # $defs that the required schema cannot merge
@@ -1085,15 +1109,20 @@ def completion_logprobs(
         text = token_text(token_id)
         out.tokens.append(text)
         out.token_logprobs.append(None if entry is None else entry.get(token_id))
-        out.top_logprobs.append({token_text(tid): lp for tid, lp in _top(entry, top_k)}
-                                if top_k and entry is not None else None)
+        out.top_logprobs.append(
+            {token_text(tid): lp for tid, lp in _top(entry, top_k)} if top_k and entry is not None else None
+        )
         out.text_offset.append(offset)
         offset += len(text)
     return out
 
 
-def prompt_logprobs(token_ids: list[int], logprobs: Sequence[dict[int, float] | None],
-                    ranks: Sequence[int | None], token_text: TokenText) -> PromptLogprobs:
+def prompt_logprobs(
+    token_ids: list[int],
+    logprobs: Sequence[dict[int, float] | None],
+    ranks: Sequence[int | None],
+    token_text: TokenText,
+) -> PromptLogprobs:
     """vLLM's ``prompt_logprobs`` from the engine's entries (the top-k plus the prompt token)
     and each prompt token's rank: the top-k rank from 1 in logprob order, the prompt token
     has its own rank (past k when it is not among them)."""

@@ -184,19 +184,24 @@ class EngineConfig:
         if self.kv_cache_memory_bytes <= 0:
             raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
-            raise ValueError(f"num_kv_blocks must be at least 2 (or None to size from memory), "
-                             f"got {self.num_kv_blocks}")
+            raise ValueError(
+                f"num_kv_blocks must be at least 2 (or None to size from memory), got {self.num_kv_blocks}"
+            )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
-        if (not self.enable_chunked_prefill and self.max_model_len is not None
-                and self.max_num_batched_tokens < self.max_model_len):
+        if (
+            not self.enable_chunked_prefill
+            and self.max_model_len is not None
+            and self.max_num_batched_tokens < self.max_model_len
+        ):
             raise ValueError(
                 f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
-                f">= max_model_len ({self.max_model_len}): raise it, lower max_model_len or enable chunked prefill")
+                f">= max_model_len ({self.max_model_len}): raise it, lower max_model_len or enable chunked prefill"
+            )
         if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be at least 1 (or None), got {self.max_waiting_requests}")
         if self.max_engine_restarts < 0:
@@ -212,25 +217,33 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if self.cuda_graph_sizes is not None and (
-                not self.cuda_graph_sizes or not all(isinstance(n, int) and n >= 1 for n in self.cuda_graph_sizes)):
-            raise ValueError(f"cuda_graph_sizes must be a non-empty list of positive batch sizes (or None), "
-                             f"got {self.cuda_graph_sizes!r}")
+            not self.cuda_graph_sizes or not all(isinstance(n, int) and n >= 1 for n in self.cuda_graph_sizes)
+        ):
+            raise ValueError(
+                f"cuda_graph_sizes must be a non-empty list of positive batch sizes (or None), "
+                f"got {self.cuda_graph_sizes!r}"
+            )
         if not self.distributed_timeout_s > 0:
             raise ValueError(f"distributed_timeout_s must be positive, got {self.distributed_timeout_s}")
         if self.calculate_kv_scales and not self.kv_cache_dtype.startswith("fp8"):
-            raise ValueError("calculate_kv_scales applies to an fp8 KV cache only: set kv_cache_dtype='fp8' "
-                             "or leave calculate_kv_scales off")
+            raise ValueError(
+                "calculate_kv_scales applies to an fp8 KV cache only: set kv_cache_dtype='fp8' "
+                "or leave calculate_kv_scales off"
+            )
         if self.preemption_mode == "swap" and not self.swap_space_gb > 0:
-            raise ValueError("preemption_mode='swap' needs a host swap pool: set swap_space_gb > 0 "
-                             "(e.g. 4, vLLM's default)")
+            raise ValueError(
+                "preemption_mode='swap' needs a host swap pool: set swap_space_gb > 0 (e.g. 4, vLLM's default)"
+            )
         if self.swap_space_gb > 0 and self.preemption_mode != "swap":
-            raise ValueError("swap_space_gb is used by swap preemption only: set preemption_mode='swap' "
-                             "or swap_space_gb=0")
+            raise ValueError(
+                "swap_space_gb is used by swap preemption only: set preemption_mode='swap' or swap_space_gb=0"
+            )
         if self.tool_call_parser is not None:
             _choice("tool_call_parser", self.tool_call_parser, tuple(TOOL_CALL_PARSERS))
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
-            raise ValueError("enable_auto_tool_choice needs a tool_call_parser (e.g. 'hermes') to read the "
-                             "model's tool calls")
+            raise ValueError(
+                "enable_auto_tool_choice needs a tool_call_parser (e.g. 'hermes') to read the model's tool calls"
+            )
         if self.chat_template is not None:
             load_chat_template(self.chat_template)
         if self.sliding_window is not None and self.sliding_window < 1:
@@ -284,8 +297,10 @@ def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
 
 def _hash_algo(name: str, value: object) -> str:
     if not isinstance(value, str) or value not in HASH_ALGO_ALIASES:
-        raise ValueError(f"{name} must be one of {HASH_ALGOS} or one of vLLM's spellings "
-                         f"{tuple(a for a in HASH_ALGO_ALIASES if a not in HASH_ALGOS)}, got {value!r}")
+        raise ValueError(
+            f"{name} must be one of {HASH_ALGOS} or one of vLLM's spellings "
+            f"{tuple(a for a in HASH_ALGO_ALIASES if a not in HASH_ALGOS)}, got {value!r}"
+        )
     return HASH_ALGO_ALIASES[value]
 
 
@@ -300,6 +315,8 @@ def resolve_hash_algo(ours: str, vllm_alias: str | None) -> str:
         return algo
     alias = _hash_algo("prefix_caching_hash_algo", vllm_alias)
     if algo != alias and ours != "xxh3_128":
-        raise ValueError(f"prefix_hash_algo={ours!r} and prefix_caching_hash_algo={vllm_alias!r} name "
-                         "different algorithms: set only one of them")
+        raise ValueError(
+            f"prefix_hash_algo={ours!r} and prefix_caching_hash_algo={vllm_alias!r} name "
+            "different algorithms: set only one of them"
+        )
     return alias

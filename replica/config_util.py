@@ -43,7 +43,8 @@ def from_dict(cls: type[T], data: Mapping[str, Any] | None, where: str) -> T:
     if unknown:
         raise ValueError(f"unknown {where} keys {unknown}; known keys: {sorted(fields) or 'none'}")
     missing = sorted(
-        name for name, f in fields.items()
+        name
+        for name, f in fields.items()
         if name not in data and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
     )
     if missing:
@@ -88,8 +89,9 @@ def _type_hints(cls: type) -> dict[str, Any]:
         return {}
 
 
-def add_cli_arguments(parser: argparse.ArgumentParser, cls: type, title: str,
-                      choices: Mapping[str, tuple[str, ...]] | None = None) -> None:
+def add_cli_arguments(
+    parser: argparse.ArgumentParser, cls: type, title: str, choices: Mapping[str, tuple[str, ...]] | None = None
+) -> None:
     """Add one ``--kebab-case`` option per field of dataclass ``cls`` to a group named ``title``.
 
     Defaults come from the dataclass; a field's ``metadata["help"]`` is its help
@@ -108,14 +110,20 @@ def add_cli_arguments(parser: argparse.ArgumentParser, cls: type, title: str,
         elif kind is bool:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=text)
         else:
-            group.add_argument(flag, dest=f.name, type=kind, default=default,
-                               choices=(choices or {}).get(f.name), help=text)
+            group.add_argument(
+                flag, dest=f.name, type=kind, default=default, choices=(choices or {}).get(f.name), help=text
+            )
 
 
 def from_cli_args(cls: type[T], args: argparse.Namespace) -> T:
     """Build dataclass ``cls`` from a namespace parsed with :func:`add_cli_arguments`."""
-    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)  # type: ignore[arg-type]
-                  if hasattr(args, f.name)})
+    return cls(
+        **{
+            f.name: getattr(args, f.name)
+            for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+            if hasattr(args, f.name)
+        }
+    )
 
 
 def _field_type(annotation: object) -> type:

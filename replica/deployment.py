@@ -124,8 +124,11 @@ def queued_prefill_tokens(scheduler: Any) -> int:
 
 
 def _shutting_down() -> api.ServiceUnavailableError:
-    return api.ServiceUnavailableError("this replica is shutting down and the request did not finish within the "
-                                       "drain timeout; retry it", code="server_shutting_down", retry_after_s=1.0)
+    return api.ServiceUnavailableError(
+        "this replica is shutting down and the request did not finish within the drain timeout; retry it",
+        code="server_shutting_down",
+        retry_after_s=1.0,
+    )
 
 
 @serve.deployment(name="Engine")
@@ -179,7 +182,8 @@ class EngineDeployment:
                         ids = set(delta.token_ids).union(
                             *(entry.keys() for entry in delta.logprobs or ()),
                             *(entry.keys() for entry in delta.prompt_logprobs or () if entry),
-                            delta.prompt_token_ids or ())
+                            delta.prompt_token_ids or (),
+                        )
                         new = ids - known
                         if new:
                             known |= new
@@ -197,8 +201,9 @@ class EngineDeployment:
                 await stream.aclose()
         if refused is not None:
             # Yielded outside the except block: the exception and its frames are gone by now.
-            log.info("request %s refused: %d %s: %s", request.request_id, refused.status_code, refused.code,
-                     refused.message)
+            log.info(
+                "request %s refused: %d %s: %s", request.request_id, refused.status_code, refused.code, refused.message
+            )
             yield refused
 
     async def record_routing_stats(self) -> dict[str, Any]:

@@ -21,8 +21,14 @@ CONTEXT_TOKENS = 5
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, prompt_tail: list[int], *, skip_special_tokens: bool = True,
-                 spaces_between_special_tokens: bool = True) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_tail: list[int],
+        *,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         # Added tokens spelled raw: only when special tokens are kept without spaces.
@@ -55,11 +61,11 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Append one token; return the new text it completes ('' when it is held back)."""
         self.tokens.append(token_id)
-        prefix = self.decode(self.tokens[self.prefix_offset:self.read_offset])
-        full = self.decode(self.tokens[self.prefix_offset:])
+        prefix = self.decode(self.tokens[self.prefix_offset : self.read_offset])
+        full = self.decode(self.tokens[self.prefix_offset :])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.tokens)
             # Keep the window short: text before prefix_offset is final.
-            return full[len(prefix):]
+            return full[len(prefix) :]
         return ""

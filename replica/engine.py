@@ -110,9 +110,14 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len()
         # The runner before the tokenizer: the loader reads a converted checkpoint's
         # tokenizer in the background meanwhile.
-        self.runner = ModelRunner(config, self.model_config, src,
-                                  max_model_len=self.max_model_len,
-                                  checkpoint_dtype=getattr(hf_config, "dtype", None), startup=startup)
+        self.runner = ModelRunner(
+            config,
+            self.model_config,
+            src,
+            max_model_len=self.max_model_len,
+            checkpoint_dtype=getattr(hf_config, "dtype", None),
+            startup=startup,
+        )
         with startup.phase("tokenizer"):
             self.tokenizer = loader.load_tokenizer(src)
         # --chat-template: renders every chat request (replica/tools/templates.py).
@@ -125,8 +130,9 @@ class LLMEngine:
         self.metrics.observe_cache_config(self._cache_config_info())
         self.tracer: RequestTracer | None = None
         if config.otlp_traces_endpoint is not None:
-            self.tracer = RequestTracer(build_tracer(f"prefixserve-engine:{config.model_name}",
-                                                     config.otlp_traces_endpoint), config.model_name)
+            self.tracer = RequestTracer(
+                build_tracer(f"prefixserve-engine:{config.model_name}", config.otlp_traces_endpoint), config.model_name
+            )
         eos = set(self.model_config.eos_token_ids) | set(loader.generation_eos_ids(src))
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -134,13 +140,18 @@ class LLMEngine:
         # Structured output: grammars compile in the cache's workers, never on the engine loop
         # (AsyncEngine.generate compiles before the request is queued).
         self.structured_metrics = StructuredOutputMetrics(self.metrics.registry, config.model_name)
-        self.grammars = GrammarCache(self._grammar_backend, timeout_s=config.grammar_compile_timeout_s,
-                                     max_entries=config.grammar_cache_size, metrics=self.structured_metrics)
+        self.grammars = GrammarCache(
+            self._grammar_backend,
+            timeout_s=config.grammar_compile_timeout_s,
+            max_entries=config.grammar_cache_size,
+            metrics=self.structured_metrics,
+        )
         self._ids = itertools.count()
         # Static prefix (system messages, template kwargs) -> its token ids through the chat
         # template (static_prefix_tokens). Read and written from worker threads.
-        self._static_prefix_ids: BoundedMemo[tuple[int, ...]] = BoundedMemo(STATIC_PREFIX_MEMO_BYTES,
-                                                                              STATIC_PREFIX_MEMO_ENTRIES)
+        self._static_prefix_ids: BoundedMemo[tuple[int, ...]] = BoundedMemo(
+            STATIC_PREFIX_MEMO_BYTES, STATIC_PREFIX_MEMO_ENTRIES
+        )
         self.metrics.track_cache_bytes("static_prefix", lambda: self._static_prefix_ids.nbytes)
         self.fault_hook: Callable[[Request], None] | None = None
         # Prefix queries, hits and preemptions of the states dropped by reset(): metrics are
@@ -152,16 +163,26 @@ class LLMEngine:
     def _new_state(self) -> None:
         """Fresh request bookkeeping, KV manager and scheduler over the runner's cache."""
         config = self.config
-        self.kv_manager = KVCacheManager(self.runner.num_blocks, config.block_size,
-                                         config.enable_prefix_caching, config.prefix_hash_algo,
-                                         eviction_policy=config.eviction_policy,
-                                         num_host_blocks=self.runner.num_host_blocks,
-                                         sliding_window=self.model_config.kv_window)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   config.enable_chunked_prefill, config.preemption_mode,
-                                                   evict_generated_first=config.evict_generated_first,
-                                                   protect_static_prefix=config.protect_static_prefix),
-                                   self.kv_manager)
+        self.kv_manager = KVCacheManager(
+            self.runner.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            config.prefix_hash_algo,
+            eviction_policy=config.eviction_policy,
+            num_host_blocks=self.runner.num_host_blocks,
+            sliding_window=self.model_config.kv_window,
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                config.max_num_seqs,
+                config.max_num_batched_tokens,
+                config.enable_chunked_prefill,
+                config.preemption_mode,
+                evict_generated_first=config.evict_generated_first,
+                protect_static_prefix=config.protect_static_prefix,
+            ),
+            self.kv_manager,
+        )
         self.requests: dict[str, Request] = {}
         # True when the last step changed nothing: stepping again is pointless until a
         # request arrives or leaves (AsyncEngine then waits instead of spinning).
@@ -182,10 +203,15 @@ class LLMEngine:
     def _cache_config_info(self) -> dict[str, object]:
         """The labels of ``vllm:cache_config_info`` (vLLM's CacheConfig field names where they exist)."""
         c = self.config
-        return {"block_size": c.block_size, "cache_dtype": c.kv_cache_dtype,
-                "enable_prefix_caching": c.enable_prefix_caching, "gpu_memory_utilization": c.gpu_memory_utilization,
-                "num_gpu_blocks": self.runner.num_blocks, "prefix_caching_hash_algo": c.prefix_hash_algo,
-                "swap_space": c.swap_space_gb}
+        return {
+            "block_size": c.block_size,
+            "cache_dtype": c.kv_cache_dtype,
+            "enable_prefix_caching": c.enable_prefix_caching,
+            "gpu_memory_utilization": c.gpu_memory_utilization,
+            "num_gpu_blocks": self.runner.num_blocks,
+            "prefix_caching_hash_algo": c.prefix_hash_algo,
+            "swap_space": c.swap_space_gb,
+        }
 
     def _resolve_max_model_len(self) -> int:
         m, asked = self.model_config, self.config.max_model_len
@@ -198,8 +224,10 @@ class LLMEngine:
         else:
             length = asked
         if not self.config.enable_chunked_prefill and self.config.max_num_batched_tokens < length:
-            raise ValueError(f"without chunked prefill max_num_batched_tokens ({self.config.max_num_batched_tokens})"
-                             f" must be >= max_model_len ({length}): raise it or enable chunked prefill")
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens ({self.config.max_num_batched_tokens})"
+                f" must be >= max_model_len ({length}): raise it or enable chunked prefill"
+            )
         return length
 
     @property
@@ -223,7 +251,9 @@ class LLMEngine:
         if self.max_prompt_chars is not None and len(prompt) > self.max_prompt_chars:
             raise PromptTooLongError(
                 f"the prompt has {len(prompt)} characters, more than any prompt that fits this model's "
-                f"maximum context length of {self.max_model_len} tokens can have: shorten it", param="prompt")
+                f"maximum context length of {self.max_model_len} tokens can have: shorten it",
+                param="prompt",
+            )
 
     @property
     def max_messages(self) -> int | None:
@@ -242,13 +272,15 @@ class LLMEngine:
             raise PromptTooLongError(
                 f"the chat has {len(messages)} messages; each renders at least {self.min_message_tokens} "
                 f"tokens, so at most {limit} fit this model's maximum context length of "
-                f"{self.max_model_len} tokens: send fewer")
+                f"{self.max_model_len} tokens: send fewer"
+            )
         if self.max_prompt_chars is not None:
             chars = sum(len(m.get("content") or "") for m in messages)
             if chars > self.max_prompt_chars:
                 raise PromptTooLongError(
                     f"the messages have {chars} characters, more than any prompt that fits this model's "
-                    f"maximum context length of {self.max_model_len} tokens can have: shorten them")
+                    f"maximum context length of {self.max_model_len} tokens can have: shorten them"
+                )
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -263,15 +295,17 @@ class LLMEngine:
         ``tools=`` on a model whose template renders none gets the shipped tool template.
         """
         template_kwargs.setdefault("add_generation_prompt", True)
-        template = template_for(getattr(self.tokenizer, "chat_template", None), self.chat_template,
-                                bool(template_kwargs.get("tools")))
+        template = template_for(
+            getattr(self.tokenizer, "chat_template", None), self.chat_template, bool(template_kwargs.get("tools"))
+        )
         if template is not None:
             template_kwargs.setdefault("chat_template", template)
         ids = self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **template_kwargs)
         return list(ids)
 
-    def static_prefix_tokens(self, messages: list[dict[str, Any]], prompt_ids: list[int],
-                             **template_kwargs: Any) -> int:
+    def static_prefix_tokens(
+        self, messages: list[dict[str, Any]], prompt_ids: list[int], **template_kwargs: Any
+    ) -> int:
         """How many leading tokens of ``prompt_ids`` (``messages`` through the chat template) are the
         conversation's static prefix: its leading system/developer messages (and ``tools=``, which
         the template renders before the conversation), rendered alone.
@@ -292,9 +326,10 @@ class LLMEngine:
             static = [{"role": "system", "content": ""}]
         try:
             # Tools are lists of dicts: their canonical JSON stands for them in the memo key.
-            key: Any = (tuple((m.get("role"), m.get("content")) for m in static),
-                        tuple(sorted((k, canonical_json(v) if k == "tools" else v)
-                                     for k, v in template_kwargs.items())))
+            key: Any = (
+                tuple((m.get("role"), m.get("content")) for m in static),
+                tuple(sorted((k, canonical_json(v) if k == "tools" else v) for k, v in template_kwargs.items())),
+            )
             hash(key)
         except TypeError:  # unhashable contents or kwargs: render without the memo
             key = None
@@ -328,7 +363,9 @@ class LLMEngine:
             raise PromptTooLongError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
                 f"{len(prompt_ids)} tokens and max_tokens is {params.max_tokens}: shorten the prompt or "
-                f"lower max_tokens", param=prompt_field)
+                f"lower max_tokens",
+                param=prompt_field,
+            )
         vocab = self.model_config.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise RequestRejected(f"prompt token ids must be in [0, {vocab})")
@@ -339,19 +376,33 @@ class LLMEngine:
         if params.allowed_token_ids is not None and max(params.allowed_token_ids) >= vocab:
             raise RequestRejected(f"allowed_token_ids must be token ids in [0, {vocab})")
         if params.n > self.config.max_num_seqs:
-            raise RequestRejected(f"n is {params.n} but this engine runs at most max_num_seqs="
-                                  f"{self.config.max_num_seqs} sequences at once: lower n")
+            raise RequestRejected(
+                f"n is {params.n} but this engine runs at most max_num_seqs="
+                f"{self.config.max_num_seqs} sequences at once: lower n"
+            )
         blocks = -(-total // self.config.block_size)
         if blocks > self.kv_manager.num_blocks:
             raise PromptTooLongError(
                 f"the request needs {blocks} KV blocks but the cache has {self.kv_manager.num_blocks}: "
-                f"shorten it or give the engine more KV memory", param=prompt_field)
+                f"shorten it or give the engine more KV memory",
+                param=prompt_field,
+            )
 
-    def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
-                    cache_salt: str | None = None, arrival_time: float | None = None, *,
-                    prompt_text: str | None = None, trace_headers: dict[str, str] | None = None,
-                    conversation: bool = False, static_prefix_tokens: int = 0, grammar: Any = None,
-                    tool_mode: ToolCallMode | None = None) -> Request:
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: str | list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+        *,
+        prompt_text: str | None = None,
+        trace_headers: dict[str, str] | None = None,
+        conversation: bool = False,
+        static_prefix_tokens: int = 0,
+        grammar: Any = None,
+        tool_mode: ToolCallMode | None = None,
+    ) -> Request:
         """Validate and queue a request; ``prompt_text`` is reported back when ``prompt`` is token ids.
 
         ``trace_headers``: the W3C trace context the request arrived with (its spans' parent).
@@ -374,14 +425,24 @@ class LLMEngine:
             grammar = self.grammars.get(constraint)
         bound = self.config.max_waiting_requests
         if bound is not None and self.scheduler.num_waiting >= bound:
-            raise EngineOverloadedError(f"{self.scheduler.num_waiting} requests are already waiting "
-                                        f"(max_waiting_requests={bound}); retry later")
-        req = Request(request_id, ids, params, cache_salt, arrival_time or time.monotonic(),
-                      prompt=prompt if isinstance(prompt, str) else prompt_text, trace_headers=trace_headers,
-                      conversation=conversation, static_prefix_tokens=max(0, int(static_prefix_tokens)),
-                      bad_words_token_ids=self.bad_words_token_ids(params.bad_words),
-                      prompt_logprobs=None if params.prompt_logprobs is None else [None],
-                      grammar=grammar if constraint is not None else None, tool_mode=tool_mode)
+            raise EngineOverloadedError(
+                f"{self.scheduler.num_waiting} requests are already waiting (max_waiting_requests={bound}); retry later"
+            )
+        req = Request(
+            request_id,
+            ids,
+            params,
+            cache_salt,
+            arrival_time or time.monotonic(),
+            prompt=prompt if isinstance(prompt, str) else prompt_text,
+            trace_headers=trace_headers,
+            conversation=conversation,
+            static_prefix_tokens=max(0, int(static_prefix_tokens)),
+            bad_words_token_ids=self.bad_words_token_ids(params.bad_words),
+            prompt_logprobs=None if params.prompt_logprobs is None else [None],
+            grammar=grammar if constraint is not None else None,
+            tool_mode=tool_mode,
+        )
         seq = self._new_sequence(req, 0)
         self.scheduler.add(seq)
         req.seqs.append(seq)
@@ -413,9 +474,12 @@ class LLMEngine:
         if seed is not None:
             seq.generator = torch.Generator(device=self.runner.device)
             seq.generator.manual_seed(seed)
-        seq.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
-                                           skip_special_tokens=req.params.skip_special_tokens,
-                                           spaces_between_special_tokens=req.params.spaces_between_special_tokens)
+        seq.detok = IncrementalDetokenizer(
+            self.tokenizer,
+            req.prompt_token_ids,
+            skip_special_tokens=req.params.skip_special_tokens,
+            spaces_between_special_tokens=req.params.spaces_between_special_tokens,
+        )
         if req.tool_mode is not None:
             seq.tool_stream = req.tool_mode.new_stream(self.config.tool_call_parser)
         if req.params.logprobs is not None:
@@ -464,9 +528,13 @@ class LLMEngine:
                 s.seq.request.scheduled_time = scheduled_at
         failed: dict[str, tuple[Request, Exception]] = {}
         for seq in plan.rejected:
-            failed[seq.request.request_id] = (seq.request, RequestRejected(
-                "the request can never be scheduled: it needs more sequences, KV blocks or batched tokens "
-                "than this engine has"))
+            failed[seq.request.request_id] = (
+                seq.request,
+                RequestRejected(
+                    "the request can never be scheduled: it needs more sequences, KV blocks or batched tokens "
+                    "than this engine has"
+                ),
+            )
         if plan.is_empty:
             self._observe_step(0, 0)
             return self._fail_all(failed)
@@ -484,9 +552,18 @@ class LLMEngine:
                 for seq in family:
                     if seq.grammar is not None:
                         seq.grammar.sync(seq.output_token_ids)
-                family_specs = [SampleSpec(req.params, seq.generator, self._banned(seq), seq.token_ids,
-                                           seq.num_prompt_tokens, req.bad_words_token_ids, seq.grammar)
-                                for seq in family]
+                family_specs = [
+                    SampleSpec(
+                        req.params,
+                        seq.generator,
+                        self._banned(seq),
+                        seq.token_ids,
+                        seq.num_prompt_tokens,
+                        req.bad_words_token_ids,
+                        seq.grammar,
+                    )
+                    for seq in family
+                ]
             except Exception as exc:  # noqa: BLE001 - this request fails alone
                 failed[req.request_id] = (req, self._request_error(req, exc))
                 continue
@@ -555,8 +632,9 @@ class LLMEngine:
             first = max(s.start, len(req.prompt_logprobs) - 1)
             last = min(s.start + s.num_new_tokens, len(prompt) - 1)  # exclusive
             if first < last:
-                spans.append(PromptLogprobSpan(i, first - s.start, prompt[first + 1:last + 1],
-                                               req.params.prompt_logprobs or 0))
+                spans.append(
+                    PromptLogprobSpan(i, first - s.start, prompt[first + 1 : last + 1], req.params.prompt_logprobs or 0)
+                )
         return spans
 
     def _fork(self, parent: Sequence, children: list[Sequence]) -> None:
@@ -573,10 +651,16 @@ class LLMEngine:
         """What the consumer of a request that failed inside the step gets."""
         if isinstance(exc, RequestRejected):
             return exc
-        log.error("request %s failed inside the engine; the engine keeps serving", req.request_id, exc_info=exc,
-                  extra={"request_id": req.request_id})
-        error = RequestFailedError(f"the engine failed while serving request {req.request_id} "
-                                   f"({type(exc).__name__}); other requests are unaffected, retry it")
+        log.error(
+            "request %s failed inside the engine; the engine keeps serving",
+            req.request_id,
+            exc_info=exc,
+            extra={"request_id": req.request_id},
+        )
+        error = RequestFailedError(
+            f"the engine failed while serving request {req.request_id} "
+            f"({type(exc).__name__}); other requests are unaffected, retry it"
+        )
         error.__cause__ = exc
         return error
 
@@ -639,7 +723,7 @@ class LLMEngine:
         if not hits:
             return False
         start, length = min(hits)
-        seq.text = seq.text[:start + length if params.include_stop_str_in_output else start]
+        seq.text = seq.text[: start + length if params.include_stop_str_in_output else start]
         return True
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
@@ -651,29 +735,37 @@ class LLMEngine:
         num_output = req.num_output_tokens
         cached = req.num_cached_tokens or 0
         # A stop string the output keeps is never taken back: nothing to hold (vLLM's rule).
-        holdback = 0 if req.params.include_stop_str_in_output else max((len(s) for s in req.params.stop),
-                                                                         default=1) - 1
+        holdback = 0 if req.params.include_stop_str_in_output else max((len(s) for s in req.params.stop), default=1) - 1
         for seq in req.seqs:
             new_tokens = seq.num_output_tokens - seq.num_emitted_tokens
             if new_tokens == 0 and not (seq.is_finished and seq.num_emitted_chars < len(seq.text)):
                 continue
             # Text that might still turn into a stop string is held back until it cannot.
             upto = len(seq.text) if seq.is_finished else max(seq.num_emitted_chars, len(seq.text) - holdback)
-            text = seq.text[seq.num_emitted_chars:upto]
+            text = seq.text[seq.num_emitted_chars : upto]
             seq.num_emitted_chars = upto
-            ids = seq.output_token_ids[seq.num_emitted_tokens:]
+            ids = seq.output_token_ids[seq.num_emitted_tokens :]
             seq.num_emitted_tokens = seq.num_output_tokens
-            lps = seq.logprobs[-len(ids):] if seq.logprobs is not None and ids else None
+            lps = seq.logprobs[-len(ids) :] if seq.logprobs is not None and ids else None
             # The request's first delta carries its prompt_logprobs (complete by then).
             prompt_lps = req.prompt_logprobs if not req.prompt_logprobs_sent else None
             prompt_ids = req.prompt_token_ids if prompt_lps is not None else None
             prompt_ranks = req.prompt_logprob_ranks if prompt_lps is not None else None
             req.prompt_logprobs_sent = True
-            delta = StreamDelta(request_id=req.request_id, index=seq.index, text=text, token_ids=ids,
-                                finish_reason=seq.finish_reason, num_prompt_tokens=len(req.prompt_token_ids),
-                                num_cached_tokens=cached, num_output_tokens=num_output, logprobs=lps,
-                                prompt_logprobs=prompt_lps, prompt_token_ids=prompt_ids,
-                                prompt_logprob_ranks=prompt_ranks)
+            delta = StreamDelta(
+                request_id=req.request_id,
+                index=seq.index,
+                text=text,
+                token_ids=ids,
+                finish_reason=seq.finish_reason,
+                num_prompt_tokens=len(req.prompt_token_ids),
+                num_cached_tokens=cached,
+                num_output_tokens=num_output,
+                logprobs=lps,
+                prompt_logprobs=prompt_lps,
+                prompt_token_ids=prompt_ids,
+                prompt_logprob_ranks=prompt_ranks,
+            )
             if seq.tool_stream is not None:
                 tools = seq.tool_stream.feed(text, finished=seq.is_finished)
                 delta.content, delta.tool_calls = tools.content, list(tools.tool_calls) or None
@@ -697,12 +789,18 @@ class LLMEngine:
         scheduled = req.scheduled_time if req.scheduled_time is not None else req.arrival_time
         first = req.first_token_time if req.first_token_time is not None else now
         reason = req.seqs[0].finish_reason if req.seqs and req.seqs[0].finish_reason else "stop"
-        return FinishedRequestStats(finish_reason=str(reason), e2e_s=now - req.arrival_time,
-                                    queued_s=scheduled - req.arrival_time, prefill_s=first - scheduled,
-                                    decode_s=now - first, inference_s=now - scheduled,
-                                    num_prompt_tokens=len(req.prompt_token_ids),
-                                    num_generation_tokens=req.num_output_tokens,
-                                    max_tokens=req.params.max_tokens, n=req.params.n)
+        return FinishedRequestStats(
+            finish_reason=str(reason),
+            e2e_s=now - req.arrival_time,
+            queued_s=scheduled - req.arrival_time,
+            prefill_s=first - scheduled,
+            decode_s=now - first,
+            inference_s=now - scheduled,
+            num_prompt_tokens=len(req.prompt_token_ids),
+            num_generation_tokens=req.num_output_tokens,
+            max_tokens=req.params.max_tokens,
+            n=req.params.n,
+        )
 
     @staticmethod
     def _tool_counts(req: Request) -> tuple[int, int]:
@@ -713,34 +811,59 @@ class LLMEngine:
     def _trace(self, req: Request, stats: FinishedRequestStats) -> None:
         assert self.tracer is not None
         start = req.arrival_time
-        timing = RequestTiming(arrival=start, scheduled=start + stats.queued_s,
-                               first_token=start + stats.queued_s + stats.prefill_s, finished=start + stats.e2e_s)
+        timing = RequestTiming(
+            arrival=start,
+            scheduled=start + stats.queued_s,
+            first_token=start + stats.queued_s + stats.prefill_s,
+            finished=start + stats.e2e_s,
+        )
         p = req.params
         attributes: dict[str, Any] = {
             "gen_ai.usage.prompt_tokens": stats.num_prompt_tokens,
             "gen_ai.usage.completion_tokens": stats.num_generation_tokens,
             "prefixserve.cached_prompt_tokens": req.num_cached_tokens or 0,
-            "gen_ai.request.n": p.n, "gen_ai.request.max_tokens": p.max_tokens,
-            "gen_ai.request.temperature": p.temperature, "gen_ai.request.top_p": p.top_p,
+            "gen_ai.request.n": p.n,
+            "gen_ai.request.max_tokens": p.max_tokens,
+            "gen_ai.request.temperature": p.temperature,
+            "gen_ai.request.top_p": p.top_p,
             "gen_ai.response.finish_reason": stats.finish_reason,
         }
         if p.structured_outputs is not None:
             attributes["prefixserve.structured_output.kind"] = p.structured_outputs.kind
         if req.tool_mode is not None:
             parsed, failures = self._tool_counts(req)
-            attributes.update({"prefixserve.tool_choice": req.tool_mode.choice, "prefixserve.tool_calls": parsed,
-                               "prefixserve.tool_call_parse_failures": failures})
+            attributes.update(
+                {
+                    "prefixserve.tool_choice": req.tool_mode.choice,
+                    "prefixserve.tool_calls": parsed,
+                    "prefixserve.tool_call_parse_failures": failures,
+                }
+            )
         self.tracer.record(req.request_id, timing, attributes, req.trace_headers)
 
     def request_output(self, req: Request) -> RequestOutput:
-        outs = [CompletionOutput(index=s.index, text=s.text, token_ids=s.output_token_ids,
-                                 finish_reason=s.finish_reason, logprobs=s.logprobs)
-                for s in sorted(req.seqs, key=lambda s: s.index)]
+        outs = [
+            CompletionOutput(
+                index=s.index,
+                text=s.text,
+                token_ids=s.output_token_ids,
+                finish_reason=s.finish_reason,
+                logprobs=s.logprobs,
+            )
+            for s in sorted(req.seqs, key=lambda s: s.index)
+        ]
         ttft = None if req.first_token_time is None else req.first_token_time - req.arrival_time
         e2e = None if req.finished_time is None else req.finished_time - req.arrival_time
-        return RequestOutput(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, outputs=outs,
-                             num_cached_tokens=req.num_cached_tokens or 0, ttft_s=ttft, e2e_s=e2e,
-                             prompt=req.prompt, prompt_logprobs=req.prompt_logprobs)
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=outs,
+            num_cached_tokens=req.num_cached_tokens or 0,
+            ttft_s=ttft,
+            e2e_s=e2e,
+            prompt=req.prompt,
+            prompt_logprobs=req.prompt_logprobs,
+        )
 
     # --- observability ------------------------------------------------------------
 
@@ -748,31 +871,50 @@ class LLMEngine:
         """Prefix-cache query and hit tokens and preemptions since the engine started."""
         st = self.kv_manager.stats
         queries, hits, preemptions = self._carried
-        return (queries + st.prefix_query_tokens, hits + st.prefix_hit_tokens,
-                preemptions + self.scheduler.num_preemptions)
+        return (
+            queries + st.prefix_query_tokens,
+            hits + st.prefix_hit_tokens,
+            preemptions + self.scheduler.num_preemptions,
+        )
 
     def _swap_totals(self) -> SwapTotals:
         st, sched = self.kv_manager.stats, self.scheduler
-        return self._carried_swap + SwapTotals(sched.num_swap_preemptions, sched.num_recompute_preemptions,
-                                               st.num_swapped_out_blocks, st.num_swapped_in_blocks,
-                                               sched.num_swap_in_fallbacks)
+        return self._carried_swap + SwapTotals(
+            sched.num_swap_preemptions,
+            sched.num_recompute_preemptions,
+            st.num_swapped_out_blocks,
+            st.num_swapped_in_blocks,
+            sched.num_swap_in_fallbacks,
+        )
 
     def _observe_step(self, num_prompt_tokens: int, num_generated: int) -> None:
         st = self.kv_manager.stats
         host_usage = st.num_used_host_blocks / st.num_host_blocks if st.num_host_blocks else 0.0
         self.metrics.observe_swap(self._swap_totals(), num_swapped=st.num_swapped_requests, host_usage=host_usage)
         queries, hits, preemptions = self._totals()
-        self.metrics.observe_step(num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
-                                  kv_usage=self.kv_manager.usage, prefix_queries=queries, prefix_hits=hits,
-                                  num_preemptions=preemptions, num_prompt_tokens=num_prompt_tokens,
-                                  num_generation_tokens=num_generated)
+        self.metrics.observe_step(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_usage=self.kv_manager.usage,
+            prefix_queries=queries,
+            prefix_hits=hits,
+            num_preemptions=preemptions,
+            num_prompt_tokens=num_prompt_tokens,
+            num_generation_tokens=num_generated,
+        )
 
     def stats(self) -> EngineStats:
         queries, hits, preemptions = self._totals()
-        return EngineStats(num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
-                           kv_usage=self.kv_manager.usage, prefix_cache_hit_rate=hits / queries if queries else 0.0,
-                           prefix_cache_queries=queries, prefix_cache_hits=hits, num_preemptions=preemptions,
-                           num_kv_blocks=self.kv_manager.num_blocks)
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_usage=self.kv_manager.usage,
+            prefix_cache_hit_rate=hits / queries if queries else 0.0,
+            prefix_cache_queries=queries,
+            prefix_cache_hits=hits,
+            num_preemptions=preemptions,
+            num_kv_blocks=self.kv_manager.num_blocks,
+        )
 
 
 def _max_prompt_chars(tokenizer: Any, max_model_len: int) -> int | None:
@@ -813,8 +955,9 @@ def min_message_tokens(tokenizer: Any) -> int:
 
     def count(roles: tuple[str, ...]) -> int:
         messages = [{"role": r, "content": ""} for r in roles]
-        return len(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=False,
-                                                 return_dict=False))
+        return len(
+            tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=False, return_dict=False)
+        )
 
     costs: list[int] = []
     for first in _CHAT_ROLES:
@@ -916,8 +1059,7 @@ class AsyncEngine:
 
         True while it restarts after a fatal failure (it serves again right after).
         """
-        return (self._dead is None and not self._stopping and self._thread.is_alive()
-                and self.engine.runner.is_alive)
+        return self._dead is None and not self._stopping and self._thread.is_alive() and self.engine.runner.is_alive
 
     def check_health(self) -> None:
         """Raise EngineDeadError unless the engine serves requests (see ``is_running``)."""
@@ -928,9 +1070,11 @@ class AsyncEngine:
             elif lost_worker is not None:
                 cause = lost_worker
             else:
-                cause = (f"it failed more often than max_engine_restarts={self.config.max_engine_restarts} "
-                         f"within {self.config.engine_restart_window_s:g} s "
-                         f"(last failure: {type(self._dead).__name__})")
+                cause = (
+                    f"it failed more often than max_engine_restarts={self.config.max_engine_restarts} "
+                    f"within {self.config.engine_restart_window_s:g} s "
+                    f"(last failure: {type(self._dead).__name__})"
+                )
             raise EngineDeadError(f"the engine loop is not running: {cause}")
 
     def encode_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
@@ -941,10 +1085,17 @@ class AsyncEngine:
 
     # --- requests ------------------------------------------------------------
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                       cache_salt: str | None = None, trace_headers: dict[str, str] | None = None,
-                       conversation: bool = False, static_prefix_tokens: int = 0,
-                       tool_mode: ToolCallMode | None = None) -> AsyncIterator[StreamDelta]:
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        trace_headers: dict[str, str] | None = None,
+        conversation: bool = False,
+        static_prefix_tokens: int = 0,
+        tool_mode: ToolCallMode | None = None,
+    ) -> AsyncIterator[StreamDelta]:
         """Stream the deltas of one request (``conversation``, ``static_prefix_tokens``, ``tool_mode``:
         see LLMEngine.add_request).
 
@@ -981,12 +1132,21 @@ class AsyncEngine:
                 raise EngineOverloadedError(f"the waiting queue is full (max_waiting_requests={bound}); retry later")
             self._streams[request_id] = stream
             self._pending_adds += 1
-            self._commands.append(AddRequest(request_id=request_id, prompt_token_ids=ids, params=params,
-                                             cache_salt=cache_salt, arrival_time=arrival,
-                                             prompt_text=prompt if isinstance(prompt, str) else None,
-                                             trace_headers=trace_headers, conversation=conversation,
-                                             static_prefix_tokens=static_prefix_tokens, grammar=grammar,
-                                             tool_mode=tool_mode))
+            self._commands.append(
+                AddRequest(
+                    request_id=request_id,
+                    prompt_token_ids=ids,
+                    params=params,
+                    cache_salt=cache_salt,
+                    arrival_time=arrival,
+                    prompt_text=prompt if isinstance(prompt, str) else None,
+                    trace_headers=trace_headers,
+                    conversation=conversation,
+                    static_prefix_tokens=static_prefix_tokens,
+                    grammar=grammar,
+                    tool_mode=tool_mode,
+                )
+            )
         self._wake.set()
         done = False
         try:
@@ -1043,11 +1203,13 @@ class AsyncEngine:
                         break
                     if not self._may_restart():
                         self._dead = exc
-                        error = EngineDeadError(f"the engine loop failed ({type(exc).__name__}) and restarted "
-                                                f"too often: it is stopped")
+                        error = EngineDeadError(
+                            f"the engine loop failed ({type(exc).__name__}) and restarted too often: it is stopped"
+                        )
                         break
-                    self._fail_in_flight(EngineDeadError(
-                        f"the engine failed ({type(exc).__name__}) and restarted; retry the request"))
+                    self._fail_in_flight(
+                        EngineDeadError(f"the engine failed ({type(exc).__name__}) and restarted; retry the request")
+                    )
                     self.engine.reset()
                     self.num_restarts += 1
                     self.engine.metrics.observe_restart()
@@ -1112,11 +1274,19 @@ class AsyncEngine:
         if stream is None:  # the consumer left before the request started
             return
         try:
-            self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.cache_salt,
-                                    cmd.arrival_time, prompt_text=cmd.prompt_text,
-                                    trace_headers=cmd.trace_headers, conversation=cmd.conversation,
-                                    static_prefix_tokens=cmd.static_prefix_tokens, grammar=cmd.grammar,
-                                    tool_mode=cmd.tool_mode)
+            self.engine.add_request(
+                cmd.request_id,
+                cmd.prompt_token_ids,
+                cmd.params,
+                cmd.cache_salt,
+                cmd.arrival_time,
+                prompt_text=cmd.prompt_text,
+                trace_headers=cmd.trace_headers,
+                conversation=cmd.conversation,
+                static_prefix_tokens=cmd.static_prefix_tokens,
+                grammar=cmd.grammar,
+                tool_mode=cmd.tool_mode,
+            )
         except Exception as exc:  # noqa: BLE001 - handed to the consumer
             self._post(stream, exc)
 

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from prefixserve.replica.engine import AsyncEngine
     from prefixserve.replica.kv_events import KVEventPublisher
 
+
 @dataclass
 class EngineRequest:
     """One generation request as a front end hands it to an engine.
@@ -144,7 +145,10 @@ def fit_max_tokens(request: EngineRequest, prompt_len: int, max_model_len: int) 
 
 
 def prompt_token_ids(
-    engine: AsyncEngine, *, prompt: str | list[int] | None = None, messages: list[dict[str, Any]] | None = None,
+    engine: AsyncEngine,
+    *,
+    prompt: str | list[int] | None = None,
+    messages: list[dict[str, Any]] | None = None,
     tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """The token ids ``engine`` generates from: ``messages`` (chat, with ``tools``) or ``prompt``. Blocking.
@@ -156,16 +160,18 @@ def prompt_token_ids(
         try:
             return list(engine.encode_chat(messages, tools=tools) if tools else engine.encode_chat(messages))
         except Exception as exc:  # a chat template refusing the conversation (jinja error)
-            raise api.BadRequestError(f"the chat template rejected the messages: {exc}", param="messages",
-                                      code="invalid_value") from exc
+            raise api.BadRequestError(
+                f"the chat template rejected the messages: {exc}", param="messages", code="invalid_value"
+            ) from exc
     if isinstance(prompt, str):
         return engine.engine.tokenize(prompt)
     if prompt is None:
         raise ValueError("prompt_token_ids needs a prompt or messages")
     vocab = len(engine.tokenizer)
     if any(t >= vocab for t in prompt):
-        raise api.BadRequestError(f"prompt token ids must be below the vocabulary size {vocab}", param="prompt",
-                                  code="invalid_value")
+        raise api.BadRequestError(
+            f"prompt token ids must be below the vocabulary size {vocab}", param="prompt", code="invalid_value"
+        )
     return list(prompt)
 
 
@@ -180,9 +186,14 @@ class RequestRunner:
 
     def model_info(self) -> ModelInfo:
         config = self.engine.config
-        return ModelInfo(model_name=self.engine.model_name, model=config.model, max_model_len=self.max_model_len,
-                         max_messages=self.engine.engine.max_messages, tool_call_parser=config.tool_call_parser,
-                         enable_auto_tool_choice=config.enable_auto_tool_choice)
+        return ModelInfo(
+            model_name=self.engine.model_name,
+            model=config.model,
+            max_model_len=self.max_model_len,
+            max_messages=self.engine.engine.max_messages,
+            tool_call_parser=config.tool_call_parser,
+            enable_auto_tool_choice=config.enable_auto_tool_choice,
+        )
 
     def check_prompt_size(self, request: EngineRequest) -> None:
         """Refuse (400 context_length_exceeded) a prompt that cannot fit, without tokenizing it.
@@ -198,7 +209,9 @@ class RequestRunner:
             if len(request.prompt) > self.max_model_len:
                 raise PromptTooLongError(
                     f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
-                    f"{len(request.prompt)} tokens", param="prompt")
+                    f"{len(request.prompt)} tokens",
+                    param="prompt",
+                )
         else:
             self.engine.engine.check_messages_size(request.messages or [])
 
@@ -245,10 +258,16 @@ class RequestRunner:
         prompt_ids, static_prefix_tokens, params = await self.prompt_ids(request)
         if self.kv_events is not None and request.routing_key:
             self.remember_prefix(request.routing_key, prompt_ids, request.cache_salt)
-        stream = self.engine.generate(prompt_ids, params, request_id=request.request_id,
-                                      cache_salt=request.cache_salt, trace_headers=request.trace_headers,
-                                      conversation=request.conversation,
-                                      static_prefix_tokens=static_prefix_tokens, tool_mode=request.tool_mode)
+        stream = self.engine.generate(
+            prompt_ids,
+            params,
+            request_id=request.request_id,
+            cache_salt=request.cache_salt,
+            trace_headers=request.trace_headers,
+            conversation=request.conversation,
+            static_prefix_tokens=static_prefix_tokens,
+            tool_mode=request.tool_mode,
+        )
         try:
             async for delta in stream:
                 yield delta
@@ -306,4 +325,3 @@ def is_conversation_turn(messages: list[dict[str, Any]] | None, headers: Mapping
     if any(k.lower() == SESSION_HEADER.lower() and v for k, v in headers.items()):
         return True
     return any(m.get("role") == "assistant" for m in messages or ())
-

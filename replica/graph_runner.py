@@ -69,8 +69,15 @@ class DecodeGraphRunner:
     block-table width the buffers hold (``ceil(max_model_len / block_size)``).
     """
 
-    def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
-                 sizes: tuple[int, ...], max_blocks: int, device: torch.device, *, capture: bool) -> None:
+    def __init__(
+        self,
+        forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
+        sizes: tuple[int, ...],
+        max_blocks: int,
+        device: torch.device,
+        *,
+        capture: bool,
+    ) -> None:
         if capture and device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device: use capture=False elsewhere")
         self.forward = forward
@@ -82,11 +89,13 @@ class DecodeGraphRunner:
         n = self.max_size
         with torch.device(device):
             self.buffers = _Buffers(
-                input_ids=torch.zeros(n, dtype=torch.long), positions=torch.zeros(n, dtype=torch.long),
+                input_ids=torch.zeros(n, dtype=torch.long),
+                positions=torch.zeros(n, dtype=torch.long),
                 slot_mapping=torch.full((n,), PAD_SLOT, dtype=torch.long),
                 block_tables=torch.zeros((n, max_blocks), dtype=torch.int32),
                 seq_lens=torch.ones(n, dtype=torch.int32),
-                query_start_loc=torch.arange(n + 1, dtype=torch.int32))
+                query_start_loc=torch.arange(n + 1, dtype=torch.int32),
+            )
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.num_replays = 0
         self.num_eager_static_runs = 0
@@ -94,8 +103,11 @@ class DecodeGraphRunner:
     def accepts(self, inputs: StepInputs) -> bool:
         """Whether this step can take the static path: decode only, within the ladder and buffers."""
         num_seqs = inputs.seq_lens.numel()
-        return (inputs.input_ids.numel() == num_seqs and 0 < num_seqs <= self.max_size
-                and inputs.block_tables.shape[1] <= self.max_blocks)
+        return (
+            inputs.input_ids.numel() == num_seqs
+            and 0 < num_seqs <= self.max_size
+            and inputs.block_tables.shape[1] <= self.max_blocks
+        )
 
     def padded_size(self, num_seqs: int) -> int:
         return next(s for s in self.sizes if s >= num_seqs)
@@ -118,13 +130,22 @@ class DecodeGraphRunner:
             self.graphs[size] = (graph, out)
         torch.cuda.synchronize(self.device)
         used = free_before - torch.cuda.mem_get_info(self.device)[0]
-        log.info("captured %d CUDA graphs (batch %s) in %.2f s using %.1f MiB", len(self.graphs),
-                 ",".join(map(str, self.sizes)), time.perf_counter() - start, used / 2**20)
+        log.info(
+            "captured %d CUDA graphs (batch %s) in %.2f s using %.1f MiB",
+            len(self.graphs),
+            ",".join(map(str, self.sizes)),
+            time.perf_counter() - start,
+            used / 2**20,
+        )
 
     def _run_views(self, size: int) -> torch.Tensor:
         b = self.buffers
-        meta = AttentionMetadata(slot_mapping=b.slot_mapping[:size], block_tables=b.block_tables[:size],
-                                 seq_lens=b.seq_lens[:size], query_start_loc=b.query_start_loc[:size + 1])
+        meta = AttentionMetadata(
+            slot_mapping=b.slot_mapping[:size],
+            block_tables=b.block_tables[:size],
+            seq_lens=b.seq_lens[:size],
+            query_start_loc=b.query_start_loc[: size + 1],
+        )
         return self.forward(b.input_ids[:size], b.positions[:size], meta)
 
     def run(self, inputs: StepInputs) -> torch.Tensor:

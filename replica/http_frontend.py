@@ -116,11 +116,23 @@ class FrontendOptions:
             raise ValueError(f"client_body_timeout_s must be positive, got {self.client_body_timeout_s}")
 
     @classmethod
-    def build(cls, api_keys: Sequence[str] | None, max_body_bytes: int, echo_request_id: bool = True,
-              client_body_timeout_s: float = DEFAULT_CLIENT_BODY_TIMEOUT_S, max_header_count: int | None = None,
-              max_header_bytes: int | None = None) -> FrontendOptions:
-        return cls(tuple(k.encode("utf-8") for k in (api_keys or []) if k), max_body_bytes, echo_request_id,
-                   client_body_timeout_s, max_header_count, max_header_bytes)
+    def build(
+        cls,
+        api_keys: Sequence[str] | None,
+        max_body_bytes: int,
+        echo_request_id: bool = True,
+        client_body_timeout_s: float = DEFAULT_CLIENT_BODY_TIMEOUT_S,
+        max_header_count: int | None = None,
+        max_header_bytes: int | None = None,
+    ) -> FrontendOptions:
+        return cls(
+            tuple(k.encode("utf-8") for k in (api_keys or []) if k),
+            max_body_bytes,
+            echo_request_id,
+            client_body_timeout_s,
+            max_header_count,
+            max_header_bytes,
+        )
 
 
 class InFlightSlot:
@@ -142,7 +154,10 @@ class InFlightSlot:
         if counter.cap is not None and counter.running >= counter.cap:
             raise api.OverloadedError(
                 f"this replica has {counter.running} requests in flight (max_in_flight={counter.cap}); "
-                "try the next replica", code="replica_busy", retry_after_s=counter.retry_after_s)
+                "try the next replica",
+                code="replica_busy",
+                retry_after_s=counter.retry_after_s,
+            )
         counter.running += 1
         self.taken = True
 
@@ -170,8 +185,7 @@ class InFlightCounter:
 # ---------------------------------------------------------------------------
 
 
-async def read_body(request: Request, max_body_bytes: int,
-                    timeout_s: float = DEFAULT_CLIENT_BODY_TIMEOUT_S) -> bytes:
+async def read_body(request: Request, max_body_bytes: int, timeout_s: float = DEFAULT_CLIENT_BODY_TIMEOUT_S) -> bytes:
     """The request body, refusing (413) one over ``max_body_bytes`` and (408) one not whole within ``timeout_s``.
 
     Both the declared Content-Length and the bytes actually received are checked,
@@ -194,7 +208,8 @@ async def _read_body(request: Request, max_body_bytes: int) -> bytes:
             raise api.BadRequestError(f"invalid Content-Length header {declared!r}") from None
         if declared_len > max_body_bytes:
             raise api.PayloadTooLargeError(
-                f"request body is {declared_len} bytes; this server accepts at most {max_body_bytes}")
+                f"request body is {declared_len} bytes; this server accepts at most {max_body_bytes}"
+            )
     chunks: list[bytes] = []
     received = 0
     try:
@@ -202,7 +217,8 @@ async def _read_body(request: Request, max_body_bytes: int) -> bytes:
             received += len(chunk)
             if received > max_body_bytes:
                 raise api.PayloadTooLargeError(
-                    f"request body exceeds {max_body_bytes} bytes, the most this server accepts")
+                    f"request body exceeds {max_body_bytes} bytes, the most this server accepts"
+                )
             chunks.append(chunk)
     except ClientDisconnect:
         raise ClientDisconnected() from None
@@ -241,8 +257,12 @@ def error_response(exc: BaseException, request_id: str | None = None) -> JSONRes
     (with its traceback unless it is an APIError), a client error as one line at info."""
     err = api.error_from_exception(exc)
     if err.status_code >= 500:
-        log.error("request %s failed: %s", request_id or "-", err.message,
-                  exc_info=exc if not isinstance(exc, api.APIError) else None)
+        log.error(
+            "request %s failed: %s",
+            request_id or "-",
+            err.message,
+            exc_info=exc if not isinstance(exc, api.APIError) else None,
+        )
     else:
         log.info("request %s refused: %d %s: %s", request_id or "-", err.status_code, err.code, err.message)
     return JSONResponse(err.body(), status_code=err.status_code, headers=err.headers())
@@ -278,8 +298,9 @@ async def respond(
 ) -> Response:
     """The answer to a started generation: SSE when ``body.stream``, else the collected JSON (499: client gone)."""
     if body.stream:
-        return StreamingResponse(openai_serving.sse_stream(gen, body, model, token_text),
-                                 media_type="text/event-stream")
+        return StreamingResponse(
+            openai_serving.sse_stream(gen, body, model, token_text), media_type="text/event-stream"
+        )
     try:
         response = await until_disconnect(request, openai_serving.collect_response(gen, body, model, token_text))
     except ClientDisconnected:
@@ -299,12 +320,14 @@ def check_headers(request: Request, options: FrontendOptions) -> None:
     headers = request.scope.get("headers") or []
     if options.max_header_count is not None and len(headers) > options.max_header_count:
         raise api.HeaderFieldsTooLargeError(
-            f"the request has {len(headers)} header fields; this server accepts at most {options.max_header_count}")
+            f"the request has {len(headers)} header fields; this server accepts at most {options.max_header_count}"
+        )
     if options.max_header_bytes is not None:
         size = len(request.scope.get("raw_path") or b"") + sum(len(k) + len(v) + 4 for k, v in headers)
         if size > options.max_header_bytes:
             raise api.HeaderFieldsTooLargeError(
-                f"the request line and headers exceed {options.max_header_bytes} bytes, the most this server accepts")
+                f"the request line and headers exceed {options.max_header_bytes} bytes, the most this server accepts"
+            )
 
 
 def check_auth(request: Request, options: FrontendOptions) -> None:
@@ -317,7 +340,8 @@ def check_model(info: ModelInfo, name: str | None) -> str:
     """The served model's name; raise ModelNotFoundError (404) when ``name`` is another model."""
     if name is not None and not info.serves(name):
         raise api.ModelNotFoundError(
-            f"the model {name!r} does not exist on this server; it serves {info.model_name!r}", param="model")
+            f"the model {name!r} does not exist on this server; it serves {info.model_name!r}", param="model"
+        )
     return info.model_name
 
 
@@ -328,8 +352,8 @@ def client_request_id(headers: Mapping[str, str]) -> str | None:
         return None
     if not _REQUEST_ID.fullmatch(value):
         raise api.BadRequestError(
-            f"{REQUEST_ID_HEADER} must be 1 to 128 characters of letters, digits and ._:/+=-",
-            code="invalid_request_id")
+            f"{REQUEST_ID_HEADER} must be 1 to 128 characters of letters, digits and ._:/+=-", code="invalid_request_id"
+        )
     return value
 
 
@@ -341,11 +365,18 @@ def check_message_count(body_cls: type[OpenAIRequest], data: Mapping[str, Any], 
     """
     messages = data.get("messages")
     limit = info.max_messages
-    if "messages" in body_cls.model_fields and isinstance(messages, list) and limit is not None \
-            and len(messages) > limit:
-        raise api.error_from_exception(PromptTooLongError(
-            f"the chat has {len(messages)} messages; at most {limit} fit this model's maximum context "
-            f"length of {info.max_model_len} tokens (each renders some template tokens): send fewer"))
+    if (
+        "messages" in body_cls.model_fields
+        and isinstance(messages, list)
+        and limit is not None
+        and len(messages) > limit
+    ):
+        raise api.error_from_exception(
+            PromptTooLongError(
+                f"the chat has {len(messages)} messages; at most {limit} fit this model's maximum context "
+                f"length of {info.max_model_len} tokens (each renders some template tokens): send fewer"
+            )
+        )
 
 
 def answer_id(body: OpenAIRequest, client_id: str | None, prepared: EngineRequest) -> str:
@@ -353,8 +384,13 @@ def answer_id(body: OpenAIRequest, client_id: str | None, prepared: EngineReques
     return prepared.request_id if client_id is None else f"{body.id_prefix}-{client_id}"
 
 
-def engine_request(body: OpenAIRequest, info: ModelInfo, routing_key: str | None,
-                   client_id: str | None = None, headers: Mapping[str, str] | None = None) -> EngineRequest:
+def engine_request(
+    body: OpenAIRequest,
+    info: ModelInfo,
+    routing_key: str | None,
+    client_id: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> EngineRequest:
     """What the engine is asked: the client's max_tokens, or the default the engine host fits to the prompt.
 
     ``client_id``: the client's X-Request-Id, which the engine request id then carries, with a
@@ -372,8 +408,9 @@ def engine_request(body: OpenAIRequest, info: ModelInfo, routing_key: str | None
             except ValueError as exc:
                 raise api.BadRequestError(str(exc), param="tool_choice", code="invalid_value") from None
     return EngineRequest(
-        request_id=(api.new_id(body.id_prefix) if client_id is None
-                    else f"{body.id_prefix}-{client_id}-{uuid.uuid4().hex[:8]}"),
+        request_id=(
+            api.new_id(body.id_prefix) if client_id is None else f"{body.id_prefix}-{client_id}-{uuid.uuid4().hex[:8]}"
+        ),
         **prompt,
         sampling=body.to_sampling_params(default_max_tokens=default_max, max_model_len=info.max_model_len),
         max_tokens_default=None if body.requested_max_tokens() is not None else default_max,
@@ -423,8 +460,7 @@ async def handle_generate(
         prepared = engine_request(body, info, key, client_id, request.headers)
         request_id = client_id or prepared.request_id
         REQUEST_ID.set(request_id)  # this task's log lines name the request (replica/log_json.py)
-        log.info("request %s (engine %s): %s, routing key %s", request_id, prepared.request_id,
-                 request.url.path, key)
+        log.info("request %s (engine %s): %s, routing key %s", request_id, prepared.request_id, request.url.path, key)
         stream = client.open_stream(prepared)
         gen = Generation(answer_id(body, client_id, prepared), stream)
         await start_generation(request, gen)

@@ -62,17 +62,23 @@ def limited_protocol(limits: ConnectionLimits) -> Any:
 def error_bytes(err: api.APIError) -> bytes:
     """A whole HTTP/1.1 answer carrying ``err``'s OpenAI error body, then ``Connection: close``."""
     body = json.dumps(err.body()).encode("utf-8")
-    head = [f"HTTP/1.1 {err.status_code} {STATUS_PHRASES[err.status_code].decode()}",
-            "content-type: application/json", f"content-length: {len(body)}",
-            *(f"{name}: {value}" for name, value in _closing_headers(err).items())]
+    head = [
+        f"HTTP/1.1 {err.status_code} {STATUS_PHRASES[err.status_code].decode()}",
+        "content-type: application/json",
+        f"content-length: {len(body)}",
+        *(f"{name}: {value}" for name, value in _closing_headers(err).items()),
+    ]
     return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
 
 
 def refusal_app(err: api.APIError) -> Any:
     """An ASGI app answering every request with ``err`` (and closing the connection)."""
     body = json.dumps(err.body()).encode("utf-8")
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-               *((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in _closing_headers(err).items())]
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        *((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in _closing_headers(err).items()),
+    ]
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
         await send({"type": "http.response.start", "status": err.status_code, "headers": headers})
@@ -124,8 +130,15 @@ class _TimedFlowControl(FlowControl):
 class LimitedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with the limits of the module docstring."""
 
-    def __init__(self, config: Any, server_state: Any, app_state: dict[str, Any],
-                 _loop: asyncio.AbstractEventLoop | None = None, *, limits: ConnectionLimits) -> None:
+    def __init__(
+        self,
+        config: Any,
+        server_state: Any,
+        app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None = None,
+        *,
+        limits: ConnectionLimits,
+    ) -> None:
         super().__init__(config, server_state, app_state, _loop)
         self.limits = limits
         self.conn = _HeadWatchingConnection(limits.h11_max_incomplete_event_size, self._on_request_head)
@@ -165,10 +178,15 @@ class LimitedH11Protocol(H11Protocol):
         if self.cycle is not None and not self.cycle.response_complete:
             return  # a response is being sent: the head is not what we wait for
         if self.conn.trailing_data[0]:  # a client that began a request and stalled
-            log.info("closing a connection whose request head took over %g s (client_header_timeout_s)",
-                     self.limits.client_header_timeout_s)
-            self._refuse(api.RequestTimeoutError(
-                f"the request head did not arrive within {self.limits.client_header_timeout_s:g} s"))
+            log.info(
+                "closing a connection whose request head took over %g s (client_header_timeout_s)",
+                self.limits.client_header_timeout_s,
+            )
+            self._refuse(
+                api.RequestTimeoutError(
+                    f"the request head did not arrive within {self.limits.client_header_timeout_s:g} s"
+                )
+            )
         else:  # nothing sent: close quietly, as an idle keep-alive connection is closed
             self.transport.close()
 
@@ -180,29 +198,50 @@ class LimitedH11Protocol(H11Protocol):
         head_bytes = len(event.method) + len(event.target) + sum(len(k) + len(v) + 4 for k, v in event.headers)
         if head_bytes > limits.h11_max_incomplete_event_size:
             # h11 bounds only a head still incomplete; one that arrived whole in one read is measured here.
-            log.info("refused a request head of %d bytes (h11_max_incomplete_event_size=%d)",
-                     head_bytes, limits.h11_max_incomplete_event_size)
+            log.info(
+                "refused a request head of %d bytes (h11_max_incomplete_event_size=%d)",
+                head_bytes,
+                limits.h11_max_incomplete_event_size,
+            )
             self.app = refusal_app(self._head_too_large())
         elif len(event.headers) > limits.h11_max_header_count:
-            log.info("refused a request with %d header fields (h11_max_header_count=%d)",
-                     len(event.headers), limits.h11_max_header_count)
-            self.app = refusal_app(api.HeaderFieldsTooLargeError(
-                f"the request has {len(event.headers)} header fields; this server accepts at most "
-                f"{limits.h11_max_header_count}"))
+            log.info(
+                "refused a request with %d header fields (h11_max_header_count=%d)",
+                len(event.headers),
+                limits.h11_max_header_count,
+            )
+            self.app = refusal_app(
+                api.HeaderFieldsTooLargeError(
+                    f"the request has {len(event.headers)} header fields; this server accepts at most "
+                    f"{limits.h11_max_header_count}"
+                )
+            )
         elif limits.limit_concurrency is not None and (
-                len(self.connections) > limits.limit_concurrency or len(self.tasks) >= limits.limit_concurrency):
-            log.warning("refused a request over limit_concurrency=%d (%d connections, %d requests)",
-                        limits.limit_concurrency, len(self.connections), len(self.tasks))
-            self.app = refusal_app(api.ServiceUnavailableError(
-                f"this server holds its maximum of {limits.limit_concurrency} connections (limit_concurrency); "
-                "retry later", code="too_many_connections", retry_after_s=limits.retry_after_s))
+            len(self.connections) > limits.limit_concurrency or len(self.tasks) >= limits.limit_concurrency
+        ):
+            log.warning(
+                "refused a request over limit_concurrency=%d (%d connections, %d requests)",
+                limits.limit_concurrency,
+                len(self.connections),
+                len(self.tasks),
+            )
+            self.app = refusal_app(
+                api.ServiceUnavailableError(
+                    f"this server holds its maximum of {limits.limit_concurrency} connections (limit_concurrency); "
+                    "retry later",
+                    code="too_many_connections",
+                    retry_after_s=limits.retry_after_s,
+                )
+            )
 
     def send_400_response(self, msg: str) -> None:
         """h11 refused what the client sent: 431 for a head over the size limit, else 400."""
         error = self.conn.last_error
         if error is not None and error.error_status_hint == 431:
-            log.info("refused a request head over h11_max_incomplete_event_size=%d bytes",
-                     self.limits.h11_max_incomplete_event_size)
+            log.info(
+                "refused a request head over h11_max_incomplete_event_size=%d bytes",
+                self.limits.h11_max_incomplete_event_size,
+            )
             self._refuse(self._head_too_large())
         else:
             self._refuse(api.BadRequestError(f"invalid HTTP request: {error or msg}", code="invalid_http_request"))
@@ -210,7 +249,8 @@ class LimitedH11Protocol(H11Protocol):
     def _head_too_large(self) -> api.APIError:
         return api.HeaderFieldsTooLargeError(
             f"the request line and headers exceed {self.limits.h11_max_incomplete_event_size} bytes, "
-            "the most this server accepts")
+            "the most this server accepts"
+        )
 
     def _refuse(self, err: api.APIError) -> None:
         """Answer ``err`` outside h11's state machine (the head was never complete) and close."""

@@ -82,10 +82,15 @@ def holds_prefix(leading: int, total: int) -> bool:
 class KVEventPublisher:
     """Remembers keys' prefix hashes and publishes bounded, lossy-safe diffs of their presence."""
 
-    def __init__(self, max_keys: int = 512, max_blocks_per_key: int = 32, max_events: int = 2048,
-                 snapshot_every: int = 10) -> None:
-        for name, v in (("max_keys", max_keys), ("max_blocks_per_key", max_blocks_per_key),
-                        ("max_events", max_events), ("snapshot_every", snapshot_every)):
+    def __init__(
+        self, max_keys: int = 512, max_blocks_per_key: int = 32, max_events: int = 2048, snapshot_every: int = 10
+    ) -> None:
+        for name, v in (
+            ("max_keys", max_keys),
+            ("max_blocks_per_key", max_blocks_per_key),
+            ("max_events", max_events),
+            ("snapshot_every", snapshot_every),
+        ):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
         self.max_keys = max_keys
@@ -174,8 +179,14 @@ class KVEventPublisher:
             held = {key: [leading_held(s.present), len(s.present)] for key, s in self._keys.items()}
         if snapshot:
             self._forgotten = False
-        return {"format": KV_EVENTS_FORMAT, "epoch": self.epoch, "seq": self.seq, "snapshot": snapshot,
-                "events": events, "held": held}
+        return {
+            "format": KV_EVENTS_FORMAT,
+            "epoch": self.epoch,
+            "seq": self.seq,
+            "snapshot": snapshot,
+            "events": events,
+            "held": held,
+        }
 
 
 class KVEventConsumer:

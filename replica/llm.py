@@ -41,11 +41,16 @@ class LLM:
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None, *, use_tqdm: bool = False,
-                 cache_salts: Sequence[str | None] | None = None,
-                 conversation: bool | Sequence[bool] = False,
-                 static_prefix_tokens: int | Sequence[int] = 0) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+        cache_salts: Sequence[str | None] | None = None,
+        conversation: bool | Sequence[bool] = False,
+        static_prefix_tokens: int | Sequence[int] = 0,
+    ) -> list[RequestOutput]:
         """Generate for each prompt; ``params`` is one for all or one per prompt.
 
         ``conversation``: whether each prompt is a conversation turn whose answer a later
@@ -67,13 +72,18 @@ class LLM:
         turns = [conversation] * len(prompts) if isinstance(conversation, bool) else list(conversation)
         if len(turns) != len(prompts):
             raise ValueError(f"got {len(turns)} conversation flags for {len(prompts)} prompts: pass one or one each")
-        statics = ([static_prefix_tokens] * len(prompts) if isinstance(static_prefix_tokens, int)
-                   else list(static_prefix_tokens))
+        statics = (
+            [static_prefix_tokens] * len(prompts)
+            if isinstance(static_prefix_tokens, int)
+            else list(static_prefix_tokens)
+        )
         if len(statics) != len(prompts):
-            raise ValueError(f"got {len(statics)} static_prefix_tokens for {len(prompts)} prompts: "
-                             "pass one or one each")
+            raise ValueError(
+                f"got {len(statics)} static_prefix_tokens for {len(prompts)} prompts: pass one or one each"
+            )
         for i, (prompt, p, salt, turn, static) in enumerate(
-                zip(prompts, per_prompt, salts, turns, statics, strict=True)):
+            zip(prompts, per_prompt, salts, turns, statics, strict=True)
+        ):
             req = self.engine.add_request(None, prompt, p, salt, conversation=turn, static_prefix_tokens=static)
             order[req.request_id] = i
         results: list[RequestOutput | None] = [None] * len(prompts)
@@ -101,14 +111,21 @@ class LLM:
                 bar.close()
         return results  # type: ignore[return-value]
 
-    def chat(self, conversations: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
-             params: SamplingParams | Sequence[SamplingParams] | None = None, *, use_tqdm: bool = False,
-             **template_kwargs: Any) -> list[RequestOutput]:
+    def chat(
+        self,
+        conversations: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+        **template_kwargs: Any,
+    ) -> list[RequestOutput]:
         """Generate replies to conversations (lists of ``{"role", "content"}`` messages)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
         prompts = [self.engine.encode_chat(list(c), **template_kwargs) for c in conversations]
         turns = [is_conversation_turn(list(c), {}) for c in conversations]
-        statics = [self.engine.static_prefix_tokens(list(c), ids, **template_kwargs)
-                   for c, ids in zip(conversations, prompts, strict=True)]
+        statics = [
+            self.engine.static_prefix_tokens(list(c), ids, **template_kwargs)
+            for c, ids in zip(conversations, prompts, strict=True)
+        ]
         return self.generate(prompts, params, use_tqdm=use_tqdm, conversation=turns, static_prefix_tokens=statics)

@@ -47,8 +47,9 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(line, ensure_ascii=False, default=str)
 
 
-def configure_logging(level: str | int, log_format: str = "text", replica: str | None = None,
-                      stream: TextIO | None = None) -> logging.Handler:
+def configure_logging(
+    level: str | int, log_format: str = "text", replica: str | None = None, stream: TextIO | None = None
+) -> logging.Handler:
     """Send every logger's records (uvicorn's included, when it is told not to configure its
     own) to one handler on ``stream`` (stderr), formatted as text or JSON; returns the handler."""
     if log_format not in LOG_FORMATS:

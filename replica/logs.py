@@ -14,14 +14,29 @@ import logging
 
 # Loggers of libraries the tools drive; their INFO is noise to a user of the tools.
 # "ray.serve" has its own level (Serve sets it), so it is named besides "ray".
-LIBRARY_LOGGERS = ("httpx", "httpcore", "urllib3", "ray", "ray.serve", "filelock", "asyncio", "transformers",
-                   "huggingface_hub", "matplotlib", "PIL")
+LIBRARY_LOGGERS = (
+    "httpx",
+    "httpcore",
+    "urllib3",
+    "ray",
+    "ray.serve",
+    "filelock",
+    "asyncio",
+    "transformers",
+    "huggingface_hub",
+    "matplotlib",
+    "PIL",
+)
 
 
 def add_verbose_flag(parser: argparse.ArgumentParser) -> None:
     """Add ``-v/--verbose``: show libraries' INFO logs too."""
-    parser.add_argument("-v", "--verbose", action="store_true",
-                        help="also show libraries' INFO logs (httpx requests, Ray, transformers)")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="also show libraries' INFO logs (httpx requests, Ray, transformers)",
+    )
 
 
 def quiet_libraries(verbose: bool = False) -> int:

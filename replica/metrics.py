@@ -23,12 +23,74 @@ from dataclasses import astuple, dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # vLLM V1's buckets (vllm/v1/metrics/loggers.py), so that histogram_quantile answers match.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-                   120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-               20.0, 40.0, 80.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 N_BUCKETS = (1, 2, 5, 10, 20)
 # The one engine of a replica process (vLLM numbers its data-parallel engines 0..N-1).
@@ -122,73 +184,107 @@ class EngineMetrics:
         self.running = g("vllm:num_requests_running", "Number of requests in model execution batches.")
         self.waiting = g("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
         self.kv_usage = g("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-        self.prefix_queries = c("vllm:prefix_cache_queries",
-                                "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_queries = c(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+        )
         self.prefix_hits = c("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
-        self.hit_rate = g("vllm:gpu_prefix_cache_hit_rate",
-                          "Prefix-cache hit rate (tokens) since start. Kept for compatibility with earlier "
-                          "dashboards; prefer rate(vllm:prefix_cache_hits) / rate(vllm:prefix_cache_queries).")
+        self.hit_rate = g(
+            "vllm:gpu_prefix_cache_hit_rate",
+            "Prefix-cache hit rate (tokens) since start. Kept for compatibility with earlier "
+            "dashboards; prefer rate(vllm:prefix_cache_hits) / rate(vllm:prefix_cache_queries).",
+        )
         # Counters
         self.preemptions = c("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
         self.prompt_tokens = c("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = c("vllm:generation_tokens", "Number of generation tokens processed.")
-        success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                          labels + ["finished_reason"], registry=r)
+        success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            labels + ["finished_reason"],
+            registry=r,
+        )
         self.request_success = {reason: success.labels(*values, reason) for reason in FINISH_REASONS}
         # Histograms of counts
-        self.request_prompt_tokens = h("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
-                                       token_buckets)
-        self.request_generation_tokens = h("vllm:request_generation_tokens",
-                                           "Number of generation tokens processed.", token_buckets)
-        self.iteration_tokens = h("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
-                                  ITERATION_TOKEN_BUCKETS)
+        self.request_prompt_tokens = h(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
+        )
+        self.request_generation_tokens = h(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.", token_buckets
+        )
+        self.iteration_tokens = h(
+            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", ITERATION_TOKEN_BUCKETS
+        )
         self.params_n = h("vllm:request_params_n", "Histogram of the n request parameter.", N_BUCKETS)
-        self.params_max_tokens = h("vllm:request_params_max_tokens",
-                                   "Histogram of the max_tokens request parameter.", token_buckets)
+        self.params_max_tokens = h(
+            "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", token_buckets
+        )
         # Histograms of timing intervals
-        self.ttft = h("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                      TTFT_BUCKETS)
-        self.itl = h("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-                     ITL_BUCKETS)
+        self.ttft = h("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self.itl = h("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
         # vLLM's earlier name of the same per-token interval; its Grafana dashboard still queries it.
-        self.tpot = h("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.",
-                      ITL_BUCKETS)
-        self.e2e = h("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                     LATENCY_BUCKETS)
-        self.queue_time = h("vllm:request_queue_time_seconds",
-                            "Histogram of time spent in WAITING phase for request.", LATENCY_BUCKETS)
-        self.inference_time = h("vllm:request_inference_time_seconds",
-                                "Histogram of time spent in RUNNING phase for request.", LATENCY_BUCKETS)
-        self.prefill_time = h("vllm:request_prefill_time_seconds",
-                              "Histogram of time spent in PREFILL phase for request.", LATENCY_BUCKETS)
-        self.decode_time = h("vllm:request_decode_time_seconds",
-                             "Histogram of time spent in DECODE phase for request.", LATENCY_BUCKETS)
+        self.tpot = h(
+            "vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.", ITL_BUCKETS
+        )
+        self.e2e = h(
+            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", LATENCY_BUCKETS
+        )
+        self.queue_time = h(
+            "vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", LATENCY_BUCKETS
+        )
+        self.inference_time = h(
+            "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
+            LATENCY_BUCKETS,
+        )
+        self.prefill_time = h(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            LATENCY_BUCKETS,
+        )
+        self.decode_time = h(
+            "vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", LATENCY_BUCKETS
+        )
         # Ours
         # Swap preemption (preemption_mode="swap"): vLLM V0's gauges where it had them.
         self.swapped = g("vllm:num_requests_swapped", "Number of requests swapped to CPU.")
         self.cpu_cache_usage = g("vllm:cpu_cache_usage_perc", "CPU KV-cache usage. 1 means 100 percent usage.")
-        by_mode = Counter("prefixserve:preemptions", "Preemptions by how the sequence was set aside: swap "
-                          "(KV kept in the host pool) or recompute (KV dropped).", labels + ["mode"], registry=r)
+        by_mode = Counter(
+            "prefixserve:preemptions",
+            "Preemptions by how the sequence was set aside: swap (KV kept in the host pool) or recompute (KV dropped).",
+            labels + ["mode"],
+            registry=r,
+        )
         self.preemptions_by_mode = {mode: by_mode.labels(*values, mode) for mode in PREEMPTION_MODES}
         self.swapped_out_blocks = c("prefixserve:swapped_out_blocks", "KV blocks copied to the host swap pool.")
         self.swapped_in_blocks = c("prefixserve:swapped_in_blocks", "KV blocks copied back from the host swap pool.")
-        self.swap_in_fallbacks = c("prefixserve:swap_in_fallbacks",
-                                   "Swapped sequences resumed by recompute (they could not be swapped in "
-                                   "even with nothing running).")
+        self.swap_in_fallbacks = c(
+            "prefixserve:swap_in_fallbacks",
+            "Swapped sequences resumed by recompute (they could not be swapped in even with nothing running).",
+        )
         self._last_swap = SwapTotals()
-        self.restarts = c("prefixserve:engine_restarts",
-                          "Times the engine reset its state after a fatal step failure (weights kept).")
+        self.restarts = c(
+            "prefixserve:engine_restarts", "Times the engine reset its state after a fatal step failure (weights kept)."
+        )
         # Tool calling (replica/tools/): finished sequences read for tool calls.
-        self.tool_calls_parsed = c("prefixserve:tool_calls_parsed",
-                                   "Tool calls parsed from generated text (one per call returned).")
-        self.tool_call_parse_failures = c("prefixserve:tool_call_parse_failures",
-                                          "Sequences whose tool-call text did not parse (answered as content).")
-        self.startup = Gauge("prefixserve:engine_startup_seconds",
-                             "Seconds this engine spent starting, by phase (see replica/model/startup.py).",
-                             labels + ["phase"], registry=r)
-        self.cache_bytes = Gauge("prefixserve:request_cache_bytes",
-                                 "Estimated bytes held by each memo or cache on the request path, by name "
-                                 "(each is bounded in bytes).", labels + ["cache"], registry=r)
+        self.tool_calls_parsed = c(
+            "prefixserve:tool_calls_parsed", "Tool calls parsed from generated text (one per call returned)."
+        )
+        self.tool_call_parse_failures = c(
+            "prefixserve:tool_call_parse_failures",
+            "Sequences whose tool-call text did not parse (answered as content).",
+        )
+        self.startup = Gauge(
+            "prefixserve:engine_startup_seconds",
+            "Seconds this engine spent starting, by phase (see replica/model/startup.py).",
+            labels + ["phase"],
+            registry=r,
+        )
+        self.cache_bytes = Gauge(
+            "prefixserve:request_cache_bytes",
+            "Estimated bytes held by each memo or cache on the request path, by name (each is bounded in bytes).",
+            labels + ["cache"],
+            registry=r,
+        )
         self._cache_config: Gauge | None = None
         self._last_queries = 0
         self._last_hits = 0
@@ -200,13 +296,23 @@ class EngineMetrics:
             return
         labels = {k: str(v) for k, v in info.items()}
         labels["engine"] = ENGINE_INDEX
-        self._cache_config = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-                                   list(labels), registry=self.registry)
+        self._cache_config = Gauge(
+            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", list(labels), registry=self.registry
+        )
         self._cache_config.labels(**labels).set(1)
 
-    def observe_step(self, *, num_running: int, num_waiting: int, kv_usage: float, prefix_queries: int,
-                     prefix_hits: int, num_preemptions: int, num_prompt_tokens: int,
-                     num_generation_tokens: int) -> None:
+    def observe_step(
+        self,
+        *,
+        num_running: int,
+        num_waiting: int,
+        kv_usage: float,
+        prefix_queries: int,
+        prefix_hits: int,
+        num_preemptions: int,
+        num_prompt_tokens: int,
+        num_generation_tokens: int,
+    ) -> None:
         """Record one step; the cumulative counters are passed as totals and turned into increments.
 
         A step that computed no tokens (an idle refresh after an abort or a reset) updates
@@ -271,6 +377,7 @@ class EngineMetrics:
     def track_cache_bytes(self, cache: str, nbytes: Callable[[], float]) -> None:
         """Export ``nbytes()`` as ``prefixserve:request_cache_bytes{cache}``, read at each scrape."""
         self.cache_bytes.labels(self.model_name, ENGINE_INDEX, cache).set_function(nbytes)
+
     def observe_tool_calls(self, parsed: int, failures: int) -> None:
         """Count a finished request's parsed tool calls and its sequences whose tool calls did not parse."""
         if parsed:

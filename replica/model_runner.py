@@ -77,12 +77,13 @@ class _PromptLogitsConsumer:
     def __call__(self, first: int, logits: torch.Tensor) -> None:
         end = first + logits.shape[0]
         if first < self.num_sampled:
-            self.sampled.append(logits[:min(end, self.num_sampled) - first])
+            self.sampled.append(logits[: min(end, self.num_sampled) - first])
         for start, span in self.spans:
             lo, hi = max(first, start), min(end, start + len(span.next_tokens))
             if lo < hi:
-                entries, ranks = prompt_logprobs(logits[lo - first:hi - first],
-                                                 span.next_tokens[lo - start:hi - start], span.k)
+                entries, ranks = prompt_logprobs(
+                    logits[lo - first : hi - first], span.next_tokens[lo - start : hi - start], span.k
+                )
                 assert span.logprobs is not None and span.ranks is not None
                 span.logprobs += entries
                 span.ranks += ranks
@@ -96,9 +97,16 @@ class _PromptLogitsConsumer:
 class ModelRunner:
     """Rank 0's model shard, plus the worker ranks when ``tensor_parallel_size`` > 1."""
 
-    def __init__(self, config: EngineConfig, model_cfg: ModelConfig, checkpoint: loader.CheckpointSource,
-                 *, max_model_len: int, checkpoint_dtype: torch.dtype | None = None,
-                 startup: StartupTimer | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_cfg: ModelConfig,
+        checkpoint: loader.CheckpointSource,
+        *,
+        max_model_len: int,
+        checkpoint_dtype: torch.dtype | None = None,
+        startup: StartupTimer | None = None,
+    ) -> None:
         self.config = config
         self.model_cfg = model_cfg
         self.max_model_len = max_model_len
@@ -119,15 +127,22 @@ class ModelRunner:
                 threads = [max(1, int(c)) for c in self.rank_resources.num_cpus]
             gpus = self.rank_resources.cuda_visible_devices if self.rank_resources else None
             if self.device.type == "cuda" and gpus is None and torch.cuda.device_count() < size:
-                raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs, "
-                                 f"{torch.cuda.device_count()} visible")
+                raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs, {torch.cuda.device_count()} visible")
         checkpoint = loader.prepare(checkpoint)
         try:
             if size > 1:
                 self.workers = self._start_workers(checkpoint, checkpoint_dtype, threads)
-            self.shard = ModelShard(config, model_cfg, loader.iter_weights(checkpoint, mapped=size > 1),
-                                    max_model_len=max_model_len, tp=TPGroup(0, size), device=self.device,
-                                    dtype=self.dtype, num_threads=threads[0], startup=startup)
+            self.shard = ModelShard(
+                config,
+                model_cfg,
+                loader.iter_weights(checkpoint, mapped=size > 1),
+                max_model_len=max_model_len,
+                tp=TPGroup(0, size),
+                device=self.device,
+                dtype=self.dtype,
+                num_threads=threads[0],
+                startup=startup,
+            )
             with (startup or StartupTimer()).phase("kv_cache"):
                 self._allocate_kv_cache()
         except BaseException:
@@ -136,19 +151,24 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
 
-    def _start_workers(self, checkpoint: loader.CheckpointSource, checkpoint_dtype: torch.dtype | None,
-                       threads: list[int | None]) -> WorkerGroup:
+    def _start_workers(
+        self, checkpoint: loader.CheckpointSource, checkpoint_dtype: torch.dtype | None, threads: list[int | None]
+    ) -> WorkerGroup:
         timeout = torch.distributed.distributed_c10d.default_pg_timeout
-        store = torch.distributed.TCPStore("127.0.0.1", 0, world_size=self.tp_size, is_master=True,
-                                           wait_for_workers=False, timeout=timeout)
-        spec = WorkerSpec(self.config, self.model_cfg, checkpoint, self.max_model_len, checkpoint_dtype, store.port,
-                          threads)
+        store = torch.distributed.TCPStore(
+            "127.0.0.1", 0, world_size=self.tp_size, is_master=True, wait_for_workers=False, timeout=timeout
+        )
+        spec = WorkerSpec(
+            self.config, self.model_cfg, checkpoint, self.max_model_len, checkpoint_dtype, store.port, threads
+        )
         gpus = self.rank_resources.cuda_visible_devices if self.rank_resources else None
         workers = WorkerGroup(spec, self.tp_size, cuda_visible_devices=gpus)
         self._store = store  # the rendezvous lives as long as the group
         try:
-            workers.wait_while("joining the group", lambda: init_distributed(
-                store, 0, self.tp_size, self.device, self.config.distributed_timeout_s))
+            workers.wait_while(
+                "joining the group",
+                lambda: init_distributed(store, 0, self.tp_size, self.device, self.config.distributed_timeout_s),
+            )
         except BaseException:
             workers.shutdown()
             raise
@@ -161,11 +181,15 @@ class ModelRunner:
             for worker_blocks, worker_host in self.workers.collect("loading its weights"):
                 blocks, host_blocks = min(blocks, worker_blocks), min(host_blocks, worker_host)
         if blocks < 2:
-            raise ValueError(f"KV cache too small: {blocks} blocks of {self.shard.kv_bytes_per_block} bytes fit "
-                             f"(per rank); raise kv_cache_memory_bytes / gpu_memory_utilization or set num_kv_blocks")
+            raise ValueError(
+                f"KV cache too small: {blocks} blocks of {self.shard.kv_bytes_per_block} bytes fit "
+                f"(per rank); raise kv_cache_memory_bytes / gpu_memory_utilization or set num_kv_blocks"
+            )
         if self.config.swap_space_gb > 0 and host_blocks < 1:
-            raise ValueError(f"swap_space_gb={self.config.swap_space_gb} holds no KV block of "
-                             f"{self.shard.kv_bytes_per_block} bytes: raise it")
+            raise ValueError(
+                f"swap_space_gb={self.config.swap_space_gb} holds no KV block of "
+                f"{self.shard.kv_bytes_per_block} bytes: raise it"
+            )
         if self.workers is not None:
             self.workers.reply((blocks, host_blocks))
         self.shard.allocate_kv_cache(blocks, host_blocks)
@@ -217,9 +241,13 @@ class ModelRunner:
 
     # --- one step ------------------------------------------------------------
 
-    def execute(self, scheduled: list[ScheduledSeq], copy_ops: list[tuple[int, int]],
-                specs: list[tuple[int, SampleSpec]],
-                prompt_spans: Sequence[PromptLogprobSpan] = ()) -> list[SampleResult]:
+    def execute(
+        self,
+        scheduled: list[ScheduledSeq],
+        copy_ops: list[tuple[int, int]],
+        specs: list[tuple[int, SampleSpec]],
+        prompt_spans: Sequence[PromptLogprobSpan] = (),
+    ) -> list[SampleResult]:
         """Run one packed forward pass and sample.
 
         ``specs`` pairs an index into ``scheduled`` (a sequence that samples) with its
@@ -231,9 +259,14 @@ class ModelRunner:
         """
         if self._closed:
             raise EngineDeadError("the engine was shut down")
-        inputs = build_step_inputs(scheduled, copy_ops, [i for i, _ in specs], self.shard.block_size,
-                                   sliding=self.sliding,
-                                   logit_spans=[(p.index, p.first, len(p.next_tokens)) for p in prompt_spans])
+        inputs = build_step_inputs(
+            scheduled,
+            copy_ops,
+            [i for i, _ in specs],
+            self.shard.block_size,
+            sliding=self.sliding,
+            logit_spans=[(p.index, p.first, len(p.next_tokens)) for p in prompt_spans],
+        )
         consumer = _PromptLogitsConsumer(len(specs), prompt_spans) if prompt_spans else None
         if self.workers is None:
             logits = self.shard.run(inputs, consumer)

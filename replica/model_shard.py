@@ -56,9 +56,11 @@ class RankMemory:
 
     def describe(self) -> str:
         mib = 1024**2
-        return (f"on {self.device}: weights {self.weights / mib:,.1f} MiB (MKL-packed copies included), "
-                f"KV cache {self.kv_cache / mib:,.1f} MiB ({self.num_blocks} blocks, "
-                f"{self.num_kv_heads} KV heads per layer)")
+        return (
+            f"on {self.device}: weights {self.weights / mib:,.1f} MiB (MKL-packed copies included), "
+            f"KV cache {self.kv_cache / mib:,.1f} MiB ({self.num_blocks} blocks, "
+            f"{self.num_kv_heads} KV heads per layer)"
+        )
 
 
 def keep_freed_memory_mapped() -> bool:
@@ -117,9 +119,19 @@ class ModelShard:
     ``num_threads``: torch threads on CPU (what the rank's Ray bundle reserved); None =
     :func:`cpu_threads_per_rank`."""
 
-    def __init__(self, config: EngineConfig, model_cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]],
-                 *, max_model_len: int, tp: TPGroup, device: torch.device, dtype: torch.dtype,
-                 num_threads: int | None = None, startup: StartupTimer | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_cfg: ModelConfig,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        *,
+        max_model_len: int,
+        tp: TPGroup,
+        device: torch.device,
+        dtype: torch.dtype,
+        num_threads: int | None = None,
+        startup: StartupTimer | None = None,
+    ) -> None:
         self.config = config
         self.model_cfg = model_cfg
         self.tp = tp
@@ -142,11 +154,11 @@ class ModelShard:
             ops = select_layer_ops(self.backend.name)
         with startup.phase("weights"):
             with torch.device(device):
-                self.model = LlamaForCausalLM(model_cfg, max_model_len=max_model_len, backend=self.backend,
-                                              dtype=dtype, tp=tp, ops=ops)
+                self.model = LlamaForCausalLM(
+                    model_cfg, max_model_len=max_model_len, backend=self.backend, dtype=dtype, tp=tp, ops=ops
+                )
             self.model.load_weights(weights)
-            self.model.configure_kv_cache(fp8=self.kv_cache_dtype != dtype,
-                                          calculate_scales=config.calculate_kv_scales)
+            self.model.configure_kv_cache(fp8=self.kv_cache_dtype != dtype, calculate_scales=config.calculate_kv_scales)
             self.model.eval()
             if self.backend.name == "cpu":
                 self.model.pack_weights_for_cpu()
@@ -168,8 +180,13 @@ class ModelShard:
     @property
     def weight_bytes(self) -> int:
         tensors = {id(p): p for p in self.model.parameters()}
-        tensors.update({id(m.packed_weight): m.packed_weight for m in self.model.modules()
-                        if getattr(m, "packed_weight", None) is not None})
+        tensors.update(
+            {
+                id(m.packed_weight): m.packed_weight
+                for m in self.model.modules()
+                if getattr(m, "packed_weight", None) is not None
+            }
+        )
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def kv_block_capacity(self) -> int:
@@ -199,10 +216,12 @@ class ModelShard:
         self.k_cache = torch.zeros((c.num_layers, *k_shape), dtype=self.kv_cache_dtype, device=self.device)
         self.v_cache = torch.zeros((c.num_layers, *v_shape), dtype=self.kv_cache_dtype, device=self.device)
         pin = self.device.type == "cuda"
-        self.k_host = torch.zeros((c.num_layers, num_host_blocks, *k_shape[1:]), dtype=self.kv_cache_dtype,
-                                  pin_memory=pin)
-        self.v_host = torch.zeros((c.num_layers, num_host_blocks, *v_shape[1:]), dtype=self.kv_cache_dtype,
-                                  pin_memory=pin)
+        self.k_host = torch.zeros(
+            (c.num_layers, num_host_blocks, *k_shape[1:]), dtype=self.kv_cache_dtype, pin_memory=pin
+        )
+        self.v_host = torch.zeros(
+            (c.num_layers, num_host_blocks, *v_shape[1:]), dtype=self.kv_cache_dtype, pin_memory=pin
+        )
         self.num_blocks, self.num_host_blocks = num_blocks, num_host_blocks
         self.model.bind_kv_cache(list(self.k_cache.unbind(0)), list(self.v_cache.unbind(0)))
         self._start_graph_runner()
@@ -233,8 +252,9 @@ class ModelShard:
     # --- one step -------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, inputs: StepInputs,
-            consume: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor | None:
+    def run(
+        self, inputs: StepInputs, consume: Callable[[int, torch.Tensor], None] | None = None
+    ) -> torch.Tensor | None:
         """Block copies, then one forward pass; the float32 logits of ``inputs.sample_rows``
         on rank 0 (None on other ranks, and when no row samples).
 
@@ -251,15 +271,19 @@ class ModelShard:
         if graphs is not None and graphs.accepts(inputs) and not self._kv_scales_pending():
             hidden = graphs.run(inputs)
         else:
-            meta = AttentionMetadata(slot_mapping=inputs.slot_mapping, block_tables=inputs.block_tables,
-                                     seq_lens=inputs.seq_lens, query_start_loc=inputs.query_start_loc)
+            meta = AttentionMetadata(
+                slot_mapping=inputs.slot_mapping,
+                block_tables=inputs.block_tables,
+                seq_lens=inputs.seq_lens,
+                query_start_loc=inputs.query_start_loc,
+            )
             hidden = self.model(inputs.input_ids, inputs.positions, meta)
         if not inputs.sample_rows.numel():
             return None
         rows = hidden.index_select(0, inputs.sample_rows)
         parts = []
         for first in range(0, rows.shape[0], LOGIT_SLICE_ROWS):
-            logits = self.model.compute_logits(rows[first:first + LOGIT_SLICE_ROWS])
+            logits = self.model.compute_logits(rows[first : first + LOGIT_SLICE_ROWS])
             if logits is None:
                 continue
             if consume is None:

@@ -115,11 +115,16 @@ class _Choice:
             if body.logprobs is not None:
                 token_ids = prompt.token_ids + token_ids
                 entries = prompt.logprobs + entries
-        completion_logprobs = (api.completion_logprobs(token_ids, entries, top_k, token_text)
-                               if body.logprobs is not None else None)
-        return api.CompletionChoice(index=index, text=text, logprobs=completion_logprobs,
-                                    finish_reason=self.finish_reason,
-                                    prompt_logprobs=prompt.render(body.prompt_logprobs, token_text))
+        completion_logprobs = (
+            api.completion_logprobs(token_ids, entries, top_k, token_text) if body.logprobs is not None else None
+        )
+        return api.CompletionChoice(
+            index=index,
+            text=text,
+            logprobs=completion_logprobs,
+            finish_reason=self.finish_reason,
+            prompt_logprobs=prompt.render(body.prompt_logprobs, token_text),
+        )
 
 
 @dataclass
@@ -166,13 +171,15 @@ class _Usage:
 
 def tool_message(result: ToolCallResult) -> api.ChatResponseMessage:
     """The collected assistant message of a sequence read for tool calls."""
-    calls = [api.ToolCallOut(id=c.id, function=api.FunctionCall(name=c.name, arguments=c.arguments))
-             for c in result.calls]
+    calls = [
+        api.ToolCallOut(id=c.id, function=api.FunctionCall(name=c.name, arguments=c.arguments)) for c in result.calls
+    ]
     return api.ChatResponseMessage(content=result.content, tool_calls=calls or None)
 
 
-def tool_finish_reason(result: ToolCallResult, finish_reason: str | None,
-                       body: api.ChatCompletionRequest) -> str | None:
+def tool_finish_reason(
+    result: ToolCallResult, finish_reason: str | None, body: api.ChatCompletionRequest
+) -> str | None:
     """OpenAI's (and vLLM's) finish reason of a sequence read for tool calls: ``"tool_calls"`` when it
     stopped on its own with calls under ``auto`` or ``required``; a named function's call stays ``"stop"``."""
     if result.calls and finish_reason == "stop" and body.effective_tool_choice() != "named":
@@ -184,9 +191,15 @@ def delta_tool_calls(delta: StreamDelta) -> list[api.DeltaToolCall] | None:
     """A delta's tool-call pieces in OpenAI's chunk shape."""
     if not delta.tool_calls:
         return None
-    return [api.DeltaToolCall(index=d.index, id=d.id, type="function" if d.id is not None else None,
-                              function=api.DeltaFunctionCall(name=d.name, arguments=d.arguments))
-            for d in delta.tool_calls]
+    return [
+        api.DeltaToolCall(
+            index=d.index,
+            id=d.id,
+            type="function" if d.id is not None else None,
+            function=api.DeltaFunctionCall(name=d.name, arguments=d.arguments),
+        )
+        for d in delta.tool_calls
+    ]
 
 
 def _top_k(body: OpenAIRequest) -> int:
@@ -219,8 +232,13 @@ async def collect_response(
         await gen.close()
     rendered = [c.render(i, body, token_text, prompt) for i, c in enumerate(choices)]
     if isinstance(body, api.ChatCompletionRequest):
-        return api.ChatCompletionResponse(id=gen.request_id, model=model, choices=rendered, usage=usage.build(),
-                                          prompt_logprobs=prompt.render(body.prompt_logprobs, token_text))
+        return api.ChatCompletionResponse(
+            id=gen.request_id,
+            model=model,
+            choices=rendered,
+            usage=usage.build(),
+            prompt_logprobs=prompt.render(body.prompt_logprobs, token_text),
+        )
     return api.CompletionResponse(id=gen.request_id, model=model, choices=rendered, usage=usage.build())
 
 
@@ -242,21 +260,26 @@ async def _chat_stream(
     top_k = _top_k(body)
 
     def chunk(choices: list[api.ChatChunkChoice], usage_: api.Usage | None = None) -> str:
-        return _sse(api.ChatCompletionChunk(id=gen.request_id, model=model, choices=choices,
-                                            usage=usage_).model_dump_json())
+        return _sse(
+            api.ChatCompletionChunk(id=gen.request_id, model=model, choices=choices, usage=usage_).model_dump_json()
+        )
 
     try:
         # OpenAI opens each choice with a role-only delta.
-        yield chunk([api.ChatChunkChoice(index=i, delta=api.DeltaMessage(role="assistant", content=""))
-                     for i in range(body.n)])
+        yield chunk(
+            [api.ChatChunkChoice(index=i, delta=api.DeltaMessage(role="assistant", content="")) for i in range(body.n)]
+        )
         async for delta in gen.deltas():
             usage.update(delta)
             if delta.content is not None:  # read for tool calls: content and call pieces
                 if not delta.content and not delta.tool_calls and delta.finish_reason is None:
                     continue
                 message = api.DeltaMessage(content=delta.content or None, tool_calls=delta_tool_calls(delta))
-                finish = (tool_finish_reason(delta.tool_result, delta.finish_reason, body)
-                          if delta.tool_result is not None else delta.finish_reason)
+                finish = (
+                    tool_finish_reason(delta.tool_result, delta.finish_reason, body)
+                    if delta.tool_result is not None
+                    else delta.finish_reason
+                )
             else:
                 if not delta.text and delta.finish_reason is None:
                     continue  # the detokenizer holds back an incomplete character
@@ -264,8 +287,9 @@ async def _chat_stream(
             logprobs = None
             if body.logprobs and delta.logprobs:
                 logprobs = api.chat_logprobs(delta.token_ids, delta.logprobs, top_k, token_text)
-            yield chunk([api.ChatChunkChoice(index=delta.index, delta=message, logprobs=logprobs,
-                                             finish_reason=finish)])
+            yield chunk(
+                [api.ChatChunkChoice(index=delta.index, delta=message, logprobs=logprobs, finish_reason=finish)]
+            )
         if body.include_usage:
             yield chunk([], usage.build())
     except Exception as exc:  # the engine failed mid-stream: say so in-band, the status is sent
@@ -285,8 +309,9 @@ async def _completion_stream(
     echoed = [not body.echo] * body.n
 
     def chunk(choices: list[api.CompletionChoice], usage_: api.Usage | None = None) -> str:
-        return _sse(api.CompletionResponse(id=gen.request_id, model=model, choices=choices,
-                                           usage=usage_).model_dump_json())
+        return _sse(
+            api.CompletionResponse(id=gen.request_id, model=model, choices=choices, usage=usage_).model_dump_json()
+        )
 
     try:
         async for delta in gen.deltas():
@@ -305,11 +330,13 @@ async def _completion_stream(
                 continue
             logprobs = None
             if body.logprobs is not None and delta.logprobs:
-                logprobs = api.completion_logprobs(delta.token_ids, delta.logprobs, top_k, token_text,
-                                                   text_offset=offsets[i])
+                logprobs = api.completion_logprobs(
+                    delta.token_ids, delta.logprobs, top_k, token_text, text_offset=offsets[i]
+                )
             offsets[i] += len(delta.text)
-            yield chunk([api.CompletionChoice(index=i, text=delta.text, logprobs=logprobs,
-                                              finish_reason=delta.finish_reason)])
+            yield chunk(
+                [api.CompletionChoice(index=i, text=delta.text, logprobs=logprobs, finish_reason=delta.finish_reason)]
+            )
         if body.include_usage:
             yield chunk([], usage.build())
     except Exception as exc:

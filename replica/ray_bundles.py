@@ -148,7 +148,8 @@ def _probe_gpus(ray: Any, pg: Any, gpus: list[float], timeout_s: float) -> tuple
                 num_gpus=amount,
                 max_restarts=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=index,
+                    placement_group=pg,
+                    placement_group_bundle_index=index,
                     placement_group_capture_child_tasks=False,
                 ),
             ).remote()
@@ -156,8 +157,7 @@ def _probe_gpus(ray: Any, pg: Any, gpus: list[float], timeout_s: float) -> tuple
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
         if len(ready) < len(refs):
             late = sorted(i for i, ref in refs.items() if ref not in ready)
-            raise TimeoutError(f"GPU probe actors of placement-group bundles {late} did not start "
-                               f"within {timeout_s}s")
+            raise TimeoutError(f"GPU probe actors of placement-group bundles {late} did not start within {timeout_s}s")
         ids = {index: ",".join(ray.get(ref)) for index, ref in refs.items()}
     except BaseException:
         RankResources([], None, list(probes.values())).release()

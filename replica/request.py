@@ -86,6 +86,7 @@ class Request:
     def needs_prompt_logits(self) -> bool:
         """Whether prompt positions still lack their logprobs (such a prompt skips prefix-cache hits)."""
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
+
     # How the output is read for tool calls (replica/tools/choice.py ToolCallMode); None = plain content.
     tool_mode: Any = None
     # The compiled grammar of its structured_outputs constraint (replica/structured_output/); None = free.
@@ -137,7 +138,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def is_finished(self) -> bool:

@@ -139,17 +139,18 @@ class SamplingParams:
         # An empty map is no map: the sampler then skips the bias entirely.
         self.logit_bias = self._checked_logit_bias(self.logit_bias) if self.logit_bias else None
         self.presence_penalty = _check_float("presence_penalty", self.presence_penalty, -PENALTY_LIMIT, PENALTY_LIMIT)
-        self.frequency_penalty = _check_float("frequency_penalty", self.frequency_penalty,
-                                              -PENALTY_LIMIT, PENALTY_LIMIT)
-        self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty, 0.0, math.inf,
-                                               lo_open=True)
+        self.frequency_penalty = _check_float(
+            "frequency_penalty", self.frequency_penalty, -PENALTY_LIMIT, PENALTY_LIMIT
+        )
+        self.repetition_penalty = _check_float(
+            "repetition_penalty", self.repetition_penalty, 0.0, math.inf, lo_open=True
+        )
         self.min_p = _check_float("min_p", self.min_p, 0.0, 1.0)
         self._check_token_lists()
         for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
-        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
-                                                                  StructuredOutputsParams):
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError("structured_outputs must be a StructuredOutputsParams")
 
     def _check_token_lists(self) -> None:
@@ -159,8 +160,9 @@ class SamplingParams:
             raise ValueError(f"bad_words must be a list of at most {MAX_BAD_WORDS} strings")
         for word in self.bad_words:
             if not isinstance(word, str) or not word.strip() or len(word) > MAX_BAD_WORD_CHARS:
-                raise ValueError(f"bad_words must be non-blank strings of at most {MAX_BAD_WORD_CHARS} characters, "
-                                 f"got {word!r:.40}")
+                raise ValueError(
+                    f"bad_words must be non-blank strings of at most {MAX_BAD_WORD_CHARS} characters, got {word!r:.40}"
+                )
         allowed = self.allowed_token_ids
         if allowed is not None:
             if not isinstance(allowed, list) or not allowed:
@@ -176,11 +178,11 @@ class SamplingParams:
             if not isinstance(s, str) or not s:
                 raise ValueError("stop strings must be non-empty strings")
             if len(s) > MAX_STOP_STRING_CHARS:
-                raise ValueError(f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters, "
-                                 f"got one of {len(s)}")
+                raise ValueError(
+                    f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters, got one of {len(s)}"
+                )
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, "
-                             f"got {len(self.stop_token_ids)}")
+            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got {len(self.stop_token_ids)}")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
@@ -245,7 +247,7 @@ class SampleSpec:
 
     @property
     def output_token_ids(self) -> Sequence[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def masks_row(self) -> bool:
@@ -346,15 +348,17 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec], shared: torch.Generato
         if shared_rows:
             idx = torch.tensor(shared_rows, dtype=torch.long, device=noise.device)
             noise[idx] = torch.empty(len(shared_rows), probs.shape[1], device=noise.device).exponential_(
-                generator=shared)
+                generator=shared
+            )
         tokens[rows] = (probs / noise).argmax(dim=-1)
     if dead is not None:
         tokens = tokens.masked_fill(dead, -1)
     token_list = tokens.tolist()
     for i, t in enumerate(token_list):
         if t < 0 and i not in errors:
-            errors[i] = NoTokenLeftError("no token can be sampled: allowed_token_ids, bad_words, logit_bias "
-                                         "and min_tokens exclude every token")
+            errors[i] = NoTokenLeftError(
+                "no token can be sampled: allowed_token_ids, bad_words, logit_bias and min_tokens exclude every token"
+            )
             token_list[i] = 0
     results = [SampleResult(t) for t in token_list]
     want = [i for i, s in enumerate(specs) if s.params.logprobs is not None]
@@ -400,7 +404,7 @@ def bad_word_bans(bad_words: tuple[tuple[int, ...], ...], output: Sequence[int])
         prefix = len(word) - 1
         if prefix > len(output):
             continue
-        if prefix == 0 or list(output[len(output) - prefix:]) == list(word[:prefix]):
+        if prefix == 0 or list(output[len(output) - prefix :]) == list(word[:prefix]):
             banned.add(word[-1])
     return banned
 
@@ -432,7 +436,7 @@ def _apply_penalties(logits: torch.Tensor, rows_list: list[int], specs: list[Sam
     if any(p.repetition_penalty != 1.0 for p in params):
         seen = seen_out.clone()
         for j, i in enumerate(rows_list):
-            prompt = specs[i].token_ids[:specs[i].num_prompt_tokens]
+            prompt = specs[i].token_ids[: specs[i].num_prompt_tokens]
             if prompt and params[j].repetition_penalty != 1.0:
                 seen[j, torch.tensor(list(prompt), dtype=torch.long, device=device)] = True
         # float32's range: a penalty of 1e-300 or 1e300 is 0 or inf there.
@@ -460,16 +464,16 @@ def _row_logprobs(logprobs: torch.Tensor, k: int, token: int) -> dict[int, float
     return entry
 
 
-def prompt_logprobs(logits: torch.Tensor, next_tokens: Sequence[int],
-                    k: int) -> tuple[list[dict[int, float]], list[int]]:
+def prompt_logprobs(
+    logits: torch.Tensor, next_tokens: Sequence[int], k: int
+) -> tuple[list[dict[int, float]], list[int]]:
     """{token_id: logprob} per row of raw ``logits`` ([P, vocab]): the top ``k`` plus the
     prompt token that follows the row's position (vLLM's prompt_logprobs, unprocessed logits),
     and that token's rank in its row (1 = the most likely; vLLM's ``rank``)."""
     import torch
 
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    column = logprobs.gather(1, torch.tensor(list(next_tokens), dtype=torch.long,
-                                             device=logits.device).unsqueeze(1))
+    column = logprobs.gather(1, torch.tensor(list(next_tokens), dtype=torch.long, device=logits.device).unsqueeze(1))
     ranks = ((logprobs > column).sum(dim=-1) + 1).tolist()
     actual = column.squeeze(1).tolist()
     out: list[dict[int, float]] = []

@@ -116,8 +116,9 @@ class Scheduler:
         """Queue a new sequence; ValueError if its request needs more seats than max_num_seqs."""
         width = seq.request.params.n if seq.awaits_fork else 1
         if width > self.config.max_num_seqs:
-            raise ValueError(f"the request needs {width} sequences at once but max_num_seqs is "
-                             f"{self.config.max_num_seqs}")
+            raise ValueError(
+                f"the request needs {width} sequences at once but max_num_seqs is {self.config.max_num_seqs}"
+            )
         seq.status = SeqStatus.WAITING
         self.waiting.append(seq)
 
@@ -215,8 +216,9 @@ class Scheduler:
             if len(self.running) + width <= self.config.max_num_seqs:
                 salt = seq.request.cache_salt
                 # prompt_logprobs need every prompt position's logits: no hit (as vLLM).
-                blocks, num_cached = (([], 0) if seq.request.needs_prompt_logits
-                                      else kv.get_computed_blocks(seq.token_ids, salt))
+                blocks, num_cached = (
+                    ([], 0) if seq.request.needs_prompt_logits else kv.get_computed_blocks(seq.token_ids, salt)
+                )
                 remaining = seq.num_tokens - num_cached
                 n = min(remaining, budget)
                 if n == remaining or self.config.enable_chunked_prefill:

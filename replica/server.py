@@ -93,25 +93,44 @@ class ServerConfig:
     ``large_client_header_buffers 4 8k``, Apache's ``LimitRequestFields 100``.
     """
 
-    max_in_flight: int | None = field(default=None, metadata=_help(
-        "answer 429 (Retry-After) to generation requests whose body is read while this many hold a slot, "
-        "so nginx tries the key's next ring replica; unset: no cap"))
-    max_body_bytes: int = field(default=DEFAULT_MAX_BODY_BYTES, metadata=_help(
-        "largest accepted request body (413)"))
-    h11_max_incomplete_event_size: int = field(default=32 * 1024, metadata=_help(
-        "largest request line plus headers, in bytes (431); vLLM's knob"))
+    max_in_flight: int | None = field(
+        default=None,
+        metadata=_help(
+            "answer 429 (Retry-After) to generation requests whose body is read while this many hold a slot, "
+            "so nginx tries the key's next ring replica; unset: no cap"
+        ),
+    )
+    max_body_bytes: int = field(default=DEFAULT_MAX_BODY_BYTES, metadata=_help("largest accepted request body (413)"))
+    h11_max_incomplete_event_size: int = field(
+        default=32 * 1024, metadata=_help("largest request line plus headers, in bytes (431); vLLM's knob")
+    )
     h11_max_header_count: int = field(default=100, metadata=_help("most header fields a request may carry (431)"))
-    limit_concurrency: int | None = field(default=1024, metadata=_help(
-        "most open connections (and requests); a request beyond gets 503 with Retry-After; uvicorn's knob"))
-    client_header_timeout_s: float = field(default=60.0, metadata=_help(
-        "seconds a client may take to send a request head (408)"))
-    client_body_timeout_s: float = field(default=DEFAULT_CLIENT_BODY_TIMEOUT_S, metadata=_help(
-        "seconds a client may take to send a whole request body (408)"))
-    send_timeout_s: float = field(default=60.0, metadata=_help(
-        "seconds a client may read nothing while an answer waits for it; then the connection is closed "
-        "and its request aborted"))
-    drain_timeout_s: float = field(default=30.0, metadata=_help(
-        "on SIGTERM, seconds requests in flight may still run before they are ended with an error event"))
+    limit_concurrency: int | None = field(
+        default=1024,
+        metadata=_help(
+            "most open connections (and requests); a request beyond gets 503 with Retry-After; uvicorn's knob"
+        ),
+    )
+    client_header_timeout_s: float = field(
+        default=60.0, metadata=_help("seconds a client may take to send a request head (408)")
+    )
+    client_body_timeout_s: float = field(
+        default=DEFAULT_CLIENT_BODY_TIMEOUT_S,
+        metadata=_help("seconds a client may take to send a whole request body (408)"),
+    )
+    send_timeout_s: float = field(
+        default=60.0,
+        metadata=_help(
+            "seconds a client may read nothing while an answer waits for it; then the connection is closed "
+            "and its request aborted"
+        ),
+    )
+    drain_timeout_s: float = field(
+        default=30.0,
+        metadata=_help(
+            "on SIGTERM, seconds requests in flight may still run before they are ended with an error event"
+        ),
+    )
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "h11_max_incomplete_event_size", "h11_max_header_count"):
@@ -160,8 +179,11 @@ class Drain:
         return self.started_at is not None and time.monotonic() - self.started_at >= self.timeout_s
 
     def refusal(self) -> api.ServiceUnavailableError:
-        return api.ServiceUnavailableError("this server is shutting down; retry on another replica",
-                                           code="server_shutting_down", retry_after_s=RETRY_AFTER_S)
+        return api.ServiceUnavailableError(
+            "this server is shutting down; retry on another replica",
+            code="server_shutting_down",
+            retry_after_s=RETRY_AFTER_S,
+        )
 
 
 class ReplicaHeaderMiddleware:
@@ -218,8 +240,9 @@ class GenerationGateMiddleware:
             self.drain.open_requests -= 1
 
 
-async def watch_engine(engine: AsyncEngine, on_dead: Callable[[], None], period_s: float,
-                       stopping: Callable[[], bool] = lambda: False) -> None:
+async def watch_engine(
+    engine: AsyncEngine, on_dead: Callable[[], None], period_s: float, stopping: Callable[[], bool] = lambda: False
+) -> None:
     """Call ``on_dead`` once the engine is dead for good (``is_running`` False), then return;
     return silently when it stopped while ``stopping()`` (a drain ends the engine on purpose)."""
     while engine.is_running:
@@ -256,8 +279,7 @@ def build_app(
     ``/health`` and generation requests answer 503). The engine is shut down
     with the application.
     """
-    options = FrontendOptions.build(list(api_keys or []), max_body_bytes,
-                                    client_body_timeout_s=client_body_timeout_s)
+    options = FrontendOptions.build(list(api_keys or []), max_body_bytes, client_body_timeout_s=client_body_timeout_s)
     client = LocalEngineClient(engine)
     drain = drain if drain is not None else Drain(timeout_s=0.0)
 
@@ -265,8 +287,9 @@ def build_app(
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         watchdog = None
         if on_engine_dead is not None:
-            watchdog = asyncio.create_task(watch_engine(engine, on_engine_dead, engine_watch_period_s,
-                                                        stopping=lambda: drain.draining))
+            watchdog = asyncio.create_task(
+                watch_engine(engine, on_engine_dead, engine_watch_period_s, stopping=lambda: drain.draining)
+            )
         try:
             yield
         finally:
@@ -323,13 +346,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http = parser.add_argument_group("http")
     http.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default: {DEFAULT_HOST})")
     http.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port to bind (default: {DEFAULT_PORT})")
-    http.add_argument("--api-key", dest="api_keys", action="append", default=None,
-                      help="require 'Authorization: Bearer KEY' on /v1/* (repeat for several keys)")
-    http.add_argument("--replica-name", default=None,
-                      help="value of the X-Prefixserve-Replica header (default: HOST:PORT)")
+    http.add_argument(
+        "--api-key",
+        dest="api_keys",
+        action="append",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/* (repeat for several keys)",
+    )
+    http.add_argument(
+        "--replica-name", default=None, help="value of the X-Prefixserve-Replica header (default: HOST:PORT)"
+    )
     http.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    http.add_argument("--log-format", default="text", choices=list(LOG_FORMATS),
-                      help="text lines, or one JSON object per line (time, level, request_id, replica, event)")
+    http.add_argument(
+        "--log-format",
+        default="text",
+        choices=list(LOG_FORMATS),
+        help="text lines, or one JSON object per line (time, level, request_id, replica, event)",
+    )
     add_cli_arguments(parser, ServerConfig, "http limits")
     EngineConfig.add_cli_arguments(parser)
 
@@ -338,8 +371,7 @@ class DrainingServer(uvicorn.Server):
     """uvicorn's server, but the first SIGTERM or SIGINT drains (see the module docstring) and the
     process then exits 0 (uvicorn re-raises a handled signal, which would exit -15)."""
 
-    def __init__(self, config: uvicorn.Config, drain: Drain,
-                 end_requests: Callable[[], Awaitable[None]]) -> None:
+    def __init__(self, config: uvicorn.Config, drain: Drain, end_requests: Callable[[], Awaitable[None]]) -> None:
         super().__init__(config)
         self.drain = drain
         self._end_requests = end_requests
@@ -350,8 +382,12 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
             self.force_exit = self.force_exit or sig == signal.SIGINT
             return
-        log.info("signal %d: draining %d open requests for up to %g s (drain_timeout_s)",
-                 sig, self.drain.open_requests, self.drain.timeout_s)
+        log.info(
+            "signal %d: draining %d open requests for up to %g s (drain_timeout_s)",
+            sig,
+            self.drain.open_requests,
+            self.drain.timeout_s,
+        )
         self.drain.begin()
 
     async def on_tick(self, counter: int) -> bool:
@@ -361,18 +397,29 @@ class DrainingServer(uvicorn.Server):
                 self.should_exit = True
             elif self._ended_at is None and self.drain.expired():
                 self._ended_at = time.monotonic()
-                log.warning("drain timeout (%g s): ending %d open requests with an error",
-                            self.drain.timeout_s, self.drain.open_requests)
+                log.warning(
+                    "drain timeout (%g s): ending %d open requests with an error",
+                    self.drain.timeout_s,
+                    self.drain.open_requests,
+                )
                 await self._end_requests()
             elif self._ended_at is not None and time.monotonic() - self._ended_at >= FINAL_SHUTDOWN_TIMEOUT_S:
                 self.should_exit = True  # answers still unsent (a client reading slowly): uvicorn closes them
         return await super().on_tick(counter)
 
 
-def serve(engine: AsyncEngine, *, host: str, port: int, log_level: str = "info",
-          api_keys: Iterable[str] | None = None, replica_name: str | None = None,
-          engine_watch_period_s: float = ENGINE_WATCH_PERIOD_S, uvicorn_logging: bool = True,
-          config: ServerConfig | None = None) -> int:
+def serve(
+    engine: AsyncEngine,
+    *,
+    host: str,
+    port: int,
+    log_level: str = "info",
+    api_keys: Iterable[str] | None = None,
+    replica_name: str | None = None,
+    engine_watch_period_s: float = ENGINE_WATCH_PERIOD_S,
+    uvicorn_logging: bool = True,
+    config: ServerConfig | None = None,
+) -> int:
     """Serve ``engine`` over HTTP until a signal drains it or until it dies; the process's exit status.
 
     0 after a normal stop (a drain included); EXIT_ENGINE_DEAD when the engine
@@ -390,21 +437,41 @@ def serve(engine: AsyncEngine, *, host: str, port: int, log_level: str = "info",
 
     async def end_requests() -> None:
         # The engine fails every request it holds with this error: a stream sends it in-band, then [DONE].
-        await engine.shutdown(api.ServiceUnavailableError(
-            f"this server is shutting down and the request did not finish within drain_timeout_s="
-            f"{config.drain_timeout_s:g}; retry it", code="server_shutting_down", retry_after_s=RETRY_AFTER_S))
+        await engine.shutdown(
+            api.ServiceUnavailableError(
+                f"this server is shutting down and the request did not finish within drain_timeout_s="
+                f"{config.drain_timeout_s:g}; retry it",
+                code="server_shutting_down",
+                retry_after_s=RETRY_AFTER_S,
+            )
+        )
 
     drain = Drain(timeout_s=config.drain_timeout_s)
-    app = build_app(engine, api_keys=api_keys, max_body_bytes=config.max_body_bytes,
-                    replica_name=replica_name or f"{host}:{port}", on_engine_dead=stop_on_dead_engine,
-                    engine_watch_period_s=engine_watch_period_s, max_in_flight=config.max_in_flight,
-                    client_body_timeout_s=config.client_body_timeout_s, drain=drain)
+    app = build_app(
+        engine,
+        api_keys=api_keys,
+        max_body_bytes=config.max_body_bytes,
+        replica_name=replica_name or f"{host}:{port}",
+        on_engine_dead=stop_on_dead_engine,
+        engine_watch_period_s=engine_watch_period_s,
+        max_in_flight=config.max_in_flight,
+        client_body_timeout_s=config.client_body_timeout_s,
+        drain=drain,
+    )
     extra = {} if uvicorn_logging else {"log_config": None}
     server = DrainingServer(
-        uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                       http=limited_protocol(config.connection_limits()),
-                       timeout_graceful_shutdown=FINAL_SHUTDOWN_TIMEOUT_S, **extra),
-        drain, end_requests)
+        uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            http=limited_protocol(config.connection_limits()),
+            timeout_graceful_shutdown=FINAL_SHUTDOWN_TIMEOUT_S,
+            **extra,
+        ),
+        drain,
+        end_requests,
+    )
     server.run()
     return EXIT_ENGINE_DEAD if died else 0
 
@@ -418,5 +485,13 @@ def run(args: argparse.Namespace) -> int:
     server_config = from_cli_args(ServerConfig, args)  # refuses bad limits before the model loads
     configure_logging(args.log_level, args.log_format, replica_name)
     engine = AsyncEngine(EngineConfig.from_cli_args(args))
-    return serve(engine, host=args.host, port=args.port, log_level=args.log_level, api_keys=args.api_keys,
-                 replica_name=replica_name, uvicorn_logging=args.log_format == "text", config=server_config)
+    return serve(
+        engine,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        api_keys=args.api_keys,
+        replica_name=replica_name,
+        uvicorn_logging=args.log_format == "text",
+        config=server_config,
+    )

@@ -42,9 +42,19 @@ class StepInputs:
         """Every field in one flat int64 tensor: a header of sizes, then the fields in order."""
         t, (s, w), r, c = self.input_ids.numel(), self.block_tables.shape, self.sample_rows.numel(), len(self.copy_ops)
         header = torch.tensor([t, s, w, r, c], dtype=torch.int64)
-        return torch.cat([header, self.input_ids, self.positions, self.slot_mapping,
-                          self.block_tables.reshape(-1).long(), self.seq_lens.long(), self.query_start_loc.long(),
-                          self.sample_rows, self.copy_ops.reshape(-1)])
+        return torch.cat(
+            [
+                header,
+                self.input_ids,
+                self.positions,
+                self.slot_mapping,
+                self.block_tables.reshape(-1).long(),
+                self.seq_lens.long(),
+                self.query_start_loc.long(),
+                self.sample_rows,
+                self.copy_ops.reshape(-1),
+            ]
+        )
 
     def to(self, device: torch.device) -> StepInputs:
         """On ``device`` with one host-to-device copy: the packed buffer, viewed back there."""
@@ -64,14 +74,27 @@ def unpack_step_inputs(buffer: torch.Tensor, header: list[int] | None = None) ->
     if sum(sizes) != buffer.numel() - _HEADER:
         raise ValueError(f"step message of {buffer.numel()} int64 does not match its header {t, s, w, r, c}")
     fields = list(buffer[_HEADER:].split(sizes))
-    return StepInputs(input_ids=fields[0], positions=fields[1], slot_mapping=fields[2],
-                      block_tables=fields[3].view(s, w).int(), seq_lens=fields[4].int(),
-                      query_start_loc=fields[5].int(), sample_rows=fields[6], copy_ops=fields[7].view(c, 2))
+    return StepInputs(
+        input_ids=fields[0],
+        positions=fields[1],
+        slot_mapping=fields[2],
+        block_tables=fields[3].view(s, w).int(),
+        seq_lens=fields[4].int(),
+        query_start_loc=fields[5].int(),
+        sample_rows=fields[6],
+        copy_ops=fields[7].view(c, 2),
+    )
 
 
-def build_step_inputs(scheduled: list[ScheduledSeq], copy_ops: list[tuple[int, int]], sample_rows: list[int],
-                      block_size: int, *, sliding: bool,
-                      logit_spans: Sequence[tuple[int, int, int]] = ()) -> StepInputs:
+def build_step_inputs(
+    scheduled: list[ScheduledSeq],
+    copy_ops: list[tuple[int, int]],
+    sample_rows: list[int],
+    block_size: int,
+    *,
+    sliding: bool,
+    logit_spans: Sequence[tuple[int, int, int]] = (),
+) -> StepInputs:
     """The inputs of one step. ``sample_rows`` index ``scheduled``: the last token of each
     listed sequence goes through the LM head (a row may repeat: forked children sample
     their parent's prompt logits). ``logit_spans`` (scheduled index, first new token, count)
@@ -85,7 +108,7 @@ def build_step_inputs(scheduled: list[ScheduledSeq], copy_ops: list[tuple[int, i
     query_start = [0]
     for s in scheduled:
         end = s.start + s.num_new_tokens
-        ids.extend(s.seq.token_ids[s.start:end])
+        ids.extend(s.seq.token_ids[s.start : end])
         starts.append(s.start)
         q_lens.append(s.num_new_tokens)
         seq_lens.append(end)
@@ -107,9 +130,14 @@ def build_step_inputs(scheduled: list[ScheduledSeq], copy_ops: list[tuple[int, i
         block_tables=table_t,
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         query_start_loc=torch.tensor(query_start, dtype=torch.int32),
-        sample_rows=torch.tensor([query_start[i + 1] - 1 for i in sample_rows]
-                                 + [r for i, first, count in logit_spans
-                                    for r in range(query_start[i] + first, query_start[i] + first + count)],
-                                 dtype=torch.long),
+        sample_rows=torch.tensor(
+            [query_start[i + 1] - 1 for i in sample_rows]
+            + [
+                r
+                for i, first, count in logit_spans
+                for r in range(query_start[i] + first, query_start[i] + first + count)
+            ],
+            dtype=torch.long,
+        ),
         copy_ops=torch.tensor(copy_ops, dtype=torch.long).reshape(-1, 2),
     )

@@ -84,11 +84,18 @@ def backend_for(device: torch.device) -> str:
 def init_distributed(store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float) -> None:
     """Join this process to the engine's group (the process's default group)."""
     if dist.is_initialized():
-        raise RuntimeError("this process already belongs to a torch.distributed group: run one "
-                           "tensor-parallel engine per process (shut the other down first)")
-    dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=size,
-                            timeout=timedelta(seconds=timeout_s),
-                            device_id=device if device.type == "cuda" else None)
+        raise RuntimeError(
+            "this process already belongs to a torch.distributed group: run one "
+            "tensor-parallel engine per process (shut the other down first)"
+        )
+    dist.init_process_group(
+        backend_for(device),
+        store=store,
+        rank=rank,
+        world_size=size,
+        timeout=timedelta(seconds=timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
 
 
 def step_message(packed_inputs: torch.Tensor) -> torch.Tensor:
@@ -129,8 +136,12 @@ class WorkerGroup:
         try:
             for rank in range(1, size):
                 parent_end, child_end = ctx.Pipe()
-                proc = ctx.Process(target=worker_main, args=(spec, rank, size, child_end, os.getpid()),
-                                   name=f"prefixserve-tp{rank}", daemon=True)
+                proc = ctx.Process(
+                    target=worker_main,
+                    args=(spec, rank, size, child_end, os.getpid()),
+                    name=f"prefixserve-tp{rank}",
+                    daemon=True,
+                )
                 env = {"CUDA_VISIBLE_DEVICES": cuda_visible_devices[rank]} if cuda_visible_devices else {}
                 with _environment(env):
                     proc.start()
@@ -160,8 +171,9 @@ class WorkerGroup:
                 proc = pending.pop(sentinel)  # type: ignore[call-overload]
                 proc.join(1.0)  # collect the exit code
                 if not self._stopping:
-                    self.mark_dead(f"tensor-parallel worker {proc.name} (pid {proc.pid}) exited "
-                                   f"with code {proc.exitcode}")
+                    self.mark_dead(
+                        f"tensor-parallel worker {proc.name} (pid {proc.pid}) exited with code {proc.exitcode}"
+                    )
 
     def mark_dead(self, reason: str) -> None:
         if self._dead is not None:
@@ -179,8 +191,7 @@ class WorkerGroup:
             gone = next((p for p in self.procs if not p.is_alive()), None)
             if gone is not None:
                 gone.join(1.0)
-                self.mark_dead(f"tensor-parallel worker {gone.name} (pid {gone.pid}) exited with code "
-                               f"{gone.exitcode}")
+                self.mark_dead(f"tensor-parallel worker {gone.name} (pid {gone.pid}) exited with code {gone.exitcode}")
                 break
             time.sleep(0.05)
         self.mark_dead(f"a tensor-parallel step failed: {type(exc).__name__}: {exc}")
@@ -206,8 +217,9 @@ class WorkerGroup:
         for conn, proc in zip(self.conns, self.procs, strict=True):
             while not conn.poll(0.2):
                 if not proc.is_alive() or self._dead is not None:
-                    raise WorkerDiedError(f"tensor-parallel worker {proc.name} died while {what} "
-                                          f"(exit code {proc.exitcode})")
+                    raise WorkerDiedError(
+                        f"tensor-parallel worker {proc.name} died while {what} (exit code {proc.exitcode})"
+                    )
                 if time.monotonic() > deadline:
                     raise WorkerDiedError(f"tensor-parallel worker {proc.name} did not finish {what} in time")
             try:
@@ -244,11 +256,15 @@ class WorkerGroup:
             for conn, proc in zip(self.conns, self.procs, strict=True):
                 if conn.poll():  # a worker only speaks first to report a failure
                     reply = conn.recv()
-                    raise reply if isinstance(reply, BaseException) else RuntimeError(
-                        f"unexpected message from {proc.name} while {what}: {reply!r}")
+                    raise (
+                        reply
+                        if isinstance(reply, BaseException)
+                        else RuntimeError(f"unexpected message from {proc.name} while {what}: {reply!r}")
+                    )
                 if not proc.is_alive():
-                    raise WorkerDiedError(f"tensor-parallel worker {proc.name} died while {what} "
-                                          f"(exit code {proc.exitcode})")
+                    raise WorkerDiedError(
+                        f"tensor-parallel worker {proc.name} died while {what} (exit code {proc.exitcode})"
+                    )
         if error:
             raise error[0]
         return result[0] if result else None

@@ -39,8 +39,7 @@ def worker_main(spec, rank: int, size: int, conn: Connection, parent_pid: int) -
     except BaseException as exc:  # reported to the driver, which raises it
         traceback.print_exc()
         try:
-            conn.send(RuntimeError(f"tensor-parallel worker rank {rank} failed to start: "
-                                   f"{type(exc).__name__}: {exc}"))
+            conn.send(RuntimeError(f"tensor-parallel worker rank {rank} failed to start: {type(exc).__name__}: {exc}"))
         finally:
             os._exit(1)
     try:
@@ -61,13 +60,21 @@ def _start(spec, rank: int, size: int, conn: Connection):
 
     config = spec.config
     device = resolve_device(config.device, rank)
-    store = dist.TCPStore("127.0.0.1", spec.store_port, world_size=size, is_master=False,
-                          timeout=_timedelta(config.distributed_timeout_s))
+    store = dist.TCPStore(
+        "127.0.0.1", spec.store_port, world_size=size, is_master=False, timeout=_timedelta(config.distributed_timeout_s)
+    )
     init_distributed(store, rank, size, device, config.distributed_timeout_s)
     dtype = resolve_dtype(config.dtype, device, spec.checkpoint_dtype)
-    shard = ModelShard(config, spec.model_cfg, loader.iter_weights(spec.checkpoint, mapped=True),
-                       max_model_len=spec.max_model_len, tp=TPGroup(rank, size), device=device, dtype=dtype,
-                       num_threads=spec.cpu_threads[rank])
+    shard = ModelShard(
+        config,
+        spec.model_cfg,
+        loader.iter_weights(spec.checkpoint, mapped=True),
+        max_model_len=spec.max_model_len,
+        tp=TPGroup(rank, size),
+        device=device,
+        dtype=dtype,
+        num_threads=spec.cpu_threads[rank],
+    )
     conn.send((shard.kv_block_capacity(), shard.host_block_capacity()))
     num_blocks, num_host_blocks = conn.recv()
     shard.allocate_kv_cache(num_blocks, num_host_blocks)

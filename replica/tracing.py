@@ -46,8 +46,7 @@ def check_endpoint(endpoint: str | None, where: str) -> None:
         raise ValueError(f"{where} must be an http(s) URL, got {endpoint!r}")
 
 
-def build_tracer(service_name: str, endpoint: str | None = None,
-                 exporter: SpanExporter | None = None) -> Tracer:
+def build_tracer(service_name: str, endpoint: str | None = None, exporter: SpanExporter | None = None) -> Tracer:
     """A tracer exporting to ``endpoint`` over OTLP/HTTP (batched), or to ``exporter`` (tests: synchronous).
 
     Raises RuntimeError naming the missing packages when OpenTelemetry is not installed.
@@ -57,8 +56,10 @@ def build_tracer(service_name: str, endpoint: str | None = None,
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
     except ImportError as exc:
-        raise RuntimeError("otlp_traces_endpoint needs OpenTelemetry: pip install 'prefixserve[tracing]' "
-                           "(opentelemetry-sdk, opentelemetry-exporter-otlp-proto-http)") from exc
+        raise RuntimeError(
+            "otlp_traces_endpoint needs OpenTelemetry: pip install 'prefixserve[tracing]' "
+            "(opentelemetry-sdk, opentelemetry-exporter-otlp-proto-http)"
+        ) from exc
     provider = TracerProvider(resource=Resource.create({SERVICE_NAME: service_name}))
     if exporter is not None:
         provider.add_span_processor(SimpleSpanProcessor(exporter))
@@ -68,8 +69,9 @@ def build_tracer(service_name: str, endpoint: str | None = None,
         try:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         except ImportError as exc:
-            raise RuntimeError("otlp_traces_endpoint needs opentelemetry-exporter-otlp-proto-http: "
-                               "pip install 'prefixserve[tracing]'") from exc
+            raise RuntimeError(
+                "otlp_traces_endpoint needs opentelemetry-exporter-otlp-proto-http: pip install 'prefixserve[tracing]'"
+            ) from exc
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=_traces_url(endpoint))))
     # A provider of our own, not the process-global one: two engines in one process
     # (tests, offline use) each keep their own endpoint.
@@ -108,8 +110,13 @@ class RequestTracer:
         self._tracer = tracer
         self._model_name = model_name
 
-    def record(self, request_id: str, timing: RequestTiming, attributes: Mapping[str, Any],
-               parent_headers: Mapping[str, str] | None) -> None:
+    def record(
+        self,
+        request_id: str,
+        timing: RequestTiming,
+        attributes: Mapping[str, Any],
+        parent_headers: Mapping[str, str] | None,
+    ) -> None:
         """Emit the finished request's spans (called once, when it finishes)."""
         from opentelemetry.trace import SpanKind, set_span_in_context
 
@@ -118,26 +125,35 @@ class RequestTracer:
         def ns(t: float) -> int:
             return _epoch_ns(t, now_mono, now_ns)
 
-        span = self._tracer.start_span("llm_request", context=_parent_context(parent_headers), kind=SpanKind.SERVER,
-                                       start_time=ns(timing.arrival))
-        span.set_attributes({"gen_ai.request.id": request_id, "gen_ai.response.model": self._model_name,
-                             **attributes,
-                             "gen_ai.latency.time_in_queue": timing.scheduled - timing.arrival,
-                             "gen_ai.latency.time_to_first_token": timing.first_token - timing.arrival,
-                             "gen_ai.latency.time_in_model_prefill": timing.first_token - timing.scheduled,
-                             "gen_ai.latency.time_in_model_decode": timing.finished - timing.first_token,
-                             "gen_ai.latency.e2e": timing.finished - timing.arrival})
+        span = self._tracer.start_span(
+            "llm_request", context=_parent_context(parent_headers), kind=SpanKind.SERVER, start_time=ns(timing.arrival)
+        )
+        span.set_attributes(
+            {
+                "gen_ai.request.id": request_id,
+                "gen_ai.response.model": self._model_name,
+                **attributes,
+                "gen_ai.latency.time_in_queue": timing.scheduled - timing.arrival,
+                "gen_ai.latency.time_to_first_token": timing.first_token - timing.arrival,
+                "gen_ai.latency.time_in_model_prefill": timing.first_token - timing.scheduled,
+                "gen_ai.latency.time_in_model_decode": timing.finished - timing.first_token,
+                "gen_ai.latency.e2e": timing.finished - timing.arrival,
+            }
+        )
         inside = set_span_in_context(span)
-        for name, start, end in (("queue", timing.arrival, timing.scheduled),
-                                 ("prefill", timing.scheduled, timing.first_token),
-                                 ("decode", timing.first_token, timing.finished)):
+        for name, start, end in (
+            ("queue", timing.arrival, timing.scheduled),
+            ("prefill", timing.scheduled, timing.first_token),
+            ("decode", timing.first_token, timing.finished),
+        ):
             self._tracer.start_span(name, context=inside, start_time=ns(start)).end(end_time=ns(end))
         span.end(end_time=ns(timing.finished))
 
 
 @contextmanager
-def route_span(tracer: Tracer | None, parent_headers: Mapping[str, str] | None,
-               attributes: Mapping[str, Any]) -> Iterator[tuple[Span | None, dict[str, str] | None]]:
+def route_span(
+    tracer: Tracer | None, parent_headers: Mapping[str, str] | None, attributes: Mapping[str, Any]
+) -> Iterator[tuple[Span | None, dict[str, str] | None]]:
     """A ``route`` span around one routing decision; yields it and the headers that make it the parent.
 
     With no tracer it yields ``(None, parent_headers)`` and costs nothing.
@@ -148,8 +164,9 @@ def route_span(tracer: Tracer | None, parent_headers: Mapping[str, str] | None,
     from opentelemetry.trace import SpanKind
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-    with tracer.start_as_current_span("route", context=_parent_context(parent_headers), kind=SpanKind.INTERNAL,
-                                      attributes=dict(attributes)) as span:
+    with tracer.start_as_current_span(
+        "route", context=_parent_context(parent_headers), kind=SpanKind.INTERNAL, attributes=dict(attributes)
+    ) as span:
         carrier: dict[str, str] = {}
         TraceContextTextMapPropagator().inject(carrier)
         yield span, carrier

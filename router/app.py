@@ -265,15 +265,20 @@ class AppArgs:
             raise ValueError(f"max_ongoing_requests must be >= 1, got {self.max_ongoing_requests}")
         if self.health_check_period_s <= 0 or self.health_check_timeout_s <= 0:
             raise ValueError("health_check_period_s and health_check_timeout_s must be positive")
-        if isinstance(self.drain_timeout_s, bool) or not isinstance(self.drain_timeout_s, (int, float)) \
-                or not self.drain_timeout_s >= 0:
+        if (
+            isinstance(self.drain_timeout_s, bool)
+            or not isinstance(self.drain_timeout_s, (int, float))
+            or not self.drain_timeout_s >= 0
+        ):
             raise ValueError(f"drain_timeout_s must be a number >= 0, got {self.drain_timeout_s!r}")
 
     def shutdown_options(self) -> dict[str, float]:
         """Serve's graceful-shutdown options of both deployments: a stopping replica waits for its
         requests up to the drain timeout plus SHUTDOWN_MARGIN_S before Serve kills it."""
-        return {"graceful_shutdown_timeout_s": float(self.drain_timeout_s) + SHUTDOWN_MARGIN_S,
-                "graceful_shutdown_wait_loop_s": GRACEFUL_SHUTDOWN_WAIT_LOOP_S}
+        return {
+            "graceful_shutdown_timeout_s": float(self.drain_timeout_s) + SHUTDOWN_MARGIN_S,
+            "graceful_shutdown_wait_loop_s": GRACEFUL_SHUTDOWN_WAIT_LOOP_S,
+        }
 
 
 def rank_bundle(ray_actor_options: Mapping[str, Any]) -> dict[str, float]:
@@ -410,7 +415,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         engine = build_engine(parsed)
         ingress = parsed.ingress
         return OpenAIIngress.options(
-            num_replicas=ingress.num_replicas, ray_actor_options=dict(ingress.ray_actor_options),
+            num_replicas=ingress.num_replicas,
+            ray_actor_options=dict(ingress.ray_actor_options),
             **parsed.shutdown_options(),
         ).bind(engine, vars(ingress.config))
     except AppArgsError:

@@ -105,8 +105,9 @@ def _text(value: str, where: str) -> str:
     """``value`` if it is encodable Unicode text, else ValueError naming ``where`` and the offending character."""
     bad = _SURROGATE.search(value)
     if bad is not None:
-        raise ValueError(f"{where} holds a lone surrogate (\\u{ord(bad.group()):04x} at character "
-                         f"{bad.start()}): not Unicode text")
+        raise ValueError(
+            f"{where} holds a lone surrogate (\\u{ord(bad.group()):04x} at character {bad.start()}): not Unicode text"
+        )
     return value
 
 
@@ -124,8 +125,12 @@ def parse_record(obj: Any, line: int) -> PromptRecord:
         for i, m in enumerate(messages):
             if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
                 raise ValueError(f"messages[{i}] must be an object with a string 'role'")
-            pairs.append((_text(m["role"], f"messages[{i}].role"),
-                          _text(content_text(m.get("content")), f"messages[{i}].content")))
+            pairs.append(
+                (
+                    _text(m["role"], f"messages[{i}].role"),
+                    _text(content_text(m.get("content")), f"messages[{i}].content"),
+                )
+            )
         return PromptRecord(line, static_prefix(messages) or "", tuple(pairs), None, routing_key(obj))
     if "prompt" in obj:
         prompt = obj["prompt"]
@@ -209,8 +214,9 @@ def iter_log(
             size = os.fstat(f.fileno()).st_size
         except OSError:
             size = None
-        with tqdm(total=size, unit="B", unit_scale=True, desc="audit", file=sys.stderr,
-                  disable=not progress, leave=False) as bar:
+        with tqdm(
+            total=size, unit="B", unit_scale=True, desc="audit", file=sys.stderr, disable=not progress, leave=False
+        ) as bar:
             number = 0
             while True:
                 raw = f.readline(max_line_bytes + 1)
@@ -305,8 +311,7 @@ DETECTORS: tuple[Detector, ...] = (
             r"|\b\d{1,2}:\d{2}:\d{2}\b"
             r"|\b(?:[Tt]imestamp|[Tt]ime|[Nn]ow|[Ee]poch)\s*[:=]\s*\d{9,13}\b"
         ),
-        "Take the timestamp out of the system prompt; pass the current time in the user message "
-        "if the model needs it.",
+        "Take the timestamp out of the system prompt; pass the current time in the user message if the model needs it.",
     ),
     Detector(
         "date",
@@ -523,8 +528,13 @@ class Auditor:
     per prefix it keeps a count and its first N token ids, not the prompts.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prefix_tokens: int = DEFAULT_PREFIX_TOKENS,
-                 block_size: int = DEFAULT_BLOCK_SIZE, limits: AuditLimits = AuditLimits()) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prefix_tokens: int = DEFAULT_PREFIX_TOKENS,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        limits: AuditLimits = AuditLimits(),
+    ) -> None:
         if prefix_tokens < 1:
             raise ValueError(f"prefix_tokens must be >= 1, got {prefix_tokens}")
         if block_size < 1:
@@ -641,13 +651,17 @@ class Auditor:
         if layout.example is None and layout.first_order is not None:
             # The example is the line that moved, in this record (the first with a second order).
             moved = next(k for k, (x, y) in enumerate(zip(layout.first_order, ordered)) if x != y)
-            layout.example = (f"line {moved + 1} of the system prompt: {ordered[moved][:80]!r}", record.line,
-                              _token_position(record, text, lines[moved][1], self.tokenizer))
+            layout.example = (
+                f"line {moved + 1} of the system prompt: {ordered[moved][:80]!r}",
+                record.line,
+                _token_position(record, text, lines[moved][1], self.tokenizer),
+            )
             layout.first_order = None
 
     # -- the report ----------------------------------------------------------------
-    def report(self, malformed: Sequence[MalformedLine] = (), num_malformed: int | None = None,
-               path: str | None = None) -> AuditReport:
+    def report(
+        self, malformed: Sequence[MalformedLine] = (), num_malformed: int | None = None, path: str | None = None
+    ) -> AuditReport:
         if not self.num_records:
             raise AuditError("no records to audit")
         n = self.num_records
@@ -701,16 +715,32 @@ class Auditor:
             if det.kind not in self._first:
                 continue
             value, line, position = self._first[det.kind]
-            findings.append(VolatileFinding(det.kind, det.fix, self._kind_records[det.kind],
-                                            len(self._kind_values[det.kind]), value, line, position))
+            findings.append(
+                VolatileFinding(
+                    det.kind,
+                    det.fix,
+                    self._kind_records[det.kind],
+                    len(self._kind_values[det.kind]),
+                    value,
+                    line,
+                    position,
+                )
+            )
         groups = [g for g in self._layouts.values() if len(g.orders) > 1 and g.example is not None]
         if not groups:
             return findings, None
         biggest = max(groups, key=lambda g: len(g.orders))
         assert biggest.example is not None
         example, line, position = biggest.example
-        reordered = VolatileFinding("reordered_fewshots", FEWSHOT_FIX, sum(g.records for g in groups),
-                                    sum(len(g.orders) for g in groups), example, line, position)
+        reordered = VolatileFinding(
+            "reordered_fewshots",
+            FEWSHOT_FIX,
+            sum(g.records for g in groups),
+            sum(len(g.orders) for g in groups),
+            example,
+            line,
+            position,
+        )
         return findings, reordered
 
 
@@ -757,16 +787,20 @@ def audit_file(
         if not stats.num_malformed:
             raise AuditError(f"{path}: the file is empty; expected one JSON request body per line")
         first = stats.malformed[0]
-        raise AuditError(f"{path}: none of its {stats.num_malformed} non-empty lines is a chat or completions "
-                         f"body (line {first.line}: {first.reason})")
+        raise AuditError(
+            f"{path}: none of its {stats.num_malformed} non-empty lines is a chat or completions "
+            f"body (line {first.line}: {first.reason})"
+        )
     return auditor.report(stats.malformed, stats.num_malformed, str(path))
 
 
 def format_report(report: AuditReport) -> str:
     """The human-readable report."""
     n = report.num_records
-    lines = [f"Prefix-cache audit of {report.path or 'the log'}: {n} prompts"
-             f" ({report.num_with_system} with a system prompt), mean {report.mean_prompt_tokens:.0f} tokens"]
+    lines = [
+        f"Prefix-cache audit of {report.path or 'the log'}: {n} prompts"
+        f" ({report.num_with_system} with a system prompt), mean {report.mean_prompt_tokens:.0f} tokens"
+    ]
     for bad in report.malformed:
         lines.append(f"  skipped line {bad.line}: {bad.reason}")
     if report.num_malformed > len(report.malformed):
@@ -786,11 +820,17 @@ def format_report(report: AuditReport) -> str:
     ]
     d = report.divergence
     if d is not None:
-        where = repr(d.token_text) if d.token_text is not None else (
-            f"token id {d.token_id}" if d.token_id is not None else "the end of the shorter prompt")
-        lines += ["", f"Most frequent divergence at position {d.position}: {where} "
-                      f"({d.count} of {d.num_diverging} diverging prompts)",
-                  "-> the token at that position varies between requests"]
+        where = (
+            repr(d.token_text)
+            if d.token_text is not None
+            else (f"token id {d.token_id}" if d.token_id is not None else "the end of the shorter prompt")
+        )
+        lines += [
+            "",
+            f"Most frequent divergence at position {d.position}: {where} "
+            f"({d.count} of {d.num_diverging} diverging prompts)",
+            "-> the token at that position varies between requests",
+        ]
         if d.context:
             lines.append(f"   text just before it: {d.context[-60:]!r}")
     findings = report.findings
@@ -798,12 +838,17 @@ def format_report(report: AuditReport) -> str:
     if not findings:
         lines.append("No volatile content found in system prompts.")
     for f in findings:
-        state = (f"varies ({f.distinct_values} distinct values): breaks the cache" if f.breaks_cache
-                 else "constant across the log: harmless until it changes")
+        state = (
+            f"varies ({f.distinct_values} distinct values): breaks the cache"
+            if f.breaks_cache
+            else "constant across the log: harmless until it changes"
+        )
         at = f", first at token {f.first_token_position}" if f.first_token_position is not None else ""
-        lines += [f"[{f.kind}] in {f.records} system prompt(s), {state}{at}",
-                  f"   e.g. line {f.example_line}: {f.example}",
-                  f"   fix: {f.fix}"]
+        lines += [
+            f"[{f.kind}] in {f.records} system prompt(s), {state}{at}",
+            f"   e.g. line {f.example_line}: {f.example}",
+            f"   fix: {f.fix}",
+        ]
     return "\n".join(lines)
 
 
@@ -821,15 +866,28 @@ def load_tokenizer(model: str) -> Any:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompts", help="JSONL log: one chat body ({'messages': ...}) or {'prompt': ...} per line")
-    parser.add_argument("--model", default="smollm2",
-                        help="tokenizer source: smollm2, a checkpoint dir or a .gguf file")
-    parser.add_argument("--prefix-tokens", type=int, default=DEFAULT_PREFIX_TOKENS,
-                        help="compare prompts over their first N tokens (default: %(default)s)")
-    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
-                        help="KV block size for the cacheable-token rate (default: %(default)s)")
+    parser.add_argument(
+        "--model", default="smollm2", help="tokenizer source: smollm2, a checkpoint dir or a .gguf file"
+    )
+    parser.add_argument(
+        "--prefix-tokens",
+        type=int,
+        default=DEFAULT_PREFIX_TOKENS,
+        help="compare prompts over their first N tokens (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=DEFAULT_BLOCK_SIZE,
+        help="KV block size for the cacheable-token rate (default: %(default)s)",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.add_argument("--max-line-bytes", type=int, default=MAX_LINE_BYTES,
-                        help="longer lines are reported and skipped unread (default: %(default)s)")
+    parser.add_argument(
+        "--max-line-bytes",
+        type=int,
+        default=MAX_LINE_BYTES,
+        help="longer lines are reported and skipped unread (default: %(default)s)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -847,9 +905,15 @@ def run(args: argparse.Namespace) -> int:
         open_log(args.prompts).close()  # a missing file fails before the tokenizer loads
         size = Path(args.prompts).stat().st_size
         tokenizer = load_tokenizer(args.model)
-        report = audit_file(args.prompts, tokenizer, args.prefix_tokens, args.block_size,
-                            max_line_bytes=args.max_line_bytes, progress=size >= PROGRESS_MIN_BYTES,
-                            on_malformed=skipped)
+        report = audit_file(
+            args.prompts,
+            tokenizer,
+            args.prefix_tokens,
+            args.block_size,
+            max_line_bytes=args.max_line_bytes,
+            progress=size >= PROGRESS_MIN_BYTES,
+            on_malformed=skipped,
+        )
     except (ValueError, AuditError, OSError) as exc:
         print(f"prefixserve audit: error: {exc}", file=sys.stderr)
         return 2

@@ -28,8 +28,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "up": ("prefixserve.router.up", "run the cluster on this machine: local Ray, replicas, router, OpenAI endpoint"),
     "route": ("prefixserve.router.route_cli", "print the routing key of a prompt and the replica the ring picks"),
     "nginx-config": ("prefixserve.router.nginx", "render an nginx.conf hash-consistent upstream for a replica list"),
-    "placement": ("prefixserve.router.nginx_placement",
-                  "replay nginx's routing-key log through the placed policy: a placement for nginx-config"),
+    "placement": (
+        "prefixserve.router.nginx_placement",
+        "replay nginx's routing-key log through the placed policy: a placement for nginx-config",
+    ),
     "audit": ("prefixserve.router.audit", "audit a prompt log for prefix-cache hit-rate killers"),
 }
 

@@ -160,8 +160,13 @@ class RemoteStream:
     sent texts for (logprobs).
     """
 
-    def __init__(self, handle: DeploymentHandle, request: EngineRequest, max_attempts: int,
-                 on_first: Callable[[EngineRequest, StreamDelta], None] | None = None) -> None:
+    def __init__(
+        self,
+        handle: DeploymentHandle,
+        request: EngineRequest,
+        max_attempts: int,
+        on_first: Callable[[EngineRequest, StreamDelta], None] | None = None,
+    ) -> None:
         self._handle = handle
         self.request = request
         self._max_attempts = max_attempts
@@ -207,8 +212,9 @@ class RemoteStream:
             except Exception as exc:
                 if not _replica_gone(exc):
                     raise _cause(exc) from None
-                log.warning("replica %s failed before the first token of %s; resending",
-                            self.replica, self.request.request_id)
+                log.warning(
+                    "replica %s failed before the first token of %s; resending", self.replica, self.request.request_id
+                )
                 self._response.cancel()
                 self.replica = None
                 last = exc
@@ -269,7 +275,8 @@ class ServeEngineClient:
                 if not infos:
                     raise api.ServiceUnavailableError(
                         f"no engine replica answered: {answers[0] if answers else 'none running'}",
-                        code="no_replica", retry_after_s=1.0,
+                        code="no_replica",
+                        retry_after_s=1.0,
                     )
                 self._model_info = infos[0]
         return self._model_info
@@ -285,7 +292,8 @@ class ServeEngineClient:
     async def _any_replica_healthy(self) -> bool:
         try:
             answers = await self._handle.broadcast("check_health").results_async(
-                timeout_s=HEALTH_TIMEOUT_S, return_exceptions=True)
+                timeout_s=HEALTH_TIMEOUT_S, return_exceptions=True
+            )
         except TimeoutError:
             return False
         return any(not isinstance(a, BaseException) for a in answers)
@@ -320,11 +328,14 @@ class OpenAIIngress:
         self.engine = engine
         self.client = ServeEngineClient(engine, self.config.max_attempts)
         # Serve's proxy passes the client's X-Request-Id (or one it generates) in and echoes it itself.
-        self.options = FrontendOptions.build(self.config.api_keys, self.config.max_body_bytes,
-                                             echo_request_id=False,
-                                             client_body_timeout_s=self.config.client_body_timeout_s,
-                                             max_header_count=self.config.h11_max_header_count,
-                                             max_header_bytes=self.config.h11_max_incomplete_event_size)
+        self.options = FrontendOptions.build(
+            self.config.api_keys,
+            self.config.max_body_bytes,
+            echo_request_id=False,
+            client_body_timeout_s=self.config.client_body_timeout_s,
+            max_header_count=self.config.h11_max_header_count,
+            max_header_bytes=self.config.h11_max_incomplete_event_size,
+        )
         self.draining = False
         self.key_config = PrefixKeyConfig(
             completion_prefix_chars=self.config.completion_prefix_chars,
@@ -365,14 +376,21 @@ class OpenAIIngress:
             return None
         counts = router.take_counts()
         try:
-            answers = await self.siblings().broadcast("placement_exchange", self.name, counts).results_async(
-                timeout_s=PLACEMENT_TIMEOUT_S, return_exceptions=True)
+            answers = (
+                await self.siblings()
+                .broadcast("placement_exchange", self.name, counts)
+                .results_async(timeout_s=PLACEMENT_TIMEOUT_S, return_exceptions=True)
+            )
         except TimeoutError:
-            log.warning("ingress replicas did not all answer the placement exchange within %ss",
-                        PLACEMENT_TIMEOUT_S)
+            log.warning("ingress replicas did not all answer the placement exchange within %ss", PLACEMENT_TIMEOUT_S)
             return self.placement_leader
-        ready = {name: snapshot for item in answers if not isinstance(item, BaseException)
-                 for name, is_ready, snapshot in [item] if is_ready}
+        ready = {
+            name: snapshot
+            for item in answers
+            if not isinstance(item, BaseException)
+            for name, is_ready, snapshot in [item]
+            if is_ready
+        }
         ready.setdefault(self.name, None)
         leader = min(ready)
         router.set_leader(leader == self.name)
@@ -404,8 +422,9 @@ class OpenAIIngress:
         self.draining = True
 
     def _drain_refusal(self) -> Response:
-        err = api.ServiceUnavailableError("the cluster is shutting down; retry later",
-                                          code="server_shutting_down", retry_after_s=1.0)
+        err = api.ServiceUnavailableError(
+            "the cluster is shutting down; retry later", code="server_shutting_down", retry_after_s=1.0
+        )
         # Not http_frontend.error_response: an expected refusal, not a failure to log.
         return self._named(JSONResponse(err.body(), status_code=err.status_code, headers=err.headers()))
 
@@ -413,8 +432,9 @@ class OpenAIIngress:
         if self.draining:
             return self._drain_refusal()
         self._ensure_placement_sync()
-        response = await http_frontend.handle_generate(request, model_cls, self.client, self.options,
-                                                       routing_key=self._routing_key)
+        response = await http_frontend.handle_generate(
+            request, model_cls, self.client, self.options, routing_key=self._routing_key
+        )
         return self._named(response)
 
     # -- endpoints -------------------------------------------------------------------
@@ -438,8 +458,11 @@ class OpenAIIngress:
         """Every ingress replica's router metrics text, by replica name; this one's always."""
         texts = dict([self.named_router_metrics_text()])
         try:
-            pairs = await self.siblings().broadcast("named_router_metrics_text").results_async(
-                timeout_s=METRICS_TIMEOUT_S, return_exceptions=True)
+            pairs = (
+                await self.siblings()
+                .broadcast("named_router_metrics_text")
+                .results_async(timeout_s=METRICS_TIMEOUT_S, return_exceptions=True)
+            )
         except TimeoutError:
             log.warning("ingress replicas did not all answer for /metrics within %ss", METRICS_TIMEOUT_S)
             return texts
@@ -461,8 +484,11 @@ class OpenAIIngress:
         router = self.client.router
         snapshot = router.placement_snapshot() if router is not None else None
         if snapshot is None:
-            return self._named(http_frontend.error_response(NoPlacementError(
-                "no placement here: the router's policy is not 'placed' or has routed nothing yet")))
+            return self._named(
+                http_frontend.error_response(
+                    NoPlacementError("no placement here: the router's policy is not 'placed' or has routed nothing yet")
+                )
+            )
         # Beside the snapshot (apply_snapshot ignores it): which replicas KV events say hold each key.
         response = JSONResponse({**snapshot, "held": router.kv_held()})
         response.headers["X-Prefixserve-Placement-Leader"] = self.placement_leader or ""

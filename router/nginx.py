@@ -232,8 +232,10 @@ class PlacementMap:
         if not isinstance(snapshot, Mapping) or not isinstance(snapshot.get("keys"), Mapping):
             raise ValueError("the placement is not a placement snapshot (it needs 'members' and 'keys')")
         if snapshot.get("format") != SNAPSHOT_FORMAT:
-            raise ValueError(f"the placement's format {snapshot.get('format')!r} is not one this version reads "
-                             f"(expected {SNAPSHOT_FORMAT})")
+            raise ValueError(
+                f"the placement's format {snapshot.get('format')!r} is not one this version reads "
+                f"(expected {SNAPSHOT_FORMAT})"
+            )
         version = snapshot.get("version", 0)
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ValueError(f"the placement's version must be a whole number >= 0, got {version!r}")
@@ -243,8 +245,10 @@ class PlacementMap:
             raise ValueError("the placement's members must be a list of replica names")
         unknown = sorted(set(members) - set(names))
         if unknown:
-            raise ValueError(f"the placement's members {unknown} are not among the replicas {names}: render it "
-                             "from a placement over the nginx servers (host:port)")
+            raise ValueError(
+                f"the placement's members {unknown} are not among the replicas {names}: render it "
+                "from a placement over the nginx servers (host:port)"
+            )
         ring = HashRing(servers)
         entries = []
         skipped = 0
@@ -395,16 +399,25 @@ def render_config(cfg: NginxConfig) -> str:
     token here too, so a config built around ``NginxConfig``'s checks still
     cannot add directives.
     """
-    for what, value in (("listen", cfg.listen), ("worker_processes", cfg.worker_processes),
-                        ("client_max_body_size", cfg.client_max_body_size)):
+    for what, value in (
+        ("listen", cfg.listen),
+        ("worker_processes", cfg.worker_processes),
+        ("client_max_body_size", cfg.client_max_body_size),
+    ):
         check_token(value, what)
     for path in (cfg.temp_dir, cfg.pid_file, cfg.error_log, cfg.access_log, *cfg.includes):
         if path is not None:
             check_path(path)
     if cfg.key_log is not None:
         check_key_log(cfg.key_log)
-    numbers = (cfg.max_fails, cfg.fail_timeout_s, cfg.read_timeout_s, cfg.connect_timeout_s,
-               cfg.next_upstream_tries, cfg.keepalive)
+    numbers = (
+        cfg.max_fails,
+        cfg.fail_timeout_s,
+        cfg.read_timeout_s,
+        cfg.connect_timeout_s,
+        cfg.next_upstream_tries,
+        cfg.keepalive,
+    )
     if not all(type(n) is int for n in numbers):
         raise ValueError(f"numeric settings must be integers, got {numbers}")
     if cfg.command is not None and "\n" in cfg.command:
@@ -577,47 +590,98 @@ def _placement_block(placement: PlacementMap | None) -> str:
 
 def add_replica_argument(parser: argparse.ArgumentParser, help: str) -> None:
     """``--replica HOST:PORT[=WEIGHT]``, repeated: the upstream servers (nginx-config, placement)."""
-    parser.add_argument("--replica", action="append", required=True, type=arg_type(check_replica),
-                        metavar="HOST:PORT[=WEIGHT]", help=help)
+    parser.add_argument(
+        "--replica",
+        action="append",
+        required=True,
+        type=arg_type(check_replica),
+        metavar="HOST:PORT[=WEIGHT]",
+        help=help,
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     seconds = arg_type(_int_in(0, MAX_SECONDS))
     add_replica_argument(parser, "an upstream replica; repeat in a stable order")
-    parser.add_argument("--down", action="append", default=[], type=arg_type(check_server_address), metavar="HOST:PORT",
-                        help="mark a listed replica down")
-    parser.add_argument("--listen", default="8080", type=arg_type(check_listen),
-                        help="PORT or HOST:PORT nginx listens on (default 8080)")
-    parser.add_argument("--max-fails", type=arg_type(_int_in(0, 1000)), default=3,
-                        help="failures that take a replica out (default 3; 0 never)")
-    parser.add_argument("--fail-timeout", type=seconds, default=10,
-                        help="seconds a failed replica stays out (default 10)")
-    parser.add_argument("--read-timeout", type=seconds, default=600,
-                        help="seconds of replica silence allowed (default 600)")
-    parser.add_argument("--tries", type=arg_type(_int_in(1, 100)), default=2,
-                        help="replicas one request may try (default 2)")
+    parser.add_argument(
+        "--down",
+        action="append",
+        default=[],
+        type=arg_type(check_server_address),
+        metavar="HOST:PORT",
+        help="mark a listed replica down",
+    )
+    parser.add_argument(
+        "--listen",
+        default="8080",
+        type=arg_type(check_listen),
+        help="PORT or HOST:PORT nginx listens on (default 8080)",
+    )
+    parser.add_argument(
+        "--max-fails",
+        type=arg_type(_int_in(0, 1000)),
+        default=3,
+        help="failures that take a replica out (default 3; 0 never)",
+    )
+    parser.add_argument(
+        "--fail-timeout", type=seconds, default=10, help="seconds a failed replica stays out (default 10)"
+    )
+    parser.add_argument(
+        "--read-timeout", type=seconds, default=600, help="seconds of replica silence allowed (default 600)"
+    )
+    parser.add_argument(
+        "--tries", type=arg_type(_int_in(1, 100)), default=2, help="replicas one request may try (default 2)"
+    )
     parser.add_argument(
         "--no-retry-post", action="store_true", help="never resend a POST that reached a replica (drops non_idempotent)"
     )
-    parser.add_argument("--worker-processes", default="auto", type=arg_type(check_worker_processes),
-                        help=f"nginx worker_processes: auto or 1..{MAX_WORKER_PROCESSES} (default auto)")
-    parser.add_argument("--temp-dir", default=None, type=arg_type(check_path),
-                        help="an existing directory for nginx's temp paths (default: nginx's own)")
+    parser.add_argument(
+        "--worker-processes",
+        default="auto",
+        type=arg_type(check_worker_processes),
+        help=f"nginx worker_processes: auto or 1..{MAX_WORKER_PROCESSES} (default auto)",
+    )
+    parser.add_argument(
+        "--temp-dir",
+        default=None,
+        type=arg_type(check_path),
+        help="an existing directory for nginx's temp paths (default: nginx's own)",
+    )
     parser.add_argument("--pid-file", default=None, type=arg_type(check_path), help="pid file (default: nginx's own)")
     parser.add_argument("--error-log", default=None, type=arg_type(check_path), help="error log (default: nginx's own)")
-    parser.add_argument("--access-log", default=None, type=arg_type(check_path),
-                        help="access log path or 'off' (default: nginx's own)")
-    parser.add_argument("--key-log", default=None, type=arg_type(check_key_log), metavar="PATH",
-                        help="also log each request's time and X-Prefix-Hash here as JSON lines, the input of "
-                             "`prefixserve placement` (replaces nginx's default access log: add --access-log "
-                             "to keep one)")
-    parser.add_argument("--include", action="append", default=[], type=arg_type(check_path),
-                        help="extra file to include in the http block")
-    parser.add_argument("--placement", default=None, metavar="FILE|URL",
-                        help="render a placed policy's placement (a placement_snapshot JSON file, or a URL serving "
-                             "one such as an ingress's /placement) as a map of salted keys")
-    parser.add_argument("-o", "--output", default=None, type=arg_type(check_output),
-                        help="write here (its directory must exist) instead of stdout")
+    parser.add_argument(
+        "--access-log", default=None, type=arg_type(check_path), help="access log path or 'off' (default: nginx's own)"
+    )
+    parser.add_argument(
+        "--key-log",
+        default=None,
+        type=arg_type(check_key_log),
+        metavar="PATH",
+        help="also log each request's time and X-Prefix-Hash here as JSON lines, the input of "
+        "`prefixserve placement` (replaces nginx's default access log: add --access-log "
+        "to keep one)",
+    )
+    parser.add_argument(
+        "--include",
+        action="append",
+        default=[],
+        type=arg_type(check_path),
+        help="extra file to include in the http block",
+    )
+    parser.add_argument(
+        "--placement",
+        default=None,
+        metavar="FILE|URL",
+        help="render a placed policy's placement (a placement_snapshot JSON file, or a URL serving "
+        "one such as an ingress's /placement) as a map of salted keys",
+    )
+    parser.add_argument(
+        "-o",
+        "--output",
+        default=None,
+        type=arg_type(check_output),
+        help="write here (its directory must exist) instead of stdout",
+    )
 
 
 def config_from_args(args: argparse.Namespace, command: str | None = None) -> NginxConfig:

@@ -88,8 +88,10 @@ class ReplayCounts:
     def summary(self, snapshot: Mapping[str, Any] | None, servers: Sequence[RingServer]) -> str:
         """One line: what was replayed, what was skipped, and how the placement differs from the ring."""
         span = 0.0 if self.first_s is None or self.last_s is None else self.last_s - self.first_s
-        text = (f"{PROG}: replayed {self.requests} requests over {span:.1f}s of log; skipped "
-                f"{self.unparsed} unparsable lines and {self.no_key} requests without a key")
+        text = (
+            f"{PROG}: replayed {self.requests} requests over {span:.1f}s of log; skipped "
+            f"{self.unparsed} unparsable lines and {self.no_key} requests without a key"
+        )
         if snapshot is None:
             return text
         ring = HashRing(servers)
@@ -125,8 +127,9 @@ def parse_key_line(line: str) -> tuple[float, str | None]:
     return when, None if key in NO_KEY else key
 
 
-def read_key_log(lines: Iterable[str], counts: ReplayCounts,
-                 on_skipped: Callable[[int, str], None] | None = None) -> Iterator[tuple[float, str]]:
+def read_key_log(
+    lines: Iterable[str], counts: ReplayCounts, on_skipped: Callable[[int, str], None] | None = None
+) -> Iterator[tuple[float, str]]:
     """The keyed requests of a key log, in order, as ``(time_s, key)``; skipped lines are counted in ``counts``.
 
     ``on_skipped(line_number, reason)`` is called for each unparsable line (numbered from 1).
@@ -163,9 +166,13 @@ def placed_options(servers: Sequence[RingServer], settings: Mapping[str, Any]) -
     return options
 
 
-def replay(entries: Iterable[tuple[float, str]], servers: Sequence[RingServer],
-           options: Mapping[str, Any], counts: ReplayCounts,
-           previous: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+def replay(
+    entries: Iterable[tuple[float, str]],
+    servers: Sequence[RingServer],
+    options: Mapping[str, Any],
+    counts: ReplayCounts,
+    previous: Mapping[str, Any] | None = None,
+) -> dict[str, Any] | None:
     """The placement snapshot after replaying ``entries`` through ``Placed`` (None when there were none).
 
     The candidates are the nginx servers, each with no request in flight (nginx
@@ -210,17 +217,26 @@ def _open_log(source: str) -> AbstractContextManager[IO[str]]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The command's flags: the log, the nginx servers as nginx-config takes them, the placed knobs, --output."""
-    parser.add_argument("log", metavar="LOG",
-                        help="nginx's routing-key log (nginx-config --key-log), or - for stdin")
+    parser.add_argument("log", metavar="LOG", help="nginx's routing-key log (nginx-config --key-log), or - for stdin")
     add_replica_argument(parser, "an nginx upstream server, exactly as given to nginx-config; repeat for each")
-    parser.add_argument("--previous", default=None, metavar="FILE|URL",
-                        help="the last round's snapshot: start from its placements and statistics (then give "
-                             "only the log written since)")
+    parser.add_argument(
+        "--previous",
+        default=None,
+        metavar="FILE|URL",
+        help="the last round's snapshot: start from its placements and statistics (then give "
+        "only the log written since)",
+    )
     for flag, option in POLICY_FLAGS:
-        parser.add_argument(flag, dest=option, type=float, default=None,
-                            help=f"placed's {option} (default: the policy's)")
-    parser.add_argument("-o", "--output", default=None, type=arg_type(check_output),
-                        help="write the snapshot here (its directory must exist) instead of stdout")
+        parser.add_argument(
+            flag, dest=option, type=float, default=None, help=f"placed's {option} (default: the policy's)"
+        )
+    parser.add_argument(
+        "-o",
+        "--output",
+        default=None,
+        type=arg_type(check_output),
+        help="write the snapshot here (its directory must exist) instead of stdout",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -244,8 +260,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     if snapshot is None:
-        print(f"{PROG}: error: no request with a key in {args.log} ({counts.lines} lines: {counts.unparsed} "
-              f"unparsable, {counts.no_key} without a key); is it nginx-config --key-log's log?", file=sys.stderr)
+        print(
+            f"{PROG}: error: no request with a key in {args.log} ({counts.lines} lines: {counts.unparsed} "
+            f"unparsable, {counts.no_key} without a key); is it nginx-config --key-log's log?",
+            file=sys.stderr,
+        )
         return 2
     text = json.dumps(snapshot) + "\n"
     print(counts.summary(snapshot, servers), file=sys.stderr)

@@ -80,8 +80,15 @@ class PlacementTable:
     owner first); it is asked once per key per membership.
     """
 
-    def __init__(self, epsilon: float, tau_s: float, hot_share: float, precise: bool = False,
-                 work_epsilon: float | None = None, noise_z: float = 0.0) -> None:
+    def __init__(
+        self,
+        epsilon: float,
+        tau_s: float,
+        hot_share: float,
+        precise: bool = False,
+        work_epsilon: float | None = None,
+        noise_z: float = 0.0,
+    ) -> None:
         self.epsilon = float(epsilon)
         # Rebalancing acts on decayed request counts, which carry Poisson noise of about
         # sqrt(count): a replica sheds, and a key gains a copy, only when its excess
@@ -124,8 +131,9 @@ class PlacementTable:
         self._total_work = 0.0
 
     # -- membership -----------------------------------------------------------------
-    def set_members(self, names: Sequence[str], weights: Sequence[int],
-                    successors: Callable[[str], Sequence[str]]) -> None:
+    def set_members(
+        self, names: Sequence[str], weights: Sequence[int], successors: Callable[[str], Sequence[str]]
+    ) -> None:
         """Make ``names`` the members (ring weights alike); placements on departed members are dropped.
 
         A key left with no replica is placed again at its next request.
@@ -493,7 +501,9 @@ class PlacementTable:
             name = self.members[r]
             known_gone = np.fromiter(
                 (0 if self.holds(self._keys[s] or "", name) is False else 1 for s in mine.tolist()),
-                dtype=np.int64, count=len(mine))
+                dtype=np.int64,
+                count=len(mine),
+            )
             mine = mine[np.argsort(known_gone, kind="stable")]
         return mine
 

@@ -103,8 +103,10 @@ class ReplicaLoad:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"ReplicaLoad.{name} must be an integer >= 0, got {v!r}")
-        if isinstance(self.kv_usage, bool) or not isinstance(self.kv_usage, (int, float)) or not (
-            0.0 <= self.kv_usage <= 1.0
+        if (
+            isinstance(self.kv_usage, bool)
+            or not isinstance(self.kv_usage, (int, float))
+            or not (0.0 <= self.kv_usage <= 1.0)
         ):
             raise ValueError(f"ReplicaLoad.kv_usage must be a number in [0, 1], got {self.kv_usage!r}")
 
@@ -452,8 +454,15 @@ class PlacedOptions(RingOptions):
             h = getattr(self, name)
             if isinstance(h, bool) or not isinstance(h, int) or h < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {h!r}")
-        for name in ("epsilon", "work_epsilon", "tau_s", "rebalance_interval_s", "hot_share", "new_epsilon",
-                     "balance_epsilon"):
+        for name in (
+            "epsilon",
+            "work_epsilon",
+            "tau_s",
+            "rebalance_interval_s",
+            "hot_share",
+            "new_epsilon",
+            "balance_epsilon",
+        ):
             v = getattr(self, name)
             if name in ("work_epsilon", "new_epsilon", "balance_epsilon") and v is None:
                 continue
@@ -590,8 +599,7 @@ class Placed(_RingPolicy):
     def _sync_members(self, candidates: Sequence[ReplicaView]) -> HashRing:
         ring = self.ring_for(candidates)
         if self._members != self._table_members:
-            self.table.set_members([n for n, _ in self._members], [w for _, w in self._members],
-                                   ring.order)
+            self.table.set_members([n for n, _ in self._members], [w for _, w in self._members], ring.order)
             self._table_members = self._members
         return ring
 
@@ -645,8 +653,14 @@ class Placed(_RingPolicy):
         return entry
 
     # -- the decision -------------------------------------------------------------
-    def rank(self, candidates: Sequence[R], key: str | None, count: bool = True,
-             history: Sequence[bytes] | None = None, static_blocks: int = 0) -> Decision[R]:
+    def rank(
+        self,
+        candidates: Sequence[R],
+        key: str | None,
+        count: bool = True,
+        history: Sequence[bytes] | None = None,
+        static_blocks: int = 0,
+    ) -> Decision[R]:
         """Rank for one request of ``key``; ``count=False`` for a retry of a request already counted.
 
         ``history``: the chained block hashes of the request's whole prompt (Contract 2,
@@ -786,14 +800,14 @@ class Placed(_RingPolicy):
             # What the router sent counts as held until a report says otherwise.
             self.history.record(candidates[chosen].name, history)
         if len(candidates) == 1:
-            return Decision([candidates[0]], owner=entry.owner, kind=kind, predicted_blocks=predicted,
-                            best_blocks=best)
+            return Decision([candidates[0]], owner=entry.owner, kind=kind, predicted_blocks=predicted, best_blocks=best)
         if len(placed) == 1:
             head: tuple[int, ...] = (chosen,) if chosen == first else (chosen, first)
         else:
             head = (chosen, *(p for p in placed if p != chosen))
-        return Decision(entry.rank(head, candidates), owner=entry.owner, kind=kind, predicted_blocks=predicted,
-                        best_blocks=best)
+        return Decision(
+            entry.rank(head, candidates), owner=entry.owner, kind=kind, predicted_blocks=predicted, best_blocks=best
+        )
 
     # -- other inputs -------------------------------------------------------------
     def done(self, key: str) -> None:
@@ -897,8 +911,15 @@ class _BenchView:
     load: ReplicaLoad | None = None
 
 
-def bench_rank(num_replicas: int = 64, num_keys: int = 2000, num_requests: int = 20_000, cold: bool = False,
-               in_flight_per_replica: int = 8, rate: float = 1000.0, seed: int = 0) -> dict[str, float]:
+def bench_rank(
+    num_replicas: int = 64,
+    num_keys: int = 2000,
+    num_requests: int = 20_000,
+    cold: bool = False,
+    in_flight_per_replica: int = 8,
+    rate: float = 1000.0,
+    seed: int = 0,
+) -> dict[str, float]:
     """Microseconds per ``Placed.rank`` call, timed alone as the router's decision-latency metric times it.
 
     Traffic: Zipf (s 0.8) over ``num_keys`` keys (``cold``: every request a key never
@@ -942,16 +963,22 @@ def bench_rank(num_replicas: int = 64, num_keys: int = 2000, num_requests: int =
             in_flight[outstanding.pop(rng.randrange(len(outstanding)))] -= 1
     times.sort()
     n = len(times)
-    return {"p50": times[n // 2] * 1e6, "p99": times[min(n - 1, (99 * n) // 100)] * 1e6,
-            "mean": sum(times) / n * 1e6, "max": times[-1] * 1e6}
+    return {
+        "p50": times[n // 2] * 1e6,
+        "p99": times[min(n - 1, (99 * n) // 100)] * 1e6,
+        "mean": sum(times) / n * 1e6,
+        "max": times[-1] * 1e6,
+    }
 
 
 def _bench_main(argv: Sequence[str] | None = None) -> None:
     import argparse
     import statistics
 
-    p = argparse.ArgumentParser(prog="python -m prefixserve.router.policies",
-                                description="placed's routing-decision latency (bench_rank), median of repeats")
+    p = argparse.ArgumentParser(
+        prog="python -m prefixserve.router.policies",
+        description="placed's routing-decision latency (bench_rank), median of repeats",
+    )
     p.add_argument("--replicas", default="2,16,64", help="comma list of cluster sizes")
     p.add_argument("--keys", type=int, default=2000)
     p.add_argument("--requests", type=int, default=20_000)
@@ -965,8 +992,7 @@ def _bench_main(argv: Sequence[str] | None = None) -> None:
             med = {f: statistics.median(run[f] for run in runs) for f in ("p50", "p99", "mean")}
             label = "cold (every key new)" if cold else f"{args.keys} Zipf, warm"
             spread = ", ".join(f"{run['p50']:.0f}/{run['p99']:.0f}" for run in runs)
-            print(f"| {r} | {label} | {med['p50']:.1f} | {med['p99']:.1f} | {med['mean']:.1f} | {spread} |",
-                  flush=True)
+            print(f"| {r} | {label} | {med['p50']:.1f} | {med['p99']:.1f} | {med['mean']:.1f} | {spread} |", flush=True)
 
 
 if __name__ == "__main__":

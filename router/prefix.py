@@ -99,9 +99,7 @@ class PrefixKeyConfig:
         if isinstance(self.key_turns, bool) or not isinstance(self.key_turns, int) or self.key_turns < 0:
             raise ValueError(f"key_turns must be an integer >= 0, got {self.key_turns!r}")
         if self.completion_prefix_chars < 1:
-            raise ValueError(
-                f"completion_prefix_chars must be >= 1, got {self.completion_prefix_chars}"
-            )
+            raise ValueError(f"completion_prefix_chars must be >= 1, got {self.completion_prefix_chars}")
         if self.max_header_len < 1:
             raise ValueError(f"max_header_len must be >= 1, got {self.max_header_len}")
 
@@ -164,9 +162,7 @@ def content_text(content: Any) -> str:
                 raise ValueError(f"only text content parts are supported, got {kind!r}")
             texts.append(part["text"])
         return "\n".join(texts)
-    raise ValueError(
-        f"message content must be a string or a list of content parts, got {type(content).__name__}"
-    )
+    raise ValueError(f"message content must be a string or a list of content parts, got {type(content).__name__}")
 
 
 def static_prefix(messages: Iterable[Mapping[str, Any]]) -> str | None:
@@ -224,8 +220,13 @@ def _static_count(messages: list[Any]) -> int:
     return n
 
 
-def conversation_key(messages: list[Any], headers: Mapping[str, str] | None, config: PrefixKeyConfig,
-                     cache_salt: str | None, tools: list[Any] | None = None) -> str | None:
+def conversation_key(
+    messages: list[Any],
+    headers: Mapping[str, str] | None,
+    config: PrefixKeyConfig,
+    cache_salt: str | None,
+    tools: list[Any] | None = None,
+) -> str | None:
     """The multi-turn key of a chat request (module docstring), or None when the plain key applies.
 
     The static prefix's bytes (with ``tools``, see ``static_payload``) stand where the system text does.
@@ -236,10 +237,12 @@ def conversation_key(messages: list[Any], headers: Mapping[str, str] | None, con
         if session:
             return _digest(static + b"\x00session:" + session.encode("utf-8"), cache_salt)
     if config.key_turns > 0:
-        turns = messages[_static_count(messages):]
+        turns = messages[_static_count(messages) :]
         if len(turns) >= config.key_turns:
-            parts = [static] + [content_text(m.get("content")).encode("utf-8") if isinstance(m, Mapping) else b""
-                                for m in turns[: config.key_turns]]
+            parts = [static] + [
+                content_text(m.get("content")).encode("utf-8") if isinstance(m, Mapping) else b""
+                for m in turns[: config.key_turns]
+            ]
             return _digest(b"\x00".join(parts), cache_salt)
     return None
 

@@ -37,11 +37,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a listed replica that is unusable (keeps its ring points, is skipped)",
     )
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--key", type=arg_type(validate_prefix_hash),
-                        help=f"a routing key as sent in {PREFIX_HASH_HEADER}")
+    source.add_argument(
+        "--key", type=arg_type(validate_prefix_hash), help=f"a routing key as sent in {PREFIX_HASH_HEADER}"
+    )
     source.add_argument("--system", help="the static prefix (system prompt) to hash")
-    parser.add_argument("--tools", default=None, metavar="FILE",
-                        help="a JSON file holding the request's tools array (with --system; part of the key)")
+    parser.add_argument(
+        "--tools",
+        default=None,
+        metavar="FILE",
+        help="a JSON file holding the request's tools array (with --system; part of the key)",
+    )
     parser.add_argument("--cache-salt", default=None, help="the request's cache_salt (with --system)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
@@ -69,8 +74,11 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError("--cache-salt and --tools apply to --system only: a --key is already computed")
             key = args.key
         else:
-            body = {"messages": [{"role": "system", "content": args.system}], "cache_salt": args.cache_salt,
-                    "tools": read_tools(args.tools) if args.tools else None}
+            body = {
+                "messages": [{"role": "system", "content": args.system}],
+                "cache_salt": args.cache_salt,
+                "tools": read_tools(args.tools) if args.tools else None,
+            }
             key = routing_key({k: v for k, v in body.items() if v is not None})
     except ValueError as e:
         print(f"prefixserve route: error: {e}", file=sys.stderr)
@@ -79,8 +87,10 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"key": None, "affinity": False}))
         else:
-            print("no routing key: the static prefix is empty, so the request has no affinity "
-                  "(the policy routes it by load)")
+            print(
+                "no routing key: the static prefix is empty, so the request has no affinity "
+                "(the policy routes it by load)"
+            )
         return 0
 
     down = set(args.down)

@@ -125,8 +125,8 @@ def replica_name(replica_id: ReplicaID) -> str:
 
 def is_generation(pending_request: PendingRequest | None) -> bool:
     """True for a generation request (an EngineRequest-like first argument), not a control call."""
-    return pending_request is not None and bool(pending_request.args) and hasattr(
-        pending_request.args[0], "routing_key"
+    return (
+        pending_request is not None and bool(pending_request.args) and hasattr(pending_request.args[0], "routing_key")
     )
 
 
@@ -288,7 +288,8 @@ class PrefixRouter(RequestRouter):
         if facts and isinstance(payload, Mapping):
             for event in payload.get("events") or ():
                 self._metrics.kv_events.labels(self._deployment, name, str(event.get("type"))).inc(
-                    len(event.get("block_hashes") or ()))
+                    len(event.get("block_hashes") or ())
+                )
         placed = self.placed
         if placed is not None and facts:
             with self._lock:
@@ -307,8 +308,9 @@ class PrefixRouter(RequestRouter):
         return corrected_load(report, self.in_flight(replica))
 
     def view(self, replica: RunningReplica) -> ServeReplicaView:
-        return ServeReplicaView(replica, replica_name(replica.replica_id), self.in_flight(replica),
-                                self.replica_load(replica))
+        return ServeReplicaView(
+            replica, replica_name(replica.replica_id), self.in_flight(replica), self.replica_load(replica)
+        )
 
     @property
     def kv_event_gaps(self) -> int:
@@ -369,7 +371,8 @@ class PrefixRouter(RequestRouter):
             return
         if prompt_tokens > 0:
             self._metrics.reported_cached_fraction.labels(self._deployment).observe(
-                min(1.0, (cached_tokens or 0) / prompt_tokens))
+                min(1.0, (cached_tokens or 0) / prompt_tokens)
+            )
         with self._lock:
             placed.observe(key, prompt_tokens, cached_tokens)
             entry = self._counts.setdefault(key, [0, 0])
@@ -396,7 +399,10 @@ class PrefixRouter(RequestRouter):
             return None
 
     def rank(
-        self, candidate_replicas: list[RunningReplica], key: str | None, count: bool = True,
+        self,
+        candidate_replicas: list[RunningReplica],
+        key: str | None,
+        count: bool = True,
         blocks: PromptBlocks | None = None,
     ) -> tuple[list[RunningReplica], str | None]:
         """The candidates best first and the key's ring owner (None without a key or ring).
@@ -411,16 +417,19 @@ class PrefixRouter(RequestRouter):
         with self._lock:
             if placed is not None:
                 history = blocks.hashes if blocks is not None else None
-                decision = placed.rank(views, key, count=count, history=history,
-                                       static_blocks=blocks.static_blocks if blocks is not None else 0)
+                decision = placed.rank(
+                    views,
+                    key,
+                    count=count,
+                    history=history,
+                    static_blocks=blocks.static_blocks if blocks is not None else 0,
+                )
                 if count and key is not None:
                     self._counts.setdefault(key, [0, 0])[0] += 1
                 entries = len(placed.history) if placed.history is not None else 0
             else:
                 decision = self._policy.rank(views, key)
-        self._metrics.decision_seconds.labels(self._deployment, self._policy.name).observe(
-            time.perf_counter() - start
-        )
+        self._metrics.decision_seconds.labels(self._deployment, self._policy.name).observe(time.perf_counter() - start)
         if placed is not None:
             self._metrics.history_index_entries.labels(self._deployment).set(entries)
             if count and decision.kind is not None:
@@ -428,9 +437,11 @@ class PrefixRouter(RequestRouter):
             if blocks is not None and blocks.hashes and decision.best_blocks is not None:
                 n = len(blocks.hashes)
                 self._metrics.predicted_cached_fraction.labels(self._deployment, "chosen").observe(
-                    (decision.predicted_blocks or 0) / n)
+                    (decision.predicted_blocks or 0) / n
+                )
                 self._metrics.predicted_cached_fraction.labels(self._deployment, "best").observe(
-                    decision.best_blocks / n)
+                    decision.best_blocks / n
+                )
         return [v.replica for v in decision.ranking], decision.owner
 
     async def choose_replicas(
@@ -443,15 +454,19 @@ class PrefixRouter(RequestRouter):
         key = request_routing_key(pending_request)
         request = pending_request.args[0] if pending_request is not None and pending_request.args else None
         parent = getattr(request, "trace_headers", None)
-        with route_span(self._tracer, parent, {"prefixserve.policy": self._policy.name,
-                                               "prefixserve.routing_key": key or ""}) as (span, headers):
-            seen = (pending_request is not None
-                    and pending_request.metadata.internal_request_id in self._choices)
+        with route_span(
+            self._tracer, parent, {"prefixserve.policy": self._policy.name, "prefixserve.routing_key": key or ""}
+        ) as (span, headers):
+            seen = pending_request is not None and pending_request.metadata.internal_request_id in self._choices
             blocks = self.prompt_blocks(request) if not seen else None
             ranking, owner = self.rank(candidate_replicas, key, count=not seen, blocks=blocks)
             if span is not None:
-                span.set_attributes({"prefixserve.owner": owner or "",
-                                     "prefixserve.chosen": replica_name(ranking[0].replica_id) if ranking else ""})
+                span.set_attributes(
+                    {
+                        "prefixserve.owner": owner or "",
+                        "prefixserve.chosen": replica_name(ranking[0].replica_id) if ranking else "",
+                    }
+                )
                 if hasattr(request, "trace_headers"):
                     request.trace_headers = headers  # the engine's spans hang under this decision
         if pending_request is not None:
@@ -462,8 +477,16 @@ class PrefixRouter(RequestRouter):
             request_id = pending_request.metadata.internal_request_id
             old = self._choices.get(request_id)
             counted = old.key if old is not None else (key if self.placed is not None and key is not None else None)
-            self._remember(request_id, Choice(key is not None, owner, first, counted,
-                                              blocks if blocks is not None else old.blocks if old else None))
+            self._remember(
+                request_id,
+                Choice(
+                    key is not None,
+                    owner,
+                    first,
+                    counted,
+                    blocks if blocks is not None else old.blocks if old else None,
+                ),
+            )
         return [[r] for r in ranking]
 
     def _remember(self, request_id: str, choice: Choice) -> None:

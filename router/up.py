@@ -34,33 +34,63 @@ APP_NAME = "prefixserve"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     cluster = parser.add_argument_group("cluster")
     cluster.add_argument("--replicas", type=int, default=2, help="engine replicas (default: 2)")
-    cluster.add_argument("--replica-cpus", type=float, default=1.0,
-                         help="Ray CPUs per engine replica, per tensor-parallel rank; also its torch threads "
-                              "(default: 1)")
-    cluster.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES),
-                         help=f"routing policy (default: {DEFAULT_POLICY})")
-    cluster.add_argument("--epsilon", type=float, default=None,
-                         help="bounded_load's and placed's epsilon (default: the policy's)")
-    cluster.add_argument("--precise", action="store_true",
-                         help="placed: use the replicas' KV events (which replica holds each key's prefix)")
-    cluster.add_argument("--session-header", action="store_true",
-                         help="multi-turn affinity: key chat requests by X-Session-Id too")
-    cluster.add_argument("--key-turns", type=int, default=0,
-                         help="multi-turn affinity: key chat requests by their first N turns too (default: 0, off)")
-    cluster.add_argument("--max-ongoing-requests", type=int, default=64,
-                         help="requests per engine replica before Serve tries the key's next replica (default: 64)")
+    cluster.add_argument(
+        "--replica-cpus",
+        type=float,
+        default=1.0,
+        help="Ray CPUs per engine replica, per tensor-parallel rank; also its torch threads (default: 1)",
+    )
+    cluster.add_argument(
+        "--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES), help=f"routing policy (default: {DEFAULT_POLICY})"
+    )
+    cluster.add_argument(
+        "--epsilon", type=float, default=None, help="bounded_load's and placed's epsilon (default: the policy's)"
+    )
+    cluster.add_argument(
+        "--precise",
+        action="store_true",
+        help="placed: use the replicas' KV events (which replica holds each key's prefix)",
+    )
+    cluster.add_argument(
+        "--session-header", action="store_true", help="multi-turn affinity: key chat requests by X-Session-Id too"
+    )
+    cluster.add_argument(
+        "--key-turns",
+        type=int,
+        default=0,
+        help="multi-turn affinity: key chat requests by their first N turns too (default: 0, off)",
+    )
+    cluster.add_argument(
+        "--max-ongoing-requests",
+        type=int,
+        default=64,
+        help="requests per engine replica before Serve tries the key's next replica (default: 64)",
+    )
     http = parser.add_argument_group("http")
     http.add_argument("--host", default="127.0.0.1", help="address of the OpenAI endpoint (default: 127.0.0.1)")
     http.add_argument("--port", type=int, default=8000, help="port of the OpenAI endpoint (default: 8000)")
-    http.add_argument("--api-key", dest="api_keys", action="append", default=None,
-                      help="require 'Authorization: Bearer KEY' on /v1/* (repeat for several keys)")
+    http.add_argument(
+        "--api-key",
+        dest="api_keys",
+        action="append",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/* (repeat for several keys)",
+    )
     http.add_argument("--ingress-replicas", type=int, default=1, help="ingress replicas (default: 1)")
-    http.add_argument("--drain-timeout-s", type=float, default=None,
-                      help="on Ctrl-C or SIGTERM, seconds requests in flight may still run before they end with "
-                           "an error event (default: the app's drain_timeout_s, 30)")
-    http.add_argument("--log-format", default="text", choices=list(LOG_FORMATS),
-                      help="text, or json: one object per line here and in Serve's own logs (its JSON "
-                           "encoding, which names each line's request id: the X-Request-Id)")
+    http.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=None,
+        help="on Ctrl-C or SIGTERM, seconds requests in flight may still run before they end with "
+        "an error event (default: the app's drain_timeout_s, 30)",
+    )
+    http.add_argument(
+        "--log-format",
+        default="text",
+        choices=list(LOG_FORMATS),
+        help="text, or json: one object per line here and in Serve's own logs (its JSON "
+        "encoding, which names each line's request id: the X-Request-Id)",
+    )
     EngineConfig.add_cli_arguments(parser)
     add_verbose_flag(parser)
 
@@ -83,8 +113,12 @@ def app_args(args: argparse.Namespace) -> dict[str, Any]:
         "max_ongoing_requests": args.max_ongoing_requests,
         "ray_actor_options": {"num_cpus": args.replica_cpus},
         "router": router,
-        "ingress": {"num_replicas": args.ingress_replicas, "api_keys": list(args.api_keys or []),
-                    "session_header": bool(args.session_header), "key_turns": args.key_turns},
+        "ingress": {
+            "num_replicas": args.ingress_replicas,
+            "api_keys": list(args.api_keys or []),
+            "session_header": bool(args.session_header),
+            "key_turns": args.key_turns,
+        },
     }
 
 
@@ -103,8 +137,11 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(logging.INFO, args.log_format)
     level = quiet_libraries(args.verbose)
     # Serve's controller, proxies and replicas log each request and step at INFO.
-    serve_logging = {"log_level": logging.getLevelName(level), "enable_access_log": args.verbose,
-                     "encoding": args.log_format.upper()}
+    serve_logging = {
+        "log_level": logging.getLevelName(level),
+        "enable_access_log": args.verbose,
+        "encoding": args.log_format.upper(),
+    }
     # Replicas inherit the environment: nothing from a model hub at run time.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -117,8 +154,10 @@ def run(args: argparse.Namespace) -> int:
     ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True, logging_level=level)
     try:
         serve.start(http_options={"host": args.host, "port": args.port}, logging_config=serve_logging)
-        print(f"starting {args.replicas} engine replica(s) of {app['engine']['model']} "
-              f"with the {args.policy} router...", flush=True)
+        print(
+            f"starting {args.replicas} engine replica(s) of {app['engine']['model']} with the {args.policy} router...",
+            flush=True,
+        )
         serve.run(build_app(app), name=APP_NAME, route_prefix="/", blocking=False, logging_config=serve_logging)
         while not stop.is_set():
             status = serve.status().applications.get(APP_NAME)
@@ -130,8 +169,11 @@ def run(args: argparse.Namespace) -> int:
             stop.wait(1.0)
         if not stop.is_set():
             running = True
-            print(f"OpenAI endpoint: http://{args.host}:{args.port}/v1 "
-                  f"(models: {EngineConfig.from_cli_args(args).model_name}); Ctrl-C to stop", flush=True)
+            print(
+                f"OpenAI endpoint: http://{args.host}:{args.port}/v1 "
+                f"(models: {EngineConfig.from_cli_args(args).model_name}); Ctrl-C to stop",
+                flush=True,
+            )
         stop.wait()
         print("shutting down...", flush=True)
         return 0

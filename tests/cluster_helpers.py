@@ -71,8 +71,12 @@ def deploy_config(
     ``deployments`` are Serve's per-deployment overrides (e.g. ``[{"name": "Engine",
     "num_replicas": 4}]``).
     """
-    app: dict[str, Any] = {"name": name, "route_prefix": "/", "import_path": "prefixserve.router.app:build_app",
-                           "args": args}
+    app: dict[str, Any] = {
+        "name": name,
+        "route_prefix": "/",
+        "import_path": "prefixserve.router.app:build_app",
+        "args": args,
+    }
     if deployments:
         app["deployments"] = deployments
     return {
@@ -153,8 +157,12 @@ def chat(
     finally:
         if client is None:
             http.close()
-    return ChatResult(response.status_code, response.json(), response.headers.get(REPLICA_HEADER),
-                      response.headers.get(INGRESS_HEADER))
+    return ChatResult(
+        response.status_code,
+        response.json(),
+        response.headers.get(REPLICA_HEADER),
+        response.headers.get(INGRESS_HEADER),
+    )
 
 
 def engine_replicas(app_name: str = APP_NAME) -> list[str]:
@@ -231,8 +239,10 @@ def submit_config(config: dict[str, Any]) -> None:
     from ray.serve.schema import ServeDeploySchema
 
     http = config.get("http_options", {})
-    serve.start(proxy_location=config.get("proxy_location", "HeadOnly"),
-                http_options={"host": http.get("host", "127.0.0.1"), "port": http.get("port", 8000)})
+    serve.start(
+        proxy_location=config.get("proxy_location", "HeadOnly"),
+        http_options={"host": http.get("host", "127.0.0.1"), "port": http.get("port", 8000)},
+    )
     _get_global_client().deploy_apps(ServeDeploySchema.model_validate(config))
 
 
@@ -266,6 +276,6 @@ def replica_processes(app_name: str = APP_NAME, deployment: str = "Engine") -> l
     found = []
     for process in psutil.process_iter(["cmdline"]):
         cmdline = " ".join(process.info["cmdline"] or ())
-        if cmdline.startswith(title) and cmdline[len(title):len(title) + 1] in ("", " ", "."):
+        if cmdline.startswith(title) and cmdline[len(title) : len(title) + 1] in ("", " ", "."):
             found.append(process)
     return found

@@ -28,8 +28,10 @@ from prometheus_helpers import find_prometheus  # noqa: E402
 _SYSTEM_DEPS = {
     "nginx": (find_nginx() is not None, "tests/test_nginx_parity.py, tests/test_nginx_e2e.py"),
     "C compiler": (shutil.which(os.environ.get("CC", "cc")) is not None, "tests/test_cpu_kernels.py"),
-    "prometheus": (find_prometheus() is not None,
-                   "tests/test_observability.py, tests/test_cluster.py's dashboard test"),
+    "prometheus": (
+        find_prometheus() is not None,
+        "tests/test_observability.py, tests/test_cluster.py's dashboard test",
+    ),
 }
 
 

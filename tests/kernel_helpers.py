@@ -21,13 +21,13 @@ FP8_MAX = 448.0
 class PagedBatch:
     """Inputs of ``paged_attention`` plus the dense K/V they were built from."""
 
-    query: torch.Tensor             # [num_tokens + padding_rows, H, D]
-    key_cache: torch.Tensor         # [NB, BS, KVH, D]
+    query: torch.Tensor  # [num_tokens + padding_rows, H, D]
+    key_cache: torch.Tensor  # [NB, BS, KVH, D]
     value_cache: torch.Tensor
-    block_tables: torch.Tensor      # [S, max_blocks] int32
-    seq_lens: torch.Tensor          # [S] int32
-    query_start_loc: torch.Tensor   # [S + 1] int32
-    keys: list[torch.Tensor]        # per sequence, float64 [seq_len, KVH, D], dequantized
+    block_tables: torch.Tensor  # [S, max_blocks] int32
+    seq_lens: torch.Tensor  # [S] int32
+    query_start_loc: torch.Tensor  # [S + 1] int32
+    keys: list[torch.Tensor]  # per sequence, float64 [seq_len, KVH, D], dequantized
     values: list[torch.Tensor]
     q_lens: list[int]
     k_scale: float = 1.0
@@ -38,8 +38,7 @@ class PagedBatch:
         return sum(self.q_lens)
 
     def args(self) -> tuple[torch.Tensor, ...]:
-        return (self.query, self.key_cache, self.value_cache, self.block_tables, self.seq_lens,
-                self.query_start_loc)
+        return (self.query, self.key_cache, self.value_cache, self.block_tables, self.seq_lens, self.query_start_loc)
 
 
 def _fp8_quantize(x: torch.Tensor, scale: float) -> torch.Tensor:
@@ -77,8 +76,8 @@ def make_paged_batch(
     if share is not None:
         i, j = share
         shared_blocks = min(lens[i], lens[j]) // block_size
-        keys[i][:shared_blocks * block_size] = keys[j][:shared_blocks * block_size]
-        values[i][:shared_blocks * block_size] = values[j][:shared_blocks * block_size]
+        keys[i][: shared_blocks * block_size] = keys[j][: shared_blocks * block_size]
+        values[i][: shared_blocks * block_size] = values[j][: shared_blocks * block_size]
     k_scale = v_scale = 1.0
     if fp8_kv:
         # Scales that are not 1 and leave headroom, so scaling bugs show.
@@ -119,11 +118,17 @@ def make_paged_batch(
         starts.append(starts[-1] + q)
     query = torch.randn(starts[-1] + padding_rows, num_heads, head_dim, generator=gen).to(dtype)
     return PagedBatch(
-        query=query, key_cache=key_cache, value_cache=value_cache,
+        query=query,
+        key_cache=key_cache,
+        value_cache=value_cache,
         block_tables=torch.tensor(tables, dtype=torch.int32),
         seq_lens=torch.tensor(lens, dtype=torch.int32),
         query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        keys=dense_k, values=dense_v, q_lens=q_lens, k_scale=k_scale, v_scale=v_scale,
+        keys=dense_k,
+        values=dense_v,
+        q_lens=q_lens,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
 
 
@@ -137,7 +142,7 @@ def dense_attention(batch: PagedBatch, scale: float, sliding_window: int | None 
         group = num_heads // k.shape[1]
         k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
         v = v.repeat_interleave(group, dim=1).transpose(0, 1)
-        q = batch.query[start:start + q_len].double().transpose(0, 1)  # [H, q, D]
+        q = batch.query[start : start + q_len].double().transpose(0, 1)  # [H, q, D]
         q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
         k_pos = torch.arange(seq_len)[None, :]
         visible = k_pos <= q_pos
@@ -145,7 +150,7 @@ def dense_attention(batch: PagedBatch, scale: float, sliding_window: int | None 
             visible &= k_pos > q_pos - sliding_window
         scores = (q @ k.transpose(1, 2)) * scale
         scores = scores.masked_fill(~visible, float("-inf"))
-        out[start:start + q_len] = (scores.softmax(-1) @ v).transpose(0, 1)
+        out[start : start + q_len] = (scores.softmax(-1) @ v).transpose(0, 1)
         start += q_len
     return out
 

@@ -40,15 +40,37 @@ def _tokenizer_dir() -> Path:
     return out
 
 
-def tiny_checkpoint(path: Path, *, arch: str = "llama", hidden: int = 64, heads: int = 4, kv_heads: int = 2,
-                    head_dim: int | None = None, layers: int = 2, intermediate: int = 128, tie: bool = False,
-                    rope: dict[str, Any] | None = None, max_pos: int = 1024, seed: int = 0) -> Path:
+def tiny_checkpoint(
+    path: Path,
+    *,
+    arch: str = "llama",
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int | None = None,
+    layers: int = 2,
+    intermediate: int = 128,
+    tie: bool = False,
+    rope: dict[str, Any] | None = None,
+    max_pos: int = 1024,
+    seed: int = 0,
+) -> Path:
     """Write a random checkpoint directory at ``path`` and return it."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    common = dict(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_pos,
-                  tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=tie,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
     rope_parameters = {"rope_theta": 10000.0, "rope_type": "default", **(rope or {})}
     if arch == "llama":
         cfg = LlamaConfig(head_dim=head_dim or hidden // heads, rope_parameters=rope_parameters, **common)
@@ -78,8 +100,17 @@ def save_random_checkpoint(model_class: Any, config: Any, path: Path, seed: int)
     return path
 
 
-def tiny_gguf(path: Path, *, hidden: int = 64, heads: int = 4, kv_heads: int = 2, layers: int = 2,
-              intermediate: int = 128, tie: bool = False, seed: int = 0) -> Path:
+def tiny_gguf(
+    path: Path,
+    *,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    layers: int = 2,
+    intermediate: int = 128,
+    tie: bool = False,
+    seed: int = 0,
+) -> Path:
     """Write a random Llama as a GGUF file at ``path`` (Q4_1, Q8_0, F16 and F32 tensors mixed)."""
     import numpy as np
     from gguf import GGMLQuantizationType as Q
@@ -93,9 +124,15 @@ def tiny_gguf(path: Path, *, hidden: int = 64, heads: int = 4, kv_heads: int = 2
     head_dim = hidden // heads
     w = GGUFWriter(str(path), "llama")
     w.add_name("tiny-llama")
-    for key, value in {"block_count": layers, "context_length": 1024, "embedding_length": hidden,
-                       "feed_forward_length": intermediate, "attention.head_count": heads,
-                       "attention.head_count_kv": kv_heads, "rope.dimension_count": head_dim}.items():
+    for key, value in {
+        "block_count": layers,
+        "context_length": 1024,
+        "embedding_length": hidden,
+        "feed_forward_length": intermediate,
+        "attention.head_count": heads,
+        "attention.head_count_kv": kv_heads,
+        "rope.dimension_count": head_dim,
+    }.items():
         w.add_uint32(f"llama.{key}", value)
     w.add_float32("llama.rope.freq_base", 10000.0)
     w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
@@ -112,8 +149,11 @@ def tiny_gguf(path: Path, *, hidden: int = 64, heads: int = 4, kv_heads: int = 2
         return x.reshape(n_head, 2, x.shape[0] // n_head // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
 
     def add(name: str, shape: tuple[int, ...], qtype: Q, scale: float = 0.15, transform=None) -> None:
-        x = rng.normal(0, scale, shape).astype(np.float32) if len(shape) == 2 else \
-            (1 + rng.normal(0, 0.1, shape)).astype(np.float32)
+        x = (
+            rng.normal(0, scale, shape).astype(np.float32)
+            if len(shape) == 2
+            else (1 + rng.normal(0, 0.1, shape)).astype(np.float32)
+        )
         if transform is not None:
             x = transform(x)
         w.add_tensor(name, quantize(x, qtype) if qtype != Q.F32 else x, raw_dtype=qtype)
@@ -154,9 +194,14 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """transformers' greedy continuation of one prompt (explicit attention mask; stops at EOS)."""
     ids = torch.tensor([prompt_ids])
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, pad_token_id=model.config.eos_token_id)
-    return out[0, len(prompt_ids):].tolist()
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=model.config.eos_token_id,
+        )
+    return out[0, len(prompt_ids) :].tolist()
 
 
 def random_prompts(rng, n: int, lo: int, hi: int, shared_prefix: list[int] | None = None) -> list[list[int]]:

@@ -69,9 +69,7 @@ def backends_conf(ports: Sequence[int], chat_completion: bool = False) -> str:
 
 def nginx_test_config(nginx: str, conf: Path, prefix: Path) -> subprocess.CompletedProcess:
     """``nginx -t`` on a config file; the result carries nginx's message on stderr."""
-    return subprocess.run(
-        [nginx, "-t", "-p", str(prefix), "-c", str(conf)], capture_output=True, text=True, timeout=30
-    )
+    return subprocess.run([nginx, "-t", "-p", str(prefix), "-c", str(conf)], capture_output=True, text=True, timeout=30)
 
 
 class NginxProcess:
@@ -126,8 +124,12 @@ class NginxProcess:
         if checked.returncode != 0:
             raise RuntimeError(f"nginx -t rejected {self.conf}:\n{checked.stderr}")
         old = self.worker_pids()
-        subprocess.run([self.nginx, "-p", str(self.prefix), "-c", str(self.conf), "-s", "reload"],
-                       check=True, capture_output=True, timeout=30)
+        subprocess.run(
+            [self.nginx, "-p", str(self.prefix), "-c", str(self.conf), "-s", "reload"],
+            check=True,
+            capture_output=True,
+            timeout=30,
+        )
         deadline = time.monotonic() + timeout_s
         while True:
             workers = self.worker_pids()

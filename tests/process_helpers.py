@@ -24,8 +24,17 @@ class ManagedProcess:
 
     name = "process"
 
-    def __init__(self, command: Sequence[str], *, log_path: Path, ready_url: str, startup_timeout_s: float,
-                 env: Mapping[str, str] | None = None, cwd: Path | None = None, poll_s: float = 0.2) -> None:
+    def __init__(
+        self,
+        command: Sequence[str],
+        *,
+        log_path: Path,
+        ready_url: str,
+        startup_timeout_s: float,
+        env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
+        poll_s: float = 0.2,
+    ) -> None:
         self.command = list(command)
         self.log_path = log_path
         self.ready_url = ready_url
@@ -37,8 +46,9 @@ class ManagedProcess:
 
     def __enter__(self) -> ManagedProcess:
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                         cwd=self.cwd, start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.cwd, start_new_session=True
+            )
         try:
             self._wait_ready()
         except BaseException:

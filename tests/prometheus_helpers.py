@@ -31,12 +31,17 @@ VARIABLES = {"$__rate_interval": "1m", "$model_name": ".*"}
 
 def find_prometheus() -> str | None:
     return shutil.which("prometheus") or next(
-        (p for p in ("/usr/bin/prometheus", "/usr/local/bin/prometheus") if os.access(p, os.X_OK)), None)
+        (p for p in ("/usr/bin/prometheus", "/usr/local/bin/prometheus") if os.access(p, os.X_OK)), None
+    )
 
 
 # Router series only the ``placed`` policy exports.
-PLACED_SERIES = ("prefixserve_router_placed_branches", "prefixserve_router_predicted_cached_fraction",
-                 "prefixserve_router_reported_cached_fraction", "prefixserve_router_history_index_entries")
+PLACED_SERIES = (
+    "prefixserve_router_placed_branches",
+    "prefixserve_router_predicted_cached_fraction",
+    "prefixserve_router_reported_cached_fraction",
+    "prefixserve_router_history_index_entries",
+)
 
 
 @dataclass(frozen=True)
@@ -102,25 +107,46 @@ class PrometheusProcess(ManagedProcess):
 
     name = "prometheus"
 
-    def __init__(self, targets: Sequence[str], workdir: Path, metrics_path: str = "/metrics",
-                 scrape_interval_s: int = 1) -> None:
+    def __init__(
+        self, targets: Sequence[str], workdir: Path, metrics_path: str = "/metrics", scrape_interval_s: int = 1
+    ) -> None:
         binary = find_prometheus()
         assert binary is not None, "prometheus is not installed (scripts/system-deps.sh installs it)"
         self.port = free_ports(1)[0]
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.workdir = workdir
         config = workdir / "prometheus.yml"
-        config.write_text(json.dumps({  # YAML is a superset of JSON
-            "global": {"scrape_interval": f"{scrape_interval_s}s", "scrape_timeout": f"{scrape_interval_s}s",
-                       "evaluation_interval": "1s"},
-            "scrape_configs": [{"job_name": "prefixserve", "metrics_path": metrics_path,
-                                "static_configs": [{"targets": list(targets)}]}],
-        }))
+        config.write_text(
+            json.dumps(
+                {  # YAML is a superset of JSON
+                    "global": {
+                        "scrape_interval": f"{scrape_interval_s}s",
+                        "scrape_timeout": f"{scrape_interval_s}s",
+                        "evaluation_interval": "1s",
+                    },
+                    "scrape_configs": [
+                        {
+                            "job_name": "prefixserve",
+                            "metrics_path": metrics_path,
+                            "static_configs": [{"targets": list(targets)}],
+                        }
+                    ],
+                }
+            )
+        )
         super().__init__(
-            [binary, f"--config.file={config}", f"--storage.tsdb.path={workdir / 'data'}",
-             f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
-            log_path=workdir / "prometheus.log", ready_url=f"{self.base_url}/-/ready", startup_timeout_s=60.0,
-            cwd=workdir)
+            [
+                binary,
+                f"--config.file={config}",
+                f"--storage.tsdb.path={workdir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--log.level=warn",
+            ],
+            log_path=workdir / "prometheus.log",
+            ready_url=f"{self.base_url}/-/ready",
+            startup_timeout_s=60.0,
+            cwd=workdir,
+        )
 
     def query(self, expr: str) -> list[float]:
         """The values of an instant query's result (one per series); raises on a PromQL error."""
@@ -172,7 +198,9 @@ class PrometheusProcess(ManagedProcess):
             if not pending:
                 return
             if time.monotonic() > deadline:
-                raise AssertionError("dashboard queries without plausible values:\n" +
-                                     "\n".join(f"  {k}\n    -> {v}" for k, v in problems.items()) +
-                                     f"\nlast scrape errors: {self.scrape_errors() or 'none'}")
+                raise AssertionError(
+                    "dashboard queries without plausible values:\n"
+                    + "\n".join(f"  {k}\n    -> {v}" for k, v in problems.items())
+                    + f"\nlast scrape errors: {self.scrape_errors() or 'none'}"
+                )
             time.sleep(1.0)

@@ -97,11 +97,25 @@ class ReplicaProcess(ManagedProcess):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         super().__init__(
-            [*prefixserve_command(), "replica", "--model", str(model),
-             "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning", *args],
-            log_path=log_dir / f"replica-{self.port}.log", ready_url=f"{self.base_url}/health",
-            startup_timeout_s=startup_timeout_s, poll_s=0.5,
-            env=dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1"))
+            [
+                *prefixserve_command(),
+                "replica",
+                "--model",
+                str(model),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--log-level",
+                "warning",
+                *args,
+            ],
+            log_path=log_dir / f"replica-{self.port}.log",
+            ready_url=f"{self.base_url}/health",
+            startup_timeout_s=startup_timeout_s,
+            poll_s=0.5,
+            env=dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1"),
+        )
 
 
 def metric(metrics_text: str, name: str, **labels: str) -> float:
@@ -128,8 +142,9 @@ class InProcessReplica:
     engine down.
     """
 
-    def __init__(self, model: str | Path, *, max_model_len: int = 128, engine_kwargs: dict | None = None,
-                 **app_kwargs: object) -> None:
+    def __init__(
+        self, model: str | Path, *, max_model_len: int = 128, engine_kwargs: dict | None = None, **app_kwargs: object
+    ) -> None:
         from prefixserve.replica.config import EngineConfig
         from prefixserve.replica.engine import AsyncEngine
         from prefixserve.replica.server import build_app
@@ -137,8 +152,9 @@ class InProcessReplica:
         self.engine = AsyncEngine(EngineConfig(model=str(model), max_model_len=max_model_len, **(engine_kwargs or {})))
         self.app = build_app(self.engine, **app_kwargs)  # type: ignore[arg-type]
         self.loop = asyncio.new_event_loop()
-        self.http = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://replica",
-                                      timeout=120)
+        self.http = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=self.app), base_url="http://replica", timeout=120
+        )
 
     def request(self, method: str, path: str, **kwargs: object) -> httpx.Response:
         return self.loop.run_until_complete(self.http.request(method, path, **kwargs))  # type: ignore[arg-type]
@@ -184,7 +200,7 @@ class StreamReader:
                 self.status = response.status_code
                 for line in response.iter_lines():
                     if line.startswith("data: "):
-                        self.events.append(line[len("data: "):])
+                        self.events.append(line[len("data: ") :])
                         self.started.set()
         finally:
             self.started.set()

@@ -33,8 +33,7 @@ def _object(rng: random.Random, depth: int) -> dict[str, Any]:
         if depth < 2 and roll < 0.25:
             props[f"obj_{i}"] = _object(rng, depth + 1)
         elif roll < 0.45:
-            props[f"list_{i}"] = {"type": "array", "items": _leaf(rng), "minItems": 1,
-                                  "maxItems": rng.randint(1, 3)}
+            props[f"list_{i}"] = {"type": "array", "items": _leaf(rng), "minItems": 1, "maxItems": rng.randint(1, 3)}
         else:
             props[f"field_{i}"] = _leaf(rng)
     names = list(props)
@@ -52,5 +51,7 @@ def schema_chat(schema: dict[str, Any]) -> list[dict[str, str]]:
     """A chat asking for one JSON object following ``schema``."""
     import json
 
-    return [{"role": "system", "content": "You answer with one JSON object and nothing else."},
-            {"role": "user", "content": f"Produce an example object for this JSON schema:\n{json.dumps(schema)}"}]
+    return [
+        {"role": "system", "content": "You answer with one JSON object and nothing else."},
+        {"role": "user", "content": f"Produce an example object for this JSON schema:\n{json.dumps(schema)}"},
+    ]

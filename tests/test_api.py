@@ -35,30 +35,47 @@ def bad_request(model: type, body: bytes | str) -> api.BadRequestError:
 def test_chat_request_parses_roles_content_parts_and_harmless_fields():
     req = api.parse_request(
         api.ChatCompletionRequest,
-        json.dumps({
-            "model": "m",
-            "messages": [
-                {"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-                {"role": "system", "content": "c"},
-                {"role": "user", "content": "q", "name": "bob"},
-                {"role": "assistant", "content": None, "tool_calls": [
-                    {"id": "t1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
-                {"role": "tool", "content": "42", "tool_call_id": "t1"},
-            ],
-            "stream": True, "stream_options": {"include_usage": True, "include_obfuscation": True},
-            "logit_bias": {},
-            # Harmless fields real clients send: accepted and ignored.
-            "user": "u-1", "safety_identifier": "s", "metadata": {"k": "v"}, "store": False,
-            "service_tier": "auto", "prompt_cache_key": "pk", "tools": [], "tool_choice": "none",
-            "response_format": {"type": "text"}, "modalities": ["text"], "presence_penalty": 0,
-        }),
+        json.dumps(
+            {
+                "model": "m",
+                "messages": [
+                    {"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                    {"role": "system", "content": "c"},
+                    {"role": "user", "content": "q", "name": "bob"},
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [{"id": "t1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+                    },
+                    {"role": "tool", "content": "42", "tool_call_id": "t1"},
+                ],
+                "stream": True,
+                "stream_options": {"include_usage": True, "include_obfuscation": True},
+                "logit_bias": {},
+                # Harmless fields real clients send: accepted and ignored.
+                "user": "u-1",
+                "safety_identifier": "s",
+                "metadata": {"k": "v"},
+                "store": False,
+                "service_tier": "auto",
+                "prompt_cache_key": "pk",
+                "tools": [],
+                "tool_choice": "none",
+                "response_format": {"type": "text"},
+                "modalities": ["text"],
+                "presence_penalty": 0,
+            }
+        ),
     )
     assert req.chat_messages() == [
         {"role": "developer", "content": "a\nb"},
         {"role": "system", "content": "c"},
         {"role": "user", "content": "q"},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "t1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "t1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+        },
         {"role": "tool", "content": "42", "tool_call_id": "t1"},
     ]
     assert req.include_usage
@@ -74,18 +91,26 @@ def test_chat_request_parses_roles_content_parts_and_harmless_fields():
         (json.dumps({"model": "m", "messages": []}), "messages"),
         (json.dumps({"messages": [{"role": "wizard", "content": "x"}]}), "messages.0.role"),
         (json.dumps({"messages": [{"content": "x"}]}), "messages.0.role"),
-        (json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}),
-         "messages.0.content"),
+        (
+            json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}),
+            "messages.0.content",
+        ),
         (json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}), "max_tokens"),
         (json.dumps({"messages": [{"role": "user", "content": "x"}], "bad_words": "x"}), "bad_words"),
-        (json.dumps({"messages": [{"role": "user", "content": "x"}], "stream": True, "prompt_logprobs": 1}),
-         "prompt_logprobs"),
+        (
+            json.dumps({"messages": [{"role": "user", "content": "x"}], "stream": True, "prompt_logprobs": 1}),
+            "prompt_logprobs",
+        ),
         (json.dumps({"messages": [{"role": "user", "content": "x"}], "cache_salt": ""}), "cache_salt"),
         # vLLM's rule: stream_options only with stream: true.
-        (json.dumps({"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": True}}),
-         "stream_options"),
-        (json.dumps({"messages": [{"role": "user", "content": "x"}], "stream": False, "stream_options": {}}),
-         "stream_options"),
+        (
+            json.dumps({"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": True}}),
+            "stream_options",
+        ),
+        (
+            json.dumps({"messages": [{"role": "user", "content": "x"}], "stream": False, "stream_options": {}}),
+            "stream_options",
+        ),
     ],
 )
 def test_malformed_or_incomplete_chat_bodies_are_400(body, param):
@@ -100,8 +125,9 @@ def test_unknown_fields_are_400_naming_the_field(field):
     assert err.code == "unknown_parameter" and err.param == field
     assert repr(field) in err.message
     # Nested objects are as strict: a typo inside a message is named with its path.
-    nested = bad_request(api.ChatCompletionRequest,
-                         json.dumps({"messages": [{"role": "user", "content": "x", "contnet": "y"}]}))
+    nested = bad_request(
+        api.ChatCompletionRequest, json.dumps({"messages": [{"role": "user", "content": "x", "contnet": "y"}]})
+    )
     assert nested.code == "unknown_parameter" and nested.param == "messages.0.contnet"
     completion = bad_request(api.CompletionRequest, json.dumps({"prompt": "x", field: 1}))
     assert completion.param == field
@@ -135,8 +161,9 @@ def test_unsupported_values_of_harmless_fields_are_400(field, value):
 
 def test_function_call_and_audio_turns_in_the_conversation_are_400():
     for field, value in (("function_call", {"name": "f", "arguments": "{}"}), ("audio", {"id": "a"})):
-        body = json.dumps({"messages": [{"role": "assistant", "content": None, field: value},
-                                        {"role": "user", "content": "x"}]})
+        body = json.dumps(
+            {"messages": [{"role": "assistant", "content": None, field: value}, {"role": "user", "content": "x"}]}
+        )
         err = bad_request(api.ChatCompletionRequest, body)
         assert err.code == "unsupported_parameter" and err.param == f"messages.0.{field}"
 
@@ -151,8 +178,14 @@ def test_logit_bias_maps_token_id_strings_onto_sampling_params():
 
 @pytest.mark.parametrize(
     "logit_bias, param",
-    [({"15": 101}, "logit_bias.15"), ({"15": -100.5}, "logit_bias.15"), ({"abc": 1}, "logit_bias.abc"),
-     ({"-1": 1}, "logit_bias.-1"), ({str(2**40): 1}, f"logit_bias.{2**40}"), ({"1": "x"}, "logit_bias.1")],
+    [
+        ({"15": 101}, "logit_bias.15"),
+        ({"15": -100.5}, "logit_bias.15"),
+        ({"abc": 1}, "logit_bias.abc"),
+        ({"-1": 1}, "logit_bias.-1"),
+        ({str(2**40): 1}, f"logit_bias.{2**40}"),
+        ({"1": "x"}, "logit_bias.1"),
+    ],
 )
 def test_bad_logit_bias_is_400(logit_bias, param):
     err = bad_request(api.ChatCompletionRequest, chat_body(logit_bias=logit_bias))
@@ -161,8 +194,16 @@ def test_bad_logit_bias_is_400(logit_bias, param):
 
 @pytest.mark.parametrize(
     "overrides",
-    [{"seed": 2**64}, {"seed": -(2**63) - 1}, {"seed": 10**40}, {"max_tokens": 10**30}, {"n": 2**70},
-     {"stop_token_ids": [2**31]}, {"stop_token_ids": [10**30]}, {"top_logprobs": 10**25}],
+    [
+        {"seed": 2**64},
+        {"seed": -(2**63) - 1},
+        {"seed": 10**40},
+        {"max_tokens": 10**30},
+        {"n": 2**70},
+        {"stop_token_ids": [2**31]},
+        {"stop_token_ids": [10**30]},
+        {"top_logprobs": 10**25},
+    ],
 )
 def test_integers_beyond_int64_are_clean_400s(overrides):
     err = bad_request(api.ChatCompletionRequest, chat_body(**overrides))
@@ -172,26 +213,48 @@ def test_integers_beyond_int64_are_clean_400s(overrides):
     assert huge_prompt.param is not None and huge_prompt.param.startswith("prompt")
 
 
-@pytest.mark.parametrize("raw", [b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}',
-                                 b'{"messages": [{"role": "user", "content": "x"}], "top_p": Infinity}',
-                                 b'{"messages": [{"role": "user", "content": "x"}], "temperature": 1e999}'])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}',
+        b'{"messages": [{"role": "user", "content": "x"}], "top_p": Infinity}',
+        b'{"messages": [{"role": "user", "content": "x"}], "temperature": 1e999}',
+    ],
+)
 def test_non_finite_numbers_are_400(raw):
     err = bad_request(api.ChatCompletionRequest, raw)
     assert err.code in ("invalid_json", "invalid_value")
 
 
-@pytest.mark.parametrize("raw", [b"[]", b"42", b'"text"', b"null", b"\xff\xfe{", b"[" * 100_000,
-                                 # A lone surrogate: Python's json accepts it, no tokenizer can encode it
-                                 # (found by tests/test_fuzz_api.py as a 500).
-                                 b'{"messages": [{"role": "user", "content": "\\ud800"}]}'])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"[]",
+        b"42",
+        b'"text"',
+        b"null",
+        b"\xff\xfe{",
+        b"[" * 100_000,
+        # A lone surrogate: Python's json accepts it, no tokenizer can encode it
+        # (found by tests/test_fuzz_api.py as a 500).
+        b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
+    ],
+)
 def test_bodies_that_are_not_a_json_object_are_400(raw):
     err = bad_request(api.ChatCompletionRequest, raw)
     assert err.code == "invalid_json"
 
 
 def test_every_error_has_a_code():
-    for cls in (api.BadRequestError, api.AuthenticationError, api.ModelNotFoundError, api.PayloadTooLargeError,
-                api.OverloadedError, api.ServiceUnavailableError, api.InternalServerError):
+    for cls in (
+        api.BadRequestError,
+        api.AuthenticationError,
+        api.ModelNotFoundError,
+        api.PayloadTooLargeError,
+        api.OverloadedError,
+        api.ServiceUnavailableError,
+        api.InternalServerError,
+    ):
         assert cls("x").body()["error"]["code"]
 
 
@@ -209,9 +272,20 @@ def test_malformed_json_says_so():
 def test_chat_sampling_params_mapping():
     rng = random.Random(11)
     temperature, top_p, seed = round(rng.uniform(0, 2), 3), round(rng.uniform(0.1, 1), 3), rng.randrange(2**31)
-    req = parse_chat(temperature=temperature, top_p=top_p, top_k=7, n=3, seed=seed, stop="END",
-                     max_completion_tokens=9, max_tokens=100, logprobs=True, top_logprobs=4,
-                     stop_token_ids=[5], ignore_eos=True)
+    req = parse_chat(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=7,
+        n=3,
+        seed=seed,
+        stop="END",
+        max_completion_tokens=9,
+        max_tokens=100,
+        logprobs=True,
+        top_logprobs=4,
+        stop_token_ids=[5],
+        ignore_eos=True,
+    )
     p = req.to_sampling_params(default_max_tokens=50, max_model_len=200)
     assert (p.temperature, p.top_p, p.top_k, p.n, p.seed) == (temperature, top_p, 7, 3, seed)
     assert p.max_tokens == 9  # max_completion_tokens wins over the deprecated max_tokens
@@ -301,15 +375,20 @@ def test_completion_logprobs_and_best_of_equal_to_n():
 
 def test_usage_always_carries_cached_tokens():
     dumped = api.Usage.build(10, 4, 0).model_dump()
-    assert dumped == {"prompt_tokens": 10, "completion_tokens": 4, "total_tokens": 14,
-                      "prompt_tokens_details": {"cached_tokens": 0}}
+    assert dumped == {
+        "prompt_tokens": 10,
+        "completion_tokens": 4,
+        "total_tokens": 14,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert api.Usage(prompt_tokens=3).model_dump()["prompt_tokens_details"] == {"cached_tokens": 0}
 
 
 def test_chat_response_and_chunk_round_trip_through_the_openai_client_types():
     openai_types = pytest.importorskip("openai.types.chat")
     response = api.ChatCompletionResponse(
-        id="chatcmpl-1", model="m",
+        id="chatcmpl-1",
+        model="m",
         choices=[api.ChatChoice(index=0, message=api.ChatResponseMessage(content="hey"), finish_reason="stop")],
         usage=api.Usage.build(12, 1, 8),
     )
@@ -317,7 +396,8 @@ def test_chat_response_and_chunk_round_trip_through_the_openai_client_types():
     assert parsed.choices[0].message.content == "hey"
     assert parsed.usage.prompt_tokens_details.cached_tokens == 8
     chunk = api.ChatCompletionChunk(
-        id="chatcmpl-1", model="m",
+        id="chatcmpl-1",
+        model="m",
         choices=[api.ChatChunkChoice(index=1, delta=api.DeltaMessage(content="x"), finish_reason="length")],
     )
     parsed_chunk = openai_types.ChatCompletionChunk.model_validate_json(chunk.model_dump_json())
@@ -329,7 +409,9 @@ def test_logprob_rendering():
     entries = [{1: -0.1, 2: -2.0, 3: -3.0}, {3: -0.5, 1: -0.7}]
     chat = api.chat_logprobs([1, 3], entries, 1, text)
     assert [(c.token, c.logprob, [t.token for t in c.top_logprobs]) for c in chat.content] == [
-        ("a", -0.1, ["a"]), ("c", -0.5, ["c"])]
+        ("a", -0.1, ["a"]),
+        ("c", -0.5, ["c"]),
+    ]
     # Sampled token outside the top-k: the top list still holds the true top-k.
     comp = api.completion_logprobs([2, 1], entries, 1, text, text_offset=5)
     assert comp.tokens == ["bb", "a"]
@@ -378,16 +460,25 @@ def test_prompt_too_long_has_openai_code():
 
 
 def test_vllm_sampling_fields_map_onto_sampling_params():
-    p = parse_chat(presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.2, min_p=0.1,
-                   bad_words=["no"], allowed_token_ids=[3, 4], include_stop_str_in_output=True,
-                   skip_special_tokens=False, spaces_between_special_tokens=False,
-                   prompt_logprobs=2).to_sampling_params(default_max_tokens=8)
+    p = parse_chat(
+        presence_penalty=0.5,
+        frequency_penalty=-1,
+        repetition_penalty=1.2,
+        min_p=0.1,
+        bad_words=["no"],
+        allowed_token_ids=[3, 4],
+        include_stop_str_in_output=True,
+        skip_special_tokens=False,
+        spaces_between_special_tokens=False,
+        prompt_logprobs=2,
+    ).to_sampling_params(default_max_tokens=8)
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_p) == (0.5, -1.0, 1.2, 0.1)
     assert p.bad_words == ["no"] and p.allowed_token_ids == [3, 4] and p.prompt_logprobs == 2
     assert p.include_stop_str_in_output and not p.skip_special_tokens and not p.spaces_between_special_tokens
     # Their defaults (and repetition_penalty=1.0, which vLLM's own benchmark client sends) are no-ops.
     off = parse_chat(repetition_penalty=1.0, presence_penalty=0, frequency_penalty=0).to_sampling_params(
-        default_max_tokens=8)
+        default_max_tokens=8
+    )
     assert not off.has_penalties and off.min_p == 0.0 and off.prompt_logprobs is None
     # Completions: an echoed prompt brings its logprobs when logprobs are asked (vLLM's rule).
     echo = api.parse_request(api.CompletionRequest, json.dumps({"prompt": "x", "echo": True, "logprobs": 3}))
@@ -398,10 +489,18 @@ def test_vllm_sampling_fields_map_onto_sampling_params():
     assert parse_chat(stream=True, prompt_logprobs=0).prompt_logprobs == 0
 
 
-@pytest.mark.parametrize("field, value", [
-    ("presence_penalty", 2.5), ("frequency_penalty", -2.01), ("repetition_penalty", 0), ("min_p", 1.5),
-    ("prompt_logprobs", 21), ("allowed_token_ids", []), ("bad_words", [""]),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -2.01),
+        ("repetition_penalty", 0),
+        ("min_p", 1.5),
+        ("prompt_logprobs", 21),
+        ("allowed_token_ids", []),
+        ("bad_words", [""]),
+    ],
+)
 def test_out_of_range_sampling_fields_are_400(field, value):
     with pytest.raises(ValueError, match=field):
         parse_chat(**{field: value}).to_sampling_params(default_max_tokens=8)

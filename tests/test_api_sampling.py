@@ -47,8 +47,9 @@ def test_completion_prompt_logprobs_are_vllms_and_equal_transformers(replica, ck
     assert len(got) == len(ids) and got[0] is None
     hf = hf_model(str(ckpt))
     with torch.no_grad():
-        ref = torch.log_softmax(hf(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-                                .logits[0].float(), dim=-1)
+        ref = torch.log_softmax(
+            hf(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long)).logits[0].float(), dim=-1
+        )
     for pos in range(1, len(ids)):
         entry = got[pos]
         assert str(ids[pos]) in entry
@@ -87,10 +88,14 @@ def test_echo_repeats_the_prompt_with_its_logprobs(replica):
 
 
 def test_echo_streams_the_prompt_first(replica):
-    response = post(replica, "/v1/completions", prompt=PROMPT, max_tokens=4, temperature=0, echo=True,
-                    logprobs=0, stream=True)
-    events = [json.loads(line[6:]) for line in response.text.split("\n")
-              if line.startswith("data: ") and line != "data: [DONE]"]
+    response = post(
+        replica, "/v1/completions", prompt=PROMPT, max_tokens=4, temperature=0, echo=True, logprobs=0, stream=True
+    )
+    events = [
+        json.loads(line[6:])
+        for line in response.text.split("\n")
+        if line.startswith("data: ") and line != "data: [DONE]"
+    ]
     first = events[0]["choices"][0]
     assert first["text"] == PROMPT and first["logprobs"]["token_logprobs"][0] is None
     text = "".join(c["text"] for e in events for c in e["choices"])
@@ -99,24 +104,47 @@ def test_echo_streams_the_prompt_first(replica):
 
 def test_include_stop_str_in_output(replica):
     full = completion(replica, max_tokens=12)["choices"][0]["text"]
-    stop = full[len(full) // 2:len(full) // 2 + 2]
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
     cut = full.index(stop)
     for stream in (False, True):
-        response = post(replica, "/v1/completions", prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop],
-                        include_stop_str_in_output=True, stream=stream)
+        response = post(
+            replica,
+            "/v1/completions",
+            prompt=PROMPT,
+            max_tokens=12,
+            temperature=0,
+            stop=[stop],
+            include_stop_str_in_output=True,
+            stream=stream,
+        )
         if stream:
-            text = "".join(c["text"] for line in response.text.split("\n")
-                           if line.startswith("data: {") for c in json.loads(line[6:])["choices"])
+            text = "".join(
+                c["text"]
+                for line in response.text.split("\n")
+                if line.startswith("data: {")
+                for c in json.loads(line[6:])["choices"]
+            )
         else:
             text = response.json()["choices"][0]["text"]
-        assert text == full[:cut + len(stop)]
+        assert text == full[: cut + len(stop)]
 
 
-@pytest.mark.parametrize("field, value", [
-    ("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0), ("repetition_penalty", -1),
-    ("min_p", 1.01), ("top_p", 0), ("prompt_logprobs", 21), ("allowed_token_ids", [10**6]),
-    ("allowed_token_ids", []), ("bad_words", [" "]), ("logit_bias", {"5": 100.5}),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3),
+        ("repetition_penalty", 0),
+        ("repetition_penalty", -1),
+        ("min_p", 1.01),
+        ("top_p", 0),
+        ("prompt_logprobs", 21),
+        ("allowed_token_ids", [10**6]),
+        ("allowed_token_ids", []),
+        ("bad_words", [" "]),
+        ("logit_bias", {"5": 100.5}),
+    ],
+)
 def test_out_of_range_values_are_400(replica, field, value):
     response = post(replica, "/v1/completions", prompt=PROMPT, max_tokens=2, **{field: value})
     assert response.status_code == 400 and field in assert_openai_error(response)["message"]

@@ -40,8 +40,10 @@ def _kinds(report: A.AuditReport) -> set[str]:
 
 def test_timestamp_found_with_its_fix(tmp_path, tok) -> None:
     rng = random.Random(1)
-    recs = [_chat(f"Current date: 2026-06-{rng.randint(1, 28):02d} {rng.randint(0, 23):02d}:{i:02d}. {BASE}")
-            for i in range(12)]
+    recs = [
+        _chat(f"Current date: 2026-06-{rng.randint(1, 28):02d} {rng.randint(0, 23):02d}:{i:02d}. {BASE}")
+        for i in range(12)
+    ]
     report = A.audit_file(_write(tmp_path / "ts.jsonl", recs), tok, prefix_tokens=64)
     assert _kinds(report) == {"timestamp"}
     (f,) = report.findings
@@ -104,9 +106,11 @@ def test_constant_date_is_reported_as_harmless(tmp_path, tok) -> None:
 
 
 def test_unique_prefixes_hit_rate_and_divergence_exact(tmp_path, tok) -> None:
-    systems = ["alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu",
-               "alpha beta omega delta epsilon zeta eta theta iota kappa lambda mu",
-               "alpha beta sigma delta epsilon zeta eta theta iota kappa lambda mu"]
+    systems = [
+        "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu",
+        "alpha beta omega delta epsilon zeta eta theta iota kappa lambda mu",
+        "alpha beta sigma delta epsilon zeta eta theta iota kappa lambda mu",
+    ]
     counts = [4, 3, 3]
     rng = random.Random(4)
     recs = [_chat(s, user=f"question {rng.random()}") for s, c in zip(systems, counts) for _ in range(c)]
@@ -147,8 +151,16 @@ def test_cacheable_token_rate_exact() -> None:
 
 
 def test_malformed_lines_reported_by_number(tmp_path, tok) -> None:
-    lines = [_chat(BASE, "q1"), "{not json", {"model": "x"}, _chat(BASE, "q2"), {"messages": "hello"},
-             "", [1, 2], {"prompt": "a completions prompt"}]
+    lines = [
+        _chat(BASE, "q1"),
+        "{not json",
+        {"model": "x"},
+        _chat(BASE, "q2"),
+        {"messages": "hello"},
+        "",
+        [1, 2],
+        {"prompt": "a completions prompt"},
+    ]
     report = A.audit_file(_write(tmp_path / "m.jsonl", lines), tok)
     assert [m.line for m in report.malformed] == [2, 3, 5, 7]
     assert "invalid JSON" in report.malformed[0].reason
@@ -207,15 +219,15 @@ class CharTokenizer:
 def test_each_kind_of_bad_line_is_counted_and_skipped(tmp_path) -> None:
     good = json.dumps(_chat(BASE, "q")).encode()
     lines = [
-        good,                                                    # 1
+        good,  # 1
         b'{"messages": [{"role": "system", "content": "caf\xe9"}]}',  # 2: latin-1 byte, not UTF-8
-        b"{not json",                                            # 3
-        b"[" * 5_000 + b"]" * 5_000,                             # 4: nested past the recursion limit
-        b'{"prompt": "' + b"x" * 30_000 + b'"}',                 # 5: longer than the limit below
-        b"",                                                     # 6: blank, not an error
-        json.dumps({"model": "x"}).encode(),                     # 7
+        b"{not json",  # 3
+        b"[" * 5_000 + b"]" * 5_000,  # 4: nested past the recursion limit
+        b'{"prompt": "' + b"x" * 30_000 + b'"}',  # 5: longer than the limit below
+        b"",  # 6: blank, not an error
+        json.dumps({"model": "x"}).encode(),  # 7
         json.dumps({"messages": [{"role": "system", "content": "s"}], "cache_salt": 5}).encode(),  # 8
-        good,                                                    # 9
+        good,  # 9
     ]
     path = tmp_path / "hostile.jsonl"
     path.write_bytes(b"\n".join(lines))  # the last line has no newline
@@ -246,8 +258,10 @@ def test_static_prefix_and_routing_keys_come_from_the_router(tmp_path) -> None:
     dev = {"role": "developer", "content": [{"type": "text", "text": "be"}, {"type": "text", "text": "brief"}]}
     recs = [
         {"messages": [{"role": "system", "content": BASE}, dev, {"role": "user", "content": "a"}]},
-        {"messages": [{"role": "system", "content": BASE}, dev, {"role": "user", "content": "b"}],
-         "cache_salt": "tenant-2"},
+        {
+            "messages": [{"role": "system", "content": BASE}, dev, {"role": "user", "content": "b"}],
+            "cache_salt": "tenant-2",
+        },
         {"messages": [{"role": "user", "content": "no system"}]},
     ]
     record = A.parse_record(recs[0], 1)
@@ -323,8 +337,12 @@ def test_progress_bar_goes_to_stderr(tmp_path, capsys) -> None:
 # shape of every detector pattern (what makes a backtracking regex super-linear).
 
 _CATEGORY_PATTERNS = {
-    RC.CATEGORY_DIGIT: r"\d", RC.CATEGORY_NOT_DIGIT: r"\D", RC.CATEGORY_SPACE: r"\s",
-    RC.CATEGORY_NOT_SPACE: r"\S", RC.CATEGORY_WORD: r"\w", RC.CATEGORY_NOT_WORD: r"\W",
+    RC.CATEGORY_DIGIT: r"\d",
+    RC.CATEGORY_NOT_DIGIT: r"\D",
+    RC.CATEGORY_SPACE: r"\s",
+    RC.CATEGORY_NOT_SPACE: r"\S",
+    RC.CATEGORY_WORD: r"\w",
+    RC.CATEGORY_NOT_WORD: r"\W",
 }
 # Latin, a few non-ASCII spaces, digits and letters: enough to tell the patterns' classes apart.
 _ALPHABET = frozenset(map(chr, range(0x250))) | frozenset("\u00a0\u2003\u3000\u0663\u4e00")
@@ -445,7 +463,7 @@ def backtracking_hazards(pattern: re.Pattern[str]) -> list[str]:
             if _unbounded(item) and op is not RC.POSSESSIVE_REPEAT and any(_unbounded(x) for x in _walk(av[2])):
                 hazards.append(f"nested unbounded repeat at item {i}")
             takes = _tail(item, icase)
-            for later in items[i + 1:] if takes else ():
+            for later in items[i + 1 :] if takes else ():
                 if _unbounded(later) and _chars(later, icase, first_only=True) & takes:
                     hazards.append(f"adjacent overlapping repeats at item {i}")
                     break
@@ -482,10 +500,17 @@ class CountedInt(int):
         CountedInt.comparisons += 1
         return op(int(self), int(other))
 
-    def __lt__(self, other): return self._count(other, int.__lt__)  # noqa: E704
-    def __le__(self, other): return self._count(other, int.__le__)  # noqa: E704
-    def __gt__(self, other): return self._count(other, int.__gt__)  # noqa: E704
-    def __ge__(self, other): return self._count(other, int.__ge__)  # noqa: E704
+    def __lt__(self, other):
+        return self._count(other, int.__lt__)  # noqa: E704
+
+    def __le__(self, other):
+        return self._count(other, int.__le__)  # noqa: E704
+
+    def __gt__(self, other):
+        return self._count(other, int.__gt__)  # noqa: E704
+
+    def __ge__(self, other):
+        return self._count(other, int.__ge__)  # noqa: E704
 
 
 class _CountedMatch:

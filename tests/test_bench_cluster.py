@@ -30,15 +30,24 @@ from prefixserve.router.metrics import merge_expositions
 
 def _engine_text(queries: int, hits: int) -> str:
     m = EngineMetrics("m")
-    m.observe_step(num_running=1, num_waiting=0, kv_usage=0.5, prefix_queries=queries, prefix_hits=hits,
-                   num_preemptions=0, num_prompt_tokens=queries, num_generation_tokens=3)
+    m.observe_step(
+        num_running=1,
+        num_waiting=0,
+        kv_usage=0.5,
+        prefix_queries=queries,
+        prefix_hits=hits,
+        num_preemptions=0,
+        num_prompt_tokens=queries,
+        num_generation_tokens=3,
+    )
     return generate_latest(m.registry).decode()
 
 
 def test_replica_counters_read_each_replica_out_of_the_ingress_exposition():
     rng = random.Random(11)
-    truth = {f"SERVE_REPLICA::app#Engine#{i}": (q := rng.randrange(1, 10_000), rng.randrange(0, q + 1))
-             for i in range(3)}
+    truth = {
+        f"SERVE_REPLICA::app#Engine#{i}": (q := rng.randrange(1, 10_000), rng.randrange(0, q + 1)) for i in range(3)
+    }
     text = merge_expositions({name: _engine_text(q, h) for name, (q, h) in truth.items()}).decode()
     got = replica_counters(text)
     assert got == {name: {QUERIES: float(q), HITS: float(h), PREEMPTIONS: 0.0} for name, (q, h) in truth.items()}
@@ -78,18 +87,22 @@ def test_kv_sizing_working_set_exceeds_one_replica_and_fits_the_cluster(seed):
 
 def test_kv_sizing_worked_example():
     # Two tenants of 100 and 70 prefix tokens (6 + 4 full blocks), requests of 120 tokens at most.
-    s = B.size_kv({"a": 100, "b": 70}, [("a", 120), ("b", 90), ("a", 101)], block_size=16, replicas=2,
-                  concurrency=3, headroom=1.5)
+    s = B.size_kv(
+        {"a": 100, "b": 70}, [("a", 120), ("b", 90), ("a", 101)], block_size=16, replicas=2, concurrency=3, headroom=1.5
+    )
     assert (s.working_set_blocks, s.request_blocks, s.private_blocks, s.reserve_blocks) == (10, 8, 2, 4)
     assert s.num_kv_blocks == math.ceil(1.5 * 10 / 2) + 4 == 12
     assert "W = 10 blocks" in s.describe() and "num_kv_blocks = 12" in s.describe()
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(replicas=1, headroom=1.0), "at least 2 replicas"),
-    (dict(replicas=2, headroom=2.0), "headroom"),
-    (dict(replicas=2, headroom=0.9), "headroom"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(replicas=1, headroom=1.0), "at least 2 replicas"),
+        (dict(replicas=2, headroom=2.0), "headroom"),
+        (dict(replicas=2, headroom=0.9), "headroom"),
+    ],
+)
 def test_kv_sizing_refuses_sizes_where_routing_cannot_matter(kwargs, message):
     with pytest.raises(ValueError, match=message):
         B.size_kv({"a": 64}, [("a", 80)], block_size=16, concurrency=2, **kwargs)
@@ -127,14 +140,28 @@ def test_oracle_hit_rate_counts_every_repeat_of_a_tenant_prefix():
 
 
 def _rec(i, replica, sent, end, *, first=None, ok=True, prompt=None, cached=None):
-    return RequestRecord(index=i, ok=ok, status=200 if ok else 503, replica=replica, sent_s=sent,
-                         first_token_s=first, ended_s=end, prompt_tokens=prompt, cached_tokens=cached,
-                         error=None if ok else "HTTP 503")
+    return RequestRecord(
+        index=i,
+        ok=ok,
+        status=200 if ok else 503,
+        replica=replica,
+        sent_s=sent,
+        first_token_s=first,
+        ended_s=end,
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        error=None if ok else "HTTP 503",
+    )
 
 
 def test_in_flight_worked_example():
-    recs = [_rec(0, "a", 0.0, 4.0), _rec(1, "a", 1.0, 2.0), _rec(2, "a", 2.0, 3.0), _rec(3, "b", 3.0, 8.0),
-            _rec(4, None, 0.0, 0.5, ok=False)]
+    recs = [
+        _rec(0, "a", 0.0, 4.0),
+        _rec(1, "a", 1.0, 2.0),
+        _rec(2, "a", 2.0, 3.0),
+        _rec(3, "b", 3.0, 8.0),
+        _rec(4, None, 0.0, 0.5, ok=False),
+    ]
     got = in_flight_by_replica(recs)
     assert got["a"].peak == 2  # [1,2) and [2,3) touch but never overlap
     assert got["a"].mean == pytest.approx(6.0 / 8.0)
@@ -169,21 +196,39 @@ def test_percentile_agrees_with_numpy(q):
 
 
 def _result(policy, hit, ttft, rng):
-    recs = [_rec(i, f"r{i % 2}", i * 0.5, i * 0.5 + 2.0, first=i * 0.5 + ttft + rng.uniform(-0.01, 0.01),
-                 prompt=100, cached=int(100 * hit)) for i in range(20)]
-    counters = {"r0": {QUERIES: 1000.0, HITS: 1000.0 * hit}, "r1": {QUERIES: 1000.0, HITS: 1000.0 * hit},
-                "r2": {QUERIES: 0.0, HITS: 0.0}}
+    recs = [
+        _rec(
+            i,
+            f"r{i % 2}",
+            i * 0.5,
+            i * 0.5 + 2.0,
+            first=i * 0.5 + ttft + rng.uniform(-0.01, 0.01),
+            prompt=100,
+            cached=int(100 * hit),
+        )
+        for i in range(20)
+    ]
+    counters = {
+        "r0": {QUERIES: 1000.0, HITS: 1000.0 * hit},
+        "r1": {QUERIES: 1000.0, HITS: 1000.0 * hit},
+        "r2": {QUERIES: 0.0, HITS: 0.0},
+    }
     return B.summarize(policy, recs, counters)
 
 
 def test_summarize_counts_hits_load_and_latency():
     rng = random.Random(5)
-    recs = [_rec(0, "r0", 0.0, 2.0, first=0.5, prompt=200, cached=160),
-            _rec(1, "r0", 0.0, 1.0, first=0.25, prompt=200, cached=0),
-            _rec(2, "r1", 1.0, 4.0, first=2.0, prompt=100, cached=80),
-            _rec(3, None, 0.5, 0.6, ok=False)]
-    counters = {"r0": {QUERIES: 400.0, HITS: 160.0, PREEMPTIONS: 2.0}, "r1": {QUERIES: 100.0, HITS: 80.0},
-                "idle": {QUERIES: 0.0, HITS: 0.0}}
+    recs = [
+        _rec(0, "r0", 0.0, 2.0, first=0.5, prompt=200, cached=160),
+        _rec(1, "r0", 0.0, 1.0, first=0.25, prompt=200, cached=0),
+        _rec(2, "r1", 1.0, 4.0, first=2.0, prompt=100, cached=80),
+        _rec(3, None, 0.5, 0.6, ok=False),
+    ]
+    counters = {
+        "r0": {QUERIES: 400.0, HITS: 160.0, PREEMPTIONS: 2.0},
+        "r1": {QUERIES: 100.0, HITS: 80.0},
+        "idle": {QUERIES: 0.0, HITS: 0.0},
+    }
     r = B.summarize("p", recs, counters)
     assert (r.requests, r.succeeded) == (4, 3)
     assert r.hit_rate == pytest.approx(240 / 500)
@@ -201,8 +246,11 @@ def test_summarize_counts_hits_load_and_latency():
 
 def test_ratios_of_the_baseline_against_each_policy():
     rng = random.Random(8)
-    results = [_result("round_robin", 0.3, 1.2, rng), _result("consistent_hash", 0.0, 0.6, rng),
-               _result("placed", 0.6, 0.6, rng)]
+    results = [
+        _result("round_robin", 0.3, 1.2, rng),
+        _result("consistent_hash", 0.0, 0.6, rng),
+        _result("placed", 0.6, 0.6, rng),
+    ]
     table = B.ratios(results)
     assert set(table) == {"round_robin", "consistent_hash"}
     assert table["round_robin"]["hit_rate_ratio"] == pytest.approx(2.0)
@@ -238,14 +286,21 @@ def test_app_args_are_valid_router_app_args_for_every_policy():
             assert parsed.router.router_class == "ray_llm_prefix_aware"
         elif policy in B.PEER_POLICIES:  # loadtest/peers/serve_adapter.py, configured like the engine
             assert parsed.router.router_class.endswith("serve_adapter:PeerRouter")
-            assert parsed.router.kwargs == {"peer": policy, "seed": 1, "model": "smollm2", "block_size": 16,
-                                            "hash_algo": "xxh3_128", "num_gpu_blocks": sizing.num_kv_blocks}
+            assert parsed.router.kwargs == {
+                "peer": policy,
+                "seed": 1,
+                "model": "smollm2",
+                "block_size": 16,
+                "hash_algo": "xxh3_128",
+                "num_gpu_blocks": sizing.num_kv_blocks,
+            }
         else:
             assert parsed.router.policy == policy
     with pytest.raises(ValueError, match="unknown policy"):
         B.router_args("nope", seed=0, epsilon=None)
-    turns = AppArgs.from_dict(B.app_args("placed", model="smollm2", replicas=2, sizing=sizing, seed=1,
-                                         epsilon=None, session_affinity="turns"))
+    turns = AppArgs.from_dict(
+        B.app_args("placed", model="smollm2", replicas=2, sizing=sizing, seed=1, epsilon=None, session_affinity="turns")
+    )
     assert turns.ingress.config.key_turns == 1 and not turns.ingress.config.session_header
 
 
@@ -283,10 +338,34 @@ def test_benchmark_end_to_end_on_a_local_cluster(tmp_path):
 
     model = tiny_checkpoint(tmp_path / "tiny", seed=4)
     out = tmp_path / "out"
-    code = B.main(["--model", str(model), "--policies", "round_robin,placed", "--tenants", "4",
-                   "--requests", "12", "--system-len", "48", "--question-len", "8", "--output-len", "4",
-                   "--concurrency", "2", "--seed", "4", "--port", str(free_port()), "--out-dir", str(out),
-                   "--timeout", "300"])
+    code = B.main(
+        [
+            "--model",
+            str(model),
+            "--policies",
+            "round_robin,placed",
+            "--tenants",
+            "4",
+            "--requests",
+            "12",
+            "--system-len",
+            "48",
+            "--question-len",
+            "8",
+            "--output-len",
+            "4",
+            "--concurrency",
+            "2",
+            "--seed",
+            "4",
+            "--port",
+            str(free_port()),
+            "--out-dir",
+            str(out),
+            "--timeout",
+            "300",
+        ]
+    )
     assert code == 0
     data = json.loads((out / "bench_cluster.json").read_text())
     assert data["failures"] == {}

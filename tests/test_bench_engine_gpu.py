@@ -13,9 +13,34 @@ from prefixserve.loadtest import bench_engine_gpu
 @pytest.mark.slow
 def test_the_gpu_benchmark_runs_end_to_end_on_cpu(tmp_path, capsys):
     out = tmp_path / "gpu.json"
-    assert bench_engine_gpu.main(["--device", "cpu", "--shapes", "tiny", "--batches", "1", "4", "--max-num-seqs",
-                                  "4", "--steps", "3", "--prefix-len", "120", "--tenants", "2", "--per-tenant", "3",
-                                  "--hf-batch", "3", "--out", str(out)]) == 0
+    assert (
+        bench_engine_gpu.main(
+            [
+                "--device",
+                "cpu",
+                "--shapes",
+                "tiny",
+                "--batches",
+                "1",
+                "4",
+                "--max-num-seqs",
+                "4",
+                "--steps",
+                "3",
+                "--prefix-len",
+                "120",
+                "--tenants",
+                "2",
+                "--per-tenant",
+                "3",
+                "--hf-batch",
+                "3",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     (result,) = json.loads(out.read_text())["results"]
     assert [d["batch"] for d in result["decode"]["eager"]] == [1, 4]
     assert all(d["step_ms"] > 0 for d in result["decode"]["eager"])

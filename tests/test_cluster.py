@@ -166,8 +166,9 @@ def test_concurrent_requests_with_one_request_id_all_run(base):
 
     async def main() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=120) as http:
-            return await asyncio.gather(*(http.post(f"{base}/v1/completions", json=body,
-                                                    headers={"X-Request-Id": "same-9"}) for _ in range(4)))
+            return await asyncio.gather(
+                *(http.post(f"{base}/v1/completions", json=body, headers={"X-Request-Id": "same-9"}) for _ in range(4))
+            )
 
     answers = asyncio.run(main())
     assert [a.status_code for a in answers] == [200] * 4, [a.text for a in answers]
@@ -180,18 +181,25 @@ def serve_log_lines(deployment: str) -> list[str]:
     import ray
 
     logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
-    return [line for path in sorted(logs.glob(f"replica_prefixserve_{deployment}_*.log"))
-            for line in path.read_text(errors="replace").splitlines()]
+    return [
+        line
+        for path in sorted(logs.glob(f"replica_prefixserve_{deployment}_*.log"))
+        for line in path.read_text(errors="replace").splitlines()
+    ]
 
 
 def test_prompt_too_long_is_a_400_with_no_traceback_in_any_replica_log(base):
     before = {d: len(serve_log_lines(d)) for d in ("Engine", "Ingress")}
     # Few characters per token, so only the rendered chat shows it is too long: the engine refuses it.
-    rendered = {"messages": [{"role": "system", "content": "x1 " * 1500}, {"role": "user", "content": "q"}],
-                "max_tokens": 1}
+    rendered = {
+        "messages": [{"role": "system", "content": "x1 " * 1500}, {"role": "user", "content": "q"}],
+        "max_tokens": 1,
+    }
     # More messages than can fit: the ingress refuses it before validating them.
-    many = {"messages": [{"role": "system", "content": ""}] * 50_000 + [{"role": "user", "content": "q"}],
-            "max_tokens": 1}
+    many = {
+        "messages": [{"role": "system", "content": ""}] * 50_000 + [{"role": "user", "content": "q"}],
+        "max_tokens": 1,
+    }
     with httpx.Client(timeout=120) as http:
         for i, body in enumerate([rendered, many] * 2):
             answer = http.post(f"{base}/v1/chat/completions", json=body, headers={"X-Request-Id": f"long-{i}"})
@@ -213,24 +221,33 @@ def test_prompt_too_long_is_a_400_with_no_traceback_in_any_replica_log(base):
 
 def test_vllm_sampling_fields_cross_the_ray_path(base):
     # prompt_logprobs, echo and penalties ride the deltas from the engine replica through the ingress.
-    body = {"prompt": "one two three four", "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 1,
-            "prompt_logprobs": 1, "presence_penalty": -2.0, "repetition_penalty": 1.0, "min_p": 0.1}
+    body = {
+        "prompt": "one two three four",
+        "max_tokens": 3,
+        "temperature": 0,
+        "echo": True,
+        "logprobs": 1,
+        "prompt_logprobs": 1,
+        "presence_penalty": -2.0,
+        "repetition_penalty": 1.0,
+        "min_p": 0.1,
+    }
     answer = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
     assert answer.status_code == 200, answer.text
     choice = answer.json()["choices"][0]
     assert choice["text"].startswith("one two three four")
     assert choice["prompt_logprobs"][0] is None and len(choice["prompt_logprobs"]) > 1
     assert choice["logprobs"]["token_logprobs"][0] is None
-    ids = httpx.post(f"{base}/v1/completions", json={"prompt": [300, 301, 302], "max_tokens": 2, "echo": True},
-                     timeout=120)
+    ids = httpx.post(
+        f"{base}/v1/completions", json={"prompt": [300, 301, 302], "max_tokens": 2, "echo": True}, timeout=120
+    )
     assert ids.status_code == 200, ids.text
     refused = httpx.post(f"{base}/v1/completions", json={**body, "presence_penalty": 3}, timeout=120)
     assert refused.status_code == 400 and "presence_penalty" in refused.json()["error"]["message"]
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_replica(base):
-    body = {"messages": [{"role": "user", "content": "go on"}], "max_tokens": 800, "ignore_eos": True,
-            "stream": True}
+    body = {"messages": [{"role": "user", "content": "go on"}], "max_tokens": 800, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=120) as http:
         with http.stream("POST", f"{base}/v1/chat/completions", json=body) as response:
             replica = response.headers[REPLICA_HEADER]
@@ -282,11 +299,17 @@ def test_two_ingress_replicas_route_each_key_identically(base):
 
 async def _stream(http: httpx.AsyncClient, base: str, key: str, record: dict) -> None:
     # Long answers keep the victim's two seats busy, so that the rest still queue when it dies.
-    body = {"messages": [{"role": "user", "content": "count"}], "max_tokens": 400, "ignore_eos": True,
-            "temperature": 0, "stream": True}
+    body = {
+        "messages": [{"role": "user", "content": "count"}],
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
     try:
-        async with http.stream("POST", f"{base}/v1/chat/completions", json=body,
-                               headers={PREFIX_HASH_HEADER: key}) as response:
+        async with http.stream(
+            "POST", f"{base}/v1/chat/completions", json=body, headers={PREFIX_HASH_HEADER: key}
+        ) as response:
             record["status"] = response.status_code
             record["replica"] = response.headers.get(REPLICA_HEADER)
             record["attempts"] = int(response.headers.get(ATTEMPTS_HEADER, "0"))
@@ -381,8 +404,12 @@ def test_adding_a_replica_moves_at_most_its_share_of_keys(base, model_dir):
             assert time.monotonic() < deadline, f"keys still off their new ring owner: {strays[:3]}"
             time.sleep(1.0)
         metrics = http.get(f"{base}/metrics").text
-    sizes = [s.value for f in text_string_to_metric_families(metrics) for s in f.samples
-             if s.name == "prefixserve_router_ring_size" and s.labels["deployment"] == "Engine"]
+    sizes = [
+        s.value
+        for f in text_string_to_metric_families(metrics)
+        for s in f.samples
+        if s.name == "prefixserve_router_ring_size" and s.labels["deployment"] == "Engine"
+    ]
     assert sizes == [4.0] * NUM_INGRESS
 
 
@@ -415,14 +442,22 @@ def test_placed_ingress_replicas_agree_on_placements_and_hear_kv_events(base, mo
             for _ in range(16):
                 response = http.get(f"{url}/placement")
                 assert response.status_code == 200, response.text
-                snaps[response.headers[INGRESS_HEADER]] = (response.json(), response.headers.get(
-                    "X-Prefixserve-Placement-Leader"))
+                snaps[response.headers[INGRESS_HEADER]] = (
+                    response.json(),
+                    response.headers.get("X-Prefixserve-Placement-Leader"),
+                )
             tables = [{k: v["replicas"] for k, v in snap["keys"].items()} for snap, _ in snaps.values()]
             versions = {snap["version"] for snap, _ in snaps.values()}
             leaders = {leader for _, leader in snaps.values()}
             helds = [{k: set(v) for k, v in snap["held"].items()} for snap, _ in snaps.values()]
-            agreed = (len(snaps) == NUM_INGRESS and len(versions) == 1 and tables[0] == tables[1]
-                      and set(tables[0]) == keys and len(leaders) == 1 and leaders <= set(snaps))
+            agreed = (
+                len(snaps) == NUM_INGRESS
+                and len(versions) == 1
+                and tables[0] == tables[1]
+                and set(tables[0]) == keys
+                and len(leaders) == 1
+                and leaders <= set(snaps)
+            )
             heard = all(all(held.get(k) == served[k] for k in keys) for held in helds)
             if agreed and heard:
                 break
@@ -439,9 +474,14 @@ def test_placed_ingress_replicas_agree_on_placements_and_hear_kv_events(base, mo
             history: list[dict[str, str]] = []
             while not stop.is_set():
                 history.append({"role": "user", "content": words(rng, 4)})
-                r = http.post(f"{url}/v1/chat/completions", json={
-                    "messages": [{"role": "system", "content": systems[0]}, *history[-6:]],
-                    "max_tokens": 2, "temperature": 0.0})
+                r = http.post(
+                    f"{url}/v1/chat/completions",
+                    json={
+                        "messages": [{"role": "system", "content": systems[0]}, *history[-6:]],
+                        "max_tokens": 2,
+                        "temperature": 0.0,
+                    },
+                )
                 statuses.append(r.status_code)
                 if r.status_code == 200:
                     history.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})

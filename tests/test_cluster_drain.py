@@ -28,9 +28,16 @@ def test_a_draining_cluster_refuses_new_requests_and_ends_open_streams_in_band(t
     model = str(tiny_checkpoint(tmp_path / "tiny", max_pos=4096))
     cluster = LocalRayCluster(num_workers=1, cpus_per_worker=2)
     try:
-        base = deploy({"engine": {"model": model, "num_kv_blocks": 512, "max_model_len": 4096},
-                       "num_replicas": 1, "ray_actor_options": {"num_cpus": 0.5}, "drain_timeout_s": 1.0,
-                       "ingress": {"ray_actor_options": {"num_cpus": 0.1}}}, PORT)
+        base = deploy(
+            {
+                "engine": {"model": model, "num_kv_blocks": 512, "max_model_len": 4096},
+                "num_replicas": 1,
+                "ray_actor_options": {"num_cpus": 0.5},
+                "drain_timeout_s": 1.0,
+                "ingress": {"ray_actor_options": {"num_cpus": 0.1}},
+            },
+            PORT,
+        )
         long = StreamReader(base, max_tokens=4000, timeout_s=WAIT_S)  # cannot end within the drain timeout
         assert long.started.wait(WAIT_S) and long.status == 200
         left: list[int] = []

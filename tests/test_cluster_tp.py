@@ -45,8 +45,14 @@ PROMPTS = ["Tell me about rivers.", "alpha beta gamma delta", "What is the capit
 
 def app_args(model: str) -> dict:
     return {
-        "engine": {"model": model, "tensor_parallel_size": TP, "device": "cpu", "num_kv_blocks": 256,
-                   "max_num_seqs": 2, "max_model_len": 512},
+        "engine": {
+            "model": model,
+            "tensor_parallel_size": TP,
+            "device": "cpu",
+            "num_kv_blocks": 256,
+            "max_num_seqs": 2,
+            "max_model_len": 512,
+        },
         "num_replicas": 1,
         # One rank's resources: the replica reserves TP bundles of them on one node.
         "ray_actor_options": {"num_cpus": 0.5},
@@ -106,8 +112,9 @@ def test_tp2_cpu_replica_answers_through_the_router_like_tp1(base, model_dir):
     served = [r.body["choices"][0]["message"]["content"] for r in results]
 
     with LLM(model_dir, num_kv_blocks=256, max_num_seqs=2, max_model_len=512, device="cpu") as llm:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS],
-                           SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+        outputs = llm.chat(
+            [[{"role": "user", "content": p}] for p in PROMPTS], SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+        )
     assert served == [o.outputs[0].text for o in outputs]
     assert [r.body["usage"]["completion_tokens"] for r in results] == [len(o.outputs[0].token_ids) for o in outputs]
 
@@ -117,9 +124,7 @@ def test_tp_replica_reserves_one_bundle_per_rank_and_leaves_no_process_after_shu
     from ray.util.placement_group import placement_group_table
 
     groups = [g for g in placement_group_table().values() if g["state"] == "CREATED"]
-    assert [(g["strategy"], list(g["bundles"].values())) for g in groups] == [
-        ("STRICT_PACK", [{"CPU": 0.5}] * TP)
-    ]
+    assert [(g["strategy"], list(g["bundles"].values())) for g in groups] == [("STRICT_PACK", [{"CPU": 0.5}] * TP)]
 
     (replica,) = replica_processes()
     children = replica.children(recursive=True)

@@ -103,8 +103,11 @@ def test_tensor_parallel_size_one_has_no_placement_group(app_args):
 def test_per_replica_gpu_total_is_refused_with_the_per_rank_options(app_args):
     args = copy.deepcopy(app_args)
     args["ray_actor_options"] = {"num_cpus": 8, "num_gpus": 4}
-    with pytest.raises(AppArgsError, match=r"ray_actor_options describe ONE tensor-parallel rank .* "
-                                           r"Write ray_actor_options: \{num_cpus: 2, num_gpus: 1\}"):
+    with pytest.raises(
+        AppArgsError,
+        match=r"ray_actor_options describe ONE tensor-parallel rank .* "
+        r"Write ray_actor_options: \{num_cpus: 2, num_gpus: 1\}",
+    ):
         build_app(args)
 
 
@@ -117,12 +120,18 @@ def test_cuda_ranks_without_gpus_are_refused(app_args):
 
 def test_bundles_carry_every_resource_ray_asks_of_the_rank(app_args):
     args = copy.deepcopy(app_args)
-    args["ray_actor_options"] = {"num_cpus": 2, "num_gpus": 1, "memory": 2**30, "resources": {"nvlink": 1},
-                                 "accelerator_type": "H100"}
+    args["ray_actor_options"] = {
+        "num_cpus": 2,
+        "num_gpus": 1,
+        "memory": 2**30,
+        "resources": {"nvlink": 1},
+        "accelerator_type": "H100",
+    }
     replica = engine_of(build_app(args))._replica_config
-    assert replica.placement_group_bundles == [
-        {"CPU": 2, "GPU": 1, "nvlink": 1, "memory": 2**30, "accelerator_type:H100": 0.001}
-    ] * 4
+    assert (
+        replica.placement_group_bundles
+        == [{"CPU": 2, "GPU": 1, "nvlink": 1, "memory": 2**30, "accelerator_type:H100": 0.001}] * 4
+    )
 
 
 def test_node_fit_needs_all_bundles_on_one_node():
@@ -154,9 +163,11 @@ def test_shipped_file_is_refused_on_a_cluster_without_gpus_naming_them(app_args,
         build_app(app_args)
     message = str(info.value)
     assert "\n" not in message
-    assert message.startswith("tensor_parallel_size=4 needs 4 bundles {'CPU': 2, 'GPU': 1} on one node (STRICT_PACK), "
-                              "CPU 8, GPU 4 together: no node has them; the most any of the 1 alive nodes has is "
-                              "CPU 2, GPU 0.")
+    assert message.startswith(
+        "tensor_parallel_size=4 needs 4 bundles {'CPU': 2, 'GPU': 1} on one node (STRICT_PACK), "
+        "CPU 8, GPU 4 together: no node has them; the most any of the 1 alive nodes has is "
+        "CPU 2, GPU 0."
+    )
     # The autoscaling opt-out builds the same app without looking at the nodes.
     args = copy.deepcopy(app_args)
     args["check_resources"] = False
@@ -178,8 +189,10 @@ def test_shipped_file_is_refused_on_a_cluster_without_gpus_naming_them(app_args,
         ({"router": ["bounded_load"]}, "router must be a mapping"),
         ({"engine": {"block_size": 12}}, "block_size must be a power of two"),
         ({"check_resources": "no"}, "check_resources must be true or false"),
-        ({"ray_actor_options": {"num_cpus": 0, "num_gpus": 0}, "engine": {"device": "cpu"}},
-         "must ask for some CPU or GPU"),
+        (
+            {"ray_actor_options": {"num_cpus": 0, "num_gpus": 0}, "engine": {"device": "cpu"}},
+            "must ask for some CPU or GPU",
+        ),
         ({"ray_actor_options": {"num_gpus": "1"}}, r"ray_actor_options.num_gpus must be a number"),
     ],
 )

@@ -57,11 +57,14 @@ class Switches:
     count: int = 0
 
 
-@pytest.mark.parametrize("data, message", [
-    ({"on": "false"}, r"switches.on must be true or false, got 'false'"),
-    ({"on": 1}, r"switches.on must be true or false, got 1"),
-    ({"maybe_on": "auto"}, r"switches.maybe_on must be true or false, got 'auto'"),
-])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"on": "false"}, r"switches.on must be true or false, got 'false'"),
+        ({"on": 1}, r"switches.on must be true or false, got 1"),
+        ({"maybe_on": "auto"}, r"switches.maybe_on must be true or false, got 'auto'"),
+    ],
+)
 def test_a_boolean_field_takes_only_true_or_false(data, message):
     with pytest.raises(ValueError, match=message):
         from_dict(Switches, data, "switches")

@@ -19,8 +19,9 @@ from kernel_helpers import dense_attention, make_paged_batch, relative_error
 
 from prefixserve.kernels import cpu_attention, cpu_library, layer_ops, select_backend
 
-pytestmark = pytest.mark.skipif(not cpu_library.available()[0],
-                                reason=f"C kernels unavailable: {cpu_library.available()[1]}")
+pytestmark = pytest.mark.skipif(
+    not cpu_library.available()[0], reason=f"C kernels unavailable: {cpu_library.available()[1]}"
+)
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -33,9 +34,16 @@ def run_cpu(batch, query=None, **kw) -> torch.Tensor:
     query = batch.query if query is None else query
     out = torch.full(batch.query.shape, float("nan"))
     return cpu_attention.paged_attention(
-        query, to_cpu_layout(batch.key_cache, "key"), to_cpu_layout(batch.value_cache, "value"),
-        batch.block_tables, batch.seq_lens, batch.query_start_loc, scale=batch.query.shape[-1] ** -0.5,
-        out=out, **kw)
+        query,
+        to_cpu_layout(batch.key_cache, "key"),
+        to_cpu_layout(batch.value_cache, "value"),
+        batch.block_tables,
+        batch.seq_lens,
+        batch.query_start_loc,
+        scale=batch.query.shape[-1] ** -0.5,
+        out=out,
+        **kw,
+    )
 
 
 def mixed(bs: int) -> list[tuple[int, int]]:
@@ -60,10 +68,19 @@ SHAPES = [
 @pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", SHAPES)
 @pytest.mark.parametrize("window", [None, 7])
 def test_paged_attention_matches_dense(seed, heads, kv_heads, head_dim, block_size, window):
-    batch = make_paged_batch(seed, mixed(block_size), num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-                             block_size=block_size, dtype=torch.float32, share=(6, 3), padding_rows=3)
+    batch = make_paged_batch(
+        seed,
+        mixed(block_size),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=torch.float32,
+        share=(6, 3),
+        padding_rows=3,
+    )
     out = run_cpu(batch, sliding_window=window)
-    expected = dense_attention(batch, head_dim ** -0.5, sliding_window=window)
+    expected = dense_attention(batch, head_dim**-0.5, sliding_window=window)
     rows = batch.num_tokens
     assert torch.isnan(out[rows:]).all(), "a padding row was written"
     assert relative_error(out[:rows], expected[:rows]) < 1e-5
@@ -118,25 +135,31 @@ def test_decodes_sharing_blocks_are_grouped_and_exact(seed):
     starts = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
     query = torch.randn(int(starts[-1]), heads, head_dim, generator=gen)
     out = cpu_attention.paged_attention(
-        query, to_cpu_layout(key_cache, "key"), to_cpu_layout(value_cache, "value"),
+        query,
+        to_cpu_layout(key_cache, "key"),
+        to_cpu_layout(value_cache, "value"),
         torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        torch.tensor([kv.shape[0] for kv, _ in seqs], dtype=torch.int32), starts, scale=head_dim ** -0.5)
+        torch.tensor([kv.shape[0] for kv, _ in seqs], dtype=torch.int32),
+        starts,
+        scale=head_dim**-0.5,
+    )
 
     for i, (kv, q_len) in enumerate(seqs):
         k = kv[:, 0].double().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)  # [H, L, D]
         v = kv[:, 1].double().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
-        q = query[int(starts[i]):int(starts[i + 1])].double().transpose(0, 1)  # [H, q, D]
-        scores = q @ k.transpose(1, 2) * head_dim ** -0.5
+        q = query[int(starts[i]) : int(starts[i + 1])].double().transpose(0, 1)  # [H, q, D]
+        scores = q @ k.transpose(1, 2) * head_dim**-0.5
         length = kv.shape[0]
         causal = torch.arange(length)[None, :] <= torch.arange(length - q_len, length)[:, None]
         expected = (scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v).transpose(0, 1)
-        assert relative_error(out[int(starts[i]):int(starts[i + 1])], expected) < 1e-5, f"sequence {i}"
+        assert relative_error(out[int(starts[i]) : int(starts[i + 1])], expected) < 1e-5, f"sequence {i}"
 
 
 def test_paged_attention_reads_strided_query_rows(seed):
     """q as a view into a wider per-token row (the fused qkv output) gives the same result."""
-    batch = make_paged_batch(seed, mixed(16), num_heads=9, num_kv_heads=3, head_dim=64, block_size=16,
-                             dtype=torch.float32, share=(6, 3))
+    batch = make_paged_batch(
+        seed, mixed(16), num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.float32, share=(6, 3)
+    )
     wide = torch.randn(batch.query.shape[0], 15, 64)
     wide[:, :9] = batch.query
     strided = wide[:, :9]
@@ -145,8 +168,9 @@ def test_paged_attention_reads_strided_query_rows(seed):
 
 
 def test_paged_attention_rejects_what_it_cannot_run(seed):
-    batch = make_paged_batch(seed, [(3, 2)], num_heads=4, num_kv_heads=2, head_dim=16, block_size=16,
-                             dtype=torch.float32)
+    batch = make_paged_batch(
+        seed, [(3, 2)], num_heads=4, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.float32
+    )
     k, v = to_cpu_layout(batch.key_cache, "key"), to_cpu_layout(batch.value_cache, "value")
     args = (batch.block_tables, batch.seq_lens, batch.query_start_loc)
     with pytest.raises(ValueError, match="float32"):
@@ -166,8 +190,8 @@ def test_write_kv_cache_matches_reference_layout(seed):
     k_cpu, v_cpu = torch.zeros(kc), torch.zeros(vc)
     # Strided token rows, as the model passes views of its qkv output; slot -1 is padding.
     qkv = torch.randn(7, 3 * kvh * d, generator=gen)
-    key = qkv[:, kvh * d:2 * kvh * d].unflatten(1, (kvh, d))
-    value = qkv[:, 2 * kvh * d:].unflatten(1, (kvh, d))
+    key = qkv[:, kvh * d : 2 * kvh * d].unflatten(1, (kvh, d))
+    value = qkv[:, 2 * kvh * d :].unflatten(1, (kvh, d))
     slots = torch.tensor([0, 9, 17, -1, 39, 8, 23])
     from prefixserve.kernels import reference
 
@@ -180,6 +204,7 @@ def test_write_kv_cache_matches_reference_layout(seed):
 
 
 # --- fused layer ops ------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("rows, hidden", [(1, 576), (3, 72), (300, 64)])
 def test_rms_norm_and_residual_add_match_torch(seed, rows, hidden):
@@ -202,12 +227,12 @@ def test_rotary_matches_torch_on_strided_rows(seed, rows, heads, head_dim):
     cos, sin = angles.cos(), angles.sin()
     positions = torch.randint(0, 100, (rows,), generator=gen)
     qkv = torch.randn(rows, (heads + 2) * head_dim, generator=gen)
-    x = qkv[:, :heads * head_dim].unflatten(1, (heads, head_dim))
+    x = qkv[:, : heads * head_dim].unflatten(1, (heads, head_dim))
     expected = layer_ops.torch_rotary(x.clone(), layer_ops.torch_prepare_rotary(positions, cos, sin))
-    untouched = qkv[:, heads * head_dim:].clone()
+    untouched = qkv[:, heads * head_dim :].clone()
     got = layer_ops.c_rotary(x, layer_ops.c_prepare_rotary(positions, cos, sin))
     torch.testing.assert_close(got, expected)
-    assert torch.equal(qkv[:, heads * head_dim:], untouched), "rotation wrote outside its heads"
+    assert torch.equal(qkv[:, heads * head_dim :], untouched), "rotation wrote outside its heads"
     with pytest.raises(ValueError, match="positions outside"):
         layer_ops.c_prepare_rotary(torch.tensor([100]), cos, sin)
 
@@ -236,6 +261,7 @@ def test_packed_linear_equals_f_linear(seed):
 
 # --- backend choice and fallback ------------------------------------------------------
 
+
 def test_select_backend_auto_on_cpu():
     backend = select_backend("auto", "cpu", torch.float32)
     assert backend.name == "cpu"
@@ -260,8 +286,9 @@ def test_without_a_compiler_auto_falls_back_to_torch(tmp_path):
         "    print('FORCED', exc)\n"
     )
     env = {**os.environ, "CC": str(tmp_path / "no-such-cc"), "PREFIXSERVE_CACHE_DIR": str(tmp_path / "cache")}
-    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     assert "AUTO torch" in proc.stdout
     assert "FORCED no C compiler" in proc.stdout

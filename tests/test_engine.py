@@ -36,12 +36,16 @@ def workload(ckpt):
     return prompts, [hf_greedy(hf, p, 16) for p in prompts]
 
 
-@pytest.mark.parametrize("knobs", [
-    dict(enable_prefix_caching=True),
-    dict(enable_prefix_caching=False),
-    dict(max_num_batched_tokens=8),  # chunked prefill at a tiny budget
-    dict(num_kv_blocks=9, max_num_batched_tokens=64),  # preemption: the pool holds ~2 requests
-], ids=["caching-on", "caching-off", "chunked-8", "preempt"])
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        dict(enable_prefix_caching=True),
+        dict(enable_prefix_caching=False),
+        dict(max_num_batched_tokens=8),  # chunked prefill at a tiny budget
+        dict(num_kv_blocks=9, max_num_batched_tokens=64),  # preemption: the pool holds ~2 requests
+    ],
+    ids=["caching-on", "caching-off", "chunked-8", "preempt"],
+)
 def test_greedy_matches_transformers(ckpt, workload, knobs):
     prompts, expected = workload
     knobs = {"num_kv_blocks": 64, "max_num_batched_tokens": 128, **knobs}
@@ -80,9 +84,10 @@ def test_seeded_n_equals_separate_requests(ckpt, workload):
     llm = LLM(ckpt, num_kv_blocks=64)
     params = SamplingParams(n=3, temperature=1.0, top_p=0.9, seed=42, max_tokens=12)
     forked = llm.generate(prompts[:2], params)
-    singles = llm.generate([p for p in prompts[:2] for _ in range(3)],
-                           [SamplingParams(temperature=1.0, top_p=0.9, seed=42 + k, max_tokens=12)
-                            for _ in range(2) for k in range(3)])
+    singles = llm.generate(
+        [p for p in prompts[:2] for _ in range(3)],
+        [SamplingParams(temperature=1.0, top_p=0.9, seed=42 + k, max_tokens=12) for _ in range(2) for k in range(3)],
+    )
     got = [[c.token_ids for c in o.outputs] for o in forked]
     want = [[singles[3 * i + k].outputs[0].token_ids for k in range(3)] for i in range(2)]
     assert got == want
@@ -100,13 +105,13 @@ def test_stop_strings_stop_ids_and_lengths(ckpt, workload):
     stop_id = full.token_ids[5]
     out = llm.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[stop_id]))[0]
     cut = full.token_ids.index(stop_id)
-    assert out.outputs[0].token_ids == full.token_ids[:cut + 1] and out.outputs[0].finish_reason == "stop"
+    assert out.outputs[0].token_ids == full.token_ids[: cut + 1] and out.outputs[0].finish_reason == "stop"
     # Stop at a string: the text is truncated right before it.
     text = full.text
-    stop = text[len(text) // 2:len(text) // 2 + 3]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
     if stop.strip():
         out = llm.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=16, stop=[stop]))[0]
-        assert out.outputs[0].finish_reason == "stop" and out.outputs[0].text == text[:text.index(stop)]
+        assert out.outputs[0].finish_reason == "stop" and out.outputs[0].text == text[: text.index(stop)]
     with pytest.raises(PromptTooLongError):
         llm.generate([[20] * 1020], GREEDY)
 
@@ -129,6 +134,7 @@ async def test_async_engine_streams_aborts_and_refuses(ckpt, workload):
     prompts, expected = workload
     engine = AsyncEngine(EngineConfig(model=ckpt, num_kv_blocks=64, max_waiting_requests=100))
     try:
+
         async def collect(i):
             deltas = [d async for d in engine.generate(prompts[i], GREEDY, request_id=f"s{i}")]
             return deltas
@@ -148,10 +154,18 @@ async def test_async_engine_streams_aborts_and_refuses(ckpt, workload):
         text = (await engine.generate(prompts[1], GREEDY).__anext__()).text
         assert isinstance(text, str)
         body = _exposition(engine)
-        for name in ("vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
-                     "vllm:time_to_first_token_seconds", "vllm:num_requests_running", "vllm:num_requests_waiting",
-                     "vllm:num_preemptions_total", "vllm:e2e_request_latency_seconds",
-                     "vllm:inter_token_latency_seconds", "vllm:gpu_prefix_cache_hit_rate"):
+        for name in (
+            "vllm:kv_cache_usage_perc",
+            "vllm:prefix_cache_queries_total",
+            "vllm:prefix_cache_hits_total",
+            "vllm:time_to_first_token_seconds",
+            "vllm:num_requests_running",
+            "vllm:num_requests_waiting",
+            "vllm:num_preemptions_total",
+            "vllm:e2e_request_latency_seconds",
+            "vllm:inter_token_latency_seconds",
+            "vllm:gpu_prefix_cache_hit_rate",
+        ):
             assert name in body
         assert 'model_name="tiny"' in body
     finally:

@@ -43,13 +43,17 @@ def _free(engine: LLMEngine) -> int:
 
 # --- refused before the queue -------------------------------------------------------------
 
-@pytest.mark.parametrize("params, words", [
-    # An id past the vocabulary would reach the sampler's ban mask and kill the loop.
-    (SamplingParams(stop_token_ids=[1_000_000_000], min_tokens=1), "stop_token_ids must be in [0, 49152)"),
-    (SamplingParams(logit_bias={49152: 1.0}), "logit_bias keys must be token ids in [0, 49152)"),
-    # n above max_num_seqs could never be admitted and would block the queue.
-    (SamplingParams(n=5, temperature=1.0), "n is 5 but this engine runs at most max_num_seqs=4"),
-])
+
+@pytest.mark.parametrize(
+    "params, words",
+    [
+        # An id past the vocabulary would reach the sampler's ban mask and kill the loop.
+        (SamplingParams(stop_token_ids=[1_000_000_000], min_tokens=1), "stop_token_ids must be in [0, 49152)"),
+        (SamplingParams(logit_bias={49152: 1.0}), "logit_bias keys must be token ids in [0, 49152)"),
+        # n above max_num_seqs could never be admitted and would block the queue.
+        (SamplingParams(n=5, temperature=1.0), "n is 5 but this engine runs at most max_num_seqs=4"),
+    ],
+)
 def test_requests_the_loop_cannot_serve_are_refused_up_front(llm, params, words):
     with pytest.raises(RequestRejected) as info:
         llm.engine.add_request(None, PROMPTS[0], params)
@@ -74,8 +78,9 @@ def test_a_tiny_temperature_is_greedy(llm):
 
 
 def test_logit_bias_steers_generation(llm):
-    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0.8, seed=1, max_tokens=6, ignore_eos=True,
-                                                  logit_bias={1234: 100.0}))[0]
+    out = llm.generate(
+        PROMPTS[0], SamplingParams(temperature=0.8, seed=1, max_tokens=6, ignore_eos=True, logit_bias={1234: 100.0})
+    )[0]
     assert out.outputs[0].token_ids == [1234] * 6
 
 
@@ -92,12 +97,14 @@ def test_a_text_prompt_too_long_to_fit_is_refused_before_tokenizing(llm):
 
 # --- one request fails alone --------------------------------------------------------------
 
+
 def test_a_fault_in_one_request_fails_it_alone_offline(llm):
     engine = llm.engine
     free = _free(engine)
     for i, p in enumerate(PROMPTS[:3]):
-        engine.add_request(f"f{i}", p, SamplingParams(n=2 if i == 1 else 1, temperature=1.0, max_tokens=10,
-                                                      ignore_eos=True))
+        engine.add_request(
+            f"f{i}", p, SamplingParams(n=2 if i == 1 else 1, temperature=1.0, max_tokens=10, ignore_eos=True)
+        )
     engine.step()
     # A validation gap: an id past the vocabulary slipped into a running request.
     engine.requests["f1"].params.stop_token_ids = [10**9]
@@ -134,6 +141,7 @@ def test_a_request_that_can_never_run_does_not_block_the_queue(llm):
 
 # --- the async engine: chaos, restarts, death ---------------------------------------------
 
+
 async def _collect(engine: AsyncEngine, prompt, params, rid):
     return [d async for d in engine.generate(prompt, params, request_id=rid)]
 
@@ -153,9 +161,12 @@ async def test_chaos_one_stream_fails_alone_and_no_block_leaks(llm, ckpt):
     try:
         victim = SamplingParams(n=2, temperature=1.0, max_tokens=24, ignore_eos=True)
         results = await asyncio.gather(
-            _collect(engine, PROMPTS[0], LONG, "a"), _collect(engine, PROMPTS[1], victim, "victim"),
-            _collect(engine, PROMPTS[2], LONG, "b"), _collect(engine, PROMPTS[3], LONG, "rude"),
-            return_exceptions=True)
+            _collect(engine, PROMPTS[0], LONG, "a"),
+            _collect(engine, PROMPTS[1], victim, "victim"),
+            _collect(engine, PROMPTS[2], LONG, "b"),
+            _collect(engine, PROMPTS[3], LONG, "rude"),
+            return_exceptions=True,
+        )
         assert isinstance(results[1], RequestFailedError) and "victim" in str(results[1])
         assert isinstance(results[3], RequestRejected)
         for deltas in (results[0], results[2]):
@@ -182,11 +193,13 @@ async def test_a_model_failure_restarts_the_engine_until_the_bound(llm, ckpt):
         return real_execute(*args, **kwargs)
 
     inner.runner.execute = execute
-    engine = AsyncEngine(EngineConfig(model=ckpt, num_kv_blocks=64, max_num_seqs=4, max_engine_restarts=1),
-                         engine=inner)
+    engine = AsyncEngine(
+        EngineConfig(model=ckpt, num_kv_blocks=64, max_num_seqs=4, max_engine_restarts=1), engine=inner
+    )
     try:
-        streams = [engine.generate(p, SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
-                   for p in PROMPTS[:2]]
+        streams = [
+            engine.generate(p, SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)) for p in PROMPTS[:2]
+        ]
         for s in streams:
             await s.__anext__()  # both running
         fail.set()
@@ -197,8 +210,12 @@ async def test_a_model_failure_restarts_the_engine_until_the_bound(llm, ckpt):
         after = await _collect(engine, PROMPTS[2], LONG, "after-restart")
         assert sum(len(d.token_ids) for d in after) == 24
         assert engine.num_restarts == 1 and engine.is_running
-        assert inner.metrics.registry.get_sample_value(
-            "prefixserve:engine_restarts_total", {"model_name": inner.model_name, "engine": "0"}) == 1
+        assert (
+            inner.metrics.registry.get_sample_value(
+                "prefixserve:engine_restarts_total", {"model_name": inner.model_name, "engine": "0"}
+            )
+            == 1
+        )
         engine.check_health()
         assert _free(inner) == inner.kv_manager.num_blocks
         # One more failure within the window is past max_engine_restarts=1: dead for good.

@@ -9,11 +9,18 @@ import pytest
 from prefixserve.replica.config import HASH_ALGO_ALIASES, HASH_ALGOS, EngineConfig
 
 
-@pytest.mark.parametrize("vllm_value, ours", [
-    ("sha256", "sha256"), ("sha256_cbor", "sha256"), ("sha256_cbor_64bit", "sha256"),
-    ("xxhash", "xxh3_128"), ("xxhash_cbor", "xxh3_128"), ("builtin", "xxh3_128"),
-    ("xxh3_128", "xxh3_128"),
-])
+@pytest.mark.parametrize(
+    "vllm_value, ours",
+    [
+        ("sha256", "sha256"),
+        ("sha256_cbor", "sha256"),
+        ("sha256_cbor_64bit", "sha256"),
+        ("xxhash", "xxh3_128"),
+        ("xxhash_cbor", "xxh3_128"),
+        ("builtin", "xxh3_128"),
+        ("xxh3_128", "xxh3_128"),
+    ],
+)
 def test_vllm_hash_algo_spellings_map_onto_ours(vllm_value, ours):
     assert EngineConfig(prefix_caching_hash_algo=vllm_value).prefix_hash_algo == ours
     assert EngineConfig(prefix_hash_algo=vllm_value).prefix_hash_algo == ours
@@ -52,14 +59,25 @@ def test_hash_alias_on_the_cli():
 
 # --- evict_generated_first ---------------------------------------------------------------
 
-@pytest.mark.parametrize("messages, headers, expected", [
-    ([{"role": "user", "content": "hi"}], {}, False),
-    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
-      {"role": "user", "content": "more"}], {}, True),
-    ([{"role": "user", "content": "hi"}], {"x-session-id": "s1"}, True),
-    (None, {"X-Session-Id": "s1"}, True),
-    (None, {"X-Session-Id": ""}, False),
-])
+
+@pytest.mark.parametrize(
+    "messages, headers, expected",
+    [
+        ([{"role": "user", "content": "hi"}], {}, False),
+        (
+            [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello"},
+                {"role": "user", "content": "more"},
+            ],
+            {},
+            True,
+        ),
+        ([{"role": "user", "content": "hi"}], {"x-session-id": "s1"}, True),
+        (None, {"X-Session-Id": "s1"}, True),
+        (None, {"X-Session-Id": ""}, False),
+    ],
+)
 def test_a_conversation_turn_is_a_chat_with_an_answer_in_it_or_a_session_id(messages, headers, expected):
     from prefixserve.replica.engine_client import is_conversation_turn
 
@@ -75,13 +93,15 @@ def _surviving_answer_block(tmp_path, *, evict_generated_first: bool, conversati
     from prefixserve.replica.sampling import SamplingParams
 
     ckpt = tiny_checkpoint(tmp_path / "tiny")
-    with LLM(str(ckpt), block_size=4, num_kv_blocks=7, eviction_policy="lru",
-             evict_generated_first=evict_generated_first) as llm:
+    with LLM(
+        str(ckpt), block_size=4, num_kv_blocks=7, eviction_policy="lru", evict_generated_first=evict_generated_first
+    ) as llm:
         c_prompt, a_prompt = ([base + i for i in range(8)] for base in (300, 500))
         d_prompt = [700 + i for i in range(12)]
         llm.generate([c_prompt], SamplingParams(temperature=0.0, max_tokens=1))
-        (a,) = llm.generate([a_prompt], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
-                            conversation=conversation)
+        (a,) = llm.generate(
+            [a_prompt], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), conversation=conversation
+        )
         kv = llm.engine.kv_manager
         answer = a_prompt + list(a.outputs[0].token_ids)
         (answer_hash,) = kv.hasher.hash_blocks(answer, 4, None, stop=3)[2:]
@@ -133,8 +153,13 @@ def _static_prefix_survives(tmp_path, protect: bool) -> bool:
     from prefixserve.replica.sampling import SamplingParams
 
     greedy = SamplingParams(temperature=0.0, max_tokens=1)
-    with LLM(str(tiny_checkpoint(tmp_path / "tiny")), block_size=4, num_kv_blocks=64, eviction_policy="slru",
-             protect_static_prefix=protect) as llm:
+    with LLM(
+        str(tiny_checkpoint(tmp_path / "tiny")),
+        block_size=4,
+        num_kv_blocks=64,
+        eviction_policy="slru",
+        protect_static_prefix=protect,
+    ) as llm:
         engine, kv = llm.engine, llm.engine.kv_manager
         chat = [{"role": "system", "content": _SYSTEM}, {"role": "user", "content": "Do you sell rye bread?"}]
         ids = engine.encode_chat(chat)
@@ -166,8 +191,16 @@ def test_the_request_runner_hands_the_static_prefix_to_the_engine(tmp_path):
     from prefixserve.replica.engine_client import EngineRequest, RequestRunner
     from prefixserve.replica.sampling import SamplingParams
 
-    engine = AsyncEngine(EngineConfig.from_dict({"model": str(tiny_checkpoint(tmp_path / "tiny", max_pos=512)),
-                                                 "num_kv_blocks": 64, "block_size": 4, "max_model_len": 256}))
+    engine = AsyncEngine(
+        EngineConfig.from_dict(
+            {
+                "model": str(tiny_checkpoint(tmp_path / "tiny", max_pos=512)),
+                "num_kv_blocks": 64,
+                "block_size": 4,
+                "max_model_len": 256,
+            }
+        )
+    )
     chat = [{"role": "system", "content": _SYSTEM}, {"role": "user", "content": "Do you sell rye bread today?"}]
 
     async def ask() -> None:
@@ -189,8 +222,17 @@ def test_the_request_runner_hands_the_static_prefix_to_the_engine(tmp_path):
         asyncio.run(engine.shutdown())
 
 
-@pytest.mark.parametrize("knob", ["enable_prefix_caching", "calculate_kv_scales", "evict_generated_first",
-                                  "protect_static_prefix", "enforce_eager", "enable_chunked_prefill"])
+@pytest.mark.parametrize(
+    "knob",
+    [
+        "enable_prefix_caching",
+        "calculate_kv_scales",
+        "evict_generated_first",
+        "protect_static_prefix",
+        "enforce_eager",
+        "enable_chunked_prefill",
+    ],
+)
 @pytest.mark.parametrize("value", ["maybe", "false", 1, 0.0])
 def test_a_switch_that_is_not_a_boolean_is_refused_naming_it(knob, value):
     with pytest.raises(ValueError, match=f"{knob} must be true or false"):

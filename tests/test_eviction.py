@@ -406,9 +406,20 @@ class _OneBlockAtATimeSLRU(SLRUBlockPool):
 
 
 def _pool_state(pool: SLRUBlockPool) -> tuple:
-    return (pool.free_queue(), dict(pool.hash_to_block), list(pool.block_hash), list(pool.ref_cnt),
-            list(pool._hits), dict(pool._ghost), list(pool._ghost_ring), pool._ghost_pos, pool.num_evictions,
-            pool.num_free, pool.num_cached_free, list(pool._count))
+    return (
+        pool.free_queue(),
+        dict(pool.hash_to_block),
+        list(pool.block_hash),
+        list(pool.ref_cnt),
+        list(pool._hits),
+        dict(pool._ghost),
+        list(pool._ghost_ring),
+        pool._ghost_pos,
+        pool.num_evictions,
+        pool.num_free,
+        pool.num_cached_free,
+        list(pool._count),
+    )
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -462,9 +473,16 @@ def test_simulator_generated_blocks_cold_raises_the_hit_rate(policy):
 
     def hit_rate(generated: str) -> float:
         # The static prefix plain: protecting it hides this effect on so small a run.
-        cfg = sim.SimConfig(num_replicas=4, num_tenants=60, num_requests=1500, blocks_per_replica=128,
-                            eviction_policy=policy, generated_blocks=generated, protect_static_prefix=False,
-                            profile="h100")
+        cfg = sim.SimConfig(
+            num_replicas=4,
+            num_tenants=60,
+            num_requests=1500,
+            blocks_per_replica=128,
+            eviction_policy=policy,
+            generated_blocks=generated,
+            protect_static_prefix=False,
+            profile="h100",
+        )
         r = sim.simulate(cfg, "consistent_hash", check_invariants=True)
         assert r.oracle_violations == 0 and r.finished == cfg.num_requests
         return r.hit_rate
@@ -480,8 +498,15 @@ def test_simulator_protected_static_prefix_raises_the_affinity_hit_rate():
     from prefixserve.loadtest import simulate as sim
 
     def run(protect: bool) -> sim.PolicyResult:
-        cfg = sim.SimConfig(num_replicas=4, num_tenants=60, num_requests=1500, blocks_per_replica=256,
-                            eviction_policy="slru", protect_static_prefix=protect, profile="h100")
+        cfg = sim.SimConfig(
+            num_replicas=4,
+            num_tenants=60,
+            num_requests=1500,
+            blocks_per_replica=256,
+            eviction_policy="slru",
+            protect_static_prefix=protect,
+            profile="h100",
+        )
         r = sim.simulate(cfg, "consistent_hash", check_invariants=True)
         assert r.oracle_violations == 0 and r.finished == cfg.num_requests
         return r

@@ -20,15 +20,17 @@ from kernel_helpers import FP8, dense_attention, make_paged_batch, relative_erro
 from prefixserve.kernels import cpu_attention, cpu_library, reference
 from prefixserve.kernels.cache_write import write_kv_cache as triton_write_kv_cache
 
-C_KERNELS = pytest.mark.skipif(not cpu_library.available()[0],
-                               reason=f"C kernels unavailable: {cpu_library.available()[1]}")
+C_KERNELS = pytest.mark.skipif(
+    not cpu_library.available()[0], reason=f"C kernels unavailable: {cpu_library.available()[1]}"
+)
 
 
 # --- a pure-Python oracle -------------------------------------------------------------
 
+
 def _e4m3_value(code: int) -> float:
     e, m = (code >> 3) & 15, code & 7
-    v = m * 2.0 ** -9 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7)
+    v = m * 2.0**-9 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7)
     return -v if code & 0x80 else v
 
 
@@ -54,7 +56,7 @@ def grid_probe_values() -> np.ndarray:
     for lo, hi in zip(POSITIVE_VALUES, POSITIVE_VALUES[1:], strict=False):
         mid = f32((lo + hi) / 2)
         out += [lo, mid, np.nextafter(mid, f32(0)), np.nextafter(mid, f32(1e9))]
-    out += [448.0, 449.0, 464.0, 464.0001, 479.0, 480.0, 1e6, 3e38, 2.0 ** -10, 2.0 ** -11, 1e-30, 0.0]
+    out += [448.0, 449.0, 464.0, 464.0001, 479.0, 480.0, 1e6, 3e38, 2.0**-10, 2.0**-11, 1e-30, 0.0]
     values = np.array(out, dtype=np.float32)
     return np.concatenate([values, -values])
 
@@ -65,6 +67,7 @@ def random_values(seed: int, n: int) -> np.ndarray:
 
 
 # --- the writers, with one cache layout each ------------------------------------------
+
 
 def _store(writer: str, key: torch.Tensor, value: torch.Tensor, k_scale: float, v_scale: float):
     """Store [T, KVH, D] rows in slots 0..T-1 of fresh fp8 caches; return the K and V bytes [T, KVH, D]."""
@@ -84,7 +87,7 @@ def _store(writer: str, key: torch.Tensor, value: torch.Tensor, k_scale: float, 
 def _rows(values: np.ndarray, kvh: int = 2, d: int = 64) -> torch.Tensor:
     per_token = kvh * d
     padded = np.zeros(-(-len(values) // per_token) * per_token, dtype=np.float32)
-    padded[:len(values)] = values
+    padded[: len(values)] = values
     return torch.from_numpy(padded).view(-1, kvh, d)
 
 
@@ -106,7 +109,7 @@ def test_fp8_store_rounds_ties_to_even_and_saturates(writer):
 @pytest.mark.parametrize("writer", WRITERS)
 def test_fp8_store_with_scales_matches_oracle(seed, writer):
     x = random_values(seed, 2 * 2 * 64 * 6)
-    key, value = _rows(x[: len(x) // 2]), _rows(x[len(x) // 2:])
+    key, value = _rows(x[: len(x) // 2]), _rows(x[len(x) // 2 :])
     rng = np.random.default_rng(seed + 1)
     k_scale, v_scale = float(rng.uniform(1e-3, 3)), float(rng.uniform(1e-3, 3))
     k_bytes, v_bytes = _store(writer, key, value, k_scale, v_scale)
@@ -128,6 +131,7 @@ def test_triton_fp8_store_from_half_inputs_equals_reference(seed, src_dtype):
 
 # --- the C kernel's fp8 attention ---------------------------------------------------------
 
+
 def _cpu_layout(cache: torch.Tensor, kind: str) -> torch.Tensor:
     return (cache.permute(0, 2, 3, 1) if kind == "key" else cache.permute(0, 2, 1, 3)).contiguous()
 
@@ -138,16 +142,33 @@ def _cpu_layout(cache: torch.Tensor, kind: str) -> torch.Tensor:
 def test_c_attention_reads_fp8_cache(seed, heads, kv_heads, head_dim, block_size, window):
     bs = block_size
     seqs = [(2 * bs - 1, 1), (0, 1), (bs + 5, 1), (bs + 3, bs + 7), (0, bs), (3, 29), (2 * bs + 3, 1)]
-    batch = make_paged_batch(seed, seqs, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-                             block_size=bs, dtype=torch.float32, fp8_kv=True, share=(6, 3), padding_rows=2)
-    kw = dict(scale=head_dim ** -0.5, sliding_window=window, k_scale=batch.k_scale, v_scale=batch.v_scale)
+    batch = make_paged_batch(
+        seed,
+        seqs,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        block_size=bs,
+        dtype=torch.float32,
+        fp8_kv=True,
+        share=(6, 3),
+        padding_rows=2,
+    )
+    kw = dict(scale=head_dim**-0.5, sliding_window=window, k_scale=batch.k_scale, v_scale=batch.v_scale)
     out = torch.full(batch.query.shape, float("nan"))
-    cpu_attention.paged_attention(batch.query, _cpu_layout(batch.key_cache, "key"),
-                                  _cpu_layout(batch.value_cache, "value"), batch.block_tables, batch.seq_lens,
-                                  batch.query_start_loc, out=out, **kw)
+    cpu_attention.paged_attention(
+        batch.query,
+        _cpu_layout(batch.key_cache, "key"),
+        _cpu_layout(batch.value_cache, "value"),
+        batch.block_tables,
+        batch.seq_lens,
+        batch.query_start_loc,
+        out=out,
+        **kw,
+    )
     rows = batch.num_tokens
     assert torch.isnan(out[rows:]).all()
-    dense = dense_attention(batch, head_dim ** -0.5, sliding_window=window)
+    dense = dense_attention(batch, head_dim**-0.5, sliding_window=window)
     assert relative_error(out[:rows], dense[:rows]) < 1e-5
     ref = reference.paged_attention(*batch.args(), **kw)
     assert relative_error(out[:rows], ref[:rows].double()) < 1e-5
@@ -160,11 +181,13 @@ def test_c_fp8_refuses_mixed_or_unscaled_caches():
     with pytest.raises(ValueError, match="share one dtype"):
         cpu_attention.write_kv_cache(key, key, torch.zeros(kc, dtype=FP8), torch.zeros(vc), torch.zeros(1))
     with pytest.raises(ValueError, match="positive"):
-        cpu_attention.write_kv_cache(key, key, torch.zeros(kc, dtype=FP8), torch.zeros(vc, dtype=FP8),
-                                     torch.zeros(1), k_scale=0.0)
+        cpu_attention.write_kv_cache(
+            key, key, torch.zeros(kc, dtype=FP8), torch.zeros(vc, dtype=FP8), torch.zeros(1), k_scale=0.0
+        )
 
 
 # --- the engine with kv_cache_dtype="fp8" ---------------------------------------------------
+
 
 def _engine_prompts(seed: int) -> list[list[int]]:
     from model_helpers import random_prompts
@@ -208,8 +231,7 @@ def test_fp8_engine_equals_fake_quantized_fp32_engine(tiny, backend):
     from prefixserve.replica.llm import LLM
 
     prompts = _engine_prompts(3)
-    fp8 = LLM(str(tiny), num_kv_blocks=64, kv_cache_dtype="fp8", calculate_kv_scales=True,
-              attention_backend=backend)
+    fp8 = LLM(str(tiny), num_kv_blocks=64, kv_cache_dtype="fp8", calculate_kv_scales=True, attention_backend=backend)
     got = _greedy(fp8, prompts)
     scales = fp8.engine.runner.model.kv_scales
     assert all(k != 1.0 and v != 1.0 and k > 0 and v > 0 for k, v in scales)
@@ -237,9 +259,14 @@ def test_fp8_scales_from_the_checkpoint(tiny, tmp_path):
 
     ckpt = tmp_path / "with_scales"
     shutil.copytree(tiny, ckpt)
-    save_file({"model.layers.0.self_attn.k_scale": torch.tensor(0.5),
-               "model.layers.0.self_attn.v_scale": torch.tensor(0.25),
-               "model.layers.1.self_attn.kv_scale": torch.tensor([0.125])}, ckpt / "zz_kv_scales.safetensors")
+    save_file(
+        {
+            "model.layers.0.self_attn.k_scale": torch.tensor(0.5),
+            "model.layers.0.self_attn.v_scale": torch.tensor(0.25),
+            "model.layers.1.self_attn.kv_scale": torch.tensor([0.125]),
+        },
+        ckpt / "zz_kv_scales.safetensors",
+    )
     fp8 = LLM(str(ckpt), num_kv_blocks=16, kv_cache_dtype="fp8_e4m3").engine.runner.model
     assert fp8.kv_scales == [(0.5, 0.25), (0.125, 0.125)]
     # calculate_kv_scales wins over the checkpoint (vLLM); an unquantized cache ignores them.
@@ -272,11 +299,27 @@ def test_fp8_prefix_hits_and_copy_on_write(tiny):
 def test_c_fp8_cascade_decodes_sharing_blocks(seed):
     """Decodes sharing leading blocks are scored together (cascade) over fp8 blocks too."""
     bs = 16
-    batch = make_paged_batch(seed, [(2 * bs + 5, 1), (2 * bs + 9, 1), (bs + 2, 1)], num_heads=9, num_kv_heads=3,
-                             head_dim=64, block_size=bs, dtype=torch.float32, fp8_kv=True, share=(1, 0))
+    batch = make_paged_batch(
+        seed,
+        [(2 * bs + 5, 1), (2 * bs + 9, 1), (bs + 2, 1)],
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        block_size=bs,
+        dtype=torch.float32,
+        fp8_kv=True,
+        share=(1, 0),
+    )
     assert torch.equal(batch.block_tables[0, :2], batch.block_tables[1, :2])
-    out = cpu_attention.paged_attention(batch.query, _cpu_layout(batch.key_cache, "key"),
-                                        _cpu_layout(batch.value_cache, "value"), batch.block_tables,
-                                        batch.seq_lens, batch.query_start_loc, scale=64 ** -0.5,
-                                        k_scale=batch.k_scale, v_scale=batch.v_scale)
-    assert relative_error(out, dense_attention(batch, 64 ** -0.5)) < 1e-5
+    out = cpu_attention.paged_attention(
+        batch.query,
+        _cpu_layout(batch.key_cache, "key"),
+        _cpu_layout(batch.value_cache, "value"),
+        batch.block_tables,
+        batch.seq_lens,
+        batch.query_start_loc,
+        scale=64**-0.5,
+        k_scale=batch.k_scale,
+        v_scale=batch.v_scale,
+    )
+    assert relative_error(out, dense_attention(batch, 64**-0.5)) < 1e-5

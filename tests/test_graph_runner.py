@@ -26,8 +26,9 @@ KNOBS = dict(block_size=4, num_kv_blocks=20, max_num_seqs=5, max_num_batched_tok
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    return tiny_checkpoint(tmp_path_factory.mktemp("graphs") / "llama", hidden=64, heads=4, kv_heads=2,
-                           intermediate=128, layers=2, seed=5)
+    return tiny_checkpoint(
+        tmp_path_factory.mktemp("graphs") / "llama", hidden=64, heads=4, kv_heads=2, intermediate=128, layers=2, seed=5
+    )
 
 
 def prompts(count: int) -> list[list[int]]:
@@ -35,10 +36,16 @@ def prompts(count: int) -> list[list[int]]:
     return [prefix + [(41 * i + 5 * j) % 4000 + 100 for j in range(10 + i)] for i in range(count)]
 
 
-@pytest.mark.parametrize("max_num_seqs, expected", [
-    (1, (1,)), (5, (1, 2, 4, 8)), (32, (1, 2, 4, 8, 16, 32)), (64, (1, 2, 4, 8, 16, 32, 64)),
-    (100, (1, 2, 4, 8, 16, 32, 64, 96, 128)),
-])
+@pytest.mark.parametrize(
+    "max_num_seqs, expected",
+    [
+        (1, (1,)),
+        (5, (1, 2, 4, 8)),
+        (32, (1, 2, 4, 8, 16, 32)),
+        (64, (1, 2, 4, 8, 16, 32, 64)),
+        (100, (1, 2, 4, 8, 16, 32, 64, 96, 128)),
+    ],
+)
 def test_the_default_ladder_doubles_to_32_then_steps_by_32_past_max_num_seqs(max_num_seqs, expected):
     assert graph_batch_sizes(max_num_seqs) == expected
 
@@ -51,8 +58,9 @@ def test_cuda_graph_sizes_override_the_ladder_and_bad_ones_are_refused():
         LLM("unused", cuda_graph_sizes=[])
 
 
-@pytest.mark.parametrize("extra", [{}, {"kv_cache_dtype": "fp8", "calculate_kv_scales": True},
-                                   {"cuda_graph_sizes": [3, 5]}])
+@pytest.mark.parametrize(
+    "extra", [{}, {"kv_cache_dtype": "fp8", "calculate_kv_scales": True}, {"cuda_graph_sizes": [3, 5]}]
+)
 def test_static_path_gives_the_eager_engines_tokens_under_hits_chunking_and_preemption(checkpoint, extra):
     batch = prompts(7)
     with LLM(str(checkpoint), **KNOBS, **extra) as eager:
@@ -72,14 +80,22 @@ def decode_inputs(block_tables: list[list[int]], lengths: list[int], block_size:
     """A decode step: each sequence's next token at position length - 1."""
     width = max(map(len, block_tables))
     positions = torch.tensor([n - 1 for n in lengths])
-    slots = torch.tensor([t[(n - 1) // block_size] * block_size + (n - 1) % block_size
-                          for t, n in zip(block_tables, lengths, strict=True)])
+    slots = torch.tensor(
+        [
+            t[(n - 1) // block_size] * block_size + (n - 1) % block_size
+            for t, n in zip(block_tables, lengths, strict=True)
+        ]
+    )
     return StepInputs(
-        input_ids=torch.tensor([200 + i for i in range(len(lengths))]), positions=positions, slot_mapping=slots,
+        input_ids=torch.tensor([200 + i for i in range(len(lengths))]),
+        positions=positions,
+        slot_mapping=slots,
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32),
         seq_lens=torch.tensor(lengths, dtype=torch.int32),
         query_start_loc=torch.arange(len(lengths) + 1, dtype=torch.int32),
-        sample_rows=torch.arange(len(lengths)), copy_ops=torch.zeros((0, 2), dtype=torch.long))
+        sample_rows=torch.arange(len(lengths)),
+        copy_ops=torch.zeros((0, 2), dtype=torch.long),
+    )
 
 
 def written_slots(shard, before_v: torch.Tensor) -> set[int]:
@@ -99,8 +115,11 @@ def test_padding_rows_never_reach_the_kv_cache_and_refills_match_eager(checkpoin
         shard.v_cache.normal_()
         # Three sequences (padded to 4), then two (padded to 2), then five (padded to 8):
         # each refill must leave no trace of the step before it.
-        steps = [([[3, 4], [5], [6, 7, 8]], [6, 3, 10]), ([[9, 10]], [8]),
-                 ([[1], [2], [11, 12], [13], [14, 15, 16]], [2, 4, 7, 1, 12])]
+        steps = [
+            ([[3, 4], [5], [6, 7, 8]], [6, 3, 10]),
+            ([[9, 10]], [8]),
+            ([[1], [2], [11, 12], [13], [14, 15, 16]], [2, 4, 7, 1, 12]),
+        ]
         for tables, lengths in steps:
             inputs = decode_inputs(tables, lengths, 4)
             before_k, before_v = shard.k_cache.clone(), shard.v_cache.clone()
@@ -108,9 +127,10 @@ def test_padding_rows_never_reach_the_kv_cache_and_refills_match_eager(checkpoin
             static_logits = shard.run(inputs)
             assert graphs.num_eager_static_runs == graphs_before + 1
             assert graphs.padded_size(len(lengths)) >= len(lengths)
-            assert (graphs.buffers.slot_mapping[len(lengths):graphs.padded_size(len(lengths))] == PAD_SLOT).all()
-            assert written_slots(shard, before_v) == {int(s) for s in inputs.slot_mapping}, \
+            assert (graphs.buffers.slot_mapping[len(lengths) : graphs.padded_size(len(lengths))] == PAD_SLOT).all()
+            assert written_slots(shard, before_v) == {int(s) for s in inputs.slot_mapping}, (
                 "a padding row wrote into the cache"
+            )
             # The same step eagerly over the cache as it was: the same logits, bit for bit.
             after_k, after_v = shard.k_cache.clone(), shard.v_cache.clone()
             shard.k_cache.copy_(before_k)

@@ -126,8 +126,9 @@ def test_new_conversations_grow_the_set_with_the_keys_load_and_shrink_after():
 def test_the_index_never_sends_to_a_replica_that_is_not_a_candidate():
     policy = Placed(clock=lambda: 0.0)
     policy.history.record("gone", chain(conversation(7, 5)))  # stale: its replica left, its events were lost
-    d = policy.rank(_replicas({"r0": 0, "r1": 0}), "app", history=chain(conversation(7, 6)),
-                    static_blocks=STATIC_BLOCKS)
+    d = policy.rank(
+        _replicas({"r0": 0, "r1": 0}), "app", history=chain(conversation(7, 6)), static_blocks=STATIC_BLOCKS
+    )
     assert d.chosen.name in ("r0", "r1") and d.kind != KIND_HISTORY
 
 
@@ -149,16 +150,15 @@ def test_a_conversational_keys_new_conversations_spread_a_one_shot_keys_do_not()
             policy.rank(_replicas(idle), key, history=chain(conversation(user, 1)), static_blocks=STATIC_BLOCKS)
             policy.done(key)
             if key == "chat-app":  # every conversation continues: half the key's decisions follow a history
-                d = policy.rank(_replicas(idle), key, history=chain(conversation(user, 2)),
-                                static_blocks=STATIC_BLOCKS)
+                d = policy.rank(_replicas(idle), key, history=chain(conversation(user, 2)), static_blocks=STATIC_BLOCKS)
                 assert d.kind == KIND_HISTORY
             else:
-                policy.rank(_replicas(idle), key, history=chain(conversation(100 + user, 1)),
-                            static_blocks=STATIC_BLOCKS)  # one-shots: nothing continues
+                policy.rank(
+                    _replicas(idle), key, history=chain(conversation(100 + user, 1)), static_blocks=STATIC_BLOCKS
+                )  # one-shots: nothing continues
             policy.done(key)
     for key, base in (("chat-app", 0), ("one-shot-app", 200)):
         owner = policy.placement(key)[0]
         loads = {**idle, owner: 1}
-        d = policy.rank(_replicas(loads), key, history=chain(conversation(900 + base, 1)),
-                        static_blocks=STATIC_BLOCKS)
+        d = policy.rank(_replicas(loads), key, history=chain(conversation(900 + base, 1)), static_blocks=STATIC_BLOCKS)
         assert (d.chosen.name != owner) == (key == "chat-app"), key

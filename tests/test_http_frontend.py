@@ -56,8 +56,9 @@ def test_x_request_id_is_carried_to_the_engine_and_echoed(replica):
     ok = replica.request("POST", "/v1/chat/completions", json=body, headers={**AUTH, b"x-request-id": b"trace-42"})
     assert ok.status_code == 200 and ok.headers["x-request-id"] == "trace-42"
     assert ok.json()["id"] == "chatcmpl-trace-42"  # the engine request carried it
-    streamed = replica.request("POST", "/v1/chat/completions", json={**body, "stream": True},
-                               headers={**AUTH, b"x-request-id": b"trace-43"})
+    streamed = replica.request(
+        "POST", "/v1/chat/completions", json={**body, "stream": True}, headers={**AUTH, b"x-request-id": b"trace-43"}
+    )
     assert streamed.headers["x-request-id"] == "trace-43" and '"id":"chatcmpl-trace-43"' in streamed.text
     # Without one, the generated id is echoed; errors carry the id too.
     generated = replica.request("POST", "/v1/chat/completions", json=body, headers=AUTH)
@@ -90,9 +91,13 @@ def test_health_answers_while_a_chat_template_and_tokenizer_run(replica, monkeyp
     content = "alpha beta gamma " * 600
 
     async def main() -> tuple[httpx.Response, httpx.Response]:
-        big = asyncio.create_task(replica.http.post(
-            "/v1/chat/completions", json={"messages": [{"role": "user", "content": content}], "max_tokens": 2},
-            headers=AUTH))
+        big = asyncio.create_task(
+            replica.http.post(
+                "/v1/chat/completions",
+                json={"messages": [{"role": "user", "content": content}], "max_tokens": 2},
+                headers=AUTH,
+            )
+        )
         assert await asyncio.to_thread(rendering.wait, GATE_TIMEOUT_S), "the template never ran"
         health = await replica.http.get("/health")
         health_answered.set()
@@ -110,14 +115,19 @@ def test_a_huge_prompt_is_refused_before_any_tokenization(replica, monkeypatch):
     real = replica.engine.encode_chat
     monkeypatch.setattr(replica.engine, "encode_chat", lambda m, **kw: calls.append(1) or real(m, **kw))
     huge = "x" * 3_900_000
-    chat = replica.request("POST", "/v1/chat/completions", headers=AUTH,
-                           json={"messages": [{"role": "user", "content": huge}], "max_tokens": 1})
+    chat = replica.request(
+        "POST",
+        "/v1/chat/completions",
+        headers=AUTH,
+        json={"messages": [{"role": "user", "content": huge}], "max_tokens": 1},
+    )
     assert assert_openai_error(chat)["code"] == "context_length_exceeded"
     assert calls == []
     completion = replica.request("POST", "/v1/completions", headers=AUTH, json={"prompt": huge, "max_tokens": 1})
     assert assert_openai_error(completion)["code"] == "context_length_exceeded"
-    ids = replica.request("POST", "/v1/completions", headers=AUTH,
-                          json={"prompt": [17] * (MAX_MODEL_LEN + 1), "max_tokens": 1})
+    ids = replica.request(
+        "POST", "/v1/completions", headers=AUTH, json={"prompt": [17] * (MAX_MODEL_LEN + 1), "max_tokens": 1}
+    )
     assert assert_openai_error(ids)["code"] == "context_length_exceeded"
 
 
@@ -162,8 +172,12 @@ def test_the_server_exits_non_zero_once_its_engine_is_dead_for_good(model_dir):
     engine = AsyncEngine(EngineConfig(model=model_dir, max_model_len=MAX_MODEL_LEN))
     port = free_port()
     status: list[int] = []
-    thread = threading.Thread(target=lambda: status.append(serve(
-        engine, host="127.0.0.1", port=port, log_level="warning", engine_watch_period_s=0.05)), daemon=True)
+    thread = threading.Thread(
+        target=lambda: status.append(
+            serve(engine, host="127.0.0.1", port=port, log_level="warning", engine_watch_period_s=0.05)
+        ),
+        daemon=True,
+    )
     thread.start()
     try:
         for _ in range(600):  # until the server listens (bounded, not a timing assertion)
@@ -194,8 +208,9 @@ def test_header_limits_of_the_front_end_are_431_before_the_key_check():
     options = FrontendOptions.build(["sk"], 1024, max_header_count=3, max_header_bytes=200)
 
     def request(headers: list[tuple[bytes, bytes]]) -> Request:
-        return Request({"type": "http", "method": "GET", "path": "/v1/models", "raw_path": b"/v1/models",
-                        "headers": headers})
+        return Request(
+            {"type": "http", "method": "GET", "path": "/v1/models", "raw_path": b"/v1/models", "headers": headers}
+        )
 
     with pytest.raises(api.HeaderFieldsTooLargeError, match="header fields"):
         check_auth(request([(b"x-%d" % i, b"1") for i in range(4)]), options)

@@ -60,39 +60,55 @@ def run_triton(batch: PagedBatch, plan: LaunchPlan | None = None, **kw) -> torch
 
 def run_reference(batch: PagedBatch, **kw) -> torch.Tensor:
     out = torch.full_like(batch.query, float("nan"))
-    reference.paged_attention(*batch.args(), scale=batch.query.shape[-1] ** -0.5, k_scale=batch.k_scale,
-                              v_scale=batch.v_scale, out=out, **kw)
+    reference.paged_attention(
+        *batch.args(), scale=batch.query.shape[-1] ** -0.5, k_scale=batch.k_scale, v_scale=batch.v_scale, out=out, **kw
+    )
     return out
 
 
-def check(out: torch.Tensor, batch: PagedBatch, dtype: torch.dtype, sliding_window=None,
-          tol: dict = TOL) -> None:
+def check(out: torch.Tensor, batch: PagedBatch, dtype: torch.dtype, sliding_window=None, tol: dict = TOL) -> None:
     dense = dense_attention(batch, batch.query.shape[-1] ** -0.5, sliding_window)
     err = relative_error(out, dense)
     assert err <= tol[dtype], f"relative error {err:.3g} > {tol[dtype]:.1g}"
     # Rows past the last sequence are not outputs: they keep the poison.
-    assert torch.isnan(out[batch.num_tokens:]).all()
+    assert torch.isnan(out[batch.num_tokens :]).all()
 
 
 def small_plan(batch: PagedBatch, splits: int = 1) -> LaunchPlan:
     """The narrowest legal tiles (16 keys per step), so tile edges fall inside blocks."""
     group = batch.query.shape[1] // batch.key_cache.shape[2]
-    return LaunchPlan(block_m=max(16, 1 << (group - 1).bit_length()), tile_n=16, num_kv_splits=splits,
-                      upcast_bf16=batch.query.dtype == torch.bfloat16)
+    return LaunchPlan(
+        block_m=max(16, 1 << (group - 1).bit_length()),
+        tile_n=16,
+        num_kv_splits=splits,
+        upcast_bf16=batch.query.dtype == torch.bfloat16,
+    )
 
 
 # ----------------------------------------------------------------------------- Triton attention
 
-@pytest.mark.parametrize("head_dim,block_size,num_heads,num_kv_heads,dtype", [
-    (64, 16, 2, 2, torch.float32),
-    (128, 32, 8, 2, torch.float16),
-    (64, 32, 6, 2, torch.bfloat16),
-    (128, 16, 8, 1, torch.float32),
-])
+
+@pytest.mark.parametrize(
+    "head_dim,block_size,num_heads,num_kv_heads,dtype",
+    [
+        (64, 16, 2, 2, torch.float32),
+        (128, 32, 8, 2, torch.float16),
+        (64, 32, 6, 2, torch.bfloat16),
+        (128, 16, 8, 1, torch.float32),
+    ],
+)
 def test_triton_mixed_batch(seed, head_dim, block_size, num_heads, num_kv_heads, dtype):
-    batch = make_paged_batch(seed, mixed_seqs(block_size), num_heads=num_heads, num_kv_heads=num_kv_heads,
-                             head_dim=head_dim, block_size=block_size, dtype=dtype, share=MIXED_SHARE,
-                             padding_rows=2)
+    batch = make_paged_batch(
+        seed,
+        mixed_seqs(block_size),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        share=MIXED_SHARE,
+        padding_rows=2,
+    )
     ref = run_reference(batch)
     check(ref, batch, dtype, tol=REF_TOL)
     for plan in (None, small_plan(batch)):  # prefill tiles from the heuristic, then decode-sized tiles
@@ -106,8 +122,16 @@ def test_triton_decode_batch_and_split_kv(seed, num_heads, num_kv_heads, splits)
     bs = 16
     # A 1-token sequence leaves most splits empty; 5 * bs ends on a block boundary.
     seqs = [(0, 1), (5 * bs - 1, 1), (3 * bs + 6, 1), (40, 1)]
-    batch = make_paged_batch(seed, seqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=64,
-                             block_size=bs, dtype=torch.float16, padding_rows=1)
+    batch = make_paged_batch(
+        seed,
+        seqs,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=64,
+        block_size=bs,
+        dtype=torch.float16,
+        padding_rows=1,
+    )
     out = run_triton(batch, small_plan(batch, splits))
     check(out, batch, torch.float16)
     assert relative_error(out, run_reference(batch)) <= REF_TOL[torch.float16]
@@ -116,25 +140,43 @@ def test_triton_decode_batch_and_split_kv(seed, num_heads, num_kv_heads, splits)
 @pytest.mark.parametrize("window,splits,num_kv_heads", [(19, 1, 1), (1, 1, 2), (19, 3, 2), (40, 2, 4)])
 def test_triton_sliding_window(seed, window, splits, num_kv_heads):
     bs = 16
-    batch = make_paged_batch(seed, mixed_seqs(bs), num_heads=4, num_kv_heads=num_kv_heads, head_dim=64,
-                             block_size=bs, dtype=torch.float32, share=MIXED_SHARE)
+    batch = make_paged_batch(
+        seed,
+        mixed_seqs(bs),
+        num_heads=4,
+        num_kv_heads=num_kv_heads,
+        head_dim=64,
+        block_size=bs,
+        dtype=torch.float32,
+        share=MIXED_SHARE,
+    )
     ref = run_reference(batch, sliding_window=window)
     check(ref, batch, torch.float32, sliding_window=window)
     out = run_triton(batch, small_plan(batch, splits), sliding_window=window)
     check(out, batch, torch.float32, sliding_window=window)
 
 
-@pytest.mark.parametrize("dtype,head_dim,block_size,num_heads,num_kv_heads,decode_split", [
-    (torch.float16, 64, 16, 8, 2, 0),
-    (torch.float32, 128, 32, 2, 2, 2),
-    (torch.bfloat16, 64, 32, 8, 1, 0),
-])
+@pytest.mark.parametrize(
+    "dtype,head_dim,block_size,num_heads,num_kv_heads,decode_split",
+    [
+        (torch.float16, 64, 16, 8, 2, 0),
+        (torch.float32, 128, 32, 2, 2, 2),
+        (torch.bfloat16, 64, 32, 8, 1, 0),
+    ],
+)
 def test_triton_fp8_kv(seed, dtype, head_dim, block_size, num_heads, num_kv_heads, decode_split):
-    seqs = ([(3 * block_size, 1), (0, 1), (block_size + 9, 1)] if decode_split
-            else mixed_seqs(block_size))
-    batch = make_paged_batch(seed, seqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                             block_size=block_size, dtype=dtype, fp8_kv=True,
-                             share=None if decode_split else MIXED_SHARE)
+    seqs = [(3 * block_size, 1), (0, 1), (block_size + 9, 1)] if decode_split else mixed_seqs(block_size)
+    batch = make_paged_batch(
+        seed,
+        seqs,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        fp8_kv=True,
+        share=None if decode_split else MIXED_SHARE,
+    )
     assert batch.key_cache.dtype == FP8 and batch.k_scale != 1.0 and batch.v_scale != batch.k_scale
     ref = run_reference(batch)
     check(ref, batch, dtype, tol=REF_TOL)
@@ -146,30 +188,34 @@ def test_triton_fp8_kv(seed, dtype, head_dim, block_size, num_heads, num_kv_head
 
 def test_triton_group_wider_than_16_rows(seed):
     """24 query heads on one KV head: 32-row tiles holding one token each."""
-    batch = make_paged_batch(seed, [(20, 1), (0, 3), (33, 1)], num_heads=24, num_kv_heads=1, head_dim=64,
-                             block_size=16, dtype=torch.float32)
+    batch = make_paged_batch(
+        seed, [(20, 1), (0, 3), (33, 1)], num_heads=24, num_kv_heads=1, head_dim=64, block_size=16, dtype=torch.float32
+    )
     out = run_triton(batch)
     check(out, batch, torch.float32)
 
 
 def test_triton_single_sequence_prefill_chunk(seed):
-    batch = make_paged_batch(seed, [(40, 24)], num_heads=8, num_kv_heads=2, head_dim=128, block_size=32,
-                             dtype=torch.float16)
+    batch = make_paged_batch(
+        seed, [(40, 24)], num_heads=8, num_kv_heads=2, head_dim=128, block_size=32, dtype=torch.float16
+    )
     check(run_triton(batch), batch, torch.float16)
 
 
 def test_triton_empty_query_sequence(seed):
     """A sequence with no new tokens in the batch produces nothing and disturbs nothing."""
-    batch = make_paged_batch(seed, [(20, 1), (30, 0), (5, 4)], num_heads=4, num_kv_heads=2, head_dim=64,
-                             block_size=16, dtype=torch.float32)
+    batch = make_paged_batch(
+        seed, [(20, 1), (30, 0), (5, 4)], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32
+    )
     check(run_triton(batch), batch, torch.float32)
     check(run_reference(batch), batch, torch.float32)
 
 
 def test_triton_reads_leading_two_cache(seed):
     """A [2, NB, BS, KVH, D] cache passed as its two halves (strided views)."""
-    batch = make_paged_batch(seed, [(17, 1), (3, 6)], num_heads=4, num_kv_heads=2, head_dim=64,
-                             block_size=16, dtype=torch.float16)
+    batch = make_paged_batch(
+        seed, [(17, 1), (3, 6)], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float16
+    )
     kv = torch.stack([batch.key_cache, batch.value_cache])
     split = dataclasses.replace(batch, key_cache=kv[0], value_cache=kv[1])
     check(run_triton(split), batch, torch.float16)
@@ -214,18 +260,27 @@ def _bad_inputs():
     def wrong_out(a):
         a["out"] = torch.empty(a["query"].shape, dtype=torch.float16)
 
-    return [(block_tables_int64, "block_tables"), (head_dim_mismatch, "head_dim"),
-            (ragged_heads, "multiple of num_kv_heads"), (non_contiguous_query, "contiguous"),
-            (cache_dtype, "KV cache"), (block_size_24, "multiple of 16"),
-            (short_query_start_loc, "query_start_loc"), (wrong_out, "out must match")]
+    return [
+        (block_tables_int64, "block_tables"),
+        (head_dim_mismatch, "head_dim"),
+        (ragged_heads, "multiple of num_kv_heads"),
+        (non_contiguous_query, "contiguous"),
+        (cache_dtype, "KV cache"),
+        (block_size_24, "multiple of 16"),
+        (short_query_start_loc, "query_start_loc"),
+        (wrong_out, "out must match"),
+    ]
 
 
 @pytest.mark.parametrize("mutate,message", _bad_inputs(), ids=lambda x: getattr(x, "__name__", ""))
 def test_triton_rejects_bad_inputs(seed, mutate, message):
-    batch = make_paged_batch(seed, [(10, 2)], num_heads=4, num_kv_heads=2, head_dim=64, block_size=32,
-                             dtype=torch.float32)
-    args = dict(zip(["query", "key_cache", "value_cache", "block_tables", "seq_lens", "query_start_loc"],
-                    batch.args()), out=None)
+    batch = make_paged_batch(
+        seed, [(10, 2)], num_heads=4, num_kv_heads=2, head_dim=64, block_size=32, dtype=torch.float32
+    )
+    args = dict(
+        zip(["query", "key_cache", "value_cache", "block_tables", "seq_lens", "query_start_loc"], batch.args()),
+        out=None,
+    )
     mutate(args)
     with pytest.raises(ValueError, match=message):
         paged_attention(**args, scale=0.125)
@@ -235,27 +290,46 @@ def test_kernels_compile_for_gpu():
     """Every variant lowers to an sm_90 cubin (no GPU needed); see kernel_compile_check.py."""
     script = Path(__file__).with_name("kernel_compile_check.py")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(script), "90"], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=script.parent.parent)
+    proc = subprocess.run(
+        [sys.executable, str(script), "90"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=script.parent.parent,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("ok attention") == 9 and proc.stdout.count("ok cache write") == 4
 
 
 # ----------------------------------------------------------------------------- torch reference
 
-@pytest.mark.parametrize("dtype,num_heads,num_kv_heads,window,fp8", [
-    (torch.float32, 4, 4, None, False),
-    (torch.float32, 6, 2, 7, False),
-    (torch.float16, 8, 2, None, False),
-    (torch.bfloat16, 8, 1, 20, False),
-    (torch.float16, 8, 2, None, True),
-    (torch.float32, 3, 1, 33, True),
-])
+
+@pytest.mark.parametrize(
+    "dtype,num_heads,num_kv_heads,window,fp8",
+    [
+        (torch.float32, 4, 4, None, False),
+        (torch.float32, 6, 2, 7, False),
+        (torch.float16, 8, 2, None, False),
+        (torch.bfloat16, 8, 1, 20, False),
+        (torch.float16, 8, 2, None, True),
+        (torch.float32, 3, 1, 33, True),
+    ],
+)
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_reference_matches_dense(seed, dtype, num_heads, num_kv_heads, window, fp8, block_size):
-    batch = make_paged_batch(seed, mixed_seqs(block_size) + [(3 * block_size, 2)], num_heads=num_heads,
-                             num_kv_heads=num_kv_heads, head_dim=64, block_size=block_size, dtype=dtype,
-                             fp8_kv=fp8, share=MIXED_SHARE, padding_rows=1)
+    batch = make_paged_batch(
+        seed,
+        mixed_seqs(block_size) + [(3 * block_size, 2)],
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=64,
+        block_size=block_size,
+        dtype=dtype,
+        fp8_kv=fp8,
+        share=MIXED_SHARE,
+        padding_rows=1,
+    )
     check(run_reference(batch, sliding_window=window), batch, dtype, sliding_window=window, tol=REF_TOL)
 
 
@@ -265,19 +339,22 @@ WRITERS = {"triton": triton_write_kv_cache, "reference": reference.write_kv_cach
 
 
 @pytest.mark.parametrize("writer", sorted(WRITERS))
-@pytest.mark.parametrize("cache_dtype,key_dtype,slot_dtype", [
-    (torch.float32, torch.float32, torch.int64),
-    (torch.float16, torch.float16, torch.int32),
-    (torch.bfloat16, torch.bfloat16, torch.int64),
-    (torch.float16, torch.float32, torch.int32),
-])
+@pytest.mark.parametrize(
+    "cache_dtype,key_dtype,slot_dtype",
+    [
+        (torch.float32, torch.float32, torch.int64),
+        (torch.float16, torch.float16, torch.int32),
+        (torch.bfloat16, torch.bfloat16, torch.int64),
+        (torch.float16, torch.float32, torch.int32),
+    ],
+)
 def test_write_kv_cache(seed, writer, cache_dtype, key_dtype, slot_dtype):
     gen = torch.Generator().manual_seed(seed)
     num_blocks, bs, kvh, d, tokens = 6, 16, 3, 64, 21
     cache = [torch.full((num_blocks, bs, kvh, d), float("nan"), dtype=cache_dtype) for _ in range(2)]
     # K and V as strided slices of one fused projection output, as a model produces them.
     qkv = torch.randn(tokens, 2 * kvh + 4, d, generator=gen).to(key_dtype)
-    key, value = qkv[:, 4:4 + kvh], qkv[:, 4 + kvh:]
+    key, value = qkv[:, 4 : 4 + kvh], qkv[:, 4 + kvh :]
     slots = torch.randperm(num_blocks * bs, generator=gen)[:tokens]
     slots[torch.randperm(tokens, generator=gen)[:5]] = -1  # padding tokens
     WRITERS[writer](key, value, cache[0], cache[1], slots.to(slot_dtype))
@@ -296,8 +373,9 @@ def test_triton_write_kv_cache_rejects_bad_inputs():
     with pytest.raises(ValueError, match="slot_mapping"):
         triton_write_kv_cache(key, key, cache, cache, torch.zeros(3, dtype=torch.float32))
     with pytest.raises(ValueError, match="num_kv_heads, head_dim"):
-        triton_write_kv_cache(torch.zeros(3, 4, 64), torch.zeros(3, 4, 64), cache, cache,
-                              torch.zeros(3, dtype=torch.int64))
+        triton_write_kv_cache(
+            torch.zeros(3, 4, 64), torch.zeros(3, 4, 64), cache, cache, torch.zeros(3, dtype=torch.int64)
+        )
 
 
 def test_reference_fp8_quantizing_store(seed):
@@ -317,8 +395,8 @@ def test_reference_fp8_quantizing_store(seed):
     saturated = k.abs() > 448
     assert saturated.any() and torch.equal(stored_k[saturated], 448 * k[saturated].sign())
     # e4m3 keeps 3 mantissa bits: round-to-nearest is within 2^-4 relative for normal values.
-    normal = ~saturated & (k.abs() >= 2 ** -6)
-    assert ((stored_k[normal] - k[normal]).abs() <= k[normal].abs() * 2 ** -4).all()
+    normal = ~saturated & (k.abs() >= 2**-6)
+    assert ((stored_k[normal] - k[normal]).abs() <= k[normal].abs() * 2**-4).all()
     assert torch.equal(stored_v, v.to(FP8).float())  # in range: torch's own round-to-nearest-even
     assert (cache[0].view(-1, kvh, d)[6].float() == 0).all()  # the padding token's slot is untouched
 

@@ -80,9 +80,14 @@ def test_blocks_per_key_are_capped():
     assert pub.prefix("k") == [h(0), h(1), h(2)]
 
 
-@pytest.mark.parametrize(("present", "leading", "holds"), [
-    ([True, True, False, True], 2, True), ([False, True, True], 0, False), ([True, False, False, False], 1, False),
-])
+@pytest.mark.parametrize(
+    ("present", "leading", "holds"),
+    [
+        ([True, True, False, True], 2, True),
+        ([False, True, True], 0, False),
+        ([True, False, False, False], 1, False),
+    ],
+)
 def test_held_summary_reading(present, leading, holds):
     assert leading_held(present) == leading
     assert holds_prefix(leading, len(present)) is holds
@@ -144,16 +149,19 @@ def test_a_real_engine_feeds_the_publisher_through_the_request_runner(tmp_path):
     from prefixserve.replica.sampling import SamplingParams
 
     model = tiny_checkpoint(tmp_path / "tiny", max_pos=512)
-    engine = AsyncEngine(EngineConfig.from_dict({"model": str(model), "num_kv_blocks": 64, "block_size": 4,
-                                                 "max_model_len": 256}))
+    engine = AsyncEngine(
+        EngineConfig.from_dict({"model": str(model), "num_kv_blocks": 64, "block_size": 4, "max_model_len": 256})
+    )
     pub = KVEventPublisher(snapshot_every=100)
     runner = RequestRunner(engine, pub)
     system = "You are a careful assistant. " + "alpha beta gamma delta " * 8
 
     async def ask(question: str) -> None:
-        request = EngineRequest(messages=[{"role": "system", "content": system},
-                                          {"role": "user", "content": question}],
-                                sampling=SamplingParams(max_tokens=2, temperature=0), routing_key="tenant")
+        request = EngineRequest(
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+            sampling=SamplingParams(max_tokens=2, temperature=0),
+            routing_key="tenant",
+        )
         async for _ in runner.generate(request):
             pass
 

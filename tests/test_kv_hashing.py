@@ -47,10 +47,10 @@ def test_pinned_values():
     # Block 0 of tokens 0..3, block size 4, default seed, no salt; computed by hand:
     # sha256(sha256(b"prefixserve-v1") + 00000000 + 00000000 01000000 02000000 03000000).
     seed_digest = hashlib.sha256(b"prefixserve-v1").digest()
-    layout = seed_digest + bytes(4) + bytes.fromhex("00000000" "01000000" "02000000" "03000000")
+    layout = seed_digest + bytes(4) + bytes.fromhex("00000000010000000200000003000000")
     assert BlockHasher("sha256").hash_blocks([0, 1, 2, 3], 4) == [hashlib.sha256(layout).digest()]
     x_root = xxhash.xxh3_128_intdigest(b"prefixserve-v1").to_bytes(16, "big")
-    x_layout = x_root + bytes(4) + bytes.fromhex("00000000" "01000000" "02000000" "03000000")
+    x_layout = x_root + bytes(4) + bytes.fromhex("00000000010000000200000003000000")
     assert BlockHasher().hash_blocks([0, 1, 2, 3], 4) == [xxhash.xxh3_128_intdigest(x_layout).to_bytes(16, "big")]
 
 

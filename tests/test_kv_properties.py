@@ -53,8 +53,9 @@ class KVMachine(RuleBasedStateMachine):
         algo=st.sampled_from(["xxh3_128", "sha256"]),
     )
     def setup(self, num_blocks, block_size, caching, algo):
-        self.m = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching, hash_algo=algo,
-                                eviction_policy=self.policy)
+        self.m = KVCacheManager(
+            num_blocks, block_size, enable_prefix_caching=caching, hash_algo=algo, eviction_policy=self.policy
+        )
         assert self.m.pool.eviction_policy == self.policy
         # The cache as the last invariant check saw it (the eviction contract compares against it).
         self.prev_map: dict[bytes, int] = {}
@@ -174,8 +175,11 @@ class KVMachine(RuleBasedStateMachine):
         # A free cached block now in use either was hit, or was evicted and refilled with the
         # same content (a fully cached prompt recomputes its last block, and the pool may hand
         # it exactly that block): its hash is back on it, so only a bound is observable.
-        refilled = [b for h, b in self.prev_map.items()
-                    if pool.hash_to_block.get(h) == b and self.prev_ref[b] == 0 and pool.ref_cnt[b] > 0]
+        refilled = [
+            b
+            for h, b in self.prev_map.items()
+            if pool.hash_to_block.get(h) == b and self.prev_ref[b] == 0 and pool.ref_cnt[b] > 0
+        ]
         delta = pool.num_evictions - self.prev_evictions
         assert len(gone) <= delta <= len(gone) + len(refilled), "num_evictions miscounts"
         self.prev_map = dict(pool.hash_to_block)

@@ -51,7 +51,8 @@ def test_our_rows_without_vllm_and_the_skip_note():
     res = bench_kv.bench_ours_vs_vllm(N, PROMPT, BS, repeats=1, seed=0)
     rows = res["rows"]
     assert {(r["manager"], r["pool"], r["timing"]) for r in rows} == {
-        (f"prefixserve {p}", pool, t) for p in ("lru", "slru") for pool in peer.POOLS for t in peer.TIMINGS}
+        (f"prefixserve {p}", pool, t) for p in ("lru", "slru") for pool in peer.POOLS for t in peer.TIMINGS
+    }
     for r in rows:
         assert r["hit_rate"] == 0.5, r  # the shared half hits, whether the hashes were precomputed or not
         assert r["evictions_per_request"] == (0 if r["pool"] == "roomy" else 2), r  # the unique half
@@ -64,8 +65,9 @@ def test_our_rows_without_vllm_and_the_skip_note():
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is importable here")
 def test_a_python_without_vllm_fails_loudly():
     with pytest.raises(RuntimeError, match="the vLLM peer failed"):
-        bench_kv.bench_ours_vs_vllm(2, PROMPT, BS, repeats=1, seed=0, pools=("roomy",), timings=("ops",),
-                                    vllm_python=sys.executable)
+        bench_kv.bench_ours_vs_vllm(
+            2, PROMPT, BS, repeats=1, seed=0, pools=("roomy",), timings=("ops",), vllm_python=sys.executable
+        )
 
 
 def test_the_precomputed_hasher_refuses_partial_hashing():

@@ -21,8 +21,13 @@ from prefixserve.replica.model.gguf_reader import read_gguf
 from prefixserve.replica.model.llama import ModelConfig
 from prefixserve.replica.sampling import SamplingParams
 
-TEXTS = ["Hello, my name is", "  spaces   and\n\nnew lines\ttabs", "<|im_start|>user\nhi<|im_end|>",
-         "émojis 🤖 and 中文", "<|endoftext|> numbers 1234567"]
+TEXTS = [
+    "Hello, my name is",
+    "  spaces   and\n\nnew lines\ttabs",
+    "<|im_start|>user\nhi<|im_end|>",
+    "émojis 🤖 and 中文",
+    "<|endoftext|> numbers 1234567",
+]
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a hammer?"}]
 
 
@@ -54,8 +59,10 @@ def test_reader_matches_gguf_reader(gguf_dir):
     from gguf import GGUFReader
 
     ours, theirs = read_gguf(gguf_dir / "tiny.gguf"), GGUFReader(gguf_dir / "tiny.gguf")
-    assert ours.metadata["tokenizer.ggml.tokens"] == [str(bytes(theirs.fields["tokenizer.ggml.tokens"].parts[i]),
-                                                          "utf-8") for i in theirs.fields["tokenizer.ggml.tokens"].data]
+    assert ours.metadata["tokenizer.ggml.tokens"] == [
+        str(bytes(theirs.fields["tokenizer.ggml.tokens"].parts[i]), "utf-8")
+        for i in theirs.fields["tokenizer.ggml.tokens"].data
+    ]
     assert ours.metadata["llama.attention.head_count_kv"] == 2
     assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
     for a, b in zip(ours.tensors, theirs.tensors):
@@ -90,10 +97,15 @@ def test_converted_gguf_equals_transformers_load_and_greedy(gguf_dir, cache):
     for text in TEXTS:
         assert tok(text).input_ids == ref_tok(text).input_ids, text
         assert tok.decode(ref_tok(text).input_ids) == ref_tok.decode(ref_tok(text).input_ids)
-    assert tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=False) == \
-        ref_tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=False)
-    assert (tok.eos_token_id, tok.bos_token_id, tok.pad_token_id, len(tok)) == \
-        (ref_tok.eos_token_id, ref_tok.bos_token_id, ref_tok.pad_token_id, len(ref_tok))
+    assert tok.apply_chat_template(
+        CHAT, add_generation_prompt=True, tokenize=True, return_dict=False
+    ) == ref_tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert (tok.eos_token_id, tok.bos_token_id, tok.pad_token_id, len(tok)) == (
+        ref_tok.eos_token_id,
+        ref_tok.bos_token_id,
+        ref_tok.pad_token_id,
+        len(ref_tok),
+    )
 
     prompts = random_prompts(np.random.default_rng(0), 3, 3, 20)
     expected = [hf_greedy(ref, p, 12) for p in prompts]
@@ -176,8 +188,12 @@ def test_mapped_weights_are_the_same_tensors_read_lazily(tmp_path):
     including a bf16 tensor and an empty one; narrowing a view reads only its slice."""
     from safetensors.torch import save_file
 
-    tensors = {"a": torch.randn(6, 5), "b": torch.randn(3, 4).to(torch.bfloat16), "empty": torch.empty(0, 4),
-               "c": torch.arange(12, dtype=torch.int64).view(3, 4)}
+    tensors = {
+        "a": torch.randn(6, 5),
+        "b": torch.randn(3, 4).to(torch.bfloat16),
+        "empty": torch.empty(0, 4),
+        "c": torch.arange(12, dtype=torch.int64).view(3, 4),
+    }
     save_file(tensors, tmp_path / "model.safetensors")
     src = loader.CheckpointSource(tmp_path)
     read = dict(loader.iter_weights(src))

@@ -49,8 +49,9 @@ VLLM_FAMILIES = {
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     ckpt = tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", hidden=64, heads=4, kv_heads=2, seed=3)
-    return LLMEngine(EngineConfig(model=str(ckpt), served_model_name="tiny", num_kv_blocks=64, block_size=16,
-                                  max_model_len=256))
+    return LLMEngine(
+        EngineConfig(model=str(ckpt), served_model_name="tiny", num_kv_blocks=64, block_size=16, max_model_len=256)
+    )
 
 
 def _families(engine: LLMEngine) -> dict:
@@ -96,7 +97,8 @@ def test_series_names_types_and_labels(engine):
     iterations = _value(engine, "vllm:iteration_tokens_total_count")
     assert iterations >= 8  # at least one step per generated token
     assert _value(engine, "vllm:iteration_tokens_total_sum") == (
-        _value(engine, "vllm:prompt_tokens_total") + _value(engine, "vllm:generation_tokens_total"))
+        _value(engine, "vllm:prompt_tokens_total") + _value(engine, "vllm:generation_tokens_total")
+    )
     info = [s for s in families["vllm:cache_config_info"].samples]
     assert len(info) == 1 and info[0].value == 1
     assert info[0].labels["block_size"] == "16" and info[0].labels["num_gpu_blocks"] == "64"

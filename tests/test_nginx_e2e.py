@@ -57,8 +57,7 @@ def cluster(tmp_path_factory):
         conf = root / "nginx.conf"
         conf.write_text(render_config(config))
         with NginxProcess(NGINX, conf, root, wait_ports=[front]):
-            yield (f"http://127.0.0.1:{front}", {s.name: r for s, r in zip(servers, replicas)},
-                   HashRing(servers))
+            yield (f"http://127.0.0.1:{front}", {s.name: r for s, r in zip(servers, replicas)}, HashRing(servers))
     finally:
         for replica in started:
             replica.stop()
@@ -131,8 +130,9 @@ def test_stream_arrives_token_by_token(cluster, client):
     }
     reads, received = 0, b""
     running_at_first_event = None
-    with client.stream("POST", "/v1/chat/completions", json=body,
-                       headers={PREFIX_HASH_HEADER: prefix_hash(system)}) as response:
+    with client.stream(
+        "POST", "/v1/chat/completions", json=body, headers={PREFIX_HASH_HEADER: prefix_hash(system)}
+    ) as response:
         assert response.status_code == 200
         assert response.headers[REPLICA_HEADER] == f"127.0.0.1:{owner.port}"
         for chunk in response.iter_bytes():

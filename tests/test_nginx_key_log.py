@@ -63,8 +63,17 @@ def test_parse_key_line():
     assert parse_key_line(line(12.5, "")) == (12.5, None)  # escape=json writes a missing header as ""
     assert parse_key_line(line(12.5, "-")) == (12.5, None)
     assert parse_key_line('{"msec":"1.000","key":"\\u0001x"}') == (1.0, "\x01x")
-    for bad in ("garbage", "[1, 2]", '{"key": "a"}', '{"msec": "x", "key": "a"}', '{"msec": "nan", "key": "a"}',
-                '{"msec": "-1", "key": "a"}', '{"msec": "1.0"}', '{"msec": "1.0", "key": 3}', '{"msec": '):
+    for bad in (
+        "garbage",
+        "[1, 2]",
+        '{"key": "a"}',
+        '{"msec": "x", "key": "a"}',
+        '{"msec": "nan", "key": "a"}',
+        '{"msec": "-1", "key": "a"}',
+        '{"msec": "1.0"}',
+        '{"msec": "1.0", "key": 3}',
+        '{"msec": ',
+    ):
         with pytest.raises(ValueError):
             parse_key_line(bad)
 
@@ -125,8 +134,9 @@ def test_a_hot_key_is_replicated_and_rendered_as_split_clients(tmp_path, capsys)
     assert len(err) == 2 and "replayed 800 requests" in err[1]
     assert "1 unparsable lines and 1 requests without a key" in err[1]
     conf = tmp_path / "nginx.conf"
-    assert cli.main(["nginx-config", *REPLICA_ARGS, "--placement", str(tmp_path / "placement.json"),
-                     "-o", str(conf)]) == 0
+    assert (
+        cli.main(["nginx-config", *REPLICA_ARGS, "--placement", str(tmp_path / "placement.json"), "-o", str(conf)]) == 0
+    )
     text = conf.read_text()
     split = next(ln for ln in text.splitlines() if ln.strip().startswith(f"{hot} $prefixserve_split_"))
     var = split.split()[1].rstrip(";")
@@ -157,9 +167,11 @@ def test_policy_knobs_reach_the_policy(tmp_path, capsys):
     code, snap = run_placement(tmp_path, hot_log(hot), "--hot-share", "100")
     assert code == 0 and snap is not None and len(snap["keys"][hot]["replicas"]) == 1
     capsys.readouterr()
-    for flag, value, message in (("--epsilon", "-1", "epsilon must be a finite number > 0"),
-                                 ("--noise-z", "-2", "noise_z must be a finite number >= 0"),
-                                 ("--tau-s", "inf", "tau_s must be a finite number > 0")):
+    for flag, value, message in (
+        ("--epsilon", "-1", "epsilon must be a finite number > 0"),
+        ("--noise-z", "-2", "noise_z must be a finite number >= 0"),
+        ("--tau-s", "inf", "tau_s must be a finite number > 0"),
+    ):
         code, snap = run_placement(tmp_path, hot_log(hot, n=3), flag, value)
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and snap is None and err == [f"prefixserve placement: error: {err[0].split(': ', 2)[2]}"]
@@ -199,7 +211,8 @@ def test_previous_carries_the_last_rounds_placement(tmp_path, capsys):
     code, _ = run_placement(tmp_path, second, "--previous", str(tmp_path / "bad.json"))
     assert code == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        "prefixserve placement: error: --previous is not a placement snapshot: no 'rate'"]
+        "prefixserve placement: error: --previous is not a placement snapshot: no 'rate'"
+    ]
 
 
 @pytest.mark.parametrize(
@@ -235,18 +248,21 @@ def test_bad_input_is_one_line_and_status_2(argv, message, tmp_path, capsys):
 
 def test_hostile_lines_are_named_one_each_and_the_replay_goes_on(tmp_path, capsys):
     hot = prefix_hash("hot")
-    bad = ["[" * 100_000 + "\n",  # nested past the decoder's recursion limit
-           '{"msec": "1700000000.5", "key": "\\ud800"}\n',  # a lone surrogate: no hash can encode it
-           '{"msec": 1' + "0" * 400 + ', "key": "k"}\n']  # a time too large for a float
+    bad = [
+        "[" * 100_000 + "\n",  # nested past the decoder's recursion limit
+        '{"msec": "1700000000.5", "key": "\\ud800"}\n',  # a lone surrogate: no hash can encode it
+        '{"msec": 1' + "0" * 400 + ', "key": "k"}\n',
+    ]  # a time too large for a float
     code, snap = run_placement(tmp_path, "".join(bad) + hot_log(hot, n=30))
     assert code == EXIT_SKIPPED and snap is not None and hot in snap["keys"]
     captured = capsys.readouterr()
     err = captured.err.strip().splitlines()
     path = tmp_path / "keys.log"
-    assert err[:3] == [f"prefixserve placement: {path}:1: not a JSON object (nested too deeply) (skipped)",
-                       f"prefixserve placement: {path}:2: the key holds a lone surrogate at character 0: "
-                       "not Unicode text (skipped)",
-                       f"prefixserve placement: {path}:3: no msec time (skipped)"]
+    assert err[:3] == [
+        f"prefixserve placement: {path}:1: not a JSON object (nested too deeply) (skipped)",
+        f"prefixserve placement: {path}:2: the key holds a lone surrogate at character 0: not Unicode text (skipped)",
+        f"prefixserve placement: {path}:3: no msec time (skipped)",
+    ]
     assert len(err) == 4 and "skipped 3 unparsable lines" in err[3] and "Traceback" not in captured.err
     assert run_placement(tmp_path, hot_log(hot, n=30))[0] == 0  # nothing skipped: status 0
 
@@ -291,11 +307,29 @@ def _render(tmp_path: Path, front: int, backends: list[int], *extra: str) -> Pat
     (tmp_path / "tmp").mkdir(exist_ok=True)
     (tmp_path / "backends.conf").write_text(backends_conf(backends))
     conf = tmp_path / "nginx.conf"
-    argv = ["nginx-config", *(x for p in backends for x in ("--replica", f"127.0.0.1:{p}")),
-            "--listen", f"127.0.0.1:{front}", "--worker-processes", "1", "--temp-dir", str(tmp_path / "tmp"),
-            "--pid-file", str(tmp_path / "nginx.pid"), "--error-log", str(tmp_path / "logs" / "error.log"),
-            "--access-log", "off", "--include", str(tmp_path / "backends.conf"),
-            "--key-log", str(tmp_path / "logs" / "keys.log"), *extra, "-o", str(conf)]
+    argv = [
+        "nginx-config",
+        *(x for p in backends for x in ("--replica", f"127.0.0.1:{p}")),
+        "--listen",
+        f"127.0.0.1:{front}",
+        "--worker-processes",
+        "1",
+        "--temp-dir",
+        str(tmp_path / "tmp"),
+        "--pid-file",
+        str(tmp_path / "nginx.pid"),
+        "--error-log",
+        str(tmp_path / "logs" / "error.log"),
+        "--access-log",
+        "off",
+        "--include",
+        str(tmp_path / "backends.conf"),
+        "--key-log",
+        str(tmp_path / "logs" / "keys.log"),
+        *extra,
+        "-o",
+        str(conf),
+    ]
     assert cli.main(argv) == 0
     return conf
 
@@ -320,6 +354,7 @@ def test_real_nginx_key_log_to_placement_to_reload(tmp_path, capsys):
     conf = _render(tmp_path, front, backends)
     key_log = tmp_path / "logs" / "keys.log"
     with NginxProcess(NGINX, conf, tmp_path, wait_ports=[front, *backends]) as nginx:
+
         def landed(http: httpx.Client, key: str | None) -> str:
             r = http.get("/v1/models", headers={PREFIX_HASH_HEADER: key} if key else {})
             assert r.status_code == 200, r.text
@@ -338,12 +373,17 @@ def test_real_nginx_key_log_to_placement_to_reload(tmp_path, capsys):
         assert {json.loads(x)["key"] for x in lines} == {*crowded, hot, ""}
 
         placement = tmp_path / "placement.json"
-        assert cli.main(["placement", str(key_log), *(x for n in names for x in ("--replica", n)),
-                         "-o", str(placement)]) == 0
+        assert (
+            cli.main(["placement", str(key_log), *(x for n in names for x in ("--replica", n)), "-o", str(placement)])
+            == 0
+        )
         assert f"replayed {sent - 4} requests" in capsys.readouterr().err
         snap = json.loads(placement.read_text())
-        moved = {k: e["replicas"][0] for k, e in snap["keys"].items()
-                 if len(e["replicas"]) == 1 and e["replicas"][0] != ring.owner(k)}
+        moved = {
+            k: e["replicas"][0]
+            for k, e in snap["keys"].items()
+            if len(e["replicas"]) == 1 and e["replicas"][0] != ring.owner(k)
+        }
         assert moved and set(moved) <= set(crowded)  # the crowded replica shed some of its keys
         copies = snap["keys"][hot]["replicas"]
         assert len(copies) >= 2  # the hot key is replicated

@@ -38,7 +38,6 @@ SAMPLE_ARGS = [
 ]  # fmt: skip
 
 
-
 def _random_keys(seed: int, n: int) -> list[str]:
     """Half like real X-Prefix-Hash values, half arbitrary visible-ASCII strings."""
     rng = random.Random(seed)
@@ -256,8 +255,20 @@ def test_hostile_flags_are_refused_by_argparse_before_rendering(argv, flag, caps
 
 def test_valid_addresses_render_and_pass_the_checks(tmp_path):
     text = _render_cli(
-        ["--replica", "[::1]:8001", "--replica", "replica-2.internal:8002=100", "--replica", "unix:/run/r3.sock",
-         "--listen", "[::]:8080", "--worker-processes", "4", "--max-fails", "0"],
+        [
+            "--replica",
+            "[::1]:8001",
+            "--replica",
+            "replica-2.internal:8002=100",
+            "--replica",
+            "unix:/run/r3.sock",
+            "--listen",
+            "[::]:8080",
+            "--worker-processes",
+            "4",
+            "--max-fails",
+            "0",
+        ],
         tmp_path,
     )
     assert "server [::1]:8001 max_fails=0" in text and "weight=100" in text and "server unix:/run/r3.sock" in text
@@ -300,8 +311,11 @@ def test_renderer_refuses_a_server_name_that_is_not_one_token():
 
 
 def test_route_refuses_unbounded_weights_and_bad_keys(capsys):
-    for argv in (["--replica", "a:80=200000", "--key", "k"], ["--replica", "a:80", "--key", "a b"],
-                 ["--replica", "a:80=x", "--key", "k"]):
+    for argv in (
+        ["--replica", "a:80=200000", "--key", "k"],
+        ["--replica", "a:80", "--key", "a b"],
+        ["--replica", "a:80=x", "--key", "k"],
+    ):
         assert cli.main(["route", *argv]) == 2
         err = capsys.readouterr().err
         assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("prefixserve route: error: argument")

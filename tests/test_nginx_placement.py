@@ -25,8 +25,13 @@ NAMES = ["127.0.0.1:9101", "127.0.0.1:9102", "127.0.0.1:9103"]
 
 def snapshot_for(names: list[str], placements: dict[str, list[str]]) -> dict:
     """A placement snapshot as ``placed`` writes it, with the given placements."""
-    return {"format": 1, "version": 7, "members": names, "weights": dict.fromkeys(names, 1),
-            "keys": {k: {"replicas": r, "rate": 1.0, "work": 0.0} for k, r in placements.items()}}
+    return {
+        "format": 1,
+        "version": 7,
+        "members": names,
+        "weights": dict.fromkeys(names, 1),
+        "keys": {k: {"replicas": r, "rate": 1.0, "work": 0.0} for k, r in placements.items()},
+    }
 
 
 def test_salted_key_lands_on_the_wanted_replica():
@@ -42,8 +47,9 @@ def test_salted_key_lands_on_the_wanted_replica():
 def test_placement_map_keeps_only_keys_off_their_ring_owner():
     ring = HashRing(NAMES)
     stay, move, hot = keys_owned(ring, NAMES[0], 3)
-    snap = snapshot_for(NAMES, {stay: [NAMES[0]], move: [NAMES[1]], hot: [NAMES[0], NAMES[2]],
-                                "UPPER-Case": [NAMES[1]]})
+    snap = snapshot_for(
+        NAMES, {stay: [NAMES[0]], move: [NAMES[1]], hot: [NAMES[0], NAMES[2]], "UPPER-Case": [NAMES[1]]}
+    )
     pm = PlacementMap.from_snapshot(snap, [RingServer(n) for n in NAMES])
     entries = dict(pm.entries)
     assert set(entries) == {move, hot} and pm.version == 7 and pm.skipped == 1
@@ -85,21 +91,29 @@ def test_a_real_placed_policys_snapshot_renders(tmp_path, capsys):
 # -- a real nginx (slow) ------------------------------------------------------------------------
 
 
-def _nginx_conf(tmp_path: Path, front: int, backends: list[int], placement: PlacementMap | None,
-                busy: int | None = None) -> Path:
+def _nginx_conf(
+    tmp_path: Path, front: int, backends: list[int], placement: PlacementMap | None, busy: int | None = None
+) -> Path:
     (tmp_path / "logs").mkdir(exist_ok=True)
     (tmp_path / "tmp").mkdir(exist_ok=True)
     ok = [p for p in backends if p != busy]
     text = backends_conf(ok)
     if busy is not None:  # a replica over its in-flight cap: 429 with Retry-After, as replica/server.py answers
-        text += (f"server {{\n    listen 127.0.0.1:{busy};\n    location / {{ add_header Retry-After 1 always; "
-                 f"return 429 '{{\"error\":{{\"code\":\"replica_busy\"}}}}'; }}\n}}\n")
+        text += (
+            f"server {{\n    listen 127.0.0.1:{busy};\n    location / {{ add_header Retry-After 1 always; "
+            f'return 429 \'{{"error":{{"code":"replica_busy"}}}}\'; }}\n}}\n'
+        )
     (tmp_path / "backends.conf").write_text(text)
     cfg = NginxConfig(
         replicas=tuple(RingServer(f"127.0.0.1:{p}") for p in backends),
-        listen=f"127.0.0.1:{front}", worker_processes="1", temp_dir=str(tmp_path / "tmp"),
-        pid_file=str(tmp_path / "nginx.pid"), error_log=str(tmp_path / "logs" / "error.log"), access_log="off",
-        includes=(str(tmp_path / "backends.conf"),), placement=placement,
+        listen=f"127.0.0.1:{front}",
+        worker_processes="1",
+        temp_dir=str(tmp_path / "tmp"),
+        pid_file=str(tmp_path / "nginx.pid"),
+        error_log=str(tmp_path / "logs" / "error.log"),
+        access_log="off",
+        includes=(str(tmp_path / "backends.conf"),),
+        placement=placement,
         max_fails=0,  # keep the busy replica in: every request meets its 429
     )
     conf = tmp_path / "nginx.conf"
@@ -122,6 +136,7 @@ def test_real_nginx_sends_a_mapped_key_to_its_placed_replica(tmp_path):
     conf = _nginx_conf(tmp_path, front, backends, pm)
     with NginxProcess(NGINX, conf, tmp_path, wait_ports=[front, *backends]):
         with httpx.Client(base_url=f"http://127.0.0.1:{front}", timeout=10) as http:
+
             def landed(key: str) -> str:
                 r = http.get("/v1/models", headers={PREFIX_HASH_HEADER: key})
                 assert r.status_code == 200, r.text

@@ -26,8 +26,9 @@ pytestmark = [
 ]
 
 # Long enough for several full KV blocks each.
-SYSTEMS = [f"You are a terse assistant for tenant {i}. Answer in one short sentence, always politely. " * 3
-           for i in range(2)]
+SYSTEMS = [
+    f"You are a terse assistant for tenant {i}. Answer in one short sentence, always politely. " * 3 for i in range(2)
+]
 
 
 def test_dashboard_queries_name_existing_panels():
@@ -38,8 +39,9 @@ def test_dashboard_queries_name_existing_panels():
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool comes with prometheus")
 def test_scrape_config_is_valid():
-    result = subprocess.run(["promtool", "check", "config", str(REPO / "observability" / "prometheus.yml")],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        ["promtool", "check", "config", str(REPO / "observability" / "prometheus.yml")], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -51,10 +53,17 @@ def test_every_replica_panel_shows_plausible_values_on_a_real_prometheus(tmp_pat
             prometheus.wait_until(prometheus.targets_up, 60.0, "the replica was not scraped")
             with httpx.Client(base_url=replica.base_url, timeout=120.0) as http:
                 for i in range(12):  # each system prompt repeats: the prefix cache hits
-                    response = http.post("/v1/chat/completions", json={
-                        "messages": [{"role": "system", "content": SYSTEMS[i % 2]},
-                                     {"role": "user", "content": f"question {i}"}],
-                        "max_tokens": 4, "temperature": 0.0})
+                    response = http.post(
+                        "/v1/chat/completions",
+                        json={
+                            "messages": [
+                                {"role": "system", "content": SYSTEMS[i % 2]},
+                                {"role": "user", "content": f"question {i}"},
+                            ],
+                            "max_tokens": 4,
+                            "temperature": 0.0,
+                        },
+                    )
                     assert response.status_code == 200, response.text
             queries = [q for q in dashboard_queries() if not q.needs_router]
             prometheus.evaluate(queries, timeout_s=60.0)
@@ -63,10 +72,15 @@ def test_every_replica_panel_shows_plausible_values_on_a_real_prometheus(tmp_pat
 def test_json_logs_name_the_request_and_the_replica(tmp_path_factory):
     ckpt = build_tiny_llama(tmp_path_factory.mktemp("ckpt") / "tiny", seed=8)
     workdir = tmp_path_factory.mktemp("logs")
-    with ReplicaProcess(ckpt, "--log-format", "json", "--log-level", "info", "--replica-name", "replica-a",
-                        log_dir=workdir) as replica:
-        response = httpx.post(f"{replica.base_url}/v1/completions", timeout=120.0, headers={"X-Request-Id": "req-7"},
-                              json={"prompt": "hello", "max_tokens": 2})
+    with ReplicaProcess(
+        ckpt, "--log-format", "json", "--log-level", "info", "--replica-name", "replica-a", log_dir=workdir
+    ) as replica:
+        response = httpx.post(
+            f"{replica.base_url}/v1/completions",
+            timeout=120.0,
+            headers={"X-Request-Id": "req-7"},
+            json={"prompt": "hello", "max_tokens": 2},
+        )
         assert response.status_code == 200 and response.headers["x-request-id"] == "req-7"
     lines = [json.loads(line) for line in replica.log_path.read_text().splitlines() if line.startswith("{")]
     ours = [line for line in lines if line["request_id"] == "req-7"]

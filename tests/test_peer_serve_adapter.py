@@ -45,8 +45,14 @@ class CharTokenizer:
     def __call__(self, text: str) -> SimpleNamespace:
         return SimpleNamespace(input_ids=[ord(c) for c in text])
 
-    def apply_chat_template(self, conversation: list[dict[str, str]], *, tokenize: bool = True,
-                            return_dict: bool = False, add_generation_prompt: bool = False) -> list[int]:
+    def apply_chat_template(
+        self,
+        conversation: list[dict[str, str]],
+        *,
+        tokenize: bool = True,
+        return_dict: bool = False,
+        add_generation_prompt: bool = False,
+    ) -> list[int]:
         assert tokenize and not return_dict
         text = "".join(f"{m['role']}:{m['content']}|" for m in conversation)
         return self(text + ("assistant:" if add_generation_prompt else "")).input_ids
@@ -56,8 +62,7 @@ ENCODER = PromptEncoder(CharTokenizer())
 
 
 def chat(system: str, user: str, **kwargs: Any) -> EngineRequest:
-    return EngineRequest(messages=[{"role": "system", "content": system}, {"role": "user", "content": user}],
-                         **kwargs)
+    return EngineRequest(messages=[{"role": "system", "content": system}, {"role": "user", "content": user}], **kwargs)
 
 
 # --------------------------------------------------------------------------- the request
@@ -238,16 +243,18 @@ class FakeReplica:
 
 
 def make_router(peer: str, **kwargs: Any) -> PeerRouter:
-    router = PeerRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.REPLICA,
-                        use_replica_queue_len_cache=True)
+    router = PeerRouter(
+        deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.REPLICA, use_replica_queue_len_cache=True
+    )
     router.initialize_state(peer=peer, block_size=BS, encoder=ENCODER, metrics=RouterMetrics(), **kwargs)
     return router
 
 
 def pending(request: EngineRequest) -> PendingRequest:
     rid = uuid.uuid4().hex
-    return PendingRequest(args=[request], kwargs={},
-                          metadata=RequestMetadata(request_id=rid, internal_request_id=rid, is_streaming=True))
+    return PendingRequest(
+        args=[request], kwargs={}, metadata=RequestMetadata(request_id=rid, internal_request_id=rid, is_streaming=True)
+    )
 
 
 async def send(router: PeerRouter, request: PendingRequest) -> FakeReplica:
@@ -258,8 +265,14 @@ async def send(router: PeerRouter, request: PendingRequest) -> FakeReplica:
 
 
 def stats(seq: int, waiting: int = 0, running: int = 0, kv_usage: float = 0.0, **extra: Any) -> dict:
-    return {"seq": seq, "num_waiting": waiting, "num_running": running, "kv_usage": kv_usage,
-            "queued_prefill_tokens": 0, **extra}
+    return {
+        "seq": seq,
+        "num_waiting": waiting,
+        "num_running": running,
+        "kv_usage": kv_usage,
+        "queued_prefill_tokens": 0,
+        **extra,
+    }
 
 
 def two_replicas(router: PeerRouter) -> list[FakeReplica]:
@@ -278,7 +291,8 @@ async def test_sglang_tree_sends_a_shared_prefix_back_to_its_replica():
     assert again.name == first.name
     assert router.peer.tree.sizes[first.name] > 0  # type: ignore[attr-defined]
     counted = router._metrics.registry.get_sample_value(
-        "prefixserve_router_requests_total", {"deployment": "Engine", "policy": "sglang_tree", "replica": first.name})
+        "prefixserve_router_requests_total", {"deployment": "Engine", "policy": "sglang_tree", "replica": first.name}
+    )
     assert counted == 2
 
 
@@ -370,10 +384,34 @@ def test_bench_cluster_runs_the_peer_routers_on_a_local_cluster(tmp_path):
     model = tiny_checkpoint(tmp_path / "tiny", seed=5)
     out = tmp_path / "out"
     policies = list(B.PEER_POLICIES)
-    code = B.main(["--model", str(model), "--policies", ",".join(policies), "--tenants", "4",
-                   "--requests", "12", "--system-len", "48", "--question-len", "8", "--output-len", "4",
-                   "--concurrency", "2", "--seed", "5", "--port", str(free_port()), "--out-dir", str(out),
-                   "--timeout", "300"])
+    code = B.main(
+        [
+            "--model",
+            str(model),
+            "--policies",
+            ",".join(policies),
+            "--tenants",
+            "4",
+            "--requests",
+            "12",
+            "--system-len",
+            "48",
+            "--question-len",
+            "8",
+            "--output-len",
+            "4",
+            "--concurrency",
+            "2",
+            "--seed",
+            "5",
+            "--port",
+            str(free_port()),
+            "--out-dir",
+            str(out),
+            "--timeout",
+            "300",
+        ]
+    )
     data = json.loads((out / "bench_cluster.json").read_text())
     assert data["failures"] == {} and code == 0
     assert [r["policy"] for r in data["results"]] == policies

@@ -282,12 +282,18 @@ def test_rank_decides_as_the_direct_statement_of_the_decision(seed: int, monkeyp
     rng = random.Random(seed)
     precise = seed % 2 == 1
     clock = Clock()
-    options = {"rebalance_interval_s": 1.0, "hot_share": 0.2, "epsilon": 0.1, "precise": precise,
-               "noise_z": 0.0 if seed % 3 else 1.0}
+    options = {
+        "rebalance_interval_s": 1.0,
+        "hot_share": 0.2,
+        "epsilon": 0.1,
+        "precise": precise,
+        "noise_z": 0.0 if seed % 3 else 1.0,
+    }
     fast = policy(clock, **options)
     ref = policy(clock, **options)
-    ref.table = ReferenceTable(ref.table.epsilon, ref.table.tau_s, ref.table.hot_share, precise,
-                               ref.table.work_epsilon, ref.table.noise_z)
+    ref.table = ReferenceTable(
+        ref.table.epsilon, ref.table.tau_s, ref.table.hot_share, precise, ref.table.work_epsilon, ref.table.noise_z
+    )
     pool = [f"10.2.0.{i}:80" for i in range(9)]
     names = rng.sample(pool, 6)
     keys = [f"k{i}" for i in range(40)]
@@ -376,9 +382,16 @@ def test_an_imbalance_within_the_counts_noise_moves_nothing_and_a_sure_one_moves
     # a carries half the requests, each other replica a sixth: over its bound (27.5%) either
     # way; at 30 requests a's excess is within 2 sigma of its count (2 * sqrt(15) = 7.7), at
     # 600 it is not
-    snap = {"format": 1, "version": 3, "members": NAMES, "weights": {},
-            "keys": {**{k: {"replicas": [a], "rate": 2.5 * scale, "work": 0.0} for k in mine},
-                     **{k: {"replicas": [ring.owner(k)], "rate": 2.5 * scale, "work": 0.0} for k in others}}}
+    snap = {
+        "format": 1,
+        "version": 3,
+        "members": NAMES,
+        "weights": {},
+        "keys": {
+            **{k: {"replicas": [a], "rate": 2.5 * scale, "work": 0.0} for k in mine},
+            **{k: {"replicas": [ring.owner(k)], "rate": 2.5 * scale, "work": 0.0} for k in others},
+        },
+    }
     p.apply_snapshot(snap)
     p.table.rebalance(clock())
     moved = [k for k in mine if p.placement(k) != [a]]
@@ -394,9 +407,16 @@ def test_an_overloaded_replica_sheds_its_largest_keys_to_their_next_successor_wi
     mine = keys_owned_by(a, 12)
     others = [k for n in NAMES[1:] for k in keys_owned_by(n, 3)]
     # replica a holds 12 keys with rates 1..12 (78 of 114 in total); the others 3 keys of rate 4 each
-    snap = {"format": 1, "version": 7, "members": NAMES, "weights": {},
-            "keys": {**{k: {"replicas": [a], "rate": float(i + 1), "work": 0.0} for i, k in enumerate(mine)},
-                     **{k: {"replicas": [ring.owner(k)], "rate": 4.0, "work": 0.0} for k in others}}}
+    snap = {
+        "format": 1,
+        "version": 7,
+        "members": NAMES,
+        "weights": {},
+        "keys": {
+            **{k: {"replicas": [a], "rate": float(i + 1), "work": 0.0} for i, k in enumerate(mine)},
+            **{k: {"replicas": [ring.owner(k)], "rate": 4.0, "work": 0.0} for k in others},
+        },
+    }
     p.apply_snapshot(snap)
     p.table.rebalance(clock())
     loads = {n: r for n, (r, _) in p.table.loads().items()}
@@ -413,7 +433,7 @@ def test_an_overloaded_replica_sheds_its_largest_keys_to_their_next_successor_wi
     assert min(mine.index(k) for k in moved) > max(mine.index(k) for k in kept)
     for k in moved:
         succ = ring.successors(k)
-        assert p.placement(k)[0] in succ[succ.index(a) + 1:] + succ[: succ.index(a)]
+        assert p.placement(k)[0] in succ[succ.index(a) + 1 :] + succ[: succ.index(a)]
     assert all(p.placement(k) == [ring.owner(k)] for k in others if ring.owner(k) != a)
 
 
@@ -429,9 +449,16 @@ def test_the_smallest_key_covering_the_excess_moves_alone() -> None:
     # a destination takes at most 1.825. Smallest cover: 1.5 (not 0.25 + 0.5 and more, not 1.75,
     # which would fit as well).
     rates = [0.25, 0.5, 1.5, 1.75, 9.0]
-    snap = {"format": 1, "version": 3, "members": NAMES, "weights": {},
-            "keys": {**{k: {"replicas": [a], "rate": r, "work": 0.0} for k, r in zip(mine, rates)},
-                     **{k: {"replicas": [ring.owner(k)], "rate": 5.0, "work": 0.0} for k in others}}}
+    snap = {
+        "format": 1,
+        "version": 3,
+        "members": NAMES,
+        "weights": {},
+        "keys": {
+            **{k: {"replicas": [a], "rate": r, "work": 0.0} for k, r in zip(mine, rates)},
+            **{k: {"replicas": [ring.owner(k)], "rate": 5.0, "work": 0.0} for k in others},
+        },
+    }
     p.apply_snapshot(snap)
     p.table.rebalance(clock())
     moved = [r for k, r in zip(mine, rates) if p.placement(k) != [a]]
@@ -523,9 +550,16 @@ def test_precise_mode_sheds_keys_whose_prefix_is_gone_first() -> None:
     a = NAMES[0]
     mine = keys_owned_by(a, 12)
     others = [k for n in NAMES[1:] for k in keys_owned_by(n, 3)]
-    snap = {"format": 1, "version": 1, "members": NAMES, "weights": {},
-            "keys": {**{k: {"replicas": [a], "rate": float(i + 1), "work": 0.0} for i, k in enumerate(mine)},
-                     **{k: {"replicas": [ring.owner(k)], "rate": 4.0, "work": 0.0} for k in others}}}
+    snap = {
+        "format": 1,
+        "version": 1,
+        "members": NAMES,
+        "weights": {},
+        "keys": {
+            **{k: {"replicas": [a], "rate": float(i + 1), "work": 0.0} for i, k in enumerate(mine)},
+            **{k: {"replicas": [ring.owner(k)], "rate": 4.0, "work": 0.0} for k in others},
+        },
+    }
     p = policy(clock, precise=True, epsilon=0.1, hot_share=1.0)
     p.rank(fleet(), "warm-up")
     p.apply_snapshot(snap)

@@ -97,8 +97,10 @@ def test_non_text_parts_are_refused_as_the_api_refuses_them(part):
     """A static message with any part the OpenAI front end refuses has no key: ValueError, never a partial key."""
     from prefixserve.replica import api
 
-    messages = [{"role": "system", "content": [{"type": "text", "text": "Part one."}, part]},
-                {"role": "user", "content": "q"}]
+    messages = [
+        {"role": "system", "content": [{"type": "text", "text": "Part one."}, part]},
+        {"role": "user", "content": "q"},
+    ]
     with pytest.raises(ValueError, match="content part"):
         routing_key({"messages": messages})
     with pytest.raises(api.BadRequestError):
@@ -194,8 +196,7 @@ def test_body_without_messages_or_prompt_has_no_key():
 
 def _conversation(system: str, turns: list[str]) -> list[dict]:
     roles = ["user", "assistant"]
-    return [{"role": "system", "content": system}] + [
-        {"role": roles[i % 2], "content": t} for i, t in enumerate(turns)]
+    return [{"role": "system", "content": system}] + [{"role": roles[i % 2], "content": t} for i, t in enumerate(turns)]
 
 
 def test_multi_turn_keys_are_off_by_default():
@@ -212,8 +213,10 @@ def test_session_header_keys_each_conversation_and_keeps_it():
     assert first == hashlib.sha256(b"sys\x00session:s1").hexdigest()[:16]
     # No header: the plain key; the X-Prefix-Hash header still wins.
     assert routing_key({"messages": _conversation("sys", ["hi"])}, {}, config) == prefix_hash("sys")
-    assert routing_key({"messages": _conversation("sys", ["hi"])},
-                       {"X-Session-Id": "s1", "X-Prefix-Hash": "abc"}, config) == "abc"
+    assert (
+        routing_key({"messages": _conversation("sys", ["hi"])}, {"X-Session-Id": "s1", "X-Prefix-Hash": "abc"}, config)
+        == "abc"
+    )
 
 
 def test_key_turns_extends_the_key_with_the_conversations_leading_turns():

@@ -57,12 +57,15 @@ def test_completions_prompts_text_and_token_ids():
     assert len(ids.hashes) == 3  # 16 ids a block
 
 
-@pytest.mark.parametrize("messages", [
-    [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
-    [{"content": "no role"}],
-    ["not a message"],
-    [],
-])
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+        [{"content": "no role"}],
+        ["not a message"],
+        [],
+    ],
+)
 def test_unreadable_prompts_are_refused_with_a_clear_error(messages):
     with pytest.raises(UnhashablePrompt):
         PromptHasher().message_blocks(messages)

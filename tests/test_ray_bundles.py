@@ -65,11 +65,16 @@ def start_in_bundle0(ray, bundles: list[dict[str, float]], **options):
 
     pg = placement_group(bundles, strategy="STRICT_PACK")
     ray.get(pg.ready(), timeout=60)
-    actor = ray.remote(rank0_class()).options(
-        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0,
-                                                             placement_group_capture_child_tasks=True),
-        **options,
-    ).remote()
+    actor = (
+        ray.remote(rank0_class())
+        .options(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=0, placement_group_capture_child_tasks=True
+            ),
+            **options,
+        )
+        .remote()
+    )
     return pg, actor
 
 
@@ -95,15 +100,20 @@ def gpu_task_in_bundle(ray, pg, index: int) -> list[str]:
 
 
 def test_a_plain_process_gets_none_without_importing_or_starting_ray():
-    code = ("import sys; from prefixserve.replica.ray_bundles import reserve_rank_resources as r; "
-            "assert r(2) is None; assert 'ray' not in sys.modules, 'imported ray'")
+    code = (
+        "import sys; from prefixserve.replica.ray_bundles import reserve_rank_resources as r; "
+        "assert r(2) is None; assert 'ray' not in sys.modules, 'imported ray'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def test_plan_ranks_refuses_a_mismatched_or_mixed_group():
     assert plan_ranks([{"CPU": 2.0, "GPU": 1.0}, {"CPU": 2.0, "GPU": 1.0}], 2) == ([2.0, 2.0], [1.0, 1.0])
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 needs one placement-group bundle per rank, "
-                                         r"but this replica's placement group has 2"):
+    with pytest.raises(
+        ValueError,
+        match=r"tensor_parallel_size=3 needs one placement-group bundle per rank, "
+        r"but this replica's placement group has 2",
+    ):
         plan_ranks([{"CPU": 1.0}, {"CPU": 1.0}], 3)
     with pytest.raises(ValueError, match="every rank's bundle has a GPU or none"):
         plan_ranks([{"CPU": 1.0, "GPU": 1.0}, {"CPU": 1.0}], 2)

@@ -57,8 +57,7 @@ def test_the_message_bound_comes_from_the_template_and_is_sound(replica):
         for i, role in enumerate(ROLES):
             mixed = [{"role": ROLES[(i + k) % len(ROLES)], "content": ""} for k in range(n)]
             for chat in (empty_chat(n, role), mixed):
-                ids = tokenizer.apply_chat_template(chat, tokenize=True, add_generation_prompt=True,
-                                                    return_dict=False)
+                ids = tokenizer.apply_chat_template(chat, tokenize=True, add_generation_prompt=True, return_dict=False)
                 assert len(ids) >= n * per_message, (role, n, len(ids))
     # One message more than the bound allows is refused; exactly the bound is not refused by it.
     engine.check_messages_size(empty_chat(engine.max_messages))
@@ -71,8 +70,7 @@ def test_a_template_that_renders_empty_messages_as_nothing_gives_no_bound(replic
         chat_template = "{% for m in messages %}{% if m.content %}{{ m.content }}{% endif %}{% endfor %}"
 
         def apply_chat_template(self, messages, **kwargs):
-            return replica.engine.tokenizer.apply_chat_template(messages, chat_template=self.chat_template,
-                                                                **kwargs)
+            return replica.engine.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, **kwargs)
 
     assert min_message_tokens(SkipsEmpty()) == 0
 
@@ -86,8 +84,9 @@ def test_many_empty_messages_are_refused_before_validation_and_rendering(replica
     monkeypatch.setattr(api, "validate_request", lambda cls, data: validated.append(1) or real_validate(cls, data))
     for role in ("system", "user"):
         chat = [*empty_chat(100_000, role), {"role": "user", "content": "unique"}]
-        answer = replica.request("POST", "/v1/chat/completions", headers=AUTH,
-                                 content=json.dumps({"messages": chat, "max_tokens": 1}))
+        answer = replica.request(
+            "POST", "/v1/chat/completions", headers=AUTH, content=json.dumps({"messages": chat, "max_tokens": 1})
+        )
         error = assert_openai_error(answer)
         assert (error["code"], error["param"]) == ("context_length_exceeded", "messages"), error
     assert rendered == [] and validated == []
@@ -98,13 +97,19 @@ def test_a_refused_chat_leaves_no_memo_and_admitted_ones_are_memoized(replica):
     engine._static_prefix_ids.clear()
     # Few messages, few characters, but more tokens than fit: refused only once rendered.
     system = " ".join(["x1"] * 200)
-    too_long = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": "q"}],
-                "max_tokens": 1}
+    too_long = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": "q"}], "max_tokens": 1}
     refused = replica.request("POST", "/v1/chat/completions", headers=AUTH, json=too_long)
     assert assert_openai_error(refused)["code"] == "context_length_exceeded"
     assert len(engine._static_prefix_ids) == 0 and engine._static_prefix_ids.nbytes == 0
-    ok = replica.request("POST", "/v1/chat/completions", headers=AUTH, json={
-        "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "q"}], "max_tokens": 1})
+    ok = replica.request(
+        "POST",
+        "/v1/chat/completions",
+        headers=AUTH,
+        json={
+            "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "q"}],
+            "max_tokens": 1,
+        },
+    )
     assert ok.status_code == 200, ok.text
     assert len(engine._static_prefix_ids) == 1
     scraped = metric(replica.request("GET", "/metrics").text, "prefixserve:request_cache_bytes", cache="static_prefix")
@@ -147,8 +152,12 @@ def test_a_too_long_token_id_prompt_names_the_prompt(replica):
         answer = replica.request("POST", "/v1/completions", headers=AUTH, json={"prompt": prompt, "max_tokens": 8})
         error = assert_openai_error(answer)
         assert (error["code"], error["param"]) == ("context_length_exceeded", "prompt"), error
-    chat = replica.request("POST", "/v1/chat/completions", headers=AUTH, json={
-        "messages": [{"role": "user", "content": "hi"}], "max_tokens": MAX_MODEL_LEN})
+    chat = replica.request(
+        "POST",
+        "/v1/chat/completions",
+        headers=AUTH,
+        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": MAX_MODEL_LEN},
+    )
     assert assert_openai_error(chat)["param"] == "messages"
 
 
@@ -156,9 +165,12 @@ def test_concurrent_requests_with_the_same_request_id_all_succeed(replica):
     body = {"prompt": "hello there", "max_tokens": 4, "ignore_eos": True}
 
     async def main() -> list[httpx.Response]:
-        return await asyncio.gather(*(replica.http.post("/v1/completions", json=body,
-                                                        headers={**AUTH, "x-request-id": "same-id"})
-                                      for _ in range(4)))
+        return await asyncio.gather(
+            *(
+                replica.http.post("/v1/completions", json=body, headers={**AUTH, "x-request-id": "same-id"})
+                for _ in range(4)
+            )
+        )
 
     answers = replica.loop.run_until_complete(main())
     assert [a.status_code for a in answers] == [200] * 4, [a.text for a in answers]
@@ -176,8 +188,7 @@ def test_openapi_schema_needs_the_api_key(replica):
 
 def test_a_client_gone_while_its_body_is_read_logs_one_info_line(replica, caplog):
     """The client sends half its body, then disconnects: 499, one info line, no error, no traceback."""
-    events = [{"type": "http.request", "body": b'{"prompt": "x", ', "more_body": True},
-              {"type": "http.disconnect"}]
+    events = [{"type": "http.request", "body": b'{"prompt": "x", ', "more_body": True}, {"type": "http.disconnect"}]
     sent: list[dict] = []
 
     async def receive() -> dict:
@@ -186,11 +197,24 @@ def test_a_client_gone_while_its_body_is_read_logs_one_info_line(replica, caplog
     async def send(message: dict) -> None:
         sent.append(message)
 
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-             "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
-             "root_path": "", "headers": [(b"authorization", AUTH["authorization"].encode()),
-                                          (b"x-request-id", b"gone-1"), (b"content-type", b"application/json")],
-             "client": ("127.0.0.1", 5), "server": ("replica", 80)}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [
+            (b"authorization", AUTH["authorization"].encode()),
+            (b"x-request-id", b"gone-1"),
+            (b"content-type", b"application/json"),
+        ],
+        "client": ("127.0.0.1", 5),
+        "server": ("replica", 80),
+    }
     with caplog.at_level(logging.INFO, logger="prefixserve"):
         replica.loop.run_until_complete(replica.app(scope, receive, send))
     assert sent[0]["status"] == 499
@@ -201,8 +225,12 @@ def test_a_client_gone_while_its_body_is_read_logs_one_info_line(replica, caplog
 
 def test_client_errors_log_one_info_line_with_the_request_id(replica, caplog):
     with caplog.at_level(logging.INFO, logger="prefixserve"):
-        answer = replica.request("POST", "/v1/chat/completions", headers={**AUTH, "x-request-id": "long-1"},
-                                 json={"messages": [{"role": "user", "content": "x " * 400}], "max_tokens": 1})
+        answer = replica.request(
+            "POST",
+            "/v1/chat/completions",
+            headers={**AUTH, "x-request-id": "long-1"},
+            json={"messages": [{"role": "user", "content": "x " * 400}], "max_tokens": 1},
+        )
     assert assert_openai_error(answer)["code"] == "context_length_exceeded"
     refused = [r for r in caplog.records if "refused" in r.getMessage()]
     assert len(refused) == 1 and "long-1" in refused[0].getMessage(), refused
@@ -217,12 +245,19 @@ def test_a_stream_error_crosses_ray_as_plain_fields():
     err = api.error_from_exception(PromptTooLongError("too long", param="prompt"))
     item = pickle.loads(pickle.dumps(StreamError.of(err)))
     again = item.to_api_error()
-    assert (again.status_code, again.code, again.param, again.message) == (400, "context_length_exceeded",
-                                                                           "prompt", "too long")
+    assert (again.status_code, again.code, again.param, again.message) == (
+        400,
+        "context_length_exceeded",
+        "prompt",
+        "too long",
+    )
     assert again.body() == err.body()
     overloaded = StreamError.of(api.OverloadedError("full", retry_after_s=2.0)).to_api_error()
     assert (overloaded.status_code, overloaded.error_type, overloaded.headers()) == (
-        429, "rate_limit_error", {"Retry-After": "2"})
+        429,
+        "rate_limit_error",
+        {"Retry-After": "2"},
+    )
     assert pickle.loads(pickle.dumps(PromptTooLongError("x", param="prompt"))).param == "prompt"
 
 
@@ -245,11 +280,18 @@ def test_refused_huge_chats_do_not_grow_a_replica(model_dir, tmp_path):
     with ReplicaProcess(model_dir, "--max-model-len", str(MAX_MODEL_LEN), log_dir=tmp_path) as proc:
         process = psutil.Process(proc.proc.pid)
         with httpx.Client(base_url=proc.base_url, timeout=120) as http:
+
             def refuse(i: int) -> None:
-                chat = [*empty_chat(100_000), {"role": "system", "content": f"unique {i} " + "y" * 1000},
-                        {"role": "user", "content": "q"}]
-                answer = http.post("/v1/chat/completions", content=json.dumps({"messages": chat, "max_tokens": 1}),
-                                   headers={"content-type": "application/json"})
+                chat = [
+                    *empty_chat(100_000),
+                    {"role": "system", "content": f"unique {i} " + "y" * 1000},
+                    {"role": "user", "content": "q"},
+                ]
+                answer = http.post(
+                    "/v1/chat/completions",
+                    content=json.dumps({"messages": chat, "max_tokens": 1}),
+                    headers={"content-type": "application/json"},
+                )
                 assert assert_openai_error(answer)["code"] == "context_length_exceeded"
 
             for i in range(WARMUP):

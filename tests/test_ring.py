@@ -331,8 +331,10 @@ def test_route_cli_prints_the_key_the_router_uses_and_no_key_for_an_empty_system
     from prefixserve.router.prefix import routing_key
 
     for system, salt in (("You are terse.", None), ("You are terse.", "tenant"), ("", None), ("", "tenant")):
-        body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": "q"}],
-                **({"cache_salt": salt} if salt else {})}
+        body = {
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": "q"}],
+            **({"cache_salt": salt} if salt else {}),
+        }
         expected = routing_key(body)
         argv = ["route", "--replica", "a:1", "--system", system, "--json", *(["--cache-salt", salt] if salt else [])]
         assert cli.main(argv) == 0
@@ -349,8 +351,10 @@ def test_the_distance_table_orders_servers_as_the_walk_does(seed: int) -> None:
     # Rings of every size and weight mix, asked through the table and through the point walk
     # (the path of rings too big for a table): the same servers in the same order.
     rng = random.Random(seed)
-    servers = [RingServer(f"10.{seed}.{i}.{rng.randrange(256)}:80{i}", rng.choice([1, 1, 2, 5]))
-               for i in range(rng.choice([1, 2, 3, 7, 16, 40]))]
+    servers = [
+        RingServer(f"10.{seed}.{i}.{rng.randrange(256)}:80{i}", rng.choice([1, 1, 2, 5]))
+        for i in range(rng.choice([1, 2, 3, 7, 16, 40]))
+    ]
     table, walk = HashRing(servers), HashRing(servers)
     walk._distances_too_big = True
     for _ in range(300):

@@ -21,27 +21,30 @@ from prefixserve.replica.sampling import (
 )
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    (dict(temperature=math.nan), "temperature"),
-    (dict(temperature=math.inf), "temperature"),
-    (dict(temperature=-0.5), "temperature"),
-    (dict(top_p=math.nan), "top_p"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(seed=-1), "seed"),
-    (dict(seed=2**64), "seed"),
-    (dict(n=True), "n must"),
-    (dict(n=2.5), "n must"),
-    (dict(stop=["x"] * (MAX_STOP_STRINGS + 1)), f"at most {MAX_STOP_STRINGS} stop strings"),
-    (dict(stop=["x" * (MAX_STOP_STRING_CHARS + 1)]), f"at most {MAX_STOP_STRING_CHARS} characters"),
-    (dict(stop=[""]), "non-empty"),
-    (dict(stop_token_ids=list(range(MAX_STOP_TOKEN_IDS + 1))), f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids"),
-    (dict(stop_token_ids=[-3]), "non-negative"),
-    (dict(logit_bias={5: math.nan}), "logit_bias[5]"),
-    (dict(logit_bias={5: 100.5}), "logit_bias[5]"),
-    (dict(logit_bias={"5": 1.0}), "logit_bias keys"),
-    (dict(logit_bias={-1: 1.0}), "logit_bias keys"),
-    (dict(logit_bias={i: 1.0 for i in range(MAX_LOGIT_BIAS_ENTRIES + 1)}), f"at most {MAX_LOGIT_BIAS_ENTRIES}"),
-])
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(temperature=math.nan), "temperature"),
+        (dict(temperature=math.inf), "temperature"),
+        (dict(temperature=-0.5), "temperature"),
+        (dict(top_p=math.nan), "top_p"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(seed=-1), "seed"),
+        (dict(seed=2**64), "seed"),
+        (dict(n=True), "n must"),
+        (dict(n=2.5), "n must"),
+        (dict(stop=["x"] * (MAX_STOP_STRINGS + 1)), f"at most {MAX_STOP_STRINGS} stop strings"),
+        (dict(stop=["x" * (MAX_STOP_STRING_CHARS + 1)]), f"at most {MAX_STOP_STRING_CHARS} characters"),
+        (dict(stop=[""]), "non-empty"),
+        (dict(stop_token_ids=list(range(MAX_STOP_TOKEN_IDS + 1))), f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids"),
+        (dict(stop_token_ids=[-3]), "non-negative"),
+        (dict(logit_bias={5: math.nan}), "logit_bias[5]"),
+        (dict(logit_bias={5: 100.5}), "logit_bias[5]"),
+        (dict(logit_bias={"5": 1.0}), "logit_bias keys"),
+        (dict(logit_bias={-1: 1.0}), "logit_bias keys"),
+        (dict(logit_bias={i: 1.0 for i in range(MAX_LOGIT_BIAS_ENTRIES + 1)}), f"at most {MAX_LOGIT_BIAS_ENTRIES}"),
+    ],
+)
 def test_hostile_values_are_refused_with_a_clear_message(kwargs, words):
     with pytest.raises(ValueError) as info:
         SamplingParams(**kwargs)
@@ -57,9 +60,11 @@ def test_accepted_edges():
     assert SamplingParams().child_seed(1) is None
     for seed in (p.child_seed(i) for i in range(3)):
         torch.Generator().manual_seed(seed)  # every child seed is one torch takes
-    limits = SamplingParams(stop=["x" * MAX_STOP_STRING_CHARS] * MAX_STOP_STRINGS,
-                            stop_token_ids=list(range(MAX_STOP_TOKEN_IDS)),
-                            logit_bias={i: -100.0 for i in range(MAX_LOGIT_BIAS_ENTRIES)})
+    limits = SamplingParams(
+        stop=["x" * MAX_STOP_STRING_CHARS] * MAX_STOP_STRINGS,
+        stop_token_ids=list(range(MAX_STOP_TOKEN_IDS)),
+        logit_bias={i: -100.0 for i in range(MAX_LOGIT_BIAS_ENTRIES)},
+    )
     assert len(limits.logit_bias) == MAX_LOGIT_BIAS_ENTRIES
     assert SamplingParams(logit_bias={}).logit_bias is None  # empty: no per-step work at all
     assert SamplingParams(logit_bias={3: 100}).logit_bias == {3: 100.0}
@@ -71,11 +76,13 @@ def test_logit_bias_on_greedy_and_random_rows_and_bans_win():
     target = (top + 7) % 50
     shared = torch.Generator().manual_seed(1)
     boost = {target: 100.0}
-    specs = [SampleSpec(SamplingParams(temperature=0.0), None),
-             SampleSpec(SamplingParams(temperature=0.0, logit_bias=boost), None),
-             SampleSpec(SamplingParams(temperature=1.0, logit_bias=boost), None),
-             SampleSpec(SamplingParams(temperature=0.0, logit_bias={top: -100.0}), None),
-             SampleSpec(SamplingParams(temperature=0.0, logit_bias=boost), None, banned_ids=(target,))]
+    specs = [
+        SampleSpec(SamplingParams(temperature=0.0), None),
+        SampleSpec(SamplingParams(temperature=0.0, logit_bias=boost), None),
+        SampleSpec(SamplingParams(temperature=1.0, logit_bias=boost), None),
+        SampleSpec(SamplingParams(temperature=0.0, logit_bias={top: -100.0}), None),
+        SampleSpec(SamplingParams(temperature=0.0, logit_bias=boost), None, banned_ids=(target,)),
+    ]
     out = sample(logits.repeat(len(specs), 1), specs, shared)
     assert out[0].token_id == top
     assert out[1].token_id == target and out[2].token_id == target
@@ -86,14 +93,19 @@ def test_logit_bias_on_greedy_and_random_rows_and_bans_win():
 
 def test_a_failing_row_fails_alone():
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(2))
-    ok = [SampleSpec(SamplingParams(temperature=1.0, seed=5), torch.Generator().manual_seed(5)),
-          SampleSpec(SamplingParams(temperature=0.0), None)]
+    ok = [
+        SampleSpec(SamplingParams(temperature=1.0, seed=5), torch.Generator().manual_seed(5)),
+        SampleSpec(SamplingParams(temperature=0.0), None),
+    ]
     # An id past the vocabulary (what a validation gap lets through) raises in this row's mask.
     bad = SampleSpec(SamplingParams(temperature=1.0), None, banned_ids=(10**9,))
     out = sample(logits.clone(), [ok[0], bad, ok[1]], torch.Generator().manual_seed(3))
     assert isinstance(out[1].error, IndexError)
-    alone = sample(logits[[0, 2]].clone(), [SampleSpec(ok[0].params, torch.Generator().manual_seed(5)), ok[1]],
-                   torch.Generator().manual_seed(3))
+    alone = sample(
+        logits[[0, 2]].clone(),
+        [SampleSpec(ok[0].params, torch.Generator().manual_seed(5)), ok[1]],
+        torch.Generator().manual_seed(3),
+    )
     assert [out[0].token_id, out[2].token_id] == [r.token_id for r in alone]
     assert out[0].error is None and out[2].error is None
 
@@ -124,19 +136,26 @@ def test_allowed_token_ids_keep_only_those():
 def test_bad_words_ban_the_last_token_after_the_rest():
     logits = _logits()
     words = ((5,), (7, 8), (9, 10, 11))
-    spec = SampleSpec(SamplingParams(bad_words=["x"]), None, token_ids=[1, 2, 7, 9, 10], num_prompt_tokens=2,
-                      bad_words_token_ids=words)
+    spec = SampleSpec(
+        SamplingParams(bad_words=["x"]),
+        None,
+        token_ids=[1, 2, 7, 9, 10],
+        num_prompt_tokens=2,
+        bad_words_token_ids=words,
+    )
     want = logits[0].clone()
     want[[5, 11]] = float("-inf")  # (7, 8): the output ends in 10, not 7
     assert torch.equal(_processed(logits, spec), want)
     # The prompt is not the output: a word split across it is not matched.
-    spec = SampleSpec(SamplingParams(bad_words=["x"]), None, token_ids=[7], num_prompt_tokens=1,
-                      bad_words_token_ids=((7, 8),))
+    spec = SampleSpec(
+        SamplingParams(bad_words=["x"]), None, token_ids=[7], num_prompt_tokens=1, bad_words_token_ids=((7, 8),)
+    )
     assert torch.equal(_processed(logits, spec), logits[0])
 
 
-def _penalized(logits: torch.Tensor, prompt: list[int], output: list[int], rep: float, freq: float,
-               pres: float) -> torch.Tensor:
+def _penalized(
+    logits: torch.Tensor, prompt: list[int], output: list[int], rep: float, freq: float, pres: float
+) -> torch.Tensor:
     """vLLM's apply_penalties, written directly."""
     row = logits[0].clone()
     counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=V).float()
@@ -147,22 +166,38 @@ def _penalized(logits: torch.Tensor, prompt: list[int], output: list[int], rep: 
     return row - freq * counts - pres * (counts > 0).float()
 
 
-@pytest.mark.parametrize("rep, freq, pres", [
-    (1.0, 0.5, 0.0), (1.0, 0.0, 1.5), (1.3, 0.0, 0.0), (0.7, -2.0, 2.0), (1.0, 2.0, -2.0), (2.0, -0.3, 0.4)])
+@pytest.mark.parametrize(
+    "rep, freq, pres",
+    [(1.0, 0.5, 0.0), (1.0, 0.0, 1.5), (1.3, 0.0, 0.0), (0.7, -2.0, 2.0), (1.0, 2.0, -2.0), (2.0, -0.3, 0.4)],
+)
 def test_penalties_are_vllms(rep, freq, pres):
     logits = _logits(seed=4)
     prompt, output = [1, 2, 3, 9], [3, 3, 4, 9, 9, 9, 20]
-    spec = SampleSpec(SamplingParams(repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres), None,
-                      token_ids=prompt + output, num_prompt_tokens=len(prompt))
+    spec = SampleSpec(
+        SamplingParams(repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres),
+        None,
+        token_ids=prompt + output,
+        num_prompt_tokens=len(prompt),
+    )
     torch.testing.assert_close(_processed(logits, spec), _penalized(logits, prompt, output, rep, freq, pres))
 
 
 def test_penalty_extremes_stay_finite_and_keep_masks():
     logits = _logits(seed=5)
     for rep in (1e-300, 1e-30, 1e30, 1e300):
-        spec = SampleSpec(SamplingParams(repetition_penalty=rep, frequency_penalty=2.0, presence_penalty=-2.0,
-                                         temperature=1e-5, logit_bias={0: -100.0}), None,
-                          banned_ids=(1,), token_ids=list(range(V)), num_prompt_tokens=V // 2)
+        spec = SampleSpec(
+            SamplingParams(
+                repetition_penalty=rep,
+                frequency_penalty=2.0,
+                presence_penalty=-2.0,
+                temperature=1e-5,
+                logit_bias={0: -100.0},
+            ),
+            None,
+            banned_ids=(1,),
+            token_ids=list(range(V)),
+            num_prompt_tokens=V // 2,
+        )
         row = _processed(logits, spec)
         assert row[1] == float("-inf") and torch.isfinite(row[2:]).all()
         # Sampling at the smallest temperature gives a token, never the banned one (the logits the
@@ -224,8 +259,10 @@ def test_a_row_with_no_token_left_fails_alone():
     from prefixserve.replica.errors import RequestRejected
 
     logits = _logits(2, seed=12)
-    specs = [SampleSpec(SamplingParams(allowed_token_ids=[2]), None, banned_ids=(2,)),
-             SampleSpec(SamplingParams(temperature=0.0), None)]
+    specs = [
+        SampleSpec(SamplingParams(allowed_token_ids=[2]), None, banned_ids=(2,)),
+        SampleSpec(SamplingParams(temperature=0.0), None),
+    ]
     out = sample(logits.clone(), specs, torch.Generator().manual_seed(0))
     assert isinstance(out[0].error, RequestRejected) and "no token" in str(out[0].error)
     assert out[1].error is None and out[1].token_id == int(logits[1].argmax())
@@ -242,14 +279,17 @@ def test_defaults_cost_no_tensor_work():
             return func(*args, **(kwargs or {}))
 
     logits = _logits(4, seed=13)
-    specs = [SampleSpec(SamplingParams(temperature=t), None, token_ids=[1, 2, 3], num_prompt_tokens=2)
-             for t in (0.0, 1.0, 0.5, 0.0)]
+    specs = [
+        SampleSpec(SamplingParams(temperature=t), None, token_ids=[1, 2, 3], num_prompt_tokens=2)
+        for t in (0.0, 1.0, 0.5, 0.0)
+    ]
     with Count():
         errors = process_logits(logits, specs)
     assert errors == {} and Count.ops == 0
     with Count():
-        process_logits(logits, [SampleSpec(SamplingParams(presence_penalty=0.5), None, token_ids=[1, 2],
-                                           num_prompt_tokens=1)])
+        process_logits(
+            logits, [SampleSpec(SamplingParams(presence_penalty=0.5), None, token_ids=[1, 2], num_prompt_tokens=1)]
+        )
     assert Count.ops > 0  # the counter sees the work a parameter does
 
 
@@ -269,24 +309,27 @@ def test_prompt_logprobs_are_the_raw_log_softmax():
     assert [list(e) for e in prompt_logprobs(logits, nxt, 0)[0]] == [[4], [9], [1]]
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    (dict(presence_penalty=2.01), "presence_penalty"),
-    (dict(frequency_penalty=-2.5), "frequency_penalty"),
-    (dict(frequency_penalty=math.inf), "frequency_penalty"),
-    (dict(repetition_penalty=0.0), "repetition_penalty"),
-    (dict(repetition_penalty=-1.0), "repetition_penalty"),
-    (dict(repetition_penalty=math.inf), "repetition_penalty"),
-    (dict(min_p=1.0001), "min_p"),
-    (dict(min_p=-1e-300), "min_p"),
-    (dict(prompt_logprobs=21), "prompt_logprobs"),
-    (dict(prompt_logprobs=-1), "prompt_logprobs"),
-    (dict(allowed_token_ids=[]), "allowed_token_ids"),
-    (dict(allowed_token_ids=[-1]), "allowed_token_ids"),
-    (dict(bad_words=[" "]), "bad_words"),
-    (dict(bad_words=["x"] * 129), "bad_words"),
-    (dict(skip_special_tokens=1), "skip_special_tokens"),
-    (dict(temperature=10**400), "temperature"),
-])
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(presence_penalty=2.01), "presence_penalty"),
+        (dict(frequency_penalty=-2.5), "frequency_penalty"),
+        (dict(frequency_penalty=math.inf), "frequency_penalty"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(repetition_penalty=-1.0), "repetition_penalty"),
+        (dict(repetition_penalty=math.inf), "repetition_penalty"),
+        (dict(min_p=1.0001), "min_p"),
+        (dict(min_p=-1e-300), "min_p"),
+        (dict(prompt_logprobs=21), "prompt_logprobs"),
+        (dict(prompt_logprobs=-1), "prompt_logprobs"),
+        (dict(allowed_token_ids=[]), "allowed_token_ids"),
+        (dict(allowed_token_ids=[-1]), "allowed_token_ids"),
+        (dict(bad_words=[" "]), "bad_words"),
+        (dict(bad_words=["x"] * 129), "bad_words"),
+        (dict(skip_special_tokens=1), "skip_special_tokens"),
+        (dict(temperature=10**400), "temperature"),
+    ],
+)
 def test_new_parameters_refuse_out_of_range_values(kwargs, words):
     with pytest.raises(ValueError) as info:
         SamplingParams(**kwargs)
@@ -294,7 +337,14 @@ def test_new_parameters_refuse_out_of_range_values(kwargs, words):
 
 
 def test_new_parameters_accept_their_edges():
-    p = SamplingParams(presence_penalty=-2, frequency_penalty=2, repetition_penalty=1e-300, min_p=1.0,
-                       prompt_logprobs=20, allowed_token_ids=[0], bad_words="word")
+    p = SamplingParams(
+        presence_penalty=-2,
+        frequency_penalty=2,
+        repetition_penalty=1e-300,
+        min_p=1.0,
+        prompt_logprobs=20,
+        allowed_token_ids=[0],
+        bad_words="word",
+    )
     assert p.has_penalties and p.bad_words == ["word"] and p.min_p == 1.0
     assert not SamplingParams(repetition_penalty=1.0).has_penalties

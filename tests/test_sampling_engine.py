@@ -17,9 +17,18 @@ from prefixserve.replica.sampling import SamplingParams
 
 MAX_TOKENS = 12
 # Every new parameter at the value that turns it off, spelled out.
-OFF = dict(presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, min_p=0.0, bad_words=[],
-           allowed_token_ids=None, include_stop_str_in_output=False, skip_special_tokens=True,
-           spaces_between_special_tokens=True, prompt_logprobs=None)
+OFF = dict(
+    presence_penalty=0.0,
+    frequency_penalty=0.0,
+    repetition_penalty=1.0,
+    min_p=0.0,
+    bad_words=[],
+    allowed_token_ids=None,
+    include_stop_str_in_output=False,
+    skip_special_tokens=True,
+    spaces_between_special_tokens=True,
+    prompt_logprobs=None,
+)
 
 
 @pytest.fixture(scope="module")
@@ -89,23 +98,32 @@ def test_bad_words_never_appear_in_the_output(llm, prompts):
     ids = llm.engine.bad_words_token_ids([word])
     got = _greedy_tokens(llm, prompts[1], bad_words=[word])
     for w in ids:
-        assert not any(tuple(got[i:i + len(w)]) == w for i in range(len(got) - len(w) + 1))
+        assert not any(tuple(got[i : i + len(w)]) == w for i in range(len(got) - len(w) + 1))
 
 
 def test_min_p_one_at_any_temperature_is_greedy(llm, prompts):
     base = _greedy_tokens(llm, prompts[2])
-    hot = llm.generate([prompts[2]], SamplingParams(temperature=2.0, min_p=1.0, seed=3, max_tokens=MAX_TOKENS,
-                                                    ignore_eos=True))[0].outputs[0].token_ids
+    hot = (
+        llm.generate(
+            [prompts[2]], SamplingParams(temperature=2.0, min_p=1.0, seed=3, max_tokens=MAX_TOKENS, ignore_eos=True)
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
     assert hot == base
-    unfiltered = llm.generate([prompts[2]], SamplingParams(temperature=2.0, seed=3, max_tokens=MAX_TOKENS,
-                                                           ignore_eos=True))[0].outputs[0].token_ids
+    unfiltered = (
+        llm.generate([prompts[2]], SamplingParams(temperature=2.0, seed=3, max_tokens=MAX_TOKENS, ignore_eos=True))[0]
+        .outputs[0]
+        .token_ids
+    )
     assert unfiltered != base
 
 
 def test_a_top_p_below_float32_is_greedy_not_token_0(llm, prompts):
     base = _greedy_tokens(llm, prompts[3])
-    out = llm.generate([prompts[3]], SamplingParams(temperature=1.0, top_p=1e-300, seed=1, max_tokens=MAX_TOKENS,
-                                                    ignore_eos=True))[0].outputs[0]
+    out = llm.generate(
+        [prompts[3]], SamplingParams(temperature=1.0, top_p=1e-300, seed=1, max_tokens=MAX_TOKENS, ignore_eos=True)
+    )[0].outputs[0]
     assert out.token_ids == base and 0 not in out.token_ids
 
 
@@ -126,12 +144,16 @@ def _check_prompt_logprobs(got, hf, prompt, k):
             assert math.isclose(value, float(row[token]), abs_tol=2e-4), (pos, token)
 
 
-@pytest.mark.parametrize("knobs", [
-    dict(),
-    dict(max_num_batched_tokens=8),  # chunked prefill: the rows arrive over several steps
-    dict(num_kv_blocks=9, max_num_batched_tokens=64),  # preemption
-    dict(num_kv_blocks=9, max_num_batched_tokens=8, preemption_mode="swap", swap_space_gb=0.01),
-], ids=["plain", "chunked-8", "preempt", "swap-chunked"])
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        dict(),
+        dict(max_num_batched_tokens=8),  # chunked prefill: the rows arrive over several steps
+        dict(num_kv_blocks=9, max_num_batched_tokens=64),  # preemption
+        dict(num_kv_blocks=9, max_num_batched_tokens=8, preemption_mode="swap", swap_space_gb=0.01),
+    ],
+    ids=["plain", "chunked-8", "preempt", "swap-chunked"],
+)
 def test_prompt_logprobs_equal_a_transformers_forward(ckpt, hf, prompts, knobs):
     llm = LLM(ckpt, **{"num_kv_blocks": 64, "max_num_batched_tokens": 128, **knobs})
     # Warm the prefix cache with the same prompts: a prompt_logprobs request must not take the hit.
@@ -157,12 +179,12 @@ def test_prompt_logprobs_with_n_children(llm, hf, prompts):
 def test_include_stop_str_in_output(llm, prompts):
     full = llm.generate([prompts[0]], greedy())[0].outputs[0]
     text = full.text
-    stop = text[len(text) // 2:len(text) // 2 + 2]
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
     assert stop.strip()
     cut = text.index(stop)
     without = llm.generate([prompts[0]], greedy(stop=[stop]))[0].outputs[0]
     with_ = llm.generate([prompts[0]], greedy(stop=[stop], include_stop_str_in_output=True))[0].outputs[0]
-    assert without.text == text[:cut] and with_.text == text[:cut + len(stop)]
+    assert without.text == text[:cut] and with_.text == text[: cut + len(stop)]
 
 
 def test_skip_special_tokens_off_keeps_their_text(llm, prompts):
@@ -174,8 +196,9 @@ def test_skip_special_tokens_off_keeps_their_text(llm, prompts):
     assert kept.token_ids == skipped.token_ids == [special] * 3
     assert kept.text == "<|im_start|>" * 3 and skipped.text == ""
     # No tokenizer decoder here puts spaces between special tokens: the switch changes nothing, as in vLLM.
-    spaced = llm.generate([prompts[0]], SamplingParams(skip_special_tokens=False, spaces_between_special_tokens=False,
-                                                       **params))[0].outputs[0]
+    spaced = llm.generate(
+        [prompts[0]], SamplingParams(skip_special_tokens=False, spaces_between_special_tokens=False, **params)
+    )[0].outputs[0]
     assert spaced.text == kept.text
 
 
@@ -186,9 +209,11 @@ def test_prompt_logprobs_of_a_prompt_longer_than_an_lm_head_slice(ckpt, hf, prom
     long_prompt = [int(t) for t in rng.integers(17, 40000, LOGIT_SLICE_ROWS + 45)]
     llm = LLM(ckpt, num_kv_blocks=128, max_num_batched_tokens=1024)
     # Sampled rows and two spans share the step's slices.
-    outs = llm.generate([prompts[0], long_prompt, prompts[1]],
-                        [greedy(), greedy(prompt_logprobs=1), greedy(prompt_logprobs=0)])
+    outs = llm.generate(
+        [prompts[0], long_prompt, prompts[1]], [greedy(), greedy(prompt_logprobs=1), greedy(prompt_logprobs=0)]
+    )
     _check_prompt_logprobs(outs[1].prompt_logprobs, hf, long_prompt, 1)
     _check_prompt_logprobs(outs[2].prompt_logprobs, hf, prompts[1], 0)
-    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, MAX_TOKENS)
-                                                     for p in (prompts[0], long_prompt, prompts[1])]
+    assert [o.outputs[0].token_ids for o in outs] == [
+        hf_greedy(hf, p, MAX_TOKENS) for p in (prompts[0], long_prompt, prompts[1])
+    ]

@@ -112,8 +112,14 @@ def test_randomized_run_keeps_invariants_and_frees_everything():
     kv = KVCacheManager(40, block_size=4)
     sched = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24), kv)
     prefixes = [[rng.randrange(1000) for _ in range(rng.randrange(4, 13))] for _ in range(3)]
-    pending = [make_seq(f"r{i}", rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randrange(1, 20))],
-                        max_tokens=rng.randrange(1, 12)) for i in range(40)]
+    pending = [
+        make_seq(
+            f"r{i}",
+            rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randrange(1, 20))],
+            max_tokens=rng.randrange(1, 12),
+        )
+        for i in range(40)
+    ]
     done = []
     steps = 0
     while pending or sched.has_unfinished():

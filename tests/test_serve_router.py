@@ -134,10 +134,28 @@ async def test_full_owner_falls_back_to_the_next_ring_replica():
     assert chosen.name == order[1]
     router.on_request_routed(request, chosen.replica_id, result=None)
     # The policy put the owner first; Serve moved on because it was full: a fallback, not a spill.
-    assert counter(router._metrics, "prefixserve_router_decisions_total", deployment="Engine",
-                   policy="consistent_hash", replica=order[1], kind="fallback") == 1
-    assert counter(router._metrics, "prefixserve_router_decisions_total", deployment="Engine",
-                   policy="consistent_hash", replica=order[1], kind="spill") == 0
+    assert (
+        counter(
+            router._metrics,
+            "prefixserve_router_decisions_total",
+            deployment="Engine",
+            policy="consistent_hash",
+            replica=order[1],
+            kind="fallback",
+        )
+        == 1
+    )
+    assert (
+        counter(
+            router._metrics,
+            "prefixserve_router_decisions_total",
+            deployment="Engine",
+            policy="consistent_hash",
+            replica=order[1],
+            kind="spill",
+        )
+        == 0
+    )
 
 
 def load(router: PrefixRouter, replica: FakeReplica, n: int) -> list[PendingRequest]:
@@ -164,12 +182,34 @@ async def test_bounded_load_spills_a_hot_key_and_counts_it():
     router.on_request_routed(request, chosen.replica_id, result=None)
     metrics = router._metrics
     assert counter(metrics, "prefixserve_router_spills_total", deployment="Engine", policy="bounded_load") == 1
-    assert counter(metrics, "prefixserve_router_requests_total", deployment="Engine", policy="bounded_load",
-                   replica=order[1]) == 1
-    assert counter(metrics, "prefixserve_router_decisions_total", deployment="Engine", policy="bounded_load",
-                   replica=order[1], kind="spill") == 1
-    assert counter(metrics, "prefixserve_router_decisions_total", deployment="Engine", policy="bounded_load",
-                   replica=order[0], kind="no_key") == 10  # load() routes unkeyed requests
+    assert (
+        counter(
+            metrics, "prefixserve_router_requests_total", deployment="Engine", policy="bounded_load", replica=order[1]
+        )
+        == 1
+    )
+    assert (
+        counter(
+            metrics,
+            "prefixserve_router_decisions_total",
+            deployment="Engine",
+            policy="bounded_load",
+            replica=order[1],
+            kind="spill",
+        )
+        == 1
+    )
+    assert (
+        counter(
+            metrics,
+            "prefixserve_router_decisions_total",
+            deployment="Engine",
+            policy="bounded_load",
+            replica=order[0],
+            kind="no_key",
+        )
+        == 10
+    )  # load() routes unkeyed requests
     # Once the owner's requests complete, the key returns to it and nothing spills.
     for r in [*hot, request]:
         router.on_request_completed(by_name[order[0]].replica_id, r.metadata.internal_request_id)
@@ -178,8 +218,17 @@ async def test_bounded_load_spills_a_hot_key_and_counts_it():
     router.on_request_routed(request, chosen.replica_id, result=None)
     assert chosen.name == order[0]
     assert counter(metrics, "prefixserve_router_spills_total", deployment="Engine", policy="bounded_load") == 1
-    assert counter(metrics, "prefixserve_router_decisions_total", deployment="Engine", policy="bounded_load",
-                   replica=order[0], kind="owner") == 1
+    assert (
+        counter(
+            metrics,
+            "prefixserve_router_decisions_total",
+            deployment="Engine",
+            policy="bounded_load",
+            replica=order[0],
+            kind="owner",
+        )
+        == 1
+    )
 
 
 async def test_dead_replica_leaves_the_ring_and_no_surviving_key_moves():
@@ -269,8 +318,17 @@ async def test_round_robin_alternates_over_live_replicas():
     assert chosen[0::2] == [chosen[0]] * 3 and chosen[1::2] == [chosen[1]] * 3
     assert chosen[0] != chosen[1]
     # A keyed request under a policy without a ring.
-    assert counter(router._metrics, "prefixserve_router_decisions_total", deployment="Engine", policy="round_robin",
-                   replica=chosen[0], kind="no_ring") == 3
+    assert (
+        counter(
+            router._metrics,
+            "prefixserve_router_decisions_total",
+            deployment="Engine",
+            policy="round_robin",
+            replica=chosen[0],
+            kind="no_ring",
+        )
+        == 3
+    )
 
 
 def test_initialize_state_rejects_options_of_other_policies():
@@ -294,15 +352,20 @@ def test_initialize_state_passes_every_declared_option_through():
 
 
 def stats(seq: int, waiting: int, running: int, **extra) -> dict:
-    return {"seq": seq, "num_waiting": waiting, "num_running": running, "kv_usage": 0.5,
-            "queued_prefill_tokens": 100, **extra}
+    return {
+        "seq": seq,
+        "num_waiting": waiting,
+        "num_running": running,
+        "kv_usage": 0.5,
+        "queued_prefill_tokens": 100,
+        **extra,
+    }
 
 
 def test_reported_load_is_corrected_by_the_routers_own_change_since_the_report():
     from prefixserve.router.serve_router import Report, corrected_load
 
-    report = Report(seq=1, load=ReplicaLoad(num_waiting=2, num_running=3, kv_usage=0.5), own_at_report=4,
-                    arrived=0.0)
+    report = Report(seq=1, load=ReplicaLoad(num_waiting=2, num_running=3, kv_usage=0.5), own_at_report=4, arrived=0.0)
     assert corrected_load(report, 4) == ReplicaLoad(2, 3, 0.5)  # nothing changed
     assert corrected_load(report, 6) == ReplicaLoad(4, 3, 0.5)  # two sent since: queued
     assert corrected_load(report, 1) == ReplicaLoad(0, 2, 0.5)  # three done: waiting first, then running

@@ -25,8 +25,10 @@ REPLICA_NAME = "replica-under-test"
 MAX_MODEL_LEN = 512
 MAX_BODY_BYTES = 64 * 1024
 BLOCK_SIZE = 16
-WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
-         "quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
+WORDS = (
+    "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
+    "quebec romeo sierra tango uniform victor whiskey xray yankee zulu"
+).split()
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -41,9 +43,19 @@ def tiny_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint, tmp_path_factory):
     with ReplicaProcess(
-        tiny_checkpoint, "--api-key", API_KEY, "--replica-name", REPLICA_NAME,
-        "--max-model-len", str(MAX_MODEL_LEN), "--max-body-bytes", str(MAX_BODY_BYTES),
-        "--block-size", str(BLOCK_SIZE), "--max-num-seqs", "64",
+        tiny_checkpoint,
+        "--api-key",
+        API_KEY,
+        "--replica-name",
+        REPLICA_NAME,
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--max-body-bytes",
+        str(MAX_BODY_BYTES),
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--max-num-seqs",
+        "64",
         log_dir=tmp_path_factory.mktemp("logs"),
     ) as proc:
         yield proc
@@ -73,8 +85,11 @@ def wait_until_idle(server, timeout_s: float = 60.0) -> str:
     text = get_metrics(server)
     while time.monotonic() < deadline:
         text = get_metrics(server)
-        if (metric(text, "vllm:num_requests_running") == 0 and metric(text, "vllm:num_requests_waiting") == 0
-                and metric(text, "vllm:kv_cache_usage_perc") == 0):
+        if (
+            metric(text, "vllm:num_requests_running") == 0
+            and metric(text, "vllm:num_requests_waiting") == 0
+            and metric(text, "vllm:kv_cache_usage_perc") == 0
+        ):
             return text
         time.sleep(0.2)
     raise AssertionError(f"the replica did not become idle:\n{text}")
@@ -109,7 +124,8 @@ def test_openai_client_chat_completion(client, model_name):
     rng = random.Random(1)
     messages = [{"role": "system", "content": words(rng, 12)}, {"role": "user", "content": words(rng, 6)}]
     raw = client.chat.completions.with_raw_response.create(
-        model=model_name, messages=messages, max_tokens=7, temperature=0, extra_body={"ignore_eos": True})
+        model=model_name, messages=messages, max_tokens=7, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert raw.headers["x-prefixserve-replica"] == REPLICA_NAME
     first = raw.parse()
     assert first.object == "chat.completion" and first.model == model_name
@@ -122,52 +138,77 @@ def test_openai_client_chat_completion(client, model_name):
     assert first.usage.prompt_tokens_details.cached_tokens is not None
     # Greedy is deterministic: the same request answers the same text.
     again = client.chat.completions.create(
-        model=model_name, messages=messages, max_tokens=7, temperature=0, extra_body={"ignore_eos": True})
+        model=model_name, messages=messages, max_tokens=7, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert again.choices[0].message.content == choice.message.content
 
 
 def test_openai_client_completions_text_and_token_prompts(client, model_name):
     rng = random.Random(2)
     prompt = words(rng, 20)
-    text = client.completions.create(model=model_name, prompt=prompt, max_tokens=5, temperature=0,
-                                     extra_body={"ignore_eos": True})
+    text = client.completions.create(
+        model=model_name, prompt=prompt, max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert text.object == "text_completion"
     assert text.choices[0].finish_reason == "length" and text.usage.completion_tokens == 5
     prompt_ids = [rng.randrange(100, 40000) for _ in range(24)]
-    ids = client.completions.create(model=model_name, prompt=prompt_ids, max_tokens=3, temperature=0,
-                                    logprobs=2, extra_body={"ignore_eos": True})
+    ids = client.completions.create(
+        model=model_name, prompt=prompt_ids, max_tokens=3, temperature=0, logprobs=2, extra_body={"ignore_eos": True}
+    )
     assert ids.usage.prompt_tokens == len(prompt_ids)
     logprobs = ids.choices[0].logprobs
     assert len(logprobs.tokens) == 3 and all(lp <= 0 for lp in logprobs.token_logprobs)
     assert all(len(top) == 2 for top in logprobs.top_logprobs)
     # Completions default to 16 tokens, as OpenAI's do.
-    default = client.completions.create(model=model_name, prompt=prompt, temperature=0,
-                                        extra_body={"ignore_eos": True})
+    default = client.completions.create(model=model_name, prompt=prompt, temperature=0, extra_body={"ignore_eos": True})
     assert default.usage.completion_tokens == 16
 
 
 def test_n_greater_than_one_non_streaming(client, model_name):
     rng = random.Random(3)
     messages = [{"role": "user", "content": words(rng, 10)}]
-    response = client.chat.completions.create(model=model_name, messages=messages, n=3, max_tokens=6,
-                                              temperature=1.0, seed=77, extra_body={"ignore_eos": True})
+    response = client.chat.completions.create(
+        model=model_name,
+        messages=messages,
+        n=3,
+        max_tokens=6,
+        temperature=1.0,
+        seed=77,
+        extra_body={"ignore_eos": True},
+    )
     assert sorted(c.index for c in response.choices) == [0, 1, 2]
     assert all(c.finish_reason == "length" for c in response.choices)
     assert response.usage.completion_tokens == 18
     # Seeded sampling is reproducible through the server.
-    again = client.chat.completions.create(model=model_name, messages=messages, n=3, max_tokens=6,
-                                           temperature=1.0, seed=77, extra_body={"ignore_eos": True})
+    again = client.chat.completions.create(
+        model=model_name,
+        messages=messages,
+        n=3,
+        max_tokens=6,
+        temperature=1.0,
+        seed=77,
+        extra_body={"ignore_eos": True},
+    )
     assert [c.message.content for c in again.choices] == [c.message.content for c in response.choices]
 
 
 def test_streaming_equals_non_streaming(client, model_name):
     rng = random.Random(4)
     messages = [{"role": "system", "content": words(rng, 30)}, {"role": "user", "content": words(rng, 5)}]
-    whole = client.chat.completions.create(model=model_name, messages=messages, max_tokens=12, temperature=0,
-                                           extra_body={"ignore_eos": True})
-    chunks = list(client.chat.completions.create(
-        model=model_name, messages=messages, max_tokens=12, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    whole = client.chat.completions.create(
+        model=model_name, messages=messages, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model=model_name,
+            messages=messages,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -181,18 +222,29 @@ def test_streaming_equals_non_streaming(client, model_name):
     assert usage_chunks[0].usage.prompt_tokens_details.cached_tokens >= 0
 
     prompt = words(rng, 15)
-    whole_text = client.completions.create(model=model_name, prompt=prompt, max_tokens=9, temperature=0,
-                                           extra_body={"ignore_eos": True})
-    streamed = list(client.completions.create(model=model_name, prompt=prompt, max_tokens=9, temperature=0,
-                                              stream=True, extra_body={"ignore_eos": True}))
+    whole_text = client.completions.create(
+        model=model_name, prompt=prompt, max_tokens=9, temperature=0, extra_body={"ignore_eos": True}
+    )
+    streamed = list(
+        client.completions.create(
+            model=model_name, prompt=prompt, max_tokens=9, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
+    )
     assert "".join(c.choices[0].text for c in streamed if c.choices) == whole_text.choices[0].text
     assert all(c.usage is None for c in streamed)  # no include_usage: no usage chunk
 
 
 def test_stream_n_greater_than_one_indexes_choices(client, model_name):
     stream = client.chat.completions.create(
-        model=model_name, messages=[{"role": "user", "content": "hello there"}], n=2, max_tokens=5,
-        temperature=0.8, seed=5, stream=True, extra_body={"ignore_eos": True})
+        model=model_name,
+        messages=[{"role": "user", "content": "hello there"}],
+        n=2,
+        max_tokens=5,
+        temperature=0.8,
+        seed=5,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     finished = {}
     for chunk in stream:
         for choice in chunk.choices:
@@ -205,11 +257,17 @@ def test_second_request_with_same_system_prompt_reports_cached_tokens(client, mo
     rng = random.Random(5)
     system = f"{rng.randrange(10**9)} " + words(rng, 120)  # a prompt no other test sent
     first = client.chat.completions.create(
-        model=model_name, max_tokens=2, temperature=0,
-        messages=[{"role": "system", "content": system}, {"role": "user", "content": words(rng, 8)}])
+        model=model_name,
+        max_tokens=2,
+        temperature=0,
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": words(rng, 8)}],
+    )
     second = client.chat.completions.create(
-        model=model_name, max_tokens=2, temperature=0,
-        messages=[{"role": "system", "content": system}, {"role": "user", "content": words(rng, 8)}])
+        model=model_name,
+        max_tokens=2,
+        temperature=0,
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": words(rng, 8)}],
+    )
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached > 0 and cached % BLOCK_SIZE == 0
@@ -217,8 +275,12 @@ def test_second_request_with_same_system_prompt_reports_cached_tokens(client, mo
     assert cached < second.usage.prompt_tokens
     # Another tenant's salt must not see this tenant's blocks.
     salted = client.chat.completions.create(
-        model=model_name, max_tokens=2, temperature=0, extra_body={"cache_salt": "tenant-b"},
-        messages=[{"role": "system", "content": system}, {"role": "user", "content": words(rng, 8)}])
+        model=model_name,
+        max_tokens=2,
+        temperature=0,
+        extra_body={"cache_salt": "tenant-b"},
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": words(rng, 8)}],
+    )
     assert salted.usage.prompt_tokens_details.cached_tokens == 0
 
 
@@ -259,8 +321,12 @@ def test_bad_input_gets_openai_error_and_honest_status(server, model_name, name,
         if path.endswith("chat/completions") and "messages" not in body and name != "missing messages":
             body["messages"] = [{"role": "user", "content": "hi"}]
         body = json.dumps(body).encode()
-    response = httpx.post(f"{server.base_url}{path}", content=body, timeout=60,
-                          headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    response = httpx.post(
+        f"{server.base_url}{path}",
+        content=body,
+        timeout=60,
+        headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
+    )
     assert response.status_code == status, response.text
     assert response.headers["x-prefixserve-replica"] == REPLICA_NAME
     error = response.json()["error"]
@@ -278,7 +344,7 @@ def test_body_too_large_is_413_by_header_and_by_bytes(server, model_name):
     def chunked():  # no Content-Length: only counting the bytes catches it
         data = huge.encode()
         for i in range(0, len(data), 8192):
-            yield data[i:i + 8192]
+            yield data[i : i + 8192]
 
     streamed = httpx.post(f"{server.base_url}/v1/chat/completions", content=chunked(), headers=headers, timeout=30)
     assert streamed.status_code == 413
@@ -302,8 +368,7 @@ def test_openai_client_sees_typed_errors(client, model_name):
         client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
     assert not_found.value.status_code == 404
     with pytest.raises(openai.BadRequestError) as bad:
-        client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "x"}],
-                                       temperature=9)
+        client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "x"}], temperature=9)
     assert "temperature" in bad.value.message
 
 
@@ -337,11 +402,17 @@ def test_32_concurrent_streams_with_early_disconnects_free_every_block(server, m
     systems = [words(rng, 40) for _ in range(4)]
     bodies, stops = [], []
     for i in range(32):
-        bodies.append({
-            "model": model_name, "stream": True, "max_tokens": 40, "temperature": 0.7, "seed": i,
-            "ignore_eos": True,
-            "messages": [{"role": "system", "content": systems[i % 4]}, {"role": "user", "content": words(rng, 6)}],
-        })
+        bodies.append(
+            {
+                "model": model_name,
+                "stream": True,
+                "max_tokens": 40,
+                "temperature": 0.7,
+                "seed": i,
+                "ignore_eos": True,
+                "messages": [{"role": "system", "content": systems[i % 4]}, {"role": "user", "content": words(rng, 6)}],
+            }
+        )
         stops.append(rng.randrange(1, 4) if i % 3 == 0 else None)
 
     async def main() -> list[int]:
@@ -365,12 +436,19 @@ def test_disconnected_stream_is_aborted_not_run_to_completion(server, model_name
     wait_until_idle(server)
     before = metric(get_metrics(server), "vllm:generation_tokens_total")
     max_tokens = MAX_MODEL_LEN - 40
-    body = {"model": model_name, "stream": True, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "messages": [{"role": "user", "content": "count"}]}
+    body = {
+        "model": model_name,
+        "stream": True,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "messages": [{"role": "user", "content": "count"}],
+    }
 
     async def main() -> int:
-        async with httpx.AsyncClient(base_url=server.base_url, timeout=300,
-                                     headers={"Authorization": f"Bearer {API_KEY}"}) as http:
+        async with httpx.AsyncClient(
+            base_url=server.base_url, timeout=300, headers={"Authorization": f"Bearer {API_KEY}"}
+        ) as http:
             return await _stream(http, body, stop_after_chunks=3)
 
     assert asyncio.run(main()) == 3
@@ -383,12 +461,16 @@ def test_disconnected_non_streaming_request_is_aborted(server, model_name):
     wait_until_idle(server)
     before = metric(get_metrics(server), "vllm:generation_tokens_total")
     max_tokens = MAX_MODEL_LEN - 40
-    body = {"model": model_name, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "messages": [{"role": "user", "content": "count"}]}
+    body = {
+        "model": model_name,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "messages": [{"role": "user", "content": "count"}],
+    }
 
     async def main() -> None:
-        async with httpx.AsyncClient(base_url=server.base_url,
-                                     headers={"Authorization": f"Bearer {API_KEY}"}) as http:
+        async with httpx.AsyncClient(base_url=server.base_url, headers={"Authorization": f"Bearer {API_KEY}"}) as http:
             task = asyncio.create_task(http.post("/v1/chat/completions", json=body, timeout=300))
             # Hang up once the engine has produced some tokens for it.
             while metric(get_metrics(server), "vllm:generation_tokens_total") - before < 3:
@@ -407,11 +489,23 @@ def test_disconnected_non_streaming_request_is_aborted(server, model_name):
 
 
 def test_queue_full_is_429_with_retry_after(tiny_checkpoint, tmp_path):
-    with ReplicaProcess(tiny_checkpoint, "--max-num-seqs", "1", "--max-waiting-requests", "1",
-                        "--max-model-len", str(MAX_MODEL_LEN), log_dir=tmp_path) as proc:
+    with ReplicaProcess(
+        tiny_checkpoint,
+        "--max-num-seqs",
+        "1",
+        "--max-waiting-requests",
+        "1",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        log_dir=tmp_path,
+    ) as proc:
         # A long ignore_eos budget keeps the one seat taken while all six requests arrive.
-        body = {"messages": [{"role": "user", "content": "tell me more"}], "max_tokens": 400,
-                "ignore_eos": True, "temperature": 0}
+        body = {
+            "messages": [{"role": "user", "content": "tell me more"}],
+            "max_tokens": 400,
+            "ignore_eos": True,
+            "temperature": 0,
+        }
 
         async def main() -> list[httpx.Response]:
             async with httpx.AsyncClient(base_url=proc.base_url, timeout=300) as http:
@@ -438,9 +532,14 @@ def test_smollm2_serves_a_chat_completion(tmp_path):
     with ReplicaProcess("smollm2", "--max-model-len", "1024", log_dir=tmp_path) as proc:
         with openai.OpenAI(base_url=f"{proc.base_url}/v1", api_key="unused", max_retries=0, timeout=300) as c:
             response = c.chat.completions.create(
-                model="smollm2", temperature=0, max_tokens=12,
-                messages=[{"role": "system", "content": "You are a helpful assistant. Answer in one sentence."},
-                          {"role": "user", "content": "What is the capital of France?"}])
+                model="smollm2",
+                temperature=0,
+                max_tokens=12,
+                messages=[
+                    {"role": "system", "content": "You are a helpful assistant. Answer in one sentence."},
+                    {"role": "user", "content": "What is the capital of France?"},
+                ],
+            )
     answer = response.choices[0].message.content
     assert "Paris" in answer, answer
     assert response.usage.prompt_tokens_details.cached_tokens == 0

@@ -63,8 +63,12 @@ def test_every_server_knob_is_a_flag_of_prefixserve_replica():
     add_arguments(parser)
     defaults = from_cli_args(ServerConfig, parser.parse_args([]))
     assert defaults == ServerConfig()
-    given = from_cli_args(ServerConfig, parser.parse_args(
-        ["--max-in-flight", "2", "--h11-max-header-count", "7", "--send-timeout-s", "0.5", "--drain-timeout-s", "0"]))
+    given = from_cli_args(
+        ServerConfig,
+        parser.parse_args(
+            ["--max-in-flight", "2", "--h11-max-header-count", "7", "--send-timeout-s", "0.5", "--drain-timeout-s", "0"]
+        ),
+    )
     assert (given.max_in_flight, given.h11_max_header_count) == (2, 7)
     assert (given.send_timeout_s, given.drain_timeout_s) == (0.5, 0)
     flags = {action.dest for action in parser._actions}

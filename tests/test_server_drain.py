@@ -28,8 +28,16 @@ def tiny(tmp_path_factory):
 
 
 def test_sigterm_drains_then_ends_open_streams_in_band_and_exits_0(tiny, tmp_path):
-    with ReplicaProcess(tiny, "--max-model-len", "8192", "--drain-timeout-s", str(DRAIN_TIMEOUT_S),
-                        "--log-level", "info", log_dir=tmp_path) as replica:
+    with ReplicaProcess(
+        tiny,
+        "--max-model-len",
+        "8192",
+        "--drain-timeout-s",
+        str(DRAIN_TIMEOUT_S),
+        "--log-level",
+        "info",
+        log_dir=tmp_path,
+    ) as replica:
         base = replica.base_url
         # 8,000 decode steps cannot end within the drain timeout; 150 can.
         long = StreamReader(base, max_tokens=8000, timeout_s=WAIT_S)

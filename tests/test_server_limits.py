@@ -46,8 +46,12 @@ def running_server(model, **limits) -> Iterator[str]:
     engine = AsyncEngine(EngineConfig(model=str(model), max_model_len=1024))
     port = free_port()
     config = ServerConfig(**limits)
-    thread = threading.Thread(target=serve, args=(engine,), daemon=True, kwargs=dict(
-        host="127.0.0.1", port=port, log_level="warning", api_keys=[KEY], config=config))
+    thread = threading.Thread(
+        target=serve,
+        args=(engine,),
+        daemon=True,
+        kwargs=dict(host="127.0.0.1", port=port, log_level="warning", api_keys=[KEY], config=config),
+    )
     thread.start()
     base = f"http://127.0.0.1:{port}"
     try:
@@ -103,17 +107,26 @@ def status_and_error(answer: bytes) -> tuple[int, dict]:
 
 
 def post_head(path: str, content_length: int, *, auth: bool = True) -> bytes:
-    return (f"POST {path} HTTP/1.1\r\nHost: replica\r\nContent-Type: application/json\r\n"
-            + (f"Authorization: Bearer {KEY}\r\n" if auth else "")
-            + f"Content-Length: {content_length}\r\n\r\n").encode()
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: replica\r\nContent-Type: application/json\r\n"
+        + (f"Authorization: Bearer {KEY}\r\n" if auth else "")
+        + f"Content-Length: {content_length}\r\n\r\n"
+    ).encode()
 
 
 @pytest.fixture(scope="module")
 def strict(tiny):
     """Small limits and 0.5 s timeouts, one request in flight at most."""
-    with running_server(tiny, max_in_flight=1, h11_max_incomplete_event_size=HEAD_LIMIT, h11_max_header_count=50,
-                        limit_concurrency=8, client_header_timeout_s=0.5, client_body_timeout_s=0.5,
-                        send_timeout_s=0.5) as base:
+    with running_server(
+        tiny,
+        max_in_flight=1,
+        h11_max_incomplete_event_size=HEAD_LIMIT,
+        h11_max_header_count=50,
+        limit_concurrency=8,
+        client_header_timeout_s=0.5,
+        client_body_timeout_s=0.5,
+        send_timeout_s=0.5,
+    ) as base:
         yield base
 
 
@@ -170,8 +183,17 @@ def test_connections_over_the_limit_get_503_with_retry_after(strict):
 def test_a_client_that_never_reads_its_stream_is_cut_and_its_request_aborted(strict):
     # Enough output to fill the loopback socket buffers (about 3 MB here) and uvicorn's write buffer:
     # 8 choices of a few hundred tokens with 20 top logprobs each, about 1 KB per chunk.
-    body = json.dumps({"messages": [{"role": "user", "content": "go"}], "max_tokens": 600, "ignore_eos": True,
-                       "n": 8, "logprobs": True, "top_logprobs": 20, "stream": True}).encode()
+    body = json.dumps(
+        {
+            "messages": [{"role": "user", "content": "go"}],
+            "max_tokens": 600,
+            "ignore_eos": True,
+            "n": 8,
+            "logprobs": True,
+            "top_logprobs": 20,
+            "stream": True,
+        }
+    ).encode()
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect(("127.0.0.1", port_of(strict)))
@@ -179,8 +201,9 @@ def test_a_client_that_never_reads_its_stream_is_cut_and_its_request_aborted(str
         sock.sendall(post_head("/v1/chat/completions", len(body)) + body)
         deadline = time.monotonic() + 10 * WAIT_S
         while time.monotonic() < deadline:
-            ok = httpx.post(f"{strict}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=AUTH,
-                            timeout=WAIT_S)
+            ok = httpx.post(
+                f"{strict}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=AUTH, timeout=WAIT_S
+            )
             if ok.status_code == 200:
                 break
             assert ok.status_code == 429, ok.text  # the stalled stream holds the one slot
@@ -205,8 +228,9 @@ def test_slow_bodies_do_not_take_the_in_flight_slots(tiny):
             for byte in b'{"prompt": "hi", ':  # a byte at a time, never the whole body
                 trickle.sendall(bytes([byte]))
             for _ in range(2):  # each would have been a 429 with the slots taken before the body
-                ok = httpx.post(f"{base}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=AUTH,
-                                timeout=WAIT_S)
+                ok = httpx.post(
+                    f"{base}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=AUTH, timeout=WAIT_S
+                )
                 assert ok.status_code == 200, ok.text
         finally:
             silent.close()

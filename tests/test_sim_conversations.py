@@ -7,8 +7,15 @@ import pytest
 from prefixserve.loadtest import simulate as S
 from prefixserve.loadtest.conversations import ConversationTraffic, preset
 
-CONV = S.SimConfig(num_replicas=4, num_requests=600, blocks_per_replica=1024, max_num_seqs=8, utilization=0.7,
-                   seed=7, workload="multi_turn")
+CONV = S.SimConfig(
+    num_replicas=4,
+    num_requests=600,
+    blocks_per_replica=1024,
+    max_num_seqs=8,
+    utilization=0.7,
+    seed=7,
+    workload="multi_turn",
+)
 
 
 @pytest.fixture(scope="module", params=["multi_turn", "agent"])
@@ -36,8 +43,9 @@ def test_each_turn_resends_its_sessions_history_and_the_previous_answer(workload
     assert all(conv.prompt(f)[: len(static[conv.apps[f]])] == static[conv.apps[f]] for _, f in conv.starts)
 
 
-@pytest.mark.parametrize("policy", ["placed", "placed_static", "round_robin", "sglang_tree", "ray_prefix", "llmd",
-                                    "dynamo"])
+@pytest.mark.parametrize(
+    "policy", ["placed", "placed_static", "round_robin", "sglang_tree", "ray_prefix", "llmd", "dynamo"]
+)
 def test_accounting_balances_and_the_oracle_bounds_every_policy(policy, setup):
     config, traffic = setup
     r = S.simulate(config, policy, traffic, check_invariants=True)
@@ -51,8 +59,9 @@ def test_accounting_balances_and_the_oracle_bounds_every_policy(policy, setup):
 @pytest.mark.parametrize("workload", ["multi_turn", "agent"])
 def test_history_matching_beats_the_static_key_alone(workload):
     # Enough cache that routing, not thrashing, decides the hits.
-    config = S.SimConfig(**{**CONV.__dict__, "workload": workload, "num_replicas": 8, "num_requests": 2000,
-                            "blocks_per_replica": 2048})
+    config = S.SimConfig(
+        **{**CONV.__dict__, "workload": workload, "num_replicas": 8, "num_requests": 2000, "blocks_per_replica": 2048}
+    )
     traffic = S.make_traffic(config)
     history = S.simulate(config, "placed", traffic)
     static = S.simulate(config, "placed_static", traffic)

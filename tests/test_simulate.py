@@ -12,8 +12,18 @@ from prefixserve.loadtest import simulate as S
 from prefixserve.loadtest.peers.sglang import ApproxTree, SGLangCacheAware, SGLangConfig
 from prefixserve.router.policies import Replica
 
-SMALL = S.SimConfig(num_replicas=4, num_tenants=40, num_requests=600, system_prompt_len=64, question_len=16,
-                    output_len=16, blocks_per_replica=64, max_num_seqs=8, utilization=0.7, seed=7)
+SMALL = S.SimConfig(
+    num_replicas=4,
+    num_tenants=40,
+    num_requests=600,
+    system_prompt_len=64,
+    question_len=16,
+    output_len=16,
+    blocks_per_replica=64,
+    max_num_seqs=8,
+    utilization=0.7,
+    seed=7,
+)
 
 
 @pytest.fixture(scope="module")
@@ -76,9 +86,35 @@ def test_config_errors_say_what_to_change() -> None:
 
 def test_cli_writes_table_json_and_png(tmp_path, capsys) -> None:
     out, png = tmp_path / "sim.json", tmp_path / "sim.png"
-    rc = S.main(["--replicas", "4", "--tenants", "30", "--requests", "300", "--system-len", "32", "--question-len", "8",
-                 "--output-len", "8", "--blocks-per-replica", "48", "--sweep-replicas", "2,4", "--sweep-epsilons",
-                 "0.1,1", "--sweep-requests", "200", "--out", str(out), "--png", str(png), "--no-progress"])
+    rc = S.main(
+        [
+            "--replicas",
+            "4",
+            "--tenants",
+            "30",
+            "--requests",
+            "300",
+            "--system-len",
+            "32",
+            "--question-len",
+            "8",
+            "--output-len",
+            "8",
+            "--blocks-per-replica",
+            "48",
+            "--sweep-replicas",
+            "2,4",
+            "--sweep-epsilons",
+            "0.1,1",
+            "--sweep-requests",
+            "200",
+            "--out",
+            str(out),
+            "--png",
+            str(png),
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     text = capsys.readouterr().out
     assert "| policy | R | hit rate |" in text and "sglang_tree" in text
@@ -140,9 +176,13 @@ def test_cpu_profile_from_the_engine_benchmark(tmp_path) -> None:
     from prefixserve.loadtest.cost_model import CPU_DEFAULT, cpu_profile
 
     assert cpu_profile(tmp_path / "missing.json") == CPU_DEFAULT
-    bench = {"rows": [{"engine": "prefixserve, caching on", "ttft_alone_hit_s": 0.07},
-                      {"engine": "prefixserve, caching off", "ttft_alone_miss_s": 0.6}],
-             "decode_tokens_per_s": {"1": 40.0, "8": 200.0, "32": 400.0}}
+    bench = {
+        "rows": [
+            {"engine": "prefixserve, caching on", "ttft_alone_hit_s": 0.07},
+            {"engine": "prefixserve, caching off", "ttft_alone_miss_s": 0.6},
+        ],
+        "decode_tokens_per_s": {"1": 40.0, "8": 200.0, "32": 400.0},
+    }
     path = tmp_path / "bench_engine.json"
     path.write_text(json.dumps(bench))
     prof = cpu_profile(path)

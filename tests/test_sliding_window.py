@@ -22,10 +22,21 @@ def windowed_checkpoint(path, *, arch: str = "mistral", window: int | None = WIN
     """A random Mistral / Qwen2 checkpoint directory (SmolLM2's tokenizer beside it)."""
     from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-                  sliding_window=window, **extra)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        sliding_window=window,
+        **extra,
+    )
     if arch == "mistral":
         cfg, cls = MistralConfig(head_dim=16, **common), MistralForCausalLM
     else:
@@ -58,11 +69,15 @@ def _greedy(llm, prompts, max_tokens=20):
     return [o.outputs[0].token_ids for o in outs], outs
 
 
-@pytest.mark.parametrize("knobs", [
-    dict(max_num_batched_tokens=40),  # chunked prefill: chunks smaller than the window
-    dict(max_num_batched_tokens=1024, attention_backend="torch"),
-    dict(max_num_batched_tokens=40, enable_prefix_caching=False, kv_cache_dtype="auto"),
-], ids=["chunked-cpu", "torch", "no-caching"])
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        dict(max_num_batched_tokens=40),  # chunked prefill: chunks smaller than the window
+        dict(max_num_batched_tokens=1024, attention_backend="torch"),
+        dict(max_num_batched_tokens=40, enable_prefix_caching=False, kv_cache_dtype="auto"),
+    ],
+    ids=["chunked-cpu", "torch", "no-caching"],
+)
 def test_mistral_greedy_matches_transformers(mistral, knobs):
     from prefixserve.replica.llm import LLM
 
@@ -118,8 +133,7 @@ def test_qwen2_layer_types_full_and_windowed_layers(tmp_path):
     """Qwen2's max_window_layers: layer 0 full, layer 1 windowed (layer_types); no block is freed."""
     from prefixserve.replica.llm import LLM
 
-    path = windowed_checkpoint(tmp_path / "qwen2", arch="qwen2", seed=5, use_sliding_window=True,
-                               max_window_layers=1)
+    path = windowed_checkpoint(tmp_path / "qwen2", arch="qwen2", seed=5, use_sliding_window=True, max_window_layers=1)
     hf = hf_windowed(path)
     assert list(hf.config.layer_types) == ["full_attention", "sliding_attention"]
     prompts = long_prompts(4, n=2)
@@ -135,8 +149,11 @@ def test_blocks_freed_as_predicted_while_decoding(mistral):
     from prefixserve.replica.config import EngineConfig
     from prefixserve.replica.engine import LLMEngine
 
-    engine = LLMEngine(EngineConfig(model=mistral, num_kv_blocks=64, block_size=BS, max_num_batched_tokens=512,
-                                    enable_prefix_caching=False))
+    engine = LLMEngine(
+        EngineConfig(
+            model=mistral, num_kv_blocks=64, block_size=BS, max_num_batched_tokens=512, enable_prefix_caching=False
+        )
+    )
     prompt = long_prompts(5, n=1)[0]
     engine.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
     kv = engine.kv_manager
@@ -193,20 +210,23 @@ def test_manager_frees_outside_the_window_and_hits_by_vllms_rule():
     kv.check_invariants()
 
 
-@pytest.mark.parametrize("present, window, expected", [
-    ("11111", 9, 5),   # need 2: everything
-    ("00111", 9, 5),   # the last 2 suffice
-    ("11010", 9, 2),   # runs of 1 after the leading run: the hit ends at the leading run
-    ("01100", 9, 3),   # a run of 2 ending at block 3
-    ("0", 9, 0),
-    ("10111", 17, 1),  # need 4: a run of 3 does not suffice; only the leading run hits
-    ("01111", 17, 5),  # need 4: the last 4
-])
+@pytest.mark.parametrize(
+    "present, window, expected",
+    [
+        ("11111", 9, 5),  # need 2: everything
+        ("00111", 9, 5),  # the last 2 suffice
+        ("11010", 9, 2),  # runs of 1 after the leading run: the hit ends at the leading run
+        ("01100", 9, 3),  # a run of 2 ending at block 3
+        ("0", 9, 0),
+        ("10111", 17, 1),  # need 4: a run of 3 does not suffice; only the leading run hits
+        ("01111", 17, 5),  # need 4: the last 4
+    ],
+)
 def test_window_hit_rule(present, window, expected):
     kv = KVCacheManager(8, block_size=4, sliding_window=window)
     cached = [i if c == "1" else None for i, c in enumerate(present)]
     blocks, hit = kv._window_hit(cached)
     assert hit == expected * 4 and len(blocks) == expected
     need = -(-(window - 1) // 4)
-    assert blocks[:max(0, expected - need)] == [NULL_BLOCK] * max(0, expected - need)
-    assert blocks[max(0, expected - need):] == list(range(max(0, expected - need), expected))
+    assert blocks[: max(0, expected - need)] == [NULL_BLOCK] * max(0, expected - need)
+    assert blocks[max(0, expected - need) :] == list(range(max(0, expected - need), expected))

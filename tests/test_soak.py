@@ -10,10 +10,22 @@ import pytest
 from prefixserve.loadtest import soak as S
 
 
-def _bucket(index: int, start_s: float, rss: int, statuses: dict[str, dict[str, int]], ttfts: list[float],
-            idle: dict[str, float] | None = None) -> S.Bucket:
-    b = S.Bucket(index, start_s, start_s + 60, {k: Counter(v) for k, v in statuses.items()}, ttfts,
-                 dict.fromkeys(S.METRICS, 0.0) if idle is None else idle)
+def _bucket(
+    index: int,
+    start_s: float,
+    rss: int,
+    statuses: dict[str, dict[str, int]],
+    ttfts: list[float],
+    idle: dict[str, float] | None = None,
+) -> S.Bucket:
+    b = S.Bucket(
+        index,
+        start_s,
+        start_s + 60,
+        {k: Counter(v) for k, v in statuses.items()},
+        ttfts,
+        dict.fromkeys(S.METRICS, 0.0) if idle is None else idle,
+    )
     b.sample = S.ProcessSample(start_s + 60, {"replica[1]": rss}, 30, 12)
     return b
 
@@ -46,23 +58,45 @@ def test_targets_pass_on_a_flat_run_and_fail_on_each_defect() -> None:
     rising = [S.ProcessSample(t, {"r": (500 + t // 5) * mib}, 1, 1) for t in range(0, 240, 5)]  # +12 MiB/min
     assert _targets(S.evaluate({"soak": flat}, rising, 0.0, 60.0))["RSS no upward trend"] is False
     slow = [_bucket(i, 60.0 * i, 500 * mib, {"chat": {"200": 10}}, [0.2] * 10) for i in range(4)]
-    assert _targets(S.evaluate({"baseline": base, "soak": slow}, samples, 0.0, 60.0))[
-        "TTFT p99 within 1.5x baseline"] is False
-    busy = [*flat[:3], _bucket(3, 180.0, 500 * mib, {"chat": {"200": 10}}, [0.1],
-                               {**dict.fromkeys(S.METRICS, 0.0), "vllm:num_requests_running": 1.0})]
-    assert _targets(S.evaluate({"soak": busy}, samples, 0.0, 60.0))[
-        "idle: KV usage, running, waiting back to 0"] is False
+    assert (
+        _targets(S.evaluate({"baseline": base, "soak": slow}, samples, 0.0, 60.0))["TTFT p99 within 1.5x baseline"]
+        is False
+    )
+    busy = [
+        *flat[:3],
+        _bucket(
+            3,
+            180.0,
+            500 * mib,
+            {"chat": {"200": 10}},
+            [0.1],
+            {**dict.fromkeys(S.METRICS, 0.0), "vllm:num_requests_running": 1.0},
+        ),
+    ]
+    assert (
+        _targets(S.evaluate({"soak": busy}, samples, 0.0, 60.0))["idle: KV usage, running, waiting back to 0"] is False
+    )
 
 
 def test_gauges_sum_requests_and_take_the_largest_kv_usage() -> None:
-    text = "\n".join([
-        '# TYPE vllm:kv_cache_usage_perc gauge', 'vllm:kv_cache_usage_perc{replica="a"} 0.25',
-        'vllm:kv_cache_usage_perc{replica="b"} 0.5',
-        '# TYPE vllm:num_requests_running gauge', 'vllm:num_requests_running{replica="a"} 2',
-        'vllm:num_requests_running{replica="b"} 1', '# TYPE vllm:num_requests_waiting gauge',
-        'vllm:num_requests_waiting{replica="a"} 0', ""])
-    assert S.scrape_gauges(text) == {"vllm:kv_cache_usage_perc": 0.5, "vllm:num_requests_running": 3.0,
-                                     "vllm:num_requests_waiting": 0.0}
+    text = "\n".join(
+        [
+            "# TYPE vllm:kv_cache_usage_perc gauge",
+            'vllm:kv_cache_usage_perc{replica="a"} 0.25',
+            'vllm:kv_cache_usage_perc{replica="b"} 0.5',
+            "# TYPE vllm:num_requests_running gauge",
+            'vllm:num_requests_running{replica="a"} 2',
+            'vllm:num_requests_running{replica="b"} 1',
+            "# TYPE vllm:num_requests_waiting gauge",
+            'vllm:num_requests_waiting{replica="a"} 0',
+            "",
+        ]
+    )
+    assert S.scrape_gauges(text) == {
+        "vllm:kv_cache_usage_perc": 0.5,
+        "vllm:num_requests_running": 3.0,
+        "vllm:num_requests_waiting": 0.0,
+    }
 
 
 def test_config_refuses_bad_settings() -> None:
@@ -77,8 +111,17 @@ def test_a_short_soak_runs_and_writes_its_table(tmp_path) -> None:
 
     The targets themselves are not asserted: meeting them is the server's job, measured by the long run.
     """
-    config = S.SoakConfig(duration_s=40, bucket_s=20, warmup_s=20, compare_baseline=True, baseline_s=20,
-                          hostile_share=0.5, hold_s=2.0, idle_timeout_s=30, huge_messages=5_000)
+    config = S.SoakConfig(
+        duration_s=40,
+        bucket_s=20,
+        warmup_s=20,
+        compare_baseline=True,
+        baseline_s=20,
+        hostile_share=0.5,
+        hold_s=2.0,
+        idle_timeout_s=30,
+        huge_messages=5_000,
+    )
     result = S.run_soak(config, tmp_path)
     assert set(result["phases"]) == {"baseline", "soak"}
     assert len(result["phases"]["baseline"]) == 1 and len(result["phases"]["soak"]) == 2
@@ -91,8 +134,12 @@ def test_a_short_soak_runs_and_writes_its_table(tmp_path) -> None:
         assert bucket["rss_bytes"] and sum(bucket["rss_bytes"].values()) == bucket["rss_total_bytes"]
         assert bucket["idle"] == dict.fromkeys(S.METRICS, 0.0)  # nothing left running, KV blocks released
     assert [t["name"] for t in result["targets"]] == [
-        "no 5xx", "RSS after warm-up within 2%", "RSS no upward trend", "TTFT p99 within 1.5x baseline",
-        "idle: KV usage, running, waiting back to 0"]
+        "no 5xx",
+        "RSS after warm-up within 2%",
+        "RSS no upward trend",
+        "TTFT p99 within 1.5x baseline",
+        "idle: KV usage, running, waiting back to 0",
+    ]
     assert result["targets"][-1]["passed"] is True
     assert all(t["passed"] in (True, False) for t in result["targets"])  # each evaluated, given a baseline
     assert json.loads((tmp_path / "soak.json").read_text())["targets"] == result["targets"]

@@ -20,32 +20,38 @@ from prefixserve.replica.structured_output.params import StructuredOutputsParams
 from prefixserve.replica.structured_output.state import SequenceGrammar
 
 
-@pytest.mark.parametrize("kwargs, kind", [
-    ({"json": {"type": "object"}}, "json"),
-    ({"json": '{"type": "string"}'}, "json"),
-    ({"regex": "[a-z]+"}, "regex"),
-    ({"choice": ["yes", "no"]}, "choice"),
-    ({"grammar": 'root ::= "a"'}, "grammar"),
-    ({"json_object": True}, "json_object"),
-])
+@pytest.mark.parametrize(
+    "kwargs, kind",
+    [
+        ({"json": {"type": "object"}}, "json"),
+        ({"json": '{"type": "string"}'}, "json"),
+        ({"regex": "[a-z]+"}, "regex"),
+        ({"choice": ["yes", "no"]}, "choice"),
+        ({"grammar": 'root ::= "a"'}, "grammar"),
+        ({"json_object": True}, "json_object"),
+    ],
+)
 def test_params_one_kind(kwargs, kind):
     params = StructuredOutputsParams(**kwargs)
     assert params.kind == kind
     assert len(params.key) == 64
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({}, "must set one of"),
-    ({"json": {}, "regex": "a"}, "only one kind"),
-    ({"json": "{not json"}, "not valid JSON"),
-    ({"json": "[1]"}, "schema object"),
-    ({"json": 3}, "JSON schema"),
-    ({"regex": ""}, "non-empty string"),
-    ({"choice": []}, "non-empty list"),
-    ({"choice": ["a", 1]}, "non-empty list"),
-    ({"json_object": False}, "must set one of"),
-    ({"grammar": "x" * 70000}, "at most"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({}, "must set one of"),
+        ({"json": {}, "regex": "a"}, "only one kind"),
+        ({"json": "{not json"}, "not valid JSON"),
+        ({"json": "[1]"}, "schema object"),
+        ({"json": 3}, "JSON schema"),
+        ({"regex": ""}, "non-empty string"),
+        ({"choice": []}, "non-empty list"),
+        ({"choice": ["a", 1]}, "non-empty list"),
+        ({"json_object": False}, "must set one of"),
+        ({"grammar": "x" * 70000}, "at most"),
+    ],
+)
 def test_params_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         StructuredOutputsParams(**kwargs)
@@ -70,9 +76,16 @@ def test_sampling_params_field():
 
 # -- the engine, on a tiny random checkpoint with SmolLM2's tokenizer and the real xgrammar -----------------
 
-SCHEMA = {"type": "object", "properties": {
-    "ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
-    "tag": {"enum": ["red", "green"]}}, "required": ["ok", "n", "tag"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "ok": {"type": "boolean"},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        "tag": {"enum": ["red", "green"]},
+    },
+    "required": ["ok", "n", "tag"],
+    "additionalProperties": False,
+}
 REGEX = r"[0-9]{2}-[a-c]{2}"
 CHOICES = ["alpha", "beta", "gamma"]
 
@@ -90,10 +103,15 @@ def prompts():
 
 
 def constrained(kind: str, **kw) -> SamplingParams:
-    spec = {"json": {"json": SCHEMA}, "regex": {"regex": REGEX}, "choice": {"choice": CHOICES},
-            "json_object": {"json_object": True}}[kind]
-    return SamplingParams(**{"temperature": 0.0, "max_tokens": 48, **kw},
-                          structured_outputs=StructuredOutputsParams(**spec))
+    spec = {
+        "json": {"json": SCHEMA},
+        "regex": {"regex": REGEX},
+        "choice": {"choice": CHOICES},
+        "json_object": {"json_object": True},
+    }[kind]
+    return SamplingParams(
+        **{"temperature": 0.0, "max_tokens": 48, **kw}, structured_outputs=StructuredOutputsParams(**spec)
+    )
 
 
 def check_output(kind: str, text: str, finish_reason: str) -> None:
@@ -113,12 +131,16 @@ def check_output(kind: str, text: str, finish_reason: str) -> None:
 KINDS_CYCLE = ["json", "regex", "choice", "json_object", None]
 
 
-@pytest.mark.parametrize("knobs", [
-    dict(enable_prefix_caching=True),
-    dict(max_num_batched_tokens=8),  # chunked prefill
-    dict(num_kv_blocks=9, max_num_batched_tokens=64),  # recompute preemption
-    dict(num_kv_blocks=9, max_num_batched_tokens=64, preemption_mode="swap", swap_space_gb=0.01),
-], ids=["caching", "chunked-8", "recompute", "swap"])
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        dict(enable_prefix_caching=True),
+        dict(max_num_batched_tokens=8),  # chunked prefill
+        dict(num_kv_blocks=9, max_num_batched_tokens=64),  # recompute preemption
+        dict(num_kv_blocks=9, max_num_batched_tokens=64, preemption_mode="swap", swap_space_gb=0.01),
+    ],
+    ids=["caching", "chunked-8", "recompute", "swap"],
+)
 def test_constrained_batch_follows_constraints_and_free_rows_are_unchanged(ckpt, prompts, knobs):
     free = SamplingParams(temperature=0.0, max_tokens=16)
     with LLM(ckpt, **knobs) as llm:
@@ -168,17 +190,19 @@ def test_sequence_grammar_replays_when_the_outputs_were_rebuilt(ckpt, prompts):
         SequenceGrammar.start(grammar, backend).accept(tokens[-1])  # EOS before any digit
 
 
-@pytest.mark.parametrize("spec, message", [
-    ({"json": {"type": "nope"}}, "Unsupported type"),
-    ({"json": {"$ref": "#/definitions/missing"}}, "json cannot be compiled"),
-    ({"regex": "(("}, "parenthesis"),
-    ({"grammar": "root ::= undefined_rule"}, "not defined"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ({"json": {"type": "nope"}}, "Unsupported type"),
+        ({"json": {"$ref": "#/definitions/missing"}}, "json cannot be compiled"),
+        ({"regex": "(("}, "parenthesis"),
+        ({"grammar": "root ::= undefined_rule"}, "not defined"),
+    ],
+)
 def test_uncompilable_constraints_are_rejected_before_the_engine(ckpt, prompts, spec, message):
     with LLM(ckpt) as llm:
         with pytest.raises(GrammarRejected, match=message):
-            llm.engine.add_request(None, prompts[0], SamplingParams(
-                structured_outputs=StructuredOutputsParams(**spec)))
+            llm.engine.add_request(None, prompts[0], SamplingParams(structured_outputs=StructuredOutputsParams(**spec)))
         assert not llm.engine.requests
         failures = llm.engine.structured_metrics.failures["invalid"]._value.get()
     assert failures == 1
@@ -197,11 +221,14 @@ async def test_async_engine_compiles_off_the_loop_with_a_time_bound_and_caches(c
         assert m.requests["choice"]._value.get() == 2
         # A bound no compile meets: refused (the 400 of the front ends), the engine never saw it.
         engine.engine.grammars.timeout_s = 1e-9
-        big = {"type": "object", "properties": {f"f{i}": {"type": "string", "pattern": "[a-z]{3,9}"}
-                                                for i in range(60)}}
+        big = {
+            "type": "object",
+            "properties": {f"f{i}": {"type": "string", "pattern": "[a-z]{3,9}"} for i in range(60)},
+        }
         with pytest.raises(GrammarTimeoutError, match="did not compile within"):
-            async for _ in engine.generate(prompts[0], SamplingParams(
-                    structured_outputs=StructuredOutputsParams(json=big))):
+            async for _ in engine.generate(
+                prompts[0], SamplingParams(structured_outputs=StructuredOutputsParams(json=big))
+            ):
                 pass
         assert m.failures["timeout"]._value.get() == 1
         engine.engine.grammars.timeout_s = 30.0
@@ -214,8 +241,10 @@ async def test_async_engine_compiles_off_the_loop_with_a_time_bound_and_caches(c
 
 def test_logprobs_of_a_constrained_row_list_only_tokens_it_may_take(ckpt, prompts):
     with LLM(ckpt) as llm:
-        [out] = llm.generate(prompts[:1], SamplingParams(
-            temperature=0.0, logprobs=5, structured_outputs=StructuredOutputsParams(choice=["x", "y"])))
+        [out] = llm.generate(
+            prompts[:1],
+            SamplingParams(temperature=0.0, logprobs=5, structured_outputs=StructuredOutputsParams(choice=["x", "y"])),
+        )
     entries = out.outputs[0].logprobs
     assert entries and all(math.isfinite(v) for entry in entries for v in entry.values())
     assert set(entries[0]) <= set(llm.tokenizer.convert_tokens_to_ids(["x", "y"]))

@@ -10,8 +10,12 @@ import pytest
 from model_helpers import tiny_checkpoint
 from server_helpers import InProcessReplica, assert_openai_error
 
-SCHEMA = {"type": "object", "properties": {"size": {"enum": ["s", "m", "l"]}, "count": {
-    "type": "integer", "minimum": 1, "maximum": 9}}, "required": ["size", "count"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {"size": {"enum": ["s", "m", "l"]}, "count": {"type": "integer", "minimum": 1, "maximum": 9}},
+    "required": ["size", "count"],
+    "additionalProperties": False,
+}
 CHAT = [{"role": "user", "content": "hello"}]
 
 
@@ -29,9 +33,18 @@ def post(replica, path: str, body: dict):
 
 
 def test_response_format_json_schema_on_chat(replica):
-    r = post(replica, "/v1/chat/completions", {"messages": CHAT, "response_format": {
-        "type": "json_schema", "json_schema": {"name": "shirt", "strict": True, "schema": SCHEMA}},
-        "structured_outputs": None})
+    r = post(
+        replica,
+        "/v1/chat/completions",
+        {
+            "messages": CHAT,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "shirt", "strict": True, "schema": SCHEMA},
+            },
+            "structured_outputs": None,
+        },
+    )
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     if choice["finish_reason"] == "stop":
@@ -41,12 +54,15 @@ def test_response_format_json_schema_on_chat(replica):
         assert choice["message"]["content"].lstrip().startswith("{")
 
 
-@pytest.mark.parametrize("body, check", [
-    ({"guided_choice": ["north", "south"]}, lambda t: t in ("north", "south")),
-    ({"guided_regex": r"[a-f]{4}"}, lambda t: re.fullmatch(r"[a-f]{4}", t)),
-    ({"structured_outputs": {"choice": ["up", "down"], "json": None}}, lambda t: t in ("up", "down")),
-    ({"guided_grammar": 'root ::= "yes" | "no"'}, lambda t: t in ("yes", "no")),
-])
+@pytest.mark.parametrize(
+    "body, check",
+    [
+        ({"guided_choice": ["north", "south"]}, lambda t: t in ("north", "south")),
+        ({"guided_regex": r"[a-f]{4}"}, lambda t: re.fullmatch(r"[a-f]{4}", t)),
+        ({"structured_outputs": {"choice": ["up", "down"], "json": None}}, lambda t: t in ("up", "down")),
+        ({"guided_grammar": 'root ::= "yes" | "no"'}, lambda t: t in ("yes", "no")),
+    ],
+)
 def test_vllm_fields_on_completions_and_streams(replica, body, check):
     r = post(replica, "/v1/completions", {"prompt": "Answer:", **body})
     assert r.status_code == 200, r.text
@@ -62,18 +78,27 @@ def test_vllm_fields_on_completions_and_streams(replica, body, check):
     assert all(check(t) for t in texts), texts
 
 
-@pytest.mark.parametrize("body, param, message", [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
-     None, "Unsupported type"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-     "response_format.json_schema.schema", "JSON schema object"),
-    ({"response_format": {"type": "yaml"}}, "response_format.type", "not supported"),
-    ({"guided_regex": "(("}, None, "parenthesis"),
-    ({"guided_grammar": "root ::= nothing_here"}, None, "not defined"),
-    ({"guided_choice": []}, "guided_choice", "non-empty list"),
-    ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex", "only one"),
-    ({"structured_outputs": {"xml": "<a/>"}}, "structured_outputs", "unknown field"),
-])
+@pytest.mark.parametrize(
+    "body, param, message",
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+            None,
+            "Unsupported type",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format.json_schema.schema",
+            "JSON schema object",
+        ),
+        ({"response_format": {"type": "yaml"}}, "response_format.type", "not supported"),
+        ({"guided_regex": "(("}, None, "parenthesis"),
+        ({"guided_grammar": "root ::= nothing_here"}, None, "not defined"),
+        ({"guided_choice": []}, "guided_choice", "non-empty list"),
+        ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex", "only one"),
+        ({"structured_outputs": {"xml": "<a/>"}}, "structured_outputs", "unknown field"),
+    ],
+)
 def test_bad_constraints_are_400_naming_the_problem(replica, body, param, message):
     for path, prompt in (("/v1/chat/completions", {"messages": CHAT}), ("/v1/completions", {"prompt": "x"})):
         r = post(replica, path, {**prompt, **body})

@@ -20,8 +20,10 @@ pytestmark = pytest.mark.slow
 def test_fifty_seeded_schemas_all_validate():
     schemas = seeded_schemas(50, seed=29)
     with LLM("smollm2", max_num_seqs=64, max_model_len=1024) as llm:
-        params = [SamplingParams(temperature=0.0, max_tokens=192, structured_outputs=StructuredOutputsParams(json=s))
-                  for s in schemas]
+        params = [
+            SamplingParams(temperature=0.0, max_tokens=192, structured_outputs=StructuredOutputsParams(json=s))
+            for s in schemas
+        ]
         outputs = llm.chat([schema_chat(s) for s in schemas], params)
     for schema, out in zip(schemas, outputs, strict=True):
         completion = out.outputs[0]
@@ -42,9 +44,15 @@ def test_openai_client_parse_returns_a_parsed_object(tmp_path):
     with ReplicaProcess("smollm2", "--max-model-len", "1024", log_dir=tmp_path) as proc:
         with openai.OpenAI(base_url=f"{proc.base_url}/v1", api_key="unused", max_retries=0, timeout=300) as c:
             completion = c.chat.completions.parse(
-                model="smollm2", temperature=0, max_tokens=100, response_format=City,
-                messages=[{"role": "system", "content": "You answer in JSON."},
-                          {"role": "user", "content": "Describe the city of Paris."}])
+                model="smollm2",
+                temperature=0,
+                max_tokens=100,
+                response_format=City,
+                messages=[
+                    {"role": "system", "content": "You answer in JSON."},
+                    {"role": "user", "content": "Describe the city of Paris."},
+                ],
+            )
     message = completion.choices[0].message
     assert completion.choices[0].finish_reason == "stop", message.content
     assert isinstance(message.parsed, City), message.content

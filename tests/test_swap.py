@@ -150,8 +150,9 @@ class FakeDevice:
         for s in out.scheduled:
             toks, table = s.seq.token_ids, s.block_table
             for pos in range(s.start):
-                assert self.device[table[pos // self.bs]][pos % self.bs] == toks[pos], \
+                assert self.device[table[pos // self.bs]][pos % self.bs] == toks[pos], (
                     f"{s.seq.seq_id}: position {pos} lost its KV"
+                )
             for pos in range(s.start, s.start + s.num_new_tokens):
                 self.device[table[pos // self.bs]][pos % self.bs] = toks[pos]
 
@@ -164,8 +165,14 @@ def test_randomized_swap_run_keeps_every_sequences_kv(caching, host_blocks):
     sched = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24, preemption_mode="swap"), kv)
     dev = FakeDevice(kv)
     prefixes = [[rng.randrange(1000) for _ in range(rng.randrange(4, 13))] for _ in range(3)]
-    pending = [_seq(f"r{i}", rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randrange(1, 16))],
-                    max_tokens=rng.randrange(4, 24)) for i in range(40)]
+    pending = [
+        _seq(
+            f"r{i}",
+            rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randrange(1, 16))],
+            max_tokens=rng.randrange(4, 24),
+        )
+        for i in range(40)
+    ]
     done = 0
     for _ in range(3000):
         if not (pending or sched.has_unfinished()):
@@ -214,12 +221,14 @@ def prompts():
 
 def _prompt_tokens(llm) -> float:
     return llm.engine.metrics.registry.get_sample_value(
-        "vllm:prompt_tokens_total", {"model_name": llm.engine.model_name, "engine": "0"})
+        "vllm:prompt_tokens_total", {"model_name": llm.engine.model_name, "engine": "0"}
+    )
 
 
 def _metric(llm, name: str, **labels: str) -> float:
     value = llm.engine.metrics.registry.get_sample_value(
-        name, {"model_name": llm.engine.model_name, "engine": "0", **labels})
+        name, {"model_name": llm.engine.model_name, "engine": "0", **labels}
+    )
     assert value is not None, name
     return value
 
@@ -268,8 +277,9 @@ def test_full_swap_pool_falls_back_to_recompute(ckpt, prompts):
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     expected = [o.outputs[0].token_ids for o in LLM(ckpt, num_kv_blocks=128).generate(prompts, params)]
     block_bytes = LLM(ckpt, num_kv_blocks=4).engine.runner.kv_bytes_per_block
-    swap = LLM(ckpt, num_kv_blocks=10, max_num_batched_tokens=64, preemption_mode="swap",
-               swap_space_gb=block_bytes / 2**30)  # one host block
+    swap = LLM(
+        ckpt, num_kv_blocks=10, max_num_batched_tokens=64, preemption_mode="swap", swap_space_gb=block_bytes / 2**30
+    )  # one host block
     assert swap.engine.runner.num_host_blocks == 1
     assert [o.outputs[0].token_ids for o in swap.generate(prompts, params)] == expected
     sched = swap.engine.scheduler

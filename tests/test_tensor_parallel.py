@@ -36,8 +36,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
 @pytest.fixture(scope="module")
 def gqa_checkpoint(tmp_path_factory) -> Path:
-    return tiny_checkpoint(tmp_path_factory.mktemp("tp") / "llama8x2", hidden=64, heads=8, kv_heads=2,
-                           intermediate=128, layers=2, seed=3)
+    return tiny_checkpoint(
+        tmp_path_factory.mktemp("tp") / "llama8x2", hidden=64, heads=8, kv_heads=2, intermediate=128, layers=2, seed=3
+    )
 
 
 def shared_prefix_prompts(count: int, prefix_len: int = 24, tail_len: int = 6) -> list[list[int]]:
@@ -64,13 +65,17 @@ def wait_gone(pids: list[int], timeout_s: float = 60.0) -> list[int]:
 
 # --- pure pieces -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kv_heads, size, expected", [
-    (8, 2, [(4, 0), (4, 4)]),
-    (2, 2, [(1, 0), (1, 1)]),
-    (2, 4, [(1, 0), (1, 0), (1, 1), (1, 1)]),  # replicated: ranks 0-1 hold head 0, ranks 2-3 head 1
-    (3, 3, [(1, 0), (1, 1), (1, 2)]),
-    (1, 4, [(1, 0)] * 4),
-])
+
+@pytest.mark.parametrize(
+    "kv_heads, size, expected",
+    [
+        (8, 2, [(4, 0), (4, 4)]),
+        (2, 2, [(1, 0), (1, 1)]),
+        (2, 4, [(1, 0), (1, 0), (1, 1), (1, 1)]),  # replicated: ranks 0-1 hold head 0, ranks 2-3 head 1
+        (3, 3, [(1, 0), (1, 1), (1, 2)]),
+        (1, 4, [(1, 0)] * 4),
+    ],
+)
 def test_kv_heads_are_split_or_replicated_so_each_rank_holds_its_query_heads_kv_head(kv_heads, size, expected):
     assert [TPGroup(r, size).kv_heads(kv_heads) for r in range(size)] == expected
     heads = 8 * size  # any query-head count that splits: each rank's query heads use its KV head
@@ -92,12 +97,16 @@ def test_a_model_that_does_not_split_is_refused_before_any_worker_starts(gqa_che
 
 
 def test_step_inputs_and_swap_messages_survive_packing():
-    inputs = StepInputs(input_ids=torch.tensor([5, 6, 7, 8, 9]), positions=torch.tensor([0, 1, 2, 7, 8]),
-                        slot_mapping=torch.tensor([0, 1, 2, 23, 24]),
-                        block_tables=torch.tensor([[0, -1, 0], [3, 4, 5]], dtype=torch.int32),
-                        seq_lens=torch.tensor([3, 9], dtype=torch.int32),
-                        query_start_loc=torch.tensor([0, 3, 5], dtype=torch.int32),
-                        sample_rows=torch.tensor([2, 4, 4]), copy_ops=torch.tensor([[1, 2], [3, 6]]))
+    inputs = StepInputs(
+        input_ids=torch.tensor([5, 6, 7, 8, 9]),
+        positions=torch.tensor([0, 1, 2, 7, 8]),
+        slot_mapping=torch.tensor([0, 1, 2, 23, 24]),
+        block_tables=torch.tensor([[0, -1, 0], [3, 4, 5]], dtype=torch.int32),
+        seq_lens=torch.tensor([3, 9], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, 3, 5], dtype=torch.int32),
+        sample_rows=torch.tensor([2, 4, 4]),
+        copy_ops=torch.tensor([[1, 2], [3, 6]]),
+    )
     back = unpack_step_inputs(inputs.pack())
     for name in inputs.__dataclass_fields__:
         assert torch.equal(getattr(back, name), getattr(inputs, name)), name
@@ -126,24 +135,29 @@ def tp1_reference(gqa_checkpoint):
 
 @pytest.mark.parametrize("size", [2, 4])
 def test_greedy_tokens_equal_one_process_under_prefix_hits_chunked_prefill_and_preemption(
-        gqa_checkpoint, tp1_reference, size):
+    gqa_checkpoint, tp1_reference, size
+):
     expected, reference_stats, _ = tp1_reference
     got, stats, _ = run_engine(gqa_checkpoint, shared_prefix_prompts(6), tensor_parallel_size=size, **KNOBS)
     assert got == expected
     # The workload did exercise what it claims to: prefix hits and preemption (16 blocks of 4
     # tokens for 6 sequences of ~42 tokens; 16-token steps chunk the 30-token prompts).
     assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0
-    assert (stats.prefix_cache_hits, stats.num_preemptions) == (reference_stats.prefix_cache_hits,
-                                                                 reference_stats.num_preemptions)
+    assert (stats.prefix_cache_hits, stats.num_preemptions) == (
+        reference_stats.prefix_cache_hits,
+        reference_stats.num_preemptions,
+    )
 
 
 def test_sampling_parameters_and_prompt_logprobs_at_tp2_equal_one_process(gqa_checkpoint):
     # Sampling stays on rank 0; prompt_logprobs read the extra LM-head rows every rank computes.
     prompts = shared_prefix_prompts(4)
-    params = [SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=3, repetition_penalty=0.5),
-              SamplingParams(temperature=1.0, seed=7, max_tokens=8, presence_penalty=-1.5, min_p=0.05, n=2),
-              SamplingParams(temperature=0.0, max_tokens=8, bad_words=["a"], allowed_token_ids=list(range(100, 400))),
-              SamplingParams(temperature=0.8, seed=9, max_tokens=8, frequency_penalty=-2.0, top_p=1e-300)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=3, repetition_penalty=0.5),
+        SamplingParams(temperature=1.0, seed=7, max_tokens=8, presence_penalty=-1.5, min_p=0.05, n=2),
+        SamplingParams(temperature=0.0, max_tokens=8, bad_words=["a"], allowed_token_ids=list(range(100, 400))),
+        SamplingParams(temperature=0.8, seed=9, max_tokens=8, frequency_penalty=-2.0, top_p=1e-300),
+    ]
 
     def run(**knobs):
         with LLM(str(gqa_checkpoint), **KNOBS, **knobs) as llm:
@@ -158,8 +172,9 @@ def test_sampling_parameters_and_prompt_logprobs_at_tp2_equal_one_process(gqa_ch
 
 
 @pytest.mark.parametrize("size, kv_share", [(2, 2), (4, 2)])  # TP 4 replicates 2 KV heads: half each, not a quarter
-def test_each_rank_holds_its_share_of_the_kv_cache_for_the_same_block_count(gqa_checkpoint, tp1_reference,
-                                                                          size, kv_share):
+def test_each_rank_holds_its_share_of_the_kv_cache_for_the_same_block_count(
+    gqa_checkpoint, tp1_reference, size, kv_share
+):
     _, _, (whole,) = tp1_reference
     _, _, ranks = run_engine(gqa_checkpoint, shared_prefix_prompts(1), tensor_parallel_size=size, **KNOBS)
     assert [m.rank for m in ranks] == list(range(size))
@@ -214,8 +229,9 @@ DRIVER = textwrap.dedent("""
 
 @pytest.mark.parametrize("how", ["crash", "ctrl-c"])
 def test_no_worker_outlives_a_driver_that_crashes_or_is_interrupted(gqa_checkpoint, how):
-    proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(gqa_checkpoint), "2", how],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", DRIVER, str(gqa_checkpoint), "2", how], stdout=subprocess.PIPE, text=True
+    )
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]
         assert len(pids) == 1 and all(pid_alive(p) for p in pids)
@@ -241,6 +257,7 @@ def test_smollm2_at_tp3_gives_tp1s_greedy_tokens():
 
 # --- the standalone server (real HTTP) -------------------------------------------------------
 
+
 def worker_children(pid: int) -> list[int]:
     """Live children of ``pid`` named like tensor-parallel workers (tp_worker sets the name)."""
     found = []
@@ -258,8 +275,9 @@ def worker_children(pid: int) -> list[int]:
 
 @pytest.mark.slow
 def test_a_tp_server_answers_then_a_killed_worker_gets_503_and_a_nonzero_exit(gqa_checkpoint, tmp_path):
-    with ReplicaProcess(gqa_checkpoint, "--tensor-parallel-size", "2", "--num-kv-blocks", "64",
-                        log_dir=tmp_path) as replica:
+    with ReplicaProcess(
+        gqa_checkpoint, "--tensor-parallel-size", "2", "--num-kv-blocks", "64", log_dir=tmp_path
+    ) as replica:
         (worker,) = worker_children(replica.proc.pid)
         ok = httpx.post(f"{replica.base_url}/v1/completions", json={"prompt": "hello", "max_tokens": 4}, timeout=60)
         assert ok.status_code == 200, ok.text
@@ -282,8 +300,9 @@ def test_a_tp_server_answers_then_a_killed_worker_gets_503_and_a_nonzero_exit(gq
 
 @pytest.mark.slow
 def test_stopping_a_tp_server_stops_its_workers(gqa_checkpoint, tmp_path):
-    with ReplicaProcess(gqa_checkpoint, "--tensor-parallel-size", "2", "--num-kv-blocks", "64",
-                        log_dir=tmp_path) as replica:
+    with ReplicaProcess(
+        gqa_checkpoint, "--tensor-parallel-size", "2", "--num-kv-blocks", "64", log_dir=tmp_path
+    ) as replica:
         workers = worker_children(replica.proc.pid)
         assert len(workers) == 1
     # uvicorn shuts down gracefully on SIGTERM (the engine stops its workers), then

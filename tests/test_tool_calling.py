@@ -15,15 +15,29 @@ from prefixserve.replica import api
 from prefixserve.router.prefix import PrefixKeyConfig, prefix_hash, routing_key
 
 SYSTEM = "You are the travel desk of a small agency. Call a tool when the user asks for facts."
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The forecast for a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
-                                                    "unit": {"type": "string", "enum": ["c", "f"]}},
-                   "required": ["city"]}}}
-FLIGHTS = {"type": "function", "function": {
-    "name": "find_flights", "parameters": {"type": "object", "properties": {"to": {"type": "string"},
-                                                                             "max_stops": {"type": "integer"}},
-                                           "required": ["to"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The forecast for a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]}},
+            "required": ["city"],
+        },
+    },
+}
+FLIGHTS = {
+    "type": "function",
+    "function": {
+        "name": "find_flights",
+        "parameters": {
+            "type": "object",
+            "properties": {"to": {"type": "string"}, "max_stops": {"type": "integer"}},
+            "required": ["to"],
+        },
+    },
+}
 USER = {"role": "user", "content": "Will it rain in Lisbon tomorrow?"}
 
 
@@ -115,15 +129,13 @@ def _before_first_user(engine, messages, **kwargs) -> list[int]:
 
     template = template_for(engine.tokenizer.chat_template, None, bool(kwargs.get("tools")))
     extra = {"chat_template": template} if template else {}
-    text = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                **kwargs, **extra)
-    return engine.tokenize(text[:text.index("<|im_start|>user")])
+    text = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs, **extra)
+    return engine.tokenize(text[: text.index("<|im_start|>user")])
 
 
 @pytest.mark.parametrize("tools", [None, [WEATHER], [WEATHER, FLIGHTS]])
 @pytest.mark.parametrize("with_system", [True, False])
-def test_static_prefix_tokens_are_what_the_template_renders_before_the_first_user_message(llm, tools,
-                                                                                          with_system):
+def test_static_prefix_tokens_are_what_the_template_renders_before_the_first_user_message(llm, tools, with_system):
     engine = llm.engine
     messages = ([{"role": "system", "content": SYSTEM}] if with_system else []) + [USER]
     kwargs = {"tools": tools} if tools else {}
@@ -152,12 +164,17 @@ def test_tools_render_in_the_static_prefix_and_change_it(llm):
 def test_tool_turns_render_as_tool_call_and_tool_response_blocks(llm):
     engine = llm.engine
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Lisbon"}'}}
-    messages = [{"role": "system", "content": SYSTEM}, USER,
-                {"role": "assistant", "content": "", "tool_calls": [call]},
-                {"role": "tool", "content": '{"rain": 0.2}', "tool_call_id": "call_1"}]
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        USER,
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": '{"rain": 0.2}', "tool_call_id": "call_1"},
+    ]
     text = engine.tokenizer.decode(engine.encode_chat(messages, tools=[WEATHER]))
-    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lisbon"}}\n'
-            "</tool_call><|im_end|>") in text
+    assert (
+        '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lisbon"}}\n'
+        "</tool_call><|im_end|>"
+    ) in text
     assert '<|im_start|>user\n<tool_response>\n{"rain": 0.2}\n</tool_response><|im_end|>' in text
     assert text.endswith("<|im_start|>assistant\n")
 
@@ -167,10 +184,13 @@ def test_the_chat_template_flag_renders_every_request(tmp_path):
     from prefixserve.replica.llm import LLM
 
     template = tmp_path / "t.jinja"
-    template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
-                        "{% if tools %}TOOLS {{ tools | length }}\n{% endif %}")
-    with LLM(str(tiny_checkpoint(tmp_path / "tiny")), block_size=4, num_kv_blocks=16,
-             chat_template=str(template)) as offline:
+    template.write_text(
+        "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+        "{% if tools %}TOOLS {{ tools | length }}\n{% endif %}"
+    )
+    with LLM(
+        str(tiny_checkpoint(tmp_path / "tiny")), block_size=4, num_kv_blocks=16, chat_template=str(template)
+    ) as offline:
         engine = offline.engine
         assert engine.encode_chat([USER]) == engine.tokenize(f"[user] {USER['content']}\n")
         assert engine.encode_chat([USER], tools=[WEATHER]) == engine.tokenize(f"[user] {USER['content']}\nTOOLS 1\n")
@@ -200,25 +220,46 @@ def _bad(body: dict) -> api.BadRequestError:
 CALL = {"id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
 
 
-@pytest.mark.parametrize("body, param, words", [
-    (chat(tools=[WEATHER, WEATHER]), "tools.1.function.name", "must be unique"),
-    (chat(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "book_hotel"}}), "tool_choice",
-     "does not match any of the specified `tools`"),
-    (chat(tool_choice="required"), "tool_choice", "When using `tool_choice`, `tools` must be set."),
-    ({"messages": [USER, {"role": "assistant", "content": None, "tool_calls": [CALL]},
-                   {"role": "tool", "content": "sunny", "tool_call_id": "call_b"}], "tools": [WEATHER]},
-     "messages.2.tool_call_id", "no earlier assistant message called"),
-    ({"messages": [USER, {"role": "tool", "content": "sunny"}]}, "messages.1", "needs the tool_call_id"),
-    (chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}]),
-     "tools.0.function.parameters", "not a valid JSON Schema"),
-    (chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"properties": 3}}}]),
-     "tools.0.function.parameters", "not a valid JSON Schema"),
-    (chat(tools=[{"type": "function", "function": {"name": "bad name!"}}]), "tools.0.function.name", "pattern"),
-    (chat(tools=[{"type": "retrieval"}]), "tools.0.type", "function"),
-    (chat(tools=[WEATHER], tool_choice="sometimes"), "tool_choice", ""),
-    (chat(tools=[WEATHER], parallel_tool_calls="maybe"), "parallel_tool_calls", ""),
-    ({"messages": [{"role": "user", "content": "x", "tool_calls": [CALL]}]}, "messages.0", "only assistant"),
-])
+@pytest.mark.parametrize(
+    "body, param, words",
+    [
+        (chat(tools=[WEATHER, WEATHER]), "tools.1.function.name", "must be unique"),
+        (
+            chat(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "book_hotel"}}),
+            "tool_choice",
+            "does not match any of the specified `tools`",
+        ),
+        (chat(tool_choice="required"), "tool_choice", "When using `tool_choice`, `tools` must be set."),
+        (
+            {
+                "messages": [
+                    USER,
+                    {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                    {"role": "tool", "content": "sunny", "tool_call_id": "call_b"},
+                ],
+                "tools": [WEATHER],
+            },
+            "messages.2.tool_call_id",
+            "no earlier assistant message called",
+        ),
+        ({"messages": [USER, {"role": "tool", "content": "sunny"}]}, "messages.1", "needs the tool_call_id"),
+        (
+            chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}]),
+            "tools.0.function.parameters",
+            "not a valid JSON Schema",
+        ),
+        (
+            chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"properties": 3}}}]),
+            "tools.0.function.parameters",
+            "not a valid JSON Schema",
+        ),
+        (chat(tools=[{"type": "function", "function": {"name": "bad name!"}}]), "tools.0.function.name", "pattern"),
+        (chat(tools=[{"type": "retrieval"}]), "tools.0.type", "function"),
+        (chat(tools=[WEATHER], tool_choice="sometimes"), "tool_choice", ""),
+        (chat(tools=[WEATHER], parallel_tool_calls="maybe"), "parallel_tool_calls", ""),
+        ({"messages": [{"role": "user", "content": "x", "tool_calls": [CALL]}]}, "messages.0", "only assistant"),
+    ],
+)
 def test_bad_tool_requests_are_400_naming_the_field(body, param, words):
     err = _bad(body)
     assert err.status_code == 400 and err.code
@@ -227,30 +268,51 @@ def test_bad_tool_requests_are_400_naming_the_field(body, param, words):
 
 
 def test_tool_history_with_matching_ids_is_accepted():
-    body = {"messages": [USER, {"role": "assistant", "content": None, "tool_calls": [CALL]},
-                         {"role": "tool", "content": "sunny", "tool_call_id": "call_a"}], "tools": [WEATHER],
-            "tool_choice": "none"}
+    body = {
+        "messages": [
+            USER,
+            {"role": "assistant", "content": None, "tool_calls": [CALL]},
+            {"role": "tool", "content": "sunny", "tool_call_id": "call_a"},
+        ],
+        "tools": [WEATHER],
+        "tool_choice": "none",
+    }
     request = api.parse_request(api.ChatCompletionRequest, json.dumps(body))
     assert request.chat_messages()[1]["tool_calls"] == [CALL]
     assert request.tool_call_mode() is None and request.prompt_fields()["tools"] == [WEATHER]
 
 
 def test_required_and_named_constrain_decoding_to_the_tools_schemas():
-    required = api.parse_request(api.ChatCompletionRequest, json.dumps(chat(tools=[WEATHER, FLIGHTS],
-                                                                            tool_choice="required")))
+    required = api.parse_request(
+        api.ChatCompletionRequest, json.dumps(chat(tools=[WEATHER, FLIGHTS], tool_choice="required"))
+    )
     schema = required.to_sampling_params(default_max_tokens=8).structured_outputs.json
-    jsonschema.validate([{"name": "get_weather", "parameters": {"city": "Oslo"}},
-                         {"name": "find_flights", "parameters": {"to": "Rome", "max_stops": 1}}], schema)
-    for wrong in ([], [{"name": "get_weather", "parameters": {"unit": "c"}}],
-                  [{"name": "book_hotel", "parameters": {}}], [{"name": "find_flights", "parameters": {"to": 3}}]):
+    jsonschema.validate(
+        [
+            {"name": "get_weather", "parameters": {"city": "Oslo"}},
+            {"name": "find_flights", "parameters": {"to": "Rome", "max_stops": 1}},
+        ],
+        schema,
+    )
+    for wrong in (
+        [],
+        [{"name": "get_weather", "parameters": {"unit": "c"}}],
+        [{"name": "book_hotel", "parameters": {}}],
+        [{"name": "find_flights", "parameters": {"to": 3}}],
+    ):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(wrong, schema)
     assert required.tool_call_mode().choice == "required"
-    single = api.parse_request(api.ChatCompletionRequest, json.dumps(chat(tools=[WEATHER], tool_choice="required",
-                                                                          parallel_tool_calls=False)))
+    single = api.parse_request(
+        api.ChatCompletionRequest, json.dumps(chat(tools=[WEATHER], tool_choice="required", parallel_tool_calls=False))
+    )
     assert single.to_sampling_params(default_max_tokens=8).structured_outputs.json["maxItems"] == 1
-    named = api.parse_request(api.ChatCompletionRequest, json.dumps(chat(
-        tools=[WEATHER, FLIGHTS], tool_choice={"type": "function", "function": {"name": "find_flights"}})))
+    named = api.parse_request(
+        api.ChatCompletionRequest,
+        json.dumps(
+            chat(tools=[WEATHER, FLIGHTS], tool_choice={"type": "function", "function": {"name": "find_flights"}})
+        ),
+    )
     assert named.to_sampling_params(default_max_tokens=8).structured_outputs.json == FLIGHTS["function"]["parameters"]
     assert (named.tool_call_mode().choice, named.tool_call_mode().name) == ("named", "find_flights")
     for choice in (None, "auto", "none"):
@@ -262,8 +324,11 @@ def test_required_and_named_constrain_decoding_to_the_tools_schemas():
 def test_required_schema_lifts_the_tools_defs_to_the_top():
     from prefixserve.replica.tools.choice import required_schema
 
-    params = {"type": "object", "properties": {"p": {"$ref": "#/$defs/point"}}, "$defs": {
-        "point": {"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]}}}
+    params = {
+        "type": "object",
+        "properties": {"p": {"$ref": "#/$defs/point"}},
+        "$defs": {"point": {"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]}},
+    }
     schema = required_schema([("f", params)])
     assert "$defs" in schema and "$defs" not in schema["items"]["anyOf"][0]["properties"]["parameters"]
     jsonschema.validate([{"name": "f", "parameters": {"p": {"x": 1}}}], schema)
@@ -288,31 +353,34 @@ def test_auto_needs_enable_auto_tool_choice_as_vllm_answers(tiny):
         for body in (chat(tools=[WEATHER], max_tokens=2), chat(tools=[WEATHER], tool_choice="auto", max_tokens=2)):
             error = assert_openai_error(replica.request("POST", "/v1/chat/completions", json=body))
             assert error["param"] == "tool_choice"
-            assert error["message"] == ('"auto" tool choice requires --enable-auto-tool-choice and '
-                                        "--tool-call-parser to be set")
+            assert error["message"] == (
+                '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+            )
         # tool_choice "none" with tools: rendered, not parsed.
-        ok = replica.request("POST", "/v1/chat/completions", json=chat(tools=[WEATHER], tool_choice="none",
-                                                                      max_tokens=3))
+        ok = replica.request(
+            "POST", "/v1/chat/completions", json=chat(tools=[WEATHER], tool_choice="none", max_tokens=3)
+        )
         assert ok.status_code == 200 and "tool_calls" not in ok.json()["choices"][0]["message"]
     finally:
         replica.close()
 
 
 def test_auto_reads_the_output_with_the_parser_and_counts_it(tiny):
-    replica = InProcessReplica(tiny, max_model_len=512,
-                               engine_kwargs={"enable_auto_tool_choice": True, "tool_call_parser": "hermes"})
+    replica = InProcessReplica(
+        tiny, max_model_len=512, engine_kwargs={"enable_auto_tool_choice": True, "tool_call_parser": "hermes"}
+    )
     try:
         body = chat(tools=[WEATHER], max_tokens=6, temperature=0)
         collected = replica.request("POST", "/v1/chat/completions", json=body)
         assert collected.status_code == 200, collected.text
         message = collected.json()["choices"][0]["message"]
         # A random tiny model writes no <tool_call>: its text is the content, unchanged.
-        plain = replica.request("POST", "/v1/chat/completions", json=chat(tools=[WEATHER], tool_choice="none",
-                                                                         max_tokens=6, temperature=0))
+        plain = replica.request(
+            "POST", "/v1/chat/completions", json=chat(tools=[WEATHER], tool_choice="none", max_tokens=6, temperature=0)
+        )
         assert message["content"] == plain.json()["choices"][0]["message"]["content"]
         streamed = replica.request("POST", "/v1/chat/completions", json={**body, "stream": True})
-        events = [json.loads(line[6:]) for line in streamed.text.splitlines()
-                  if line.startswith("data: {")]
+        events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
         text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
         assert text == message["content"]
         metrics = replica.request("GET", "/metrics").text
@@ -332,8 +400,13 @@ NOOP = {"type": "function", "function": {"name": "ping", "description": "Check t
 def test_a_named_function_call_comes_back_collected_and_streamed(tiny):
     replica = InProcessReplica(tiny, max_model_len=512)
     try:
-        body = chat(tools=[NOOP, WEATHER], tool_choice={"type": "function", "function": {"name": "ping"}},
-                    max_tokens=1, temperature=0, logit_bias={str(EMPTY_OBJECT_TOKEN): 100})
+        body = chat(
+            tools=[NOOP, WEATHER],
+            tool_choice={"type": "function", "function": {"name": "ping"}},
+            max_tokens=1,
+            temperature=0,
+            logit_bias={str(EMPTY_OBJECT_TOKEN): 100},
+        )
         answer = replica.request("POST", "/v1/chat/completions", json=body)
         assert answer.status_code == 200, answer.text
         choice = answer.json()["choices"][0]
@@ -365,8 +438,7 @@ def test_tool_calls_and_parse_failures_are_counted_and_on_the_span(tmp_path):
     from prefixserve.replica.tools.choice import ToolCallMode
     from prefixserve.replica.tracing import RequestTracer, build_tracer
 
-    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint(tmp_path / "tiny")), num_kv_blocks=64,
-                                    max_model_len=256))
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint(tmp_path / "tiny")), num_kv_blocks=64, max_model_len=256))
     exporter = InMemorySpanExporter()
     engine.tracer = RequestTracer(build_tracer("test", exporter=exporter), engine.model_name)
     mode = ToolCallMode("named", "ping")
@@ -376,8 +448,10 @@ def test_tool_calls_and_parse_failures_are_counted_and_on_the_span(tmp_path):
         while engine.has_unfinished_requests():
             engine.step()
     spans = [s.attributes for s in exporter.get_finished_spans() if s.name == "llm_request"]
-    assert [(a["prefixserve.tool_choice"], a["prefixserve.tool_calls"], a["prefixserve.tool_call_parse_failures"])
-            for a in spans] == [("named", 2, 0), ("named", 0, 1)]
+    assert [
+        (a["prefixserve.tool_choice"], a["prefixserve.tool_calls"], a["prefixserve.tool_call_parse_failures"])
+        for a in spans
+    ] == [("named", 2, 0), ("named", 0, 1)]
     assert engine.metrics.tool_calls_parsed._value.get() == 2
     assert engine.metrics.tool_call_parse_failures._value.get() == 1
     engine.shutdown()

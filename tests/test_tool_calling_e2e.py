@@ -22,18 +22,38 @@ pytest.importorskip("prefixserve.replica.structured_output.compile")
 pytestmark = pytest.mark.slow
 
 SYSTEM = "You are a travel assistant. Use the tools to answer questions about weather and flights."
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Get tomorrow's weather forecast for a city.",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "enum": ["Lisbon", "Oslo", "Rome", "Paris"]},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-        "required": ["city", "unit"], "additionalProperties": False}}}
-FLIGHTS = {"type": "function", "function": {
-    "name": "find_flights", "description": "Find flights to a city.",
-    "parameters": {"type": "object", "properties": {
-        "to": {"type": "string", "enum": ["Lisbon", "Oslo", "Rome", "Paris"]},
-        "max_stops": {"type": "integer", "minimum": 0, "maximum": 2}},
-        "required": ["to", "max_stops"], "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get tomorrow's weather forecast for a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "enum": ["Lisbon", "Oslo", "Rome", "Paris"]},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+FLIGHTS = {
+    "type": "function",
+    "function": {
+        "name": "find_flights",
+        "description": "Find flights to a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "to": {"type": "string", "enum": ["Lisbon", "Oslo", "Rome", "Paris"]},
+                "max_stops": {"type": "integer", "minimum": 0, "maximum": 2},
+            },
+            "required": ["to", "max_stops"],
+            "additionalProperties": False,
+        },
+    },
+}
 TOOLS = [WEATHER, FLIGHTS]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 QUESTION = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Will it rain in Lisbon tomorrow?"}]
@@ -42,8 +62,15 @@ NAMED = {"type": "function", "function": {"name": "find_flights"}}
 
 @pytest.fixture(scope="module")
 def replica(tmp_path_factory):
-    with ReplicaProcess("smollm2", "--max-model-len", "2048", "--tool-call-parser", "hermes",
-                        "--enable-auto-tool-choice", log_dir=tmp_path_factory.mktemp("logs")) as proc:
+    with ReplicaProcess(
+        "smollm2",
+        "--max-model-len",
+        "2048",
+        "--tool-call-parser",
+        "hermes",
+        "--enable-auto-tool-choice",
+        log_dir=tmp_path_factory.mktemp("logs"),
+    ) as proc:
         yield proc
         assert proc.returncode is None, f"the replica died during the tests:\n{proc.log_tail()}"
 
@@ -80,8 +107,15 @@ def _streamed(client, **kwargs) -> tuple[list[dict], str | None]:
 
 @pytest.mark.parametrize("tool_choice", ["required", NAMED], ids=["required", "named"])
 def test_forced_tool_calls_have_arguments_that_validate_collected_and_streamed(client, tool_choice):
-    kwargs = dict(model="smollm2", messages=QUESTION, tools=TOOLS, tool_choice=tool_choice,
-                  parallel_tool_calls=False, max_tokens=96, temperature=0)
+    kwargs = dict(
+        model="smollm2",
+        messages=QUESTION,
+        tools=TOOLS,
+        tool_choice=tool_choice,
+        parallel_tool_calls=False,
+        max_tokens=96,
+        temperature=0,
+    )
     # OpenAI's (and vLLM's) finish reasons: "tool_calls" for required, "stop" for a named function.
     finish_reason = "tool_calls" if tool_choice == "required" else "stop"
     answer = client.chat.completions.create(**kwargs)
@@ -102,16 +136,24 @@ def test_forced_tool_calls_have_arguments_that_validate_collected_and_streamed(c
 def test_an_agent_loop_calls_a_tool_reads_its_result_and_answers(client, replica):
     before = httpx.get(f"{replica.base_url}/metrics", timeout=10).text
     messages = list(QUESTION)
-    call = client.chat.completions.create(model="smollm2", messages=messages, tools=TOOLS, tool_choice="required",
-                                          parallel_tool_calls=False, max_tokens=96, temperature=0)
+    call = client.chat.completions.create(
+        model="smollm2",
+        messages=messages,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=96,
+        temperature=0,
+    )
     tool_call = call.choices[0].message.tool_calls[0]
     args = _valid(tool_call.function.name, tool_call.function.arguments)
     messages.append({"role": "assistant", "content": None, "tool_calls": [tool_call.model_dump()]})
     result = {"forecast": "light rain", "city": args.get("city") or args.get("to")}
     messages.append({"role": "tool", "tool_call_id": tool_call.id, "content": json.dumps(result)})
 
-    answer = client.chat.completions.create(model="smollm2", messages=messages, tools=TOOLS, max_tokens=24,
-                                            temperature=0)
+    answer = client.chat.completions.create(
+        model="smollm2", messages=messages, tools=TOOLS, max_tokens=24, temperature=0
+    )
     choice = answer.choices[0]
     assert choice.finish_reason in ("stop", "length", "tool_calls")
     assert choice.message.content or choice.message.tool_calls
@@ -124,9 +166,11 @@ def test_an_agent_loop_calls_a_tool_reads_its_result_and_answers(client, replica
 
 
 def test_bad_tool_requests_are_400_and_the_replica_keeps_serving(client):
-    cases = [dict(tools=[WEATHER, WEATHER]), dict(tools=TOOLS, tool_choice={"type": "function",
-                                                                            "function": {"name": "book"}}),
-             dict(messages=[*QUESTION, {"role": "tool", "tool_call_id": "call_x", "content": "?"}], tools=TOOLS)]
+    cases = [
+        dict(tools=[WEATHER, WEATHER]),
+        dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "book"}}),
+        dict(messages=[*QUESTION, {"role": "tool", "tool_call_id": "call_x", "content": "?"}], tools=TOOLS),
+    ]
     for case in cases:
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(**{"model": "smollm2", "messages": QUESTION, "max_tokens": 4, **case})

@@ -42,8 +42,9 @@ def test_engine_span_per_request_with_phases_under_the_callers_trace(engine):
     engine.tracer = RequestTracer(build_tracer("test", exporter=exporter), engine.model_name)
     try:
         prompt = list(range(5, 45))
-        run_to_end(engine, prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
-                   {"traceparent": TRACEPARENT})
+        run_to_end(
+            engine, prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), {"traceparent": TRACEPARENT}
+        )
         run_to_end(engine, prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), None)
     finally:
         engine.tracer = None
@@ -71,8 +72,10 @@ def test_engine_span_per_request_with_phases_under_the_callers_trace(engine):
         assert all(s.start_time <= s.end_time for s in phases.values())
     lat = traced.attributes
     assert lat["gen_ai.latency.e2e"] == pytest.approx(
-        lat["gen_ai.latency.time_in_queue"] + lat["gen_ai.latency.time_in_model_prefill"]
-        + lat["gen_ai.latency.time_in_model_decode"])
+        lat["gen_ai.latency.time_in_queue"]
+        + lat["gen_ai.latency.time_in_model_prefill"]
+        + lat["gen_ai.latency.time_in_model_decode"]
+    )
 
 
 def test_an_untraced_engine_records_nothing(engine):
@@ -82,7 +85,9 @@ def test_an_untraced_engine_records_nothing(engine):
 
 def test_trace_headers_keep_only_the_w3c_context():
     assert trace_headers({"traceparent": TRACEPARENT, "tracestate": "a=1", "authorization": "x"}) == {
-        "traceparent": TRACEPARENT, "tracestate": "a=1"}
+        "traceparent": TRACEPARENT,
+        "tracestate": "a=1",
+    }
     assert trace_headers({"x-request-id": "r1"}) is None
 
 
@@ -129,8 +134,12 @@ def test_constrained_request_span_names_its_constraint_kind(engine):
     engine.tracer = RequestTracer(build_tracer("test", exporter=exporter), engine.model_name)
     try:
         prompt = list(range(5, 25))
-        run_to_end(engine, prompt, SamplingParams(temperature=0, max_tokens=8, structured_outputs=(
-            StructuredOutputsParams(regex="[0-9]{2}"))), None)
+        run_to_end(
+            engine,
+            prompt,
+            SamplingParams(temperature=0, max_tokens=8, structured_outputs=(StructuredOutputsParams(regex="[0-9]{2}"))),
+            None,
+        )
         run_to_end(engine, prompt, SamplingParams(temperature=0, max_tokens=2), None)
     finally:
         engine.tracer = None

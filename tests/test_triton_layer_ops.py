@@ -123,6 +123,7 @@ def test_rms_norm_rejects_bad_inputs():
 
 # --- rotary -----------------------------------------------------------------------------------------
 
+
 def _rotary_tables(gen: torch.Generator, head_dim: int, dtype: torch.dtype, max_pos: int = 100):
     # Angles over several turns, as long contexts produce: every sign of cos/sin occurs.
     angles = torch.rand(max_pos, head_dim // 2, generator=gen) * 40
@@ -143,13 +144,13 @@ def test_rotary_is_bit_identical_to_torch_on_strided_rows(seed, dtype, rows, hea
     positions = torch.randint(0, cos.shape[0], (rows,), generator=gen)
     # q and k as the model passes them: a view of the qkv projection, v's columns after it.
     qkv = (torch.randn(rows, (heads + 2) * head_dim, generator=gen) * 3).to(dtype)
-    x = qkv[:, :heads * head_dim].unflatten(1, (heads, head_dim))
-    untouched = qkv[:, heads * head_dim:].clone()
+    x = qkv[:, : heads * head_dim].unflatten(1, (heads, head_dim))
+    untouched = qkv[:, heads * head_dim :].clone()
     expected = layer_ops.torch_rotary(x.clone(), layer_ops.torch_prepare_rotary(positions, cos, sin))
     got = triton_rotary(x, triton_prepare_rotary(positions, cos, sin))
     assert got.data_ptr() == x.data_ptr(), "rotary is documented to rotate in place"
     assert torch.equal(got, expected)
-    assert torch.equal(qkv[:, heads * head_dim:], untouched), "rotation wrote outside its heads"
+    assert torch.equal(qkv[:, heads * head_dim :], untouched), "rotation wrote outside its heads"
 
 
 def test_rotary_rejects_bad_inputs():
@@ -169,6 +170,7 @@ def test_rotary_rejects_bad_inputs():
 
 # --- rotary + KV-cache write ------------------------------------------------------------------------
 
+
 def _poisoned_cache(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """NaN everywhere (0xff bytes: NaN in e4m3fn, fp32, fp16 and bf16), so stray writes show."""
     return torch.full((*shape[:-1], shape[-1] * dtype.itemsize), 0xFF, dtype=torch.uint8).view(dtype)
@@ -183,25 +185,38 @@ FUSED_SHAPES = [(1, 4, 2, 64, 16), (12, 32, 8, 64, 16), (7, 70, 2, 64, 8), (5, 6
 @pytest.mark.parametrize("cache", ["same", "fp8"])
 @pytest.mark.parametrize("rows, heads, kv_heads, head_dim, block_size", FUSED_SHAPES)
 def test_rotary_and_write_kv_equals_rotary_then_reference_cache_write(
-        seed, dtype, cache, rows, heads, kv_heads, head_dim, block_size):
+    seed, dtype, cache, rows, heads, kv_heads, head_dim, block_size
+):
     _check_fused(seed, dtype, dtype if cache == "same" else FP8, rows, heads, kv_heads, head_dim, block_size)
 
 
-@pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, torch.bfloat16), (torch.float32, torch.float16),
-                                                (torch.bfloat16, torch.float16)], ids=str)
+@pytest.mark.parametrize(
+    "dtype, cache_dtype",
+    [(torch.float32, torch.bfloat16), (torch.float32, torch.float16), (torch.bfloat16, torch.float16)],
+    ids=str,
+)
 def test_rotary_and_write_kv_into_a_cache_of_another_dtype(seed, dtype, cache_dtype):
     _check_fused(seed, dtype, cache_dtype, 6, 8, 2, 64, 16, slot_dtype=torch.int32)
 
 
-def _check_fused(seed: int, dtype: torch.dtype, cache_dtype: torch.dtype, rows: int, heads: int, kv_heads: int,
-                 head_dim: int, block_size: int, slot_dtype: torch.dtype = torch.int64) -> None:
+def _check_fused(
+    seed: int,
+    dtype: torch.dtype,
+    cache_dtype: torch.dtype,
+    rows: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    slot_dtype: torch.dtype = torch.int64,
+) -> None:
     """The fused op vs ``torch_rotary`` + ``reference.write_kv_cache``: q, k and every cache byte."""
     gen = torch.Generator().manual_seed(seed)
     cos, sin = _rotary_tables(gen, head_dim, dtype)
     positions = torch.randint(0, cos.shape[0], (rows,), generator=gen)
     qkv = (torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=gen) * 3).to(dtype)
-    qk = qkv[:, :(heads + kv_heads) * head_dim].unflatten(1, (heads + kv_heads, head_dim))
-    value = qkv[:, (heads + kv_heads) * head_dim:].unflatten(1, (kv_heads, head_dim))
+    qk = qkv[:, : (heads + kv_heads) * head_dim].unflatten(1, (heads + kv_heads, head_dim))
+    value = qkv[:, (heads + kv_heads) * head_dim :].unflatten(1, (kv_heads, head_dim))
     num_blocks = -(-rows // block_size) + 2
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:rows]
     slots[1::3] = -1  # padding tokens: rotated like the others, never cached
@@ -215,13 +230,13 @@ def _check_fused(seed: int, dtype: torch.dtype, cache_dtype: torch.dtype, rows: 
         # Scales that saturate the largest K values and use all of V's range.
         k_scale = reference.fp8_scale_for(expected_qk[:, heads:]) * 0.6
         v_scale = reference.fp8_scale_for(value)
-    reference.write_kv_cache(expected_qk[:, heads:], value, *expected_caches, slots, k_scale=k_scale,
-                             v_scale=v_scale)
+    reference.write_kv_cache(expected_qk[:, heads:], value, *expected_caches, slots, k_scale=k_scale, v_scale=v_scale)
 
     caches = _poisoned_cache(shape, cache_dtype), _poisoned_cache(shape, cache_dtype)
     v_before = value.clone()
-    got = triton_rotary_and_write_kv(qk, value, triton_prepare_rotary(positions, cos, sin), *caches, slots,
-                                     k_scale=k_scale, v_scale=v_scale)
+    got = triton_rotary_and_write_kv(
+        qk, value, triton_prepare_rotary(positions, cos, sin), *caches, slots, k_scale=k_scale, v_scale=v_scale
+    )
     assert got.data_ptr() == qk.data_ptr()
     assert torch.equal(qk, expected_qk)
     assert torch.equal(value, v_before)
@@ -243,8 +258,9 @@ def test_rotary_and_write_kv_rejects_bad_inputs():
     qk, value = torch.randn(3, 6, 64), torch.randn(3, 2, 64)
     cache = torch.zeros(4, 16, 2, 64)
     with pytest.raises(ValueError, match="key_cache and value_cache must both be"):
-        triton_rotary_and_write_kv(qk, value, prepared, torch.zeros(4, 16, 3, 64), torch.zeros(4, 16, 3, 64),
-                                   torch.arange(3))
+        triton_rotary_and_write_kv(
+            qk, value, prepared, torch.zeros(4, 16, 3, 64), torch.zeros(4, 16, 3, 64), torch.arange(3)
+        )
     with pytest.raises(ValueError, match="slot_mapping"):
         triton_rotary_and_write_kv(qk, value, prepared, cache, cache.clone(), torch.arange(4))
     with pytest.raises(ValueError, match="value must be"):
@@ -276,11 +292,13 @@ def test_silu_and_mul_reads_strided_rows(seed):
     gen = torch.Generator().manual_seed(seed)
     wide = torch.randn(5, 300, generator=gen).to(torch.float16) * 4
     gate_up = wide[:, :200]  # row stride 300
-    torch.testing.assert_close(triton_silu_and_mul(gate_up), layer_ops.torch_silu_and_mul(gate_up),
-                               **_tol(torch.float16, 1e-6))
+    torch.testing.assert_close(
+        triton_silu_and_mul(gate_up), layer_ops.torch_silu_and_mul(gate_up), **_tol(torch.float16, 1e-6)
+    )
 
 
 # --- dispatch and the model -------------------------------------------------------------------------
+
 
 def test_select_layer_ops_picks_triton_for_the_triton_backend():
     assert layer_ops.select_layer_ops("triton") is TRITON_LAYER_OPS
@@ -292,11 +310,13 @@ def test_select_layer_ops_picks_triton_for_the_triton_backend():
 
 def test_layer_ops_imports_without_triton():
     """CPU-only installs: layer_ops (and its torch/C ops) must not import triton."""
-    code = ("import sys\n"
-            "sys.modules['triton'] = None  # any 'import triton' now raises ImportError\n"
-            "from prefixserve.kernels import layer_ops\n"
-            "assert layer_ops.select_layer_ops('torch').name == 'torch'\n"
-            "print('ok')\n")
+    code = (
+        "import sys\n"
+        "sys.modules['triton'] = None  # any 'import triton' now raises ImportError\n"
+        "from prefixserve.kernels import layer_ops\n"
+        "assert layer_ops.select_layer_ops('torch').name == 'torch'\n"
+        "print('ok')\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
 
@@ -310,8 +330,16 @@ def test_model_with_triton_layer_ops_matches_torch_layer_ops(seed, dtype):
     from prefixserve.kernels import select_backend
     from prefixserve.replica.model.llama import AttentionMetadata, LlamaForCausalLM, ModelConfig
 
-    hf = LlamaConfig(vocab_size=300, hidden_size=160, intermediate_size=344, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=80, max_position_embeddings=256)
+    hf = LlamaConfig(
+        vocab_size=300,
+        hidden_size=160,
+        intermediate_size=344,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=80,
+        max_position_embeddings=256,
+    )
     cfg = ModelConfig.from_hf(hf)
     backend = select_backend("triton", "cpu", dtype)
     gen = torch.Generator().manual_seed(seed)
@@ -320,8 +348,10 @@ def test_model_with_triton_layer_ops_matches_torch_layer_ops(seed, dtype):
     for ops in (layer_ops.TORCH_LAYER_OPS, TRITON_LAYER_OPS):
         model = LlamaForCausalLM(cfg, max_model_len=256, backend=backend, dtype=dtype, ops=ops)
         if state is None:
-            state = {name: (torch.randn(p.shape, generator=gen) * 0.1 + (1.0 if "norm" in name else 0.0)).to(dtype)
-                     for name, p in model.named_parameters()}
+            state = {
+                name: (torch.randn(p.shape, generator=gen) * 0.1 + (1.0 if "norm" in name else 0.0)).to(dtype)
+                for name, p in model.named_parameters()
+            }
         model.load_state_dict(state, strict=False)
         shape = (8, 16, cfg.num_kv_heads, cfg.head_dim)
         caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(2)]
@@ -331,14 +361,18 @@ def test_model_with_triton_layer_ops_matches_torch_layer_ops(seed, dtype):
             slot_mapping=torch.cat([torch.arange(16, 21), torch.arange(48, 67)]),
             block_tables=torch.tensor([[1, 0], [3, 4]], dtype=torch.int32),
             seq_lens=torch.tensor([5, 19], dtype=torch.int32),
-            query_start_loc=torch.tensor([0, 5, 24], dtype=torch.int32))
+            query_start_loc=torch.tensor([0, 5, 24], dtype=torch.int32),
+        )
         ids = torch.randint(0, 300, (24,), generator=torch.Generator().manual_seed(seed))
         positions = torch.cat([torch.arange(5), torch.arange(19)])
         with torch.no_grad():
             h1 = model(ids, positions, prefill)
-            decode = AttentionMetadata(slot_mapping=torch.tensor([21, 67]), block_tables=prefill.block_tables,
-                                       seq_lens=torch.tensor([6, 20], dtype=torch.int32),
-                                       query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32))
+            decode = AttentionMetadata(
+                slot_mapping=torch.tensor([21, 67]),
+                block_tables=prefill.block_tables,
+                seq_lens=torch.tensor([6, 20], dtype=torch.int32),
+                query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32),
+            )
             h2 = model(ids[:2], torch.tensor([5, 19]), decode)
         results[ops.name] = (h1, h2, caches)
     (t1, t2, t_caches), (r1, r2, r_caches) = results["torch"], results["triton"]

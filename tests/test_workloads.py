@@ -80,8 +80,9 @@ def test_shared_prefix_shape() -> None:
 
 
 def test_zipf_tenants_popularity_and_hot_tenant() -> None:
-    cfg = W.ZipfTenantsConfig(num_tenants=50, num_requests=4000, zipf_s=1.2, hot_share=0.3, system_prompt_len=8,
-                              question_len=4, seed=11)
+    cfg = W.ZipfTenantsConfig(
+        num_tenants=50, num_requests=4000, zipf_s=1.2, hot_share=0.3, system_prompt_len=8, question_len=4, seed=11
+    )
     reqs = W.zipf_tenants(cfg)
     counts = Counter(r.tenant for r in reqs)
     # tenant 0 gets hot_share plus its Zipf share
@@ -125,7 +126,7 @@ def test_multi_turn_history_grows() -> None:
         else:
             # each round resends the previous request whole, then an answer and a new question
             assert msgs[: len(prev)] == prev
-            assert [m["role"] for m in msgs[len(prev):]] == ["assistant", "user"]
+            assert [m["role"] for m in msgs[len(prev) :]] == ["assistant", "user"]
             assert _ntok(msgs[-2]["content"]) == p["assistant_turn_len"]
         last[r.tenant] = msgs
     assert all(len(m) == 1 + 2 * p["num_rounds"] - 1 for m in last.values())
@@ -138,8 +139,9 @@ def test_multi_turn_history_grows() -> None:
 
 
 def test_volatile_system_prompt_patterns_and_fix() -> None:
-    cfg = W.VolatileSystemPromptConfig(num_requests=60, num_users=6, system_prompt_len=20, deploy_every=25,
-                                       fewshot_len=4, seed=9)
+    cfg = W.VolatileSystemPromptConfig(
+        num_requests=60, num_users=6, system_prompt_len=20, deploy_every=25, fewshot_len=4, seed=9
+    )
     reqs = W.volatile_system_prompt(cfg)
     systems = [r.body["messages"][0]["content"] for r in reqs]
     assert all(s.startswith("Current date: 2026-") for s in systems)
@@ -154,9 +156,12 @@ def test_volatile_system_prompt_patterns_and_fix() -> None:
     assert all(r.body["messages"][1]["content"].startswith("Current date: ") for r in fixed)
 
     only_ts = W.volatile_system_prompt(
-        W.VolatileSystemPromptConfig(num_requests=5, patterns=("timestamp",), system_prompt_len=10, seed=9))
-    assert all("User ID" not in r.body["messages"][0]["content"] and "Examples" not in r.body["messages"][0]["content"]
-               for r in only_ts)
+        W.VolatileSystemPromptConfig(num_requests=5, patterns=("timestamp",), system_prompt_len=10, seed=9)
+    )
+    assert all(
+        "User ID" not in r.body["messages"][0]["content"] and "Examples" not in r.body["messages"][0]["content"]
+        for r in only_ts
+    )
     with pytest.raises(ValueError, match="unknown volatile patterns"):
         W.VolatileSystemPromptConfig(patterns=("weather",))
 
@@ -200,9 +205,19 @@ def test_jsonl_roundtrip_and_cli(tmp_path) -> None:
     assert W.write_jsonl(reqs, path) == len(reqs)
     assert W.read_jsonl(path) == reqs
     out = tmp_path / "cli.jsonl"
-    subprocess.run([sys.executable, "-m", "prefixserve.loadtest.workloads", "multi_turn", "--out", str(out),
-                    *[f"--{k.replace('_', '-')}={v}" for k, v in _params("multi_turn").items()]],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "prefixserve.loadtest.workloads",
+            "multi_turn",
+            "--out",
+            str(out),
+            *[f"--{k.replace('_', '-')}={v}" for k, v in _params("multi_turn").items()],
+        ],
+        check=True,
+        capture_output=True,
+    )
     assert out.read_text() == path.read_text()
 
 

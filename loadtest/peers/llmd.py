@@ -77,8 +77,14 @@ class LlmdScorer:
 
     name = "llmd"
 
-    def __init__(self, prefix_weight: float = 3.0, queue_weight: float = 2.0, kv_weight: float = 2.0,
-                 lru_capacity: int | None = None, seed: int = 0) -> None:
+    def __init__(
+        self,
+        prefix_weight: float = 3.0,
+        queue_weight: float = 2.0,
+        kv_weight: float = 2.0,
+        lru_capacity: int | None = None,
+        seed: int = 0,
+    ) -> None:
         self.weights = (prefix_weight, queue_weight, kv_weight)
         self.lru_capacity = lru_capacity
         self.index = PrefixIndex()

@@ -43,8 +43,9 @@ class RayPrefixAffinity:
 
     name = "ray_prefix"
 
-    def __init__(self, imbalanced_threshold: float = math.inf, match_rate_threshold: float = 0.1,
-                 seed: int = 0) -> None:
+    def __init__(
+        self, imbalanced_threshold: float = math.inf, match_rate_threshold: float = 0.1, seed: int = 0
+    ) -> None:
         self.imbalanced_threshold = imbalanced_threshold
         self.match_rate_threshold = match_rate_threshold
         self.tree = ApproxTree()

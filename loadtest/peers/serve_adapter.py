@@ -124,11 +124,11 @@ class PromptEncoder:
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of a conversation through the chat template, generation prompt added."""
-        return list(self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False,
-                                                       add_generation_prompt=True))
+        return list(
+            self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, add_generation_prompt=True)
+        )
 
-    def encode(self, prompt: str | list[int] | None = None,
-               messages: list[dict[str, str]] | None = None) -> list[int]:
+    def encode(self, prompt: str | list[int] | None = None, messages: list[dict[str, str]] | None = None) -> list[int]:
         """Token ids of ``messages`` (chat) or ``prompt`` (text or ids)."""
         if messages is not None:
             return self.encode_chat(messages)
@@ -139,8 +139,9 @@ class PromptEncoder:
         return [int(t) for t in prompt]
 
 
-def peer_request(request: Any, index: int, now: float, encoder: PromptEncoder, hasher: BlockHasher,
-                 block_size: int) -> PeerRequest:
+def peer_request(
+    request: Any, index: int, now: float, encoder: PromptEncoder, hasher: BlockHasher, block_size: int
+) -> PeerRequest:
     """The PeerRequest of an engine call's first argument (an ``EngineRequest``): tokens, hashes, key.
 
     Blocking (tokenizer and hashing): callers on an event loop run it in a thread.
@@ -149,8 +150,14 @@ def peer_request(request: Any, index: int, now: float, encoder: PromptEncoder, h
     salt = getattr(request, "cache_salt", None)
     hashes = hasher.hash_blocks(tokens, block_size, salt or None)
     key = getattr(request, "routing_key", None)
-    return PeerRequest(index=index, tokens=tuple(tokens), block_hashes=tuple(hashes),
-                       key=key if isinstance(key, str) else "", now=now, block_size=block_size)
+    return PeerRequest(
+        index=index,
+        tokens=tuple(tokens),
+        block_hashes=tuple(hashes),
+        key=key if isinstance(key, str) else "",
+        now=now,
+        block_size=block_size,
+    )
 
 
 # --------------------------------------------------------------------------- what replicas hold
@@ -272,8 +279,9 @@ class PeerServeReplica:
         return 0 if self.index is None else self.index.cached_blocks(self.name, block_hashes)
 
 
-def peer_view(view: ServeReplicaView, index: KvEventIndex | None = None,
-              num_gpu_blocks: int | None = None) -> PeerServeReplica:
+def peer_view(
+    view: ServeReplicaView, index: KvEventIndex | None = None, num_gpu_blocks: int | None = None
+) -> PeerServeReplica:
     """The peer's candidate for a router view: its reported load, or (no recent report) its own in-flight as waiting."""
     load = view.load if view.load is not None else ReplicaLoad(num_waiting=view.in_flight)
     return PeerServeReplica(view.replica, view.name, view.in_flight, load, index, num_gpu_blocks)
@@ -387,8 +395,7 @@ class PeerRouter(PrefixRouter):
             index = self._next_index
             self._next_index += 1
         now = time.monotonic()
-        req = await asyncio.to_thread(peer_request, request, index, now, self._encoder, self._hasher,
-                                      self._block_size)
+        req = await asyncio.to_thread(peer_request, request, index, now, self._encoder, self._hasher, self._block_size)
         with self._lock:
             self._tracked[request_id] = _Tracked(req)
             while len(self._tracked) > MAX_TRACKED_REQUESTS:

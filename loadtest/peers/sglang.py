@@ -162,8 +162,11 @@ class ApproxTree:
                 assert up.parent is not None
                 del up.parent.children[up.edge[0]]
                 up = up.parent
-            if (parent is not self.root and replica in parent.access
-                    and not any(replica in c.access for c in parent.children.values())):
+            if (
+                parent is not self.root
+                and replica in parent.access
+                and not any(replica in c.access for c in parent.children.values())
+            ):
                 heapq.heappush(heap, (parent.access[replica], id(parent), parent))
 
     def check_invariants(self) -> None:

@@ -110,8 +110,15 @@ def _best(repeats: int, once: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     return best
 
 
-def run_vllm(seed: int, num_requests: int, prompt_len: int, block_size: int, repeats: int,
-             pools: Sequence[str], timings: Sequence[str]) -> dict[str, Any]:
+def run_vllm(
+    seed: int,
+    num_requests: int,
+    prompt_len: int,
+    block_size: int,
+    repeats: int,
+    pools: Sequence[str],
+    timings: Sequence[str],
+) -> dict[str, Any]:
     import torch
     import vllm
     from vllm.sampling_params import SamplingParams
@@ -130,10 +137,18 @@ def run_vllm(seed: int, num_requests: int, prompt_len: int, block_size: int, rep
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
 
     def manager(usable: int) -> Any:
-        config = KVCacheConfig(num_blocks=usable + 1,  # + vLLM's null block 0
-                               kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
-        return KVCacheManager(config, max_model_len=prompt_len, scheduler_block_size=block_size,
-                              hash_block_size=block_size, enable_caching=True)
+        config = KVCacheConfig(
+            num_blocks=usable + 1,  # + vLLM's null block 0
+            kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)],
+        )
+        return KVCacheManager(
+            config,
+            max_model_len=prompt_len,
+            scheduler_block_size=block_size,
+            hash_block_size=block_size,
+            enable_caching=True,
+        )
 
     def admit_free(m: Any, req: Any) -> int:
         blocks, n, _ = m.get_computed_blocks(req)
@@ -149,8 +164,10 @@ def run_vllm(seed: int, num_requests: int, prompt_len: int, block_size: int, rep
         for i, p in enumerate(fillers[:k] + [warm]):
             admit_free(m, Request(f"fill{i}", p, params, None, block_hasher=hasher))
         with_hashes = timing == "ops"
-        reqs = [Request(f"r{i}", p, params, None, block_hasher=hasher if with_hashes else None)
-                for i, p in enumerate(prompts)]
+        reqs = [
+            Request(f"r{i}", p, params, None, block_hasher=hasher if with_hashes else None)
+            for i, p in enumerate(prompts)
+        ]
         cached0 = len(m.block_pool.cached_block_hash_to_block)
         hit = 0
         gc.collect()
@@ -173,9 +190,14 @@ def run_vllm(seed: int, num_requests: int, prompt_len: int, block_size: int, rep
         for timing in timings:
             r = _best(repeats, lambda pool=pool, timing=timing: once(pool, timing))
             rows.append({"pool": pool, "timing": timing, **r})
-    return {"vllm_version": vllm.__version__, "torch_version": torch.__version__,
-            "python": sys.version.split()[0], "hash": "xxhash (xxh3_128 of pickle)",
-            "workload_digest": workload_digest(warm, prompts, fillers), "rows": rows}
+    return {
+        "vllm_version": vllm.__version__,
+        "torch_version": torch.__version__,
+        "python": sys.version.split()[0],
+        "hash": "xxhash (xxh3_128 of pickle)",
+        "workload_digest": workload_digest(warm, prompts, fillers),
+        "rows": rows,
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -189,8 +211,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--timings", default=",".join(TIMINGS))
     args = ap.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    res = run_vllm(args.seed, args.requests, args.prompt_len, args.block_size, args.repeats,
-                   args.pools.split(","), args.timings.split(","))
+    res = run_vllm(
+        args.seed,
+        args.requests,
+        args.prompt_len,
+        args.block_size,
+        args.repeats,
+        args.pools.split(","),
+        args.timings.split(","),
+    )
     print(json.dumps(res))
     return 0
 

@@ -106,9 +106,7 @@ class BlockPool:
         klass: type[BlockPool] = cls
         if cls is BlockPool:
             if eviction_policy not in _POOL_CLASSES:
-                raise ValueError(
-                    f"eviction_policy must be one of {list(EVICTION_POLICIES)}, got {eviction_policy!r}"
-                )
+                raise ValueError(f"eviction_policy must be one of {list(EVICTION_POLICIES)}, got {eviction_policy!r}")
             klass = _POOL_CLASSES[eviction_policy]
         return object.__new__(klass)
 
@@ -126,9 +124,7 @@ class BlockPool:
 
     def _init_common(self, num_blocks: int, eviction_policy: str) -> None:
         if eviction_policy != self.eviction_policy:
-            raise ValueError(
-                f"{type(self).__name__} implements {self.eviction_policy!r}, not {eviction_policy!r}"
-            )
+            raise ValueError(f"{type(self).__name__} implements {self.eviction_policy!r}, not {eviction_policy!r}")
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}: give the KV cache more memory")
         self.num_blocks = num_blocks
@@ -556,7 +552,7 @@ class _MultiListPool(BlockPool):
             for old in ring[pos:stop]:
                 if old is not None:
                     del ghost[old]
-            part = hashes[done:done + stop - pos]
+            part = hashes[done : done + stop - pos]
             ring[pos:stop] = part
             ghost.update(zip(part, range(pos, stop)))
             done += stop - pos
@@ -869,8 +865,9 @@ class SLRUBlockPool(_MultiListPool):
         super().check_invariants()
         assert self._count[2] <= self.protected_cap, "protected holds more than its cap"
         assert all(self._hits[b] for b in self._list(2)), "an unhit block is protected"
-        assert not any(self._hinted[b] for b in range(self.num_blocks) if self.ref_cnt[b] == 0), \
+        assert not any(self._hinted[b] for b in range(self.num_blocks) if self.ref_cnt[b] == 0), (
             "a free block is still marked reused"
+        )
 
 
 class LFUBlockPool(_MultiListPool):

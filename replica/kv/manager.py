@@ -281,14 +281,12 @@ class KVCacheManager:
             if run >= need or run == i + 1:
                 best = i + 1
         keep = min(best, need)
-        blocks = [NULL_BLOCK] * (best - keep) + [b for b in cached[best - keep:best] if b is not None]
+        blocks = [NULL_BLOCK] * (best - keep) + [b for b in cached[best - keep : best] if b is not None]
         return blocks, best * self.block_size
 
     # --- allocation --------------------------------------------------------
 
-    def _plan(
-        self, request_id: str, num_new_tokens: int, computed_blocks: Sequence[int]
-    ) -> tuple[int, bool]:
+    def _plan(self, request_id: str, num_new_tokens: int, computed_blocks: Sequence[int]) -> tuple[int, bool]:
         """(new blocks for growth, copy-on-write?): with the revived hits (``_num_revived``),
         the blocks ``allocate_slots`` takes from the free pool."""
         if num_new_tokens < 0:
@@ -384,8 +382,9 @@ class KVCacheManager:
             skipped = computed_blocks.count(NULL_BLOCK)
             pool.touch([b for b in computed_blocks if b != NULL_BLOCK] if skipped else computed_blocks)
             held = len(computed_blocks)
-            req = _Request(list(computed_blocks), held * self.block_size, hashes, held, cache_salt, skipped,
-                           len(token_ids))
+            req = _Request(
+                list(computed_blocks), held * self.block_size, hashes, held, cache_salt, skipped, len(token_ids)
+            )
             self._requests[request_id] = req
         if cow:
             src = req.blocks[-1]
@@ -439,13 +438,13 @@ class KVCacheManager:
         if static_prefix_tokens > 0:
             n = min(static_prefix_tokens // self.block_size, req.num_registered, len(req.blocks))
             if n > req.num_skipped:
-                self.pool.mark_reused(req.blocks[req.num_skipped:n])
+                self.pool.mark_reused(req.blocks[req.num_skipped : n])
         if generated_cold:
             cut = max(req.num_prompt_tokens // self.block_size, req.num_skipped)
             self.pool.free_blocks_cold(reversed(req.blocks[cut:]))
-            self.pool.free_blocks(reversed(req.blocks[req.num_skipped:cut]))
+            self.pool.free_blocks(reversed(req.blocks[req.num_skipped : cut]))
         else:
-            self.pool.free_blocks(reversed(req.blocks[req.num_skipped:] if req.num_skipped else req.blocks))
+            self.pool.free_blocks(reversed(req.blocks[req.num_skipped :] if req.num_skipped else req.blocks))
         return True
 
     def fork(self, parent_id: str, child_id: str) -> list[int]:
@@ -455,10 +454,15 @@ class KVCacheManager:
         parent = self._requests.get(parent_id)
         if parent is None:
             raise KeyError(f"fork source {parent_id!r} has no block table")
-        self.pool.touch(parent.blocks[parent.num_skipped:])
+        self.pool.touch(parent.blocks[parent.num_skipped :])
         self._requests[child_id] = _Request(
-            list(parent.blocks), parent.num_tokens, list(parent.hashes), parent.num_registered, parent.salt,
-            parent.num_skipped, parent.num_prompt_tokens,
+            list(parent.blocks),
+            parent.num_tokens,
+            list(parent.hashes),
+            parent.num_registered,
+            parent.salt,
+            parent.num_skipped,
+            parent.num_prompt_tokens,
         )
         return list(parent.blocks)
 
@@ -468,8 +472,8 @@ class KVCacheManager:
         first_needed = max(0, req.num_tokens - self.sliding_window + 1) // self.block_size
         if first_needed <= req.num_skipped:
             return
-        freed = req.blocks[req.num_skipped:first_needed]
-        req.blocks[req.num_skipped:first_needed] = [NULL_BLOCK] * len(freed)
+        freed = req.blocks[req.num_skipped : first_needed]
+        req.blocks[req.num_skipped : first_needed] = [NULL_BLOCK] * len(freed)
         req.num_skipped = first_needed
         self._num_window_freed += len(freed)
         self.pool.free_blocks(reversed(freed))
@@ -485,7 +489,7 @@ class KVCacheManager:
         pool = self.pool
         ref, bhash = pool.ref_cnt, pool.block_hash
         host_of = self._host_of_hash
-        live = req.blocks[req.num_skipped:]
+        live = req.blocks[req.num_skipped :]
         needed = sum(1 for b in live if ref[b] == 1 and (bhash[b] is None or bhash[b] not in host_of))
         if needed > len(self._host_free):
             return False
@@ -509,8 +513,9 @@ class KVCacheManager:
             released.append(b)
         del self._requests[request_id]
         pool.free_blocks(reversed(released))
-        self._swapped[request_id] = _Swapped(entries, req.num_tokens, req.hashes, req.num_registered, req.salt,
-                                             req.num_prompt_tokens)
+        self._swapped[request_id] = _Swapped(
+            entries, req.num_tokens, req.hashes, req.num_registered, req.salt, req.num_prompt_tokens
+        )
         return True
 
     def is_swapped(self, request_id: str) -> bool:
@@ -585,8 +590,9 @@ class KVCacheManager:
         if recached:
             pool.cache_blocks([b for b, _ in recached], [h for _, h in recached])
         skipped = sum(1 for kind, _, _ in sw.entries if kind == _SKIPPED)
-        self._requests[request_id] = _Request(blocks, sw.num_tokens, sw.hashes, sw.num_registered, sw.salt,
-                                              skipped, sw.num_prompt_tokens)
+        self._requests[request_id] = _Request(
+            blocks, sw.num_tokens, sw.hashes, sw.num_registered, sw.salt, skipped, sw.num_prompt_tokens
+        )
         table = self.allocate_slots(request_id, token_ids, num_new_tokens)
         assert table is not None, "swap_in counted the blocks allocate_slots needs"
         return table
@@ -677,7 +683,7 @@ class KVCacheManager:
             assert len(req.blocks) == -(-req.num_tokens // bs), (
                 f"{rid}: {len(req.blocks)} blocks for {req.num_tokens} tokens"
             )
-            skipped, live = req.blocks[:req.num_skipped], req.blocks[req.num_skipped:]
+            skipped, live = req.blocks[: req.num_skipped], req.blocks[req.num_skipped :]
             assert all(b == NULL_BLOCK for b in skipped) and NULL_BLOCK not in live, (
                 f"{rid}: NULL_BLOCK entries must be exactly the leading {req.num_skipped}"
             )

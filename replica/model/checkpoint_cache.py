@@ -76,8 +76,9 @@ class SourceStamp:
         if memo is not None:
             try:
                 memo.parent.mkdir(parents=True, exist_ok=True)
-                _write_atomic(memo, json.dumps({"size": stamp.size, "mtime_ns": stamp.mtime_ns,
-                                                "sha256": stamp.sha256}))
+                _write_atomic(
+                    memo, json.dumps({"size": stamp.size, "mtime_ns": stamp.mtime_ns, "sha256": stamp.sha256})
+                )
             except OSError:
                 pass  # only a speed-up
         return stamp
@@ -116,8 +117,9 @@ class Entry:
         return self._large_files.result()
 
 
-def cached_build(source: Path, salt: str, build: Callable[[Path], None], root: Path | None = None, *,
-                 defer_large: bool = False) -> Entry:
+def cached_build(
+    source: Path, salt: str, build: Callable[[Path], None], root: Path | None = None, *, defer_large: bool = False
+) -> Entry:
     """The entry for ``source``, calling ``build(folder)`` to fill a new one when there is
     none or the one there is incomplete or corrupt. ``salt`` names the converter's version."""
     root = root or checkpoints_dir()
@@ -142,8 +144,16 @@ def cached_build(source: Path, salt: str, build: Callable[[Path], None], root: P
         tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=root))
         try:
             build(tmp)
-            write_manifest(tmp, {"path": str(stamp.path), "size": stamp.size, "mtime_ns": stamp.mtime_ns,
-                                 "sha256": stamp.sha256, "salt": salt})
+            write_manifest(
+                tmp,
+                {
+                    "path": str(stamp.path),
+                    "size": stamp.size,
+                    "mtime_ns": stamp.mtime_ns,
+                    "sha256": stamp.sha256,
+                    "salt": salt,
+                },
+            )
             os.rename(tmp, entry)
         finally:
             if tmp.exists():
@@ -154,8 +164,11 @@ def cached_build(source: Path, salt: str, build: Callable[[Path], None], root: P
 def write_manifest(folder: Path, source: dict) -> None:
     """List every file of ``folder`` with its size and checksum; written last, so its
     presence means the files before it were complete."""
-    files = {p.name: {"size": p.stat().st_size, "crc32": file_crc32(p)}
-             for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
+    files = {
+        p.name: {"size": p.stat().st_size, "crc32": file_crc32(p)}
+        for p in sorted(folder.iterdir())
+        if p.is_file() and p.name != MANIFEST
+    }
     _write_atomic(folder / MANIFEST, json.dumps({"format": FORMAT, "source": source, "files": files}, indent=1))
 
 

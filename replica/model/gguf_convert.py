@@ -30,8 +30,12 @@ import torch
 from prefixserve.replica.model.gguf_reader import GGUFFile
 
 # GGUF metadata key -> tokenizer kwarg naming that token (as get_gguf_tokenizer does).
-_SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
-                   "unk_token": "unknown_token_id", "pad_token": "padding_token_id"}
+_SPECIAL_TOKENS = {
+    "bos_token": "bos_token_id",
+    "eos_token": "eos_token_id",
+    "unk_token": "unknown_token_id",
+    "pad_token": "padding_token_id",
+}
 
 
 def hf_architecture(g: GGUFFile) -> str:
@@ -81,8 +85,10 @@ def tokenizer(g: GGUFFile) -> Any:
 
     md = g.metadata
     # Mirrors transformers' get_gguf_tokenizer, which can only take a path (and would parse it again).
-    grouped = {group: {name: md[f"tokenizer.{key}"] for key, name in renames.items() if f"tokenizer.{key}" in md}
-               for group, renames in GGUF_TOKENIZER_MAPPING.items()}
+    grouped = {
+        group: {name: md[f"tokenizer.{key}"] for key, name in renames.items() if f"tokenizer.{key}" in md}
+        for group, renames in GGUF_TOKENIZER_MAPPING.items()
+    }
     tok_dict, tok_config = grouped["tokenizer"], grouped["tokenizer_config"]
     if tok_dict.get("tokenizer_type") == "llama":
         tok_config.setdefault("add_bos_token", True)
@@ -107,8 +113,9 @@ def hf_tensors(g: GGUFFile, config: Any) -> Iterator[tuple[str, torch.Tensor]]:
         pending = [pool.submit(dequantize, g.tensor_data(info), info.ggml_type) for info in g.tensors]
         name_map = gguf_to_hf_names(config, processor)
         for info, future in zip(g.tensors, pending):
-            result = processor.process(weights=future.result(), name=info.name, tensor_key_mapping=name_map,
-                                       parsed_parameters={})
+            result = processor.process(
+                weights=future.result(), name=info.name, tensor_key_mapping=name_map, parsed_parameters={}
+            )
             if result.name not in name_map:
                 continue
             weights = result.weights
@@ -130,8 +137,10 @@ def gguf_to_hf_names(config: Any, processor: Any) -> dict[str, str]:
 
     arch = next((key for key, value in MODEL_ARCH_NAMES.items() if value == config.model_type), None)
     if arch is None:
-        raise ValueError(f"this GGUF file's architecture {config.model_type!r} has no tensor-name table in gguf: "
-                         "convert it to a Hugging Face checkpoint directory instead")
+        raise ValueError(
+            f"this GGUF file's architecture {config.model_type!r} has no tensor-name table in gguf: "
+            "convert it to a Hugging Face checkpoint directory instead"
+        )
     table = get_tensor_name_map(arch, config.num_hidden_layers)
     with torch.device("meta"):  # parameter names only: no storage is allocated
         names = list(AutoModelForCausalLM.from_config(config).state_dict())

@@ -29,10 +29,15 @@ _VERSIONS = (2, 3)
 _SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
 # Tensor types stored as plain values; everything else is ggml blocks, handed out as bytes.
-_PLAIN = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
-          GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
-          GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32,
-          GGMLQuantizationType.I64: np.int64}
+_PLAIN = {
+    GGMLQuantizationType.F32: np.float32,
+    GGMLQuantizationType.F16: np.float16,
+    GGMLQuantizationType.F64: np.float64,
+    GGMLQuantizationType.I8: np.int8,
+    GGMLQuantizationType.I16: np.int16,
+    GGMLQuantizationType.I32: np.int32,
+    GGMLQuantizationType.I64: np.int64,
+}
 
 
 @dataclass(frozen=True)
@@ -85,7 +90,7 @@ class _Cursor:
         (length,) = struct.unpack_from("<Q", self.buf, self.pos)
         start = self.pos + 8
         self.pos = start + length
-        return self.buf[start:self.pos].decode("utf-8")
+        return self.buf[start : self.pos].decode("utf-8")
 
     def value(self, value_type: int) -> Any:
         if value_type in _SCALAR:
@@ -125,8 +130,10 @@ def read_gguf(path: str | Path) -> GGUFFile:
         table.append((name, tuple(reversed(dims)), GGMLQuantizationType(ggml_type), offset))
     alignment = metadata.get("general.alignment", 32)
     data_start = -(-cur.pos // alignment) * alignment
-    tensors = tuple(GGUFTensorInfo(name, shape, qtype, data_start + offset, _nbytes(shape, qtype))
-                    for name, shape, qtype, offset in table)
+    tensors = tuple(
+        GGUFTensorInfo(name, shape, qtype, data_start + offset, _nbytes(shape, qtype))
+        for name, shape, qtype, offset in table
+    )
     for t in tensors:
         if t.offset + t.nbytes > len(buf):
             raise ValueError(f"{path} is truncated: tensor {t.name!r} ends past the end of the file")

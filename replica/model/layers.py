@@ -58,8 +58,10 @@ class TPGroup:
             count = self.shard(total, "num_key_value_heads")
             return count, self.rank * count
         if self.size % total:
-            raise ValueError(f"num_key_value_heads={total} neither divides nor is a multiple of "
-                             f"tensor_parallel_size={self.size}: KV heads cannot be sharded or replicated evenly")
+            raise ValueError(
+                f"num_key_value_heads={total} neither divides nor is a multiple of "
+                f"tensor_parallel_size={self.size}: KV heads cannot be sharded or replicated evenly"
+            )
         return 1, self.rank * total // self.size
 
     def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
@@ -114,8 +116,9 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype, loader) -> nn.Parameter:
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
     """Copy a replicated (unsharded) tensor whole."""
     if param.shape != loaded.shape:
-        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter "
-                         f"{tuple(param.shape)}")
+        raise ValueError(
+            f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter {tuple(param.shape)}"
+        )
     param.data.copy_(loaded)
 
 
@@ -140,8 +143,9 @@ class ColumnParallelLinear(_PackableLinear):
     ``out_sizes`` are the fused checkpoint tensors' output sizes, each split evenly, or
     explicit ``OutputSegment``s (the QKV projection's replicated KV heads)."""
 
-    def __init__(self, in_features: int, out_sizes: list[int] | list[OutputSegment], bias: bool, tp: TPGroup,
-                 dtype: torch.dtype) -> None:
+    def __init__(
+        self, in_features: int, out_sizes: list[int] | list[OutputSegment], bias: bool, tp: TPGroup, dtype: torch.dtype
+    ) -> None:
         super().__init__()
         self.tp = tp
         self.segments = [s if isinstance(s, OutputSegment) else OutputSegment.even(s, tp) for s in out_sizes]
@@ -172,8 +176,9 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     SHARDS = {"q": 0, "k": 1, "v": 2}
 
-    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
-                 tp: TPGroup, dtype: torch.dtype) -> None:
+    def __init__(
+        self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, tp: TPGroup, dtype: torch.dtype
+    ) -> None:
         q_heads = tp.shard(num_heads, "num_attention_heads")
         kv_count, kv_first = tp.kv_heads(num_kv_heads)
         kv = OutputSegment(num_kv_heads * head_dim, kv_count * head_dim, kv_first * head_dim)
@@ -217,7 +222,7 @@ class VocabParallelEmbedding(nn.Module):
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if loaded.shape[0] != self.vocab_size:
             raise ValueError(f"checkpoint vocabulary has {loaded.shape[0]} rows, config says {self.vocab_size}")
-        part = loaded[self.start:self.start + self.rows]
+        part = loaded[self.start : self.start + self.rows]
         param.data.zero_()
         param.data[: part.shape[0]].copy_(part)
 

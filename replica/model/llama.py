@@ -41,11 +41,17 @@ V_SCALE_CONSTANT = 100.0
 # Checkpoint names of fp8 KV scales (vLLM's spellings), by suffix after "layers.N.self_attn.":
 # -> which scales the tensor sets.
 KV_SCALE_NAMES = {
-    "k_scale": ("k",), "v_scale": ("v",), "kv_scale": ("k", "v"),
-    "attn.k_scale": ("k",), "attn.v_scale": ("v",),
-    "k_proj.k_scale": ("k",), "v_proj.v_scale": ("v",),
-    "qkv_proj.k_scale": ("k",), "qkv_proj.v_scale": ("v",),
-    "k_proj.output_scale": ("k",), "v_proj.output_scale": ("v",),
+    "k_scale": ("k",),
+    "v_scale": ("v",),
+    "kv_scale": ("k", "v"),
+    "attn.k_scale": ("k",),
+    "attn.v_scale": ("v",),
+    "k_proj.k_scale": ("k",),
+    "v_proj.v_scale": ("v",),
+    "qkv_proj.k_scale": ("k",),
+    "qkv_proj.v_scale": ("v",),
+    "k_proj.output_scale": ("k",),
+    "v_proj.output_scale": ("v",),
 }
 
 
@@ -114,11 +120,13 @@ class ModelConfig:
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             model_type = getattr(hf, "model_type", "")
-            arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                    "qwen2": "Qwen2ForCausalLM"}.get(model_type)
+            arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}.get(
+                model_type
+            )
         if arch is None:
-            raise ValueError(f"unsupported architecture {archs or hf.model_type!r}; "
-                             f"supported: {SUPPORTED_ARCHITECTURES}")
+            raise ValueError(
+                f"unsupported architecture {archs or hf.model_type!r}; supported: {SUPPORTED_ARCHITECTURES}"
+            )
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         max_pos = int(getattr(hf, "max_position_embeddings", 2048))
@@ -185,8 +193,9 @@ class AttentionMetadata:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, backend: AttentionBackend, dtype: torch.dtype,
-                 ops: LayerOps) -> None:
+    def __init__(
+        self, cfg: ModelConfig, tp: TPGroup, backend: AttentionBackend, dtype: torch.dtype, ops: LayerOps
+    ) -> None:
         super().__init__()
         self.ops = ops
         self.tp = tp
@@ -195,9 +204,10 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = cfg.head_dim ** -0.5
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
-                                          cfg.qkv_bias, tp, dtype)
+        self.scale = cfg.head_dim**-0.5
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias, tp, dtype
+        )
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, tp, dtype)
         self.backend = backend
         self.k_cache: torch.Tensor | None = None  # [NB, ...] in the backend's layout, bound by the runner
@@ -224,25 +234,42 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         # q and k are adjacent columns: rotate them as one [T, H + KVH, D] tensor.
         heads = self.num_heads + self.num_kv_heads
-        qk = qkv[:, :self.q_size + self.kv_size].unflatten(1, (heads, self.head_dim))
-        v = qkv[:, self.q_size + self.kv_size:].unflatten(1, (self.num_kv_heads, self.head_dim))
+        qk = qkv[:, : self.q_size + self.kv_size].unflatten(1, (heads, self.head_dim))
+        v = qkv[:, self.q_size + self.kv_size :].unflatten(1, (self.num_kv_heads, self.head_dim))
         if self.ops.rotary_and_write_kv is not None and not self.calculate_kv_scales:
             # One pass (Triton): rotate q and k in place and store the rotated k and v into the cache.
-            q = self.ops.rotary_and_write_kv(qk, v, meta.rotary, self.k_cache, self.v_cache, meta.slot_mapping,
-                                             k_scale=self.k_scale, v_scale=self.v_scale)[:, :self.num_heads]
+            q = self.ops.rotary_and_write_kv(
+                qk,
+                v,
+                meta.rotary,
+                self.k_cache,
+                self.v_cache,
+                meta.slot_mapping,
+                k_scale=self.k_scale,
+                v_scale=self.v_scale,
+            )[:, : self.num_heads]
         else:
             q, k = self.ops.rotary(qk, meta.rotary).split([self.num_heads, self.num_kv_heads], dim=1)
             if self.calculate_kv_scales:  # needs the rotated k: the first forward stays unfused
                 self._calculate_kv_scales(k, v)
-            self.backend.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping,
-                                        k_scale=self.k_scale, v_scale=self.v_scale)
+            self.backend.write_kv_cache(
+                k, v, self.k_cache, self.v_cache, meta.slot_mapping, k_scale=self.k_scale, v_scale=self.v_scale
+            )
         # Token rows of q/k/v may be strided views into qkv; the CPU backend reads them as they are.
         if self.backend.name != "cpu":
             q = q.contiguous()
-        o = self.backend.paged_attention(q, self.k_cache, self.v_cache, meta.block_tables,
-                                         meta.seq_lens, meta.query_start_loc, scale=self.scale,
-                                         sliding_window=self.sliding_window, k_scale=self.k_scale,
-                                         v_scale=self.v_scale)
+        o = self.backend.paged_attention(
+            q,
+            self.k_cache,
+            self.v_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            scale=self.scale,
+            sliding_window=self.sliding_window,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
+        )
         return self.o_proj(o.reshape(t, self.q_size))
 
 
@@ -251,8 +278,9 @@ class MLP(nn.Module):
         super().__init__()
         self.ops = ops
         self.inter = tp.shard(cfg.intermediate_size, "intermediate_size")
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
-                                                       cfg.mlp_bias, tp, dtype)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [cfg.intermediate_size] * 2, cfg.mlp_bias, tp, dtype
+        )
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, tp, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -263,16 +291,18 @@ class DecoderLayer(nn.Module):
     """Pre-norm decoder layer. The residual stream is carried beside the hidden states
     so that each residual add is fused into the next norm (vLLM's layout)."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, backend: AttentionBackend, dtype: torch.dtype,
-                 ops: LayerOps) -> None:
+    def __init__(
+        self, cfg: ModelConfig, tp: TPGroup, backend: AttentionBackend, dtype: torch.dtype, ops: LayerOps
+    ) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, tp, backend, dtype, ops)
         self.mlp = MLP(cfg, tp, dtype, ops)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(hidden, residual)`` in, ``(hidden, residual)`` out; the layer's output is their sum."""
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
@@ -295,8 +325,16 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelConfig, *, max_model_len: int, backend: AttentionBackend,
-                 dtype: torch.dtype, tp: TPGroup = TPGroup(), ops: LayerOps = TORCH_LAYER_OPS) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        max_model_len: int,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        tp: TPGroup = TPGroup(),
+        ops: LayerOps = TORCH_LAYER_OPS,
+    ) -> None:
         super().__init__()
         self.cfg = cfg
         self.ops = ops

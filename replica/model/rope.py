@@ -45,7 +45,7 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int, max_model_len: int) -> 
         factor = rope.params["factor"]
         ratio = factor * max_model_len / rope.max_position_embeddings - (factor - 1)
         base = base * ratio ** (head_dim / (head_dim - 2))
-    inv_freq = 1.0 / (base ** exponents)
+    inv_freq = 1.0 / (base**exponents)
     if rope.rope_type == "linear":
         inv_freq = inv_freq / rope.params["factor"]
     elif rope.rope_type == "llama3":

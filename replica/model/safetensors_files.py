@@ -30,9 +30,18 @@ from typing import BinaryIO
 
 import torch
 
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-          "BOOL": torch.bool}
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 @dataclass(frozen=True)
@@ -73,8 +82,9 @@ def read_tensor(f: BinaryIO, entry: TensorEntry, path: Path) -> torch.Tensor:
     out = torch.empty(entry.shape, dtype=entry.dtype)
     nbytes = entry.end - entry.begin
     if out.numel() * out.element_size() != nbytes:
-        raise ValueError(f"{path}: tensor {entry.name!r} spans {nbytes} bytes, its shape needs "
-                         f"{out.numel() * out.element_size()}")
+        raise ValueError(
+            f"{path}: tensor {entry.name!r} spans {nbytes} bytes, its shape needs {out.numel() * out.element_size()}"
+        )
     f.seek(entry.begin)
     view = memoryview(out.view(-1).view(torch.uint8).numpy()) if nbytes else memoryview(b"")
     if nbytes and f.readinto(view) != nbytes:
@@ -103,12 +113,17 @@ def iter_file_mapped(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for entry in entries:
         count = (entry.end - entry.begin) // torch.empty((), dtype=entry.dtype).element_size()
         if entry.end > size or count != _numel(entry.shape):
-            raise ValueError(f"{path}: tensor {entry.name!r} spans bytes {entry.begin}-{entry.end} of a "
-                             f"{size}-byte file, its shape {entry.shape} needs {_numel(entry.shape)} elements")
+            raise ValueError(
+                f"{path}: tensor {entry.name!r} spans bytes {entry.begin}-{entry.end} of a "
+                f"{size}-byte file, its shape {entry.shape} needs {_numel(entry.shape)} elements"
+            )
         with warnings.catch_warnings():  # the mapping is read-only, and so are the views
             warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(mapping, dtype=entry.dtype, count=count, offset=entry.begin) if count else \
-                torch.empty(0, dtype=entry.dtype)
+            flat = (
+                torch.frombuffer(mapping, dtype=entry.dtype, count=count, offset=entry.begin)
+                if count
+                else torch.empty(0, dtype=entry.dtype)
+            )
         yield entry.name, flat.view(entry.shape)
 
 

@@ -61,4 +61,3 @@ class Backend(Protocol):
 
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         """Set the logits of disallowed tokens to -inf in place, on rows ``rows`` only."""
-

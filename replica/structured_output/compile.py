@@ -41,9 +41,15 @@ class GrammarCache:
     info costs ~0.2 s: engines that never see a constraint do not pay it).
     """
 
-    def __init__(self, backend_factory: Callable[[], Backend], *, timeout_s: float = 10.0,
-                 max_entries: int = 256, max_workers: int = 2,
-                 metrics: StructuredOutputMetrics | None = None) -> None:
+    def __init__(
+        self,
+        backend_factory: Callable[[], Backend],
+        *,
+        timeout_s: float = 10.0,
+        max_entries: int = 256,
+        max_workers: int = 2,
+        metrics: StructuredOutputMetrics | None = None,
+    ) -> None:
         self._factory = backend_factory
         self._backend: Backend | None = None
         self.timeout_s = timeout_s
@@ -51,8 +57,9 @@ class GrammarCache:
         self.metrics = metrics
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, concurrent.futures.Future[Grammar]] = OrderedDict()
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_workers,
-                                                           thread_name_prefix="prefixserve-grammar")
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=max_workers, thread_name_prefix="prefixserve-grammar"
+        )
 
     @property
     def backend(self) -> Backend:
@@ -121,8 +128,9 @@ class GrammarCache:
     def _timed_out(self, params: StructuredOutputsParams) -> GrammarTimeoutError:
         if self.metrics is not None:
             self.metrics.failures["timeout"].inc()
-        return GrammarTimeoutError(f"structured_outputs.{params.kind} did not compile within "
-                                   f"{self.timeout_s:g} s: simplify it")
+        return GrammarTimeoutError(
+            f"structured_outputs.{params.kind} did not compile within {self.timeout_s:g} s: simplify it"
+        )
 
     def _invalid(self, exc: GrammarError) -> GrammarRejected:
         if self.metrics is not None:

@@ -18,19 +18,33 @@ class StructuredOutputMetrics:
     def __init__(self, registry: CollectorRegistry, model_name: str, engine: str = "0") -> None:
         labels = ["model_name", "engine"]
         values = (model_name, engine)
-        requests = Counter("prefixserve:structured_output_requests",
-                           "Requests with a structured-output constraint, by kind.", labels + ["kind"],
-                           registry=registry)
+        requests = Counter(
+            "prefixserve:structured_output_requests",
+            "Requests with a structured-output constraint, by kind.",
+            labels + ["kind"],
+            registry=registry,
+        )
         self.requests = {kind: requests.labels(*values, kind) for kind in KINDS}
-        self.compile_time = Histogram("prefixserve:grammar_compile_seconds",
-                                      "Seconds spent compiling a grammar (cache misses only).", labels,
-                                      buckets=COMPILE_BUCKETS, registry=registry).labels(*values)
-        self.cache_hits = Counter("prefixserve:grammar_cache_hits",
-                                  "Grammar lookups answered by the compiled-grammar cache.", labels,
-                                  registry=registry).labels(*values)
-        self.cache_misses = Counter("prefixserve:grammar_cache_misses",
-                                    "Grammar lookups that had to compile.", labels, registry=registry).labels(*values)
-        failures = Counter("prefixserve:grammar_compile_failures",
-                           "Constraints refused: invalid or unsupported, or compiling past the time bound.",
-                           labels + ["reason"], registry=registry)
+        self.compile_time = Histogram(
+            "prefixserve:grammar_compile_seconds",
+            "Seconds spent compiling a grammar (cache misses only).",
+            labels,
+            buckets=COMPILE_BUCKETS,
+            registry=registry,
+        ).labels(*values)
+        self.cache_hits = Counter(
+            "prefixserve:grammar_cache_hits",
+            "Grammar lookups answered by the compiled-grammar cache.",
+            labels,
+            registry=registry,
+        ).labels(*values)
+        self.cache_misses = Counter(
+            "prefixserve:grammar_cache_misses", "Grammar lookups that had to compile.", labels, registry=registry
+        ).labels(*values)
+        failures = Counter(
+            "prefixserve:grammar_compile_failures",
+            "Constraints refused: invalid or unsupported, or compiling past the time bound.",
+            labels + ["reason"],
+            registry=registry,
+        )
         self.failures = {reason: failures.labels(*values, reason) for reason in FAILURE_REASONS}

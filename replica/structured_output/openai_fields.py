@@ -16,10 +16,16 @@ from typing import Any
 
 from prefixserve.replica.structured_output.params import StructuredOutputsParams
 
-GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
-                 "guided_grammar": "grammar"}
-STRUCTURED_OUTPUTS_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag",
-                           "disable_any_whitespace")
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+STRUCTURED_OUTPUTS_KEYS = (
+    "json",
+    "regex",
+    "choice",
+    "grammar",
+    "json_object",
+    "structural_tag",
+    "disable_any_whitespace",
+)
 JSON_SCHEMA_KEYS = {"name", "schema", "strict", "description"}
 
 
@@ -56,8 +62,9 @@ class StructuredOutputFields:
                 found.append((field, _build(field, **{kind: value})))
         if len(found) > 1:
             names = ", ".join(name for name, _ in found)
-            raise StructuredOutputFieldError(f"only one structured-output constraint may be sent, got {names}",
-                                             found[1][0])
+            raise StructuredOutputFieldError(
+                f"only one structured-output constraint may be sent, got {names}", found[1][0]
+            )
         return found[0][1] if found else None
 
 
@@ -92,28 +99,33 @@ def _from_response_format(value: Any) -> StructuredOutputsParams | None:
     if kind == "json_schema":
         spec = value.get("json_schema")
         if not isinstance(spec, Mapping):
-            raise StructuredOutputFieldError("response_format.json_schema must be an object with a schema",
-                                             "response_format.json_schema")
+            raise StructuredOutputFieldError(
+                "response_format.json_schema must be an object with a schema", "response_format.json_schema"
+            )
         extra = set(spec) - JSON_SCHEMA_KEYS
         if extra:
-            raise StructuredOutputFieldError(f"unknown field response_format.json_schema.{sorted(extra)[0]}",
-                                             "response_format.json_schema")
+            raise StructuredOutputFieldError(
+                f"unknown field response_format.json_schema.{sorted(extra)[0]}", "response_format.json_schema"
+            )
         name = spec.get("name")
         if name is not None and not isinstance(name, str):
-            raise StructuredOutputFieldError("response_format.json_schema.name must be a string",
-                                             "response_format.json_schema.name")
+            raise StructuredOutputFieldError(
+                "response_format.json_schema.name must be a string", "response_format.json_schema.name"
+            )
         if spec.get("strict") is not None and not isinstance(spec.get("strict"), bool):
-            raise StructuredOutputFieldError("response_format.json_schema.strict must be a boolean",
-                                             "response_format.json_schema.strict")
+            raise StructuredOutputFieldError(
+                "response_format.json_schema.strict must be a boolean", "response_format.json_schema.strict"
+            )
         schema = spec.get("schema")
         if not isinstance(schema, Mapping):
-            raise StructuredOutputFieldError("response_format.json_schema.schema must be a JSON schema object",
-                                             "response_format.json_schema.schema")
+            raise StructuredOutputFieldError(
+                "response_format.json_schema.schema must be a JSON schema object", "response_format.json_schema.schema"
+            )
         # Decoding is constrained either way: strict or not, the output follows the schema.
         return _build("response_format.json_schema.schema", json=dict(schema))
     raise StructuredOutputFieldError(
-        f"response_format type {kind!r} is not supported; send text, json_object or json_schema",
-        "response_format.type")
+        f"response_format type {kind!r} is not supported; send text, json_object or json_schema", "response_format.type"
+    )
 
 
 def _from_structured_outputs(value: Any) -> StructuredOutputsParams:
@@ -123,7 +135,8 @@ def _from_structured_outputs(value: Any) -> StructuredOutputsParams:
     if extra:
         raise StructuredOutputFieldError(
             f"unknown field structured_outputs.{sorted(extra)[0]}; send one of {', '.join(STRUCTURED_OUTPUTS_KEYS)}",
-            "structured_outputs")
+            "structured_outputs",
+        )
     # vLLM sends every key, unset ones as null or false.
     kwargs = {k: v for k, v in value.items() if v is not None and not (k == "json_object" and v is False)}
     return _build("structured_outputs", **kwargs)

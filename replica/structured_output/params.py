@@ -54,8 +54,7 @@ class StructuredOutputsParams:
         if len(set_kinds) != 1:
             if not set_kinds:
                 raise ValueError("structured_outputs must set one of " + ", ".join(KINDS))
-            raise ValueError("only one kind of structured outputs constraint may be set, got "
-                             + ", ".join(set_kinds))
+            raise ValueError("only one kind of structured outputs constraint may be set, got " + ", ".join(set_kinds))
         kind = set_kinds[0]
         if kind == "json":
             if isinstance(self.json, str):
@@ -68,8 +67,11 @@ class StructuredOutputsParams:
             elif not isinstance(self.json, dict):
                 raise ValueError("structured_outputs.json must be a JSON schema (an object or its JSON text)")
         elif kind == "choice":
-            if (not isinstance(self.choice, (list, tuple)) or not self.choice
-                    or any(not isinstance(c, str) for c in self.choice)):
+            if (
+                not isinstance(self.choice, (list, tuple))
+                or not self.choice
+                or any(not isinstance(c, str) for c in self.choice)
+            ):
                 raise ValueError("structured_outputs.choice must be a non-empty list of strings")
             if len(self.choice) > MAX_CHOICES:
                 raise ValueError(f"structured_outputs.choice may have at most {MAX_CHOICES} entries")

@@ -52,8 +52,9 @@ class SequenceGrammar:
             self.accept(token)
 
 
-def apply_grammar_bitmasks(logits: torch.Tensor, rows: list[int], states: list[SequenceGrammar],
-                           errors: dict[int, Exception]) -> None:
+def apply_grammar_bitmasks(
+    logits: torch.Tensor, rows: list[int], states: list[SequenceGrammar], errors: dict[int, Exception]
+) -> None:
     """Mask every token row ``rows[i]`` of ``logits`` may not take next under ``states[i]``.
 
     One batched bitmask fill and one in-place apply per backend for the whole step; a

@@ -59,17 +59,20 @@ class XGrammarBackend:
         import xgrammar as xgr
 
         self.vocab_size = vocab_size
-        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                       stop_token_ids=sorted(stop_token_ids))
+        self.info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids)
+        )
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=max_threads, cache_enabled=False)
         self.batch = xgr.BatchGrammarMatcher(max_threads=max_threads)
         self._bitmask: torch.Tensor | None = None
 
     def compile(self, params: StructuredOutputsParams) -> XGrammarGrammar:
         kind = params.kind
-        whitespace: dict[str, Any] = ({"any_whitespace": False, "separators": (",", ":")}
-                                      if params.disable_any_whitespace else
-                                      {"any_whitespace": True, "max_whitespace_cnt": MAX_JSON_WHITESPACE})
+        whitespace: dict[str, Any] = (
+            {"any_whitespace": False, "separators": (",", ":")}
+            if params.disable_any_whitespace
+            else {"any_whitespace": True, "max_whitespace_cnt": MAX_JSON_WHITESPACE}
+        )
         try:
             if kind == "json":
                 compiled = self.compiler.compile_json_schema(params.spec, **whitespace)

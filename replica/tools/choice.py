@@ -73,8 +73,10 @@ def _hoisted_defs(parameters: Sequence[dict[str, Any] | None]) -> dict[str, Any]
     for params in parameters:
         for name, schema in (params or {}).get("$defs", {}).items():
             if name in out and out[name] != schema:
-                raise ValueError(f"tool definition {name!r} has more than one schema in $defs, which is not "
-                                 "supported with tool_choice='required'")
+                raise ValueError(
+                    f"tool definition {name!r} has more than one schema in $defs, which is not "
+                    "supported with tool_choice='required'"
+                )
             out[name] = schema
     return out
 
@@ -89,9 +91,13 @@ def required_schema(tools: Sequence[tuple[str, dict[str, Any] | None]], parallel
     for name, params in tools:
         body = copy.deepcopy(params) if params else dict(EMPTY_OBJECT_SCHEMA)
         body.pop("$defs", None)
-        variants.append({"type": "object",
-                         "properties": {"name": {"type": "string", "enum": [name]}, "parameters": body},
-                         "required": ["name", "parameters"]})
+        variants.append(
+            {
+                "type": "object",
+                "properties": {"name": {"type": "string", "enum": [name]}, "parameters": body},
+                "required": ["name", "parameters"],
+            }
+        )
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": variants}}
     if not parallel:
         schema["maxItems"] = 1

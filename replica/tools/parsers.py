@@ -81,7 +81,7 @@ def _call(text: str, obj: ObjectScan, argument_keys: tuple[str, ...] = ARGUMENT_
     span = obj.fields.get("name")
     if span is not None and span.complete:
         try:
-            value = json.loads(text[span.start:span.end])
+            value = json.loads(text[span.start : span.end])
         except ValueError:
             return None
         if not isinstance(value, str):
@@ -91,7 +91,7 @@ def _call(text: str, obj: ObjectScan, argument_keys: tuple[str, ...] = ARGUMENT_
     if args_span is None:
         arguments = "{}" if obj.end is not None else ""
     else:
-        arguments = text[args_span.start:args_span.end]
+        arguments = text[args_span.start : args_span.end]
         if arguments and arguments[0] != "{":
             return None
     return PartialCall(name, arguments, obj.end is not None)
@@ -123,7 +123,7 @@ class HermesParser:
         first = text.find(self.START)
         if first < 0:
             held = 0 if final else _held_prefix(text, self.START)
-            return ParseState(text[:len(text) - held])
+            return ParseState(text[: len(text) - held])
         state = ParseState(text[:first])
         pos, n = first, len(text)
         while text.startswith(self.START, pos):
@@ -209,7 +209,7 @@ class NamedFunctionParser:
         complete = end is not None and skip_ws(text, end) == len(text)
         if end is not None and not complete:
             state.error = True  # anything but whitespace after the object
-        state.calls.append(PartialCall(self.name, text[j:end if end is not None else len(text)], end is not None))
+        state.calls.append(PartialCall(self.name, text[j : end if end is not None else len(text)], end is not None))
         return _finish(state, final)
 
 

@@ -105,7 +105,7 @@ class ToolCallStream:
         # Whitespace alone waits: it is no content if calls follow (see the module docstring).
         if len(text) <= self.sent_content or (not text.strip() and not (finished and not state.calls)):
             return ""
-        out = text[self.sent_content:]
+        out = text[self.sent_content :]
         self.sent_content = len(text)
         return out
 
@@ -119,11 +119,11 @@ class ToolCallStream:
                 self.sent_args.append(0)
                 out.append(ToolCallDelta(index=i, arguments="", id=self.ids[i], name=call.name))
             if len(call.arguments) > self.sent_args[i]:
-                out.append(ToolCallDelta(index=i, arguments=call.arguments[self.sent_args[i]:]))
+                out.append(ToolCallDelta(index=i, arguments=call.arguments[self.sent_args[i] :]))
                 self.sent_args[i] = len(call.arguments)
         return tuple(out)
 
     def _failed(self) -> ToolStreamDelta:
-        rest = "" if self.ids else self.text[self.sent_content:]
+        rest = "" if self.ids else self.text[self.sent_content :]
         self.sent_content = len(self.text)
         return ToolStreamDelta(rest, (), ToolCallResult(self.text, (), failed=True))
