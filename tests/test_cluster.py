@@ -176,20 +176,30 @@ def test_concurrent_requests_with_one_request_id_all_run(base):
     assert {a.json()["id"] for a in answers} == {"cmpl-same-9"}
 
 
-def serve_log_lines(deployment: str) -> list[str]:
-    """Every line the app's ``deployment`` replicas logged so far (Serve's per-replica log files)."""
+def serve_log_lines(deployment: str) -> dict[Path, list[str]]:
+    """The lines each of the app's ``deployment`` replicas logged so far, per Serve log file."""
     import ray
 
     logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+    return {
+        path: path.read_text(errors="replace").splitlines()
+        for path in sorted(logs.glob(f"replica_prefixserve_{deployment}_*.log"))
+    }
+
+
+def new_serve_log_lines(before: dict[Path, int]) -> list[str]:
+    """Lines the Engine and Ingress replicas logged since ``before`` (line counts per file; a file
+    that appeared since, a replica started meanwhile, counts from its first line)."""
     return [
         line
-        for path in sorted(logs.glob(f"replica_prefixserve_{deployment}_*.log"))
-        for line in path.read_text(errors="replace").splitlines()
+        for deployment in ("Engine", "Ingress")
+        for path, lines in serve_log_lines(deployment).items()
+        for line in lines[before.get(path, 0) :]
     ]
 
 
 def test_prompt_too_long_is_a_400_with_no_traceback_in_any_replica_log(base):
-    before = {d: len(serve_log_lines(d)) for d in ("Engine", "Ingress")}
+    before = {path: len(lines) for d in ("Engine", "Ingress") for path, lines in serve_log_lines(d).items()}
     # Few characters per token, so only the rendered chat shows it is too long: the engine refuses it.
     rendered = {
         "messages": [{"role": "system", "content": "x1 " * 1500}, {"role": "user", "content": "q"}],
@@ -208,11 +218,11 @@ def test_prompt_too_long_is_a_400_with_no_traceback_in_any_replica_log(base):
             assert answer.json()["error"]["param"] == "messages"
         assert chat(base, "still serving").status == 200
     # Serve writes each request's access line (with its X-Request-Id) once it is answered: wait for
-    # the last refusal's, so that whatever the replicas logged for the refusals is in the files.
+    # every refusal's, so that whatever the replicas logged for the refusals is in the files.
     deadline = time.monotonic() + 60
     while True:
-        new = [line for d, n in before.items() for line in serve_log_lines(d)[n:]]
-        if any("long-3" in line and " 400 " in line for line in new):
+        new = new_serve_log_lines(before)
+        if all(any(f"long-{i}" in line and " 400 " in line for line in new) for i in range(4)):
             break
         assert time.monotonic() < deadline, new[-40:]
         time.sleep(0.5)
