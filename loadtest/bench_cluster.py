@@ -6,7 +6,7 @@ turn, deploys the app afresh (new replicas: cold KV caches), streams the
 workload through it with a closed-loop client, and deletes it. Policies:
 prefixserve's ``round_robin``, ``power_of_two`` (Ray Serve's default
 behaviour), ``consistent_hash``, ``bounded_load`` and ``placed`` (the default;
-router/policies.py, run by router/serve_router.py), ``ray_prefix``: Ray Serve LLM's own
+router/policies/, run by router/serve/request_router.py), ``ray_prefix``: Ray Serve LLM's own
 ``PrefixCacheAffinityRouter`` plugged into our engine deployment as its
 request router, and the peer models of loadtest/peers run as the request
 router by loadtest/peers/serve_adapter.py (prompt tokens, block hashes,
@@ -34,7 +34,7 @@ cluster's: ``num_kv_blocks = ceil(headroom * W / R) + reserve`` with
 resending its growing conversation; ``--workload agent`` users of one agent app
 (a system prompt and tool definitions four times as long), each step adding a
 tool call and its result; ``--session-affinity header|turns``
-measures the opt-in multi-turn keys of router/prefix.py.
+measures the opt-in multi-turn keys of router/contracts/prefix.py.
 
 Default run (SmolLM2-135M, 2 replicas, 5 policies): zipf_tenants with 16
 tenants (Zipf s=0.6, tenant-0 hot with 10% of the traffic on top), 48
@@ -79,8 +79,8 @@ from prefixserve.loadtest.cluster_run import (
 )
 from prefixserve.loadtest.workloads import WorkloadRequest, generate
 from prefixserve.replica.logs import add_verbose_flag, quiet_libraries
-from prefixserve.router.metrics import sum_samples
 from prefixserve.router.policies import POLICIES, RING_POLICIES, pick_options
+from prefixserve.router.serve.metrics import sum_samples
 
 RAY_PREFIX = "ray_prefix"
 # Peer models (loadtest/peers) run by loadtest/peers/serve_adapter.py's PeerRouter.
@@ -90,7 +90,7 @@ KNOWN_POLICIES = tuple(sorted(POLICIES)) + (RAY_PREFIX,) + PEER_POLICIES
 BASELINE = "placed"
 WORKLOADS = ("zipf_tenants", "shared_prefix", "multi_turn", "agent")
 CONVERSATIONS = ("multi_turn", "agent")
-# Multi-turn affinity (router/prefix.py): none, X-Session-Id (the client sends the user's id), or key_turns=1.
+# Multi-turn affinity (router/contracts/prefix.py): none, X-Session-Id (the client sends the user's id), or key_turns=1.
 SESSION_AFFINITY = ("none", "header", "turns")
 SPILLS = "prefixserve_router_spills_total"
 ROUTED = "prefixserve_router_requests_total"
@@ -344,7 +344,7 @@ def chat_encoder(model: str) -> Callable[[list[dict[str, str]]], list[int]]:
 def router_args(
     policy: str, *, seed: int, epsilon: float | None, engine: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
-    """The ``router`` section of router/app.py's args that runs ``policy``.
+    """The ``router`` section of router/serve/app.py's args that runs ``policy``.
 
     ``engine``: the engine section (a peer tokenizes with its model and hashes with its block size,
     hash algorithm and pool size, as a real deployment of that router is configured).
@@ -386,7 +386,7 @@ def app_args(
     engine_extra: Mapping[str, Any] | None = None,
     session_affinity: str = "none",
 ) -> dict[str, Any]:
-    """router/app.py's args for one policy's deployment."""
+    """router/serve/app.py's args for one policy's deployment."""
     engine: dict[str, Any] = {"model": model, "seed": seed, **(engine_extra or {})}
     if sizing is not None:
         engine.update(num_kv_blocks=sizing.num_kv_blocks, block_size=sizing.block_size)
@@ -408,7 +408,7 @@ def session_headers(requests: Sequence[WorkloadRequest], session_affinity: str) 
     """Per request, the X-Session-Id its client sends (the user/tenant) under ``header`` affinity."""
     if session_affinity != "header":
         return None
-    from prefixserve.router.prefix import SESSION_HEADER
+    from prefixserve.router.contracts.prefix import SESSION_HEADER
 
     return [{SESSION_HEADER: r.tenant} for r in requests]
 
@@ -459,7 +459,7 @@ class PolicyResult:
     # Keyed requests served off their ring owner (prefixserve's router metric; ring policies only).
     spills: int | None = None
     # Requests the router counted under this policy's name (prefixserve's router and the peer
-    # routers, router/metrics.py; None for Ray's own router and --url).
+    # routers, router/serve/metrics.py; None for Ray's own router and --url).
     routed: int | None = None
 
     @property
@@ -704,7 +704,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--send-prefix-hash",
         action="store_true",
-        help="send X-Prefix-Hash (router/prefix.py's key), for an nginx --url",
+        help="send X-Prefix-Hash (router/contracts/prefix.py's key), for an nginx --url",
     )
     p.add_argument(
         "--policies", default=",".join(DEFAULT_POLICIES), help=f"comma-separated, from {', '.join(KNOWN_POLICIES)}"
@@ -735,7 +735,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="none",
         choices=SESSION_AFFINITY,
         help="multi-turn affinity: 'header' sends X-Session-Id (the user) and keys by it, 'turns' keys "
-        "by the first turn too (router/prefix.py)",
+        "by the first turn too (router/contracts/prefix.py)",
     )
     p.add_argument("--port", type=int, default=8000, help="Serve's HTTP port for the local cluster")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request and per deployment")
@@ -821,7 +821,7 @@ def run(args: argparse.Namespace, p: Plan) -> int:
         bodies = _bodies(requests, served_model(base, api_key=args.api_key), salt)
         headers = None
         if args.send_prefix_hash:
-            from prefixserve.router.prefix import PREFIX_HASH_HEADER, routing_key
+            from prefixserve.router.contracts.prefix import PREFIX_HASH_HEADER, routing_key
 
             headers = [{PREFIX_HASH_HEADER: k} if (k := routing_key(b)) is not None else {} for b in bodies]
         result, recs = measure(

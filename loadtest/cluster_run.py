@@ -3,7 +3,7 @@
 Job: the pieces a cluster benchmark or demo needs, each usable alone.
 
 * :class:`LocalServeCluster`: a local Ray instance with Serve's HTTP proxy on one
-  port; ``deploy(app_args, name)`` runs router/app.py's application (replacing
+  port; ``deploy(app_args, name)`` runs router/serve/app.py's application (replacing
   nothing: delete the previous app first) and waits until every engine replica
   runs and the endpoint answers; ``delete(name)`` removes it (its replicas, and
   so their KV caches, go away with it).
@@ -24,7 +24,7 @@ Invariants: a record exists for every body sent, in body order, failed or not
 monotonic clock, relative to the start of the run; nothing here retries.
 
 Imports httpx, prometheus_client and (in LocalServeCluster only) Ray Serve and
-router/app.py; never torch.
+router/serve/app.py; never torch.
 """
 
 from __future__ import annotations
@@ -334,14 +334,14 @@ class LocalServeCluster:
         self.base_url = f"http://{host}:{port}"
 
     def deploy(self, app_args: dict[str, Any], name: str, *, num_replicas: int, timeout_s: float = 600.0) -> str:
-        """Run router/app.py's app built from ``app_args`` as ``name`` at route "/"; returns the base URL.
+        """Run router/serve/app.py's app built from ``app_args`` as ``name`` at route "/"; returns the base URL.
 
         Returns once ``num_replicas`` engine replicas run, /v1/models answers
         and the ingress's router routes over all of them.
         """
         from ray import serve
 
-        from prefixserve.router.app import build_app
+        from prefixserve.router.serve.app import build_app
 
         serve.run(build_app(app_args), name=name, route_prefix="/", blocking=False)
         deadline = time.monotonic() + timeout_s

@@ -3,7 +3,7 @@
 Job: answer "which router, at what scale" without a cluster. R replicas, each a
 real ``prefixserve.replica.kv.manager.KVCacheManager`` (real block accounting, hashing,
 eviction policy ``--eviction-policy``), routed by the real policies of
-``router/policies.py`` (``placed``, the default, is the baseline of the tables)
+``router/policies/`` (``placed``, the default, is the baseline of the tables)
 and by faithful models of the peer routers in ``loadtest/peers/`` (SGLang's
 cache_aware, Ray's PrefixCacheAffinityRouter, llm-d's weighted scorers,
 Dynamo's KV router), on Zipf tenant traffic
@@ -77,8 +77,8 @@ from prefixserve.loadtest.workloads import zipf_tenant_sequence
 from prefixserve.replica.config import EngineConfig
 from prefixserve.replica.kv.hashing import BlockHasher
 from prefixserve.replica.kv.manager import KVCacheManager
+from prefixserve.router.contracts.prefix import prefix_hash
 from prefixserve.router.policies import Placed, ReplicaLoad, make_policy, pick_options
-from prefixserve.router.prefix import prefix_hash
 
 # Our policies, then the peers; "placed" (the default) is the tables' baseline.
 OWN_POLICIES = (

@@ -8,7 +8,7 @@ shadows another distribution (Hugging Face's ``kernels`` in particular). See
 docs/design.md.
 
 The offline API is re-exported here, imported on first use so that
-``import prefixserve.router.prefix`` does not pay for torch::
+``import prefixserve.router.contracts.prefix`` does not pay for torch::
 
     from prefixserve import LLM, SamplingParams, EngineConfig
 """

@@ -4,6 +4,6 @@
 client can compute to land on the replica that holds its prefix.
 """
 
-from prefixserve.router.prefix import PrefixKeyConfig, prefix_hash, routing_key, static_prefix
+from prefixserve.router.contracts.prefix import PrefixKeyConfig, prefix_hash, routing_key, static_prefix
 
 __all__ = ["PrefixKeyConfig", "prefix_hash", "routing_key", "static_prefix"]

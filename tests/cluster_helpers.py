@@ -3,7 +3,7 @@
 * :class:`LocalRayCluster`: ``ray.cluster_utils.Cluster`` with a CPU-less head
   and worker nodes (each >= 75 MiB object store, as Ray requires), connected
   with ``ray.init``; ``shutdown`` always stops Serve, Ray and every node.
-* :func:`deploy`: runs the prefixserve app (router/app.py) with given args on
+* :func:`deploy`: runs the prefixserve app (router/serve/app.py) with given args on
   the cluster's HTTP port and waits until it answers.
 * :func:`chat`: one chat request over real HTTP, returning status, body and
   the replica that served it.
@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from prefixserve.router.prefix import PREFIX_HASH_HEADER
+from prefixserve.router.contracts.prefix import PREFIX_HASH_HEADER
 
 OBJECT_STORE_BYTES = 80 * 1024**2
 REPLICA_HEADER = "X-Prefixserve-Replica"
@@ -74,7 +74,7 @@ def deploy_config(
     app: dict[str, Any] = {
         "name": name,
         "route_prefix": "/",
-        "import_path": "prefixserve.router.app:build_app",
+        "import_path": "prefixserve.router.serve.app:build_app",
         "args": args,
     }
     if deployments:
@@ -98,7 +98,7 @@ def deploy(
     """Deploy the app with ``args`` the way ``serve deploy`` does; returns its base URL.
 
     Declarative, like ``serve deploy cluster.yaml``: the controller imports
-    prefixserve.router.app:build_app. Changing ``args`` rebuilds the app and replaces every
+    prefixserve.router.serve.app:build_app. Changing ``args`` rebuilds the app and replaces every
     replica; changing only a ``deployments`` override such as ``num_replicas``
     adds or removes replicas and leaves the others running.
     """

@@ -2,7 +2,7 @@
 
 One ``ray.cluster_utils.Cluster`` (CPU-less head + 2 worker nodes) per module,
 3 engine replicas of a tiny random Llama, 2 ingress replicas, real HTTP. The
-ring is checked against router/ring.py over the live replicas' names.
+ring is checked against router/contracts/ring.py over the live replicas' names.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_helpers import PrometheusProcess, dashboard_queries, find_prometheus
 from server_helpers import metric
 
-from prefixserve.router.prefix import PREFIX_HASH_HEADER, prefix_hash
-from prefixserve.router.ring import HashRing
+from prefixserve.router.contracts.prefix import PREFIX_HASH_HEADER, prefix_hash
+from prefixserve.router.contracts.ring import HashRing
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""Draining the cluster (router/drain.py, what ``prefixserve up`` does on SIGTERM) on a real Ray Serve app.
+"""Draining the cluster (router/serve/drain.py, what ``prefixserve up`` does on SIGTERM) on a real Ray Serve app.
 
 While it drains, the ingress answers ``/health`` and new requests 503 with
 Retry-After; a stream still open at the drain timeout ends with an in-band
@@ -23,7 +23,7 @@ WAIT_S = 120.0
 
 
 def test_a_draining_cluster_refuses_new_requests_and_ends_open_streams_in_band(tmp_path):
-    from prefixserve.router.drain import drain_app
+    from prefixserve.router.serve.drain import drain_app
 
     model = str(tiny_checkpoint(tmp_path / "tiny", max_pos=4096))
     cluster = LocalRayCluster(num_workers=1, cpus_per_worker=2)

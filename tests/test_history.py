@@ -1,17 +1,17 @@
-"""Conversation affinity: the router-side history index (router/history.py) and ``placed``'s use of it."""
+"""Conversation affinity: the router-side history index (router/policies/history.py) and ``placed``'s use of it."""
 
 from __future__ import annotations
 
 import pytest
 
 from prefixserve.replica.kv.hashing import BlockHasher
-from prefixserve.router.history import HistoryIndex
 from prefixserve.router.policies import (
     KIND_HISTORY,
     KIND_NEW_CONVERSATION,
     Placed,
     Replica,
 )
+from prefixserve.router.policies.history import HistoryIndex
 
 BS = 16
 HASHER = BlockHasher()

@@ -15,10 +15,10 @@ import httpx
 import pytest
 from nginx_helpers import NGINX, NginxProcess, backends_conf, free_ports, keys_owned, needs_nginx
 
-from prefixserve.router.nginx import NginxConfig, PlacementMap, render_config, salted_key
+from prefixserve.router.contracts.prefix import PREFIX_HASH_HEADER, prefix_hash
+from prefixserve.router.contracts.ring import HashRing, RingServer
+from prefixserve.router.nginx.config import NginxConfig, PlacementMap, render_config, salted_key
 from prefixserve.router.policies import Placed, Replica
-from prefixserve.router.prefix import PREFIX_HASH_HEADER, prefix_hash
-from prefixserve.router.ring import HashRing, RingServer
 
 NAMES = ["127.0.0.1:9101", "127.0.0.1:9102", "127.0.0.1:9103"]
 
@@ -64,7 +64,7 @@ def test_placement_map_keeps_only_keys_off_their_ring_owner():
 
 
 def test_a_real_placed_policys_snapshot_renders(tmp_path, capsys):
-    """The snapshot of router/policies.py's Placed over the nginx server names, through the CLI."""
+    """The snapshot of router/policies/'s Placed over the nginx server names, through the CLI."""
     clock = [0.0]
     policy = Placed(clock=lambda: clock[0], rebalance_interval_s=1.0)
     views = [Replica(n) for n in NAMES]

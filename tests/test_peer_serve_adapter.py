@@ -31,9 +31,9 @@ from prefixserve.loadtest.peers.serve_adapter import (
 from prefixserve.replica.deployment import EngineRequest
 from prefixserve.replica.kv.hashing import BlockHasher
 from prefixserve.replica.kv_events import KVEventPublisher
-from prefixserve.router.metrics import RouterMetrics
 from prefixserve.router.policies import Decision, Replica, ReplicaLoad
-from prefixserve.router.serve_router import ServeReplicaView, replica_name
+from prefixserve.router.serve.metrics import RouterMetrics
+from prefixserve.router.serve.request_router import ServeReplicaView, replica_name
 
 DEPLOYMENT = DeploymentID(name="Engine", app_name="peers")
 BS = 4

@@ -1,4 +1,4 @@
-"""The ``placed`` policy (router/policies.py) and its placement table (router/placement.py), on an injected clock."""
+"""The ``placed`` policy and its placement table (router/policies/), on an injected clock."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from prefixserve.loadtest.bench_placement import bench_rebalance
+from prefixserve.loadtest.bench_policies import bench_rank
 from prefixserve.router import policies as policies_module
-from prefixserve.router.placement import PlacementTable, bench_rebalance
+from prefixserve.router.contracts.ring import HashRing
 from prefixserve.router.policies import (
     KIND_NO_KEY,
     KIND_OWNER,
@@ -24,13 +26,12 @@ from prefixserve.router.policies import (
     Placed,
     Replica,
     ReplicaLoad,
-    bench_rank,
     effective_in_flight,
     in_flight_cap,
     make_policy,
     pick_options,
 )
-from prefixserve.router.ring import HashRing
+from prefixserve.router.policies.placement import PlacementTable
 
 NAMES = [f"10.0.0.{i}:8000" for i in range(1, 5)]
 

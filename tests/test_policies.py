@@ -1,4 +1,4 @@
-"""Routing policies (router/policies.py) against fake replicas shaped like Ray Serve's."""
+"""Routing policies (router/policies/) against fake replicas shaped like Ray Serve's."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from prefixserve.router.contracts.ring import HashRing, bounded_capacity
 from prefixserve.router.policies import (
     POLICIES,
     RING_POLICIES,
@@ -23,7 +24,6 @@ from prefixserve.router.policies import (
     make_policy,
     pick_options,
 )
-from prefixserve.router.ring import HashRing, bounded_capacity
 
 
 @dataclass

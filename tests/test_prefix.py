@@ -1,4 +1,4 @@
-"""Contract 1: the routing key of a request (router/prefix.py)."""
+"""Contract 1: the routing key of a request (router/contracts/prefix.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import struct
 
 import pytest
 
-from prefixserve.router.prefix import (
+from prefixserve.router.contracts.prefix import (
     PREFIX_HASH_HEADER,
     InvalidPrefixHash,
     PrefixKeyConfig,

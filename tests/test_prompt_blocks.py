@@ -1,11 +1,11 @@
-"""router/prompt_blocks.py: the router's chained text-block hashes of a request's prompt."""
+"""router/contracts/prompt_blocks.py: the router's chained text-block hashes of a request's prompt."""
 
 from __future__ import annotations
 
 import pytest
 
 from prefixserve.replica.deployment import EngineRequest
-from prefixserve.router.prompt_blocks import PromptHasher, UnhashablePrompt
+from prefixserve.router.contracts.prompt_blocks import PromptHasher, UnhashablePrompt
 
 SYSTEM = {"role": "system", "content": "You are a careful assistant. " * 40}  # several blocks
 

@@ -1,4 +1,4 @@
-"""router/serve_router.py against Ray Serve's real RequestRouter base class, with fake replicas.
+"""router/serve/request_router.py against Ray Serve's real RequestRouter base class, with fake replicas.
 
 No Ray cluster: the replicas are test doubles with RunningReplica's routing
 surface (replica_id, max_ongoing_requests, get_queue_len, ...), and requests
@@ -17,10 +17,10 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID, Repl
 from ray.serve.request_router import PendingRequest
 
 from prefixserve.replica.deployment import EngineRequest
-from prefixserve.router.metrics import RouterMetrics
+from prefixserve.router.contracts.ring import HashRing
 from prefixserve.router.policies import ReplicaLoad, effective_in_flight
-from prefixserve.router.ring import HashRing
-from prefixserve.router.serve_router import PrefixRouter, replica_name, request_routing_key
+from prefixserve.router.serve.metrics import RouterMetrics
+from prefixserve.router.serve.request_router import PrefixRouter, replica_name, request_routing_key
 
 DEPLOYMENT = DeploymentID(name="Engine", app_name="prefixserve")
 
@@ -363,7 +363,7 @@ def stats(seq: int, waiting: int, running: int, **extra) -> dict:
 
 
 def test_reported_load_is_corrected_by_the_routers_own_change_since_the_report():
-    from prefixserve.router.serve_router import Report, corrected_load
+    from prefixserve.router.serve.request_router import Report, corrected_load
 
     report = Report(seq=1, load=ReplicaLoad(num_waiting=2, num_running=3, kv_usage=0.5), own_at_report=4, arrived=0.0)
     assert corrected_load(report, 4) == ReplicaLoad(2, 3, 0.5)  # nothing changed

@@ -12,7 +12,7 @@ from model_helpers import tiny_checkpoint
 from server_helpers import InProcessReplica, assert_openai_error, metric
 
 from prefixserve.replica import api
-from prefixserve.router.prefix import PrefixKeyConfig, prefix_hash, routing_key
+from prefixserve.router.contracts.prefix import PrefixKeyConfig, prefix_hash, routing_key
 
 SYSTEM = "You are the travel desk of a small agency. Call a tool when the user asks for facts."
 WEATHER = {

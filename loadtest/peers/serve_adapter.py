@@ -1,7 +1,7 @@
 """The peer routers of loadtest/peers as Ray Serve request routers on our engine deployment.
 
 Job: run any peer model (``make_peer``: sglang_tree, ray_prefix, llmd, dynamo)
-inside our Serve app, the way router/serve_router.py runs our own policies, so
+inside our Serve app, the way router/serve/request_router.py runs our own policies, so
 that bench_cluster compares them on a real cluster. :class:`PeerRouter` is a
 ``PrefixRouter`` whose policy is the peer: it keeps that router's bookkeeping
 (own in-flight counts, replica reports, KV-event consumer, metrics, tiers and
@@ -29,7 +29,7 @@ Signals, per request and candidate (:class:`PeerServeReplica`):
 * ``in_flight``: this router's own count of requests routed and not completed
   (sglang_tree's and ray_prefix's load counter, as the real routers count);
 * ``load``: the replica's routing-stats report corrected by the router's own
-  change since (router/serve_router.py ``corrected_load``), for llm-d's queue
+  change since (router/serve/request_router.py ``corrected_load``), for llm-d's queue
   (``num_waiting``) and KV-utilization scorers; with no recent report, the own
   in-flight requests count as waiting. Reports are up to ``stats_period_s``
   (1 s) old where EPP scrapes every 50 ms;
@@ -49,7 +49,7 @@ Signals, per request and candidate (:class:`PeerServeReplica`):
 * ``on_prefilled`` (Dynamo: the request's prefill tokens leave the worker's
   queue at its first token). Approximated: a Serve request router does not
   see the response stream; the ingress reports each keyed request's first
-  token to its router (``observe(key, ...)``, router/ingress.py) but names
+  token to its router (``observe(key, ...)``, router/serve/ingress.py) but names
   only the routing key, so the first token is credited to the oldest routed,
   not yet prefilled request of that key. A request the ingress does not
   report (no routing key) counts as prefilled when it completes;
@@ -61,13 +61,13 @@ peer's first ranking again (the peer routes a request once, as the real
 routers do); a request cancelled before any replica accepted it is never
 finished in the peer's books (Dynamo keeps counting its blocks as active).
 
-Configuration (``RequestRouterConfig.request_router_kwargs``; router/app.py's
+Configuration (``RequestRouterConfig.request_router_kwargs``; router/serve/app.py's
 ``router: {router_class: "prefixserve.loadtest.peers.serve_adapter:PeerRouter",
 kwargs: {...}}``): ``peer`` (a name of loadtest/peers), ``model`` (the served
 model, for its tokenizer), ``block_size`` and ``hash_algo`` (the engine's),
 ``num_gpu_blocks``, ``seed``, and ``stats_max_age_s``.
 
-Imports Ray Serve (through router/serve_router.py); router/ never imports this module.
+Imports Ray Serve (through router/serve/request_router.py); router/ never imports this module.
 """
 
 from __future__ import annotations
@@ -85,9 +85,9 @@ from prefixserve.loadtest.peers import Peer, PeerRequest, make_peer
 from prefixserve.replica.kv.hashing import DEFAULT_HASH_ALGO, BlockHasher
 from prefixserve.replica.kv_events import KV_EVENTS_FORMAT
 from prefixserve.router.policies import Decision, ReplicaLoad, ReplicaView, by_load
-from prefixserve.router.serve_router import PrefixRouter, ServeReplicaView, is_generation, replica_name
+from prefixserve.router.serve.request_router import PrefixRouter, ServeReplicaView, is_generation, replica_name
 
-# Import path for RequestRouterConfig(request_router_class=...) / router/app.py's router_class.
+# Import path for RequestRouterConfig(request_router_class=...) / router/serve/app.py's router_class.
 PEER_ROUTER_CLASS_PATH = "prefixserve.loadtest.peers.serve_adapter:PeerRouter"
 # replica/kv_events.py KVEventPublisher's max_blocks_per_key default: the most prefix blocks a replica reports per key.
 MAX_BLOCKS_PER_KEY = 32
@@ -181,7 +181,7 @@ class KvEventIndex:
     that only the missed payloads changed keep their last known state until
     the next snapshot (every ``snapshot_every`` publishes) replaces them all.
     This approximates Dynamo's lossless event stream with the latest known
-    state, as router/serve_router.py's consumer (for ``placed``) does. Older or
+    state, as router/serve/request_router.py's consumer (for ``placed``) does. Older or
     repeated payloads are ignored; a new epoch (a new publisher) starts the
     replica afresh.
     """
@@ -288,7 +288,7 @@ def peer_view(
 
 
 class PeerPolicy:
-    """A peer behind router/policies.py's Policy interface, for PrefixRouter to run.
+    """A peer behind router/policies/'s Policy interface, for PrefixRouter to run.
 
     ``expect(request_id, request)`` names the request the next ``rank`` is for;
     ``rank`` hands it to the peer once per request id (asked again, it returns

@@ -4,8 +4,8 @@ Job: nginx runs no prefixserve router, so nothing on that path keeps the
 ``placed`` policy's table. This command rebuilds it offline: it reads the log
 ``prefixserve nginx-config --key-log PATH`` makes nginx write (one JSON object
 per request: ``msec``, the client's ``X-Prefix-Hash`` as ``key``, ``status``,
-``upstream``; router/nginx.py KEY_LOG_FIELDS), replays every keyed request
-through the real ``Placed`` policy (router/policies.py) with its clock set to
+``upstream``; router/nginx/config.py KEY_LOG_FIELDS), replays every keyed request
+through the real ``Placed`` policy (router/policies/) with its clock set to
 the line's time, and writes the policy's ``placement_snapshot()`` JSON, whose
 members are the nginx servers (``host:port``). ``prefixserve nginx-config
 --placement FILE`` renders that snapshot as a map of salted keys; ``nginx -s
@@ -39,7 +39,7 @@ Lines that are not such JSON objects (nested too deeply, a key that is not
 Unicode text), or have no usable time, are skipped, each named by one line on
 stderr (``LOG:LINE: reason``); requests without a key (``""``, or ``-`` from a
 hand-written log) are counted and left out. One summary line on stderr reports
-both. Exit status: 0; 3 (router/cli.py's EXIT_SKIPPED) when the snapshot was
+both. Exit status: 0; 3 (router/cli/'s EXIT_SKIPPED) when the snapshot was
 written but lines were skipped; 2 for bad input (nothing written); 1 when the
 output cannot be written. Time is linear in the log's length.
 
@@ -58,9 +58,9 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from prefixserve.router.cli import EXIT_SKIPPED, arg_type, write_output
-from prefixserve.router.nginx import add_replica_argument, check_output, load_placement
+from prefixserve.router.contracts.ring import HashRing, RingServer
+from prefixserve.router.nginx.config import add_replica_argument, check_output, load_placement
 from prefixserve.router.policies import Placed, Replica, check_options, pick_options
-from prefixserve.router.ring import HashRing, RingServer
 
 PROG = "prefixserve placement"
 # The placed knobs this command takes, as (flag, option name): the values are the policy's to check.

@@ -10,7 +10,7 @@ Policies:
 * ``random``: a shuffle from the ``random.Random`` passed in.
 * ``power_of_two``: Ray Serve's default; sample two, the one with fewer
   in-flight requests first.
-* ``consistent_hash``: the ring alone (router/ring.py); a replica's keys stay on
+* ``consistent_hash``: the ring alone (router/contracts/ring.py); a replica's keys stay on
   it however loaded it is.
 * ``bounded_load`` (the default): the ring with bounded loads; a key goes to its
   ring owner unless that holds ``ceil((1 + epsilon) * (n + 1) / R)`` requests,
@@ -55,9 +55,9 @@ from operator import itemgetter
 from typing import Any, ClassVar, Generic, Protocol, TypeVar, runtime_checkable
 
 from prefixserve.replica.config_util import from_dict
-from prefixserve.router.history import DEFAULT_MAX_ENTRIES, HistoryIndex
-from prefixserve.router.placement import PlacementTable
-from prefixserve.router.ring import DEFAULT_EPSILON, HashRing, RingServer, bounded_capacity
+from prefixserve.router.contracts.ring import DEFAULT_EPSILON, HashRing, RingServer, bounded_capacity
+from prefixserve.router.policies.history import DEFAULT_MAX_ENTRIES, HistoryIndex
+from prefixserve.router.policies.placement import PlacementTable
 
 
 @runtime_checkable
@@ -399,7 +399,7 @@ BALANCE_EPSILON: float | None = None
 
 @dataclass(frozen=True)
 class PlacedOptions(RingOptions):
-    """Options of ``placed`` (router/placement.py explains the mechanism).
+    """Options of ``placed`` (router/policies/placement.py explains the mechanism).
 
     epsilon: slack of a replica's placed request rate over its fair share
         before it sheds keys (the hit-vs-balance dial; > 0).
@@ -416,7 +416,7 @@ class PlacedOptions(RingOptions):
     noise_z: rebalancing moves a key only for an excess above this many standard
         deviations of the (Poisson) request counts behind it (>= 0; 0 trusts every
         count): a young or small cluster does not pay cold prefills for noise.
-    history_max_entries: bound of the router-side history index (router/history.py;
+    history_max_entries: bound of the router-side history index (router/policies/history.py;
         block hashes, least recently used evicted; 0 disables history matching).
     new_epsilon: a new conversation goes to the least loaded replica of its key's
         set: the placement, grown by ring successors to one replica per ``1 +
@@ -546,7 +546,7 @@ class _KeyOrder:
 class Placed(_RingPolicy):
     """Ring-placed bounded loads (the default): keys placed on ring replicas, hot keys replicated.
 
-    Per request: the key's request is counted (router/placement.py places a new
+    Per request: the key's request is counted (router/policies/placement.py places a new
     key on its first ring successor with room and rebalances every
     ``rebalance_interval_s``); among the replicas the key is placed on, the
     least loaded under the in-flight cap ``in_flight_cap(mean)`` wins, else the
@@ -896,104 +896,3 @@ def make_policy(name: str = DEFAULT_POLICY, **options: Any) -> Policy:
     Unknown options, and bad values, raise ValueError naming them.
     """
     return policy_class(name)(**options)
-
-
-# ------------------------------------------------------------------- benchmark
-
-
-@dataclass(frozen=True)
-class _BenchView:
-    """A candidate as router/serve_router.py hands it to the policy (name, own in-flight, reported load)."""
-
-    replica: Any
-    name: str
-    in_flight: int
-    load: ReplicaLoad | None = None
-
-
-def bench_rank(
-    num_replicas: int = 64,
-    num_keys: int = 2000,
-    num_requests: int = 20_000,
-    cold: bool = False,
-    in_flight_per_replica: int = 8,
-    rate: float = 1000.0,
-    seed: int = 0,
-) -> dict[str, float]:
-    """Microseconds per ``Placed.rank`` call, timed alone as the router's decision-latency metric times it.
-
-    Traffic: Zipf (s 0.8) over ``num_keys`` keys (``cold``: every request a key never
-    seen, so no per-key memo helps); the first ``num_requests // 2`` requests warm the
-    process up untimed (with other never-seen keys when ``cold``: the ring's per-point
-    cache and the table are warm, the keys are not); ``rate`` requests per second on the
-    policy's injected clock (a rebalance every 10 s of it, timed with the request that triggers it);
-    ``in_flight_per_replica`` requests outstanding per replica on average; every
-    candidate reports a load (queued + running) refreshed every ``num_replicas``
-    requests. Fresh candidate views are built per request (outside the timing), as
-    the Serve router does. Returns p50, p99, mean and max in microseconds.
-    """
-    rng = _random.Random(seed)
-    names = [f"SERVE_REPLICA::app#Engine#{rng.getrandbits(40):010x}" for _ in range(num_replicas)]
-    now = [0.0]
-    policy = Placed(clock=lambda: now[0])
-    weights = [1.0 / (k + 1) ** 0.8 for k in range(num_keys)]
-    keys = [f"{rng.getrandbits(64):016x}" for _ in range(num_keys)]
-    in_flight = [0] * num_replicas
-    reported = [ReplicaLoad()] * num_replicas
-    outstanding: list[int] = []
-    index = {n: i for i, n in enumerate(names)}
-    warmup = num_requests // 2
-    stream = rng.choices(range(num_keys), weights, k=warmup + num_requests)
-    times: list[float] = []
-    for step, k in enumerate(stream):
-        key = f"cold-{step}-{rng.getrandbits(32):08x}" if cold else keys[k]
-        now[0] += rng.expovariate(rate)
-        if step % num_replicas == 0:
-            reported = [ReplicaLoad(max(0, f - 4), min(f, 4)) for f in in_flight]
-        views = [_BenchView(None, n, in_flight[i], reported[i]) for i, n in enumerate(names)]
-        start = time.perf_counter()
-        decision = policy.rank(views, key)
-        elapsed = time.perf_counter() - start
-        if step >= warmup:
-            times.append(elapsed)
-        chosen = index[decision.chosen.name]
-        in_flight[chosen] += 1
-        outstanding.append(chosen)
-        if len(outstanding) > in_flight_per_replica * num_replicas:
-            in_flight[outstanding.pop(rng.randrange(len(outstanding)))] -= 1
-    times.sort()
-    n = len(times)
-    return {
-        "p50": times[n // 2] * 1e6,
-        "p99": times[min(n - 1, (99 * n) // 100)] * 1e6,
-        "mean": sum(times) / n * 1e6,
-        "max": times[-1] * 1e6,
-    }
-
-
-def _bench_main(argv: Sequence[str] | None = None) -> None:
-    import argparse
-    import statistics
-
-    p = argparse.ArgumentParser(
-        prog="python -m prefixserve.router.policies",
-        description="placed's routing-decision latency (bench_rank), median of repeats",
-    )
-    p.add_argument("--replicas", default="2,16,64", help="comma list of cluster sizes")
-    p.add_argument("--keys", type=int, default=2000)
-    p.add_argument("--requests", type=int, default=20_000)
-    p.add_argument("--repeats", type=int, default=5)
-    args = p.parse_args(argv)
-    print("| replicas | keys | p50 (us) | p99 (us) | mean (us) | runs (p50 / p99) |")
-    print("|---:|---|---:|---:|---:|---|")
-    for r in (int(s) for s in args.replicas.split(",") if s):
-        for cold in (False, True):
-            runs = [bench_rank(r, args.keys, args.requests, cold=cold, seed=s) for s in range(args.repeats)]
-            med = {f: statistics.median(run[f] for run in runs) for f in ("p50", "p99", "mean")}
-            label = "cold (every key new)" if cold else f"{args.keys} Zipf, warm"
-            spread = ", ".join(f"{run['p50']:.0f}/{run['p99']:.0f}" for run in runs)
-            print(f"| {r} | {label} | {med['p50']:.1f} | {med['p99']:.1f} | {med['mean']:.1f} | {spread} |", flush=True)
-
-
-if __name__ == "__main__":
-    _bench_main()

@@ -1,9 +1,9 @@
 """``prefixserve up``: the whole cluster on this machine until Ctrl-C.
 
-Job: start a local Ray, run the prefixserve Serve application (router/app.py:
+Job: start a local Ray, run the prefixserve Serve application (router/serve/app.py:
 N engine replicas on CPU, the prefix-aware request router, the OpenAI
 ingress) with Serve's HTTP proxy on ``--host:--port``, print the endpoint, and
-on Ctrl-C (or SIGTERM) drain (router/drain.py: new requests 503, requests in
+on Ctrl-C (or SIGTERM) drain (router/serve/drain.py: new requests 503, requests in
 flight run on for up to ``--drain-timeout-s``, then end in-band) and shut
 Serve and Ray down cleanly.
 
@@ -96,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def app_args(args: argparse.Namespace) -> dict[str, Any]:
-    """router/app.py's args for the options given."""
+    """router/serve/app.py's args for the options given."""
     engine = EngineConfig.from_cli_args(args)
     router: dict[str, Any] = {"policy": args.policy}
     if args.epsilon is not None:
@@ -127,8 +127,8 @@ def run(args: argparse.Namespace) -> int:
     from ray import serve
 
     from prefixserve.replica.serve_shutdown import shutdown_serve
-    from prefixserve.router.app import AppArgs, build_app
-    from prefixserve.router.drain import drain_app
+    from prefixserve.router.serve.app import AppArgs, build_app
+    from prefixserve.router.serve.drain import drain_app
 
     if args.replicas < 1:
         raise SystemExit("--replicas must be at least 1")

@@ -4,8 +4,8 @@ Job: host the OpenAI front end (``replica/http_frontend.py``, the same code the
 standalone replica server hosts: same endpoints, protocol models, answers,
 error bodies and status codes) over an :class:`EngineClient` that reaches the
 engine deployment through its Serve handle, whose request router
-(router/serve_router.py) picks the replica; compute the routing key
-(router/prefix.py) from the body the front end parsed. Every answer that
+(router/serve/request_router.py) picks the replica; compute the routing key
+(router/contracts/prefix.py) from the body the front end parsed. Every answer that
 reached a replica names it in ``X-Prefixserve-Replica``.
 
 Invariants:
@@ -74,9 +74,9 @@ from prefixserve.replica.deployment import EngineRequest, StreamError, StreamSta
 from prefixserve.replica.engine_client import ModelInfo
 from prefixserve.replica.http_frontend import DEFAULT_MAX_BODY_BYTES, REPLICA_HEADER, FrontendOptions
 from prefixserve.replica.outputs import StreamDelta
-from prefixserve.router.metrics import merge_expositions, router_metrics
-from prefixserve.router.prefix import PrefixKeyConfig, routing_key
-from prefixserve.router.serve_router import PrefixRouter, router_for
+from prefixserve.router.contracts.prefix import PrefixKeyConfig, routing_key
+from prefixserve.router.serve.metrics import merge_expositions, router_metrics
+from prefixserve.router.serve.request_router import PrefixRouter, router_for
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class IngressConfig:
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
     completion_prefix_chars: int = PrefixKeyConfig().completion_prefix_chars
     honor_prefix_header: bool = True
-    # Multi-turn affinity (router/prefix.py): key by X-Session-Id / by the leading turns.
+    # Multi-turn affinity (router/contracts/prefix.py): key by X-Session-Id / by the leading turns.
     session_header: bool = False
     key_turns: int = 0
     placement_sync_s: float = DEFAULT_PLACEMENT_SYNC_S
@@ -479,7 +479,7 @@ class OpenAIIngress:
 
     @app.get("/placement")
     async def placement(self) -> Response:
-        """This replica's ``placed`` snapshot (router/policies.py) plus ``held`` (per key, the replicas its
+        """This replica's ``placed`` snapshot (router/policies/) plus ``held`` (per key, the replicas its
         KV events say hold the prefix); 404 when the policy is not ``placed``."""
         router = self.client.router
         snapshot = router.placement_snapshot() if router is not None else None

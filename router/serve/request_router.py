@@ -1,8 +1,8 @@
 """Ray Serve request router that runs a prefixserve routing policy on the engine deployment.
 
 Job: adapt Ray Serve's ``RequestRouter`` (ray.serve.request_router, Serve 2.60)
-to the pure policies of router/policies.py. The ingress computes the routing
-key (router/prefix.py) and passes it as ``routing_key`` on the first positional
+to the pure policies of router/policies/. The ingress computes the routing
+key (router/contracts/prefix.py) and passes it as ``routing_key`` on the first positional
 argument of the engine call (replica/deployment.py's EngineRequest); this router
 reads it, ranks the live replicas with the configured policy and returns one
 tier per replica, best first. The base class tries the tiers in order: a
@@ -36,7 +36,7 @@ Invariants:
   change since the report arrived (``own_now - own_at_report``: requests sent
   since are added as waiting, requests completed since are taken off waiting
   first, then running), never below 0; ``in_flight`` stays the router's own
-  count. The policy takes the larger of the two (router/policies.py
+  count. The policy takes the larger of the two (router/policies/
   ``effective_in_flight``), so with several ingress replicas every router sees
   the whole cluster's queue, and its own requests without delay. A report
   older than ``stats_max_age_s`` is ignored.
@@ -45,7 +45,7 @@ Invariants:
   (after missed ones too: their summaries are absolute) and feeds the policy's precise hook
   (``set_cached``) when the policy has one.
 * ``placed`` placements agree across routers through the ingress
-  (router/ingress.py): the leader router rebalances and publishes
+  (router/serve/ingress.py): the leader router rebalances and publishes
   ``placement_snapshot``; followers ``apply_placement``. A request is counted
   in the placement once (``count=False`` when Serve asks again for the same
   request), and the counts a follower routed since the last sync are handed to
@@ -56,11 +56,11 @@ Invariants:
   in-process counters.
 
 Configuration (``RequestRouterConfig.request_router_kwargs``, passed to
-``initialize_state``): ``policy`` (router/policies.py name, default
+``initialize_state``): ``policy`` (router/policies/ name, default
 ``placed``), ``stats_max_age_s``, and that policy's options as its ``Options`` declares them
 (e.g. ``epsilon``, ``seed``, ``weights``); any other key is refused.
 
-Imports Ray Serve (this is the adapter); the policy logic stays in router/policies.py.
+Imports Ray Serve (this is the adapter); the policy logic stays in router/policies/.
 """
 
 from __future__ import annotations
@@ -76,8 +76,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, R
 
 from prefixserve.replica.kv_events import KVEventConsumer
 from prefixserve.replica.tracing import build_tracer, route_span
-from prefixserve.router import registry
-from prefixserve.router.metrics import RouterMetrics, router_metrics
+from prefixserve.router.contracts.prompt_blocks import PromptBlocks, PromptHasher, UnhashablePrompt
 from prefixserve.router.policies import (
     DEFAULT_POLICY,
     KIND_FALLBACK,
@@ -90,13 +89,14 @@ from prefixserve.router.policies import (
     ReplicaLoad,
     make_policy,
 )
-from prefixserve.router.prompt_blocks import PromptBlocks, PromptHasher, UnhashablePrompt
+from prefixserve.router.serve import registry
+from prefixserve.router.serve.metrics import RouterMetrics, router_metrics
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Tracer
 
 # Import path of this router for RequestRouterConfig(request_router_class=...).
-ROUTER_CLASS_PATH = "prefixserve.router.serve_router:PrefixRouter"
+ROUTER_CLASS_PATH = "prefixserve.router.serve.request_router:PrefixRouter"
 # Ray Serve LLM's prefix-tree router (the comparison point of the cluster benchmark).
 RAY_LLM_PREFIX_ROUTER_PATH = (
     "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:PrefixCacheAffinityRouter"
@@ -111,7 +111,7 @@ DEFAULT_STATS_MAX_AGE_S = 10.0
 def router_for(app_name: str, deployment: str) -> PrefixRouter | None:
     """The PrefixRouter this process runs for ``app_name``'s ``deployment`` (None before its first request).
 
-    Kept in router/registry.py: Serve ships this module to the process by value,
+    Kept in router/serve/registry.py: Serve ships this module to the process by value,
     so a table here would be a private copy.
     """
     router = registry.router_for(app_name, deployment)
@@ -154,7 +154,7 @@ class Choice:
 
 
 def decision_kind(choice: Choice | None, landed: str) -> str:
-    """The decision kind of a request that landed on ``landed`` (router/policies.py's KIND_*)."""
+    """The decision kind of a request that landed on ``landed`` (router/policies/'s KIND_*)."""
     if choice is None or not choice.keyed:
         return KIND_NO_KEY
     if choice.owner is not None and landed == choice.owner:
@@ -166,7 +166,7 @@ def decision_kind(choice: Choice | None, landed: str) -> str:
 
 @dataclass(frozen=True)
 class ServeReplicaView:
-    """A RunningReplica seen through router/policies.py's ReplicaView, with its reported load."""
+    """A RunningReplica seen through router/policies/'s ReplicaView, with its reported load."""
 
     replica: Any  # RunningReplica (or a test double with the same attributes)
     name: str
@@ -224,7 +224,7 @@ class PrefixRouter(RequestRouter):
         stats_max_age_s: float = DEFAULT_STATS_MAX_AGE_S,
         **options: Any,
     ) -> None:
-        """``options`` go to the policy as declared by its ``Options`` (router/policies.py).
+        """``options`` go to the policy as declared by its ``Options`` (router/policies/).
 
         ``otlp_traces_endpoint`` (or, in tests, ``tracer``): record a ``route`` span per
         decision and make it the parent of the engine's spans (replica/tracing.py).
@@ -314,7 +314,7 @@ class PrefixRouter(RequestRouter):
 
     @property
     def kv_event_gaps(self) -> int:
-        """KV-event diffs applied after a gap (missed reports; router/metrics.py kv_event_gaps)."""
+        """KV-event diffs applied after a gap (missed reports; router/serve/metrics.py kv_event_gaps)."""
         return self._kv_events.gaps
 
     # -- placement agreement (placed) -------------------------------------------------
@@ -384,7 +384,7 @@ class PrefixRouter(RequestRouter):
         return self._own_in_flight.get(replica.replica_id, 0)
 
     def prompt_blocks(self, request: Any) -> PromptBlocks | None:
-        """The request's history hashes for ``placed`` (router/prompt_blocks.py); None when not used.
+        """The request's history hashes for ``placed`` (router/contracts/prompt_blocks.py); None when not used.
 
         A prompt the router cannot hash is counted and routes without a history
         (by its static key, then load).

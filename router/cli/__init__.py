@@ -25,14 +25,20 @@ EXIT_SKIPPED = 3
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "replica": ("prefixserve.replica.server", "run one engine replica as an OpenAI HTTP server"),
-    "up": ("prefixserve.router.up", "run the cluster on this machine: local Ray, replicas, router, OpenAI endpoint"),
-    "route": ("prefixserve.router.route_cli", "print the routing key of a prompt and the replica the ring picks"),
-    "nginx-config": ("prefixserve.router.nginx", "render an nginx.conf hash-consistent upstream for a replica list"),
+    "up": (
+        "prefixserve.router.cli.up",
+        "run the cluster on this machine: local Ray, replicas, router, OpenAI endpoint",
+    ),
+    "route": ("prefixserve.router.cli.route", "print the routing key of a prompt and the replica the ring picks"),
+    "nginx-config": (
+        "prefixserve.router.nginx.config",
+        "render an nginx.conf hash-consistent upstream for a replica list",
+    ),
     "placement": (
-        "prefixserve.router.nginx_placement",
+        "prefixserve.router.nginx.placement",
         "replay nginx's routing-key log through the placed policy: a placement for nginx-config",
     ),
-    "audit": ("prefixserve.router.audit", "audit a prompt log for prefix-cache hit-rate killers"),
+    "audit": ("prefixserve.router.tools.audit", "audit a prompt log for prefix-cache hit-rate killers"),
 }
 
 
@@ -84,7 +90,3 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # usage errors (2, message printed) and --help (0): a status like run's
         return exc.code if isinstance(exc.code, int) else 2
     return int(importlib.import_module(args._module).run(args) or 0)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

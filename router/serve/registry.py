@@ -1,11 +1,11 @@
 """The request routers running in this process, by (application, deployment).
 
-Job: let the ingress (router/ingress.py) reach the PrefixRouter that Ray Serve
+Job: let the ingress (router/serve/ingress.py) reach the PrefixRouter that Ray Serve
 built for its engine handle in the same process (placement exchange,
 ``/placement``, prefill work). Ray Serve ships a request router class to the
 process by value (cloudpickle of its module, ray/serve/config.py
 ``_serialize_request_router_cls``), so module-level state in
-router/serve_router.py is a private copy; this module is imported by
+router/serve/request_router.py is a private copy; this module is imported by
 reference and is therefore the one shared table.
 
 Pure Python: no Ray, no HTTP framework.

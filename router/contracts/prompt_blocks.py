@@ -1,6 +1,6 @@
 """Chained block hashes of a request's prompt as the router sees it: text, not tokens.
 
-Job: the ``history`` argument of ``placed`` (router/policies.py) for a live
+Job: the ``history`` argument of ``placed`` (router/policies/) for a live
 request. At decision time the Serve router holds the ingress's EngineRequest:
 chat ``messages`` (rendered by the engine's chat template only on the replica)
 or a completions ``prompt`` (text or token ids). The ingress loads no tokenizer,
@@ -8,7 +8,7 @@ so the router cannot compute Contract 2's token-block hashes; like Ray Serve
 LLM's PrefixCacheAffinityRouter it matches characters, in chained blocks:
 
 * chat: each message is ``role 0x00 content`` (content parts' texts joined by
-  ``"\\n"``, as router/prefix.py reads them), cut into blocks of ``block_chars``
+  ``"\\n"``, as router/contracts/prefix.py reads them), cut into blocks of ``block_chars``
   characters; a message's last block may be shorter (blocks never straddle
   messages, so an appended turn leaves every earlier block unchanged);
 * completions text: blocks of ``block_chars`` characters; token ids: blocks of
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefixserve.replica.request import STATIC_ROLES
-from prefixserve.router.prefix import content_text
+from prefixserve.router.contracts.prefix import content_text
 
 DEFAULT_BLOCK_CHARS = 256  # about 64 tokens of English text
 DEFAULT_CACHE_MESSAGES = 65_536

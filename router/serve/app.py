@@ -1,11 +1,11 @@
 """Builds the prefixserve Serve application: the OpenAI ingress over the engine deployment.
 
-Job: turn one args dict (``serve run prefixserve.router.app:build_app``, the ``args`` of an
+Job: turn one args dict (``serve run prefixserve.router.serve.app:build_app``, the ``args`` of an
 application in a ``serve deploy`` config such as cluster.yaml, or
 ``prefixserve up``) into a ``serve.Application``: the engine deployment
-(replica/deployment.py) with its request router (router/serve_router.py, or
+(replica/deployment.py) with its request router (router/serve/request_router.py, or
 Ray Serve LLM's PrefixCacheAffinityRouter for comparison), and the ingress
-(router/ingress.py) bound to its handle.
+(router/serve/ingress.py) bound to its handle.
 
 The args (every key optional except ``engine``)::
 
@@ -26,7 +26,7 @@ The args (every key optional except ``engine``)::
       policy: placed               # prefixserve router: round_robin, random, power_of_two,
                                    #   consistent_hash, bounded_load, placed (the default)
       epsilon: 0.1                 # any other key: an option of that policy, as its Options
-                                   #   declares (router/policies.py): epsilon, tau_s, precise, seed, ...
+                                   #   declares (router/policies/): epsilon, tau_s, precise, seed, ...
       kwargs: {}                   # other router classes: their initialize_state kwargs
       stats_period_s: 1.0          # how often replicas report record_routing_stats (load, KV events)
       stats_max_age_s: 10.0        # reports older than this are not used
@@ -37,7 +37,7 @@ The args (every key optional except ``engine``)::
       max_body_bytes: 4194304
       max_attempts: 4              # sends per request while replicas die under it
       placement_sync_s: 2.0        # placed: how often ingress replicas agree on placements
-      session_header: false        # multi-turn affinity: key by X-Session-Id (router/prefix.py)
+      session_header: false        # multi-turn affinity: key by X-Session-Id (router/contracts/prefix.py)
       key_turns: 0                 # multi-turn affinity: key by the first N turns too
 
 Tensor parallelism (``engine.tensor_parallel_size`` N > 1). One engine replica
@@ -92,9 +92,9 @@ from prefixserve.replica.config import EngineConfig
 from prefixserve.replica.config_util import from_dict
 from prefixserve.replica.deployment import EngineDeployment
 from prefixserve.replica.tracing import check_endpoint
-from prefixserve.router.ingress import IngressConfig, OpenAIIngress
 from prefixserve.router.policies import DEFAULT_POLICY, POLICIES, check_options
-from prefixserve.router.serve_router import RAY_LLM_PREFIX_ROUTER_PATH, ROUTER_CLASS_PATH
+from prefixserve.router.serve.ingress import IngressConfig, OpenAIIngress
+from prefixserve.router.serve.request_router import RAY_LLM_PREFIX_ROUTER_PATH, ROUTER_CLASS_PATH
 
 # One replica's ranks share a node: rank 0 starts the others as local processes.
 TP_PLACEMENT_STRATEGY = "STRICT_PACK"
@@ -131,7 +131,7 @@ class RouterArgs:
 
     ``policy_options`` are the ``router`` section's keys that are not fields
     here: options of the prefixserve policy, checked against what the policy
-    declares (router/policies.py), so this file never lists which policy takes what.
+    declares (router/policies/), so this file never lists which policy takes what.
     """
 
     router_class: str = "prefixserve"
@@ -404,7 +404,7 @@ def build_engine(args: AppArgs) -> serve.Application:
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:
-    """The Serve application for ``serve run prefixserve.router.app:build_app`` / ``serve deploy``.
+    """The Serve application for ``serve run prefixserve.router.serve.app:build_app`` / ``serve deploy``.
 
     Raises AppArgsError (a ValueError) for bad args, options Serve refuses, and,
     when Ray is initialized, a cluster with no node for one engine replica's bundles.

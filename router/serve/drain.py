@@ -6,7 +6,7 @@ balancer moves on), wait until the engine replicas hold no request or the
 drain timeout passes, then end what is left in-band (each engine replica's
 ``end_requests``: an error event and ``[DONE]`` on every open stream). Serve's
 own stop then drains the ingress replicas (graceful_shutdown_timeout_s, set
-from the same timeout by router/app.py), so the last events reach the clients.
+from the same timeout by router/serve/app.py), so the last events reach the clients.
 
 Serve offers no hook at the start of a replica's stop; a stop Serve makes on
 its own (a redeploy, a downscale) waits up to graceful_shutdown_timeout_s for

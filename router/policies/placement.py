@@ -1,6 +1,6 @@
 """Ring-placed bounded loads: which replicas each routing key is placed on (pure logic).
 
-Job: the state behind the ``placed`` routing policy (router/policies.py). Bounded
+Job: the state behind the ``placed`` routing policy (router/policies/). Bounded
 loads on *requests* (``bounded_load``) spill a busy key on instantaneous noise
 and throw its cache away; Mirrokni, Thorup and Zadimoghaddam bound *keys*. This
 table keeps, per routing key, a decayed request rate and a decayed prefill work,
@@ -51,7 +51,6 @@ Pure Python + numpy: must not import Ray, HTTP frameworks or torch.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -605,33 +604,3 @@ class PlacementTable:
                     self._extra[slot] = idx[1:]
         self._recompute_loads()
         self.version = int(snapshot["version"])
-
-
-def bench_rebalance(num_keys: int = 10_000, num_replicas: int = 64, repeats: int = 50, seed: int = 0) -> float:
-    """Mean microseconds of one rebalance of a Zipf-loaded table with ``num_keys`` keys (steady state)."""
-    from prefixserve.router.ring import HashRing
-
-    names = [f"10.0.0.{i}:8000" for i in range(num_replicas)]
-    ring = HashRing(names)
-    table = PlacementTable(epsilon=0.1, tau_s=300.0, hot_share=0.5)
-    table.set_members(names, [1] * num_replicas, ring.successors)
-    rng = np.random.default_rng(seed)
-    p = 1.0 / np.arange(1, num_keys + 1) ** 0.8
-    keys = [f"key-{k}" for k in range(num_keys)]
-    now = 0.0
-    for k in keys:  # every key seen once, then Zipf traffic over 60 s
-        table.record(k, now)
-    for k in rng.choice(num_keys, 50_000, p=p / p.sum()).tolist():
-        now += 60.0 / 50_000
-        table.record(keys[k], now)
-        table.observe(keys[k], 100, now)
-    table.rebalance(now)
-    start = time.perf_counter()
-    for i in range(repeats):
-        table.rebalance(now + 10.0 * (i + 1) / repeats)
-    return (time.perf_counter() - start) / repeats * 1e6
-
-
-if __name__ == "__main__":
-    for n in (1_000, 10_000, 100_000):
-        print(f"rebalance, {n} keys x 64 replicas: {bench_rebalance(n):.0f} us")

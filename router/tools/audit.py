@@ -16,7 +16,7 @@ else ChatML), tokenize, and report:
   version strings, reordered few-shots), each with the article's fix, and where
   the first occurrence sits in tokens (every block from there on misses).
 
-* how the router would spread the log: distinct routing keys (router/prefix.py's
+* how the router would spread the log: distinct routing keys (router/contracts/prefix.py's
   ``static_prefix`` / ``routing_key``, the very functions the router runs) and
   the prompts without a static prefix.
 
@@ -29,13 +29,13 @@ matches merged in one pass (see DETECTORS for the patterns' shape). Lines that
 are too long, not UTF-8, not JSON, nested too deeply, not a chat or completions
 body, or holding text that is not Unicode (a lone surrogate) are counted, the
 first ones reported by line number, and skipped; the CLI names each on stderr,
-prints the report and exits with status 3 (router/cli.py's EXIT_SKIPPED). A
+prints the report and exits with status 3 (router/cli/'s EXIT_SKIPPED). A
 file with no usable record (empty, unreadable, all malformed) raises
 ``AuditError`` (status 2). A byte progress bar goes to stderr on long files.
 
 Invariants: ``audit`` is pure given the records and a tokenizer (anything with
 ``encode``); only the CLI loads a model's tokenizer (never its weights).
-Imports: stdlib, tqdm, router/prefix.py, router/cli.py; the tokenizer loader from
+Imports: stdlib, tqdm, router/contracts/prefix.py, router/cli/; the tokenizer loader from
 prefixserve.replica.model.loader lazily (it pulls torch and transformers). No Ray, no HTTP.
 """
 
@@ -58,7 +58,7 @@ from typing import Any, BinaryIO, Protocol
 from tqdm import tqdm
 
 from prefixserve.router.cli import EXIT_SKIPPED
-from prefixserve.router.prefix import PREFIX_HASH_HEADER, content_text, routing_key, static_prefix
+from prefixserve.router.contracts.prefix import PREFIX_HASH_HEADER, content_text, routing_key, static_prefix
 
 DEFAULT_PREFIX_TOKENS = 512
 DEFAULT_BLOCK_SIZE = 16
@@ -85,10 +85,10 @@ class PromptRecord:
     """One usable log line: its number, the static prefix, the rendered parts and its routing key."""
 
     line: int
-    system: str  # the static prefix (router/prefix.py's static_prefix; "" when none)
+    system: str  # the static prefix (router/contracts/prefix.py's static_prefix; "" when none)
     messages: tuple[tuple[str, str], ...] | None  # (role, content) for chat records
     prompt: str | None  # completions records
-    key: str | None = None  # the routing key the router would use (router/prefix.py's routing_key)
+    key: str | None = None  # the routing key the router would use (router/contracts/prefix.py's routing_key)
 
 
 @dataclass(frozen=True)
@@ -452,7 +452,7 @@ class AuditReport:
     mean_prompt_tokens: float
     num_with_system: int
     num_malformed: int = 0  # every malformed line, listed or not
-    unique_routing_keys: int = 0  # distinct X-Prefix-Hash keys (router/prefix.py's routing_key)
+    unique_routing_keys: int = 0  # distinct X-Prefix-Hash keys (router/contracts/prefix.py's routing_key)
     num_without_routing_key: int = 0  # records without a static prefix: routed by load
     approximate: bool = False  # a tracking limit was reached: counts beyond it are estimates
 
@@ -894,7 +894,7 @@ def run(args: argparse.Namespace) -> int:
     """Audit the log and print the report.
 
     Each skipped line is one line on stderr (``PATH:LINE: reason``). Exit status:
-    0, every line audited; EXIT_SKIPPED (router/cli.py), the report was printed
+    0, every line audited; EXIT_SKIPPED (router/cli/), the report was printed
     but some lines were skipped; 2, nothing could be audited (one error line).
     """
 

@@ -1,0 +1,1 @@
+"""The nginx path: nginx.conf rendering and the placement replay of nginx's key log."""
