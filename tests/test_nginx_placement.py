@@ -64,7 +64,7 @@ def test_placement_map_keeps_only_keys_off_their_ring_owner():
 
 
 def test_a_real_placed_policys_snapshot_renders(tmp_path, capsys):
-    """The snapshot of router/policies/'s Placed over the nginx server names, through the CLI."""
+    """The snapshot of router/policies/placed.py's Placed over the nginx server names, through the CLI."""
     clock = [0.0]
     policy = Placed(clock=lambda: clock[0], rebalance_interval_s=1.0)
     views = [Replica(n) for n in NAMES]

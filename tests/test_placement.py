@@ -1,4 +1,4 @@
-"""The ``placed`` policy and its placement table (router/policies/), on an injected clock."""
+"""The ``placed`` policy (router/policies/placed.py) and its placement table, on an injected clock."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 
 from prefixserve.loadtest.bench_placement import bench_rebalance
 from prefixserve.loadtest.bench_policies import bench_rank
-from prefixserve.router import policies as policies_module
 from prefixserve.router.contracts.ring import HashRing
 from prefixserve.router.policies import (
     KIND_NO_KEY,
@@ -31,6 +30,7 @@ from prefixserve.router.policies import (
     make_policy,
     pick_options,
 )
+from prefixserve.router.policies import placed as placed_module
 from prefixserve.router.policies.placement import PlacementTable
 
 NAMES = [f"10.0.0.{i}:8000" for i in range(1, 5)]
@@ -278,8 +278,8 @@ def test_rank_decides_as_the_direct_statement_of_the_decision(seed: int, monkeyp
     keyless requests, prefill work, rebalances (hot keys, shedding), precise events, snapshots.
     Half the seeds run with tiny memo bounds, so that every memo is dropped and refilled often."""
     if seed >= 6:
-        monkeypatch.setattr(policies_module, "_MAX_MEMO_POSITIONS", 40)
-        monkeypatch.setattr(policies_module, "_MAX_RANKINGS_PER_KEY", 2)
+        monkeypatch.setattr(placed_module, "_MAX_MEMO_POSITIONS", 40)
+        monkeypatch.setattr(placed_module, "_MAX_RANKINGS_PER_KEY", 2)
     rng = random.Random(seed)
     precise = seed % 2 == 1
     clock = Clock()

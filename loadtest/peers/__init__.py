@@ -13,7 +13,7 @@ The interface (``Peer``): ``route(candidates, request) -> Decision`` ranks the
 candidates for one request, best first; ``on_prefilled`` / ``on_finish`` tell
 the peer what a real router learns from the response stream (first token,
 completion). A candidate (``PeerReplica``) is a ReplicaView with the replica's
-reported ``load`` (router/policies/'s ReplicaLoad) and ``cached_blocks``:
+reported ``load`` (router/policies/base.py's ReplicaLoad) and ``cached_blocks``:
 how many leading blocks of a prompt its KV cache holds, which stands in for a
 KV-event-fed index (Dynamo's KvIndexer) with no event delay.
 

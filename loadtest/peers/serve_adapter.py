@@ -288,7 +288,7 @@ def peer_view(
 
 
 class PeerPolicy:
-    """A peer behind router/policies/'s Policy interface, for PrefixRouter to run.
+    """A peer behind router/policies/base.py's Policy interface, for PrefixRouter to run.
 
     ``expect(request_id, request)`` names the request the next ``rank`` is for;
     ``rank`` hands it to the peer once per request id (asked again, it returns

@@ -1,6 +1,6 @@
 """Chained block hashes of a request's prompt as the router sees it: text, not tokens.
 
-Job: the ``history`` argument of ``placed`` (router/policies/) for a live
+Job: the ``history`` argument of ``placed`` (router/policies/placed.py) for a live
 request. At decision time the Serve router holds the ingress's EngineRequest:
 chat ``messages`` (rendered by the engine's chat template only on the replica)
 or a completions ``prompt`` (text or token ids). The ingress loads no tokenizer,

@@ -5,7 +5,7 @@ Job: nginx runs no prefixserve router, so nothing on that path keeps the
 ``prefixserve nginx-config --key-log PATH`` makes nginx write (one JSON object
 per request: ``msec``, the client's ``X-Prefix-Hash`` as ``key``, ``status``,
 ``upstream``; router/nginx/config.py KEY_LOG_FIELDS), replays every keyed request
-through the real ``Placed`` policy (router/policies/) with its clock set to
+through the real ``Placed`` policy (router/policies/placed.py) with its clock set to
 the line's time, and writes the policy's ``placement_snapshot()`` JSON, whose
 members are the nginx servers (``host:port``). ``prefixserve nginx-config
 --placement FILE`` renders that snapshot as a map of salted keys; ``nginx -s

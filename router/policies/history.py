@@ -2,7 +2,7 @@
 
 Job: answer, for a request's chained block hashes (design Contract 2: block i's
 hash covers blocks 0..i, so a hash names a whole prefix), how many leading
-blocks each replica holds. ``placed`` (router/policies/) sends a request that
+blocks each replica holds. ``placed`` (router/policies/placed.py) sends a request that
 continues a conversation to the replica holding the longest cached prefix of its
 whole prompt.
 

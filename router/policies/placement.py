@@ -1,6 +1,6 @@
 """Ring-placed bounded loads: which replicas each routing key is placed on (pure logic).
 
-Job: the state behind the ``placed`` routing policy (router/policies/). Bounded
+Job: the state behind the ``placed`` routing policy (router/policies/placed.py). Bounded
 loads on *requests* (``bounded_load``) spill a busy key on instantaneous noise
 and throw its cache away; Mirrokni, Thorup and Zadimoghaddam bound *keys*. This
 table keeps, per routing key, a decayed request rate and a decayed prefill work,

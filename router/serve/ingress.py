@@ -479,7 +479,7 @@ class OpenAIIngress:
 
     @app.get("/placement")
     async def placement(self) -> Response:
-        """This replica's ``placed`` snapshot (router/policies/) plus ``held`` (per key, the replicas its
+        """This replica's ``placed`` snapshot (router/policies/placed.py) plus ``held`` (per key, the replicas its
         KV events say hold the prefix); 404 when the policy is not ``placed``."""
         router = self.client.router
         snapshot = router.placement_snapshot() if router is not None else None

@@ -52,7 +52,7 @@ class RouterMetrics:
         self.decisions = Counter(
             "prefixserve_router_decisions",
             "Requests routed, by policy, replica and decision kind "
-            "(owner, spill, fallback, no_key, no_ring: see router/policies/'s KIND_*).",
+            "(owner, spill, fallback, no_key, no_ring: router/policies/base.py's KIND_*).",
             ["deployment", "policy", "replica", "kind"],
             registry=self.registry,
         )
@@ -109,8 +109,8 @@ class RouterMetrics:
 
         self.placed_branches = Counter(
             "prefixserve_router_placed_branches",
-            "placed's decisions by branch: history, new_conversation, owner, placed, replicated, spilled, "
-            "no_key (router/policies/ KIND_*), and fallback (the request landed elsewhere than ranked first).",
+            "placed's decisions by branch: history, new_conversation, owner, placed, replicated, spill, "
+            "no_key (router/policies/base.py's KIND_*), and fallback (the request landed elsewhere than ranked first).",
             ["deployment", "branch"],
             registry=self.registry,
         )

@@ -56,7 +56,7 @@ Invariants:
   in-process counters.
 
 Configuration (``RequestRouterConfig.request_router_kwargs``, passed to
-``initialize_state``): ``policy`` (router/policies/ name, default
+``initialize_state``): ``policy`` (a router/policies/ name, default
 ``placed``), ``stats_max_age_s``, and that policy's options as its ``Options`` declares them
 (e.g. ``epsilon``, ``seed``, ``weights``); any other key is refused.
 
@@ -154,7 +154,7 @@ class Choice:
 
 
 def decision_kind(choice: Choice | None, landed: str) -> str:
-    """The decision kind of a request that landed on ``landed`` (router/policies/'s KIND_*)."""
+    """The decision kind of a request that landed on ``landed`` (router/policies/base.py's KIND_*)."""
     if choice is None or not choice.keyed:
         return KIND_NO_KEY
     if choice.owner is not None and landed == choice.owner:
@@ -166,7 +166,7 @@ def decision_kind(choice: Choice | None, landed: str) -> str:
 
 @dataclass(frozen=True)
 class ServeReplicaView:
-    """A RunningReplica seen through router/policies/'s ReplicaView, with its reported load."""
+    """A RunningReplica seen through router/policies/base.py's ReplicaView, with its reported load."""
 
     replica: Any  # RunningReplica (or a test double with the same attributes)
     name: str

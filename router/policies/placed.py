@@ -1,0 +1,488 @@
+"""``placed`` (the default policy): keys placed on ring replicas, hot keys replicated, conversations followed.
+
+Job: the per-request decision over the placement table (router/policies/placement.py,
+which says where each key lives and rebalances it) and the history index
+(router/policies/history.py, which replica holds how much of a prompt). The class
+docstring states the decision. Pure Python.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from operator import itemgetter
+from typing import Any
+
+from prefixserve.router.contracts.ring import HashRing
+from prefixserve.router.policies.base import (
+    KIND_HISTORY,
+    KIND_NEW_CONVERSATION,
+    KIND_NO_KEY,
+    KIND_OWNER,
+    KIND_PLACED,
+    KIND_REPLICATED,
+    KIND_SPILL,
+    Decision,
+    R,
+    Replica,
+    ReplicaLoad,
+    ReplicaView,
+    RingOptions,
+    check_candidates,
+    effective_in_flight,
+)
+from prefixserve.router.policies.consistent import RingPolicy
+from prefixserve.router.policies.history import DEFAULT_MAX_ENTRIES, HistoryIndex
+from prefixserve.router.policies.placement import PlacementTable
+
+BALANCE_EPSILON: float | None = None
+
+
+@dataclass(frozen=True)
+class PlacedOptions(RingOptions):
+    """Options of ``placed`` (router/policies/placement.py explains the mechanism).
+
+    epsilon: slack of a replica's placed request rate over its fair share
+        before it sheds keys (the hit-vs-balance dial; > 0).
+    work_epsilon: the same slack for prefill work (uncached tokens, from
+        ``observe``); None balances rates only.
+    tau_s: time constant of the decayed per-key statistics (seconds, > 0).
+    rebalance_interval_s: seconds between rebalances (> 0).
+    hot_share: a key is placed on one replica per ``hot_share`` of a replica's
+        fair share of the request rate it carries (0.5: a key above half a
+        replica's share gets its next ring successor too).
+    precise: use ``set_cached`` knowledge (which replicas hold a key's prefix).
+    leader: rebalance on its own; False for a follower that only applies
+        snapshots published by the leader (``apply_snapshot``).
+    noise_z: rebalancing moves a key only for an excess above this many standard
+        deviations of the (Poisson) request counts behind it (>= 0; 0 trusts every
+        count): a young or small cluster does not pay cold prefills for noise.
+    history_max_entries: bound of the router-side history index (router/policies/history.py;
+        block hashes, least recently used evicted; 0 disables history matching).
+    new_epsilon: a new conversation goes to the least loaded replica of its key's
+        set: the placement, grown by ring successors to one replica per ``1 +
+        new_epsilon`` fair shares (mean in-flight, at least 1) of the key's own
+        in-flight requests (counted by ``rank``, ended by ``done``); None keeps new
+        conversations on the placement alone.
+    conversation_spread: a key at least half of whose recent decisions followed a
+        history (a conversational app) has its set grown by this many more ring
+        successors for new conversations (0, the default: off; on small clusters with
+        long static prefixes the copies thrash the caches).
+    balance_epsilon: with a history, the history and new-conversation branches take
+        a replica only under ``mean * (1 + balance_epsilon) + 1`` in flight (and the
+        ordinary cap); past it the request falls to the placement and spill logic.
+        None: the ordinary cap alone.
+    clock: seconds, monotonic (default ``time.monotonic``); tests inject one.
+    """
+
+    epsilon: float = 0.2
+    work_epsilon: float | None = 0.5
+    tau_s: float = 300.0
+    rebalance_interval_s: float = 10.0
+    hot_share: float = 0.5
+    precise: bool = False
+    leader: bool = True
+    noise_z: float = 2.0
+    history_max_entries: int = DEFAULT_MAX_ENTRIES
+    new_epsilon: float | None = 0.25
+    conversation_spread: int = 0
+    balance_epsilon: float | None = BALANCE_EPSILON
+    clock: Callable[[], float] | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("history_max_entries", "conversation_spread"):
+            h = getattr(self, name)
+            if isinstance(h, bool) or not isinstance(h, int) or h < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {h!r}")
+        for name in (
+            "epsilon",
+            "work_epsilon",
+            "tau_s",
+            "rebalance_interval_s",
+            "hot_share",
+            "new_epsilon",
+            "balance_epsilon",
+        ):
+            v = getattr(self, name)
+            if name in ("work_epsilon", "new_epsilon", "balance_epsilon") and v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > 0 and math.isfinite(v)):
+                raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+        z = self.noise_z
+        if isinstance(z, bool) or not isinstance(z, (int, float)) or not (z >= 0 and math.isfinite(z)):
+            raise ValueError(f"noise_z must be a finite number >= 0, got {z!r}")
+        for name in ("precise", "leader"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.clock is not None and not callable(self.clock):
+            raise ValueError(f"clock must be a callable returning seconds, got {self.clock!r}")
+
+
+def in_flight_cap(mean: float) -> float:
+    """The absolute in-flight cap of ``placed``: ``m + max(0.5 m, 3 sqrt(m)) + 1`` for mean in-flight m.
+
+    Proportional slack at high load, sqrt slack (about 3 standard deviations of
+    a Poisson count) at low load, so a busy key is not spilled on noise.
+    """
+    return mean + max(0.5 * mean, 3.0 * math.sqrt(mean)) + 1.0
+
+
+# Bounds on ``placed``'s memos (a full memo is dropped and refills): its per-key ring orders in
+# candidate positions hold at most this many positions in all (32 MB of references), and each key
+# at most this many rankings (one per first choice and placement). Orders of ring points are the
+# ring's own memo (HashRing.order).
+_MAX_MEMO_POSITIONS = 4_000_000
+_MAX_RANKINGS_PER_KEY = 8
+# Keys whose history-branch share ``placed`` tracks (conversation_spread); the table is cleared when full.
+_MAX_CONVERSATIONAL_KEYS = 200_000
+
+
+class _KeyOrder:
+    """A key's ring order over the current candidate list (``Placed``'s per-request memo).
+
+    owner: the key's ring owner's name. order: candidate positions in ring order.
+    rankings: (chosen, rest of placement) positions -> a getter returning the
+    candidates in ranking order (chosen, rest, remaining ring order); None until
+    the key's second request (a key seen once gets its ranking built directly).
+    """
+
+    __slots__ = ("owner", "order", "rankings")
+
+    def __init__(self, owner: str, order: tuple[int, ...]) -> None:
+        self.owner = owner
+        self.order = order
+        self.rankings: dict[tuple[int, ...], Callable[[Sequence[Any]], Any]] | None = None
+
+    def positions(self, head: tuple[int, ...]) -> tuple[int, ...]:
+        """Candidate positions in ranking order: ``head`` (chosen, rest of placement), then the ring order."""
+        order = self.order
+        if len(head) == 1:  # the ring order with the chosen replica moved to the front (C-level slices)
+            i = order.index(head[0])
+            return order if i == 0 else (order[i], *order[:i], *order[i + 1 :])
+        return (*head, *(p for p in order if p not in head))
+
+    def rank(self, head: tuple[int, ...], candidates: Sequence[R]) -> list[R]:
+        """The candidates in ranking order for ``head`` (at least two candidates)."""
+        rankings = self.rankings
+        if rankings is None:
+            self.rankings = {}
+            return [candidates[p] for p in self.positions(head)]
+        getter = rankings.get(head)
+        if getter is None:
+            if len(rankings) >= _MAX_RANKINGS_PER_KEY:
+                rankings.clear()
+            getter = rankings[head] = itemgetter(*self.positions(head))
+        return list(getter(candidates))
+
+
+class Placed(RingPolicy):
+    """Ring-placed bounded loads (the default): keys placed on ring replicas, hot keys replicated.
+
+    Per request: the key's request is counted (router/policies/placement.py places a new
+    key on its first ring successor with room and rebalances every
+    ``rebalance_interval_s``); among the replicas the key is placed on, the
+    least loaded under the in-flight cap ``in_flight_cap(mean)`` wins, else the
+    next ring successor under the cap. The ranking is always the chosen replica,
+    then the rest of the placement, then the remaining ring order, so a failure
+    falls back as nginx's ring would. ``Decision.owner`` is the key's ring owner,
+    ``Decision.kind`` one of KIND_OWNER, KIND_PLACED, KIND_REPLICATED,
+    KIND_SPILL, KIND_NO_KEY.
+
+    Inputs beyond ``rank``:
+
+    * ``observe(key, prompt_tokens, cached_tokens=None)``: the prefill work of a
+      request of ``key`` (call it once per request when its usage is known;
+      uncached tokens = prompt - cached, all of them when cached is None).
+      Without it the policy balances request rates alone.
+    * ``set_cached(replica, key, cached)``: precise mode's knowledge of which
+      replicas hold a key's prefix blocks (from KV events; see placement.py).
+    * ``placement_snapshot()`` / ``apply_snapshot(snapshot)``: agreement between
+      router processes; a follower (``leader=False``) that applies the leader's
+      snapshots routes as the leader does.
+    * candidates' optional ``load`` (ReplicaLoad): their queued + running
+      requests count as in-flight when higher than the router's own count.
+    """
+
+    name = "placed"
+    Options = PlacedOptions
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        o: PlacedOptions = self.options
+        self.epsilon = o.epsilon
+        self._clock: Callable[[], float] = o.clock if o.clock is not None else time.monotonic
+        self.table = PlacementTable(o.epsilon, o.tau_s, o.hot_share, o.precise, o.work_epsilon, o.noise_z)
+        self.history = HistoryIndex(o.history_max_entries) if o.history_max_entries else None
+        self._next_rebalance: float | None = None
+        self._table_members: tuple[tuple[str, int], ...] = ()
+        self._turns: dict[str, int] = {}  # replicated key -> requests counted (tie rotation)
+        self._key_in_flight: dict[str, int] = {}  # key -> its requests ranked and not yet ``done``
+        self._conversational: dict[str, list[int]] = {}  # key -> [history decisions, decisions]
+        # The candidate list of the last keyed call (names in the caller's order) and what was
+        # derived from it: valid while the caller passes the same names in the same order and
+        # the ring is the one the view was built on.
+        self._view_names: list[str] | None = None
+        self._view_ring: HashRing | None = None
+        self._view_pos: dict[str, int] = {}  # name -> candidate position
+        self._member_pos: list[int] = []  # table member index -> candidate position
+        self._keyed: dict[str, _KeyOrder] = {}  # key -> its ring order in candidate positions
+
+    # -- membership ---------------------------------------------------------------
+    def _sync_members(self, candidates: Sequence[ReplicaView]) -> HashRing:
+        ring = self.ring_for(candidates)
+        if self._members != self._table_members:
+            self.table.set_members([n for n, _ in self._members], [w for _, w in self._members], ring.order)
+            self._table_members = self._members
+        return ring
+
+    def rebalance_due(self) -> bool:
+        """Whether the next ``rank`` with a key rebalances first (leader only)."""
+        return self.options.leader and (self._next_rebalance is None or self._clock() >= self._next_rebalance)
+
+    def rebalance(self) -> bool:
+        """Rebalance now (``rank`` does it every ``rebalance_interval_s``); True if placements changed."""
+        now = self._clock()
+        self._next_rebalance = now + self.options.rebalance_interval_s
+        return self._rebalance(now)
+
+    def _rebalance(self, now: float) -> bool:
+        changed = self.table.rebalance(now)
+        self._turns = {k: t for k, t in self._turns.items() if len(self.table.placement(k)) > 1}
+        self._conversational = {k: t for k, t in self._conversational.items() if k in self.table}
+        return changed
+
+    def _set_view(self, candidates: Sequence[ReplicaView], names: list[str]) -> HashRing:
+        """Adopt a new candidate list: check it, sync the ring and table, map names to positions."""
+        check_candidates(candidates)
+        ring = self._sync_members(candidates)
+        pos = {n: i for i, n in enumerate(names)}
+        self._view_names = names
+        self._view_ring = ring
+        self._view_pos = pos
+        self._member_pos = [pos[n] for n in self.table.members]
+        self._keyed.clear()
+        return ring
+
+    def _key_order(self, key: str, memo: bool = True) -> _KeyOrder:
+        """The key's ring order over the current view (memoized until the view changes, unless not ``memo``).
+
+        From the table's ring order of the key (one ring walk per key and membership),
+        or, for a key the table does not know (an uncounted request), from the ring.
+        """
+        entry = self._keyed.get(key)
+        if entry is None:
+            members = self.table.successor_indices(key)
+            if members is None:
+                assert self._view_ring is not None
+                names = self._view_ring.order(key)
+                entry = _KeyOrder(names[0], tuple(map(self._view_pos.__getitem__, names)))
+            else:
+                entry = _KeyOrder(self.table.members[members[0]], tuple(map(self._member_pos.__getitem__, members)))
+            if memo:
+                if len(self._keyed) * len(self._member_pos) >= _MAX_MEMO_POSITIONS:
+                    self._keyed.clear()
+                self._keyed[key] = entry
+        return entry
+
+    # -- the decision -------------------------------------------------------------
+    def rank(
+        self,
+        candidates: Sequence[R],
+        key: str | None,
+        count: bool = True,
+        history: Sequence[bytes] | None = None,
+        static_blocks: int = 0,
+    ) -> Decision[R]:
+        """Rank for one request of ``key``; ``count=False`` for a retry of a request already counted.
+
+        ``history``: the chained block hashes of the request's whole prompt (Contract 2,
+        or the ingress's text blocks: any chained hashes the caller computes alike for
+        every request); ``static_blocks``: how many of them the static prefix covers.
+        With a history, a request of which some replica holds more than the static
+        prefix goes to the one holding most (KIND_HISTORY) if under the cap; a new
+        conversation to the least loaded of the key's set (PlacedOptions.new_epsilon)
+        under the cap. Call ``done(key)`` when a counted request ends.
+
+        The class docstring states the decision; this path reads each candidate
+        once and reuses, per key, its ring order in candidate positions and the
+        ranking for its first choice while the caller passes the same candidate
+        names in the same order (tests/test_placement.py checks it against a
+        direct statement of the decision on random inputs).
+        """
+        names = [c.name for c in candidates]
+        if key is None:
+            if names != self._view_names:
+                check_candidates(candidates)
+            return Decision(sorted(candidates, key=lambda c: (effective_in_flight(c), c.name)), kind=KIND_NO_KEY)
+        if names != self._view_names or self._ring is not self._view_ring or self._members is not self._table_members:
+            self._set_view(candidates, names)
+        now = self._clock()
+        if self.options.leader and (self._next_rebalance is None or now >= self._next_rebalance):
+            if self._next_rebalance is not None:
+                self._rebalance(now)
+            self._next_rebalance = now + self.options.rebalance_interval_s
+        # Each candidate's in-flight count: its own, or its reported queued + running when more.
+        loads: list[int] = []
+        for c in candidates:
+            f = c.in_flight
+            load = getattr(c, "load", None)
+            if isinstance(load, ReplicaLoad):
+                q = load.num_waiting + load.num_running
+                if q > f:
+                    f = q
+            loads.append(f)
+        cap = in_flight_cap(sum(loads) / len(candidates))
+        table = self.table
+        # A key's first request memoizes nothing here (most keys seen once are never seen again).
+        seen = key in table
+        placed_members = table.record_indices(key, now) if count else table.placement_indices(key)
+        entry = self._key_order(key, memo=seen)
+        order = entry.order
+        if not placed_members:  # not counted and unknown: the ring decides
+            placed: tuple[int, ...] = (order[0],)
+        elif len(placed_members) == 1:
+            placed = (self._member_pos[placed_members[0]],)
+        else:
+            member_pos = self._member_pos
+            placed = tuple([member_pos[i] for i in placed_members])
+        first = placed[0]
+        held: dict[int, int] = {}
+        best = 0
+        chosen = -1
+        if history and self.history is not None:
+            pos = self._view_pos
+            held = {pos[n]: b for n, b in self.history.held(history).items() if n in pos}
+            best = max(held.values(), default=0)
+        conv_cap = cap
+        if history is not None and self.options.balance_epsilon is not None:
+            conv_cap = min(cap, sum(loads) / len(candidates) * (1.0 + self.options.balance_epsilon) + 1.0)
+        if best > static_blocks:
+            # A conversation's later turn: the replica holding most of its history, if under the cap
+            # (the least loaded of several, the placement's first).
+            holders = [p for p, b in held.items() if b == best and loads[p] < conv_cap]
+            if holders:
+                chosen = min(holders, key=lambda p: (loads[p], p not in placed, p))
+                kind = KIND_HISTORY
+        if chosen >= 0:
+            pass
+        elif history is not None and self.options.new_epsilon is not None and count:
+            # A new conversation (nothing beyond the static prefix held anywhere): the least
+            # loaded replica of the key's set under the cap. The set is the placement, grown
+            # by the next ring successors while the key's own in-flight requests exceed what
+            # ``1 + new_epsilon`` replicas' fair shares hold, so it grows with the key's load
+            # from its first requests and shrinks when they finish.
+            share = max(1.0, sum(loads) / len(candidates)) * (1.0 + self.options.new_epsilon)
+            want = min(len(order), math.ceil((self._key_in_flight.get(key, 0) + 1) / share))
+            # A key whose requests mostly continue conversations (an app's users' chats):
+            # its new conversations also spread over its next ring successors, since a
+            # conversation stays where it starts and one static-prefix miss buys all its turns.
+            turns = self._conversational.get(key)
+            if turns is not None and 2 * turns[0] >= turns[1] and self.options.conversation_spread:
+                want = min(len(order), max(want, len(placed)) + self.options.conversation_spread)
+            group = list(placed)
+            if want > len(group):
+                group += [p for p in order if p not in placed][: want - len(group)]
+            under = [p for p in group if loads[p] < conv_cap]
+            if under:
+                low = min(loads[p] for p in under)
+                tied = [p for p in under if loads[p] == low]
+                turn = self._turns.get(key, 0)
+                if len(group) > 1:
+                    self._turns[key] = turn + 1
+                chosen = tied[turn % len(tied)]
+                kind = KIND_NEW_CONVERSATION if chosen in placed else KIND_SPILL
+        if chosen >= 0:
+            pass
+        elif len(placed) == 1 and loads[first] < cap:  # the common case: one replica, under the cap
+            chosen = first
+            kind = KIND_OWNER if first == order[0] else KIND_PLACED
+        else:
+            under = [p for p in placed if loads[p] < cap]
+            if under:
+                # Least loaded; ties rotate over the key's requests, so that copies of a
+                # hot key share its traffic evenly (as the placement's accounting assumes).
+                low = min(loads[p] for p in under)
+                tied = [p for p in under if loads[p] == low]
+                turn = self._turns.get(key, 0)
+                if count and len(placed) > 1:
+                    self._turns[key] = turn + 1
+                chosen = tied[turn % len(tied)]
+                kind = KIND_REPLICATED if chosen != first else KIND_OWNER if chosen == order[0] else KIND_PLACED
+            else:
+                # The first ring successor outside the placement under the cap, else the least loaded.
+                spill = next((p for p in order if loads[p] < cap and p not in placed), None)
+                chosen = spill if spill is not None else min(order, key=loads.__getitem__)
+                kind = KIND_SPILL
+        predicted = held.get(chosen, 0)
+        if count and history is not None:
+            # The key's recent history-branch share: [history decisions, decisions], halved at 64.
+            turns = self._conversational.get(key)
+            if turns is None:
+                if len(self._conversational) >= _MAX_CONVERSATIONAL_KEYS:
+                    self._conversational.clear()  # a follower never rebalances: bound it here too
+                turns = self._conversational[key] = [0, 0]
+            turns[0] += kind == KIND_HISTORY
+            turns[1] += 1
+            if turns[1] >= 64:
+                turns[0] //= 2
+                turns[1] //= 2
+        if count:
+            self._key_in_flight[key] = self._key_in_flight.get(key, 0) + 1
+        if history and count and self.history is not None:
+            # What the router sent counts as held until a report says otherwise.
+            self.history.record(candidates[chosen].name, history)
+        if len(candidates) == 1:
+            return Decision([candidates[0]], owner=entry.owner, kind=kind, predicted_blocks=predicted, best_blocks=best)
+        if len(placed) == 1:
+            head: tuple[int, ...] = (chosen,) if chosen == first else (chosen, first)
+        else:
+            head = (chosen, *(p for p in placed if p != chosen))
+        return Decision(
+            entry.rank(head, candidates), owner=entry.owner, kind=kind, predicted_blocks=predicted, best_blocks=best
+        )
+
+    # -- other inputs -------------------------------------------------------------
+    def done(self, key: str) -> None:
+        """A request of ``key`` ranked with ``count=True`` finished (or failed): its set may shrink."""
+        n = self._key_in_flight.get(key, 0) - 1
+        if n > 0:
+            self._key_in_flight[key] = n
+        else:
+            self._key_in_flight.pop(key, None)
+
+    def key_in_flight(self, key: str) -> int:
+        """Requests of ``key`` ranked and not yet ``done``."""
+        return self._key_in_flight.get(key, 0)
+
+    def observe(self, key: str, prompt_tokens: int, cached_tokens: int | None = None) -> None:
+        """Record the prefill work of one request of ``key`` (see the class docstring)."""
+        uncached = prompt_tokens - (cached_tokens or 0)
+        self.table.observe(key, max(0, uncached), self._clock())
+
+    def set_cached(self, replica: str, key: str, cached: bool) -> None:
+        """Precise mode: whether ``replica`` holds ``key``'s prefix blocks (ignored unless ``precise``)."""
+        self.table.set_cached(replica, key, cached)
+
+    def placement(self, key: str) -> list[str]:
+        """The replicas ``key`` is placed on, primary first ([] if unknown)."""
+        return self.table.placement(key)
+
+    def placement_snapshot(self) -> dict[str, Any]:
+        """JSON-serializable placement: format, version, members with weights, per key replicas and stats."""
+        snap = self.table.snapshot(self._clock())
+        snap["weights"] = {n: w for n, w in self._table_members}
+        return snap
+
+    def apply_snapshot(self, snapshot: Mapping[str, Any]) -> None:
+        """Adopt a leader's snapshot: its members (ring), placements and statistics."""
+        members = snapshot.get("members")
+        weights = snapshot.get("weights", {})
+        if not isinstance(members, list) or not members or not isinstance(weights, Mapping):
+            raise ValueError("placement snapshot needs a non-empty 'members' list and a 'weights' mapping")
+        # The leader's ring weights (a follower configured alike already has them).
+        self._weights.update({str(n): int(w) for n, w in weights.items()})
+        self._sync_members([Replica(str(n)) for n in members])
+        self.table.apply(snapshot, self._clock())
