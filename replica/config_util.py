@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import typing
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -90,43 +90,60 @@ def _type_hints(cls: type) -> dict[str, Any]:
 
 
 def add_cli_arguments(
-    parser: argparse.ArgumentParser, cls: type, title: str, choices: Mapping[str, tuple[str, ...]] | None = None
-) -> None:
-    """Add one ``--kebab-case`` option per field of dataclass ``cls`` to a group named ``title``.
+    parser: argparse.ArgumentParser,
+    cls: type,
+    title: str,
+    choices: Mapping[str, tuple[str, ...]] | None = None,
+    only: Collection[str] | None = None,
+    dest_prefix: str = "",
+) -> argparse._ArgumentGroup:
+    """Add one ``--kebab-case`` option per field of dataclass ``cls`` to a group named ``title``; returns the group.
 
     Defaults come from the dataclass; a field's ``metadata["help"]`` is its help
-    text. Fields typed ``bool`` become ``--x/--no-x``, ``list[int]`` take several
-    values; ``choices`` restricts a field's values by name.
+    text, ``metadata["flag"]`` another option name, ``metadata["choices"]`` its
+    values. Fields typed ``bool`` become ``--x/--no-x``, ``list[int]`` take several
+    values, ``list[str]`` repeat the option once per value; ``choices`` restricts a
+    field's values by name; ``only`` limits the options to those fields. The option
+    stores under ``dest_prefix`` + the field's name (no prefix: :func:`from_cli_args` finds it).
     """
     group = parser.add_argument_group(title)
     for f in dataclasses.fields(cls):
+        if only is not None and f.name not in only:
+            continue
         default = f.default if f.default is not dataclasses.MISSING else None
-        flag = "--" + f.name.replace("_", "-")
+        dest = dest_prefix + f.name
+        flag = f.metadata.get("flag", "--" + dest.replace("_", "-"))
         kind = _field_type(f.type)
+        # A renamed option shows its own name in the usage line, not the field's.
+        named = {"metavar": flag.lstrip("-").replace("-", "_").upper()} if "flag" in f.metadata else {}
         text = f"{f.metadata['help']} " if "help" in f.metadata else ""
-        text += f"(default: {default})"
+        text += "(repeat for several)" if kind is tuple else f"(default: {default})"
         if kind is list:
-            group.add_argument(flag, dest=f.name, type=int, nargs="+", default=default, help=text)
+            group.add_argument(flag, dest=dest, type=int, nargs="+", default=default, help=text)
+        elif kind is tuple:
+            group.add_argument(flag, dest=dest, action="append", default=None, help=text, **named)
         elif kind is bool:
-            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=text)
+            group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=default, help=text)
         else:
-            group.add_argument(
-                flag, dest=f.name, type=kind, default=default, choices=(choices or {}).get(f.name), help=text
-            )
+            allowed = (choices or {}).get(f.name, f.metadata.get("choices"))
+            group.add_argument(flag, dest=dest, type=kind, default=default, choices=allowed, help=text, **named)
+    return group
 
 
 def from_cli_args(cls: type[T], args: argparse.Namespace) -> T:
-    """Build dataclass ``cls`` from a namespace parsed with :func:`add_cli_arguments`."""
-    return cls(
-        **{
-            f.name: getattr(args, f.name)
-            for f in dataclasses.fields(cls)  # type: ignore[arg-type]
-            if hasattr(args, f.name)
-        }
-    )
+    """Build dataclass ``cls`` from a namespace parsed with :func:`add_cli_arguments`.
+
+    A repeatable option given no value leaves its field to the dataclass's default.
+    """
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}  # type: ignore[arg-type]
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if values.get(f.name, 0) is None and f.default_factory is not dataclasses.MISSING:
+            del values[f.name]
+    return cls(**values)
 
 
 def _field_type(annotation: object) -> type:
     """The scalar type of a field annotation written as a string (``int | None`` -> int)."""
     base = str(annotation).replace(" ", "").replace("|None", "")
-    return {"int": int, "float": float, "bool": bool, "str": str, "list[int]": list}[base]
+    # list[str] -> tuple: the marker of a repeated option (one value per occurrence)
+    return {"int": int, "float": float, "bool": bool, "str": str, "list[int]": list, "list[str]": tuple}[base]

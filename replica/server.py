@@ -51,6 +51,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from prefixserve.replica import api, http_frontend
 from prefixserve.replica.config_util import add_cli_arguments, from_cli_args
+from prefixserve.replica.endpoint_config import DEFAULT_HOST, REPLICA_PORT, ReplicaEndpointConfig
 from prefixserve.replica.engine_client import LocalEngineClient
 from prefixserve.replica.http_frontend import (
     DEFAULT_CLIENT_BODY_TIMEOUT_S,
@@ -62,15 +63,14 @@ from prefixserve.replica.http_frontend import (
     InFlightSlot,
 )
 from prefixserve.replica.http_limits import ConnectionLimits, limited_protocol
-from prefixserve.replica.log_json import LOG_FORMATS, configure_logging
+from prefixserve.replica.log_json import configure_logging
 
 if TYPE_CHECKING:
     from prefixserve.replica.engine import AsyncEngine
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PORT = 8001
-DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = REPLICA_PORT
 # How often the watchdog looks whether the engine has died for good.
 ENGINE_WATCH_PERIOD_S = 0.5
 # Exit status of a server stopped because its engine died (a supervisor restarts it).
@@ -343,26 +343,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``prefixserve replica``: the HTTP ones, every ServerConfig knob, then every EngineConfig knob."""
     from prefixserve.replica.config import EngineConfig
 
-    http = parser.add_argument_group("http")
-    http.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default: {DEFAULT_HOST})")
-    http.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port to bind (default: {DEFAULT_PORT})")
-    http.add_argument(
-        "--api-key",
-        dest="api_keys",
-        action="append",
-        default=None,
-        help="require 'Authorization: Bearer KEY' on /v1/* (repeat for several keys)",
-    )
+    http = add_cli_arguments(parser, ReplicaEndpointConfig, "http")
     http.add_argument(
         "--replica-name", default=None, help="value of the X-Prefixserve-Replica header (default: HOST:PORT)"
     )
     http.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    http.add_argument(
-        "--log-format",
-        default="text",
-        choices=list(LOG_FORMATS),
-        help="text lines, or one JSON object per line (time, level, request_id, replica, event)",
-    )
     add_cli_arguments(parser, ServerConfig, "http limits")
     EngineConfig.add_cli_arguments(parser)
 

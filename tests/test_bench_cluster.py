@@ -274,7 +274,7 @@ def test_tables_and_plot(tmp_path):
 
 
 def test_app_args_are_valid_router_app_args_for_every_policy():
-    from prefixserve.router.serve.app import AppArgs
+    from prefixserve.router.cluster_config import AppArgs
 
     sizing = B.size_kv({"a": 64, "b": 64}, [("a", 80)], block_size=16, replicas=2, concurrency=2, headroom=1.5)
     for policy in B.KNOWN_POLICIES:

@@ -19,8 +19,8 @@ from ray.serve.config import AutoscalingConfig
 from ray.serve.schema import ServeDeploySchema
 
 from prefixserve.replica.config import EngineConfig
-from prefixserve.router.serve.app import AppArgs, AppArgsError, build_app, missing_node_resources
-from prefixserve.router.serve.request_router import ROUTER_CLASS_PATH
+from prefixserve.router.cluster_config import ROUTER_CLASS_PATH, AppArgs
+from prefixserve.router.serve.app import AppArgsError, build_app, missing_node_resources
 
 CLUSTER_YAML = Path(__file__).resolve().parent.parent / "cluster.yaml"
 
@@ -227,7 +227,7 @@ def test_policy_options_pass_through_to_the_router(app_args):
 
 
 def test_both_deployments_wait_the_drain_timeout_before_serve_kills_them(app_args):
-    from prefixserve.router.serve.app import GRACEFUL_SHUTDOWN_WAIT_LOOP_S, SHUTDOWN_MARGIN_S
+    from prefixserve.router.cluster_config import GRACEFUL_SHUTDOWN_WAIT_LOOP_S, SHUTDOWN_MARGIN_S
 
     application = build_app({**app_args, "drain_timeout_s": 12})
     for deployment in (application._bound_deployment, engine_of(application)):

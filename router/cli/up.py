@@ -24,73 +24,46 @@ import threading
 from typing import Any
 
 from prefixserve.replica.config import EngineConfig
-from prefixserve.replica.log_json import LOG_FORMATS, configure_logging
+from prefixserve.replica.config_util import add_cli_arguments, from_cli_args
+from prefixserve.replica.endpoint_config import EndpointConfig
+from prefixserve.replica.log_json import configure_logging
 from prefixserve.replica.logs import add_verbose_flag, quiet_libraries
-from prefixserve.router.policies import DEFAULT_POLICY, POLICIES
+from prefixserve.router.cluster_config import DEFAULT_REPLICA_CPUS, AppArgs, IngressArgs, IngressConfig, RouterArgs
 
 APP_NAME = "prefixserve"
 
 
+# The fields of the app args (router/cluster_config.py) that are flags of ``up``, per section.
+APP_FLAGS = ("num_replicas", "max_ongoing_requests", "drain_timeout_s")
+ROUTER_FLAGS = ("policy",)
+INGRESS_FLAGS = ("session_header", "key_turns")
+# IngressArgs' flags store under this prefix, beside AppArgs' fields of the same names.
+INGRESS_PREFIX = "ingress_"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    cluster = parser.add_argument_group("cluster")
-    cluster.add_argument("--replicas", type=int, default=2, help="engine replicas (default: 2)")
+    """Options of ``prefixserve up``, each generated from the config field it sets."""
+    cluster = add_cli_arguments(parser, AppArgs, "cluster", only=APP_FLAGS)
     cluster.add_argument(
         "--replica-cpus",
         type=float,
-        default=1.0,
-        help="Ray CPUs per engine replica, per tensor-parallel rank; also its torch threads (default: 1)",
+        default=DEFAULT_REPLICA_CPUS,
+        help="Ray CPUs per engine replica, per tensor-parallel rank; also its torch threads "
+        f"(default: {DEFAULT_REPLICA_CPUS})",
     )
-    cluster.add_argument(
-        "--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES), help=f"routing policy (default: {DEFAULT_POLICY})"
-    )
-    cluster.add_argument(
+    router = add_cli_arguments(parser, RouterArgs, "router", only=ROUTER_FLAGS)
+    # Options of the policy (its Options dataclass): unset leaves the policy's own default.
+    router.add_argument(
         "--epsilon", type=float, default=None, help="bounded_load's and placed's epsilon (default: the policy's)"
     )
-    cluster.add_argument(
+    router.add_argument(
         "--precise",
         action="store_true",
         help="placed: use the replicas' KV events (which replica holds each key's prefix)",
     )
-    cluster.add_argument(
-        "--session-header", action="store_true", help="multi-turn affinity: key chat requests by X-Session-Id too"
-    )
-    cluster.add_argument(
-        "--key-turns",
-        type=int,
-        default=0,
-        help="multi-turn affinity: key chat requests by their first N turns too (default: 0, off)",
-    )
-    cluster.add_argument(
-        "--max-ongoing-requests",
-        type=int,
-        default=64,
-        help="requests per engine replica before Serve tries the key's next replica (default: 64)",
-    )
-    http = parser.add_argument_group("http")
-    http.add_argument("--host", default="127.0.0.1", help="address of the OpenAI endpoint (default: 127.0.0.1)")
-    http.add_argument("--port", type=int, default=8000, help="port of the OpenAI endpoint (default: 8000)")
-    http.add_argument(
-        "--api-key",
-        dest="api_keys",
-        action="append",
-        default=None,
-        help="require 'Authorization: Bearer KEY' on /v1/* (repeat for several keys)",
-    )
-    http.add_argument("--ingress-replicas", type=int, default=1, help="ingress replicas (default: 1)")
-    http.add_argument(
-        "--drain-timeout-s",
-        type=float,
-        default=None,
-        help="on Ctrl-C or SIGTERM, seconds requests in flight may still run before they end with "
-        "an error event (default: the app's drain_timeout_s, 30)",
-    )
-    http.add_argument(
-        "--log-format",
-        default="text",
-        choices=list(LOG_FORMATS),
-        help="text, or json: one object per line here and in Serve's own logs (its JSON "
-        "encoding, which names each line's request id: the X-Request-Id)",
-    )
+    add_cli_arguments(parser, IngressArgs, "ingress", only=("num_replicas",), dest_prefix=INGRESS_PREFIX)
+    add_cli_arguments(parser, IngressConfig, "routing keys", only=INGRESS_FLAGS)
+    add_cli_arguments(parser, EndpointConfig, "http")
     EngineConfig.add_cli_arguments(parser)
     add_verbose_flag(parser)
 
@@ -98,26 +71,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def app_args(args: argparse.Namespace) -> dict[str, Any]:
     """router/serve/app.py's args for the options given."""
     engine = EngineConfig.from_cli_args(args)
-    router: dict[str, Any] = {"policy": args.policy}
+    endpoint = from_cli_args(EndpointConfig, args)
+    router: dict[str, Any] = {name: getattr(args, name) for name in ROUTER_FLAGS}
     if args.epsilon is not None:
         router["epsilon"] = args.epsilon
     if args.precise:
         router["precise"] = True
     if engine.otlp_traces_endpoint is not None:  # the router's route spans go where the engines' go
         router["otlp_traces_endpoint"] = engine.otlp_traces_endpoint
-    drain = {} if args.drain_timeout_s is None else {"drain_timeout_s": args.drain_timeout_s}
     return {
-        **drain,
+        **{name: getattr(args, name) for name in APP_FLAGS},
         "engine": dataclasses.asdict(engine),
-        "num_replicas": args.replicas,
-        "max_ongoing_requests": args.max_ongoing_requests,
         "ray_actor_options": {"num_cpus": args.replica_cpus},
         "router": router,
         "ingress": {
-            "num_replicas": args.ingress_replicas,
-            "api_keys": list(args.api_keys or []),
-            "session_header": bool(args.session_header),
-            "key_turns": args.key_turns,
+            "num_replicas": getattr(args, INGRESS_PREFIX + "num_replicas"),
+            "api_keys": endpoint.api_keys,
+            **{name: getattr(args, name) for name in INGRESS_FLAGS},
         },
     }
 
@@ -127,10 +97,10 @@ def run(args: argparse.Namespace) -> int:
     from ray import serve
 
     from prefixserve.replica.serve_shutdown import shutdown_serve
-    from prefixserve.router.serve.app import AppArgs, build_app
+    from prefixserve.router.serve.app import build_app
     from prefixserve.router.serve.drain import drain_app
 
-    if args.replicas < 1:
+    if args.num_replicas < 1:
         raise SystemExit("--replicas must be at least 1")
     app = app_args(args)
     drain_timeout_s = AppArgs.from_dict(app).drain_timeout_s  # refuse bad options before starting anything
@@ -146,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Ray's logical CPUs: enough for every replica's bundles (one per tensor-parallel rank).
-    cpus = max(os.cpu_count() or 1, int(args.replicas * args.tensor_parallel_size * args.replica_cpus + 0.999))
+    cpus = max(os.cpu_count() or 1, int(args.num_replicas * args.tensor_parallel_size * args.replica_cpus + 0.999))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -155,7 +125,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         serve.start(http_options={"host": args.host, "port": args.port}, logging_config=serve_logging)
         print(
-            f"starting {args.replicas} engine replica(s) of {app['engine']['model']} with the {args.policy} router...",
+            f"starting {args.num_replicas} engine replica(s) of {app['engine']['model']} "
+            f"with the {args.policy} router...",
             flush=True,
         )
         serve.run(build_app(app), name=APP_NAME, route_prefix="/", blocking=False, logging_config=serve_logging)

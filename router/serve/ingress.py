@@ -58,7 +58,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -69,20 +68,17 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from prefixserve.replica import api, http_frontend
-from prefixserve.replica.config_util import from_dict
 from prefixserve.replica.deployment import EngineRequest, StreamError, StreamStart, TokenTexts
 from prefixserve.replica.engine_client import ModelInfo
-from prefixserve.replica.http_frontend import DEFAULT_MAX_BODY_BYTES, REPLICA_HEADER, FrontendOptions
+from prefixserve.replica.http_frontend import REPLICA_HEADER, FrontendOptions
 from prefixserve.replica.outputs import StreamDelta
+from prefixserve.router.cluster_config import IngressConfig
 from prefixserve.router.contracts.prefix import PrefixKeyConfig, routing_key
 from prefixserve.router.serve.metrics import merge_expositions, router_metrics
 from prefixserve.router.serve.request_router import PrefixRouter, router_for
 
 log = logging.getLogger(__name__)
 
-# Tries per request before a dead-replica failure is reported (one per replica
-# that can die under it; Serve's controller replaces dead replicas meanwhile).
-DEFAULT_MAX_ATTEMPTS = 4
 # /health asks the engine replicas at most this often (a probe storm costs one broadcast)...
 HEALTH_CACHE_S = 1.0
 # ... and counts replicas that have not answered within this as unhealthy.
@@ -92,8 +88,6 @@ METRICS_TIMEOUT_S = 2.0
 INGRESS_HEADER = "X-Prefixserve-Ingress"
 # How many times the request was sent to a replica (above 1: earlier replicas died under it).
 ATTEMPTS_HEADER = "X-Prefixserve-Attempts"
-# Seconds between placement exchanges of the ingress replicas (placed policy).
-DEFAULT_PLACEMENT_SYNC_S = 2.0
 # An exchange waits this long for the other ingress replicas.
 PLACEMENT_TIMEOUT_S = 5.0
 
@@ -103,41 +97,6 @@ class NoPlacementError(api.APIError):
 
     status_code = 404
     default_code = "no_placement"
-
-
-@dataclass
-class IngressConfig:
-    """Knobs of the ingress deployment (the ``ingress`` section of the app args)."""
-
-    api_keys: list[str] = field(default_factory=list)
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    max_attempts: int = DEFAULT_MAX_ATTEMPTS
-    completion_prefix_chars: int = PrefixKeyConfig().completion_prefix_chars
-    honor_prefix_header: bool = True
-    # Multi-turn affinity (router/contracts/prefix.py): key by X-Session-Id / by the leading turns.
-    session_header: bool = False
-    key_turns: int = 0
-    placement_sync_s: float = DEFAULT_PLACEMENT_SYNC_S
-    # Seconds a client may take to send a whole request body (408); Serve's proxy itself has no such bound.
-    client_body_timeout_s: float = http_frontend.DEFAULT_CLIENT_BODY_TIMEOUT_S
-    # 431 above these, before the API key is checked (the standalone server's knobs and defaults). Serve's
-    # proxy has read the whole head by then: this bounds what reaches the engines, not the proxy's memory.
-    h11_max_header_count: int = 100
-    h11_max_incomplete_event_size: int = 32 * 1024
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.placement_sync_s, (int, float)) or not self.placement_sync_s > 0:
-            raise ValueError(f"placement_sync_s must be a number > 0, got {self.placement_sync_s!r}")
-        if self.max_body_bytes < 1:
-            raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
-        if self.max_attempts < 1:
-            raise ValueError(f"max_attempts must be at least 1, got {self.max_attempts}")
-        if any(not isinstance(k, str) or not k for k in self.api_keys):
-            raise ValueError("api_keys must be non-empty strings")
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any] | None) -> "IngressConfig":
-        return from_dict(cls, data, "ingress config")
 
 
 def _cause(exc: BaseException) -> BaseException:

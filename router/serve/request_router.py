@@ -76,6 +76,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, R
 
 from prefixserve.replica.kv_events import KVEventConsumer
 from prefixserve.replica.tracing import build_tracer, route_span
+from prefixserve.router.cluster_config import DEFAULT_STATS_MAX_AGE_S
 from prefixserve.router.contracts.prompt_blocks import PromptBlocks, PromptHasher, UnhashablePrompt
 from prefixserve.router.policies import (
     DEFAULT_POLICY,
@@ -95,17 +96,9 @@ from prefixserve.router.serve.metrics import RouterMetrics, router_metrics
 if TYPE_CHECKING:
     from opentelemetry.trace import Tracer
 
-# Import path of this router for RequestRouterConfig(request_router_class=...).
-ROUTER_CLASS_PATH = "prefixserve.router.serve.request_router:PrefixRouter"
-# Ray Serve LLM's prefix-tree router (the comparison point of the cluster benchmark).
-RAY_LLM_PREFIX_ROUTER_PATH = (
-    "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:PrefixCacheAffinityRouter"
-)
 # Remembered decisions (key owner per request) waiting for their routing outcome;
 # bounded so that requests cancelled before routing cannot grow it without end.
 _MAX_PENDING_DECISIONS = 10_000
-# A replica's routing-stats report older than this (seconds since it arrived) is not used.
-DEFAULT_STATS_MAX_AGE_S = 10.0
 
 
 def router_for(app_name: str, deployment: str) -> PrefixRouter | None:

@@ -1,0 +1,125 @@
+"""The cluster's config (router/cluster_config.py): `prefixserve up`'s flags come from its fields."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from prefixserve.replica import server
+from prefixserve.replica.config_util import add_cli_arguments, from_cli_args
+from prefixserve.replica.endpoint_config import CLUSTER_PORT, REPLICA_PORT, EndpointConfig
+from prefixserve.router.cli import up
+from prefixserve.router.cluster_config import AppArgs, IngressArgs, IngressConfig, RouterArgs
+
+
+def up_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="prefixserve up")
+    up.add_arguments(parser)
+    return parser
+
+
+def parsed_up(*argv: str) -> AppArgs:
+    return AppArgs.from_dict(up.app_args(up_parser().parse_args(list(argv))))
+
+
+def field_default(cls: type, name: str) -> object:
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+
+
+def test_up_without_flags_deploys_the_app_args_defaults() -> None:
+    app = parsed_up()
+    assert app.num_replicas == field_default(AppArgs, "num_replicas")
+    assert app.max_ongoing_requests == field_default(AppArgs, "max_ongoing_requests")
+    assert app.drain_timeout_s == field_default(AppArgs, "drain_timeout_s")
+    assert app.ray_actor_options == field_default(AppArgs, "ray_actor_options")
+    assert app.router.policy == field_default(RouterArgs, "policy") and app.router.policy_options == {}
+    assert app.ingress.num_replicas == field_default(IngressArgs, "num_replicas")
+    assert app.ingress.config == IngressConfig()
+
+
+def test_up_flags_land_in_their_sections() -> None:
+    app = parsed_up(
+        "--replicas=3",
+        "--max-ongoing-requests=8",
+        "--drain-timeout-s=5",
+        "--replica-cpus=0.5",
+        "--policy=bounded_load",
+        "--epsilon=0.5",
+        "--ingress-replicas=2",
+        "--session-header",
+        "--key-turns=2",
+        "--api-key=a",
+        "--api-key=b",
+    )
+    assert (app.num_replicas, app.max_ongoing_requests, app.drain_timeout_s) == (3, 8, 5.0)
+    assert app.ray_actor_options == {"num_cpus": 0.5}
+    assert (app.router.policy, app.router.policy_options) == ("bounded_load", {"epsilon": 0.5})
+    assert app.ingress.num_replicas == 2
+    assert (app.ingress.config.session_header, app.ingress.config.key_turns) == (True, 2)
+    assert app.ingress.config.api_keys == ["a", "b"]
+
+
+def test_a_policy_option_the_policy_lacks_is_refused_naming_it() -> None:
+    with pytest.raises(ValueError, match="precise"):
+        parsed_up("--policy=round_robin", "--precise")
+
+
+def test_up_and_replica_share_the_endpoint_flags() -> None:
+    replica = argparse.ArgumentParser()
+    server.add_arguments(replica)
+
+    def options(parser: argparse.ArgumentParser) -> dict[str, tuple[str | None, str]]:
+        names = {f.metadata.get("flag", "--" + f.name.replace("_", "-")) for f in dataclasses.fields(EndpointConfig)}
+        return {a.option_strings[0]: (a.help, a.dest) for a in parser._actions if a.option_strings[0] in names}
+
+    shared = options(up_parser())
+    assert set(shared) == {"--host", "--port", "--api-key", "--log-format"}
+    assert {k: v for k, v in options(replica).items() if k != "--port"} == {
+        k: v for k, v in shared.items() if k != "--port"
+    }
+    assert up_parser().parse_args([]).port == CLUSTER_PORT
+    assert replica.parse_args([]).port == REPLICA_PORT != CLUSTER_PORT
+
+
+def test_repeated_options_collect_and_default_to_the_field_factory() -> None:
+    parser = argparse.ArgumentParser()
+    add_cli_arguments(parser, EndpointConfig, "http")
+    assert from_cli_args(EndpointConfig, parser.parse_args([])).api_keys == []
+    got = from_cli_args(EndpointConfig, parser.parse_args(["--api-key", "k1", "--api-key", "k2"]))
+    assert got.api_keys == ["k1", "k2"]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--log-format", "xml"])
+
+
+def test_dest_prefix_keeps_same_named_fields_apart() -> None:
+    parser = argparse.ArgumentParser()
+    add_cli_arguments(parser, AppArgs, "cluster", only=("num_replicas",))
+    add_cli_arguments(parser, IngressArgs, "ingress", only=("num_replicas",), dest_prefix="ingress_")
+    args = parser.parse_args(["--replicas", "4", "--ingress-replicas", "3"])
+    assert (args.num_replicas, args.ingress_num_replicas) == (4, 3)
+
+
+@pytest.mark.parametrize(
+    ("section", "args", "named"),
+    [
+        ("app args", {"engine": {}, "num_replica": 2}, "num_replica"),
+        ("ingress", {"engine": {}, "ingress": {"num_replica": 2}}, "num_replica"),
+        ("router", {"engine": {}, "router": {"polcy": "placed"}}, "polcy"),
+    ],
+)
+def test_unknown_keys_are_named(section: str, args: dict, named: str) -> None:
+    with pytest.raises(ValueError, match=named) as exc:
+        AppArgs.from_dict(args)
+    assert "keys" in str(exc.value), section
+
+
+def test_endpoint_config_refuses_bad_values() -> None:
+    with pytest.raises(ValueError, match="port"):
+        EndpointConfig(port=70000)
+    with pytest.raises(ValueError, match="api_keys"):
+        EndpointConfig(api_keys=[""])
+    with pytest.raises(ValueError, match="log_format"):
+        EndpointConfig(log_format="xml")
