@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 from prefixserve.router.cli import arg_type
 from prefixserve.router.contracts.prefix import PREFIX_HASH_HEADER, routing_key, validate_prefix_hash
@@ -51,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
-def read_tools(path: str) -> list:
+def read_tools(path: str) -> list[Any]:
     """The tools array in the JSON file ``path``; ValueError naming the file when it is not one."""
     try:
         with open(path, encoding="utf-8") as f:

@@ -271,7 +271,8 @@ def render(record: PromptRecord, tokenizer: Tokenizer) -> str:
     template = getattr(tokenizer, "apply_chat_template", None)
     if template is not None and getattr(tokenizer, "chat_template", None):
         try:
-            return template(messages, tokenize=False, add_generation_prompt=True)
+            text: str = template(messages, tokenize=False, add_generation_prompt=True)
+            return text
         except Exception:  # a template that rejects these roles: fall back, still comparable
             pass
     return "".join(f"<|im_start|>{r}\n{c}<|im_end|>\n" for r, c in record.messages or ()) + "<|im_start|>assistant\n"
@@ -493,9 +494,10 @@ def _decode(tokenizer: Any, ids: Sequence[int]) -> str | None:
     if decode is None:
         return None
     try:
-        return decode(list(ids))
+        text: str = decode(list(ids))
     except Exception:
         return None
+    return text
 
 
 def _token_position(rec: PromptRecord, text: str, system_offset: int, tokenizer: Tokenizer) -> int | None:
