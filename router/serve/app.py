@@ -34,7 +34,7 @@ replica asks Serve for one placement-group bundle per rank
   override of ``ray_actor_options`` (the bundles come from the args).
 
 With N = 1 there is no placement group: ``ray_actor_options`` are the replica
-actor's, as before.
+actor's own.
 
 Invariants: the args are validated here, before anything is deployed, with
 messages that say what to change; the engine config is checked with
