@@ -12,8 +12,8 @@ from re import _parser as RP
 
 import pytest
 
-from prefixserve.router.cli import EXIT_SKIPPED
 from prefixserve.router.cli import main as cli_main
+from prefixserve.router.cli.common import EXIT_SKIPPED
 from prefixserve.router.tools import audit as A
 
 

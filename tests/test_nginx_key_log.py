@@ -19,7 +19,7 @@ import pytest
 from nginx_helpers import NGINX, NginxProcess, backends_conf, free_ports, keys_owned, needs_nginx
 
 from prefixserve.router import cli
-from prefixserve.router.cli import EXIT_SKIPPED
+from prefixserve.router.cli.common import EXIT_SKIPPED
 from prefixserve.router.contracts.prefix import PREFIX_HASH_HEADER, prefix_hash
 from prefixserve.router.contracts.ring import HashRing, RingServer
 from prefixserve.router.nginx.config import KEY_LOG_FORMAT, RING_KEY_VAR, NginxConfig

@@ -16,7 +16,7 @@ import json
 import sys
 from typing import Any
 
-from prefixserve.router.cli import arg_type
+from prefixserve.router.cli.common import arg_type
 from prefixserve.router.contracts.prefix import PREFIX_HASH_HEADER, routing_key, validate_prefix_hash
 from prefixserve.router.contracts.ring import MAX_WEIGHT, HashRing, RingServer, key_hash
 

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prefixserve.router.cli import arg_type, write_output
+from prefixserve.router.cli.common import arg_type, write_output
 from prefixserve.router.contracts.prefix import PREFIX_HASH_HEADER
 from prefixserve.router.contracts.ring import HashRing, RingServer
 from prefixserve.router.policies.placement import SNAPSHOT_FORMAT

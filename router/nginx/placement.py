@@ -57,7 +57,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import IO, Any
 
-from prefixserve.router.cli import EXIT_SKIPPED, arg_type, write_output
+from prefixserve.router.cli.common import EXIT_SKIPPED, arg_type, write_output
 from prefixserve.router.contracts.ring import HashRing, RingServer
 from prefixserve.router.nginx.config import add_replica_argument, check_output, load_placement
 from prefixserve.router.policies import Placed, Replica, check_options, pick_options

@@ -57,7 +57,7 @@ from typing import Any, BinaryIO, Protocol
 
 from tqdm import tqdm
 
-from prefixserve.router.cli import EXIT_SKIPPED
+from prefixserve.router.cli.common import EXIT_SKIPPED
 from prefixserve.router.contracts.prefix import PREFIX_HASH_HEADER, content_text, routing_key, static_prefix
 
 DEFAULT_PREFIX_TOKENS = 512
