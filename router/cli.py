@@ -24,7 +24,7 @@ EXIT_SKIPPED = 3
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "replica": ("prefixserve.replica.server", "run one engine replica as an OpenAI HTTP server"),
+    "replica": ("prefixserve.replica.entrypoints.openai.server", "run one engine replica as an OpenAI HTTP server"),
     "up": ("prefixserve.router.up", "run the cluster on this machine: local Ray, replicas, router, OpenAI endpoint"),
     "route": ("prefixserve.router.route_cli", "print the routing key of a prompt and the replica the ring picks"),
     "nginx-config": ("prefixserve.router.nginx", "render an nginx.conf hash-consistent upstream for a replica list"),

@@ -1,6 +1,6 @@
 """The Ray Serve ingress: the cluster's OpenAI endpoint in front of the engine replicas.
 
-Job: host the OpenAI front end (``replica/http_frontend.py``, the same code the
+Job: host the OpenAI front end (``replica/entrypoints/openai/http_frontend.py``, the same code the
 standalone replica server hosts: same endpoints, protocol models, answers,
 error bodies and status codes) over an :class:`EngineClient` that reaches the
 engine deployment through its Serve handle, whose request router
@@ -68,12 +68,13 @@ from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from prefixserve.replica import api, http_frontend
-from prefixserve.replica.config_util import from_dict
-from prefixserve.replica.deployment import EngineRequest, StreamError, StreamStart, TokenTexts
-from prefixserve.replica.engine_client import ModelInfo
-from prefixserve.replica.http_frontend import DEFAULT_MAX_BODY_BYTES, REPLICA_HEADER, FrontendOptions
-from prefixserve.replica.outputs import StreamDelta
+from prefixserve.common.config_util import from_dict
+from prefixserve.replica.engine.outputs import StreamDelta
+from prefixserve.replica.engine.request_runner import ModelInfo
+from prefixserve.replica.entrypoints.openai import http_frontend
+from prefixserve.replica.entrypoints.openai import protocol as api
+from prefixserve.replica.entrypoints.openai.http_frontend import DEFAULT_MAX_BODY_BYTES, REPLICA_HEADER, FrontendOptions
+from prefixserve.replica.entrypoints.serve.deployment import EngineRequest, StreamError, StreamStart, TokenTexts
 from prefixserve.router.metrics import merge_expositions, router_metrics
 from prefixserve.router.prefix import PrefixKeyConfig, routing_key
 from prefixserve.router.serve_router import PrefixRouter, router_for

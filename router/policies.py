@@ -54,7 +54,7 @@ from dataclasses import dataclass, fields
 from operator import itemgetter
 from typing import Any, ClassVar, Generic, Protocol, TypeVar, runtime_checkable
 
-from prefixserve.replica.config_util import from_dict
+from prefixserve.common.config_util import from_dict
 from prefixserve.router.history import DEFAULT_MAX_ENTRIES, HistoryIndex
 from prefixserve.router.placement import PlacementTable
 from prefixserve.router.ring import DEFAULT_EPSILON, HashRing, RingServer, bounded_capacity

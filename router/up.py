@@ -23,9 +23,9 @@ import signal
 import threading
 from typing import Any
 
+from prefixserve.common.log_json import LOG_FORMATS, configure_logging
+from prefixserve.common.logs import add_verbose_flag, quiet_libraries
 from prefixserve.replica.config import EngineConfig
-from prefixserve.replica.log_json import LOG_FORMATS, configure_logging
-from prefixserve.replica.logs import add_verbose_flag, quiet_libraries
 from prefixserve.router.policies import DEFAULT_POLICY, POLICIES
 
 APP_NAME = "prefixserve"
@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from prefixserve.replica.serve_shutdown import shutdown_serve
+    from prefixserve.common.serve_shutdown import shutdown_serve
     from prefixserve.router.app import AppArgs, build_app
     from prefixserve.router.drain import drain_app
 

@@ -10,9 +10,9 @@ import pytest
 from server_helpers import ReplicaProcess
 from structured_helpers import schema_chat, seeded_schemas
 
-from prefixserve.replica.llm import LLM
-from prefixserve.replica.sampling import SamplingParams
+from prefixserve.replica.entrypoints.llm import LLM
 from prefixserve.replica.structured_output.params import StructuredOutputsParams
+from prefixserve.replica.worker.sampler import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""A tensor-parallel worker process (ranks 1..N-1 of an engine; see replica/tensor_parallel.py).
+"""A tensor-parallel worker process (ranks 1..N-1 of an engine; see replica/executor/tensor_parallel.py).
 
 Start-up, in lockstep with the driver: join the engine's ``torch.distributed`` group,
 build this rank's :class:`ModelShard` (weights read from the prepared checkpoint, only
@@ -53,10 +53,10 @@ def worker_main(spec, rank: int, size: int, conn: Connection, parent_pid: int) -
 def _start(spec, rank: int, size: int, conn: Connection):
     import torch.distributed as dist
 
+    from prefixserve.replica.executor.tensor_parallel import init_distributed
     from prefixserve.replica.model import loader
     from prefixserve.replica.model.layers import TPGroup
-    from prefixserve.replica.model_shard import ModelShard, resolve_device, resolve_dtype
-    from prefixserve.replica.tensor_parallel import init_distributed
+    from prefixserve.replica.worker.model_shard import ModelShard, resolve_device, resolve_dtype
 
     config = spec.config
     device = resolve_device(config.device, rank)
@@ -86,8 +86,8 @@ def _serve(shard, conn: Connection) -> None:
     import torch
     import torch.distributed as dist
 
-    from prefixserve.replica.step_inputs import unpack_step_inputs
-    from prefixserve.replica.tensor_parallel import OP_CLEAR, OP_SHUTDOWN, OP_STEP, OP_SWAP, parse_swap_message
+    from prefixserve.replica.executor.tensor_parallel import OP_CLEAR, OP_SHUTDOWN, OP_STEP, OP_SWAP, parse_swap_message
+    from prefixserve.replica.worker.step_inputs import unpack_step_inputs
 
     while True:
         try:

@@ -15,7 +15,7 @@ summary is ``[leading, total]``: how many of its prefix blocks, from block 0 on,
 the pool holds (what a request of the key would hit) and how many it has.
 
 Payload of ``publish`` (JSON-serializable; carried in the Serve deployment's
-routing stats, replica/deployment.py)::
+routing stats, replica/entrypoints/serve/deployment.py)::
 
     {"format": 1, "epoch": "<random per publisher>", "seq": 7, "snapshot": false,
      "events": [{"type": "BlockStored", "key": "1f..", "block_hashes": ["ab..", ...]},

@@ -4,13 +4,13 @@ Job: the FastAPI request plumbing and the endpoints' bodies, written once
 against an :class:`EngineClient`: read the body (size limit), check the API key
 and the model, build the :class:`EngineRequest`, start the engine stream while
 watching for a disconnect, and answer (SSE or collected JSON, errors as the
-OpenAI error body). ``replica/server.py`` hosts it over a local AsyncEngine,
+OpenAI error body). ``replica/entrypoints/openai/server.py`` hosts it over a local AsyncEngine,
 ``router/ingress.py`` over the engine deployment's Serve handle; each host adds
 only what is its own (the server's replica header and watchdog, the ingress's
 routing key, retries and headers).
 
 Invariants:
-* Every error is the OpenAI error body with the status ``replica/api.py`` maps
+* Every error is the OpenAI error body with the status ``replica/entrypoints/openai/protocol.py`` maps
   it to: no FastAPI 422s, no HTML pages.
 * A request whose client goes away is aborted in the engine, so its KV blocks
   are freed: before its first token, while it is collected (non-streaming) and
@@ -47,20 +47,21 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from prefixserve.replica import api, openai_serving
-from prefixserve.replica.api import OpenAIRequest
-from prefixserve.replica.engine_client import (
+from prefixserve.common.log_json import REQUEST_ID
+from prefixserve.common.tracing import trace_headers
+from prefixserve.replica.engine.request_runner import (
     EngineClient,
     EngineRequest,
     EngineStream,
     ModelInfo,
     is_conversation_turn,
 )
+from prefixserve.replica.entrypoints.openai import protocol as api
+from prefixserve.replica.entrypoints.openai import serving as openai_serving
+from prefixserve.replica.entrypoints.openai.protocol import OpenAIRequest
+from prefixserve.replica.entrypoints.openai.serving import Generation
 from prefixserve.replica.errors import PromptTooLongError
-from prefixserve.replica.log_json import REQUEST_ID
-from prefixserve.replica.openai_serving import Generation
 from prefixserve.replica.tools.choice import check_auto_supported
-from prefixserve.replica.tracing import trace_headers
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +139,7 @@ class FrontendOptions:
 class InFlightSlot:
     """One generation request's claim on its host's in-flight cap, taken once its body is read.
 
-    A host that caps generation requests (replica/server.py) puts one in the
+    A host that caps generation requests (replica/entrypoints/openai/server.py) puts one in the
     request's ASGI scope under ``IN_FLIGHT_SLOT_SCOPE_KEY`` and releases it when
     the answer is sent; :func:`handle_generate` takes it after reading the body,
     so a client that sends its body slowly (or never) holds no slot.
@@ -459,7 +460,7 @@ async def handle_generate(
         key = routing_key(data, request.headers) if routing_key is not None else None
         prepared = engine_request(body, info, key, client_id, request.headers)
         request_id = client_id or prepared.request_id
-        REQUEST_ID.set(request_id)  # this task's log lines name the request (replica/log_json.py)
+        REQUEST_ID.set(request_id)  # this task's log lines name the request (common/log_json.py)
         log.info("request %s (engine %s): %s, routing key %s", request_id, prepared.request_id, request.url.path, key)
         stream = client.open_stream(prepared)
         gen = Generation(answer_id(body, client_id, prepared), stream)

@@ -37,7 +37,7 @@ import h11
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 
-from prefixserve.replica import api
+from prefixserve.replica.entrypoints.openai import protocol as api
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The OpenAI serving logic both front ends share, free of any HTTP framework.
 
-Job: what the front end (``replica/http_frontend.py``, hosted by the standalone
+Job: what the front end (``replica/entrypoints/openai/http_frontend.py``, hosted by the standalone
 replica server and by the Ray ingress) does between parsing a request and
 sending bytes: check the Bearer API key, and turn the engine's stream of
 :class:`StreamDelta` into OpenAI answers: SSE chunk streams, or one collected
@@ -13,8 +13,8 @@ Invariants:
 * A stream always ends with ``data: [DONE]``; an error after the status was
   sent goes in-band as the OpenAI error body.
 
-Depends on ``prefixserve.replica.api``, ``engine_client`` and anyio only: must not import an HTTP framework,
-Ray, torch or anything from ``router``.
+Depends on ``prefixserve.replica.entrypoints.openai.protocol``, ``engine.request_runner`` and anyio only: must not
+import an HTTP framework, Ray, torch or anything from ``router``.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from prefixserve.replica import api
-from prefixserve.replica.api import OpenAIRequest
-from prefixserve.replica.engine_client import EngineStream
-from prefixserve.replica.outputs import StreamDelta
+from prefixserve.replica.engine.outputs import StreamDelta
+from prefixserve.replica.engine.request_runner import EngineStream
+from prefixserve.replica.entrypoints.openai import protocol as api
+from prefixserve.replica.entrypoints.openai.protocol import OpenAIRequest
 from prefixserve.replica.tools.stream import ToolCallResult
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from prefixserve.replica.model.llama import AttentionMetadata
-from prefixserve.replica.step_inputs import StepInputs
+from prefixserve.replica.worker.step_inputs import StepInputs
 
 log = logging.getLogger(__name__)
 PAD_SLOT = -1

@@ -2,8 +2,8 @@
 
 An engine with ``tensor_parallel_size = N > 1`` is N processes. The engine's own process
 is rank 0, the driver: it holds the scheduler, the KV block manager and the sampler,
-plus its :class:`~prefixserve.replica.model_shard.ModelShard`. :class:`WorkerGroup`
-spawns ranks 1..N-1 (replica/tp_worker.py), each pinned to its GPU (CUDA) or to its
+plus its :class:`~prefixserve.replica.worker.model_shard.ModelShard`. :class:`WorkerGroup`
+spawns ranks 1..N-1 (replica/executor/tp_worker.py), each pinned to its GPU (CUDA) or to its
 share of the cores (CPU), joined in one ``torch.distributed`` group (NCCL on CUDA, gloo
 on CPU) whose every collective times out after ``distributed_timeout_s``.
 
@@ -46,7 +46,7 @@ from prefixserve.replica.config import EngineConfig
 from prefixserve.replica.errors import EngineDeadError
 from prefixserve.replica.model.llama import ModelConfig
 from prefixserve.replica.model.loader import CheckpointSource
-from prefixserve.replica.model_shard import RankMemory
+from prefixserve.replica.worker.model_shard import RankMemory
 
 log = logging.getLogger(__name__)
 
@@ -119,12 +119,12 @@ class WorkerGroup:
     """Ranks 1..N-1 of one engine, seen from rank 0 (see the module docstring).
 
     ``cuda_visible_devices``, when given, pins worker ``r`` to that GPU id (the ids a
-    Ray placement group reserved, replica/ray_bundles.py); otherwise rank ``r`` uses
+    Ray placement group reserved, replica/executor/ray_bundles.py); otherwise rank ``r`` uses
     ``cuda:r`` of the node (CUDA) or ``cpu``.
     """
 
     def __init__(self, spec: WorkerSpec, size: int, *, cuda_visible_devices: list[str] | None = None) -> None:
-        from prefixserve.replica.tp_worker import worker_main
+        from prefixserve.replica.executor.tp_worker import worker_main
 
         self.size = size
         self.timeout_s = spec.config.distributed_timeout_s

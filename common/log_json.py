@@ -19,7 +19,7 @@ from contextvars import ContextVar
 from datetime import UTC, datetime
 from typing import TextIO
 
-# The id of the request the current task serves (set by replica/http_frontend.py).
+# The id of the request the current task serves (set by replica/entrypoints/openai/http_frontend.py).
 REQUEST_ID: ContextVar[str | None] = ContextVar("prefixserve_request_id", default=None)
 LOG_FORMATS = ("text", "json")
 UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")

@@ -38,8 +38,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from prefixserve.replica.core.request import SeqStatus, Sequence
 from prefixserve.replica.kv.manager import KVCacheManager
-from prefixserve.replica.request import SeqStatus, Sequence
 
 
 @dataclass(frozen=True)

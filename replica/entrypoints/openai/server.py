@@ -1,10 +1,10 @@
 """The standalone OpenAI HTTP server of one replica (``prefixserve replica``).
 
-Job: host the OpenAI front end (``replica/http_frontend.py``) over one local
+Job: host the OpenAI front end (``replica/entrypoints/openai/http_frontend.py``) over one local
 :class:`AsyncEngine`: ``POST /v1/chat/completions`` and ``POST /v1/completions``
 (SSE streaming and not, ``n > 1``), ``GET /v1/models``, ``GET /health`` and
 ``GET /metrics``. This is the replica nginx routes to on the nginx path; the Ray
-path reaches the same engine through ``replica/deployment.py``.
+path reaches the same engine through ``replica/entrypoints/serve/deployment.py``.
 
 Invariants:
 * Every answer carries the ``X-Prefixserve-Replica`` header naming this replica.
@@ -18,7 +18,7 @@ Invariants:
 * Hostile clients are bounded before any application code runs (the API-key
   check included): head size and header count (431), head and body timeouts
   (408), open connections (503), clients that read nothing (closed, their
-  request aborted); see replica/http_limits.py and :class:`ServerConfig`.
+  request aborted); see replica/entrypoints/openai/http_limits.py and :class:`ServerConfig`.
 * SIGTERM (or Ctrl-C) drains: ``/health`` and new generation requests answer
   503 with ``Retry-After``, requests in flight run on for up to
   ``drain_timeout_s``; what is left then ends with an in-band error event and
@@ -49,10 +49,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from prefixserve.replica import api, http_frontend
-from prefixserve.replica.config_util import add_cli_arguments, from_cli_args
-from prefixserve.replica.engine_client import LocalEngineClient
-from prefixserve.replica.http_frontend import (
+from prefixserve.common.config_util import add_cli_arguments, from_cli_args
+from prefixserve.common.log_json import LOG_FORMATS, configure_logging
+from prefixserve.replica.engine.request_runner import LocalEngineClient
+from prefixserve.replica.entrypoints.openai import http_frontend
+from prefixserve.replica.entrypoints.openai import protocol as api
+from prefixserve.replica.entrypoints.openai.http_frontend import (
     DEFAULT_CLIENT_BODY_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
     IN_FLIGHT_SLOT_SCOPE_KEY,
@@ -61,11 +63,10 @@ from prefixserve.replica.http_frontend import (
     InFlightCounter,
     InFlightSlot,
 )
-from prefixserve.replica.http_limits import ConnectionLimits, limited_protocol
-from prefixserve.replica.log_json import LOG_FORMATS, configure_logging
+from prefixserve.replica.entrypoints.openai.http_limits import ConnectionLimits, limited_protocol
 
 if TYPE_CHECKING:
-    from prefixserve.replica.engine import AsyncEngine
+    from prefixserve.replica.engine.core import AsyncEngine
 
 log = logging.getLogger(__name__)
 
@@ -479,7 +480,7 @@ def serve(
 def run(args: argparse.Namespace) -> int:
     """Load the model, start the engine and serve until drained by a signal (or until the engine dies)."""
     from prefixserve.replica.config import EngineConfig
-    from prefixserve.replica.engine import AsyncEngine
+    from prefixserve.replica.engine.core import AsyncEngine
 
     replica_name = args.replica_name or f"{args.host}:{args.port}"
     server_config = from_cli_args(ServerConfig, args)  # refuses bad limits before the model loads

@@ -30,11 +30,11 @@ import torch
 from prefixserve.kernels import select_backend
 from prefixserve.kernels.layer_ops import select_layer_ops
 from prefixserve.replica.config import EngineConfig
-from prefixserve.replica.graph_runner import DecodeGraphRunner, graph_batch_sizes
 from prefixserve.replica.model.layers import TPGroup
 from prefixserve.replica.model.llama import AttentionMetadata, LlamaForCausalLM, ModelConfig
 from prefixserve.replica.model.startup import StartupTimer
-from prefixserve.replica.step_inputs import StepInputs
+from prefixserve.replica.worker.graph_runner import DecodeGraphRunner, graph_batch_sizes
+from prefixserve.replica.worker.step_inputs import StepInputs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}

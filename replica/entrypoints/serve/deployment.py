@@ -1,6 +1,6 @@
 """The Ray Serve deployment that hosts one engine replica.
 
-Job: run one ``AsyncEngine`` (replica/engine.py) inside a Serve replica, stream
+Job: run one ``AsyncEngine`` (replica/engine/core.py) inside a Serve replica, stream
 its deltas back to the caller (the ingress, through a DeploymentHandle whose
 request router is router/serve_router.py), and report what routers and
 dashboards need: routing stats (KV usage, running, waiting), health, the
@@ -51,10 +51,10 @@ import anyio
 from prometheus_client import generate_latest
 from ray import serve
 
-from prefixserve.replica import api
-from prefixserve.replica.engine_client import EngineRequest, ModelInfo, RequestRunner
-from prefixserve.replica.kv_events import KVEventPublisher
-from prefixserve.replica.outputs import StreamDelta
+from prefixserve.replica.contract.kv_events import KVEventPublisher
+from prefixserve.replica.engine.outputs import StreamDelta
+from prefixserve.replica.engine.request_runner import EngineRequest, ModelInfo, RequestRunner
+from prefixserve.replica.entrypoints.openai import protocol as api
 
 __all__ = ["EngineDeployment", "EngineRequest", "StreamError", "StreamItem", "StreamStart", "TokenTexts"]
 
@@ -139,7 +139,7 @@ class EngineDeployment:
         # Imported here so that importing this module (the ingress does, for
         # EngineRequest) does not load torch.
         from prefixserve.replica.config import EngineConfig
-        from prefixserve.replica.engine import AsyncEngine
+        from prefixserve.replica.engine.core import AsyncEngine
 
         self.engine = AsyncEngine(EngineConfig.from_dict(dict(engine_config)))
         self.kv_events = KVEventPublisher()
@@ -211,7 +211,7 @@ class EngineDeployment:
 
         ``seq`` counts reports (a router tells a new report from one it has seen);
         the load fields are router/policies.py's ReplicaLoad; ``kv_events`` is the
-        KV event publisher's payload (replica/kv_events.py).
+        KV event publisher's payload (replica/contract/kv_events.py).
         """
         stats = self.engine.stats()
         self._stats_seq += 1

@@ -1,10 +1,10 @@
 """The engine's view of the model: one step in, sampled tokens out, on one process or N.
 
 ``ModelRunner.execute(scheduled, copy_ops, specs)`` turns a scheduler plan into one
-packed forward pass (replica/step_inputs.py) and samples one token per sampling spec.
+packed forward pass (replica/worker/step_inputs.py) and samples one token per sampling spec.
 With ``tensor_parallel_size`` 1 the runner's :class:`ModelShard` is the whole model.
 With N > 1 this process is rank 0 of N: the runner starts the other ranks
-(replica/tensor_parallel.py), sends each step's inputs to them as one message, runs its
+(replica/executor/tensor_parallel.py), sends each step's inputs to them as one message, runs its
 own shard in lockstep, and samples from the logits only rank 0 receives. The engine
 above sees the same runner either way: one KV block count (the minimum over ranks),
 one block id space, one sampler.
@@ -21,17 +21,10 @@ from dataclasses import dataclass
 import torch
 
 from prefixserve.replica.config import EngineConfig
+from prefixserve.replica.core.scheduler import ScheduledSeq
 from prefixserve.replica.errors import EngineDeadError
-from prefixserve.replica.model import loader
-from prefixserve.replica.model.layers import TPGroup
-from prefixserve.replica.model.llama import LlamaForCausalLM, ModelConfig
-from prefixserve.replica.model.startup import StartupTimer
-from prefixserve.replica.model_shard import ModelShard, resolve_device, resolve_dtype
-from prefixserve.replica.ray_bundles import RankResources, reserve_rank_resources
-from prefixserve.replica.sampling import SampleResult, SampleSpec, prompt_logprobs, sample
-from prefixserve.replica.scheduler import ScheduledSeq
-from prefixserve.replica.step_inputs import build_step_inputs
-from prefixserve.replica.tensor_parallel import (
+from prefixserve.replica.executor.ray_bundles import RankResources, reserve_rank_resources
+from prefixserve.replica.executor.tensor_parallel import (
     OP_CLEAR,
     WorkerGroup,
     WorkerSpec,
@@ -39,6 +32,13 @@ from prefixserve.replica.tensor_parallel import (
     step_message,
     swap_message,
 )
+from prefixserve.replica.model import loader
+from prefixserve.replica.model.layers import TPGroup
+from prefixserve.replica.model.llama import LlamaForCausalLM, ModelConfig
+from prefixserve.replica.model.startup import StartupTimer
+from prefixserve.replica.worker.model_shard import ModelShard, resolve_device, resolve_dtype
+from prefixserve.replica.worker.sampler import SampleResult, SampleSpec, prompt_logprobs, sample
+from prefixserve.replica.worker.step_inputs import build_step_inputs
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefixserve.replica.outputs import FinishReason
-from prefixserve.replica.sampling import SamplingParams
+from prefixserve.replica.engine.outputs import FinishReason
+from prefixserve.replica.worker.sampler import SamplingParams
 
 # The session header of multi-turn clients: their requests are conversation turns, and
 # router/prefix.py keys their affinity by it.
@@ -64,7 +64,7 @@ class Request:
     finished_time: float | None = None
     # True once the n > 1 children exist (they are forked after the prompt's prefill).
     forked: bool = False
-    # The W3C trace context it arrived with (replica/tracing.py); None = untraced.
+    # The W3C trace context it arrived with (common/tracing.py); None = untraced.
     trace_headers: dict[str, str] | None = None
     # A conversation turn: its answer returns in the next turn's prompt, so its generated
     # blocks keep their place in the eviction order (SchedulerConfig.evict_generated_first).

@@ -1,6 +1,6 @@
 """What each tensor-parallel rank of an engine replica reserved in its Ray placement group.
 
-Job: tell the tensor-parallel driver (replica/tensor_parallel.py), running inside a
+Job: tell the tensor-parallel driver (replica/executor/tensor_parallel.py), running inside a
 Serve engine replica, which CPUs and GPUs Ray reserved for each of its ranks, so
 that rank i's process uses exactly what bundle i of the replica's placement group
 holds (router/app.py asks Serve for one bundle per rank, STRICT_PACK, so every

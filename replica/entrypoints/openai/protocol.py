@@ -3,7 +3,7 @@
 Job: parse and validate OpenAI ``/v1/chat/completions`` and ``/v1/completions``
 bodies, turn them into :class:`SamplingParams`, build the response and SSE chunk
 bodies, and map our exceptions to one OpenAI error body and status code, so the
-standalone replica server (``replica/server.py``) and the Ray ingress
+standalone replica server (``replica/entrypoints/openai/server.py``) and the Ray ingress
 (``router/ingress.py``) answer the same request the same way.
 
 Invariants:
@@ -86,10 +86,10 @@ from prefixserve.replica.errors import (
     RequestFailedError,
     RequestRejected,
 )
-from prefixserve.replica.sampling import SamplingParams
 from prefixserve.replica.structured_output.openai_fields import StructuredOutputFieldError, StructuredOutputFields
 from prefixserve.replica.structured_output.params import StructuredOutputsParams
 from prefixserve.replica.tools.choice import ToolCallMode, named_schema, required_schema
+from prefixserve.replica.worker.sampler import SamplingParams
 
 # Completions' legacy default (OpenAI documents 16); chat defaults to "what fits".
 DEFAULT_COMPLETION_MAX_TOKENS = 16

@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from prefixserve.replica.config import EngineConfig
-from prefixserve.replica.engine import LLMEngine
-from prefixserve.replica.engine_client import is_conversation_turn
-from prefixserve.replica.outputs import RequestOutput
-from prefixserve.replica.sampling import SamplingParams
+from prefixserve.replica.engine.core import LLMEngine
+from prefixserve.replica.engine.outputs import RequestOutput
+from prefixserve.replica.engine.request_runner import is_conversation_turn
+from prefixserve.replica.worker.sampler import SamplingParams
 
 Prompt = str | list[int]
 

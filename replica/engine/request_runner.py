@@ -1,6 +1,6 @@
 """What an OpenAI front end talks to: an engine in this process or behind a Ray Serve handle.
 
-Job: the one contract between the front end (``replica/http_frontend.py``) and
+Job: the one contract between the front end (``replica/entrypoints/openai/http_frontend.py``) and
 the engine that serves it:
 
 * :class:`EngineRequest`: one generation request, as the front end hands it to
@@ -28,16 +28,16 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 
-from prefixserve.replica import api
+from prefixserve.replica.core.request import SESSION_HEADER
+from prefixserve.replica.engine.outputs import StreamDelta
+from prefixserve.replica.entrypoints.openai import protocol as api
 from prefixserve.replica.errors import PromptTooLongError
-from prefixserve.replica.outputs import StreamDelta
-from prefixserve.replica.request import SESSION_HEADER
-from prefixserve.replica.sampling import SamplingParams
 from prefixserve.replica.tools.choice import ToolCallMode
+from prefixserve.replica.worker.sampler import SamplingParams
 
 if TYPE_CHECKING:
-    from prefixserve.replica.engine import AsyncEngine
-    from prefixserve.replica.kv_events import KVEventPublisher
+    from prefixserve.replica.contract.kv_events import KVEventPublisher
+    from prefixserve.replica.engine.core import AsyncEngine
 
 
 @dataclass
@@ -65,7 +65,7 @@ class EngineRequest:
     # Contract 1's key (router/prefix.py), computed by the ingress; None = no affinity.
     routing_key: str | None = None
     # The W3C trace context (traceparent, tracestate) the request's spans hang under
-    # (replica/tracing.py); the router replaces it with its route span's.
+    # (common/tracing.py); the router replaces it with its route span's.
     trace_headers: dict[str, str] | None = None
     # A conversation turn (is_conversation_turn): its answer returns in the next prompt.
     conversation: bool = False
@@ -181,7 +181,7 @@ class RequestRunner:
     def __init__(self, engine: AsyncEngine, kv_events: KVEventPublisher | None = None) -> None:
         self.engine = engine
         self.max_model_len = int(engine.max_model_len)
-        # Remembers each routing key's prefix block hashes for the routers (replica/kv_events.py).
+        # Remembers each routing key's prefix block hashes for the routers (replica/contract/kv_events.py).
         self.kv_events = kv_events
 
     def model_info(self) -> ModelInfo:

@@ -38,9 +38,14 @@ from typing import Any
 
 import torch
 
-from prefixserve.replica.bounded_memo import BoundedMemo, str_bytes
+from prefixserve.common.tracing import RequestTiming, RequestTracer, build_tracer
 from prefixserve.replica.config import MAX_MODEL_LEN_CAP, EngineConfig
-from prefixserve.replica.detokenizer import IncrementalDetokenizer
+from prefixserve.replica.core.request import Request, Sequence, static_prefix_messages
+from prefixserve.replica.core.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
+from prefixserve.replica.engine.bounded_memo import BoundedMemo, str_bytes
+from prefixserve.replica.engine.detokenizer import IncrementalDetokenizer
+from prefixserve.replica.engine.metrics import EngineMetrics, EngineStats, FinishedRequestStats, SwapTotals
+from prefixserve.replica.engine.outputs import CompletionOutput, FinishReason, RequestOutput, StreamDelta
 from prefixserve.replica.errors import (
     EngineDeadError,
     EngineOverloadedError,
@@ -48,23 +53,18 @@ from prefixserve.replica.errors import (
     RequestFailedError,
     RequestRejected,
 )
+from prefixserve.replica.executor.model_runner import ModelRunner, PromptLogprobSpan
 from prefixserve.replica.kv.manager import KVCacheManager
-from prefixserve.replica.metrics import EngineMetrics, EngineStats, FinishedRequestStats, SwapTotals
 from prefixserve.replica.model import loader
 from prefixserve.replica.model.llama import ModelConfig
 from prefixserve.replica.model.startup import StartupTimer
-from prefixserve.replica.model_runner import ModelRunner, PromptLogprobSpan
-from prefixserve.replica.outputs import CompletionOutput, FinishReason, RequestOutput, StreamDelta
-from prefixserve.replica.request import Request, Sequence, static_prefix_messages
-from prefixserve.replica.sampling import SampleSpec, SamplingParams
-from prefixserve.replica.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from prefixserve.replica.structured_output.compile import GrammarCache
 from prefixserve.replica.structured_output.metrics import StructuredOutputMetrics
 from prefixserve.replica.structured_output.state import SequenceGrammar
 from prefixserve.replica.structured_output.xgrammar_backend import XGrammarBackend
 from prefixserve.replica.tools.choice import ToolCallMode
 from prefixserve.replica.tools.templates import canonical_json, load_chat_template, template_for
-from prefixserve.replica.tracing import RequestTiming, RequestTracer, build_tracer
+from prefixserve.replica.worker.sampler import SampleSpec, SamplingParams
 
 log = logging.getLogger(__name__)
 
