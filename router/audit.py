@@ -35,14 +35,13 @@ file with no usable record (empty, unreadable, all malformed) raises
 
 Invariants: ``audit`` is pure given the records and a tokenizer (anything with
 ``encode``); only the CLI loads a model's tokenizer (never its weights).
-Imports: stdlib, tqdm, router/prefix.py, router/cli.py; the tokenizer loader from
-prefixserve.replica.model.loader lazily (it pulls torch and transformers). No Ray, no HTTP.
+Imports: stdlib, tqdm, router/prefix.py, router/cli.py and replica/contract/tokenizer.py, whose
+loader pulls torch and transformers only when called. No Ray, no HTTP.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import hashlib
 import json
 import os
@@ -57,6 +56,7 @@ from typing import Any, BinaryIO, Protocol
 
 from tqdm import tqdm
 
+from prefixserve.replica.contract.tokenizer import load_tokenizer
 from prefixserve.router.cli import EXIT_SKIPPED
 from prefixserve.router.prefix import PREFIX_HASH_HEADER, content_text, routing_key, static_prefix
 
@@ -853,15 +853,6 @@ def format_report(report: AuditReport) -> str:
 
 
 # ---------------------------------------------------------------------- CLI
-
-
-@functools.lru_cache(maxsize=4)
-def load_tokenizer(model: str) -> Any:
-    """The tokenizer (only) of ``model``: ``smollm2``, a checkpoint directory or a .gguf file (cached)."""
-    from prefixserve.replica.model.loader import load_tokenizer as _load
-    from prefixserve.replica.model.loader import resolve
-
-    return _load(resolve(model))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

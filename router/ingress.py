@@ -69,12 +69,11 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from prefixserve.common.config_util import from_dict
-from prefixserve.replica.engine.outputs import StreamDelta
-from prefixserve.replica.engine.request_runner import ModelInfo
+from prefixserve.replica.contract.request import REPLICA_HEADER, EngineRequest, ModelInfo
+from prefixserve.replica.contract.stream import StreamDelta, StreamError, StreamStart, TokenTexts
 from prefixserve.replica.entrypoints.openai import http_frontend
 from prefixserve.replica.entrypoints.openai import protocol as api
-from prefixserve.replica.entrypoints.openai.http_frontend import DEFAULT_MAX_BODY_BYTES, REPLICA_HEADER, FrontendOptions
-from prefixserve.replica.entrypoints.serve.deployment import EngineRequest, StreamError, StreamStart, TokenTexts
+from prefixserve.replica.entrypoints.openai.http_frontend import DEFAULT_MAX_BODY_BYTES, FrontendOptions
 from prefixserve.router.metrics import merge_expositions, router_metrics
 from prefixserve.router.prefix import PrefixKeyConfig, routing_key
 from prefixserve.router.serve_router import PrefixRouter, router_for

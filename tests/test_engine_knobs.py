@@ -187,8 +187,9 @@ def test_the_request_runner_hands_the_static_prefix_to_the_engine(tmp_path):
     from model_helpers import tiny_checkpoint
 
     from prefixserve.replica.config import EngineConfig
+    from prefixserve.replica.contract.request import EngineRequest
     from prefixserve.replica.engine.core import AsyncEngine
-    from prefixserve.replica.engine.request_runner import EngineRequest, RequestRunner
+    from prefixserve.replica.engine.request_runner import RequestRunner
     from prefixserve.replica.worker.sampler import SamplingParams
 
     engine = AsyncEngine(

@@ -17,7 +17,8 @@ import pytest
 from model_helpers import tiny_checkpoint
 from server_helpers import InProcessReplica, assert_openai_error, free_port
 
-from prefixserve.replica.engine.request_runner import EngineRequest, RequestRunner
+from prefixserve.replica.contract.request import EngineRequest
+from prefixserve.replica.engine.request_runner import RequestRunner
 from prefixserve.replica.errors import PromptTooLongError
 
 MAX_MODEL_LEN = 128

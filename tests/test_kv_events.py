@@ -1,4 +1,4 @@
-"""replica/contract/kv_events.py: the KV event publisher (no Ray) and the router-side consumer; a real engine feeds it."""
+"""replica/contract/kv_events.py: the KV event publisher (no Ray) and the router-side consumer, fed by a real engine."""
 
 from __future__ import annotations
 
@@ -144,8 +144,9 @@ def test_a_real_engine_feeds_the_publisher_through_the_request_runner(tmp_path):
     from model_helpers import tiny_checkpoint
 
     from prefixserve.replica.config import EngineConfig
+    from prefixserve.replica.contract.request import EngineRequest
     from prefixserve.replica.engine.core import AsyncEngine
-    from prefixserve.replica.engine.request_runner import EngineRequest, RequestRunner
+    from prefixserve.replica.engine.request_runner import RequestRunner
     from prefixserve.replica.worker.sampler import SamplingParams
 
     model = tiny_checkpoint(tmp_path / "tiny", max_pos=512)

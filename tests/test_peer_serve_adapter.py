@@ -29,7 +29,7 @@ from prefixserve.loadtest.peers.serve_adapter import (
     peer_view,
 )
 from prefixserve.replica.contract.kv_events import KVEventPublisher
-from prefixserve.replica.entrypoints.serve.deployment import EngineRequest
+from prefixserve.replica.contract.request import EngineRequest
 from prefixserve.replica.kv.hashing import BlockHasher
 from prefixserve.router.metrics import RouterMetrics
 from prefixserve.router.policies import Decision, Replica, ReplicaLoad

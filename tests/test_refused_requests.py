@@ -240,7 +240,7 @@ def test_client_errors_log_one_info_line_with_the_request_id(replica, caplog):
 
 def test_a_stream_error_crosses_ray_as_plain_fields():
     """What an engine replica sends instead of raising a client error (replica/entrypoints/serve/deployment.py)."""
-    from prefixserve.replica.entrypoints.serve.deployment import StreamError
+    from prefixserve.replica.contract.stream import StreamError
 
     err = api.error_from_exception(PromptTooLongError("too long", param="prompt"))
     item = pickle.loads(pickle.dumps(StreamError.of(err)))

@@ -16,7 +16,7 @@ import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
 from ray.serve.request_router import PendingRequest
 
-from prefixserve.replica.entrypoints.serve.deployment import EngineRequest
+from prefixserve.replica.contract.request import EngineRequest
 from prefixserve.router.metrics import RouterMetrics
 from prefixserve.router.policies import ReplicaLoad, effective_in_flight
 from prefixserve.router.ring import HashRing

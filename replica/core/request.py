@@ -21,14 +21,9 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from prefixserve.replica.contract.request import STATIC_ROLES
 from prefixserve.replica.engine.outputs import FinishReason
 from prefixserve.replica.worker.sampler import SamplingParams
-
-# The session header of multi-turn clients: their requests are conversation turns, and
-# router/prefix.py keys their affinity by it.
-SESSION_HEADER = "X-Session-Id"
-# Contract 1's static prefix (router/prefix.py): the leading run of chat messages with these roles.
-STATIC_ROLES = frozenset({"system", "developer"})
 
 
 def static_prefix_messages(messages: list[dict[str, Any]] | None) -> list[dict[str, Any]]:

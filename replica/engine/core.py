@@ -40,12 +40,14 @@ import torch
 
 from prefixserve.common.tracing import RequestTiming, RequestTracer, build_tracer
 from prefixserve.replica.config import MAX_MODEL_LEN_CAP, EngineConfig
+from prefixserve.replica.contract.request import canonical_json
+from prefixserve.replica.contract.stream import StreamDelta
 from prefixserve.replica.core.request import Request, Sequence, static_prefix_messages
 from prefixserve.replica.core.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from prefixserve.replica.engine.bounded_memo import BoundedMemo, str_bytes
 from prefixserve.replica.engine.detokenizer import IncrementalDetokenizer
 from prefixserve.replica.engine.metrics import EngineMetrics, EngineStats, FinishedRequestStats, SwapTotals
-from prefixserve.replica.engine.outputs import CompletionOutput, FinishReason, RequestOutput, StreamDelta
+from prefixserve.replica.engine.outputs import CompletionOutput, FinishReason, RequestOutput
 from prefixserve.replica.errors import (
     EngineDeadError,
     EngineOverloadedError,
@@ -63,7 +65,7 @@ from prefixserve.replica.structured_output.metrics import StructuredOutputMetric
 from prefixserve.replica.structured_output.state import SequenceGrammar
 from prefixserve.replica.structured_output.xgrammar_backend import XGrammarBackend
 from prefixserve.replica.tools.choice import ToolCallMode
-from prefixserve.replica.tools.templates import canonical_json, load_chat_template, template_for
+from prefixserve.replica.tools.templates import load_chat_template, template_for
 from prefixserve.replica.worker.sampler import SampleSpec, SamplingParams
 
 log = logging.getLogger(__name__)

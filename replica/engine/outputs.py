@@ -1,16 +1,14 @@
-"""What the engine hands back: finished outputs (offline) and stream deltas (online).
+"""What the engine hands back offline: finished outputs, and why a sequence stopped.
 
-Plain data, shared by the engine, the offline LLM, the HTTP server and the Ray
-deployment (deltas cross the Ray object store, so they stay small and picklable).
-Build them with keyword arguments: the field order is not part of the interface.
+Plain data, shared by the engine and the offline LLM; the online stream deltas are
+replica/contract/stream.py's. Build them with keyword arguments: the field order is
+not part of the interface.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
-
-from prefixserve.replica.tools.stream import ToolCallDelta, ToolCallResult
 
 
 class FinishReason(StrEnum):
@@ -55,32 +53,3 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return all(o.finish_reason is not None for o in self.outputs)
-
-
-@dataclass
-class StreamDelta:
-    """New tokens of one sequence of a request, as ``AsyncEngine.generate`` yields them.
-
-    ``finish_reason`` is set on the last delta of sequence ``index``; counts are
-    cumulative for the whole request so the last delta carries the usage.
-    """
-
-    request_id: str
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: FinishReason | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    num_output_tokens: int
-    logprobs: list[dict[int, float]] | None = None
-    # The request's prompt_logprobs and prompt token ids, on its first delta only (see RequestOutput).
-    prompt_logprobs: list[dict[int, float] | None] | None = None
-    prompt_token_ids: list[int] | None = None
-    prompt_logprob_ranks: list[int | None] | None = None
-    # Set when the request's output is read for tool calls (replica/tools/stream.py): ``text``
-    # stays the raw text; ``content`` is its part for the user, ``tool_calls`` the calls' new
-    # pieces, and the sequence's last delta carries the finished ``tool_result``.
-    content: str | None = None
-    tool_calls: list[ToolCallDelta] | None = None
-    tool_result: ToolCallResult | None = None

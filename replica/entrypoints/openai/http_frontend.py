@@ -49,13 +49,8 @@ from starlette.requests import ClientDisconnect
 
 from prefixserve.common.log_json import REQUEST_ID
 from prefixserve.common.tracing import trace_headers
-from prefixserve.replica.engine.request_runner import (
-    EngineClient,
-    EngineRequest,
-    EngineStream,
-    ModelInfo,
-    is_conversation_turn,
-)
+from prefixserve.replica.contract.request import EngineClient, EngineRequest, EngineStream, ModelInfo
+from prefixserve.replica.engine.request_runner import is_conversation_turn
 from prefixserve.replica.entrypoints.openai import protocol as api
 from prefixserve.replica.entrypoints.openai import serving as openai_serving
 from prefixserve.replica.entrypoints.openai.protocol import OpenAIRequest
@@ -65,8 +60,6 @@ from prefixserve.replica.tools.choice import check_auto_supported
 
 log = logging.getLogger(__name__)
 
-# Names the engine replica that served a request (the standalone server: itself).
-REPLICA_HEADER = "X-Prefixserve-Replica"
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 # Seconds a client may take to send a whole request body (nginx's client_body_timeout, 60 s, bounds the
 # gap between two reads; a bound on the whole body also stops a client that trickles a byte at a time).

@@ -51,6 +51,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from prefixserve.common.config_util import add_cli_arguments, from_cli_args
 from prefixserve.common.log_json import LOG_FORMATS, configure_logging
+from prefixserve.replica.contract.request import REPLICA_HEADER
 from prefixserve.replica.engine.request_runner import LocalEngineClient
 from prefixserve.replica.entrypoints.openai import http_frontend
 from prefixserve.replica.entrypoints.openai import protocol as api
@@ -58,7 +59,6 @@ from prefixserve.replica.entrypoints.openai.http_frontend import (
     DEFAULT_CLIENT_BODY_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
     IN_FLIGHT_SLOT_SCOPE_KEY,
-    REPLICA_HEADER,
     FrontendOptions,
     InFlightCounter,
     InFlightSlot,

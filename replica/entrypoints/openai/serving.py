@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from prefixserve.replica.engine.outputs import StreamDelta
-from prefixserve.replica.engine.request_runner import EngineStream
+from prefixserve.replica.contract.request import EngineStream
+from prefixserve.replica.contract.stream import StreamDelta
 from prefixserve.replica.entrypoints.openai import protocol as api
 from prefixserve.replica.entrypoints.openai.protocol import OpenAIRequest
 from prefixserve.replica.tools.stream import ToolCallResult

@@ -6,7 +6,8 @@ request router is router/serve_router.py), and report what routers and
 dashboards need: routing stats (KV usage, running, waiting), health, the
 engine's Prometheus text and the replica's ring name.
 
-The stream protocol of :meth:`EngineDeployment.generate`: one
+The stream protocol of :meth:`EngineDeployment.generate` (its items are
+replica/contract/stream.py's): one
 :class:`StreamStart` naming the replica that took the request, then the
 engine's ``StreamDelta`` objects until every sequence has a finish reason
 (with logprobs asked, a :class:`TokenTexts` before each delta that brings
@@ -44,7 +45,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -52,61 +52,14 @@ from prometheus_client import generate_latest
 from ray import serve
 
 from prefixserve.replica.contract.kv_events import KVEventPublisher
-from prefixserve.replica.engine.outputs import StreamDelta
-from prefixserve.replica.engine.request_runner import EngineRequest, ModelInfo, RequestRunner
+from prefixserve.replica.contract.request import EngineRequest, ModelInfo
+from prefixserve.replica.contract.stream import StreamError, StreamItem, StreamStart, TokenTexts
+from prefixserve.replica.engine.request_runner import RequestRunner
 from prefixserve.replica.entrypoints.openai import protocol as api
 
-__all__ = ["EngineDeployment", "EngineRequest", "StreamError", "StreamItem", "StreamStart", "TokenTexts"]
+__all__ = ["EngineDeployment"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class StreamStart:
-    """First item of every generate stream: which replica took the request."""
-
-    request_id: str
-    replica: str
-
-
-@dataclass(frozen=True)
-class TokenTexts:
-    """Decoded text of token ids the caller has not seen yet (sent only when logprobs are asked).
-
-    Comes right before the delta that needs it, so the caller can render
-    logprobs without a tokenizer of its own.
-    """
-
-    texts: dict[int, str]
-
-
-@dataclass(frozen=True)
-class StreamError:
-    """Last item of a stream refused for a client error: the OpenAI error to answer, as plain fields.
-
-    Only strings and numbers, so that nothing of the request outlives it.
-    """
-
-    status_code: int
-    error_type: str
-    code: str
-    message: str
-    param: str | None = None
-    retry_after_s: float | None = None
-
-    @classmethod
-    def of(cls, err: api.APIError) -> StreamError:
-        return cls(err.status_code, err.error_type, err.code, err.message, err.param, err.retry_after_s)
-
-    def to_api_error(self) -> api.APIError:
-        """The error as the front end answers it (its status, type and code)."""
-        err = api.APIError(self.message, param=self.param, code=self.code, retry_after_s=self.retry_after_s)
-        err.status_code = self.status_code
-        err.error_type = self.error_type
-        return err
-
-
-StreamItem = StreamStart | TokenTexts | StreamDelta | StreamError
 
 
 def queued_prefill_tokens(scheduler: Any) -> int:
