@@ -23,8 +23,7 @@ import signal
 import threading
 from typing import Any
 
-from prefixserve.common.log_json import LOG_FORMATS, configure_logging
-from prefixserve.common.logs import add_verbose_flag, quiet_libraries
+from prefixserve.common.logs import LOG_FORMATS, add_verbose_flag, configure_logging, quiet_libraries
 from prefixserve.replica.config import EngineConfig
 from prefixserve.router.policies import DEFAULT_POLICY, POLICIES
 

@@ -47,7 +47,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from prefixserve.common.log_json import REQUEST_ID
+from prefixserve.common.logs import REQUEST_ID
 from prefixserve.common.tracing import trace_headers
 from prefixserve.replica.contract.request import EngineClient, EngineRequest, EngineStream, ModelInfo
 from prefixserve.replica.engine.request_runner import is_conversation_turn
@@ -453,7 +453,7 @@ async def handle_generate(
         key = routing_key(data, request.headers) if routing_key is not None else None
         prepared = engine_request(body, info, key, client_id, request.headers)
         request_id = client_id or prepared.request_id
-        REQUEST_ID.set(request_id)  # this task's log lines name the request (common/log_json.py)
+        REQUEST_ID.set(request_id)  # this task's log lines name the request (common/logs.py)
         log.info("request %s (engine %s): %s, routing key %s", request_id, prepared.request_id, request.url.path, key)
         stream = client.open_stream(prepared)
         gen = Generation(answer_id(body, client_id, prepared), stream)

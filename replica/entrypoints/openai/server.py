@@ -50,7 +50,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from prefixserve.common.config_util import add_cli_arguments, from_cli_args
-from prefixserve.common.log_json import LOG_FORMATS, configure_logging
+from prefixserve.common.logs import LOG_FORMATS, configure_logging
 from prefixserve.replica.contract.request import REPLICA_HEADER
 from prefixserve.replica.engine.request_runner import LocalEngineClient
 from prefixserve.replica.entrypoints.openai import http_frontend

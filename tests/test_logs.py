@@ -1,4 +1,4 @@
-"""common/log_json.py: one JSON object per record, naming the request and the replica."""
+"""common/logs.py: one JSON object per record, naming the request and the replica."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import logging
 import sys
 
-from prefixserve.common.log_json import REQUEST_ID, JsonFormatter, configure_logging
+from prefixserve.common.logs import REQUEST_ID, JsonFormatter, configure_logging
 
 
 def _record(msg: str, *args: object, **extra: object) -> logging.LogRecord:
