@@ -79,7 +79,7 @@ def build_prompts(tokenizer: Any, encode_chat, seed: int, per_tenant: int = 8) -
 
 def run_prefixserve(prompts: list[list[int]], caching: bool, kv_bytes: int, tp: int = 1) -> dict[str, Any]:
     from prefixserve.replica.entrypoints.llm import LLM
-    from prefixserve.replica.worker.sampler import SamplingParams
+    from prefixserve.replica.sampling_params import SamplingParams
 
     llm = LLM(
         "smollm2",
@@ -209,7 +209,7 @@ def decode_throughput(batches: list[int], steps: int, kv_bytes: int) -> dict[int
 
     from prefixserve.replica.config import EngineConfig
     from prefixserve.replica.engine.core import LLMEngine
-    from prefixserve.replica.worker.sampler import SamplingParams
+    from prefixserve.replica.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(model="smollm2", kv_cache_memory_bytes=kv_bytes, enable_prefix_caching=False))
     rng = random.Random(0)
@@ -232,7 +232,7 @@ def startup_child() -> None:
     """One start in this process: print a JSON line with the wall-clock time of the first
     token, the token, and the engine's start-up phases (empty if it exports none)."""
     from prefixserve.replica.entrypoints.llm import LLM
-    from prefixserve.replica.worker.sampler import SamplingParams
+    from prefixserve.replica.sampling_params import SamplingParams
 
     llm = LLM("smollm2")
     out = llm.generate("Hello, my name is", SamplingParams(temperature=0.0, max_tokens=1))[0]
@@ -297,7 +297,7 @@ def print_startup(rows: list[dict[str, Any]]) -> None:
 def measure_fp8(prompts: list[list[int]], kv_bytes: int, bound_bytes: int, wave: int = 4) -> dict[str, Any]:
     """fp8 vs auto KV cache: blocks, greedy agreement, memory-bound hit rate (see the module doc)."""
     from prefixserve.replica.entrypoints.llm import LLM
-    from prefixserve.replica.worker.sampler import SamplingParams
+    from prefixserve.replica.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN, min_tokens=OUTPUT_LEN)
     variants = {

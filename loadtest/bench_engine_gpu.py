@@ -111,7 +111,7 @@ def _sync(device: str) -> None:
 def decode_step(llm: Any, batch: int, steps: int, device: str, profile: bool) -> dict[str, Any]:
     """ms per decode step at ``batch`` (every sequence decoding), and with ``profile`` the
     GPU-busy fraction and kernel launches per step from the torch profiler."""
-    from prefixserve.replica.worker.sampler import SamplingParams
+    from prefixserve.replica.sampling_params import SamplingParams
 
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=3 * steps + 8, ignore_eos=True)
@@ -147,7 +147,7 @@ def decode_step(llm: Any, batch: int, steps: int, device: str, profile: bool) ->
 
 def ttft_alone(llm: Any, prefix_len: int) -> dict[str, float]:
     """TTFT of one request on an idle engine: a miss, then a hit on the same prefix."""
-    from prefixserve.replica.worker.sampler import SamplingParams
+    from prefixserve.replica.sampling_params import SamplingParams
 
     one = SamplingParams(temperature=0.0, max_tokens=1)
     prefix = token_prompts(1, prefix_len, seed=7)[0]
@@ -167,7 +167,7 @@ def shared_prefix_workload(tenants: int, per_tenant: int, prefix_len: int, quest
 
 
 def engine_throughput(make_llm, prompts: list[list[int]], output_len: int, caching: bool) -> dict[str, Any]:
-    from prefixserve.replica.worker.sampler import SamplingParams
+    from prefixserve.replica.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, min_tokens=output_len)
     with make_llm(enable_prefix_caching=caching) as llm:
@@ -220,7 +220,7 @@ def greedy_checks(folder: Path, device: str, graphs_possible: bool) -> dict[str,
     from transformers import AutoModelForCausalLM
 
     from prefixserve.replica.entrypoints.llm import LLM
-    from prefixserve.replica.worker.sampler import SamplingParams
+    from prefixserve.replica.sampling_params import SamplingParams
 
     prefix = token_prompts(1, 40, seed=11)[0]
     prompts = token_prompts(6, 12, seed=12, prefix=prefix)

@@ -141,7 +141,7 @@ def run_policy(
     ``static``: "protected" frees each request's system prompt blocks as reused
     (EngineConfig.protect_static_prefix), "plain" as any other block."""
     from prefixserve.replica.entrypoints.llm import LLM
-    from prefixserve.replica.worker.sampler import SamplingParams
+    from prefixserve.replica.sampling_params import SamplingParams
 
     if generated not in GENERATED_MODES:
         raise ValueError(f"--generated-blocks: {generated!r} is not one of {GENERATED_MODES}")

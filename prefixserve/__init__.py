@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     "LLM": "prefixserve.replica.entrypoints.llm",
-    "SamplingParams": "prefixserve.replica.worker.sampler",
+    "SamplingParams": "prefixserve.replica.sampling_params",
     "EngineConfig": "prefixserve.replica.config",
     "RequestOutput": "prefixserve.replica.engine.outputs",
     "CompletionOutput": "prefixserve.replica.engine.outputs",
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from prefixserve.replica.config import EngineConfig
     from prefixserve.replica.engine.outputs import CompletionOutput, RequestOutput
     from prefixserve.replica.entrypoints.llm import LLM
-    from prefixserve.replica.worker.sampler import SamplingParams
+    from prefixserve.replica.sampling_params import SamplingParams
 
 
 def __getattr__(name: str) -> Any:

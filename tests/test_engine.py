@@ -14,7 +14,7 @@ from prefixserve.replica.config import EngineConfig
 from prefixserve.replica.engine.core import AsyncEngine, LLMEngine
 from prefixserve.replica.entrypoints.llm import LLM
 from prefixserve.replica.errors import EngineOverloadedError, PromptTooLongError
-from prefixserve.replica.worker.sampler import SamplingParams
+from prefixserve.replica.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 

@@ -20,7 +20,7 @@ from prefixserve.replica.engine.core import AsyncEngine, LLMEngine
 from prefixserve.replica.engine.outputs import FinishReason
 from prefixserve.replica.entrypoints.llm import LLM
 from prefixserve.replica.errors import EngineDeadError, PromptTooLongError, RequestFailedError, RequestRejected
-from prefixserve.replica.worker.sampler import SamplingParams
+from prefixserve.replica.sampling_params import SamplingParams
 
 PROMPTS = [[100 + 7 * i + k for k in range(5 + i)] for i in range(4)]
 LONG = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

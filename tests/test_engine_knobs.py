@@ -90,7 +90,7 @@ def _surviving_answer_block(tmp_path, *, evict_generated_first: bool, conversati
     from model_helpers import tiny_checkpoint
 
     from prefixserve.replica.entrypoints.llm import LLM
-    from prefixserve.replica.worker.sampler import SamplingParams
+    from prefixserve.replica.sampling_params import SamplingParams
 
     ckpt = tiny_checkpoint(tmp_path / "tiny")
     with LLM(
@@ -150,7 +150,7 @@ def _static_prefix_survives(tmp_path, protect: bool) -> bool:
     from model_helpers import tiny_checkpoint
 
     from prefixserve.replica.entrypoints.llm import LLM
-    from prefixserve.replica.worker.sampler import SamplingParams
+    from prefixserve.replica.sampling_params import SamplingParams
 
     greedy = SamplingParams(temperature=0.0, max_tokens=1)
     with LLM(
@@ -190,7 +190,7 @@ def test_the_request_runner_hands_the_static_prefix_to_the_engine(tmp_path):
     from prefixserve.replica.contract.request import EngineRequest
     from prefixserve.replica.engine.core import AsyncEngine
     from prefixserve.replica.engine.request_runner import RequestRunner
-    from prefixserve.replica.worker.sampler import SamplingParams
+    from prefixserve.replica.sampling_params import SamplingParams
 
     engine = AsyncEngine(
         EngineConfig.from_dict(

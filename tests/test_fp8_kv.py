@@ -204,7 +204,7 @@ def tiny(tmp_path_factory):
 
 
 def _greedy(llm, prompts) -> list[list[int]]:
-    from prefixserve.replica.worker.sampler import SamplingParams
+    from prefixserve.replica.sampling_params import SamplingParams
 
     return [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))]
 
@@ -282,7 +282,7 @@ def test_fp8_scales_from_the_checkpoint(tiny, tmp_path):
 def test_fp8_prefix_hits_and_copy_on_write(tiny):
     """Prefix-cache hits and n > 1 forks (block copies of an fp8 cache) give the tokens of a fresh run."""
     from prefixserve.replica.entrypoints.llm import LLM
-    from prefixserve.replica.worker.sampler import SamplingParams
+    from prefixserve.replica.sampling_params import SamplingParams
 
     prompts = _engine_prompts(5)
     cold = _greedy(LLM(str(tiny), num_kv_blocks=64, kv_cache_dtype="fp8", enable_prefix_caching=False), prompts)

@@ -14,8 +14,8 @@ from model_helpers import tiny_checkpoint
 
 from prefixserve.replica.entrypoints.llm import LLM
 from prefixserve.replica.errors import EngineDeadError
+from prefixserve.replica.sampling_params import SamplingParams
 from prefixserve.replica.worker.graph_runner import PAD_SLOT, graph_batch_sizes
-from prefixserve.replica.worker.sampler import SamplingParams
 from prefixserve.replica.worker.step_inputs import StepInputs
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)

@@ -19,7 +19,7 @@ from prefixserve.replica.entrypoints.llm import LLM
 from prefixserve.replica.model import checkpoint_cache, loader
 from prefixserve.replica.model.gguf_reader import read_gguf
 from prefixserve.replica.model.llama import ModelConfig
-from prefixserve.replica.worker.sampler import SamplingParams
+from prefixserve.replica.sampling_params import SamplingParams
 
 TEXTS = [
     "Hello, my name is",

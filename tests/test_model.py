@@ -16,7 +16,8 @@ from prefixserve.replica.entrypoints.llm import LLM
 from prefixserve.replica.model import loader
 from prefixserve.replica.model.rope import RopeConfig, inverse_frequencies
 from prefixserve.replica.model.startup import PHASES
-from prefixserve.replica.worker.sampler import SampleSpec, SamplingParams, sample
+from prefixserve.replica.sampling_params import SamplingParams
+from prefixserve.replica.worker.sampler import SampleSpec, sample
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 

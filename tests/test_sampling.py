@@ -9,16 +9,14 @@ import math
 import pytest
 import torch
 
-from prefixserve.replica.worker.sampler import (
+from prefixserve.replica.sampling_params import (
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
-    SampleSpec,
     SamplingParams,
-    process_logits,
-    sample,
 )
+from prefixserve.replica.worker.sampler import SampleSpec, process_logits, sample
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ import torch
 from model_helpers import hf_greedy, hf_model, random_prompts, tiny_checkpoint
 
 from prefixserve.replica.entrypoints.llm import LLM
-from prefixserve.replica.worker.sampler import SamplingParams
+from prefixserve.replica.sampling_params import SamplingParams
 
 MAX_TOKENS = 12
 # Every new parameter at the value that turns it off, spelled out.

@@ -11,7 +11,7 @@ import pytest
 from prefixserve.replica.core.request import Request, SeqStatus, Sequence
 from prefixserve.replica.core.scheduler import Scheduler, SchedulerConfig
 from prefixserve.replica.kv.manager import KVCacheManager
-from prefixserve.replica.worker.sampler import SamplingParams
+from prefixserve.replica.sampling_params import SamplingParams
 
 
 def make_seq(rid: str, prompt: list[int], max_tokens: int = 4, n: int = 1) -> Sequence:

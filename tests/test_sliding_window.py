@@ -12,7 +12,7 @@ import torch
 from model_helpers import VOCAB, hf_greedy, random_prompts, save_random_checkpoint
 
 from prefixserve.replica.kv.manager import NULL_BLOCK, KVCacheManager
-from prefixserve.replica.worker.sampler import SamplingParams
+from prefixserve.replica.sampling_params import SamplingParams
 
 WINDOW = 48
 BS = 16

@@ -11,8 +11,8 @@ from server_helpers import ReplicaProcess
 from structured_helpers import schema_chat, seeded_schemas
 
 from prefixserve.replica.entrypoints.llm import LLM
+from prefixserve.replica.sampling_params import SamplingParams
 from prefixserve.replica.structured_output.params import StructuredOutputsParams
-from prefixserve.replica.worker.sampler import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ from model_helpers import random_prompts, tiny_checkpoint
 from prefixserve.replica.core.request import Request, Sequence
 from prefixserve.replica.core.scheduler import Scheduler, SchedulerConfig
 from prefixserve.replica.kv.manager import KVCacheManager
-from prefixserve.replica.worker.sampler import SamplingParams
+from prefixserve.replica.sampling_params import SamplingParams
 
 # --- the KV manager ---------------------------------------------------------------------
 

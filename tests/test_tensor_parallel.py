@@ -28,7 +28,7 @@ from prefixserve.replica.entrypoints.llm import LLM
 from prefixserve.replica.errors import EngineDeadError
 from prefixserve.replica.executor.tensor_parallel import parse_swap_message, swap_message
 from prefixserve.replica.model.layers import TPGroup
-from prefixserve.replica.worker.sampler import SamplingParams
+from prefixserve.replica.sampling_params import SamplingParams
 from prefixserve.replica.worker.step_inputs import StepInputs, unpack_step_inputs
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
@@ -217,7 +217,7 @@ async def test_killing_a_worker_mid_stream_fails_the_request_and_the_engine_for_
 DRIVER = textwrap.dedent("""
     import os, signal, sys
     from prefixserve.replica.entrypoints.llm import LLM
-    from prefixserve.replica.worker.sampler import SamplingParams
+    from prefixserve.replica.sampling_params import SamplingParams
     llm = LLM(sys.argv[1], num_kv_blocks=64, tensor_parallel_size=int(sys.argv[2]))
     print(" ".join(map(str, llm.engine.runner.worker_pids)), flush=True)
     if sys.argv[3] == "crash":

@@ -435,8 +435,8 @@ def test_tool_calls_and_parse_failures_are_counted_and_on_the_span(tmp_path):
     from prefixserve.common.tracing import RequestTracer, build_tracer
     from prefixserve.replica.config import EngineConfig
     from prefixserve.replica.engine.core import LLMEngine
+    from prefixserve.replica.sampling_params import SamplingParams
     from prefixserve.replica.tools.choice import ToolCallMode
-    from prefixserve.replica.worker.sampler import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint(tmp_path / "tiny")), num_kv_blocks=64, max_model_len=256))
     exporter = InMemorySpanExporter()

@@ -18,7 +18,7 @@ from test_serve_router import make_router, pending, replicas
 from prefixserve.common.tracing import RequestTracer, build_tracer, trace_headers
 from prefixserve.replica.config import EngineConfig
 from prefixserve.replica.engine.core import LLMEngine
-from prefixserve.replica.worker.sampler import SamplingParams
+from prefixserve.replica.sampling_params import SamplingParams
 from prefixserve.router.ring import HashRing
 
 # A client's W3C trace context: trace 4bf9..., its span 00f0...

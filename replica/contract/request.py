@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from prefixserve.replica.contract.stream import StreamDelta
+from prefixserve.replica.sampling_params import SamplingParams
 from prefixserve.replica.tools.choice import ToolCallMode
-from prefixserve.replica.worker.sampler import SamplingParams
 
 # The session header of multi-turn clients: their requests are conversation turns, and
 # router/prefix.py keys their affinity by it.

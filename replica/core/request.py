@@ -23,7 +23,7 @@ from typing import Any
 
 from prefixserve.replica.contract.request import STATIC_ROLES
 from prefixserve.replica.engine.outputs import FinishReason
-from prefixserve.replica.worker.sampler import SamplingParams
+from prefixserve.replica.sampling_params import SamplingParams
 
 
 def static_prefix_messages(messages: list[dict[str, Any]] | None) -> list[dict[str, Any]]:

@@ -36,9 +36,10 @@ Pure Python: no torch. The engine applies the model; tests drive it with a fake 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from prefixserve.replica.core.request import SeqStatus, Sequence
+from prefixserve.replica.core.sched_output import ScheduledSeq, SchedulerOutput
 from prefixserve.replica.kv.manager import KVCacheManager
 
 
@@ -54,47 +55,6 @@ class SchedulerConfig:
     # Free a sequence's static-prefix blocks as reused ones (Request.static_prefix_tokens;
     # EngineConfig.protect_static_prefix).
     protect_static_prefix: bool = False
-
-
-@dataclass(frozen=True)
-class ScheduledSeq:
-    seq: Sequence
-    start: int  # num_computed_tokens before this step: first position computed now
-    num_new_tokens: int
-    block_table: list[int]  # the sequence's whole block table after this step's allocation
-
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the sequence's last known token (so it has logits to sample)."""
-        return self.start + self.num_new_tokens == self.seq.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    # Waiting sequences that can never be admitted, removed from the queue (status FINISHED).
-    rejected: list[Sequence] = field(default_factory=list)
-    # Copy-on-write block copies (src, dst) to apply before the forward pass.
-    copy_ops: list[tuple[int, int]] = field(default_factory=list)
-    # Swap copies: (device block, host slot) out, applied first (before anything reuses the
-    # blocks), then (host slot, device block) in, before the forward pass.
-    swap_out: list[tuple[int, int]] = field(default_factory=list)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-    @property
-    def changed_state(self) -> bool:
-        """Whether this plan did anything (scheduled, preempted or rejected): if not, the
-        next schedule is the same until a request arrives or leaves."""
-        return bool(self.scheduled or self.preempted or self.rejected)
 
 
 class Scheduler:

@@ -43,7 +43,8 @@ from prefixserve.replica.config import MAX_MODEL_LEN_CAP, EngineConfig
 from prefixserve.replica.contract.request import canonical_json
 from prefixserve.replica.contract.stream import StreamDelta
 from prefixserve.replica.core.request import Request, Sequence, static_prefix_messages
-from prefixserve.replica.core.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
+from prefixserve.replica.core.sched_output import ScheduledSeq
+from prefixserve.replica.core.scheduler import Scheduler, SchedulerConfig
 from prefixserve.replica.engine.bounded_memo import BoundedMemo, str_bytes
 from prefixserve.replica.engine.detokenizer import IncrementalDetokenizer
 from prefixserve.replica.engine.metrics import EngineMetrics, EngineStats, FinishedRequestStats, SwapTotals
@@ -60,13 +61,14 @@ from prefixserve.replica.kv.manager import KVCacheManager
 from prefixserve.replica.model import loader
 from prefixserve.replica.model.llama import ModelConfig
 from prefixserve.replica.model.startup import StartupTimer
+from prefixserve.replica.sampling_params import SamplingParams
 from prefixserve.replica.structured_output.compile import GrammarCache
 from prefixserve.replica.structured_output.metrics import StructuredOutputMetrics
 from prefixserve.replica.structured_output.state import SequenceGrammar
 from prefixserve.replica.structured_output.xgrammar_backend import XGrammarBackend
 from prefixserve.replica.tools.choice import ToolCallMode
 from prefixserve.replica.tools.templates import load_chat_template, template_for
-from prefixserve.replica.worker.sampler import SampleSpec, SamplingParams
+from prefixserve.replica.worker.sampler import SampleSpec
 
 log = logging.getLogger(__name__)
 

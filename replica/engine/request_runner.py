@@ -22,7 +22,7 @@ from prefixserve.replica.contract.request import SESSION_HEADER, EngineRequest, 
 from prefixserve.replica.contract.stream import StreamDelta
 from prefixserve.replica.entrypoints.openai import protocol as api
 from prefixserve.replica.errors import PromptTooLongError
-from prefixserve.replica.worker.sampler import SamplingParams
+from prefixserve.replica.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from prefixserve.replica.contract.kv_events import KVEventPublisher

@@ -17,7 +17,7 @@ from prefixserve.replica.config import EngineConfig
 from prefixserve.replica.engine.core import LLMEngine
 from prefixserve.replica.engine.outputs import RequestOutput
 from prefixserve.replica.engine.request_runner import is_conversation_turn
-from prefixserve.replica.worker.sampler import SamplingParams
+from prefixserve.replica.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 

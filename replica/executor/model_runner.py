@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from prefixserve.replica.config import EngineConfig
-from prefixserve.replica.core.scheduler import ScheduledSeq
+from prefixserve.replica.core.sched_output import ScheduledSeq
 from prefixserve.replica.errors import EngineDeadError
 from prefixserve.replica.executor.ray_bundles import RankResources, reserve_rank_resources
 from prefixserve.replica.executor.tensor_parallel import (

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from prefixserve.replica.core.scheduler import ScheduledSeq
+from prefixserve.replica.core.sched_output import ScheduledSeq
 
 # Header: number of tokens, sequences, block-table width, sampled rows, block copies.
 _HEADER = 5

@@ -86,10 +86,10 @@ from prefixserve.replica.errors import (
     RequestFailedError,
     RequestRejected,
 )
+from prefixserve.replica.sampling_params import SamplingParams
 from prefixserve.replica.structured_output.openai_fields import StructuredOutputFieldError, StructuredOutputFields
 from prefixserve.replica.structured_output.params import StructuredOutputsParams
 from prefixserve.replica.tools.choice import ToolCallMode, named_schema, required_schema
-from prefixserve.replica.worker.sampler import SamplingParams
 
 # Completions' legacy default (OpenAI documents 16); chat defaults to "what fits".
 DEFAULT_COMPLETION_MAX_TOKENS = 16
