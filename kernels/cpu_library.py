@@ -23,6 +23,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from prefixserve.common.paths import cache_root
+
 SOURCE_DIR = Path(__file__).parent / "cpu"
 SOURCES = tuple(sorted(SOURCE_DIR.glob("*.c")))
 HEADERS = tuple(sorted(SOURCE_DIR.glob("*.h")))
@@ -74,11 +76,6 @@ _error: str | None = None
 
 class CPUKernelUnavailable(RuntimeError):
     """The C kernels could not be built or loaded here (no compiler, or it failed)."""
-
-
-def cache_root() -> Path:
-    """The project's cache directory: ``$PREFIXSERVE_CACHE_DIR``, else ``~/.cache/prefixserve``."""
-    return Path(os.environ.get("PREFIXSERVE_CACHE_DIR") or Path.home() / ".cache" / "prefixserve")
 
 
 def kernel_cache_dir() -> Path:

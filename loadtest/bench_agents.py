@@ -40,8 +40,8 @@ def run_engine(
     waves: list[list[AgentRequest]], output_len: int, caching: bool, kv_bytes: int, device: str = "auto"
 ) -> dict[str, Any]:
     """One engine over the workload's waves."""
-    from prefixserve.replica.llm import LLM
-    from prefixserve.replica.sampling import SamplingParams
+    from prefixserve.replica.entrypoints.llm import LLM
+    from prefixserve.replica.sampling_params import SamplingParams
     from prefixserve.replica.tools.templates import template_for
 
     llm = LLM("smollm2", enable_prefix_caching=caching, kv_cache_memory_bytes=kv_bytes, dtype="float32", device=device)

@@ -64,6 +64,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from prefixserve.common.logs import add_verbose_flag, quiet_libraries
 from prefixserve.loadtest.cluster_run import (
     HITS,
     PREEMPTIONS,
@@ -78,7 +79,6 @@ from prefixserve.loadtest.cluster_run import (
     served_model,
 )
 from prefixserve.loadtest.workloads import WorkloadRequest, generate
-from prefixserve.replica.logs import add_verbose_flag, quiet_libraries
 from prefixserve.router.policies import POLICIES, RING_POLICIES, pick_options
 from prefixserve.router.serve.metrics import sum_samples
 
@@ -332,7 +332,7 @@ def oracle_hit_rate(
 
 
 def chat_encoder(model: str) -> Callable[[list[dict[str, str]]], list[int]]:
-    """The model's chat template as the engine applies it (replica/engine.py's encode_chat)."""
+    """The model's chat template as the engine applies it (replica/engine/core.py's encode_chat)."""
     from prefixserve.loadtest.peers.serve_adapter import PromptEncoder
 
     return PromptEncoder.load(model).encode_chat

@@ -55,7 +55,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from prefixserve.replica.logs import add_verbose_flag, quiet_libraries
+from prefixserve.common.logs import add_verbose_flag, quiet_libraries
 
 SYSTEM_LEN, QUESTION_LEN, OUTPUT_LEN = 500, 30, 16
 STARTUP_CHILD = "--startup-child"
@@ -78,8 +78,8 @@ def build_prompts(tokenizer: Any, encode_chat, seed: int, per_tenant: int = 8) -
 
 
 def run_prefixserve(prompts: list[list[int]], caching: bool, kv_bytes: int, tp: int = 1) -> dict[str, Any]:
-    from prefixserve.replica.llm import LLM
-    from prefixserve.replica.sampling import SamplingParams
+    from prefixserve.replica.entrypoints.llm import LLM
+    from prefixserve.replica.sampling_params import SamplingParams
 
     llm = LLM(
         "smollm2",
@@ -208,8 +208,8 @@ def decode_throughput(batches: list[int], steps: int, kv_bytes: int) -> dict[int
     import random
 
     from prefixserve.replica.config import EngineConfig
-    from prefixserve.replica.engine import LLMEngine
-    from prefixserve.replica.sampling import SamplingParams
+    from prefixserve.replica.engine.core import LLMEngine
+    from prefixserve.replica.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(model="smollm2", kv_cache_memory_bytes=kv_bytes, enable_prefix_caching=False))
     rng = random.Random(0)
@@ -231,8 +231,8 @@ def decode_throughput(batches: list[int], steps: int, kv_bytes: int) -> dict[int
 def startup_child() -> None:
     """One start in this process: print a JSON line with the wall-clock time of the first
     token, the token, and the engine's start-up phases (empty if it exports none)."""
-    from prefixserve.replica.llm import LLM
-    from prefixserve.replica.sampling import SamplingParams
+    from prefixserve.replica.entrypoints.llm import LLM
+    from prefixserve.replica.sampling_params import SamplingParams
 
     llm = LLM("smollm2")
     out = llm.generate("Hello, my name is", SamplingParams(temperature=0.0, max_tokens=1))[0]
@@ -296,8 +296,8 @@ def print_startup(rows: list[dict[str, Any]]) -> None:
 
 def measure_fp8(prompts: list[list[int]], kv_bytes: int, bound_bytes: int, wave: int = 4) -> dict[str, Any]:
     """fp8 vs auto KV cache: blocks, greedy agreement, memory-bound hit rate (see the module doc)."""
-    from prefixserve.replica.llm import LLM
-    from prefixserve.replica.sampling import SamplingParams
+    from prefixserve.replica.entrypoints.llm import LLM
+    from prefixserve.replica.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN, min_tokens=OUTPUT_LEN)
     variants = {

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prefixserve.replica.logs import add_verbose_flag, quiet_libraries
+from prefixserve.common.logs import add_verbose_flag, quiet_libraries
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ def _sync(device: str) -> None:
 def decode_step(llm: Any, batch: int, steps: int, device: str, profile: bool) -> dict[str, Any]:
     """ms per decode step at ``batch`` (every sequence decoding), and with ``profile`` the
     GPU-busy fraction and kernel launches per step from the torch profiler."""
-    from prefixserve.replica.sampling import SamplingParams
+    from prefixserve.replica.sampling_params import SamplingParams
 
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=3 * steps + 8, ignore_eos=True)
@@ -147,7 +147,7 @@ def decode_step(llm: Any, batch: int, steps: int, device: str, profile: bool) ->
 
 def ttft_alone(llm: Any, prefix_len: int) -> dict[str, float]:
     """TTFT of one request on an idle engine: a miss, then a hit on the same prefix."""
-    from prefixserve.replica.sampling import SamplingParams
+    from prefixserve.replica.sampling_params import SamplingParams
 
     one = SamplingParams(temperature=0.0, max_tokens=1)
     prefix = token_prompts(1, prefix_len, seed=7)[0]
@@ -167,7 +167,7 @@ def shared_prefix_workload(tenants: int, per_tenant: int, prefix_len: int, quest
 
 
 def engine_throughput(make_llm, prompts: list[list[int]], output_len: int, caching: bool) -> dict[str, Any]:
-    from prefixserve.replica.sampling import SamplingParams
+    from prefixserve.replica.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, min_tokens=output_len)
     with make_llm(enable_prefix_caching=caching) as llm:
@@ -219,8 +219,8 @@ def greedy_checks(folder: Path, device: str, graphs_possible: bool) -> dict[str,
     import torch
     from transformers import AutoModelForCausalLM
 
-    from prefixserve.replica.llm import LLM
-    from prefixserve.replica.sampling import SamplingParams
+    from prefixserve.replica.entrypoints.llm import LLM
+    from prefixserve.replica.sampling_params import SamplingParams
 
     prefix = token_prompts(1, 40, seed=11)[0]
     prompts = token_prompts(6, 12, seed=12, prefix=prefix)
@@ -255,7 +255,7 @@ def greedy_checks(folder: Path, device: str, graphs_possible: bool) -> dict[str,
 def bench_shape(shape: Shape, args: argparse.Namespace, tokenizer_dir: Path, workdir: Path) -> dict[str, Any]:
     import torch
 
-    from prefixserve.replica.llm import LLM
+    from prefixserve.replica.entrypoints.llm import LLM
 
     device = args.device
     cuda = device.startswith("cuda")

@@ -53,8 +53,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from prefixserve.common.logs import add_verbose_flag, quiet_libraries
 from prefixserve.replica.kv.block_pool import EVICTION_POLICIES
-from prefixserve.replica.logs import add_verbose_flag, quiet_libraries
 
 VOCAB_LOW, VOCAB_HIGH = 100, 49_000  # SmolLM2's ordinary tokens (no specials)
 
@@ -140,8 +140,8 @@ def run_policy(
     conversation turns are built from the user's previous prompt and the engine's own answer.
     ``static``: "protected" frees each request's system prompt blocks as reused
     (EngineConfig.protect_static_prefix), "plain" as any other block."""
-    from prefixserve.replica.llm import LLM
-    from prefixserve.replica.sampling import SamplingParams
+    from prefixserve.replica.entrypoints.llm import LLM
+    from prefixserve.replica.sampling_params import SamplingParams
 
     if generated not in GENERATED_MODES:
         raise ValueError(f"--generated-blocks: {generated!r} is not one of {GENERATED_MODES}")

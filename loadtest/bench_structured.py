@@ -26,8 +26,8 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-from prefixserve.replica.llm import LLM
-from prefixserve.replica.sampling import SamplingParams
+from prefixserve.replica.entrypoints.llm import LLM
+from prefixserve.replica.sampling_params import SamplingParams
 from prefixserve.replica.structured_output.compile import GrammarCache
 from prefixserve.replica.structured_output.params import StructuredOutputsParams
 from prefixserve.replica.structured_output.xgrammar_backend import XGrammarBackend

@@ -41,7 +41,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from prefixserve.replica.http_frontend import REPLICA_HEADER
+from prefixserve.replica.contract.request import REPLICA_HEADER
 
 QUERIES = "vllm:prefix_cache_queries_total"
 HITS = "vllm:prefix_cache_hits_total"
@@ -377,10 +377,10 @@ class LocalServeCluster:
     def shutdown(self) -> None:
         import ray
 
-        from prefixserve.replica.serve_shutdown import shutdown_serve
+        from prefixserve.common.serve_shutdown import shutdown_serve
 
         try:
-            shutdown_serve()  # not serve.shutdown(): see replica/serve_shutdown.py
+            shutdown_serve()  # not serve.shutdown(): see common/serve_shutdown.py
         finally:
             ray.shutdown()
 

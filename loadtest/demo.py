@@ -36,6 +36,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
+from prefixserve.common.logs import add_verbose_flag, quiet_libraries
+from prefixserve.common.serve_shutdown import shutdown_serve
 from prefixserve.loadtest.bench_cluster import (
     PolicyResult,
     WorkloadSpec,
@@ -47,8 +49,6 @@ from prefixserve.loadtest.bench_cluster import (
     workload_token_counts,
 )
 from prefixserve.loadtest.cluster_run import LocalServeCluster, served_model
-from prefixserve.replica.logs import add_verbose_flag, quiet_libraries
-from prefixserve.replica.serve_shutdown import shutdown_serve
 from prefixserve.router.policies import DEFAULT_POLICY
 
 POLICIES = ("round_robin", DEFAULT_POLICY)

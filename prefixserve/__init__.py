@@ -19,20 +19,20 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
-    "LLM": "prefixserve.replica.llm",
-    "SamplingParams": "prefixserve.replica.sampling",
+    "LLM": "prefixserve.replica.entrypoints.llm",
+    "SamplingParams": "prefixserve.replica.sampling_params",
     "EngineConfig": "prefixserve.replica.config",
-    "RequestOutput": "prefixserve.replica.outputs",
-    "CompletionOutput": "prefixserve.replica.outputs",
+    "RequestOutput": "prefixserve.replica.engine.outputs",
+    "CompletionOutput": "prefixserve.replica.engine.outputs",
 }
 
 __all__ = ["CompletionOutput", "EngineConfig", "LLM", "RequestOutput", "SamplingParams"]
 
 if TYPE_CHECKING:
     from prefixserve.replica.config import EngineConfig
-    from prefixserve.replica.llm import LLM
-    from prefixserve.replica.outputs import CompletionOutput, RequestOutput
-    from prefixserve.replica.sampling import SamplingParams
+    from prefixserve.replica.engine.outputs import CompletionOutput, RequestOutput
+    from prefixserve.replica.entrypoints.llm import LLM
+    from prefixserve.replica.sampling_params import SamplingParams
 
 
 def __getattr__(name: str) -> Any:

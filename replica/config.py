@@ -14,11 +14,11 @@ import argparse
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from prefixserve.replica.config_util import add_cli_arguments, check_switches, from_cli_args, from_dict
+from prefixserve.common.config_util import add_cli_arguments, check_switches, from_cli_args, from_dict
+from prefixserve.common.tracing import check_endpoint
 from prefixserve.replica.kv.block_pool import EVICTION_POLICIES
 from prefixserve.replica.tools.parsers import TOOL_CALL_PARSERS
 from prefixserve.replica.tools.templates import load_chat_template
-from prefixserve.replica.tracing import check_endpoint
 
 HASH_ALGOS = ("xxh3_128", "sha256")
 # vLLM's spellings of the block-hash algorithm (its knob ``prefix_caching_hash_algo``),
@@ -109,11 +109,11 @@ class EngineConfig:
     # as decoding proceeds. max_model_len may exceed the window.
     sliding_window: int | None = None
     # Processes (GPUs on CUDA) one engine spans: query and KV heads, MLP columns and the
-    # vocabulary are split over them (replica/tensor_parallel.py); every sizing knob above
+    # vocabulary are split over them (replica/executor/tensor_parallel.py); every sizing knob above
     # (gpu_memory_utilization, kv_cache_memory_bytes) applies to each rank, and the engine
     # gets the smallest block count any rank can hold.
     tensor_parallel_size: int = 1
-    # Decode steps through static buffers replayed as CUDA graphs (replica/graph_runner.py).
+    # Decode steps through static buffers replayed as CUDA graphs (replica/worker/graph_runner.py).
     # None = auto: on CUDA with tensor_parallel_size 1, eager elsewhere; True = always eager
     # (vLLM's enforce_eager); False = the static-buffer path wherever possible (uncaptured
     # on CPU and under tensor parallelism: the same code, for tests and debugging).
@@ -146,7 +146,7 @@ class EngineConfig:
     grammar_compile_timeout_s: float = 10.0
     grammar_cache_size: int = 256
     # OpenTelemetry collector (vLLM's flag, e.g. http://127.0.0.1:4318): one llm_request span per
-    # request with queue/prefill/decode children (replica/tracing.py). None = no tracing.
+    # request with queue/prefill/decode children (common/tracing.py). None = no tracing.
     otlp_traces_endpoint: str | None = None
     # A Jinja chat template file (vLLM's --chat-template) that renders every chat request instead
     # of the checkpoint's; None = the checkpoint's, or, for a request with tools on a model whose

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from prefixserve.replica.log_json import LOG_FORMATS
+from prefixserve.common.logs import LOG_FORMATS
 
 DEFAULT_HOST = "127.0.0.1"
 # Serve's HTTP proxy's default port.

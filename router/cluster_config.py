@@ -55,11 +55,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from prefixserve.replica import http_frontend
+from prefixserve.common.config_util import from_dict
+from prefixserve.common.tracing import check_endpoint
 from prefixserve.replica.config import EngineConfig
-from prefixserve.replica.config_util import from_dict
-from prefixserve.replica.http_frontend import DEFAULT_MAX_BODY_BYTES
-from prefixserve.replica.tracing import check_endpoint
+from prefixserve.replica.entrypoints.openai import http_frontend
+from prefixserve.replica.entrypoints.openai.http_frontend import DEFAULT_MAX_BODY_BYTES
 from prefixserve.router.contracts.prefix import PrefixKeyConfig
 from prefixserve.router.policies import DEFAULT_POLICY, POLICIES, check_options
 
@@ -124,7 +124,7 @@ class RouterArgs:
     kwargs: dict[str, Any] = field(default_factory=dict)
     stats_period_s: float = 1.0
     stats_max_age_s: float | None = None  # None: the router's default (DEFAULT_STATS_MAX_AGE_S)
-    # OpenTelemetry collector for the router's ``route`` spans (replica/tracing.py); None = none.
+    # OpenTelemetry collector for the router's ``route`` spans (common/tracing.py); None = none.
     otlp_traces_endpoint: str | None = None
     policy_options: dict[str, Any] = field(default_factory=dict)
 

@@ -146,8 +146,8 @@ class InProcessReplica:
         self, model: str | Path, *, max_model_len: int = 128, engine_kwargs: dict | None = None, **app_kwargs: object
     ) -> None:
         from prefixserve.replica.config import EngineConfig
-        from prefixserve.replica.engine import AsyncEngine
-        from prefixserve.replica.server import build_app
+        from prefixserve.replica.engine.core import AsyncEngine
+        from prefixserve.replica.entrypoints.openai.server import build_app
 
         self.engine = AsyncEngine(EngineConfig(model=str(model), max_model_len=max_model_len, **(engine_kwargs or {})))
         self.app = build_app(self.engine, **app_kwargs)  # type: ignore[arg-type]

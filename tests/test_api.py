@@ -1,4 +1,4 @@
-"""replica/api.py: request parsing and validation, SamplingParams, responses, error mapping."""
+"""replica/entrypoints/openai/protocol.py: request parsing and validation, SamplingParams, responses, error mapping."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from prefixserve.replica import api
+from prefixserve.replica.entrypoints.openai import protocol as api
 from prefixserve.replica.errors import EngineDeadError, EngineOverloadedError, PromptTooLongError, RequestRejected
 
 

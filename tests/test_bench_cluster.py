@@ -22,7 +22,7 @@ from prefixserve.loadtest.cluster_run import (
     in_flight_by_replica,
     replica_counters,
 )
-from prefixserve.replica.metrics import EngineMetrics
+from prefixserve.replica.engine.metrics import EngineMetrics
 from prefixserve.router.serve.metrics import merge_expositions
 
 # --------------------------------------------------------------------------- metrics

@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 
-from prefixserve.replica import server
-from prefixserve.replica.config_util import add_cli_arguments, from_cli_args
+from prefixserve.common.config_util import add_cli_arguments, from_cli_args
 from prefixserve.replica.endpoint_config import CLUSTER_PORT, REPLICA_PORT, EndpointConfig
+from prefixserve.replica.entrypoints.openai import server
 from prefixserve.router.cli import up
 from prefixserve.router.cluster_config import AppArgs, IngressArgs, IngressConfig, RouterArgs
 

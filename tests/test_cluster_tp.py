@@ -103,8 +103,8 @@ def test_shipped_cluster_yaml_fails_in_serve_status_naming_the_missing_gpus(clus
 
 
 def test_tp2_cpu_replica_answers_through_the_router_like_tp1(base, model_dir):
-    from prefixserve.replica.llm import LLM
-    from prefixserve.replica.sampling import SamplingParams
+    from prefixserve.replica.entrypoints.llm import LLM
+    from prefixserve.replica.sampling_params import SamplingParams
 
     results = [chat(base, prompt, max_tokens=MAX_TOKENS) for prompt in PROMPTS]
     assert all(r.status == 200 for r in results), [r.body for r in results]

@@ -1,4 +1,4 @@
-"""replica/config_util.py: the one strict from_dict every config section uses."""
+"""common/config_util.py: the one strict from_dict every config section uses."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from prefixserve.replica.config_util import check_switches, from_dict
+from prefixserve.common.config_util import check_switches, from_dict
 
 
 @dataclass

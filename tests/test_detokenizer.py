@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefixserve.replica.detokenizer import IncrementalDetokenizer
+from prefixserve.replica.engine.detokenizer import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")

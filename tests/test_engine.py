@@ -11,10 +11,10 @@ import pytest
 from model_helpers import hf_greedy, hf_model, random_prompts, tiny_checkpoint
 
 from prefixserve.replica.config import EngineConfig
-from prefixserve.replica.engine import AsyncEngine, LLMEngine
+from prefixserve.replica.engine.core import AsyncEngine, LLMEngine
+from prefixserve.replica.entrypoints.llm import LLM
 from prefixserve.replica.errors import EngineOverloadedError, PromptTooLongError
-from prefixserve.replica.llm import LLM
-from prefixserve.replica.sampling import SamplingParams
+from prefixserve.replica.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 

@@ -15,12 +15,12 @@ import pytest
 from model_helpers import tiny_checkpoint
 
 from prefixserve.replica.config import EngineConfig
-from prefixserve.replica.engine import AsyncEngine, LLMEngine
+from prefixserve.replica.core.request import Request
+from prefixserve.replica.engine.core import AsyncEngine, LLMEngine
+from prefixserve.replica.engine.outputs import FinishReason
+from prefixserve.replica.entrypoints.llm import LLM
 from prefixserve.replica.errors import EngineDeadError, PromptTooLongError, RequestFailedError, RequestRejected
-from prefixserve.replica.llm import LLM
-from prefixserve.replica.outputs import FinishReason
-from prefixserve.replica.request import Request
-from prefixserve.replica.sampling import SamplingParams
+from prefixserve.replica.sampling_params import SamplingParams
 
 PROMPTS = [[100 + 7 * i + k for k in range(5 + i)] for i in range(4)]
 LONG = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

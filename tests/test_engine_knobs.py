@@ -79,7 +79,7 @@ def test_hash_alias_on_the_cli():
     ],
 )
 def test_a_conversation_turn_is_a_chat_with_an_answer_in_it_or_a_session_id(messages, headers, expected):
-    from prefixserve.replica.engine_client import is_conversation_turn
+    from prefixserve.replica.engine.request_runner import is_conversation_turn
 
     assert is_conversation_turn(messages, headers) is expected
 
@@ -89,8 +89,8 @@ def _surviving_answer_block(tmp_path, *, evict_generated_first: bool, conversati
     request needs one cached block evicted. True when A's answer block survived it."""
     from model_helpers import tiny_checkpoint
 
-    from prefixserve.replica.llm import LLM
-    from prefixserve.replica.sampling import SamplingParams
+    from prefixserve.replica.entrypoints.llm import LLM
+    from prefixserve.replica.sampling_params import SamplingParams
 
     ckpt = tiny_checkpoint(tmp_path / "tiny")
     with LLM(
@@ -125,7 +125,7 @@ _SYSTEM = "You are the support assistant of a bakery. Answer in one short senten
 def test_the_static_prefix_is_the_system_part_of_the_templated_prompt(tmp_path):
     from model_helpers import tiny_checkpoint
 
-    from prefixserve.replica.llm import LLM
+    from prefixserve.replica.entrypoints.llm import LLM
 
     with LLM(str(tiny_checkpoint(tmp_path / "tiny")), block_size=4, num_kv_blocks=32) as llm:
         engine = llm.engine
@@ -149,8 +149,8 @@ def _static_prefix_survives(tmp_path, protect: bool) -> bool:
     then D needs every free block but A's static-prefix ones. True when they all survive."""
     from model_helpers import tiny_checkpoint
 
-    from prefixserve.replica.llm import LLM
-    from prefixserve.replica.sampling import SamplingParams
+    from prefixserve.replica.entrypoints.llm import LLM
+    from prefixserve.replica.sampling_params import SamplingParams
 
     greedy = SamplingParams(temperature=0.0, max_tokens=1)
     with LLM(
@@ -187,9 +187,10 @@ def test_the_request_runner_hands_the_static_prefix_to_the_engine(tmp_path):
     from model_helpers import tiny_checkpoint
 
     from prefixserve.replica.config import EngineConfig
-    from prefixserve.replica.engine import AsyncEngine
-    from prefixserve.replica.engine_client import EngineRequest, RequestRunner
-    from prefixserve.replica.sampling import SamplingParams
+    from prefixserve.replica.contract.request import EngineRequest
+    from prefixserve.replica.engine.core import AsyncEngine
+    from prefixserve.replica.engine.request_runner import RequestRunner
+    from prefixserve.replica.sampling_params import SamplingParams
 
     engine = AsyncEngine(
         EngineConfig.from_dict(

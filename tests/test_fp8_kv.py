@@ -204,13 +204,13 @@ def tiny(tmp_path_factory):
 
 
 def _greedy(llm, prompts) -> list[list[int]]:
-    from prefixserve.replica.sampling import SamplingParams
+    from prefixserve.replica.sampling_params import SamplingParams
 
     return [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))]
 
 
 def test_fp8_cache_holds_four_times_the_fp32_blocks(tiny):
-    from prefixserve.replica.llm import LLM
+    from prefixserve.replica.entrypoints.llm import LLM
 
     budget = 3 << 20
     full = LLM(str(tiny), kv_cache_memory_bytes=budget).engine.runner
@@ -228,7 +228,7 @@ def test_fp8_engine_equals_fake_quantized_fp32_engine(tiny, backend):
     engine whose cache write rounds through fp8 and back (same scales) gives the same tokens."""
     import dataclasses
 
-    from prefixserve.replica.llm import LLM
+    from prefixserve.replica.entrypoints.llm import LLM
 
     prompts = _engine_prompts(3)
     fp8 = LLM(str(tiny), num_kv_blocks=64, kv_cache_dtype="fp8", calculate_kv_scales=True, attention_backend=backend)
@@ -255,7 +255,7 @@ def test_fp8_scales_from_the_checkpoint(tiny, tmp_path):
 
     from safetensors.torch import save_file
 
-    from prefixserve.replica.llm import LLM
+    from prefixserve.replica.entrypoints.llm import LLM
 
     ckpt = tmp_path / "with_scales"
     shutil.copytree(tiny, ckpt)
@@ -281,8 +281,8 @@ def test_fp8_scales_from_the_checkpoint(tiny, tmp_path):
 @C_KERNELS
 def test_fp8_prefix_hits_and_copy_on_write(tiny):
     """Prefix-cache hits and n > 1 forks (block copies of an fp8 cache) give the tokens of a fresh run."""
-    from prefixserve.replica.llm import LLM
-    from prefixserve.replica.sampling import SamplingParams
+    from prefixserve.replica.entrypoints.llm import LLM
+    from prefixserve.replica.sampling_params import SamplingParams
 
     prompts = _engine_prompts(5)
     cold = _greedy(LLM(str(tiny), num_kv_blocks=64, kv_cache_dtype="fp8", enable_prefix_caching=False), prompts)

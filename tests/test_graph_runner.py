@@ -1,4 +1,4 @@
-"""The decode static-buffer path (replica/graph_runner.py) run eagerly on CPU: the same
+"""The decode static-buffer path (replica/worker/graph_runner.py) run eagerly on CPU: the same
 bucketing, padding and buffer refills CUDA graphs replay on a GPU, checked against the
 eager engine; and an engine's release of its model and cache at shutdown."""
 
@@ -12,11 +12,11 @@ import pytest
 import torch
 from model_helpers import tiny_checkpoint
 
+from prefixserve.replica.entrypoints.llm import LLM
 from prefixserve.replica.errors import EngineDeadError
-from prefixserve.replica.graph_runner import PAD_SLOT, graph_batch_sizes
-from prefixserve.replica.llm import LLM
-from prefixserve.replica.sampling import SamplingParams
-from prefixserve.replica.step_inputs import StepInputs
+from prefixserve.replica.sampling_params import SamplingParams
+from prefixserve.replica.worker.graph_runner import PAD_SLOT, graph_batch_sizes
+from prefixserve.replica.worker.step_inputs import StepInputs
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 # Preemption, chunked prefill and prefix hits (as in test_tensor_parallel.py), and decode

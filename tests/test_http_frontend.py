@@ -1,4 +1,4 @@
-"""The OpenAI front end in process (replica/http_frontend.py over a real tiny engine): fast tests.
+"""The OpenAI front end in process (replica/entrypoints/openai/http_frontend.py over a real tiny engine): fast tests.
 
 What the slow tests/test_server.py cannot show cheaply: the event loop stays
 free while a prompt is templated and tokenized, the cheap length bound, UTF-8
@@ -17,7 +17,8 @@ import pytest
 from model_helpers import tiny_checkpoint
 from server_helpers import InProcessReplica, assert_openai_error, free_port
 
-from prefixserve.replica.engine_client import EngineRequest, RequestRunner
+from prefixserve.replica.contract.request import EngineRequest
+from prefixserve.replica.engine.request_runner import RequestRunner
 from prefixserve.replica.errors import PromptTooLongError
 
 MAX_MODEL_LEN = 128
@@ -166,8 +167,8 @@ def test_every_4xx_of_the_front_end_has_a_code(replica):
 
 def test_the_server_exits_non_zero_once_its_engine_is_dead_for_good(model_dir):
     from prefixserve.replica.config import EngineConfig
-    from prefixserve.replica.engine import AsyncEngine
-    from prefixserve.replica.server import EXIT_ENGINE_DEAD, serve
+    from prefixserve.replica.engine.core import AsyncEngine
+    from prefixserve.replica.entrypoints.openai.server import EXIT_ENGINE_DEAD, serve
 
     engine = AsyncEngine(EngineConfig(model=model_dir, max_model_len=MAX_MODEL_LEN))
     port = free_port()
@@ -202,8 +203,8 @@ def test_the_server_exits_non_zero_once_its_engine_is_dead_for_good(model_dir):
 def test_header_limits_of_the_front_end_are_431_before_the_key_check():
     from starlette.requests import Request
 
-    from prefixserve.replica import api
-    from prefixserve.replica.http_frontend import FrontendOptions, check_auth
+    from prefixserve.replica.entrypoints.openai import protocol as api
+    from prefixserve.replica.entrypoints.openai.http_frontend import FrontendOptions, check_auth
 
     options = FrontendOptions.build(["sk"], 1024, max_header_count=3, max_header_bytes=200)
 

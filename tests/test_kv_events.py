@@ -1,4 +1,4 @@
-"""replica/kv_events.py: the KV event publisher (no Ray) and the router-side consumer; a real engine feeds it."""
+"""replica/contract/kv_events.py: the KV event publisher (no Ray) and the router-side consumer, fed by a real engine."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from prefixserve.replica.kv_events import (
+from prefixserve.replica.contract.kv_events import (
     BLOCK_REMOVED,
     BLOCK_STORED,
     KVEventConsumer,
@@ -144,9 +144,10 @@ def test_a_real_engine_feeds_the_publisher_through_the_request_runner(tmp_path):
     from model_helpers import tiny_checkpoint
 
     from prefixserve.replica.config import EngineConfig
-    from prefixserve.replica.engine import AsyncEngine
-    from prefixserve.replica.engine_client import EngineRequest, RequestRunner
-    from prefixserve.replica.sampling import SamplingParams
+    from prefixserve.replica.contract.request import EngineRequest
+    from prefixserve.replica.engine.core import AsyncEngine
+    from prefixserve.replica.engine.request_runner import RequestRunner
+    from prefixserve.replica.sampling_params import SamplingParams
 
     model = tiny_checkpoint(tmp_path / "tiny", max_pos=512)
     engine = AsyncEngine(

@@ -15,11 +15,11 @@ import torch
 from model_helpers import SMOLLM2_GGUF, hf_greedy, hf_model, random_prompts, smollm2_folder, tiny_gguf
 
 from prefixserve.kernels import cpu_library
-from prefixserve.replica.llm import LLM
+from prefixserve.replica.entrypoints.llm import LLM
 from prefixserve.replica.model import checkpoint_cache, loader
 from prefixserve.replica.model.gguf_reader import read_gguf
 from prefixserve.replica.model.llama import ModelConfig
-from prefixserve.replica.sampling import SamplingParams
+from prefixserve.replica.sampling_params import SamplingParams
 
 TEXTS = [
     "Hello, my name is",

@@ -12,9 +12,9 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from prefixserve.replica.config import EngineConfig
-from prefixserve.replica.engine import LLMEngine
-from prefixserve.replica.metrics import build_1_2_5_buckets
-from prefixserve.replica.sampling import SamplingParams
+from prefixserve.replica.engine.core import LLMEngine
+from prefixserve.replica.engine.metrics import build_1_2_5_buckets
+from prefixserve.replica.sampling_params import SamplingParams
 
 # vLLM V1's families (vllm/v1/metrics/loggers.py) and their types, as a scraper sees them.
 VLLM_FAMILIES = {

@@ -12,11 +12,12 @@ import torch
 from model_helpers import SMOLLM2_GGUF, hf_greedy, hf_model, random_prompts, smollm2_folder, tiny_checkpoint
 
 from prefixserve.replica.config import EngineConfig
-from prefixserve.replica.llm import LLM
+from prefixserve.replica.entrypoints.llm import LLM
 from prefixserve.replica.model import loader
 from prefixserve.replica.model.rope import RopeConfig, inverse_frequencies
 from prefixserve.replica.model.startup import PHASES
-from prefixserve.replica.sampling import SampleSpec, SamplingParams, sample
+from prefixserve.replica.sampling_params import SamplingParams
+from prefixserve.replica.worker.sampler import SampleSpec, sample
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 

@@ -98,7 +98,9 @@ def _nginx_conf(
     (tmp_path / "tmp").mkdir(exist_ok=True)
     ok = [p for p in backends if p != busy]
     text = backends_conf(ok)
-    if busy is not None:  # a replica over its in-flight cap: 429 with Retry-After, as replica/server.py answers
+    if (
+        busy is not None
+    ):  # a replica over its in-flight cap: 429 with Retry-After, as replica/entrypoints/openai/server.py answers
         text += (
             f"server {{\n    listen 127.0.0.1:{busy};\n    location / {{ add_header Retry-After 1 always; "
             f'return 429 \'{{"error":{{"code":"replica_busy"}}}}\'; }}\n}}\n'

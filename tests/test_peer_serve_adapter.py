@@ -28,9 +28,9 @@ from prefixserve.loadtest.peers.serve_adapter import (
     peer_request,
     peer_view,
 )
-from prefixserve.replica.deployment import EngineRequest
+from prefixserve.replica.contract.kv_events import KVEventPublisher
+from prefixserve.replica.contract.request import EngineRequest
 from prefixserve.replica.kv.hashing import BlockHasher
-from prefixserve.replica.kv_events import KVEventPublisher
 from prefixserve.router.policies import Decision, Replica, ReplicaLoad
 from prefixserve.router.serve.metrics import RouterMetrics
 from prefixserve.router.serve.request_router import ServeReplicaView, replica_name
@@ -69,7 +69,7 @@ def chat(system: str, user: str, **kwargs: Any) -> EngineRequest:
 
 
 def test_encoder_tokenizes_as_the_engine_does():
-    from prefixserve.replica.engine import LLMEngine
+    from prefixserve.replica.engine.core import LLMEngine
 
     engine = SimpleNamespace(tokenizer=CharTokenizer(), chat_template=None, check_prompt_text=lambda text: None)
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]

@@ -95,7 +95,7 @@ def test_content_parts_join_text_parts():
 )
 def test_non_text_parts_are_refused_as_the_api_refuses_them(part):
     """A static message with any part the OpenAI front end refuses has no key: ValueError, never a partial key."""
-    from prefixserve.replica import api
+    from prefixserve.replica.entrypoints.openai import protocol as api
 
     messages = [
         {"role": "system", "content": [{"type": "text", "text": "Part one."}, part]},

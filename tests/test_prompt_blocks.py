@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefixserve.replica.deployment import EngineRequest
+from prefixserve.replica.contract.request import EngineRequest
 from prefixserve.router.contracts.prompt_blocks import PromptHasher, UnhashablePrompt
 
 SYSTEM = {"role": "system", "content": "You are a careful assistant. " * 40}  # several blocks

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from prefixserve.replica.ray_bundles import plan_ranks, reserve_rank_resources
+from prefixserve.replica.executor.ray_bundles import plan_ranks, reserve_rank_resources
 
 pytestmark = pytest.mark.slow
 
@@ -101,7 +101,7 @@ def gpu_task_in_bundle(ray, pg, index: int) -> list[str]:
 
 def test_a_plain_process_gets_none_without_importing_or_starting_ray():
     code = (
-        "import sys; from prefixserve.replica.ray_bundles import reserve_rank_resources as r; "
+        "import sys; from prefixserve.replica.executor.ray_bundles import reserve_rank_resources as r; "
         "assert r(2) is None; assert 'ray' not in sys.modules, 'imported ray'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -18,9 +18,9 @@ import pytest
 from model_helpers import tiny_checkpoint
 from server_helpers import InProcessReplica, ReplicaProcess, assert_openai_error, metric
 
-from prefixserve.replica import api
-from prefixserve.replica.bounded_memo import ENTRY_OVERHEAD_BYTES, BoundedMemo
-from prefixserve.replica.engine import min_message_tokens
+from prefixserve.replica.engine.bounded_memo import ENTRY_OVERHEAD_BYTES, BoundedMemo
+from prefixserve.replica.engine.core import min_message_tokens
+from prefixserve.replica.entrypoints.openai import protocol as api
 from prefixserve.replica.errors import PromptTooLongError
 
 MAX_MODEL_LEN = 128
@@ -136,7 +136,7 @@ def test_the_memo_is_bounded_by_bytes_least_recently_used_out_first():
 
 
 def test_the_kv_event_memo_is_bounded_in_bytes_and_reports_its_size():
-    from prefixserve.replica.kv_events import KVEventPublisher
+    from prefixserve.replica.contract.kv_events import KVEventPublisher
 
     publisher = KVEventPublisher(max_keys=8, max_blocks_per_key=4)
     assert publisher.nbytes == 0
@@ -239,8 +239,8 @@ def test_client_errors_log_one_info_line_with_the_request_id(replica, caplog):
 
 
 def test_a_stream_error_crosses_ray_as_plain_fields():
-    """What an engine replica sends instead of raising a client error (replica/deployment.py)."""
-    from prefixserve.replica.deployment import StreamError
+    """What an engine replica sends instead of raising a client error (replica/entrypoints/serve/deployment.py)."""
+    from prefixserve.replica.contract.stream import StreamError
 
     err = api.error_from_exception(PromptTooLongError("too long", param="prompt"))
     item = pickle.loads(pickle.dumps(StreamError.of(err)))

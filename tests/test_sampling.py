@@ -9,16 +9,14 @@ import math
 import pytest
 import torch
 
-from prefixserve.replica.sampling import (
+from prefixserve.replica.sampling_params import (
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
-    SampleSpec,
     SamplingParams,
-    process_logits,
-    sample,
 )
+from prefixserve.replica.worker.sampler import SampleSpec, process_logits, sample
 
 
 @pytest.mark.parametrize(
@@ -207,7 +205,7 @@ def test_penalty_extremes_stay_finite_and_keep_masks():
 
 
 def test_min_p_keeps_tokens_above_its_share_of_the_top():
-    from prefixserve.replica.sampling import _min_p
+    from prefixserve.replica.worker.sampler import _min_p
 
     logits = _logits(2, seed=6)
     params = [SamplingParams(min_p=0.1), SamplingParams(min_p=1.0)]
@@ -230,7 +228,7 @@ def test_a_top_p_below_float32_keeps_the_top_token(top_p):
 
 
 def test_top_k_edges():
-    from prefixserve.replica.sampling import _top_k_top_p
+    from prefixserve.replica.worker.sampler import _top_k_top_p
 
     logits = _logits(seed=10)
     one = _top_k_top_p(logits, [SamplingParams(top_k=1)])[0]
@@ -294,7 +292,7 @@ def test_defaults_cost_no_tensor_work():
 
 
 def test_prompt_logprobs_are_the_raw_log_softmax():
-    from prefixserve.replica.sampling import prompt_logprobs
+    from prefixserve.replica.worker.sampler import prompt_logprobs
 
     logits = _logits(3, seed=14)
     nxt = [4, 9, 1]

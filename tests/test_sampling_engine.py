@@ -12,8 +12,8 @@ import pytest
 import torch
 from model_helpers import hf_greedy, hf_model, random_prompts, tiny_checkpoint
 
-from prefixserve.replica.llm import LLM
-from prefixserve.replica.sampling import SamplingParams
+from prefixserve.replica.entrypoints.llm import LLM
+from prefixserve.replica.sampling_params import SamplingParams
 
 MAX_TOKENS = 12
 # Every new parameter at the value that turns it off, spelled out.
@@ -203,7 +203,7 @@ def test_skip_special_tokens_off_keeps_their_text(llm, prompts):
 
 
 def test_prompt_logprobs_of_a_prompt_longer_than_an_lm_head_slice(ckpt, hf, prompts):
-    from prefixserve.replica.model_shard import LOGIT_SLICE_ROWS
+    from prefixserve.replica.worker.model_shard import LOGIT_SLICE_ROWS
 
     rng = np.random.default_rng(9)
     long_prompt = [int(t) for t in rng.integers(17, 40000, LOGIT_SLICE_ROWS + 45)]

@@ -8,10 +8,10 @@ import random
 
 import pytest
 
+from prefixserve.replica.core.request import Request, SeqStatus, Sequence
+from prefixserve.replica.core.scheduler import Scheduler, SchedulerConfig
 from prefixserve.replica.kv.manager import KVCacheManager
-from prefixserve.replica.request import Request, SeqStatus, Sequence
-from prefixserve.replica.sampling import SamplingParams
-from prefixserve.replica.scheduler import Scheduler, SchedulerConfig
+from prefixserve.replica.sampling_params import SamplingParams
 
 
 def make_seq(rid: str, prompt: list[int], max_tokens: int = 4, n: int = 1) -> Sequence:

@@ -16,7 +16,7 @@ import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
 from ray.serve.request_router import PendingRequest
 
-from prefixserve.replica.deployment import EngineRequest
+from prefixserve.replica.contract.request import EngineRequest
 from prefixserve.router.contracts.ring import HashRing
 from prefixserve.router.policies import ReplicaLoad, effective_in_flight
 from prefixserve.router.serve.metrics import RouterMetrics
@@ -436,7 +436,7 @@ async def test_placed_counts_a_request_once_and_the_leader_merges_a_followers_co
 
 
 async def test_kv_events_in_routing_stats_reach_the_placed_policys_precise_hook():
-    from prefixserve.replica.kv_events import KVEventPublisher
+    from prefixserve.replica.contract.kv_events import KVEventPublisher
 
     rng = random.Random(23)
     router = make_router(policy="placed", precise=True)

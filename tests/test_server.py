@@ -1,4 +1,4 @@
-"""replica/server.py against a real ``prefixserve replica`` process and the official OpenAI client.
+"""replica/entrypoints/openai/server.py against a real ``prefixserve replica`` process and the official OpenAI client.
 
 A tiny random Llama checkpoint (SmolLM2's tokenizer and chat template) keeps the
 model cheap; one test serves SmolLM2 itself. Every test here starts real
@@ -550,8 +550,8 @@ def test_smollm2_serves_a_chat_completion(tmp_path):
 
 async def test_dead_engine_makes_health_and_requests_503(tiny_checkpoint):
     from prefixserve.replica.config import EngineConfig
-    from prefixserve.replica.engine import AsyncEngine
-    from prefixserve.replica.server import build_app
+    from prefixserve.replica.engine.core import AsyncEngine
+    from prefixserve.replica.entrypoints.openai.server import build_app
 
     engine = AsyncEngine(EngineConfig(model=str(tiny_checkpoint), max_model_len=128))
     app = build_app(engine, replica_name="in-process")

@@ -1,4 +1,5 @@
-"""replica/server.py's in-flight cap: above it a generation request gets 429 with Retry-After (nginx walks on)."""
+"""replica/entrypoints/openai/server.py's in-flight cap: above it a generation request gets 429 with Retry-After
+(nginx walks on)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ def tiny(tmp_path_factory):
 
 async def test_a_replica_over_its_in_flight_cap_answers_429_and_serves_again(tiny):
     from prefixserve.replica.config import EngineConfig
-    from prefixserve.replica.engine import AsyncEngine
-    from prefixserve.replica.server import build_app
+    from prefixserve.replica.engine.core import AsyncEngine
+    from prefixserve.replica.entrypoints.openai.server import build_app
 
     engine = AsyncEngine(EngineConfig(model=str(tiny), max_model_len=512))
     app = build_app(engine, replica_name="capped", max_in_flight=1)
@@ -43,8 +44,8 @@ async def test_a_replica_over_its_in_flight_cap_answers_429_and_serves_again(tin
 
 
 def test_the_cap_must_be_positive():
-    from prefixserve.replica.http_frontend import InFlightCounter
-    from prefixserve.replica.server import ServerConfig
+    from prefixserve.replica.entrypoints.openai.http_frontend import InFlightCounter
+    from prefixserve.replica.entrypoints.openai.server import ServerConfig
 
     with pytest.raises(ValueError, match="max_in_flight"):
         InFlightCounter(0)
@@ -56,8 +57,8 @@ def test_every_server_knob_is_a_flag_of_prefixserve_replica():
     import argparse
     import dataclasses
 
-    from prefixserve.replica.config_util import from_cli_args
-    from prefixserve.replica.server import ServerConfig, add_arguments
+    from prefixserve.common.config_util import from_cli_args
+    from prefixserve.replica.entrypoints.openai.server import ServerConfig, add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

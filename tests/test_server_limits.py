@@ -1,4 +1,4 @@
-"""Hostile clients against a real ``replica/server.py`` (uvicorn on loopback, raw sockets).
+"""Hostile clients against a real ``replica/entrypoints/openai/server.py`` (uvicorn on loopback, raw sockets).
 
 Huge or numerous headers are refused (431) before the API-key check; a head
 or body that does not arrive is timed out (408); connections beyond the limit
@@ -40,8 +40,8 @@ def tiny(tmp_path_factory):
 def running_server(model, **limits) -> Iterator[str]:
     """``serve()`` with ServerConfig(**limits) on a free loopback port, in a thread; yields its base URL."""
     from prefixserve.replica.config import EngineConfig
-    from prefixserve.replica.engine import AsyncEngine
-    from prefixserve.replica.server import ServerConfig, serve
+    from prefixserve.replica.engine.core import AsyncEngine
+    from prefixserve.replica.entrypoints.openai.server import ServerConfig, serve
 
     engine = AsyncEngine(EngineConfig(model=str(model), max_model_len=1024))
     port = free_port()

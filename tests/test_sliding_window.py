@@ -12,7 +12,7 @@ import torch
 from model_helpers import VOCAB, hf_greedy, random_prompts, save_random_checkpoint
 
 from prefixserve.replica.kv.manager import NULL_BLOCK, KVCacheManager
-from prefixserve.replica.sampling import SamplingParams
+from prefixserve.replica.sampling_params import SamplingParams
 
 WINDOW = 48
 BS = 16
@@ -79,7 +79,7 @@ def _greedy(llm, prompts, max_tokens=20):
     ids=["chunked-cpu", "torch", "no-caching"],
 )
 def test_mistral_greedy_matches_transformers(mistral, knobs):
-    from prefixserve.replica.llm import LLM
+    from prefixserve.replica.entrypoints.llm import LLM
 
     prompts = long_prompts(1)
     hf = hf_windowed(mistral)
@@ -100,7 +100,7 @@ def test_mistral_greedy_matches_transformers(mistral, knobs):
 
 def test_hits_need_only_the_blocks_inside_the_window(mistral):
     """A prompt whose early blocks were evicted still hits on its recent, cached ones."""
-    from prefixserve.replica.llm import LLM
+    from prefixserve.replica.entrypoints.llm import LLM
 
     prompt = long_prompts(2, n=1)[0]
     hf = hf_windowed(mistral)
@@ -117,7 +117,7 @@ def test_hits_need_only_the_blocks_inside_the_window(mistral):
 
 
 def test_sliding_window_knob_on_a_full_attention_checkpoint(tmp_path):
-    from prefixserve.replica.llm import LLM
+    from prefixserve.replica.entrypoints.llm import LLM
 
     path = windowed_checkpoint(tmp_path / "full", window=None, seed=4)
     prompts = long_prompts(3, n=2)
@@ -131,7 +131,7 @@ def test_sliding_window_knob_on_a_full_attention_checkpoint(tmp_path):
 
 def test_qwen2_layer_types_full_and_windowed_layers(tmp_path):
     """Qwen2's max_window_layers: layer 0 full, layer 1 windowed (layer_types); no block is freed."""
-    from prefixserve.replica.llm import LLM
+    from prefixserve.replica.entrypoints.llm import LLM
 
     path = windowed_checkpoint(tmp_path / "qwen2", arch="qwen2", seed=5, use_sliding_window=True, max_window_layers=1)
     hf = hf_windowed(path)
@@ -147,7 +147,7 @@ def test_qwen2_layer_types_full_and_windowed_layers(tmp_path):
 
 def test_blocks_freed_as_predicted_while_decoding(mistral):
     from prefixserve.replica.config import EngineConfig
-    from prefixserve.replica.engine import LLMEngine
+    from prefixserve.replica.engine.core import LLMEngine
 
     engine = LLMEngine(
         EngineConfig(

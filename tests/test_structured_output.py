@@ -12,9 +12,9 @@ import pytest
 from model_helpers import random_prompts, tiny_checkpoint
 
 from prefixserve.replica.config import EngineConfig
-from prefixserve.replica.engine import AsyncEngine
-from prefixserve.replica.llm import LLM
-from prefixserve.replica.sampling import SamplingParams
+from prefixserve.replica.engine.core import AsyncEngine
+from prefixserve.replica.entrypoints.llm import LLM
+from prefixserve.replica.sampling_params import SamplingParams
 from prefixserve.replica.structured_output.compile import GrammarRejected, GrammarTimeoutError
 from prefixserve.replica.structured_output.params import StructuredOutputsParams
 from prefixserve.replica.structured_output.state import SequenceGrammar

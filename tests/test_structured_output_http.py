@@ -1,5 +1,5 @@
-"""Structured output through the real front end (replica/server.py's app, in process) and a tiny engine:
-response_format, structured_outputs and guided_* on both endpoints, streaming, and the 400s."""
+"""Structured output through the real front end (replica/entrypoints/openai/server.py's app, in process) and a tiny
+engine: response_format, structured_outputs and guided_* on both endpoints, streaming, and the 400s."""
 
 from __future__ import annotations
 

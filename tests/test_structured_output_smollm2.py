@@ -10,8 +10,8 @@ import pytest
 from server_helpers import ReplicaProcess
 from structured_helpers import schema_chat, seeded_schemas
 
-from prefixserve.replica.llm import LLM
-from prefixserve.replica.sampling import SamplingParams
+from prefixserve.replica.entrypoints.llm import LLM
+from prefixserve.replica.sampling_params import SamplingParams
 from prefixserve.replica.structured_output.params import StructuredOutputsParams
 
 pytestmark = pytest.mark.slow

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from model_helpers import random_prompts, tiny_checkpoint
 
+from prefixserve.replica.core.request import Request, Sequence
+from prefixserve.replica.core.scheduler import Scheduler, SchedulerConfig
 from prefixserve.replica.kv.manager import KVCacheManager
-from prefixserve.replica.request import Request, Sequence
-from prefixserve.replica.sampling import SamplingParams
-from prefixserve.replica.scheduler import Scheduler, SchedulerConfig
+from prefixserve.replica.sampling_params import SamplingParams
 
 # --- the KV manager ---------------------------------------------------------------------
 
@@ -235,7 +235,7 @@ def _metric(llm, name: str, **labels: str) -> float:
 
 @pytest.mark.parametrize("caching", [False, True])
 def test_swap_preemption_gives_unconstrained_outputs_without_recompute(ckpt, prompts, caching):
-    from prefixserve.replica.llm import LLM
+    from prefixserve.replica.entrypoints.llm import LLM
 
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     common = dict(max_num_batched_tokens=64, enable_prefix_caching=caching)
@@ -272,7 +272,7 @@ def test_swap_preemption_gives_unconstrained_outputs_without_recompute(ckpt, pro
 
 
 def test_full_swap_pool_falls_back_to_recompute(ckpt, prompts):
-    from prefixserve.replica.llm import LLM
+    from prefixserve.replica.entrypoints.llm import LLM
 
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     expected = [o.outputs[0].token_ids for o in LLM(ckpt, num_kv_blocks=128).generate(prompts, params)]

@@ -1,5 +1,5 @@
 """Tensor-parallel engines on CPU (gloo): same greedy tokens as one process, 1/N of the KV
-cache per rank, loud and clean failure (replica/tensor_parallel.py, tp_worker.py).
+cache per rank, loud and clean failure (replica/executor/tensor_parallel.py, tp_worker.py).
 
 The random Llama checkpoint has 8 query heads and 2 KV heads, so TP 2 splits KV heads
 and TP 4 replicates them (one per rank, each on two ranks); SmolLM2 (9 query heads,
@@ -23,13 +23,13 @@ from model_helpers import tiny_checkpoint
 from server_helpers import ReplicaProcess
 
 from prefixserve.replica.config import EngineConfig
-from prefixserve.replica.engine import AsyncEngine
+from prefixserve.replica.engine.core import AsyncEngine
+from prefixserve.replica.entrypoints.llm import LLM
 from prefixserve.replica.errors import EngineDeadError
-from prefixserve.replica.llm import LLM
+from prefixserve.replica.executor.tp_protocol import parse_swap_message, swap_message
 from prefixserve.replica.model.layers import TPGroup
-from prefixserve.replica.sampling import SamplingParams
-from prefixserve.replica.step_inputs import StepInputs, unpack_step_inputs
-from prefixserve.replica.tensor_parallel import parse_swap_message, swap_message
+from prefixserve.replica.sampling_params import SamplingParams
+from prefixserve.replica.worker.step_inputs import StepInputs, unpack_step_inputs
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
@@ -216,8 +216,8 @@ async def test_killing_a_worker_mid_stream_fails_the_request_and_the_engine_for_
 
 DRIVER = textwrap.dedent("""
     import os, signal, sys
-    from prefixserve.replica.llm import LLM
-    from prefixserve.replica.sampling import SamplingParams
+    from prefixserve.replica.entrypoints.llm import LLM
+    from prefixserve.replica.sampling_params import SamplingParams
     llm = LLM(sys.argv[1], num_kv_blocks=64, tensor_parallel_size=int(sys.argv[2]))
     print(" ".join(map(str, llm.engine.runner.worker_pids)), flush=True)
     if sys.argv[3] == "crash":

@@ -11,7 +11,7 @@ import pytest
 from model_helpers import tiny_checkpoint
 from server_helpers import InProcessReplica, assert_openai_error, metric
 
-from prefixserve.replica import api
+from prefixserve.replica.entrypoints.openai import protocol as api
 from prefixserve.router.contracts.prefix import PrefixKeyConfig, prefix_hash, routing_key
 
 SYSTEM = "You are the travel desk of a small agency. Call a tool when the user asks for facts."
@@ -117,7 +117,7 @@ def test_route_cli_takes_the_tools_file(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    from prefixserve.replica.llm import LLM
+    from prefixserve.replica.entrypoints.llm import LLM
 
     with LLM(str(tiny_checkpoint(tmp_path_factory.mktemp("tiny"))), block_size=4, num_kv_blocks=64) as llm:
         yield llm
@@ -181,7 +181,7 @@ def test_tool_turns_render_as_tool_call_and_tool_response_blocks(llm):
 
 def test_the_chat_template_flag_renders_every_request(tmp_path):
     from prefixserve.replica.config import EngineConfig
-    from prefixserve.replica.llm import LLM
+    from prefixserve.replica.entrypoints.llm import LLM
 
     template = tmp_path / "t.jinja"
     template.write_text(
@@ -432,11 +432,11 @@ def test_a_named_function_call_comes_back_collected_and_streamed(tiny):
 def test_tool_calls_and_parse_failures_are_counted_and_on_the_span(tmp_path):
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+    from prefixserve.common.tracing import RequestTracer, build_tracer
     from prefixserve.replica.config import EngineConfig
-    from prefixserve.replica.engine import LLMEngine
-    from prefixserve.replica.sampling import SamplingParams
+    from prefixserve.replica.engine.core import LLMEngine
+    from prefixserve.replica.sampling_params import SamplingParams
     from prefixserve.replica.tools.choice import ToolCallMode
-    from prefixserve.replica.tracing import RequestTracer, build_tracer
 
     engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint(tmp_path / "tiny")), num_kv_blocks=64, max_model_len=256))
     exporter = InMemorySpanExporter()

@@ -1,4 +1,4 @@
-"""OpenTelemetry traces (replica/tracing.py): the engine's llm_request spans and the router's route spans.
+"""OpenTelemetry traces (common/tracing.py): the engine's llm_request spans and the router's route spans.
 
 The spans go to OpenTelemetry's own in-memory exporter; the engine runs a tiny
 random Llama and the router runs inside Ray Serve's real RequestRouter base class
@@ -15,10 +15,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 from test_serve_router import make_router, pending, replicas
 
+from prefixserve.common.tracing import RequestTracer, build_tracer, trace_headers
 from prefixserve.replica.config import EngineConfig
-from prefixserve.replica.engine import LLMEngine
-from prefixserve.replica.sampling import SamplingParams
-from prefixserve.replica.tracing import RequestTracer, build_tracer, trace_headers
+from prefixserve.replica.engine.core import LLMEngine
+from prefixserve.replica.sampling_params import SamplingParams
 from prefixserve.router.contracts.ring import HashRing
 
 # A client's W3C trace context: trace 4bf9..., its span 00f0...

@@ -15,7 +15,7 @@ scorers with llm-d's weights 3/2/2 (peers/llmd.py); ai-dynamo/dynamo
 
 Signals, per request and candidate (:class:`PeerServeReplica`):
 
-* prompt tokens: the engine call's first argument is replica/engine_client.py's
+* prompt tokens: the engine call's first argument is replica/engine/request_runner.py's
   ``EngineRequest``; its ``messages`` go through the served model's chat
   template, a text ``prompt`` through its tokenizer, exactly as the engine does
   (:class:`PromptEncoder`; the tokenizer loads when the router starts, which
@@ -34,7 +34,7 @@ Signals, per request and candidate (:class:`PeerServeReplica`):
   in-flight requests count as waiting. Reports are up to ``stats_period_s``
   (1 s) old where EPP scrapes every 50 ms;
 * ``cached_blocks`` (Dynamo's overlap): a :class:`KvEventIndex` fed by the
-  replicas' KV events (replica/kv_events.py). Approximated: those events
+  replicas' KV events (replica/contract/kv_events.py). Approximated: those events
   track each routing key's static-prefix blocks (at most 32 per key), not
   every block as Dynamo's KvIndexer does, so blocks beyond a key's static
   prefix (conversation history) are never credited; the index learns a
@@ -82,14 +82,15 @@ from typing import Any, Protocol, TypeVar
 from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica
 
 from prefixserve.loadtest.peers import Peer, PeerRequest, make_peer
+from prefixserve.replica.contract.kv_events import KV_EVENTS_FORMAT
 from prefixserve.replica.kv.hashing import DEFAULT_HASH_ALGO, BlockHasher
-from prefixserve.replica.kv_events import KV_EVENTS_FORMAT
 from prefixserve.router.policies import Decision, ReplicaLoad, ReplicaView, by_load
 from prefixserve.router.serve.request_router import PrefixRouter, ServeReplicaView, is_generation, replica_name
 
 # Import path for RequestRouterConfig(request_router_class=...) / router/serve/app.py's router_class.
 PEER_ROUTER_CLASS_PATH = "prefixserve.loadtest.peers.serve_adapter:PeerRouter"
-# replica/kv_events.py KVEventPublisher's max_blocks_per_key default: the most prefix blocks a replica reports per key.
+# replica/contract/kv_events.py KVEventPublisher's max_blocks_per_key default: the most prefix blocks a replica
+# reports per key.
 MAX_BLOCKS_PER_KEY = 32
 # Bounds on the router's memories (keys' prefix hashes; requests between routing and completion).
 MAX_KEYS = 4096
@@ -110,7 +111,7 @@ class Tokenizer(Protocol):
 
 
 class PromptEncoder:
-    """A request's prompt token ids, as the engine computes them (replica/engine.py ``encode_chat`` / ``tokenize``)."""
+    """A request's prompt token ids, as the engine computes them (replica/engine/core.py encode_chat, tokenize)."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -218,7 +219,7 @@ class KvEventIndex:
         return list(self._prefix.get(key, ()))
 
     def apply(self, replica: str, payload: Mapping[str, Any]) -> bool:
-        """Take in one KV-event payload of ``replica`` (replica/kv_events.py); False when it is not newer."""
+        """Take in one KV-event payload of ``replica`` (replica/contract/kv_events.py); False when it is not newer."""
         if payload.get("format") != KV_EVENTS_FORMAT:
             return False
         epoch, seq = str(payload.get("epoch")), int(payload.get("seq", 0))

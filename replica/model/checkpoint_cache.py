@@ -36,7 +36,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from prefixserve.kernels.cpu_library import cache_root
+from prefixserve.common.paths import cache_root
 
 FORMAT = 2
 MANIFEST = "manifest.json"

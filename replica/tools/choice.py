@@ -15,7 +15,7 @@ Job, per vLLM's semantics (``serving_chat.py``, ``protocol.py``):
 So with ``required`` or a named function the arguments always parse: decoding
 follows the schema (``SamplingParams.structured_outputs``).
 
-Pure Python; the request models stay in ``replica/api.py``.
+Pure Python; the request models stay in ``replica/entrypoints/openai/protocol.py``.
 """
 
 from __future__ import annotations

@@ -12,11 +12,9 @@ Pure Python (importlib.resources only).
 
 from __future__ import annotations
 
-import json
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
-from typing import Any
 
 TOOL_TEMPLATE = "chatml_tools.jinja"
 
@@ -54,11 +52,3 @@ def template_for(model_template: str | None, configured: str | None, has_tools: 
     if has_tools and not renders_tools(model_template):
         return tool_chat_template()
     return None
-
-
-def canonical_json(value: Any) -> str:
-    """``value`` as canonical JSON: sorted keys, no spaces, UTF-8 characters as themselves.
-
-    The form Contract 1 hashes tools in (router/prefix.py), and the engine's memo key for them.
-    """
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)

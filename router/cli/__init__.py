@@ -15,7 +15,7 @@ import sys
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "replica": ("prefixserve.replica.server", "run one engine replica as an OpenAI HTTP server"),
+    "replica": ("prefixserve.replica.entrypoints.openai.server", "run one engine replica as an OpenAI HTTP server"),
     "up": (
         "prefixserve.router.cli.up",
         "run the cluster on this machine: local Ray, replicas, router, OpenAI endpoint",

@@ -23,11 +23,10 @@ import signal
 import threading
 from typing import Any
 
+from prefixserve.common.config_util import add_cli_arguments, from_cli_args
+from prefixserve.common.logs import add_verbose_flag, configure_logging, quiet_libraries
 from prefixserve.replica.config import EngineConfig
-from prefixserve.replica.config_util import add_cli_arguments, from_cli_args
 from prefixserve.replica.endpoint_config import EndpointConfig
-from prefixserve.replica.log_json import configure_logging
-from prefixserve.replica.logs import add_verbose_flag, quiet_libraries
 from prefixserve.router.cluster_config import DEFAULT_REPLICA_CPUS, AppArgs, IngressArgs, IngressConfig, RouterArgs
 
 APP_NAME = "prefixserve"
@@ -96,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from prefixserve.replica.serve_shutdown import shutdown_serve
+    from prefixserve.common.serve_shutdown import shutdown_serve
     from prefixserve.router.serve.app import build_app
     from prefixserve.router.serve.drain import drain_app
 

@@ -65,8 +65,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from prefixserve.replica.request import SESSION_HEADER, STATIC_ROLES
-from prefixserve.replica.tools.templates import canonical_json
+from prefixserve.replica.contract.request import SESSION_HEADER, STATIC_ROLES, canonical_json
 
 PREFIX_HASH_HEADER = "X-Prefix-Hash"
 KEY_HEX_DIGITS = 16
@@ -156,7 +155,7 @@ def content_text(content: Any) -> str:
     if isinstance(content, (list, tuple)):
         texts = []
         for part in content:
-            # The same parts replica/api.py's ChatMessage accepts: a body it refuses has no key.
+            # The same parts replica/entrypoints/openai/protocol.py's ChatMessage accepts: a body it refuses has no key.
             if not (isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)):
                 kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
                 raise ValueError(f"only text content parts are supported, got {kind!r}")

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
-from prefixserve.replica.config_util import from_dict
+from prefixserve.common.config_util import from_dict
 from prefixserve.router.policies.base import (
     KIND_FALLBACK,
     KIND_HISTORY,

@@ -38,7 +38,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, Protocol, TypeVar, runtime_checkable
 
-from prefixserve.replica.config_util import from_dict
+from prefixserve.common.config_util import from_dict
 from prefixserve.router.contracts.ring import RingServer
 
 

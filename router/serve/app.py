@@ -3,7 +3,7 @@
 Job: turn one args dict (``serve run prefixserve.router.serve.app:build_app``, the ``args`` of an
 application in a ``serve deploy`` config such as cluster.yaml, or
 ``prefixserve up``) into a ``serve.Application``: the engine deployment
-(replica/deployment.py) with its request router (router/serve/request_router.py, or
+(replica/entrypoints/serve/deployment.py) with its request router (router/serve/request_router.py, or
 Ray Serve LLM's PrefixCacheAffinityRouter for comparison), and the ingress
 (router/serve/ingress.py) bound to its handle.
 
@@ -11,7 +11,7 @@ The args are router/cluster_config.py's ``AppArgs`` (its docstring lists every k
 
 Tensor parallelism (``engine.tensor_parallel_size`` N > 1). One engine replica
 is N ranks: the replica actor is rank 0 and starts ranks 1..N-1 as local
-processes (replica/tensor_parallel.py), so all N must be on one node. The
+processes (replica/executor/tensor_parallel.py), so all N must be on one node. The
 replica asks Serve for one placement-group bundle per rank
 (``placement_group_bundles``, ``placement_group_strategy: STRICT_PACK``, Serve
 2.60's deployment options), and:
@@ -24,7 +24,7 @@ replica asks Serve for one placement-group bundle per rank
   ``num_gpus: 1``, and the replica reserves 4 x ``num_cpus`` CPUs in all.
   ``num_gpus`` > 1 with N > 1 is refused as a per-replica total, with the
   per-rank options to write instead.
-* The ranks learn what their bundle holds from replica/ray_bundles.py.
+* The ranks learn what their bundle holds from replica/executor/ray_bundles.py.
 * ``check_resources``: the Serve controller builds the app inside the Ray
   cluster, so build_app can see every alive node; when none has the N bundles'
   resources together it refuses with an error naming them and the most any node
@@ -56,7 +56,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import RayServeException
 
-from prefixserve.replica.deployment import EngineDeployment
+from prefixserve.replica.entrypoints.serve.deployment import EngineDeployment
 from prefixserve.router.cluster_config import (
     ROUTER_CLASSES,
     TP_PLACEMENT_STRATEGY,

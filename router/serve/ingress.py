@@ -1,6 +1,6 @@
 """The Ray Serve ingress: the cluster's OpenAI endpoint in front of the engine replicas.
 
-Job: host the OpenAI front end (``replica/http_frontend.py``, the same code the
+Job: host the OpenAI front end (``replica/entrypoints/openai/http_frontend.py``, the same code the
 standalone replica server hosts: same endpoints, protocol models, answers,
 error bodies and status codes) over an :class:`EngineClient` that reaches the
 engine deployment through its Serve handle, whose request router
@@ -67,11 +67,11 @@ from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from prefixserve.replica import api, http_frontend
-from prefixserve.replica.deployment import EngineRequest, StreamError, StreamStart, TokenTexts
-from prefixserve.replica.engine_client import ModelInfo
-from prefixserve.replica.http_frontend import REPLICA_HEADER, FrontendOptions
-from prefixserve.replica.outputs import StreamDelta
+from prefixserve.replica.contract.request import REPLICA_HEADER, EngineRequest, ModelInfo
+from prefixserve.replica.contract.stream import StreamDelta, StreamError, StreamStart, TokenTexts
+from prefixserve.replica.entrypoints.openai import http_frontend
+from prefixserve.replica.entrypoints.openai import protocol as api
+from prefixserve.replica.entrypoints.openai.http_frontend import FrontendOptions
 from prefixserve.router.cluster_config import IngressConfig
 from prefixserve.router.contracts.prefix import PrefixKeyConfig, routing_key
 from prefixserve.router.serve.metrics import merge_expositions, router_metrics

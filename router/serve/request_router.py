@@ -3,7 +3,7 @@
 Job: adapt Ray Serve's ``RequestRouter`` (ray.serve.request_router, Serve 2.60)
 to the pure policies of router/policies/. The ingress computes the routing
 key (router/contracts/prefix.py) and passes it as ``routing_key`` on the first positional
-argument of the engine call (replica/deployment.py's EngineRequest); this router
+argument of the engine call (replica/entrypoints/serve/deployment.py's EngineRequest); this router
 reads it, ranks the live replicas with the configured policy and returns one
 tier per replica, best first. The base class tries the tiers in order: a
 replica that is full (its queue length reaches ``max_ongoing_requests``) or
@@ -17,7 +17,7 @@ Invariants:
   (``on_replica_actor_died``), so a dead replica leaves the ring at the next
   decision and its keys move to their ring successors; no other key moves.
 * A replica is placed on the ring by its full replica id
-  (``SERVE_REPLICA::app#deployment#id``), the name replica/deployment.py reports
+  (``SERVE_REPLICA::app#deployment#id``), the name replica/entrypoints/serve/deployment.py reports
   back to clients (``X-Prefixserve-Replica``).
 * In-flight counts: this router's own bookkeeping of requests it routed to a
   replica (``on_request_routed``) that have not completed
@@ -28,7 +28,7 @@ Invariants:
   with nothing in flight.
 * Replica-reported load: each engine replica reports its queue (waiting,
   running), KV usage and queued prefill tokens in Serve's routing stats
-  (replica/deployment.py ``record_routing_stats``, every ``stats_period_s``),
+  (replica/entrypoints/serve/deployment.py ``record_routing_stats``, every ``stats_period_s``),
   which reach every router as ``RunningReplica.routing_stats``. Reports are
   stale by up to a period (plus the controller's push), own counts are fresh,
   so the candidate view (:class:`ServeReplicaView`) combines them with one
@@ -41,7 +41,7 @@ Invariants:
   the whole cluster's queue, and its own requests without delay. A report
   older than ``stats_max_age_s`` is ignored.
 * KV events: the routing stats also carry the replica's KV event payload
-  (replica/kv_events.py); a :class:`KVEventConsumer` applies each newer one
+  (replica/contract/kv_events.py); a :class:`KVEventConsumer` applies each newer one
   (after missed ones too: their summaries are absolute) and feeds the policy's precise hook
   (``set_cached``) when the policy has one.
 * ``placed`` placements agree across routers through the ingress
@@ -74,8 +74,8 @@ from typing import TYPE_CHECKING, Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
-from prefixserve.replica.kv_events import KVEventConsumer
-from prefixserve.replica.tracing import build_tracer, route_span
+from prefixserve.common.tracing import build_tracer, route_span
+from prefixserve.replica.contract.kv_events import KVEventConsumer
 from prefixserve.router.cluster_config import DEFAULT_STATS_MAX_AGE_S
 from prefixserve.router.contracts.prompt_blocks import PromptBlocks, PromptHasher, UnhashablePrompt
 from prefixserve.router.policies import (
@@ -220,7 +220,7 @@ class PrefixRouter(RequestRouter):
         """``options`` go to the policy as declared by its ``Options`` (router/policies/).
 
         ``otlp_traces_endpoint`` (or, in tests, ``tracer``): record a ``route`` span per
-        decision and make it the parent of the engine's spans (replica/tracing.py).
+        decision and make it the parent of the engine's spans (common/tracing.py).
         ``stats_max_age_s``: replica reports older than this are not used.
         """
         self._policy: Policy = make_policy(policy, **options)

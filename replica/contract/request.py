@@ -1,0 +1,127 @@
+"""The engine request and what a front end may ask of an engine: the ingress<->engine contract's request side.
+
+* :class:`EngineRequest`: one generation request, as a front end hands it to an engine (and as the Ray
+  ingress sends it to an engine replica).
+* :class:`ModelInfo`, :class:`EngineStream` and :class:`EngineClient`: what a front end may ask of an
+  engine (model info, health, open a stream of ``StreamDelta``; closing an unfinished stream aborts its
+  request).
+* The headers and roles Contract 1 (router/contracts/prefix.py) reads: ``SESSION_HEADER``, ``STATIC_ROLES``; the
+  header naming the replica that served a request, ``REPLICA_HEADER``; ``canonical_json``, the form
+  tools are hashed in.
+
+Plain data: no HTTP framework, no Ray, no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from prefixserve.replica.contract.stream import StreamDelta
+from prefixserve.replica.sampling_params import SamplingParams
+from prefixserve.replica.tools.choice import ToolCallMode
+
+# The session header of multi-turn clients: their requests are conversation turns, and
+# router/contracts/prefix.py keys their affinity by it.
+SESSION_HEADER = "X-Session-Id"
+# Contract 1's static prefix (router/contracts/prefix.py): the leading run of chat messages with these roles.
+STATIC_ROLES = frozenset({"system", "developer"})
+
+
+# Names the engine replica that served a request (the standalone server: itself).
+REPLICA_HEADER = "X-Prefixserve-Replica"
+
+
+def canonical_json(value: Any) -> str:
+    """``value`` as canonical JSON: sorted keys, no spaces, UTF-8 characters as themselves.
+
+    The form Contract 1 hashes tools in (router/contracts/prefix.py), and the engine's memo key for them.
+    """
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+@dataclass
+class EngineRequest:
+    """One generation request as a front end hands it to an engine.
+
+    Exactly one of ``prompt`` (text or token ids, completions) and ``messages``
+    (chat; ``[{"role", "content"}]`` with string contents, plus ``tool_calls`` /
+    ``tool_call_id`` on tool turns, rendered by the engine's chat template with
+    ``tools``) is set. ``tool_mode`` says how the output is read for tool calls
+    (None: plain content). ``sampling.max_tokens`` is what the client
+    asked for; when the client asked nothing, ``max_tokens_default`` is set and
+    the engine host, which knows the prompt's length, applies the one rule of
+    :func:`fit_max_tokens`.
+    """
+
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    prompt: str | list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_mode: ToolCallMode | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens_default: int | None = None
+    cache_salt: str | None = None
+    # Contract 1's key (router/contracts/prefix.py), computed by the ingress; None = no affinity.
+    routing_key: str | None = None
+    # The W3C trace context (traceparent, tracestate) the request's spans hang under
+    # (common/tracing.py); the router replaces it with its route span's.
+    trace_headers: dict[str, str] | None = None
+    # A conversation turn (is_conversation_turn): its answer returns in the next prompt.
+    conversation: bool = False
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("an EngineRequest needs exactly one of prompt and messages")
+        if self.max_tokens_default is not None and self.max_tokens_default < 1:
+            raise ValueError(f"max_tokens_default must be >= 1 or None, got {self.max_tokens_default}")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a front end needs to know of the served model."""
+
+    model_name: str  # the name clients use
+    model: str  # where it was loaded from (also accepted as a name)
+    max_model_len: int
+    # Chats of more messages cannot fit (LLMEngine.max_messages), refused before parsing them
+    # further; None when the chat template gives no bound.
+    max_messages: int | None = None
+    # The engine's --tool-call-parser and --enable-auto-tool-choice (tool_choice="auto" needs both).
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+
+    def serves(self, name: str) -> bool:
+        return name in (self.model_name, self.model)
+
+
+class EngineStream(Protocol):
+    """The deltas of one engine request.
+
+    ``aclose`` aborts the request when it is unfinished (its KV blocks are
+    freed); ``token_text`` renders a token id this stream produced (logprobs);
+    ``response_headers`` say where the request ran (empty when the host's own
+    headers say it already).
+    """
+
+    def __aiter__(self) -> EngineStream: ...
+
+    async def __anext__(self) -> StreamDelta: ...
+
+    async def aclose(self) -> None: ...
+
+    def token_text(self, token_id: int) -> str: ...
+
+    def response_headers(self) -> dict[str, str]: ...
+
+
+class EngineClient(Protocol):
+    """An engine as a front end sees it: model info, health, and streams."""
+
+    async def model_info(self) -> ModelInfo: ...
+
+    async def is_healthy(self) -> bool: ...
+
+    def open_stream(self, request: EngineRequest) -> EngineStream: ...

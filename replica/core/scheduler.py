@@ -1,0 +1,231 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+Each step gets a token budget (``max_num_batched_tokens``). Running sequences come
+first, in admission order: a decoding sequence takes one token, a sequence still
+prefilling takes as much of its remaining prompt as the budget allows (chunked
+prefill). Then waiting sequences are admitted in arrival order while the budget,
+``max_num_seqs`` and the KV blocks allow, each starting after the longest cached
+prefix of its tokens (``KVCacheManager.get_computed_blocks``).
+
+When a running sequence cannot get a block, the most recently admitted running
+sequence is preempted and goes back to the front of the waiting queue. By recompute
+(``preemption_mode="recompute"``): its blocks are freed and its progress reset (its
+full blocks usually remain cached, so it resumes with prefix hits). By swap
+(``"swap"``): ``KVCacheManager.swap_out`` keeps its KV (blocks copied to the host
+pool, blocks shared with running sequences kept by reference) and its progress; when
+it is admitted again ``swap_in`` restores the same table and it continues where it
+stopped, recomputing nothing. A swap that cannot happen (host pool full) is a
+recompute, and so is a swapped sequence that cannot be swapped in even with nothing
+running. No waiting sequence is admitted (or swapped in) in a step that
+preempted: the blocks just freed go to the sequences already running, and no step
+both swaps out and swaps in.
+
+A waiting sequence that does not fit while nothing runs (every seat, block and token
+of the budget free) can never be admitted: it leaves the queue as ``rejected`` so it
+never blocks the requests behind it. The engine validates requests so that this
+does not happen; the scheduler does not rely on it.
+
+Invariants: a sequence is in exactly one of waiting / running / (finished, in
+neither); for a running sequence ``kv.num_tokens(seq_id) == num_computed_tokens``
+between steps; a scheduled sequence's ``num_computed_tokens`` is advanced when it is
+scheduled (the step computes those tokens before the next schedule).
+
+Pure Python: no torch. The engine applies the model; tests drive it with a fake step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from prefixserve.replica.core.request import SeqStatus, Sequence
+from prefixserve.replica.core.sched_output import ScheduledSeq, SchedulerOutput
+from prefixserve.replica.kv.manager import KVCacheManager
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"  # or "swap" (needs a KV manager with host blocks)
+    # Free a finished sequence's generated blocks to the cold end, unless its request is a
+    # conversation turn (EngineConfig.evict_generated_first).
+    evict_generated_first: bool = False
+    # Free a sequence's static-prefix blocks as reused ones (Request.static_prefix_tokens;
+    # EngineConfig.protect_static_prefix).
+    protect_static_prefix: bool = False
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        # By how they happened: swapped out, or recomputed (incl. swaps the host pool refused).
+        self.num_swap_preemptions = 0
+        self.num_recompute_preemptions = 0
+        # Swapped sequences resumed by recompute (they could not be swapped in with nothing running).
+        self.num_swap_in_fallbacks = 0
+
+    # --- queue changes -----------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence; ValueError if its request needs more seats than max_num_seqs."""
+        width = seq.request.params.n if seq.awaits_fork else 1
+        if width > self.config.max_num_seqs:
+            raise ValueError(
+                f"the request needs {width} sequences at once but max_num_seqs is {self.config.max_num_seqs}"
+            )
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_forked(self, parent: Sequence, children: list[Sequence]) -> None:
+        """Place forked children right after their (running) parent: same admission age."""
+        at = self.running.index(parent) + 1
+        for c in children:
+            c.status = SeqStatus.RUNNING
+        self.running[at:at] = children
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a sequence for good and free its blocks."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        cold = self.config.evict_generated_first and not seq.request.conversation
+        self.kv.free(seq.seq_id, generated_cold=cold, static_prefix_tokens=self._static_prefix(seq))
+
+    def _static_prefix(self, seq: Sequence) -> int:
+        """The static-prefix tokens whose blocks ``kv.free`` releases as reused (0: none)."""
+        return seq.request.static_prefix_tokens if self.config.protect_static_prefix else 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- the step plan -----------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        kv = self.kv
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            n = min(remaining, budget)
+            if n < remaining and not self.config.enable_chunked_prefill:
+                i += 1
+                continue
+            while (table := kv.allocate_slots(seq.seq_id, seq.token_ids, n)) is None:
+                # Out of blocks: preempt the youngest running sequence (maybe seq itself).
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING:
+                break
+            out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n, table))
+            seq.num_computed_tokens += n
+            budget -= n
+            i += 1
+        if not out.preempted:
+            self._admit(out, budget)
+        out.copy_ops = kv.take_copy_ops()
+        out.swap_out, out.swap_in = kv.take_swap_ops()
+        return out
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        if self.config.preemption_mode == "swap" and self.kv.swap_out(seq.seq_id):
+            self.num_swap_preemptions += 1  # progress kept: it resumes where it stopped
+        else:
+            self.kv.free(seq.seq_id, static_prefix_tokens=self._static_prefix(seq))
+            seq.num_computed_tokens = 0
+            self.num_recompute_preemptions += 1
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        kv = self.kv
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            # The parent of an n > 1 request brings its children after the prefill.
+            width = seq.request.params.n if seq.awaits_fork else 1
+            if kv.is_swapped(seq.seq_id):
+                if self._swap_in(seq, out, budget, width):
+                    budget -= out.scheduled[-1].num_new_tokens
+                    continue
+                if kv.is_swapped(seq.seq_id):
+                    break  # it waits for room
+            table = None
+            if len(self.running) + width <= self.config.max_num_seqs:
+                salt = seq.request.cache_salt
+                # prompt_logprobs need every prompt position's logits: no hit (as vLLM).
+                blocks, num_cached = (
+                    ([], 0) if seq.request.needs_prompt_logits else kv.get_computed_blocks(seq.token_ids, salt)
+                )
+                remaining = seq.num_tokens - num_cached
+                n = min(remaining, budget)
+                if n == remaining or self.config.enable_chunked_prefill:
+                    table = kv.allocate_slots(seq.seq_id, seq.token_ids, n, blocks, salt)
+            if table is None:
+                if self.running:
+                    break  # it waits for room (first come, first served)
+                # Nothing runs, so nothing will free room for it: it can never be admitted.
+                self.waiting.popleft()
+                seq.status = SeqStatus.FINISHED
+                out.rejected.append(seq)
+                continue
+            self.waiting.popleft()
+            self.running.append(seq)
+            seq.status = SeqStatus.RUNNING
+            if seq.request.num_cached_tokens is None:
+                seq.request.num_cached_tokens = num_cached
+            out.scheduled.append(ScheduledSeq(seq, num_cached, n, table))
+            seq.num_computed_tokens = num_cached + n
+            budget -= n
+
+    def _swap_in(self, seq: Sequence, out: SchedulerOutput, budget: int, width: int) -> bool:
+        """Resume a swapped sequence at the front of the queue: True when it runs this step.
+
+        False with the sequence still swapped: no room yet. False with it no longer swapped:
+        it cannot fit even with nothing running, so its swapped KV was dropped and it goes
+        through ordinary admission (recompute).
+        """
+        kv = self.kv
+        table = None
+        remaining = seq.num_tokens - seq.num_computed_tokens
+        n = min(remaining, budget)
+        fits = n == remaining or self.config.enable_chunked_prefill
+        if len(self.running) + width <= self.config.max_num_seqs and fits:
+            table = kv.swap_in(seq.seq_id, seq.token_ids, n)
+        if table is None:
+            if not self.running:
+                self._swap_in_fallback(seq)
+            return False
+        self.waiting.popleft()
+        self.running.append(seq)
+        seq.status = SeqStatus.RUNNING
+        out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n, table))
+        seq.num_computed_tokens += n
+        return True
+
+    def _swap_in_fallback(self, seq: Sequence) -> None:
+        self.kv.discard_swapped(seq.seq_id)
+        seq.num_computed_tokens = 0
+        self.num_swap_in_fallbacks += 1

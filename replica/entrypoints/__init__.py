@@ -1,0 +1,1 @@
+"""The ways into one engine: the offline ``LLM``, the OpenAI HTTP server, the Ray Serve deployment."""

@@ -1,0 +1,1 @@
+"""The Ray Serve deployment that hosts one engine."""

@@ -1,0 +1,1 @@
+"""One rank's work: its model shard, the decode graph runner, a step's packed inputs, the sampler."""
