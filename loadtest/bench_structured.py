@@ -231,7 +231,7 @@ def print_rows(title: str, rows: list[dict]) -> None:
             + ", ".join(f"{x:.3f}" for x in r["ratios"])
             + " |"
         )
-    print()
+    print(flush=True)
 
 
 def main() -> None:
@@ -267,9 +267,12 @@ def main() -> None:
         "tpot": rows,
         "compile": compiled,
     }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))  # ours kept should the vLLM peer fail
+    print_rows("prefixserve", rows)
     if args.vllm_python:
         result["vllm"] = run_vllm_peer(args.vllm_python, prompts, args.batch_sizes, args.max_tokens, args.repeats)
-    print_rows("prefixserve", rows)
     if "vllm" in result:
         v = result["vllm"]
         print_rows(f"vLLM {v['vllm_version']} (CPU build, xgrammar {v['xgrammar_version']})", v["tpot"])
@@ -278,8 +281,6 @@ def main() -> None:
     for k, val in compiled.items():
         print(f"| {k} | {val:.4f} |")
     print(json.dumps({"versions": versions, "machine": result["machine"]}))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
 
 
