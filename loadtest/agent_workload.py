@@ -15,6 +15,13 @@ What a prefix cache can reuse: the system prompt and tools across a tenant's
 sessions (the routing key's static prefix, Contract 1), and each session's
 history across its steps.
 
+Beside workloads.py's ``agent`` (one app, the tool definitions as system-prompt text and
+the calls and results as plain turns, so that any chat template and any server take it:
+the router benchmarks' version), this one sends OpenAI's own ``tools``, ``tool_calls`` and
+``tool`` messages for tenants in waves, which the engine renders through its tool template
+(bench_engine's agents). Both keep their seeded byte streams: the figures in
+docs/benchmarks/agents.md and routing_conversations.md (bench_cluster) were measured on them.
+
 Pure Python: the tokenizer (for exact system-prompt lengths) is optional.
 """
 

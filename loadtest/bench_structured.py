@@ -4,9 +4,18 @@ at batch 1, 16 and 64, and grammar compile time (first and cached), on SmolLM2.
 Both runs of a batch size generate exactly ``--max-tokens`` tokens per request from the same
 prompts, greedy: unconstrained with ``ignore_eos``, constrained by a schema (an array of
 at least 1,000 small objects) that cannot complete within them, so the batch stays full
-and both sides decode the same number of steps at the same batch size. Time per output
-token is each request's decode time ((e2e - TTFT) / (tokens - 1)), averaged; each pair
-runs ``--repeats`` times, alternating, and the median ratio is reported.
+and both sides decode the same number of steps at the same batch size. The engine is
+stepped here and each step timed; in a decode step every request of the full batch gets
+one token, so the step's time is each request's time per output token. A run's TPOT is
+the median of its decode steps (a step slowed by another process on the machine moves a
+median little, a mean a lot); each pair runs ``--repeats`` times, alternating, and the
+median ratio is reported. The mean per-request decode time ((e2e - TTFT) / (tokens - 1))
+is reported beside it.
+
+``--vllm-python PY``: the same measurement in vLLM's CPU build (``loadtest/peers/vllm_structured.py``
+in a subprocess of that interpreter: the same checkpoint (the Hugging Face folder our loader
+converts SmolLM2's GGUF file into), prompts, schema, batch sizes and step timing through its
+``LLMEngine``), and vLLM's ratios beside ours.
 
 Compile: a fresh ``GrammarCache`` over the engine's backend compiles the schema (first),
 then answers it again (cached); plus the one-off cost of building the backend (xgrammar's
@@ -20,18 +29,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
+import subprocess
+import tempfile
 import time
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from prefixserve.replica.engine.outputs import RequestOutput
 from prefixserve.replica.entrypoints.llm import LLM
 from prefixserve.replica.sampling_params import SamplingParams
 from prefixserve.replica.structured_output.compile import GrammarCache
 from prefixserve.replica.structured_output.params import StructuredOutputsParams
 from prefixserve.replica.structured_output.xgrammar_backend import XGrammarBackend
 
+MAX_MODEL_LEN = 1024
+# vLLM's KV cache: ~23,000 tokens of SmolLM2 fp32, far more than 64 prompts and their outputs need.
+VLLM_KV_CACHE_BYTES = 1 << 30
 SCHEMA = {
     "type": "array",
     "minItems": 1000,
@@ -72,21 +89,61 @@ def chat(i: int) -> list[dict[str, str]]:
     ]
 
 
-def tpot(outputs: list) -> float:
-    """Mean per-request decode time per output token (seconds)."""
-    per = [(o.e2e_s - o.ttft_s) / (len(o.outputs[0].token_ids) - 1) for o in outputs]
-    return statistics.fmean(per)
+@dataclass
+class Run:
+    """One batch generated to the end: its decode steps' times and its requests' outputs."""
+
+    step_s: list[float]
+    outputs: list[RequestOutput]
+
+    @property
+    def tpot_s(self) -> float:
+        """The median decode step: every request's time per output token in that step."""
+        return statistics.median(self.step_s)
+
+    @property
+    def mean_request_tpot_s(self) -> float:
+        """Mean per-request decode time per output token ((e2e - TTFT) / (tokens - 1))."""
+        per = [(o.e2e_s - o.ttft_s) / (len(o.outputs[0].token_ids) - 1) for o in self.outputs]
+        return statistics.fmean(per)
 
 
-def run_pair(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, float]:
+def timed_run(llm: LLM, prompts: list[list[int]], params: SamplingParams, tag: str) -> Run:
+    """Generate ``prompts`` stepping the engine here; a step counts as a decode step when every
+    request of the batch got a token in it and each had one before."""
+    engine = llm.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", prompt, params)
+    started: set[str] = set()
+    steps: list[float] = []
+    outputs: dict[str, RequestOutput] = {}
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        updates = engine.step()
+        elapsed = time.perf_counter() - start
+        got = {u.request_id for u in updates if any(d.token_ids for d in u.deltas)}
+        if len(got) == len(prompts) and got <= started:
+            steps.append(elapsed)
+        started |= got
+        for u in updates:
+            if u.error is not None:
+                raise RuntimeError(f"{u.request_id} failed: {u.error}")
+            if u.output is not None:
+                outputs[u.request_id] = u.output
+    ordered = [outputs[f"{tag}-{i}"] for i in range(len(prompts))]
+    assert steps, "no step decoded the whole batch"
+    return Run(steps, ordered)
+
+
+def run_pair(llm: LLM, prompts: list[list[int]], max_tokens: int, tag: str = "") -> tuple[Run, Run]:
     free = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     constrained = SamplingParams(
         temperature=0.0, max_tokens=max_tokens, structured_outputs=StructuredOutputsParams(json=SCHEMA)
     )
-    a = llm.generate(prompts, free)
-    b = llm.generate(prompts, constrained)
-    assert all(len(o.outputs[0].token_ids) == max_tokens for o in a + b)
-    return tpot(a), tpot(b)
+    a = timed_run(llm, prompts, free, f"free{tag}")
+    b = timed_run(llm, prompts, constrained, f"json{tag}")
+    assert all(len(o.outputs[0].token_ids) == max_tokens for o in a.outputs + b.outputs)
+    return a, b
 
 
 def compile_times(llm: LLM) -> dict[str, float]:
@@ -106,42 +163,66 @@ def compile_times(llm: LLM) -> dict[str, float]:
     return {"backend_build_s": build, "first_s": first, "cached_s": cached}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
-    parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default="results/bench_structured.json")
-    args = parser.parse_args()
-    llm = LLM("smollm2", max_num_seqs=max(args.batch_sizes), max_model_len=1024)
-    prompts = [llm.engine.encode_chat(chat(i)) for i in range(max(args.batch_sizes))]
-    run_pair(llm, prompts[:2], 4)  # warm-up: kernels built, grammar compiled
+def tpot_rows(pairs_by_batch: dict[int, list[tuple[Run, Run]]]) -> list[dict]:
     rows = []
-    for batch in args.batch_sizes:
-        pairs = [run_pair(llm, prompts[:batch], args.max_tokens) for _ in range(args.repeats)]
-        ratios = [c / f for f, c in pairs]
+    for batch, pairs in pairs_by_batch.items():
+        ratios = [c.tpot_s / f.tpot_s for f, c in pairs]
         rows.append(
             {
                 "batch": batch,
-                "tpot_free_ms": 1e3 * statistics.median(f for f, _ in pairs),
-                "tpot_constrained_ms": 1e3 * statistics.median(c for _, c in pairs),
+                "tpot_free_ms": 1e3 * statistics.median(f.tpot_s for f, _ in pairs),
+                "tpot_constrained_ms": 1e3 * statistics.median(c.tpot_s for _, c in pairs),
                 "ratio": statistics.median(ratios),
                 "ratios": ratios,
+                "mean_request_ratio": statistics.median(
+                    c.mean_request_tpot_s / f.mean_request_tpot_s for f, c in pairs
+                ),
             }
         )
-    compiled = compile_times(llm)
-    llm.shutdown()
-    versions = {p: metadata.version(p) for p in ("torch", "xgrammar", "transformers")}
-    result = {
-        "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, "
-        f"{len(__import__('os').sched_getaffinity(0))} cores",
-        "python": platform.python_version(),
-        "versions": versions,
-        "max_tokens": args.max_tokens,
-        "repeats": args.repeats,
-        "tpot": rows,
-        "compile": compiled,
+    return rows
+
+
+def run_vllm_peer(
+    vllm_python: str, prompts: list[list[int]], batch_sizes: list[int], max_tokens: int, repeats: int
+) -> dict:
+    """``loadtest/peers/vllm_structured.py`` under ``vllm_python`` on the same checkpoint, prompts,
+    schema and settings; its JSON result."""
+    from prefixserve.loadtest.peers import vllm_structured
+    from prefixserve.replica.model import loader
+
+    job = {
+        # The Hugging Face folder our engine converted the GGUF file into (the weights it serves).
+        "model": str(loader.prepare(loader.resolve("smollm2")).folder),
+        "max_model_len": MAX_MODEL_LEN,
+        "kv_cache_memory_bytes": VLLM_KV_CACHE_BYTES,
+        "prompts": prompts,
+        "schema": SCHEMA,
+        "batch_sizes": batch_sizes,
+        "max_tokens": max_tokens,
+        "repeats": repeats,
     }
+    with tempfile.TemporaryDirectory(prefix="bench-structured-") as tmp:
+        job_path = Path(tmp) / "job.json"
+        job_path.write_text(json.dumps(job))
+        env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        env.pop("PYTHONPATH", None)
+        # -I: neither PYTHONPATH, the user site nor the script's folder (peers/ has a sglang.py) on sys.path
+        proc = subprocess.run(
+            [vllm_python, "-I", vllm_structured.__file__, str(job_path)],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tmp,
+            check=False,
+        )
+    if proc.returncode != 0:
+        raise RuntimeError(f"the vLLM peer failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    result: dict = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+def print_rows(title: str, rows: list[dict]) -> None:
+    print(f"{title}\n")
     print("| batch | TPOT unconstrained (ms) | TPOT json_schema (ms) | ratio (median) | ratios |")
     print("|---:|---:|---:|---:|---|")
     for r in rows:
@@ -150,14 +231,56 @@ def main() -> None:
             + ", ".join(f"{x:.3f}" for x in r["ratios"])
             + " |"
         )
-    print()
-    print("| grammar compile | seconds |")
-    print("|---|---:|")
-    for k, v in compiled.items():
-        print(f"| {k} | {v:.4f} |")
-    print(json.dumps({"versions": versions, "machine": result["machine"]}))
+    print(flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--vllm-python",
+        default=None,
+        help="a Python with vllm-cpu installed: adds vLLM's rows (loadtest/peers/vllm_structured.py in a "
+        "subprocess, after ours); without it they are skipped",
+    )
+    parser.add_argument("--out", default="results/bench_structured.json")
+    args = parser.parse_args()
+    llm = LLM("smollm2", max_num_seqs=max(args.batch_sizes), max_model_len=MAX_MODEL_LEN)
+    prompts = [llm.engine.encode_chat(chat(i)) for i in range(max(args.batch_sizes))]
+    run_pair(llm, prompts[:2], 4, "-warm")  # warm-up: kernels built, grammar compiled
+    pairs = {
+        batch: [run_pair(llm, prompts[:batch], args.max_tokens, f"-{batch}-{r}") for r in range(args.repeats)]
+        for batch in args.batch_sizes
+    }
+    rows = tpot_rows(pairs)
+    compiled = compile_times(llm)
+    llm.shutdown()
+    versions = {p: metadata.version(p) for p in ("torch", "xgrammar", "transformers")}
+    result: dict = {
+        "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, {len(os.sched_getaffinity(0))} cores",
+        "python": platform.python_version(),
+        "versions": versions,
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "tpot": rows,
+        "compile": compiled,
+    }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))  # ours kept should the vLLM peer fail
+    print_rows("prefixserve", rows)
+    if args.vllm_python:
+        result["vllm"] = run_vllm_peer(args.vllm_python, prompts, args.batch_sizes, args.max_tokens, args.repeats)
+    if "vllm" in result:
+        v = result["vllm"]
+        print_rows(f"vLLM {v['vllm_version']} (CPU build, xgrammar {v['xgrammar_version']})", v["tpot"])
+    print("| grammar compile | seconds |")
+    print("|---|---:|")
+    for k, val in compiled.items():
+        print(f"| {k} | {val:.4f} |")
+    print(json.dumps({"versions": versions, "machine": result["machine"]}))
     out.write_text(json.dumps(result, indent=2))
 
 

@@ -393,7 +393,8 @@ class AgentConfig:
     model's previous step (a synthetic tool call of ``tool_call_len`` tokens) and
     the tool's result (``tool_result_len`` tokens, sent as a user message so
     that any chat template takes it). Steps are sent in order; within a step
-    users are shuffled.
+    users are shuffled. The same traffic with OpenAI's ``tools`` / ``tool_calls``
+    fields, for tenants in waves, is loadtest/agent_workload.py's.
     """
 
     num_users: int = 8

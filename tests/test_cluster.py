@@ -8,6 +8,7 @@ ring is checked against router/contracts/ring.py over the live replicas' names.
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import threading
 import time
@@ -30,6 +31,7 @@ from model_helpers import tiny_checkpoint
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_helpers import PrometheusProcess, dashboard_queries, find_prometheus
 from server_helpers import metric
+from tool_helpers import NAMED, QUESTION, TOOLS, streamed_tool_calls, valid_arguments
 
 from prefixserve.router.contracts.prefix import PREFIX_HASH_HEADER, prefix_hash
 from prefixserve.router.contracts.ring import HashRing
@@ -43,7 +45,15 @@ ATTEMPTS_HEADER = "X-Prefixserve-Attempts"
 
 def app_args(model: str, num_replicas: int) -> dict:
     return {
-        "engine": {"model": model, "num_kv_blocks": 512, "max_num_seqs": 2, "max_model_len": 1024},
+        "engine": {
+            "model": model,
+            "num_kv_blocks": 512,
+            "max_num_seqs": 2,
+            "max_model_len": 1024,
+            # tool_choice="auto" (the agent loop's answer turn) needs both, as with vLLM.
+            "tool_call_parser": "hermes",
+            "enable_auto_tool_choice": True,
+        },
         "num_replicas": num_replicas,
         "max_ongoing_requests": 32,
         "ray_actor_options": {"num_cpus": 0.5},
@@ -254,6 +264,113 @@ def test_vllm_sampling_fields_cross_the_ray_path(base):
     assert ids.status_code == 200, ids.text
     refused = httpx.post(f"{base}/v1/completions", json={**body, "presence_penalty": 3}, timeout=120)
     assert refused.status_code == 400 and "presence_penalty" in refused.json()["error"]["message"]
+
+
+@pytest.fixture()
+def openai_client(base):
+    openai = pytest.importorskip("openai")
+    with openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120) as client:
+        yield client
+
+
+# Grammar-constrained (required, named): a random model's arguments parse and validate too.
+TOOL_REQUEST = dict(tools=TOOLS, parallel_tool_calls=False, max_tokens=160, temperature=0)
+
+
+@pytest.fixture()
+def model(openai_client) -> str:
+    return openai_client.models.list().data[0].id
+
+
+@pytest.mark.parametrize("tool_choice", ["required", NAMED], ids=["required", "named"])
+def test_forced_tool_calls_cross_the_ray_path_collected_and_streamed(openai_client, model, tool_choice):
+    kwargs = dict(TOOL_REQUEST, model=model, messages=QUESTION, tool_choice=tool_choice)
+    finish_reason = "tool_calls" if tool_choice == "required" else "stop"
+    choice = openai_client.chat.completions.create(**kwargs).choices[0]
+    assert choice.finish_reason == finish_reason, choice
+    calls = choice.message.tool_calls
+    assert calls and len(calls) == 1 and calls[0].id.startswith("call_"), choice
+    if tool_choice == NAMED:
+        assert calls[0].function.name == "find_flights"
+    collected = valid_arguments(calls[0].function.name, calls[0].function.arguments)
+    streamed, finish = streamed_tool_calls(openai_client, **kwargs)
+    assert finish == finish_reason and [c["name"] for c in streamed] == [calls[0].function.name]
+    assert valid_arguments(streamed[0]["name"], streamed[0]["arguments"]) == collected
+
+
+def _turn(client, stream: bool, **kwargs):
+    """One chat turn through the cluster: (message content, tool calls as dicts, finish reason,
+    usage, engine replica)."""
+    if not stream:
+        raw = client.chat.completions.with_raw_response.create(**kwargs)
+        choice = raw.parse().choices[0]
+        calls = [
+            {"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+            for c in choice.message.tool_calls or ()
+        ]
+        return choice.message.content, calls, choice.finish_reason, raw.parse().usage, raw.headers[REPLICA_HEADER]
+    raw = client.chat.completions.with_raw_response.create(
+        stream=True, stream_options={"include_usage": True}, **kwargs
+    )
+    content, pieces, finish, usage = "", {}, None, None
+    for chunk in raw.parse():
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            for d in c.delta.tool_calls or ():
+                if d.id is not None:
+                    pieces[d.index] = {"id": d.id, "name": d.function.name, "arguments": ""}
+                pieces[d.index]["arguments"] += d.function.arguments or ""
+            finish = c.finish_reason or finish
+    return content or None, [pieces[i] for i in sorted(pieces)], finish, usage, raw.headers[REPLICA_HEADER]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["collected", "streamed"])
+def test_an_agent_loop_through_the_cluster_stays_on_one_replica_and_hits_its_cache(openai_client, model, stream):
+    """Call (tool_choice="required"), tool result, answer (auto): the same system prompt and tools
+    are one routing key, so both turns reach one engine replica and the answer reuses the call's
+    prompt from its cache."""
+    rng = random.Random(29 + stream)
+    # Its own system prompt per case: a key no earlier test has warmed.
+    messages = [{"role": "system", "content": f"{QUESTION[0]['content']} {words(rng, 40)}"}, QUESTION[1]]
+    _, calls, finish, call_usage, call_replica = _turn(
+        openai_client, stream, **dict(TOOL_REQUEST, model=model, messages=messages, tool_choice="required")
+    )
+    assert finish == "tool_calls" and len(calls) == 1 and calls[0]["id"].startswith("call_"), calls
+    call = calls[0]
+    args = valid_arguments(call["name"], call["arguments"])
+    messages.append(
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": call["id"],
+                    "type": "function",
+                    "function": {"name": call["name"], "arguments": call["arguments"]},
+                }
+            ],
+        }
+    )
+    result = {"forecast": "light rain", "city": args.get("city") or args.get("to")}
+    messages.append({"role": "tool", "tool_call_id": call["id"], "content": json.dumps(result)})
+
+    # min_tokens: a random model's first token may be its EOS; the answer must say something.
+    content, answer_calls, finish, usage, replica = _turn(
+        openai_client,
+        stream,
+        model=model,
+        messages=messages,
+        tools=TOOLS,
+        max_tokens=16,
+        temperature=0,
+        extra_body={"min_tokens": 4},
+    )
+    assert finish in ("stop", "length", "tool_calls") and (content or answer_calls)
+    assert replica == call_replica
+    # The system prompt, the tools and the call turn came from that replica's prefix cache.
+    assert usage.prompt_tokens > call_usage.prompt_tokens
+    assert usage.prompt_tokens_details.cached_tokens > call_usage.prompt_tokens // 2
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_replica(base):

@@ -80,6 +80,32 @@ def test_encoder_tokenizes_as_the_engine_does():
         ENCODER.encode()
 
 
+def test_encoder_renders_a_requests_tools_as_the_engine_does():
+    """SmolLM2's template renders no tools: the engine renders a request with tools through the
+    shipped tool template, and so does the encoder; the peers match the same tokens (and a
+    different tool list is a different prompt)."""
+    from model_helpers import _tokenizer_dir
+    from tool_helpers import QUESTION, TOOLS, WEATHER
+    from transformers import AutoTokenizer
+
+    from prefixserve.replica.engine.core import LLMEngine
+
+    tokenizer = AutoTokenizer.from_pretrained(_tokenizer_dir())
+    engine = SimpleNamespace(tokenizer=tokenizer, chat_template=None)
+    encoder = PromptEncoder(tokenizer)
+    with_tools = encoder.encode(messages=QUESTION, tools=TOOLS)
+    assert with_tools == LLMEngine.encode_chat(engine, QUESTION, tools=TOOLS)  # type: ignore[arg-type]
+    assert encoder.encode(messages=QUESTION) == LLMEngine.encode_chat(engine, QUESTION)  # type: ignore[arg-type]
+    assert with_tools != encoder.encode(messages=QUESTION) != encoder.encode(messages=QUESTION, tools=[WEATHER])
+    request = EngineRequest(messages=QUESTION, tools=TOOLS)
+    assert peer_request(request, 0, 0.0, encoder, BlockHasher(), BS).tokens == tuple(with_tools)
+    # The engine's --chat-template wins, with tools or without.
+    configured = "{% for m in messages %}{{ m['content'] }}|{% endfor %}"
+    fixed = PromptEncoder(tokenizer, configured)
+    engine.chat_template = configured
+    assert fixed.encode(messages=QUESTION, tools=TOOLS) == LLMEngine.encode_chat(engine, QUESTION, tools=TOOLS)  # type: ignore[arg-type]
+
+
 def test_peer_request_carries_tokens_contract2_hashes_and_the_key():
     hasher = BlockHasher()
     request = chat("system prompt", "question", routing_key="k1", cache_salt="s")

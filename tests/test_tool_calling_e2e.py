@@ -11,53 +11,15 @@ from __future__ import annotations
 import json
 
 import httpx
-import jsonschema
 import pytest
 from server_helpers import ReplicaProcess, metric
+from tool_helpers import NAMED, QUESTION, TOOLS, WEATHER, streamed_tool_calls, valid_arguments
 
 openai = pytest.importorskip("openai")
 # Constrained decoding (the grammar compiler of replica/structured_output/) is what makes the arguments parse.
 pytest.importorskip("prefixserve.replica.structured_output.compile")
 
 pytestmark = pytest.mark.slow
-
-SYSTEM = "You are a travel assistant. Use the tools to answer questions about weather and flights."
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Get tomorrow's weather forecast for a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "enum": ["Lisbon", "Oslo", "Rome", "Paris"]},
-                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
-FLIGHTS = {
-    "type": "function",
-    "function": {
-        "name": "find_flights",
-        "description": "Find flights to a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "to": {"type": "string", "enum": ["Lisbon", "Oslo", "Rome", "Paris"]},
-                "max_stops": {"type": "integer", "minimum": 0, "maximum": 2},
-            },
-            "required": ["to", "max_stops"],
-            "additionalProperties": False,
-        },
-    },
-}
-TOOLS = [WEATHER, FLIGHTS]
-SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-QUESTION = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Will it rain in Lisbon tomorrow?"}]
-NAMED = {"type": "function", "function": {"name": "find_flights"}}
 
 
 @pytest.fixture(scope="module")
@@ -81,30 +43,6 @@ def client(replica):
         yield c
 
 
-def _valid(name: str, arguments: str) -> dict:
-    args = json.loads(arguments)
-    jsonschema.validate(args, SCHEMAS[name])
-    return args
-
-
-def _streamed(client, **kwargs) -> tuple[list[dict], str | None]:
-    """The tool calls reassembled from a stream's deltas (OpenAI's shape), and the finish reason."""
-    calls: dict[int, dict] = {}
-    finish = None
-    for chunk in client.chat.completions.create(stream=True, **kwargs):
-        for choice in chunk.choices:
-            for d in choice.delta.tool_calls or ():
-                if d.id is not None:
-                    assert d.index not in calls and d.type == "function" and d.function.name
-                    assert d.id.startswith("call_")
-                    calls[d.index] = {"id": d.id, "name": d.function.name, "arguments": d.function.arguments or ""}
-                else:
-                    assert d.index in calls and not (d.function.name or "")
-                    calls[d.index]["arguments"] += d.function.arguments or ""
-            finish = choice.finish_reason or finish
-    return [calls[i] for i in sorted(calls)], finish
-
-
 @pytest.mark.parametrize("tool_choice", ["required", NAMED], ids=["required", "named"])
 def test_forced_tool_calls_have_arguments_that_validate_collected_and_streamed(client, tool_choice):
     kwargs = dict(
@@ -125,12 +63,12 @@ def test_forced_tool_calls_have_arguments_that_validate_collected_and_streamed(c
     assert calls and len(calls) == 1 and calls[0].type == "function" and calls[0].id.startswith("call_")
     if tool_choice != "required":
         assert calls[0].function.name == "find_flights"
-    collected = _valid(calls[0].function.name, calls[0].function.arguments)
+    collected = valid_arguments(calls[0].function.name, calls[0].function.arguments)
 
-    streamed, finish = _streamed(client, **kwargs)
+    streamed, finish = streamed_tool_calls(client, **kwargs)
     assert finish == finish_reason and len(streamed) == 1
     assert streamed[0]["name"] == calls[0].function.name
-    assert _valid(streamed[0]["name"], streamed[0]["arguments"]) == collected
+    assert valid_arguments(streamed[0]["name"], streamed[0]["arguments"]) == collected
 
 
 def test_an_agent_loop_calls_a_tool_reads_its_result_and_answers(client, replica):
@@ -146,7 +84,7 @@ def test_an_agent_loop_calls_a_tool_reads_its_result_and_answers(client, replica
         temperature=0,
     )
     tool_call = call.choices[0].message.tool_calls[0]
-    args = _valid(tool_call.function.name, tool_call.function.arguments)
+    args = valid_arguments(tool_call.function.name, tool_call.function.arguments)
     messages.append({"role": "assistant", "content": None, "tool_calls": [tool_call.model_dump()]})
     result = {"forecast": "light rain", "city": args.get("city") or args.get("to")}
     messages.append({"role": "tool", "tool_call_id": tool_call.id, "content": json.dumps(result)})

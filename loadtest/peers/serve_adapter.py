@@ -17,8 +17,8 @@ Signals, per request and candidate (:class:`PeerServeReplica`):
 
 * prompt tokens: the engine call's first argument is replica/engine/request_runner.py's
   ``EngineRequest``; its ``messages`` go through the served model's chat
-  template, a text ``prompt`` through its tokenizer, exactly as the engine does
-  (:class:`PromptEncoder`; the tokenizer loads when the router starts, which
+  template (with the request's ``tools``), a text ``prompt`` through its tokenizer,
+  exactly as the engine does (:class:`PromptEncoder`; the tokenizer loads when the router starts, which
   holds the router's event loop for seconds once, before it knows any replica,
   and encoding runs in a worker thread). All four peers match these
   tokens (SGLang and Ray match characters; peers/*.py say why tokens are the
@@ -64,7 +64,8 @@ finished in the peer's books (Dynamo keeps counting its blocks as active).
 Configuration (``RequestRouterConfig.request_router_kwargs``; router/serve/app.py's
 ``router: {router_class: "prefixserve.loadtest.peers.serve_adapter:PeerRouter",
 kwargs: {...}}``): ``peer`` (a name of loadtest/peers), ``model`` (the served
-model, for its tokenizer), ``block_size`` and ``hash_algo`` (the engine's),
+model, for its tokenizer), ``chat_template`` (the engine's ``--chat-template`` file, if
+any), ``block_size`` and ``hash_algo`` (the engine's),
 ``num_gpu_blocks``, ``seed``, and ``stats_max_age_s``.
 
 Imports Ray Serve (through router/serve/request_router.py); router/ never imports this module.
@@ -107,32 +108,53 @@ class Tokenizer(Protocol):
 
     def __call__(self, text: str) -> Any: ...
 
-    def apply_chat_template(self, conversation: list[dict[str, str]], **kwargs: Any) -> Any: ...
+    def apply_chat_template(self, conversation: list[dict[str, Any]], **kwargs: Any) -> Any: ...
 
 
 class PromptEncoder:
-    """A request's prompt token ids, as the engine computes them (replica/engine/core.py encode_chat, tokenize)."""
+    """A request's prompt token ids, as the engine computes them (replica/engine/core.py ``encode_chat`` / ``tokenize``).
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    A chat request's ``tools`` render through the chat template before the conversation, as
+    the engine renders them (the model's template, or the shipped tool template for a model
+    whose template renders none; ``chat_template``, the engine's ``--chat-template`` text,
+    wins): they are part of the prompt the engine caches, and so of what the peers match.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, chat_template: str | None = None) -> None:
         self.tokenizer = tokenizer
+        self.chat_template = chat_template
 
     @classmethod
-    def load(cls, model: str) -> PromptEncoder:
-        """The encoder of ``model`` (a short name, checkpoint directory or .gguf), as the engine loads its tokenizer."""
+    def load(cls, model: str, chat_template: str | None = None) -> PromptEncoder:
+        """The encoder of ``model`` (a short name, checkpoint directory or .gguf), as the engine loads its
+        tokenizer; ``chat_template``: the engine's ``--chat-template`` file, if it has one."""
         from prefixserve.replica.model import loader
+        from prefixserve.replica.tools.templates import load_chat_template
 
-        return cls(loader.load_tokenizer(loader.resolve(model)))
+        template = load_chat_template(chat_template) if chat_template is not None else None
+        return cls(loader.load_tokenizer(loader.resolve(model)), template)
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of a conversation through the chat template, generation prompt added."""
-        return list(
-            self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, add_generation_prompt=True)
-        )
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of a conversation (and its ``tools``) through the chat template, generation prompt added."""
+        from prefixserve.replica.tools.templates import template_for
 
-    def encode(self, prompt: str | list[int] | None = None, messages: list[dict[str, str]] | None = None) -> list[int]:
-        """Token ids of ``messages`` (chat) or ``prompt`` (text or ids)."""
+        kwargs: dict[str, Any] = {"add_generation_prompt": True}
+        if tools:
+            kwargs["tools"] = tools
+        template = template_for(getattr(self.tokenizer, "chat_template", None), self.chat_template, bool(tools))
+        if template is not None:
+            kwargs["chat_template"] = template
+        return list(self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **kwargs))
+
+    def encode(
+        self,
+        prompt: str | list[int] | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        """Token ids of ``messages`` with ``tools`` (chat) or ``prompt`` (text or ids)."""
         if messages is not None:
-            return self.encode_chat(messages)
+            return self.encode_chat(messages, tools)
         if isinstance(prompt, str):
             return list(self.tokenizer(prompt).input_ids)
         if prompt is None:
@@ -147,7 +169,11 @@ def peer_request(
 
     Blocking (tokenizer and hashing): callers on an event loop run it in a thread.
     """
-    tokens = encoder.encode(prompt=getattr(request, "prompt", None), messages=getattr(request, "messages", None))
+    tokens = encoder.encode(
+        prompt=getattr(request, "prompt", None),
+        messages=getattr(request, "messages", None),
+        tools=getattr(request, "tools", None),
+    )
     salt = getattr(request, "cache_salt", None)
     hashes = hasher.hash_blocks(tokens, block_size, salt or None)
     key = getattr(request, "routing_key", None)
@@ -355,6 +381,7 @@ class PeerRouter(PrefixRouter):
         hash_algo: str = DEFAULT_HASH_ALGO,
         num_gpu_blocks: int | None = None,
         seed: int = 0,
+        chat_template: str | None = None,
         encoder: PromptEncoder | None = None,
         **router_options: Any,
     ) -> None:
@@ -375,7 +402,7 @@ class PeerRouter(PrefixRouter):
         self._next_index = 0
         # Loaded before the router serves (seconds, once), as a real router loads its tokenizer at
         # start-up: the router's replica view, which a deployment waits for, comes after it.
-        self._encoder = encoder if encoder is not None else PromptEncoder.load(model)
+        self._encoder = encoder if encoder is not None else PromptEncoder.load(model, chat_template)
 
     @property
     def peer(self) -> Peer:

@@ -2,8 +2,9 @@
 
 Compiles each constraint kind with xgrammar's ``GrammarCompiler`` (its own cache off: ours
 in ``compile.py`` is keyed by the request's spec and bounded in entries), fills one
-step's bitmasks with ``BatchGrammarMatcher`` and applies them with
-``apply_token_bitmask_inplace`` (a CPU kernel on CPU, Triton/CUDA on GPUs).
+step's bitmasks with ``BatchGrammarMatcher`` and applies them with our C kernel on CPUs
+(``kernels/token_bitmask.py``) and xgrammar's ``apply_token_bitmask_inplace`` elsewhere
+(Triton/CUDA on GPUs).
 """
 
 from __future__ import annotations
@@ -106,6 +107,13 @@ class XGrammarBackend:
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         import xgrammar as xgr
 
+        from prefixserve.kernels import token_bitmask
+
+        # On CPUs the C kernel: xgrammar's CPU apply tests bit by bit (about 14 ms a step at
+        # 64 rows x 49,152 tokens on 2 cores, against well under 1 ms); the result is the same.
+        if token_bitmask.supports(logits, bitmask):
+            token_bitmask.apply_token_bitmask(logits, bitmask, self.vocab_size, rows)
+            return
         if bitmask.device != logits.device:
             bitmask = bitmask.to(logits.device, non_blocking=True)
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)
