@@ -123,3 +123,20 @@ def test_endpoint_config_refuses_bad_values() -> None:
         EndpointConfig(api_keys=[""])
     with pytest.raises(ValueError, match="log_format"):
         EndpointConfig(log_format="xml")
+
+
+def test_up_builds_the_serve_app_its_flags_describe() -> None:
+    from prefixserve.router.serve.app import build_app
+
+    args = up.app_args(
+        up_parser().parse_args(
+            ["--replicas=3", "--max-ongoing-requests=8", "--policy=bounded_load", "--epsilon=0.5", "--api-key=k"]
+        )
+    )
+    ingress = build_app(args)._bound_deployment
+    engine = ingress.init_args[0]._bound_deployment
+    config = engine._deployment_config
+    assert (config.num_replicas, config.max_ongoing_requests) == (3, 8)
+    assert config.request_router_config.request_router_kwargs == {"policy": "bounded_load", "epsilon": 0.5}
+    assert ingress.num_replicas == field_default(IngressArgs, "num_replicas")
+    assert ingress.init_args[1]["api_keys"] == ["k"]
