@@ -207,8 +207,10 @@ class ModelShard:
         return max(0, int(budget // self.kv_bytes_per_block))
 
     def host_block_capacity(self) -> int:
-        """Swap-pool blocks ``swap_space_gb`` holds on this rank."""
-        return int(self.config.swap_space_gb * 1024**3 // self.kv_bytes_per_block)
+        """Host-pool blocks on this rank: ``swap_space_gb`` plus this rank's share of the host
+        tier's ``kv_offloading_size`` (one pool, replica/kv/tiers.py)."""
+        tier = (self.config.kv_offloading_size or 0.0) / self.config.tensor_parallel_size
+        return int((self.config.swap_space_gb + tier) * 1024**3 // self.kv_bytes_per_block)
 
     def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int) -> None:
         c = self.model_cfg
