@@ -334,3 +334,15 @@ def test_tier_knobs_have_cli_flags():
     cfg = EngineConfig.from_cli_args(args)
     assert (cfg.kv_offloading_size, cfg.kv_offloading_backend, cfg.kv_disk_path) == (2.0, "native", "/tmp/kv")
     assert EngineConfig(kv_offloading_size=1.0).kv_offloading_backend == "native"
+
+
+def test_tensor_parallel_ranks_each_keep_their_shard_in_the_host_tier(ckpt, turns):
+    from prefixserve.replica.llm import LLM
+
+    expected = _reference(ckpt, turns)
+    with LLM(ckpt, num_kv_blocks=16, kv_offloading_size=2 * HOST_GB, tensor_parallel_size=2) as two:
+        assert [o.outputs[0].token_ids for o in _generate(two, turns, PARAMS)] == expected
+        st = two.engine.kv_manager.stats.tiers
+        # Each rank's pool holds kv_offloading_size / 2 of its own (half-size) blocks.
+        assert two.engine.runner.num_host_blocks == int(HOST_GB * 1024**3 // two.engine.runner.kv_bytes_per_block)
+    assert st.host_hit_tokens > 0 and st.host_offloaded_blocks > 0
