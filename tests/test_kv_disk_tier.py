@@ -302,3 +302,36 @@ def test_serving_goes_on_when_the_disk_vanishes_mid_run(tmp_path, prompts, caplo
     assert sum(errors) == 1
     assert _value(llm, "prefixserve:kv_disk_enabled") == 0
     assert len([r for r in caplog.records if "disk tier" in r.getMessage()]) == 1
+
+
+def test_a_disk_read_never_evicts_a_host_hit_of_the_same_lookup(tmp_path):
+    from prefixserve.replica.kv.manager import KVCacheManager
+    from prefixserve.replica.kv.tiers import TIER_BLOCK
+
+    tier = DiskTier(str(tmp_path), 1 << 20, KEY)
+    kv = KVCacheManager(4, block_size=4, num_host_blocks=2, host_tier=True, disk=tier)
+    prompt = list(range(100, 113))
+    hashes = kv.hasher.hash_blocks(prompt, 4, None)
+    for h in hashes[1:]:  # the prompt's second and third blocks are on disk only
+        tier.store(h, _payload(0))
+    tier.flush()
+
+    def admit(rid: str, tokens: list[int]) -> None:
+        blocks, hit = kv.get_computed_blocks(tokens)
+        assert kv.allocate_slots(rid, tokens, len(tokens) - hit, blocks) is not None
+        kv.take_swap_ops()
+        kv.take_tier_ops()
+        kv.free(rid)
+
+    admit("a", prompt[:5])  # the first block, computed
+    admit("q", list(range(300, 313)))  # evicts it into the host tier
+    admit("r", list(range(400, 405)))  # fills the other host slot with one of q's blocks
+    assert kv.stats.tiers.num_host_cached_blocks == 2
+    blocks, hit = kv.get_computed_blocks(prompt)
+    # The first block is a host hit; reading the second from disk takes the other slot, not its.
+    assert blocks == [TIER_BLOCK, TIER_BLOCK] and hit == 8
+    assert kv.allocate_slots("p", prompt, len(prompt) - hit, blocks) is not None
+    assert len(kv.take_tier_ops().host_fills) == 1
+    kv.take_swap_ops()
+    kv.check_invariants()
+    tier.close()

@@ -325,8 +325,14 @@ class KVCacheManager:
 
     def _tier_has(self, h: bytes) -> bool:
         """Whether the host tier holds ``h``, reading it from the disk store into a host slot
-        when only the disk does (a cache fill: it changes no device state and counts no hit)."""
-        if h in self._host_of_hash:
+        when only the disk does (a cache fill: it changes no device state and counts no hit).
+        A slot found is pinned for the step (a later disk read in this lookup must not evict
+        it) and rejoins the LRU order at its recent end."""
+        slot = self._host_of_hash.get(h)
+        if slot is not None:
+            if slot in self._host_lru:
+                del self._host_lru[slot]
+                self._host_pending[slot] = None
             return True
         disk = self.disk
         if disk is None or not disk.enabled:
