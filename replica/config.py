@@ -40,6 +40,7 @@ HASH_ALGO_ALIASES: dict[str, str] = {
 }
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 PREEMPTION_MODES = ("recompute", "swap")
+KV_OFFLOADING_BACKENDS = ("native",)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "triton", "cpu", "torch")
 DEFAULT_MODEL = "smollm2"
@@ -85,6 +86,22 @@ class EngineConfig:
     # to the swap_space_gb host pool and back, cached/shared ones kept by reference; when the
     # pool is full it is recomputed).
     preemption_mode: str = "recompute"
+    # Host-memory KV tier (vLLM's --kv-offloading-size, GiB, summed over the tensor-parallel
+    # ranks as in vLLM): evicted device blocks are kept in host memory (pinned on CUDA) and a
+    # prefix lookup that misses on the device continues there (replica/kv/tiers.py). It shares
+    # one host pool with swap_space_gb (each rank's pool holds both). None = no host tier.
+    kv_offloading_size: float | None = None
+    # vLLM's --kv-offloading-backend: "native" (the engine's own tier, the only one offered);
+    # None = "native" when kv_offloading_size is set.
+    kv_offloading_backend: str | None = None
+    # Host/disk tier blocks copied back to the device per engine step, at most: a long prefix
+    # beyond it is computed rather than stalling the running batch.
+    kv_load_max_blocks_per_step: int = 512
+    # Shared disk tier: a directory of content-addressed block files that every replica
+    # pointing at it reads (replica/kv/disk_tier.py); needs kv_offloading_size. None = off.
+    kv_disk_path: str | None = None
+    # The disk tier's bound (GiB of block files in kv_disk_path, every replica's together).
+    kv_disk_size_gb: float = 16.0
     # None = the checkpoint's max_position_embeddings, capped at MAX_MODEL_LEN_CAP.
     max_model_len: int | None = None
     # Which free cached KV block is evicted first (replica/kv/block_pool.py EVICTION_POLICIES):
@@ -238,6 +255,7 @@ class EngineConfig:
             raise ValueError(
                 "swap_space_gb is used by swap preemption only: set preemption_mode='swap' or swap_space_gb=0"
             )
+        self._validate_tiers()
         if self.tool_call_parser is not None:
             _choice("tool_call_parser", self.tool_call_parser, tuple(TOOL_CALL_PARSERS))
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
@@ -248,6 +266,47 @@ class EngineConfig:
             load_chat_template(self.chat_template)
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 (or None for the checkpoint's), got {self.sliding_window}")
+
+    def _validate_tiers(self) -> None:
+        if self.kv_offloading_backend is not None:
+            _choice("kv_offloading_backend", self.kv_offloading_backend, KV_OFFLOADING_BACKENDS)
+            if self.kv_offloading_size is None:
+                raise ValueError(
+                    "kv_offloading_backend is set but kv_offloading_size is not: give the tier a size (GiB)"
+                )
+        if self.kv_offloading_size is not None:
+            if not self.kv_offloading_size > 0:
+                raise ValueError(
+                    f"kv_offloading_size must be > 0 GiB (or None for no host tier), got {self.kv_offloading_size}"
+                )
+            if not self.enable_prefix_caching:
+                raise ValueError("kv_offloading_size keeps prefix-cache blocks: it needs enable_prefix_caching")
+            if self.kv_offloading_backend is None:
+                self.kv_offloading_backend = "native"
+        if self.kv_load_max_blocks_per_step < 1:
+            raise ValueError(f"kv_load_max_blocks_per_step must be >= 1, got {self.kv_load_max_blocks_per_step}")
+        if self.kv_disk_path is not None:
+            if not self.kv_disk_path:
+                raise ValueError("kv_disk_path must be a directory path (or None for no disk tier)")
+            if self.kv_offloading_size is None:
+                raise ValueError("kv_disk_path needs the host tier (disk reads land in it): set kv_offloading_size")
+            if not self.kv_disk_size_gb > 0:
+                raise ValueError(f"kv_disk_size_gb must be > 0, got {self.kv_disk_size_gb}")
+            if self.tensor_parallel_size > 1:
+                raise ValueError(
+                    "kv_disk_path works at tensor_parallel_size 1 only (a block read on one rank could fail "
+                    "while the others succeed): drop kv_disk_path or use one rank"
+                )
+            if self.calculate_kv_scales:
+                raise ValueError(
+                    "kv_disk_path with calculate_kv_scales: each replica computes its own fp8 scales, so their "
+                    "blocks are not interchangeable; use the checkpoint's scales (calculate_kv_scales off)"
+                )
+
+    @property
+    def host_tier_enabled(self) -> bool:
+        """Whether the engine keeps evicted blocks in host memory (kv_offloading_size)."""
+        return self.kv_offloading_size is not None
 
     @property
     def model_name(self) -> str:
@@ -287,6 +346,7 @@ _CHOICES = {
     "dtype": DTYPES,
     "attention_backend": ATTENTION_BACKENDS,
     "tool_call_parser": tuple(TOOL_CALL_PARSERS),
+    "kv_offloading_backend": KV_OFFLOADING_BACKENDS,
 }
 
 

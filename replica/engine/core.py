@@ -46,6 +46,7 @@ from prefixserve.replica.core.request import Request, Sequence, static_prefix_me
 from prefixserve.replica.core.sched_output import ScheduledSeq
 from prefixserve.replica.core.scheduler import Scheduler, SchedulerConfig
 from prefixserve.replica.engine.bounded_memo import BoundedMemo, str_bytes
+from prefixserve.replica.engine.core.tiers import EngineTiers
 from prefixserve.replica.engine.detokenizer import IncrementalDetokenizer
 from prefixserve.replica.engine.metrics import EngineMetrics, EngineStats, FinishedRequestStats, SwapTotals
 from prefixserve.replica.engine.outputs import CompletionOutput, FinishReason, RequestOutput
@@ -162,6 +163,12 @@ class LLMEngine:
         # cumulative since start, so a fresh KV manager and scheduler continue from here.
         self._carried = (0, 0, 0)
         self._carried_swap = SwapTotals()
+        # The host and disk KV tiers (kv_offloading_size, kv_disk_path); None without them.
+        self.tiers = (
+            EngineTiers(config, self.runner, self.metrics.registry, config.model_name)
+            if (config.host_tier_enabled)
+            else None
+        )
         self._new_state()
 
     def _new_state(self) -> None:
@@ -175,6 +182,7 @@ class LLMEngine:
             eviction_policy=config.eviction_policy,
             num_host_blocks=self.runner.num_host_blocks,
             sliding_window=self.model_config.kv_window,
+            **(self.tiers.manager_kwargs() if self.tiers is not None else {}),  # type: ignore[arg-type]
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -200,6 +208,8 @@ class LLMEngine:
         """
         self._carried = self._totals()
         self._carried_swap = self._swap_totals()
+        if self.tiers is not None:
+            self.tiers.carry(self.kv_manager.stats)
         self._new_state()
         self.runner.clear_kv_cache()
         self._observe_step(0, 0)
@@ -247,6 +257,8 @@ class LLMEngine:
         workers (idempotent)."""
         self.runner.shutdown()
         self.grammars.close()
+        if self.tiers is not None:
+            self.tiers.close()
 
     # --- requests ------------------------------------------------------------
 
@@ -523,7 +535,10 @@ class LLMEngine:
         ``error``); an exception escaping this method is fatal (see ``reset``).
         """
         plan = self.scheduler.schedule()
-        if plan.swap_out or plan.swap_in:
+        tier_ops = self.kv_manager.take_tier_ops()
+        if self.tiers is not None:
+            self.tiers.swap(tier_ops, plan.swap_out, plan.swap_in)
+        elif plan.swap_out or plan.swap_in:
             self.runner.swap(plan.swap_out, plan.swap_in)
         self.stalled = not plan.changed_state
         scheduled_at = time.monotonic()
@@ -577,6 +592,8 @@ class LLMEngine:
             owners += family
         spans = self._prompt_logprob_spans(plan.scheduled)
         results = self.runner.execute(plan.scheduled, plan.copy_ops, specs, spans)
+        if self.tiers is not None:
+            self.tiers.after_forward(tier_ops)
         for span in spans:
             req = plan.scheduled[span.index].seq.request
             if req.prompt_logprobs is not None and span.logprobs is not None and span.ranks is not None:
@@ -895,6 +912,8 @@ class LLMEngine:
         st = self.kv_manager.stats
         host_usage = st.num_used_host_blocks / st.num_host_blocks if st.num_host_blocks else 0.0
         self.metrics.observe_swap(self._swap_totals(), num_swapped=st.num_swapped_requests, host_usage=host_usage)
+        if self.tiers is not None:
+            self.tiers.observe(st)
         queries, hits, preemptions = self._totals()
         self.metrics.observe_step(
             num_running=self.scheduler.num_running,

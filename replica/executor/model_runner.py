@@ -184,6 +184,12 @@ class ModelRunner:
                 f"swap_space_gb={self.config.swap_space_gb} holds no KV block of "
                 f"{self.shard.kv_bytes_per_block} bytes: raise it"
             )
+        tier = self.config.kv_offloading_size
+        if tier is not None and tier / self.tp_size * 1024**3 < self.shard.kv_bytes_per_block:
+            raise ValueError(
+                f"kv_offloading_size={tier} GiB holds no KV block of {self.shard.kv_bytes_per_block} bytes "
+                f"(per rank, over {self.tp_size} rank(s)): raise it or leave it unset"
+            )
         if self.workers is not None:
             self.workers.reply((blocks, host_blocks))
         self.shard.allocate_kv_cache(blocks, host_blocks)

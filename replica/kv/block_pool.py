@@ -135,6 +135,9 @@ class BlockPool:
         self.num_cached_free = 0
         self.num_evictions = 0
         self._num_resets = 0
+        # (block, hash) of every eviction, in order, while a caller collects them (a list; None =
+        # not recorded): the KV manager's host tier copies evicted content before it is overwritten.
+        self.evicted: list[tuple[int, bytes]] | None = None
 
     # --- queries -----------------------------------------------------------
 
@@ -198,6 +201,7 @@ class BlockPool:
         append = out.append
         b = s
         evicted = 0
+        record = self.evicted
         for _ in range(n):
             b = nxt[b]
             h = bhash[b]
@@ -205,6 +209,8 @@ class BlockPool:
                 del h2b[h]
                 bhash[b] = None
                 evicted += 1
+                if record is not None:
+                    record.append((b, h))
             ref[b] = 1
             append(b)
         # Unlink the whole popped run at once: the head now follows the sentinel.
@@ -517,6 +523,7 @@ class _MultiListPool(BlockPool):
         out: list[int] = []
         gone: list[bytes] = []  # the evicted hashes, in eviction order
         victim = self._victim
+        record = self.evicted
         for _ in range(n):
             b = victim()
             p, q = prev[b], nxt[b]
@@ -529,6 +536,8 @@ class _MultiListPool(BlockPool):
                 del h2b[h]
                 bhash[b] = None
                 gone.append(h)
+                if record is not None:
+                    record.append((b, h))
             ref[b] = 1
             hits[b] = 0
             out.append(b)
@@ -830,6 +839,7 @@ class SLRUBlockPool(_MultiListPool):
         append = out.append
         gone: list[bytes] = []  # the evicted hashes, in eviction order
         evict = gone.append
+        record = self.evicted
         left = n
         for k in (0, 1, 2):
             if not left:
@@ -849,6 +859,8 @@ class SLRUBlockPool(_MultiListPool):
                     del h2b[h]
                     bhash[b] = None
                     evict(h)
+                    if record is not None:
+                        record.append((b, h))
                 append(b)
             head = nxt[b]
             nxt[s] = head

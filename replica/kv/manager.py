@@ -58,6 +58,31 @@ for the model runner (``take_swap_ops``): swap-outs before anything reuses those
 device blocks in the same step, swap-ins before the forward pass. Host slots freed
 in a step are reused only after ``take_swap_ops``.
 
+Host tier (``host_tier=True``; vLLM's CPU offloading, SGLang's HiCache): the host slots
+also keep copies of evicted device blocks, so one slot array (one budget) serves swap and
+the tier (``replica/kv/tiers.py``):
+  * a full, hashed block the device pool evicts (``BlockPool.evicted``) is copied to a host
+    slot (a swap-out copy, applied before anything overwrites the block) unless its hash
+    already has one; the slot then sits in the host tier's LRU order (ref 0, hashed);
+  * a swapped slot whose last reference goes keeps its hash and joins the tier too;
+  * a slot is taken from the free ones first, then from the tier's least recent end (a
+    swap may evict tier copies; a tier copy never evicts a swapped block: with every
+    slot swapped the evicted block is dropped, as without a tier);
+  * a lookup that misses on the device continues into the host tier (and, with a
+    ``disk`` store, reads the next blocks from it into host slots: ``TierOps.host_fills``),
+    at most ``max_load_blocks_per_step`` blocks per step, so a large load never stalls
+    the running batch (the rest of the prompt is computed); the hits are ``TIER_BLOCK``
+    entries that ``allocate_slots`` turns into fresh device blocks filled by swap-in
+    copies before the forward pass, registered under their hashes;
+  * a slot written or read by a copy this step is pinned until ``take_swap_ops`` (one
+    write per slot per step, and no read after a write of other content).
+With a ``disk`` store, every block registered for tokens computed this step is queued
+for the disk after the forward pass (``TierOps.device_stores``, write-behind), and a
+tier slot leaving the host tier is queued before its reuse (``TierOps.host_stores``)
+unless the disk holds it already. Hit tokens from the tiers count in ``cached_tokens``
+(the scheduler's ``num_cached``) and in ``TierStats``, not in ``prefix_hit_tokens``
+(vLLM's local-cache counter).
+
 Sliding window (``sliding_window``: every layer of the model attends to at most the
 last ``sliding_window`` positions; vLLM's SlidingWindowManager): a position ``p``
 needs keys from ``p - sliding_window + 1`` on, so once a request's next token is at
@@ -74,11 +99,13 @@ Pure Python, no torch and no ray: the cluster simulator runs thousands of these.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from prefixserve.replica.kv.block_pool import BlockPool
 from prefixserve.replica.kv.hashing import DEFAULT_HASH_ALGO, DEFAULT_HASH_SEED, BlockHasher
+from prefixserve.replica.kv.tiers import TIER_BLOCK, BlockStore, TierOps, TierStats
 
 
 @dataclass(frozen=True)
@@ -104,6 +131,7 @@ class KVCacheStats:
     num_swapped_out_blocks: int = 0  # blocks copied device -> host, cumulative
     num_swapped_in_blocks: int = 0  # blocks copied host -> device, cumulative
     num_window_freed_blocks: int = 0  # blocks freed for lying outside the sliding window, cumulative
+    tiers: TierStats = field(default_factory=TierStats)  # the host and disk tiers (host_tier=True)
 
 
 @dataclass(slots=True)
@@ -176,6 +204,9 @@ class KVCacheManager:
         eviction_policy: str = "lru",
         num_host_blocks: int = 0,
         sliding_window: int | None = None,
+        host_tier: bool = False,
+        max_load_blocks_per_step: int = 512,
+        disk: BlockStore | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -197,7 +228,9 @@ class KVCacheManager:
             raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
         self.num_host_blocks = num_host_blocks
         self._host_free: list[int] = list(range(num_host_blocks - 1, -1, -1))  # a stack: slot 0 first
-        self._host_pending: list[int] = []  # freed since the last take_swap_ops, reusable after it
+        # Slots freed, written or read since the last take_swap_ops (insertion-ordered): reusable
+        # (free, or the host tier's when hashed) only after it.
+        self._host_pending: dict[int, None] = {}
         self._host_ref = [0] * num_host_blocks  # swapped table entries per host slot
         self._host_of_hash: dict[bytes, int] = {}  # a cached block's one host copy (shared, not duplicated)
         self._hash_of_host: dict[int, bytes] = {}
@@ -206,6 +239,20 @@ class KVCacheManager:
         self._swap_in_ops: list[tuple[int, int]] = []
         self._swapped_out_blocks = 0
         self._swapped_in_blocks = 0
+        if disk is not None and not host_tier:
+            raise ValueError("a disk tier needs the host tier (its reads land in host slots)")
+        if max_load_blocks_per_step < 1:
+            raise ValueError(f"max_load_blocks_per_step must be >= 1, got {max_load_blocks_per_step}")
+        self.host_tier = host_tier and num_host_blocks > 0 and enable_prefix_caching
+        self.max_load_blocks_per_step = max_load_blocks_per_step
+        self.disk = disk if self.host_tier else None
+        self._host_lru: OrderedDict[int, None] = OrderedDict()  # cached ref-0 slots, least recent first
+        self._loads_this_step = 0
+        self._disk_slots: set[int] = set()  # slots filled from disk not yet copied to the device
+        self._tier_ops = TierOps()
+        self._tier = {k: 0 for k in TierStats.__dataclass_fields__ if k != "num_host_cached_blocks"}
+        if self.host_tier:
+            self.pool.evicted = []
 
     # --- hashing -----------------------------------------------------------
 
@@ -258,7 +305,10 @@ class KVCacheManager:
         pool = self.pool
         get = pool.hash_to_block.get
         if self.sliding_window is not None:
-            blocks, num_hit = self._window_hit([get(h) for h in hashes[:max_blocks]])
+            cached = [get(h) for h in hashes[:max_blocks]]
+            if self.host_tier:
+                self._window_from_tiers(cached, hashes)
+            blocks, num_hit = self._window_hit(cached)
         else:
             blocks = []
             for h in hashes:  # not a slice: a copy of the hashes costs more than one lookup too many
@@ -267,9 +317,64 @@ class KVCacheManager:
                     break
                 blocks.append(b)
             del blocks[max_blocks:]
+            if self.host_tier and len(blocks) < max_blocks:
+                self._extend_from_tiers(blocks, hashes, max_blocks)
             num_hit = len(blocks) * self.block_size
         memo.hit, memo.hash_epoch = list(blocks), pool.hash_epoch
         return blocks, num_hit
+
+    def _tier_has(self, h: bytes) -> bool:
+        """Whether the host tier holds ``h``, reading it from the disk store into a host slot
+        when only the disk does (a cache fill: it changes no device state and counts no hit).
+        A slot found is pinned for the step (a later disk read in this lookup must not evict
+        it) and rejoins the LRU order at its recent end."""
+        slot = self._host_of_hash.get(h)
+        if slot is not None:
+            if slot in self._host_lru:
+                del self._host_lru[slot]
+                self._host_pending[slot] = None
+            return True
+        disk = self.disk
+        if disk is None or not disk.enabled:
+            return False
+        if self._loads_this_step >= self.max_load_blocks_per_step or not (self._host_free or self._host_lru):
+            return False
+        payload = disk.load(h)
+        if payload is None:
+            return False
+        slot = self._take_host_slot()
+        assert slot is not None, "checked above: a free or cached slot exists"
+        self._host_of_hash[h] = slot
+        self._hash_of_host[slot] = h
+        self._host_pending[slot] = None
+        self._tier_ops.host_fills.append((slot, payload))
+        self._disk_slots.add(slot)
+        self._loads_this_step += 1
+        self._tier["disk_read_blocks"] += 1
+        return True
+
+    def _extend_from_tiers(self, blocks: list[int], hashes: list[bytes], max_blocks: int) -> None:
+        """Continue a device hit run with device or host-tier blocks, within the step's load budget."""
+        get = self.pool.hash_to_block.get
+        budget = self.max_load_blocks_per_step - self._loads_this_step
+        for i in range(len(blocks), max_blocks):
+            h = hashes[i]
+            b = get(h)
+            if b is not None:
+                blocks.append(b)
+            elif budget > 0 and self._tier_has(h):
+                blocks.append(TIER_BLOCK)
+                budget -= 1
+            else:
+                return
+
+    def _window_from_tiers(self, cached: list[int | None], hashes: list[bytes]) -> None:
+        """Fill device misses of a sliding-window lookup with host-tier entries, within the budget."""
+        budget = self.max_load_blocks_per_step - self._loads_this_step
+        for i, b in enumerate(cached):
+            if b is None and budget > 0 and self._tier_has(hashes[i]):
+                cached[i] = TIER_BLOCK
+                budget -= 1
 
     def _window_hit(self, cached: list[int | None]) -> tuple[list[int], int]:
         """vLLM's sliding-window hit: the longest ``k`` whose last ``need`` blocks are cached."""
@@ -315,7 +420,7 @@ class KVCacheManager:
     def _num_revived(self, computed_blocks: Sequence[int]) -> int:
         """Hit blocks that are free now: attaching them takes them off the free pool."""
         ref = self.pool.ref_cnt
-        return sum(1 for b in computed_blocks if b != NULL_BLOCK and ref[b] == 0)
+        return sum(1 for b in computed_blocks if b == TIER_BLOCK or (b >= 0 and ref[b] == 0))
 
     def num_blocks_needed(self, request_id: str, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> int:
         """Free blocks ``allocate_slots`` would consume (growth, copy-on-write, revived hits)."""
@@ -365,7 +470,7 @@ class KVCacheManager:
             if memo is None or memo.hash_epoch != pool.hash_epoch or memo.hit != computed_blocks:
                 bhash = pool.block_hash
                 for i, b in enumerate(computed_blocks):
-                    if b != NULL_BLOCK and bhash[b] != hashes[i]:
+                    if b >= 0 and bhash[b] != hashes[i]:
                         raise ValueError(
                             f"computed block {b} no longer holds block {i} of this prompt: "
                             "call get_computed_blocks right before allocate_slots"
@@ -375,26 +480,29 @@ class KVCacheManager:
         if grow + cow + len(computed_blocks) > free and grow + cow + self._num_revived(computed_blocks) > free:
             return None
         if req is None:
+            num_tier = computed_blocks.count(TIER_BLOCK) if self.host_tier else 0
             if self.enable_prefix_caching:
                 self._query_tokens += len(token_ids)
-                self._hit_tokens += len(computed_blocks) * self.block_size
+                self._hit_tokens += (len(computed_blocks) - num_tier) * self.block_size
             # Hits leave the free queue before new blocks are popped, so none is evicted.
             skipped = computed_blocks.count(NULL_BLOCK)
-            pool.touch([b for b in computed_blocks if b != NULL_BLOCK] if skipped else computed_blocks)
+            pool.touch([b for b in computed_blocks if b >= 0] if skipped or num_tier else computed_blocks)
             held = len(computed_blocks)
             req = _Request(
                 list(computed_blocks), held * self.block_size, hashes, held, cache_salt, skipped, len(token_ids)
             )
             self._requests[request_id] = req
+            if num_tier:
+                self._load_from_host(req)
         if cow:
             src = req.blocks[-1]
-            (dst,) = pool.get_new_blocks(1)
+            (dst,) = self._pop_blocks(1)
             req.blocks[-1] = dst
             pool.free_blocks((src,))  # ref stays > 0: the other sharers keep it
             self._copy_ops.append((src, dst))
             self._cow_copies += 1
         if grow:
-            req.blocks += pool.get_new_blocks(grow)
+            req.blocks += self._pop_blocks(grow)
         req.num_tokens += num_new_tokens
         if self.enable_prefix_caching:
             self._register(req, token_ids)
@@ -416,7 +524,86 @@ class KVCacheManager:
         start = max(start, req.num_skipped)
         if start < known:
             self.pool.cache_blocks(req.blocks[start:known], hashes[start:known])
+            if self.disk is not None and self.disk.enabled:
+                bhash = self.pool.block_hash
+                self._tier_ops.device_stores += (
+                    (b, h) for b, h in zip(req.blocks[start:known], hashes[start:known]) if bhash[b] == h
+                )
         req.num_registered = known
+
+    # --- host tier ---------------------------------------------------------
+
+    def _pop_blocks(self, n: int) -> list[int]:
+        """``pool.get_new_blocks``; with the host tier, the hashed blocks it evicted are offloaded."""
+        out = self.pool.get_new_blocks(n)
+        evicted = self.pool.evicted
+        if evicted:
+            self._offload(evicted)
+            evicted.clear()
+        return out
+
+    def _offload(self, evicted: list[tuple[int, bytes]]) -> None:
+        """Queue a host copy of each evicted (block, hash) not in the host tier yet."""
+        host_of = self._host_of_hash
+        for b, h in evicted:
+            if h in host_of:
+                continue
+            slot = self._take_host_slot()
+            if slot is None:
+                self._tier["host_dropped_blocks"] += 1
+                continue
+            self._swap_out_ops.append((b, slot))
+            host_of[h] = slot
+            self._hash_of_host[slot] = h
+            self._host_pending[slot] = None
+            self._tier["host_offloaded_blocks"] += 1
+
+    def _take_host_slot(self) -> int | None:
+        """A host slot to write this step: a free one, else the tier's least recent copy (queued
+        for the disk first when the disk lacks it); None when every slot is swapped or pinned."""
+        if self._host_free:
+            return self._host_free.pop()
+        if not self._host_lru:
+            return None
+        slot, _ = self._host_lru.popitem(last=False)
+        h = self._hash_of_host.pop(slot)
+        del self._host_of_hash[h]
+        self._disk_slots.discard(slot)
+        self._tier["host_evicted_blocks"] += 1
+        disk = self.disk
+        if disk is not None and disk.enabled and not disk.contains(h):
+            self._tier_ops.host_stores.append((slot, h))
+        return slot
+
+    def _ref_host_slot(self, slot: int) -> None:
+        """One more swapped entry holds ``slot`` (a tier copy it holds leaves the LRU order)."""
+        self._host_ref[slot] += 1
+        self._host_lru.pop(slot, None)
+
+    def _load_from_host(self, req: _Request) -> None:
+        """Fresh device blocks for the request's ``TIER_BLOCK`` entries, filled from their host slots."""
+        idx = [i for i, b in enumerate(req.blocks) if b == TIER_BLOCK]
+        slots = [self._host_of_hash[req.hashes[i]] for i in idx]
+        for slot in slots:  # pinned before any block is popped: an offload must not reuse them
+            self._host_lru.pop(slot, None)
+            self._host_pending[slot] = None
+        fresh = self._pop_blocks(len(idx))
+        bs = self.block_size
+        for i, slot, dst in zip(idx, slots, fresh):
+            req.blocks[i] = dst
+            self._swap_in_ops.append((slot, dst))
+            if slot in self._disk_slots:
+                self._disk_slots.discard(slot)
+                self._tier["disk_hit_tokens"] += bs
+        self.pool.cache_blocks(fresh, [req.hashes[i] for i in idx])
+        self._loads_this_step += len(idx)
+        self._tier["host_loaded_blocks"] += len(idx)
+        self._tier["host_hit_tokens"] += len(idx) * bs
+
+    def take_tier_ops(self) -> TierOps:
+        """The disk copies queued since the last call (``TierOps``; empty without a disk store)."""
+        ops, self._tier_ops = self._tier_ops, TierOps()
+        return ops
 
     # --- release, sharing --------------------------------------------------
 
@@ -491,7 +678,7 @@ class KVCacheManager:
         host_of = self._host_of_hash
         live = req.blocks[req.num_skipped :]
         needed = sum(1 for b in live if ref[b] == 1 and (bhash[b] is None or bhash[b] not in host_of))
-        if needed > len(self._host_free):
+        if needed > len(self._host_free) + len(self._host_lru):
             return False
         entries: list[tuple[int, int, bytes | None]] = [(_SKIPPED, NULL_BLOCK, None)] * req.num_skipped
         released: list[int] = []
@@ -502,13 +689,14 @@ class KVCacheManager:
             h = bhash[b]
             slot = host_of.get(h) if h is not None else None
             if slot is None:
-                slot = self._host_free.pop()
+                slot = self._take_host_slot()
+                assert slot is not None, "swap_out counted the slots it needs"
                 self._swap_out_ops.append((b, slot))
                 self._swapped_out_blocks += 1
                 if h is not None:
                     host_of[h] = slot
                     self._hash_of_host[slot] = h
-            self._host_ref[slot] += 1
+            self._ref_host_slot(slot)
             entries.append((_HOST, slot, h))
             released.append(b)
         del self._requests[request_id]
@@ -524,10 +712,11 @@ class KVCacheManager:
     def _release_host_slot(self, slot: int) -> None:
         self._host_ref[slot] -= 1
         if self._host_ref[slot] == 0:
-            h = self._hash_of_host.pop(slot, None)
-            if h is not None:
-                del self._host_of_hash[h]
-            self._host_pending.append(slot)
+            if not self.host_tier:  # with the tier a hashed slot stays cached (take_swap_ops)
+                h = self._hash_of_host.pop(slot, None)
+                if h is not None:
+                    del self._host_of_hash[h]
+            self._host_pending[slot] = None
 
     def discard_swapped(self, request_id: str) -> bool:
         """Drop a swapped request's table (held blocks freed, host slots returned); False if not swapped."""
@@ -570,7 +759,7 @@ class KVCacheManager:
             return None
         del self._swapped[request_id]
         pool.touch(list(on_device.values()))  # before any new block is popped, so none of them is evicted
-        fresh = iter(pool.get_new_blocks(num_copies))
+        fresh = iter(self._pop_blocks(num_copies))
         blocks: list[int] = []
         recached: list[tuple[int, bytes]] = []
         for i, (kind, v, h) in enumerate(sw.entries):
@@ -603,8 +792,17 @@ class KVCacheManager:
         since the last call become reusable now."""
         out, into = self._swap_out_ops, self._swap_in_ops
         self._swap_out_ops, self._swap_in_ops = [], []
-        self._host_free += reversed(self._host_pending)
-        self._host_pending = []
+        ref, hashed, lru = self._host_ref, self._hash_of_host, self._host_lru
+        for slot in reversed(self._host_pending):
+            if ref[slot]:
+                continue  # swapped again since: held
+            if slot in hashed:
+                lru[slot] = None
+                lru.move_to_end(slot)
+            else:
+                self._host_free.append(slot)
+        self._host_pending = {}
+        self._loads_this_step = 0
         return out, into
 
     def take_copy_ops(self) -> list[tuple[int, int]]:
@@ -613,8 +811,15 @@ class KVCacheManager:
         return ops
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash; refused (False) while any block is in use."""
-        return self.pool.reset_prefix_cache()
+        """Forget every cached hash, the host tier's too; refused (False) while any block is in use."""
+        if not self.pool.reset_prefix_cache():
+            return False
+        for slot in list(self._host_lru):
+            del self._host_of_hash[self._hash_of_host.pop(slot)]
+            self._host_free.append(slot)
+        self._host_lru.clear()
+        self._disk_slots.clear()
+        return True
 
     # --- queries -----------------------------------------------------------
 
@@ -651,6 +856,7 @@ class KVCacheManager:
     def stats(self) -> KVCacheStats:
         pool = self.pool
         q, h = self._query_tokens, self._hit_tokens
+        idle = [s for s in self._host_pending if not self._host_ref[s]]
         return KVCacheStats(
             num_blocks=pool.num_blocks,
             block_size=self.block_size,
@@ -667,10 +873,14 @@ class KVCacheManager:
             num_requests=len(self._requests),
             num_swapped_requests=len(self._swapped),
             num_host_blocks=self.num_host_blocks,
-            num_used_host_blocks=self.num_host_blocks - len(self._host_free) - len(self._host_pending),
+            num_used_host_blocks=self.num_host_blocks - len(self._host_free) - len(self._host_lru) - len(idle),
             num_swapped_out_blocks=self._swapped_out_blocks,
             num_swapped_in_blocks=self._swapped_in_blocks,
             num_window_freed_blocks=self._num_window_freed,
+            tiers=TierStats(
+                **self._tier,
+                num_host_cached_blocks=len(self._host_lru) + sum(1 for s in idle if s in self._hash_of_host),
+            ),
         )
 
     def check_invariants(self) -> None:
@@ -710,10 +920,19 @@ class KVCacheManager:
                     host_used.append(v)
         for slot in range(self.num_host_blocks):
             assert self._host_ref[slot] == host_used.count(slot), f"host slot {slot}: wrong ref count"
-        host_all = sorted(set(host_used)) + self._host_free + self._host_pending
+        used = set(host_used)
+        idle = [s for s in self._host_pending if s not in used]
+        host_all = sorted(used) + self._host_free + idle + list(self._host_lru)
         assert sorted(host_all) == list(range(self.num_host_blocks)), "host slots lost or double-booked"
+        assert all(self._host_ref[s] == 0 and s in self._hash_of_host for s in self._host_lru), (
+            "the host tier's LRU holds a swapped or unhashed slot"
+        )
+        assert self.host_tier or not self._host_lru, "host tier entries without a host tier"
         for h, slot in self._host_of_hash.items():
-            assert self._hash_of_host.get(slot) == h and self._host_ref[slot] > 0, "host hash map out of sync"
+            assert self._hash_of_host.get(slot) == h, "host hash map out of sync"
+            assert self._host_ref[slot] > 0 or (self.host_tier and (slot in self._host_lru or slot in idle)), (
+                f"host slot {slot} is hashed but neither swapped nor in the host tier"
+            )
         for b in range(pool.num_blocks):
             assert pool.ref_cnt[b] == holders[b], f"block {b}: ref {pool.ref_cnt[b]} but {holders[b]} tables"
         if not self.enable_prefix_caching:

@@ -167,6 +167,7 @@ class ModelShard:
         self.num_host_blocks = 0
         self.k_cache = self.v_cache = self.k_host = self.v_host = torch.empty(0)
         self.graph_runner: DecodeGraphRunner | None = None
+        self._copy_stream: torch.cuda.Stream | None = None  # host -> device copies (CUDA)
 
     # --- memory -------------------------------------------------------------------
 
@@ -207,8 +208,10 @@ class ModelShard:
         return max(0, int(budget // self.kv_bytes_per_block))
 
     def host_block_capacity(self) -> int:
-        """Swap-pool blocks ``swap_space_gb`` holds on this rank."""
-        return int(self.config.swap_space_gb * 1024**3 // self.kv_bytes_per_block)
+        """Host-pool blocks on this rank: ``swap_space_gb`` plus this rank's share of the host
+        tier's ``kv_offloading_size`` (one pool, replica/kv/tiers.py)."""
+        tier = (self.config.kv_offloading_size or 0.0) / self.config.tensor_parallel_size
+        return int((self.config.swap_space_gb + tier) * 1024**3 // self.kv_bytes_per_block)
 
     def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int) -> None:
         c = self.model_cfg
@@ -318,12 +321,30 @@ class ModelShard:
                 _raw(pool)[:, host] = _raw(cache)[:, dev].to("cpu")
         if in_ops:
             host = torch.tensor([h for h, _ in in_ops], dtype=torch.long)
+            if self.device.type == "cuda":
+                self._swap_in_cuda(host, [d for _, d in in_ops])
+                return
             dev = torch.tensor([d for _, d in in_ops], dtype=torch.long, device=self.device)
             for cache, pool in ((self.k_cache, self.k_host), (self.v_cache, self.v_host)):
-                rows = _raw(pool)[:, host]
-                if self.device.type == "cuda":
-                    rows = rows.pin_memory().to(self.device, non_blocking=True)
-                _raw(cache)[:, dev] = rows.to(self.device)
+                _raw(cache)[:, dev] = _raw(pool)[:, host]
+
+    def _swap_in_cuda(self, host: torch.Tensor, dst: list[int]) -> None:
+        """Host -> device copies on a side stream (DMA from pinned rows), ordered after the
+        work already queued (a fresh block may be one an earlier step still reads) and
+        before the next forward pass; the host thread does not wait for them."""
+        main = torch.cuda.current_stream(self.device)
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        side = self._copy_stream
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            dev = torch.tensor(dst, dtype=torch.long).pin_memory().to(self.device, non_blocking=True)
+            for cache, pool in ((self.k_cache, self.k_host), (self.v_cache, self.v_host)):
+                rows = _raw(pool)[:, host].pin_memory().to(self.device, non_blocking=True)
+                _raw(cache)[:, dev] = rows
+                rows.record_stream(main)
+            dev.record_stream(main)
+        main.wait_stream(side)
 
 
 def _raw(cache: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,113 @@
+"""The engine's KV tiers: the disk store, the tier copies around a step, their metrics.
+
+``LLMEngine`` holds one ``EngineTiers`` when the host tier is on (``kv_offloading_size``);
+the KV manager decides what moves (``replica/kv/manager.py``, "Host tier"), this object
+applies the disk copies on rank 0 (``replica/worker/tier_io.py``), times the host copies the
+step's swap carries, and publishes ``replica/engine/tier_metrics.py``'s series. Its disk store
+and counters outlive ``LLMEngine.reset`` (a fresh KV manager starts with an empty host
+tier; the files stay valid).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+
+from prometheus_client import CollectorRegistry
+
+from prefixserve.replica.config import EngineConfig
+from prefixserve.replica.engine.core.tier_metrics import TierMetrics, TierTotals
+from prefixserve.replica.executor.model_runner import ModelRunner
+from prefixserve.replica.kv.disk_tier import DiskTier
+from prefixserve.replica.kv.manager import KVCacheStats
+from prefixserve.replica.kv.tiers import TierOps, TierStats
+from prefixserve.replica.worker.tier_io import TierIO, disk_key
+
+
+class EngineTiers:
+    """The host and disk tiers of one engine (module docstring)."""
+
+    def __init__(self, config: EngineConfig, runner: ModelRunner, registry: CollectorRegistry, model_name: str) -> None:
+        self.config = config
+        self.runner = runner
+        self.block_bytes = runner.kv_bytes_per_block
+        self.disk: DiskTier | None = None
+        self.io: TierIO | None = None
+        if config.kv_disk_path is not None:
+            self.disk = DiskTier(config.kv_disk_path, int(config.kv_disk_size_gb * 1024**3), disk_key(runner.shard))
+            self.io = TierIO(runner.shard, self.disk)
+        self.metrics = TierMetrics(registry, model_name)
+        self._carried = TierStats()
+        self._carried_queries = 0
+        self._offload = [0.0, 0]  # seconds, bytes
+        self._copy_back = [0.0, 0]
+
+    def manager_kwargs(self) -> dict[str, object]:
+        """The KVCacheManager arguments of the tiers."""
+        return {
+            "host_tier": True,
+            "max_load_blocks_per_step": self.config.kv_load_max_blocks_per_step,
+            "disk": self.disk,
+        }
+
+    def swap(self, ops: TierOps, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        """A step's tier and swap copies, in ``TierOps``' order (the forward pass comes next)."""
+        if self.io is not None and ops:
+            self.io.before_swap(ops)
+        if swap_out:
+            t0 = time.perf_counter()
+            self.runner.swap(swap_out, [])
+            self._offload[0] += time.perf_counter() - t0
+            self._offload[1] += len(swap_out) * self.block_bytes
+        if swap_in:
+            t0 = time.perf_counter()
+            self.runner.swap([], swap_in)
+            self._copy_back[0] += time.perf_counter() - t0
+            self._copy_back[1] += len(swap_in) * self.block_bytes
+
+    def after_forward(self, ops: TierOps) -> None:
+        if self.io is not None and ops.device_stores:
+            self.io.after_forward(ops)
+
+    def carry(self, stats: KVCacheStats) -> None:
+        """Keep a KV manager's counters before ``LLMEngine.reset`` replaces it."""
+        mine, theirs = asdict(self._carried), asdict(stats.tiers)
+        self._carried = TierStats(**{k: mine[k] + theirs[k] for k in mine if k != "num_host_cached_blocks"})
+        self._carried_queries += stats.prefix_query_tokens
+
+    def totals(self, stats: KVCacheStats) -> TierTotals:
+        t, c = stats.tiers, self._carried
+        d = self.disk.stats if self.disk is not None else None
+        io = self.io.times if self.io is not None else None
+        return TierTotals(
+            queries=self._carried_queries + stats.prefix_query_tokens,
+            host_hit_tokens=c.host_hit_tokens + t.host_hit_tokens,
+            disk_hit_tokens=c.disk_hit_tokens + t.disk_hit_tokens,
+            host_stored_blocks=c.host_offloaded_blocks + t.host_offloaded_blocks,
+            host_loaded_blocks=c.host_loaded_blocks + t.host_loaded_blocks,
+            disk_stored_blocks=d.stored_blocks if d else 0,
+            disk_loaded_blocks=d.loaded_blocks if d else 0,
+            disk_invalid_files=d.invalid_files if d else 0,
+            disk_dropped_writes=d.dropped_writes if d else 0,
+            disk_read_errors=d.errors.get("read", 0) if d else 0,
+            disk_write_errors=d.errors.get("write", 0) if d else 0,
+            offload_seconds=self._offload[0],
+            offload_bytes=int(self._offload[1]),
+            copy_back_seconds=self._copy_back[0],
+            copy_back_bytes=int(self._copy_back[1]),
+            disk_fill_seconds=io.fill_seconds if io else 0.0,
+            disk_fill_bytes=io.fill_bytes if io else 0,
+            disk_store_seconds=io.store_seconds if io else 0.0,
+            disk_store_bytes=d.stored_bytes if d else 0,
+        )
+
+    def observe(self, stats: KVCacheStats) -> None:
+        host = stats.tiers.num_host_cached_blocks / stats.num_host_blocks if stats.num_host_blocks else 0.0
+        disk = None
+        if self.disk is not None:
+            disk = min(1.0, self.disk.used_bytes / self.disk.size_bytes)
+        self.metrics.observe(self.totals(stats), host_usage=host, disk_usage=disk)
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.disk.close()

@@ -1,0 +1,367 @@
+"""The shared disk tier: KV blocks as content-addressed files in one directory.
+
+Several replicas (on one machine, or on several sharing a file system) point
+``kv_disk_path`` at the same directory; the first one that computes a prefix serves
+every other one's lookup of it. A block's file is named by everything that makes its
+bytes valid::
+
+    <model fingerprint>-<kv dtype>-bs<block size>-<layout>-tp<rank>of<size>-<block hash>.kv
+
+(``DiskKey.file_name``): the model fingerprint (the weights themselves, sampled, and the
+fp8 scales), the cache dtype, the block size, the attention backend's block layout,
+the tensor-parallel rank and size, and the chained block hash (Contract 2 of
+docs/design.md, which covers the parent chain and ``cache_salt``).
+
+A file is ``MAGIC``, a little-endian u32 header length, a JSON header (the key, the
+block hash, the payload length, the payload's xxh3_64) and the payload. A read checks
+all of it: a file that is truncated, corrupt, or written for another key is a miss and
+is deleted, never wrong tokens.
+
+Writes are write-behind: ``store`` puts the payload on a bounded queue (dropped and
+counted when full) and one writer thread writes a temporary file beside the target,
+then renames it (atomic on POSIX), so a writer killed mid-write leaves only a
+``.tmp`` file that no reader opens; two writers of one block both rename whole files.
+The directory is bounded by ``size_bytes``: past it the writer deletes the least
+recently used files (reads refresh a file's mtime) down to ``TRIM_TO`` of the bound,
+rescanning the directory, so files other replicas wrote count too.
+
+A disk fault (full, read-only, the directory gone) stops the tier for good with one
+warning and one ``errors`` count; serving goes on from the other tiers. A directory
+that cannot be used at start raises ``ValueError`` naming it.
+
+Pure Python (no torch): payloads are bytes.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import queue
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import xxhash
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"PSKVBLK1"
+SUFFIX = ".kv"
+TMP_SUFFIX = ".tmp"
+# Of the size bound: what a trim leaves, so that a trim is not due again at the next write.
+TRIM_TO = 0.9
+# A temporary file older than this is a dead writer's leftover (deleted at start).
+STALE_TMP_S = 600.0
+_HEADER_LEN = struct.Struct("<I")
+
+
+@dataclass(frozen=True)
+class DiskKey:
+    """What makes a block file valid for a reader (the module docstring's name fields)."""
+
+    model_fingerprint: str  # hex digest of the weights (and fp8 scales): ``tier_io.model_fingerprint``
+    kv_dtype: str  # the cache's element type, e.g. "float32", "float8_e4m3fn"
+    block_size: int
+    layout: str  # the backend's per-block K and V shapes, e.g. "cpu:2x16x64.2x16x64"
+    tp_rank: int
+    tp_size: int
+    payload_bytes: int  # one block's K and V over every layer
+
+    @property
+    def prefix(self) -> str:
+        layout = xxhash.xxh3_64_hexdigest(self.layout.encode())[:8]
+        return (
+            f"{self.model_fingerprint[:16]}-{self.kv_dtype}-bs{self.block_size}-{layout}"
+            f"-tp{self.tp_rank}of{self.tp_size}"
+        )
+
+    def file_name(self, block_hash: bytes) -> str:
+        return f"{self.prefix}-{block_hash.hex()}{SUFFIX}"
+
+    def header_key(self) -> str:
+        """The full key written into each file (the file name holds digests of parts of it)."""
+        return json.dumps(
+            [
+                self.model_fingerprint,
+                self.kv_dtype,
+                self.block_size,
+                self.layout,
+                self.tp_rank,
+                self.tp_size,
+                self.payload_bytes,
+            ]
+        )
+
+
+@dataclass
+class DiskTierStats:
+    """Cumulative counters (blocks unless named)."""
+
+    stored_blocks: int = 0  # files written by this process
+    stored_bytes: int = 0
+    loaded_blocks: int = 0  # verified reads
+    loaded_bytes: int = 0
+    invalid_files: int = 0  # truncated, corrupt or foreign files deleted on read
+    dropped_writes: int = 0  # stores refused: the write queue was full or the tier stopped
+    evicted_files: int = 0  # deleted by the size bound
+    errors: dict[str, int] = field(default_factory=lambda: {"read": 0, "write": 0})
+    disabled: bool = False
+
+
+def encode_block_file(key: DiskKey, block_hash: bytes, payload: bytes) -> bytes:
+    """A block file's bytes (MAGIC, header length, JSON header, payload)."""
+    header = json.dumps(
+        {
+            "key": key.header_key(),
+            "hash": block_hash.hex(),
+            "length": len(payload),
+            "xxh3_64": xxhash.xxh3_64_hexdigest(payload),
+        }
+    ).encode()
+    return MAGIC + _HEADER_LEN.pack(len(header)) + header + payload
+
+
+def decode_block_file(key: DiskKey, block_hash: bytes, data: bytes) -> bytes | None:
+    """The payload of a block file when every check passes, else None."""
+    head = len(MAGIC) + _HEADER_LEN.size
+    if len(data) < head or not data.startswith(MAGIC):
+        return None
+    (n,) = _HEADER_LEN.unpack_from(data, len(MAGIC))
+    if len(data) < head + n:
+        return None
+    try:
+        header = json.loads(data[head : head + n])
+    except ValueError:
+        return None
+    payload = data[head + n :]
+    if (
+        not isinstance(header, dict)
+        or header.get("key") != key.header_key()
+        or header.get("hash") != block_hash.hex()
+        or header.get("length") != len(payload)
+        or len(payload) != key.payload_bytes
+        or header.get("xxh3_64") != xxhash.xxh3_64_hexdigest(payload)
+    ):
+        return None
+    return payload
+
+
+class DiskTier:
+    """Block files under ``path`` for one rank's ``key`` (module docstring); a ``BlockStore``."""
+
+    def __init__(
+        self,
+        path: str,
+        size_bytes: int,
+        key: DiskKey,
+        queue_blocks: int = 256,
+        on_error: Callable[[str], None] | None = None,
+    ) -> None:
+        if size_bytes < key.payload_bytes:
+            raise ValueError(
+                f"kv_disk_size_gb={size_bytes / 1024**3:g} holds no KV block of {key.payload_bytes} bytes: raise it"
+            )
+        self.path = os.path.abspath(path)
+        self.size_bytes = size_bytes
+        self.key = key
+        self.stats = DiskTierStats()
+        self._on_error = on_error
+        self._enabled = True
+        self._check_usable()
+        self._bytes = self._scan_size()
+        self._queue: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue(maxsize=queue_blocks)
+        self._lock = threading.Lock()
+        self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
+        self._writer.start()
+
+    # --- start ---------------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        """Create the directory and write a probe file; a clear error naming the path otherwise."""
+        try:
+            os.makedirs(self.path, exist_ok=True)
+            probe = os.path.join(self.path, f".probe-{os.getpid()}-{threading.get_ident()}{TMP_SUFFIX}")
+            with open(probe, "wb") as f:
+                f.write(MAGIC)
+            os.remove(probe)
+        except OSError as exc:
+            raise ValueError(
+                f"kv_disk_path {self.path!r} cannot be used: {exc.strerror or exc} "
+                "(it must be a writable directory, or creatable)"
+            ) from exc
+
+    def _scan_size(self) -> int:
+        """Bytes of block files in the directory; deletes dead writers' temporary files."""
+        total = 0
+        now = time.time()
+        for entry in self._entries():
+            try:
+                st = entry.stat()
+            except OSError:
+                continue
+            if entry.name.endswith(TMP_SUFFIX):
+                if now - st.st_mtime > STALE_TMP_S:
+                    _remove(entry.path)
+            elif entry.name.endswith(SUFFIX):
+                total += st.st_size
+        return total
+
+    def _entries(self) -> list[os.DirEntry[str]]:
+        with os.scandir(self.path) as it:
+            return list(it)
+
+    # --- the BlockStore interface ----------------------------------------------------
+
+    @property
+    def enabled(self) -> bool:
+        return self._enabled
+
+    @property
+    def used_bytes(self) -> int:
+        """This process's estimate of the directory's block-file bytes (rescanned at each trim)."""
+        return self._bytes
+
+    def _file(self, block_hash: bytes) -> str:
+        return os.path.join(self.path, self.key.file_name(block_hash))
+
+    def contains(self, block_hash: bytes) -> bool:
+        return self._enabled and os.path.exists(self._file(block_hash))
+
+    def load(self, block_hash: bytes) -> bytes | None:
+        """The verified payload, or None (a miss; an invalid file is deleted; a fault stops the tier)."""
+        if not self._enabled:
+            return None
+        name = self._file(block_hash)
+        try:
+            with open(name, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            if not os.path.isdir(self.path):
+                self._fail("read", FileNotFoundError(errno.ENOENT, "the directory vanished", self.path))
+            return None
+        except OSError as exc:
+            self._fail("read", exc)
+            return None
+        payload = decode_block_file(self.key, block_hash, data)
+        if payload is None:
+            self.stats.invalid_files += 1
+            _remove(name)
+            return None
+        try:
+            os.utime(name)  # the size bound evicts the least recently used files first
+        except OSError:
+            pass  # evicted by another replica meanwhile: the payload read is whole and verified
+        self.stats.loaded_blocks += 1
+        self.stats.loaded_bytes += len(payload)
+        return payload
+
+    def store(self, block_hash: bytes, payload: bytes) -> bool:
+        """Queue a block for the writer; False (counted) when the queue is full or the tier stopped."""
+        if not self._enabled:
+            return False
+        try:
+            self._queue.put_nowait((block_hash, payload))
+        except queue.Full:
+            self.stats.dropped_writes += 1
+            return False
+        return True
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every queued write is done (tests, shutdown); False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while self._queue.unfinished_tasks:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def close(self) -> None:
+        """Finish the queued writes and stop the writer thread."""
+        if self._writer.is_alive():
+            self._queue.put(None)
+            self._writer.join()
+
+    # --- the writer thread ----------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                if self._enabled:
+                    self._write(*item)
+            except Exception as exc:  # noqa: BLE001 - a writer fault stops the tier, never the engine
+                self._fail("write", exc)
+            finally:
+                self._queue.task_done()
+
+    def _write(self, block_hash: bytes, payload: bytes) -> None:
+        target = self._file(block_hash)
+        if os.path.exists(target):
+            return  # another replica (or an earlier store) wrote it: content-addressed
+        data = encode_block_file(self.key, block_hash, payload)
+        tmp = f"{target}.{os.getpid()}-{threading.get_ident()}{TMP_SUFFIX}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, target)
+        except OSError as exc:
+            _remove(tmp)
+            self._fail("write", exc)
+            return
+        self.stats.stored_blocks += 1
+        self.stats.stored_bytes += len(payload)
+        self._bytes += len(data)
+        if self._bytes > self.size_bytes:
+            self._trim()
+
+    def _trim(self) -> None:
+        """Delete the least recently used block files down to ``TRIM_TO`` of the bound."""
+        files = []
+        for entry in self._entries():
+            if entry.name.endswith(SUFFIX):
+                try:
+                    st = entry.stat()
+                except OSError:
+                    continue  # deleted by another replica meanwhile
+                files.append((st.st_mtime_ns, st.st_size, entry.path))
+        files.sort()
+        total = sum(size for _, size, _ in files)
+        goal = self.size_bytes * TRIM_TO
+        for _, size, name in files:
+            if total <= goal:
+                break
+            if _remove(name):
+                self.stats.evicted_files += 1
+            total -= size
+        self._bytes = total
+
+    def _fail(self, op: str, exc: BaseException) -> None:
+        """Stop the tier after a disk fault: one warning, one count (per op), serving goes on."""
+        with self._lock:
+            self.stats.errors[op] = self.stats.errors.get(op, 0) + 1
+            if not self._enabled:
+                return
+            self._enabled = False
+            self.stats.disabled = True
+        log.warning(
+            "KV disk tier at %s stopped after a %s error (%s); serving goes on from the device and host tiers",
+            self.path,
+            op,
+            exc,
+        )
+        if self._on_error is not None:
+            self._on_error(op)
+
+
+def _remove(path: str) -> bool:
+    try:
+        os.remove(path)
+        return True
+    except OSError:
+        return False

@@ -1,0 +1,142 @@
+"""The tensor side of the KV tiers: block bytes in and out of one rank's caches.
+
+The KV manager (pure Python) decides what moves between the device pool, the host
+slots and the disk (``replica/kv/tiers.py``); the host <-> device copies travel with
+the swap copies (``ModelShard.swap``, every rank). This module does the rest on rank 0:
+it reads blocks (device or host slots) as payload bytes for the disk tier, writes
+payloads read from disk into host slots, and names what makes a payload valid
+(``disk_key``: the model's fingerprint, dtype, block size, layout, rank).
+
+A block's payload is its K rows then its V rows over every layer, as raw bytes
+(fp8 caches: the fp8 bytes; the per-layer scales are part of the fingerprint).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+
+import torch
+
+from prefixserve.replica.kv.disk_tier import DiskKey, DiskTier
+from prefixserve.replica.kv.tiers import TierOps
+from prefixserve.replica.worker.model_shard import ModelShard
+
+# Bytes sampled from each weight tensor for the fingerprint (evenly spaced elements).
+FINGERPRINT_SAMPLE_ELEMENTS = 4096
+
+
+def model_fingerprint(shard: ModelShard) -> str:
+    """A digest of the shard's weights (names, shapes, dtypes, a strided sample of every
+    tensor's values) and its fp8 KV scales: another checkpoint, even under the same path,
+    gets another fingerprint."""
+    h = hashlib.sha256()
+    for name, p in shard.model.state_dict().items():
+        t = p.detach().reshape(-1)
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
+        if t.numel():
+            step = max(1, t.numel() // FINGERPRINT_SAMPLE_ELEMENTS)
+            sample = t[::step].to("cpu", torch.float32).contiguous()
+            h.update(sample.numpy().tobytes())
+    for layer in shard.model.layers:
+        attn = layer.self_attn
+        h.update(f"{getattr(attn, 'k_scale', 1.0)!r}:{getattr(attn, 'v_scale', 1.0)!r}".encode())
+    return h.hexdigest()
+
+
+def _block_views(shard: ModelShard, host: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    k, v = (shard.k_host, shard.v_host) if host else (shard.k_cache, shard.v_cache)
+    return _bytes_view(k), _bytes_view(v)
+
+
+def _bytes_view(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+def block_nbytes(shard: ModelShard) -> int:
+    """Bytes of one block's payload on this rank (``ModelShard.kv_bytes_per_block``)."""
+    return shard.kv_bytes_per_block
+
+
+def disk_key(shard: ModelShard) -> DiskKey:
+    """The disk tier's key for this rank's blocks."""
+    k, v = shard.k_cache, shard.v_cache
+    layout = f"{shard.backend.name}:{'x'.join(map(str, k.shape[2:]))}.{'x'.join(map(str, v.shape[2:]))}"
+    return DiskKey(
+        model_fingerprint=model_fingerprint(shard),
+        kv_dtype=str(shard.kv_cache_dtype).removeprefix("torch."),
+        block_size=shard.block_size,
+        layout=layout,
+        tp_rank=shard.tp.rank,
+        tp_size=shard.tp.size,
+        payload_bytes=shard.kv_bytes_per_block,
+    )
+
+
+def read_blocks(shard: ModelShard, ids: list[int], host: bool) -> list[bytes]:
+    """The payloads of device blocks (or host slots, ``host``) ``ids``."""
+    if not ids:
+        return []
+    k, v = _block_views(shard, host)
+    index = torch.tensor(ids, dtype=torch.long, device=k.device)
+    # [layers, n, ...] -> [n, layers, ...]: one contiguous payload per block
+    ks = k.index_select(1, index).transpose(0, 1).reshape(len(ids), -1).to("cpu")
+    vs = v.index_select(1, index).transpose(0, 1).reshape(len(ids), -1).to("cpu")
+    both = torch.cat((ks, vs), dim=1).numpy()
+    return [row.tobytes() for row in both]
+
+
+def fill_host_slots(shard: ModelShard, fills: list[tuple[int, bytes]]) -> None:
+    """Write disk payloads into host slots (before the step's swap-ins read them)."""
+    if not fills:
+        return
+    k, v = _block_views(shard, host=True)
+    per_k = k[:, 0].numel()
+    rows = torch.stack([torch.frombuffer(bytearray(p), dtype=torch.uint8) for _, p in fills])
+    slots = torch.tensor([s for s, _ in fills], dtype=torch.long)
+    n = len(fills)
+    k[:, slots] = rows[:, :per_k].reshape(n, k.shape[0], *k.shape[2:]).transpose(0, 1)
+    v[:, slots] = rows[:, per_k:].reshape(n, v.shape[0], *v.shape[2:]).transpose(0, 1)
+
+
+@dataclass
+class TierCopyTimes:
+    """Seconds and bytes of the disk copies on the engine loop (cumulative)."""
+
+    store_seconds: float = 0.0  # reading blocks for the writer queue
+    fill_seconds: float = 0.0  # disk payloads into host slots
+    fill_bytes: int = 0
+
+
+class TierIO:
+    """Applies a step's ``TierOps`` on rank 0's shard, around the swap copies and the forward."""
+
+    def __init__(self, shard: ModelShard, disk: DiskTier) -> None:
+        self.shard = shard
+        self.disk = disk
+        self.times = TierCopyTimes()
+
+    def before_swap(self, ops: TierOps) -> None:
+        """Slots leaving the host tier go to the disk queue, then disk reads fill their slots."""
+        t0 = time.perf_counter()
+        if ops.host_stores and self.disk.enabled:
+            payloads = read_blocks(self.shard, [s for s, _ in ops.host_stores], host=True)
+            for (_, h), payload in zip(ops.host_stores, payloads):
+                self.disk.store(h, payload)
+        t1 = time.perf_counter()
+        fill_host_slots(self.shard, ops.host_fills)
+        t2 = time.perf_counter()
+        self.times.store_seconds += t1 - t0
+        self.times.fill_seconds += t2 - t1
+        self.times.fill_bytes += sum(len(p) for _, p in ops.host_fills)
+
+    def after_forward(self, ops: TierOps) -> None:
+        """Blocks computed this step go to the disk queue (write-behind)."""
+        if not ops.device_stores or not self.disk.enabled:
+            return
+        t0 = time.perf_counter()
+        payloads = read_blocks(self.shard, [b for b, _ in ops.device_stores], host=False)
+        for (_, h), payload in zip(ops.device_stores, payloads):
+            self.disk.store(h, payload)
+        self.times.store_seconds += time.perf_counter() - t0
