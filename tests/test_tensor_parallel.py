@@ -26,7 +26,7 @@ from prefixserve.replica.config import EngineConfig
 from prefixserve.replica.engine.core import AsyncEngine
 from prefixserve.replica.entrypoints.llm import LLM
 from prefixserve.replica.errors import EngineDeadError
-from prefixserve.replica.executor.tensor_parallel import parse_swap_message, swap_message
+from prefixserve.replica.executor.tp_protocol import parse_swap_message, swap_message
 from prefixserve.replica.model.layers import TPGroup
 from prefixserve.replica.sampling_params import SamplingParams
 from prefixserve.replica.worker.step_inputs import StepInputs, unpack_step_inputs

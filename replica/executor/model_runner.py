@@ -24,14 +24,8 @@ from prefixserve.replica.config import EngineConfig
 from prefixserve.replica.core.sched_output import ScheduledSeq
 from prefixserve.replica.errors import EngineDeadError
 from prefixserve.replica.executor.ray_bundles import RankResources, reserve_rank_resources
-from prefixserve.replica.executor.tensor_parallel import (
-    OP_CLEAR,
-    WorkerGroup,
-    WorkerSpec,
-    init_distributed,
-    step_message,
-    swap_message,
-)
+from prefixserve.replica.executor.tensor_parallel import WorkerGroup, WorkerSpec
+from prefixserve.replica.executor.tp_protocol import OP_CLEAR, init_distributed, step_message, swap_message
 from prefixserve.replica.model import loader
 from prefixserve.replica.model.layers import TPGroup
 from prefixserve.replica.model.llama import LlamaForCausalLM, ModelConfig

@@ -53,7 +53,7 @@ def worker_main(spec, rank: int, size: int, conn: Connection, parent_pid: int) -
 def _start(spec, rank: int, size: int, conn: Connection):
     import torch.distributed as dist
 
-    from prefixserve.replica.executor.tensor_parallel import init_distributed
+    from prefixserve.replica.executor.tp_protocol import init_distributed
     from prefixserve.replica.model import loader
     from prefixserve.replica.model.layers import TPGroup
     from prefixserve.replica.worker.model_shard import ModelShard, resolve_device, resolve_dtype
@@ -86,7 +86,7 @@ def _serve(shard, conn: Connection) -> None:
     import torch
     import torch.distributed as dist
 
-    from prefixserve.replica.executor.tensor_parallel import OP_CLEAR, OP_SHUTDOWN, OP_STEP, OP_SWAP, parse_swap_message
+    from prefixserve.replica.executor.tp_protocol import OP_CLEAR, OP_SHUTDOWN, OP_STEP, OP_SWAP, parse_swap_message
     from prefixserve.replica.worker.step_inputs import unpack_step_inputs
 
     while True:
