@@ -41,7 +41,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from prefixserve.replica.contract.request import REPLICA_HEADER
+from prefixserve.replica.contract.routing import REPLICA_HEADER
 
 QUERIES = "vllm:prefix_cache_queries_total"
 HITS = "vllm:prefix_cache_hits_total"

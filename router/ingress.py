@@ -69,7 +69,8 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from prefixserve.common.config_util import from_dict
-from prefixserve.replica.contract.request import REPLICA_HEADER, EngineRequest, ModelInfo
+from prefixserve.replica.contract.request import EngineRequest, ModelInfo
+from prefixserve.replica.contract.routing import REPLICA_HEADER
 from prefixserve.replica.contract.stream import StreamDelta, StreamError, StreamStart, TokenTexts
 from prefixserve.replica.entrypoints.openai import http_frontend
 from prefixserve.replica.entrypoints.openai import protocol as api

@@ -65,7 +65,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from prefixserve.replica.contract.request import SESSION_HEADER, STATIC_ROLES, canonical_json
+from prefixserve.replica.contract.routing import SESSION_HEADER, STATIC_ROLES, canonical_json
 
 PREFIX_HASH_HEADER = "X-Prefix-Hash"
 KEY_HEX_DIGITS = 16

@@ -40,7 +40,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from prefixserve.replica.contract.request import STATIC_ROLES
+from prefixserve.replica.contract.routing import STATIC_ROLES
 from prefixserve.router.prefix import content_text
 
 DEFAULT_BLOCK_CHARS = 256  # about 64 tokens of English text

@@ -21,7 +21,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefixserve.replica.contract.request import STATIC_ROLES
+from prefixserve.replica.contract.routing import STATIC_ROLES
 from prefixserve.replica.engine.outputs import FinishReason
 from prefixserve.replica.sampling_params import SamplingParams
 

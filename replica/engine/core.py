@@ -40,7 +40,7 @@ import torch
 
 from prefixserve.common.tracing import RequestTiming, RequestTracer, build_tracer
 from prefixserve.replica.config import MAX_MODEL_LEN_CAP, EngineConfig
-from prefixserve.replica.contract.request import canonical_json
+from prefixserve.replica.contract.routing import canonical_json
 from prefixserve.replica.contract.stream import StreamDelta
 from prefixserve.replica.core.request import Request, Sequence, static_prefix_messages
 from prefixserve.replica.core.sched_output import ScheduledSeq

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from prefixserve.replica.contract.request import SESSION_HEADER, EngineRequest, ModelInfo
+from prefixserve.replica.contract.request import EngineRequest, ModelInfo
+from prefixserve.replica.contract.routing import SESSION_HEADER
 from prefixserve.replica.contract.stream import StreamDelta
 from prefixserve.replica.entrypoints.openai import protocol as api
 from prefixserve.replica.errors import PromptTooLongError

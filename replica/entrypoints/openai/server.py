@@ -51,7 +51,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from prefixserve.common.config_util import add_cli_arguments, from_cli_args
 from prefixserve.common.logs import LOG_FORMATS, configure_logging
-from prefixserve.replica.contract.request import REPLICA_HEADER
+from prefixserve.replica.contract.routing import REPLICA_HEADER
 from prefixserve.replica.engine.request_runner import LocalEngineClient
 from prefixserve.replica.entrypoints.openai import http_frontend
 from prefixserve.replica.entrypoints.openai import protocol as api
