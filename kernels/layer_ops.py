@@ -27,26 +27,10 @@ Optional (None where an implementation does not fuse it):
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 
-
-@dataclass(frozen=True)
-class LayerOps:
-    name: str
-    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
-    add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
-    prepare_rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any]
-    rotary: Callable[[torch.Tensor, Any], torch.Tensor]
-    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
-    # Rotary + KV-cache write in one kernel; only for the standard cache layout
-    # [num_blocks, block_size, num_kv_heads, head_dim] (torch and Triton backends).
-    rotary_and_write_kv: Callable[..., torch.Tensor] | None = None
-
+from prefixserve.kernels.layer_ops_interface import LayerOps
 
 # --- torch (reference) ----------------------------------------------------------
 

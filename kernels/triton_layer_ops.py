@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from prefixserve.kernels.cache_write import CACHE_DTYPES, _fp8_e4m3_bits
-from prefixserve.kernels.layer_ops import LayerOps
+from prefixserve.kernels.layer_ops_interface import LayerOps
 from prefixserve.kernels.paged_attention import interpreting
 from prefixserve.kernels.reference import FP8_DTYPES
 

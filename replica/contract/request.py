@@ -5,16 +5,14 @@
 * :class:`ModelInfo`, :class:`EngineStream` and :class:`EngineClient`: what a front end may ask of an
   engine (model info, health, open a stream of ``StreamDelta``; closing an unfinished stream aborts its
   request).
-* The headers and roles Contract 1 (router/contracts/prefix.py) reads: ``SESSION_HEADER``, ``STATIC_ROLES``; the
-  header naming the replica that served a request, ``REPLICA_HEADER``; ``canonical_json``, the form
-  tools are hashed in.
+
+The headers and roles the routing key reads are replica/contract/routing.py's.
 
 Plain data: no HTTP framework, no Ray, no torch.
 """
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -22,24 +20,6 @@ from typing import Any, Protocol
 from prefixserve.replica.contract.stream import StreamDelta
 from prefixserve.replica.sampling_params import SamplingParams
 from prefixserve.replica.tools.choice import ToolCallMode
-
-# The session header of multi-turn clients: their requests are conversation turns, and
-# router/contracts/prefix.py keys their affinity by it.
-SESSION_HEADER = "X-Session-Id"
-# Contract 1's static prefix (router/contracts/prefix.py): the leading run of chat messages with these roles.
-STATIC_ROLES = frozenset({"system", "developer"})
-
-
-# Names the engine replica that served a request (the standalone server: itself).
-REPLICA_HEADER = "X-Prefixserve-Replica"
-
-
-def canonical_json(value: Any) -> str:
-    """``value`` as canonical JSON: sorted keys, no spaces, UTF-8 characters as themselves.
-
-    The form Contract 1 hashes tools in (router/contracts/prefix.py), and the engine's memo key for them.
-    """
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
 @dataclass

@@ -134,7 +134,7 @@ class Scheduler:
                 self._preempt(victim, out)
                 if victim is seq:
                     break
-            if seq.status is not SeqStatus.RUNNING:
+            if seq.status is not SeqStatus.RUNNING or table is None:  # seq itself was preempted
                 break
             out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n, table))
             seq.num_computed_tokens += n

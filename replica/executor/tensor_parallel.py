@@ -8,7 +8,7 @@ share of the cores (CPU), joined in one ``torch.distributed`` group (NCCL on CUD
 on CPU) whose every collective times out after ``distributed_timeout_s``.
 
 Each step the driver sends every worker one message through its pipe: a flat int64
-buffer (an opcode, then :meth:`StepInputs.pack`), written with ``send_bytes``: no
+buffer (an opcode, then :meth:`StepInputs.pack`; replica/executor/tp_protocol.py), written with ``send_bytes``: no
 pickling, one write per worker per step. Then every rank runs the same forward pass;
 the collectives inside it (row-parallel all-reduces, the LM head's gather) keep the
 ranks in lockstep, and only rank 0 receives logits. Swap copies and cache clears are
@@ -36,22 +36,19 @@ import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from prefixserve.replica.config import EngineConfig
 from prefixserve.replica.errors import EngineDeadError
+from prefixserve.replica.executor.tp_protocol import OP_SHUTDOWN
 from prefixserve.replica.model.llama import ModelConfig
 from prefixserve.replica.model.loader import CheckpointSource
 from prefixserve.replica.worker.model_shard import RankMemory
 
 log = logging.getLogger(__name__)
 
-# Message opcodes (the first int64 of every message to a worker).
-OP_STEP, OP_SWAP, OP_CLEAR, OP_SHUTDOWN = 1, 2, 3, 4
 # The seconds a worker may take to start (imports, weights, KV cache) before the engine gives up.
 START_TIMEOUT_S = 600.0
 # How long a failed step waits for a dying worker's exit to show, to name it in the error.
@@ -75,44 +72,6 @@ class WorkerSpec:
     store_port: int
     # Torch threads of each rank on CPU (None: the default share of the cores).
     cpu_threads: list[int | None]
-
-
-def backend_for(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
-
-
-def init_distributed(store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float) -> None:
-    """Join this process to the engine's group (the process's default group)."""
-    if dist.is_initialized():
-        raise RuntimeError(
-            "this process already belongs to a torch.distributed group: run one "
-            "tensor-parallel engine per process (shut the other down first)"
-        )
-    dist.init_process_group(
-        backend_for(device),
-        store=store,
-        rank=rank,
-        world_size=size,
-        timeout=timedelta(seconds=timeout_s),
-        device_id=device if device.type == "cuda" else None,
-    )
-
-
-def step_message(packed_inputs: torch.Tensor) -> torch.Tensor:
-    return torch.cat([torch.tensor([OP_STEP], dtype=torch.int64), packed_inputs])
-
-
-def swap_message(out_ops: list[tuple[int, int]], in_ops: list[tuple[int, int]]) -> torch.Tensor:
-    flat = [OP_SWAP, len(out_ops), len(in_ops)] + [x for pair in out_ops + in_ops for x in pair]
-    return torch.tensor(flat, dtype=torch.int64)
-
-
-def parse_swap_message(message: torch.Tensor) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    n_out, n_in = int(message[1]), int(message[2])
-    pairs = message[3:].view(-1, 2).tolist()
-    if len(pairs) != n_out + n_in:
-        raise ValueError(f"swap message holds {len(pairs)} pairs, its header says {n_out} + {n_in}")
-    return [tuple(p) for p in pairs[:n_out]], [tuple(p) for p in pairs[n_out:]]  # type: ignore[misc]
 
 
 class WorkerGroup:

@@ -1,0 +1,253 @@
+"""The import rule of docs/design.md, read from the source: layers point one way, router/ sees replica/ only
+through its contracts, and replica/ and kernels/ have no import loops.
+
+Every ``import`` and ``from ... import`` of every module is parsed (ast), including imports inside functions;
+only imports under ``if TYPE_CHECKING:`` are left out of the loop check (they never run).
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Lower layers first: a module may import its own layer and the layers before it.
+LAYERS = ("common", "kernels", "replica", "router", "loadtest")
+
+# What router/ may import of replica/ (each a module, or a package with its modules): the ingress<->engine
+# contract, the block hashing (Contract 2), the
+# engine config the cluster builds, and the replica's entry points the router hosts (the OpenAI front end
+# its ingress serves, the Serve deployment its app binds).
+ROUTER_MAY_IMPORT = frozenset(
+    {
+        "prefixserve.replica.contract",
+        "prefixserve.replica.kv.hashing",
+        "prefixserve.replica.config",
+        "prefixserve.replica.entrypoints.openai.protocol",
+        "prefixserve.replica.entrypoints.openai.http_frontend",
+        "prefixserve.replica.entrypoints.serve.deployment",
+    }
+)
+
+# Folders whose modules must not import one another in a loop.
+ACYCLIC = ("replica", "kernels")
+
+
+@dataclass(frozen=True)
+class Import:
+    """One import edge: ``module`` imports ``target`` (both dotted, under prefixserve.) at ``line``."""
+
+    module: str
+    target: str
+    line: int
+    type_checking: bool
+
+
+def module_files(root: Path = ROOT) -> dict[str, Path]:
+    """Every module of the five folders, by its dotted name."""
+    out: dict[str, Path] = {}
+    for top in LAYERS:
+        for path in sorted((root / top).rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(["prefixserve", *parts])] = path
+    return out
+
+
+def _type_checking_lines(tree: ast.AST) -> set[int]:
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If):
+            test = node.test
+            name = test.id if isinstance(test, ast.Name) else test.attr if isinstance(test, ast.Attribute) else ""
+            if name == "TYPE_CHECKING":
+                for child in node.body:
+                    for sub in ast.walk(child):
+                        if hasattr(sub, "lineno"):
+                            lines.add(sub.lineno)
+    return lines
+
+
+def imports_of(module: str, path: Path, modules: dict[str, Path]) -> list[Import]:
+    """The prefixserve modules ``module`` imports: the longest known module each import names."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    guarded = _type_checking_lines(tree)
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    out: list[Import] = []
+
+    def add(name: str, line: int) -> None:
+        parts = name.split(".")
+        for i in range(len(parts), 1, -1):
+            cand = ".".join(parts[:i])
+            if cand in modules:
+                if cand != module:
+                    out.append(Import(module, cand, line, line in guarded))
+                return
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                add(alias.name, node.lineno)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            for alias in node.names:
+                # ``from prefixserve.replica import config`` imports the submodule.
+                add(f"{name}.{alias.name}" if f"{name}.{alias.name}" in modules else name, node.lineno)
+    return out
+
+
+def all_imports(root: Path = ROOT) -> list[Import]:
+    modules = module_files(root)
+    return [imp for mod, path in modules.items() for imp in imports_of(mod, path, modules)]
+
+
+def layer(module: str) -> str:
+    return module.split(".")[1]
+
+
+def router_may_import(target: str) -> bool:
+    return any(target == allowed or target.startswith(allowed + ".") for allowed in ROUTER_MAY_IMPORT)
+
+
+def violations(imports: list[Import]) -> list[str]:
+    """Each import across layers the rule forbids, as ``module:line -> target (why)``."""
+    bad: list[str] = []
+    for imp in dict.fromkeys(imports):
+        src, dst = layer(imp.module), layer(imp.target)
+        if src == dst:
+            continue
+        where = f"{imp.module}:{imp.line} -> {imp.target}"
+        if LAYERS.index(dst) > LAYERS.index(src):
+            bad.append(f"{where} (imports a higher layer: {src} -> {dst})")
+        elif src == "router" and dst == "replica" and not router_may_import(imp.target):
+            bad.append(f"{where} (router/ imports of replica/ are only ROUTER_MAY_IMPORT)")
+        elif src == "router" and dst == "kernels":
+            bad.append(f"{where} (router/ reaches kernels/ only through replica/)")
+    return bad
+
+
+def cycles(imports: list[Import], folder: str) -> list[list[str]]:
+    """The import loops among ``folder``'s modules (one per strongly connected component of two or more)."""
+    graph: dict[str, set[str]] = {}
+    for imp in imports:
+        if imp.type_checking or layer(imp.module) != folder or layer(imp.target) != folder:
+            continue
+        graph.setdefault(imp.module, set()).add(imp.target)
+        graph.setdefault(imp.target, set())
+    # Tarjan's strongly connected components, iterative.
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    counter = 0
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = counter
+        counter += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, it = work[-1]
+            nxt = next(it, None)
+            if nxt is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    comp = []
+                    while True:
+                        top = stack.pop()
+                        on_stack.discard(top)
+                        comp.append(top)
+                        if top == node:
+                            break
+                    if len(comp) > 1:
+                        found.append(sorted(comp))
+            elif nxt not in index:
+                index[nxt] = low[nxt] = counter
+                counter += 1
+                stack.append(nxt)
+                on_stack.add(nxt)
+                work.append((nxt, iter(sorted(graph[nxt]))))
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+    return found
+
+
+def test_every_folder_is_parsed() -> None:
+    modules = module_files()
+    for top in LAYERS:
+        assert f"prefixserve.{top}" in modules, top
+    assert "prefixserve.replica.contract" in modules and "prefixserve.replica.kv.hashing" in modules
+
+
+def test_imports_point_one_way() -> None:
+    bad = violations(all_imports())
+    assert not bad, "imports against docs/design.md's rule:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("folder", ACYCLIC)
+def test_no_import_loops(folder: str) -> None:
+    loops = cycles(all_imports(), folder)
+    assert not loops, f"import loops in {folder}/:\n" + "\n".join(" <-> ".join(c) for c in loops)
+
+
+def _write(root: Path, rel: str, text: str) -> None:
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def _mini_tree(root: Path) -> None:
+    for top in LAYERS:
+        _write(root, f"{top}/__init__.py", "")
+    _write(root, "replica/contract.py", "")
+    _write(root, "replica/config.py", "")
+    _write(root, "replica/kv/__init__.py", "")
+    _write(root, "replica/kv/hashing.py", "")
+    _write(root, "replica/step.py", "import prefixserve.kernels\nfrom prefixserve.common import x\n")
+    _write(
+        root,
+        "router/contracts/prefix.py",
+        "from prefixserve.replica.contract import A\nfrom prefixserve.replica import config\n",
+    )
+
+
+def test_the_checks_catch_what_they_forbid(tmp_path: Path) -> None:
+    _mini_tree(tmp_path)
+    assert violations(all_imports(tmp_path)) == []
+    _write(tmp_path, "router/policies/", "def f():\n    from prefixserve.replica.step import Engine\n")
+    _write(tmp_path, "kernels/ops.py", "from prefixserve.replica import step\n")
+    _write(tmp_path, "common/util.py", "import prefixserve.router.contracts.prefix\n")
+    bad = violations(all_imports(tmp_path))
+    assert any(b.startswith("prefixserve.router.policies:2 -> prefixserve.replica.step (router/") for b in bad), bad
+    assert any(b.startswith("prefixserve.kernels.ops:1 -> prefixserve.replica.step (imports a higher") for b in bad)
+    assert any(
+        b.startswith("prefixserve.common.util:1 -> prefixserve.router.contracts.prefix (imports a higher") for b in bad
+    )
+    assert len(bad) == 3, bad
+
+
+def test_loops_are_found_and_type_checking_imports_are_not_loops(tmp_path: Path) -> None:
+    _mini_tree(tmp_path)
+    _write(tmp_path, "replica/a.py", "from prefixserve.replica.b import B\n")
+    _write(
+        tmp_path,
+        "replica/b.py",
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from prefixserve.replica.a import A\n",
+    )
+    assert cycles(all_imports(tmp_path), "replica") == []
+    _write(tmp_path, "replica/b.py", "def f():\n    from prefixserve.replica import a\n")
+    assert cycles(all_imports(tmp_path), "replica") == [["prefixserve.replica.a", "prefixserve.replica.b"]]
