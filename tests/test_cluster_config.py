@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from prefixserve.common.config_util import add_cli_arguments, from_cli_args
-from prefixserve.replica.endpoint_config import CLUSTER_PORT, REPLICA_PORT, EndpointConfig
+from prefixserve.common.endpoint_config import CLUSTER_PORT, REPLICA_PORT, EndpointConfig
 from prefixserve.replica.entrypoints.openai import server
 from prefixserve.router.cli import up
 from prefixserve.router.cluster_config import AppArgs, IngressArgs, IngressConfig, RouterArgs

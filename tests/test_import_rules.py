@@ -219,24 +219,20 @@ def _mini_tree(root: Path) -> None:
     _write(root, "replica/kv/hashing.py", "")
     _write(root, "replica/step.py", "import prefixserve.kernels\nfrom prefixserve.common import x\n")
     _write(
-        root,
-        "router/contracts/prefix.py",
-        "from prefixserve.replica.contract import A\nfrom prefixserve.replica import config\n",
+        root, "router/prefix.py", "from prefixserve.replica.contract import A\nfrom prefixserve.replica import config\n"
     )
 
 
 def test_the_checks_catch_what_they_forbid(tmp_path: Path) -> None:
     _mini_tree(tmp_path)
     assert violations(all_imports(tmp_path)) == []
-    _write(tmp_path, "router/policies/", "def f():\n    from prefixserve.replica.step import Engine\n")
+    _write(tmp_path, "router/policies.py", "def f():\n    from prefixserve.replica.step import Engine\n")
     _write(tmp_path, "kernels/ops.py", "from prefixserve.replica import step\n")
-    _write(tmp_path, "common/util.py", "import prefixserve.router.contracts.prefix\n")
+    _write(tmp_path, "common/util.py", "import prefixserve.router.prefix\n")
     bad = violations(all_imports(tmp_path))
     assert any(b.startswith("prefixserve.router.policies:2 -> prefixserve.replica.step (router/") for b in bad), bad
     assert any(b.startswith("prefixserve.kernels.ops:1 -> prefixserve.replica.step (imports a higher") for b in bad)
-    assert any(
-        b.startswith("prefixserve.common.util:1 -> prefixserve.router.contracts.prefix (imports a higher") for b in bad
-    )
+    assert any(b.startswith("prefixserve.common.util:1 -> prefixserve.router.prefix (imports a higher") for b in bad)
     assert len(bad) == 3, bad
 
 

@@ -24,9 +24,9 @@ import threading
 from typing import Any
 
 from prefixserve.common.config_util import add_cli_arguments, from_cli_args
+from prefixserve.common.endpoint_config import EndpointConfig
 from prefixserve.common.logs import add_verbose_flag, configure_logging, quiet_libraries
 from prefixserve.replica.config import EngineConfig
-from prefixserve.replica.endpoint_config import EndpointConfig
 from prefixserve.router.cluster_config import DEFAULT_REPLICA_CPUS, AppArgs, IngressArgs, IngressConfig, RouterArgs
 
 APP_NAME = "prefixserve"

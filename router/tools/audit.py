@@ -42,7 +42,6 @@ prefixserve.replica.model.loader lazily (it pulls torch and transformers). No Ra
 from __future__ import annotations
 
 import argparse
-import functools
 import hashlib
 import json
 import os
@@ -57,6 +56,7 @@ from typing import Any, BinaryIO, Protocol
 
 from tqdm import tqdm
 
+from prefixserve.replica.contract.tokenizer import load_tokenizer
 from prefixserve.router.cli.common import EXIT_SKIPPED
 from prefixserve.router.contracts.prefix import PREFIX_HASH_HEADER, content_text, routing_key, static_prefix
 
@@ -855,15 +855,6 @@ def format_report(report: AuditReport) -> str:
 
 
 # ---------------------------------------------------------------------- CLI
-
-
-@functools.lru_cache(maxsize=4)
-def load_tokenizer(model: str) -> Any:
-    """The tokenizer (only) of ``model``: ``smollm2``, a checkpoint directory or a .gguf file (cached)."""
-    from prefixserve.replica.model.loader import load_tokenizer as _load
-    from prefixserve.replica.model.loader import resolve
-
-    return _load(resolve(model))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
