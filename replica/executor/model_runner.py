@@ -15,7 +15,7 @@ Nothing here knows requests beyond the ScheduledSeq records it is handed.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -150,6 +150,8 @@ class ModelRunner:
             raise
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
+        # The engine's step timer (replica/engine/step_timer.py): called with a phase's name as it ends.
+        self.lap: Callable[[str], None] | None = None
 
     def _start_workers(
         self, checkpoint: loader.CheckpointSource, checkpoint_dtype: torch.dtype | None, threads: list[int | None]
@@ -268,6 +270,9 @@ class ModelRunner:
             logit_spans=[(p.index, p.first, len(p.next_tokens)) for p in prompt_spans],
         )
         consumer = _PromptLogitsConsumer(len(specs), prompt_spans) if prompt_spans else None
+        lap = self.lap
+        if lap is not None:
+            lap("prepare")
         if self.workers is None:
             logits = self.shard.run(inputs, consumer)
         else:
@@ -278,10 +283,15 @@ class ModelRunner:
                 raise self.workers.failure(exc) from exc
         if consumer is not None:
             logits = consumer.sample_logits()
+        if lap is not None:
+            lap("forward")
         if logits is None or not specs:
             return []
         with torch.inference_mode():
-            return sample(logits, [s for _, s in specs], self.generator)
+            results = sample(logits, [s for _, s in specs], self.generator)
+        if lap is not None:
+            lap("sample")
+        return results
 
     def swap(self, out_ops: list[tuple[int, int]], in_ops: list[tuple[int, int]]) -> None:
         """Apply a step's swap copies on every rank (see ModelShard.swap)."""
