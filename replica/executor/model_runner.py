@@ -36,9 +36,10 @@ from prefixserve.replica.model import loader
 from prefixserve.replica.model.layers import TPGroup
 from prefixserve.replica.model.llama import LlamaForCausalLM, ModelConfig
 from prefixserve.replica.model.startup import StartupTimer
+from prefixserve.replica.worker.input_builder import build_step_inputs
 from prefixserve.replica.worker.model_shard import ModelShard, resolve_device, resolve_dtype
 from prefixserve.replica.worker.sampler import SampleResult, SampleSpec, prompt_logprobs, sample
-from prefixserve.replica.worker.step_inputs import build_step_inputs
+from prefixserve.replica.worker.step_inputs import StepInputs
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +153,9 @@ class ModelRunner:
         self.generator.manual_seed(config.seed)
         # The engine's step timer (replica/engine/step_timer.py): called with a phase's name as it ends.
         self.lap: Callable[[str], None] | None = None
+        # Builds each step's inputs; step_inputs.build_step_inputs (the torch reference) takes the
+        # same arguments and gives the same tensors (bench_host compares the two).
+        self.build_inputs: Callable[..., StepInputs] = build_step_inputs
 
     def _start_workers(
         self, checkpoint: loader.CheckpointSource, checkpoint_dtype: torch.dtype | None, threads: list[int | None]
@@ -261,7 +265,7 @@ class ModelRunner:
         """
         if self._closed:
             raise EngineDeadError("the engine was shut down")
-        inputs = build_step_inputs(
+        inputs = self.build_inputs(
             scheduled,
             copy_ops,
             [i for i, _ in specs],
