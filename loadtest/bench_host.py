@@ -156,7 +156,8 @@ def run_vllm(
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd="/", check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"the vLLM peer failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    peer: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return peer
 
 
 def summarize(ours: dict[int, dict[str, Any]], peer: dict[str, Any] | None) -> list[dict[str, Any]]:
