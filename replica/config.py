@@ -177,6 +177,10 @@ class EngineConfig:
     # vLLM's --enable-auto-tool-choice: serve tool_choice="auto" (and requests with tools and no
     # tool_choice); without it they get vLLM's 400.
     enable_auto_tool_choice: bool = False
+    # Per-step phase timers (replica/engine/step_timer.py): one clock read per phase per step
+    # and around each KV manager call, exported as prefixserve:step_phase_seconds{phase}.
+    # They never change a token; False skips the clock reads.
+    enable_step_timers: bool = True
 
     def __post_init__(self) -> None:
         self._validate()

@@ -46,6 +46,7 @@ from prefixserve.replica.core.request import Request, Sequence, static_prefix_me
 from prefixserve.replica.core.sched_output import ScheduledSeq
 from prefixserve.replica.core.scheduler import Scheduler, SchedulerConfig
 from prefixserve.replica.engine.bounded_memo import BoundedMemo, str_bytes
+from prefixserve.replica.engine.core.step_timer import StepTimer, TimedKVCacheManager
 from prefixserve.replica.engine.core.tiers import EngineTiers
 from prefixserve.replica.engine.detokenizer import IncrementalDetokenizer
 from prefixserve.replica.engine.metrics import EngineMetrics, EngineStats, FinishedRequestStats, SwapTotals
@@ -133,6 +134,9 @@ class LLMEngine:
         self.metrics.observe_startup(startup.phases)
         startup.log(config.model_name)
         self.metrics.observe_cache_config(self._cache_config_info())
+        # Per-step phase timers; the runner laps its own phases (input building, forward, sampling).
+        self.step_timer = StepTimer(self.metrics.registry, config.model_name) if config.enable_step_timers else None
+        self.runner.lap = self.step_timer.lap if self.step_timer is not None else None
         self.tracer: RequestTracer | None = None
         if config.otlp_traces_endpoint is not None:
             self.tracer = RequestTracer(
@@ -174,7 +178,8 @@ class LLMEngine:
     def _new_state(self) -> None:
         """Fresh request bookkeeping, KV manager and scheduler over the runner's cache."""
         config = self.config
-        self.kv_manager = KVCacheManager(
+        manager_class = KVCacheManager if self.step_timer is None else TimedKVCacheManager
+        self.kv_manager = manager_class(
             self.runner.num_blocks,
             config.block_size,
             config.enable_prefix_caching,
@@ -184,6 +189,8 @@ class LLMEngine:
             sliding_window=self.model_config.kv_window,
             **(self.tiers.manager_kwargs() if self.tiers is not None else {}),  # type: ignore[arg-type]
         )
+        if isinstance(self.kv_manager, TimedKVCacheManager):
+            self.kv_manager.step_timer = self.step_timer
         self.scheduler = Scheduler(
             SchedulerConfig(
                 config.max_num_seqs,
@@ -534,7 +541,12 @@ class LLMEngine:
         A failure in one request's own work fails that request (an update with
         ``error``); an exception escaping this method is fatal (see ``reset``).
         """
+        timer = self.step_timer
+        if timer is not None:
+            timer.start()
         plan = self.scheduler.schedule()
+        if timer is not None:
+            timer.lap("schedule")
         tier_ops = self.kv_manager.take_tier_ops()
         if self.tiers is not None:
             self.tiers.swap(tier_ops, plan.swap_out, plan.swap_in)
@@ -556,7 +568,10 @@ class LLMEngine:
             )
         if plan.is_empty:
             self._observe_step(0, 0)
-            return self._fail_all(failed)
+            updates = self._fail_all(failed)
+            if timer is not None:
+                timer.finish("output", 0)
+            return updates
         specs: list[tuple[int, SampleSpec]] = []
         owners: list[Sequence] = []
         forks: list[tuple[Sequence, list[Sequence]]] = []
@@ -621,6 +636,8 @@ class LLMEngine:
                 failed[rid] = (req, self._request_error(req, exc))
                 continue
             touched[rid] = req
+        if timer is not None:
+            timer.lap("detokenize")
         updates = []
         hook = self.fault_hook
         for rid, req in touched.items():
@@ -634,7 +651,10 @@ class LLMEngine:
                 failed[rid] = (req, self._request_error(req, exc))
         num_prompt = sum(s.num_new_tokens for s in plan.scheduled if s.start < s.seq.num_prompt_tokens)
         self._observe_step(num_prompt, len(owners))
-        return updates + self._fail_all(failed)
+        updates += self._fail_all(failed)
+        if timer is not None:
+            timer.finish("output", len(plan.scheduled))
+        return updates
 
     @staticmethod
     def _prompt_logprob_spans(scheduled: list[ScheduledSeq]) -> list[PromptLogprobSpan]:

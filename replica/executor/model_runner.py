@@ -15,7 +15,7 @@ Nothing here knows requests beyond the ScheduledSeq records it is handed.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -30,9 +30,10 @@ from prefixserve.replica.model import loader
 from prefixserve.replica.model.layers import TPGroup
 from prefixserve.replica.model.llama import LlamaForCausalLM, ModelConfig
 from prefixserve.replica.model.startup import StartupTimer
+from prefixserve.replica.worker.input_builder import build_step_inputs
 from prefixserve.replica.worker.model_shard import ModelShard, resolve_device, resolve_dtype
 from prefixserve.replica.worker.sampler import SampleResult, SampleSpec, prompt_logprobs, sample
-from prefixserve.replica.worker.step_inputs import build_step_inputs
+from prefixserve.replica.worker.step_inputs import StepInputs
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +145,11 @@ class ModelRunner:
             raise
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
+        # The engine's step timer (replica/engine/step_timer.py): called with a phase's name as it ends.
+        self.lap: Callable[[str], None] | None = None
+        # Builds each step's inputs; step_inputs.build_step_inputs (the torch reference) takes the
+        # same arguments and gives the same tensors (bench_host compares the two).
+        self.build_inputs: Callable[..., StepInputs] = build_step_inputs
 
     def _start_workers(
         self, checkpoint: loader.CheckpointSource, checkpoint_dtype: torch.dtype | None, threads: list[int | None]
@@ -259,7 +265,7 @@ class ModelRunner:
         """
         if self._closed:
             raise EngineDeadError("the engine was shut down")
-        inputs = build_step_inputs(
+        inputs = self.build_inputs(
             scheduled,
             copy_ops,
             [i for i, _ in specs],
@@ -268,6 +274,9 @@ class ModelRunner:
             logit_spans=[(p.index, p.first, len(p.next_tokens)) for p in prompt_spans],
         )
         consumer = _PromptLogitsConsumer(len(specs), prompt_spans) if prompt_spans else None
+        lap = self.lap
+        if lap is not None:
+            lap("prepare")
         if self.workers is None:
             logits = self.shard.run(inputs, consumer)
         else:
@@ -278,10 +287,15 @@ class ModelRunner:
                 raise self.workers.failure(exc) from exc
         if consumer is not None:
             logits = consumer.sample_logits()
+        if lap is not None:
+            lap("forward")
         if logits is None or not specs:
             return []
         with torch.inference_mode():
-            return sample(logits, [s for _, s in specs], self.generator)
+            results = sample(logits, [s for _, s in specs], self.generator)
+        if lap is not None:
+            lap("sample")
+        return results
 
     def swap(self, out_ops: list[tuple[int, int]], in_ops: list[tuple[int, int]]) -> None:
         """Apply a step's swap copies on every rank (see ModelShard.swap)."""

