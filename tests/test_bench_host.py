@@ -8,7 +8,7 @@ import json
 import pytest
 
 from prefixserve.loadtest import bench_host
-from prefixserve.replica.engine.core.step_timer import PHASES
+from prefixserve.replica.engine.step_timer import PHASES
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ from model_helpers import hf_greedy, hf_model, random_prompts, tiny_checkpoint
 
 from prefixserve.replica.config import EngineConfig
 from prefixserve.replica.engine.core import LLMEngine
-from prefixserve.replica.engine.core.step_timer import PHASES, StepPhases
+from prefixserve.replica.engine.step_timer import PHASES, StepPhases
 from prefixserve.replica.kv.manager import KVCacheManager
 from prefixserve.replica.sampling_params import SamplingParams
 

@@ -46,11 +46,11 @@ from prefixserve.replica.core.request import Request, Sequence, static_prefix_me
 from prefixserve.replica.core.sched_output import ScheduledSeq
 from prefixserve.replica.core.scheduler import Scheduler, SchedulerConfig
 from prefixserve.replica.engine.bounded_memo import BoundedMemo, str_bytes
-from prefixserve.replica.engine.core.step_timer import StepTimer, TimedKVCacheManager
-from prefixserve.replica.engine.core.tiers import EngineTiers
 from prefixserve.replica.engine.detokenizer import IncrementalDetokenizer
 from prefixserve.replica.engine.metrics import EngineMetrics, EngineStats, FinishedRequestStats, SwapTotals
 from prefixserve.replica.engine.outputs import CompletionOutput, FinishReason, RequestOutput
+from prefixserve.replica.engine.step_timer import StepTimer, TimedKVCacheManager
+from prefixserve.replica.engine.tiers import EngineTiers
 from prefixserve.replica.errors import (
     EngineDeadError,
     EngineOverloadedError,

@@ -16,7 +16,7 @@ from dataclasses import asdict
 from prometheus_client import CollectorRegistry
 
 from prefixserve.replica.config import EngineConfig
-from prefixserve.replica.engine.core.tier_metrics import TierMetrics, TierTotals
+from prefixserve.replica.engine.tier_metrics import TierMetrics, TierTotals
 from prefixserve.replica.executor.model_runner import ModelRunner
 from prefixserve.replica.kv.disk_tier import DiskTier
 from prefixserve.replica.kv.manager import KVCacheStats
