@@ -62,6 +62,7 @@ from prefixserve.replica.structured_output.compile import GrammarCache
 from prefixserve.replica.structured_output.metrics import StructuredOutputMetrics
 from prefixserve.replica.structured_output.state import SequenceGrammar
 from prefixserve.replica.structured_output.xgrammar_backend import XGrammarBackend
+from prefixserve.replica.tokenizer_executor import TokenizerExecutor
 from prefixserve.replica.tools.choice import ToolCallMode
 from prefixserve.replica.tools.templates import canonical_json, load_chat_template, template_for
 from prefixserve.replica.tracing import RequestTiming, RequestTracer, build_tracer
@@ -1030,6 +1031,8 @@ class AsyncEngine:
         self._dead: BaseException | None = None
         self._restart_times: deque[float] = deque()
         self.num_restarts = 0
+        # Every tokenization and chat template of this engine's requests, on one thread.
+        self.tokenizer_executor = TokenizerExecutor()
         self._thread = threading.Thread(target=self._run, name="prefixserve-engine", daemon=True)
         self._thread.start()
 
@@ -1112,7 +1115,7 @@ class AsyncEngine:
         if isinstance(prompt, str):
             self.engine.check_prompt_text(prompt)  # cheap: no thread for what cannot fit
             # Tokenizing a long text takes milliseconds: not on the event loop.
-            ids = await asyncio.to_thread(self.engine.tokenize, prompt)
+            ids = await self.tokenizer_executor.run(lambda: self.engine.tokenize(prompt), chars=len(prompt))
         else:
             ids = self.engine.tokenize(prompt)
         self.engine.validate(ids, params)
@@ -1183,6 +1186,7 @@ class AsyncEngine:
         self._stopping = True
         self._wake.set()
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        self.tokenizer_executor.shutdown()
         if self._owns_engine:
             self.engine.shutdown()
 
