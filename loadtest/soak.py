@@ -265,7 +265,7 @@ class ClusterServer:
         )
         app["ingress"]["api_keys"] = [API_KEY]
         self.cluster = LocalServeCluster(num_cpus=self.config.replicas + 1, port=self.port, host=HOST)
-        self.cluster.deploy(app, "soak", num_replicas=self.config.replicas, timeout_s=timeout_s)
+        self.cluster.deploy(app, "soak", num_replicas=self.config.replicas, timeout_s=timeout_s, api_key=API_KEY)
 
     def processes(self) -> list[psutil.Process]:
         # Ray's GCS, raylet, Serve's controller, proxy and replicas: all started by this process.
