@@ -333,11 +333,20 @@ class LocalServeCluster:
             raise
         self.base_url = f"http://{host}:{port}"
 
-    def deploy(self, app_args: dict[str, Any], name: str, *, num_replicas: int, timeout_s: float = 600.0) -> str:
+    def deploy(
+        self,
+        app_args: dict[str, Any],
+        name: str,
+        *,
+        num_replicas: int,
+        timeout_s: float = 600.0,
+        api_key: str | None = None,
+    ) -> str:
         """Run router/serve/app.py's app built from ``app_args`` as ``name`` at route "/"; returns the base URL.
 
         Returns once ``num_replicas`` engine replicas run, /v1/models answers
-        and the ingress's router routes over all of them.
+        and the ingress's router routes over all of them. ``api_key``: one of the
+        app's ``ingress.api_keys``, for those readiness probes, when it has any.
         """
         from ray import serve
 
@@ -355,8 +364,10 @@ class LocalServeCluster:
                 and engine.status == "HEALTHY"
             ):
                 try:
-                    served_model(self.base_url, timeout_s=30)
-                    wait_for_router(self.base_url, num_replicas, timeout_s=max(1.0, deadline - time.monotonic()))
+                    served_model(self.base_url, api_key=api_key, timeout_s=30)
+                    wait_for_router(
+                        self.base_url, num_replicas, timeout_s=max(1.0, deadline - time.monotonic()), api_key=api_key
+                    )
                     return self.base_url
                 except httpx.HTTPError as exc:
                     last = repr(exc)

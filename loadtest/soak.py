@@ -21,6 +21,9 @@ shared_prefix) or, with probability ``--hostile-share``, one hostile action:
   ``--hold-s``; ``slow_body``: a body sent one byte at a time;
 * ``dup_ids``: four concurrent requests with one ``X-Request-Id``.
 
+``--kinds`` limits the draw to some of these (to find which one a symptom
+follows); the others keep their relative weights.
+
 Every action is bounded in time (``--hold-s``, and a client timeout) and goes to
 127.0.0.1 only; the run stops by itself. Time is cut into buckets
 (``--bucket-s``, a minute by default): each ends with an idle pause in which
@@ -133,6 +136,8 @@ class SoakConfig:
     huge_messages: int = 20_000
     sample_s: float = 5.0
     seed: int = 0
+    # The hostile kinds drawn from (with HOSTILE_KINDS' weights); all of them by default.
+    kinds: tuple[str, ...] = tuple(HOSTILE_KINDS)
 
     def __post_init__(self) -> None:
         for name in (
@@ -156,6 +161,11 @@ class SoakConfig:
             raise ValueError("warmup_s must be >= 0 and baseline_s > 0")
         if self.bucket_s > self.duration_s:
             raise ValueError(f"bucket_s ({self.bucket_s}) must not exceed duration_s ({self.duration_s})")
+        unknown = [k for k in self.kinds if k not in HOSTILE_KINDS]
+        if unknown or not self.kinds or len(set(self.kinds)) != len(self.kinds):
+            raise ValueError(
+                f"kinds must be distinct names among {', '.join(HOSTILE_KINDS)}; got {', '.join(self.kinds) or 'none'}"
+            )
 
 
 # ------------------------------------------------------------------------------ the server
@@ -255,7 +265,7 @@ class ClusterServer:
         )
         app["ingress"]["api_keys"] = [API_KEY]
         self.cluster = LocalServeCluster(num_cpus=self.config.replicas + 1, port=self.port, host=HOST)
-        self.cluster.deploy(app, "soak", num_replicas=self.config.replicas, timeout_s=timeout_s)
+        self.cluster.deploy(app, "soak", num_replicas=self.config.replicas, timeout_s=timeout_s, api_key=API_KEY)
 
     def processes(self) -> list[psutil.Process]:
         # Ray's GCS, raylet, Serve's controller, proxy and replicas: all started by this process.
@@ -589,7 +599,8 @@ async def run_phase(
 ) -> list[Bucket]:
     """One phase: buckets of traffic, each closed by an idle pause; RSS sampled every ``sample_s``."""
     rng = random.Random(f"{config.seed}-{name}")
-    kinds, weights = list(HOSTILE_KINDS), list(HOSTILE_KINDS.values())
+    kinds = list(config.kinds)
+    weights = [HOSTILE_KINDS[k] for k in kinds]
     buckets: list[Bucket] = []
     n_buckets = max(1, round(duration_s / config.bucket_s))
     for b in range(n_buckets):
@@ -728,13 +739,19 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1e3:.0f}"
 
 
+def _kinds_note(config: dict[str, Any]) -> str:
+    """`` (kinds a, b)`` when the run drew from some hostile kinds only, else nothing."""
+    kinds = config.get("kinds") or list(HOSTILE_KINDS)
+    return "" if set(kinds) == set(HOSTILE_KINDS) else f" (kinds {', '.join(kinds)})"
+
+
 def markdown(result: dict[str, Any]) -> str:
     """The per-bucket tables of every phase and the targets, as markdown."""
     config = result["config"]
     out = [
         f"Soak: {'cluster, ' + str(config['replicas']) + ' replicas' if config['cluster'] else 'standalone replica'}"
-        f" of {config['model']}, {config['concurrency']} clients, hostile share {config['hostile_share']}, "
-        f"buckets of {config['bucket_s']:.0f}s, warm-up {config['warmup_s']:.0f}s.",
+        f" of {config['model']}, {config['concurrency']} clients, hostile share {config['hostile_share']}"
+        f"{_kinds_note(config)}, buckets of {config['bucket_s']:.0f}s, warm-up {config['warmup_s']:.0f}s.",
         "",
     ]
     for name, buckets in result["phases"].items():
@@ -908,11 +925,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument(
+        "--kinds",
+        type=_kinds_arg,
+        default=d.kinds,
+        help=f"comma-separated hostile kinds to draw from (default: all of {','.join(HOSTILE_KINDS)})",
+    )
+    parser.add_argument(
         "--out-dir",
         type=Path,
         default=Path("results"),
         help="where soak.json, soak.md and soak.png go (default: %(default)s)",
     )
+
+
+def _kinds_arg(text: str) -> tuple[str, ...]:
+    return tuple(k.strip() for k in text.split(",") if k.strip())
 
 
 def main(argv: Sequence[str] | None = None) -> int:

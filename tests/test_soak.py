@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from dataclasses import asdict
 
 import pytest
 
@@ -103,6 +104,21 @@ def test_config_refuses_bad_settings() -> None:
     for bad in ({"hostile_share": 1.5}, {"duration_s": 0}, {"bucket_s": 100, "duration_s": 50}, {"concurrency": 0}):
         with pytest.raises(ValueError):
             S.SoakConfig(**bad)
+
+
+def test_kinds_come_from_the_flag_and_unknown_ones_are_refused() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    S.add_arguments(parser)
+    assert parser.parse_args([]).kinds == tuple(S.HOSTILE_KINDS)
+    assert parser.parse_args(["--kinds", "too_long, cancel"]).kinds == ("too_long", "cancel")
+    for bad in ((), ("nope",), ("cancel", "cancel")):
+        with pytest.raises(ValueError, match="kinds"):
+            S.SoakConfig(kinds=bad)
+    result = {"config": asdict(S.SoakConfig(kinds=("too_long",))), "phases": {}, "targets": []}
+    assert "(kinds too_long)" in S.markdown(result)
+    assert "kinds" not in S.markdown({**result, "config": asdict(S.SoakConfig())})
 
 
 @pytest.mark.slow

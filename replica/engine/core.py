@@ -51,6 +51,7 @@ from prefixserve.replica.engine.metrics import EngineMetrics, EngineStats, Finis
 from prefixserve.replica.engine.outputs import CompletionOutput, FinishReason, RequestOutput
 from prefixserve.replica.engine.step_timer import StepTimer, TimedKVCacheManager
 from prefixserve.replica.engine.tiers import EngineTiers
+from prefixserve.replica.engine.tokenizer_executor import TokenizerExecutor
 from prefixserve.replica.errors import (
     EngineDeadError,
     EngineOverloadedError,
@@ -1073,6 +1074,8 @@ class AsyncEngine:
         self._dead: BaseException | None = None
         self._restart_times: deque[float] = deque()
         self.num_restarts = 0
+        # Every tokenization and chat template of this engine's requests, on one thread.
+        self.tokenizer_executor = TokenizerExecutor()
         self._thread = threading.Thread(target=self._run, name="prefixserve-engine", daemon=True)
         self._thread.start()
 
@@ -1155,7 +1158,7 @@ class AsyncEngine:
         if isinstance(prompt, str):
             self.engine.check_prompt_text(prompt)  # cheap: no thread for what cannot fit
             # Tokenizing a long text takes milliseconds: not on the event loop.
-            ids = await asyncio.to_thread(self.engine.tokenize, prompt)
+            ids = await self.tokenizer_executor.run(lambda: self.engine.tokenize(prompt), chars=len(prompt))
         else:
             ids = self.engine.tokenize(prompt)
         self.engine.validate(ids, params)
@@ -1226,6 +1229,7 @@ class AsyncEngine:
         self._stopping = True
         self._wake.set()
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        self.tokenizer_executor.shutdown()
         if self._owns_engine:
             self.engine.shutdown()
 

@@ -2,8 +2,8 @@
 
 Job: :class:`RequestRunner`, what every engine host does with an
 ``EngineRequest`` (replica/contract/request.py) before the engine sees it, in one
-place: the engine's cheap length bound, the chat template and tokenizer in a worker
-thread (never on the event loop), and the one ``max_tokens`` rule. The standalone
+place: the engine's cheap length bound, the chat template and tokenizer on the engine's one
+tokenizer thread (never on the event loop), and the one ``max_tokens`` rule. The standalone
 server (through :class:`LocalEngineClient`) and the Ray engine deployment both run it.
 
 Imports neither an HTTP framework nor Ray; torch only through the engine a
@@ -21,6 +21,7 @@ import anyio
 from prefixserve.replica.contract.request import EngineRequest, ModelInfo
 from prefixserve.replica.contract.routing import SESSION_HEADER
 from prefixserve.replica.contract.stream import StreamDelta
+from prefixserve.replica.engine.tokenizer_executor import messages_chars
 from prefixserve.replica.entrypoints.openai import protocol as api
 from prefixserve.replica.errors import PromptTooLongError
 from prefixserve.replica.sampling_params import SamplingParams
@@ -123,7 +124,7 @@ class RequestRunner:
     async def prompt_ids(self, request: EngineRequest) -> tuple[list[int], int, SamplingParams]:
         """The request's prompt token ids, how many lead them as its static prefix (the system
         prompt's tokens, 0 for completions) and its SamplingParams (``fit_max_tokens``); template
-        and tokenizer run in a worker thread.
+        and tokenizer run on the engine's tokenizer thread (replica/engine/tokenizer_executor.py).
 
         The request is checked as the engine will admit it (``LLMEngine.validate``) before its
         static prefix is rendered and memoized: a refused request leaves nothing behind.
@@ -140,7 +141,8 @@ class RequestRunner:
             kwargs = {"tools": request.tools} if request.tools else {}
             return ids, self.engine.engine.static_prefix_tokens(request.messages, ids, **kwargs), params
 
-        return await anyio.to_thread.run_sync(encode)
+        chars = len(request.prompt) if isinstance(request.prompt, str) else messages_chars(request.messages)
+        return await self.engine.tokenizer_executor.run(encode, chars=chars)
 
     def remember_prefix(self, key: str, prompt_ids: list[int], cache_salt: str | None) -> None:
         """Tell the KV event publisher the block hashes (Contract 2) of this prompt of ``key``.

@@ -243,7 +243,13 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
         with anyio.CancelScope(shield=True):
             await asyncio.gather(work_task, return_exceptions=True)
         raise ClientDisconnected()
-    return work_task.result()
+    try:
+        return work_task.result()
+    finally:
+        # A raised error's traceback holds this frame, and the task holds the error: without the
+        # del that cycle keeps the error and every frame below it (the prompt's token ids of a
+        # refused request, megabytes) until the cyclic garbage collector runs.
+        del work_task, watch_task
 
 
 def error_response(exc: BaseException, request_id: str | None = None) -> JSONResponse:
