@@ -50,7 +50,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from prefixserve.common.config_util import add_cli_arguments, from_cli_args
-from prefixserve.common.logs import LOG_FORMATS, configure_logging
+from prefixserve.common.endpoint_config import DEFAULT_HOST, REPLICA_PORT, ReplicaEndpointConfig
+from prefixserve.common.logs import configure_logging
 from prefixserve.replica.contract.routing import REPLICA_HEADER
 from prefixserve.replica.engine.request_runner import LocalEngineClient
 from prefixserve.replica.entrypoints.openai import http_frontend
@@ -70,8 +71,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PORT = 8001
-DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = REPLICA_PORT
 # How often the watchdog looks whether the engine has died for good.
 ENGINE_WATCH_PERIOD_S = 0.5
 # Exit status of a server stopped because its engine died (a supervisor restarts it).
@@ -344,26 +344,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``prefixserve replica``: the HTTP ones, every ServerConfig knob, then every EngineConfig knob."""
     from prefixserve.replica.config import EngineConfig
 
-    http = parser.add_argument_group("http")
-    http.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default: {DEFAULT_HOST})")
-    http.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port to bind (default: {DEFAULT_PORT})")
-    http.add_argument(
-        "--api-key",
-        dest="api_keys",
-        action="append",
-        default=None,
-        help="require 'Authorization: Bearer KEY' on /v1/* (repeat for several keys)",
-    )
+    http = add_cli_arguments(parser, ReplicaEndpointConfig, "http")
     http.add_argument(
         "--replica-name", default=None, help="value of the X-Prefixserve-Replica header (default: HOST:PORT)"
     )
     http.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    http.add_argument(
-        "--log-format",
-        default="text",
-        choices=list(LOG_FORMATS),
-        help="text lines, or one JSON object per line (time, level, request_id, replica, event)",
-    )
     add_cli_arguments(parser, ServerConfig, "http limits")
     EngineConfig.add_cli_arguments(parser)
 
