@@ -32,7 +32,7 @@ from prefixserve.replica.contract.request import EngineRequest
 from prefixserve.replica.engine.core import AsyncEngine
 from prefixserve.replica.engine.request_runner import RequestRunner
 from prefixserve.replica.engine.tokenizer_executor import TokenizerExecutor, messages_chars
-from prefixserve.replica.errors import PromptTooLongError
+from prefixserve.replica.errors import EngineDeadError, PromptTooLongError
 
 MAX_MODEL_LEN = 4096
 # 80,002 tokens in 240,000 characters: under the character bound (MAX_MODEL_LEN x the longest
@@ -65,6 +65,24 @@ def test_every_call_runs_on_one_thread_and_large_prompts_are_followed_by_a_trim(
         assert executor.num_trims == 2
     finally:
         executor.shutdown()
+
+
+def test_a_call_after_shutdown_is_an_engine_dead_error_not_a_runtime_error():
+    # Front ends answer EngineDeadError 503; the pool's own RuntimeError would be a 500.
+    executor = TokenizerExecutor()
+    executor.shutdown()
+    with pytest.raises(EngineDeadError):
+        asyncio.run(executor.run(lambda: None, chars=10))
+
+    def fails() -> None:
+        raise RuntimeError("the tokenizer's own error")
+
+    running = TokenizerExecutor()
+    try:
+        with pytest.raises(RuntimeError, match="the tokenizer's own error"):  # passes through while running
+            asyncio.run(running.run(fails, chars=10))
+    finally:
+        running.shutdown()
 
 
 def test_trimming_can_be_disabled_and_a_negative_threshold_is_refused():

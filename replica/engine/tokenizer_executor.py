@@ -36,6 +36,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from prefixserve.replica.errors import EngineDeadError
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -98,6 +100,7 @@ class TokenizerExecutor:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         # Counted on the tokenizer thread only.
         self.num_trims = 0
+        self._closed = False
 
     def _call(self, fn: Callable[[], T], chars: int) -> T:
         try:
@@ -110,9 +113,22 @@ class TokenizerExecutor:
                 log.debug("released freed memory after a prompt of %d characters: %s", chars, released)
 
     async def run(self, fn: Callable[[], T], *, chars: int) -> T:
-        """``fn()`` on the tokenizer thread; ``chars``: the size of the prompt it encodes."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._call, fn, chars)
+        """``fn()`` on the tokenizer thread; ``chars``: the size of the prompt it encodes.
+
+        Raises EngineDeadError once :meth:`shutdown` ran: the engine this thread serves has
+        stopped, which front ends answer 503, as every other call on a dead engine.
+        """
+        if self._closed:
+            raise EngineDeadError("the engine was shut down")
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, self._call, fn, chars)
+        except RuntimeError:
+            # submit() raced with shutdown(): the pool refuses new calls.
+            if self._closed:
+                raise EngineDeadError("the engine was shut down") from None
+            raise
 
     def shutdown(self) -> None:
         """Stop the thread once the calls already queued have run."""
+        self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
