@@ -8,6 +8,8 @@ and TP 4 replicates them (one per rank, each on two ranks); SmolLM2 (9 query hea
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import subprocess
@@ -26,6 +28,7 @@ from prefixserve.replica.config import EngineConfig
 from prefixserve.replica.engine.core import AsyncEngine
 from prefixserve.replica.entrypoints.llm import LLM
 from prefixserve.replica.errors import EngineDeadError
+from prefixserve.replica.executor.tensor_parallel import WorkerGroup
 from prefixserve.replica.executor.tp_protocol import parse_swap_message, swap_message
 from prefixserve.replica.model.layers import TPGroup
 from prefixserve.replica.sampling_params import SamplingParams
@@ -94,6 +97,48 @@ def test_kv_heads_that_neither_split_nor_replicate_evenly_are_refused(kv_heads, 
 def test_a_model_that_does_not_split_is_refused_before_any_worker_starts(gqa_checkpoint):
     with pytest.raises(ValueError, match="num_attention_heads=8 is not divisible by tensor_parallel_size=3"):
         LLM(str(gqa_checkpoint), num_kv_blocks=16, tensor_parallel_size=3)
+
+
+def _send_then_wait(conn, sent, release) -> None:
+    conn.send((16, 0))
+    sent.set()
+    release.wait(30)
+
+
+def _fail_at_start(conn) -> None:
+    conn.send(RuntimeError("rank 1 failed to start: no weights"))
+    os._exit(1)
+
+
+def _group_of(target, *args) -> tuple[WorkerGroup, multiprocessing.connection.Connection]:
+    """A WorkerGroup over one forked process running ``target(child_end, *args)``."""
+    ctx = multiprocessing.get_context("fork")
+    parent_end, child_end = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(child_end, *args), daemon=True)
+    proc.start()
+    group = WorkerGroup.__new__(WorkerGroup)
+    group.conns, group.procs, group._dead = [parent_end], [proc], None
+    return group, parent_end
+
+
+def test_a_hand_shake_message_sent_while_the_group_joins_is_left_for_the_next_collect():
+    # A worker that finished joining may send its next reply before rank 0's join returns.
+    ctx = multiprocessing.get_context("fork")
+    sent, release = ctx.Event(), ctx.Event()
+    group, conn = _group_of(_send_then_wait, sent, release)
+    try:
+        assert group.wait_while("joining the group", lambda: sent.wait(30) and time.sleep(0.5)) is None
+        assert conn.recv() == (16, 0)
+    finally:
+        release.set()
+        group.procs[0].join(10)
+
+
+def test_a_worker_that_fails_while_the_group_joins_raises_its_own_error():
+    group, _ = _group_of(_fail_at_start)
+    with pytest.raises(RuntimeError, match="no weights"):
+        group.wait_while("joining the group", lambda: time.sleep(30))
+    group.procs[0].join(10)
 
 
 def test_step_inputs_and_swap_messages_survive_packing():

@@ -212,15 +212,14 @@ class WorkerGroup:
         thread.start()
         while thread.is_alive():
             thread.join(0.2)
+            # Only a worker's exit is a failure here: one that finished its part may already be
+            # sending its next hand-shake message, which belongs to a later collect() and must
+            # stay unread. A worker that fails sends its error and then exits.
             for conn, proc in zip(self.conns, self.procs, strict=True):
-                if conn.poll():  # a worker only speaks first to report a failure
-                    reply = conn.recv()
-                    raise (
-                        reply
-                        if isinstance(reply, BaseException)
-                        else RuntimeError(f"unexpected message from {proc.name} while {what}: {reply!r}")
-                    )
                 if not proc.is_alive():
+                    reply = conn.recv() if conn.poll() else None
+                    if isinstance(reply, BaseException):
+                        raise reply
                     raise WorkerDiedError(
                         f"tensor-parallel worker {proc.name} died while {what} (exit code {proc.exitcode})"
                     )
