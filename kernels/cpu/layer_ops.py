@@ -1,79 +1,16 @@
-"""The element-wise operations of a decoder layer, fused: residual add + RMSNorm,
-rotary embedding, SiLU-and-multiply.
-
-Three implementations share one interface (:class:`LayerOps`): torch (any device,
-any dtype: the reference), the C kernels of ``kernels/cpu/layer_ops.c`` (CPU,
-float32) and the Triton kernels of :mod:`prefixserve.kernels.triton_layer_ops` (CUDA,
-fp16/bf16/fp32); the last two do each operation in one pass over the activations
-instead of the five to eight passes of the torch chain. ``select_layer_ops`` picks one.
-
-Semantics (every implementation):
-  rms_norm(x, weight, eps)                -> rmsnorm(x) * weight
-  add_rms_norm(x, residual, weight, eps)  -> (rmsnorm(x + residual) * weight, x + residual);
-                                             may overwrite ``residual`` with the sum
-  prepare_rotary(positions, cos, sin)     -> per-step rotary inputs (cos/sin tables
-                                             [max_pos, D/2], positions [T])
-  rotary(x, prepared)                     -> x [T, heads, D] rotated (half-split layout);
-                                             may rotate ``x`` in place
-  silu_and_mul(gate_up)                   -> silu(gate_up[:, :I]) * gate_up[:, I:]
-
-Optional (None where an implementation does not fuse it):
-  rotary_and_write_kv(qk, v, prepared, k_cache, v_cache, slot_mapping, *, k_scale, v_scale)
-                                          -> rotary(qk, prepared) (in place, returned), and
-                                             the rotated K heads qk[:, H:] and v stored into
-                                             the paged cache as the attention backend's
-                                             write_kv_cache would, in the same pass
+"""The layer ops (:class:`prefixserve.kernels.interface.LayerOps`) on the C kernels of
+``kernels/cpu/layer_ops.c``: CPU, float32, each operation one OpenMP-parallel pass over the
+activations instead of the five to eight passes of the torch chain (residual add + RMSNorm,
+rotary embedding, SiLU-and-multiply). No fused rotary + cache write: this backend's cache
+layout is its own (:func:`prefixserve.kernels.cpu.attention.kv_cache_shape`).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from prefixserve.kernels.layer_ops_interface import LayerOps
-
-# --- torch (reference) ----------------------------------------------------------
-
-
-def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32, like the transformers implementation."""
-    x32 = x.to(torch.float32)
-    variance = x32.pow(2).mean(-1, keepdim=True)
-    return weight * (x32 * torch.rsqrt(variance + eps)).to(x.dtype)
-
-
-def torch_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    total = x + residual
-    return torch_rms_norm(total, weight, eps), total
-
-
-def torch_prepare_rotary(
-    positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    # Gathered once per step, shared by every layer: [T, 1, D/2].
-    return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
-
-
-def torch_rotary(x: torch.Tensor, prepared: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """``x*cos + rotate_half(x)*sin`` with the two halves of cos/sin equal (stored once)."""
-    cos, sin = prepared
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
-def torch_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-TORCH_LAYER_OPS = LayerOps(
-    "torch", torch_rms_norm, torch_add_rms_norm, torch_prepare_rotary, torch_rotary, torch_silu_and_mul
-)
-
-
-# --- C (CPU, float32) -----------------------------------------------------------
+from prefixserve.kernels.cpu.library import load
+from prefixserve.kernels.interface import LayerOps
 
 
 def _dense(x: torch.Tensor) -> torch.Tensor:
@@ -88,8 +25,6 @@ def _check_norm_weight(x: torch.Tensor, weight: torch.Tensor) -> None:
 
 
 def c_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    from prefixserve.kernels.cpu_library import load
-
     x, weight = _dense(x), _dense(weight)
     _check_norm_weight(x, weight)
     out = torch.empty_like(x)
@@ -103,8 +38,6 @@ def c_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tenso
 def c_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    from prefixserve.kernels.cpu_library import load
-
     x, weight = _dense(x), _dense(weight)
     _check_norm_weight(x, weight)
     if residual.shape != x.shape:
@@ -136,8 +69,6 @@ def c_prepare_rotary(
 
 def c_rotary(x: torch.Tensor, prepared: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Rotates ``x`` [T, heads, D] in place; token rows may be strided, heads and dims dense."""
-    from prefixserve.kernels.cpu_library import load
-
     positions, cos, sin = prepared
     rows, heads, head_dim = x.shape
     if x.dtype != torch.float32 or x.stride(2) != 1 or x.stride(1) != head_dim:
@@ -162,8 +93,6 @@ def c_rotary(x: torch.Tensor, prepared: tuple[torch.Tensor, torch.Tensor, torch.
 
 
 def c_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    from prefixserve.kernels.cpu_library import load
-
     gate_up = _dense(gate_up)
     inter = gate_up.shape[-1] // 2
     out = gate_up.new_empty((*gate_up.shape[:-1], inter))
@@ -174,17 +103,3 @@ def c_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 C_LAYER_OPS = LayerOps("c", c_rms_norm, c_add_rms_norm, c_prepare_rotary, c_rotary, c_silu_and_mul)
-
-
-def select_layer_ops(attention_backend: str) -> LayerOps:
-    """The C ops alongside the C attention kernel (CPU, float32), the Triton ops alongside
-    the Triton attention kernels (CUDA), torch otherwise."""
-    if attention_backend == "cpu":
-        return C_LAYER_OPS
-    if attention_backend == "triton":
-        # Imported lazily, as kernels/__init__.py imports the Triton attention: CPU-only
-        # installs without a working Triton never import it.
-        from prefixserve.kernels.triton_layer_ops import TRITON_LAYER_OPS
-
-        return TRITON_LAYER_OPS
-    return TORCH_LAYER_OPS
