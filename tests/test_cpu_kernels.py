@@ -16,11 +16,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from kernel_helpers import dense_attention, make_paged_batch, relative_error
+from model_helpers import tiny_checkpoint
 
-from prefixserve.kernels import reference_layer_ops, select_backend
+from prefixserve.kernels import reference, reference_layer_ops, select_backend
 from prefixserve.kernels.cpu import attention as cpu_attention
 from prefixserve.kernels.cpu import layer_ops as cpu_layer_ops
 from prefixserve.kernels.cpu import library as cpu_library
+from prefixserve.replica.entrypoints.llm import LLM
 
 pytestmark = pytest.mark.skipif(
     not cpu_library.available()[0], reason=f"C kernels unavailable: {cpu_library.available()[1]}"
@@ -196,8 +198,6 @@ def test_write_kv_cache_matches_reference_layout(seed):
     key = qkv[:, kvh * d : 2 * kvh * d].unflatten(1, (kvh, d))
     value = qkv[:, 2 * kvh * d :].unflatten(1, (kvh, d))
     slots = torch.tensor([0, 9, 17, -1, 39, 8, 23])
-    from prefixserve.kernels import reference
-
     reference.write_kv_cache(key, value, k_ref, v_ref, slots)
     cpu_attention.write_kv_cache(key, value, k_cpu, v_cpu, slots)
     assert torch.equal(k_cpu, to_cpu_layout(k_ref, "key"))
@@ -279,6 +279,26 @@ def test_select_backend_auto_on_cpu():
     assert select_backend("auto", "cpu", torch.bfloat16).name == "torch"
     with pytest.raises(ValueError, match="float32"):
         select_backend("cpu", "cpu", torch.float16)
+
+
+@pytest.mark.parametrize(
+    "name, attention, layer_ops",
+    [
+        ("auto", cpu_attention.paged_attention, cpu_layer_ops.C_LAYER_OPS),
+        ("torch", reference.paged_attention, reference_layer_ops.TORCH_LAYER_OPS),
+    ],
+    ids=["auto", "torch"],
+)
+def test_the_engine_runs_one_backends_attention_and_layer_ops(tmp_path, name, attention, layer_ops):
+    """The shard's one select_backend call decides both: every attention layer runs the backend's
+    attention, every norm, rotary and MLP its layer ops."""
+    with LLM(str(tiny_checkpoint(tmp_path / "ckpt")), num_kv_blocks=16, attention_backend=name) as llm:
+        shard = llm.engine.runner.shard
+        assert shard.backend.paged_attention is attention
+        modules = list(shard.model.modules())
+        assert {id(m.backend) for m in modules if hasattr(m, "backend")} == {id(shard.backend)}
+        ops = [m.ops for m in modules if hasattr(m, "ops")]
+        assert len(ops) > 3 and all(o is layer_ops for o in ops)
 
 
 def test_without_a_compiler_auto_falls_back_to_torch(tmp_path):
