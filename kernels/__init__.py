@@ -1,10 +1,10 @@
-"""Attention kernels over paged KV, and the dispatch the model calls.
+"""Kernels over paged KV, and the one dispatch the model calls.
 
-``select_backend("auto", device, dtype)`` gives the Triton kernels on a CUDA device;
-on a CPU, the C kernel (:mod:`prefixserve.kernels.cpu_attention`) for float32 when a C compiler
-is there to build it, else the torch reference. ``"triton"``, ``"cpu"`` or
-``"torch"`` forces one. All backends share the signatures documented in
-:mod:`prefixserve.kernels.reference`; each names the KV cache layout it reads.
+``select_backend("auto", device, dtype)`` gives the Triton backend (:mod:`prefixserve.kernels.triton`)
+on a CUDA device; on a CPU, the C backend (:mod:`prefixserve.kernels.cpu`) for float32 when a C
+compiler is there to build it, else the torch reference. ``"triton"``, ``"cpu"`` or ``"torch"``
+forces one. Each backend (:class:`KernelBackend`, the interface in :mod:`prefixserve.kernels.interface`)
+carries its attention operations, the KV cache layout they read and its fused layer ops.
 
 This package knows nothing of requests, schedulers or replicas.
 """
@@ -12,43 +12,23 @@ This package knows nothing of requests, schedulers or replicas.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from prefixserve.kernels import reference
+from prefixserve.kernels.interface import KernelBackend, LayerOps, standard_cache_shape
+from prefixserve.kernels.reference_layer_ops import TORCH_LAYER_OPS
+
+__all__ = ["BACKENDS", "KernelBackend", "LayerOps", "select_backend"]
 
 BACKENDS = ("auto", "triton", "cpu", "torch")
 log = logging.getLogger(__name__)
 
-# (num_blocks, block_size, num_kv_heads, head_dim) -> (key cache shape, value cache shape)
-CacheShapeFn = Callable[[int, int, int, int], tuple[tuple[int, ...], tuple[int, ...]]]
-
-
-def standard_cache_shape(
-    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """``[num_blocks, block_size, num_kv_heads, head_dim]`` for K and V (torch and Triton)."""
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return shape, shape
-
-
-@dataclass(frozen=True)
-class AttentionBackend:
-    """The two operations the model needs, bound to one implementation, and the
-    layout of the per-layer K/V caches they read and write (blocks always lead)."""
-
-    name: str
-    paged_attention: Callable[..., torch.Tensor]
-    write_kv_cache: Callable[..., None]
-    kv_cache_shape: CacheShapeFn = standard_cache_shape
-
 
 def select_backend(
     name: str = "auto", device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
-) -> AttentionBackend:
-    """Return the attention backend for ``device`` and ``dtype`` (``name`` in :data:`BACKENDS`)."""
+) -> KernelBackend:
+    """Return the kernel backend for ``device`` and ``dtype`` (``name`` in :data:`BACKENDS`)."""
     if name not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {name!r}")
     device = torch.device(device)
@@ -56,27 +36,31 @@ def select_backend(
         if device.type == "cuda":
             name = "triton"
         elif device.type == "cpu" and dtype == torch.float32:
-            from prefixserve.kernels import cpu_attention
+            from prefixserve.kernels.cpu import library
 
-            ok, why = cpu_attention.available()
+            ok, why = library.available()
             if not ok:
                 log.warning("CPU attention kernel unavailable, using the slower torch reference: %s", why)
             name = "cpu" if ok else "torch"
         else:
             name = "torch"
     if name == "torch":
-        return AttentionBackend("torch", reference.paged_attention, reference.write_kv_cache)
+        return KernelBackend(
+            "torch", reference.paged_attention, reference.write_kv_cache, standard_cache_shape, TORCH_LAYER_OPS
+        )
     if name == "cpu":
-        from prefixserve.kernels import cpu_attention
-
         if device.type != "cpu" or dtype != torch.float32:
             raise ValueError(f"the 'cpu' attention backend runs float32 on a CPU, not {dtype} on {device}")
-        cpu_attention.load()  # raises CPUKernelUnavailable with the compiler's message
-        return AttentionBackend(
-            "cpu", cpu_attention.paged_attention, cpu_attention.write_kv_cache, cpu_attention.kv_cache_shape
+        from prefixserve.kernels.cpu import attention, library
+        from prefixserve.kernels.cpu.layer_ops import C_LAYER_OPS
+
+        library.load()  # raises CPUKernelUnavailable with the compiler's message
+        return KernelBackend(
+            "cpu", attention.paged_attention, attention.write_kv_cache, attention.kv_cache_shape, C_LAYER_OPS
         )
     # Imported lazily: on CPU-only machines Triton is only used under TRITON_INTERPRET.
-    from prefixserve.kernels.cache_write import write_kv_cache
-    from prefixserve.kernels.paged_attention import paged_attention
+    from prefixserve.kernels.triton.cache_write import write_kv_cache
+    from prefixserve.kernels.triton.layer_ops import TRITON_LAYER_OPS
+    from prefixserve.kernels.triton.paged_attention import paged_attention
 
-    return AttentionBackend("triton", paged_attention, write_kv_cache)
+    return KernelBackend("triton", paged_attention, write_kv_cache, standard_cache_shape, TRITON_LAYER_OPS)

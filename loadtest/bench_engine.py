@@ -248,7 +248,7 @@ def startup_child() -> None:
 
 def measure_startup(runs: int) -> list[dict[str, Any]]:
     """``runs`` x (cold, warm) starts, each in a fresh process over its own empty cache root."""
-    from prefixserve.kernels import cpu_library
+    from prefixserve.kernels.cpu import library as cpu_library
 
     cpu_library.available()  # build the kernels now: the starts below share them, cold and warm alike
     kernels = cpu_library.kernel_cache_dir()

@@ -16,7 +16,7 @@ table (and writes results/bench_kernels.json):
    (the non-paged baseline) as a speed ratio; flash-attn and FlashInfer if importable.
 4. Prefill chunks over a cached prefix: TFLOP/s (visible keys only) as a share of
    the matmul rate, against SDPA with a lower-right causal mask.
-5. The fused layer kernels (kernels/triton_layer_ops.py), checked first against the
+5. The fused layer kernels (kernels/triton/layer_ops.py), checked first against the
    torch reference (rotary and the fp8 cache bytes bit for bit), then one row per
    kernel at 64 decode rows and a 4096-token prefill of Llama-3.2-1B's shape (hidden
    2048, 32/8 heads of 64, intermediate 8192, bf16): GB/s of the bytes the operation
@@ -183,7 +183,7 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def correctness(device: torch.device, seed: int, scale_down: int = 1) -> list[dict]:
     """Triton vs the torch reference (fp32 math on the same stored values) on ``device``."""
     from prefixserve.kernels import reference
-    from prefixserve.kernels.paged_attention import paged_attention, paged_attention_planned, plan_launch
+    from prefixserve.kernels.triton.paged_attention import paged_attention, paged_attention_planned, plan_launch
 
     bs = BLOCK_SIZE
     mixed = [
@@ -243,7 +243,7 @@ def correctness(device: torch.device, seed: int, scale_down: int = 1) -> list[di
 
 def _cache_write_checks(device: torch.device, seed: int) -> list[dict]:
     from prefixserve.kernels import reference
-    from prefixserve.kernels.cache_write import write_kv_cache
+    from prefixserve.kernels.triton.cache_write import write_kv_cache
 
     gen = torch.Generator(device=device).manual_seed(seed)
     out = []
@@ -350,7 +350,7 @@ def bench_decode(
     timer: Callable,
     peaks: dict,
 ) -> Row:
-    from prefixserve.kernels.paged_attention import paged_attention, paged_attention_planned, plan_launch
+    from prefixserve.kernels.triton.paged_attention import paged_attention, paged_attention_planned, plan_launch
 
     case = f"B={batch} ctx={context / 1024:g}k {DTYPE_NAMES[act]}/{DTYPE_NAMES[kv]} KV"
     elem_kv = torch.finfo(kv).bits // 8
@@ -424,7 +424,7 @@ def bench_prefill(
 ) -> Row:
     from torch.nn.attention.bias import causal_lower_right
 
-    from prefixserve.kernels.paged_attention import paged_attention, plan_launch
+    from prefixserve.kernels.triton.paged_attention import paged_attention, plan_launch
 
     case = f"B={batch} prefix={prefix} chunk={chunk} {DTYPE_NAMES[act]}/{DTYPE_NAMES[kv]} KV"
     inp = make_inputs([(prefix, chunk)] * batch, act, kv, device, seed)
@@ -550,8 +550,8 @@ def layer_correctness(device: torch.device, seed: int) -> list[dict]:
     that differs in its last bits (rtol 2 eps of the dtype; see tests/test_triton_layer_ops.py);
     the residual sum, rotary and everything the fused op stores must be identical.
     """
-    from prefixserve.kernels import layer_ops, reference
-    from prefixserve.kernels.triton_layer_ops import TRITON_LAYER_OPS as T
+    from prefixserve.kernels import reference, reference_layer_ops
+    from prefixserve.kernels.triton.layer_ops import TRITON_LAYER_OPS as T
 
     out = []
 
@@ -580,15 +580,22 @@ def layer_correctness(device: torch.device, seed: int) -> list[dict]:
         close(
             f"rms_norm {name}",
             T.rms_norm(inp.x, inp.weight, LAYER_EPS),
-            layer_ops.torch_rms_norm(inp.x, inp.weight, LAYER_EPS),
+            reference_layer_ops.torch_rms_norm(inp.x, inp.weight, LAYER_EPS),
             dtype,
         )
-        ref_out, ref_sum = layer_ops.torch_add_rms_norm(inp.x, inp.residual, inp.weight, LAYER_EPS)
+        ref_out, ref_sum = reference_layer_ops.torch_add_rms_norm(inp.x, inp.residual, inp.weight, LAYER_EPS)
         got_out, got_sum = T.add_rms_norm(inp.x, inp.residual.clone(), inp.weight, LAYER_EPS)
         close(f"add_rms_norm {name}", got_out, ref_out, dtype)
         exact(f"add_rms_norm residual sum {name}", [(got_sum, ref_sum)])
-        close(f"silu_and_mul {name}", T.silu_and_mul(inp.gate_up), layer_ops.torch_silu_and_mul(inp.gate_up), dtype)
-        ref_qk = layer_ops.torch_rotary(inp.qk.clone(), layer_ops.torch_prepare_rotary(inp.positions, inp.cos, inp.sin))
+        close(
+            f"silu_and_mul {name}",
+            T.silu_and_mul(inp.gate_up),
+            reference_layer_ops.torch_silu_and_mul(inp.gate_up),
+            dtype,
+        )
+        ref_qk = reference_layer_ops.torch_rotary(
+            inp.qk.clone(), reference_layer_ops.torch_prepare_rotary(inp.positions, inp.cos, inp.sin)
+        )
         prepared = T.prepare_rotary(inp.positions, inp.cos, inp.sin)
         exact(f"rotary {name}", [(T.rotary(inp.qk.clone(), prepared), ref_qk)])
         slots = inp.slot_mapping.clone()
@@ -611,9 +618,9 @@ def layer_correctness(device: torch.device, seed: int) -> list[dict]:
 
 def bench_layer_ops(tokens: int, device: torch.device, seed: int, timer: Callable, peaks: dict) -> list[Row]:
     """One row per fused layer kernel at ``tokens`` rows: Triton vs the torch reference chain."""
-    from prefixserve.kernels import layer_ops, reference
-    from prefixserve.kernels.cache_write import write_kv_cache
-    from prefixserve.kernels.triton_layer_ops import TRITON_LAYER_OPS as T
+    from prefixserve.kernels import reference, reference_layer_ops
+    from prefixserve.kernels.triton.cache_write import write_kv_cache
+    from prefixserve.kernels.triton.layer_ops import TRITON_LAYER_OPS as T
 
     dtype = LAYER_DTYPE
     inp = make_layer_inputs(tokens, dtype, device, seed)
@@ -621,7 +628,7 @@ def bench_layer_ops(tokens: int, device: torch.device, seed: int, timer: Callabl
     hidden, heads, kvh, dim, inter = LAYER_HIDDEN, LAYER_HEADS, LAYER_KV_HEADS, LAYER_HEAD_DIM, LAYER_INTER
     qk, value = inp.qk, inp.value
     prepared = T.prepare_rotary(inp.positions, inp.cos, inp.sin)
-    torch_prepared = layer_ops.torch_prepare_rotary(inp.positions, inp.cos, inp.sin)
+    torch_prepared = reference_layer_ops.torch_prepare_rotary(inp.positions, inp.cos, inp.sin)
     # Bytes each operation must move at least (the norm weight and int64 index reads included).
     rotary_bytes = 2 * tokens * (heads + kvh) * dim * e + tokens * (8 + dim * e)
     cases: list[tuple[str, int, Callable[[], object], Callable[[], object], str]] = [
@@ -629,7 +636,7 @@ def bench_layer_ops(tokens: int, device: torch.device, seed: int, timer: Callabl
             "rms_norm",
             2 * tokens * hidden * e + hidden * e,
             lambda: T.rms_norm(inp.x, inp.weight, LAYER_EPS),
-            lambda: layer_ops.torch_rms_norm(inp.x, inp.weight, LAYER_EPS),
+            lambda: reference_layer_ops.torch_rms_norm(inp.x, inp.weight, LAYER_EPS),
             "",
         ),
         # Triton writes the running sum into the residual it is given: it grows each call (bf16: no overflow).
@@ -637,21 +644,21 @@ def bench_layer_ops(tokens: int, device: torch.device, seed: int, timer: Callabl
             "add_rms_norm",
             4 * tokens * hidden * e + hidden * e,
             lambda: T.add_rms_norm(inp.x, inp.residual, inp.weight, LAYER_EPS),
-            lambda: layer_ops.torch_add_rms_norm(inp.x, inp.residual, inp.weight, LAYER_EPS),
+            lambda: reference_layer_ops.torch_add_rms_norm(inp.x, inp.residual, inp.weight, LAYER_EPS),
             "",
         ),
         (
             "rotary q+k",
             rotary_bytes,
             lambda: T.rotary(qk, prepared),
-            lambda: layer_ops.torch_rotary(qk, torch_prepared),
+            lambda: reference_layer_ops.torch_rotary(qk, torch_prepared),
             "",
         ),
         (
             "silu_and_mul",
             3 * tokens * inter * e,
             lambda: T.silu_and_mul(inp.gate_up),
-            lambda: layer_ops.torch_silu_and_mul(inp.gate_up),
+            lambda: reference_layer_ops.torch_silu_and_mul(inp.gate_up),
             "",
         ),
     ]
@@ -665,11 +672,11 @@ def bench_layer_ops(tokens: int, device: torch.device, seed: int, timer: Callabl
             T.rotary_and_write_kv(qk, value, prepared, *caches, inp.slot_mapping, **scales)
 
         def torch_chain(caches=caches, scales=scales) -> None:
-            k = layer_ops.torch_rotary(qk, torch_prepared)[:, heads:]
+            k = reference_layer_ops.torch_rotary(qk, torch_prepared)[:, heads:]
             reference.write_kv_cache(k, value, *caches, inp.slot_mapping, **scales)
 
         def unfused(caches=caches, scales=scales) -> None:  # the CUDA model's path without the fused op
-            k = layer_ops.torch_rotary(qk, torch_prepared)[:, heads:]
+            k = reference_layer_ops.torch_rotary(qk, torch_prepared)[:, heads:]
             write_kv_cache(k, value, *caches, inp.slot_mapping, **scales)
 
         cases.append((f"rotary + KV write -> {DTYPE_NAMES[cache_dtype]}", nbytes, fused, torch_chain, unfused))

@@ -7,7 +7,7 @@ variant through PTX to a cubin with its bundled ptxas. It also checks that the f
 quantizing store divides with IEEE rounding (div.rn) and computes the e4m3 bits in
 integer ops (no hardware e4m3 conversion), which is what makes it match the torch
 reference bit for bit (tests/test_fp8_kv.py checks the same code under the interpreter).
-The fused layer kernels (kernels/triton_layer_ops.py) are compiled for every dtype and
+The fused layer kernels (kernels/triton/layer_ops.py) are compiled for every dtype and
 constexpr branch; the rotary kernel must contain no fused multiply-add (its fp32 path
 rounds like the torch chain only without contraction) and its fp8 cache store the same
 div.rn and integer e4m3 rounding as the cache write.
@@ -30,7 +30,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from prefixserve.kernels import cache_write, paged_attention, triton_layer_ops  # noqa: E402
+from prefixserve.kernels.triton import cache_write, paged_attention  # noqa: E402
+from prefixserve.kernels.triton import layer_ops as triton_layer_ops  # noqa: E402
 
 TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8e4nv"}
 
@@ -124,7 +125,7 @@ def _check_fp8_store(ptx: str, label: str) -> None:
 
 
 def layer_ops_variants(target: GPUTarget) -> None:
-    """Every kernel of triton_layer_ops with the constexpr branches the wrappers launch."""
+    """Every kernel of kernels/triton/layer_ops.py with the constexpr branches the wrappers launch."""
     # RMSNorm: (activation, weight, output) types, residual or not, row block (warps as launched).
     for act, weight, out, residual, block in [
         ("fp16", "fp16", "fp16", True, 2048),

@@ -16,8 +16,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from kernel_helpers import dense_attention, make_paged_batch, relative_error
+from model_helpers import tiny_checkpoint
 
-from prefixserve.kernels import cpu_attention, cpu_library, layer_ops, select_backend
+from prefixserve.kernels import reference, reference_layer_ops, select_backend
+from prefixserve.kernels.cpu import attention as cpu_attention
+from prefixserve.kernels.cpu import layer_ops as cpu_layer_ops
+from prefixserve.kernels.cpu import library as cpu_library
+from prefixserve.replica.entrypoints.llm import LLM
 
 pytestmark = pytest.mark.skipif(
     not cpu_library.available()[0], reason=f"C kernels unavailable: {cpu_library.available()[1]}"
@@ -193,8 +198,6 @@ def test_write_kv_cache_matches_reference_layout(seed):
     key = qkv[:, kvh * d : 2 * kvh * d].unflatten(1, (kvh, d))
     value = qkv[:, 2 * kvh * d :].unflatten(1, (kvh, d))
     slots = torch.tensor([0, 9, 17, -1, 39, 8, 23])
-    from prefixserve.kernels import reference
-
     reference.write_kv_cache(key, value, k_ref, v_ref, slots)
     cpu_attention.write_kv_cache(key, value, k_cpu, v_cpu, slots)
     assert torch.equal(k_cpu, to_cpu_layout(k_ref, "key"))
@@ -211,13 +214,15 @@ def test_rms_norm_and_residual_add_match_torch(seed, rows, hidden):
     gen = torch.Generator().manual_seed(seed)
     x, residual = (torch.randn(rows, hidden, generator=gen) for _ in range(2))
     weight = torch.randn(hidden, generator=gen)
-    torch.testing.assert_close(layer_ops.c_rms_norm(x, weight, 1e-5), layer_ops.torch_rms_norm(x, weight, 1e-5))
-    expected_out, expected_sum = layer_ops.torch_add_rms_norm(x, residual, weight, 1e-5)
-    out, total = layer_ops.c_add_rms_norm(x, residual.clone(), weight, 1e-5)
+    torch.testing.assert_close(
+        cpu_layer_ops.c_rms_norm(x, weight, 1e-5), reference_layer_ops.torch_rms_norm(x, weight, 1e-5)
+    )
+    expected_out, expected_sum = reference_layer_ops.torch_add_rms_norm(x, residual, weight, 1e-5)
+    out, total = cpu_layer_ops.c_add_rms_norm(x, residual.clone(), weight, 1e-5)
     torch.testing.assert_close(out, expected_out)
     torch.testing.assert_close(total, expected_sum)
     with pytest.raises(ValueError, match="does not match hidden size"):
-        layer_ops.c_rms_norm(x, torch.ones(hidden + 1), 1e-5)
+        cpu_layer_ops.c_rms_norm(x, torch.ones(hidden + 1), 1e-5)
 
 
 @pytest.mark.parametrize("rows, heads, head_dim", [(5, 12, 64), (70, 3, 40)])
@@ -228,19 +233,21 @@ def test_rotary_matches_torch_on_strided_rows(seed, rows, heads, head_dim):
     positions = torch.randint(0, 100, (rows,), generator=gen)
     qkv = torch.randn(rows, (heads + 2) * head_dim, generator=gen)
     x = qkv[:, : heads * head_dim].unflatten(1, (heads, head_dim))
-    expected = layer_ops.torch_rotary(x.clone(), layer_ops.torch_prepare_rotary(positions, cos, sin))
+    expected = reference_layer_ops.torch_rotary(
+        x.clone(), reference_layer_ops.torch_prepare_rotary(positions, cos, sin)
+    )
     untouched = qkv[:, heads * head_dim :].clone()
-    got = layer_ops.c_rotary(x, layer_ops.c_prepare_rotary(positions, cos, sin))
+    got = cpu_layer_ops.c_rotary(x, cpu_layer_ops.c_prepare_rotary(positions, cos, sin))
     torch.testing.assert_close(got, expected)
     assert torch.equal(qkv[:, heads * head_dim :], untouched), "rotation wrote outside its heads"
     with pytest.raises(ValueError, match="positions outside"):
-        layer_ops.c_prepare_rotary(torch.tensor([100]), cos, sin)
+        cpu_layer_ops.c_prepare_rotary(torch.tensor([100]), cos, sin)
 
 
 @pytest.mark.parametrize("rows, inter", [(2, 1536), (9, 40)])
 def test_silu_and_mul_matches_torch(seed, rows, inter):
     gate_up = torch.randn(rows, 2 * inter, generator=torch.Generator().manual_seed(seed)) * 6
-    torch.testing.assert_close(layer_ops.c_silu_and_mul(gate_up), layer_ops.torch_silu_and_mul(gate_up))
+    torch.testing.assert_close(cpu_layer_ops.c_silu_and_mul(gate_up), reference_layer_ops.torch_silu_and_mul(gate_up))
 
 
 def test_packed_linear_equals_f_linear(seed):
@@ -266,9 +273,32 @@ def test_select_backend_auto_on_cpu():
     backend = select_backend("auto", "cpu", torch.float32)
     assert backend.name == "cpu"
     assert backend.kv_cache_shape(3, 16, 2, 64) == ((3, 2, 64, 16), (3, 2, 16, 64))
+    assert backend.layer_ops is cpu_layer_ops.C_LAYER_OPS
+    assert backend.paged_attention is cpu_attention.paged_attention
+    assert backend.write_kv_cache is cpu_attention.write_kv_cache
     assert select_backend("auto", "cpu", torch.bfloat16).name == "torch"
     with pytest.raises(ValueError, match="float32"):
         select_backend("cpu", "cpu", torch.float16)
+
+
+@pytest.mark.parametrize(
+    "name, attention, layer_ops",
+    [
+        ("auto", cpu_attention.paged_attention, cpu_layer_ops.C_LAYER_OPS),
+        ("torch", reference.paged_attention, reference_layer_ops.TORCH_LAYER_OPS),
+    ],
+    ids=["auto", "torch"],
+)
+def test_the_engine_runs_one_backends_attention_and_layer_ops(tmp_path, name, attention, layer_ops):
+    """The shard's one select_backend call decides both: every attention layer runs the backend's
+    attention, every norm, rotary and MLP its layer ops."""
+    with LLM(str(tiny_checkpoint(tmp_path / "ckpt")), num_kv_blocks=16, attention_backend=name) as llm:
+        shard = llm.engine.runner.shard
+        assert shard.backend.paged_attention is attention
+        modules = list(shard.model.modules())
+        assert {id(m.backend) for m in modules if hasattr(m, "backend")} == {id(shard.backend)}
+        ops = [m.ops for m in modules if hasattr(m, "ops")]
+        assert len(ops) > 3 and all(o is layer_ops for o in ops)
 
 
 def test_without_a_compiler_auto_falls_back_to_torch(tmp_path):
@@ -278,7 +308,7 @@ def test_without_a_compiler_auto_falls_back_to_torch(tmp_path):
         "import logging, torch\n"
         "logging.basicConfig(level=logging.WARNING)\n"
         "from prefixserve.kernels import select_backend\n"
-        "from prefixserve.kernels.cpu_library import CPUKernelUnavailable\n"
+        "from prefixserve.kernels.cpu.library import CPUKernelUnavailable\n"
         "print('AUTO', select_backend('auto', 'cpu', torch.float32).name)\n"
         "try:\n"
         "    select_backend('cpu', 'cpu', torch.float32)\n"

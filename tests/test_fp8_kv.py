@@ -17,8 +17,10 @@ import pytest
 import torch
 from kernel_helpers import FP8, dense_attention, make_paged_batch, relative_error
 
-from prefixserve.kernels import cpu_attention, cpu_library, reference
-from prefixserve.kernels.cache_write import write_kv_cache as triton_write_kv_cache
+from prefixserve.kernels import reference
+from prefixserve.kernels.cpu import attention as cpu_attention
+from prefixserve.kernels.cpu import library as cpu_library
+from prefixserve.kernels.triton.cache_write import write_kv_cache as triton_write_kv_cache
 
 C_KERNELS = pytest.mark.skipif(
     not cpu_library.available()[0], reason=f"C kernels unavailable: {cpu_library.available()[1]}"

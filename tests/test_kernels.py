@@ -24,8 +24,8 @@ import torch
 from kernel_helpers import FP8, PagedBatch, dense_attention, make_paged_batch, relative_error
 
 from prefixserve.kernels import reference, select_backend
-from prefixserve.kernels.cache_write import write_kv_cache as triton_write_kv_cache
-from prefixserve.kernels.paged_attention import (
+from prefixserve.kernels.triton.cache_write import write_kv_cache as triton_write_kv_cache
+from prefixserve.kernels.triton.paged_attention import (
     LaunchPlan,
     paged_attention,
     paged_attention_planned,

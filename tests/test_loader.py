@@ -14,7 +14,7 @@ import pytest
 import torch
 from model_helpers import SMOLLM2_GGUF, hf_greedy, hf_model, random_prompts, smollm2_folder, tiny_gguf
 
-from prefixserve.kernels import cpu_library
+from prefixserve.kernels.cpu import library as cpu_library
 from prefixserve.replica.entrypoints.llm import LLM
 from prefixserve.replica.model import checkpoint_cache, loader
 from prefixserve.replica.model.gguf_reader import read_gguf

@@ -1,4 +1,4 @@
-"""The C token-bitmask kernel (kernels/token_bitmask.py) against xgrammar's own
+"""The C token-bitmask kernel (kernels/cpu/token_bitmask.py) against xgrammar's own
 ``apply_token_bitmask_inplace`` on random bitmasks: random words, words that allow all or
 none of their 32 tokens, vocabularies that end inside a word, logits wider than the
 vocabulary, strided logits rows, row subsets; the backend routes CPU float32 to it; bad
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefixserve.kernels import cpu_library
-from prefixserve.kernels.token_bitmask import apply_token_bitmask, supports
+from prefixserve.kernels.cpu import library as cpu_library
+from prefixserve.kernels.cpu.token_bitmask import apply_token_bitmask, supports
 
 xgr = pytest.importorskip("xgrammar")
 pytestmark = pytest.mark.skipif(

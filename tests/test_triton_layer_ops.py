@@ -1,4 +1,4 @@
-"""The Triton layer kernels (kernels/triton_layer_ops.py) under TRITON_INTERPRET against the torch reference.
+"""The Triton layer kernels (kernels/triton/layer_ops.py) under TRITON_INTERPRET against the torch reference.
 
 conftest.py sets TRITON_INTERPRET=1 before any kernel module is imported, so the kernels
 run on CPU tensors here; tests/kernel_compile_check.py compiles the same kernels for sm_90.
@@ -27,8 +27,9 @@ import sys
 import pytest
 import torch
 
-from prefixserve.kernels import layer_ops, reference
-from prefixserve.kernels.triton_layer_ops import (
+from prefixserve.kernels import reference, reference_layer_ops, select_backend
+from prefixserve.kernels.reference_layer_ops import TORCH_LAYER_OPS
+from prefixserve.kernels.triton.layer_ops import (
     TRITON_LAYER_OPS,
     triton_add_rms_norm,
     triton_prepare_rotary,
@@ -70,7 +71,7 @@ def test_rms_norm_matches_torch(seed, dtype, rows, hidden):
     weight = torch.randn(hidden, generator=gen).to(dtype)
     x_before = x.clone()
     got = triton_rms_norm(x, weight, 1e-6)
-    expected = layer_ops.torch_rms_norm(x, weight, 1e-6)
+    expected = reference_layer_ops.torch_rms_norm(x, weight, 1e-6)
     assert got.dtype == expected.dtype and got.shape == expected.shape
     torch.testing.assert_close(got, expected, **_tol(dtype, 1e-5))
     assert torch.equal(x, x_before), "rms_norm wrote into its input"
@@ -83,7 +84,7 @@ def test_add_rms_norm_writes_the_sum_into_residual(seed, dtype, rows, hidden):
     x = (torch.randn(rows, hidden, generator=gen) * 4).to(dtype)
     residual = torch.randn(rows, hidden, generator=gen).to(dtype)
     weight = torch.randn(hidden, generator=gen).to(dtype)
-    expected_out, expected_sum = layer_ops.torch_add_rms_norm(x, residual, weight, 1e-5)
+    expected_out, expected_sum = reference_layer_ops.torch_add_rms_norm(x, residual, weight, 1e-5)
     out, total = triton_add_rms_norm(x, residual, weight, 1e-5)
     # One rounding of the same sum, in place: the residual stream itself now holds it.
     assert torch.equal(total, expected_sum)
@@ -99,11 +100,11 @@ def test_rms_norm_strided_rows_3d_input_and_promoted_weight(seed):
     x = wide[:, 10:106].reshape(2, 3, 96)  # row stride 200
     residual = torch.randn(2, 3, 96, generator=gen).to(torch.bfloat16)
     weight = torch.randn(96, generator=gen)
-    expected = layer_ops.torch_rms_norm(x, weight, 1e-5)
+    expected = reference_layer_ops.torch_rms_norm(x, weight, 1e-5)
     got = triton_rms_norm(x, weight, 1e-5)
     assert got.dtype == torch.float32 and got.shape == (2, 3, 96)
     torch.testing.assert_close(got, expected, **_tol(torch.bfloat16, 1e-5))
-    expected_out, expected_sum = layer_ops.torch_add_rms_norm(x, residual, weight, 1e-5)
+    expected_out, expected_sum = reference_layer_ops.torch_add_rms_norm(x, residual, weight, 1e-5)
     out, total = triton_add_rms_norm(x, residual, weight, 1e-5)
     assert torch.equal(total, expected_sum) and torch.equal(residual, expected_sum)
     torch.testing.assert_close(out, expected_out, **_tol(torch.bfloat16, 1e-5))
@@ -146,7 +147,9 @@ def test_rotary_is_bit_identical_to_torch_on_strided_rows(seed, dtype, rows, hea
     qkv = (torch.randn(rows, (heads + 2) * head_dim, generator=gen) * 3).to(dtype)
     x = qkv[:, : heads * head_dim].unflatten(1, (heads, head_dim))
     untouched = qkv[:, heads * head_dim :].clone()
-    expected = layer_ops.torch_rotary(x.clone(), layer_ops.torch_prepare_rotary(positions, cos, sin))
+    expected = reference_layer_ops.torch_rotary(
+        x.clone(), reference_layer_ops.torch_prepare_rotary(positions, cos, sin)
+    )
     got = triton_rotary(x, triton_prepare_rotary(positions, cos, sin))
     assert got.data_ptr() == x.data_ptr(), "rotary is documented to rotate in place"
     assert torch.equal(got, expected)
@@ -222,7 +225,9 @@ def _check_fused(
     slots[1::3] = -1  # padding tokens: rotated like the others, never cached
     slots = slots.to(slot_dtype)
 
-    expected_qk = layer_ops.torch_rotary(qk.clone(), layer_ops.torch_prepare_rotary(positions, cos, sin))
+    expected_qk = reference_layer_ops.torch_rotary(
+        qk.clone(), reference_layer_ops.torch_prepare_rotary(positions, cos, sin)
+    )
     shape = (num_blocks, block_size, kv_heads, head_dim)
     expected_caches = _poisoned_cache(shape, cache_dtype), _poisoned_cache(shape, cache_dtype)
     k_scale = v_scale = 1.0
@@ -283,7 +288,7 @@ def test_silu_and_mul_matches_torch(seed, dtype, lead, inter):
     # Gates well into both tails of the sigmoid (|x| up to ~25), as real activations reach.
     gate_up = (torch.randn(*lead, 2 * inter, generator=gen) * 6).to(dtype)
     got = triton_silu_and_mul(gate_up)
-    expected = layer_ops.torch_silu_and_mul(gate_up)
+    expected = reference_layer_ops.torch_silu_and_mul(gate_up)
     assert got.shape == expected.shape and got.dtype == expected.dtype
     torch.testing.assert_close(got, expected, **_tol(dtype, 1e-6))
 
@@ -293,28 +298,30 @@ def test_silu_and_mul_reads_strided_rows(seed):
     wide = torch.randn(5, 300, generator=gen).to(torch.float16) * 4
     gate_up = wide[:, :200]  # row stride 300
     torch.testing.assert_close(
-        triton_silu_and_mul(gate_up), layer_ops.torch_silu_and_mul(gate_up), **_tol(torch.float16, 1e-6)
+        triton_silu_and_mul(gate_up), reference_layer_ops.torch_silu_and_mul(gate_up), **_tol(torch.float16, 1e-6)
     )
 
 
 # --- dispatch and the model -------------------------------------------------------------------------
 
 
-def test_select_layer_ops_picks_triton_for_the_triton_backend():
-    assert layer_ops.select_layer_ops("triton") is TRITON_LAYER_OPS
+def test_each_backend_carries_its_layer_ops():
+    triton_backend = select_backend("triton", "cpu", torch.bfloat16)
+    assert triton_backend.layer_ops is TRITON_LAYER_OPS
     assert TRITON_LAYER_OPS.rotary_and_write_kv is triton_rotary_and_write_kv
-    assert layer_ops.select_layer_ops("torch") is layer_ops.TORCH_LAYER_OPS
-    assert layer_ops.select_layer_ops("cpu") is layer_ops.C_LAYER_OPS
-    assert layer_ops.TORCH_LAYER_OPS.rotary_and_write_kv is None
+    assert select_backend("torch", "cpu").layer_ops is TORCH_LAYER_OPS
+    assert select_backend("auto", "cpu", torch.bfloat16).layer_ops is TORCH_LAYER_OPS
+    assert TORCH_LAYER_OPS.rotary_and_write_kv is None
 
 
-def test_layer_ops_imports_without_triton():
-    """CPU-only installs: layer_ops (and its torch/C ops) must not import triton."""
+def test_cpu_backends_import_without_triton():
+    """CPU-only installs: the dispatch, the torch backend and the C layer ops must not import triton."""
     code = (
         "import sys\n"
         "sys.modules['triton'] = None  # any 'import triton' now raises ImportError\n"
-        "from prefixserve.kernels import layer_ops\n"
-        "assert layer_ops.select_layer_ops('torch').name == 'torch'\n"
+        "from prefixserve.kernels import select_backend\n"
+        "import prefixserve.kernels.cpu.layer_ops\n"
+        "assert select_backend('torch').layer_ops.name == 'torch'\n"
         "print('ok')\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -327,7 +334,6 @@ def test_model_with_triton_layer_ops_matches_torch_layer_ops(seed, dtype):
     decode step with the Triton layer ops give the torch ops' hidden states and KV cache."""
     from transformers import LlamaConfig
 
-    from prefixserve.kernels import select_backend
     from prefixserve.replica.model.llama import AttentionMetadata, LlamaForCausalLM, ModelConfig
 
     hf = LlamaConfig(
@@ -345,7 +351,7 @@ def test_model_with_triton_layer_ops_matches_torch_layer_ops(seed, dtype):
     gen = torch.Generator().manual_seed(seed)
     state = None
     results = {}
-    for ops in (layer_ops.TORCH_LAYER_OPS, TRITON_LAYER_OPS):
+    for ops in (TORCH_LAYER_OPS, TRITON_LAYER_OPS):
         model = LlamaForCausalLM(cfg, max_model_len=256, backend=backend, dtype=dtype, ops=ops)
         if state is None:
             state = {

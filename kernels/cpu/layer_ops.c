@@ -1,4 +1,4 @@
-/* Fused element-wise layer operations for CPUs, float32 (see kernels/layer_ops.py).
+/* Fused element-wise layer operations for CPUs, float32 (see kernels/cpu/layer_ops.py).
  *
  * Each replaces a chain of torch element-wise ops that would each read and write
  * the whole activation: residual add + RMSNorm, rotary embedding in place, and

@@ -5,10 +5,10 @@
  * V's into the output; the cache write quantizes x / scale exactly as torch does
  * (round to nearest even through float32, saturated to +-448).
  *
- * Built at first use by kernels/cpu_library.py (cc -O3 -march=native -fopenmp) and
- * called through ctypes (kernels/cpu_attention.py): one call per layer per step runs every sequence of the step.
+ * Built at first use by kernels/cpu/library.py (cc -O3 -march=native -fopenmp) and
+ * called through ctypes (kernels/cpu/attention.py): one call per layer per step runs every sequence of the step.
  *
- * Layouts (see kernels/cpu_attention.py):
+ * Layouts (see kernels/cpu/attention.py):
  *   query        [T, H, D]               packed tokens of all sequences; rows (tokens)
  *                                        may be further apart (q_stride floats)
  *   key cache    [NB, KVH, D, BS]        a block's keys stored transposed: for a fixed

@@ -1,4 +1,4 @@
-/* Grammar token bitmasks applied to float32 logits on CPUs (see kernels/token_bitmask.py).
+/* Grammar token bitmasks applied to float32 logits on CPUs (see kernels/cpu/token_bitmask.py).
  *
  * A bitmask row holds one bit per token, 32 tokens to an int32 word, bit j of word w
  * standing for token 32 * w + j; a 0 bit means the token is not allowed, and its logit

@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prefixserve.kernels.layer_ops import TORCH_LAYER_OPS, LayerOps
+from prefixserve.kernels import LayerOps
+from prefixserve.kernels.reference_layer_ops import TORCH_LAYER_OPS
 
 
 @dataclass(frozen=True)
@@ -247,7 +248,7 @@ class ParallelLMHead(VocabParallelEmbedding, _PackableLinear):
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm (float32 math, like the reference implementation), with the
-    residual add fused in when a residual is given (see kernels.layer_ops)."""
+    residual add fused in when a residual is given (see kernels/interface.py)."""
 
     def __init__(self, hidden: int, eps: float, dtype: torch.dtype, ops: LayerOps = TORCH_LAYER_OPS) -> None:
         super().__init__()

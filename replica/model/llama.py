@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from prefixserve.kernels import AttentionBackend
-from prefixserve.kernels.layer_ops import TORCH_LAYER_OPS, LayerOps
+from prefixserve.kernels import KernelBackend, LayerOps
+from prefixserve.kernels.reference_layer_ops import TORCH_LAYER_OPS
 from prefixserve.replica.model.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -194,7 +194,7 @@ class AttentionMetadata:
 
 class Attention(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, tp: TPGroup, backend: AttentionBackend, dtype: torch.dtype, ops: LayerOps
+        self, cfg: ModelConfig, tp: TPGroup, backend: KernelBackend, dtype: torch.dtype, ops: LayerOps
     ) -> None:
         super().__init__()
         self.ops = ops
@@ -292,7 +292,7 @@ class DecoderLayer(nn.Module):
     so that each residual add is fused into the next norm (vLLM's layout)."""
 
     def __init__(
-        self, cfg: ModelConfig, tp: TPGroup, backend: AttentionBackend, dtype: torch.dtype, ops: LayerOps
+        self, cfg: ModelConfig, tp: TPGroup, backend: KernelBackend, dtype: torch.dtype, ops: LayerOps
     ) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, tp, backend, dtype, ops)
@@ -330,7 +330,7 @@ class LlamaForCausalLM(nn.Module):
         cfg: ModelConfig,
         *,
         max_model_len: int,
-        backend: AttentionBackend,
+        backend: KernelBackend,
         dtype: torch.dtype,
         tp: TPGroup = TPGroup(),
         ops: LayerOps = TORCH_LAYER_OPS,

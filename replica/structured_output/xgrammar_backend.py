@@ -3,7 +3,7 @@
 Compiles each constraint kind with xgrammar's ``GrammarCompiler`` (its own cache off: ours
 in ``compile.py`` is keyed by the request's spec and bounded in entries), fills one
 step's bitmasks with ``BatchGrammarMatcher`` and applies them with our C kernel on CPUs
-(``kernels/token_bitmask.py``) and xgrammar's ``apply_token_bitmask_inplace`` elsewhere
+(``kernels/cpu/token_bitmask.py``) and xgrammar's ``apply_token_bitmask_inplace`` elsewhere
 (Triton/CUDA on GPUs).
 """
 
@@ -107,7 +107,7 @@ class XGrammarBackend:
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         import xgrammar as xgr
 
-        from prefixserve.kernels import token_bitmask
+        from prefixserve.kernels.cpu import token_bitmask
 
         # On CPUs the C kernel: xgrammar's CPU apply tests bit by bit (about 14 ms a step at
         # 64 rows x 49,152 tokens on 2 cores, against well under 1 ms); the result is the same.

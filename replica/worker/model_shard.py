@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import torch
 
 from prefixserve.kernels import select_backend
-from prefixserve.kernels.layer_ops import select_layer_ops
 from prefixserve.replica.config import EngineConfig
 from prefixserve.replica.model.layers import TPGroup
 from prefixserve.replica.model.llama import AttentionMetadata, LlamaForCausalLM, ModelConfig
@@ -151,11 +150,15 @@ class ModelShard:
         startup = startup or StartupTimer()
         with startup.phase("kernels"):
             self.backend = select_backend(config.attention_backend, device, dtype)
-            ops = select_layer_ops(self.backend.name)
         with startup.phase("weights"):
             with torch.device(device):
                 self.model = LlamaForCausalLM(
-                    model_cfg, max_model_len=max_model_len, backend=self.backend, dtype=dtype, tp=tp, ops=ops
+                    model_cfg,
+                    max_model_len=max_model_len,
+                    backend=self.backend,
+                    dtype=dtype,
+                    tp=tp,
+                    ops=self.backend.layer_ops,
                 )
             self.model.load_weights(weights)
             self.model.configure_kv_cache(fp8=self.kv_cache_dtype != dtype, calculate_scales=config.calculate_kv_scales)

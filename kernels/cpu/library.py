@@ -1,4 +1,5 @@
-"""Build and load the C kernels in ``kernels/cpu/`` (one shared library, called through ctypes).
+"""Build and load the C kernels beside this module (``kernels/cpu/*.c``: one shared library, called
+through ctypes).
 
 Built at first use with ``$CC`` (default ``cc``) and ``-O3 -march=native -fopenmp``
 into ``$PREFIXSERVE_CACHE_DIR`` (default ``~/.cache/prefixserve``), keyed by the
@@ -25,7 +26,7 @@ from pathlib import Path
 
 from prefixserve.common.paths import cache_root
 
-SOURCE_DIR = Path(__file__).parent / "cpu"
+SOURCE_DIR = Path(__file__).parent
 SOURCES = tuple(sorted(SOURCE_DIR.glob("*.c")))
 HEADERS = tuple(sorted(SOURCE_DIR.glob("*.h")))
 # -ffp-contract=fast: fuse a*b+c into FMAs (ISO C modes turn that off by default).

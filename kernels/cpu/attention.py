@@ -19,14 +19,14 @@ quantizes ``x / scale`` exactly as :func:`prefixserve.kernels.reference.quantize
 does, and attention converts fp8 rows to float32 as it reads them, K's scale folded
 into the query's, V's into the output.
 
-The library is built and loaded by :mod:`prefixserve.kernels.cpu_library`.
+The library is built and loaded by :mod:`prefixserve.kernels.cpu.library`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from prefixserve.kernels.cpu_library import available, load  # noqa: F401  (available: re-exported)
+from prefixserve.kernels.cpu.library import load
 from prefixserve.kernels.reference import FP8_DTYPES
 
 MAX_TILE_ROWS = 48  # must equal the C constant: a KV head's group of query heads fits one task

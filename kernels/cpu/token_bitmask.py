@@ -1,4 +1,4 @@
-"""Grammar token bitmasks applied to logits in place, on CPUs (the C kernel in ``kernels/cpu/``).
+"""Grammar token bitmasks applied to logits in place, on CPUs (the C kernel ``kernels/cpu/token_bitmask.c``).
 
 The bitmask layout is xgrammar's (and vLLM's): int32 words, 32 tokens each, bit ``j`` of
 word ``w`` standing for token ``32 * w + j``; a 0 bit sets that token's logit to -inf.
@@ -15,12 +15,12 @@ from collections.abc import Sequence
 
 import torch
 
+from prefixserve.kernels.cpu.library import available, load
+
 
 def supports(logits: torch.Tensor, bitmask: torch.Tensor) -> bool:
     """Whether the C kernel takes these tensors (float32 logits and int32 bitmask rows on a CPU,
     each row dense) and the kernels build here."""
-    from prefixserve.kernels.cpu_library import available
-
     return (
         logits.device.type == "cpu"
         and bitmask.device.type == "cpu"
@@ -42,8 +42,6 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, vocab_size:
     both on a CPU with dense rows (:func:`supports`); every row index must be below N and M.
     Raises ValueError when they do not fit, CPUKernelUnavailable without a C compiler.
     """
-    from prefixserve.kernels.cpu_library import load
-
     if logits.dim() != 2 or bitmask.dim() != 2:
         raise ValueError(f"logits and bitmask must be 2-D, got {logits.dim()}-D and {bitmask.dim()}-D")
     if logits.dtype != torch.float32 or bitmask.dtype != torch.int32:

@@ -1,6 +1,6 @@
 """Triton kernels for the element-wise operations of a decoder layer (CUDA, fp16/bf16/fp32).
 
-The GPU implementation of :class:`prefixserve.kernels.layer_ops.LayerOps`; each operation is
+The GPU implementation of :class:`prefixserve.kernels.interface.LayerOps`; each operation is
 one pass over the activations instead of the several kernels of the torch chain:
 
   * ``rms_norm`` / ``add_rms_norm``: one program per row holds the whole row; the
@@ -8,11 +8,11 @@ one pass over the activations instead of the several kernels of the torch chain:
   * ``rotary``: one program per (token, block of heads), half-split layout, in place.
   * ``rotary_and_write_kv``: the same rotation of q and k, and in the same pass the
     rotated K and the V rows are stored into their paged-cache slots (the layout and
-    the fp8 e4m3 quantizing store of :mod:`prefixserve.kernels.cache_write`), so K
+    the fp8 e4m3 quantizing store of :mod:`prefixserve.kernels.triton.cache_write`), so K
     is never re-read from memory by a separate cache-write kernel.
   * ``silu_and_mul``: one program per (row, block of the intermediate size).
 
-Numerics follow the torch reference (:mod:`prefixserve.kernels.layer_ops`) step by step:
+Numerics follow the torch reference (:mod:`prefixserve.kernels.reference_layer_ops`) step by step:
 float32 math, rounded to the activation dtype exactly where the torch chain
 materialises a tensor of that dtype (e.g. rotary rounds ``x1*cos`` and ``x2*sin``
 before subtracting, RMSNorm rounds the normalised row before the weight multiply).
@@ -27,8 +27,8 @@ cast, because the Triton interpreter's fp32 -> bf16 cast truncates instead of
 rounding to nearest even; that keeps the CPU tests (``TRITON_INTERPRET=1``) checking
 the same arithmetic the GPU runs.
 
-Imports torch and triton only; only :func:`prefixserve.kernels.layer_ops.select_layer_ops`
-imports this module, lazily, so CPU-only installs never need a working Triton.
+Imports torch and triton only; only :func:`prefixserve.kernels.select_backend` imports this
+module, lazily, so CPU-only installs never need a working Triton.
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ import torch
 import triton
 import triton.language as tl
 
-from prefixserve.kernels.cache_write import CACHE_DTYPES, _fp8_e4m3_bits
-from prefixserve.kernels.layer_ops_interface import LayerOps
-from prefixserve.kernels.paged_attention import interpreting
+from prefixserve.kernels.interface import LayerOps
 from prefixserve.kernels.reference import FP8_DTYPES
+from prefixserve.kernels.triton.cache_write import CACHE_DTYPES, _fp8_e4m3_bits
+from prefixserve.kernels.triton.paged_attention import interpreting
 
 ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Elements of one rotary program's [heads, D/2] tile: enough to hide latency, few
@@ -433,7 +433,7 @@ def triton_rotary_and_write_kv(
     ``qk`` is ``[T, H + KVH, D]``: the ``H`` query heads then the ``KVH`` key heads
     (``KVH = value.shape[1]``); ``value`` is ``[T, KVH, D]``. Equivalent to
     ``k = triton_rotary(qk, prepared)[:, H:]`` followed by
-    :func:`prefixserve.kernels.cache_write.write_kv_cache` ``(k, value, key_cache,
+    :func:`prefixserve.kernels.triton.cache_write.write_kv_cache` ``(k, value, key_cache,
     value_cache, slot_mapping, k_scale=..., v_scale=...)``, bit for bit (negative slots
     are padding and skipped; an fp8 cache gets the same e4m3 bytes). Returns ``qk``.
     """

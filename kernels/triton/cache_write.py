@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from prefixserve.kernels.paged_attention import interpreting
 from prefixserve.kernels.reference import FP8_DTYPES
+from prefixserve.kernels.triton.paged_attention import interpreting
 
 CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16) + FP8_DTYPES
 
