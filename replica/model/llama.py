@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from prefixserve.kernels import KernelBackend, LayerOps
-from prefixserve.kernels.reference_layer_ops import TORCH_LAYER_OPS
 from prefixserve.replica.model.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -333,10 +332,12 @@ class LlamaForCausalLM(nn.Module):
         backend: KernelBackend,
         dtype: torch.dtype,
         tp: TPGroup = TPGroup(),
-        ops: LayerOps = TORCH_LAYER_OPS,
+        ops: LayerOps | None = None,
     ) -> None:
+        """``ops``: the layer ops to run instead of ``backend``'s own (tests compare implementations)."""
         super().__init__()
         self.cfg = cfg
+        ops = backend.layer_ops if ops is None else ops
         self.ops = ops
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_model_len, dtype)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)

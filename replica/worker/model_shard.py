@@ -158,7 +158,6 @@ class ModelShard:
                     backend=self.backend,
                     dtype=dtype,
                     tp=tp,
-                    ops=self.backend.layer_ops,
                 )
             self.model.load_weights(weights)
             self.model.configure_kv_cache(fp8=self.kv_cache_dtype != dtype, calculate_scales=config.calculate_kv_scales)
