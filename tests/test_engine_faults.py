@@ -15,8 +15,9 @@ import pytest
 from model_helpers import tiny_checkpoint
 
 from prefixserve.replica.config import EngineConfig
-from prefixserve.replica.core.request import Request
-from prefixserve.replica.engine.core import AsyncEngine, LLMEngine
+from prefixserve.replica.core.request import PreparedRequest, Request
+from prefixserve.replica.engine.async_engine import AsyncEngine
+from prefixserve.replica.engine.core import LLMEngine
 from prefixserve.replica.engine.outputs import FinishReason
 from prefixserve.replica.entrypoints.llm import LLM
 from prefixserve.replica.errors import EngineDeadError, PromptTooLongError, RequestFailedError, RequestRejected
@@ -271,7 +272,7 @@ async def test_the_loop_waits_instead_of_spinning_when_nothing_can_progress(llm,
     inner.step = counting_step
     try:
         # A request the scheduler does not hold (a bookkeeping bug): steps change nothing.
-        orphan = Request("orphan", [5, 6], SamplingParams(), None, 0.0)
+        orphan = Request(PreparedRequest("orphan", (5, 6), SamplingParams(), None, 0.0))
         await engine.abort("nothing")  # the loop is between steps here; it is safe to touch its state
         inner.requests["orphan"] = orphan
         inner.stalled = False
