@@ -33,7 +33,7 @@ class EngineRequest:
     (None: plain content). ``sampling.max_tokens`` is what the client
     asked for; when the client asked nothing, ``max_tokens_default`` is set and
     the engine host, which knows the prompt's length, applies the one rule of
-    :func:`fit_max_tokens`.
+    ``fit_max_tokens`` (replica/engine/input_processor.py).
     """
 
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)

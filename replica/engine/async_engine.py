@@ -25,7 +25,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Container, Mapping, Sequence
+from collections.abc import AsyncGenerator, Container, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,7 +62,7 @@ Command = PreparedRequest | AbortRequest
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    queue: asyncio.Queue[Any]
 
 
 class AsyncEngine:
@@ -201,7 +201,7 @@ class AsyncEngine:
         conversation: bool = False,
         static_prefix_tokens: int = 0,
         tool_mode: ToolCallMode | None = None,
-    ) -> AsyncIterator[StreamDelta]:
+    ) -> AsyncGenerator[StreamDelta, None]:
         """Process a prompt and stream its deltas (``conversation``, ``static_prefix_tokens``, ``tool_mode``:
         see LLMEngine.add_request; ``stream`` for the stream's errors).
 
@@ -237,7 +237,7 @@ class AsyncEngine:
             async for delta in deltas:
                 yield delta
 
-    async def stream(self, request: PreparedRequest) -> AsyncIterator[StreamDelta]:
+    async def stream(self, request: PreparedRequest) -> AsyncGenerator[StreamDelta, None]:
         """Queue a PreparedRequest on the engine thread and stream its deltas.
 
         Raises RequestRejected (its id in use) / EngineOverloadedError / EngineDeadError before
@@ -303,7 +303,7 @@ class AsyncEngine:
     # --- the engine thread ------------------------------------------------------
 
     def _run(self) -> None:
-        error = EngineDeadError("the engine was shut down")
+        error: Exception = EngineDeadError("the engine was shut down")
         try:
             while True:
                 try:
@@ -379,7 +379,7 @@ class AsyncEngine:
                 found = self.engine.abort_request(cmd.request_id)
                 fut = cmd.reply
                 if fut is not None:
-                    fut.get_loop().call_soon_threadsafe(lambda f=fut, v=found: f.done() or f.set_result(v))
+                    fut.get_loop().call_soon_threadsafe(_resolve, fut, found)
 
     def _add(self, request: PreparedRequest) -> None:
         with self._lock:
@@ -411,3 +411,8 @@ class AsyncEngine:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
         except RuntimeError:  # the consumer's loop is closed: nobody to tell
             pass
+
+
+def _resolve(future: asyncio.Future[bool], value: bool) -> None:
+    if not future.done():
+        future.set_result(value)
