@@ -241,13 +241,13 @@ async def test_a_model_failure_restarts_the_engine_until_the_bound(llm, ckpt):
 async def test_text_prompts_are_tokenized_off_the_event_loop(llm, ckpt):
     engine = AsyncEngine(EngineConfig(model=ckpt, num_kv_blocks=64, max_num_seqs=4), engine=llm.engine)
     threads = []
-    real = engine.engine.tokenize
+    real = engine.engine.input_processor.tokenize
 
     def spy(prompt):
         threads.append(threading.get_ident())
         return real(prompt)
 
-    engine.engine.tokenize = spy
+    engine.engine.input_processor.tokenize = spy
     try:
         deltas = await _collect(engine, "hello there", SamplingParams(temperature=0.0, max_tokens=3), "text")
         assert sum(len(d.token_ids) for d in deltas) >= 1
@@ -255,7 +255,7 @@ async def test_text_prompts_are_tokenized_off_the_event_loop(llm, ckpt):
         with pytest.raises(PromptTooLongError):
             await _collect(engine, "a" * (engine.engine.max_prompt_chars + 1), LONG, "huge")
     finally:
-        del engine.engine.tokenize
+        del engine.engine.input_processor.tokenize
         await engine.shutdown()
 
 

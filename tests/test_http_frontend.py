@@ -78,7 +78,8 @@ def test_health_answers_while_a_chat_template_and_tokenizer_run(replica, monkeyp
     """
     rendering, health_answered = threading.Event(), threading.Event()
     seen: dict[str, object] = {}
-    real = replica.engine.encode_chat
+    processor = replica.engine.engine.input_processor
+    real = processor.encode_chat
 
     def gated(messages, **kwargs):
         seen["thread"] = threading.current_thread()
@@ -86,7 +87,7 @@ def test_health_answers_while_a_chat_template_and_tokenizer_run(replica, monkeyp
         seen["health_answered_first"] = health_answered.wait(timeout=GATE_TIMEOUT_S)
         return real(messages, **kwargs)
 
-    monkeypatch.setattr(replica.engine, "encode_chat", gated)
+    monkeypatch.setattr(processor, "encode_chat", gated)
     # Inside the cheap bound but far over MAX_MODEL_LEN tokens: the tokenizer must run to tell.
     content = "alpha beta gamma " * 600
 
@@ -112,8 +113,9 @@ def test_health_answers_while_a_chat_template_and_tokenizer_run(replica, monkeyp
 
 def test_a_huge_prompt_is_refused_before_any_tokenization(replica, monkeypatch):
     calls = []
-    real = replica.engine.encode_chat
-    monkeypatch.setattr(replica.engine, "encode_chat", lambda m, **kw: calls.append(1) or real(m, **kw))
+    processor = replica.engine.engine.input_processor
+    real = processor.encode_chat
+    monkeypatch.setattr(processor, "encode_chat", lambda m, **kw: calls.append(1) or real(m, **kw))
     huge = "x" * 3_900_000
     chat = replica.request(
         "POST",

@@ -77,8 +77,9 @@ def test_a_template_that_renders_empty_messages_as_nothing_gives_no_bound(replic
 
 def test_many_empty_messages_are_refused_before_validation_and_rendering(replica, monkeypatch):
     rendered = []
-    real = replica.engine.encode_chat
-    monkeypatch.setattr(replica.engine, "encode_chat", lambda m, **kw: rendered.append(len(m)) or real(m, **kw))
+    processor = replica.engine.engine.input_processor
+    real = processor.encode_chat
+    monkeypatch.setattr(processor, "encode_chat", lambda m, **kw: rendered.append(len(m)) or real(m, **kw))
     validated = []
     real_validate = api.validate_request
     monkeypatch.setattr(api, "validate_request", lambda cls, data: validated.append(1) or real_validate(cls, data))
