@@ -246,41 +246,52 @@ class LLMEngine:
     def tracer(self, tracer: RequestTracer | None) -> None:
         self.output_processor.tracer = tracer
 
-    # The input processor's answers, for the offline API, benchmarks and tools.
+    # The input processor's answers (InputProcessor's methods of the same names), for the offline
+    # API, benchmarks and tools that hold an LLMEngine.
 
     @property
     def max_prompt_chars(self) -> int | None:
+        """Characters above which a text prompt cannot fit; None if unknown."""
         return self.input_processor.max_prompt_chars
 
     @property
     def min_message_tokens(self) -> int:
+        """The fewest tokens the chat template renders for one message; 0 if unknown."""
         return self.input_processor.min_message_tokens
 
     @property
     def max_messages(self) -> int | None:
+        """Messages above which a chat cannot fit ``max_model_len``; None if unknown."""
         return self.input_processor.max_messages
 
     def check_prompt_text(self, prompt: str) -> None:
+        """Refuse (PromptTooLongError) a text prompt too long to fit, without tokenizing it."""
         self.input_processor.check_prompt_text(prompt)
 
     def check_messages_size(self, messages: list[dict[str, Any]]) -> None:
+        """Refuse (PromptTooLongError) a chat too long to fit, without rendering it."""
         self.input_processor.check_messages_size(messages)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """The token ids of a text prompt, or a token-id prompt's as ints."""
         return self.input_processor.tokenize(prompt)
 
     def encode_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
+        """Token ids of a conversation through the chat template (generation prompt added)."""
         return self.input_processor.encode_chat(messages, **template_kwargs)
 
     def static_prefix_tokens(
         self, messages: list[dict[str, Any]], prompt_ids: list[int], **template_kwargs: Any
     ) -> int:
+        """How many leading tokens of ``prompt_ids`` are the conversation's static prefix."""
         return self.input_processor.static_prefix_tokens(messages, prompt_ids, **template_kwargs)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams, *, prompt_field: str = "messages") -> None:
+        """Raise RequestRejected / PromptTooLongError for a request that can never be served."""
         self.input_processor.validate(prompt_ids, params, prompt_field=prompt_field)
 
     def bad_words_token_ids(self, bad_words: list[str]) -> tuple[tuple[int, ...], ...]:
+        """vLLM's tokenization of ``bad_words``."""
         return self.input_processor.bad_words_token_ids(bad_words)
 
     def add_request(

@@ -311,7 +311,7 @@ class InputProcessor:
         if isinstance(prompt, str):
             ids = tuple(self.tokenize(prompt))
         else:
-            ids = tuple(int(t) for t in prompt)
+            ids = tuple(map(int, prompt))
         self.validate(ids, params)
         return EncodedPrompt(ids, params, max(0, int(static_prefix_tokens)), self.bad_words_token_ids(params.bad_words))
 
@@ -336,7 +336,7 @@ class InputProcessor:
         elif isinstance(request.prompt, str):
             ids = tuple(self.tokenize(request.prompt))
         elif request.prompt is not None:
-            ids = tuple(request.prompt)
+            ids = tuple(map(int, request.prompt))
         else:
             raise ValueError("encode_request needs a prompt or messages")
         params = fit_max_tokens(request, len(ids), self.max_model_len)
