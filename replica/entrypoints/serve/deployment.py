@@ -1,6 +1,6 @@
 """The Ray Serve deployment that hosts one engine replica.
 
-Job: run one ``AsyncEngine`` (replica/engine/core.py) inside a Serve replica, stream
+Job: run one ``AsyncEngine`` (replica/engine/async_engine.py) inside a Serve replica, stream
 its deltas back to the caller (the ingress, through a DeploymentHandle whose
 request router is router/serve/request_router.py), and report what routers and
 dashboards need: routing stats (KV usage, running, waiting), health, the
