@@ -332,7 +332,7 @@ def oracle_hit_rate(
 
 
 def chat_encoder(model: str) -> Callable[[list[dict[str, str]]], list[int]]:
-    """The model's chat template as the engine applies it (replica/engine/core.py's encode_chat)."""
+    """The model's chat template as the engine applies it (replica/engine/input_processor.py's encode_chat)."""
     from prefixserve.loadtest.peers.serve_adapter import PromptEncoder
 
     return PromptEncoder.load(model).encode_chat

@@ -3,7 +3,7 @@
 Plain data, validated on construction so that every front end (offline LLM, HTTP
 server, Ray ingress) refuses the same bad values with the same message. Checks that
 need the model (vocabulary size, ``max_num_seqs``, the context length) are the
-engine's (``LLMEngine.validate``). The sampler that reads it is
+engine's (``InputProcessor.validate``). The sampler that reads it is
 replica/worker/sampler.py. No torch.
 """
 

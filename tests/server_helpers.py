@@ -146,7 +146,7 @@ class InProcessReplica:
         self, model: str | Path, *, max_model_len: int = 128, engine_kwargs: dict | None = None, **app_kwargs: object
     ) -> None:
         from prefixserve.replica.config import EngineConfig
-        from prefixserve.replica.engine.core import AsyncEngine
+        from prefixserve.replica.engine.async_engine import AsyncEngine
         from prefixserve.replica.entrypoints.openai.server import build_app
 
         self.engine = AsyncEngine(EngineConfig(model=str(model), max_model_len=max_model_len, **(engine_kwargs or {})))

@@ -11,7 +11,8 @@ import pytest
 from model_helpers import hf_greedy, hf_model, random_prompts, tiny_checkpoint
 
 from prefixserve.replica.config import EngineConfig
-from prefixserve.replica.engine.core import AsyncEngine, LLMEngine
+from prefixserve.replica.engine.async_engine import AsyncEngine
+from prefixserve.replica.engine.core import LLMEngine
 from prefixserve.replica.entrypoints.llm import LLM
 from prefixserve.replica.errors import EngineOverloadedError, PromptTooLongError
 from prefixserve.replica.sampling_params import SamplingParams

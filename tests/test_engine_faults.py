@@ -15,8 +15,9 @@ import pytest
 from model_helpers import tiny_checkpoint
 
 from prefixserve.replica.config import EngineConfig
-from prefixserve.replica.core.request import Request
-from prefixserve.replica.engine.core import AsyncEngine, LLMEngine
+from prefixserve.replica.core.request import PreparedRequest, Request
+from prefixserve.replica.engine.async_engine import AsyncEngine
+from prefixserve.replica.engine.core import LLMEngine
 from prefixserve.replica.engine.outputs import FinishReason
 from prefixserve.replica.entrypoints.llm import LLM
 from prefixserve.replica.errors import EngineDeadError, PromptTooLongError, RequestFailedError, RequestRejected
@@ -240,13 +241,13 @@ async def test_a_model_failure_restarts_the_engine_until_the_bound(llm, ckpt):
 async def test_text_prompts_are_tokenized_off_the_event_loop(llm, ckpt):
     engine = AsyncEngine(EngineConfig(model=ckpt, num_kv_blocks=64, max_num_seqs=4), engine=llm.engine)
     threads = []
-    real = engine.engine.tokenize
+    real = engine.engine.input_processor.tokenize
 
     def spy(prompt):
         threads.append(threading.get_ident())
         return real(prompt)
 
-    engine.engine.tokenize = spy
+    engine.engine.input_processor.tokenize = spy
     try:
         deltas = await _collect(engine, "hello there", SamplingParams(temperature=0.0, max_tokens=3), "text")
         assert sum(len(d.token_ids) for d in deltas) >= 1
@@ -254,7 +255,7 @@ async def test_text_prompts_are_tokenized_off_the_event_loop(llm, ckpt):
         with pytest.raises(PromptTooLongError):
             await _collect(engine, "a" * (engine.engine.max_prompt_chars + 1), LONG, "huge")
     finally:
-        del engine.engine.tokenize
+        del engine.engine.input_processor.tokenize
         await engine.shutdown()
 
 
@@ -271,7 +272,7 @@ async def test_the_loop_waits_instead_of_spinning_when_nothing_can_progress(llm,
     inner.step = counting_step
     try:
         # A request the scheduler does not hold (a bookkeeping bug): steps change nothing.
-        orphan = Request("orphan", [5, 6], SamplingParams(), None, 0.0)
+        orphan = Request(PreparedRequest("orphan", (5, 6), SamplingParams(), None, 0.0))
         await engine.abort("nothing")  # the loop is between steps here; it is safe to touch its state
         inner.requests["orphan"] = orphan
         inner.stalled = False

@@ -188,7 +188,7 @@ def test_the_request_runner_hands_the_static_prefix_to_the_engine(tmp_path):
 
     from prefixserve.replica.config import EngineConfig
     from prefixserve.replica.contract.request import EngineRequest
-    from prefixserve.replica.engine.core import AsyncEngine
+    from prefixserve.replica.engine.async_engine import AsyncEngine
     from prefixserve.replica.engine.request_runner import RequestRunner
     from prefixserve.replica.sampling_params import SamplingParams
 

@@ -18,7 +18,6 @@ from model_helpers import tiny_checkpoint
 from server_helpers import InProcessReplica, assert_openai_error, free_port
 
 from prefixserve.replica.contract.request import EngineRequest
-from prefixserve.replica.engine.request_runner import RequestRunner
 from prefixserve.replica.errors import PromptTooLongError
 
 MAX_MODEL_LEN = 128
@@ -79,7 +78,8 @@ def test_health_answers_while_a_chat_template_and_tokenizer_run(replica, monkeyp
     """
     rendering, health_answered = threading.Event(), threading.Event()
     seen: dict[str, object] = {}
-    real = replica.engine.encode_chat
+    processor = replica.engine.engine.input_processor
+    real = processor.encode_chat
 
     def gated(messages, **kwargs):
         seen["thread"] = threading.current_thread()
@@ -87,7 +87,7 @@ def test_health_answers_while_a_chat_template_and_tokenizer_run(replica, monkeyp
         seen["health_answered_first"] = health_answered.wait(timeout=GATE_TIMEOUT_S)
         return real(messages, **kwargs)
 
-    monkeypatch.setattr(replica.engine, "encode_chat", gated)
+    monkeypatch.setattr(processor, "encode_chat", gated)
     # Inside the cheap bound but far over MAX_MODEL_LEN tokens: the tokenizer must run to tell.
     content = "alpha beta gamma " * 600
 
@@ -113,8 +113,9 @@ def test_health_answers_while_a_chat_template_and_tokenizer_run(replica, monkeyp
 
 def test_a_huge_prompt_is_refused_before_any_tokenization(replica, monkeypatch):
     calls = []
-    real = replica.engine.encode_chat
-    monkeypatch.setattr(replica.engine, "encode_chat", lambda m, **kw: calls.append(1) or real(m, **kw))
+    processor = replica.engine.engine.input_processor
+    real = processor.encode_chat
+    monkeypatch.setattr(processor, "encode_chat", lambda m, **kw: calls.append(1) or real(m, **kw))
     huge = "x" * 3_900_000
     chat = replica.request(
         "POST",
@@ -134,20 +135,20 @@ def test_a_huge_prompt_is_refused_before_any_tokenization(replica, monkeypatch):
 
 def test_the_length_bound_never_refuses_a_prompt_that_fits(replica):
     """The worst case for the bound: the tokenizer's longest token, repeated as often as fits."""
-    runner = RequestRunner(replica.engine)
+    processor = replica.engine.engine.input_processor
     tokenizer = replica.engine.tokenizer
     tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
     longest = max(range(len(tokens)), key=lambda i: len(tokens[i] or ""))
     text = tokenizer.decode([longest] * MAX_MODEL_LEN)
     assert len(tokenizer(text).input_ids) <= MAX_MODEL_LEN + 2
-    runner.check_prompt_size(EngineRequest(prompt=text))
-    runner.check_prompt_size(EngineRequest(messages=[{"role": "user", "content": text}]))
+    processor.check_prompt_size(EngineRequest(prompt=text))
+    processor.check_prompt_size(EngineRequest(messages=[{"role": "user", "content": text}]))
     limit = replica.engine.engine.max_prompt_chars
     assert limit is not None and len(text) <= limit
     too_long = "x" * (limit + 1)
     for over in (EngineRequest(prompt=too_long), EngineRequest(messages=[{"role": "user", "content": too_long}])):
         with pytest.raises(PromptTooLongError):
-            runner.check_prompt_size(over)
+            processor.check_prompt_size(over)
 
 
 def test_every_4xx_of_the_front_end_has_a_code(replica):
@@ -167,7 +168,7 @@ def test_every_4xx_of_the_front_end_has_a_code(replica):
 
 def test_the_server_exits_non_zero_once_its_engine_is_dead_for_good(model_dir):
     from prefixserve.replica.config import EngineConfig
-    from prefixserve.replica.engine.core import AsyncEngine
+    from prefixserve.replica.engine.async_engine import AsyncEngine
     from prefixserve.replica.entrypoints.openai.server import EXIT_ENGINE_DEAD, serve
 
     engine = AsyncEngine(EngineConfig(model=model_dir, max_model_len=MAX_MODEL_LEN))

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from prefixserve.replica.core.request import Request, Sequence
+from prefixserve.replica.core.request import PreparedRequest, Request, Sequence
 from prefixserve.replica.core.sched_output import ScheduledSeq
 from prefixserve.replica.sampling_params import SamplingParams
 from prefixserve.replica.worker import input_builder, step_inputs
@@ -21,7 +21,9 @@ def _plan(rng: random.Random, n: int, decode: bool, sliding: bool) -> tuple[list
     scheduled, sample_rows, spans = [], [], []
     for i in range(n):
         prompt = [rng.randrange(17, 1000) for _ in range(rng.randrange(1, 30))]
-        req = Request(f"r{i}", prompt, SamplingParams(max_tokens=8), cache_salt=None, arrival_time=0.0)
+        req = Request(
+            PreparedRequest(f"r{i}", tuple(prompt), SamplingParams(max_tokens=8), cache_salt=None, arrival_time=0.0)
+        )
         outputs = [rng.randrange(17, 1000) for _ in range(rng.randrange(0, 6))]
         seq = Sequence(f"r{i}-0", req, 0, prompt + outputs, len(prompt))
         total = len(seq.token_ids)

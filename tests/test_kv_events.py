@@ -145,7 +145,7 @@ def test_a_real_engine_feeds_the_publisher_through_the_request_runner(tmp_path):
 
     from prefixserve.replica.config import EngineConfig
     from prefixserve.replica.contract.request import EngineRequest
-    from prefixserve.replica.engine.core import AsyncEngine
+    from prefixserve.replica.engine.async_engine import AsyncEngine
     from prefixserve.replica.engine.request_runner import RequestRunner
     from prefixserve.replica.sampling_params import SamplingParams
 

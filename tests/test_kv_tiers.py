@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from model_helpers import tiny_checkpoint
 
-from prefixserve.replica.core.request import Request, Sequence
+from prefixserve.replica.core.request import PreparedRequest, Request, Sequence
 from prefixserve.replica.core.scheduler import Scheduler, SchedulerConfig
 from prefixserve.replica.kv.manager import KVCacheManager
 from prefixserve.replica.kv.tiers import TIER_BLOCK
@@ -140,7 +140,9 @@ def test_sliding_window_hits_come_back_from_the_host_tier():
 
 
 def _seq(rid: str, prompt: list[int], max_tokens: int) -> Sequence:
-    req = Request(rid, list(prompt), SamplingParams(temperature=0.0, max_tokens=max_tokens), None, 0.0)
+    req = Request(
+        PreparedRequest(rid, tuple(prompt), SamplingParams(temperature=0.0, max_tokens=max_tokens), None, 0.0)
+    )
     seq = Sequence(rid, req, 0, list(prompt), len(prompt))
     req.seqs.append(seq)
     return seq

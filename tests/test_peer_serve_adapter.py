@@ -69,12 +69,12 @@ def chat(system: str, user: str, **kwargs: Any) -> EngineRequest:
 
 
 def test_encoder_tokenizes_as_the_engine_does():
-    from prefixserve.replica.engine.core import LLMEngine
+    from prefixserve.replica.engine.input_processor import InputProcessor
 
     engine = SimpleNamespace(tokenizer=CharTokenizer(), chat_template=None, check_prompt_text=lambda text: None)
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
-    assert ENCODER.encode(messages=messages) == LLMEngine.encode_chat(engine, messages)  # type: ignore[arg-type]
-    assert ENCODER.encode(prompt="abc") == LLMEngine.tokenize(engine, "abc") == [97, 98, 99]  # type: ignore[arg-type]
+    assert ENCODER.encode(messages=messages) == InputProcessor.encode_chat(engine, messages)  # type: ignore[arg-type]
+    assert ENCODER.encode(prompt="abc") == InputProcessor.tokenize(engine, "abc") == [97, 98, 99]  # type: ignore[arg-type]
     assert ENCODER.encode(prompt=[5, 6]) == [5, 6]
     with pytest.raises(ValueError):
         ENCODER.encode()
@@ -88,14 +88,14 @@ def test_encoder_renders_a_requests_tools_as_the_engine_does():
     from tool_helpers import QUESTION, TOOLS, WEATHER
     from transformers import AutoTokenizer
 
-    from prefixserve.replica.engine.core import LLMEngine
+    from prefixserve.replica.engine.input_processor import InputProcessor
 
     tokenizer = AutoTokenizer.from_pretrained(_tokenizer_dir())
     engine = SimpleNamespace(tokenizer=tokenizer, chat_template=None)
     encoder = PromptEncoder(tokenizer)
     with_tools = encoder.encode(messages=QUESTION, tools=TOOLS)
-    assert with_tools == LLMEngine.encode_chat(engine, QUESTION, tools=TOOLS)  # type: ignore[arg-type]
-    assert encoder.encode(messages=QUESTION) == LLMEngine.encode_chat(engine, QUESTION)  # type: ignore[arg-type]
+    assert with_tools == InputProcessor.encode_chat(engine, QUESTION, tools=TOOLS)  # type: ignore[arg-type]
+    assert encoder.encode(messages=QUESTION) == InputProcessor.encode_chat(engine, QUESTION)  # type: ignore[arg-type]
     assert with_tools != encoder.encode(messages=QUESTION) != encoder.encode(messages=QUESTION, tools=[WEATHER])
     request = EngineRequest(messages=QUESTION, tools=TOOLS)
     assert peer_request(request, 0, 0.0, encoder, BlockHasher(), BS).tokens == tuple(with_tools)
@@ -103,7 +103,7 @@ def test_encoder_renders_a_requests_tools_as_the_engine_does():
     configured = "{% for m in messages %}{{ m['content'] }}|{% endfor %}"
     fixed = PromptEncoder(tokenizer, configured)
     engine.chat_template = configured
-    assert fixed.encode(messages=QUESTION, tools=TOOLS) == LLMEngine.encode_chat(engine, QUESTION, tools=TOOLS)  # type: ignore[arg-type]
+    assert fixed.encode(messages=QUESTION, tools=TOOLS) == InputProcessor.encode_chat(engine, QUESTION, tools=TOOLS)  # type: ignore[arg-type]
 
 
 def test_peer_request_carries_tokens_contract2_hashes_and_the_key():

@@ -29,7 +29,7 @@ from server_helpers import InProcessReplica, ReplicaProcess, assert_openai_error
 
 from prefixserve.replica.config import EngineConfig
 from prefixserve.replica.contract.request import EngineRequest
-from prefixserve.replica.engine.core import AsyncEngine
+from prefixserve.replica.engine.async_engine import AsyncEngine
 from prefixserve.replica.engine.request_runner import RequestRunner
 from prefixserve.replica.engine.tokenizer_executor import TokenizerExecutor, messages_chars
 from prefixserve.replica.errors import EngineDeadError, PromptTooLongError
@@ -161,23 +161,23 @@ def test_the_engine_tokenizes_every_request_on_its_tokenizer_thread(model_dir):
     engine = AsyncEngine(EngineConfig(model=model_dir, max_model_len=MAX_MODEL_LEN))
     runner = RequestRunner(engine)
     seen: set[int] = set()
-    tokenize = engine.engine.tokenize
+    tokenize = engine.engine.input_processor.tokenize
 
     def tokenize_and_note(prompt):  # the real tokenizer; the thread it ran on noted
         seen.add(threading.get_ident())
         return tokenize(prompt)
 
-    engine.engine.tokenize = tokenize_and_note  # type: ignore[method-assign]
+    engine.engine.input_processor.tokenize = tokenize_and_note  # type: ignore[method-assign]
 
     async def main() -> None:
         requests = [EngineRequest(prompt=f"hello {i}") for i in range(8)]
-        await asyncio.gather(*(runner.prompt_ids(r) for r in requests))
+        await asyncio.gather(*(runner.prepare(r) for r in requests))
         assert engine.tokenizer_executor.num_trims == 0
         with pytest.raises(PromptTooLongError):
-            await runner.prompt_ids(EngineRequest(prompt=LONG_TEXT))
+            await runner.prepare(EngineRequest(prompt=LONG_TEXT))
         chat = [{"role": "user", "content": LONG_TEXT}]
         with pytest.raises(PromptTooLongError):
-            await runner.prompt_ids(EngineRequest(messages=chat))
+            await runner.prepare(EngineRequest(messages=chat))
         assert engine.tokenizer_executor.num_trims == 2
 
     try:

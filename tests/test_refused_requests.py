@@ -19,7 +19,7 @@ from model_helpers import tiny_checkpoint
 from server_helpers import InProcessReplica, ReplicaProcess, assert_openai_error, metric
 
 from prefixserve.replica.engine.bounded_memo import ENTRY_OVERHEAD_BYTES, BoundedMemo
-from prefixserve.replica.engine.core import min_message_tokens
+from prefixserve.replica.engine.input_processor import min_message_tokens
 from prefixserve.replica.entrypoints.openai import protocol as api
 from prefixserve.replica.errors import PromptTooLongError
 
@@ -77,8 +77,9 @@ def test_a_template_that_renders_empty_messages_as_nothing_gives_no_bound(replic
 
 def test_many_empty_messages_are_refused_before_validation_and_rendering(replica, monkeypatch):
     rendered = []
-    real = replica.engine.encode_chat
-    monkeypatch.setattr(replica.engine, "encode_chat", lambda m, **kw: rendered.append(len(m)) or real(m, **kw))
+    processor = replica.engine.engine.input_processor
+    real = processor.encode_chat
+    monkeypatch.setattr(processor, "encode_chat", lambda m, **kw: rendered.append(len(m)) or real(m, **kw))
     validated = []
     real_validate = api.validate_request
     monkeypatch.setattr(api, "validate_request", lambda cls, data: validated.append(1) or real_validate(cls, data))
@@ -93,7 +94,7 @@ def test_many_empty_messages_are_refused_before_validation_and_rendering(replica
 
 
 def test_a_refused_chat_leaves_no_memo_and_admitted_ones_are_memoized(replica):
-    engine = replica.engine.engine
+    engine = replica.engine.engine.input_processor
     engine._static_prefix_ids.clear()
     # Few messages, few characters, but more tokens than fit: refused only once rendered.
     system = " ".join(["x1"] * 200)

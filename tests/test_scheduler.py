@@ -8,14 +8,16 @@ import random
 
 import pytest
 
-from prefixserve.replica.core.request import Request, SeqStatus, Sequence
+from prefixserve.replica.core.request import PreparedRequest, Request, SeqStatus, Sequence
 from prefixserve.replica.core.scheduler import Scheduler, SchedulerConfig
 from prefixserve.replica.kv.manager import KVCacheManager
 from prefixserve.replica.sampling_params import SamplingParams
 
 
 def make_seq(rid: str, prompt: list[int], max_tokens: int = 4, n: int = 1) -> Sequence:
-    req = Request(rid, list(prompt), SamplingParams(n=n, temperature=0.0, max_tokens=max_tokens), None, 0.0)
+    req = Request(
+        PreparedRequest(rid, tuple(prompt), SamplingParams(n=n, temperature=0.0, max_tokens=max_tokens), None, 0.0)
+    )
     seq = Sequence(rid, req, 0, list(prompt), len(prompt))
     req.seqs.append(seq)
     return seq

@@ -550,7 +550,7 @@ def test_smollm2_serves_a_chat_completion(tmp_path):
 
 async def test_dead_engine_makes_health_and_requests_503(tiny_checkpoint):
     from prefixserve.replica.config import EngineConfig
-    from prefixserve.replica.engine.core import AsyncEngine
+    from prefixserve.replica.engine.async_engine import AsyncEngine
     from prefixserve.replica.entrypoints.openai.server import build_app
 
     engine = AsyncEngine(EngineConfig(model=str(tiny_checkpoint), max_model_len=128))

@@ -17,7 +17,7 @@ def tiny(tmp_path_factory):
 
 async def test_a_replica_over_its_in_flight_cap_answers_429_and_serves_again(tiny):
     from prefixserve.replica.config import EngineConfig
-    from prefixserve.replica.engine.core import AsyncEngine
+    from prefixserve.replica.engine.async_engine import AsyncEngine
     from prefixserve.replica.entrypoints.openai.server import build_app
 
     engine = AsyncEngine(EngineConfig(model=str(tiny), max_model_len=512))

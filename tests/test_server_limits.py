@@ -40,7 +40,7 @@ def tiny(tmp_path_factory):
 def running_server(model, **limits) -> Iterator[str]:
     """``serve()`` with ServerConfig(**limits) on a free loopback port, in a thread; yields its base URL."""
     from prefixserve.replica.config import EngineConfig
-    from prefixserve.replica.engine.core import AsyncEngine
+    from prefixserve.replica.engine.async_engine import AsyncEngine
     from prefixserve.replica.entrypoints.openai.server import ServerConfig, serve
 
     engine = AsyncEngine(EngineConfig(model=str(model), max_model_len=1024))

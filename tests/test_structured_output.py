@@ -12,7 +12,7 @@ import pytest
 from model_helpers import random_prompts, tiny_checkpoint
 
 from prefixserve.replica.config import EngineConfig
-from prefixserve.replica.engine.core import AsyncEngine
+from prefixserve.replica.engine.async_engine import AsyncEngine
 from prefixserve.replica.entrypoints.llm import LLM
 from prefixserve.replica.sampling_params import SamplingParams
 from prefixserve.replica.structured_output.compile import GrammarRejected, GrammarTimeoutError

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from model_helpers import random_prompts, tiny_checkpoint
 
-from prefixserve.replica.core.request import Request, Sequence
+from prefixserve.replica.core.request import PreparedRequest, Request, Sequence
 from prefixserve.replica.core.scheduler import Scheduler, SchedulerConfig
 from prefixserve.replica.kv.manager import KVCacheManager
 from prefixserve.replica.sampling_params import SamplingParams
@@ -124,7 +124,9 @@ def test_freeing_a_swapped_request_returns_its_blocks_and_slots():
 
 
 def _seq(rid: str, prompt: list[int], max_tokens: int) -> Sequence:
-    req = Request(rid, list(prompt), SamplingParams(temperature=0.0, max_tokens=max_tokens), None, 0.0)
+    req = Request(
+        PreparedRequest(rid, tuple(prompt), SamplingParams(temperature=0.0, max_tokens=max_tokens), None, 0.0)
+    )
     seq = Sequence(rid, req, 0, list(prompt), len(prompt))
     req.seqs.append(seq)
     return seq

@@ -25,7 +25,7 @@ from model_helpers import tiny_checkpoint
 from server_helpers import ReplicaProcess
 
 from prefixserve.replica.config import EngineConfig
-from prefixserve.replica.engine.core import AsyncEngine
+from prefixserve.replica.engine.async_engine import AsyncEngine
 from prefixserve.replica.entrypoints.llm import LLM
 from prefixserve.replica.errors import EngineDeadError
 from prefixserve.replica.executor.tensor_parallel import WorkerGroup

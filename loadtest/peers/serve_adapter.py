@@ -112,7 +112,8 @@ class Tokenizer(Protocol):
 
 
 class PromptEncoder:
-    """A request's prompt token ids, as the engine computes them (replica/engine/core.py ``encode_chat``, ``tokenize``).
+    """A request's prompt token ids, as the engine computes them (replica/engine/input_processor.py
+    ``encode_chat``, ``tokenize``).
 
     A chat request's ``tools`` render through the chat template before the conversation, as
     the engine renders them (the model's template, or the shipped tool template for a model

@@ -33,7 +33,7 @@ class EngineRequest:
     (None: plain content). ``sampling.max_tokens`` is what the client
     asked for; when the client asked nothing, ``max_tokens_default`` is set and
     the engine host, which knows the prompt's length, applies the one rule of
-    :func:`fit_max_tokens`.
+    ``fit_max_tokens`` (replica/engine/input_processor.py).
     """
 
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -66,7 +66,7 @@ class ModelInfo:
     model_name: str  # the name clients use
     model: str  # where it was loaded from (also accepted as a name)
     max_model_len: int
-    # Chats of more messages cannot fit (LLMEngine.max_messages), refused before parsing them
+    # Chats of more messages cannot fit (InputProcessor.max_messages), refused before parsing them
     # further; None when the chat template gives no bound.
     max_messages: int | None = None
     # The engine's --tool-call-parser and --enable-auto-tool-choice (tool_choice="auto" needs both).

@@ -64,7 +64,7 @@ class StreamError:
 
 @dataclass
 class StreamDelta:
-    """New tokens of one sequence of a request, as ``AsyncEngine.generate`` yields them.
+    """New tokens of one sequence of a request, as ``AsyncEngine.stream`` yields them.
 
     ``finish_reason`` is set on the last delta of sequence ``index``; counts are
     cumulative for the whole request so the last delta carries the usage.

@@ -1,7 +1,9 @@
 """Request and sequence state: what the scheduler schedules and the engine updates.
 
-A ``Request`` is what a client sent (prompt, SamplingParams, salt); it owns ``n``
-``Sequence``s, one per output. Until its prompt is prefilled a request has a single
+A ``PreparedRequest`` is what a client sent, tokenized, validated and fitted once by the
+engine's input processor (replica/engine/input_processor.py), and immutable from then on. A
+``Request`` is the engine's state for one: it holds its PreparedRequest and reads the request's
+fields through it, and owns ``n`` ``Sequence``s, one per output. Until its prompt is prefilled a request has a single
 sequence; after the prefill with ``n > 1`` the engine forks the children, which share
 the prompt's KV blocks. A sequence is the unit of scheduling and of KV ownership
 (its ``seq_id`` keys the KV manager).
@@ -18,6 +20,7 @@ Pure Python, no torch (the generator is held opaquely for the sampler).
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,14 +45,46 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(eq=False)
-class Request:
+@dataclass(frozen=True, eq=False)
+class PreparedRequest:
+    """One request ready for the engine core: tokenized, validated and fitted, built once.
+
+    The input processor builds it (replica/engine/input_processor.py); the async engine queues
+    it as it is, and the engine core keeps a reference in its ``Request``. Nothing after the
+    input processor changes it or checks it again.
+    """
+
     request_id: str
-    prompt_token_ids: list[int]
+    # Copied once from the tokenizer's list; each sequence extends its own list from it.
+    prompt_token_ids: tuple[int, ...]
+    # Fitted to the prompt (replica/engine/request_runner.py fit_max_tokens) and validated.
     params: SamplingParams
     cache_salt: str | None
+    # When the engine host received it (time.monotonic()): its queue time starts here.
     arrival_time: float
+    # The text prompt, reported back in the RequestOutput; None for token-id prompts.
     prompt: str | None = None
+    # The W3C trace context it arrived with (common/tracing.py); None = untraced.
+    trace_headers: Mapping[str, str] | None = None
+    # A conversation turn: its answer returns in the next turn's prompt, so its generated
+    # blocks keep their place in the eviction order (SchedulerConfig.evict_generated_first).
+    conversation: bool = False
+    # Leading prompt tokens that are its static prefix (the system prompt's): their blocks are
+    # released as reused content (SchedulerConfig.protect_static_prefix; BlockPool.mark_reused).
+    static_prefix_tokens: int = 0
+    # ``params.bad_words`` as token ids (InputProcessor.bad_words_token_ids).
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    # How the output is read for tool calls (replica/tools/choice.py ToolCallMode); None = plain content.
+    tool_mode: Any = None
+    # The compiled grammar of ``params.structured_outputs`` (replica/structured_output/); None = free.
+    grammar: Any = None
+
+
+@dataclass(eq=False)
+class Request:
+    """The engine's state for one PreparedRequest: its sequences, timings and prompt logprobs."""
+
+    prepared: PreparedRequest
     seqs: list[Sequence] = field(default_factory=list)
     # Prompt tokens served from the prefix cache at the first admission (None before it).
     num_cached_tokens: int | None = None
@@ -59,16 +94,6 @@ class Request:
     finished_time: float | None = None
     # True once the n > 1 children exist (they are forked after the prompt's prefill).
     forked: bool = False
-    # The W3C trace context it arrived with (common/tracing.py); None = untraced.
-    trace_headers: dict[str, str] | None = None
-    # A conversation turn: its answer returns in the next turn's prompt, so its generated
-    # blocks keep their place in the eviction order (SchedulerConfig.evict_generated_first).
-    conversation: bool = False
-    # Leading prompt tokens that are its static prefix (the system prompt's): their blocks are
-    # released as reused content (SchedulerConfig.protect_static_prefix; BlockPool.mark_reused).
-    static_prefix_tokens: int = 0
-    # ``params.bad_words`` as token ids (LLMEngine.bad_words_token_ids).
-    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     # With ``params.prompt_logprobs``: one entry per prompt token computed so far (the first
     # is None, as vLLM's: nothing predicts it). Complete once it has one per prompt token.
     prompt_logprobs: list[dict[int, float] | None] | None = None
@@ -77,15 +102,62 @@ class Request:
     # Whether a stream delta has carried ``prompt_logprobs`` (only the first one does).
     prompt_logprobs_sent: bool = False
 
+    def __post_init__(self) -> None:
+        if self.prompt_logprobs is None and self.prepared.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def request_id(self) -> str:
+        return self.prepared.request_id
+
+    @property
+    def prompt_token_ids(self) -> tuple[int, ...]:
+        return self.prepared.prompt_token_ids
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.prepared.params
+
+    @property
+    def cache_salt(self) -> str | None:
+        return self.prepared.cache_salt
+
+    @property
+    def arrival_time(self) -> float:
+        return self.prepared.arrival_time
+
+    @property
+    def prompt(self) -> str | None:
+        return self.prepared.prompt
+
+    @property
+    def trace_headers(self) -> Mapping[str, str] | None:
+        return self.prepared.trace_headers
+
+    @property
+    def conversation(self) -> bool:
+        return self.prepared.conversation
+
+    @property
+    def static_prefix_tokens(self) -> int:
+        return self.prepared.static_prefix_tokens
+
+    @property
+    def bad_words_token_ids(self) -> tuple[tuple[int, ...], ...]:
+        return self.prepared.bad_words_token_ids
+
+    @property
+    def tool_mode(self) -> Any:
+        return self.prepared.tool_mode
+
+    @property
+    def grammar(self) -> Any:
+        return self.prepared.grammar
+
     @property
     def needs_prompt_logits(self) -> bool:
         """Whether prompt positions still lack their logprobs (such a prompt skips prefix-cache hits)."""
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
-
-    # How the output is read for tool calls (replica/tools/choice.py ToolCallMode); None = plain content.
-    tool_mode: Any = None
-    # The compiled grammar of its structured_outputs constraint (replica/structured_output/); None = free.
-    grammar: Any = None
 
     @property
     def finished(self) -> bool:

@@ -14,6 +14,7 @@ Pure Python over any Hugging Face tokenizer; no torch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 # Prompt tokens decoded as left context of the first output token.
@@ -24,7 +25,7 @@ class IncrementalDetokenizer:
     def __init__(
         self,
         tokenizer: Any,
-        prompt_tail: list[int],
+        prompt_tail: Sequence[int],
         *,
         skip_special_tokens: bool = True,
         spaces_between_special_tokens: bool = True,

@@ -67,7 +67,7 @@ from prefixserve.replica.entrypoints.openai.http_frontend import (
 from prefixserve.replica.entrypoints.openai.http_limits import ConnectionLimits, limited_protocol
 
 if TYPE_CHECKING:
-    from prefixserve.replica.engine.core import AsyncEngine
+    from prefixserve.replica.engine.async_engine import AsyncEngine
 
 log = logging.getLogger(__name__)
 
@@ -465,7 +465,7 @@ def serve(
 def run(args: argparse.Namespace) -> int:
     """Load the model, start the engine and serve until drained by a signal (or until the engine dies)."""
     from prefixserve.replica.config import EngineConfig
-    from prefixserve.replica.engine.core import AsyncEngine
+    from prefixserve.replica.engine.async_engine import AsyncEngine
 
     replica_name = args.replica_name or f"{args.host}:{args.port}"
     server_config = from_cli_args(ServerConfig, args)  # refuses bad limits before the model loads

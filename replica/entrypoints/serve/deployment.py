@@ -1,6 +1,6 @@
 """The Ray Serve deployment that hosts one engine replica.
 
-Job: run one ``AsyncEngine`` (replica/engine/core.py) inside a Serve replica, stream
+Job: run one ``AsyncEngine`` (replica/engine/async_engine.py) inside a Serve replica, stream
 its deltas back to the caller (the ingress, through a DeploymentHandle whose
 request router is router/serve/request_router.py), and report what routers and
 dashboards need: routing stats (KV usage, running, waiting), health, the
@@ -62,20 +62,6 @@ __all__ = ["EngineDeployment"]
 log = logging.getLogger(__name__)
 
 
-def queued_prefill_tokens(scheduler: Any) -> int:
-    """Prompt tokens not computed yet of the waiting and the still-prefilling running sequences.
-
-    Read from another thread than the engine's: ``list()`` of a deque or list is
-    one C call under the GIL, so the copies are consistent. Waiting sequences
-    count their whole uncomputed prompt (their prefix-cache lookup happens at
-    admission), so this is an upper bound of the prefill work ahead.
-    """
-    total = 0
-    for seq in list(scheduler.waiting) + list(scheduler.running):
-        total += max(0, int(seq.num_prompt_tokens) - int(seq.num_computed_tokens))
-    return total
-
-
 def _shutting_down() -> api.ServiceUnavailableError:
     return api.ServiceUnavailableError(
         "this replica is shutting down and the request did not finish within the drain timeout; retry it",
@@ -92,7 +78,7 @@ class EngineDeployment:
         # Imported here so that importing this module (the ingress does, for
         # EngineRequest) does not load torch.
         from prefixserve.replica.config import EngineConfig
-        from prefixserve.replica.engine.core import AsyncEngine
+        from prefixserve.replica.engine.async_engine import AsyncEngine
 
         self.engine = AsyncEngine(EngineConfig.from_dict(dict(engine_config)))
         self.kv_events = KVEventPublisher()
@@ -168,14 +154,13 @@ class EngineDeployment:
         """
         stats = self.engine.stats()
         self._stats_seq += 1
-        pool = self.engine.engine.kv_manager.pool
         return {
             "seq": self._stats_seq,
             "kv_usage": min(1.0, max(0.0, float(stats.kv_usage))),
             "num_running": int(stats.num_running),
             "num_waiting": int(stats.num_waiting),
-            "queued_prefill_tokens": queued_prefill_tokens(self.engine.engine.scheduler),
-            "kv_events": self.kv_events.publish(pool.hash_to_block.__contains__),
+            "queued_prefill_tokens": self.engine.queued_prefill_tokens(),
+            "kv_events": self.kv_events.publish(self.engine.cached_block_hashes().__contains__),
         }
 
     async def check_health(self) -> None:
