@@ -1221,14 +1221,18 @@ class AsyncEngine:
         self._wake.set()
         return await fut
 
-    async def shutdown(self, error: Exception | None = None) -> None:
+    async def shutdown(self, error: Exception | None = None, save_hot_blocks: bool = False) -> None:
         """Stop the loop (in-flight requests fail with ``error``, by default EngineDeadError), then,
-        when this object built the engine, its worker processes and memory."""
+        when this object built the engine, its worker processes and memory. ``save_hot_blocks``
+        (a drain): first write the hot cached blocks to the disk tier (replica/engine/tiers.py)."""
         if error is not None and not self._stopping:
             self._shutdown_error = error
         self._stopping = True
         self._wake.set()
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        tiers, e = self.engine.tiers, self.engine
+        if save_hot_blocks and tiers is not None and self._dead is None:
+            await asyncio.to_thread(tiers.save_hot_blocks, e.kv_manager, e.config.kv_drain_save_timeout_s)
         self.tokenizer_executor.shutdown()
         if self._owns_engine:
             self.engine.shutdown()

@@ -270,6 +270,31 @@ class DiskTier:
             return False
         return True
 
+    def save(self, block_hash: bytes, payload: bytes, mtime_ns: int) -> bool:
+        """Write a block on the calling thread, now, and give its file ``mtime_ns`` (a drain's save:
+        the size bound deletes older files first); True when this call wrote the file.
+
+        For when nothing else writes: the caller flushes the writer queue first.
+        """
+        if not self._enabled:
+            return False
+        before = self.stats.stored_blocks
+        try:
+            self._write(block_hash, payload)
+        except Exception as exc:  # noqa: BLE001 - a disk fault stops the tier, never the caller
+            self._fail("write", exc)
+            return False
+        self.touch(block_hash, mtime_ns)
+        return self.stats.stored_blocks > before
+
+    def touch(self, block_hash: bytes, mtime_ns: int) -> bool:
+        """Set the block file's mtime (its place in the size bound's order); False when there is none."""
+        try:
+            os.utime(self._file(block_hash), ns=(mtime_ns, mtime_ns))
+        except OSError:
+            return False
+        return True
+
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until every queued write is done (tests, shutdown); False on timeout."""
         deadline = time.monotonic() + timeout_s

@@ -35,7 +35,9 @@ Invariants:
   (called by the cluster's drain once its timeout has passed) and the
   destructor fail each request still in the engine with a 503
   ``server_shutting_down``, which the ingress sends as an error event and
-  ``[DONE]``; its KV blocks are freed.
+  ``[DONE]``; its KV blocks are freed. Either then writes the replica's hot cached
+  blocks to the shared disk tier, within ``kv_drain_save_timeout_s``, before the
+  engine stops (replica/engine/tiers.py ``save_hot_blocks``).
 
 Imports Ray Serve and the engine; torch and the model load only inside the
 replica (``EngineDeployment.__init__``), so the ingress can import
@@ -133,14 +135,14 @@ class EngineDeployment:
         # failed before the engine existed.
         engine = getattr(self, "engine", None)
         if engine is not None and engine.is_running:
-            await engine.shutdown(_shutting_down())
+            await engine.shutdown(_shutting_down(), save_hot_blocks=True)
 
     async def end_requests(self) -> int:
         """End every request this replica still serves (a 503 ``server_shutting_down`` each, sent
         in-band on a stream) and stop its engine; how many there were. The last step of a drain."""
         stats = self.engine.stats()
         if self.engine.is_running:
-            await self.engine.shutdown(_shutting_down())
+            await self.engine.shutdown(_shutting_down(), save_hot_blocks=True)
         return int(stats.num_running + stats.num_waiting)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[StreamItem]:
