@@ -214,6 +214,11 @@ class DiskTier:
         with os.scandir(self.path) as it:
             return list(it)
 
+    @property
+    def group(self) -> str:
+        """Names this directory and key: replicas reporting the same group read each other's blocks."""
+        return xxhash.xxh3_64_hexdigest(f"{os.path.realpath(self.path)}|{self.key.prefix}".encode())
+
     # --- the BlockStore interface ----------------------------------------------------
 
     @property

@@ -49,7 +49,10 @@ Invariants:
 * KV events: the routing stats also carry the replica's KV event payload
   (replica/contract/kv_events.py); a :class:`KVEventConsumer` applies each newer one
   (after missed ones too: their summaries are absolute) and feeds the policy's precise hook
-  (``set_cached``) when the policy has one.
+  (``set_cached``) when the policy has one. With KV tiers, a block in a replica's host tier
+  or in its shared disk directory counts at ``placed``'s ``kv_host_weight`` /
+  ``kv_disk_weight`` of a device block, and a directory's blocks count for every replica
+  reporting it (their facts come with the reporter's payload).
 * ``placed`` placements agree across routers through the ingress
   (router/serve/ingress.py): the leader router rebalances and publishes
   ``placement_snapshot``; followers ``apply_placement``. A request is counted
@@ -81,7 +84,7 @@ from typing import TYPE_CHECKING, Any
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
 from prefixserve.common.tracing import build_tracer, route_span
-from prefixserve.replica.contract.kv_events import KVEventConsumer
+from prefixserve.replica.contract.kv_events import KVEventConsumer, TierWeights
 from prefixserve.replica.contract.routing import ring_name
 from prefixserve.router.cluster_config import DEFAULT_STATS_MAX_AGE_S
 from prefixserve.router.contracts.prompt_blocks import PromptBlocks, PromptHasher, UnhashablePrompt
@@ -256,7 +259,9 @@ class PrefixRouter(RequestRouter):
         self._lock = threading.Lock()
         self._stats_max_age_s = float(stats_max_age_s)
         self._reports: dict[ReplicaID, Report] = {}
-        self._kv_events = KVEventConsumer()
+        placed = self.placed
+        weights = TierWeights(placed.options.kv_host_weight, placed.options.kv_disk_weight) if placed else None
+        self._kv_events = KVEventConsumer(weights)
         # placed: requests and prefill work routed here since the last take_counts (key -> [n, tokens]).
         self._counts: dict[str, list[int]] = {}
         if tracer is None and otlp_traces_endpoint is not None:
@@ -331,11 +336,14 @@ class PrefixRouter(RequestRouter):
                 self._metrics.kv_events.labels(self._deployment, name, str(event.get("type"))).inc(
                     len(event.get("block_hashes") or ())
                 )
+        shared = self._kv_events.take_shared_facts()  # disk blocks: every replica of the directory
         placed = self.placed
-        if placed is not None and facts:
+        if placed is not None and (facts or shared):
             with self._lock:
                 for key, holds in facts:
                     placed.set_cached(name, key, holds)
+                for other, key, holds in shared:
+                    placed.set_cached(other, key, holds)
 
     def kv_held(self) -> dict[str, list[str]]:
         """Per routing key, the replicas this router's KV events say hold its prefix."""

@@ -197,14 +197,26 @@ class EngineDeployment:
         """
         stats = self.engine.stats()
         self._stats_seq += 1
-        pool = self.engine.engine.kv_manager.pool
+        engine = self.engine.engine
+        manager = engine.kv_manager
+        contains = manager.pool.hash_to_block.__contains__
+        if engine.tiers is None:
+            events = self.kv_events.publish(contains)
+        else:  # each block's tier too; disk blocks for every replica sharing the directory
+            disk = engine.tiers.disk
+            events = self.kv_events.publish(
+                contains,
+                manager.tier_medium,
+                disk.contains if disk is not None else None,
+                disk.group if disk is not None else None,
+            )
         report: dict[str, Any] = {
             "seq": self._stats_seq,
             "kv_usage": min(1.0, max(0.0, float(stats.kv_usage))),
             "num_running": int(stats.num_running),
             "num_waiting": int(stats.num_waiting),
             "queued_prefill_tokens": queued_prefill_tokens(self.engine.engine.scheduler),
-            "kv_events": self.kv_events.publish(pool.hash_to_block.__contains__),
+            "kv_events": events,
         }
         rank = replica_rank()
         if rank is not None:
