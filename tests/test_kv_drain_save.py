@@ -78,3 +78,32 @@ async def test_a_save_bound_of_zero_writes_nothing(ckpt, prompts, tmp_path):
     assert not list(disk.glob("*" + SUFFIX))
     outs = LLM(ckpt, kv_disk_path=str(disk), **KNOBS).generate(prompts, PARAMS)
     assert [o.num_cached_tokens for o in outs] == [0, 0, 0]
+
+
+def test_hot_blocks_come_in_use_first_then_the_last_evicted_then_the_host_tier():
+    from prefixserve.replica.kv.manager import KVCacheManager
+    from prefixserve.replica.kv.tiers import MEDIUM_DEVICE, MEDIUM_HOST
+
+    kv = KVCacheManager(6, 4, True, eviction_policy="lru", num_host_blocks=8, host_tier=True)
+
+    def run(rid: str, tokens: list[int], keep: bool = False) -> None:
+        blocks, n = kv.get_computed_blocks(tokens)
+        assert kv.allocate_slots(rid, tokens, len(tokens) - n, blocks) is not None
+        kv.take_swap_ops()
+        if not keep:
+            kv.free(rid)
+
+    run("a", list(range(100, 108)))  # 2 blocks, freed
+    run("b", list(range(200, 208)))  # 2 blocks, freed later: hotter than a's
+    run("c", list(range(300, 308)), keep=True)  # in use
+    hot = kv.hot_blocks()
+    hashes = {rid: kv.hasher.hash_blocks(t, 4, None) for rid, t in (("a", range(100, 108)), ("b", range(200, 208)))}
+    c_hashes = kv.hasher.hash_blocks(list(range(300, 308)), 4, None)
+    assert [h for _, _, h in hot[:2]] == c_hashes and all(m == MEDIUM_DEVICE for m, _, _ in hot[:2])
+    # Freed tail-first: the free queue ends with each chain's head; reversed, heads lead.
+    assert [h for _, _, h in hot[2:6]] == [hashes["b"][0], hashes["b"][1], hashes["a"][0], hashes["a"][1]]
+    run("d", list(range(400, 416)), keep=True)  # 4 blocks: evicts a's and b's into the host tier
+    hot = kv.hot_blocks()
+    host = [h for m, _, h in hot if m == MEDIUM_HOST]
+    assert set(host) == set(hashes["a"] + hashes["b"])
+    assert [m for m, _, _ in hot] == [MEDIUM_DEVICE] * (len(hot) - len(host)) + [MEDIUM_HOST] * len(host)
