@@ -26,7 +26,8 @@ prefill, the conservative reading of the engine's side-stream overlap). ``h100``
 shape in bf16 (32 layers x 8 KV heads x 128 x K and V x 2 bytes = 128 KiB a token), pinned
 host memory over PCIe 5 at 25 GB/s (half its peak), an NVMe disk at 6 GB/s. ``cpu``: SmolLM2
 in fp32 (30 x 3 x 64 x 2 x 4 = 45 KiB a token) and the copy rates docs/benchmarks/tiers.md
-measured here under contention (host 16 blocks of 737 KB in 372 ms, disk in 1663 ms).
+measured here (a 1,024-token restore, 64 blocks of 737 KB: host -> device in 23.5 ms, 2 GB/s;
+disk -> host -> device in 101 ms, so about 0.6 GB/s for the disk read).
 
 Pure Python: json only.
 """
@@ -89,8 +90,8 @@ CPU_DEFAULT = CostProfile(
     0.002,
     "default: vLLM CPU build here, bench_engine workload: 0.71 s miss / 0.10 s hit TTFT on ~530-token prompts",
     kv_bytes_per_token=46_080,
-    host_copy_gbps=0.032,
-    disk_read_gbps=0.0071,
+    host_copy_gbps=2.0,
+    disk_read_gbps=0.6,
 )
 H100 = CostProfile(
     "h100",
