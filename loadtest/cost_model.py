@@ -19,6 +19,16 @@ Decode steps grow with the batch: ``decode_step_s + B * decode_per_seq_s``. For
 ``cpu`` 30 ms + 2 ms per running sequence (SmolLM2 on two cores); for ``h100``
 15 ms + 0.05 ms, i.e. the 27 ms above at B = 256.
 
+KV tiers (the host-memory and shared disk tiers behind the device pool): a prompt token
+whose KV comes back from a tier costs ``kv_bytes_per_token`` over that tier's copy rate
+instead of its prefill time (``tier_load_s``; the copy is counted as if serialized with the
+prefill, the conservative reading of the engine's side-stream overlap). ``h100``: a Llama-3-8B
+shape in bf16 (32 layers x 8 KV heads x 128 x K and V x 2 bytes = 128 KiB a token), pinned
+host memory over PCIe 5 at 25 GB/s (half its peak), an NVMe disk at 6 GB/s. ``cpu``: SmolLM2
+in fp32 (30 x 3 x 64 x 2 x 4 = 45 KiB a token) and the copy rates docs/benchmarks/tiers.md
+measured here (a 1,024-token restore, 64 blocks of 737 KB: host -> device in 23.5 ms, 2 GB/s;
+disk -> host -> device in 101 ms, so about 0.6 GB/s for the disk read).
+
 Pure Python: json only.
 """
 
@@ -43,6 +53,9 @@ class CostProfile:
     decode_step_s: float
     decode_per_seq_s: float
     source: str
+    kv_bytes_per_token: int = 131_072
+    host_copy_gbps: float = 25.0  # device <-> host tier, GB/s
+    disk_read_gbps: float = 6.0  # shared disk tier -> host, GB/s (then host -> device as well)
 
     def __post_init__(self) -> None:
         if (
@@ -50,11 +63,20 @@ class CostProfile:
             or self.decode_step_s <= 0
             or self.prefill_overhead_s < 0
             or self.decode_per_seq_s < 0
+            or self.kv_bytes_per_token <= 0
+            or self.host_copy_gbps <= 0
+            or self.disk_read_gbps <= 0
         ):
             raise ValueError(f"cost profile {self.name!r}: times must be positive (overhead, per-seq >= 0)")
 
     def prefill_s(self, uncached_tokens: int) -> float:
         return self.prefill_overhead_s + uncached_tokens * self.prefill_s_per_token
+
+    def tier_load_s(self, host_tokens: int, disk_tokens: int) -> float:
+        """Copy time of prompt tokens served by the host tier (``host_tokens``, disk ones included)
+        and of the ``disk_tokens`` of them the host tier first read from disk."""
+        nbytes = self.kv_bytes_per_token
+        return host_tokens * nbytes / (self.host_copy_gbps * 1e9) + disk_tokens * nbytes / (self.disk_read_gbps * 1e9)
 
     def decode_step(self, batch: int) -> float:
         return self.decode_step_s + batch * self.decode_per_seq_s
@@ -67,6 +89,9 @@ CPU_DEFAULT = CostProfile(
     0.030,
     0.002,
     "default: vLLM CPU build here, bench_engine workload: 0.71 s miss / 0.10 s hit TTFT on ~530-token prompts",
+    kv_bytes_per_token=46_080,
+    host_copy_gbps=2.0,
+    disk_read_gbps=0.6,
 )
 H100 = CostProfile(
     "h100",
@@ -112,6 +137,9 @@ def profile_from_bench(data: Any, source: str) -> CostProfile | None:
         per_seq,
         f"measured by loadtest/bench_engine.py ({source}): TTFT alone {miss:.3f} s miss / "
         f"{hit:.3f} s hit; decode {tps[1]:.1f} tok/s at batch 1, {tps[32]:.1f} at 32",
+        kv_bytes_per_token=CPU_DEFAULT.kv_bytes_per_token,
+        host_copy_gbps=CPU_DEFAULT.host_copy_gbps,
+        disk_read_gbps=CPU_DEFAULT.disk_read_gbps,
     )
 
 

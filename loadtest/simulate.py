@@ -35,6 +35,12 @@ The model, per replica:
   prompt then the output tokens; prefill takes
   ``overhead + uncached_tokens * s_per_token`` (``loadtest/cost_model.py``);
   TTFT = prefill end - arrival;
+* KV tiers (``host_blocks_per_replica``, ``shared_disk``): each replica's KV manager keeps
+  its evicted blocks in a host tier of that many blocks, and with ``shared_disk`` every
+  replica's computed blocks and host-tier leavers go to one disk store all replicas read
+  (an unbounded set of hashes: the directory every replica mounts). A prompt token served
+  by a tier costs its copy (``CostProfile.tier_load_s``) instead of its prefill, and counts
+  as a hit (``cached_tokens`` counts every tier);
 * decode runs alongside (batched) and holds the blocks for ``output_len``
   steps of ``decode_step_s + B * decode_per_seq_s`` (B: the batch it joined);
   then the request is freed. Prefill and decode do not slow each other down
@@ -138,6 +144,10 @@ class SimConfig:
     # loadtest/conversations.py ("multi_turn", "agent": its preset; the tenant and
     # prompt-length fields above are then unused).
     workload: str = "tenants"
+    # KV tiers: host-tier blocks per replica (0 = none) and one disk store shared by every
+    # replica (needs the host tier: disk reads land in it, as in the engine).
+    host_blocks_per_replica: int = 0
+    shared_disk: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -155,6 +165,10 @@ class SimConfig:
             raise ValueError("a prompt needs at least one token: raise system_prompt_len or question_len")
         if self.workload not in WORKLOADS:
             raise ValueError(f"workload must be one of {WORKLOADS}, got {self.workload!r}")
+        if self.host_blocks_per_replica < 0:
+            raise ValueError(f"SimConfig.host_blocks_per_replica must be >= 0, got {self.host_blocks_per_replica}")
+        if self.shared_disk and not self.host_blocks_per_replica:
+            raise ValueError("shared_disk needs the host tier (host_blocks_per_replica > 0)")
         if self.generated_blocks not in ("warm", "cold"):
             raise ValueError(f"generated_blocks must be 'warm' or 'cold', got {self.generated_blocks!r}")
         if not 0 < self.utilization:
@@ -292,6 +306,28 @@ def _oracle(traffic: Traffic, config: SimConfig, hasher: BlockHasher) -> list[in
 # ---------------------------------------------------------------- simulation
 
 
+class SharedDisk:
+    """The shared disk tier as every simulated replica's KV manager sees it (a ``BlockStore``):
+    the hashes any replica stored; payloads carry nothing (the simulator moves no KV)."""
+
+    enabled = True
+
+    def __init__(self) -> None:
+        self.hashes: set[bytes] = set()
+
+    def contains(self, block_hash: bytes) -> bool:
+        return block_hash in self.hashes
+
+    def load(self, block_hash: bytes) -> bytes | None:
+        return b"" if block_hash in self.hashes else None
+
+    def take(self, kv: KVCacheManager) -> None:
+        """Apply the writes a replica's KV manager queued (what the engine's disk writer does)."""
+        ops = kv.take_tier_ops()
+        self.hashes.update(h for _, h in ops.host_stores)
+        self.hashes.update(h for _, h in ops.device_stores)
+
+
 class SimReplica:
     """One replica: a ReplicaView (with reported load) for the policies, a KV manager, a queue, a prefill slot."""
 
@@ -310,11 +346,18 @@ class SimReplica:
         "num_gpu_blocks",
     )
 
-    def __init__(self, index: int, config: SimConfig) -> None:
+    def __init__(self, index: int, config: SimConfig, disk: SharedDisk | None = None) -> None:
         self.index = index
         self.name = f"10.0.{index // 256}.{index % 256}:8000"
         self.in_flight = 0
-        self.kv = KVCacheManager(config.blocks_per_replica, config.block_size, eviction_policy=config.eviction_policy)
+        self.kv = KVCacheManager(
+            config.blocks_per_replica,
+            config.block_size,
+            eviction_policy=config.eviction_policy,
+            num_host_blocks=config.host_blocks_per_replica,
+            host_tier=config.host_blocks_per_replica > 0,
+            disk=disk,
+        )
         self.num_gpu_blocks = config.blocks_per_replica
         self.queue: deque[int] = deque()
         self.busy = False
@@ -368,6 +411,8 @@ class PolicyResult:
     evicted_miss_tokens: int
     sim_seconds: float  # simulated time
     wall_seconds: float
+    host_hit_tokens: int = 0  # of hit_tokens, served by a host tier (disk reads included)
+    disk_hit_tokens: int = 0  # of those, read from the shared disk first
 
 
 class _Router:
@@ -490,7 +535,9 @@ def simulate(
     started = time.perf_counter()
     traffic = traffic if traffic is not None else make_traffic(config)
     profile = profile if profile is not None else get_profile(config.profile)
-    replicas = [SimReplica(r, config) for r in range(config.num_replicas)]
+    disk = SharedDisk() if config.shared_disk else None
+    replicas = [SimReplica(r, config, disk) for r in range(config.num_replicas)]
+    tiers = config.host_blocks_per_replica > 0
     clock = [0.0]  # the simulated time, the placed policy's clock
     router = _Router(policy, config, traffic, replicas, clock)
     options = router.options
@@ -513,6 +560,7 @@ def simulate(
     static_tokens = config.system_prompt_len if config.protect_static_prefix else 0
     ttft = [0.0] * n
     hits = [0] * n
+    tier_tokens = [0, 0]  # host-tier hit tokens (disk reads included), of which disk reads
     replica_of = [0] * n
     admitted_keys: set[tuple[int, int]] = set()  # (tenant, replica) pairs admitted so far
     first_touch_short = evicted_short = 0
@@ -535,13 +583,29 @@ def simulate(
         prompt = traffic.prompt(i, config)
         kv = rep.kv
         rid = str(i)
+        before = kv.stats.tiers if tiers else None
         blocks, num_hit = kv.get_computed_blocks(prompt)
         out = traffic.output(i, config)
         if not kv.can_allocate(rid, len(prompt) + len(out) - num_hit, blocks):
+            if tiers:
+                kv.take_swap_ops()  # the lookup's pins and load budget end with the step
+                if disk is not None:
+                    disk.take(kv)
             return  # wait for a finish on this replica to free blocks
         ok = kv.allocate_slots(rid, prompt, len(prompt) - num_hit, blocks)
         ok2 = kv.allocate_slots(rid, prompt + out, len(out))
         assert ok is not None and ok2 is not None
+        load_s = 0.0
+        if before is not None:
+            kv.take_swap_ops()
+            if disk is not None:
+                disk.take(kv)
+            after = kv.stats.tiers
+            host_t = after.host_hit_tokens - before.host_hit_tokens
+            disk_t = after.disk_hit_tokens - before.disk_hit_tokens
+            tier_tokens[0] += host_t
+            tier_tokens[1] += disk_t
+            load_s = profile.tier_load_s(host_t, disk_t)
         rep.queue.popleft()
         rep.queued_tokens -= len(prompt)
         rep.running += 1
@@ -558,7 +622,7 @@ def simulate(
         admitted_keys.add((traffic.tenants[i], rep.index))
         # Decode time is fixed at admission from the batch it joins.
         decode_s[i] = len(out) * decode_step(rep.running)
-        push(events, (now + overhead + (len(prompt) - num_hit) * per_token, seq, _PREFILLED, i))
+        push(events, (now + overhead + (len(prompt) - num_hit) * per_token + load_s, seq, _PREFILLED, i))
         seq += 1
 
     while events:
@@ -640,6 +704,8 @@ def simulate(
         evicted_miss_tokens=evicted_short,
         sim_seconds=max(arrivals),
         wall_seconds=time.perf_counter() - started,
+        host_hit_tokens=tier_tokens[0],
+        disk_hit_tokens=tier_tokens[1],
     )
 
 
@@ -777,6 +843,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="protected" if d.protect_static_prefix else "plain",
         help="protected: the system prompt's blocks are freed as reused (EngineConfig.protect_static_prefix)",
     )
+    p.add_argument(
+        "--host-blocks-per-replica", type=int, default=d.host_blocks_per_replica, help="host KV tier (0: none)"
+    )
+    p.add_argument("--shared-disk", action="store_true", help="one disk tier every replica reads (needs a host tier)")
+    p.add_argument("--host-gbps", type=float, default=None, help="device <-> host copy rate (default: the profile's)")
+    p.add_argument("--disk-gbps", type=float, default=None, help="disk read rate (default: the profile's)")
     p.add_argument("--policies", default=",".join(POLICY_NAMES))
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument(
@@ -820,9 +892,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             protect_static_prefix=args.static_prefix == "protected",
             seed=args.seed,
             workload=args.workload,
+            host_blocks_per_replica=args.host_blocks_per_replica,
+            shared_disk=args.shared_disk,
         )
         KVCacheManager(1, config.block_size, eviction_policy=config.eviction_policy)  # validates the name
         profile = get_profile(config.profile)
+        if args.host_gbps is not None:
+            profile = replace(profile, host_copy_gbps=args.host_gbps)
+        if args.disk_gbps is not None:
+            profile = replace(profile, disk_read_gbps=args.disk_gbps)
     except ValueError as exc:
         p.error(str(exc))
     show = not args.no_progress
@@ -872,6 +950,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"All policies simulated in {main_wall:.1f} s wall.\n"
     )
     print(markdown_table(main_results))
+    if config.host_blocks_per_replica:
+        print(
+            f"\nKV tiers: {config.host_blocks_per_replica} host blocks per replica"
+            f"{', one shared disk' if config.shared_disk else ''}; host copies {profile.host_copy_gbps:g} GB/s, "
+            f"disk reads {profile.disk_read_gbps:g} GB/s, {profile.kv_bytes_per_token} KV bytes a token. "
+            "Prompt tokens served by: "
+            + "; ".join(
+                f"{r.policy} host {(r.host_hit_tokens - r.disk_hit_tokens) / max(r.prompt_tokens, 1):.1%}, "
+                f"disk {r.disk_hit_tokens / max(r.prompt_tokens, 1):.1%}"
+                for r in main_results
+            )
+        )
     if by_replicas:
         print(f"\n### Sweep over replicas ({sweep_cfg.num_requests} requests)\n")
         print(markdown_table(by_replicas))

@@ -102,6 +102,9 @@ class EngineConfig:
     kv_disk_path: str | None = None
     # The disk tier's bound (GiB of block files in kv_disk_path, every replica's together).
     kv_disk_size_gb: float = 16.0
+    # A drain (SIGTERM, Serve's stop) writes the replica's most reused cached blocks that the
+    # disk tier lacks to it for at most this long before the engine stops (0 = none).
+    kv_drain_save_timeout_s: float = 3.0
     # None = the checkpoint's max_position_embeddings, capped at MAX_MODEL_LEN_CAP.
     max_model_len: int | None = None
     # Which free cached KV block is evicted first (replica/kv/block_pool.py EVICTION_POLICIES):
@@ -289,6 +292,8 @@ class EngineConfig:
                 self.kv_offloading_backend = "native"
         if self.kv_load_max_blocks_per_step < 1:
             raise ValueError(f"kv_load_max_blocks_per_step must be >= 1, got {self.kv_load_max_blocks_per_step}")
+        if not self.kv_drain_save_timeout_s >= 0:
+            raise ValueError(f"kv_drain_save_timeout_s must be >= 0, got {self.kv_drain_save_timeout_s}")
         if self.kv_disk_path is not None:
             if not self.kv_disk_path:
                 raise ValueError("kv_disk_path must be a directory path (or None for no disk tier)")

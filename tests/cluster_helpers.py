@@ -174,6 +174,15 @@ def engine_replicas(app_name: str = APP_NAME) -> list[str]:
     return sorted(n for n in names if isinstance(n, str))
 
 
+def engine_actors(app_name: str = APP_NAME) -> dict[str, str]:
+    """Each answering engine replica's ring name -> its actor's name (its full Serve replica id)."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("Engine", app_name=app_name)
+    pairs = handle.broadcast("replica_names").results(timeout_s=60, return_exceptions=True)
+    return dict(p for p in pairs if isinstance(p, tuple))
+
+
 def wait_for_replicas(count: int, app_name: str = APP_NAME, timeout_s: float = 180.0) -> list[str]:
     """Wait until exactly ``count`` engine replicas are running; returns their names."""
     from ray import serve

@@ -22,6 +22,7 @@ from cluster_helpers import (
     LocalRayCluster,
     chat,
     deploy,
+    engine_actors,
     engine_replicas,
     ring_members,
     wait_for_replicas,
@@ -451,13 +452,14 @@ async def _stream(http: httpx.AsyncClient, base: str, key: str, record: dict) ->
         record["error"] = repr(exc)
 
 
-def test_killing_a_replica_under_load_loses_no_unstarted_request_and_moves_no_surviving_key(base):
+def test_killing_a_replica_under_load_loses_no_request_not_started_and_its_replacement_gets_its_keys_back(base):
     import ray
 
     rng = random.Random(104)
     before = engine_replicas()
     ring = HashRing(before)
     victim = before[0]
+    victim_actor = engine_actors()[victim]
     probe_keys = [f"{rng.getrandbits(64):016x}" for _ in range(2000)]
     victim_keys = [k for k in probe_keys if ring.owner(k) == victim][:8]
     other_keys = [k for k in probe_keys if ring.owner(k) != victim][:4]
@@ -471,7 +473,7 @@ def test_killing_a_replica_under_load_loses_no_unstarted_request_and_moves_no_su
             while not any("first_token_at" in r for r in records[: len(victim_keys)]):
                 assert time.monotonic() < deadline, "no request started streaming"
                 await asyncio.sleep(0.05)
-            ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+            ray.kill(ray.get_actor(victim_actor, namespace="serve"), no_restart=True)
             await asyncio.gather(*tasks)
 
     asyncio.run(main())
@@ -486,21 +488,25 @@ def test_killing_a_replica_under_load_loses_no_unstarted_request_and_moves_no_su
     assert all(r.get("done") and "error" not in r and r["replica"] != victim for r in resent)
     assert sum(1 for r in records if r.get("done") and "error" not in r) >= len(records) - 2
 
-    # Serve replaces the dead replica; a key of a surviving replica stays there or
-    # moves to the newcomer, never to another survivor.
+    # Serve replaces the dead replica with one of the victim's rank: it takes the victim's
+    # ring name, so every key, the victim's included, routes as before the kill.
     after = wait_for_replicas(3)
     wait_for_ring(base, after, NUM_INGRESS)
-    survivors = set(before) - {victim}
-    newcomers = set(after) - set(before)
-    assert survivors <= set(after) and len(newcomers) == 1
-    new_ring = HashRing(after)
-    for k in probe_keys:
-        if ring.owner(k) in survivors:
-            assert new_ring.owner(k) in (ring.owner(k), *newcomers)
+    actors = engine_actors()
+    assert after == before and actors[victim] != victim_actor
+    # As with an added replica, the newcomer may answer Serve's first queue-length probes
+    # slowly (the base router then tries the next tier): every key must land on its owner
+    # in one full round within a short settling period.
+    deadline = time.monotonic() + 90
     with httpx.Client(timeout=120) as http:
-        for k in probe_keys[:30]:
-            r = chat(base, "where", prefix_hash=k, client=http)
-            assert r.status == 200 and r.replica == new_ring.owner(k), (r.replica, new_ring.owner(k))
+        while True:
+            results = [(k, chat(base, "where", prefix_hash=k, client=http)) for k in victim_keys + other_keys]
+            assert all(r.status == 200 for _, r in results)
+            strays = [(r.replica, ring.owner(k)) for k, r in results if r.replica != ring.owner(k)]
+            if not strays:
+                break
+            assert time.monotonic() < deadline, f"keys not back on their owner: {strays[:3]}"
+            time.sleep(1.0)
 
 
 def test_adding_a_replica_moves_at_most_its_share_of_keys(base, model_dir):

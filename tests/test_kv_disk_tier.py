@@ -335,3 +335,16 @@ def test_a_disk_read_never_evicts_a_host_hit_of_the_same_lookup(tmp_path):
     kv.take_swap_ops()
     kv.check_invariants()
     tier.close()
+
+
+def test_a_save_writes_now_with_its_mtime_and_a_touch_reorders_the_size_bound(tmp_path):
+    tier = DiskTier(str(tmp_path / "kv"), 10 * KEY.payload_bytes, KEY)
+    try:
+        assert tier.save(_hash(1), _payload(1), 1_000_000_000) is True
+        path = Path(tier.path) / KEY.file_name(_hash(1))
+        assert path.stat().st_mtime_ns == 1_000_000_000 and tier.load(_hash(1)) == _payload(1)
+        assert tier.save(_hash(1), _payload(1), 2_000_000_000) is False  # there already: kept, not rewritten
+        assert tier.touch(_hash(1), 3_000_000_000) and path.stat().st_mtime_ns == 3_000_000_000
+        assert not tier.touch(_hash(2), 3_000_000_000)  # no file
+    finally:
+        tier.close()

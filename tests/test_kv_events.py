@@ -10,10 +10,15 @@ import pytest
 from prefixserve.replica.contract.kv_events import (
     BLOCK_REMOVED,
     BLOCK_STORED,
+    MEDIUM_DEVICE,
+    MEDIUM_DISK,
+    MEDIUM_HOST,
     KVEventConsumer,
     KVEventPublisher,
+    TierWeights,
     holds_prefix,
     leading_held,
+    weighted_blocks,
 )
 
 
@@ -181,3 +186,85 @@ def test_a_real_engine_feeds_the_publisher_through_the_request_runner(tmp_path):
         assert len(pub) == 1
     finally:
         asyncio.run(engine.shutdown())
+
+
+def test_events_carry_each_blocks_medium_and_a_move_between_tiers_is_removed_then_stored():
+    pub = KVEventPublisher(snapshot_every=100)
+    pub.remember("k1", [h(1), h(2), h(3), h(4)])
+    device, host, disk = {h(1), h(2), h(3), h(4)}, set(), set()
+
+    def medium_of(x: bytes) -> str | None:
+        return MEDIUM_HOST if x in host else MEDIUM_DISK if x in disk else None
+
+    first = pub.publish(device.__contains__, medium_of, disk.__contains__, "g")
+    assert first["snapshot"] and first["tiers"] == {"k1": [4, 0, 0, 0]} and first["disk_group"] == "g"
+    device -= {h(3), h(4)}  # evicted: h(3) kept in the host tier, h(4) on disk only
+    host.add(h(3))
+    disk |= {h(1), h(2), h(3), h(4)}
+    second = pub.publish(device.__contains__, medium_of, disk.__contains__, "g")
+    assert second["held"] == {"k1": [2, 4]}  # the device's view, as without tiers
+    assert second["tiers"] == {"k1": [2, 1, 1, 4]}
+    assert sorted((e["type"], e["medium"], tuple(e["block_hashes"])) for e in second["events"]) == [
+        (BLOCK_REMOVED, MEDIUM_DEVICE, (h(3).hex(), h(4).hex())),
+        (BLOCK_STORED, MEDIUM_DISK, (h(4).hex(),)),
+        (BLOCK_STORED, MEDIUM_HOST, (h(3).hex(),)),
+    ]
+    json.dumps(second)
+    assert pub.publish(device.__contains__, medium_of, disk.__contains__, "g")["events"] == []
+
+
+def test_the_consumer_weighs_tier_blocks_between_a_recompute_and_a_device_hit():
+    assert weighted_blocks(1, 2, 1, 0, TierWeights(host=0.5, disk=0.25)) == 1 + 1.0 + 0.25
+    assert weighted_blocks(0, 0, 0, 4, TierWeights(disk=0.5)) == 2.0
+    with pytest.raises(ValueError, match="host tier weight"):
+        TierWeights(host=1.5)
+    pub = KVEventPublisher(snapshot_every=100)
+    pub.remember("k", [h(i) for i in range(4)])
+    payload = pub.publish(set().__contains__, lambda x: MEDIUM_HOST)  # every block in the host tier
+    # Without weights for the host tier (0) the replica holds nothing; with the default it holds the key.
+    assert KVEventConsumer(TierWeights(host=0.0)).apply("r", payload) == [("k", False)]
+    assert KVEventConsumer().apply("r", payload) == [("k", True)]
+
+
+def test_a_shared_disk_run_counts_for_every_replica_of_its_directory():
+    def payload(pub: KVEventPublisher, shared: set[bytes], group: str) -> dict:
+        return pub.publish(set().__contains__, lambda x: None, shared.__contains__, group)
+
+    blocks = [h(i) for i in range(4)]
+    pubs = {name: KVEventPublisher(snapshot_every=100) for name in ("a", "b", "c")}
+    for pub in pubs.values():
+        pub.remember("k", blocks)
+    for weight, held in ((0.6, True), (0.4, False)):  # 4 shared blocks x weight against half of 4
+        consumer = KVEventConsumer(TierWeights(disk=weight))
+        assert consumer.apply("b", payload(pubs["b"], set(), "g")) == [("k", False)]
+        assert consumer.apply("c", payload(pubs["c"], set(), "other")) == [("k", False)]
+        # a wrote the key's blocks to the directory b mounts too: b can load them, c cannot.
+        assert consumer.apply("a", payload(pubs["a"], set(blocks), "g")) == [("k", held)]
+        assert consumer.take_shared_facts() == [("b", "k", held)]
+        assert sorted(consumer.held().get("k", [])) == (["a", "b"] if held else [])
+        for pub in pubs.values():
+            pub.seq = 0  # the next payloads are snapshots again, for the next consumer
+
+
+def test_a_real_engine_reports_its_host_tier_blocks(tmp_path):
+    """An engine with a host tier: blocks its device pool evicted are reported in the host medium."""
+    from model_helpers import tiny_checkpoint
+
+    from prefixserve.replica.entrypoints.llm import LLM
+    from prefixserve.replica.sampling_params import SamplingParams
+
+    ckpt = str(tiny_checkpoint(tmp_path / "m", hidden=64, heads=4, kv_heads=2, seed=5))
+    llm = LLM(ckpt, num_kv_blocks=8, kv_offloading_size=2**22 / 2**30)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    first = list(range(100, 164))  # 4 full blocks
+    llm.generate([first], params)
+    llm.generate([list(range(200, 312))], params)  # takes every block: the first prompt's go to the host tier
+    kv = llm.engine.kv_manager
+    pub = KVEventPublisher()
+    pub.remember("k", kv.hasher.hash_blocks(first, kv.block_size, None))
+    payload = pub.publish(kv.pool.hash_to_block.__contains__, kv.tier_medium)
+    device, host, disk, shared = payload["tiers"]["k"]
+    assert host > 0 and device + host == 4 and disk == shared == 0
+    assert KVEventConsumer().apply("r", payload) == [("k", True)]
+    assert payload["held"]["k"][0] < 2  # the device alone would not hold the key
+    llm.shutdown()

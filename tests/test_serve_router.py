@@ -17,6 +17,7 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID, Repl
 from ray.serve.request_router import PendingRequest
 
 from prefixserve.replica.contract.request import EngineRequest
+from prefixserve.replica.contract.routing import ring_name
 from prefixserve.router.contracts.ring import HashRing
 from prefixserve.router.policies import ReplicaLoad, effective_in_flight
 from prefixserve.router.serve.metrics import RouterMetrics
@@ -537,3 +538,61 @@ async def test_a_completed_conversation_frees_its_keys_in_flight_count():
     for r, rep in routed:
         router.on_request_completed(rep.replica_id, r.metadata.internal_request_id)
     assert router.placed.key_in_flight("app") == 0
+
+
+def ranked(rng: random.Random, n: int, first_rank: int = 0) -> list[FakeReplica]:
+    """``n`` replicas that report ranks ``first_rank``.. in their routing stats."""
+    reps = replicas(rng, n)
+    for i, r in enumerate(reps):
+        r.routing_stats = stats(1, 0, 0, rank=first_rank + i)
+    return reps
+
+
+async def test_ring_names_come_from_reported_ranks_and_a_replacement_gets_its_predecessors_keys():
+    rng = random.Random(35)
+    router = make_router()
+    reps = ranked(rng, 4)
+    router.update_replicas(reps)
+    names = [router.name_of(r.replica_id) for r in reps]
+    assert names == [ring_name("prefixserve", "Engine", i) for i in range(4)]
+    keys = random_keys(rng, 2000)
+    ring = HashRing(names)
+    before = {k: router.name_of((await router.choose_replicas(reps, pending(k)))[0][0].replica_id) for k in keys}
+    assert before == {k: ring.owner(k) for k in keys}
+    # Rank 1 dies; Serve starts a replacement with a new (random) id that inherits rank 1.
+    dead = reps[1]
+    router.on_replica_actor_died(dead.replica_id)
+    replacement = replicas(rng, 1)[0]
+    live = [reps[0], replacement, reps[2], reps[3]]
+    router.update_replicas(live)
+    # No report yet: the newcomer is on the ring by its full id, so rank 1's keys went elsewhere.
+    assert router.name_of(replacement.replica_id) == replacement.name
+    interim = {k: router.name_of((await router.choose_replicas(live, pending(k)))[0][0].replica_id) for k in keys}
+    assert any(interim[k] != before[k] for k in keys if before[k] == names[1])
+    replacement.routing_stats = stats(1, 0, 0, rank=1)
+    after = {k: (await router.choose_replicas(live, pending(k)))[0][0] for k in keys}
+    assert {k: router.name_of(r.replica_id) for k, r in after.items()} == before
+    assert all(after[k] is replacement for k in keys if before[k] == names[1])
+    members = {
+        s.labels["replica"]
+        for f in router._metrics.registry.collect()
+        for s in f.samples
+        if s.name == "prefixserve_router_ring_member" and s.value == 1
+    }
+    assert members == set(names)
+
+
+async def test_two_replicas_reporting_one_rank_are_both_named_by_their_ids_and_unreported_ids_stay():
+    rng = random.Random(36)
+    router = make_router()
+    reps = ranked(rng, 3)
+    reps[2].routing_stats = stats(1, 0, 0, rank=0)  # a reassignment in flight: two claim rank 0
+    unranked = replicas(rng, 1)[0]
+    router.update_replicas([*reps, unranked])
+    assert router.name_of(reps[0].replica_id) == reps[0].name
+    assert router.name_of(reps[2].replica_id) == reps[2].name
+    assert router.name_of(reps[1].replica_id) == ring_name("prefixserve", "Engine", 1)
+    assert router.name_of(unranked.replica_id) == unranked.name
+    reps[2].routing_stats = stats(2, 0, 0, rank=2)
+    router.refresh_reports(reps)
+    assert [router.name_of(r.replica_id) for r in reps] == [ring_name("prefixserve", "Engine", i) for i in range(3)]

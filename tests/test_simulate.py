@@ -191,3 +191,24 @@ def test_cpu_profile_from_the_engine_benchmark(tmp_path) -> None:
     assert prof.prefill_s(16) == pytest.approx(0.07)
     path.write_text(json.dumps({"rows": []}))
     assert cpu_profile(path) == CPU_DEFAULT
+
+
+def test_kv_tiers_serve_evicted_prefixes_and_their_copies_cost_less_than_prefill(traffic) -> None:
+    off = S.simulate(SMALL, "round_robin", traffic, check_invariants=True)
+    host_cfg = replace(SMALL, host_blocks_per_replica=256)
+    host = S.simulate(host_cfg, "round_robin", traffic, check_invariants=True)
+    disk = S.simulate(replace(host_cfg, shared_disk=True), "round_robin", traffic, check_invariants=True)
+    for r in (host, disk):
+        assert r.oracle_violations == 0 and r.leaked_blocks == 0
+        assert r.hit_tokens + r.miss_tokens == r.prompt_tokens
+        assert r.kv_hit_tokens + r.host_hit_tokens == r.hit_tokens  # device hits + tier hits
+    assert off.host_hit_tokens == 0 and host.disk_hit_tokens == 0
+    # Round robin sprays a tenant over every replica: the host tier keeps what each evicted,
+    # and the shared disk gives each replica what another computed.
+    assert host.host_hit_tokens > 0 and host.hit_rate > off.hit_rate
+    assert disk.disk_hit_tokens > 0 and disk.hit_rate > host.hit_rate
+    assert host.ttft_mean < off.ttft_mean
+    profile = S.get_profile(SMALL.profile)
+    assert profile.tier_load_s(16, 0) < profile.prefill_s(16) - profile.prefill_overhead_s
+    with pytest.raises(ValueError, match="shared_disk needs the host tier"):
+        replace(SMALL, shared_disk=True)

@@ -39,6 +39,23 @@ routing stats, replica/entrypoints/serve/deployment.py)::
 * A key the publisher forgets (more than ``max_keys``, least recently seen
   first) is absent from the next snapshot.
 
+KV tiers (additive: a consumer that ignores them reads the payload as above). A publisher
+given ``medium_of`` (a block's fastest tier: ``device``, ``host`` or ``disk``, the media of
+replica/kv/tiers.py, or None) also tracks each block's medium: every event carries
+``"medium"`` (vLLM's ``BlockStored.medium``; absent means ``device``) and a block moving
+between tiers is a ``BlockRemoved`` from one medium and a ``BlockStored`` in the other.
+``held`` stays the device's. Beside it, for the same keys, ``tiers`` gives
+``[device, host, disk, shared]``: the blocks of the key's leading run held in any tier
+(from block 0 on) by their fastest medium, and how many leading blocks the shared disk
+directory holds (``shared_of``; any replica mounting it can load those). ``disk_group``
+names that directory (replicas that report the same one share it).
+
+The consumer weighs a tier block as cheaper than a recompute but dearer than a device hit
+(``TierWeights``, ``weighted_blocks``): a key is held when the weighted leading run, with
+the group's shared disk run counted for every replica of the group, is at least half the
+key's prefix. A change of a group's shared run for a key queues facts for the group's
+other replicas (``take_shared_facts``).
+
 Pure Python: no Ray, no torch. The caller passes hashes and a membership test
 (the pool's ``hash_to_block.__contains__``; a dict lookup is atomic under the
 GIL, so the engine thread may run meanwhile).
@@ -56,12 +73,44 @@ from typing import Any
 KV_EVENTS_FORMAT = 1
 BLOCK_STORED = "BlockStored"
 BLOCK_REMOVED = "BlockRemoved"
+# replica/kv/tiers.py's media (kept as literals: the contract imports nothing of ours).
+MEDIUM_DEVICE, MEDIUM_HOST, MEDIUM_DISK = "device", "host", "disk"
+
+
+@dataclass(frozen=True)
+class TierWeights:
+    """What a prefix block in each tier is worth to a router against a device hit (1).
+
+    A host block costs a host -> device copy, a disk block a file read and that copy:
+    both far cheaper than recomputing it, dearer than a device hit. The defaults are the
+    copy costs of docs/benchmarks/tiers.md's restore table against a recompute, rounded
+    down to leave the device its edge.
+    """
+
+    host: float = 0.9
+    disk: float = 0.6
+
+    def __post_init__(self) -> None:
+        for name in ("host", "disk"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+                raise ValueError(f"the {name} tier weight must be a number in [0, 1], got {v!r}")
+
+
+def weighted_blocks(device: int, host: int, disk: int, shared: int, weights: TierWeights) -> float:
+    """A key's leading run in device-block equivalents: its device blocks, its host and disk
+    blocks at their weights, and the shared disk run (``shared`` leading blocks any replica of
+    the directory can load) where that is worth more."""
+    own = device + weights.host * host + weights.disk * disk
+    return max(own, weights.disk * shared)
 
 
 @dataclass
 class _KeyState:
     hashes: list[bytes]
     present: list[bool] = field(default_factory=list)  # as of the last publish ([] before the first)
+    media: list[str | None] = field(default_factory=list)  # each block's medium at the last publish
+    tiers: list[int] = field(default_factory=list)  # the last [device, host, disk, shared] published
 
 
 def leading_held(present: Sequence[bool]) -> int:
@@ -74,9 +123,19 @@ def leading_held(present: Sequence[bool]) -> int:
     return n
 
 
-def holds_prefix(leading: int, total: int) -> bool:
+def holds_prefix(leading: float, total: int) -> bool:
     """The router's reading of a ``held`` summary: at least half of the key's prefix, from block 0, is held."""
     return leading > 0 and 2 * leading >= total
+
+
+def tier_summary(media: Sequence[str | None], shared: int) -> list[int]:
+    """``[device, host, disk, shared]`` of a key's blocks (the module docstring's ``tiers``)."""
+    counts = {MEDIUM_DEVICE: 0, MEDIUM_HOST: 0, MEDIUM_DISK: 0}
+    for m in media:
+        if m not in counts:
+            break
+        counts[m] += 1
+    return [counts[MEDIUM_DEVICE], counts[MEDIUM_HOST], counts[MEDIUM_DISK], shared]
 
 
 class KVEventPublisher:
@@ -150,8 +209,20 @@ class KVEventPublisher:
                 del self._keys[key]
                 self._forgotten = True
 
-    def publish(self, contains: Callable[[bytes], bool]) -> dict[str, Any]:
-        """The next payload (see the module docstring); ``contains(hash)``: is that block in the pool now."""
+    def publish(
+        self,
+        contains: Callable[[bytes], bool],
+        medium_of: Callable[[bytes], str | None] | None = None,
+        shared_of: Callable[[bytes], bool] | None = None,
+        disk_group: str | None = None,
+    ) -> dict[str, Any]:
+        """The next payload (see the module docstring); ``contains(hash)``: is that block in the pool now.
+
+        With ``medium_of`` (a block's fastest tier, or None) the payload carries the tiers too;
+        ``shared_of(hash)``: is that block in the shared disk directory ``disk_group``.
+        """
+        if medium_of is not None:
+            return self._publish_tiers(contains, medium_of, shared_of, disk_group)
         self.seq += 1
         snapshot = self.seq == 1 or self.seq % self.snapshot_every == 0 or self._forgotten
         events: list[dict[str, Any]] = []
@@ -188,6 +259,67 @@ class KVEventPublisher:
             "held": held,
         }
 
+    def _publish_tiers(
+        self,
+        contains: Callable[[bytes], bool],
+        medium_of: Callable[[bytes], str | None],
+        shared_of: Callable[[bytes], bool] | None,
+        disk_group: str | None,
+    ) -> dict[str, Any]:
+        """``publish`` with each block's medium (the module docstring's KV tiers)."""
+        self.seq += 1
+        snapshot = self.seq == 1 or self.seq % self.snapshot_every == 0 or self._forgotten
+        events: list[dict[str, Any]] = []
+        held: dict[str, list[int]] = {}
+        tiers: dict[str, list[int]] = {}
+        num_hashes = 0
+        for key, state in self._keys.items():
+            media = [MEDIUM_DEVICE if contains(h) else medium_of(h) for h in state.hashes]
+            shared = 0
+            if shared_of is not None:
+                for h in state.hashes:  # the leading run only: a lookup stops at the first miss
+                    if not shared_of(h):
+                        break
+                    shared += 1
+            before = state.media + [None] * (len(media) - len(state.media))
+            moves: dict[tuple[str, str], list[str]] = {}
+            for h, a, b in zip(state.hashes, before, media, strict=True):
+                if a != b:
+                    if a is not None:
+                        moves.setdefault((BLOCK_REMOVED, a), []).append(h.hex())
+                    if b is not None:
+                        moves.setdefault((BLOCK_STORED, b), []).append(h.hex())
+            now = [m == MEDIUM_DEVICE for m in media]
+            summary = tier_summary(media, shared)
+            changed = bool(moves) or not state.media or summary != state.tiers
+            state.present, state.media, state.tiers = now, media, summary
+            if snapshot or changed:
+                held[key] = [leading_held(now), len(now)]
+                tiers[key] = summary
+            if not snapshot:
+                for (kind, medium), hashes in moves.items():
+                    num_hashes += len(hashes)
+                    events.append({"type": kind, "key": key, "block_hashes": hashes, "medium": medium})
+        if not snapshot and num_hashes > self.max_events:
+            snapshot = True
+            events = []
+            held = {key: [leading_held(s.present), len(s.present)] for key, s in self._keys.items()}
+            tiers = {key: list(s.tiers) for key, s in self._keys.items()}
+        if snapshot:
+            self._forgotten = False
+        payload: dict[str, Any] = {
+            "format": KV_EVENTS_FORMAT,
+            "epoch": self.epoch,
+            "seq": self.seq,
+            "snapshot": snapshot,
+            "events": events,
+            "held": held,
+            "tiers": tiers,
+        }
+        if disk_group is not None:
+            payload["disk_group"] = disk_group
+        return payload
+
 
 class KVEventConsumer:
     """A router's side: per publisher (replica), apply each payload newer than the last one applied.
@@ -201,14 +333,82 @@ class KVEventConsumer:
     the replica and that the snapshot no longer lists.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, weights: TierWeights | None = None) -> None:
+        self.weights = weights if weights is not None else TierWeights()
         self._last: dict[str, tuple[str, int]] = {}  # replica -> (epoch, seq) applied
         self._held: dict[str, set[str]] = {}  # replica -> keys known held there
         self.gaps = 0  # diffs applied after missed payloads
+        # KV tiers: each replica's last tier summary per key, its disk group, and per group
+        # and key the shared disk run each member reported.
+        self._tiers: dict[str, dict[str, list[int]]] = {}
+        self._group: dict[str, str] = {}
+        self._shared: dict[str, dict[str, dict[str, int]]] = {}  # group -> key -> replica -> run
+        self._totals: dict[str, dict[str, int]] = {}  # replica -> key -> prefix blocks
+        self._shared_facts: list[tuple[str, str, bool]] = []
 
     def forget(self, replica: str) -> None:
         self._last.pop(replica, None)
         self._held.pop(replica, None)
+        self._tiers.pop(replica, None)
+        self._totals.pop(replica, None)
+        group = self._group.pop(replica, None)
+        if group is not None:
+            for runs in self._shared.get(group, {}).values():
+                runs.pop(replica, None)
+
+    def take_shared_facts(self) -> list[tuple[str, str, bool]]:
+        """``(replica, key, holds)`` for the other replicas of a disk group whose shared run for
+        ``key`` changed in the payloads applied since the last call."""
+        facts, self._shared_facts = self._shared_facts, []
+        return facts
+
+    def _shared_run(self, replica: str, key: str) -> int:
+        group = self._group.get(replica)
+        if group is None:
+            return 0
+        return max(self._shared.get(group, {}).get(key, {}).values(), default=0)
+
+    def _holds(self, replica: str, key: str, leading: int, total: int) -> bool:
+        summary = self._tiers.get(replica, {}).get(key)
+        if summary is None:
+            shared = self._shared_run(replica, key)
+            return holds_prefix(max(leading, self.weights.disk * shared), total)
+        device, host, disk, _ = summary
+        return holds_prefix(weighted_blocks(device, host, disk, self._shared_run(replica, key), self.weights), total)
+
+    def _take_tiers(self, replica: str, payload: dict[str, Any], totals: dict[str, int]) -> None:
+        """Record a payload's tier summaries; queue facts for the group members a shared run change reaches."""
+        group = payload.get("disk_group")
+        if isinstance(group, str):
+            self._group[replica] = group
+        group = self._group.get(replica)
+        mine = self._tiers.setdefault(replica, {})
+        for key, summary in (payload.get("tiers") or {}).items():
+            try:
+                device, host, disk, shared = (int(x) for x in summary)
+            except (TypeError, ValueError):
+                continue
+            key = str(key)
+            mine[key] = [device, host, disk, shared]
+            if group is None:
+                continue
+            runs = self._shared.setdefault(group, {}).setdefault(key, {})
+            before = max(runs.values(), default=0)
+            runs[replica] = shared
+            if max(runs.values(), default=0) != before:
+                for other, other_group in self._group.items():
+                    if other != replica and other_group == group and key in self._totals.get(other, {}):
+                        holds = self._holds(other, key, 0, self._totals[other][key])
+                        self._shared_facts.append((other, key, holds))
+                        self._note(other, key, holds)
+        self._totals.setdefault(replica, {}).update(totals)
+
+    def _note(self, replica: str, key: str, holds: bool) -> None:
+        known = self._held.setdefault(replica, set())
+        if holds:
+            known.add(key)
+        else:
+            known.discard(key)
 
     def held(self) -> dict[str, list[str]]:
         """Per key, the replicas known to hold its prefix (sorted)."""
@@ -238,9 +438,10 @@ class KVEventConsumer:
         known = self._held.setdefault(replica, set())
         facts: list[tuple[str, bool]] = []
         held = payload.get("held") or {}
+        self._take_tiers(replica, payload, {str(k): int(v[1]) for k, v in held.items()})
         for key, summary in held.items():
             leading, total = int(summary[0]), int(summary[1])
-            holds = holds_prefix(leading, total)
+            holds = self._holds(replica, str(key), leading, total)
             facts.append((str(key), holds))
             if holds:
                 known.add(str(key))

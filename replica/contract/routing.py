@@ -2,7 +2,7 @@
 
 ``SESSION_HEADER`` and ``STATIC_ROLES`` say which requests are conversation turns and which chat messages
 form the static prefix; ``canonical_json`` is the form tools are hashed in (and the engine's memo key for
-them); ``REPLICA_HEADER`` names the engine replica that served a request. Constants and one function:
+them); ``REPLICA_HEADER`` names the engine replica that served a request. Constants and two functions:
 imports nothing of ours, so the engine's request bookkeeping can read them without the contract's types.
 """
 
@@ -20,6 +20,16 @@ STATIC_ROLES = frozenset({"system", "developer"})
 
 # Names the engine replica that served a request (the standalone server: itself).
 REPLICA_HEADER = "X-Prefixserve-Replica"
+
+
+def ring_name(app_name: str, deployment: str, rank: int) -> str:
+    """The ring name of the Serve replica holding ``rank`` in ``app_name``'s ``deployment``.
+
+    Serve gives a replacement the rank of the replica it replaces (the smallest free one),
+    so a replacement, or the same app deployed again, takes its predecessor's ring points.
+    The replica reports the rank in its routing stats; the router names it by this.
+    """
+    return f"{app_name}#{deployment}#rank-{rank}"
 
 
 def canonical_json(value: Any) -> str:

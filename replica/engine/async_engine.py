@@ -12,7 +12,7 @@ is aborted and its blocks freed. On a fatal failure every in-flight request gets
 stops and ``is_running`` is False.
 
 What front ends and hosts need of the engine's state they ask through methods here
-(``max_messages``, ``prefix_block_hashes``, ``cached_block_hashes``,
+(``max_messages``, ``prefix_block_hashes``, ``kv_block_view``,
 ``queued_prefill_tokens``), never through its attributes.
 """
 
@@ -25,7 +25,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncGenerator, Container, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +57,18 @@ class AbortRequest:
 
 # A request to start is its PreparedRequest, queued as the input processor built it.
 Command = PreparedRequest | AbortRequest
+
+
+@dataclass(frozen=True)
+class KVBlockView:
+    """Live lookups of the blocks a KV cache holds, as KVEventPublisher.publish takes them:
+    ``contains`` (the device pool), ``medium_of`` (the tier behind it, None without tiers),
+    ``shared_of`` (in the shared disk directory named ``disk_group``)."""
+
+    contains: Callable[[bytes], bool]
+    medium_of: Callable[[bytes], str | None] | None = None
+    shared_of: Callable[[bytes], bool] | None = None
+    disk_group: str | None = None
 
 
 @dataclass
@@ -154,9 +166,20 @@ class AsyncEngine:
         stop = min(max_blocks, len(token_ids) // kv.block_size)
         return kv.hasher.hash_blocks(token_ids, kv.block_size, cache_salt, stop=stop) if stop > 0 else []
 
-    def cached_block_hashes(self) -> Container[bytes]:
-        """The block hashes the device KV cache holds now (a live view, read from this thread)."""
-        return self.engine.kv_manager.pool.hash_to_block.keys()
+    def kv_block_view(self) -> KVBlockView:
+        """Where the KV cache holds blocks now (live lookups, safe to call from another thread): what
+        the KV events report (replica/contract/kv_events.py)."""
+        manager, tiers = self.engine.kv_manager, self.engine.tiers
+        contains = manager.pool.hash_to_block.__contains__
+        if tiers is None:
+            return KVBlockView(contains)
+        disk = tiers.disk
+        return KVBlockView(
+            contains,
+            manager.tier_medium,
+            disk.contains if disk is not None else None,
+            disk.group if disk is not None else None,
+        )
 
     def queued_prefill_tokens(self) -> int:
         """Prompt tokens not computed yet of the waiting and still-prefilling requests (LLMEngine's)."""
@@ -288,14 +311,18 @@ class AsyncEngine:
         self._wake.set()
         return await fut
 
-    async def shutdown(self, error: Exception | None = None) -> None:
+    async def shutdown(self, error: Exception | None = None, save_hot_blocks: bool = False) -> None:
         """Stop the loop (in-flight requests fail with ``error``, by default EngineDeadError), then,
-        when this object built the engine, its worker processes and memory."""
+        when this object built the engine, its worker processes and memory. ``save_hot_blocks``
+        (a drain): first write the hot cached blocks to the disk tier (replica/engine/tiers.py)."""
         if error is not None and not self._stopping:
             self._shutdown_error = error
         self._stopping = True
         self._wake.set()
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        tiers, e = self.engine.tiers, self.engine
+        if save_hot_blocks and tiers is not None and self._dead is None:
+            await asyncio.to_thread(tiers.save_hot_blocks, e.kv_manager, e.config.kv_drain_save_timeout_s)
         self.tokenizer_executor.shutdown()
         if self._owns_engine:
             self.engine.shutdown()

@@ -94,6 +94,10 @@ class TierMetrics:
             "prefixserve:kv_disk_dropped_writes",
             "Blocks not written to disk: the write queue was full or the tier stopped.",
         )[""]
+        self.drain_saved = c(
+            "prefixserve:kv_drain_saved_blocks",
+            "KV blocks a drain wrote to the disk tier before the engine stopped (the most reused first).",
+        )[""]
         self.usage = Gauge(
             "prefixserve:kv_tier_usage",
             "Fraction of a tier holding cached KV blocks (host: its slots; disk: this replica's estimate).",

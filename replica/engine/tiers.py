@@ -6,10 +6,17 @@ applies the disk copies on rank 0 (``replica/worker/tier_io.py``), times the hos
 step's swap carries, and publishes ``replica/engine/tier_metrics.py``'s series. Its disk store
 and counters outlive ``LLMEngine.reset`` (a fresh KV manager starts with an empty host
 tier; the files stay valid).
+
+A drain ends with :meth:`EngineTiers.save_hot_blocks`: the write-behind queue is flushed,
+then the replica's cached blocks, most reused first (``KVCacheManager.hot_blocks``), go to
+the disk where it lacks them (a write the queue dropped, a file the shared size bound
+deleted), and every one's file gets a fresh mtime in that order, so the size bound keeps
+the departing replica's hot prefixes longest; all of it within ``kv_drain_save_timeout_s``.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import asdict
 
@@ -19,9 +26,14 @@ from prefixserve.replica.config import EngineConfig
 from prefixserve.replica.engine.tier_metrics import TierMetrics, TierTotals
 from prefixserve.replica.executor.model_runner import ModelRunner
 from prefixserve.replica.kv.disk_tier import DiskTier
-from prefixserve.replica.kv.manager import KVCacheStats
-from prefixserve.replica.kv.tiers import TierOps, TierStats
-from prefixserve.replica.worker.tier_io import TierIO, disk_key
+from prefixserve.replica.kv.manager import KVCacheManager, KVCacheStats
+from prefixserve.replica.kv.tiers import MEDIUM_HOST, TierOps, TierStats
+from prefixserve.replica.worker.tier_io import TierIO, disk_key, read_blocks
+
+log = logging.getLogger(__name__)
+
+# Blocks read from the cache per copy during a drain's save (the time bound is checked between).
+SAVE_BATCH_BLOCKS = 32
 
 
 class EngineTiers:
@@ -107,6 +119,51 @@ class EngineTiers:
         if self.disk is not None:
             disk = min(1.0, self.disk.used_bytes / self.disk.size_bytes)
         self.metrics.observe(self.totals(stats), host_usage=host, disk_usage=disk)
+
+    def save_hot_blocks(self, manager: KVCacheManager, timeout_s: float) -> int:
+        """A drain's save (the module docstring), for at most ``timeout_s``; the blocks it wrote.
+
+        Call with the engine loop stopped (nothing else reads or writes the cache). Logs what
+        it did and counts the writes in ``prefixserve:kv_drain_saved_blocks``.
+        """
+        disk = self.disk
+        if disk is None or self.io is None or timeout_s <= 0 or not disk.enabled:
+            return 0
+        start = time.monotonic()
+        deadline = start + timeout_s
+        if not disk.flush(timeout_s):
+            log.warning("drain: the KV disk write queue did not empty within %g s; no hot block saved", timeout_s)
+            return 0
+        hot, seen = [], set()
+        for medium, index, h in manager.hot_blocks():
+            if h not in seen:
+                seen.add(h)
+                hot.append((medium == MEDIUM_HOST, index, h))
+        newest_ns = time.time_ns()
+        written = kept = done = 0
+        while done < len(hot) and disk.enabled and time.monotonic() < deadline:
+            batch = hot[done : done + SAVE_BATCH_BLOCKS]
+            # mtimes fall along the hot order: the size bound deletes the least reused first.
+            mtimes = [newest_ns - done - i for i in range(len(batch))]
+            missing = [i for i, (_, _, h) in enumerate(batch) if not disk.touch(h, mtimes[i])]
+            kept += len(batch) - len(missing)
+            for host in (False, True):
+                part = [i for i in missing if batch[i][0] == host]
+                for i, payload in zip(part, read_blocks(self.io.shard, [batch[i][1] for i in part], host=host)):
+                    if time.monotonic() >= deadline:
+                        break
+                    written += disk.save(batch[i][2], payload, mtimes[i])
+            done += len(batch)
+        self.metrics.drain_saved.inc(written)
+        log.info(
+            "drain: saved %d KV blocks to the disk tier (%d of %d cached blocks were there already) in %.2f s%s",
+            written,
+            kept,
+            len(hot),
+            time.monotonic() - start,
+            "" if time.monotonic() < deadline else f" (the {timeout_s:g} s bound, kv_drain_save_timeout_s, cut it)",
+        )
+        return written
 
     def close(self) -> None:
         if self.disk is not None:

@@ -214,6 +214,11 @@ class DiskTier:
         with os.scandir(self.path) as it:
             return list(it)
 
+    @property
+    def group(self) -> str:
+        """Names this directory and key: replicas reporting the same group read each other's blocks."""
+        return xxhash.xxh3_64_hexdigest(f"{os.path.realpath(self.path)}|{self.key.prefix}".encode())
+
     # --- the BlockStore interface ----------------------------------------------------
 
     @property
@@ -267,6 +272,31 @@ class DiskTier:
             self._queue.put_nowait((block_hash, payload))
         except queue.Full:
             self.stats.dropped_writes += 1
+            return False
+        return True
+
+    def save(self, block_hash: bytes, payload: bytes, mtime_ns: int) -> bool:
+        """Write a block on the calling thread, now, and give its file ``mtime_ns`` (a drain's save:
+        the size bound deletes older files first); True when this call wrote the file.
+
+        For when nothing else writes: the caller flushes the writer queue first.
+        """
+        if not self._enabled:
+            return False
+        before = self.stats.stored_blocks
+        try:
+            self._write(block_hash, payload)
+        except Exception as exc:  # noqa: BLE001 - a disk fault stops the tier, never the caller
+            self._fail("write", exc)
+            return False
+        self.touch(block_hash, mtime_ns)
+        return self.stats.stored_blocks > before
+
+    def touch(self, block_hash: bytes, mtime_ns: int) -> bool:
+        """Set the block file's mtime (its place in the size bound's order); False when there is none."""
+        try:
+            os.utime(self._file(block_hash), ns=(mtime_ns, mtime_ns))
+        except OSError:
             return False
         return True
 

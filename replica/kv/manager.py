@@ -105,7 +105,15 @@ from dataclasses import dataclass, field
 
 from prefixserve.replica.kv.block_pool import BlockPool
 from prefixserve.replica.kv.hashing import DEFAULT_HASH_ALGO, DEFAULT_HASH_SEED, BlockHasher
-from prefixserve.replica.kv.tiers import TIER_BLOCK, BlockStore, TierOps, TierStats
+from prefixserve.replica.kv.tiers import (
+    MEDIUM_DEVICE,
+    MEDIUM_DISK,
+    MEDIUM_HOST,
+    TIER_BLOCK,
+    BlockStore,
+    TierOps,
+    TierStats,
+)
 
 
 @dataclass(frozen=True)
@@ -822,6 +830,33 @@ class KVCacheManager:
         return True
 
     # --- queries -----------------------------------------------------------
+
+    def tier_medium(self, block_hash: bytes) -> str | None:
+        """The tier behind the device pool that holds ``block_hash`` (host, then disk), or None.
+
+        Reads only (a dict lookup, a file's existence), so the routing-stats thread may ask
+        while the engine steps: the KV events' medium of a block the device lacks.
+        """
+        if block_hash in self._host_of_hash:
+            return MEDIUM_HOST
+        disk = self.disk
+        if disk is not None and disk.enabled and disk.contains(block_hash):
+            return MEDIUM_DISK
+        return None
+
+    def hot_blocks(self) -> list[tuple[str, int, bytes]]:
+        """Every cached block as (medium, device block or host slot, hash), the most reused first.
+
+        The order the tiers would keep them in: device blocks in use, then the pool's free
+        cached blocks from the last evicted back to the next (the reverse of its eviction
+        order, so a chain's head, freed last, comes before its tail), then the host tier's
+        cached slots from the most recently used. O(cached blocks); for a drain's save.
+        """
+        pool = self.pool
+        out = [(MEDIUM_DEVICE, b, h) for b, h in enumerate(pool.block_hash) if h is not None and pool.ref_cnt[b] > 0]
+        out += [(MEDIUM_DEVICE, b, h) for b in reversed(pool.free_queue()) if (h := pool.block_hash[b]) is not None]
+        out += [(MEDIUM_HOST, slot, self._hash_of_host[slot]) for slot in reversed(self._host_lru)]
+        return out
 
     def block_table(self, request_id: str) -> list[int]:
         """A copy of the request's block table (KeyError if it has none)."""

@@ -54,6 +54,10 @@ class PlacedOptions(RingOptions):
         fair share of the request rate it carries (0.5: a key above half a
         replica's share gets its next ring successor too).
     precise: use ``set_cached`` knowledge (which replicas hold a key's prefix).
+    kv_host_weight, kv_disk_weight: in precise mode, what a prefix block a replica holds in
+        its host tier, or that its shared disk directory holds, counts for against a device
+        block (1) when the KV events say whether the replica holds a key's prefix
+        (replica/contract/kv_events.py ``TierWeights``): cheaper than a recompute (0).
     leader: rebalance on its own; False for a follower that only applies
         snapshots published by the leader (``apply_snapshot``).
     noise_z: rebalancing moves a key only for an excess above this many standard
@@ -83,6 +87,8 @@ class PlacedOptions(RingOptions):
     rebalance_interval_s: float = 10.0
     hot_share: float = 0.5
     precise: bool = False
+    kv_host_weight: float = 0.9
+    kv_disk_weight: float = 0.6
     leader: bool = True
     noise_z: float = 2.0
     history_max_entries: int = DEFAULT_MAX_ENTRIES
@@ -114,6 +120,10 @@ class PlacedOptions(RingOptions):
         z = self.noise_z
         if isinstance(z, bool) or not isinstance(z, (int, float)) or not (z >= 0 and math.isfinite(z)):
             raise ValueError(f"noise_z must be a finite number >= 0, got {z!r}")
+        for name in ("kv_host_weight", "kv_disk_weight"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+                raise ValueError(f"{name} must be a number in [0, 1], got {v!r}")
         for name in ("precise", "leader"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")

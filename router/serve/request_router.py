@@ -16,9 +16,15 @@ Invariants:
   replicas (``update_replicas``) minus those found dead
   (``on_replica_actor_died``), so a dead replica leaves the ring at the next
   decision and its keys move to their ring successors; no other key moves.
-* A replica is placed on the ring by its full replica id
-  (``SERVE_REPLICA::app#deployment#id``), the name replica/entrypoints/serve/deployment.py reports
-  back to clients (``X-Prefixserve-Replica``).
+* A replica is placed on the ring by its rank's name
+  (replica/contract/routing.py ``ring_name``: ``app#deployment#rank-N``), from the ``rank``
+  its routing stats report; a replacement gets its predecessor's rank from Serve, so it
+  takes the same ring points and its predecessor's keys come back to it. Until a replica
+  has reported a rank, or while two live replicas report the same one (a reassignment in
+  flight), it is placed by its full replica id (``SERVE_REPLICA::app#deployment#id``).
+  Either is the name replica/entrypoints/serve/deployment.py reports back to clients
+  (``X-Prefixserve-Replica``). Whatever this router knows of a name (KV events, history,
+  metrics) is dropped when the name leaves the ring or passes to another replica.
 * In-flight counts: this router's own bookkeeping of requests it routed to a
   replica (``on_request_routed``) that have not completed
   (``on_request_completed``) is fresh but sees only this router's requests.
@@ -43,7 +49,10 @@ Invariants:
 * KV events: the routing stats also carry the replica's KV event payload
   (replica/contract/kv_events.py); a :class:`KVEventConsumer` applies each newer one
   (after missed ones too: their summaries are absolute) and feeds the policy's precise hook
-  (``set_cached``) when the policy has one.
+  (``set_cached``) when the policy has one. With KV tiers, a block in a replica's host tier
+  or in its shared disk directory counts at ``placed``'s ``kv_host_weight`` /
+  ``kv_disk_weight`` of a device block, and a directory's blocks count for every replica
+  reporting it (their facts come with the reporter's payload).
 * ``placed`` placements agree across routers through the ingress
   (router/serve/ingress.py): the leader router rebalances and publishes
   ``placement_snapshot``; followers ``apply_placement``. A request is counted
@@ -75,7 +84,8 @@ from typing import TYPE_CHECKING, Any
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
 from prefixserve.common.tracing import build_tracer, route_span
-from prefixserve.replica.contract.kv_events import KVEventConsumer
+from prefixserve.replica.contract.kv_events import KVEventConsumer, TierWeights
+from prefixserve.replica.contract.routing import ring_name
 from prefixserve.router.cluster_config import DEFAULT_STATS_MAX_AGE_S
 from prefixserve.router.contracts.prompt_blocks import PromptBlocks, PromptHasher, UnhashablePrompt
 from prefixserve.router.policies import (
@@ -112,8 +122,30 @@ def router_for(app_name: str, deployment: str) -> PrefixRouter | None:
 
 
 def replica_name(replica_id: ReplicaID) -> str:
-    """The ring name of a Serve replica: its full id, stable for the replica's life."""
+    """A Serve replica's full id, stable for the replica's life: its ring name while it has no rank."""
     return replica_id.to_full_id_str()
+
+
+def reported_rank(stats: Mapping[str, Any]) -> int | None:
+    """The Serve rank a routing-stats report carries (None: none, or not a rank)."""
+    rank = stats.get("rank")
+    return rank if isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0 else None
+
+
+def member_names(replicas: list[ReplicaID], ranks: Mapping[ReplicaID, int]) -> dict[ReplicaID, str]:
+    """Each live replica's ring name: its rank's name when no other live replica reports that rank, else its id."""
+    holders: defaultdict[int, int] = defaultdict(int)
+    for rid in replicas:
+        if rid in ranks:
+            holders[ranks[rid]] += 1
+    names = {}
+    for rid in replicas:
+        rank = ranks.get(rid)
+        if rank is not None and holders[rank] == 1:
+            names[rid] = ring_name(rid.deployment_id.app_name, rid.deployment_id.name, rank)
+        else:
+            names[rid] = replica_name(rid)
+    return names
 
 
 def is_generation(pending_request: PendingRequest | None) -> bool:
@@ -227,7 +259,9 @@ class PrefixRouter(RequestRouter):
         self._lock = threading.Lock()
         self._stats_max_age_s = float(stats_max_age_s)
         self._reports: dict[ReplicaID, Report] = {}
-        self._kv_events = KVEventConsumer()
+        placed = self.placed
+        weights = TierWeights(placed.options.kv_host_weight, placed.options.kv_disk_weight) if placed else None
+        self._kv_events = KVEventConsumer(weights)
         # placed: requests and prefill work routed here since the last take_counts (key -> [n, tokens]).
         self._counts: dict[str, list[int]] = {}
         if tracer is None and otlp_traces_endpoint is not None:
@@ -241,7 +275,9 @@ class PrefixRouter(RequestRouter):
         self._routed: dict[str, tuple[ReplicaID, str | None]] = {}
         self._prompt_hasher = PromptHasher()
         self._own_in_flight: defaultdict[ReplicaID, int] = defaultdict(int)
-        self._ring_names: set[str] = set()
+        self._ranks: dict[ReplicaID, int] = {}  # the last rank each live replica reported
+        self._names: dict[ReplicaID, str] = {}  # each live replica's ring name (member_names)
+        self._members: dict[str, ReplicaID] = {}  # the ring: name -> the replica holding it
         self._ring_version = -1  # the first membership becomes version 0
         registry.register(self._deployment_id.app_name, self._deployment, self)
 
@@ -255,9 +291,15 @@ class PrefixRouter(RequestRouter):
         return self._policy if isinstance(self._policy, Placed) else None
 
     # -- replica reports --------------------------------------------------------------
+    def name_of(self, replica_id: ReplicaID) -> str:
+        """The replica's ring name (the module docstring): by its reported rank, else its full id."""
+        return self._names.get(replica_id) or replica_name(replica_id)
+
     def refresh_reports(self, replicas: list[RunningReplica]) -> None:
-        """Take in every new routing-stats report of ``replicas`` (load, KV events)."""
+        """Take in every new routing-stats report of ``replicas`` (rank, load, KV events)."""
         now = time.monotonic()
+        events_of: list[tuple[ReplicaID, Any]] = []
+        renamed = False
         for r in replicas:
             stats = getattr(r, "routing_stats", None)
             if not isinstance(stats, Mapping) or not stats:
@@ -269,9 +311,20 @@ class PrefixRouter(RequestRouter):
             load = parse_load(stats)
             if load is not None:
                 self._reports[r.replica_id] = Report(seq, load, self.in_flight(r), now)
+            rank = reported_rank(stats)
+            if rank != self._ranks.get(r.replica_id):
+                renamed = True
+                if rank is None:
+                    del self._ranks[r.replica_id]
+                else:
+                    self._ranks[r.replica_id] = rank
             events = stats.get("kv_events")
             if events is not None:
-                self._take_kv_events(replica_name(r.replica_id), events)
+                events_of.append((r.replica_id, events))
+        if renamed:
+            self._forget_departed()
+        for rid, events in events_of:  # under the names the reports just gave
+            self._take_kv_events(self.name_of(rid), events)
 
     def _take_kv_events(self, name: str, payload: Any) -> None:
         gaps = self._kv_events.gaps
@@ -283,11 +336,14 @@ class PrefixRouter(RequestRouter):
                 self._metrics.kv_events.labels(self._deployment, name, str(event.get("type"))).inc(
                     len(event.get("block_hashes") or ())
                 )
+        shared = self._kv_events.take_shared_facts()  # disk blocks: every replica of the directory
         placed = self.placed
-        if placed is not None and facts:
+        if placed is not None and (facts or shared):
             with self._lock:
                 for key, holds in facts:
                     placed.set_cached(name, key, holds)
+                for other, key, holds in shared:
+                    placed.set_cached(other, key, holds)
 
     def kv_held(self) -> dict[str, list[str]]:
         """Per routing key, the replicas this router's KV events say hold its prefix."""
@@ -302,7 +358,7 @@ class PrefixRouter(RequestRouter):
 
     def view(self, replica: RunningReplica) -> ServeReplicaView:
         return ServeReplicaView(
-            replica, replica_name(replica.replica_id), self.in_flight(replica), self.replica_load(replica)
+            replica, self.name_of(replica.replica_id), self.in_flight(replica), self.replica_load(replica)
         )
 
     @property
@@ -457,7 +513,7 @@ class PrefixRouter(RequestRouter):
                 span.set_attributes(
                     {
                         "prefixserve.owner": owner or "",
-                        "prefixserve.chosen": replica_name(ranking[0].replica_id) if ranking else "",
+                        "prefixserve.chosen": self.name_of(ranking[0].replica_id) if ranking else "",
                     }
                 )
                 if hasattr(request, "trace_headers"):
@@ -466,7 +522,7 @@ class PrefixRouter(RequestRouter):
             # Every tier is on offer, so when all are full the base class should back
             # off before asking again rather than spin.
             pending_request.routing_context.should_backoff = True
-            first = replica_name(ranking[0].replica_id) if ranking else None
+            first = self.name_of(ranking[0].replica_id) if ranking else None
             request_id = pending_request.metadata.internal_request_id
             old = self._choices.get(request_id)
             counted = old.key if old is not None else (key if self.placed is not None and key is not None else None)
@@ -498,7 +554,7 @@ class PrefixRouter(RequestRouter):
     # -- lifecycle hooks --------------------------------------------------------------
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
         request_id = pending_request.metadata.internal_request_id
-        name = replica_name(replica_id)
+        name = self.name_of(replica_id)
         choice = self._choices.pop(request_id, None)
         owner = choice.owner if choice is not None else None
         if is_generation(pending_request):  # control calls (model_info, ...) are not counted
@@ -529,7 +585,7 @@ class PrefixRouter(RequestRouter):
         count = max(0, self._own_in_flight.get(routed_to, 0) - 1)
         if routed_to in self._own_in_flight:
             self._own_in_flight[routed_to] = count
-            self._metrics.in_flight.labels(self._deployment, replica_name(routed_to)).set(count)
+            self._metrics.in_flight.labels(self._deployment, self.name_of(routed_to)).set(count)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -542,30 +598,38 @@ class PrefixRouter(RequestRouter):
         self._forget_departed()
 
     def _forget_departed(self) -> None:
-        live = set(self.curr_replicas)
-        for rid in [r for r in self._reports if r not in live]:
+        """Bring the ring's membership (names) up to the live replicas and drop what departed names held."""
+        live = list(self.curr_replicas)
+        live_set = set(live)
+        for rid in [r for r in self._reports if r not in live_set]:
             del self._reports[rid]
-            self._kv_events.forget(replica_name(rid))
-        for rid in [r for r in self._own_in_flight if r not in live]:
+        for rid in [r for r in self._ranks if r not in live_set]:
+            del self._ranks[rid]
+        for rid in [r for r in self._own_in_flight if r not in live_set]:
             del self._own_in_flight[rid]
-            try:
-                self._metrics.in_flight.remove(self._deployment, replica_name(rid))
-            except KeyError:
-                pass
-        names = {replica_name(r) for r in live}
+        self._names = member_names(live, self._ranks)
+        members = {name: rid for rid, name in self._names.items()}
         placed = self.placed
-        for name in self._ring_names - names:
+        for name, rid in self._members.items():
+            if members.get(name) == rid:
+                continue
+            # Gone, or passed to another replica: nothing known of the name is trusted.
+            self._kv_events.forget(name)
             if placed is not None and placed.history is not None:
-                with self._lock:  # nothing a departed replica was sent is trusted if its id returns
+                with self._lock:
                     placed.history.forget(name)
-            try:
-                self._metrics.ring_member.remove(self._deployment, name)
-            except KeyError:
-                pass
-        for name in names - self._ring_names:
-            self._metrics.ring_member.labels(self._deployment, name).set(1)
-        if names != self._ring_names or self._ring_version < 0:
+            for gauge in (self._metrics.ring_member, self._metrics.in_flight):
+                try:
+                    gauge.remove(self._deployment, name)
+                except KeyError:
+                    pass
+        for name, rid in members.items():
+            if self._members.get(name) != rid:
+                self._metrics.ring_member.labels(self._deployment, name).set(1)
+                if rid in self._own_in_flight:
+                    self._metrics.in_flight.labels(self._deployment, name).set(self._own_in_flight[rid])
+        if set(members) != set(self._members) or self._ring_version < 0:
             self._ring_version += 1
             self._metrics.ring_version.labels(self._deployment).set(self._ring_version)
-        self._ring_names = names
+        self._members = members
         self._metrics.ring_size.labels(self._deployment).set(len(live))

@@ -22,8 +22,9 @@ Invariants:
 * SIGTERM (or Ctrl-C) drains: ``/health`` and new generation requests answer
   503 with ``Retry-After``, requests in flight run on for up to
   ``drain_timeout_s``; what is left then ends with an in-band error event and
-  ``[DONE]`` (a collected answer: 503), and the process exits 0. A second
-  signal stops at once.
+  ``[DONE]`` (a collected answer: 503); the engine writes its hot cached blocks
+  to the shared disk tier (``kv_drain_save_timeout_s``), and the process exits
+  0. A second signal stops at once.
 * When the engine is dead for good, ``/health`` answers 503 and the process
   stops (after answering the requests in flight) with a non-zero exit status,
   so a supervisor restarts it: never a live process that answers 503 forever.
@@ -296,7 +297,8 @@ def build_app(
         finally:
             if watchdog is not None:
                 watchdog.cancel()
-            await engine.shutdown()
+            # After a drain the hot cached blocks go to the shared disk tier before the engine stops.
+            await engine.shutdown(save_hot_blocks=drain.draining)
 
     app = FastAPI(title="prefixserve replica", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(GenerationGateMiddleware, counter=InFlightCounter(max_in_flight, RETRY_AFTER_S), drain=drain)

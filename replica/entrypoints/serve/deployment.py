@@ -27,13 +27,17 @@ Invariants:
   router can sit on this deployment.
 * A request whose caller goes away (stream cancelled) is aborted in the engine,
   freeing its KV blocks.
-* The replica's name is its full Serve replica id, the name the request router
-  places on the ring.
+* The replica's name is its ring name: ``ring_name`` of its Serve rank
+  (replica/contract/routing.py), which a replacement inherits, or its full Serve
+  replica id while it has no rank. It reports the rank in its routing stats and
+  the request router places it on the ring by it.
 * Stopping ends every open stream in-band: :meth:`EngineDeployment.end_requests`
   (called by the cluster's drain once its timeout has passed) and the
   destructor fail each request still in the engine with a 503
   ``server_shutting_down``, which the ingress sends as an error event and
-  ``[DONE]``; its KV blocks are freed.
+  ``[DONE]``; its KV blocks are freed. Either then writes the replica's hot cached
+  blocks to the shared disk tier, within ``kv_drain_save_timeout_s``, before the
+  engine stops (replica/engine/tiers.py ``save_hot_blocks``).
 
 Imports Ray Serve and the engine; torch and the model load only inside the
 replica (``EngineDeployment.__init__``), so the ingress can import
@@ -50,9 +54,11 @@ from typing import Any
 import anyio
 from prometheus_client import generate_latest
 from ray import serve
+from ray.serve.context import _get_internal_replica_context
 
 from prefixserve.replica.contract.kv_events import KVEventPublisher
 from prefixserve.replica.contract.request import EngineRequest, ModelInfo
+from prefixserve.replica.contract.routing import ring_name
 from prefixserve.replica.contract.stream import StreamError, StreamItem, StreamStart, TokenTexts
 from prefixserve.replica.engine.request_runner import RequestRunner
 from prefixserve.replica.entrypoints.openai import protocol as api
@@ -60,6 +66,18 @@ from prefixserve.replica.entrypoints.openai import protocol as api
 __all__ = ["EngineDeployment"]
 
 log = logging.getLogger(__name__)
+
+
+def replica_rank() -> int | None:
+    """This Serve replica's rank in its deployment (None outside a replica or before Serve assigns one).
+
+    Read at every use: Serve may reassign ranks (to keep them contiguous) and
+    updates the replica context when it does.
+    """
+    context = _get_internal_replica_context()
+    rank = getattr(context, "rank", None)
+    rank = getattr(rank, "rank", rank)  # a ReplicaRank (Serve 2.60) or a plain int
+    return rank if isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0 else None
 
 
 def _shutting_down() -> api.ServiceUnavailableError:
@@ -84,8 +102,18 @@ class EngineDeployment:
         self.kv_events = KVEventPublisher()
         self.engine.metrics.track_cache_bytes("kv_events", lambda: self.kv_events.nbytes)
         self.runner = RequestRunner(self.engine, self.kv_events)
-        self.name = serve.get_replica_context().replica_id.to_full_id_str()
+        context = serve.get_replica_context()
+        self._replica_id = context.replica_id
         self._stats_seq = 0
+
+    @property
+    def name(self) -> str:
+        """The ring name (the module docstring): by rank, or the full replica id without one."""
+        rank = replica_rank()
+        rid = self._replica_id
+        if rank is None:
+            return rid.to_full_id_str()
+        return ring_name(rid.deployment_id.app_name, rid.deployment_id.name, rank)
 
     async def __del__(self) -> None:
         # Serve 2.60 awaits an async __del__, once, when it tears the replica down
@@ -93,14 +121,14 @@ class EngineDeployment:
         # failed before the engine existed.
         engine = getattr(self, "engine", None)
         if engine is not None and engine.is_running:
-            await engine.shutdown(_shutting_down())
+            await engine.shutdown(_shutting_down(), save_hot_blocks=True)
 
     async def end_requests(self) -> int:
         """End every request this replica still serves (a 503 ``server_shutting_down`` each, sent
         in-band on a stream) and stop its engine; how many there were. The last step of a drain."""
         stats = self.engine.stats()
         if self.engine.is_running:
-            await self.engine.shutdown(_shutting_down())
+            await self.engine.shutdown(_shutting_down(), save_hot_blocks=True)
         return int(stats.num_running + stats.num_waiting)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[StreamItem]:
@@ -150,18 +178,25 @@ class EngineDeployment:
 
         ``seq`` counts reports (a router tells a new report from one it has seen);
         the load fields are router/policies/'s ReplicaLoad; ``kv_events`` is the
-        KV event publisher's payload (replica/contract/kv_events.py).
+        KV event publisher's payload (replica/contract/kv_events.py); ``rank`` is the
+        replica's Serve rank (the router's ring name for it), absent without one.
         """
         stats = self.engine.stats()
         self._stats_seq += 1
-        return {
+        view = self.engine.kv_block_view()
+        events = self.kv_events.publish(view.contains, view.medium_of, view.shared_of, view.disk_group)
+        report: dict[str, Any] = {
             "seq": self._stats_seq,
             "kv_usage": min(1.0, max(0.0, float(stats.kv_usage))),
             "num_running": int(stats.num_running),
             "num_waiting": int(stats.num_waiting),
             "queued_prefill_tokens": self.engine.queued_prefill_tokens(),
-            "kv_events": self.kv_events.publish(self.engine.cached_block_hashes().__contains__),
+            "kv_events": events,
         }
+        rank = replica_rank()
+        if rank is not None:
+            report["rank"] = rank
+        return report
 
     async def check_health(self) -> None:
         """Serve's health check (and the ingress's /health): raise EngineDeadError when the engine is dead for good.
@@ -185,8 +220,12 @@ class EngineDeployment:
         return {**dataclasses.asdict(self.engine.stats()), "replica": self.name}
 
     def replica_name(self) -> str:
-        """This replica's ring name (its full Serve replica id)."""
+        """This replica's ring name (by its rank; its full Serve replica id without one)."""
         return self.name
+
+    def replica_names(self) -> tuple[str, str]:
+        """(this replica's ring name, its full Serve replica id: its actor's name, random per replica)."""
+        return self.name, self._replica_id.to_full_id_str()
 
     def model_info(self) -> ModelInfo:
         """Served names and context length (the ingress's /v1/models and request checks)."""
