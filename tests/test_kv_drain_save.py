@@ -16,7 +16,7 @@ import pytest
 from model_helpers import tiny_checkpoint
 
 from prefixserve.replica.config import EngineConfig
-from prefixserve.replica.engine.core import AsyncEngine
+from prefixserve.replica.engine.async_engine import AsyncEngine
 from prefixserve.replica.entrypoints.llm import LLM
 from prefixserve.replica.kv.disk_tier import SUFFIX
 from prefixserve.replica.sampling_params import SamplingParams
