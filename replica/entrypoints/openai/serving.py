@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
@@ -253,6 +254,43 @@ def _sse(payload: str) -> str:
     return f"data: {payload}\n\n"
 
 
+# Compact and unescaped beyond JSON's rules, as pydantic-core writes JSON: the plain-dict
+# chunks below come out byte for byte as the protocol models' ``model_dump_json``.
+_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+def completion_text_chunk(request_id: str, model: str, created: int, index: int, text: str, finish: str | None) -> str:
+    """The JSON of a streamed completion event that carries only text (no logprobs): the same
+    bytes as ``api.CompletionResponse(...).model_dump_json()``, without building models per token."""
+    choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish, "prompt_logprobs": None}
+    return _JSON.encode(
+        {
+            "id": request_id,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": [choice],
+            "usage": None,
+        }
+    )
+
+
+def chat_content_chunk(request_id: str, model: str, created: int, index: int, content: str, finish: str | None) -> str:
+    """The JSON of a streamed chat event that carries only content (no role, logprobs or tool
+    calls): the same bytes as ``api.ChatCompletionChunk(...).model_dump_json()``."""
+    choice = {"index": index, "delta": {"role": None, "content": content}, "logprobs": None, "finish_reason": finish}
+    return _JSON.encode(
+        {
+            "id": request_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": [choice],
+            "usage": None,
+        }
+    )
+
+
 async def _chat_stream(
     gen: Generation, body: api.ChatCompletionRequest, model: str, token_text: api.TokenText
 ) -> AsyncIterator[str]:
@@ -283,6 +321,13 @@ async def _chat_stream(
             else:
                 if not delta.text and delta.finish_reason is None:
                     continue  # the detokenizer holds back an incomplete character
+                if not (body.logprobs and delta.logprobs):
+                    created = int(time.time())
+                    payload = chat_content_chunk(
+                        gen.request_id, model, created, delta.index, delta.text, delta.finish_reason
+                    )
+                    yield _sse(payload)
+                    continue
                 message, finish = api.DeltaMessage(content=delta.text), delta.finish_reason
             logprobs = None
             if body.logprobs and delta.logprobs:
@@ -328,8 +373,12 @@ async def _completion_stream(
                 yield chunk([api.CompletionChoice(index=i, text=text, logprobs=logprobs)])
             if not delta.text and delta.finish_reason is None:
                 continue
+            if body.logprobs is None:
+                created = int(time.time())
+                yield _sse(completion_text_chunk(gen.request_id, model, created, i, delta.text, delta.finish_reason))
+                continue
             logprobs = None
-            if body.logprobs is not None and delta.logprobs:
+            if delta.logprobs:
                 logprobs = api.completion_logprobs(
                     delta.token_ids, delta.logprobs, top_k, token_text, text_offset=offsets[i]
                 )
