@@ -393,7 +393,6 @@ def vllm_command(config: BenchServeConfig, checkpoint: Path, port: int) -> list[
         str(port),
         "--dtype",
         "float32",
-        "--disable-log-requests",
         *shlex.split(config.vllm_args),
     ]
 
@@ -439,6 +438,8 @@ def vllm_client_command(config: BenchServeConfig, base_url: str, tokenizer: Path
         str(config.request_rate),
         "--seed",
         str(config.seed),
+        "--num-warmups",
+        str(config.num_warmups),
         "--save-result",
         "--result-dir",
         str(result.parent),

@@ -32,7 +32,7 @@ FINISHES: list[str | None] = [None, FinishReason.STOP, FinishReason.LENGTH, "too
 @pytest.mark.parametrize("finish", FINISHES)
 def test_completion_chunk_matches_the_model(finish: str | None) -> None:
     for k, text in enumerate(_texts()):
-        request_id, model, created, index = f"cmpl-{k:x}é\"", 'smol"lm\\2', 1_700_000_000 + k, k % 3
+        request_id, model, created, index = f'cmpl-{k:x}é"', 'smol"lm\\2', 1_700_000_000 + k, k % 3
         expected = api.CompletionResponse(
             id=request_id,
             model=model,
