@@ -330,12 +330,20 @@ def _free_port() -> int:
 
 @contextmanager
 def server_process(
-    command: Sequence[str], env: dict[str, str], base_url: str, log_path: Path, timeout_s: float
+    command: Sequence[str],
+    env: dict[str, str],
+    base_url: str,
+    log_path: Path,
+    timeout_s: float,
+    cwd: Path | None = None,
 ) -> Iterator[None]:
-    """Run ``command`` in its own session until it answers ``/v1/models``; always stop it (and its children)."""
+    """Run ``command`` (in ``cwd``) in its own session until it answers ``/v1/models``; always stop it
+    (and its children)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(list(command), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            list(command), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True
+        )
     try:
         deadline = time.monotonic() + timeout_s
         while True:
@@ -632,20 +640,24 @@ def run(config: BenchServeConfig, write: Callable[[dict[str, Any]], None] | None
             entry["vllm_client"] = run_vllm_client(config, url, checkpoint, workdir, label)
         return entry
 
-    plan: list[tuple[str, list[str], dict[str, str], str]] = []
+    plan: list[tuple[str, list[str], dict[str, str], str, Path | None]] = []
     if config.vllm_python is not None and checkpoint is not None:
         port = _free_port()
-        plan.append(("vllm", vllm_command(config, checkpoint, port), vllm_env(config), f"http://{HOST}:{port}"))
+        command = vllm_command(config, checkpoint, port)
+        plan.append(("vllm", command, vllm_env(config), f"http://{HOST}:{port}", None))
     for tree in config.ours_tree:
+        # `python -m` puts the working directory first on sys.path: the tree must be both.
+        root = Path(tree).resolve()
         port = _free_port()
-        env = dict(_base_env(), PYTHONPATH=str(Path(tree).resolve()))
-        plan.append((f"prefixserve ({_tree_label(tree)})", ours_command(config, port), env, f"http://{HOST}:{port}"))
+        env = dict(_base_env(), PYTHONPATH=str(root))
+        name = f"prefixserve ({_tree_label(tree)})"
+        plan.append((name, ours_command(config, port), env, f"http://{HOST}:{port}", root))
     if config.base_url is not None:
         servers["server"] = measure(config.base_url, "server")
-    for name, command, env, url in plan:
+    for name, command, env, url, cwd in plan:
         label = name.replace("prefixserve (", "").rstrip(")").replace("/", "-")
         try:
-            with server_process(command, env, url, workdir / f"server-{label}.log", config.startup_timeout_s):
+            with server_process(command, env, url, workdir / f"server-{label}.log", config.startup_timeout_s, cwd):
                 servers[name] = measure(url, label)
         except RuntimeError as exc:
             servers[name] = {"error": str(exc)}
