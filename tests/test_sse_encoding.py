@@ -1,6 +1,6 @@
 """The streamed chunks' fast JSON: byte for byte what the protocol models write.
 
-serving.py encodes text-only chunks from plain dicts; every string a detokenizer can
+serving.py encodes text-only chunks from a per-stream template; every string a detokenizer can
 produce (quotes, backslashes, control characters, non-ASCII, astral code points, the
 line and paragraph separators) must come out exactly as pydantic's ``model_dump_json``.
 """
@@ -13,7 +13,7 @@ import pytest
 
 from prefixserve.replica.engine.outputs import FinishReason
 from prefixserve.replica.entrypoints.openai import protocol as api
-from prefixserve.replica.entrypoints.openai.serving import chat_content_chunk, completion_text_chunk
+from prefixserve.replica.entrypoints.openai.serving import TextChunks
 
 SPECIAL = ['"', "\\", "/", "\n", "\r", "\t", "\b", "\f", "\x00", "\x1f", "\x7f", "\u2028", "\u2029", "é", "中", "😀"]
 
@@ -39,7 +39,7 @@ def test_completion_chunk_matches_the_model(finish: str | None) -> None:
             created=created,
             choices=[api.CompletionChoice(index=index, text=text, finish_reason=finish)],
         ).model_dump_json()
-        assert completion_text_chunk(request_id, model, created, index, text, finish) == expected, repr(text)
+        assert TextChunks(request_id, model, chat=False).encode(created, index, text, finish) == expected, repr(text)
 
 
 @pytest.mark.parametrize("finish", FINISHES)
@@ -52,4 +52,4 @@ def test_chat_chunk_matches_the_model(finish: str | None) -> None:
             created=created,
             choices=[api.ChatChunkChoice(index=index, delta=api.DeltaMessage(content=text), finish_reason=finish)],
         ).model_dump_json()
-        assert chat_content_chunk(request_id, model, created, index, text, finish) == expected, repr(text)
+        assert TextChunks(request_id, model, chat=True).encode(created, index, text, finish) == expected, repr(text)

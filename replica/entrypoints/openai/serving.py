@@ -254,41 +254,37 @@ def _sse(payload: str) -> str:
     return f"data: {payload}\n\n"
 
 
-# Compact and unescaped beyond JSON's rules, as pydantic-core writes JSON: the plain-dict
-# chunks below come out byte for byte as the protocol models' ``model_dump_json``.
-_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+# pydantic-core escapes strings as this does (``"``, ``\\`` and control characters; the rest
+# as UTF-8), so the templates below give the protocol models' ``model_dump_json`` bytes.
+_quote = json.encoder.encode_basestring
 
 
-def completion_text_chunk(request_id: str, model: str, created: int, index: int, text: str, finish: str | None) -> str:
-    """The JSON of a streamed completion event that carries only text (no logprobs): the same
-    bytes as ``api.CompletionResponse(...).model_dump_json()``, without building models per token."""
-    choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish, "prompt_logprobs": None}
-    return _JSON.encode(
-        {
-            "id": request_id,
-            "object": "text_completion",
-            "created": created,
-            "model": model,
-            "choices": [choice],
-            "usage": None,
-        }
-    )
+class TextChunks:
+    """The SSE payloads of one stream's text-only chunks, from a template made once per stream.
 
+    A chunk that carries only text (no role, logprobs or tool calls) is the same JSON every
+    token but for ``created``, the choice index, the text and the finish reason: the same
+    bytes as ``api.CompletionResponse(...)`` / ``api.ChatCompletionChunk(...).model_dump_json()``
+    without building and serializing models per token.
+    """
 
-def chat_content_chunk(request_id: str, model: str, created: int, index: int, content: str, finish: str | None) -> str:
-    """The JSON of a streamed chat event that carries only content (no role, logprobs or tool
-    calls): the same bytes as ``api.ChatCompletionChunk(...).model_dump_json()``."""
-    choice = {"index": index, "delta": {"role": None, "content": content}, "logprobs": None, "finish_reason": finish}
-    return _JSON.encode(
-        {
-            "id": request_id,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
-            "choices": [choice],
-            "usage": None,
-        }
-    )
+    def __init__(self, request_id: str, model: str, chat: bool) -> None:
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        self._head = f'{{"id":{_quote(request_id)},"object":"{kind}","created":'
+        self._model = f',"model":{_quote(model)},"choices":[{{"index":'
+        if chat:
+            self._text = ',"delta":{"role":null,"content":'
+            self._finish = '},"logprobs":null,"finish_reason":'
+            self._tail = '}],"usage":null}'
+        else:
+            self._text = ',"text":'
+            self._finish = ',"logprobs":null,"finish_reason":'
+            self._tail = ',"prompt_logprobs":null}],"usage":null}'
+
+    def encode(self, created: int, index: int, text: str, finish: str | None) -> str:
+        """The JSON of one chunk."""
+        reason = "null" if finish is None else _quote(finish)
+        return f"{self._head}{created}{self._model}{index}{self._text}{_quote(text)}{self._finish}{reason}{self._tail}"
 
 
 async def _chat_stream(
@@ -296,6 +292,7 @@ async def _chat_stream(
 ) -> AsyncIterator[str]:
     usage = _Usage()
     top_k = _top_k(body)
+    texts = TextChunks(gen.request_id, model, chat=True)
 
     def chunk(choices: list[api.ChatChunkChoice], usage_: api.Usage | None = None) -> str:
         return _sse(
@@ -322,11 +319,8 @@ async def _chat_stream(
                 if not delta.text and delta.finish_reason is None:
                     continue  # the detokenizer holds back an incomplete character
                 if not (body.logprobs and delta.logprobs):
-                    created = int(time.time())
-                    payload = chat_content_chunk(
-                        gen.request_id, model, created, delta.index, delta.text, delta.finish_reason
-                    )
-                    yield _sse(payload)
+                    text_chunk = texts.encode(int(time.time()), delta.index, delta.text, delta.finish_reason)
+                    yield _sse(text_chunk)
                     continue
                 message, finish = api.DeltaMessage(content=delta.text), delta.finish_reason
             logprobs = None
@@ -352,6 +346,7 @@ async def _completion_stream(
     offsets = [0] * body.n
     prompt = _Prompt()
     echoed = [not body.echo] * body.n
+    texts = TextChunks(gen.request_id, model, chat=False)
 
     def chunk(choices: list[api.CompletionChoice], usage_: api.Usage | None = None) -> str:
         return _sse(
@@ -374,8 +369,7 @@ async def _completion_stream(
             if not delta.text and delta.finish_reason is None:
                 continue
             if body.logprobs is None:
-                created = int(time.time())
-                yield _sse(completion_text_chunk(gen.request_id, model, created, i, delta.text, delta.finish_reason))
+                yield _sse(texts.encode(int(time.time()), i, delta.text, delta.finish_reason))
                 continue
             logprobs = None
             if delta.logprobs:
