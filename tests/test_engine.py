@@ -173,6 +173,45 @@ async def test_async_engine_streams_aborts_and_refuses(ckpt, workload):
         await engine.shutdown()
 
 
+async def test_async_engine_hands_a_step_to_the_loop_at_once(ckpt, workload):
+    """One step's deltas for every stream reach the event loop in one callback, not one per stream."""
+    prompts, expected = workload
+    loop = asyncio.get_running_loop()
+    handoffs = 0
+    threadsafe = loop.call_soon_threadsafe
+
+    def counting(callback, *args, **kwargs):
+        nonlocal handoffs
+        target = getattr(callback, "__self__", None)
+        if isinstance(target, asyncio.Queue) or getattr(callback, "__name__", "") == "_deliver":
+            handoffs += 1  # a delivery of stream items (any other callback is not counted)
+        return threadsafe(callback, *args, **kwargs)
+
+    engine = AsyncEngine(EngineConfig(model=ckpt, num_kv_blocks=64, max_num_seqs=4))
+    steps = 0
+    step = engine.engine.step
+
+    def counted_step():
+        nonlocal steps
+        steps += 1
+        return step()
+
+    engine.engine.step = counted_step  # type: ignore[method-assign]
+    loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+    try:
+
+        async def collect(i):
+            return [t async for d in engine.generate(prompts[i], GREEDY, request_id=f"h{i}") for t in d.token_ids]
+
+        tokens = await asyncio.gather(*(collect(i) for i in range(4)))
+        assert tokens == [expected[i] for i in range(4)]
+        # 4 streams x 16 tokens: one hand-off per stream per step would be about 4x the steps.
+        assert 0 < handoffs <= steps, (handoffs, steps)
+    finally:
+        del loop.call_soon_threadsafe
+        await engine.shutdown()
+
+
 async def test_async_engine_queue_bound(ckpt):
     engine = AsyncEngine(EngineConfig(model=ckpt, num_kv_blocks=64, max_waiting_requests=1, max_num_seqs=1))
     try:

@@ -5,8 +5,8 @@ The model runs off the event loop, so an HTTP server on that loop stays responsi
 the tokenizer and chat template on the engine's one tokenizer thread and the grammar in
 a grammar worker; the resulting PreparedRequest reaches the engine thread as it is,
 through a command queue (with ``AbortRequest``); deltas come back through per-request
-asyncio queues (``call_soon_threadsafe``). When a consumer stops iterating, its request
-is aborted and its blocks freed. On a fatal failure every in-flight request gets
+asyncio queues, one ``call_soon_threadsafe`` per consumer loop per step. When a consumer
+stops iterating, its request is aborted and its blocks freed. On a fatal failure every in-flight request gets
 ``EngineDeadError`` and the engine is reset and serves again, at most
 ``max_engine_restarts`` times within ``engine_restart_window_s``; past that the loop
 stops and ``is_running`` is False.
@@ -420,17 +420,37 @@ class AsyncEngine:
             self._post(stream, exc)
 
     def _dispatch(self, updates: list[EngineUpdate]) -> None:
-        for u in updates:
-            with self._lock:
-                stream = self._streams.get(u.request_id)
+        """Hand one step's updates to their consumers' loops: one wake-up per loop per step.
+
+        A callback per update would cost a self-pipe write and a loop iteration per
+        request per token; the loop then runs them all in one callback, in step order.
+        """
+        if not updates:
+            return
+        with self._lock:
+            found = [(self._streams.get(u.request_id), u) for u in updates]
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Any]]] = {}
+        for stream, u in found:
             if stream is None:
                 continue
+            batch = batches.setdefault(stream.loop, [])
             if u.deltas:
-                self._post(stream, u.deltas)
+                batch.append((stream.queue, u.deltas))
             if u.error is not None:
-                self._post(stream, u.error)
+                batch.append((stream.queue, u.error))
             elif u.output is not None:
-                self._post(stream, _DONE)
+                batch.append((stream.queue, _DONE))
+        for loop, batch in batches.items():
+            try:
+                loop.call_soon_threadsafe(self._deliver, batch)
+            except RuntimeError:  # the consumers' loop is closed: nobody to tell
+                pass
+
+    @staticmethod
+    def _deliver(batch: list[tuple[asyncio.Queue[Any], Any]]) -> None:
+        """On a consumer loop: put each item of one step's batch on its stream's queue."""
+        for queue, item in batch:
+            queue.put_nowait(item)
 
     @staticmethod
     def _post(stream: _Stream, item: Any) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
@@ -253,11 +254,45 @@ def _sse(payload: str) -> str:
     return f"data: {payload}\n\n"
 
 
+# pydantic-core escapes strings as this does (``"``, ``\\`` and control characters; the rest
+# as UTF-8), so the templates below give the protocol models' ``model_dump_json`` bytes.
+_quote = json.encoder.encode_basestring
+
+
+class TextChunks:
+    """The SSE payloads of one stream's text-only chunks, from a template made once per stream.
+
+    A chunk that carries only text (no role, logprobs or tool calls) is the same JSON every
+    token but for ``created``, the choice index, the text and the finish reason: the same
+    bytes as ``api.CompletionResponse(...)`` / ``api.ChatCompletionChunk(...).model_dump_json()``
+    without building and serializing models per token.
+    """
+
+    def __init__(self, request_id: str, model: str, chat: bool) -> None:
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        self._head = f'{{"id":{_quote(request_id)},"object":"{kind}","created":'
+        self._model = f',"model":{_quote(model)},"choices":[{{"index":'
+        if chat:
+            self._text = ',"delta":{"role":null,"content":'
+            self._finish = '},"logprobs":null,"finish_reason":'
+            self._tail = '}],"usage":null}'
+        else:
+            self._text = ',"text":'
+            self._finish = ',"logprobs":null,"finish_reason":'
+            self._tail = ',"prompt_logprobs":null}],"usage":null}'
+
+    def encode(self, created: int, index: int, text: str, finish: str | None) -> str:
+        """The JSON of one chunk."""
+        reason = "null" if finish is None else _quote(finish)
+        return f"{self._head}{created}{self._model}{index}{self._text}{_quote(text)}{self._finish}{reason}{self._tail}"
+
+
 async def _chat_stream(
     gen: Generation, body: api.ChatCompletionRequest, model: str, token_text: api.TokenText
 ) -> AsyncIterator[str]:
     usage = _Usage()
     top_k = _top_k(body)
+    texts = TextChunks(gen.request_id, model, chat=True)
 
     def chunk(choices: list[api.ChatChunkChoice], usage_: api.Usage | None = None) -> str:
         return _sse(
@@ -283,6 +318,10 @@ async def _chat_stream(
             else:
                 if not delta.text and delta.finish_reason is None:
                     continue  # the detokenizer holds back an incomplete character
+                if not (body.logprobs and delta.logprobs):
+                    text_chunk = texts.encode(int(time.time()), delta.index, delta.text, delta.finish_reason)
+                    yield _sse(text_chunk)
+                    continue
                 message, finish = api.DeltaMessage(content=delta.text), delta.finish_reason
             logprobs = None
             if body.logprobs and delta.logprobs:
@@ -307,6 +346,7 @@ async def _completion_stream(
     offsets = [0] * body.n
     prompt = _Prompt()
     echoed = [not body.echo] * body.n
+    texts = TextChunks(gen.request_id, model, chat=False)
 
     def chunk(choices: list[api.CompletionChoice], usage_: api.Usage | None = None) -> str:
         return _sse(
@@ -328,8 +368,11 @@ async def _completion_stream(
                 yield chunk([api.CompletionChoice(index=i, text=text, logprobs=logprobs)])
             if not delta.text and delta.finish_reason is None:
                 continue
+            if body.logprobs is None:
+                yield _sse(texts.encode(int(time.time()), i, delta.text, delta.finish_reason))
+                continue
             logprobs = None
-            if body.logprobs is not None and delta.logprobs:
+            if delta.logprobs:
                 logprobs = api.completion_logprobs(
                     delta.token_ids, delta.logprobs, top_k, token_text, text_offset=offsets[i]
                 )
