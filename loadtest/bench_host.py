@@ -15,10 +15,10 @@ checkpoint (loadtest/peers/vllm_decode_step.py, in a subprocess; its ``LLM()`` t
 80-90 s to start on a 2-core VM) and its median step sits beside ours as a ratio.
 ``--input-builders numpy,persistent`` alternates the timed steps between step-input
 builders on the same requests (a before/after of that cut in one run) and adds a table
-of them: ``persistent`` (the engine's: block tables kept between steps,
-input_builder.StepInputBuilder, one instance per name), ``numpy`` (tables rebuilt from
-the sequences' lists each step, input_builder.build_step_inputs) and ``reference`` (torch,
-step_inputs.build_step_inputs).
+of them (each builder's step, ``prepare`` phase and own call, medians): ``persistent``
+(the engine's: block tables kept between steps, input_builder.StepInputBuilder, one
+instance per name), ``numpy`` (tables rebuilt from the sequences' lists each step,
+input_builder.build_step_inputs) and ``reference`` (torch, step_inputs.build_step_inputs).
 
 Run: ``python -m prefixserve.loadtest.bench_host [--vllm-python /work/vllm-venv/bin/python]``;
 prints a markdown table and writes results/bench_host.json, .md and .png (the phases
@@ -128,10 +128,11 @@ def measure_ours(
             engine.step()
         for _ in range(warmup):
             engine.step()
-        runs: dict[str, dict[str, list[Any]]] = {name: {"wall": [], "phases": []} for name in names}
+        runs: dict[str, dict[str, list[Any]]] = {name: {"wall": [], "phases": [], "build": []} for name in names}
+        timed = {name: _timed(builders[name], runs[name]["build"]) for name in names}
         for i in range(steps * len(names)):
             name = names[i % len(names)]
-            engine.runner.build_inputs = builders[name]
+            engine.runner.build_inputs = timed[name]
             t0 = time.perf_counter()
             engine.step()
             runs[name]["wall"].append(time.perf_counter() - t0)
@@ -177,6 +178,18 @@ def run_vllm(
     return peer
 
 
+def _timed(build: Callable[..., Any], seconds: list[float]) -> Callable[..., Any]:
+    """``build``, appending the seconds of each call to ``seconds`` (the builder alone, inside ``prepare``)."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        inputs = build(*args, **kwargs)
+        seconds.append(time.perf_counter() - t0)
+        return inputs
+
+    return call
+
+
 def summarize(ours: dict[int, dict[str, Any]], peer: dict[str, Any] | None) -> list[dict[str, Any]]:
     """One row per batch size: medians over the timed steps (ms), and vLLM's beside them."""
     rows = []
@@ -189,6 +202,8 @@ def summarize(ours: dict[int, dict[str, Any]], peer: dict[str, Any] | None) -> l
             "parts_ms": {part: 1e3 * statistics.median(p[part] for p in phases) for part in PARTS},
             "steps": len(run["wall"]),
         }
+        if run.get("build"):
+            row["build_ms"] = 1e3 * statistics.median(run["build"])
         if peer is not None and str(batch) in peer["steps"]:
             row["vllm_step_ms"] = 1e3 * statistics.median(peer["steps"][str(batch)])
             row["x_vllm"] = row["step_ms"] / row["vllm_step_ms"]
@@ -214,18 +229,22 @@ def render(result: dict[str, Any]) -> str:
         lines += ["", f"Input builders, steps alternating on the same requests (ms; ratio to {base}):", ""]
         head = (
             ["batch"]
-            + [f"{b} step / prepare" for b in builders]
-            + [f"{b} ÷ {base} (step, prepare)" for b in builders[1:]]
+            + [f"{b} step / prepare / build" for b in builders]
+            + [f"{b} ÷ {base} (step, prepare, build)" for b in builders[1:]]
         )
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         by = {b: {r["batch"]: r for r in result["builder_rows"][b]} for b in builders}
         for batch in sorted(by[base]):
             cells = [str(batch)]
-            cells += [f"{by[b][batch]['step_ms']:.3f} / {by[b][batch]['parts_ms']['prepare']:.3f}" for b in builders]
+            cells += [
+                f"{r['step_ms']:.3f} / {r['parts_ms']['prepare']:.3f} / {r['build_ms']:.3f}"
+                for r in (by[b][batch] for b in builders)
+            ]
             for b in builders[1:]:
                 r, r0 = by[b][batch], by[base][batch]
                 cells.append(
-                    f"{r['step_ms'] / r0['step_ms']:.2f}, {r['parts_ms']['prepare'] / r0['parts_ms']['prepare']:.2f}"
+                    f"{r['step_ms'] / r0['step_ms']:.2f}, {r['parts_ms']['prepare'] / r0['parts_ms']['prepare']:.2f}, "
+                    f"{r['build_ms'] / r0['build_ms']:.2f}"
                 )
             lines.append("| " + " | ".join(cells) + " |")
     env = result["environment"]
