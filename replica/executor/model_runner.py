@@ -30,7 +30,7 @@ from prefixserve.replica.model import loader
 from prefixserve.replica.model.layers import TPGroup
 from prefixserve.replica.model.llama import LlamaForCausalLM, ModelConfig
 from prefixserve.replica.model.startup import StartupTimer
-from prefixserve.replica.worker.input_builder import build_step_inputs
+from prefixserve.replica.worker.input_builder import StepInputBuilder
 from prefixserve.replica.worker.model_shard import ModelShard, resolve_device, resolve_dtype
 from prefixserve.replica.worker.sampler import SampleResult, SampleSpec, prompt_logprobs, sample
 from prefixserve.replica.worker.step_inputs import StepInputs
@@ -147,9 +147,11 @@ class ModelRunner:
         self.generator.manual_seed(config.seed)
         # The engine's step timer (replica/engine/step_timer.py): called with a phase's name as it ends.
         self.lap: Callable[[str], None] | None = None
-        # Builds each step's inputs; step_inputs.build_step_inputs (the torch reference) takes the
-        # same arguments and gives the same tensors (bench_host compares the two).
-        self.build_inputs: Callable[..., StepInputs] = build_step_inputs
+        # Builds each step's inputs, keeping the block tables between steps; the stateless
+        # builders (input_builder.build_step_inputs, step_inputs.build_step_inputs, the torch
+        # reference) take the same arguments and give the same tensors (bench_host compares them).
+        max_blocks = -(-max_model_len // self.shard.block_size)
+        self.build_inputs: Callable[..., StepInputs] = StepInputBuilder(config.max_num_seqs, max_blocks)
 
     def _start_workers(
         self, checkpoint: loader.CheckpointSource, checkpoint_dtype: torch.dtype | None, threads: list[int | None]
