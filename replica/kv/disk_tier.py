@@ -301,16 +301,21 @@ class DiskTier:
             self._list_lock.release()
 
     def _note(self, block_hash: bytes, present: bool) -> None:
-        """Record what this process saw of ``block_hash``'s file in the known set."""
+        """Record what this process saw of ``block_hash``'s file in the known set (and, while a
+        listing runs, in the changes applied over its result: kept only then, so that misses
+        between listings leave nothing behind)."""
         with self._lock:
+            listing = self._list_lock.locked()
             if present:
                 self._known.add(block_hash)
-                self._added.add(block_hash)
-                self._gone.discard(block_hash)
+                if listing:
+                    self._added.add(block_hash)
+                    self._gone.discard(block_hash)
             else:
                 self._known.discard(block_hash)
-                self._gone.add(block_hash)
-                self._added.discard(block_hash)
+                if listing:
+                    self._gone.add(block_hash)
+                    self._added.discard(block_hash)
 
     def load(self, block_hash: bytes) -> bytes | None:
         """The verified payload, or None (a miss; an invalid file is deleted; a fault stops the tier)."""
