@@ -43,6 +43,9 @@ PLACED_SERIES = (
     "prefixserve_router_history_index_entries",
 )
 
+# Series only an engine with a KV tier (host or disk) exports.
+TIER_SERIES = ("vllm:external_prefix_cache_", "prefixserve:kv_tier_", "prefixserve:kv_disk_", "prefixserve:kv_drain_")
+
 
 @dataclass(frozen=True)
 class Query:
@@ -61,6 +64,11 @@ class Query:
     def needs_placed(self) -> bool:
         """True when only a ``placed`` router exports its series (conversation routing)."""
         return any(name in self.expr for name in PLACED_SERIES)
+
+    @property
+    def needs_tiers(self) -> bool:
+        """True when only replicas with KV tiers (``kv_offloading_size``, ``kv_disk_path``) export its series."""
+        return any(name in self.expr for name in TIER_SERIES)
 
 
 def dashboard_queries(path: Path = DASHBOARD) -> list[Query]:

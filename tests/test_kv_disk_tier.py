@@ -348,3 +348,11 @@ def test_a_save_writes_now_with_its_mtime_and_a_touch_reorders_the_size_bound(tm
         assert not tier.touch(_hash(2), 3_000_000_000)  # no file
     finally:
         tier.close()
+
+
+def test_misses_between_listings_leave_nothing_behind(tmp_path):
+    tier = DiskTier(str(tmp_path), 1 << 20, KEY)
+    for i in range(100):
+        assert tier.load(_hash(i)) is None  # the lookups of a replica that never publishes
+    assert not tier._added and not tier._gone
+    tier.close()

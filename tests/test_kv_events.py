@@ -268,3 +268,63 @@ def test_a_real_engine_reports_its_host_tier_blocks(tmp_path):
     assert KVEventConsumer().apply("r", payload) == [("k", True)]
     assert payload["held"]["k"][0] < 2  # the device alone would not hold the key
     llm.shutdown()
+
+
+def test_a_publish_with_a_disk_tier_lists_the_directory_at_most_once(tmp_path, monkeypatch):
+    """The publisher's tier lookups of a real disk tier cost no per-block system call: at most
+    one directory listing per ``list_every_s``, whatever the number of tracked blocks."""
+    import os
+
+    from prefixserve.replica.kv.disk_tier import DiskKey, DiskTier
+
+    key = DiskKey("ab" * 32, "float32", 16, "cpu:2x16x16.2x16x16", 0, 1, 64)
+    now = [0.0]
+    tier = DiskTier(str(tmp_path), 1 << 24, key, list_every_s=2.0, clock=lambda: now[0])
+    other = DiskTier(str(tmp_path), 1 << 24, key)  # another replica sharing the directory
+    keys = {f"k{k}": [h(k * 1000 + i) for i in range(32)] for k in range(64)}
+    pub = KVEventPublisher(snapshot_every=1000)
+    for k, hashes in keys.items():
+        pub.remember(k, hashes)
+
+    def medium_of(x: bytes) -> str | None:
+        return MEDIUM_DISK if tier.contains(x) else None
+
+    calls = {"stat": 0, "scandir": 0}
+    real_stat, real_scandir = os.stat, os.scandir
+
+    def counting_stat(*args, **kwargs):
+        calls["stat"] += 1
+        return real_stat(*args, **kwargs)
+
+    def counting_scandir(*args, **kwargs):
+        calls["scandir"] += 1
+        return real_scandir(*args, **kwargs)
+
+    def publish() -> dict:
+        calls.update(stat=0, scandir=0)
+        monkeypatch.setattr(os, "stat", counting_stat)
+        monkeypatch.setattr(os, "scandir", counting_scandir)
+        try:
+            return pub.publish(set().__contains__, medium_of, tier.contains, tier.group)
+        finally:
+            monkeypatch.undo()
+
+    assert publish()["tiers"]["k0"] == [0, 0, 0, 0]
+    assert calls == {"stat": 0, "scandir": 0}
+    for x in keys["k0"][:8]:  # the other replica writes a key's first 8 blocks
+        other.store(x, bytes(64))
+    assert other.flush()
+    assert publish()["tiers"].get("k0") is None  # within the listing interval: not seen yet
+    assert calls == {"stat": 0, "scandir": 0}
+    now[0] += 2.0
+    assert publish()["tiers"]["k0"] == [0, 0, 8, 8]  # one listing sees the other replica's files
+    assert calls == {"stat": 0, "scandir": 1}
+    assert publish()["tiers"].get("k0") is None  # unchanged: no event, no listing
+    assert calls == {"stat": 0, "scandir": 0}
+    os.remove(os.path.join(tier.path, key.file_name(keys["k0"][7])))  # the other replica's trim
+    assert tier.load(keys["k0"][7]) is None  # a miss found by a read leaves the set at once
+    assert publish()["tiers"]["k0"] == [0, 0, 7, 7]
+    assert tier.store(keys["k1"][0], bytes(64)) and tier.flush()  # this replica's write shows at once
+    assert publish()["tiers"]["k1"] == [0, 0, 1, 1] and calls["stat"] == 0
+    tier.close()
+    other.close()

@@ -25,6 +25,14 @@ The directory is bounded by ``size_bytes``: past it the writer deletes the least
 recently used files (reads refresh a file's mtime) down to ``TRIM_TO`` of the bound,
 rescanning the directory, so files other replicas wrote count too.
 
+``contains`` answers from memory: the tier keeps the set of block hashes it knows to be
+in the directory (what it wrote, read or found there), refreshed from a directory
+listing (names only, no ``stat``) at most every ``list_every_s`` seconds, since other
+replicas write into and trim the same directory. A lookup therefore costs no system
+call; its answer may lag another replica's write or trim by that interval. That lag
+never serves a wrong token (``load`` reads and verifies the file, and a file found
+missing leaves the set) and never writes a block twice (the writer checks the file).
+
 A disk fault (full, read-only, the directory gone) stops the tier for good with one
 warning and one ``errors`` count; serving goes on from the other tiers. A directory
 that cannot be used at start raises ``ValueError`` naming it.
@@ -56,6 +64,8 @@ TMP_SUFFIX = ".tmp"
 TRIM_TO = 0.9
 # A temporary file older than this is a dead writer's leftover (deleted at start).
 STALE_TMP_S = 600.0
+# Seconds between the directory listings that refresh the set ``contains`` answers from.
+LIST_EVERY_S = 2.0
 _HEADER_LEN = struct.Struct("<I")
 
 
@@ -160,6 +170,8 @@ class DiskTier:
         key: DiskKey,
         queue_blocks: int = 256,
         on_error: Callable[[str], None] | None = None,
+        list_every_s: float = LIST_EVERY_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if size_bytes < key.payload_bytes:
             raise ValueError(
@@ -171,10 +183,19 @@ class DiskTier:
         self.stats = DiskTierStats()
         self._on_error = on_error
         self._enabled = True
+        self._lock = threading.Lock()
+        self._list_lock = threading.Lock()  # one listing at a time; lookups meanwhile use the set
+        self.list_every_s = list_every_s
+        self._clock = clock
+        # The hashes known to have a file; ``_added`` and ``_gone`` collect the changes this
+        # process makes while a listing runs, applied over the listing's result.
+        self._known: set[bytes] = set()
+        self._added: set[bytes] = set()
+        self._gone: set[bytes] = set()
         self._check_usable()
         self._bytes = self._scan_size()
+        self._listed_at = self._clock()
         self._queue: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue(maxsize=queue_blocks)
-        self._lock = threading.Lock()
         self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
         self._writer.start()
 
@@ -195,9 +216,11 @@ class DiskTier:
             ) from exc
 
     def _scan_size(self) -> int:
-        """Bytes of block files in the directory; deletes dead writers' temporary files."""
+        """Bytes of block files in the directory (and the known set of this key's); deletes dead
+        writers' temporary files."""
         total = 0
         now = time.time()
+        known = set()
         for entry in self._entries():
             try:
                 st = entry.stat()
@@ -208,7 +231,21 @@ class DiskTier:
                     _remove(entry.path)
             elif entry.name.endswith(SUFFIX):
                 total += st.st_size
+                h = self._hash_of_name(entry.name)
+                if h is not None:
+                    known.add(h)
+        self._known = known
         return total
+
+    def _hash_of_name(self, name: str) -> bytes | None:
+        """The block hash a file name of this key carries, or None (another key's file, or no block)."""
+        head = self.key.prefix + "-"
+        if not (name.startswith(head) and name.endswith(SUFFIX)):
+            return None
+        try:
+            return bytes.fromhex(name[len(head) : -len(SUFFIX)])
+        except ValueError:
+            return None
 
     def _entries(self) -> list[os.DirEntry[str]]:
         with os.scandir(self.path) as it:
@@ -234,7 +271,51 @@ class DiskTier:
         return os.path.join(self.path, self.key.file_name(block_hash))
 
     def contains(self, block_hash: bytes) -> bool:
-        return self._enabled and os.path.exists(self._file(block_hash))
+        """Whether the directory holds ``block_hash``'s file, from the known set (module docstring)."""
+        if not self._enabled:
+            return False
+        if self._clock() - self._listed_at >= self.list_every_s:
+            self._relist()
+        return block_hash in self._known
+
+    def _relist(self) -> None:
+        """Rebuild the known set from a listing of the directory's names (skipped while another
+        thread lists: that thread's result serves)."""
+        if not self._list_lock.acquire(blocking=False):
+            return
+        try:
+            self._listed_at = self._clock()  # a failed listing waits its turn too
+            with self._lock:
+                self._added.clear()
+                self._gone.clear()
+            try:
+                with os.scandir(self.path) as it:
+                    listed = {h for e in it if (h := self._hash_of_name(e.name)) is not None}
+            except OSError as exc:
+                if not os.path.isdir(self.path):
+                    self._fail("read", exc)
+                return
+            with self._lock:
+                self._known = (listed | self._added) - self._gone
+        finally:
+            self._list_lock.release()
+
+    def _note(self, block_hash: bytes, present: bool) -> None:
+        """Record what this process saw of ``block_hash``'s file in the known set (and, while a
+        listing runs, in the changes applied over its result: kept only then, so that misses
+        between listings leave nothing behind)."""
+        with self._lock:
+            listing = self._list_lock.locked()
+            if present:
+                self._known.add(block_hash)
+                if listing:
+                    self._added.add(block_hash)
+                    self._gone.discard(block_hash)
+            else:
+                self._known.discard(block_hash)
+                if listing:
+                    self._gone.add(block_hash)
+                    self._added.discard(block_hash)
 
     def load(self, block_hash: bytes) -> bytes | None:
         """The verified payload, or None (a miss; an invalid file is deleted; a fault stops the tier)."""
@@ -245,6 +326,7 @@ class DiskTier:
             with open(name, "rb") as f:
                 data = f.read()
         except FileNotFoundError:
+            self._note(block_hash, False)
             if not os.path.isdir(self.path):
                 self._fail("read", FileNotFoundError(errno.ENOENT, "the directory vanished", self.path))
             return None
@@ -255,11 +337,13 @@ class DiskTier:
         if payload is None:
             self.stats.invalid_files += 1
             _remove(name)
+            self._note(block_hash, False)
             return None
         try:
             os.utime(name)  # the size bound evicts the least recently used files first
         except OSError:
             pass  # evicted by another replica meanwhile: the payload read is whole and verified
+        self._note(block_hash, True)
         self.stats.loaded_blocks += 1
         self.stats.loaded_bytes += len(payload)
         return payload
@@ -297,6 +381,7 @@ class DiskTier:
         try:
             os.utime(self._file(block_hash), ns=(mtime_ns, mtime_ns))
         except OSError:
+            self._note(block_hash, False)
             return False
         return True
 
@@ -333,6 +418,7 @@ class DiskTier:
     def _write(self, block_hash: bytes, payload: bytes) -> None:
         target = self._file(block_hash)
         if os.path.exists(target):
+            self._note(block_hash, True)
             return  # another replica (or an earlier store) wrote it: content-addressed
         data = encode_block_file(self.key, block_hash, payload)
         tmp = f"{target}.{os.getpid()}-{threading.get_ident()}{TMP_SUFFIX}"
@@ -344,6 +430,7 @@ class DiskTier:
             _remove(tmp)
             self._fail("write", exc)
             return
+        self._note(block_hash, True)
         self.stats.stored_blocks += 1
         self.stats.stored_bytes += len(payload)
         self._bytes += len(data)
@@ -368,6 +455,9 @@ class DiskTier:
                 break
             if _remove(name):
                 self.stats.evicted_files += 1
+                h = self._hash_of_name(os.path.basename(name))
+                if h is not None:
+                    self._note(h, False)
             total -= size
         self._bytes = total
 
