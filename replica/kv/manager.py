@@ -834,7 +834,7 @@ class KVCacheManager:
     def tier_medium(self, block_hash: bytes) -> str | None:
         """The tier behind the device pool that holds ``block_hash`` (host, then disk), or None.
 
-        Reads only (a dict lookup, a file's existence), so the routing-stats thread may ask
+        Reads only (a dict lookup, the disk tier's known-hash set), so the routing-stats thread may ask
         while the engine steps: the KV events' medium of a block the device lacks.
         """
         if block_hash in self._host_of_hash:
