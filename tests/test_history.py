@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from prefixserve.replica.kv.hashing import BlockHasher
@@ -12,6 +14,7 @@ from prefixserve.router.policies import (
     Replica,
 )
 from prefixserve.router.policies.history import HistoryIndex
+from prefixserve.router.policies.recent import RecentCounts
 
 BS = 16
 HASHER = BlockHasher()
@@ -162,3 +165,55 @@ def test_a_conversational_keys_new_conversations_spread_a_one_shot_keys_do_not()
         loads = {**idle, owner: 1}
         d = policy.rank(_replicas(loads), key, history=chain(conversation(900 + base, 1)), static_blocks=STATIC_BLOCKS)
         assert (d.chosen.name != owner) == (key == "chat-app"), key
+
+
+def test_recent_counts_decay_with_their_time_constant_and_survive_a_rescale():
+    counts = RecentCounts(10.0)
+    for _ in range(4):
+        counts.add("r0", 0.0)
+    counts.add("r1", 5.0)
+    r0, r1, r2 = counts.counts(["r0", "r1", "r2"], 10.0)
+    assert r0 == pytest.approx(4 * math.exp(-1.0)) and r1 == pytest.approx(math.exp(-0.5)) and r2 == 0.0
+    counts.add("r1", 1000.0)  # 100 time constants later: the reference moves, the values stay right
+    assert counts.counts(["r0", "r1"], 1010.0) == pytest.approx([0.0, math.exp(-1.0)], abs=1e-12)
+    assert len(counts) == 1  # a value decayed to nothing is dropped when the reference moves
+    counts.forget("r1")
+    assert counts.counts(["r1"], 1010.0) == [0.0]
+    with pytest.raises(ValueError, match="tau_s"):
+        RecentCounts(0.0)
+
+
+def _conversation_then_new(policy: Placed, names: list[str], turns: int) -> tuple[str, str]:
+    """One conversation of ``turns`` turns (each finished before the next), then a new one: their replicas."""
+    idle = dict.fromkeys(names, 0)
+    first = ""
+    for t in range(1, turns + 1):
+        d = policy.rank(_replicas(idle), "app", history=chain(conversation(1, t)), static_blocks=STATIC_BLOCKS)
+        policy.done("app")
+        first = first or d.chosen.name
+        assert d.chosen.name == first  # the conversation stays where it started
+    d = policy.rank(_replicas(idle), "app", history=chain(conversation(2, 1)), static_blocks=STATIC_BLOCKS)
+    return first, d.chosen.name
+
+
+def test_a_new_conversation_avoids_the_replica_sent_most_recently_not_only_the_busiest():
+    names = [f"r{i}" for i in range(4)]
+    # Every earlier turn finished: in flight, all replicas look alike; the recent counts do not.
+    first, new = _conversation_then_new(Placed(clock=lambda: 0.0, recent_tau_s=300.0), names, 6)
+    assert new != first
+    first, new = _conversation_then_new(Placed(clock=lambda: 0.0, recent_tau_s=None), names, 6)
+    assert new == first  # by in-flight alone the key's owner takes it
+
+
+def test_a_conversation_on_a_replica_far_over_its_share_of_recent_requests_moves():
+    names = [f"r{i}" for i in range(4)]
+    for move, moved in ((0.25, True), (None, False)):
+        policy = Placed(clock=lambda: 0.0, recent_tau_s=300.0, move_epsilon=move)
+        idle = dict.fromkeys(names, 0)
+        kinds = []
+        for t in range(1, 9):
+            d = policy.rank(_replicas(idle), "app", history=chain(conversation(1, t)), static_blocks=STATIC_BLOCKS)
+            policy.done("app")
+            kinds.append(d.kind)
+        # A moved conversation follows its history again from its new replica on.
+        assert kinds[1] == KIND_HISTORY and all(k == KIND_HISTORY for k in kinds[1:]) == (not moved), kinds

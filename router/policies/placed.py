@@ -36,6 +36,7 @@ from prefixserve.router.policies.base import (
 from prefixserve.router.policies.consistent import RingPolicy
 from prefixserve.router.policies.history import DEFAULT_MAX_ENTRIES, HistoryIndex
 from prefixserve.router.policies.placement import PlacementTable
+from prefixserve.router.policies.recent import RecentCounts
 
 BALANCE_EPSILON: float | None = None
 
@@ -89,6 +90,9 @@ class PlacedOptions(RingOptions):
     new_epsilon: float | None = 0.25
     conversation_spread: int = 0
     balance_epsilon: float | None = BALANCE_EPSILON
+    recent_tau_s: float | None = None
+    recent_epsilon: float = 0.1
+    move_epsilon: float | None = None
     clock: Callable[[], float] | None = None
 
     def __post_init__(self) -> None:
@@ -105,9 +109,12 @@ class PlacedOptions(RingOptions):
             "hot_share",
             "new_epsilon",
             "balance_epsilon",
+            "recent_tau_s",
+            "recent_epsilon",
+            "move_epsilon",
         ):
             v = getattr(self, name)
-            if name in ("work_epsilon", "new_epsilon", "balance_epsilon") and v is None:
+            if name in ("work_epsilon", "new_epsilon", "balance_epsilon", "recent_tau_s", "move_epsilon") and v is None:
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > 0 and math.isfinite(v)):
                 raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
@@ -216,6 +223,7 @@ class Placed(RingPolicy):
         self._clock: Callable[[], float] = o.clock if o.clock is not None else time.monotonic
         self.table = PlacementTable(o.epsilon, o.tau_s, o.hot_share, o.precise, o.work_epsilon, o.noise_z)
         self.history = HistoryIndex(o.history_max_entries) if o.history_max_entries else None
+        self.recent = RecentCounts(o.recent_tau_s) if o.recent_tau_s is not None else None
         self._next_rebalance: float | None = None
         self._table_members: tuple[tuple[str, int], ...] = ()
         self._turns: dict[str, int] = {}  # replicated key -> requests counted (tie rotation)
@@ -359,10 +367,20 @@ class Placed(RingPolicy):
         conv_cap = cap
         if history is not None and self.options.balance_epsilon is not None:
             conv_cap = min(cap, sum(loads) / len(candidates) * (1.0 + self.options.balance_epsilon) + 1.0)
+        recent: list[float] = []
+        recent_bound = move_bound = math.inf
+        if history is not None and self.recent is not None:
+            recent = self.recent.counts(names, now)
+            mean_recent = sum(recent) / len(recent)
+            recent_bound = mean_recent * (1.0 + self.options.recent_epsilon) + 1.0
+            if self.options.move_epsilon is not None:
+                move_bound = mean_recent * (1.0 + self.options.move_epsilon) + 1.0
         if best > static_blocks:
             # A conversation's later turn: the replica holding most of its history, if under the cap
             # (the least loaded of several, the placement's first).
             holders = [p for p, b in held.items() if b == best and loads[p] < conv_cap]
+            if recent:
+                holders = [p for p in holders if recent[p] < move_bound]
             if holders:
                 chosen = min(holders, key=lambda p: (loads[p], p not in placed, p))
                 kind = KIND_HISTORY
@@ -386,6 +404,20 @@ class Placed(RingPolicy):
             if want > len(group):
                 group += [p for p in order if p not in placed][: want - len(group)]
             under = [p for p in group if loads[p] < conv_cap]
+            if recent:
+                # By the requests each was sent recently (a conversation stays where it starts):
+                # the fewest among those under the bound, the set grown by the first ring
+                # successor under it when none is.
+                under = [p for p in under if recent[p] < recent_bound]
+                if not under:
+                    more = next(
+                        (p for p in order if p not in group and loads[p] < conv_cap and recent[p] < recent_bound),
+                        None,
+                    )
+                    under = [more] if more is not None else []
+                if under:
+                    low_recent = min(recent[p] for p in under)
+                    under = [p for p in under if recent[p] == low_recent]
             if under:
                 low = min(loads[p] for p in under)
                 tied = [p for p in under if loads[p] == low]
@@ -431,6 +463,8 @@ class Placed(RingPolicy):
                 turns[1] //= 2
         if count:
             self._key_in_flight[key] = self._key_in_flight.get(key, 0) + 1
+            if self.recent is not None:
+                self.recent.add(names[chosen], now)
         if history and count and self.history is not None:
             # What the router sent counts as held until a report says otherwise.
             self.history.record(candidates[chosen].name, history)
