@@ -183,37 +183,31 @@ def test_recent_counts_decay_with_their_time_constant_and_survive_a_rescale():
         RecentCounts(0.0)
 
 
-def _conversation_then_new(policy: Placed, names: list[str], turns: int) -> tuple[str, str]:
-    """One conversation of ``turns`` turns (each finished before the next), then a new one: their replicas."""
-    idle = dict.fromkeys(names, 0)
-    first = ""
+def _long_conversation(policy: Placed, loads: dict[str, int], turns: int) -> str:
+    """One conversation of ``turns`` turns, each finished but the last: its replica (it stays there)."""
+    chosen = ""
     for t in range(1, turns + 1):
-        d = policy.rank(_replicas(idle), "app", history=chain(conversation(1, t)), static_blocks=STATIC_BLOCKS)
-        policy.done("app")
-        first = first or d.chosen.name
-        assert d.chosen.name == first  # the conversation stays where it started
-    d = policy.rank(_replicas(idle), "app", history=chain(conversation(2, 1)), static_blocks=STATIC_BLOCKS)
-    return first, d.chosen.name
+        d = policy.rank(_replicas(loads), "app", history=chain(conversation(1, t)), static_blocks=STATIC_BLOCKS)
+        if t < turns:
+            policy.done("app")
+        assert chosen in ("", d.chosen.name)
+        chosen = d.chosen.name
+    return chosen
 
 
-def test_a_new_conversation_avoids_the_replica_sent_most_recently_not_only_the_busiest():
-    names = [f"r{i}" for i in range(4)]
-    # Every earlier turn finished: in flight, all replicas look alike; the recent counts do not.
-    first, new = _conversation_then_new(Placed(clock=lambda: 0.0, recent_tau_s=300.0), names, 6)
-    assert new != first
-    first, new = _conversation_then_new(Placed(clock=lambda: 0.0, recent_tau_s=None), names, 6)
-    assert new == first  # by in-flight alone the key's owner takes it
+def test_a_new_conversation_goes_where_fewest_requests_went_recently_not_only_the_idlest():
+    loads = {"r0": 0, "r1": 0}  # in flight, both replicas look alike (as the policy's candidates)
+    for tau, elsewhere in ((300.0, True), (None, False)):
+        policy = Placed(clock=lambda: 0.0, recent_tau_s=tau)
+        first = _long_conversation(policy, loads, 6)  # its last turn in flight: the key's set has both
+        d = policy.rank(_replicas(loads), "app", history=chain(conversation(2, 1)), static_blocks=STATIC_BLOCKS)
+        assert (d.chosen.name != first) == elsewhere, tau
 
 
 def test_a_conversation_on_a_replica_far_over_its_share_of_recent_requests_moves():
-    names = [f"r{i}" for i in range(4)]
+    loads = {"r0": 0, "r1": 0}
     for move, moved in ((0.25, True), (None, False)):
         policy = Placed(clock=lambda: 0.0, recent_tau_s=300.0, move_epsilon=move)
-        idle = dict.fromkeys(names, 0)
-        kinds = []
-        for t in range(1, 9):
-            d = policy.rank(_replicas(idle), "app", history=chain(conversation(1, t)), static_blocks=STATIC_BLOCKS)
-            policy.done("app")
-            kinds.append(d.kind)
-        # A moved conversation follows its history again from its new replica on.
-        assert kinds[1] == KIND_HISTORY and all(k == KIND_HISTORY for k in kinds[1:]) == (not moved), kinds
+        first = _long_conversation(policy, loads, 8)
+        d = policy.rank(_replicas(loads), "app", history=chain(conversation(1, 9)), static_blocks=STATIC_BLOCKS)
+        assert (d.chosen.name != first) == moved and (d.kind == KIND_HISTORY) == (not moved), move

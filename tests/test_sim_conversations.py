@@ -66,3 +66,28 @@ def test_history_matching_beats_the_static_key_alone(workload):
     history = S.simulate(config, "placed", traffic)
     static = S.simulate(config, "placed_static", traffic)
     assert history.hit_rate > static.hit_rate
+
+
+def test_recent_counts_even_the_requests_per_replica_without_giving_up_hits():
+    # The agent workload on 8 replicas: a conversation stays where it starts, so choosing new
+    # ones by in-flight alone leaves replicas with more sessions (requests) than others.
+    config = S.SimConfig(
+        **{**CONV.__dict__, "workload": "agent", "num_replicas": 8, "num_requests": 2000, "blocks_per_replica": 2048}
+    )
+    traffic = S.make_traffic(config)
+    default = S.simulate(config, "placed", traffic)
+    in_flight = S.simulate(
+        S.SimConfig(**{**config.__dict__, "placed_options": (("recent_tau_s", None), ("move_epsilon", None))}),
+        "placed",
+        traffic,
+    )
+    assert default.load_max_over_mean <= 1.25 < in_flight.load_max_over_mean
+    assert default.hit_rate > in_flight.hit_rate - 0.01
+
+
+def test_a_bad_placed_option_is_a_clear_cli_error(capsys):
+    for bad in ("recent_tau_s", "recent_tau_s=-1", "no_such_option=1", "recent_tau_s=abc"):
+        with pytest.raises(SystemExit) as exc:
+            S.main(["--placed-option", bad, "--requests", "10", "--sweep-replicas", "", "--sweep-epsilons", ""])
+        assert exc.value.code == 2
+        assert "error" in capsys.readouterr().err

@@ -39,6 +39,8 @@ from prefixserve.router.policies.placement import PlacementTable
 from prefixserve.router.policies.recent import RecentCounts
 
 BALANCE_EPSILON: float | None = None
+RECENT_TAU_S: float | None = 300.0
+MOVE_EPSILON: float | None = 0.25
 
 
 @dataclass(frozen=True)
@@ -90,9 +92,9 @@ class PlacedOptions(RingOptions):
     new_epsilon: float | None = 0.25
     conversation_spread: int = 0
     balance_epsilon: float | None = BALANCE_EPSILON
-    recent_tau_s: float | None = None
+    recent_tau_s: float | None = RECENT_TAU_S
     recent_epsilon: float = 0.1
-    move_epsilon: float | None = None
+    move_epsilon: float | None = MOVE_EPSILON
     clock: Callable[[], float] | None = None
 
     def __post_init__(self) -> None:
@@ -369,7 +371,11 @@ class Placed(RingPolicy):
             conv_cap = min(cap, sum(loads) / len(candidates) * (1.0 + self.options.balance_epsilon) + 1.0)
         recent: list[float] = []
         recent_bound = move_bound = math.inf
-        if history is not None and self.recent is not None:
+        turns = self._conversational.get(key)
+        conversational = turns is not None and 2 * turns[0] >= turns[1]
+        if history is not None and self.recent is not None and conversational:
+            # A conversational key (most of its requests follow a history): its replicas' recent
+            # requests are its sessions' future load. A one-shot key keeps the placement's balance.
             recent = self.recent.counts(names, now)
             mean_recent = sum(recent) / len(recent)
             recent_bound = mean_recent * (1.0 + self.options.recent_epsilon) + 1.0
@@ -397,27 +403,23 @@ class Placed(RingPolicy):
             # A key whose requests mostly continue conversations (an app's users' chats):
             # its new conversations also spread over its next ring successors, since a
             # conversation stays where it starts and one static-prefix miss buys all its turns.
-            turns = self._conversational.get(key)
-            if turns is not None and 2 * turns[0] >= turns[1] and self.options.conversation_spread:
+            if conversational and self.options.conversation_spread:
                 want = min(len(order), max(want, len(placed)) + self.options.conversation_spread)
             group = list(placed)
             if want > len(group):
                 group += [p for p in order if p not in placed][: want - len(group)]
             under = [p for p in group if loads[p] < conv_cap]
-            if recent:
-                # By the requests each was sent recently (a conversation stays where it starts):
-                # the fewest among those under the bound, the set grown by the first ring
-                # successor under it when none is.
-                under = [p for p in under if recent[p] < recent_bound]
-                if not under:
-                    more = next(
-                        (p for p in order if p not in group and loads[p] < conv_cap and recent[p] < recent_bound),
-                        None,
-                    )
-                    under = [more] if more is not None else []
-                if under:
-                    low_recent = min(recent[p] for p in under)
-                    under = [p for p in under if recent[p] == low_recent]
+            if recent and not under:
+                # The whole set over the cap: the first ring successor under it whose recent
+                # requests are within recent_epsilon of the mean (a spill that would not pile
+                # conversations onto a replica their sessions already load).
+                more = next((p for p in order if loads[p] < conv_cap and recent[p] < recent_bound), None)
+                under = [more] if more is not None else []
+            if recent and under:
+                # Of those, the fewest requests sent recently: a conversation stays where it
+                # starts, so they are the load its sessions will bring, which in flight is not.
+                low_recent = min(recent[p] for p in under)
+                under = [p for p in under if recent[p] == low_recent]
             if under:
                 low = min(loads[p] for p in under)
                 tied = [p for p in under if loads[p] == low]
