@@ -77,6 +77,19 @@ class PlacedOptions(RingOptions):
         a replica only under ``mean * (1 + balance_epsilon) + 1`` in flight (and the
         ordinary cap); past it the request falls to the placement and spill logic.
         None: the ordinary cap alone.
+    recent_tau_s: time constant (seconds) of the per-replica decayed counts of
+        requests sent (router/policies/recent.py). A conversational key's new
+        conversation goes to the replica of its set sent the fewest recently (then
+        the least in flight): a conversation stays where it starts, so these are its
+        sessions' future load. None: by in-flight alone.
+    recent_epsilon: with ``recent_tau_s``, a conversational key's new conversation
+        whose whole set is over the cap goes to the first ring successor under it
+        whose recent count is under ``mean * (1 + recent_epsilon) + 1``, else spills
+        as any request.
+    move_epsilon: with ``recent_tau_s``, a later turn whose history holders were all
+        sent ``mean * (1 + move_epsilon) + 1`` recent requests or more is placed as
+        a new conversation (it recomputes its history once). None: never moved
+        for balance.
     clock: seconds, monotonic (default ``time.monotonic``); tests inject one.
     """
 
