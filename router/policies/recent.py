@@ -10,8 +10,10 @@ requests) do not show.
 Each event adds ``exp((now - t0) / tau)`` to its replica (so adding is O(1));
 reading multiplies by ``exp(-(now - t0) / tau)``; the reference ``t0`` moves to
 ``now`` (every value rescaled) once it is ``_MAX_AGE_TAUS`` time constants old.
-Replicas never sent a request read 0; ``forget(name)`` drops one. Bounded by the
-names it is given (the candidates). Pure Python.
+Replicas never sent a request read 0; ``forget(name)`` drops one, and a rescale
+drops every value decayed below 1e-12, so a replica that left is gone within 50
+time constants. Each router process counts its own decisions (a follower's are
+its share of the traffic). Pure Python.
 """
 
 from __future__ import annotations
