@@ -747,7 +747,7 @@ def _progress(iterable, total: int, desc: str, enabled: bool):
     return tqdm(iterable, total=total, desc=desc, file=sys.stderr)
 
 
-def _placed_options(pairs: Sequence[str]) -> tuple[tuple[str, Any], ...]:
+def parse_placed_options(pairs: Sequence[str]) -> tuple[tuple[str, Any], ...]:
     """``NAME=JSON`` strings as (name, value) pairs; ValueError naming a malformed one."""
     out = []
     for pair in pairs:
@@ -840,7 +840,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             profile=args.profile,
             epsilon=args.epsilon,
             placed_epsilon=args.placed_epsilon,
-            placed_options=_placed_options(args.placed_option),
+            placed_options=parse_placed_options(args.placed_option),
             eviction_policy=args.eviction_policy,
             generated_blocks=args.generated_blocks,
             protect_static_prefix=args.static_prefix == "protected",
