@@ -14,6 +14,7 @@ from prefixserve.router.policies import (
     Replica,
 )
 from prefixserve.router.policies.history import HistoryIndex
+from prefixserve.router.policies.placed import conversation_move_bound
 from prefixserve.router.policies.recent import RecentCounts
 
 BS = 16
@@ -204,10 +205,25 @@ def test_a_new_conversation_goes_where_fewest_requests_went_recently_not_only_th
         assert (d.chosen.name != first) == elsewhere, tau
 
 
-def test_a_conversation_on_a_replica_far_over_its_share_of_recent_requests_moves():
+def test_the_move_bound_is_noise_on_few_requests_and_proportional_on_many():
+    # Two replicas, 32 requests split 20 / 12 (mean 16): within the noise of so few, no move.
+    assert conversation_move_bound(16.0, 0.25, 2.0) == 16.0 + 8.0 + 1.0 > 20
+    assert conversation_move_bound(16.0, 0.25, 0.0) == 16.0 * 1.25 + 1.0 < 22
+    # Many requests per replica (a large cluster's counts): the proportional bound alone.
+    assert conversation_move_bound(400.0, 0.25, 2.0) == 400.0 * 1.25 + 1.0
+
+
+def test_a_conversation_moves_off_a_replica_only_past_the_noise_of_its_recent_requests():
     loads = {"r0": 0, "r1": 0}
-    for move, moved in ((0.25, True), (None, False)):
-        policy = Placed(clock=lambda: 0.0, recent_tau_s=300.0, move_epsilon=move)
-        first = _long_conversation(policy, loads, 8)
-        d = policy.rank(_replicas(loads), "app", history=chain(conversation(1, 9)), static_blocks=STATIC_BLOCKS)
-        assert (d.chosen.name != first) == moved and (d.kind == KIND_HISTORY) == (not moved), move
+    # (move_epsilon, noise_z, turns before the checked one, moved): 8 requests against none is
+    # noise on two replicas (mean 4: bound 4 + 2 * 2 + 1), 16 against none is not (8 + 5.7 + 1).
+    for move, z, turns, moved in (
+        (0.25, 2.0, 8, False),
+        (0.25, 0.0, 8, True),
+        (0.25, 2.0, 16, True),
+        (None, 2.0, 16, False),
+    ):
+        policy = Placed(clock=lambda: 0.0, recent_tau_s=300.0, move_epsilon=move, noise_z=z)
+        first = _long_conversation(policy, loads, turns)
+        d = policy.rank(_replicas(loads), "app", history=chain(conversation(1, turns + 1)), static_blocks=STATIC_BLOCKS)
+        assert (d.chosen.name != first) == moved and (d.kind == KIND_HISTORY) == (not moved), (move, z, turns)

@@ -59,9 +59,10 @@ class PlacedOptions(RingOptions):
     precise: use ``set_cached`` knowledge (which replicas hold a key's prefix).
     leader: rebalance on its own; False for a follower that only applies
         snapshots published by the leader (``apply_snapshot``).
-    noise_z: rebalancing moves a key only for an excess above this many standard
-        deviations of the (Poisson) request counts behind it (>= 0; 0 trusts every
-        count): a young or small cluster does not pay cold prefills for noise.
+    noise_z: rebalancing moves a key, and ``move_epsilon`` a conversation, only for
+        an excess above this many standard deviations of the (Poisson) request counts
+        behind it (>= 0; 0 trusts every count): a young or small cluster does not pay
+        cold prefills for noise.
     history_max_entries: bound of the router-side history index (router/policies/history.py;
         block hashes, least recently used evicted; 0 disables history matching).
     new_epsilon: a new conversation goes to the least loaded replica of its key's
@@ -87,9 +88,9 @@ class PlacedOptions(RingOptions):
         whose recent count is under ``mean * (1 + recent_epsilon) + 1``, else spills
         as any request.
     move_epsilon: with ``recent_tau_s``, a later turn whose history holders were all
-        sent ``mean * (1 + move_epsilon) + 1`` recent requests or more is placed as
-        a new conversation (it recomputes its history once). None: never moved
-        for balance.
+        sent ``conversation_move_bound(mean, move_epsilon, noise_z)`` recent requests
+        or more is placed as a new conversation (it recomputes its history once).
+        None: never moved for balance.
     clock: seconds, monotonic (default ``time.monotonic``); tests inject one.
     """
 
@@ -150,6 +151,17 @@ def in_flight_cap(mean: float) -> float:
     a Poisson count) at low load, so a busy key is not spilled on noise.
     """
     return mean + max(0.5 * mean, 3.0 * math.sqrt(mean)) + 1.0
+
+
+def conversation_move_bound(mean: float, move_epsilon: float, noise_z: float) -> float:
+    """Recent requests at which a conversation's replica is over its share: ``m + max(e m, z sqrt(m)) + 1``.
+
+    For mean recent count m, ``move_epsilon`` e and ``noise_z`` z: proportional slack
+    on a large cluster's counts, z standard deviations of a Poisson count on a small
+    one's, where a few dozen requests split unevenly by chance alone and a move
+    recomputes a conversation's whole history for that noise.
+    """
+    return mean + max(move_epsilon * mean, noise_z * math.sqrt(mean)) + 1.0
 
 
 # Bounds on ``placed``'s memos (a full memo is dropped and refills): its per-key ring orders in
@@ -393,7 +405,7 @@ class Placed(RingPolicy):
             mean_recent = sum(recent) / len(recent)
             recent_bound = mean_recent * (1.0 + self.options.recent_epsilon) + 1.0
             if self.options.move_epsilon is not None:
-                move_bound = mean_recent * (1.0 + self.options.move_epsilon) + 1.0
+                move_bound = conversation_move_bound(mean_recent, self.options.move_epsilon, self.options.noise_z)
         if best > static_blocks:
             # A conversation's later turn: the replica holding most of its history, if under the cap
             # (the least loaded of several, the placement's first).
