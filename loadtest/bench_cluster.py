@@ -78,8 +78,9 @@ from prefixserve.loadtest.cluster_run import (
     scrape_metrics,
     served_model,
 )
+from prefixserve.loadtest.simulate import parse_placed_options
 from prefixserve.loadtest.workloads import WorkloadRequest, generate
-from prefixserve.router.policies import POLICIES, RING_POLICIES, pick_options
+from prefixserve.router.policies import POLICIES, RING_POLICIES, make_policy, pick_options
 from prefixserve.router.serve.metrics import sum_samples
 
 RAY_PREFIX = "ray_prefix"
@@ -342,12 +343,19 @@ def chat_encoder(model: str) -> Callable[[list[dict[str, str]]], list[int]]:
 
 
 def router_args(
-    policy: str, *, seed: int, epsilon: float | None, engine: Mapping[str, Any] | None = None
+    policy: str,
+    *,
+    seed: int,
+    epsilon: float | None,
+    engine: Mapping[str, Any] | None = None,
+    placed_options: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The ``router`` section of router/serve/app.py's args that runs ``policy``.
 
     ``engine``: the engine section (a peer tokenizes with its model and hashes with its block size,
     hash algorithm and pool size, as a real deployment of that router is configured).
+    ``placed_options``: more options of ``placed`` (PlacedOptions; None values included), applied to
+    the ``placed`` policy alone.
     """
     if policy == RAY_PREFIX:
         return {"router_class": "ray_llm_prefix_aware"}
@@ -372,6 +380,8 @@ def router_args(
         raise ValueError(f"unknown policy {policy!r}; choose from {list(KNOWN_POLICIES)}")
     args: dict[str, Any] = {"router_class": "prefixserve", "policy": policy}
     args.update(pick_options(policy, {"seed": seed, "epsilon": epsilon}))
+    if policy == "placed" and placed_options:
+        args.update(placed_options)
     return args
 
 
@@ -385,8 +395,9 @@ def app_args(
     epsilon: float | None,
     engine_extra: Mapping[str, Any] | None = None,
     session_affinity: str = "none",
+    placed_options: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """router/serve/app.py's args for one policy's deployment."""
+    """router/serve/app.py's args for one policy's deployment (``placed_options``: see ``router_args``)."""
     engine: dict[str, Any] = {"model": model, "seed": seed, **(engine_extra or {})}
     if sizing is not None:
         engine.update(num_kv_blocks=sizing.num_kv_blocks, block_size=sizing.block_size)
@@ -399,7 +410,7 @@ def app_args(
         "engine": engine,
         "num_replicas": replicas,
         "ray_actor_options": {"num_cpus": 1},
-        "router": router_args(policy, seed=seed, epsilon=epsilon, engine=engine),
+        "router": router_args(policy, seed=seed, epsilon=epsilon, engine=engine, placed_options=placed_options),
         "ingress": ingress,
     }
 
@@ -731,6 +742,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--epsilon", type=float, default=None, help="bounded_load's and placed's epsilon (default: the policy's)"
     )
     p.add_argument(
+        "--placed-option",
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help="another option of placed (PlacedOptions), its value as JSON (null: None); repeatable",
+    )
+    p.add_argument(
         "--session-affinity",
         default="none",
         choices=SESSION_AFFINITY,
@@ -763,6 +781,7 @@ class Plan:
     policies: list[str]  # local cluster; empty with --url
     sizing: KVSizing | None  # local cluster only
     oracle_hit_rate: float | None = None  # local cluster only (needs the model's tokenizer)
+    placed_options: dict[str, Any] = field(default_factory=dict)  # --placed-option, validated
 
 
 def plan(args: argparse.Namespace) -> Plan:
@@ -784,6 +803,9 @@ def plan(args: argparse.Namespace) -> Plan:
     if args.url is not None:
         return Plan(spec, requests, [], None)
     policies = _parse_policies(args.policies)
+    placed_options = dict(parse_placed_options(args.placed_option))
+    if placed_options:
+        make_policy("placed", **placed_options)  # validates them before any cluster starts
     prefix, totals = workload_token_counts(requests, chat_encoder(args.model))
     sizing = size_kv(
         prefix,
@@ -804,7 +826,7 @@ def plan(args: argparse.Namespace) -> Plan:
         if spec.name in CONVERSATIONS
         else oracle_hit_rate([r.tenant for r in requests], prompts, prefix, args.block_size)
     )
-    return Plan(spec, requests, policies, sizing, oracle)
+    return Plan(spec, requests, policies, sizing, oracle, placed_options)
 
 
 def run(args: argparse.Namespace, p: Plan) -> int:
@@ -849,6 +871,7 @@ def run(args: argparse.Namespace, p: Plan) -> int:
                             seed=args.seed,
                             epsilon=args.epsilon,
                             session_affinity=args.session_affinity,
+                            placed_options=p.placed_options,
                         ),
                         name,
                         num_replicas=args.replicas,

@@ -72,6 +72,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -129,6 +130,9 @@ class SimConfig:
     profile: str = "h100"  # the reference GPU cluster (H100 figures); "cpu" models this project's CPU replicas
     epsilon: float = 0.25
     placed_epsilon: float | None = None  # None: the placed policy's own default
+    # More options of placed (and placed_static / placed_precise), as (name, value) pairs
+    # (router/policies/placed.py PlacedOptions); the policy validates them.
+    placed_options: tuple[tuple[str, Any], ...] = ()
     # The engine's defaults (EngineConfig.eviction_policy, evict_generated_first): the simulator
     # models the replicas as they ship. "cold": a finished request's generated blocks enter the
     # pool's cold end (KVCacheManager.free's generated_cold; every simulated request is a one-shot,
@@ -443,7 +447,7 @@ class _Router:
             self.options = pick_options(name, settings)
             extra: dict = {}
             if name == "placed":
-                extra = {"clock": lambda: clock[0], "precise": self.precise}
+                extra = {**dict(config.placed_options), "clock": lambda: clock[0], "precise": self.precise}
             self.ring_policy = make_policy(name, **self.options, **extra)
             if isinstance(self.ring_policy, Placed):
                 self.placed = self.ring_policy
@@ -809,6 +813,20 @@ def _progress(iterable, total: int, desc: str, enabled: bool):
     return tqdm(iterable, total=total, desc=desc, file=sys.stderr)
 
 
+def parse_placed_options(pairs: Sequence[str]) -> tuple[tuple[str, Any], ...]:
+    """``NAME=JSON`` strings as (name, value) pairs; ValueError naming a malformed one."""
+    out = []
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--placed-option wants NAME=JSON, got {pair!r}")
+        try:
+            out.append((name, json.loads(value)))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--placed-option {name}: the value is not JSON ({exc.msg}): {value!r}") from None
+    return tuple(out)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m prefixserve.loadtest.simulate", description=__doc__.split("\n\n")[0])
     d = SimConfig()
@@ -826,6 +844,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--profile", choices=("cpu", "h100"), default=d.profile)
     p.add_argument("--epsilon", type=float, default=d.epsilon, help="bounded_load's epsilon")
     p.add_argument("--placed-epsilon", type=float, default=None, help="placed's epsilon (default: the policy's)")
+    p.add_argument(
+        "--placed-option",
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help="another option of placed (PlacedOptions), its value as JSON (null: None); repeatable",
+    )
     p.add_argument(
         "--eviction-policy",
         default=d.eviction_policy,
@@ -887,6 +912,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             profile=args.profile,
             epsilon=args.epsilon,
             placed_epsilon=args.placed_epsilon,
+            placed_options=parse_placed_options(args.placed_option),
             eviction_policy=args.eviction_policy,
             generated_blocks=args.generated_blocks,
             protect_static_prefix=args.static_prefix == "protected",
@@ -896,6 +922,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             shared_disk=args.shared_disk,
         )
         KVCacheManager(1, config.block_size, eviction_policy=config.eviction_policy)  # validates the name
+        make_policy("placed", **dict(config.placed_options))  # validates the placed options
         profile = get_profile(config.profile)
         if args.host_gbps is not None:
             profile = replace(profile, host_copy_gbps=args.host_gbps)

@@ -302,6 +302,20 @@ def test_app_args_are_valid_router_app_args_for_every_policy():
         B.app_args("placed", model="smollm2", replicas=2, sizing=sizing, seed=1, epsilon=None, session_affinity="turns")
     )
     assert turns.ingress.config.key_turns == 1 and not turns.ingress.config.session_header
+    # --placed-option reaches placed alone, None values included (they switch a mechanism off).
+    for policy in ("placed", "bounded_load"):
+        routed = AppArgs.from_dict(
+            B.app_args(
+                policy,
+                model="smollm2",
+                replicas=2,
+                sizing=sizing,
+                seed=1,
+                epsilon=None,
+                placed_options={"move_epsilon": None},
+            )
+        )
+        assert routed.router.policy_options == ({"move_epsilon": None} if policy == "placed" else {})
 
 
 def test_multi_turn_workload_and_session_headers():
@@ -321,6 +335,13 @@ def test_agent_workload_shares_one_tool_prefix_across_users():
     assert len(requests) == 9 and len({r.tenant for r in requests}) == 3
     assert len({r.body["messages"][0]["content"] for r in requests}) == 1
     assert max(len(r.body["messages"]) for r in requests) == 1 + 1 + 2 * 2
+
+
+def test_cli_refuses_a_bad_placed_option():
+    for bad in ("move_epsilon", "move_epsilon=-1", "no_such_option=1", "move_epsilon=abc"):
+        args = B.build_parser().parse_args(["--workload", "agent", "--placed-option", bad])
+        with pytest.raises(ValueError):
+            B.plan(args)
 
 
 def test_cli_refuses_unknown_policies():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from prefixserve.replica.kv.hashing import BlockHasher
@@ -12,6 +14,8 @@ from prefixserve.router.policies import (
     Replica,
 )
 from prefixserve.router.policies.history import HistoryIndex
+from prefixserve.router.policies.placed import conversation_move_bound
+from prefixserve.router.policies.recent import RecentCounts
 
 BS = 16
 HASHER = BlockHasher()
@@ -162,3 +166,64 @@ def test_a_conversational_keys_new_conversations_spread_a_one_shot_keys_do_not()
         loads = {**idle, owner: 1}
         d = policy.rank(_replicas(loads), key, history=chain(conversation(900 + base, 1)), static_blocks=STATIC_BLOCKS)
         assert (d.chosen.name != owner) == (key == "chat-app"), key
+
+
+def test_recent_counts_decay_with_their_time_constant_and_survive_a_rescale():
+    counts = RecentCounts(10.0)
+    for _ in range(4):
+        counts.add("r0", 0.0)
+    counts.add("r1", 5.0)
+    r0, r1, r2 = counts.counts(["r0", "r1", "r2"], 10.0)
+    assert r0 == pytest.approx(4 * math.exp(-1.0)) and r1 == pytest.approx(math.exp(-0.5)) and r2 == 0.0
+    counts.add("r1", 1000.0)  # 100 time constants later: the reference moves, the values stay right
+    assert counts.counts(["r0", "r1"], 1010.0) == pytest.approx([0.0, math.exp(-1.0)], abs=1e-12)
+    assert len(counts) == 1  # a value decayed to nothing is dropped when the reference moves
+    counts.forget("r1")
+    assert counts.counts(["r1"], 1010.0) == [0.0]
+    with pytest.raises(ValueError, match="tau_s"):
+        RecentCounts(0.0)
+
+
+def _long_conversation(policy: Placed, loads: dict[str, int], turns: int) -> str:
+    """One conversation of ``turns`` turns, each finished but the last: its replica (it stays there)."""
+    chosen = ""
+    for t in range(1, turns + 1):
+        d = policy.rank(_replicas(loads), "app", history=chain(conversation(1, t)), static_blocks=STATIC_BLOCKS)
+        if t < turns:
+            policy.done("app")
+        assert chosen in ("", d.chosen.name)
+        chosen = d.chosen.name
+    return chosen
+
+
+def test_a_new_conversation_goes_where_fewest_requests_went_recently_not_only_the_idlest():
+    loads = {"r0": 0, "r1": 0}  # in flight, both replicas look alike (as the policy's candidates)
+    for tau, elsewhere in ((300.0, True), (None, False)):
+        policy = Placed(clock=lambda: 0.0, recent_tau_s=tau)
+        first = _long_conversation(policy, loads, 6)  # its last turn in flight: the key's set has both
+        d = policy.rank(_replicas(loads), "app", history=chain(conversation(2, 1)), static_blocks=STATIC_BLOCKS)
+        assert (d.chosen.name != first) == elsewhere, tau
+
+
+def test_the_move_bound_is_noise_on_few_requests_and_proportional_on_many():
+    # Two replicas, 32 requests split 20 / 12 (mean 16): within the noise of so few, no move.
+    assert conversation_move_bound(16.0, 0.25, 2.0) == 16.0 + 8.0 + 1.0 > 20
+    assert conversation_move_bound(16.0, 0.25, 0.0) == 16.0 * 1.25 + 1.0 < 22
+    # Many requests per replica (a large cluster's counts): the proportional bound alone.
+    assert conversation_move_bound(400.0, 0.25, 2.0) == 400.0 * 1.25 + 1.0
+
+
+def test_a_conversation_moves_off_a_replica_only_past_the_noise_of_its_recent_requests():
+    loads = {"r0": 0, "r1": 0}
+    # (move_epsilon, noise_z, turns before the checked one, moved): 8 requests against none is
+    # noise on two replicas (mean 4: bound 4 + 2 * 2 + 1), 16 against none is not (8 + 5.7 + 1).
+    for move, z, turns, moved in (
+        (0.25, 2.0, 8, False),
+        (0.25, 0.0, 8, True),
+        (0.25, 2.0, 16, True),
+        (None, 2.0, 16, False),
+    ):
+        policy = Placed(clock=lambda: 0.0, recent_tau_s=300.0, move_epsilon=move, noise_z=z)
+        first = _long_conversation(policy, loads, turns)
+        d = policy.rank(_replicas(loads), "app", history=chain(conversation(1, turns + 1)), static_blocks=STATIC_BLOCKS)
+        assert (d.chosen.name != first) == moved and (d.kind == KIND_HISTORY) == (not moved), (move, z, turns)

@@ -36,8 +36,11 @@ from prefixserve.router.policies.base import (
 from prefixserve.router.policies.consistent import RingPolicy
 from prefixserve.router.policies.history import DEFAULT_MAX_ENTRIES, HistoryIndex
 from prefixserve.router.policies.placement import PlacementTable
+from prefixserve.router.policies.recent import RecentCounts
 
 BALANCE_EPSILON: float | None = None
+RECENT_TAU_S: float | None = 300.0
+MOVE_EPSILON: float | None = 0.25
 
 
 @dataclass(frozen=True)
@@ -60,9 +63,10 @@ class PlacedOptions(RingOptions):
         (replica/contract/kv_events.py ``TierWeights``): cheaper than a recompute (0).
     leader: rebalance on its own; False for a follower that only applies
         snapshots published by the leader (``apply_snapshot``).
-    noise_z: rebalancing moves a key only for an excess above this many standard
-        deviations of the (Poisson) request counts behind it (>= 0; 0 trusts every
-        count): a young or small cluster does not pay cold prefills for noise.
+    noise_z: rebalancing moves a key, and ``move_epsilon`` a conversation, only for
+        an excess above this many standard deviations of the (Poisson) request counts
+        behind it (>= 0; 0 trusts every count): a young or small cluster does not pay
+        cold prefills for noise.
     history_max_entries: bound of the router-side history index (router/policies/history.py;
         block hashes, least recently used evicted; 0 disables history matching).
     new_epsilon: a new conversation goes to the least loaded replica of its key's
@@ -78,6 +82,19 @@ class PlacedOptions(RingOptions):
         a replica only under ``mean * (1 + balance_epsilon) + 1`` in flight (and the
         ordinary cap); past it the request falls to the placement and spill logic.
         None: the ordinary cap alone.
+    recent_tau_s: time constant (seconds) of the per-replica decayed counts of
+        requests sent (router/policies/recent.py). A conversational key's new
+        conversation goes to the replica of its set sent the fewest recently (then
+        the least in flight): a conversation stays where it starts, so these are its
+        sessions' future load. None: by in-flight alone.
+    recent_epsilon: with ``recent_tau_s``, a conversational key's new conversation
+        whose whole set is over the cap goes to the first ring successor under it
+        whose recent count is under ``mean * (1 + recent_epsilon) + 1``, else spills
+        as any request.
+    move_epsilon: with ``recent_tau_s``, a later turn whose history holders were all
+        sent ``conversation_move_bound(mean, move_epsilon, noise_z)`` recent requests
+        or more is placed as a new conversation (it recomputes its history once).
+        None: never moved for balance.
     clock: seconds, monotonic (default ``time.monotonic``); tests inject one.
     """
 
@@ -95,6 +112,9 @@ class PlacedOptions(RingOptions):
     new_epsilon: float | None = 0.25
     conversation_spread: int = 0
     balance_epsilon: float | None = BALANCE_EPSILON
+    recent_tau_s: float | None = RECENT_TAU_S
+    recent_epsilon: float = 0.1
+    move_epsilon: float | None = MOVE_EPSILON
     clock: Callable[[], float] | None = None
 
     def __post_init__(self) -> None:
@@ -111,9 +131,12 @@ class PlacedOptions(RingOptions):
             "hot_share",
             "new_epsilon",
             "balance_epsilon",
+            "recent_tau_s",
+            "recent_epsilon",
+            "move_epsilon",
         ):
             v = getattr(self, name)
-            if name in ("work_epsilon", "new_epsilon", "balance_epsilon") and v is None:
+            if name in ("work_epsilon", "new_epsilon", "balance_epsilon", "recent_tau_s", "move_epsilon") and v is None:
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > 0 and math.isfinite(v)):
                 raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
@@ -138,6 +161,17 @@ def in_flight_cap(mean: float) -> float:
     a Poisson count) at low load, so a busy key is not spilled on noise.
     """
     return mean + max(0.5 * mean, 3.0 * math.sqrt(mean)) + 1.0
+
+
+def conversation_move_bound(mean: float, move_epsilon: float, noise_z: float) -> float:
+    """Recent requests at which a conversation's replica is over its share: ``m + max(e m, z sqrt(m)) + 1``.
+
+    For mean recent count m, ``move_epsilon`` e and ``noise_z`` z: proportional slack
+    on a large cluster's counts, z standard deviations of a Poisson count on a small
+    one's, where a few dozen requests split unevenly by chance alone and a move
+    recomputes a conversation's whole history for that noise.
+    """
+    return mean + max(move_epsilon * mean, noise_z * math.sqrt(mean)) + 1.0
 
 
 # Bounds on ``placed``'s memos (a full memo is dropped and refills): its per-key ring orders in
@@ -226,6 +260,7 @@ class Placed(RingPolicy):
         self._clock: Callable[[], float] = o.clock if o.clock is not None else time.monotonic
         self.table = PlacementTable(o.epsilon, o.tau_s, o.hot_share, o.precise, o.work_epsilon, o.noise_z)
         self.history = HistoryIndex(o.history_max_entries) if o.history_max_entries else None
+        self.recent = RecentCounts(o.recent_tau_s) if o.recent_tau_s is not None else None
         self._next_rebalance: float | None = None
         self._table_members: tuple[tuple[str, int], ...] = ()
         self._turns: dict[str, int] = {}  # replicated key -> requests counted (tie rotation)
@@ -369,10 +404,24 @@ class Placed(RingPolicy):
         conv_cap = cap
         if history is not None and self.options.balance_epsilon is not None:
             conv_cap = min(cap, sum(loads) / len(candidates) * (1.0 + self.options.balance_epsilon) + 1.0)
+        recent: list[float] = []
+        recent_bound = move_bound = math.inf
+        turns = self._conversational.get(key)
+        conversational = turns is not None and 2 * turns[0] >= turns[1]
+        if history is not None and self.recent is not None and conversational:
+            # A conversational key (most of its requests follow a history): its replicas' recent
+            # requests are its sessions' future load. A one-shot key keeps the placement's balance.
+            recent = self.recent.counts(names, now)
+            mean_recent = sum(recent) / len(recent)
+            recent_bound = mean_recent * (1.0 + self.options.recent_epsilon) + 1.0
+            if self.options.move_epsilon is not None:
+                move_bound = conversation_move_bound(mean_recent, self.options.move_epsilon, self.options.noise_z)
         if best > static_blocks:
             # A conversation's later turn: the replica holding most of its history, if under the cap
             # (the least loaded of several, the placement's first).
             holders = [p for p, b in held.items() if b == best and loads[p] < conv_cap]
+            if recent:
+                holders = [p for p in holders if recent[p] < move_bound]
             if holders:
                 chosen = min(holders, key=lambda p: (loads[p], p not in placed, p))
                 kind = KIND_HISTORY
@@ -389,13 +438,23 @@ class Placed(RingPolicy):
             # A key whose requests mostly continue conversations (an app's users' chats):
             # its new conversations also spread over its next ring successors, since a
             # conversation stays where it starts and one static-prefix miss buys all its turns.
-            turns = self._conversational.get(key)
-            if turns is not None and 2 * turns[0] >= turns[1] and self.options.conversation_spread:
+            if conversational and self.options.conversation_spread:
                 want = min(len(order), max(want, len(placed)) + self.options.conversation_spread)
             group = list(placed)
             if want > len(group):
                 group += [p for p in order if p not in placed][: want - len(group)]
             under = [p for p in group if loads[p] < conv_cap]
+            if recent and not under:
+                # The whole set over the cap: the first ring successor under it whose recent
+                # requests are within recent_epsilon of the mean (a spill that would not pile
+                # conversations onto a replica their sessions already load).
+                more = next((p for p in order if loads[p] < conv_cap and recent[p] < recent_bound), None)
+                under = [more] if more is not None else []
+            if recent and under:
+                # Of those, the fewest requests sent recently: a conversation stays where it
+                # starts, so they are the load its sessions will bring, which in flight is not.
+                low_recent = min(recent[p] for p in under)
+                under = [p for p in under if recent[p] == low_recent]
             if under:
                 low = min(loads[p] for p in under)
                 tied = [p for p in under if loads[p] == low]
@@ -441,6 +500,8 @@ class Placed(RingPolicy):
                 turns[1] //= 2
         if count:
             self._key_in_flight[key] = self._key_in_flight.get(key, 0) + 1
+            if self.recent is not None:
+                self.recent.add(names[chosen], now)
         if history and count and self.history is not None:
             # What the router sent counts as held until a report says otherwise.
             self.history.record(candidates[chosen].name, history)
