@@ -60,7 +60,6 @@ def test_accounting_balances_and_the_oracle_bounds_every_policy(policy, setup):
 # tool prefixes on 8 replicas at utilization 0.7 queue for tens of seconds (TTFT p99 30-60 s), where
 # which sessions overlap decides the hit rate more than the policy does.
 ROOMY = {
-    "multi_turn": {"num_replicas": 8, "num_requests": 2000, "blocks_per_replica": 2048},
     "agent": {
         "num_replicas": 32,
         "num_requests": 4000,
@@ -73,7 +72,9 @@ ROOMY = {
 
 @pytest.mark.parametrize("workload", ["multi_turn", "agent"])
 def test_history_matching_beats_the_static_key_alone(workload):
-    config = S.SimConfig(**{**CONV.__dict__, "workload": workload, **ROOMY[workload]})
+    config = S.SimConfig(
+        **{**CONV.__dict__, "workload": workload, "num_replicas": 8, "num_requests": 2000, "blocks_per_replica": 2048}
+    )
     traffic = S.make_traffic(config)
     history = S.simulate(config, "placed", traffic)
     static = S.simulate(config, "placed_static", traffic)
@@ -85,14 +86,12 @@ def test_recent_counts_even_the_requests_per_replica_without_giving_up_hits():
     # replicas with more sessions (requests) than others.
     config = S.SimConfig(**{**CONV.__dict__, "workload": "agent", **ROOMY["agent"]})
     traffic = S.make_traffic(config)
-    default = S.simulate(config, "placed", traffic)
-    in_flight = S.simulate(
-        S.SimConfig(**{**config.__dict__, "placed_options": (("recent_tau_s", None), ("move_epsilon", None))}),
-        "placed",
-        traffic,
+    in_flight = S.simulate(config, "placed", traffic)
+    recent = S.simulate(
+        S.SimConfig(**{**config.__dict__, "placed_options": (("recent_tau_s", 300.0),)}), "placed", traffic
     )
-    assert default.load_max_over_mean < in_flight.load_max_over_mean - 0.15
-    assert default.hit_rate > in_flight.hit_rate - 0.01
+    assert recent.load_max_over_mean < in_flight.load_max_over_mean - 0.15
+    assert recent.hit_rate > in_flight.hit_rate - 0.01
 
 
 def test_a_bad_placed_option_is_a_clear_cli_error(capsys):

@@ -39,7 +39,9 @@ from prefixserve.router.policies.placement import PlacementTable
 from prefixserve.router.policies.recent import RecentCounts
 
 BALANCE_EPSILON: float | None = None
-RECENT_TAU_S: float | None = 300.0
+# Off by default: request-count balance costs TTFT p99 everywhere and hit rate on small
+# clusters (docs/benchmarks/routing_conversations.md); 300 s is the measured setting.
+RECENT_TAU_S: float | None = None
 MOVE_EPSILON: float | None = 0.25
 
 
@@ -86,7 +88,7 @@ class PlacedOptions(RingOptions):
         requests sent (router/policies/recent.py). A conversational key's new
         conversation goes to the replica of its set sent the fewest recently (then
         the least in flight): a conversation stays where it starts, so these are its
-        sessions' future load. None: by in-flight alone.
+        sessions' future load. None (the default): by in-flight alone.
     recent_epsilon: with ``recent_tau_s``, a conversational key's new conversation
         whose whole set is over the cap goes to the first ring successor under it
         whose recent count is under ``mean * (1 + recent_epsilon) + 1``, else spills
