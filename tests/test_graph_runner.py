@@ -131,15 +131,19 @@ def test_padding_rows_never_reach_the_kv_cache_and_refills_match_eager(checkpoin
             assert written_slots(shard, before_v) == {int(s) for s in inputs.slot_mapping}, (
                 "a padding row wrote into the cache"
             )
-            # The same step eagerly over the cache as it was: the same logits, bit for bit.
+            # The same step eagerly over the cache as it was: the same logits, cache and greedy tokens. Not bit
+            # for bit: the eager step multiplies fewer rows than the padded one, and a CPU's GEMM may
+            # block its reductions by row count (AMD EPYC with AVX-512: 4.5e-6 apart in fp32).
             after_k, after_v = shard.k_cache.clone(), shard.v_cache.clone()
             shard.k_cache.copy_(before_k)
             shard.v_cache.copy_(before_v)
             shard.graph_runner = None
             eager_logits = shard.run(inputs)
             shard.graph_runner = graphs
-            assert torch.equal(static_logits, eager_logits)
-            assert torch.equal(shard.k_cache, after_k) and torch.equal(shard.v_cache, after_v)
+            torch.testing.assert_close(static_logits, eager_logits)
+            assert torch.equal(static_logits.argmax(-1), eager_logits.argmax(-1))
+            torch.testing.assert_close(shard.k_cache, after_k)
+            torch.testing.assert_close(shard.v_cache, after_v)
 
 
 def test_shutdown_releases_the_model_and_cache_and_refuses_further_steps(checkpoint):
