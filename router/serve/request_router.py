@@ -85,9 +85,9 @@ from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, R
 
 from prefixserve.common.tracing import build_tracer, route_span
 from prefixserve.replica.contract.kv_events import KVEventConsumer, TierWeights
+from prefixserve.replica.contract.prompt_blocks import PromptBlocks, PromptHasher, UnhashablePrompt
 from prefixserve.replica.contract.routing import ring_name
 from prefixserve.router.cluster_config import DEFAULT_STATS_MAX_AGE_S
-from prefixserve.router.contracts.prompt_blocks import PromptBlocks, PromptHasher, UnhashablePrompt
 from prefixserve.router.policies import (
     DEFAULT_POLICY,
     KIND_FALLBACK,
@@ -433,7 +433,7 @@ class PrefixRouter(RequestRouter):
         return self._own_in_flight.get(replica.replica_id, 0)
 
     def prompt_blocks(self, request: Any) -> PromptBlocks | None:
-        """The request's history hashes for ``placed`` (router/contracts/prompt_blocks.py); None when not used.
+        """The request's history hashes for ``placed`` (replica/contract/prompt_blocks.py); None when not used.
 
         A prompt the router cannot hash is counted and routes without a history
         (by its static key, then load).
