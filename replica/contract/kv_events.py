@@ -56,6 +56,12 @@ the group's shared disk run counted for every replica of the group, is at least 
 key's prefix. A change of a group's shared run for a key queues facts for the group's
 other replicas (``take_shared_facts``).
 
+History (additive): a publisher given a ``history`` tracker also carries ``history_events``
+(``HistoryStored`` / ``HistoryRemoved`` of the router's text-block hashes) and, on its first
+payload, ``history_reset`` (replica/contract/history_events.py); the consumer turns each
+accepted payload's into a ``HistoryReport`` (``take_history``), a reset when the payload is the
+first of its epoch it applies or follows missed ones.
+
 Pure Python: no Ray, no torch. The caller passes hashes and a membership test
 (the pool's ``hash_to_block.__contains__``; a dict lookup is atomic under the
 GIL, so the engine thread may run meanwhile).
