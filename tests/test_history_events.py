@@ -311,3 +311,21 @@ def test_a_real_engines_finished_chats_report_the_routers_text_blocks(tmp_path):
         assert index.held(later).get("r1", 0) < len(want)
     finally:
         asyncio.run(engine.shutdown())
+
+
+def test_what_the_router_sent_before_a_replicas_first_report_survives_its_reset():
+    rep, consumer, index = FakeHost(), KVEventConsumer(), HistoryIndex(100)
+    conv = [t(i) for i in range(3)]
+    index.record("r1", conv)  # routed before the router heard from the replica
+    deliver(consumer, index, "r1", rep.publish())  # its first payload: a reset
+    assert index.held(conv) == {"r1": 3}
+
+
+def test_the_sends_kept_for_reports_are_bounded_in_all():
+    index = HistoryIndex(10)
+    for r in range(5):
+        index.record(f"r{r}", [t(100 * r + i) for i in range(4)])
+    assert index._sent_total <= 10 and sum(len(s) for s in index._sent.values()) == index._sent_total
+    index.report("r0", [], [], reset=True)
+    index.forget("r1")
+    assert index._sent_total == sum(len(s) for s in index._sent.values())

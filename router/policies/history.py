@@ -25,8 +25,9 @@ Inputs:
 Bound: at most ``max_entries`` hashes, least recently recorded or matched
 evicted first; an index at its bound evicts, never grows. Per entry one bytes
 key and one int (a bitmask of replica slots): about 200 bytes in CPython. The
-hashes sent each replica since its last report are kept beside them (at most
-``max_entries`` per replica; beyond, later sends are not protected), and
+hashes sent each replica since its last report (before its first: since it was
+first sent one) are kept beside them
+(at most ``max_entries`` in all; beyond, later sends are not protected) and
 dropped at each report.
 
 Pure Python: no Ray, no HTTP, no torch.
@@ -53,7 +54,9 @@ class HistoryIndex:
         self._name_of: dict[int, str] = {}  # bit -> replica name
         self._next_bit = 0
         self._free_bits: list[int] = []
-        self._sent: dict[str, dict[bytes, None]] = {}  # replica -> hashes sent since its last report (in order)
+        # Replica -> hashes sent since its last report (or ever, before its first), in order; their count.
+        self._sent: dict[str, dict[bytes, None]] = {}
+        self._sent_total = 0
         self.evictions = 0
 
     def __len__(self) -> int:
@@ -79,8 +82,10 @@ class HistoryIndex:
         eviction takes a prompt's tail before the prefix every later turn needs.
         """
         sent = self._sent.setdefault(replica, {})
-        if len(sent) + len(hashes) <= self.max_entries:
+        if self._sent_total + len(hashes) <= self.max_entries:
+            before = len(sent)
             sent.update(dict.fromkeys(hashes))
+            self._sent_total += len(sent) - before
         self.store(replica, hashes)
 
     def store(self, replica: str, hashes: Sequence[bytes]) -> None:
@@ -105,6 +110,7 @@ class HistoryIndex:
     def report(self, replica: str, stored: Sequence[bytes], removed: Iterable[bytes], reset: bool = False) -> None:
         """Apply one report of ``replica``'s history events (the module docstring)."""
         sent = self._sent.pop(replica, {})
+        self._sent_total -= len(sent)
         if reset:
             self.forget(replica)
         elif sent:
@@ -136,7 +142,7 @@ class HistoryIndex:
 
         O(entries): every entry is scrubbed of the replica's bit before the bit is reused.
         """
-        self._sent.pop(replica, None)
+        self._sent_total -= len(self._sent.pop(replica, {}))
         b = self._slot.pop(replica, None)
         if b is None:
             return
