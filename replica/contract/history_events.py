@@ -25,6 +25,8 @@ routing-stats publish reports the text blocks whose token block came or went
   what it knew of the replica (a missed payload) learns the rest back within
   ``len / max_events`` snapshots.
 * Tiers: a token block in any tier counts as held (a lookup continues there).
+* Cost: a publish walks the whole map (one membership test per entry: 2.4 ms at
+  16,384 entries on this project's 2-core machine, once per routing-stats period).
 
 Where a text block ends in tokens (``token_blocks_at``): the template renders the
 messages with tokens of its own, so the character offset of a text block's end maps to

@@ -113,9 +113,9 @@ class RequestRunner:
             self.remember_prefix(request.routing_key, prepared.prompt_token_ids, request.cache_salt)
         blocks = self.history_blocks(request)
         history = self.kv_events.history if self.kv_events is not None else None
+        stream = self.engine.stream(prepared)
         if blocks is not None and history is not None:
             history.begin(blocks.hashes)  # in flight: never reported removed meanwhile
-        stream = self.engine.stream(prepared)
         try:
             async for delta in stream:
                 yield delta
