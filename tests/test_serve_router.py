@@ -548,6 +548,8 @@ async def test_history_events_in_routing_stats_steer_a_later_turn_and_retract_it
     holder.routing_stats = stats(1, 0, 0, kv_events=pub.publish(pool.__contains__))
     router.update_replicas(reps)
     assert router.placed.history.held(blocks.hashes) == {holder.name: len(blocks.hashes)}
+    entries = counter(router._metrics, "prefixserve_router_history_index_entries", deployment="Engine")
+    assert entries == len(router.placed.history) == len(blocks.hashes)  # the size, as the events left it
     assert counter(
         router._metrics,
         "prefixserve_router_kv_events_total",
