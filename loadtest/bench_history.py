@@ -2,7 +2,7 @@
 
 Job: two measurements behind docs/benchmarks/routing_conversations.md.
 
-* ``hashing``: CPU time per request of router/contracts/prompt_blocks.py at 1k, 8k and
+* ``hashing``: CPU time per request of replica/contract/prompt_blocks.py at 1k, 8k and
   32k-token chat prompts (about 4 characters a token), cold (no earlier turn
   seen: every message hashed) and warm (the previous turn seen: only the new
   messages hashed, the rest from the cache), beside ``json.loads`` of the same
@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from prefixserve.router.contracts.prompt_blocks import PromptHasher
+from prefixserve.replica.contract.prompt_blocks import PromptHasher
 from prefixserve.router.policies import Placed, Replica
 from prefixserve.router.policies.history import DEFAULT_MAX_ENTRIES
 

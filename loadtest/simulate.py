@@ -19,6 +19,11 @@ cached tokens the response reports), and ``placed_precise`` also gets
 ``set_cached`` from the replicas' real KV caches (whether the key's first
 prefix block is cached) for the key's placement and ring successors at each
 decision and for every placed key before a rebalance: KV events without delay.
+``placed_events`` is ``placed`` whose history index also takes the replicas' history
+events (replica/contract/history_events.py, the real publisher, tracker and consumer):
+every ``report_s`` of simulated time (Serve's routing-stats period) each replica
+publishes which of its finished requests' blocks its cache holds and the router applies
+them (the simulator's history hashes are Contract-2 hashes: each maps to itself).
 Peers get the prompt tokens, block hashes and the same loads (see
 loadtest/peers/__init__.py).
 
@@ -82,6 +87,8 @@ from prefixserve.loadtest.peers import PEERS, PeerRequest, make_peer
 from prefixserve.loadtest.peers.sglang import SGLangCacheAware, SGLangConfig
 from prefixserve.loadtest.workloads import zipf_tenant_sequence
 from prefixserve.replica.config import EngineConfig
+from prefixserve.replica.contract.history_events import HistoryTracker
+from prefixserve.replica.contract.kv_events import KVEventConsumer, KVEventPublisher
 from prefixserve.replica.kv.hashing import BlockHasher
 from prefixserve.replica.kv.manager import KVCacheManager
 from prefixserve.router.contracts.prefix import prefix_hash
@@ -97,6 +104,7 @@ OWN_POLICIES = (
     "placed",
     "placed_static",
     "placed_precise",
+    "placed_events",
 )
 POLICY_NAMES = OWN_POLICIES + tuple(PEERS)
 BASELINE = "placed"
@@ -152,6 +160,8 @@ class SimConfig:
     # replica (needs the host tier: disk reads land in it, as in the engine).
     host_blocks_per_replica: int = 0
     shared_disk: bool = False
+    # placed_events: seconds between the replicas' KV event reports (router.stats_period_s).
+    report_s: float = 1.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -429,6 +439,12 @@ class _Router:
         self.peer = None
         self.tree: SGLangCacheAware | None = None
         self.precise = policy == "placed_precise"
+        # placed_events: the replicas' history events, published every report_s.
+        self.events = policy == "placed_events"
+        self._publishers = [KVEventPublisher(history=HistoryTracker()) for _ in replicas] if self.events else []
+        self._consumer = KVEventConsumer()
+        self._next_report = 0.0
+        self._sent: dict[int, list[bytes]] = {}  # request -> its block hashes (placed_events, in flight)
         # placed matches each request's whole-prompt block hashes against its history index;
         # placed_static is the same policy keyed by the static prefix alone.
         self.history = policy != "placed_static"
@@ -440,7 +456,7 @@ class _Router:
         elif policy in PEERS:
             self.peer = make_peer(policy, config.seed)
         else:
-            name = "placed" if policy in ("placed_precise", "placed_static") else policy
+            name = "placed" if policy in ("placed_precise", "placed_static", "placed_events") else policy
             settings = {"seed": config.seed, "epsilon": config.epsilon}
             if name == "placed":
                 settings["epsilon"] = config.placed_epsilon
@@ -477,10 +493,27 @@ class _Router:
         if self.precise:
             self._feed_cached(i, key)
         if self.placed is not None and self.history:
+            if self.events and now >= self._next_report:
+                self._report(now)
             req = self.request(i, now)
             static_blocks = len(tr.system_hashes[tr.tenants[i]])
-            return self.placed.rank(self.replicas, key, history=req.block_hashes, static_blocks=static_blocks).chosen
+            chosen = self.placed.rank(self.replicas, key, history=req.block_hashes, static_blocks=static_blocks).chosen
+            if self.events:
+                self._publishers[chosen.index].history.begin(req.block_hashes)  # type: ignore[union-attr]
+                self._sent[i] = req.block_hashes
+            return chosen
         return self.ring_policy.rank(self.replicas, key).chosen
+
+    def _report(self, now: float) -> None:
+        """Every replica's KV event payload, applied by the router (placed_events)."""
+        assert self.placed is not None and self.placed.history is not None
+        self._next_report = now + self.config.report_s
+        for rep, pub in zip(self.replicas, self._publishers, strict=True):
+            kv = rep.kv
+            medium = kv.tier_medium if self.config.host_blocks_per_replica > 0 else None
+            self._consumer.apply(rep.name, pub.publish(kv.pool.hash_to_block.__contains__, medium))
+            for report in self._consumer.take_history():
+                self.placed.history.report(report.replica, report.stored, report.removed, report.reset)
 
     def _feed_cached(self, i: int, key: str) -> None:
         """Precise mode's KV events: which replicas hold the key's first prefix block, read from their caches."""
@@ -519,6 +552,12 @@ class _Router:
         if self.peer is not None:
             self.peer.on_finish(rep.name, self._requests.pop(i))
         elif self.placed is not None:
+            hashes = self._sent.pop(i, None)
+            if hashes is not None:
+                tracker = self._publishers[rep.index].history
+                assert tracker is not None
+                tracker.end(hashes)
+                tracker.remember(zip(hashes, hashes, strict=True))
             # What the response's usage tells the router: prompt and cached tokens.
             key = self.traffic.keys[self.traffic.tenants[i]]
             self.placed.observe(key, prompt_tokens, hit_tokens)

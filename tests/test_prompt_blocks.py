@@ -1,11 +1,11 @@
-"""router/contracts/prompt_blocks.py: the router's chained text-block hashes of a request's prompt."""
+"""replica/contract/prompt_blocks.py: the router's chained text-block hashes of a request's prompt."""
 
 from __future__ import annotations
 
 import pytest
 
+from prefixserve.replica.contract.prompt_blocks import PromptHasher, UnhashablePrompt
 from prefixserve.replica.contract.request import EngineRequest
-from prefixserve.router.contracts.prompt_blocks import PromptHasher, UnhashablePrompt
 
 SYSTEM = {"role": "system", "content": "You are a careful assistant. " * 40}  # several blocks
 

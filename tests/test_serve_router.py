@@ -527,6 +527,59 @@ async def test_a_departed_replica_leaves_the_history_index():
     assert (await send(router, chat("app", history(5, 2)))).name != chosen.name
 
 
+async def test_history_events_in_routing_stats_steer_a_later_turn_and_retract_it():
+    from prefixserve.replica.contract.history_events import HistoryTracker
+    from prefixserve.replica.contract.kv_events import KVEventPublisher
+
+    rng = random.Random(35)
+    router = make_router("placed")
+    reps = replicas(rng, 2)
+    router.update_replicas(reps)
+    # A conversation this router never sent anywhere (another ingress replica did): only the
+    # replica's history events can say where it lives.
+    first = chat("app", history(9, 1)).args[0]
+    blocks = router._prompt_hasher.blocks(first)
+    holder = next(r for r in reps if r.name != HashRing(sorted(r.name for r in reps)).owner("app"))
+    tracker = HistoryTracker()
+    pub = KVEventPublisher(history=tracker)
+    pool: set[bytes] = set()
+    tracker.remember((h, bytes([i]) * 16) for i, h in enumerate(blocks.hashes))
+    pool |= {bytes([i]) * 16 for i in range(len(blocks.hashes))}
+    holder.routing_stats = stats(1, 0, 0, kv_events=pub.publish(pool.__contains__))
+    router.update_replicas(reps)
+    assert router.placed.history.held(blocks.hashes) == {holder.name: len(blocks.hashes)}
+    entries = counter(router._metrics, "prefixserve_router_history_index_entries", deployment="Engine")
+    assert entries == len(router.placed.history) == len(blocks.hashes)  # the size, as the events left it
+    assert counter(
+        router._metrics,
+        "prefixserve_router_kv_events_total",
+        deployment="Engine",
+        replica=holder.name,
+        type="HistoryStored",
+    ) == len(blocks.hashes)
+    turn = await send(router, chat("app", history(9, 2)))
+    assert turn.name == holder.name
+    router.on_request_completed(turn.replica_id, "done")
+    # The holder evicted it: the next report retracts it, except what this router has sent it since.
+    pool.clear()
+    holder.routing_stats = stats(2, 0, 0, kv_events=pub.publish(pool.__contains__))
+    router.update_replicas(reps)
+    assert router.placed.history.held(blocks.hashes) == {holder.name: len(blocks.hashes)}  # just sent
+    holder.routing_stats = stats(3, 0, 0, kv_events=pub.publish(pool.__contains__))
+    router.update_replicas(reps)
+    assert router.placed.history.held(blocks.hashes).get(holder.name, 0) == len(
+        blocks.hashes
+    )  # no news: the replica has not seen that turn
+    tracker.remember((h, bytes([i]) * 16) for i, h in enumerate(blocks.hashes))
+    pool |= {bytes([i]) * 16 for i in range(len(blocks.hashes))}
+    holder.routing_stats = stats(4, 0, 0, kv_events=pub.publish(pool.__contains__))
+    router.update_replicas(reps)
+    pool.clear()
+    holder.routing_stats = stats(5, 0, 0, kv_events=pub.publish(pool.__contains__))
+    router.update_replicas(reps)
+    assert holder.name not in router.placed.history.held(blocks.hashes)
+
+
 async def test_a_completed_conversation_frees_its_keys_in_flight_count():
     rng = random.Random(34)
     router = make_router("placed")

@@ -56,6 +56,12 @@ the group's shared disk run counted for every replica of the group, is at least 
 key's prefix. A change of a group's shared run for a key queues facts for the group's
 other replicas (``take_shared_facts``).
 
+History (additive): a publisher given a ``history`` tracker also carries ``history_events``
+(``HistoryStored`` / ``HistoryRemoved`` of the router's text-block hashes) and, on its first
+payload, ``history_reset`` (replica/contract/history_events.py); the consumer turns each
+accepted payload's into a ``HistoryReport`` (``take_history``), a reset when the payload is the
+first of its epoch it applies or follows missed ones.
+
 Pure Python: no Ray, no torch. The caller passes hashes and a membership test
 (the pool's ``hash_to_block.__contains__``; a dict lookup is atomic under the
 GIL, so the engine thread may run meanwhile).
@@ -69,6 +75,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from prefixserve.replica.contract.history_events import HistoryReport, HistoryTracker, parse_history
 
 KV_EVENTS_FORMAT = 1
 BLOCK_STORED = "BlockStored"
@@ -142,7 +150,12 @@ class KVEventPublisher:
     """Remembers keys' prefix hashes and publishes bounded, lossy-safe diffs of their presence."""
 
     def __init__(
-        self, max_keys: int = 512, max_blocks_per_key: int = 32, max_events: int = 2048, snapshot_every: int = 10
+        self,
+        max_keys: int = 512,
+        max_blocks_per_key: int = 32,
+        max_events: int = 2048,
+        snapshot_every: int = 10,
+        history: HistoryTracker | None = None,
     ) -> None:
         for name, v in (
             ("max_keys", max_keys),
@@ -160,6 +173,8 @@ class KVEventPublisher:
         self.seq = 0
         self._keys: OrderedDict[str, _KeyState] = OrderedDict()
         self._forgotten = False  # a key was dropped since the last snapshot
+        # The router's text blocks this replica holds (replica/contract/history_events.py), when tracked.
+        self.history = history
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -169,9 +184,11 @@ class KVEventPublisher:
         """Estimated bytes of the remembered keys and hashes: at most ``max_keys`` keys (routing keys
         are short, a client's X-Prefix-Hash at most router/contracts/prefix.py's max_header_len) of at most
         ``max_blocks_per_key`` hashes each, so bounded in bytes too."""
-        total = 0
+        total = 0 if self.history is None else self.history.nbytes
         for key, state in list(self._keys.items()):
-            total += sys.getsizeof(key) + 200 + sum(sys.getsizeof(h) + 8 for h in state.hashes) + 8 * len(state.present)
+            total += (
+                sys.getsizeof(key) + 200 + sum(sys.getsizeof(h) + 8 for h in state.hashes) + 16 * len(state.present)
+            )
         return total
 
     def prefix_blocks(self, key: str) -> int | None:
@@ -205,6 +222,7 @@ class KVEventPublisher:
         if n < len(state.hashes):
             del state.hashes[n:]
             del state.present[n:]
+            del state.media[n:]
             if not state.hashes:
                 del self._keys[key]
                 self._forgotten = True
@@ -219,62 +237,21 @@ class KVEventPublisher:
         """The next payload (see the module docstring); ``contains(hash)``: is that block in the pool now.
 
         With ``medium_of`` (a block's fastest tier, or None) the payload carries the tiers too;
-        ``shared_of(hash)``: is that block in the shared disk directory ``disk_group``.
+        ``shared_of(hash)``: is that block in the shared disk directory ``disk_group``. With a
+        ``history`` tracker, its events too (replica/contract/history_events.py).
         """
-        if medium_of is not None:
-            return self._publish_tiers(contains, medium_of, shared_of, disk_group)
         self.seq += 1
         snapshot = self.seq == 1 or self.seq % self.snapshot_every == 0 or self._forgotten
-        events: list[dict[str, Any]] = []
-        held: dict[str, list[int]] = {}
-        num_hashes = 0
-        for key, state in self._keys.items():
-            now = [contains(h) for h in state.hashes]
-            before = state.present + [False] * (len(now) - len(state.present))
-            stored = [h.hex() for h, a, b in zip(state.hashes, before, now, strict=True) if b and not a]
-            removed = [h.hex() for h, a, b in zip(state.hashes, before, now, strict=True) if a and not b]
-            changed = bool(stored or removed) or not state.present
-            state.present = now
-            if snapshot or changed:
-                held[key] = [leading_held(now), len(now)]
-            if not snapshot:
-                num_hashes += len(stored) + len(removed)
-                if stored:
-                    events.append({"type": BLOCK_STORED, "key": key, "block_hashes": stored})
-                if removed:
-                    events.append({"type": BLOCK_REMOVED, "key": key, "block_hashes": removed})
-        if not snapshot and num_hashes > self.max_events:
-            # Overflow: drop the events, send every key's summary instead.
-            snapshot = True
-            events = []
-            held = {key: [leading_held(s.present), len(s.present)] for key, s in self._keys.items()}
-        if snapshot:
-            self._forgotten = False
-        return {
-            "format": KV_EVENTS_FORMAT,
-            "epoch": self.epoch,
-            "seq": self.seq,
-            "snapshot": snapshot,
-            "events": events,
-            "held": held,
-        }
-
-    def _publish_tiers(
-        self,
-        contains: Callable[[bytes], bool],
-        medium_of: Callable[[bytes], str | None],
-        shared_of: Callable[[bytes], bool] | None,
-        disk_group: str | None,
-    ) -> dict[str, Any]:
-        """``publish`` with each block's medium (the module docstring's KV tiers)."""
-        self.seq += 1
-        snapshot = self.seq == 1 or self.seq % self.snapshot_every == 0 or self._forgotten
+        tiered = medium_of is not None
         events: list[dict[str, Any]] = []
         held: dict[str, list[int]] = {}
         tiers: dict[str, list[int]] = {}
         num_hashes = 0
         for key, state in self._keys.items():
-            media = [MEDIUM_DEVICE if contains(h) else medium_of(h) for h in state.hashes]
+            if medium_of is None:
+                media = [MEDIUM_DEVICE if contains(h) else None for h in state.hashes]
+            else:
+                media = [MEDIUM_DEVICE if contains(h) else medium_of(h) for h in state.hashes]
             shared = 0
             if shared_of is not None:
                 for h in state.hashes:  # the leading run only: a lookup stops at the first miss
@@ -297,10 +274,14 @@ class KVEventPublisher:
                 held[key] = [leading_held(now), len(now)]
                 tiers[key] = summary
             if not snapshot:
-                for (kind, medium), hashes in moves.items():
+                for (kind, medium), hashes in sorted(moves.items(), key=_event_order):
                     num_hashes += len(hashes)
-                    events.append({"type": kind, "key": key, "block_hashes": hashes, "medium": medium})
+                    event: dict[str, Any] = {"type": kind, "key": key, "block_hashes": hashes}
+                    if tiered:
+                        event["medium"] = medium
+                    events.append(event)
         if not snapshot and num_hashes > self.max_events:
+            # Overflow: drop the events, send every key's summary instead.
             snapshot = True
             events = []
             held = {key: [leading_held(s.present), len(s.present)] for key, s in self._keys.items()}
@@ -314,11 +295,21 @@ class KVEventPublisher:
             "snapshot": snapshot,
             "events": events,
             "held": held,
-            "tiers": tiers,
         }
-        if disk_group is not None:
-            payload["disk_group"] = disk_group
+        if tiered:
+            payload["tiers"] = tiers
+            if disk_group is not None:
+                payload["disk_group"] = disk_group
+        if self.history is not None:
+            in_cache = contains if medium_of is None else lambda h: contains(h) or medium_of(h) is not None
+            payload.update(self.history.payload(in_cache, self.seq == 1, snapshot))
         return payload
+
+
+def _event_order(item: tuple[tuple[str, str], list[str]]) -> tuple[bool, str]:
+    """A key's events: stored before removed, then by medium (a stable payload)."""
+    (kind, medium), _ = item
+    return kind != BLOCK_STORED, medium
 
 
 class KVEventConsumer:
@@ -345,6 +336,7 @@ class KVEventConsumer:
         self._shared: dict[str, dict[str, dict[str, int]]] = {}  # group -> key -> replica -> run
         self._totals: dict[str, dict[str, int]] = {}  # replica -> key -> prefix blocks
         self._shared_facts: list[tuple[str, str, bool]] = []
+        self._history: list[HistoryReport] = []
 
     def forget(self, replica: str) -> None:
         self._last.pop(replica, None)
@@ -355,6 +347,11 @@ class KVEventConsumer:
         if group is not None:
             for runs in self._shared.get(group, {}).values():
                 runs.pop(replica, None)
+
+    def take_history(self) -> list[HistoryReport]:
+        """The history reports of the payloads applied since the last call (call it after each ``apply``)."""
+        reports, self._history = self._history, []
+        return reports
 
     def take_shared_facts(self) -> list[tuple[str, str, bool]]:
         """``(replica, key, holds)`` for the other replicas of a disk group whose shared run for
@@ -429,12 +426,19 @@ class KVEventConsumer:
         if last is not None and last[0] == epoch and seq <= last[1]:
             return []  # already applied (the same routing stats seen again)
         snapshot = bool(payload.get("snapshot"))
+        new_epoch = last is None or last[0] != epoch
+        gap = not new_epoch and last is not None and seq != last[1] + 1
         if not snapshot:
-            if last is None or last[0] != epoch:
+            if new_epoch:
                 return []  # no snapshot of this publisher yet: wait for one
-            if seq != last[1] + 1:
+            if gap:
                 self.gaps += 1  # missed payloads: their keys keep their last known state
         self._last[replica] = (epoch, seq)
+        # History has no absolute summary: what missed payloads said is lost, so a gap or a
+        # publisher met anew resets what the router knew of the replica's history.
+        history = parse_history(replica, payload, new_epoch or gap)
+        if history is not None:
+            self._history.append(history)
         known = self._held.setdefault(replica, set())
         facts: list[tuple[str, bool]] = []
         held = payload.get("held") or {}

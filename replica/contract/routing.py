@@ -2,13 +2,16 @@
 
 ``SESSION_HEADER`` and ``STATIC_ROLES`` say which requests are conversation turns and which chat messages
 form the static prefix; ``canonical_json`` is the form tools are hashed in (and the engine's memo key for
-them); ``REPLICA_HEADER`` names the engine replica that served a request. Constants and two functions:
-imports nothing of ours, so the engine's request bookkeeping can read them without the contract's types.
+them); ``content_text`` the text a message's content contributes (Contract 1's static prefix, and the
+history blocks of replica/contract/prompt_blocks.py); ``REPLICA_HEADER`` names the engine replica that
+served a request. Constants and three functions: imports nothing of ours, so the engine's request
+bookkeeping can read them without the contract's types.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 # The session header of multi-turn clients: their requests are conversation turns, and
@@ -38,3 +41,24 @@ def canonical_json(value: Any) -> str:
     The form Contract 1 hashes tools in (router/contracts/prefix.py), and the engine's memo key for them.
     """
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def content_text(content: Any) -> str:
+    """Text of an OpenAI message content: a string or a list of text parts joined by ``"\\n"``.
+
+    Raises ValueError for any other part (the API refuses them too).
+    """
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, (list, tuple)):
+        texts = []
+        for part in content:
+            # The same parts replica/entrypoints/openai/protocol.py's ChatMessage accepts: a body it refuses has no key.
+            if not (isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+                raise ValueError(f"only text content parts are supported, got {kind!r}")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise ValueError(f"message content must be a string or a list of content parts, got {type(content).__name__}")

@@ -4,7 +4,9 @@ Job: :class:`RequestRunner`, what every engine host does with an
 ``EngineRequest`` (replica/contract/request.py), in one place: the engine prepares it
 (``AsyncEngine.prepare``: the input processor's length bound, chat template, tokenizer,
 ``max_tokens`` rule and validation, off the event loop), the KV event publisher learns
-its prefix's block hashes, and the engine streams it. The standalone server (through
+its prefix's block hashes and, once it finished, where its prompt's history blocks (the
+router's text blocks, replica/contract/history_events.py) lie in the KV cache, and the
+engine streams it. The standalone server (through
 :class:`LocalEngineClient`) and the Ray engine deployment both run it; it asks the
 engine through its methods only.
 
@@ -19,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from prefixserve.replica.contract.history_events import token_blocks_at
+from prefixserve.replica.contract.prompt_blocks import PromptBlocks, PromptHasher, UnhashablePrompt
 from prefixserve.replica.contract.request import EngineRequest, ModelInfo
 from prefixserve.replica.contract.routing import SESSION_HEADER
 from prefixserve.replica.contract.stream import StreamDelta
@@ -29,6 +33,10 @@ if TYPE_CHECKING:
     from prefixserve.replica.engine.async_engine import AsyncEngine
 
 
+# The replica's memo of text-block hashes per message (replica/contract/prompt_blocks.py).
+_HASHER_CACHE_MESSAGES = 8192
+
+
 class RequestRunner:
     """Runs EngineRequests on a local AsyncEngine: what every engine host does the same way."""
 
@@ -37,6 +45,8 @@ class RequestRunner:
         self.max_model_len = int(engine.max_model_len)
         # Remembers each routing key's prefix block hashes for the routers (replica/contract/kv_events.py).
         self.kv_events = kv_events
+        # The router's text-block hashes of each request, when the publisher tracks history.
+        self._prompt_hasher = PromptHasher(cache_messages=_HASHER_CACHE_MESSAGES)
 
     def model_info(self) -> ModelInfo:
         config = self.engine.config
@@ -67,16 +77,53 @@ class RequestRunner:
         if hashes:
             self.kv_events.remember(key, hashes)
 
+    def history_blocks(self, request: EngineRequest) -> PromptBlocks | None:
+        """The router's text-block hashes of ``request`` (None: history not tracked, or a prompt
+        the router cannot hash either)."""
+        if self.kv_events is None or self.kv_events.history is None:
+            return None
+        try:
+            return self._prompt_hasher.blocks(request)
+        except (UnhashablePrompt, TypeError, ValueError):
+            return None
+
+    def remember_history(self, request: EngineRequest, prepared: PreparedRequest, blocks: PromptBlocks) -> None:
+        """Tell the history tracker where a finished request's text blocks end in its token blocks."""
+        assert self.kv_events is not None and self.kv_events.history is not None
+        ids = prepared.prompt_token_ids
+        block_size = int(self.engine.config.block_size)
+        at = token_blocks_at(
+            self._prompt_hasher.block_ends(request),
+            blocks.static_blocks,
+            prepared.static_prefix_tokens,
+            len(ids),
+            block_size,
+        )
+        if len(at) != len(blocks.hashes):
+            return
+        token_hashes = self.engine.prefix_block_hashes(ids, request.cache_salt, max(at, default=-1) + 1)
+        self.kv_events.history.remember(
+            (text, token_hashes[j]) for text, j in zip(blocks.hashes, at, strict=True) if 0 <= j < len(token_hashes)
+        )
+
     async def generate(self, request: EngineRequest) -> AsyncIterator[StreamDelta]:
         """The engine's deltas for ``request``; leaving early aborts it in the engine."""
         prepared = await self.prepare(request)
         if self.kv_events is not None and request.routing_key:
             self.remember_prefix(request.routing_key, prepared.prompt_token_ids, request.cache_salt)
+        blocks = self.history_blocks(request)
+        history = self.kv_events.history if self.kv_events is not None else None
         stream = self.engine.stream(prepared)
+        if blocks is not None and history is not None:
+            history.begin(blocks.hashes)  # in flight: never reported removed meanwhile
         try:
             async for delta in stream:
                 yield delta
+            if blocks is not None:
+                self.remember_history(request, prepared, blocks)
         finally:
+            if blocks is not None and history is not None:
+                history.end(blocks.hashes)
             # Closing an unfinished engine stream aborts the request and frees its blocks.
             # Shielded: this runs while a host cancels a request whose client went away.
             with anyio.CancelScope(shield=True):

@@ -65,7 +65,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from prefixserve.replica.contract.routing import SESSION_HEADER, STATIC_ROLES, canonical_json
+from prefixserve.replica.contract.routing import SESSION_HEADER, STATIC_ROLES, canonical_json, content_text
 
 PREFIX_HASH_HEADER = "X-Prefix-Hash"
 KEY_HEX_DIGITS = 16
@@ -141,27 +141,6 @@ def request_tools(body: Mapping[str, Any]) -> list[Any] | None:
     if not isinstance(tools, list):
         raise ValueError(f"tools must be a list, got {type(tools).__name__}")
     return tools or None
-
-
-def content_text(content: Any) -> str:
-    """Text of an OpenAI message content: a string or a list of text parts joined by ``"\\n"``.
-
-    Raises ValueError for any other part (the API refuses them too).
-    """
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, (list, tuple)):
-        texts = []
-        for part in content:
-            # The same parts replica/entrypoints/openai/protocol.py's ChatMessage accepts: a body it refuses has no key.
-            if not (isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-                raise ValueError(f"only text content parts are supported, got {kind!r}")
-            texts.append(part["text"])
-        return "\n".join(texts)
-    raise ValueError(f"message content must be a string or a list of content parts, got {type(content).__name__}")
 
 
 def static_prefix(messages: Iterable[Mapping[str, Any]]) -> str | None:

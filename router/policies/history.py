@@ -11,14 +11,24 @@ Inputs:
 * ``record(replica, hashes)``: the router sent a prompt with these block hashes
   to ``replica``; until a later report says otherwise they count as held (the
   replica computes and caches them when it prefills).
-* ``remove(replica, hashes)`` / ``store(replica, hashes)``: KV events
-  (``BlockRemoved`` / ``BlockStored``).
-* ``forget(replica)``: a replica left the cluster, restarted (new epoch) or
-  its events were lost: nothing it was said to hold is trusted any more.
+* ``report(replica, stored, removed, reset)``: the replica's history events
+  (replica/contract/history_events.py: HistoryStored / HistoryRemoved, and a reset
+  when its earlier reports cannot be trusted). A removal never undoes what the
+  router sent the replica since the report before this one (the replica may not
+  have seen that request when it made the report; a request it had seen and not
+  finished is never reported removed): those hashes stay held. A reset keeps them
+  and nothing else the replica was said to hold.
+* ``store(replica, hashes)`` / ``remove(replica, hashes)``: the same, directly.
+* ``forget(replica)``: a replica left the cluster or passed its name on: nothing
+  it was said to hold is trusted any more.
 
 Bound: at most ``max_entries`` hashes, least recently recorded or matched
 evicted first; an index at its bound evicts, never grows. Per entry one bytes
-key and one int (a bitmask of replica slots): about 200 bytes in CPython.
+key and one int (a bitmask of replica slots): about 200 bytes in CPython. The
+hashes sent each replica since its last report (before its first: since it was
+first sent one) are kept beside them
+(at most ``max_entries`` in all; beyond, later sends are not protected) and
+dropped at each report.
 
 Pure Python: no Ray, no HTTP, no torch.
 """
@@ -44,6 +54,9 @@ class HistoryIndex:
         self._name_of: dict[int, str] = {}  # bit -> replica name
         self._next_bit = 0
         self._free_bits: list[int] = []
+        # Replica -> hashes sent since its last report (or ever, before its first), in order; their count.
+        self._sent: dict[str, dict[bytes, None]] = {}
+        self._sent_total = 0
         self.evictions = 0
 
     def __len__(self) -> int:
@@ -63,11 +76,20 @@ class HistoryIndex:
         return b
 
     def record(self, replica: str, hashes: Sequence[bytes]) -> None:
-        """``replica`` was sent (or stored) these blocks: count them as held.
+        """``replica`` was sent these blocks: count them as held (and keep them so until its next report).
 
         A chain's leading blocks become the most recently used (walked last), so
         eviction takes a prompt's tail before the prefix every later turn needs.
         """
+        sent = self._sent.setdefault(replica, {})
+        if self._sent_total + len(hashes) <= self.max_entries:
+            before = len(sent)
+            sent.update(dict.fromkeys(hashes))
+            self._sent_total += len(sent) - before
+        self.store(replica, hashes)
+
+    def store(self, replica: str, hashes: Sequence[bytes]) -> None:
+        """``replica`` holds these blocks (a HistoryStored event, or ``record``'s send)."""
         b = self.bit(replica)
         entries = self._entries
         get, move = entries.get, entries.move_to_end
@@ -85,10 +107,23 @@ class HistoryIndex:
                 pop(last=False)
             self.evictions += over
 
-    store = record
+    def report(self, replica: str, stored: Sequence[bytes], removed: Iterable[bytes], reset: bool = False) -> None:
+        """Apply one report of ``replica``'s history events (the module docstring)."""
+        sent = self._sent.pop(replica, {})
+        self._sent_total -= len(sent)
+        if reset:
+            self.forget(replica)
+        elif sent:
+            self.remove(replica, (h for h in removed if h not in sent))
+        else:
+            self.remove(replica, removed)
+        if stored:
+            self.store(replica, stored)
+        if reset and sent:
+            self.store(replica, list(sent))
 
     def remove(self, replica: str, hashes: Iterable[bytes]) -> None:
-        """``replica`` no longer holds these blocks (a BlockRemoved event)."""
+        """``replica`` no longer holds these blocks (a HistoryRemoved event)."""
         b = self._slot.get(replica)
         if b is None:
             return
@@ -103,10 +138,11 @@ class HistoryIndex:
                     del entries[h]
 
     def forget(self, replica: str) -> None:
-        """Drop everything ``replica`` was said to hold (left, restarted, or its events were lost).
+        """Drop everything ``replica`` was said to hold (left, or its reports cannot be trusted).
 
         O(entries): every entry is scrubbed of the replica's bit before the bit is reused.
         """
+        self._sent_total -= len(self._sent.pop(replica, {}))
         b = self._slot.pop(replica, None)
         if b is None:
             return

@@ -52,7 +52,9 @@ Invariants:
   (``set_cached``) when the policy has one. With KV tiers, a block in a replica's host tier
   or in its shared disk directory counts at ``placed``'s ``kv_host_weight`` /
   ``kv_disk_weight`` of a device block, and a directory's blocks count for every replica
-  reporting it (their facts come with the reporter's payload).
+  reporting it (their facts come with the reporter's payload). The payload's history events
+  (replica/contract/history_events.py) go to ``placed``'s history index (``report``): the
+  replica's cached conversation blocks, by the text-block hashes this router computes.
 * ``placed`` placements agree across routers through the ingress
   (router/serve/ingress.py): the leader router rebalances and publishes
   ``placement_snapshot``; followers ``apply_placement``. A request is counted
@@ -85,9 +87,9 @@ from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, R
 
 from prefixserve.common.tracing import build_tracer, route_span
 from prefixserve.replica.contract.kv_events import KVEventConsumer, TierWeights
+from prefixserve.replica.contract.prompt_blocks import PromptBlocks, PromptHasher, UnhashablePrompt
 from prefixserve.replica.contract.routing import ring_name
 from prefixserve.router.cluster_config import DEFAULT_STATS_MAX_AGE_S
-from prefixserve.router.contracts.prompt_blocks import PromptBlocks, PromptHasher, UnhashablePrompt
 from prefixserve.router.policies import (
     DEFAULT_POLICY,
     KIND_FALLBACK,
@@ -331,19 +333,26 @@ class PrefixRouter(RequestRouter):
         facts = self._kv_events.apply(name, payload)
         if self._kv_events.gaps != gaps:
             self._metrics.kv_event_gaps.labels(self._deployment, name).inc()
-        if facts and isinstance(payload, Mapping):
-            for event in payload.get("events") or ():
+        history = self._kv_events.take_history()
+        if (facts or history) and isinstance(payload, Mapping):
+            for event in [*(payload.get("events") or ()), *(payload.get("history_events") or ())]:
                 self._metrics.kv_events.labels(self._deployment, name, str(event.get("type"))).inc(
                     len(event.get("block_hashes") or ())
                 )
         shared = self._kv_events.take_shared_facts()  # disk blocks: every replica of the directory
         placed = self.placed
-        if placed is not None and (facts or shared):
+        if placed is not None and (facts or shared or history):
             with self._lock:
                 for key, holds in facts:
                     placed.set_cached(name, key, holds)
                 for other, key, holds in shared:
                     placed.set_cached(other, key, holds)
+                if placed.history is not None:
+                    for report in history:
+                        placed.history.report(report.replica, report.stored, report.removed, report.reset)
+                    entries = len(placed.history)
+            if history and placed.history is not None:
+                self._metrics.history_index_entries.labels(self._deployment).set(entries)
 
     def kv_held(self) -> dict[str, list[str]]:
         """Per routing key, the replicas this router's KV events say hold its prefix."""
@@ -433,7 +442,7 @@ class PrefixRouter(RequestRouter):
         return self._own_in_flight.get(replica.replica_id, 0)
 
     def prompt_blocks(self, request: Any) -> PromptBlocks | None:
-        """The request's history hashes for ``placed`` (router/contracts/prompt_blocks.py); None when not used.
+        """The request's history hashes for ``placed`` (replica/contract/prompt_blocks.py); None when not used.
 
         A prompt the router cannot hash is counted and routes without a history
         (by its static key, then load).

@@ -56,9 +56,10 @@ from typing import Any, BinaryIO, Protocol
 
 from tqdm import tqdm
 
+from prefixserve.replica.contract.routing import content_text
 from prefixserve.replica.contract.tokenizer import load_tokenizer
 from prefixserve.router.cli.common import EXIT_SKIPPED
-from prefixserve.router.contracts.prefix import PREFIX_HASH_HEADER, content_text, routing_key, static_prefix
+from prefixserve.router.contracts.prefix import PREFIX_HASH_HEADER, routing_key, static_prefix
 
 DEFAULT_PREFIX_TOKENS = 512
 DEFAULT_BLOCK_SIZE = 16

@@ -56,6 +56,7 @@ from prometheus_client import generate_latest
 from ray import serve
 from ray.serve.context import _get_internal_replica_context
 
+from prefixserve.replica.contract.history_events import HistoryTracker
 from prefixserve.replica.contract.kv_events import KVEventPublisher
 from prefixserve.replica.contract.request import EngineRequest, ModelInfo
 from prefixserve.replica.contract.routing import ring_name
@@ -99,7 +100,7 @@ class EngineDeployment:
         from prefixserve.replica.engine.async_engine import AsyncEngine
 
         self.engine = AsyncEngine(EngineConfig.from_dict(dict(engine_config)))
-        self.kv_events = KVEventPublisher()
+        self.kv_events = KVEventPublisher(history=HistoryTracker())
         self.engine.metrics.track_cache_bytes("kv_events", lambda: self.kv_events.nbytes)
         self.runner = RequestRunner(self.engine, self.kv_events)
         context = serve.get_replica_context()

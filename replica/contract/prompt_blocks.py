@@ -1,7 +1,9 @@
 """Chained block hashes of a request's prompt as the router sees it: text, not tokens.
 
 Job: the ``history`` argument of ``placed`` (router/policies/placed.py) for a live
-request. At decision time the Serve router holds the ingress's EngineRequest:
+request, and the names of the history blocks a replica reports in its KV events
+(replica/contract/history_events.py): one definition, so that both sides hash alike.
+At decision time the Serve router holds the ingress's EngineRequest:
 chat ``messages`` (rendered by the engine's chat template only on the replica)
 or a completions ``prompt`` (text or token ids). The ingress loads no tokenizer,
 so the router cannot compute Contract 2's token-block hashes; like Ray Serve
@@ -40,8 +42,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from prefixserve.replica.contract.routing import STATIC_ROLES
-from prefixserve.router.contracts.prefix import content_text
+from prefixserve.replica.contract.routing import STATIC_ROLES, content_text
 
 DEFAULT_BLOCK_CHARS = 256  # about 64 tokens of English text
 DEFAULT_CACHE_MESSAGES = 65_536
@@ -58,6 +59,24 @@ class PromptBlocks:
 
     hashes: list[bytes]
     static_blocks: int
+
+
+def _message_text(m: Any) -> tuple[str, str]:
+    """A chat message's role and content text (UnhashablePrompt when the router cannot read it)."""
+    if not isinstance(m, Mapping):
+        raise UnhashablePrompt(f"a message must be an object, got {type(m).__name__}")
+    role = m.get("role")
+    if not isinstance(role, str):
+        raise UnhashablePrompt("a message without a string role")
+    try:
+        text = content_text(m.get("content"))
+    except ValueError as exc:
+        raise UnhashablePrompt(str(exc)) from None
+    return role, text
+
+
+def _message_bytes(role: str, text: str) -> bytes:
+    return role.encode("utf-8") + b"\x00" + text.encode("utf-8")
 
 
 def _chain(parent: bytes, data: bytes, size: int) -> list[bytes]:
@@ -103,20 +122,12 @@ class PromptHasher:
         parent = _ROOT
         cache = self._cache
         for m in messages:
-            if not isinstance(m, Mapping):
-                raise UnhashablePrompt(f"a message must be an object, got {type(m).__name__}")
-            role = m.get("role")
-            if not isinstance(role, str):
-                raise UnhashablePrompt("a message without a string role")
-            try:
-                text = content_text(m.get("content"))
-            except ValueError as exc:
-                raise UnhashablePrompt(str(exc)) from None
+            role, text = _message_text(m)
             key = (parent, role, len(text), hash(text))
             got = cache.get(key) if self.cache_messages else None
             if got is None:
                 self.cache_misses += 1
-                got = tuple(_chain(parent, role.encode("utf-8") + b"\x00" + text.encode("utf-8"), self.block_chars))
+                got = tuple(_chain(parent, _message_bytes(role, text), self.block_chars))
                 if self.cache_messages:
                     cache[key] = got
                     if len(cache) > self.cache_messages:
@@ -132,3 +143,31 @@ class PromptHasher:
             else:
                 leading = False
         return PromptBlocks(hashes, static_blocks)
+
+    def block_ends(self, request: Any) -> list[int]:
+        """Where each of ``blocks(request)``'s blocks ends, in bytes of the hashed stream (the
+        messages' ``role 0x00 content`` one after another, the prompt's UTF-8, or its uint32 ids).
+
+        The replica places each history block in its token blocks by this
+        (replica/contract/history_events.py). UnhashablePrompt as ``blocks``.
+        """
+        messages = getattr(request, "messages", None)
+        if messages is not None:
+            if not isinstance(messages, Sequence) or not messages:
+                raise UnhashablePrompt("a chat request without messages")
+            ends: list[int] = []
+            done = 0
+            for m in messages:
+                n = len(_message_bytes(*_message_text(m)))
+                ends.extend(range(done + self.block_chars, done + n, self.block_chars))
+                done += n
+                ends.append(done)
+            return ends
+        prompt = getattr(request, "prompt", None)
+        if isinstance(prompt, str) and prompt:
+            n, size = len(prompt.encode("utf-8")), self.block_chars
+        elif isinstance(prompt, list) and prompt:
+            n, size = 4 * len(prompt), (self.block_chars // 4) * 4
+        else:
+            raise UnhashablePrompt(f"no prompt the router can hash: {type(prompt).__name__}")
+        return [*range(size, n, size), n]
