@@ -363,8 +363,11 @@ def verdict(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     }
 
 
-def plot(series: Mapping[str, Sequence[float | None]], event_index: int, width: int, path: Path, title: str) -> None:
-    """The rolling hit rate of each row against the request index, the event and its windows marked."""
+def plot(
+    series: Mapping[str, Sequence[float | None]], event_index: int, width: int, rolling: int, path: Path, title: str
+) -> None:
+    """Each row's hit rate over the last ``rolling`` requests against the request index, the event and its
+    ``width``-request windows marked."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -378,7 +381,7 @@ def plot(series: Mapping[str, Sequence[float | None]], event_index: int, width: 
     ax.axvspan(event_index - 0.5, event_index + width - 0.5, color="#c44e52", alpha=0.08, label="after window")
     ax.set_ylim(0, 1.05)
     ax.set_xlabel("request (send order)")
-    ax.set_ylabel(f"hit rate, last {width} requests")
+    ax.set_ylabel(f"hit rate, last {rolling} requests")
     ax.legend(loc="lower right", fontsize=8)
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
@@ -513,13 +516,14 @@ def run(args: argparse.Namespace, p: Plan) -> int:
     spec = p.spec
     title = (
         f"scale {args.scale_event} ({start_replicas} -> {end_replicas} replicas) at request {p.event_index} of "
-        f"{len(p.requests)}: {spec.name}, {spec.tenants} tenants, system {spec.system_len} tok, concurrency "
+        f"{len(p.requests)}:\n{spec.name}, {spec.tenants} tenants, system {spec.system_len} tok, concurrency "
         f"{args.concurrency}, policy {args.policy}, model {Path(args.model).name}"
     )
+    heading = title.replace("\n", " ")
     summary = verdict(rows)
     table = render_table(rows)
     md = (
-        f"## Scale event: {title}\n\n"
+        f"## Scale event: {heading}\n\n"
         f"Windows: the {args.window} requests before the event and the {args.window} after it. Device pool "
         f"{p.num_kv_blocks} blocks of {args.block_size} tokens per replica (every tenant's prefix fits one "
         f"replica), host tier {args.host_gib:g} GiB per replica. Load average {load_start[0]:.2f} at the "
@@ -550,8 +554,10 @@ def run(args: argparse.Namespace, p: Plan) -> int:
     stem.with_suffix(".json").write_text(json.dumps(payload, indent=2))
     stem.with_suffix(".md").write_text(md)
     if rows:
-        series = {tier: rolling_hit_rate(recs, args.window) for tier, recs in records.items()}
-        plot(series, p.event_index, args.window, stem.with_suffix(".png"), title)
+        # One request per tenant, in expectation, per point: narrow enough to show the dip's shape.
+        rolling = max(1, min(args.window, spec.tenants))
+        series = {tier: rolling_hit_rate(recs, rolling) for tier, recs in records.items()}
+        plot(series, p.event_index, args.window, rolling, stem.with_suffix(".png"), title)
     print(f"wrote {stem}.json, .md" + (", .png" if rows else ""))
     return 1 if failures or any(r["succeeded"] < r["requests"] for r in rows) else 0
 
