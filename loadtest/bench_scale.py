@@ -14,8 +14,8 @@ row ``off`` is the same run without it (both rows have the same host tier, which
 tier needs, and the same device pool). The router is the default (``placed``).
 
 The client holds its next request while Serve adds or removes the replica (an event takes
-10-60 s on the 2-core CPU machine; requests sent meanwhile would only queue on the
-replica already there), so both rows send exactly the same requests on either side of
+1-20 s on the 2-core CPU machine; requests sent meanwhile would only go to the
+replicas already there), so both rows send exactly the same requests on either side of
 the event, and the windows below hold the same requests in both rows.
 
 Per row, from the responses' usage (``cached_tokens`` / ``prompt_tokens``: tokens served
