@@ -5,8 +5,10 @@ Job: the pieces a cluster benchmark or demo needs, each usable alone.
 * :class:`LocalServeCluster`: a local Ray instance with Serve's HTTP proxy on one
   port; ``deploy(app_args, name)`` runs router/serve/app.py's application (replacing
   nothing: delete the previous app first) and waits until every engine replica
-  runs and the endpoint answers; ``delete(name)`` removes it (its replicas, and
-  so their KV caches, go away with it).
+  runs and the endpoint answers; ``apply(app_args, name, num_replicas=)`` does the
+  same the way ``serve deploy`` does, and called again with another replica count
+  scales the running app (the other replicas keep running, their caches warm);
+  ``delete(name)`` removes it (its replicas, and so their KV caches, go away with it).
 * :func:`run_load`: a closed-loop streaming client: ``concurrency`` workers send
   the bodies in order over the OpenAI chat API and record, per request, when it
   was sent, its first content token, its end, the replica that served it
@@ -48,6 +50,9 @@ HITS = "vllm:prefix_cache_hits_total"
 PREEMPTIONS = "vllm:num_preemptions_total"
 # Samples without a ``replica`` label (a lone replica's own /metrics) are filed under this name.
 UNLABELLED = "(endpoint)"
+# router/serve/app.py's builder, as ``serve deploy`` imports it, and its engine deployment's name.
+APP_IMPORT_PATH = "prefixserve.router.serve.app:build_app"
+ENGINE_DEPLOYMENT = "Engine"
 # Requests and streams are small: the object store only needs Ray's minimum and some slack.
 OBJECT_STORE_BYTES = 256 * 1024**2
 
@@ -219,12 +224,17 @@ async def run_load_async(
     api_key: str | None = None,
     timeout_s: float = 600.0,
     on_done: Callable[[RequestRecord], None] | None = None,
+    t0: float | None = None,
+    first_index: int = 0,
 ) -> list[RequestRecord]:
     """Send ``bodies`` (OpenAI chat bodies) with ``concurrency`` workers; one record per body, in order.
 
     Closed loop: each worker sends its next body when its previous one ends, so
     at most ``concurrency`` requests are in flight and they leave in body order.
     ``headers[i]`` are extra headers of body i (e.g. ``X-Prefix-Hash``).
+    ``t0``: the ``time.perf_counter()`` origin of the records' times (default: now),
+    and ``first_index`` the index of ``bodies[0]``, so that the records of a load
+    sent in parts read as one run.
     """
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
@@ -234,13 +244,13 @@ async def run_load_async(
     records: list[RequestRecord | None] = [None] * len(bodies)
     cursor = iter(range(len(bodies)))
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    t0 = time.perf_counter()
+    origin = time.perf_counter() if t0 is None else t0
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30.0), limits=limits) as client:
 
         async def worker() -> None:
             for i in cursor:  # one shared iterator: each body is taken by exactly one worker
                 extra = dict(headers[i]) if headers is not None else {}
-                record = await _stream_one(client, url, i, bodies[i], {**_auth(api_key), **extra}, t0)
+                record = await _stream_one(client, url, first_index + i, bodies[i], {**_auth(api_key), **extra}, origin)
                 records[i] = record
                 if on_done is not None:
                     on_done(record)
@@ -331,6 +341,7 @@ class LocalServeCluster:
         except BaseException:
             ray.shutdown()
             raise
+        self.host, self.port = host, port
         self.base_url = f"http://{host}:{port}"
 
     def deploy(
@@ -353,16 +364,56 @@ class LocalServeCluster:
         from prefixserve.router.serve.app import build_app
 
         serve.run(build_app(app_args), name=name, route_prefix="/", blocking=False)
+        return self._wait_serving(name, num_replicas, timeout_s, api_key)
+
+    def apply(
+        self,
+        app_args: dict[str, Any],
+        name: str,
+        *,
+        num_replicas: int,
+        timeout_s: float = 600.0,
+        api_key: str | None = None,
+    ) -> str:
+        """Deploy router/serve/app.py's app as ``serve deploy`` does, ``num_replicas`` engine replicas.
+
+        Declarative: the controller imports the app's builder with ``app_args``, and the
+        replica count is Serve's per-deployment override, outside the args. Called again
+        with the same ``app_args`` and another count, it scales the running app: Serve
+        adds or stops engine replicas and leaves the others running, caches warm.
+        Returns, as :meth:`deploy` does, once exactly ``num_replicas`` engine replicas
+        run (none starting or stopping) and the ingress's router routes over them.
+        An app deployed this way cannot be updated by :meth:`deploy`: delete it first.
+        """
+        from ray.serve.context import _get_global_client
+        from ray.serve.schema import ServeDeploySchema
+
+        config = {
+            "http_options": {"host": self.host, "port": self.port},
+            "applications": [
+                {
+                    "name": name,
+                    "route_prefix": "/",
+                    "import_path": APP_IMPORT_PATH,
+                    "args": app_args,
+                    "deployments": [{"name": ENGINE_DEPLOYMENT, "num_replicas": num_replicas}],
+                }
+            ],
+        }
+        _get_global_client().deploy_apps(ServeDeploySchema.model_validate(config))
+        return self._wait_serving(name, num_replicas, timeout_s, api_key)
+
+    def _wait_serving(self, name: str, num_replicas: int, timeout_s: float, api_key: str | None) -> str:
+        """Wait until ``name`` runs exactly ``num_replicas`` healthy engine replicas and routes over them."""
+        from ray import serve
+
         deadline = time.monotonic() + timeout_s
         last = "no status yet"
         while True:
             app = serve.status().applications.get(name)
-            engine = app.deployments.get("Engine") if app is not None else None
-            if (
-                engine is not None
-                and engine.replica_states.get("RUNNING", 0) == num_replicas
-                and engine.status == "HEALTHY"
-            ):
+            engine = app.deployments.get(ENGINE_DEPLOYMENT) if app is not None else None
+            states = {s: n for s, n in engine.replica_states.items() if n} if engine is not None else {}
+            if engine is not None and states == {"RUNNING": num_replicas} and engine.status == "HEALTHY":
                 try:
                     served_model(self.base_url, api_key=api_key, timeout_s=30)
                     wait_for_router(
@@ -372,7 +423,7 @@ class LocalServeCluster:
                 except httpx.HTTPError as exc:
                     last = repr(exc)
             elif app is not None:
-                last = f"app {app.status}: {app.message or ''} engine {engine.status if engine else None}"
+                last = f"app {app.status}: {app.message or ''} engine {engine.status if engine else None} {states}"
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"the app {name!r} was not serving {num_replicas} engine replicas within {timeout_s}s: {last}"
