@@ -23,8 +23,8 @@ $(STAMP): pyproject.toml
 # otherwise named before and after the run (tests/conftest.py).
 test: lint typecheck
 	scripts/system-deps.sh
-	$(PY) -m pytest -q -m "not slow"
-	$(PY) -m pytest -q -m slow --durations=15
+	$(PY) -m pytest -q -m "not slow" --durations=25
+	$(PY) -m pytest -q -m slow --durations=40
 
 # ruff: lint, import order and formatting over the whole tree (settings in pyproject.toml;
 # `ruff format <files>` fixes what the format check reports). .pre-commit-config.yaml runs
@@ -38,7 +38,7 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" --durations=25
 
 demo: $(STAMP)
 	$(PY) -m prefixserve.loadtest.demo
