@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 from pathlib import Path
 
 import numpy as np
@@ -208,9 +209,10 @@ def test_the_size_bound_deletes_every_ranks_file_of_a_block_together(tmp_path):
     try:
         for i in range(8):
             h = bytes([i]) * 16
-            Path(tier.rank_files(h)[1]).write_bytes(b"x" * 250)  # rank 1's file, as its worker writes it
-            tier.save(h, bytes([i]) * 64, 1_000_000_000 + i)
-            tier.touch(h, 1_000_000_000 + i)
+            rank1 = Path(tier.rank_files(h)[1])
+            rank1.write_bytes(b"x" * 250)  # rank 1's file, as its worker writes it
+            os.utime(rank1, ns=(1_000_000_000 + i, 1_000_000_000 + i))  # older than every rank 0 file
+            tier.save(h, bytes([i]) * 64, 2_000_000_000 + i)
         ranks = [{p.name.split("-tp")[1][4:] for p in tmp_path.glob(f"*-tp{r}of2-*{SUFFIX}")} for r in (0, 1)]
         assert ranks[0] == ranks[1] and 0 < len(ranks[0]) < 8  # trimmed in whole blocks
         h = bytes([7]) * 16
