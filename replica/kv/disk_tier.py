@@ -37,6 +37,13 @@ A disk fault (full, read-only, the directory gone) stops the tier for good with 
 warning and one ``errors`` count; serving goes on from the other tiers. A directory
 that cannot be used at start raises ``ValueError`` naming it.
 
+Under tensor parallelism each rank holds its shard of every block, so a block is one file
+per rank, each rank writing and reading only its own (``BlockFiles``), and rank 0's
+``DiskTier`` decides for all of them: the known set (rank 0's names), the size bound (every
+rank's files; a block's files are deleted together), ``touch`` and ``discard`` (every rank's
+file of a block). replica/executor/tp_disk.py makes a block a hit only when every rank's file
+verifies.
+
 Pure Python (no torch): payloads are bytes.
 """
 
