@@ -99,6 +99,9 @@ class EngineConfig:
     kv_load_max_blocks_per_step: int = 512
     # Shared disk tier: a directory of content-addressed block files that every replica
     # pointing at it reads (replica/kv/disk_tier.py); needs kv_offloading_size. None = off.
+    # Under tensor parallelism each rank writes and reads its own file of every block and
+    # rank 0 decides; a block is a hit only when every rank's file verifies
+    # (replica/executor/tp_disk.py). Replicas share files at one tensor_parallel_size only.
     kv_disk_path: str | None = None
     # The disk tier's bound (GiB of block files in kv_disk_path, every replica's together).
     kv_disk_size_gb: float = 16.0
@@ -301,11 +304,6 @@ class EngineConfig:
                 raise ValueError("kv_disk_path needs the host tier (disk reads land in it): set kv_offloading_size")
             if not self.kv_disk_size_gb > 0:
                 raise ValueError(f"kv_disk_size_gb must be > 0, got {self.kv_disk_size_gb}")
-            if self.tensor_parallel_size > 1:
-                raise ValueError(
-                    "kv_disk_path works at tensor_parallel_size 1 only (a block read on one rank could fail "
-                    "while the others succeed): drop kv_disk_path or use one rank"
-                )
             if self.calculate_kv_scales:
                 raise ValueError(
                     "kv_disk_path with calculate_kv_scales: each replica computes its own fp8 scales, so their "

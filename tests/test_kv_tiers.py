@@ -312,7 +312,6 @@ def test_a_host_tier_smaller_than_one_block_is_refused(ckpt):
         ({"kv_offloading_size": 1.0, "enable_prefix_caching": False}, "needs enable_prefix_caching"),
         ({"kv_disk_path": "/tmp/x"}, "kv_disk_path needs the host tier"),
         ({"kv_disk_path": "/tmp/x", "kv_offloading_size": 1.0, "kv_disk_size_gb": 0}, "kv_disk_size_gb must be > 0"),
-        ({"kv_disk_path": "/tmp/x", "kv_offloading_size": 1.0, "tensor_parallel_size": 2}, "tensor_parallel_size 1"),
         ({"kv_load_max_blocks_per_step": 0}, "kv_load_max_blocks_per_step must be >= 1"),
     ],
 )

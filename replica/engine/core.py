@@ -136,11 +136,16 @@ class LLMEngine:
         self._carried = (0, 0, 0)
         self._carried_swap = SwapTotals()
         # The host and disk KV tiers (kv_offloading_size, kv_disk_path); None without them.
-        self.tiers = (
-            EngineTiers(config, self.runner, self.metrics.registry, config.model_name)
-            if (config.host_tier_enabled)
-            else None
-        )
+        try:
+            self.tiers = (
+                EngineTiers(config, self.runner, self.metrics.registry, config.model_name)
+                if (config.host_tier_enabled)
+                else None
+            )
+        except BaseException:  # an unusable kv_disk_path: no worker process or grammar thread outlives it
+            self.runner.shutdown()
+            self.grammars.close()
+            raise
         self._new_state()
 
     def _new_state(self) -> None:

@@ -2,8 +2,10 @@
 
 ``LLMEngine`` holds one ``EngineTiers`` when the host tier is on (``kv_offloading_size``);
 the KV manager decides what moves (``replica/kv/manager.py``, "Host tier"), this object
-applies the disk copies on rank 0 (``replica/worker/tier_io.py``), times the host copies the
-step's swap carries, and publishes ``replica/engine/tier_metrics.py``'s series. Its disk store
+applies the disk copies on rank 0 (``replica/worker/tier_io.py``) and, under tensor
+parallelism, sends the workers theirs (``replica/executor/tp_disk.py``: each rank its own
+shard files, rank 0 deciding), times the host copies the step's swap carries, and publishes
+``replica/engine/tier_metrics.py``'s series. Its disk store
 and counters outlive ``LLMEngine.reset`` (a fresh KV manager starts with an empty host
 tier; the files stay valid).
 
@@ -12,6 +14,8 @@ then the replica's cached blocks, most reused first (``KVCacheManager.hot_blocks
 the disk where it lacks them (a write the queue dropped, a file the shared size bound
 deleted), and every one's file gets a fresh mtime in that order, so the size bound keeps
 the departing replica's hot prefixes longest; all of it within ``kv_drain_save_timeout_s``.
+Under tensor parallelism a block is there when every rank's file is, and the save writes
+every rank's file of it.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from prometheus_client import CollectorRegistry
 from prefixserve.replica.config import EngineConfig
 from prefixserve.replica.engine.tier_metrics import TierMetrics, TierTotals
 from prefixserve.replica.executor.model_runner import ModelRunner
+from prefixserve.replica.executor.tp_disk import ShardedDiskTier
 from prefixserve.replica.kv.disk_tier import DiskTier
 from prefixserve.replica.kv.manager import KVCacheManager, KVCacheStats
 from prefixserve.replica.kv.tiers import MEDIUM_HOST, TierOps, TierStats
@@ -45,8 +50,15 @@ class EngineTiers:
         self.block_bytes = runner.kv_bytes_per_block
         self.disk: DiskTier | None = None
         self.io: TierIO | None = None
+        # Under tensor parallelism: the workers' shard files, and the KV manager's store.
+        self.sharded: ShardedDiskTier | None = None
         if config.kv_disk_path is not None:
-            self.disk = DiskTier(config.kv_disk_path, int(config.kv_disk_size_gb * 1024**3), disk_key(runner.shard))
+            size, key = int(config.kv_disk_size_gb * 1024**3), disk_key(runner.shard)
+            if runner.workers is None:
+                self.disk = DiskTier(config.kv_disk_path, size, key)
+            else:
+                self.sharded = ShardedDiskTier.open(config.kv_disk_path, size, key, runner.workers)
+                self.disk = self.sharded.disk
             self.io = TierIO(runner.shard, self.disk)
         self.metrics = TierMetrics(registry, model_name)
         self._carried = TierStats()
@@ -59,13 +71,15 @@ class EngineTiers:
         return {
             "host_tier": True,
             "max_load_blocks_per_step": self.config.kv_load_max_blocks_per_step,
-            "disk": self.disk,
+            "disk": self.sharded if self.sharded is not None else self.disk,
         }
 
     def swap(self, ops: TierOps, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         """A step's tier and swap copies, in ``TierOps``' order (the forward pass comes next)."""
         if self.io is not None and ops:
             self.io.before_swap(ops)
+            if self.sharded is not None:
+                self.sharded.before_swap(ops)
         if swap_out:
             t0 = time.perf_counter()
             self.runner.swap(swap_out, [])
@@ -80,6 +94,14 @@ class EngineTiers:
     def after_forward(self, ops: TierOps) -> None:
         if self.io is not None and ops.device_stores:
             self.io.after_forward(ops)
+            if self.sharded is not None:
+                self.sharded.after_forward(ops)
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every rank's queued disk writes are done; False on a timeout (True without a disk)."""
+        if self.sharded is not None:
+            return self.sharded.flush(timeout_s)
+        return self.disk is None or self.disk.flush(timeout_s)
 
     def carry(self, stats: KVCacheStats) -> None:
         """Keep a KV manager's counters before ``LLMEngine.reset`` replaces it."""
@@ -131,7 +153,7 @@ class EngineTiers:
             return 0
         start = time.monotonic()
         deadline = start + timeout_s
-        if not disk.flush(timeout_s):
+        if not self.flush(timeout_s):
             log.warning("drain: the KV disk write queue did not empty within %g s; no hot block saved", timeout_s)
             return 0
         hot, seen = [], set()
@@ -147,12 +169,17 @@ class EngineTiers:
             mtimes = [newest_ns - done - i for i in range(len(batch))]
             missing = [i for i, (_, _, h) in enumerate(batch) if not disk.touch(h, mtimes[i])]
             kept += len(batch) - len(missing)
+            saved: dict[int, bool] = {}  # rank 0's saves: whether each wrote its file
             for host in (False, True):
                 part = [i for i in missing if batch[i][0] == host]
                 for i, payload in zip(part, read_blocks(self.io.shard, [batch[i][1] for i in part], host=host)):
                     if time.monotonic() >= deadline:
                         break
-                    written += disk.save(batch[i][2], payload, mtimes[i])
+                    saved[i] = disk.save(batch[i][2], payload, mtimes[i])
+            if self.sharded is not None:  # the other ranks' files of the blocks rank 0 saved
+                others = self.sharded.save([(*batch[i], mtimes[i]) for i in saved])
+                saved = {i: mine or theirs for (i, mine), theirs in zip(saved.items(), others, strict=True)}
+            written += sum(saved.values())
             done += len(batch)
         self.metrics.drain_saved.inc(written)
         log.info(

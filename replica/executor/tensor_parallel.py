@@ -12,7 +12,9 @@ buffer (an opcode, then :meth:`StepInputs.pack`; replica/executor/tp_protocol.py
 pickling, one write per worker per step. Then every rank runs the same forward pass;
 the collectives inside it (row-parallel all-reduces, the LM head's gather) keep the
 ranks in lockstep, and only rank 0 receives logits. Swap copies and cache clears are
-messages too (no collective: each rank copies its own shard).
+messages too (no collective: each rank copies its own shard), and so are the disk tier's
+reads and copies of each rank's own files (replica/executor/tp_disk.py), whose reads each
+worker answers through its pipe.
 
 Failure is loud: a watcher thread waits on the workers' process sentinels, so a worker
 that dies (crash, OOM kill, ``kill -9``) marks the group dead at once; the driver's
@@ -170,7 +172,8 @@ class WorkerGroup:
             raise self.failure(exc) from exc
 
     def collect(self, what: str) -> list[Any]:
-        """One reply from each worker (start-up hand-shake), watching for deaths and start-up errors."""
+        """One reply from each worker (the start-up hand-shake, the disk tier's answers), watching for
+        deaths and start-up errors."""
         replies = []
         deadline = time.monotonic() + max(START_TIMEOUT_S, self.timeout_s)
         for conn, proc in zip(self.conns, self.procs, strict=True):
@@ -191,7 +194,8 @@ class WorkerGroup:
         return replies
 
     def reply(self, message: Any) -> None:
-        """Answer every worker during the start-up hand-shake (pickled; steps use :meth:`send`)."""
+        """Send every worker one pickled object: the start-up hand-shake's answers, the object that
+        follows some disk-tier messages (steps use :meth:`send`)."""
         for conn in self.conns:
             conn.send(message)
 

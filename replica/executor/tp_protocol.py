@@ -2,8 +2,14 @@
 
 Each message to a worker is one flat int64 buffer whose first element is the opcode: a step
 (``OP_STEP``, then ``StepInputs.pack``), swap copies (``OP_SWAP``, the counts, then the pairs), a
-cache clear, shutdown. The driver (replica/executor/tensor_parallel.py) builds them, the worker
-(replica/executor/tp_worker.py) parses them; neither imports the other.
+cache clear, shutdown. The disk tier's messages (replica/executor/tp_disk.py) carry block
+hashes (``hashed_message``): a lookup's reads (``OP_DISK_LOAD``), the step's tier copies before
+the swap (``OP_TIER_BEFORE``: host slots to store, host slots to fill) and after the forward
+(``OP_TIER_AFTER``: device blocks to store). Opening the tier (``OP_DISK_OPEN``) and a drain's
+save (``OP_DISK_SAVE``) are followed by one pickled object; the disk messages that want an
+answer (``DISK_REPLIES``) get one pickled reply from each worker. The driver
+(replica/executor/tensor_parallel.py) builds them, the worker (replica/executor/tp_worker.py)
+parses them; neither imports the other.
 """
 
 from __future__ import annotations
@@ -15,6 +21,9 @@ import torch.distributed as dist
 
 # Message opcodes (the first int64 of every message to a worker).
 OP_STEP, OP_SWAP, OP_CLEAR, OP_SHUTDOWN = 1, 2, 3, 4
+OP_DISK_KEY, OP_DISK_OPEN, OP_DISK_LOAD, OP_TIER_BEFORE, OP_TIER_AFTER, OP_DISK_FLUSH, OP_DISK_SAVE = range(5, 12)
+# The disk messages each worker answers (one pickled reply each).
+DISK_REPLIES = frozenset({OP_DISK_KEY, OP_DISK_OPEN, OP_DISK_LOAD, OP_DISK_FLUSH, OP_DISK_SAVE})
 
 
 def backend_for(device: torch.device) -> str:
@@ -53,3 +62,33 @@ def parse_swap_message(message: torch.Tensor) -> tuple[list[tuple[int, int]], li
     if len(pairs) != n_out + n_in:
         raise ValueError(f"swap message holds {len(pairs)} pairs, its header says {n_out} + {n_in}")
     return [tuple(p) for p in pairs[:n_out]], [tuple(p) for p in pairs[n_out:]]  # type: ignore[misc]
+
+
+def hashed_message(op: int, groups: list[list[tuple[int, bytes]]]) -> torch.Tensor:
+    """``op`` with lists of (int, block hash) pairs: ``[op, hash length, number of lists, each
+    list's length, the ints, the hashes' bytes (zero-padded to whole int64s)]``."""
+    pairs = [p for g in groups for p in g]
+    length = len(pairs[0][1]) if pairs else 0
+    if any(len(h) != length for _, h in pairs):
+        raise ValueError("the block hashes of one message must have one length")
+    raw = b"".join(h for _, h in pairs)
+    raw += bytes(-len(raw) % 8)
+    head = [op, length, len(groups), *(len(g) for g in groups), *(i for i, _ in pairs)]
+    tail = torch.frombuffer(bytearray(raw), dtype=torch.int64) if raw else torch.empty(0, dtype=torch.int64)
+    return torch.cat([torch.tensor(head, dtype=torch.int64), tail])
+
+
+def parse_hashed_message(message: torch.Tensor) -> list[list[tuple[int, bytes]]]:
+    """The lists of ``hashed_message``."""
+    length, k = int(message[1]), int(message[2])
+    sizes = message[3 : 3 + k].tolist()
+    n = sum(sizes)
+    ints = message[3 + k : 3 + k + n].tolist()
+    raw = message[3 + k + n :].numpy().tobytes()
+    if len(raw) < n * length:
+        raise ValueError(f"a disk message holds {len(raw)} hash bytes, its header says {n} x {length}")
+    groups, at = [], 0
+    for size in sizes:
+        groups.append([(ints[at + j], raw[(at + j) * length : (at + j + 1) * length]) for j in range(size)])
+        at += size
+    return groups

@@ -8,7 +8,8 @@ hand-shake goes through the pipe, not a collective, so a slow weight load on one
 does not run into the collective timeout on another.
 
 Then serve messages until told to stop: each is one flat int64 buffer whose first
-element is the opcode (a step's inputs, swap copies, a cache clear, shutdown). Any
+element is the opcode (a step's inputs, swap copies, a cache clear, the disk tier's reads
+and copies of this rank's shard files, shutdown). Any
 failure ends the process with a non-zero code: its peers' collectives then fail and the
 driver declares the engine dead (there is no partial recovery from ranks out of step).
 The worker also exits when the driver goes away (pipe EOF, or a new parent pid) and
@@ -86,9 +87,19 @@ def _serve(shard, conn: Connection) -> None:
     import torch
     import torch.distributed as dist
 
-    from prefixserve.replica.executor.tp_protocol import OP_CLEAR, OP_SHUTDOWN, OP_STEP, OP_SWAP, parse_swap_message
+    from prefixserve.replica.executor.tp_protocol import (
+        DISK_REPLIES,
+        OP_CLEAR,
+        OP_SHUTDOWN,
+        OP_STEP,
+        OP_SWAP,
+        OP_TIER_AFTER,
+        OP_TIER_BEFORE,
+        parse_swap_message,
+    )
     from prefixserve.replica.worker.step_inputs import unpack_step_inputs
 
+    disk = None  # this rank's side of the disk tier (ShardTierIO), once rank 0 opens it
     while True:
         try:
             data = conn.recv_bytes()
@@ -102,11 +113,55 @@ def _serve(shard, conn: Connection) -> None:
             shard.swap(*parse_swap_message(message))
         elif op == OP_CLEAR:
             shard.clear_kv_cache()
+        elif op in DISK_REPLIES or op in (OP_TIER_BEFORE, OP_TIER_AFTER):
+            disk = _disk_message(shard, conn, op, message, disk)
         elif op == OP_SHUTDOWN:
+            if disk is not None:
+                disk.files.close()  # the queued writes finish first
             dist.destroy_process_group()
             return
         else:
             raise ValueError(f"unknown message opcode {op}")
+
+
+def _disk_message(shard, conn: Connection, op: int, message, disk):
+    """Apply one disk-tier message (replica/executor/tp_protocol.py) to this rank's shard files;
+    the ``ShardTierIO`` afterwards (``OP_DISK_OPEN`` creates it)."""
+    from prefixserve.replica.executor import tp_protocol as p
+    from prefixserve.replica.kv.disk_tier import BlockFiles
+    from prefixserve.replica.worker.tier_io import ShardTierIO, disk_key
+
+    if op == p.OP_DISK_KEY:
+        conn.send(disk_key(shard))
+        return disk
+    if op == p.OP_DISK_OPEN:
+        path, key, queue_blocks = conn.recv()
+        try:
+            disk = ShardTierIO(shard, BlockFiles(path, key, queue_blocks))
+        except ValueError as exc:
+            conn.send(exc)
+            return None
+        conn.send(None)
+        return disk
+    if disk is None:
+        raise RuntimeError(f"disk message {op} before the disk tier was opened")
+    if op == p.OP_DISK_LOAD:
+        (wanted,) = p.parse_hashed_message(message)
+        statuses = disk.load([h for _, h in wanted])
+        conn.send((statuses, disk.take_fault()))
+    elif op == p.OP_TIER_BEFORE:
+        stores, fills = p.parse_hashed_message(message)
+        disk.before_swap(stores, fills)
+    elif op == p.OP_TIER_AFTER:
+        (stores,) = p.parse_hashed_message(message)
+        disk.after_forward(stores)
+    elif op == p.OP_DISK_FLUSH:
+        ok = disk.files.flush(int(message[1]) / 1000)
+        conn.send((ok, disk.take_fault()))
+    elif op == p.OP_DISK_SAVE:
+        written = disk.save(conn.recv())
+        conn.send((written, disk.take_fault()))
+    return disk
 
 
 def _exit_with_parent(parent_pid: int) -> None:

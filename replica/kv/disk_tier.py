@@ -37,11 +37,19 @@ A disk fault (full, read-only, the directory gone) stops the tier for good with 
 warning and one ``errors`` count; serving goes on from the other tiers. A directory
 that cannot be used at start raises ``ValueError`` naming it.
 
+Under tensor parallelism each rank holds its shard of every block, so a block is one file
+per rank, each rank writing and reading only its own (``BlockFiles``), and rank 0's
+``DiskTier`` decides for all of them: the known set (rank 0's names), the size bound (every
+rank's files; a block's files are deleted together), ``touch`` and ``discard`` (every rank's
+file of a block). replica/executor/tp_disk.py makes a block a hit only when every rank's file
+verifies.
+
 Pure Python (no torch): payloads are bytes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import logging
@@ -160,46 +168,27 @@ def decode_block_file(key: DiskKey, block_hash: bytes, data: bytes) -> bytes | N
     return payload
 
 
-class DiskTier:
-    """Block files under ``path`` for one rank's ``key`` (module docstring); a ``BlockStore``."""
+class BlockFiles:
+    """One rank's block files under ``path`` for its ``key``: verified reads, write-behind writes,
+    deletes, and no decisions (no size bound, no known set).
 
-    def __init__(
-        self,
-        path: str,
-        size_bytes: int,
-        key: DiskKey,
-        queue_blocks: int = 256,
-        on_error: Callable[[str], None] | None = None,
-        list_every_s: float = LIST_EVERY_S,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        if size_bytes < key.payload_bytes:
-            raise ValueError(
-                f"kv_disk_size_gb={size_bytes / 1024**3:g} holds no KV block of {key.payload_bytes} bytes: raise it"
-            )
+    Every rank of a tensor-parallel replica holds one for its own shard files (``tp<r>of<n>``);
+    rank 0's :class:`DiskTier` is one too and adds the decisions. A fault stops the object and
+    records ``fault`` (the op and the error): a worker rank reports it to rank 0, which stops the
+    whole tier (``DiskTier.fail``).
+    """
+
+    def __init__(self, path: str, key: DiskKey, queue_blocks: int = 256) -> None:
         self.path = os.path.abspath(path)
-        self.size_bytes = size_bytes
         self.key = key
         self.stats = DiskTierStats()
-        self._on_error = on_error
+        self.fault: tuple[str, str] | None = None
         self._enabled = True
         self._lock = threading.Lock()
-        self._list_lock = threading.Lock()  # one listing at a time; lookups meanwhile use the set
-        self.list_every_s = list_every_s
-        self._clock = clock
-        # The hashes known to have a file; ``_added`` and ``_gone`` collect the changes this
-        # process makes while a listing runs, applied over the listing's result.
-        self._known: set[bytes] = set()
-        self._added: set[bytes] = set()
-        self._gone: set[bytes] = set()
         self._check_usable()
-        self._bytes = self._scan_size()
-        self._listed_at = self._clock()
         self._queue: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue(maxsize=queue_blocks)
         self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
         self._writer.start()
-
-    # --- start ---------------------------------------------------------------------
 
     def _check_usable(self) -> None:
         """Create the directory and write a probe file; a clear error naming the path otherwise."""
@@ -215,110 +204,19 @@ class DiskTier:
                 "(it must be a writable directory, or creatable)"
             ) from exc
 
-    def _scan_size(self) -> int:
-        """Bytes of block files in the directory (and the known set of this key's); deletes dead
-        writers' temporary files."""
-        total = 0
-        now = time.time()
-        known = set()
-        for entry in self._entries():
-            try:
-                st = entry.stat()
-            except OSError:
-                continue
-            if entry.name.endswith(TMP_SUFFIX):
-                if now - st.st_mtime > STALE_TMP_S:
-                    _remove(entry.path)
-            elif entry.name.endswith(SUFFIX):
-                total += st.st_size
-                h = self._hash_of_name(entry.name)
-                if h is not None:
-                    known.add(h)
-        self._known = known
-        return total
-
-    def _hash_of_name(self, name: str) -> bytes | None:
-        """The block hash a file name of this key carries, or None (another key's file, or no block)."""
-        head = self.key.prefix + "-"
-        if not (name.startswith(head) and name.endswith(SUFFIX)):
-            return None
-        try:
-            return bytes.fromhex(name[len(head) : -len(SUFFIX)])
-        except ValueError:
-            return None
-
-    def _entries(self) -> list[os.DirEntry[str]]:
-        with os.scandir(self.path) as it:
-            return list(it)
-
-    @property
-    def group(self) -> str:
-        """Names this directory and key: replicas reporting the same group read each other's blocks."""
-        return xxhash.xxh3_64_hexdigest(f"{os.path.realpath(self.path)}|{self.key.prefix}".encode())
-
-    # --- the BlockStore interface ----------------------------------------------------
-
     @property
     def enabled(self) -> bool:
         return self._enabled
 
-    @property
-    def used_bytes(self) -> int:
-        """This process's estimate of the directory's block-file bytes (rescanned at each trim)."""
-        return self._bytes
-
     def _file(self, block_hash: bytes) -> str:
         return os.path.join(self.path, self.key.file_name(block_hash))
 
-    def contains(self, block_hash: bytes) -> bool:
-        """Whether the directory holds ``block_hash``'s file, from the known set (module docstring)."""
-        if not self._enabled:
-            return False
-        if self._clock() - self._listed_at >= self.list_every_s:
-            self._relist()
-        return block_hash in self._known
-
-    def _relist(self) -> None:
-        """Rebuild the known set from a listing of the directory's names (skipped while another
-        thread lists: that thread's result serves)."""
-        if not self._list_lock.acquire(blocking=False):
-            return
-        try:
-            self._listed_at = self._clock()  # a failed listing waits its turn too
-            with self._lock:
-                self._added.clear()
-                self._gone.clear()
-            try:
-                with os.scandir(self.path) as it:
-                    listed = {h for e in it if (h := self._hash_of_name(e.name)) is not None}
-            except OSError as exc:
-                if not os.path.isdir(self.path):
-                    self._fail("read", exc)
-                return
-            with self._lock:
-                self._known = (listed | self._added) - self._gone
-        finally:
-            self._list_lock.release()
-
     def _note(self, block_hash: bytes, present: bool) -> None:
-        """Record what this process saw of ``block_hash``'s file in the known set (and, while a
-        listing runs, in the changes applied over its result: kept only then, so that misses
-        between listings leave nothing behind)."""
-        with self._lock:
-            listing = self._list_lock.locked()
-            if present:
-                self._known.add(block_hash)
-                if listing:
-                    self._added.add(block_hash)
-                    self._gone.discard(block_hash)
-            else:
-                self._known.discard(block_hash)
-                if listing:
-                    self._gone.add(block_hash)
-                    self._added.discard(block_hash)
+        """What this process saw of ``block_hash``'s file (``DiskTier`` keeps it; a worker rank does not)."""
 
-    def load(self, block_hash: bytes) -> bytes | None:
-        """The verified payload, or None (a miss; an invalid file is deleted; a fault stops the tier)."""
+    def read(self, block_hash: bytes) -> bytes | None:
+        """The verified payload of this rank's file, or None (a miss; an invalid file is deleted and
+        counted in ``stats.invalid_files``; a fault stops the object). Counts no load."""
         if not self._enabled:
             return None
         name = self._file(block_hash)
@@ -344,8 +242,18 @@ class DiskTier:
         except OSError:
             pass  # evicted by another replica meanwhile: the payload read is whole and verified
         self._note(block_hash, True)
+        return payload
+
+    def count_loaded(self, payload: bytes) -> None:
+        """Count one block served from the disk."""
         self.stats.loaded_blocks += 1
         self.stats.loaded_bytes += len(payload)
+
+    def load(self, block_hash: bytes) -> bytes | None:
+        """``read``, counted as a load when it verifies."""
+        payload = self.read(block_hash)
+        if payload is not None:
+            self.count_loaded(payload)
         return payload
 
     def store(self, block_hash: bytes, payload: bytes) -> bool:
@@ -373,13 +281,16 @@ class DiskTier:
         except Exception as exc:  # noqa: BLE001 - a disk fault stops the tier, never the caller
             self._fail("write", exc)
             return False
-        self.touch(block_hash, mtime_ns)
+        self._touch_file(self._file(block_hash), block_hash, mtime_ns)
         return self.stats.stored_blocks > before
 
     def touch(self, block_hash: bytes, mtime_ns: int) -> bool:
         """Set the block file's mtime (its place in the size bound's order); False when there is none."""
+        return self._touch_file(self._file(block_hash), block_hash, mtime_ns)
+
+    def _touch_file(self, name: str, block_hash: bytes, mtime_ns: int) -> bool:
         try:
-            os.utime(self._file(block_hash), ns=(mtime_ns, mtime_ns))
+            os.utime(name, ns=(mtime_ns, mtime_ns))
         except OSError:
             self._note(block_hash, False)
             return False
@@ -433,12 +344,195 @@ class DiskTier:
         self._note(block_hash, True)
         self.stats.stored_blocks += 1
         self.stats.stored_bytes += len(payload)
-        self._bytes += len(data)
+        self._wrote(len(data))
+
+    def _wrote(self, nbytes: int) -> None:
+        """A file of ``nbytes`` was written (``DiskTier`` bounds the directory's size)."""
+
+    def _fail(self, op: str, exc: BaseException) -> bool:
+        """Stop after a disk fault, counted per op; True for the fault that stopped it."""
+        with self._lock:
+            self.stats.errors[op] = self.stats.errors.get(op, 0) + 1
+            if not self._enabled:
+                return False
+            self._enabled = False
+            self.stats.disabled = True
+            self.fault = (op, f"{type(exc).__name__}: {exc}")
+        return True
+
+
+class DiskTier(BlockFiles):
+    """The shared disk tier's decisions, on rank 0 (module docstring); a ``BlockStore``.
+
+    Its ``key`` is rank 0's. Under tensor parallelism (``key.tp_size`` > 1) the other ranks write
+    and read their own files of each block (``BlockFiles``), and this object decides for all of
+    them: the known set (from rank 0's file names), the size bound over every rank's files (a
+    block's files are deleted together), ``touch`` and ``discard`` on every rank's file.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        size_bytes: int,
+        key: DiskKey,
+        queue_blocks: int = 256,
+        on_error: Callable[[str], None] | None = None,
+        list_every_s: float = LIST_EVERY_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        block_bytes = key.payload_bytes * key.tp_size
+        if size_bytes < block_bytes:
+            raise ValueError(
+                f"kv_disk_size_gb={size_bytes / 1024**3:g} holds no KV block of {block_bytes} bytes: raise it"
+            )
+        self.size_bytes = size_bytes
+        self._on_error = on_error
+        self._list_lock = threading.Lock()  # one listing at a time; lookups meanwhile use the set
+        self.list_every_s = list_every_s
+        self._clock = clock
+        # The hashes known to have a file; ``_added`` and ``_gone`` collect the changes this
+        # process makes while a listing runs, applied over the listing's result.
+        self._known: set[bytes] = set()
+        self._added: set[bytes] = set()
+        self._gone: set[bytes] = set()
+        self._bytes = 0
+        self._rank_keys = [dataclasses.replace(key, tp_rank=r) for r in range(key.tp_size)]
+        super().__init__(path, key, queue_blocks)
+        self._bytes = self._scan_size()
+        self._listed_at = self._clock()
+
+    # --- start ---------------------------------------------------------------------
+
+    def _scan_size(self) -> int:
+        """Bytes of block files in the directory (and the known set of this key's); deletes dead
+        writers' temporary files."""
+        total = 0
+        now = time.time()
+        known = set()
+        for entry in self._entries():
+            try:
+                st = entry.stat()
+            except OSError:
+                continue
+            if entry.name.endswith(TMP_SUFFIX):
+                if now - st.st_mtime > STALE_TMP_S:
+                    _remove(entry.path)
+            elif entry.name.endswith(SUFFIX):
+                total += st.st_size
+                h = self._hash_of_name(entry.name)
+                if h is not None:
+                    known.add(h)
+        self._known = known
+        return total
+
+    def _hash_of_name(self, name: str, key: DiskKey | None = None) -> bytes | None:
+        """The block hash a file name of ``key`` (this tier's) carries, or None (another key's file,
+        or no block)."""
+        head = (key or self.key).prefix + "-"
+        if not (name.startswith(head) and name.endswith(SUFFIX)):
+            return None
+        try:
+            return bytes.fromhex(name[len(head) : -len(SUFFIX)])
+        except ValueError:
+            return None
+
+    def _entries(self) -> list[os.DirEntry[str]]:
+        with os.scandir(self.path) as it:
+            return list(it)
+
+    def rank_files(self, block_hash: bytes) -> list[str]:
+        """The paths of every rank's file of ``block_hash``, rank 0's first."""
+        return [os.path.join(self.path, k.file_name(block_hash)) for k in self._rank_keys]
+
+    @property
+    def group(self) -> str:
+        """Names this directory and key: replicas reporting the same group read each other's blocks."""
+        return xxhash.xxh3_64_hexdigest(f"{os.path.realpath(self.path)}|{self.key.prefix}".encode())
+
+    # --- the BlockStore interface ----------------------------------------------------
+
+    @property
+    def used_bytes(self) -> int:
+        """This process's estimate of the directory's block-file bytes (rescanned at each trim)."""
+        return self._bytes
+
+    def contains(self, block_hash: bytes) -> bool:
+        """Whether the directory holds ``block_hash``'s file, from the known set (module docstring)."""
+        if not self._enabled:
+            return False
+        if self._clock() - self._listed_at >= self.list_every_s:
+            self._relist()
+        return block_hash in self._known
+
+    def _relist(self) -> None:
+        """Rebuild the known set from a listing of the directory's names (skipped while another
+        thread lists: that thread's result serves)."""
+        if not self._list_lock.acquire(blocking=False):
+            return
+        try:
+            self._listed_at = self._clock()  # a failed listing waits its turn too
+            with self._lock:
+                self._added.clear()
+                self._gone.clear()
+            try:
+                with os.scandir(self.path) as it:
+                    listed = {h for e in it if (h := self._hash_of_name(e.name)) is not None}
+            except OSError as exc:
+                if not os.path.isdir(self.path):
+                    self._fail("read", exc)
+                return
+            with self._lock:
+                self._known = (listed | self._added) - self._gone
+        finally:
+            self._list_lock.release()
+
+    def _note(self, block_hash: bytes, present: bool) -> None:
+        """Record what this process saw of ``block_hash``'s file in the known set (and, while a
+        listing runs, in the changes applied over its result: kept only then, so that misses
+        between listings leave nothing behind)."""
+        with self._lock:
+            listing = self._list_lock.locked()
+            if present:
+                self._known.add(block_hash)
+                if listing:
+                    self._added.add(block_hash)
+                    self._gone.discard(block_hash)
+            else:
+                self._known.discard(block_hash)
+                if listing:
+                    self._gone.add(block_hash)
+                    self._added.discard(block_hash)
+
+    def touch(self, block_hash: bytes, mtime_ns: int) -> bool:
+        """Set the mtime of every rank's file of the block (its place in the size bound's order);
+        False when one of them is missing."""
+        if self.key.tp_size == 1:
+            return super().touch(block_hash, mtime_ns)
+        found = [self._touch_file(name, block_hash, mtime_ns) for name in self.rank_files(block_hash)]
+        return all(found)
+
+    def discard(self, block_hash: bytes) -> None:
+        """Delete every rank's file of a block that is not whole (a rank's file missing or invalid)."""
+        for name in self.rank_files(block_hash):
+            _remove(name)
+        self._note(block_hash, False)
+
+    def fail(self, op: str, reason: str) -> None:
+        """Stop the tier for a fault another rank reported (counted only when it stops the tier)."""
+        if self._enabled:
+            self._fail(op, RuntimeError(reason))
+
+    # --- the size bound ------------------------------------------------------------
+
+    def _wrote(self, nbytes: int) -> None:
+        # Every rank writes a file of this size for the block (each holds its shard of it).
+        self._bytes += nbytes * self.key.tp_size
         if self._bytes > self.size_bytes:
             self._trim()
 
     def _trim(self) -> None:
-        """Delete the least recently used block files down to ``TRIM_TO`` of the bound."""
+        """Delete the least recently used block files down to ``TRIM_TO`` of the bound (a block of
+        this key goes with every rank's file of it)."""
         files = []
         for entry in self._entries():
             if entry.name.endswith(SUFFIX):
@@ -448,27 +542,39 @@ class DiskTier:
                     continue  # deleted by another replica meanwhile
                 files.append((st.st_mtime_ns, st.st_size, entry.path))
         files.sort()
-        total = sum(size for _, size, _ in files)
+        sizes = {name: size for _, size, name in files}
+        total = sum(sizes.values())
         goal = self.size_bytes * TRIM_TO
-        for _, size, name in files:
+        for _, _, name in files:
             if total <= goal:
                 break
-            if _remove(name):
-                self.stats.evicted_files += 1
-                h = self._hash_of_name(os.path.basename(name))
-                if h is not None:
-                    self._note(h, False)
-            total -= size
+            if name not in sizes:
+                continue  # a sibling of a block deleted earlier in this trim
+            h = self._rank_hash(os.path.basename(name))
+            group = self.rank_files(h) if h is not None else [name]
+            for member in group:
+                size = sizes.pop(member, None)
+                if size is None:
+                    continue
+                if _remove(member):
+                    self.stats.evicted_files += 1
+                total -= size
+            if h is not None:
+                self._note(h, False)
         self._bytes = total
 
-    def _fail(self, op: str, exc: BaseException) -> None:
+    def _rank_hash(self, name: str) -> bytes | None:
+        """The block hash of a file of any rank of this tier's key, or None."""
+        for k in self._rank_keys:
+            h = self._hash_of_name(name, k)
+            if h is not None:
+                return h
+        return None
+
+    def _fail(self, op: str, exc: BaseException) -> bool:
         """Stop the tier after a disk fault: one warning, one count (per op), serving goes on."""
-        with self._lock:
-            self.stats.errors[op] = self.stats.errors.get(op, 0) + 1
-            if not self._enabled:
-                return
-            self._enabled = False
-            self.stats.disabled = True
+        if not super()._fail(op, exc):
+            return False
         log.warning(
             "KV disk tier at %s stopped after a %s error (%s); serving goes on from the device and host tiers",
             self.path,
@@ -477,6 +583,7 @@ class DiskTier:
         )
         if self._on_error is not None:
             self._on_error(op)
+        return True
 
 
 def _remove(path: str) -> bool:

@@ -355,7 +355,7 @@ class KVCacheManager:
         self._host_of_hash[h] = slot
         self._hash_of_host[slot] = h
         self._host_pending[slot] = None
-        self._tier_ops.host_fills.append((slot, payload))
+        self._tier_ops.host_fills.append((slot, h, payload))
         self._disk_slots.add(slot)
         self._loads_this_step += 1
         self._tier["disk_read_blocks"] += 1

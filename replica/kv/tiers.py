@@ -55,12 +55,14 @@ class BlockStore(Protocol):
 
 @dataclass
 class TierOps:
-    """The tier copies one step queued, applied by the engine on rank 0 in this order:
-    ``host_stores`` (read before those slots are reused this step), ``host_fills``, the
-    step's swap copies (``take_swap_ops``), the forward pass, then ``device_stores``."""
+    """The tier copies one step queued, applied by the engine on every rank (each its own shard)
+    in this order: ``host_stores`` (read before those slots are reused this step),
+    ``host_fills``, the step's swap copies (``take_swap_ops``), the forward pass, then
+    ``device_stores``. A fill carries rank 0's payload; the other ranks read theirs when the
+    lookup's ``BlockStore.load`` asked them (``replica/executor/tp_disk.py``)."""
 
     host_stores: list[tuple[int, bytes]] = field(default_factory=list)  # (host slot, hash) -> disk
-    host_fills: list[tuple[int, bytes]] = field(default_factory=list)  # (host slot, payload) from disk
+    host_fills: list[tuple[int, bytes, bytes]] = field(default_factory=list)  # (host slot, hash, payload) from disk
     device_stores: list[tuple[int, bytes]] = field(default_factory=list)  # (device block, hash) -> disk
 
     def __bool__(self) -> bool:

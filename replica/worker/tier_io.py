@@ -2,10 +2,13 @@
 
 The KV manager (pure Python) decides what moves between the device pool, the host
 slots and the disk (``replica/kv/tiers.py``); the host <-> device copies travel with
-the swap copies (``ModelShard.swap``, every rank). This module does the rest on rank 0:
-it reads blocks (device or host slots) as payload bytes for the disk tier, writes
-payloads read from disk into host slots, and names what makes a payload valid
-(``disk_key``: the model's fingerprint, dtype, block size, layout, rank).
+the swap copies (``ModelShard.swap``, every rank). This module does the rest, on each
+rank for its own shard: it reads blocks (device or host slots) as payload bytes for the
+disk tier, writes payloads read from disk into host slots, and names what makes a
+payload valid (``disk_key``: the model's fingerprint, dtype, block size, layout, rank).
+:class:`TierIO` is rank 0's (the payloads the KV manager read); :class:`ShardTierIO` a
+worker rank's under tensor parallelism (its own files, read when rank 0's lookup asks,
+held until the step's fills).
 
 A block's payload is its K rows then its V rows over every layer, as raw bytes
 (fp8 caches: the fp8 bytes; the per-layer scales are part of the fingerprint).
@@ -15,11 +18,11 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from prefixserve.replica.kv.disk_tier import DiskKey, DiskTier
+from prefixserve.replica.kv.disk_tier import BlockFiles, DiskKey, DiskTier
 from prefixserve.replica.kv.tiers import TierOps
 from prefixserve.replica.worker.model_shard import ModelShard
 
@@ -43,6 +46,15 @@ def model_fingerprint(shard: ModelShard) -> str:
         attn = layer.self_attn
         h.update(f"{getattr(attn, 'k_scale', 1.0)!r}:{getattr(attn, 'v_scale', 1.0)!r}".encode())
     return h.hexdigest()
+
+
+def combine_fingerprints(fingerprints: list[str]) -> str:
+    """The model fingerprint every rank's ``DiskKey`` carries: one rank's own, or a digest of all
+    ranks' shard fingerprints in rank order (the same on every rank, and for every replica of
+    the model at that size)."""
+    if len(fingerprints) == 1:
+        return fingerprints[0]
+    return hashlib.sha256("|".join(fingerprints).encode()).hexdigest()
 
 
 def _block_views(shard: ModelShard, host: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,11 +137,11 @@ class TierIO:
             for (_, h), payload in zip(ops.host_stores, payloads):
                 self.disk.store(h, payload)
         t1 = time.perf_counter()
-        fill_host_slots(self.shard, ops.host_fills)
+        fill_host_slots(self.shard, [(s, p) for s, _, p in ops.host_fills])
         t2 = time.perf_counter()
         self.times.store_seconds += t1 - t0
         self.times.fill_seconds += t2 - t1
-        self.times.fill_bytes += sum(len(p) for _, p in ops.host_fills)
+        self.times.fill_bytes += sum(len(p) for _, _, p in ops.host_fills)
 
     def after_forward(self, ops: TierOps) -> None:
         """Blocks computed this step go to the disk queue (write-behind)."""
@@ -140,3 +152,73 @@ class TierIO:
         for (_, h), payload in zip(ops.device_stores, payloads):
             self.disk.store(h, payload)
         self.times.store_seconds += time.perf_counter() - t0
+
+
+# A worker rank's answer for one block rank 0's lookup asked it to read.
+LOAD_OK, LOAD_MISSING, LOAD_INVALID = 0, 1, 2
+
+
+@dataclass
+class ShardTierIO:
+    """A worker rank's side of the disk tier: its own shard files, no decisions (rank 0's
+    ``DiskTier`` makes them, replica/executor/tp_disk.py asks).
+
+    ``load`` reads and verifies this rank's files of the blocks a lookup wants and keeps the
+    payloads; the step's ``before_swap`` puts the ones rank 0 kept (all ranks' reads verified)
+    into their host slots and drops the rest, so nothing read outlives its step.
+    """
+
+    shard: ModelShard
+    files: BlockFiles
+    pending: dict[bytes, bytes] = field(default_factory=dict)
+    _reported: bool = False
+
+    def load(self, hashes: list[bytes]) -> list[int]:
+        """Read this rank's files of ``hashes``: one ``LOAD_*`` per block."""
+        out = []
+        for h in hashes:
+            invalid = self.files.stats.invalid_files
+            payload = self.files.read(h)
+            if payload is not None:
+                self.pending[h] = payload
+                out.append(LOAD_OK)
+            else:
+                out.append(LOAD_INVALID if self.files.stats.invalid_files > invalid else LOAD_MISSING)
+        return out
+
+    def before_swap(self, host_stores: list[tuple[int, bytes]], fills: list[tuple[int, bytes]]) -> None:
+        """Host slots leaving the tier go to this rank's write queue; then the fills rank 0
+        decided (host slot, block hash) take this rank's payloads read for them."""
+        if host_stores and self.files.enabled:
+            payloads = read_blocks(self.shard, [s for s, _ in host_stores], host=True)
+            for (_, h), payload in zip(host_stores, payloads):
+                self.files.store(h, payload)
+        try:
+            fill_host_slots(self.shard, [(s, self.pending[h]) for s, h in fills])
+        except KeyError as exc:
+            raise RuntimeError(f"a disk fill for block {exc.args[0].hex()} that this rank did not read") from None
+        finally:
+            self.pending.clear()
+
+    def after_forward(self, device_stores: list[tuple[int, bytes]]) -> None:
+        """Blocks computed this step go to this rank's write queue (write-behind)."""
+        if device_stores and self.files.enabled:
+            payloads = read_blocks(self.shard, [b for b, _ in device_stores], host=False)
+            for (_, h), payload in zip(device_stores, payloads):
+                self.files.store(h, payload)
+
+    def save(self, entries: list[tuple[bool, int, bytes, int]]) -> list[bool]:
+        """A drain's save of (host?, block or slot, hash, mtime_ns): whether each file was written."""
+        written = [False] * len(entries)
+        for host in (False, True):
+            part = [i for i, e in enumerate(entries) if e[0] == host]
+            for i, payload in zip(part, read_blocks(self.shard, [entries[i][1] for i in part], host=host)):
+                written[i] = self.files.save(entries[i][2], payload, entries[i][3])
+        return written
+
+    def take_fault(self) -> tuple[str, str] | None:
+        """This rank's disk fault (op, error), once: rank 0 then stops the tier."""
+        if self.files.fault is None or self._reported:
+            return None
+        self._reported = True
+        return self.files.fault
