@@ -523,6 +523,8 @@ class LLMEngine:
                 placeholders.append((i, prev.row_of[seq]))
             if not s.samples:
                 continue
+            if seq.awaits_fork or req.grammar is not None:
+                raise RuntimeError(f"request {req.request_id} needs the synchronous step (_needs_host_tokens)")
             try:
                 spec = SampleSpec(req.params, seq.generator, self._banned(seq), seq.token_ids, seq.num_prompt_tokens)
             except Exception as exc:  # noqa: BLE001 - this request fails alone

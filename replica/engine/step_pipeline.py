@@ -60,6 +60,8 @@ class StepPipeline:
         self.in_flight: deque[InFlightStep] = deque()
         self._deferred: list[tuple[Sequence, Callable[[Sequence], None]]] = []
         self._executor: ThreadPoolExecutor | None = None
+        # Steps submitted since the engine started (how often the pipeline was used).
+        self.num_submitted = 0
 
     @property
     def busy(self) -> bool:
@@ -113,6 +115,7 @@ class StepPipeline:
         for seq in owners:
             seq.num_placeholders += 1
         self.in_flight.append(step)
+        self.num_submitted += 1
         return step
 
     def wait_oldest(self) -> tuple[InFlightStep, StepOutput]:
