@@ -19,6 +19,10 @@ of them (each builder's step, ``prepare`` phase and own call, medians): ``persis
 (the engine's: block tables kept between steps, input_builder.StepInputBuilder, one
 instance per name), ``numpy`` (tables rebuilt from the sequences' lists each step,
 input_builder.build_step_inputs) and ``reference`` (torch, step_inputs.build_step_inputs).
+``--async-scheduling off,on`` alternates the timed steps between the synchronous engine and
+asynchronous scheduling (EngineConfig.async_scheduling, flipped on the same engine and
+requests) in blocks of ``--async-block`` steps (a flip costs an untimed step: the pipeline
+fills or drains) and adds a table of their decode step and host time and the ratio.
 
 Run: ``python -m prefixserve.loadtest.bench_host [--vllm-python /work/vllm-venv/bin/python]``;
 prints a markdown table and writes results/bench_host.json, .md and .png (the phases
@@ -72,6 +76,33 @@ def max_model_len(prompt_len: int, steps: int, warmup: int) -> int:
     return prompt_len + warmup + steps + 16
 
 
+ASYNC_MODES = {"off": False, "on": True}
+
+
+def async_modes(names: list[str]) -> dict[str, bool]:
+    """``--async-scheduling``'s names (off, on) to the knob's values, in the order given."""
+    unknown = sorted(set(names) - set(ASYNC_MODES))
+    if unknown or not names:
+        raise SystemExit(f"--async-scheduling takes off, on or both (comma-separated), got {names}")
+    return {name: ASYNC_MODES[name] for name in names}
+
+
+def schedule_of(variants: int, steps: int, block: int) -> list[tuple[int, bool]]:
+    """The order of one batch's steps: (variant, timed), ``steps`` timed ones per variant, in
+    blocks of ``block`` (1: step by step); a variant's block after another's starts with an
+    untimed step when ``block`` > 1 (the switch)."""
+    order: list[tuple[int, bool]] = []
+    done = 0
+    while done < steps:
+        n = min(block, steps - done)
+        for v in range(variants):
+            if block > 1:
+                order.append((v, False))
+            order += [(v, True)] * n
+        done += n
+    return order
+
+
 def input_builders(names: list[str]) -> dict[str, Callable[[Any], Callable[..., Any]]]:
     """Per name, what makes that step-input builder for a model runner: ``persistent`` (the
     engine's), ``numpy`` (tables rebuilt each step) and ``reference`` (torch)."""
@@ -99,49 +130,72 @@ def measure_ours(
     warmup: int,
     bar: tqdm,
     makers: dict[str, Callable[[Any], Callable[..., Any]]],
+    modes: dict[str, bool] | None = None,
+    block: int = 1,
 ) -> dict[str, dict[int, dict[str, Any]]]:
-    """Per builder and batch size: each timed decode step's wall seconds and phases (the
-    engine's timers). With several builders the timed steps alternate between them, step by
-    step, on the same requests (``steps`` each): a same-run comparison."""
+    """Per variant and batch size: each timed decode step's wall seconds and phases (the
+    engine's timers). The variants are the builders, or with several ``modes`` (async
+    scheduling off/on; one builder then) those. With several, the timed steps alternate
+    between them on the same requests (``steps`` each; in blocks of ``block``, see
+    ``schedule_of``): a same-run comparison."""
     from prefixserve.replica.entrypoints.llm import LLM
     from prefixserve.replica.sampling_params import SamplingParams
 
+    modes = modes or {"off": False}
+    if len(makers) > 1 and len(modes) > 1:
+        raise SystemExit("compare input builders or async scheduling modes, not both in one run")
+    # Each variant: (its builder, the async_scheduling knob).
+    first_builder = next(iter(makers))
+    variants = (
+        {name: (name, next(iter(modes.values()))) for name in makers}
+        if len(modes) == 1
+        else {name: (first_builder, on) for name, on in modes.items()}
+    )
+    names = list(variants)
+    order = schedule_of(len(names), steps, block)
     biggest = max(prompts)
+    total = warmup + len(order) + 8
     llm = LLM(
         str(folder),
         dtype="float32",
         max_num_seqs=biggest,
         max_num_batched_tokens=max(2048, biggest * prompt_len_of(prompts)),
-        max_model_len=max_model_len(prompt_len_of(prompts), steps * len(makers), warmup),
+        max_model_len=max_model_len(prompt_len_of(prompts), total, 0),
+        async_scheduling=variants[names[0]][1],
     )
     engine = llm.engine
     timer = engine.step_timer
     assert timer is not None, "bench_host reads the engine's step timers (enable_step_timers)"
-    names = list(makers)
     production = engine.runner.build_inputs
     builders = {name: make(engine.runner) for name, make in makers.items()}
-    params = SamplingParams(temperature=0.0, max_tokens=warmup + steps * len(names) + 4, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=total, ignore_eos=True)
     out: dict[str, dict[int, dict[str, Any]]] = {name: {} for name in names}
     for batch, batch_prompts in sorted(prompts.items()):
+        engine.config.async_scheduling = variants[names[0]][1]
         ids = [engine.add_request(None, p, params).request_id for p in batch_prompts]
         while any(r.num_output_tokens == 0 for r in engine.requests.values()):  # the prefill
             engine.step()
         for _ in range(warmup):
             engine.step()
         runs: dict[str, dict[str, list[Any]]] = {name: {"wall": [], "phases": [], "build": []} for name in names}
-        timed = {name: _timed(builders[name], runs[name]["build"]) for name in names}
-        for i in range(steps * len(names)):
-            name = names[i % len(names)]
+        timed = {name: _timed(builders[variants[name][0]], runs[name]["build"]) for name in names}
+        for v, is_timed in order:
+            name = names[v]
             engine.runner.build_inputs = timed[name]
+            engine.config.async_scheduling = variants[name][1]
             t0 = time.perf_counter()
             engine.step()
-            runs[name]["wall"].append(time.perf_counter() - t0)
+            wall = time.perf_counter() - t0
+            if not is_timed:
+                continue
+            runs[name]["wall"].append(wall)
             assert timer.last is not None and timer.last.num_seqs == batch
             runs[name]["phases"].append(dict(timer.last.seconds))
             bar.update(1)
         engine.runner.build_inputs = production
         for rid in ids:
             engine.abort_request(rid)
+        engine.drain()
         for name in names:
             out[name][batch] = runs[name]
     llm.shutdown()
@@ -247,6 +301,29 @@ def render(result: dict[str, Any]) -> str:
                     f"{r['build_ms'] / r0['build_ms']:.2f}"
                 )
             lines.append("| " + " | ".join(cells) + " |")
+    modes = result.get("async_scheduling", ["off"])
+    if len(modes) > 1:
+        base = modes[0]
+        lines += [
+            "",
+            f"Async scheduling, blocks of {result['async_block']} steps alternating on the same requests "
+            f"(ms per decode step, medians; ratio to {base}):",
+            "",
+        ]
+        head = ["batch"] + [f"{m} step / host" for m in modes] + [f"{m} ÷ {base} (step, host)" for m in modes[1:]]
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        by = {m: {r["batch"]: r for r in result["async_rows"][m]} for m in modes}
+        for batch in sorted(by[base]):
+            cells = [str(batch)] + [f"{by[m][batch]['step_ms']:.3f} / {by[m][batch]['host_ms']:.3f}" for m in modes]
+            for m in modes[1:]:
+                r, r0 = by[m][batch], by[base][batch]
+                cells.append(f"**{r['step_ms'] / r0['step_ms']:.2f}**, {r['host_ms'] / r0['host_ms']:.2f}")
+            lines.append("| " + " | ".join(cells) + " |")
+        lines += [
+            "",
+            "With async scheduling on, `forward` is the time the engine thread waits for the device thread "
+            "(the forward and sampling it could not hide), and host = step - that wait.",
+        ]
     env = result["environment"]
     lines.append("")
     lines.append(
@@ -326,6 +403,13 @@ def main(argv: list[str] | None = None) -> int:
         "each step), reference (torch); with "
         "several, their steps alternate on the same requests and a second table compares them",
     )
+    ap.add_argument(
+        "--async-scheduling",
+        default="off",
+        help="off, on, or off,on: with both, blocks of timed steps alternate between the synchronous engine "
+        "and asynchronous scheduling on the same requests and a table compares their decode steps",
+    )
+    ap.add_argument("--async-block", type=int, default=8, help="timed steps per block with --async-scheduling off,on")
     ap.add_argument("--tokenizer", type=Path, default=None, help="folder with SmolLM2's tokenizer files")
     ap.add_argument("--out", type=Path, default=Path("results/bench_host.json"))
     add_verbose_flag(ap)
@@ -343,14 +427,19 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--input-builders names at least one builder")
     if args.prompt_len < 1:
         ap.error("--prompt-len must be >= 1")
+    modes = async_modes([m for m in args.async_scheduling.split(",") if m])
+    if args.async_block < 1:
+        ap.error("--async-block must be >= 1")
+    if len(modes) > 1 and len(builders) > 1:
+        ap.error("--async-scheduling off,on compares one input builder: give --input-builders one name")
+    block = args.async_block if len(modes) > 1 else 1
     prompts = prompts_for(batches, args.seed, args.prompt_len)
     with tempfile.TemporaryDirectory(prefix="bench-host-") as tmp:
         workdir = Path(tmp)
         folder = build_checkpoint(HOST_SHAPE, workdir / "model", args.tokenizer or default_tokenizer_dir(), args.seed)
-        with tqdm(
-            total=len(batches) * args.steps * len(builders), unit="step", desc="prefixserve", file=sys.stderr
-        ) as bar:
-            ours = measure_ours(folder, prompts, args.steps, args.warmup, bar, builders)
+        variants = max(len(builders), len(modes))
+        with tqdm(total=len(batches) * args.steps * variants, unit="step", desc="prefixserve", file=sys.stderr) as bar:
+            ours = measure_ours(folder, prompts, args.steps, args.warmup, bar, builders, modes, block)
         peer: dict[str, Any] | None = None
         vllm_note: Any
         if args.vllm_python is None:
@@ -359,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
             print("vLLM's CPU build: starting (80-90 s) ...", file=sys.stderr, flush=True)
             peer = run_vllm(args.vllm_python, folder, prompts, args.steps, args.warmup, workdir)
             vllm_note = {k: v for k, v in peer.items() if k != "steps"}
-    first = next(iter(builders))
+    first = next(iter(ours))
     result: dict[str, Any] = {
         "model": {**HOST_SHAPE.__dict__, "dtype": "float32", "prompt_len": args.prompt_len},
         "steps": args.steps,
@@ -367,8 +456,16 @@ def main(argv: list[str] | None = None) -> int:
         "environment": environment(),
         "vllm": vllm_note,
         "input_builders": list(builders),
+        "async_scheduling": list(modes),
         "rows": summarize(ours[first], peer),
-        "builder_rows": {name: summarize(runs, None) for name, runs in ours.items()},
+        "builder_rows": (
+            {name: summarize(runs, None) for name, runs in ours.items()}
+            if len(modes) == 1
+            else {next(iter(builders)): summarize(ours[first], None)}
+        ),
+        **(
+            {"async_block": block, "async_rows": {m: summarize(ours[m], None) for m in modes}} if len(modes) > 1 else {}
+        ),
         "raw": {
             "prefixserve": {name: {str(b): r for b, r in runs.items()} for name, runs in ours.items()},
             "vllm": peer["steps"] if peer else None,

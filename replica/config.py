@@ -187,6 +187,14 @@ class EngineConfig:
     # and around each KV manager call, exported as prefixserve:step_phase_seconds{phase}.
     # They never change a token; False skips the clock reads.
     enable_step_timers: bool = True
+    # vLLM's async_scheduling: while one step's forward and sampling run on the engine's device
+    # thread, the engine thread schedules the next step (the running sequences' next token a
+    # placeholder filled from this step's sampled-token tensor) and processes the previous step's
+    # outputs (replica/engine/step_pipeline.py). Same tokens as off; steps that need the last
+    # tokens on the host first (n > 1, grammars, penalties, bad_words, prompt logprobs, a
+    # possible preemption, the KV tiers) run synchronously. Off: on a CPU the forward's threads
+    # already fill the cores, so overlap measured no faster there (docs/benchmarks/host_overhead.md).
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         self._validate()

@@ -31,3 +31,25 @@ def test_bench_host_runs_and_writes_its_table(tmp_path, capsys):
     assert table.splitlines()[0].startswith("| batch | step | host | forward |")
     assert table in capsys.readouterr().out
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_bench_host_compares_async_scheduling_off_and_on_on_the_same_requests(tmp_path):
+    out = tmp_path / "host.json"
+    argv = ["--batches", "2", "--steps", "4", "--warmup", "1", "--async-scheduling", "off,on", "--async-block", "2"]
+    assert bench_host.main([*argv, "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["async_scheduling"] == ["off", "on"] and result["async_block"] == 2
+    for mode in ("off", "on"):
+        (row,) = result["async_rows"][mode]
+        assert row["batch"] == 2 and row["steps"] == 4 and row["step_ms"] > 0
+        assert len(result["raw"]["prefixserve"][mode]["2"]["wall"]) == 4
+    assert "| batch | off step / host | on step / host | on ÷ off (step, host) |" in out.with_suffix(".md").read_text()
+
+
+def test_the_async_block_order_times_each_variant_equally_after_each_switch():
+    order = bench_host.schedule_of(2, 5, 2)
+    assert [v for v, timed in order if timed].count(0) == 5 == [v for v, timed in order if timed].count(1)
+    # Every block starts with one untimed step of its variant (the pipeline fills or drains).
+    assert order[:3] == [(0, False), (0, True), (0, True)] and order[3] == (1, False)
+    assert bench_host.schedule_of(2, 3, 1) == [(0, True), (1, True)] * 3

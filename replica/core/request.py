@@ -14,6 +14,9 @@ Token regions of a sequence (``num_computed_tokens`` <= ``num_tokens``)::
     | computed (KV in cache)      | to compute |
     0                    num_computed      num_tokens
 
+With asynchronous scheduling a sequence may also have ``num_placeholders`` tokens past
+``num_tokens`` that a step in flight samples; the scheduler plans with both.
+
 Pure Python, no torch (the generator is held opaquely for the sampler).
 """
 
@@ -194,10 +197,19 @@ class Sequence:
     num_preemptions: int = 0
     # Its matcher when the request is constrained (structured_output.state.SequenceGrammar).
     grammar: Any = None
+    # Tokens a step still in flight samples for it, not yet in ``token_ids`` (asynchronous
+    # scheduling, replica/engine/step_pipeline.py; always 0 without it). The scheduler counts
+    # them as known tokens: the next step computes the placeholder's KV.
+    num_placeholders: int = 0
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Known tokens plus placeholders: what the scheduler plans with."""
+        return len(self.token_ids) + self.num_placeholders
 
     @property
     def num_output_tokens(self) -> int:

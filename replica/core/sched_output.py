@@ -20,8 +20,12 @@ class ScheduledSeq:
 
     @property
     def samples(self) -> bool:
-        """Whether this step reaches the sequence's last known token (so it has logits to sample)."""
-        return self.start + self.num_new_tokens == self.seq.num_tokens
+        """Whether this step reaches the sequence's last known token (so it has logits to sample).
+
+        A placeholder counts as known (asynchronous scheduling); read it before the step's own
+        placeholders are added.
+        """
+        return self.start + self.num_new_tokens == self.seq.num_scheduled_tokens
 
 
 @dataclass

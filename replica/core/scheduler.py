@@ -30,6 +30,15 @@ neither); for a running sequence ``kv.num_tokens(seq_id) == num_computed_tokens`
 between steps; a scheduled sequence's ``num_computed_tokens`` is advanced when it is
 scheduled (the step computes those tokens before the next schedule).
 
+Asynchronous scheduling (replica/engine/step_pipeline.py) schedules a step while the one
+before it still runs: a sequence that step samples has a placeholder
+(``Sequence.num_placeholders``) for the token it will get, and is scheduled for that one
+token (its KV). A placeholder that must end the sequence (``max_tokens``,
+``max_model_len``) is not scheduled. The engine asks ``may_preempt`` first and schedules
+synchronously when it says yes: a preemption never meets a step in flight. A sequence
+finished while a step in flight still holds it keeps its blocks until that step is done
+(``finish(..., free_blocks=False)``, then ``free``).
+
 Pure Python: no torch. The engine applies the model; tests drive it with a fake step.
 """
 
@@ -55,6 +64,9 @@ class SchedulerConfig:
     # Free a sequence's static-prefix blocks as reused ones (Request.static_prefix_tokens;
     # EngineConfig.protect_static_prefix).
     protect_static_prefix: bool = False
+    # A sequence ends at this many tokens (the engine's max_model_len): a placeholder that
+    # reaches it is not scheduled. None = no bound here.
+    max_model_len: int | None = None
 
 
 class Scheduler:
@@ -89,13 +101,19 @@ class Scheduler:
             c.status = SeqStatus.RUNNING
         self.running[at:at] = children
 
-    def finish(self, seq: Sequence) -> None:
-        """Remove a sequence for good and free its blocks."""
+    def finish(self, seq: Sequence, *, free_blocks: bool = True) -> None:
+        """Remove a sequence for good and free its blocks (with ``free_blocks=False`` the caller
+        calls ``free`` later: a step in flight still reads and writes them)."""
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
+        if free_blocks:
+            self.free(seq)
+
+    def free(self, seq: Sequence) -> None:
+        """Free a finished sequence's blocks."""
         cold = self.config.evict_generated_first and not seq.request.conversation
         self.kv.free(seq.seq_id, generated_cold=cold, static_prefix_tokens=self._static_prefix(seq))
 
@@ -123,7 +141,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            remaining = seq.num_tokens - seq.num_computed_tokens
+            if seq.num_placeholders and self._ends_at_placeholder(seq):
+                i += 1  # the token in flight finishes it: nothing to compute
+                continue
+            remaining = seq.num_scheduled_tokens - seq.num_computed_tokens
             n = min(remaining, budget)
             if n < remaining and not self.config.enable_chunked_prefill:
                 i += 1
@@ -145,6 +166,23 @@ class Scheduler:
         out.copy_ops = kv.take_copy_ops()
         out.swap_out, out.swap_in = kv.take_swap_ops()
         return out
+
+    def _ends_at_placeholder(self, seq: Sequence) -> bool:
+        """Whether the tokens in flight reach the sequence's max_tokens or max_model_len."""
+        total = seq.num_scheduled_tokens
+        limit = self.config.max_model_len
+        return total - seq.num_prompt_tokens >= seq.request.params.max_tokens or (limit is not None and total >= limit)
+
+    def may_preempt(self) -> bool:
+        """Whether ``schedule`` now could preempt: the blocks every running sequence's remaining
+        tokens need exceed the free ones (an upper bound of what it allocates; admission never
+        preempts)."""
+        kv, need = self.kv, 0
+        for seq in self.running:
+            remaining = seq.num_scheduled_tokens - seq.num_computed_tokens
+            if remaining > 0:
+                need += kv.num_blocks_needed(seq.seq_id, remaining)
+        return need > kv.num_free_blocks
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)

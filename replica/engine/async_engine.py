@@ -360,6 +360,13 @@ class AsyncEngine:
             error = EngineDeadError(f"the engine loop failed ({type(exc).__name__}): it is stopped")
         if self._dead is None and self._shutdown_error is not None:
             error = self._shutdown_error
+        if self._dead is None:
+            # Steps in flight (async_scheduling) finish before the engine is left: their
+            # tokens still reach the streams, their blocks are freed.
+            try:
+                self._dispatch(self.engine.drain())
+            except Exception as exc:  # noqa: BLE001 - the streams get the shutdown error below
+                log.error("a step in flight failed at shutdown", exc_info=exc)
         with self._lock:
             streams = list(self._streams.values())
             self._streams.clear()

@@ -15,6 +15,11 @@ Anything else escaping ``step()`` (the scheduler, the model forward, the KV pool
 have corrupted shared state and is fatal to the engine's state; ``reset()`` rebuilds
 it around the loaded weights.
 
+With ``async_scheduling`` a step's forward and sampling run on the step pipeline's device
+thread (replica/engine/step_pipeline.py) while ``step`` schedules the next one and processes
+the previous one's outputs; ``step`` falls back to the synchronous path (the pipeline drained
+first) whenever the next schedule needs the last tokens on the host (``_may_overlap``).
+
 The background loop that streams (``AsyncEngine``) is replica/engine/async_engine.py.
 """
 
@@ -38,6 +43,7 @@ from prefixserve.replica.engine.input_processor import InputProcessor
 from prefixserve.replica.engine.metrics import EngineMetrics, EngineStats, SwapTotals
 from prefixserve.replica.engine.output_processor import EngineUpdate, OutputProcessor
 from prefixserve.replica.engine.outputs import FinishReason
+from prefixserve.replica.engine.step_pipeline import StepPipeline
 from prefixserve.replica.engine.step_timer import StepTimer, TimedKVCacheManager
 from prefixserve.replica.engine.tiers import EngineTiers
 from prefixserve.replica.errors import EngineOverloadedError, RequestFailedError, RequestRejected
@@ -146,6 +152,8 @@ class LLMEngine:
             self.runner.shutdown()
             self.grammars.close()
             raise
+        # Steps in flight on the device thread (async_scheduling); its thread starts at first use.
+        self.pipeline = StepPipeline(self.runner)
         self._new_state()
 
     def _new_state(self) -> None:
@@ -172,10 +180,14 @@ class LLMEngine:
                 config.preemption_mode,
                 evict_generated_first=config.evict_generated_first,
                 protect_static_prefix=config.protect_static_prefix,
+                max_model_len=self.max_model_len,
             ),
             self.kv_manager,
         )
         self.requests: dict[str, Request] = {}
+        # Requests whose next step needs their last tokens on the host (async_scheduling's
+        # fallback, ``_needs_host_tokens``); pruned as they leave ``requests``.
+        self._host_bound: dict[str, Request] = {}
         # True when the last step changed nothing: stepping again is pointless until a
         # request arrives or leaves (AsyncEngine then waits instead of spinning).
         self.stalled = False
@@ -190,6 +202,7 @@ class LLMEngine:
         self._carried_swap = self._swap_totals()
         if self.tiers is not None:
             self.tiers.carry(self.kv_manager.stats)
+        self.pipeline.reset()
         self._new_state()
         self.runner.clear_kv_cache()
         self._observe_step(0, 0)
@@ -234,7 +247,12 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Release what outlives the object: the tensor-parallel worker processes, the grammar
-        workers (idempotent)."""
+        workers (idempotent). Steps in flight finish first."""
+        try:
+            self.drain()
+        except Exception as exc:  # noqa: BLE001 - shutting down regardless
+            log.warning("a step in flight failed during shutdown: %r", exc)
+        self.pipeline.close()
         self.runner.shutdown()
         self.grammars.close()
         if self.tiers is not None:
@@ -360,6 +378,8 @@ class LLMEngine:
         self.scheduler.add(seq)
         req.seqs.append(seq)
         self.requests[request_id] = req
+        if _needs_host_tokens(req):
+            self._host_bound[request_id] = req
         self.stalled = False
         constraint = prepared.params.structured_outputs
         if constraint is not None:
@@ -405,10 +425,20 @@ class LLMEngine:
         for seq in req.seqs:
             if not seq.is_finished:
                 seq.finish_reason = FinishReason.ABORT
-                self.scheduler.finish(seq)
+                self._end(seq)
+
+    def _end(self, seq: Sequence) -> None:
+        """Take a sequence out of the scheduler; its blocks are freed once no step in flight holds it."""
+        pipeline = self.pipeline
+        if pipeline.busy and pipeline.holds(seq):
+            self.scheduler.finish(seq, free_blocks=False)
+            pipeline.defer(seq, self.scheduler.free)
+        else:
+            self.scheduler.finish(seq)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Whether a request is in the engine or a step is still in flight (``step`` again)."""
+        return bool(self.requests) or self.pipeline.busy
 
     def queued_prefill_tokens(self) -> int:
         """Prompt tokens not computed yet of the waiting and the still-prefilling running sequences.
@@ -429,9 +459,135 @@ class LLMEngine:
     def step(self) -> list[EngineUpdate]:
         """Schedule, run the model, post-process; one update per request touched.
 
+        With ``async_scheduling`` the updates are those of the step before the one this call
+        schedules (the first call after an idle spell returns none; ``drain`` the last).
         A failure in one request's own work fails that request (an update with
         ``error``); an exception escaping this method is fatal (see ``reset``).
         """
+        if self.config.async_scheduling and self._may_overlap():
+            return self._step_async()
+        if self.pipeline.busy:  # the synchronous step needs the tokens in flight first
+            timer = self.step_timer
+            if timer is not None:
+                timer.start()
+            updates = self._complete_oldest()
+            self.stalled = False
+            if timer is not None:
+                timer.finish("output", 0)
+            return updates
+        return self._step_sync()
+
+    def drain(self) -> list[EngineUpdate]:
+        """Finish every step in flight and process its outputs (their updates); afterwards the
+        engine holds no step in flight and no deferred free (shutdown, reset, abort-all)."""
+        updates: list[EngineUpdate] = []
+        while self.pipeline.busy:
+            updates += self._complete_oldest()
+        return updates
+
+    def _may_overlap(self) -> bool:
+        """Whether the next step may be scheduled before the last one's tokens are on the host."""
+        if self.tiers is not None:  # tier copies run on the engine thread around each step
+            return False
+        bound = self._host_bound
+        if bound:
+            for rid, req in list(bound.items()):
+                if self.requests.get(rid) is not req:
+                    del bound[rid]
+            if bound:
+                return False
+        return not self.scheduler.may_preempt()
+
+    def _step_async(self) -> list[EngineUpdate]:
+        """Schedule step N+1 and queue it behind step N on the device thread, then process
+        step N's outputs (replica/engine/step_pipeline.py)."""
+        timer = self.step_timer
+        if timer is not None:
+            timer.start()
+        pipeline = self.pipeline
+        prev = pipeline.last
+        plan = self.scheduler.schedule()
+        if plan.preempted:
+            raise RuntimeError("the scheduler preempted although may_preempt said it would not")
+        if timer is not None:
+            timer.lap("schedule")
+        self.kv_manager.take_tier_ops()  # none without tiers (which _may_overlap excludes)
+        scheduled_at = time.monotonic()
+        failed: dict[str, tuple[Request, Exception]] = {}
+        for seq in plan.rejected:
+            failed[seq.request.request_id] = (seq.request, self._never_schedulable())
+        specs: list[tuple[int, SampleSpec]] = []
+        owners: list[Sequence] = []
+        placeholders: list[tuple[int, int]] = []
+        for i, s in enumerate(plan.scheduled):
+            seq, req = s.seq, s.seq.request
+            if req.scheduled_time is None:
+                req.scheduled_time = scheduled_at
+            if seq.num_placeholders:
+                assert prev is not None
+                placeholders.append((i, prev.row_of[seq]))
+            if not s.samples:
+                continue
+            if seq.awaits_fork or req.grammar is not None:
+                raise RuntimeError(f"request {req.request_id} needs the synchronous step (_needs_host_tokens)")
+            try:
+                spec = SampleSpec(req.params, seq.generator, self._banned(seq), seq.token_ids, seq.num_prompt_tokens)
+            except Exception as exc:  # noqa: BLE001 - this request fails alone
+                failed[req.request_id] = (req, self._request_error(req, exc))
+                continue
+            specs.append((i, spec))
+            owners.append(seq)
+        if not plan.is_empty:
+            prepared = self.runner.prepare(plan.scheduled, plan.copy_ops, specs, (), [i for i, _ in placeholders])
+            if plan.swap_out:
+                raise RuntimeError("swap-out copies without a preemption")
+            num_prompt = sum(s.num_new_tokens for s in plan.scheduled if s.start < s.seq.num_prompt_tokens)
+            pipeline.submit(plan.scheduled, owners, prepared, placeholders, plan.swap_in, num_prompt)
+        updates = self._complete_oldest(timer) if prev is not None else []
+        if prev is None:
+            self._observe_step(0, 0)
+        updates += self._fail_all(failed)
+        self.stalled = not plan.changed_state and prev is None  # completing a step is progress
+        if timer is not None:
+            timer.finish("output", len(plan.scheduled))
+        return updates
+
+    def _complete_oldest(self, timer: StepTimer | None = None) -> list[EngineUpdate]:
+        """Wait for the oldest step in flight and process its outputs; a sequence finished or
+        aborted since it was scheduled has its row discarded."""
+        step, out = self.pipeline.wait_oldest()
+        if timer is not None:
+            timer.lap("forward")
+        now = time.monotonic()
+        failed: dict[str, tuple[Request, Exception]] = {}
+        touched: dict[str, Request] = {}
+        appended = 0
+        for seq, result in zip(step.owners, out.results):
+            req = seq.request
+            rid = req.request_id
+            if seq.is_finished or rid in failed:
+                continue
+            try:
+                if result.error is not None:
+                    raise result.error
+                reason = self.output_processor.append_token(seq, result.token_id, result.logprobs, now)
+                appended += 1
+                # The block the token completes is registered as a synchronous step would have.
+                self.kv_manager.register_known(seq.seq_id, seq.token_ids)
+                if reason is not None:
+                    self._finish(seq, reason)
+            except Exception as exc:  # noqa: BLE001 - this request fails alone
+                failed[rid] = (req, self._request_error(req, exc))
+                continue
+            touched[rid] = req
+        if timer is not None:
+            timer.lap("detokenize")
+        updates = self._updates(touched, failed, now)
+        self._observe_step(step.num_prompt_tokens, appended)
+        return updates + self._fail_all(failed)
+
+    def _step_sync(self) -> list[EngineUpdate]:
+        """One step on the engine thread: schedule, forward, sample, post-process."""
         timer = self.step_timer
         if timer is not None:
             timer.start()
@@ -450,13 +606,7 @@ class LLMEngine:
                 s.seq.request.scheduled_time = scheduled_at
         failed: dict[str, tuple[Request, Exception]] = {}
         for seq in plan.rejected:
-            failed[seq.request.request_id] = (
-                seq.request,
-                RequestRejected(
-                    "the request can never be scheduled: it needs more sequences, KV blocks or batched tokens "
-                    "than this engine has"
-                ),
-            )
+            failed[seq.request.request_id] = (seq.request, self._never_schedulable())
         if plan.is_empty:
             self._observe_step(0, 0)
             updates = self._fail_all(failed)
@@ -531,6 +681,19 @@ class LLMEngine:
             touched[rid] = req
         if timer is not None:
             timer.lap("detokenize")
+        updates = self._updates(touched, failed, now)
+        num_prompt = sum(s.num_new_tokens for s in plan.scheduled if s.start < s.seq.num_prompt_tokens)
+        self._observe_step(num_prompt, len(owners))
+        updates += self._fail_all(failed)
+        if timer is not None:
+            timer.finish("output", len(plan.scheduled))
+        return updates
+
+    def _updates(
+        self, touched: dict[str, Request], failed: dict[str, tuple[Request, Exception]], now: float
+    ) -> list[EngineUpdate]:
+        """The step's update of each touched request (a finished one leaves ``requests``);
+        a failure here adds the request to ``failed``."""
         updates = []
         hook = self.fault_hook
         for rid, req in touched.items():
@@ -545,12 +708,14 @@ class LLMEngine:
                 updates.append(update)
             except Exception as exc:  # noqa: BLE001 - this request fails alone
                 failed[rid] = (req, self._request_error(req, exc))
-        num_prompt = sum(s.num_new_tokens for s in plan.scheduled if s.start < s.seq.num_prompt_tokens)
-        self._observe_step(num_prompt, len(owners))
-        updates += self._fail_all(failed)
-        if timer is not None:
-            timer.finish("output", len(plan.scheduled))
         return updates
+
+    @staticmethod
+    def _never_schedulable() -> RequestRejected:
+        return RequestRejected(
+            "the request can never be scheduled: it needs more sequences, KV blocks or batched tokens "
+            "than this engine has"
+        )
 
     @staticmethod
     def _prompt_logprob_spans(scheduled: list[ScheduledSeq]) -> list[PromptLogprobSpan]:
@@ -615,15 +780,16 @@ class LLMEngine:
     def _banned(self, seq: Sequence) -> tuple[int, ...]:
         p = seq.request.params
         # A constrained output ends where its grammar does: min_tokens must not ban the stop
-        # token the grammar requires (the row would have no token left).
-        if seq.num_output_tokens >= p.min_tokens or seq.grammar is not None:
+        # token the grammar requires (the row would have no token left). A placeholder's token
+        # (asynchronous scheduling) counts: it precedes the one this row samples.
+        if seq.num_output_tokens + seq.num_placeholders >= p.min_tokens or seq.grammar is not None:
             return ()
         eos = () if p.ignore_eos else tuple(self.eos_token_ids)
         return tuple(p.stop_token_ids) + eos
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.finish_reason = reason
-        self.scheduler.finish(seq)
+        self._end(seq)
 
     # --- observability ------------------------------------------------------------
 
@@ -677,3 +843,17 @@ class LLMEngine:
             num_preemptions=preemptions,
             num_kv_blocks=self.kv_manager.num_blocks,
         )
+
+
+def _needs_host_tokens(req: Request) -> bool:
+    """Whether scheduling a step of ``req`` needs the tokens of its step before on the host: a
+    fork (n > 1), a grammar's matcher, penalties and bad_words (they read the output tokens),
+    prompt logprobs. Such a request keeps the engine on its synchronous step."""
+    p = req.params
+    return (
+        p.n > 1
+        or req.grammar is not None
+        or p.has_penalties
+        or bool(req.bad_words_token_ids)
+        or p.prompt_logprobs is not None
+    )

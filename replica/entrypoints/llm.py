@@ -107,6 +107,7 @@ class LLM:
             # On an error the batch is abandoned: free whatever of it is still in the engine.
             for request_id in order:
                 self.engine.abort_request(request_id)
+            self.engine.drain()  # steps still in flight (async_scheduling) free what they hold
             if bar is not None:
                 bar.close()
         return results  # type: ignore[return-value]

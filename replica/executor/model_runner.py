@@ -1,7 +1,9 @@
 """The engine's view of the model: one step in, sampled tokens out, on one process or N.
 
 ``ModelRunner.execute(scheduled, copy_ops, specs)`` turns a scheduler plan into one
-packed forward pass (replica/worker/step_inputs.py) and samples one token per sampling spec.
+packed forward pass (replica/worker/step_inputs.py) and samples one token per sampling spec;
+it is ``prepare`` (the inputs, on the engine thread) then ``run`` (forward and sampling,
+which the step pipeline of asynchronous scheduling runs on its device thread).
 With ``tensor_parallel_size`` 1 the runner's :class:`ModelShard` is the whole model.
 With N > 1 this process is rank 0 of N: the runner starts the other ranks
 (replica/executor/tensor_parallel.py), sends each step's inputs to them as one message, runs its
@@ -32,7 +34,7 @@ from prefixserve.replica.model.llama import LlamaForCausalLM, ModelConfig
 from prefixserve.replica.model.startup import StartupTimer
 from prefixserve.replica.worker.input_builder import StepInputBuilder
 from prefixserve.replica.worker.model_shard import ModelShard, resolve_device, resolve_dtype
-from prefixserve.replica.worker.sampler import SampleResult, SampleSpec, prompt_logprobs, sample
+from prefixserve.replica.worker.sampler import SampleResult, SampleSpec, prompt_logprobs, sample_tokens
 from prefixserve.replica.worker.step_inputs import StepInputs
 
 log = logging.getLogger(__name__)
@@ -87,6 +89,23 @@ class _PromptLogitsConsumer:
         if not self.sampled:
             return None
         return self.sampled[0] if len(self.sampled) == 1 else torch.cat(self.sampled)
+
+
+@dataclass
+class PreparedStep:
+    """One step's inputs, built by ``ModelRunner.prepare``, for ``ModelRunner.run``."""
+
+    inputs: StepInputs
+    specs: list[SampleSpec]
+    consumer: _PromptLogitsConsumer | None = None
+
+
+@dataclass
+class StepOutput:
+    """One step's sampled tokens: a result per spec, and their ids as a tensor (None: no row sampled)."""
+
+    results: list[SampleResult]
+    tokens: torch.Tensor | None
 
 
 class ModelRunner:
@@ -256,7 +275,7 @@ class ModelRunner:
         specs: list[tuple[int, SampleSpec]],
         prompt_spans: Sequence[PromptLogprobSpan] = (),
     ) -> list[SampleResult]:
-        """Run one packed forward pass and sample.
+        """Run one packed forward pass and sample (``prepare`` then ``run``).
 
         ``specs`` pairs an index into ``scheduled`` (a sequence that samples) with its
         SampleSpec; several specs may share one row (the children of a fork sample
@@ -265,6 +284,18 @@ class ModelRunner:
         raw logits of those rows, on rank 0). Under tensor parallelism any failure raises
         WorkerDiedError (ranks may be out of step).
         """
+        return self.run(self.prepare(scheduled, copy_ops, specs, prompt_spans), lap=self.lap).results
+
+    def prepare(
+        self,
+        scheduled: list[ScheduledSeq],
+        copy_ops: list[tuple[int, int]],
+        specs: list[tuple[int, SampleSpec]],
+        prompt_spans: Sequence[PromptLogprobSpan] = (),
+        placeholders: Sequence[int] = (),
+    ) -> PreparedStep:
+        """A step's packed inputs (the host's half of ``execute``; laps ``prepare``).
+        ``placeholders``: see ``step_inputs.build_step_inputs``."""
         if self._closed:
             raise EngineDeadError("the engine was shut down")
         inputs = self.build_inputs(
@@ -274,11 +305,20 @@ class ModelRunner:
             self.shard.block_size,
             sliding=self.sliding,
             logit_spans=[(p.index, p.first, len(p.next_tokens)) for p in prompt_spans],
+            placeholders=placeholders,
         )
         consumer = _PromptLogitsConsumer(len(specs), prompt_spans) if prompt_spans else None
-        lap = self.lap
-        if lap is not None:
-            lap("prepare")
+        if self.lap is not None:
+            self.lap("prepare")
+        return PreparedStep(inputs, [s for _, s in specs], consumer)
+
+    def run(self, step: PreparedStep, *, lap: Callable[[str], None] | None = None) -> StepOutput:
+        """The forward pass and sampling of a prepared step (the device's half of ``execute``;
+        ``lap``: the step timer's, laps ``forward`` and ``sample``). May run on another thread
+        than ``prepare`` (replica/engine/step_pipeline.py), one step at a time."""
+        if self._closed:
+            raise EngineDeadError("the engine was shut down")
+        inputs, consumer = step.inputs, step.consumer
         if self.workers is None:
             logits = self.shard.run(inputs, consumer)
         else:
@@ -291,13 +331,13 @@ class ModelRunner:
             logits = consumer.sample_logits()
         if lap is not None:
             lap("forward")
-        if logits is None or not specs:
-            return []
+        if logits is None or not step.specs:
+            return StepOutput([], None)
         with torch.inference_mode():
-            results = sample(logits, [s for _, s in specs], self.generator)
+            results, tokens = sample_tokens(logits, step.specs, self.generator)
         if lap is not None:
             lap("sample")
-        return results
+        return StepOutput(results, tokens)
 
     def swap(self, out_ops: list[tuple[int, int]], in_ops: list[tuple[int, int]]) -> None:
         """Apply a step's swap copies on every rank (see ModelShard.swap)."""

@@ -516,6 +516,14 @@ class KVCacheManager:
             self._register(req, token_ids)
         return list(req.blocks)
 
+    def register_known(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """Offer the request's full blocks whose tokens became known since its last allocation
+        (asynchronous scheduling allocates a placeholder's slot before its token exists); the
+        hash map then holds what a synchronous engine's would."""
+        req = self._requests.get(request_id)
+        if req is not None and self.enable_prefix_caching:
+            self._register(req, token_ids)
+
     def _register(self, req: _Request, token_ids: Sequence[int]) -> None:
         """Offer the request's newly full, known blocks to the hash map."""
         bs = self.block_size

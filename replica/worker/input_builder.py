@@ -38,6 +38,7 @@ def build_step_inputs(
     *,
     sliding: bool,
     logit_spans: Sequence[tuple[int, int, int]] = (),
+    placeholders: Sequence[int] = (),
 ) -> StepInputs:
     """The inputs of one step (see ``step_inputs.build_step_inputs`` for the arguments)."""
     n = len(scheduled)
@@ -48,7 +49,7 @@ def build_step_inputs(
     table[np.arange(width) < lens[:, None]] = np.fromiter(chain.from_iterable(tables), np.int32, int(lens.sum()))
     if sliding:
         np.maximum(table, 0, out=table)
-    return _step_inputs(scheduled, table, copy_ops, sample_rows, block_size, logit_spans)
+    return _step_inputs(scheduled, table, copy_ops, sample_rows, block_size, logit_spans, placeholders)
 
 
 def _step_inputs(
@@ -58,6 +59,7 @@ def _step_inputs(
     sample_rows: list[int],
     block_size: int,
     logit_spans: Sequence[tuple[int, int, int]],
+    placeholders: Sequence[int] = (),
 ) -> StepInputs:
     """Every field but the block tables (``table``: the step's, padded with 0) from the plan."""
     n = len(scheduled)
@@ -67,13 +69,22 @@ def _step_inputs(
     np.cumsum(q_lens, out=query_start[1:])
     num_tokens = int(query_start[-1])
     decode = bool((q_lens == 1).all())  # every sequence schedules exactly one token
+    held = set(placeholders)
     if decode:
-        ids = np.fromiter((s.seq.token_ids[s.start] for s in scheduled), np.int64, n)
+        if held:
+            ids = np.fromiter(
+                (0 if i in held else s.seq.token_ids[s.start] for i, s in enumerate(scheduled)), np.int64, n
+            )
+        else:
+            ids = np.fromiter((s.seq.token_ids[s.start] for s in scheduled), np.int64, n)
         seq_index = np.arange(n)
         positions = starts
     else:
         ids = np.fromiter(
-            chain.from_iterable(s.seq.token_ids[s.start : s.start + s.num_new_tokens] for s in scheduled),
+            chain.from_iterable(
+                (0,) if i in held else s.seq.token_ids[s.start : s.start + s.num_new_tokens]
+                for i, s in enumerate(scheduled)
+            ),
             np.int64,
             num_tokens,
         )
@@ -144,6 +155,7 @@ class StepInputBuilder:
         *,
         sliding: bool,
         logit_spans: Sequence[tuple[int, int, int]] = (),
+        placeholders: Sequence[int] = (),
     ) -> StepInputs:
         """The inputs of one step (see ``step_inputs.build_step_inputs`` for the arguments)."""
         n = len(scheduled)
@@ -187,7 +199,7 @@ class StepInputBuilder:
         if seg_rows:
             self._scatter(seg_rows, seg_first, seg_count, tails, sliding)
         table = self._table[index, : int(lens.max())]  # a copy: the step keeps it, the array moves on
-        return _step_inputs(scheduled, table, copy_ops, sample_rows, block_size, logit_spans)
+        return _step_inputs(scheduled, table, copy_ops, sample_rows, block_size, logit_spans, placeholders)
 
     def _scatter(
         self, seg_rows: list[int], seg_first: list[int], seg_count: list[int], tails: list[list[int]], sliding: bool

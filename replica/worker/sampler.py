@@ -99,7 +99,16 @@ def process_logits(logits: torch.Tensor, specs: list[SampleSpec]) -> dict[int, E
 
 
 def sample(logits: torch.Tensor, specs: list[SampleSpec], shared: torch.Generator) -> list[SampleResult]:
-    """Pick one token per row of ``logits`` ([N, vocab], float32).
+    """Pick one token per row of ``logits`` ([N, vocab], float32); see ``sample_tokens``."""
+    return sample_tokens(logits, specs, shared)[0]
+
+
+def sample_tokens(
+    logits: torch.Tensor, specs: list[SampleSpec], shared: torch.Generator
+) -> tuple[list[SampleResult], torch.Tensor]:
+    """Pick one token per row of ``logits`` ([N, vocab], float32): the results, and the
+    sampled ids as an int64 tensor on the logits' device (a row that failed holds a valid id
+    that means nothing), which asynchronous scheduling feeds to the next step's inputs.
 
     Each row depends only on its own logits and generator, never on the rest of the
     batch, so a seeded request samples the same tokens whatever it is batched with.
@@ -148,6 +157,7 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec], shared: torch.Generato
                 generator=shared
             )
         tokens[rows] = (probs / noise).argmax(dim=-1)
+    sampled = tokens
     if dead is not None:
         tokens = tokens.masked_fill(dead, -1)
     token_list = tokens.tolist()
@@ -168,7 +178,7 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec], shared: torch.Generato
                 errors[i] = exc
     for i, error in errors.items():
         results[i].error = error
-    return results
+    return results, sampled
 
 
 def _mask_row(logits: torch.Tensor, i: int, spec: SampleSpec) -> None:

@@ -94,21 +94,26 @@ def build_step_inputs(
     *,
     sliding: bool,
     logit_spans: Sequence[tuple[int, int, int]] = (),
+    placeholders: Sequence[int] = (),
 ) -> StepInputs:
     """The inputs of one step. ``sample_rows`` index ``scheduled``: the last token of each
     listed sequence goes through the LM head (a row may repeat: forked children sample
     their parent's prompt logits). ``logit_spans`` (scheduled index, first new token, count)
     add those tokens' rows after the sampled ones (prompt_logprobs). ``sliding``: tables may
-    hold freed blocks (NULL_BLOCK, -1), read as block 0 and masked by the window."""
+    hold freed blocks (NULL_BLOCK, -1), read as block 0 and masked by the window.
+    ``placeholders`` index ``scheduled``: sequences whose one new token is a placeholder
+    (``Sequence.num_placeholders``; asynchronous scheduling), id 0 here, which the step
+    pipeline overwrites with the previous step's sampled token before the forward."""
+    held = set(placeholders)
     ids: list[int] = []
     starts: list[int] = []
     q_lens: list[int] = []
     seq_lens: list[int] = []
     tables: list[list[int]] = []
     query_start = [0]
-    for s in scheduled:
+    for i, s in enumerate(scheduled):
         end = s.start + s.num_new_tokens
-        ids.extend(s.seq.token_ids[s.start : end])
+        ids.extend([0] if i in held else s.seq.token_ids[s.start : end])
         starts.append(s.start)
         q_lens.append(s.num_new_tokens)
         seq_lens.append(end)
