@@ -208,3 +208,17 @@ def random_prompts(rng, n: int, lo: int, hi: int, shared_prefix: list[int] | Non
     """``n`` prompts of random token ids (avoiding special ids 0..16), optionally behind a shared prefix."""
     prefix = shared_prefix or []
     return [prefix + [int(t) for t in rng.integers(17, VOCAB, int(rng.integers(lo, hi + 1)))] for _ in range(n)]
+
+
+def output_token_ids(outs) -> list[list[int]]:
+    """The first completion's token ids of each ``LLM.generate`` output."""
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def engine_metric(llm, name: str, **labels: str) -> float:
+    """A sample of the offline engine's Prometheus registry (its model and engine labels filled in)."""
+    v = llm.engine.metrics.registry.get_sample_value(
+        name, {"model_name": llm.engine.model_name, "engine": "0", **labels}
+    )
+    assert v is not None, name
+    return v

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from model_helpers import tiny_checkpoint
+from model_helpers import engine_metric, output_token_ids, tiny_checkpoint
 
 from prefixserve.replica.kv.disk_tier import SUFFIX, TMP_SUFFIX, DiskKey, DiskTier
 
@@ -229,37 +229,25 @@ def _engine(ckpt: str, disk: Path, **knobs):
     )
 
 
-def _tokens(outs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outs]
-
-
-def _value(llm, name: str, **labels: str) -> float:
-    v = llm.engine.metrics.registry.get_sample_value(
-        name, {"model_name": llm.engine.model_name, "engine": "0", **labels}
-    )
-    assert v is not None, name
-    return v
-
-
 def test_a_second_engine_serves_what_the_first_computed(tmp_path, prompts):
     from prefixserve.replica.entrypoints.llm import LLM
     from prefixserve.replica.sampling_params import SamplingParams
 
     params = SamplingParams(**PARAMS_KW)
     ckpt = str(tiny_checkpoint(tmp_path / "m", hidden=64, heads=4, kv_heads=2, seed=5))
-    expected = _tokens(LLM(ckpt, num_kv_blocks=64).generate(prompts, params))
+    expected = output_token_ids(LLM(ckpt, num_kv_blocks=64).generate(prompts, params))
     first = _engine(ckpt, tmp_path / "kv")
-    assert _tokens(first.generate(prompts, params)) == expected
+    assert output_token_ids(first.generate(prompts, params)) == expected
     assert first.engine.tiers.disk.flush()
     second = _engine(ckpt, tmp_path / "kv")
     outs = second.generate(prompts, params)
-    assert _tokens(outs) == expected
+    assert output_token_ids(outs) == expected
     # Every full block of each prompt came from the disk: only the last 6 tokens were computed.
     assert [o.num_cached_tokens for o in outs] == [64, 64, 64]
-    assert _value(second, "vllm:prompt_tokens_total") == 3 * 6
-    assert _value(second, "prefixserve:kv_tier_hit_tokens_total", tier="disk") == 3 * 64
-    assert _value(second, "prefixserve:kv_tier_loaded_blocks_total", tier="disk") == 12
-    assert _value(first, "prefixserve:kv_tier_stored_blocks_total", tier="disk") >= 12
+    assert engine_metric(second, "vllm:prompt_tokens_total") == 3 * 6
+    assert engine_metric(second, "prefixserve:kv_tier_hit_tokens_total", tier="disk") == 3 * 64
+    assert engine_metric(second, "prefixserve:kv_tier_loaded_blocks_total", tier="disk") == 12
+    assert engine_metric(first, "prefixserve:kv_tier_stored_blocks_total", tier="disk") >= 12
 
 
 def test_a_model_changed_under_the_same_directory_gets_no_hits(tmp_path, prompts):
@@ -274,10 +262,10 @@ def test_a_model_changed_under_the_same_directory_gets_no_hits(tmp_path, prompts
     assert first.engine.tiers.disk.flush()
     shutil.rmtree(path)
     tiny_checkpoint(path, hidden=64, heads=4, kv_heads=2, seed=6)  # new weights, same path
-    expected = _tokens(LLM(str(path), num_kv_blocks=64).generate(prompts, params))
+    expected = output_token_ids(LLM(str(path), num_kv_blocks=64).generate(prompts, params))
     second = _engine(str(path), tmp_path / "kv")
     outs = second.generate(prompts, params)
-    assert _tokens(outs) == expected
+    assert output_token_ids(outs) == expected
     assert [o.num_cached_tokens for o in outs] == [0, 0, 0]
     assert second.engine.kv_manager.stats.tiers.disk_read_blocks == 0
 
@@ -288,19 +276,19 @@ def test_serving_goes_on_when_the_disk_vanishes_mid_run(tmp_path, prompts, caplo
 
     params = SamplingParams(**PARAMS_KW)
     ckpt = str(tiny_checkpoint(tmp_path / "m", hidden=64, heads=4, kv_heads=2, seed=5))
-    expected = _tokens(LLM(ckpt, num_kv_blocks=64).generate(prompts, params))
+    expected = output_token_ids(LLM(ckpt, num_kv_blocks=64).generate(prompts, params))
     llm = _engine(ckpt, tmp_path / "kv")
-    assert _tokens(llm.generate(prompts[:1], params)) == expected[:1]
+    assert output_token_ids(llm.generate(prompts[:1], params)) == expected[:1]
     assert llm.engine.tiers.disk.flush()
     shutil.rmtree(tmp_path / "kv")
     with caplog.at_level(logging.WARNING):
-        assert _tokens(llm.generate(prompts, params)) == expected
+        assert output_token_ids(llm.generate(prompts, params)) == expected
         assert llm.engine.tiers.disk.flush()
-        assert _tokens(llm.generate(prompts, params)) == expected
+        assert output_token_ids(llm.generate(prompts, params)) == expected
     # The first fault (the next lookup's read, or a write) stops the tier: one error in all.
-    errors = [_value(llm, "prefixserve:kv_disk_errors_total", op=op) for op in ("read", "write")]
+    errors = [engine_metric(llm, "prefixserve:kv_disk_errors_total", op=op) for op in ("read", "write")]
     assert sum(errors) == 1
-    assert _value(llm, "prefixserve:kv_disk_enabled") == 0
+    assert engine_metric(llm, "prefixserve:kv_disk_enabled") == 0
     assert len([r for r in caplog.records if "disk tier" in r.getMessage()]) == 1
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from model_helpers import tiny_checkpoint
+from model_helpers import engine_metric, output_token_ids, tiny_checkpoint
 
 from prefixserve.replica.config import EngineConfig
 from prefixserve.replica.engine.async_engine import AsyncEngine
@@ -53,19 +53,7 @@ A, B = _prompts(21), _prompts(22)  # 4 full blocks of 16 tokens each
 @pytest.fixture(scope="module")
 def expected(ckpt) -> dict[str, list[list[int]]]:
     with LLM(ckpt, num_kv_blocks=64) as one:
-        return {"A": _tokens(one.generate(A, PARAMS)), "B": _tokens(one.generate(B, PARAMS))}
-
-
-def _tokens(outs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outs]
-
-
-def _value(llm, name: str, **labels: str) -> float:
-    v = llm.engine.metrics.registry.get_sample_value(
-        name, {"model_name": llm.engine.model_name, "engine": "0", **labels}
-    )
-    assert v is not None, name
-    return v
+        return {"A": output_token_ids(one.generate(A, PARAMS)), "B": output_token_ids(one.generate(B, PARAMS))}
 
 
 def _no_leak(llm) -> None:
@@ -92,13 +80,13 @@ def _block_file(llm, prompt: list[int], index: int, rank: int) -> Path:
 def test_blocks_come_back_from_every_ranks_files_with_tp1s_tokens(ckpt, expected, tmp_path):
     disk = tmp_path / "kv"
     with LLM(ckpt, kv_disk_path=str(disk), **KNOBS) as llm:
-        assert _tokens(llm.generate(A, PARAMS)) == expected["A"]
+        assert output_token_ids(llm.generate(A, PARAMS)) == expected["A"]
         # B's blocks push A's out of the 16 device blocks and the 8 host slots of each rank.
-        assert _tokens(llm.generate(B, PARAMS)) == expected["B"]
+        assert output_token_ids(llm.generate(B, PARAMS)) == expected["B"]
         assert llm.engine.tiers.flush()
         outs = llm.generate(A, PARAMS)
-        assert _tokens(outs) == expected["A"]
-        hit = _value(llm, "prefixserve:kv_tier_hit_tokens_total", tier="disk")
+        assert output_token_ids(outs) == expected["A"]
+        hit = engine_metric(llm, "prefixserve:kv_tier_hit_tokens_total", tier="disk")
         assert hit > 0 and sum(o.num_cached_tokens for o in outs) >= hit
         assert llm.engine.tiers.disk.stats.invalid_files == 0
         # Each rank wrote its own file of every full prompt block, under one fingerprint.
@@ -113,19 +101,19 @@ def test_blocks_come_back_from_every_ranks_files_with_tp1s_tokens(ckpt, expected
 def test_a_second_tp2_engine_serves_what_the_first_computed_and_tp1_reads_none_of_it(ckpt, expected, tmp_path):
     disk = tmp_path / "kv"
     with LLM(ckpt, kv_disk_path=str(disk), **KNOBS) as first:
-        assert _tokens(first.generate(A, PARAMS)) == expected["A"]
+        assert output_token_ids(first.generate(A, PARAMS)) == expected["A"]
     with LLM(ckpt, kv_disk_path=str(disk), **ROOMY) as second:
         outs = second.generate(A, PARAMS)
-        assert _tokens(outs) == expected["A"]
+        assert output_token_ids(outs) == expected["A"]
         # Every full block of each prompt came from both ranks' files: only the last 6 tokens computed.
         assert [o.num_cached_tokens for o in outs] == [64, 64, 64]
-        assert _value(second, "prefixserve:kv_tier_hit_tokens_total", tier="disk") == 3 * 64
-        assert _value(second, "prefixserve:kv_tier_loaded_blocks_total", tier="disk") == 12
+        assert engine_metric(second, "prefixserve:kv_tier_hit_tokens_total", tier="disk") == 3 * 64
+        assert engine_metric(second, "prefixserve:kv_tier_loaded_blocks_total", tier="disk") == 12
         _no_leak(second)
     one_knobs = dict(ROOMY, tensor_parallel_size=1, kv_offloading_size=4 * HOST_GB)
     with LLM(ckpt, kv_disk_path=str(disk), **one_knobs) as one:
         outs = one.generate(A, PARAMS)
-        assert _tokens(outs) == expected["A"]
+        assert output_token_ids(outs) == expected["A"]
         assert [o.num_cached_tokens for o in outs] == [0, 0, 0]
         assert one.engine.kv_manager.stats.tiers.disk_read_blocks == 0
 
@@ -134,7 +122,7 @@ def test_a_second_tp2_engine_serves_what_the_first_computed_and_tp1_reads_none_o
 def test_one_ranks_missing_or_corrupt_file_makes_the_block_a_miss_on_every_rank(ckpt, expected, tmp_path):
     disk = tmp_path / "kv"
     with LLM(ckpt, kv_disk_path=str(disk), **KNOBS) as first:
-        assert _tokens(first.generate(A, PARAMS)) == expected["A"]
+        assert output_token_ids(first.generate(A, PARAMS)) == expected["A"]
         gone = [_block_file(first, A[0], 0, r) for r in (0, 1)]  # rank 1's file deleted
         bad = [_block_file(first, A[1], 0, r) for r in (0, 1)]  # rank 1's file corrupted
     gone[1].unlink()
@@ -143,7 +131,7 @@ def test_one_ranks_missing_or_corrupt_file_makes_the_block_a_miss_on_every_rank(
     bad[1].write_bytes(bytes(data))
     with LLM(ckpt, kv_disk_path=str(disk), **ROOMY) as second:
         outs = second.generate(A, PARAMS)
-        assert _tokens(outs) == expected["A"]
+        assert output_token_ids(outs) == expected["A"]
         # The first block of prompts 0 and 1 is a miss (so are the blocks after it); prompt 2 hits.
         assert [o.num_cached_tokens for o in outs] == [0, 0, 64]
         stats = second.engine.tiers.disk.stats
@@ -159,16 +147,16 @@ def test_one_ranks_missing_or_corrupt_file_makes_the_block_a_miss_on_every_rank(
 def test_a_fault_on_one_rank_stops_the_tier_for_the_replica_with_one_warning(ckpt, expected, tmp_path, caplog):
     disk = tmp_path / "kv"
     with LLM(ckpt, kv_disk_path=str(disk), **KNOBS) as first:
-        assert _tokens(first.generate(A, PARAMS)) == expected["A"]
+        assert output_token_ids(first.generate(A, PARAMS)) == expected["A"]
         target = _block_file(first, A[0], 0, 1)
     target.unlink()
     target.mkdir()  # rank 1's read of it fails with an OSError: a disk fault on that rank only
     with caplog.at_level(logging.WARNING), LLM(ckpt, kv_disk_path=str(disk), **ROOMY) as second:
         outs = second.generate(A, PARAMS)
-        assert _tokens(outs) == expected["A"]
-        assert _tokens(second.generate(A, PARAMS)) == expected["A"]
-        assert _value(second, "prefixserve:kv_disk_errors_total", op="read") == 1
-        assert _value(second, "prefixserve:kv_disk_enabled") == 0
+        assert output_token_ids(outs) == expected["A"]
+        assert output_token_ids(second.generate(A, PARAMS)) == expected["A"]
+        assert engine_metric(second, "prefixserve:kv_disk_errors_total", op="read") == 1
+        assert engine_metric(second, "prefixserve:kv_disk_enabled") == 0
         assert outs[0].num_cached_tokens == 0
         _no_leak(second)
     assert len([r for r in caplog.records if "disk tier" in r.getMessage()]) == 1

@@ -94,7 +94,7 @@ class ShardedDiskTier:
         self.workers.send(hashed_message(OP_DISK_LOAD, [[(0, block_hash)]]))
         own = disk.read(block_hash)  # while the workers read theirs
         replies = self.workers.collect("reading its KV block files")
-        self._faults([fault for _, fault in replies])
+        self._faults(replies)
         statuses = [s for answer, _ in replies for s in answer]
         disk.stats.invalid_files += statuses.count(LOAD_INVALID)
         if own is not None and disk.enabled and all(s == LOAD_OK for s in statuses):
@@ -124,7 +124,7 @@ class ShardedDiskTier:
         self.workers.send(torch.tensor([OP_DISK_FLUSH, int(timeout_s * 1000)], dtype=torch.int64))
         own = self.disk.flush(timeout_s)
         replies = self.workers.collect("flushing its KV disk writes")
-        self._faults([fault for _, fault in replies])
+        self._faults(replies)
         return own and all(ok for ok, _ in replies)
 
     def save(self, entries: list[tuple[bool, int, bytes, int]]) -> list[bool]:
@@ -135,12 +135,12 @@ class ShardedDiskTier:
         self.workers.send(torch.tensor([OP_DISK_SAVE], dtype=torch.int64))
         self.workers.reply(entries)
         replies = self.workers.collect("saving KV blocks to disk")
-        self._faults([fault for _, fault in replies])
+        self._faults(replies)
         return [any(column) for column in zip(*(written for written, _ in replies), strict=True)]
 
-    def _faults(self, faults: list[tuple[str, str] | None]) -> None:
-        """Stop the tier for the first fault a worker reported (``DiskTier.fail``)."""
-        for rank, fault in enumerate(faults, start=1):
+    def _faults(self, replies: list[tuple[object, tuple[str, str] | None]]) -> None:
+        """Stop the tier for the first fault a worker's (answer, fault) reply carries (``DiskTier.fail``)."""
+        for rank, (_, fault) in enumerate(replies, start=1):
             if fault is not None:
                 op, reason = fault
                 self.disk.fail(op, f"tensor-parallel rank {rank}: {reason}")

@@ -506,8 +506,6 @@ class DiskTier(BlockFiles):
     def touch(self, block_hash: bytes, mtime_ns: int) -> bool:
         """Set the mtime of every rank's file of the block (its place in the size bound's order);
         False when one of them is missing."""
-        if self.key.tp_size == 1:
-            return super().touch(block_hash, mtime_ns)
         found = [self._touch_file(name, block_hash, mtime_ns) for name in self.rank_files(block_hash)]
         return all(found)
 

@@ -112,6 +112,15 @@ def fill_host_slots(shard: ModelShard, fills: list[tuple[int, bytes]]) -> None:
     v[:, slots] = rows[:, per_k:].reshape(n, v.shape[0], *v.shape[2:]).transpose(0, 1)
 
 
+def store_blocks(shard: ModelShard, files: BlockFiles, blocks: list[tuple[int, bytes]], host: bool) -> None:
+    """Queue (block or host slot, hash) pairs of this rank's shard for the disk (write-behind);
+    nothing once the files are stopped."""
+    if blocks and files.enabled:
+        payloads = read_blocks(shard, [b for b, _ in blocks], host=host)
+        for (_, h), payload in zip(blocks, payloads):
+            files.store(h, payload)
+
+
 @dataclass
 class TierCopyTimes:
     """Seconds and bytes of the disk copies on the engine loop (cumulative)."""
@@ -132,10 +141,7 @@ class TierIO:
     def before_swap(self, ops: TierOps) -> None:
         """Slots leaving the host tier go to the disk queue, then disk reads fill their slots."""
         t0 = time.perf_counter()
-        if ops.host_stores and self.disk.enabled:
-            payloads = read_blocks(self.shard, [s for s, _ in ops.host_stores], host=True)
-            for (_, h), payload in zip(ops.host_stores, payloads):
-                self.disk.store(h, payload)
+        store_blocks(self.shard, self.disk, ops.host_stores, host=True)
         t1 = time.perf_counter()
         fill_host_slots(self.shard, [(s, p) for s, _, p in ops.host_fills])
         t2 = time.perf_counter()
@@ -148,9 +154,7 @@ class TierIO:
         if not ops.device_stores or not self.disk.enabled:
             return
         t0 = time.perf_counter()
-        payloads = read_blocks(self.shard, [b for b, _ in ops.device_stores], host=False)
-        for (_, h), payload in zip(ops.device_stores, payloads):
-            self.disk.store(h, payload)
+        store_blocks(self.shard, self.disk, ops.device_stores, host=False)
         self.times.store_seconds += time.perf_counter() - t0
 
 
@@ -189,10 +193,7 @@ class ShardTierIO:
     def before_swap(self, host_stores: list[tuple[int, bytes]], fills: list[tuple[int, bytes]]) -> None:
         """Host slots leaving the tier go to this rank's write queue; then the fills rank 0
         decided (host slot, block hash) take this rank's payloads read for them."""
-        if host_stores and self.files.enabled:
-            payloads = read_blocks(self.shard, [s for s, _ in host_stores], host=True)
-            for (_, h), payload in zip(host_stores, payloads):
-                self.files.store(h, payload)
+        store_blocks(self.shard, self.files, host_stores, host=True)
         try:
             fill_host_slots(self.shard, [(s, self.pending[h]) for s, h in fills])
         except KeyError as exc:
@@ -202,10 +203,7 @@ class ShardTierIO:
 
     def after_forward(self, device_stores: list[tuple[int, bytes]]) -> None:
         """Blocks computed this step go to this rank's write queue (write-behind)."""
-        if device_stores and self.files.enabled:
-            payloads = read_blocks(self.shard, [b for b, _ in device_stores], host=False)
-            for (_, h), payload in zip(device_stores, payloads):
-                self.files.store(h, payload)
+        store_blocks(self.shard, self.files, device_stores, host=False)
 
     def save(self, entries: list[tuple[bool, int, bytes, int]]) -> list[bool]:
         """A drain's save of (host?, block or slot, hash, mtime_ns): whether each file was written."""
