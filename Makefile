@@ -21,10 +21,16 @@ $(STAMP): pyproject.toml
 # Fast unit tests first (milliseconds each), then the real-process ones. The
 # real-process tests need nginx and a C compiler: installed here when possible,
 # otherwise named before and after the run (tests/conftest.py).
+# TEST_WORKERS pytest-xdist processes, each taking whole files (a file's module
+# fixtures, such as its Ray cluster, are built once). Two suit CI's two cores: much
+# of a real-process test is waiting on processes it started. 0 runs in this process.
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
 test: lint typecheck
 	scripts/system-deps.sh
-	$(PY) -m pytest -q -m "not slow" --durations=25
-	$(PY) -m pytest -q -m slow --durations=40
+	$(PYTEST) -m "not slow" --durations=25
+	$(PYTEST) -m slow --durations=40
 
 # ruff: lint, import order and formatting over the whole tree (settings in pyproject.toml;
 # `ruff format <files>` fixes what the format check reports). .pre-commit-config.yaml runs
@@ -38,7 +44,7 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" --durations=25
+	$(PYTEST) -m "not slow" --durations=25
 
 demo: $(STAMP)
 	$(PY) -m prefixserve.loadtest.demo

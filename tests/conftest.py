@@ -20,6 +20,10 @@ import pytest
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Serve's controller kills a proxy actor not ready within this many seconds (5 by default),
+# and serve.start then fails. Two test workers on two cores can make a proxy's start take
+# longer; Ray's processes inherit this from the test process that starts them.
+os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
 
 from nginx_helpers import find_nginx  # noqa: E402  (after the environment above)
 from prometheus_helpers import find_prometheus  # noqa: E402

@@ -151,7 +151,7 @@ def test_node_fit_needs_all_bundles_on_one_node():
 def ray_without_gpus():
     import ray
 
-    ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False)
     try:
         yield
     finally:

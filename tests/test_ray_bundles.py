@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 def ray_local():
     import ray
 
-    ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False)
     try:
         yield ray
     finally:
