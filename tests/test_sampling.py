@@ -346,3 +346,22 @@ def test_new_parameters_accept_their_edges():
     )
     assert p.has_penalties and p.bad_words == ["word"] and p.min_p == 1.0
     assert not SamplingParams(repetition_penalty=1.0).has_penalties
+
+
+def test_greedy_tokens_equal_torchs_first_maximum():
+    from prefixserve.replica.worker.sampler import greedy_tokens
+
+    logits = _logits(8, seed=14)
+    logits[1] = 0.0  # all tied: the first index
+    logits[2, [3, 9, 40]] = 1e30  # tied maxima: the first of them
+    logits[3] = float("-inf")  # a dead row
+    logits[4, 7] = float("nan")  # NaN wins, as in torch
+    wide = torch.cat([logits, logits], dim=1)[:, ::2]  # a strided view
+    for rows in (logits, wide, logits[:0]):
+        indices, values = greedy_tokens(rows)
+        expected = rows.max(dim=-1)
+        assert indices.dtype == torch.int64 and indices.tolist() == expected.indices.tolist()
+        assert torch.equal(values.isnan(), expected.values.isnan())
+        assert values.nan_to_num().tolist() == expected.values.nan_to_num().tolist()
+    half = logits.to(torch.bfloat16)  # other dtypes take torch's reduction
+    assert greedy_tokens(half)[0].tolist() == half.max(dim=-1).indices.tolist()

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from prefixserve.replica.errors import RequestRejected
 from prefixserve.replica.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 from prefixserve.replica.structured_output.state import SequenceGrammar, apply_grammar_bitmasks
@@ -127,10 +129,9 @@ def sample_tokens(
     import torch
 
     errors = process_logits(logits, specs)
-    best = logits.max(dim=-1)  # the first maximum, like argmax, and ~2x faster on CPU
-    tokens = best.indices
+    tokens, top = greedy_tokens(logits)
     # Rows whose masks exclude every token: found with the tokens' own transfer, no extra sync.
-    dead = best.values == float("-inf") if any(s.masks_row or s.grammar is not None for s in specs) else None
+    dead = top == float("-inf") if any(s.masks_row or s.grammar is not None for s in specs) else None
     random_rows = [i for i, s in enumerate(specs) if not s.params.greedy]
     if random_rows:
         rows = torch.tensor(random_rows, dtype=torch.long, device=logits.device)
@@ -179,6 +180,24 @@ def sample_tokens(
     for i, error in errors.items():
         results[i].error = error
     return results, sampled
+
+
+def greedy_tokens(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's first maximum (argmax's tie rule) and its value, as tensors on the logits' device.
+
+    On CPU through numpy: its argmax is SIMD-vectorized, where torch's index-returning
+    reductions are not (7x faster over [64, 49,152] float32 on a 2-core x86 VM), and the
+    rows' values are then one gather.
+    """
+    import torch
+
+    if logits.device.type != "cpu" or logits.dtype != torch.float32:
+        best = logits.max(dim=-1)
+        return best.indices, best.values
+    rows = logits.detach().contiguous().numpy()
+    indices = rows.argmax(axis=1)
+    values = rows[np.arange(rows.shape[0]), indices]
+    return torch.from_numpy(indices.astype(np.int64, copy=False)), torch.from_numpy(values)
 
 
 def _mask_row(logits: torch.Tensor, i: int, spec: SampleSpec) -> None:
