@@ -455,6 +455,15 @@ async def _stream(http: httpx.AsyncClient, base: str, key: str, record: dict) ->
         record["error"] = repr(exc)
 
 
+async def _victim_waiting(http: httpx.AsyncClient, base: str, victim: str) -> bool:
+    """Whether ``victim``'s engine reports a request waiting, from the ingress's gathered /metrics."""
+    response = await http.get(f"{base}/metrics")
+    try:
+        return response.status_code == 200 and metric(response.text, "vllm:num_requests_waiting", replica=victim) >= 1
+    except KeyError:  # the victim's text did not come back within the ingress's fan-out timeout
+        return False
+
+
 def test_killing_a_replica_under_load_loses_no_request_not_started_and_its_replacement_gets_its_keys_back(base):
     import ray
 
@@ -471,10 +480,13 @@ def test_killing_a_replica_under_load_loses_no_request_not_started_and_its_repla
     async def main() -> None:
         async with httpx.AsyncClient(timeout=300) as http:
             tasks = [asyncio.create_task(_stream(http, base, r["key"], r)) for r in records]
-            # Let the victim start its first two requests (max_num_seqs=2) and queue the rest.
+            # Let the victim start its first two requests (max_num_seqs=2) and queue the rest: kill
+            # it only once its engine reports a request waiting, so that one is queued there.
             deadline = time.monotonic() + 60
-            while not any("first_token_at" in r for r in records[: len(victim_keys)]):
-                assert time.monotonic() < deadline, "no request started streaming"
+            while not any("first_token_at" in r for r in records[: len(victim_keys)]) or not (
+                await _victim_waiting(http, base, victim)
+            ):
+                assert time.monotonic() < deadline, "the victim never streamed with a request queued"
                 await asyncio.sleep(0.05)
             ray.kill(ray.get_actor(victim_actor, namespace="serve"), no_restart=True)
             await asyncio.gather(*tasks)
