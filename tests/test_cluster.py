@@ -483,9 +483,8 @@ def test_killing_a_replica_under_load_loses_no_request_not_started_and_its_repla
             # Let the victim start its first two requests (max_num_seqs=2) and queue the rest: kill
             # it only once its engine reports a request waiting, so that one is queued there.
             deadline = time.monotonic() + 60
-            while not any("first_token_at" in r for r in records[: len(victim_keys)]) or not (
-                await _victim_waiting(http, base, victim)
-            ):
+            on_victim = records[: len(victim_keys)]
+            while not (any("first_token_at" in r for r in on_victim) and await _victim_waiting(http, base, victim)):
                 assert time.monotonic() < deadline, "the victim never streamed with a request queued"
                 await asyncio.sleep(0.05)
             ray.kill(ray.get_actor(victim_actor, namespace="serve"), no_restart=True)
