@@ -395,6 +395,21 @@ def test_a_client_that_disconnects_mid_stream_frees_its_replica(base):
             break
         assert time.monotonic() < deadline, f"the abandoned request still runs: {stats[replica]}"
         time.sleep(0.2)
+    # The ingress routers hear the replica idle one routing-stats report later; until then a
+    # router still counts the abandoned request and would spill the next test's keys. Wait
+    # until every ingress replica routes the replica's own keys to it again.
+    ring = HashRing(engine_replicas())
+    rng = random.Random(106)
+    probes = [k for k in (f"{rng.getrandbits(64):016x}" for _ in range(500)) if ring.owner(k) == replica][:4]
+    deadline = time.monotonic() + 60
+    with httpx.Client(timeout=120) as http:
+        while True:
+            results = [chat(base, "hi", prefix_hash=k, client=http) for k in probes * 2]
+            assert all(r.status == 200 for r in results)
+            if len({r.ingress for r in results}) == NUM_INGRESS and {r.replica for r in results} == {replica}:
+                break
+            assert time.monotonic() < deadline, "the routers did not route the replica's keys back to it"
+            time.sleep(0.5)
 
 
 def test_distinct_prompts_spread_over_the_replicas_by_the_ring(base):
