@@ -49,6 +49,16 @@ class LocalRayCluster:
             self.cluster.shutdown()
             raise
 
+    def raylet_pids(self) -> set[int]:
+        """The process ids of this cluster's raylets (a node's workers are their children)."""
+        from ray._private import ray_constants
+
+        return {
+            info.process.pid
+            for node in self.cluster.list_all_nodes()
+            for info in node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, ())
+        }
+
     def shutdown(self) -> None:
         import ray
         from ray import serve
@@ -273,18 +283,26 @@ def wait_for_app_status(name: str, statuses: set[str], timeout_s: float = 180.0)
         time.sleep(0.5)
 
 
-def replica_processes(app_name: str = APP_NAME, deployment: str = "Engine") -> list[Any]:
-    """This machine's processes of the app's replicas of ``deployment`` (psutil.Process), by process title.
+def replica_processes(cluster: LocalRayCluster, app_name: str = APP_NAME, deployment: str = "Engine") -> list[Any]:
+    """This cluster's processes of the app's replicas of ``deployment`` (psutil.Process), by process title.
 
     Ray titles an actor's worker process ``ray::<actor class>`` (``.<method>`` appended
     while it runs one), and a Serve replica's class is ``ServeReplica:<app>:<deployment>``.
+    Only the descendants of ``cluster``'s raylets count: another test process on the
+    machine may run its own cluster with an app of the same name.
     """
     import psutil
 
     title = f"ray::ServeReplica:{app_name}:{deployment}"
+    raylets = cluster.raylet_pids()
     found = []
     for process in psutil.process_iter(["cmdline"]):
         cmdline = " ".join(process.info["cmdline"] or ())
-        if cmdline.startswith(title) and cmdline[len(title) : len(title) + 1] in ("", " ", "."):
-            found.append(process)
+        if not (cmdline.startswith(title) and cmdline[len(title) : len(title) + 1] in ("", " ", ".")):
+            continue
+        try:
+            if any(parent.pid in raylets for parent in process.parents()):
+                found.append(process)
+        except psutil.NoSuchProcess:
+            continue
     return found

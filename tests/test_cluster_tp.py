@@ -119,14 +119,14 @@ def test_tp2_cpu_replica_answers_through_the_router_like_tp1(base, model_dir):
     assert [r.body["usage"]["completion_tokens"] for r in results] == [len(o.outputs[0].token_ids) for o in outputs]
 
 
-def test_tp_replica_reserves_one_bundle_per_rank_and_leaves_no_process_after_shutdown(base):
+def test_tp_replica_reserves_one_bundle_per_rank_and_leaves_no_process_after_shutdown(cluster, base):
     from ray import serve
     from ray.util.placement_group import placement_group_table
 
     groups = [g for g in placement_group_table().values() if g["state"] == "CREATED"]
     assert [(g["strategy"], list(g["bundles"].values())) for g in groups] == [("STRICT_PACK", [{"CPU": 0.5}] * TP)]
 
-    (replica,) = replica_processes()
+    (replica,) = replica_processes(cluster)
     children = replica.children(recursive=True)
     # Rank 0 is the replica itself; ranks 1..TP-1 are processes it spawned (multiprocessing's
     # spawn_main; its resource tracker, if any, is another child and must go too).
