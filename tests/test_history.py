@@ -127,6 +127,26 @@ def test_new_conversations_grow_the_set_with_the_keys_load_and_shrink_after():
     assert max(loads, key=loads.__getitem__) == owner and kinds == [KIND_NEW_CONVERSATION]
 
 
+def test_a_tenants_requests_in_flight_at_once_stay_on_its_placement_while_its_rate_is_a_small_share():
+    def one_shot(tenant: int, question: int) -> list[bytes]:  # the tenant's system prompt, then a question
+        return chain([50_000 * (tenant + 1) + i for i in range(4 * BS)] + [question] * BS)
+
+    policy = Placed(clock=lambda: 0.0)
+    idle = {"r0": 0, "r1": 0}
+    for tenant in range(6):  # six tenants, one request each, all finished
+        policy.rank(_replicas(idle), f"tenant-{tenant}", history=one_shot(tenant, 0), static_blocks=STATIC_BLOCKS)
+        policy.done(f"tenant-{tenant}")
+    (home,) = policy.placement("tenant-0")
+    loads = {**idle, home: 1}
+    first = policy.rank(_replicas(idle), "tenant-0", history=one_shot(0, 1), static_blocks=STATIC_BLOCKS)
+    assert first.chosen.name == home
+    # The tenant's second request while its first is in flight: a copy of its prompt on the
+    # other replica would evict another tenant's, for a load that is one request.
+    d = policy.rank(_replicas(loads), "tenant-0", history=one_shot(0, 2), static_blocks=STATIC_BLOCKS)
+    assert (d.chosen.name, d.kind) == (home, KIND_NEW_CONVERSATION)
+    assert policy.key_in_flight("tenant-0") == 2
+
+
 def test_the_index_never_sends_to_a_replica_that_is_not_a_candidate():
     policy = Placed(clock=lambda: 0.0)
     policy.history.record("gone", chain(conversation(7, 5)))  # stale: its replica left, its events were lost

@@ -437,6 +437,13 @@ class Placed(RingPolicy):
             # from its first requests and shrinks when they finish.
             share = max(1.0, sum(loads) / len(candidates)) * (1.0 + self.options.new_epsilon)
             want = min(len(order), math.ceil((self._key_in_flight.get(key, 0) + 1) / share))
+            # ...but only as far as the key's request rate carries it: one replica per
+            # ``hot_share`` of a replica's fair share of the requests, rounded down. On a small
+            # cluster a tenant's two requests in flight at once are noise, and a copy of its
+            # static prefix evicts another tenant's; an app whose users are most of the
+            # traffic grows from its first requests.
+            by_rate = math.floor(table.rate_share(key) * len(candidates) / self.options.hot_share)
+            want = max(1, min(want, by_rate))
             # A key whose requests mostly continue conversations (an app's users' chats):
             # its new conversations also spread over its next ring successors, since a
             # conversation stays where it starts and one static-prefix miss buys all its turns.

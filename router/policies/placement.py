@@ -542,6 +542,13 @@ class PlacementTable:
         slot = self._slot.get(key)
         return None if slot is None else (float(self._rate[slot]), float(self._work[slot]))
 
+    def rate_share(self, key: str) -> float:
+        """The key's share of every request the table counted (decayed alike; 0 if unknown)."""
+        slot = self._slot.get(key)
+        if slot is None or self._total_rate <= 0:
+            return 0.0
+        return float(self._rate[slot]) / self._total_rate
+
     def __len__(self) -> int:
         return len(self._slot)
 
