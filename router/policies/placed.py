@@ -74,8 +74,9 @@ class PlacedOptions(RingOptions):
     new_epsilon: a new conversation goes to the least loaded replica of its key's
         set: the placement, grown by ring successors to one replica per ``1 +
         new_epsilon`` fair shares (mean in-flight, at least 1) of the key's own
-        in-flight requests (counted by ``rank``, ended by ``done``); None keeps new
-        conversations on the placement alone.
+        in-flight requests (counted by ``rank``, ended by ``done``), and to at most one
+        replica per ``hot_share`` of a replica's fair share of the key's request rate
+        (rounded down); None keeps new conversations on the placement alone.
     conversation_spread: a key at least half of whose recent decisions followed a
         history (a conversational app) has its set grown by this many more ring
         successors for new conversations (0, the default: off; on small clusters with
