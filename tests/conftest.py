@@ -24,6 +24,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # and serve.start then fails. Two test workers on two cores can make a proxy's start take
 # longer; Ray's processes inherit this from the test process that starts them.
 os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
+# Serve's routers skip a replica whose queue-length probe misses this deadline (0.1 s by
+# default) and take the next tier. On two cores shared by two clusters a replica nothing
+# has been sent to yet (so it is in no router's queue-length cache and is probed on every
+# request) can miss it request after request, and tests that check where keys land see
+# Serve's fallback rather than the router's choice. Serve's documented remedy for slow
+# answers: a longer deadline.
+os.environ.setdefault("RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "0.5")
 
 from nginx_helpers import find_nginx  # noqa: E402  (after the environment above)
 from prometheus_helpers import find_prometheus  # noqa: E402

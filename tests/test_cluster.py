@@ -12,6 +12,7 @@ import json
 import random
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -98,6 +99,16 @@ def words(rng: random.Random, n: int) -> str:
 def key_owner(keys: list[str]) -> dict[str, str]:
     ring = HashRing(engine_replicas())
     return {k: ring.owner(k) for k in keys}
+
+
+def decision_kinds(metrics_text: str) -> dict[tuple[str, str], float]:
+    """Every ingress router's decisions summed by (replica, kind), from /metrics."""
+    kinds: Counter[tuple[str, str]] = Counter()
+    for family in text_string_to_metric_families(metrics_text):
+        for s in family.samples:
+            if s.name == "prefixserve_router_decisions_total":
+                kinds[(s.labels["replica"], s.labels["kind"])] += s.value
+    return dict(kinds)
 
 
 def test_same_system_prompt_lands_on_one_replica_and_hits_its_cache(base):
@@ -555,6 +566,7 @@ def test_adding_a_replica_moves_at_most_its_share_of_keys(base, model_dir):
     # newcomer may still be answering Serve's first queue-length probes slowly (then
     # the base router tries the next tier), so allow a short settling period: every
     # key must land on its new owner in one full round.
+    logs_before = {path: len(lines) for path, lines in serve_log_lines("Ingress").items()}
     deadline = time.monotonic() + 90
     with httpx.Client(timeout=120) as http:
         while True:
@@ -563,7 +575,16 @@ def test_adding_a_replica_moves_at_most_its_share_of_keys(base, model_dir):
             strays = [(r.replica, new_ring.owner(k)) for k, r in results if r.replica != new_ring.owner(k)]
             if not strays:
                 break
-            assert time.monotonic() < deadline, f"keys still off their new ring owner: {strays[:3]}"
+            if time.monotonic() > deadline:
+                # What tells a router's choice from Serve's: the routers' decision kinds
+                # (fallback: Serve moved the request off the replica ranked first) and the
+                # ingress replicas' warnings of queue-length probes that missed their deadline.
+                kinds = decision_kinds(http.get(f"{base}/metrics").text)
+                probes = [line for line in new_serve_log_lines(logs_before) if "Failed to get queue length" in line]
+                pytest.fail(
+                    f"keys still off their new ring owner: {strays[:3]} of {len(strays)}; "
+                    f"decisions (replica, kind): {kinds}; missed probes: {len(probes)} {probes[-2:]}"
+                )
             time.sleep(1.0)
         metrics = http.get(f"{base}/metrics").text
     sizes = [
