@@ -133,18 +133,33 @@ def test_a_tenants_requests_in_flight_at_once_stay_on_its_placement_while_its_ra
 
     policy = Placed(clock=lambda: 0.0)
     idle = {"r0": 0, "r1": 0}
-    for tenant in range(6):  # six tenants, one request each, all finished
-        policy.rank(_replicas(idle), f"tenant-{tenant}", history=one_shot(tenant, 0), static_blocks=STATIC_BLOCKS)
-        policy.done(f"tenant-{tenant}")
+    for question in range(4):  # six tenants, four requests each, all finished
+        for tenant in range(6):
+            history = one_shot(tenant, question)
+            policy.rank(_replicas(idle), f"tenant-{tenant}", history=history, static_blocks=STATIC_BLOCKS)
+            policy.done(f"tenant-{tenant}")
     (home,) = policy.placement("tenant-0")
     loads = {**idle, home: 1}
-    first = policy.rank(_replicas(idle), "tenant-0", history=one_shot(0, 1), static_blocks=STATIC_BLOCKS)
+    first = policy.rank(_replicas(idle), "tenant-0", history=one_shot(0, 4), static_blocks=STATIC_BLOCKS)
     assert first.chosen.name == home
-    # The tenant's second request while its first is in flight: a copy of its prompt on the
-    # other replica would evict another tenant's, for a load that is one request.
-    d = policy.rank(_replicas(loads), "tenant-0", history=one_shot(0, 2), static_blocks=STATIC_BLOCKS)
+    # The tenant's next request while one is in flight: a copy of its prompt on the other
+    # replica would evict another tenant's, for a load that is one request.
+    d = policy.rank(_replicas(loads), "tenant-0", history=one_shot(0, 5), static_blocks=STATIC_BLOCKS)
     assert (d.chosen.name, d.kind) == (home, KIND_NEW_CONVERSATION)
     assert policy.key_in_flight("tenant-0") == 2
+
+
+def test_a_keys_rate_copies_are_one_replica_per_hot_share_of_a_fair_share_of_its_requests():
+    policy = Placed(clock=lambda: 0.0)  # hot_share 0.5: a key with a fair share fills two replicas
+    idle = dict.fromkeys([f"r{i}" for i in range(4)], 0)
+    for _ in range(8):
+        policy.rank(_replicas(idle), "app")
+    assert policy.table.rate_copies("app") == 4  # all of the traffic: every replica
+    for i in range(24):
+        policy.rank(_replicas(idle), f"tenant-{i % 6}")
+    assert policy.table.rate_copies("app") == 2  # a quarter of the requests: 0.25 * 4 / 0.5
+    assert policy.table.rate_copies("tenant-0") == 1  # an eighth: 0.125 * 4 / 0.5
+    assert policy.table.rate_copies("never-seen") == 1
 
 
 def test_the_index_never_sends_to_a_replica_that_is_not_a_candidate():

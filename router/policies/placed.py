@@ -74,9 +74,10 @@ class PlacedOptions(RingOptions):
     new_epsilon: a new conversation goes to the least loaded replica of its key's
         set: the placement, grown by ring successors to one replica per ``1 +
         new_epsilon`` fair shares (mean in-flight, at least 1) of the key's own
-        in-flight requests (counted by ``rank``, ended by ``done``), and to at most one
-        replica per ``hot_share`` of a replica's fair share of the key's request rate
-        (rounded down); None keeps new conversations on the placement alone.
+        in-flight requests (counted by ``rank``, ended by ``done``); a key that is not
+        conversational (see ``conversation_spread``) grows to at most
+        ``PlacementTable.rate_copies`` replicas (its share of the requests); None keeps
+        new conversations on the placement alone.
     conversation_spread: a key at least half of whose recent decisions followed a
         history (a conversational app) has its set grown by this many more ring
         successors for new conversations (0, the default: off; on small clusters with
@@ -438,13 +439,15 @@ class Placed(RingPolicy):
             # from its first requests and shrinks when they finish.
             share = max(1.0, sum(loads) / len(candidates)) * (1.0 + self.options.new_epsilon)
             want = min(len(order), math.ceil((self._key_in_flight.get(key, 0) + 1) / share))
-            # ...but only as far as the key's request rate carries it: one replica per
-            # ``hot_share`` of a replica's fair share of the requests, rounded down. On a small
-            # cluster a tenant's two requests in flight at once are noise, and a copy of its
-            # static prefix evicts another tenant's; an app whose users are most of the
-            # traffic grows from its first requests.
-            by_rate = math.floor(table.rate_share(key) * len(candidates) / self.options.hot_share)
-            want = max(1, min(want, by_rate))
+            # ...but a key whose requests do not continue conversations (a tenant's one-shot
+            # prompts) only as far as its share of the requests carries it: one replica per
+            # ``hot_share`` of a replica's fair share, rounded up (as hot-key copies are). Its
+            # requests in flight at once on a small cluster are noise, and a copy of its static
+            # prefix evicts another tenant's. A key that is all of the traffic grows from its
+            # first requests; a conversational key grows by in-flight alone (its sessions stay
+            # where they start, so they must spread as they start).
+            if not conversational:
+                want = max(1, min(want, table.rate_copies(key)))
             # A key whose requests mostly continue conversations (an app's users' chats):
             # its new conversations also spread over its next ring successors, since a
             # conversation stays where it starts and one static-prefix miss buys all its turns.

@@ -542,12 +542,15 @@ class PlacementTable:
         slot = self._slot.get(key)
         return None if slot is None else (float(self._rate[slot]), float(self._work[slot]))
 
-    def rate_share(self, key: str) -> float:
-        """The key's share of every request the table counted (decayed alike; 0 if unknown)."""
+    def rate_copies(self, key: str) -> int:
+        """The replicas the key's share of the request rate fills: one per ``hot_share`` of a
+        replica's fair share, rounded up as hot-key copies are, 1 to one per member (1 if unknown)."""
         slot = self._slot.get(key)
-        if slot is None or self._total_rate <= 0:
-            return 0.0
-        return float(self._rate[slot]) / self._total_rate
+        n = len(self.members)
+        if slot is None or n < 2 or self._total_rate <= 0:
+            return 1
+        share = float(self._rate[slot]) / self._total_rate
+        return min(n, max(1, math.ceil(share * n / self.hot_share)))
 
     def __len__(self) -> int:
         return len(self._slot)
