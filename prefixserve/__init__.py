@@ -7,6 +7,12 @@ they import as ``prefixserve.router``, ``prefixserve.replica``,
 shadows another distribution (Hugging Face's ``kernels`` in particular). See
 docs/design.md.
 
+Run from a checkout, the repository root itself can be on ``sys.path`` (``python -m``
+from the root puts it first, and Ray gives every worker its driver's working
+directory), and there the top-level ``kernels/`` would stand in for Hugging Face's,
+which transformers imports. Importing this package takes the checkout's root off
+``sys.path``; everything of ours imports through ``prefixserve.*`` and needs none of it.
+
 The offline API is re-exported here, imported on first use so that
 ``import prefixserve.router.contracts.prefix`` does not pay for torch::
 
@@ -16,6 +22,8 @@ The offline API is re-exported here, imported on first use so that
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
@@ -27,6 +35,30 @@ _EXPORTS = {
 }
 
 __all__ = ["CompletionOutput", "EngineConfig", "LLM", "RequestOutput", "SamplingParams"]
+
+
+def _checkout_root() -> str | None:
+    """The repository root when this package runs from a checkout (its folders linked here), else None."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(package)
+    ours = os.path.join(package, "kernels")
+    beside = os.path.join(root, "kernels")
+    # An installed wheel has a real kernels/ inside the package; whatever sits beside it in
+    # site-packages (Hugging Face's kernels, say) is another distribution's and stays.
+    if os.path.islink(ours) and os.path.isdir(beside) and os.path.samefile(ours, beside):
+        return root
+    return None
+
+
+def _take_checkout_root_off_sys_path() -> None:
+    root = _checkout_root()
+    if root is None:
+        return
+    cwd = os.getcwd()
+    sys.path[:] = [p for p in sys.path if not os.path.isdir(p or cwd) or not os.path.samefile(p or cwd, root)]
+
+
+_take_checkout_root_off_sys_path()
 
 if TYPE_CHECKING:
     from prefixserve.replica.config import EngineConfig

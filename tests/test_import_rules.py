@@ -8,6 +8,9 @@ only imports under ``if TYPE_CHECKING:`` are left out of the loop check (they ne
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -247,3 +250,40 @@ def test_loops_are_found_and_type_checking_imports_are_not_loops(tmp_path: Path)
     assert cycles(all_imports(tmp_path), "replica") == []
     _write(tmp_path, "replica/b.py", "def f():\n    from prefixserve.replica import a\n")
     assert cycles(all_imports(tmp_path), "replica") == [["prefixserve.replica.a", "prefixserve.replica.b"]]
+
+
+_WHERE_KERNELS_IMPORTS_FROM = """
+import importlib.util
+import prefixserve
+spec = importlib.util.find_spec("kernels")
+print(spec.origin if spec is not None else None)
+"""
+
+
+def test_run_from_the_checkout_the_top_level_kernels_folder_shadows_no_distribution() -> None:
+    # `python -c` from the root puts the root first on sys.path, as `python -m` and Ray's workers do.
+    out = subprocess.run(
+        [sys.executable, "-c", _WHERE_KERNELS_IMPORTS_FROM], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    origin = out.stdout.strip()
+    assert origin == "None" or not Path(origin).resolve().is_relative_to(ROOT / "kernels"), origin
+
+
+def test_installed_beside_another_kernels_distribution_the_package_leaves_sys_path_alone(tmp_path: Path) -> None:
+    # A wheel's layout: a real kernels/ inside the package, Hugging Face's kernels beside it.
+    site = tmp_path / "site-packages"
+    (site / "prefixserve" / "kernels").mkdir(parents=True)
+    (site / "prefixserve" / "kernels" / "__init__.py").write_text("")
+    (site / "prefixserve" / "__init__.py").write_text((ROOT / "prefixserve" / "__init__.py").read_text())
+    (site / "kernels").mkdir()
+    (site / "kernels" / "__init__.py").write_text("")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run(
+        [sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {str(site)!r})\n" + _WHERE_KERNELS_IMPORTS_FROM],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert Path(out.stdout.strip()) == site / "kernels" / "__init__.py", out.stdout
