@@ -42,20 +42,18 @@ def _checkout_root() -> str | None:
     package = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(package)
     ours = os.path.join(package, "kernels")
-    beside = os.path.join(root, "kernels")
     # An installed wheel has a real kernels/ inside the package; whatever sits beside it in
     # site-packages (Hugging Face's kernels, say) is another distribution's and stays.
-    if os.path.islink(ours) and os.path.isdir(beside) and os.path.samefile(ours, beside):
-        return root
+    if os.path.islink(ours) and os.path.realpath(ours) == os.path.realpath(os.path.join(root, "kernels")):
+        return os.path.realpath(root)
     return None
 
 
 def _take_checkout_root_off_sys_path() -> None:
     root = _checkout_root()
-    if root is None:
-        return
-    cwd = os.getcwd()
-    sys.path[:] = [p for p in sys.path if not os.path.isdir(p or cwd) or not os.path.samefile(p or cwd, root)]
+    if root is not None:
+        cwd = os.getcwd()  # the empty entry
+        sys.path[:] = [p for p in sys.path if os.path.realpath(p or cwd) != root]
 
 
 _take_checkout_root_off_sys_path()

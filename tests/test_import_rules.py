@@ -8,7 +8,6 @@ only imports under ``if TYPE_CHECKING:`` are left out of the loop check (they ne
 from __future__ import annotations
 
 import ast
-import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -277,11 +276,9 @@ def test_installed_beside_another_kernels_distribution_the_package_leaves_sys_pa
     (site / "prefixserve" / "__init__.py").write_text((ROOT / "prefixserve" / "__init__.py").read_text())
     (site / "kernels").mkdir()
     (site / "kernels" / "__init__.py").write_text("")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    out = subprocess.run(
+    out = subprocess.run(  # -I: neither PYTHONPATH nor the working directory on sys.path
         [sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {str(site)!r})\n" + _WHERE_KERNELS_IMPORTS_FROM],
         cwd=tmp_path,
-        env=env,
         capture_output=True,
         text=True,
         check=True,
