@@ -17,8 +17,6 @@ from collections import Counter
 
 import pytest
 
-import prefixserve  # noqa: F401  (first: takes the checkout's root off sys.path, see its docstring)
-
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

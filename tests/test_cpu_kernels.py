@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from kernel_helpers import dense_attention, make_paged_batch, relative_error
 from model_helpers import tiny_checkpoint
 
-from prefixserve.kernels import reference, reference_layer_ops, select_backend
+from prefixserve.kernels import reference, reference_layer_ops
+from prefixserve.kernels.backends import select_backend
 from prefixserve.kernels.cpu import attention as cpu_attention
 from prefixserve.kernels.cpu import layer_ops as cpu_layer_ops
 from prefixserve.kernels.cpu import library as cpu_library
@@ -307,7 +308,7 @@ def test_without_a_compiler_auto_falls_back_to_torch(tmp_path):
     script = (
         "import logging, torch\n"
         "logging.basicConfig(level=logging.WARNING)\n"
-        "from prefixserve.kernels import select_backend\n"
+        "from prefixserve.kernels.backends import select_backend\n"
         "from prefixserve.kernels.cpu.library import CPUKernelUnavailable\n"
         "print('AUTO', select_backend('auto', 'cpu', torch.float32).name)\n"
         "try:\n"

@@ -23,7 +23,8 @@ import pytest
 import torch
 from kernel_helpers import FP8, PagedBatch, dense_attention, make_paged_batch, relative_error
 
-from prefixserve.kernels import reference, select_backend
+from prefixserve.kernels import reference
+from prefixserve.kernels.backends import select_backend
 from prefixserve.kernels.triton.cache_write import write_kv_cache as triton_write_kv_cache
 from prefixserve.kernels.triton.paged_attention import (
     LaunchPlan,

@@ -27,7 +27,8 @@ import sys
 import pytest
 import torch
 
-from prefixserve.kernels import reference, reference_layer_ops, select_backend
+from prefixserve.kernels import reference, reference_layer_ops
+from prefixserve.kernels.backends import select_backend
 from prefixserve.kernels.reference_layer_ops import TORCH_LAYER_OPS
 from prefixserve.kernels.triton.layer_ops import (
     TRITON_LAYER_OPS,
@@ -319,7 +320,7 @@ def test_cpu_backends_import_without_triton():
     code = (
         "import sys\n"
         "sys.modules['triton'] = None  # any 'import triton' now raises ImportError\n"
-        "from prefixserve.kernels import select_backend\n"
+        "from prefixserve.kernels.backends import select_backend\n"
         "import prefixserve.kernels.cpu.layer_ops\n"
         "assert select_backend('torch').layer_ops.name == 'torch'\n"
         "print('ok')\n"

@@ -7,5 +7,5 @@
   layer_ops.py     the fused layer ops (residual + RMSNorm, rotary, SiLU-and-mul)
   token_bitmask.py grammar token bitmasks applied to logits (the sampler's, not the model's)
 
-:func:`prefixserve.kernels.select_backend` assembles the backend from these modules.
+:func:`prefixserve.kernels.backends.select_backend` assembles the backend from these modules.
 """

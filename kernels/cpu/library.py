@@ -9,7 +9,7 @@ OpenMP runtime by soname and so shares the one torch has loaded (one thread pool
 not two competing for the cores).
 
 Without a C compiler :func:`load` raises :class:`CPUKernelUnavailable`; callers
-fall back to torch (see :func:`prefixserve.kernels.select_backend`).
+fall back to torch (see :func:`prefixserve.kernels.backends.select_backend`).
 """
 
 from __future__ import annotations

@@ -4,6 +4,6 @@
   cache_write.py      the KV cache write (fp8 quantization with scales)
   layer_ops.py        the fused layer ops (residual + RMSNorm, rotary + cache write, SiLU-and-mul)
 
-Every module imports triton: only :func:`prefixserve.kernels.select_backend` reaches them, lazily,
+Every module imports triton: only :func:`prefixserve.kernels.backends.select_backend` reaches them, lazily,
 so CPU-only installs never need a working Triton. On a CPU they run under ``TRITON_INTERPRET=1``.
 """

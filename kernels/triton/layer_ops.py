@@ -27,7 +27,7 @@ cast, because the Triton interpreter's fp32 -> bf16 cast truncates instead of
 rounding to nearest even; that keeps the CPU tests (``TRITON_INTERPRET=1``) checking
 the same arithmetic the GPU runs.
 
-Imports torch and triton only; only :func:`prefixserve.kernels.select_backend` imports this
+Imports torch and triton only; only :func:`prefixserve.kernels.backends.select_backend` imports this
 module, lazily, so CPU-only installs never need a working Triton.
 """
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prefixserve.kernels import LayerOps
+from prefixserve.kernels.interface import LayerOps
 from prefixserve.kernels.reference_layer_ops import TORCH_LAYER_OPS
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from prefixserve.kernels import KernelBackend, LayerOps
+from prefixserve.kernels.interface import KernelBackend, LayerOps
 from prefixserve.replica.model.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from prefixserve.kernels import select_backend
+from prefixserve.kernels.backends import select_backend
 from prefixserve.replica.config import EngineConfig
 from prefixserve.replica.model.layers import TPGroup
 from prefixserve.replica.model.llama import AttentionMetadata, LlamaForCausalLM, ModelConfig

@@ -6,7 +6,7 @@ compiler is there to build it, else the torch reference. ``"triton"``, ``"cpu"``
 forces one. Each backend (:class:`KernelBackend`, the interface in :mod:`prefixserve.kernels.interface`)
 carries its attention operations, the KV cache layout they read and its fused layer ops.
 
-This package knows nothing of requests, schedulers or replicas.
+The kernels know nothing of requests, schedulers or replicas.
 """
 
 from __future__ import annotations
