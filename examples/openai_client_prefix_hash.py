@@ -3,7 +3,7 @@
 Behind nginx's `hash $http_x_prefix_hash consistent` upstream (see nginx/), every
 request carrying the same header value reaches the same replica, which then
 serves the shared system prompt from its prefix cache. The header is
-`prefixserve.router.contracts.prefix.prefix_hash(system_prompt, tools=tools)`: the first 16 hex digits
+`prefixserve.router.routing_key.prefix_hash(system_prompt, tools=tools)`: the first 16 hex digits
 of SHA-256 over the prompt's UTF-8 bytes, then (for a request with tools) a 0x00 byte and
 the tools' canonical JSON (see nginx/README.md for other languages).
 
@@ -24,7 +24,7 @@ import argparse
 
 from openai import OpenAI
 
-from prefixserve.router.contracts.prefix import PREFIX_HASH_HEADER, prefix_hash, routing_key
+from prefixserve.router.routing_key import PREFIX_HASH_HEADER, prefix_hash, routing_key
 
 SYSTEM_PROMPT = (
     "You are the support assistant of a small bicycle shop. Answer in two sentences, "

@@ -42,7 +42,7 @@ def run_engine(
     """One engine over the workload's waves."""
     from prefixserve.replica.entrypoints.llm import LLM
     from prefixserve.replica.sampling_params import SamplingParams
-    from prefixserve.replica.tools.templates import template_for
+    from prefixserve.replica.tool_calling.templates import template_for
 
     llm = LLM("smollm2", enable_prefix_caching=caching, kv_cache_memory_bytes=kv_bytes, dtype="float32", device=device)
     try:

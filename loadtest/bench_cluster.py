@@ -34,7 +34,7 @@ cluster's: ``num_kv_blocks = ceil(headroom * W / R) + reserve`` with
 resending its growing conversation; ``--workload agent`` users of one agent app
 (a system prompt and tool definitions four times as long), each step adding a
 tool call and its result; ``--session-affinity header|turns``
-measures the opt-in multi-turn keys of router/contracts/prefix.py.
+measures the opt-in multi-turn keys of router/routing_key.py.
 
 Default run (SmolLM2-135M, 2 replicas, 5 policies): zipf_tenants with 16
 tenants (Zipf s=0.6, tenant-0 hot with 10% of the traffic on top), 48
@@ -91,7 +91,7 @@ KNOWN_POLICIES = tuple(sorted(POLICIES)) + (RAY_PREFIX,) + PEER_POLICIES
 BASELINE = "placed"
 WORKLOADS = ("zipf_tenants", "shared_prefix", "multi_turn", "agent")
 CONVERSATIONS = ("multi_turn", "agent")
-# Multi-turn affinity (router/contracts/prefix.py): none, X-Session-Id (the client sends the user's id), or key_turns=1.
+# Multi-turn affinity (router/routing_key.py): none, X-Session-Id (the client sends the user's id), or key_turns=1.
 SESSION_AFFINITY = ("none", "header", "turns")
 SPILLS = "prefixserve_router_spills_total"
 ROUTED = "prefixserve_router_requests_total"
@@ -419,7 +419,7 @@ def session_headers(requests: Sequence[WorkloadRequest], session_affinity: str) 
     """Per request, the X-Session-Id its client sends (the user/tenant) under ``header`` affinity."""
     if session_affinity != "header":
         return None
-    from prefixserve.router.contracts.prefix import SESSION_HEADER
+    from prefixserve.router.routing_key import SESSION_HEADER
 
     return [{SESSION_HEADER: r.tenant} for r in requests]
 
@@ -715,7 +715,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--send-prefix-hash",
         action="store_true",
-        help="send X-Prefix-Hash (router/contracts/prefix.py's key), for an nginx --url",
+        help="send X-Prefix-Hash (router/routing_key.py's key), for an nginx --url",
     )
     p.add_argument(
         "--policies", default=",".join(DEFAULT_POLICIES), help=f"comma-separated, from {', '.join(KNOWN_POLICIES)}"
@@ -753,7 +753,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="none",
         choices=SESSION_AFFINITY,
         help="multi-turn affinity: 'header' sends X-Session-Id (the user) and keys by it, 'turns' keys "
-        "by the first turn too (router/contracts/prefix.py)",
+        "by the first turn too (router/routing_key.py)",
     )
     p.add_argument("--port", type=int, default=8000, help="Serve's HTTP port for the local cluster")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request and per deployment")
@@ -843,7 +843,7 @@ def run(args: argparse.Namespace, p: Plan) -> int:
         bodies = _bodies(requests, served_model(base, api_key=args.api_key), salt)
         headers = None
         if args.send_prefix_hash:
-            from prefixserve.router.contracts.prefix import PREFIX_HASH_HEADER, routing_key
+            from prefixserve.router.routing_key import PREFIX_HASH_HEADER, routing_key
 
             headers = [{PREFIX_HASH_HEADER: k} if (k := routing_key(b)) is not None else {} for b in bodies]
         result, recs = measure(

@@ -11,8 +11,8 @@ import time
 
 import numpy as np
 
-from prefixserve.router.contracts.ring import HashRing
 from prefixserve.router.policies.placement import PlacementTable
+from prefixserve.router.ring import HashRing
 
 
 def bench_rebalance(num_keys: int = 10_000, num_replicas: int = 64, repeats: int = 50, seed: int = 0) -> float:

@@ -18,7 +18,7 @@ Environment variables (read when the locustfile is loaded):
 * ``PREFIXSERVE_WORKLOAD_PARAMS``: ``"name=value,..."`` or a JSON object of the
   workload config's fields; ``PREFIXSERVE_SEED``: its seed;
 * ``PREFIXSERVE_MODEL``: overrides every body's ``model`` (the served model name);
-* ``PREFIXSERVE_SEND_PREFIX_HASH=1``: send ``X-Prefix-Hash`` (router/contracts/prefix.py's
+* ``PREFIXSERVE_SEND_PREFIX_HASH=1``: send ``X-Prefix-Hash`` (router/routing_key.py's
   key), for nginx's ``hash $http_x_prefix_hash consistent``;
 * ``PREFIXSERVE_API_KEY``: sent as ``Authorization: Bearer ...``;
 * ``PREFIXSERVE_STREAM=0``: non-streaming requests (TTFT then equals E2E).
@@ -40,7 +40,7 @@ from typing import Any
 from locust import HttpUser, between, events, task
 
 from prefixserve.loadtest.workloads import WorkloadRequest, generate, parse_params, read_jsonl
-from prefixserve.router.contracts.prefix import PREFIX_HASH_HEADER, routing_key
+from prefixserve.router.routing_key import PREFIX_HASH_HEADER, routing_key
 
 CHAT_PATH = "/v1/chat/completions"
 

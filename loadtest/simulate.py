@@ -91,8 +91,8 @@ from prefixserve.replica.contract.history_events import HistoryTracker
 from prefixserve.replica.contract.kv_events import KVEventConsumer, KVEventPublisher
 from prefixserve.replica.kv.hashing import BlockHasher
 from prefixserve.replica.kv.manager import KVCacheManager
-from prefixserve.router.contracts.prefix import prefix_hash
 from prefixserve.router.policies import Placed, ReplicaLoad, make_policy, pick_options
+from prefixserve.router.routing_key import prefix_hash
 
 # Our policies, then the peers; "placed" (the default) is the tables' baseline.
 OWN_POLICIES = (

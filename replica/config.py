@@ -17,8 +17,8 @@ from typing import Any
 from prefixserve.common.config_util import add_cli_arguments, check_switches, from_cli_args, from_dict
 from prefixserve.common.tracing import check_endpoint
 from prefixserve.replica.kv.block_pool import EVICTION_POLICIES
-from prefixserve.replica.tools.parsers import TOOL_CALL_PARSERS
-from prefixserve.replica.tools.templates import load_chat_template
+from prefixserve.replica.tool_calling.parsers import TOOL_CALL_PARSERS
+from prefixserve.replica.tool_calling.templates import load_chat_template
 
 HASH_ALGOS = ("xxh3_128", "sha256")
 # vLLM's spellings of the block-hash algorithm (its knob ``prefix_caching_hash_algo``),
@@ -174,10 +174,10 @@ class EngineConfig:
     # A Jinja chat template file (vLLM's --chat-template) that renders every chat request instead
     # of the checkpoint's; None = the checkpoint's, or, for a request with tools on a model whose
     # template renders none (SmolLM2's), the shipped ChatML/Hermes tool template
-    # (replica/tools/templates.py).
+    # (replica/tool_calling/templates.py).
     chat_template: str | None = None
     # How generated text becomes tool calls (vLLM's --tool-call-parser names: "hermes",
-    # "llama3_json"; replica/tools/parsers.py). Needed, with enable_auto_tool_choice, for
+    # "llama3_json"; replica/tool_calling/parsers.py). Needed, with enable_auto_tool_choice, for
     # tool_choice="auto"; "required" and a named function need neither.
     tool_call_parser: str | None = None
     # vLLM's --enable-auto-tool-choice: serve tool_choice="auto" (and requests with tools and no

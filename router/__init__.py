@@ -1,17 +1,16 @@
 """The cluster layer, one subpackage per concern.
 
-* contracts/: the routing key (Contract 1), the ring (Contract 3), the prompt's text blocks;
+* routing_key.py: the routing key (Contract 1); ring.py: the consistent-hash ring (Contract 3);
 * policies/: the routing policies, one module per family, with placed's placement table and history;
 * cluster_config.py: the app args of router, ingress and engine deployment (no Ray);
 * serve/: the Ray Serve glue (request router, registry, ingress, app builder, metrics, drain);
 * nginx/: nginx.conf rendering and the placement replay of nginx's key log;
-* cli/: the ``prefixserve`` command and its ``up`` and ``route`` subcommands;
-* tools/: the prefix-cache audit of a prompt log.
+* cli/: the ``prefixserve`` command and its ``up`` and ``route`` subcommands.
 
 ``prefix_hash`` and ``routing_key`` are Contract 1 of docs/design.md: the key any
 client can compute to land on the replica that holds its prefix.
 """
 
-from prefixserve.router.contracts.prefix import PrefixKeyConfig, prefix_hash, routing_key, static_prefix
+from prefixserve.router.routing_key import PrefixKeyConfig, prefix_hash, routing_key, static_prefix
 
 __all__ = ["PrefixKeyConfig", "prefix_hash", "routing_key", "static_prefix"]

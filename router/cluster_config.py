@@ -38,7 +38,7 @@ The args (every key optional except ``engine``)::
       max_body_bytes: 4194304
       max_attempts: 4              # sends per request while replicas die under it
       placement_sync_s: 2.0        # placed: how often ingress replicas agree on placements
-      session_header: false        # multi-turn affinity: key by X-Session-Id (router/contracts/prefix.py)
+      session_header: false        # multi-turn affinity: key by X-Session-Id (router/routing_key.py)
       key_turns: 0                 # multi-turn affinity: key by the first N turns too
 
 Invariants: the args are validated here, before anything is deployed, with
@@ -60,8 +60,8 @@ from prefixserve.common.tracing import check_endpoint
 from prefixserve.replica.config import EngineConfig
 from prefixserve.replica.entrypoints.openai import http_frontend
 from prefixserve.replica.entrypoints.openai.http_frontend import DEFAULT_MAX_BODY_BYTES
-from prefixserve.router.contracts.prefix import PrefixKeyConfig
 from prefixserve.router.policies import DEFAULT_POLICY, POLICIES, check_options
+from prefixserve.router.routing_key import PrefixKeyConfig
 
 # One replica's ranks share a node: rank 0 starts the others as local processes.
 TP_PLACEMENT_STRATEGY = "STRICT_PACK"
@@ -176,7 +176,7 @@ class IngressConfig:
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
     completion_prefix_chars: int = PrefixKeyConfig().completion_prefix_chars
     honor_prefix_header: bool = True
-    # Multi-turn affinity (router/contracts/prefix.py): key by X-Session-Id / by the leading turns.
+    # Multi-turn affinity (router/routing_key.py): key by X-Session-Id / by the leading turns.
     session_header: bool = field(
         default=False, metadata=_cli("multi-turn affinity: key chat requests by X-Session-Id too")
     )

@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from prefixserve.router.contracts.prefix import PREFIX_HASH_HEADER
+from prefixserve.router.routing_key import PREFIX_HASH_HEADER
 
 OBJECT_STORE_BYTES = 80 * 1024**2
 REPLICA_HEADER = "X-Prefixserve-Replica"

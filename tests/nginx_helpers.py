@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from prefixserve.router.contracts.prefix import prefix_hash
-from prefixserve.router.contracts.ring import HashRing
+from prefixserve.router.ring import HashRing
+from prefixserve.router.routing_key import prefix_hash
 
 NGINX_CANDIDATES = ("/usr/sbin/nginx", "/usr/local/sbin/nginx", "/usr/local/nginx/sbin/nginx")
 

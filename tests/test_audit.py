@@ -12,9 +12,9 @@ from re import _parser as RP
 
 import pytest
 
+from prefixserve.loadtest import prompt_audit as A
 from prefixserve.router.cli import main as cli_main
 from prefixserve.router.cli.common import EXIT_SKIPPED
-from prefixserve.router.tools import audit as A
 
 
 @pytest.fixture(scope="module")
@@ -253,7 +253,7 @@ def test_malformed_list_is_capped_but_every_line_is_counted(tmp_path) -> None:
 
 
 def test_static_prefix_and_routing_keys_come_from_the_router(tmp_path) -> None:
-    from prefixserve.router.contracts.prefix import prefix_hash, routing_key, static_prefix
+    from prefixserve.router.routing_key import prefix_hash, routing_key, static_prefix
 
     dev = {"role": "developer", "content": [{"type": "text", "text": "be"}, {"type": "text", "text": "brief"}]}
     recs = [

@@ -2,7 +2,7 @@
 
 One ``ray.cluster_utils.Cluster`` (CPU-less head + 2 worker nodes) per module,
 3 engine replicas of a tiny random Llama, 2 ingress replicas, real HTTP. The
-ring is checked against router/contracts/ring.py over the live replicas' names.
+ring is checked against router/ring.py over the live replicas' names.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from prometheus_helpers import PrometheusProcess, dashboard_queries, find_promet
 from server_helpers import metric
 from tool_helpers import NAMED, QUESTION, TOOLS, streamed_tool_calls, valid_arguments
 
-from prefixserve.router.contracts.prefix import PREFIX_HASH_HEADER, prefix_hash
-from prefixserve.router.contracts.ring import HashRing
+from prefixserve.router.ring import HashRing
+from prefixserve.router.routing_key import PREFIX_HASH_HEADER, prefix_hash
 
 pytestmark = pytest.mark.slow
 

@@ -14,9 +14,9 @@ import pytest
 from nginx_helpers import NGINX, NginxProcess, free_ports, needs_nginx
 from server_helpers import ReplicaProcess, build_tiny_llama, metric
 
-from prefixserve.router.contracts.prefix import PREFIX_HASH_HEADER, prefix_hash
-from prefixserve.router.contracts.ring import HashRing, RingServer
 from prefixserve.router.nginx.config import NginxConfig, render_config
+from prefixserve.router.ring import HashRing, RingServer
+from prefixserve.router.routing_key import PREFIX_HASH_HEADER, prefix_hash
 
 pytestmark = [
     pytest.mark.slow,

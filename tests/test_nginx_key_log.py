@@ -20,10 +20,10 @@ from nginx_helpers import NGINX, NginxProcess, backends_conf, free_ports, keys_o
 
 from prefixserve.router import cli
 from prefixserve.router.cli.common import EXIT_SKIPPED
-from prefixserve.router.contracts.prefix import PREFIX_HASH_HEADER, prefix_hash
-from prefixserve.router.contracts.ring import HashRing, RingServer
 from prefixserve.router.nginx.config import KEY_LOG_FORMAT, RING_KEY_VAR, NginxConfig
 from prefixserve.router.nginx.placement import ReplayCounts, parse_key_line, read_key_log
+from prefixserve.router.ring import HashRing, RingServer
+from prefixserve.router.routing_key import PREFIX_HASH_HEADER, prefix_hash
 
 NAMES = ["127.0.0.1:9101", "127.0.0.1:9102", "127.0.0.1:9103"]
 REPLICA_ARGS = [x for n in NAMES for x in ("--replica", n)]

@@ -3,7 +3,7 @@
 The slow tests start a real nginx whose upstream is the config `prefixserve
 nginx-config` renders, in front of tiny backends that nginx itself serves (each
 answers with its own port), and check that for 2,000 random keys the replica
-nginx picks is the one router/contracts/ring.py picks.
+nginx picks is the one router/ring.py picks.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import pytest
 from nginx_helpers import NGINX, NginxProcess, backends_conf, free_ports, needs_nginx, nginx_test_config
 
 from prefixserve.router import cli
-from prefixserve.router.contracts.prefix import PREFIX_HASH_HEADER, prefix_hash
-from prefixserve.router.contracts.ring import HashRing, RingServer
 from prefixserve.router.nginx import config as nginx_cli
 from prefixserve.router.nginx.config import NginxConfig, render_config
+from prefixserve.router.ring import HashRing, RingServer
+from prefixserve.router.routing_key import PREFIX_HASH_HEADER, prefix_hash
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "nginx" / "nginx.conf"

@@ -15,10 +15,10 @@ import httpx
 import pytest
 from nginx_helpers import NGINX, NginxProcess, backends_conf, free_ports, keys_owned, needs_nginx
 
-from prefixserve.router.contracts.prefix import PREFIX_HASH_HEADER, prefix_hash
-from prefixserve.router.contracts.ring import HashRing, RingServer
 from prefixserve.router.nginx.config import NginxConfig, PlacementMap, render_config, salted_key
 from prefixserve.router.policies import Placed, Replica
+from prefixserve.router.ring import HashRing, RingServer
+from prefixserve.router.routing_key import PREFIX_HASH_HEADER, prefix_hash
 
 NAMES = ["127.0.0.1:9101", "127.0.0.1:9102", "127.0.0.1:9103"]
 

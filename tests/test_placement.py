@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 
 from prefixserve.loadtest.bench_placement import bench_rebalance
 from prefixserve.loadtest.bench_policies import bench_rank
-from prefixserve.router.contracts.ring import HashRing
 from prefixserve.router.policies import (
     KIND_NO_KEY,
     KIND_OWNER,
@@ -32,6 +31,7 @@ from prefixserve.router.policies import (
 )
 from prefixserve.router.policies import placed as placed_module
 from prefixserve.router.policies.placement import PlacementTable
+from prefixserve.router.ring import HashRing
 
 NAMES = [f"10.0.0.{i}:8000" for i in range(1, 5)]
 

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 import pytest
 
-from prefixserve.router.contracts.ring import HashRing, bounded_capacity
 from prefixserve.router.policies import (
     POLICIES,
     RING_POLICIES,
@@ -24,6 +23,7 @@ from prefixserve.router.policies import (
     make_policy,
     pick_options,
 )
+from prefixserve.router.ring import HashRing, bounded_capacity
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Contract 1: the routing key of a request (router/contracts/prefix.py)."""
+"""Contract 1: the routing key of a request (router/routing_key.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import struct
 
 import pytest
 
-from prefixserve.router.contracts.prefix import (
+from prefixserve.router.routing_key import (
     PREFIX_HASH_HEADER,
     InvalidPrefixHash,
     PrefixKeyConfig,

@@ -1,4 +1,4 @@
-"""Contract 3: the nginx-compatible ring and the bounded-load lookup (router/contracts/ring.py)."""
+"""Contract 3: the nginx-compatible ring and the bounded-load lookup (router/ring.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from prefixserve.router.contracts.ring import (
+from prefixserve.router.ring import (
     POINTS_PER_WEIGHT,
     HashRing,
     RingServer,
@@ -300,7 +300,7 @@ def test_route_cli_prints_key_owner_and_fallbacks(capsys):
     import json
 
     from prefixserve.router import cli
-    from prefixserve.router.contracts.prefix import prefix_hash
+    from prefixserve.router.routing_key import prefix_hash
 
     replicas = ["127.0.0.1:18001", "127.0.0.1:18002=2", "127.0.0.1:18003"]
     argv = ["route", *sum((["--replica", r] for r in replicas), []), "--system", "You are terse.", "--json"]
@@ -328,7 +328,7 @@ def test_route_cli_prints_the_key_the_router_uses_and_no_key_for_an_empty_system
     import json
 
     from prefixserve.router import cli
-    from prefixserve.router.contracts.prefix import routing_key
+    from prefixserve.router.routing_key import routing_key
 
     for system, salt in (("You are terse.", None), ("You are terse.", "tenant"), ("", None), ("", "tenant")):
         body = {

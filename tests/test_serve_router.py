@@ -18,8 +18,8 @@ from ray.serve.request_router import PendingRequest
 
 from prefixserve.replica.contract.request import EngineRequest
 from prefixserve.replica.contract.routing import ring_name
-from prefixserve.router.contracts.ring import HashRing
 from prefixserve.router.policies import ReplicaLoad, effective_in_flight
+from prefixserve.router.ring import HashRing
 from prefixserve.router.serve.metrics import RouterMetrics
 from prefixserve.router.serve.request_router import PrefixRouter, replica_name, request_routing_key
 

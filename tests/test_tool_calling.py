@@ -12,7 +12,7 @@ from model_helpers import tiny_checkpoint
 from server_helpers import InProcessReplica, assert_openai_error, metric
 
 from prefixserve.replica.entrypoints.openai import protocol as api
-from prefixserve.router.contracts.prefix import PrefixKeyConfig, prefix_hash, routing_key
+from prefixserve.router.routing_key import PrefixKeyConfig, prefix_hash, routing_key
 
 SYSTEM = "You are the travel desk of a small agency. Call a tool when the user asks for facts."
 WEATHER = {
@@ -125,7 +125,7 @@ def llm(tmp_path_factory):
 
 def _before_first_user(engine, messages, **kwargs) -> list[int]:
     """The tokens of the rendered conversation's text up to the first user turn."""
-    from prefixserve.replica.tools.templates import template_for
+    from prefixserve.replica.tool_calling.templates import template_for
 
     template = template_for(engine.tokenizer.chat_template, None, bool(kwargs.get("tools")))
     extra = {"chat_template": template} if template else {}
@@ -322,7 +322,7 @@ def test_required_and_named_constrain_decoding_to_the_tools_schemas():
 
 
 def test_required_schema_lifts_the_tools_defs_to_the_top():
-    from prefixserve.replica.tools.choice import required_schema
+    from prefixserve.replica.tool_calling.choice import required_schema
 
     params = {
         "type": "object",
@@ -436,7 +436,7 @@ def test_tool_calls_and_parse_failures_are_counted_and_on_the_span(tmp_path):
     from prefixserve.replica.config import EngineConfig
     from prefixserve.replica.engine.core import LLMEngine
     from prefixserve.replica.sampling_params import SamplingParams
-    from prefixserve.replica.tools.choice import ToolCallMode
+    from prefixserve.replica.tool_calling.choice import ToolCallMode
 
     engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint(tmp_path / "tiny")), num_kv_blocks=64, max_model_len=256))
     exporter = InMemorySpanExporter()

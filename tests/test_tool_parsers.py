@@ -6,14 +6,14 @@ import json
 
 import pytest
 
-from prefixserve.replica.tools.parsers import (
+from prefixserve.replica.tool_calling.parsers import (
     HermesParser,
     Llama3JsonParser,
     NamedFunctionParser,
     RequiredParser,
     get_parser,
 )
-from prefixserve.replica.tools.stream import ToolCallResult, ToolCallStream
+from prefixserve.replica.tool_calling.stream import ToolCallResult, ToolCallStream
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2], "note": "a \\"}\\" b"}}'
 

@@ -19,7 +19,7 @@ from prefixserve.common.tracing import RequestTracer, build_tracer, trace_header
 from prefixserve.replica.config import EngineConfig
 from prefixserve.replica.engine.core import LLMEngine
 from prefixserve.replica.sampling_params import SamplingParams
-from prefixserve.router.contracts.ring import HashRing
+from prefixserve.router.ring import HashRing
 
 # A client's W3C trace context: trace 4bf9..., its span 00f0...
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"

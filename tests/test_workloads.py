@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 
 from prefixserve.loadtest import workloads as W
-from prefixserve.router.contracts.prefix import routing_key
+from prefixserve.router.routing_key import routing_key
 
 
 def _params(name: str) -> dict:

@@ -130,14 +130,14 @@ class PromptEncoder:
         """The encoder of ``model`` (a short name, checkpoint directory or .gguf), as the engine loads its
         tokenizer; ``chat_template``: the engine's ``--chat-template`` file, if it has one."""
         from prefixserve.replica.model import loader
-        from prefixserve.replica.tools.templates import load_chat_template
+        from prefixserve.replica.tool_calling.templates import load_chat_template
 
         template = load_chat_template(chat_template) if chat_template is not None else None
         return cls(loader.load_tokenizer(loader.resolve(model)), template)
 
     def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of a conversation (and its ``tools``) through the chat template, generation prompt added."""
-        from prefixserve.replica.tools.templates import template_for
+        from prefixserve.replica.tool_calling.templates import template_for
 
         kwargs: dict[str, Any] = {"add_generation_prompt": True}
         if tools:

@@ -182,7 +182,7 @@ class KVEventPublisher:
     @property
     def nbytes(self) -> int:
         """Estimated bytes of the remembered keys and hashes: at most ``max_keys`` keys (routing keys
-        are short, a client's X-Prefix-Hash at most router/contracts/prefix.py's max_header_len) of at most
+        are short, a client's X-Prefix-Hash at most router/routing_key.py's max_header_len) of at most
         ``max_blocks_per_key`` hashes each, so bounded in bytes too."""
         total = 0 if self.history is None else self.history.nbytes
         for key, state in list(self._keys.items()):

@@ -10,7 +10,7 @@ so the router cannot compute Contract 2's token-block hashes; like Ray Serve
 LLM's PrefixCacheAffinityRouter it matches characters, in chained blocks:
 
 * chat: each message is ``role 0x00 content`` (content parts' texts joined by
-  ``"\\n"``, as router/contracts/prefix.py reads them), cut into blocks of ``block_chars``
+  ``"\\n"``, as router/routing_key.py reads them), cut into blocks of ``block_chars``
   characters; a message's last block may be shorter (blocks never straddle
   messages, so an appended turn leaves every earlier block unchanged);
 * completions text: blocks of ``block_chars`` characters; token ids: blocks of

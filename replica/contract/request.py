@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from prefixserve.replica.contract.stream import StreamDelta
 from prefixserve.replica.sampling_params import SamplingParams
-from prefixserve.replica.tools.choice import ToolCallMode
+from prefixserve.replica.tool_calling.choice import ToolCallMode
 
 
 @dataclass
@@ -44,7 +44,7 @@ class EngineRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_tokens_default: int | None = None
     cache_salt: str | None = None
-    # Contract 1's key (router/contracts/prefix.py), computed by the ingress; None = no affinity.
+    # Contract 1's key (router/routing_key.py), computed by the ingress; None = no affinity.
     routing_key: str | None = None
     # The W3C trace context (traceparent, tracestate) the request's spans hang under
     # (common/tracing.py); the router replaces it with its route span's.

@@ -1,4 +1,4 @@
-"""What Contract 1 (the routing key, router/contracts/prefix.py) reads of a request, and the header naming its replica.
+"""What Contract 1 (the routing key, router/routing_key.py) reads of a request, and the header naming its replica.
 
 ``SESSION_HEADER`` and ``STATIC_ROLES`` say which requests are conversation turns and which chat messages
 form the static prefix; ``canonical_json`` is the form tools are hashed in (and the engine's memo key for
@@ -15,9 +15,9 @@ from collections.abc import Mapping
 from typing import Any
 
 # The session header of multi-turn clients: their requests are conversation turns, and
-# router/contracts/prefix.py keys their affinity by it.
+# router/routing_key.py keys their affinity by it.
 SESSION_HEADER = "X-Session-Id"
-# Contract 1's static prefix (router/contracts/prefix.py): the leading run of chat messages with these roles.
+# Contract 1's static prefix (router/routing_key.py): the leading run of chat messages with these roles.
 STATIC_ROLES = frozenset({"system", "developer"})
 
 
@@ -38,7 +38,7 @@ def ring_name(app_name: str, deployment: str, rank: int) -> str:
 def canonical_json(value: Any) -> str:
     """``value`` as canonical JSON: sorted keys, no spaces, UTF-8 characters as themselves.
 
-    The form Contract 1 hashes tools in (router/contracts/prefix.py), and the engine's memo key for them.
+    The form Contract 1 hashes tools in (router/routing_key.py), and the engine's memo key for them.
     """
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 

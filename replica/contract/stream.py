@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from prefixserve.replica.engine.outputs import FinishReason
 from prefixserve.replica.entrypoints.openai import protocol as api
-from prefixserve.replica.tools.stream import ToolCallDelta, ToolCallResult
+from prefixserve.replica.tool_calling.stream import ToolCallDelta, ToolCallResult
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ class StreamDelta:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_token_ids: list[int] | None = None
     prompt_logprob_ranks: list[int | None] | None = None
-    # Set when the request's output is read for tool calls (replica/tools/stream.py): ``text``
+    # Set when the request's output is read for tool calls (replica/tool_calling/stream.py): ``text``
     # stays the raw text; ``content`` is its part for the user, ``tool_calls`` the calls' new
     # pieces, and the sequence's last delta carries the finished ``tool_result``.
     content: str | None = None

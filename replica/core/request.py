@@ -77,7 +77,7 @@ class PreparedRequest:
     static_prefix_tokens: int = 0
     # ``params.bad_words`` as token ids (InputProcessor.bad_words_token_ids).
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
-    # How the output is read for tool calls (replica/tools/choice.py ToolCallMode); None = plain content.
+    # How the output is read for tool calls (replica/tool_calling/choice.py ToolCallMode); None = plain content.
     tool_mode: Any = None
     # The compiled grammar of ``params.structured_outputs`` (replica/structured_output/); None = free.
     grammar: Any = None
@@ -189,7 +189,7 @@ class Sequence:
     num_emitted_tokens: int = 0
     logprobs: list[dict[int, float]] | None = None
     detok: Any = None  # IncrementalDetokenizer
-    # Reads the text for tool calls (replica/tools/stream.py ToolCallStream) when the request has a
+    # Reads the text for tool calls (replica/tool_calling/stream.py ToolCallStream) when the request has a
     # tool mode; its last result stays here for the request's metrics and span.
     tool_stream: Any = None
     tool_result: Any = None

@@ -39,7 +39,7 @@ from prefixserve.replica.engine.output_processor import EngineUpdate
 from prefixserve.replica.engine.tokenizer_executor import TokenizerExecutor, messages_chars
 from prefixserve.replica.errors import EngineDeadError, EngineOverloadedError, RequestRejected
 from prefixserve.replica.sampling_params import SamplingParams
-from prefixserve.replica.tools.choice import ToolCallMode
+from prefixserve.replica.tool_calling.choice import ToolCallMode
 
 log = logging.getLogger(__name__)
 

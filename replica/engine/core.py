@@ -57,8 +57,8 @@ from prefixserve.replica.structured_output.compile import GrammarCache
 from prefixserve.replica.structured_output.metrics import StructuredOutputMetrics
 from prefixserve.replica.structured_output.state import SequenceGrammar
 from prefixserve.replica.structured_output.xgrammar_backend import XGrammarBackend
-from prefixserve.replica.tools.choice import ToolCallMode
-from prefixserve.replica.tools.templates import load_chat_template
+from prefixserve.replica.tool_calling.choice import ToolCallMode
+from prefixserve.replica.tool_calling.templates import load_chat_template
 from prefixserve.replica.worker.sampler import SampleSpec
 
 log = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             num_kv_blocks=self.runner.num_blocks,
             grammars=self.grammars,
-            # --chat-template: renders every chat request (replica/tools/templates.py).
+            # --chat-template: renders every chat request (replica/tool_calling/templates.py).
             chat_template=load_chat_template(config.chat_template) if config.chat_template else None,
         )
         self.metrics.track_cache_bytes("static_prefix", lambda: self.input_processor.static_prefix_memo_bytes)

@@ -28,8 +28,8 @@ from prefixserve.replica.entrypoints.openai import protocol as api
 from prefixserve.replica.errors import PromptTooLongError, RequestRejected
 from prefixserve.replica.sampling_params import SamplingParams
 from prefixserve.replica.structured_output.compile import GrammarCache
-from prefixserve.replica.tools.choice import ToolCallMode
-from prefixserve.replica.tools.templates import template_for
+from prefixserve.replica.tool_calling.choice import ToolCallMode
+from prefixserve.replica.tool_calling.templates import template_for
 
 # Distinct system prompts whose token ids InputProcessor.static_prefix_tokens remembers, and their bytes
 # (least recently used out first).
@@ -87,7 +87,7 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.num_kv_blocks = num_kv_blocks
         self.grammars = grammars
-        # --chat-template: renders every chat request (replica/tools/templates.py).
+        # --chat-template: renders every chat request (replica/tool_calling/templates.py).
         self.chat_template = chat_template
         self.max_prompt_chars = _max_prompt_chars(tokenizer, max_model_len)
         self.min_message_tokens = min_message_tokens(tokenizer)

@@ -265,7 +265,7 @@ class EngineMetrics:
         self.restarts = c(
             "prefixserve:engine_restarts", "Times the engine reset its state after a fatal step failure (weights kept)."
         )
-        # Tool calling (replica/tools/): finished sequences read for tool calls.
+        # Tool calling (replica/tool_calling/): finished sequences read for tool calls.
         self.tool_calls_parsed = c(
             "prefixserve:tool_calls_parsed", "Tool calls parsed from generated text (one per call returned)."
         )

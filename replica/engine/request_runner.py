@@ -173,7 +173,7 @@ class LocalEngineClient:
 def is_conversation_turn(messages: list[dict[str, Any]] | None, headers: Mapping[str, str]) -> bool:
     """Whether a request's answer will come back in a later prompt: a chat that already
     holds an assistant turn, or any request carrying a session id (``X-Session-Id``, the
-    header router/contracts/prefix.py keys multi-turn affinity by)."""
+    header router/routing_key.py keys multi-turn affinity by)."""
     if any(k.lower() == SESSION_HEADER.lower() and v for k, v in headers.items()):
         return True
     return any(m.get("role") == "assistant" for m in messages or ())

@@ -29,7 +29,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "prefixserve.router.nginx.placement",
         "replay nginx's routing-key log through the placed policy: a placement for nginx-config",
     ),
-    "audit": ("prefixserve.router.tools.audit", "audit a prompt log for prefix-cache hit-rate killers"),
+    "audit": ("prefixserve.loadtest.prompt_audit", "audit a prompt log for prefix-cache hit-rate killers"),
 }
 
 

@@ -4,7 +4,7 @@ Job: compute a routing key (from ``--key``, or from ``--system`` text with
 ``--tools`` and ``--cache-salt``), then print its crc32, the replica the ring picks (as nginx
 with the same ``server`` lines would) and the ring successors a request falls
 back to. The key of ``--system`` is the one the router computes for a chat
-whose system message is that text (router/contracts/prefix.py's ``routing_key``): an empty
+whose system message is that text (router/routing_key.py's ``routing_key``): an empty
 static prefix has no key, so no affinity (the policy routes such a request by
 load), and the command says so. Pure: no network, no Ray.
 """
@@ -17,8 +17,8 @@ import sys
 from typing import Any
 
 from prefixserve.router.cli.common import arg_type
-from prefixserve.router.contracts.prefix import PREFIX_HASH_HEADER, routing_key, validate_prefix_hash
-from prefixserve.router.contracts.ring import MAX_WEIGHT, HashRing, RingServer, key_hash
+from prefixserve.router.ring import MAX_WEIGHT, HashRing, RingServer, key_hash
+from prefixserve.router.routing_key import PREFIX_HASH_HEADER, routing_key, validate_prefix_hash
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

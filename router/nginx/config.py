@@ -1,8 +1,8 @@
-"""``prefixserve nginx-config``: render an nginx.conf whose upstream places keys as router/contracts/ring.py does.
+"""``prefixserve nginx-config``: render an nginx.conf whose upstream places keys as router/ring.py does.
 
 Job: for a list of standalone replicas (``prefixserve replica`` servers), write
 a complete nginx configuration: a ``hash $http_x_prefix_hash consistent``
-upstream (the same ring as router/contracts/ring.py, server lines in the order given),
+upstream (the same ring as router/ring.py, server lines in the order given),
 a round-robin upstream for requests without the header, retries on failed or
 overloaded replicas, and proxy settings that let SSE streams through unbuffered.
 
@@ -10,7 +10,7 @@ With ``--placement FILE|URL`` (a ``placed`` policy's ``placement_snapshot``
 JSON, e.g. an ingress's ``GET /placement``), the upstream hashes
 ``$prefixserve_ring_key`` instead of the header: a ``map`` turns each key the
 placement moved off its ring owner into a salted key (``KEY~i``, the smallest
-``i`` whose ring owner is the placed replica; found with router/contracts/ring.py, which
+``i`` whose ring owner is the placed replica; found with router/ring.py, which
 is nginx's ring), and a key placed on several replicas (a replicated hot key)
 into a ``split_clients`` variable spreading its requests evenly over one
 salted key per replica. Keys the ring already places where the snapshot does
@@ -45,9 +45,9 @@ from pathlib import Path
 from typing import Any
 
 from prefixserve.router.cli.common import arg_type, write_output
-from prefixserve.router.contracts.prefix import PREFIX_HASH_HEADER
-from prefixserve.router.contracts.ring import HashRing, RingServer
 from prefixserve.router.policies.placement import SNAPSHOT_FORMAT
+from prefixserve.router.ring import HashRing, RingServer
+from prefixserve.router.routing_key import PREFIX_HASH_HEADER
 
 # Characters nginx would read as syntax in a bare config token (and any control character).
 _UNSAFE = re.compile(r"[\s;{}#\"'$\\\x00-\x1f\x7f]")

@@ -58,9 +58,9 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from prefixserve.router.cli.common import EXIT_SKIPPED, arg_type, write_output
-from prefixserve.router.contracts.ring import HashRing, RingServer
 from prefixserve.router.nginx.config import add_replica_argument, check_output, load_placement
 from prefixserve.router.policies import Placed, Replica, check_options, pick_options
+from prefixserve.router.ring import HashRing, RingServer
 
 PROG = "prefixserve placement"
 # The placed knobs this command takes, as (flag, option name): the values are the policy's to check.

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, Protocol, TypeVar, runtime_checkable
 
 from prefixserve.common.config_util import from_dict
-from prefixserve.router.contracts.ring import RingServer
+from prefixserve.router.ring import RingServer
 
 
 @runtime_checkable

@@ -1,6 +1,6 @@
 """The ring policies without placement: the consistent-hash ring alone, and the ring with bounded loads.
 
-* ``consistent_hash``: the ring alone (router/contracts/ring.py); a replica's keys
+* ``consistent_hash``: the ring alone (router/ring.py); a replica's keys
   stay on it however loaded it is.
 * ``bounded_load``: the ring with bounded loads; a key goes to its ring owner
   unless that holds ``ceil((1 + epsilon) * (n + 1) / R)`` requests, in which case
@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from prefixserve.router.contracts.ring import DEFAULT_EPSILON, HashRing, RingServer, bounded_capacity
 from prefixserve.router.policies.base import (
     Configured,
     Decision,
@@ -27,6 +26,7 @@ from prefixserve.router.policies.base import (
     by_load,
     check_candidates,
 )
+from prefixserve.router.ring import DEFAULT_EPSILON, HashRing, RingServer, bounded_capacity
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any
 
-from prefixserve.router.contracts.ring import HashRing
 from prefixserve.router.policies.base import (
     KIND_HISTORY,
     KIND_NEW_CONVERSATION,
@@ -37,6 +36,7 @@ from prefixserve.router.policies.consistent import RingPolicy
 from prefixserve.router.policies.history import DEFAULT_MAX_ENTRIES, HistoryIndex
 from prefixserve.router.policies.placement import PlacementTable
 from prefixserve.router.policies.recent import RecentCounts
+from prefixserve.router.ring import HashRing
 
 BALANCE_EPSILON: float | None = None
 # Off by default: request-count balance costs TTFT p99 everywhere and hit rate on small

@@ -5,7 +5,7 @@ standalone replica server hosts: same endpoints, protocol models, answers,
 error bodies and status codes) over an :class:`EngineClient` that reaches the
 engine deployment through its Serve handle, whose request router
 (router/serve/request_router.py) picks the replica; compute the routing key
-(router/contracts/prefix.py) from the body the front end parsed. Every answer that
+(router/routing_key.py) from the body the front end parsed. Every answer that
 reached a replica names it in ``X-Prefixserve-Replica``.
 
 Invariants:
@@ -74,7 +74,7 @@ from prefixserve.replica.entrypoints.openai import http_frontend
 from prefixserve.replica.entrypoints.openai import protocol as api
 from prefixserve.replica.entrypoints.openai.http_frontend import FrontendOptions
 from prefixserve.router.cluster_config import IngressConfig
-from prefixserve.router.contracts.prefix import PrefixKeyConfig, routing_key
+from prefixserve.router.routing_key import PrefixKeyConfig, routing_key
 from prefixserve.router.serve.metrics import merge_expositions, router_metrics
 from prefixserve.router.serve.request_router import PrefixRouter, router_for
 

@@ -2,7 +2,7 @@
 
 Job: adapt Ray Serve's ``RequestRouter`` (ray.serve.request_router, Serve 2.60)
 to the pure policies of router/policies/. The ingress computes the routing
-key (router/contracts/prefix.py) and passes it as ``routing_key`` on the first positional
+key (router/routing_key.py) and passes it as ``routing_key`` on the first positional
 argument of the engine call (replica/entrypoints/serve/deployment.py's EngineRequest); this router
 reads it, ranks the live replicas with the configured policy and returns one
 tier per replica, best first. The base class tries the tiers in order: a

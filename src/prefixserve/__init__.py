@@ -9,7 +9,7 @@ checkout's root it never stands in for another distribution's top-level ``kernel
 (Hugging Face's, which transformers imports). See docs/design.md.
 
 The offline API is re-exported here, imported on first use so that
-``import prefixserve.router.contracts.prefix`` does not pay for torch::
+``import prefixserve.router.routing_key`` does not pay for torch::
 
     from prefixserve import LLM, SamplingParams, EngineConfig
 """

@@ -56,7 +56,7 @@ from prefixserve.replica.entrypoints.openai import serving as openai_serving
 from prefixserve.replica.entrypoints.openai.protocol import OpenAIRequest
 from prefixserve.replica.entrypoints.openai.serving import Generation
 from prefixserve.replica.errors import PromptTooLongError
-from prefixserve.replica.tools.choice import check_auto_supported
+from prefixserve.replica.tool_calling.choice import check_auto_supported
 
 log = logging.getLogger(__name__)
 

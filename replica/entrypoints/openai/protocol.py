@@ -46,7 +46,7 @@ Invariants:
   naming an unknown tool, a parameters schema that is not a valid JSON Schema, and
   a ``tool`` message whose ``tool_call_id`` no earlier assistant call has are 400s
   naming the field. What depends on the server (``auto`` needs
-  ``--enable-auto-tool-choice``) is ``replica/tools/choice.py``'s.
+  ``--enable-auto-tool-choice``) is ``replica/tool_calling/choice.py``'s.
 * Structured output, on both endpoints: ``response_format`` (``text``,
   ``json_object``, ``json_schema``) and vLLM's ``structured_outputs`` and
   ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``
@@ -89,7 +89,7 @@ from prefixserve.replica.errors import (
 from prefixserve.replica.sampling_params import SamplingParams
 from prefixserve.replica.structured_output.openai_fields import StructuredOutputFieldError, StructuredOutputFields
 from prefixserve.replica.structured_output.params import StructuredOutputsParams
-from prefixserve.replica.tools.choice import ToolCallMode, named_schema, required_schema
+from prefixserve.replica.tool_calling.choice import ToolCallMode, named_schema, required_schema
 
 # Completions' legacy default (OpenAI documents 16); chat defaults to "what fits".
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -677,7 +677,7 @@ class ChatCompletionRequest(_SamplingRequest):
             fields["tools"] = self.tool_dicts()
         return fields
 
-    # -- tool calling (vLLM's check_tool_usage; replica/tools/choice.py) --------------------
+    # -- tool calling (vLLM's check_tool_usage; replica/tool_calling/choice.py) --------------------
 
     def tool_dicts(self) -> list[dict[str, Any]]:
         """The tools as the chat template renders them (unset optional fields left out)."""

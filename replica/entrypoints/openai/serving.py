@@ -31,7 +31,7 @@ from prefixserve.replica.contract.request import EngineStream
 from prefixserve.replica.contract.stream import StreamDelta
 from prefixserve.replica.entrypoints.openai import protocol as api
 from prefixserve.replica.entrypoints.openai.protocol import OpenAIRequest
-from prefixserve.replica.tools.stream import ToolCallResult
+from prefixserve.replica.tool_calling.stream import ToolCallResult
 
 
 def check_api_key(authorization: str, api_keys: Sequence[bytes]) -> None:

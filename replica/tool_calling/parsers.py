@@ -11,7 +11,7 @@ Parsers, by vLLM's names:
 
 * ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, one block
   per call (NousResearch Hermes, Qwen2.5, the ChatML tool template shipped in
-  ``replica/tools/chat_templates/``); the content is the text before the first block.
+  ``replica/tool_calling/chat_templates/``); the content is the text before the first block.
 * ``llama3_json``: Llama 3.x's JSON tool calls: the output starts with
   ``<|python_tag|>`` or ``{`` and holds ``{"name": ..., "parameters": {...}}`` objects
   separated by ``;``; any other output is plain content.
@@ -37,7 +37,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from prefixserve.replica.tools.json_scan import ObjectScan, scan_object, skip_ws, value_end
+from prefixserve.replica.tool_calling.json_scan import ObjectScan, scan_object, skip_ws, value_end
 
 # Keys that hold a call's arguments: Hermes writes "arguments", Llama 3 "parameters".
 ARGUMENT_KEYS = ("arguments", "parameters")

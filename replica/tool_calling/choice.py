@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from prefixserve.replica.tools.parsers import NamedFunctionParser, RequiredParser, ToolCallParser, get_parser
-from prefixserve.replica.tools.stream import ToolCallStream
+from prefixserve.replica.tool_calling.parsers import NamedFunctionParser, RequiredParser, ToolCallParser, get_parser
+from prefixserve.replica.tool_calling.stream import ToolCallStream
 
 # vLLM's answer to tool_choice="auto" on a server not started for it (HTTP 400).
 AUTO_TOOL_CHOICE_DISABLED = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'

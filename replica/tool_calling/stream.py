@@ -1,6 +1,6 @@
 """One sequence's tool-call stream: generated text in, OpenAI content and tool-call deltas out.
 
-Job: feed a sequence's text deltas through its parser (``replica/tools/parsers.py``)
+Job: feed a sequence's text deltas through its parser (``replica/tool_calling/parsers.py``)
 and say what to send: new content, and per call first one delta with its index,
 ``id`` (``call_...``), type and function name, then its argument fragments. On the
 last delta, the collected result: the content, the calls, and whether parsing
@@ -22,7 +22,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from prefixserve.replica.tools.parsers import ParseState, ToolCallParser
+from prefixserve.replica.tool_calling.parsers import ParseState, ToolCallParser
 
 
 def new_call_id() -> str:

@@ -16,7 +16,7 @@ else ChatML), tokenize, and report:
   version strings, reordered few-shots), each with the article's fix, and where
   the first occurrence sits in tokens (every block from there on misses).
 
-* how the router would spread the log: distinct routing keys (router/contracts/prefix.py's
+* how the router would spread the log: distinct routing keys (router/routing_key.py's
   ``static_prefix`` / ``routing_key``, the very functions the router runs) and
   the prompts without a static prefix.
 
@@ -35,7 +35,7 @@ file with no usable record (empty, unreadable, all malformed) raises
 
 Invariants: ``audit`` is pure given the records and a tokenizer (anything with
 ``encode``); only the CLI loads a model's tokenizer (never its weights).
-Imports: stdlib, tqdm, router/contracts/prefix.py, router/cli/; the tokenizer loader from
+Imports: stdlib, tqdm, router/routing_key.py, router/cli/; the tokenizer loader from
 prefixserve.replica.model.loader lazily (it pulls torch and transformers). No Ray, no HTTP.
 """
 
@@ -59,7 +59,7 @@ from tqdm import tqdm
 from prefixserve.replica.contract.routing import content_text
 from prefixserve.replica.contract.tokenizer import load_tokenizer
 from prefixserve.router.cli.common import EXIT_SKIPPED
-from prefixserve.router.contracts.prefix import PREFIX_HASH_HEADER, routing_key, static_prefix
+from prefixserve.router.routing_key import PREFIX_HASH_HEADER, routing_key, static_prefix
 
 DEFAULT_PREFIX_TOKENS = 512
 DEFAULT_BLOCK_SIZE = 16
@@ -86,10 +86,10 @@ class PromptRecord:
     """One usable log line: its number, the static prefix, the rendered parts and its routing key."""
 
     line: int
-    system: str  # the static prefix (router/contracts/prefix.py's static_prefix; "" when none)
+    system: str  # the static prefix (router/routing_key.py's static_prefix; "" when none)
     messages: tuple[tuple[str, str], ...] | None  # (role, content) for chat records
     prompt: str | None  # completions records
-    key: str | None = None  # the routing key the router would use (router/contracts/prefix.py's routing_key)
+    key: str | None = None  # the routing key the router would use (router/routing_key.py's routing_key)
 
 
 @dataclass(frozen=True)
@@ -454,7 +454,7 @@ class AuditReport:
     mean_prompt_tokens: float
     num_with_system: int
     num_malformed: int = 0  # every malformed line, listed or not
-    unique_routing_keys: int = 0  # distinct X-Prefix-Hash keys (router/contracts/prefix.py's routing_key)
+    unique_routing_keys: int = 0  # distinct X-Prefix-Hash keys (router/routing_key.py's routing_key)
     num_without_routing_key: int = 0  # records without a static prefix: routed by load
     approximate: bool = False  # a tracking limit was reached: counts beyond it are estimates
 

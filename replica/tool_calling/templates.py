@@ -22,7 +22,9 @@ TOOL_TEMPLATE = "chatml_tools.jinja"
 @lru_cache(maxsize=1)
 def tool_chat_template() -> str:
     """The shipped ChatML/Hermes tool template's text."""
-    return resources.files("prefixserve.replica.tools").joinpath("chat_templates", TOOL_TEMPLATE).read_text("utf-8")
+    return (
+        resources.files("prefixserve.replica.tool_calling").joinpath("chat_templates", TOOL_TEMPLATE).read_text("utf-8")
+    )
 
 
 def load_chat_template(path: str) -> str:

@@ -1,1 +1,0 @@
-"""Command-line tools over router inputs: the prefix-cache audit of a prompt log."""
