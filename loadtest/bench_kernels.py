@@ -547,7 +547,7 @@ def layer_correctness(device: torch.device, seed: int) -> list[dict]:
     """Each Triton layer kernel against the torch reference on ``device``.
 
     RMSNorm and SiLU may differ by the two roundings to the dtype after an fp32 value
-    that differs in its last bits (rtol 2 eps of the dtype; see tests/test_triton_layer_ops.py);
+    that differs in its last bits (rtol 2 eps of the dtype; see tests/kernels/test_triton_layer_ops.py);
     the residual sum, rotary and everything the fused op stores must be identical.
     """
     from prefixserve.kernels import reference, reference_layer_ops
@@ -743,7 +743,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print(
             "bench_kernels: no CUDA device here; run it on a machine with an NVIDIA GPU "
-            "(the kernels' CPU tests are tests/test_kernels.py)",
+            "(the kernels' CPU tests are tests/kernels/test_kernels.py)",
             file=sys.stderr,
         )
         return 2

@@ -37,11 +37,14 @@ from prometheus_helpers import find_prometheus  # noqa: E402
 
 # program -> (found?, which tests need it)
 _SYSTEM_DEPS = {
-    "nginx": (find_nginx() is not None, "tests/test_nginx_parity.py, tests/test_nginx_e2e.py"),
-    "C compiler": (shutil.which(os.environ.get("CC", "cc")) is not None, "tests/test_cpu_kernels.py"),
+    "nginx": (
+        find_nginx() is not None,
+        "tests/router/nginx/test_nginx_parity.py, tests/router/nginx/test_nginx_e2e.py",
+    ),
+    "C compiler": (shutil.which(os.environ.get("CC", "cc")) is not None, "tests/kernels/test_cpu_kernels.py"),
     "prometheus": (
         find_prometheus() is not None,
-        "tests/test_observability.py, tests/test_cluster.py's dashboard test",
+        "tests/test_observability.py, tests/router/serve/test_cluster.py's dashboard test",
     ),
 }
 

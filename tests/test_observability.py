@@ -7,7 +7,7 @@ API and must return plausible values. The replicas run with a host tier and one
 shared disk directory, and the load evicts prefixes from the device pool and sends
 another replica prompts the first one computed, so the KV tier panels have data too.
 A metric renamed on either side leaves a panel empty and fails the test. The router's panels are evaluated the same way
-against the Ray ingress in tests/test_cluster.py. The repository's scrape config
+against the Ray ingress in tests/router/serve/test_cluster.py. The repository's scrape config
 is checked with promtool.
 """
 

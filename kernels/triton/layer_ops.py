@@ -48,7 +48,7 @@ ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ROTARY_TILE = 2048
 SILU_BLOCK = 1024
 # FMA contraction off: ``a*b - c*d`` must round both products, as the torch chain does
-# (tests/kernel_compile_check.py compiles with these options and checks the PTX).
+# (tests/kernels/kernel_compile_check.py compiles with these options and checks the PTX).
 ROTARY_LAUNCH_OPTIONS = dict(num_warps=4, enable_fp_fusion=False)
 
 

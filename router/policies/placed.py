@@ -358,7 +358,7 @@ class Placed(RingPolicy):
         The class docstring states the decision; this path reads each candidate
         once and reuses, per key, its ring order in candidate positions and the
         ranking for its first choice while the caller passes the same candidate
-        names in the same order (tests/test_placement.py checks it against a
+        names in the same order (tests/router/policies/test_placement.py checks it against a
         direct statement of the decision on random inputs).
         """
         names = [c.name for c in candidates]

@@ -1,7 +1,7 @@
 """The Triton layer kernels (kernels/triton/layer_ops.py) under TRITON_INTERPRET against the torch reference.
 
 conftest.py sets TRITON_INTERPRET=1 before any kernel module is imported, so the kernels
-run on CPU tensors here; tests/kernel_compile_check.py compiles the same kernels for sm_90.
+run on CPU tensors here; tests/kernels/kernel_compile_check.py compiles the same kernels for sm_90.
 
 Tolerances. The kernels round to the activation dtype at the same points as the torch
 chain (see the module docstring), so:

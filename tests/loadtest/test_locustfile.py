@@ -18,7 +18,7 @@ from server_helpers import ReplicaProcess, build_tiny_llama
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _locust(tmp_path: Path, host: str, env_extra: dict[str, str]) -> list[dict[str, str]]:

@@ -5,7 +5,7 @@ cluster; the engine section (tensor_parallel_size 4) passes EngineConfig as
 shipped, and the engine deployment asks for 4 per-rank bundles, STRICT_PACK.
 One test starts a local Ray without GPUs to see the build refused with the
 missing resources named (what ``serve deploy cluster.yaml`` reports on such a
-cluster; tests/test_cluster_tp.py checks it through Serve itself).
+cluster; tests/router/serve/test_cluster_tp.py checks it through Serve itself).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from prefixserve.replica.config import EngineConfig
 from prefixserve.router.cluster_config import ROUTER_CLASS_PATH, AppArgs
 from prefixserve.router.serve.app import AppArgsError, build_app, missing_node_resources
 
-CLUSTER_YAML = Path(__file__).resolve().parent.parent / "cluster.yaml"
+CLUSTER_YAML = Path(__file__).resolve().parents[2] / "cluster.yaml"
 
 
 @pytest.fixture(scope="module")

@@ -236,7 +236,7 @@ def test_non_finite_numbers_are_400(raw):
         b"\xff\xfe{",
         b"[" * 100_000,
         # A lone surrogate: Python's json accepts it, no tokenizer can encode it
-        # (found by tests/test_fuzz_api.py as a 500).
+        # (found by tests/replica/entrypoints/test_fuzz_api.py as a 500).
         b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
     ],
 )

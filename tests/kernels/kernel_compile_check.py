@@ -6,13 +6,13 @@ runs this file in a subprocess *without* TRITON_INTERPRET: Triton lowers each
 variant through PTX to a cubin with its bundled ptxas. It also checks that the fp8
 quantizing store divides with IEEE rounding (div.rn) and computes the e4m3 bits in
 integer ops (no hardware e4m3 conversion), which is what makes it match the torch
-reference bit for bit (tests/test_fp8_kv.py checks the same code under the interpreter).
+reference bit for bit (tests/kernels/test_fp8_kv.py checks the same code under the interpreter).
 The fused layer kernels (kernels/triton/layer_ops.py) are compiled for every dtype and
 constexpr branch; the rotary kernel must contain no fused multiply-add (its fp32 path
 rounds like the torch chain only without contraction) and its fp8 cache store the same
 div.rn and integer e4m3 rounding as the cache write.
 
-Usage: ``python tests/kernel_compile_check.py [sm]`` (default 90); prints one line
+Usage: ``python tests/kernels/kernel_compile_check.py [sm]`` (default 90); prints one line
 per variant and exits non-zero on the first failure.
 """
 

@@ -8,7 +8,7 @@ Every output buffer starts as NaN and every unowned cache slot holds NaN.
 
 The interpreter runs programs one after another, so shapes are small. The fp8
 quantizing store of every writer (Triton, C, reference) is checked bit for bit in
-tests/test_fp8_kv.py.
+tests/kernels/test_fp8_kv.py.
 """
 
 from __future__ import annotations
@@ -297,7 +297,7 @@ def test_kernels_compile_for_gpu():
         capture_output=True,
         text=True,
         timeout=600,
-        cwd=script.parent.parent,
+        cwd=script.parents[2],
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("ok attention") == 9 and proc.stdout.count("ok cache write") == 4

@@ -37,7 +37,7 @@ from model_helpers import tiny_checkpoint
 pytestmark = pytest.mark.slow
 
 PORT = 18471
-CLUSTER_YAML = Path(__file__).resolve().parent.parent / "cluster.yaml"
+CLUSTER_YAML = Path(__file__).resolve().parents[3] / "cluster.yaml"
 TP = 2
 MAX_TOKENS = 8
 PROMPTS = ["Tell me about rivers.", "alpha beta gamma delta", "What is the capital of a garden?"]
@@ -58,7 +58,7 @@ def app_args(model: str) -> dict:
         "ray_actor_options": {"num_cpus": 0.5},
         "health_check_period_s": 1.0,
         "router": {"policy": "bounded_load", "epsilon": 1.0, "stats_period_s": 1.0},
-        # A sliver of CPU keeps the ingress off the CPU-less head node (see tests/test_cluster.py).
+        # A sliver of CPU keeps the ingress off the CPU-less head node (see tests/router/serve/test_cluster.py).
         "ingress": {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.1}},
     }
 

@@ -28,7 +28,7 @@ from prefixserve.replica.entrypoints.llm import LLM
 pytestmark = pytest.mark.skipif(
     not cpu_library.available()[0], reason=f"C kernels unavailable: {cpu_library.available()[1]}"
 )
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def to_cpu_layout(cache: torch.Tensor, kind: str) -> torch.Tensor:

@@ -27,7 +27,7 @@ from prefixserve.router.nginx.config import NginxConfig, render_config
 from prefixserve.router.ring import HashRing, RingServer
 from prefixserve.router.routing_key import PREFIX_HASH_HEADER, prefix_hash
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 SAMPLE = ROOT / "nginx" / "nginx.conf"
 # The command nginx/nginx.conf was generated with (its header says so).
 SAMPLE_ARGS = [

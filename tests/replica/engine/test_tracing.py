@@ -13,7 +13,7 @@ import pytest
 from model_helpers import tiny_checkpoint
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
-from test_serve_router import make_router, pending, replicas
+from serve_router_helpers import make_router, pending, replicas
 
 from prefixserve.common.tracing import RequestTracer, build_tracer, trace_headers
 from prefixserve.replica.config import EngineConfig

@@ -1,6 +1,6 @@
 """The OpenAI front end in process (replica/entrypoints/openai/http_frontend.py over a real tiny engine): fast tests.
 
-What the slow tests/test_server.py cannot show cheaply: the event loop stays
+What the slow tests/replica/entrypoints/test_server.py cannot show cheaply: the event loop stays
 free while a prompt is templated and tokenized, the cheap length bound, UTF-8
 API keys, and the server stopping with a non-zero status once its engine is
 dead for good.
