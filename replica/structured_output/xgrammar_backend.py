@@ -1,4 +1,4 @@
-"""The xgrammar backend (docs/design.md "Structured output" says why xgrammar).
+"""The xgrammar backend (docs/engine.md "Structured output" says why xgrammar).
 
 Compiles each constraint kind with xgrammar's ``GrammarCompiler`` (its own cache off: ours
 in ``compile.py`` is keyed by the request's spec and bounded in entries), fills one
