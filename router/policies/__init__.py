@@ -41,6 +41,7 @@ from prefixserve.router.policies.base import (
     SeedOptions,
     by_load,
     effective_in_flight,
+    landed_kind,
     load_of,
 )
 from prefixserve.router.policies.consistent import BoundedLoad, BoundedLoadOptions, ConsistentHash, RingPolicy
@@ -82,6 +83,7 @@ __all__ = [
     "check_options",
     "effective_in_flight",
     "in_flight_cap",
+    "landed_kind",
     "load_of",
     "make_policy",
     "pick_options",

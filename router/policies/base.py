@@ -225,7 +225,7 @@ def effective_in_flight(c: ReplicaView) -> int:
 
 # Decision kinds: ``placed``'s Decision.kind, and where a request landed relative to its key's
 # ring owner and the policy's first choice (prefixserve_router_decisions_total{kind}, set by
-# router/serve/request_router.decision_kind: owner, spill, fallback, no_key, no_ring).
+# ``landed_kind`` below: owner, spill, fallback, no_key, no_ring).
 KIND_OWNER = "owner"  # the key's ring owner (placed: where the key is placed)
 KIND_PLACED = "placed"  # the key's placed primary, moved off its ring owner by a rebalance
 KIND_REPLICATED = "replicated"  # another replica the (hot) key is placed on
@@ -237,3 +237,18 @@ KIND_NO_KEY = "no_key"  # no routing key (no static prefix): routed by load alon
 KIND_NO_RING = "no_ring"  # a key, but a policy without a ring (round_robin, random, power_of_two)
 KIND_HISTORY = "history"  # the replica holding the longest cached prefix of the whole prompt
 KIND_NEW_CONVERSATION = "new_conversation"  # nothing beyond the static prefix held: least loaded of the set
+
+
+def landed_kind(keyed: bool, owner: str | None, first: str | None, landed: str) -> str:
+    """The decision kind of a request that landed on ``landed`` (the metric's KIND_* above).
+
+    ``keyed``: the request had a routing key; ``owner``: its key's ring owner (None without a ring);
+    ``first``: the policy's first choice (None: unknown). Every host (Ray Serve, standalone) counts alike.
+    """
+    if not keyed:
+        return KIND_NO_KEY
+    if owner is not None and landed == owner:
+        return KIND_OWNER
+    if first is not None and landed != first:
+        return KIND_FALLBACK
+    return KIND_SPILL if owner is not None else KIND_NO_RING

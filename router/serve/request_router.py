@@ -94,12 +94,10 @@ from prefixserve.router.policies import (
     DEFAULT_POLICY,
     KIND_FALLBACK,
     KIND_NO_KEY,
-    KIND_NO_RING,
-    KIND_OWNER,
-    KIND_SPILL,
     Placed,
     Policy,
     ReplicaLoad,
+    landed_kind,
     make_policy,
 )
 from prefixserve.router.serve import registry
@@ -182,13 +180,9 @@ class Choice:
 
 def decision_kind(choice: Choice | None, landed: str) -> str:
     """The decision kind of a request that landed on ``landed`` (router/policies/base.py's KIND_*)."""
-    if choice is None or not choice.keyed:
+    if choice is None:
         return KIND_NO_KEY
-    if choice.owner is not None and landed == choice.owner:
-        return KIND_OWNER
-    if choice.first is not None and landed != choice.first:
-        return KIND_FALLBACK
-    return KIND_SPILL if choice.owner is not None else KIND_NO_RING
+    return landed_kind(choice.keyed, choice.owner, choice.first, landed)
 
 
 @dataclass(frozen=True)
