@@ -52,7 +52,6 @@ Seeded: the same seed gives the same requests in the same order for every policy
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -64,7 +63,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from prefixserve.common.logs import add_verbose_flag, quiet_libraries
+from prefixserve.common.logs import add_verbose_flag
 from prefixserve.loadtest.cluster_run import (
     HITS,
     PREEMPTIONS,
@@ -78,6 +77,10 @@ from prefixserve.loadtest.cluster_run import (
     scrape_metrics,
     served_model,
 )
+from prefixserve.loadtest.harness.cli import plan_and_run
+from prefixserve.loadtest.harness.plotting import figure
+from prefixserve.loadtest.harness.report import config_json, fmt, write_json
+from prefixserve.loadtest.harness.stats import percentile
 from prefixserve.loadtest.simulate import parse_placed_options
 from prefixserve.loadtest.workloads import WorkloadRequest, generate
 from prefixserve.router.policies import POLICIES, RING_POLICIES, make_policy, pick_options
@@ -427,19 +430,6 @@ def session_headers(requests: Sequence[WorkloadRequest], session_affinity: str) 
 # --------------------------------------------------------------------------- statistics
 
 
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The q-th percentile (0..100), linear between closest ranks; None for no values."""
-    if not values:
-        return None
-    if not 0 <= q <= 100:
-        raise ValueError(f"q must be in [0, 100], got {q}")
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
 def _ratio(a: float | None, b: float | None) -> float | None:
     if a is None or b is None or b == 0:
         return None
@@ -556,10 +546,6 @@ def ratios(results: Sequence[PolicyResult], baseline: str = BASELINE) -> dict[st
 # --------------------------------------------------------------------------- output
 
 
-def _fmt(value: float | None, spec: str) -> str:
-    return "n/a" if value is None else format(value, spec)
-
-
 def render_table(results: Sequence[PolicyResult]) -> str:
     """The per-policy markdown table."""
     lines = [
@@ -570,9 +556,9 @@ def render_table(results: Sequence[PolicyResult]) -> str:
     for r in results:
         split = " / ".join(str(int(v["requests"])) for _, v in sorted(r.replicas.items()))
         lines.append(
-            f"| {r.policy} | {_fmt(r.hit_rate, '.3f')} | {_fmt(r.cached_token_ratio, '.3f')} "
-            f"| {_fmt(r.ttft_p50_s, '.3f')} | {_fmt(r.ttft_p95_s, '.3f')} | {r.requests_per_s:.2f} "
-            f"| {r.load_max:.2f} / {r.load_mean:.2f} ({_fmt(r.load_imbalance, '.2f')}x) | {r.peak_in_flight} "
+            f"| {r.policy} | {fmt(r.hit_rate, '.3f')} | {fmt(r.cached_token_ratio, '.3f')} "
+            f"| {fmt(r.ttft_p50_s, '.3f')} | {fmt(r.ttft_p95_s, '.3f')} | {r.requests_per_s:.2f} "
+            f"| {r.load_max:.2f} / {r.load_mean:.2f} ({fmt(r.load_imbalance, '.2f')}x) | {r.peak_in_flight} "
             f"| {split} | {'-' if r.spills is None else r.spills} | {r.succeeded}/{r.requests} |"
         )
     return "\n".join(lines)
@@ -587,59 +573,52 @@ def render_ratios(table: Mapping[str, Mapping[str, float | None]], baseline: str
     ]
     for policy, r in table.items():
         lines.append(
-            f"| {policy} | {_fmt(r['hit_rate_ratio'], '.2f')}x | {_fmt(r['ttft_p50_ratio'], '.2f')}x "
-            f"| {_fmt(r['ttft_p95_ratio'], '.2f')}x |"
+            f"| {policy} | {fmt(r['hit_rate_ratio'], '.2f')}x | {fmt(r['ttft_p50_ratio'], '.2f')}x "
+            f"| {fmt(r['ttft_p95_ratio'], '.2f')}x |"
         )
     return "\n".join(lines)
 
 
 def plot(results: Sequence[PolicyResult], path: Path, title: str) -> None:
     """Hit-rate bars (left axis) and a TTFT p50 line (right axis) per policy."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = [r.policy for r in results]
     xs = range(len(names))
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(names)), 4.5))
-    bars = ax.bar(xs, [r.hit_rate or 0.0 for r in results], color="#4c72b0", alpha=0.8, label="prefix-cache hit rate")
-    for bar, r in zip(bars, results):
-        ax.annotate(
-            _fmt(r.hit_rate, ".2f"),
-            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-            ha="center",
-            va="bottom",
-            fontsize=8,
+    with figure(path, 120, figsize=(max(6.0, 1.6 * len(names)), 4.5)) as (_, ax):
+        bars = ax.bar(
+            xs, [r.hit_rate or 0.0 for r in results], color="#4c72b0", alpha=0.8, label="prefix-cache hit rate"
         )
-    ax.set_ylim(0, 1.05)
-    ax.set_ylabel("cluster prefix-cache hit rate")
-    ax.set_xticks(list(xs), names, rotation=15)
-    ax2 = ax.twinx()
-    ax2.plot(
-        xs,
-        [r.ttft_p50_s if r.ttft_p50_s is not None else float("nan") for r in results],
-        "o-",
-        color="#c44e52",
-        label="TTFT p50",
-    )
-    ax2.plot(
-        xs,
-        [r.ttft_p95_s if r.ttft_p95_s is not None else float("nan") for r in results],
-        "s--",
-        color="#c44e52",
-        alpha=0.5,
-        label="TTFT p95",
-    )
-    ax2.set_ylim(bottom=0)
-    ax2.set_ylabel("TTFT (s)")
-    handles = [bars] + ax2.get_lines()
-    ax.legend(handles, [h.get_label() for h in handles], loc="upper left", fontsize=8)
-    ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+        for bar, r in zip(bars, results):
+            ax.annotate(
+                fmt(r.hit_rate, ".2f"),
+                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                ha="center",
+                va="bottom",
+                fontsize=8,
+            )
+        ax.set_ylim(0, 1.05)
+        ax.set_ylabel("cluster prefix-cache hit rate")
+        ax.set_xticks(list(xs), names, rotation=15)
+        ax2 = ax.twinx()
+        ax2.plot(
+            xs,
+            [r.ttft_p50_s if r.ttft_p50_s is not None else float("nan") for r in results],
+            "o-",
+            color="#c44e52",
+            label="TTFT p50",
+        )
+        ax2.plot(
+            xs,
+            [r.ttft_p95_s if r.ttft_p95_s is not None else float("nan") for r in results],
+            "s--",
+            color="#c44e52",
+            alpha=0.5,
+            label="TTFT p95",
+        )
+        ax2.set_ylim(bottom=0)
+        ax2.set_ylabel("TTFT (s)")
+        handles = [bars] + ax2.get_lines()
+        ax.legend(handles, [h.get_label() for h in handles], loc="upper left", fontsize=8)
+        ax.set_title(title, fontsize=9)
 
 
 # --------------------------------------------------------------------------- running
@@ -892,8 +871,8 @@ def run(args: argparse.Namespace, p: Plan) -> int:
                     results.append(result)
                     records[policy] = [_record_json(r) for r in recs]
                     tqdm.write(
-                        f"{policy}: hit rate {_fmt(result.hit_rate, '.3f')}, TTFT p50 "
-                        f"{_fmt(result.ttft_p50_s, '.3f')}s, {result.succeeded}/{result.requests} ok",
+                        f"{policy}: hit rate {fmt(result.hit_rate, '.3f')}, TTFT p50 "
+                        f"{fmt(result.ttft_p50_s, '.3f')}s, {result.succeeded}/{result.requests} ok",
                         file=sys.stderr,
                     )
                 except Exception as exc:  # one policy failing must not lose the others' figures
@@ -932,7 +911,7 @@ def run(args: argparse.Namespace, p: Plan) -> int:
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     payload = {
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "config": config_json(args),
         "workload": asdict(spec),
         "kv_sizing": sizing.to_json() if sizing is not None else None,
         "oracle_hit_rate": p.oracle_hit_rate,
@@ -944,7 +923,7 @@ def run(args: argparse.Namespace, p: Plan) -> int:
         "records": records,
     }
     json_path = args.out_dir / "bench_cluster.json"
-    json_path.write_text(json.dumps(payload, indent=2))
+    write_json(json_path, payload, announce=False)
     png_path = args.out_dir / "bench_cluster.png"
     if results:
         plot(results, png_path, title)
@@ -953,14 +932,7 @@ def run(args: argparse.Namespace, p: Plan) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    quiet_libraries(args.verbose)
-    try:
-        p = plan(args)
-    except ValueError as exc:
-        parser.error(str(exc))  # exits with status 2
-    return run(args, p)
+    return plan_and_run(build_parser(), plan, run, argv)
 
 
 if __name__ == "__main__":

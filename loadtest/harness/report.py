@@ -1,0 +1,40 @@
+"""What a benchmark writes: table cells and its JSON result file."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+
+def fmt(value: float | None, spec: str, missing: str = "n/a") -> str:
+    """``value`` formatted with ``spec`` for a table cell; ``missing`` where there is none."""
+    return missing if value is None else format(value, spec)
+
+
+def config_json(options: Any) -> dict[str, Any]:
+    """A parsed command line as JSON values (paths as strings), to record how a result was made."""
+    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(options).items()}
+
+
+def write_json(
+    path: Path | str,
+    payload: Mapping[str, Any],
+    *,
+    indent: int | None = 2,
+    newline: bool = False,
+    default: Callable[[Any], Any] | None = None,
+    announce: bool = True,
+) -> Path:
+    """Write ``payload`` as JSON to ``path`` (its folder made when missing); returns the path.
+
+    ``newline`` ends the file with one; ``announce`` prints ``wrote <path>``
+    after a blank line, the last line of most benchmarks' output.
+    """
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(payload, indent=indent, default=default) + ("\n" if newline else ""))
+    if announce:
+        print(f"\nwrote {out}")
+    return out

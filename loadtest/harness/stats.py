@@ -1,0 +1,46 @@
+"""Percentiles and latency summaries of a benchmark's samples.
+
+Two percentile definitions are in use and both are kept, since a benchmark's
+published figures depend on the one it has always used: :func:`percentile`
+interpolates between ranks (numpy's default), :func:`nearest_rank` picks a sample.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0..100), linear between closest ranks; None for no values."""
+    if not values:
+        return None
+    if not 0 <= q <= 100:
+        raise ValueError(f"q must be in [0, 100], got {q}")
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def nearest_rank(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile (0..100) by nearest rank: always one of the samples; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+def summary_ms(values_s: Sequence[float]) -> dict[str, float | None]:
+    """Mean, p50 and p99 of ``values_s`` (seconds) in milliseconds; all None for no values."""
+    if not values_s:
+        return {"mean": None, "p50": None, "p99": None}
+    arr = np.asarray(values_s) * 1000.0
+    return {
+        "mean": float(arr.mean()),
+        "p50": float(np.percentile(arr, 50)),
+        "p99": float(np.percentile(arr, 99)),
+    }

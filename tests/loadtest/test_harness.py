@@ -1,0 +1,68 @@
+"""The benchmark harness: percentiles, the SSE reader, the JSON and PNG writers."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from prefixserve.loadtest.harness import report, sse, stats
+from prefixserve.loadtest.harness.plotting import figure
+
+
+def test_nearest_rank_and_summary() -> None:
+    assert stats.nearest_rank([], 50) is None
+    assert stats.nearest_rank([3.0, 1.0, 2.0], 50) == 2.0
+    assert stats.summary_ms([]) == {"mean": None, "p50": None, "p99": None}
+    assert stats.summary_ms([0.001, 0.003]) == pytest.approx({"mean": 2.0, "p50": 2.0, "p99": 2.98})
+    with pytest.raises(ValueError):
+        stats.percentile([1.0], 101)
+
+
+LINES = ["", ": keep-alive", 'data: {"choices": [{"delta": {"content": "a"}}]}', "data: [DONE]", "data: {bad"]
+
+
+def test_sse_events_stop_at_done() -> None:
+    assert list(sse.iter_events([line.encode() for line in LINES])) == [{"choices": [{"delta": {"content": "a"}}]}]
+
+    async def lines():
+        for line in LINES:
+            yield line
+
+    async def collect():
+        return [e async for e in sse.aiter_events(lines())]
+
+    assert asyncio.run(collect()) == [{"choices": [{"delta": {"content": "a"}}]}]
+    with pytest.raises(json.JSONDecodeError):
+        list(sse.iter_events(["data: {bad"]))
+
+
+def test_starts_output() -> None:
+    assert sse.starts_output({"choices": [{"delta": {"content": "x"}}]})
+    assert sse.starts_output({"choices": [{"delta": {}, "finish_reason": "stop"}]})
+    assert not sse.starts_output({"choices": [{"delta": {"role": "assistant"}}]})
+    assert not sse.starts_output({"usage": {}})
+
+
+def test_report_writers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert report.fmt(None, ".2f") == "n/a" and report.fmt(1.234, ".2f") == "1.23"
+    assert report.config_json(argparse.Namespace(out=Path("a/b"), n=1)) == {"out": "a/b", "n": 1}
+    out = report.write_json(tmp_path / "sub" / "r.json", {"x": 1}, newline=True)
+    assert out.read_text() == '{\n  "x": 1\n}\n'
+    assert capsys.readouterr().out == f"\nwrote {out}\n"
+    png = tmp_path / "p" / "f.png"
+    with figure(png, 50, figsize=(2, 2)) as (_, ax):
+        ax.plot([0, 1], [0, 1])
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("q", [0, 5, 50, 95, 100])
+def test_percentile_agrees_with_numpy(q: float) -> None:
+    xs = [random.Random(q).expovariate(1.0) for _ in range(37)]
+    assert stats.percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
+    assert stats.percentile([], q) is None
