@@ -39,7 +39,6 @@ Seeded: the same seed gives the same requests in the same order in every row.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -51,7 +50,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from prefixserve.common.logs import add_verbose_flag, quiet_libraries
+from prefixserve.common.logs import add_verbose_flag
 from prefixserve.loadtest.bench_cluster import (
     WORKLOADS,
     WorkloadSpec,
@@ -59,7 +58,6 @@ from prefixserve.loadtest.bench_cluster import (
     _record_json,
     app_args,
     chat_encoder,
-    percentile,
     workload_token_counts,
 )
 from prefixserve.loadtest.cluster_run import (
@@ -72,6 +70,10 @@ from prefixserve.loadtest.cluster_run import (
     scrape_metrics,
     served_model,
 )
+from prefixserve.loadtest.harness.cli import plan_and_run
+from prefixserve.loadtest.harness.plotting import figure
+from prefixserve.loadtest.harness.report import config_json, fmt, write_json
+from prefixserve.loadtest.harness.stats import percentile
 from prefixserve.router.policies import POLICIES
 from prefixserve.router.serve.metrics import sum_samples
 
@@ -330,10 +332,6 @@ def run_row(
 # --------------------------------------------------------------------------- output
 
 
-def _fmt(value: float | None, spec: str) -> str:
-    return "n/a" if value is None else format(value, spec)
-
-
 def render_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """The per-row markdown table."""
     lines = [
@@ -344,10 +342,10 @@ def render_table(rows: Sequence[Mapping[str, Any]]) -> str:
     for r in rows:
         b, a = r["before"], r["after"]
         lines.append(
-            f"| {r['tier']} | {_fmt(b['hit_rate'], '.3f')} | {_fmt(a['hit_rate'], '.3f')} "
-            f"| {_fmt(r['dip_pts'], '+.1f')} | {r['moved_requests']} ({_fmt(r['moved_hit_rate'], '.3f')}) "
-            f"| {r['after_disk_hit_tokens']:.0f} | {_fmt(b['ttft_p50_s'], '.3f')} / {_fmt(a['ttft_p50_s'], '.3f')} "
-            f"| {r['event_s']:.0f} | {_fmt(r['whole_run']['hit_rate'], '.3f')} | {r['succeeded']}/{r['requests']} |"
+            f"| {r['tier']} | {fmt(b['hit_rate'], '.3f')} | {fmt(a['hit_rate'], '.3f')} "
+            f"| {fmt(r['dip_pts'], '+.1f')} | {r['moved_requests']} ({fmt(r['moved_hit_rate'], '.3f')}) "
+            f"| {r['after_disk_hit_tokens']:.0f} | {fmt(b['ttft_p50_s'], '.3f')} / {fmt(a['ttft_p50_s'], '.3f')} "
+            f"| {r['event_s']:.0f} | {fmt(r['whole_run']['hit_rate'], '.3f')} | {r['succeeded']}/{r['requests']} |"
         )
     return "\n".join(lines)
 
@@ -368,26 +366,17 @@ def plot(
 ) -> None:
     """Each row's hit rate over the last ``rolling`` requests against the request index, the event and its
     ``width``-request windows marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8.0, 4.0))
-    for tier, ys in series.items():
-        ax.plot(range(len(ys)), [float("nan") if y is None else y for y in ys], label=f"shared disk tier {tier}")
-    ax.axvline(event_index - 0.5, color="black", linestyle="--", linewidth=1, label="scale event")
-    ax.axvspan(event_index - width - 0.5, event_index - 0.5, color="#4c72b0", alpha=0.08, label="before window")
-    ax.axvspan(event_index - 0.5, event_index + width - 0.5, color="#c44e52", alpha=0.08, label="after window")
-    ax.set_ylim(0, 1.05)
-    ax.set_xlabel("request (send order)")
-    ax.set_ylabel(f"hit rate, last {rolling} requests")
-    ax.legend(loc="lower right", fontsize=8)
-    ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(path, 120, figsize=(8.0, 4.0)) as (_, ax):
+        for tier, ys in series.items():
+            ax.plot(range(len(ys)), [float("nan") if y is None else y for y in ys], label=f"shared disk tier {tier}")
+        ax.axvline(event_index - 0.5, color="black", linestyle="--", linewidth=1, label="scale event")
+        ax.axvspan(event_index - width - 0.5, event_index - 0.5, color="#4c72b0", alpha=0.08, label="before window")
+        ax.axvspan(event_index - 0.5, event_index + width - 0.5, color="#c44e52", alpha=0.08, label="after window")
+        ax.set_ylim(0, 1.05)
+        ax.set_xlabel("request (send order)")
+        ax.set_ylabel(f"hit rate, last {rolling} requests")
+        ax.legend(loc="lower right", fontsize=8)
+        ax.set_title(title, fontsize=9)
 
 
 # --------------------------------------------------------------------------- the command
@@ -508,8 +497,8 @@ def run(args: argparse.Namespace, p: Plan) -> int:
             rows.append(row)
             records[tier] = recs
             print(
-                f"shared tier {tier}: before {_fmt(row['before']['hit_rate'], '.3f')}, after "
-                f"{_fmt(row['after']['hit_rate'], '.3f')}, dip {_fmt(row['dip_pts'], '+.1f')} points",
+                f"shared tier {tier}: before {fmt(row['before']['hit_rate'], '.3f')}, after "
+                f"{fmt(row['after']['hit_rate'], '.3f')}, dip {fmt(row['dip_pts'], '+.1f')} points",
                 file=sys.stderr,
             )
     load_end = os.getloadavg()
@@ -528,8 +517,8 @@ def run(args: argparse.Namespace, p: Plan) -> int:
         f"{p.num_kv_blocks} blocks of {args.block_size} tokens per replica (every tenant's prefix fits one "
         f"replica), host tier {args.host_gib:g} GiB per replica. Load average {load_start[0]:.2f} at the "
         f"start, {load_end[0]:.2f} at the end.\n\n{table}\n\n"
-        f"Dip with the shared tier: {_fmt(summary['dip_pts'].get('on'), '+.1f')} points, without: "
-        f"{_fmt(summary['dip_pts'].get('off'), '+.1f')} points (target: with <= {TARGET_DIP_PTS:g}; "
+        f"Dip with the shared tier: {fmt(summary['dip_pts'].get('on'), '+.1f')} points, without: "
+        f"{fmt(summary['dip_pts'].get('off'), '+.1f')} points (target: with <= {TARGET_DIP_PTS:g}; "
         f"met: {summary['target_met']}).\n"
     )
     for tier, reason in failures.items():
@@ -538,7 +527,7 @@ def run(args: argparse.Namespace, p: Plan) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.out_dir / f"bench_scale_{args.scale_event}"
     payload = {
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "config": config_json(args),
         "workload": asdict(spec),
         "event_index": p.event_index,
         "num_kv_blocks": p.num_kv_blocks,
@@ -551,7 +540,7 @@ def run(args: argparse.Namespace, p: Plan) -> int:
         "wall_s": time.perf_counter() - started,
         "records": {tier: [_record_json(r) for r in recs] for tier, recs in records.items()},
     }
-    stem.with_suffix(".json").write_text(json.dumps(payload, indent=2))
+    write_json(stem.with_suffix(".json"), payload, announce=False)
     stem.with_suffix(".md").write_text(md)
     if rows:
         # One request per tenant, in expectation, per point: narrow enough to show the dip's shape.
@@ -563,14 +552,7 @@ def run(args: argparse.Namespace, p: Plan) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    quiet_libraries(args.verbose)
-    try:
-        p = plan(args)
-    except ValueError as exc:
-        parser.error(str(exc))  # exits with status 2
-    return run(args, p)
+    return plan_and_run(build_parser(), plan, run, argv)
 
 
 if __name__ == "__main__":
