@@ -634,6 +634,27 @@ def _bodies(requests: Sequence[WorkloadRequest], model: str, salt: str | None) -
     return bodies
 
 
+def deploy_policy(
+    cluster: LocalServeCluster,
+    policy: str,
+    name: str,
+    args: argparse.Namespace,
+    sizing: KVSizing | None,
+    **options: Any,
+) -> str:
+    """Deploy ``policy``'s app afresh as ``name`` (cold caches); returns its base URL.
+
+    ``args`` gives the model, the replica count, the seed and the deployment timeout;
+    ``options``, the rest of :func:`app_args`'s (``epsilon`` among them).
+    """
+    return cluster.deploy(
+        app_args(policy, model=args.model, replicas=args.replicas, sizing=sizing, seed=args.seed, **options),
+        name,
+        num_replicas=args.replicas,
+        timeout_s=args.timeout,
+    )
+
+
 def measure(
     base_url: str,
     policy: str,
@@ -841,20 +862,15 @@ def run(args: argparse.Namespace, p: Plan) -> int:
                 name = f"bench-{policy}"
                 try:
                     t0 = time.perf_counter()
-                    base = cluster.deploy(
-                        app_args(
-                            policy,
-                            model=args.model,
-                            replicas=args.replicas,
-                            sizing=sizing,
-                            seed=args.seed,
-                            epsilon=args.epsilon,
-                            session_affinity=args.session_affinity,
-                            placed_options=p.placed_options,
-                        ),
+                    base = deploy_policy(
+                        cluster,
+                        policy,
                         name,
-                        num_replicas=args.replicas,
-                        timeout_s=args.timeout,
+                        args,
+                        sizing,
+                        epsilon=args.epsilon,
+                        session_affinity=args.session_affinity,
+                        placed_options=p.placed_options,
                     )
                     deploy_s = time.perf_counter() - t0
                     tqdm.write(f"{policy}: deployed in {deploy_s:.0f}s", file=sys.stderr)

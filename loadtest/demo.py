@@ -25,30 +25,34 @@ chooses the demo's workload and prints its comparison.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
-from prefixserve.common.logs import add_verbose_flag, quiet_libraries
+from prefixserve.common.logs import add_verbose_flag
 from prefixserve.common.serve_shutdown import shutdown_serve
 from prefixserve.loadtest.bench_cluster import (
+    KVSizing,
     PolicyResult,
     WorkloadSpec,
     _bodies,
-    app_args,
+    _ratio,
     chat_encoder,
+    deploy_policy,
     measure,
     size_kv,
     workload_token_counts,
 )
 from prefixserve.loadtest.cluster_run import LocalServeCluster, served_model
+from prefixserve.loadtest.harness.cli import plan_and_run
+from prefixserve.loadtest.harness.report import config_json, fmt, write_json
+from prefixserve.loadtest.workloads import WorkloadRequest
 from prefixserve.router.policies import DEFAULT_POLICY
 
 POLICIES = ("round_robin", DEFAULT_POLICY)
@@ -83,10 +87,6 @@ def _ttft_mean(records) -> float | None:
     return sum(ttfts) / len(ttfts) if ttfts else None
 
 
-def _fmt(value: float | None, spec: str) -> str:
-    return "n/a" if value is None else format(value, spec)
-
-
 def render(rows: Sequence[tuple[PolicyResult, float | None]]) -> str:
     lines = [
         "| policy | cluster hit rate | TTFT p50 (s) | TTFT mean (s) | req/s | requests per replica | ok |",
@@ -95,14 +95,10 @@ def render(rows: Sequence[tuple[PolicyResult, float | None]]) -> str:
     for r, mean in rows:
         split = " / ".join(str(int(v["requests"])) for _, v in sorted(r.replicas.items()))
         lines.append(
-            f"| {r.policy} | {_fmt(r.hit_rate, '.3f')} | {_fmt(r.ttft_p50_s, '.3f')} | {_fmt(mean, '.3f')} "
+            f"| {r.policy} | {fmt(r.hit_rate, '.3f')} | {fmt(r.ttft_p50_s, '.3f')} | {fmt(mean, '.3f')} "
             f"| {r.requests_per_s:.2f} | {split} | {r.succeeded}/{r.requests} |"
         )
     return "\n".join(lines)
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None or b == 0 else a / b
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -135,32 +131,46 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@dataclass(frozen=True)
+class Plan:
+    """The demo's workload and the KV pool sized for it, checked before any cluster starts."""
+
+    spec: WorkloadSpec
+    requests: list[WorkloadRequest]
+    sizing: KVSizing
+
+
+def plan(args: argparse.Namespace) -> Plan:
+    """The workload and the KV sizing the flags ask for (ValueError: a usage error)."""
+    spec = WorkloadSpec(
+        "shared_prefix",
+        args.tenants,
+        args.requests,
+        args.system_len,
+        args.question_len,
+        args.output_len,
+        seed=args.seed,
+    )
+    requests = spec.generate()
+    prefix, totals = workload_token_counts(requests, chat_encoder(args.model))
+    sizing = size_kv(
+        prefix,
+        totals,
+        block_size=16,
+        replicas=args.replicas,
+        concurrency=args.concurrency,
+        headroom=args.kv_headroom,
+    )
+    return Plan(spec, requests, sizing)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    quiet_libraries(args.verbose)
-    try:
-        spec = WorkloadSpec(
-            "shared_prefix",
-            args.tenants,
-            args.requests,
-            args.system_len,
-            args.question_len,
-            args.output_len,
-            seed=args.seed,
-        )
-        requests = spec.generate()
-        prefix, totals = workload_token_counts(requests, chat_encoder(args.model))
-        sizing = size_kv(
-            prefix,
-            totals,
-            block_size=16,
-            replicas=args.replicas,
-            concurrency=args.concurrency,
-            headroom=args.kv_headroom,
-        )
-    except ValueError as exc:
-        parser.error(str(exc))
+    return plan_and_run(build_parser(), plan, run, argv)
+
+
+def run(args: argparse.Namespace, p: Plan) -> int:
+    """Each policy on a fresh app, then the table, the ratios and results/demo.json."""
+    spec, requests, sizing = p.spec, p.requests, p.sizing
     print(sizing.describe(), file=sys.stderr)
 
     rows: list[tuple[PolicyResult, float | None]] = []
@@ -172,19 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 name = f"demo-{policy}"
                 try:
                     t0 = time.perf_counter()
-                    base = cluster.deploy(
-                        app_args(
-                            policy,
-                            model=args.model,
-                            replicas=args.replicas,
-                            sizing=sizing,
-                            seed=args.seed,
-                            epsilon=None,
-                        ),
-                        name,
-                        num_replicas=args.replicas,
-                        timeout_s=args.timeout,
-                    )
+                    base = deploy_policy(cluster, policy, name, args, sizing, epsilon=None)
                     wait_for_ring(base, args.replicas)
                     tqdm.write(
                         f"{policy}: {args.replicas} replicas up in {time.perf_counter() - t0:.0f}s", file=sys.stderr
@@ -219,28 +217,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         "requests_per_s": _ratio(bl.requests_per_s, rr.requests_per_s),
     }
     print(
-        f"\n{DEFAULT_POLICY} / round_robin: hit rate {_fmt(ratios['hit_rate'], '.2f')}x, "
-        f"TTFT p50 {_fmt(ratios['ttft_p50'], '.2f')}x, TTFT mean {_fmt(ratios['ttft_mean'], '.2f')}x, "
-        f"req/s {_fmt(ratios['requests_per_s'], '.2f')}x"
+        f"\n{DEFAULT_POLICY} / round_robin: hit rate {fmt(ratios['hit_rate'], '.2f')}x, "
+        f"TTFT p50 {fmt(ratios['ttft_p50'], '.2f')}x, TTFT mean {fmt(ratios['ttft_mean'], '.2f')}x, "
+        f"req/s {fmt(ratios['requests_per_s'], '.2f')}x"
     )
 
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    path = args.out_dir / "demo.json"
-    path.write_text(
-        json.dumps(
-            {
-                "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                "kv_sizing": sizing.to_json(),
-                "results": [{**r.to_json(), "ttft_mean_s": mean} for r, mean in rows],
-                "default_policy": DEFAULT_POLICY,
-                "ratios_default_over_round_robin": ratios,
-                "wall_s": time.perf_counter() - started,
-                "workload": asdict(spec),
-            },
-            indent=2,
-        )
+    write_json(
+        args.out_dir / "demo.json",
+        {
+            "config": config_json(args),
+            "kv_sizing": sizing.to_json(),
+            "results": [{**r.to_json(), "ttft_mean_s": mean} for r, mean in rows],
+            "default_policy": DEFAULT_POLICY,
+            "ratios_default_over_round_robin": ratios,
+            "wall_s": time.perf_counter() - started,
+            "workload": asdict(spec),
+        },
     )
-    print(f"\nwrote {path}")
     print(
         "\nWhere to look on a running cluster (`prefixserve up`): http://127.0.0.1:8000/metrics (every replica's "
         "vllm:* series and the router's prefixserve_router_*), the Grafana dashboard "
