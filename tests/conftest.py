@@ -14,6 +14,8 @@ import os
 import shutil
 import zlib
 from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -53,6 +55,52 @@ _SYSTEM_DEPS = {
 def seed(request: pytest.FixtureRequest) -> int:
     """A seed per test and parametrization (a crc32 of its node id): fresh data everywhere, reproducible."""
     return zlib.crc32(request.node.nodeid.encode())
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpts(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
+    """model_helpers.tiny_checkpoint, cached for the test process: ``tiny_ckpts(**builder_arguments)``
+    builds that random-weight checkpoint directory the first time and returns the same one after.
+
+    Nothing writes to a checkpoint once built, so every module and test may read it. Most tests
+    take ``ckpt`` (the defaults); a module whose checks need another shape or other weights keeps
+    a local fixture named for the difference (``ckpt_seed11``, ``long_context_ckpt``...) on this.
+    """
+    from model_helpers import tiny_checkpoint  # here, not above: torch only for the tests that need it
+
+    built: dict[tuple[tuple[str, Any], ...], str] = {}
+
+    def get(**kwargs: Any) -> str:
+        key = tuple(sorted(kwargs.items()))
+        if key not in built:
+            built[key] = str(tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", **kwargs))
+        return built[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def ckpt(tiny_ckpts: Callable[..., str]) -> str:
+    """The tiny random-weight checkpoint the tests share: model_helpers.tiny_checkpoint's defaults
+    (Llama, hidden 64, 4 query / 2 KV heads, 2 layers, 1024 positions, seed 0), built once per process."""
+    return tiny_ckpts()
+
+
+@pytest.fixture(scope="module")
+def replica(request: pytest.FixtureRequest, ckpt: str) -> Iterator[Any]:
+    """A replica (the real app and engine, server_helpers.InProcessReplica) on the shared checkpoint.
+
+    One per test module, never shared across modules: its engine keeps state (cached blocks,
+    metrics) that a module's tests may count on. A module sets InProcessReplica's keyword
+    arguments in a module-level ``REPLICA_OPTIONS`` dict (max_model_len, api_keys, replica_name...).
+    """
+    from server_helpers import InProcessReplica
+
+    r = InProcessReplica(ckpt, **getattr(request.module, "REPLICA_OPTIONS", {}))
+    try:
+        yield r
+    finally:
+        r.close()
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:

@@ -8,7 +8,7 @@ import asyncio
 
 import numpy as np
 import pytest
-from model_helpers import hf_greedy, hf_model, random_prompts, tiny_checkpoint
+from model_helpers import hf_greedy, hf_model, random_prompts
 
 from prefixserve.replica.config import EngineConfig
 from prefixserve.replica.engine.async_engine import AsyncEngine
@@ -18,11 +18,6 @@ from prefixserve.replica.errors import EngineOverloadedError, PromptTooLongError
 from prefixserve.replica.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return str(tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", hidden=64, heads=4, kv_heads=2, seed=11))
 
 
 @pytest.fixture(scope="module")

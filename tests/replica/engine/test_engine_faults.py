@@ -12,7 +12,6 @@ import asyncio
 import threading
 
 import pytest
-from model_helpers import tiny_checkpoint
 
 from prefixserve.replica.config import EngineConfig
 from prefixserve.replica.core.request import PreparedRequest, Request
@@ -25,11 +24,6 @@ from prefixserve.replica.sampling_params import SamplingParams
 
 PROMPTS = [[100 + 7 * i + k for k in range(5 + i)] for i in range(4)]
 LONG = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return str(tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", seed=3))
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 import pytest
-from model_helpers import hf_greedy, hf_model, random_prompts, tiny_checkpoint
+from model_helpers import hf_greedy, hf_model, random_prompts
 
 from prefixserve.replica.config import EngineConfig
 from prefixserve.replica.engine.core import LLMEngine
@@ -19,11 +19,6 @@ from prefixserve.replica.sampling_params import SamplingParams
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 # A small pool and a small token budget: chunked prefill, prefix hits and preemption in one run.
 KNOBS = dict(num_kv_blocks=12, max_num_batched_tokens=24, max_num_seqs=8)
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return str(tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", hidden=64, heads=4, kv_heads=2, seed=3))
 
 
 @pytest.fixture(scope="module")
