@@ -52,9 +52,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 
 from prefixserve.common.config_util import add_cli_arguments, from_cli_args
+from prefixserve.loadtest.harness.report import fmt, write_json
+from prefixserve.loadtest.harness.sse import aiter_events
+from prefixserve.loadtest.harness.stats import summary_ms
 from prefixserve.loadtest.workloads import WorkloadRequest, generate
 
 HOST = "127.0.0.1"
@@ -217,13 +219,7 @@ async def send_request(client: httpx.AsyncClient, url: str, body: dict[str, Any]
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == "[DONE]":
-                    break
-                event = json.loads(payload)
+            async for event in aiter_events(response.aiter_lines()):
                 if "error" in event:
                     result.error = str(event["error"])[:200]
                     return result
@@ -279,17 +275,6 @@ async def run_load(
         return list(results), time.perf_counter() - start
 
 
-def _stats_ms(values: Sequence[float]) -> dict[str, float | None]:
-    if not values:
-        return {"mean": None, "p50": None, "p99": None}
-    arr = np.asarray(values) * 1000.0
-    return {
-        "mean": float(arr.mean()),
-        "p50": float(np.percentile(arr, 50)),
-        "p99": float(np.percentile(arr, 99)),
-    }
-
-
 def summarize(results: Sequence[RequestResult], duration_s: float) -> dict[str, Any]:
     """Throughput and latency figures of one run (vLLM's definitions; times in ms)."""
     done = [r for r in results if r.ok]
@@ -303,10 +288,10 @@ def summarize(results: Sequence[RequestResult], duration_s: float) -> dict[str, 
         "request_throughput": len(done) / duration_s if duration_s > 0 else 0.0,
         "output_throughput": output_tokens / duration_s if duration_s > 0 else 0.0,
         "total_output_tokens": output_tokens,
-        "ttft_ms": _stats_ms([r.ttft_s for r in done]),
-        "tpot_ms": _stats_ms(tpot),
-        "itl_ms": _stats_ms([gap for r in done for gap in r.itl_s]),
-        "e2el_ms": _stats_ms([r.latency_s for r in done]),
+        "ttft_ms": summary_ms([r.ttft_s for r in done]),
+        "tpot_ms": summary_ms(tpot),
+        "itl_ms": summary_ms([gap for r in done for gap in r.itl_s]),
+        "e2el_ms": summary_ms([r.latency_s for r in done]),
     }
 
 
@@ -507,7 +492,7 @@ def run_vllm_client(config: BenchServeConfig, base_url: str, tokenizer: Path, wo
 
 
 def _fmt(value: float | None, digits: int = 1) -> str:
-    return "—" if value is None else f"{value:,.{digits}f}"
+    return fmt(value, f",.{digits}f", missing="—")
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -715,7 +700,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
 
     def write(report: dict[str, Any]) -> None:
-        out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+        write_json(out.with_suffix(".json"), report, newline=True, announce=False)
         out.with_suffix(".md").write_text(markdown(report))
 
     report = run(config, write)

@@ -43,6 +43,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from prefixserve.loadtest.harness.sse import aiter_events, starts_output
 from prefixserve.replica.contract.routing import REPLICA_HEADER
 
 QUERIES = "vllm:prefix_cache_queries_total"
@@ -177,22 +178,13 @@ async def _stream_one(
             if status != 200:
                 error = f"HTTP {status}: {(await response.aread()).decode('utf-8', 'replace')[:300]}"
             else:
-                async for line in response.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    event = json.loads(data)
+                async for event in aiter_events(response.aiter_lines()):
                     if "error" in event:
                         error = f"error event in the stream: {event['error']}"
                         break
                     if event.get("usage"):
                         usage = event["usage"]
-                    if first is None and any(
-                        (c.get("delta") or {}).get("content") or c.get("finish_reason")
-                        for c in event.get("choices") or ()
-                    ):
+                    if first is None and starts_output(event):
                         first = time.perf_counter() - t0
                 if error is None and first is None:
                     error = "the stream ended without a token"

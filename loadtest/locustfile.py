@@ -39,6 +39,7 @@ from typing import Any
 
 from locust import HttpUser, between, events, task
 
+from prefixserve.loadtest.harness.sse import iter_events, starts_output
 from prefixserve.loadtest.workloads import WorkloadRequest, generate, parse_params, read_jsonl
 from prefixserve.router.routing_key import PREFIX_HASH_HEADER, routing_key
 
@@ -154,23 +155,10 @@ class ChatUser(HttpUser):
         """Read SSE lines; return the time of the first content delta and the number of chunks."""
         first = None
         chunks = 0
-        for raw in resp.iter_lines():
-            if not raw:
-                continue
-            line = raw.decode("utf-8") if isinstance(raw, bytes) else raw
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            event = json.loads(data)
+        for event in iter_events(resp.iter_lines()):
             if "error" in event:
                 raise RuntimeError(f"error event in stream: {event['error']}")
             chunks += 1
-            if first is None:
-                for choice in event.get("choices") or ():
-                    delta = choice.get("delta") or {}
-                    if delta.get("content") or choice.get("finish_reason"):
-                        first = time.perf_counter()
-                        break
+            if first is None and starts_output(event):
+                first = time.perf_counter()
         return first, chunks
