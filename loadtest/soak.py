@@ -59,7 +59,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import random
 import signal
@@ -79,6 +78,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 from prefixserve.loadtest.cluster_run import LocalServeCluster, _stream_one
+from prefixserve.loadtest.harness.plotting import figure
+from prefixserve.loadtest.harness.report import write_json
+from prefixserve.loadtest.harness.stats import nearest_rank
 from prefixserve.loadtest.workloads import DEFAULT_MODEL, SharedPrefixConfig, shared_prefix
 
 HOST = "127.0.0.1"  # loopback only, not configurable
@@ -349,8 +351,8 @@ class Bucket:
             "statuses": {k: dict(sorted(v.items())) for k, v in sorted(self.statuses.items())},
             "status_totals": dict(sorted(totals.items())),
             "normal_ok": len(self.ttfts_s),
-            "ttft_p50_s": percentile(self.ttfts_s, 50),
-            "ttft_p99_s": percentile(self.ttfts_s, 99),
+            "ttft_p50_s": nearest_rank(self.ttfts_s, 50),
+            "ttft_p99_s": nearest_rank(self.ttfts_s, 99),
             "idle": self.idle,
             "idle_wait_s": round(self.idle_wait_s, 2),
             "rss_total_bytes": self.sample.rss_total if self.sample else None,
@@ -358,14 +360,6 @@ class Bucket:
             "fds": self.sample.fds if self.sample else None,
             "threads": self.sample.threads if self.sample else None,
         }
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The ``q``-th percentile (nearest rank), None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
 
 
 def _status_line(raw: bytes) -> int | str:
@@ -701,10 +695,10 @@ def evaluate(
     if base is None:
         targets.append(Target("TTFT p99 within 1.5x baseline", None, "no baseline phase (--compare-baseline)"))
     else:
-        p_soak = percentile(
+        p_soak = nearest_rank(
             [t for b in soak if b.start_s >= settled for t in b.ttfts_s] or [t for b in soak for t in b.ttfts_s], 99
         )
-        p_base = percentile([t for b in base for t in b.ttfts_s], 99)
+        p_base = nearest_rank([t for b in base for t in b.ttfts_s], 99)
         if p_soak is None or not p_base:
             targets.append(Target("TTFT p99 within 1.5x baseline", None, "no normal chat answered in a phase"))
         else:
@@ -788,27 +782,19 @@ def markdown(result: dict[str, Any]) -> str:
 
 def plot(result: dict[str, Any], path: Path) -> None:
     """RSS (every sample) and TTFT p99 per bucket over time, one PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_rss, ax_ttft) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
-    samples = result["samples"]
-    ax_rss.plot([s["t_s"] for s in samples], [s["rss_total_bytes"] / 2**20 for s in samples], ".-", ms=3)
-    ax_rss.set_ylabel("server RSS (MiB)")
-    for name, buckets in result["phases"].items():
-        points = [(b["end_s"], b["ttft_p99_s"] * 1e3) for b in buckets if b["ttft_p99_s"] is not None]
-        if points:
-            ax_ttft.plot(*zip(*points), "o-", label=name)
-    ax_ttft.set_ylabel("TTFT p99 (ms), normal chats")
-    ax_ttft.set_xlabel("time since start (s)")
-    ax_ttft.legend()
-    for ax in (ax_rss, ax_ttft):
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    with figure(path, 100, 2, 1, figsize=(9, 6), sharex=True) as (_, (ax_rss, ax_ttft)):
+        samples = result["samples"]
+        ax_rss.plot([s["t_s"] for s in samples], [s["rss_total_bytes"] / 2**20 for s in samples], ".-", ms=3)
+        ax_rss.set_ylabel("server RSS (MiB)")
+        for name, buckets in result["phases"].items():
+            points = [(b["end_s"], b["ttft_p99_s"] * 1e3) for b in buckets if b["ttft_p99_s"] is not None]
+            if points:
+                ax_ttft.plot(*zip(*points), "o-", label=name)
+        ax_ttft.set_ylabel("TTFT p99 (ms), normal chats")
+        ax_ttft.set_xlabel("time since start (s)")
+        ax_ttft.legend()
+        for ax in (ax_rss, ax_ttft):
+            ax.grid(alpha=0.3)
 
 
 # ------------------------------------------------------------------------------ running it
@@ -869,7 +855,7 @@ def run_soak(config: SoakConfig, out_dir: Path) -> dict[str, Any]:
         result = asyncio.run(_drive(config, server))
     finally:
         server.stop()
-    (out_dir / "soak.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_json(out_dir / "soak.json", result, newline=True, announce=False)
     (out_dir / "soak.md").write_text(markdown(result))
     plot(result, out_dir / "soak.png")
     return result

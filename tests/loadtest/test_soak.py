@@ -9,6 +9,7 @@ from dataclasses import asdict
 import pytest
 
 from prefixserve.loadtest import soak as S
+from prefixserve.loadtest.harness.stats import nearest_rank
 
 
 def _bucket(
@@ -38,8 +39,8 @@ def _targets(targets: list[S.Target]) -> dict[str, bool | None]:
 def test_least_squares_slope_and_percentile() -> None:
     assert S.least_squares_slope([(0, 1.0), (1, 3.0), (2, 5.0)]) == pytest.approx(2.0)
     assert S.least_squares_slope([(0, 1.0)]) == 0.0 and S.least_squares_slope([(1, 1.0), (1, 2.0)]) == 0.0
-    assert S.percentile([], 99) is None
-    assert S.percentile([3.0, 1.0, 2.0], 50) == 2.0 and S.percentile(list(map(float, range(1, 101))), 99) == 99.0
+    assert nearest_rank([], 99) is None
+    assert nearest_rank([3.0, 1.0, 2.0], 50) == 2.0 and nearest_rank(list(map(float, range(1, 101))), 99) == 99.0
 
 
 def test_targets_pass_on_a_flat_run_and_fail_on_each_defect() -> None:
