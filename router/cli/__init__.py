@@ -20,6 +20,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "prefixserve.router.cli.up",
         "run the cluster on this machine: local Ray, replicas, router, OpenAI endpoint",
     ),
+    "router": (
+        "prefixserve.router.standalone.cli",
+        "run the standalone router (no Ray) in front of OpenAI-compatible replicas (prefixserve, vLLM, SGLang)",
+    ),
     "route": ("prefixserve.router.cli.route", "print the routing key of a prompt and the replica the ring picks"),
     "nginx-config": (
         "prefixserve.router.nginx.config",

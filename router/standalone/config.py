@@ -1,0 +1,123 @@
+"""The standalone router's settings: one dataclass, one ``prefixserve router`` flag per field.
+
+Job: say which replicas the router fronts, which policy ranks them, how it checks
+their health and load, how often it retries, and which requests it refuses before
+reading them (the same head and body limits as ``prefixserve replica``, so a
+request the router accepts is one a replica accepts). Pure stdlib.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from prefixserve.router.policies import DEFAULT_POLICY, POLICIES
+
+# A replica's own limits (replica/entrypoints/openai/server.py ServerConfig): the largest body, the largest
+# request line plus headers (uvicorn's h11 knob) and the most header fields. The router must not load the
+# replica's HTTP front end, so these are stated here; tests/router/standalone compares them with the replica's.
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_MAX_HEAD_BYTES = 32 * 1024
+DEFAULT_MAX_HEADER_COUNT = 100
+# The router's default port: where ``prefixserve up`` serves the cluster's endpoint (the router is one).
+DEFAULT_ROUTER_PORT = 8000
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+def replica_name(url: str) -> str:
+    """The ring name of the replica at ``url``: its ``host:port``, as nginx and ``prefixserve route`` name it.
+
+    ValueError for anything but an ``http://`` or ``https://`` URL with a host.
+    """
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"a replica must be an http:// or https:// URL with a host, got {url!r}")
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        raise ValueError(f"a replica URL has a bad port: {url!r}") from None
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return f"{host}:{port}"
+
+
+@dataclass
+class StandaloneRouterConfig:
+    """What ``prefixserve router`` is told (its endpoint's host and port are common/endpoint_config.py's).
+
+    Health: a replica is ejected (takes no new request) after ``unhealthy_after``
+    failed ``GET /health`` probes in a row, or at once when it dies under a request
+    (a connection refused or broken mid-answer); it is admitted again after
+    ``healthy_after`` good probes in a row. Load: ``GET /metrics`` every
+    ``metrics_interval_s``; a report older than ``load_max_age_s`` is not used.
+    Retries: before the first byte of an answer, a connection error, 429 or 503
+    moves the request to the next replica of the policy's ranking, at most
+    ``max_attempts`` replicas in all.
+    """
+
+    replicas: list[str] = field(
+        default_factory=list,
+        metadata={"flag": "--replica", "help": "an OpenAI-compatible replica's base URL (http://host:port)"},
+    )
+    policy: str = field(
+        default=DEFAULT_POLICY, metadata={"choices": tuple(POLICIES), "help": "the routing policy (router/policies/)"}
+    )
+    health_interval_s: float = field(default=2.0, metadata=_help("seconds between GET /health probes of a replica"))
+    health_timeout_s: float = field(default=2.0, metadata=_help("seconds a health probe may take before it fails"))
+    unhealthy_after: int = field(default=3, metadata=_help("failed probes in a row that eject a replica"))
+    healthy_after: int = field(default=2, metadata=_help("good probes in a row that admit an ejected replica again"))
+    metrics_interval_s: float = field(
+        default=1.0, metadata=_help("seconds between reads of a replica's /metrics (its running and waiting requests)")
+    )
+    load_max_age_s: float = field(default=10.0, metadata=_help("seconds a replica's load report is used for"))
+    max_attempts: int = field(
+        default=3, metadata=_help("replicas a request is tried on before its first byte (connect error, 429, 503)")
+    )
+    connect_timeout_s: float = field(default=5.0, metadata=_help("seconds to connect to a replica"))
+    read_timeout_s: float = field(
+        default=600.0, metadata=_help("seconds a replica may send nothing while it answers (then the answer fails)")
+    )
+    max_body_bytes: int = field(default=DEFAULT_MAX_BODY_BYTES, metadata=_help("largest accepted request body (413)"))
+    h11_max_incomplete_event_size: int = field(
+        default=DEFAULT_MAX_HEAD_BYTES, metadata=_help("largest request line plus headers, in bytes (431)")
+    )
+    h11_max_header_count: int = field(
+        default=DEFAULT_MAX_HEADER_COUNT, metadata=_help("most header fields a request may carry (431)")
+    )
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.replicas, list) or not self.replicas:
+            raise ValueError("the router needs at least one replica (--replica URL)")
+        names = [replica_name(u) for u in self.replicas]
+        if len(set(names)) != len(names):
+            raise ValueError(f"replicas must be distinct host:port, got {names}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown routing policy {self.policy!r}; choose one of {sorted(POLICIES)}")
+        for name in ("unhealthy_after", "healthy_after", "max_attempts", "max_body_bytes"):
+            _check_int(name, getattr(self, name))
+        for name in ("h11_max_incomplete_event_size", "h11_max_header_count"):
+            _check_int(name, getattr(self, name))
+        for name in (
+            "health_interval_s",
+            "health_timeout_s",
+            "metrics_interval_s",
+            "load_max_age_s",
+            "connect_timeout_s",
+            "read_timeout_s",
+        ):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > 0 and math.isfinite(v)):
+                raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+
+    @property
+    def replica_urls(self) -> dict[str, str]:
+        """Each replica's ring name -> its base URL (no trailing slash), in the order given."""
+        return {replica_name(u): u.rstrip("/") for u in self.replicas}
+
+
+def _check_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

@@ -1,0 +1,80 @@
+"""A replica's load read from its Prometheus ``/metrics`` text: running and waiting requests, KV usage.
+
+Job: turn the exposition text of any OpenAI-compatible server the router fronts into
+the ``ReplicaLoad`` the policies read (router/policies/base.py). The gauges, by server:
+
+* prefixserve and vLLM: ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
+  ``vllm:kv_cache_usage_perc`` (older vLLM: ``vllm:gpu_cache_usage_perc``);
+* SGLang: ``sglang:num_running_reqs``, ``sglang:num_queue_reqs``, ``sglang:token_usage``.
+
+A gauge with several samples (one per model or engine label set) counts their sum
+(requests) or their largest (KV usage). Text without a running or waiting gauge
+gives None: the router then knows the replica by its own in-flight count alone.
+
+Pure stdlib: a line parser for the gauges above, not a general Prometheus parser.
+"""
+
+from __future__ import annotations
+
+import math
+
+from prefixserve.router.policies import ReplicaLoad
+
+RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
+WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
+KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
+_WANTED = frozenset((*RUNNING, *WAITING, *KV_USAGE))
+
+
+def samples(text: str) -> dict[str, list[float]]:
+    """The values of the wanted gauges' samples in exposition ``text``, by metric name.
+
+    Comment lines, other metrics and samples whose value is not a finite number are skipped.
+    """
+    out: dict[str, list[float]] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        brace = line.find("{")
+        space = line.find(" ")
+        if brace != -1 and (space == -1 or brace < space):
+            name = line[:brace]
+            close = line.rfind("}")
+            if close < brace:
+                continue
+            rest = line[close + 1 :].split()
+        else:
+            name, _, tail = line.partition(" ")
+            rest = tail.split()
+        if name not in _WANTED or not rest:
+            continue
+        try:
+            value = float(rest[0])
+        except ValueError:
+            continue
+        if math.isfinite(value):
+            out.setdefault(name, []).append(value)
+    return out
+
+
+def _count(found: dict[str, list[float]], names: tuple[str, ...]) -> int | None:
+    for name in names:
+        if name in found:
+            return max(0, round(sum(found[name])))
+    return None
+
+
+def parse_load(text: str) -> ReplicaLoad | None:
+    """The ReplicaLoad that ``/metrics`` text reports (the module docstring), or None when it reports none."""
+    found = samples(text)
+    running = _count(found, RUNNING)
+    waiting = _count(found, WAITING)
+    if running is None and waiting is None:
+        return None
+    kv = 0.0
+    for name in KV_USAGE:
+        if name in found:
+            kv = min(1.0, max(0.0, max(found[name])))
+            break
+    return ReplicaLoad(num_waiting=waiting or 0, num_running=running or 0, kv_usage=kv)

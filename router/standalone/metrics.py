@@ -1,0 +1,68 @@
+"""The standalone router's own Prometheus metrics (``GET /metrics`` on the router).
+
+One registry per router (not the process-wide default), so several routers in one
+process, tests among them, count apart. Names share the Ray router's
+``prefixserve_router_`` prefix; the label ``replica`` is a replica's ring name
+(``host:port``) and ``kind`` a decision kind (router/policies/base.py KIND_*).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+
+class StandaloneMetrics:
+    """Counters and gauges of one standalone router."""
+
+    def __init__(self, policy: str, replicas: list[str]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "prefixserve_router_requests",
+            "Requests answered by a replica, by the replica and the decision kind that sent them there.",
+            ["policy", "replica", "kind"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "prefixserve_router_retries",
+            "Attempts moved to the next replica before the first byte, by the replica left and why "
+            "(connect, 429, 503).",
+            ["replica", "reason"],
+            registry=r,
+        )
+        self.ejections = Counter(
+            "prefixserve_router_ejections",
+            "Replicas taken out of routing (failed health probes, or a failure under a request).",
+            ["replica", "reason"],
+            registry=r,
+        )
+        self.readmissions = Counter(
+            "prefixserve_router_readmissions",
+            "Ejected replicas admitted again after good probes.",
+            ["replica"],
+            registry=r,
+        )
+        self.stream_errors = Counter(
+            "prefixserve_router_upstream_broken",
+            "Answers a replica broke off after their first byte (the client got an in-band error).",
+            ["replica"],
+            registry=r,
+        )
+        self.no_replica = Counter(
+            "prefixserve_router_unrouted",
+            "Requests no replica answered (every attempt refused or failed before its first byte).",
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "prefixserve_router_in_flight", "Requests this router has open on each replica.", ["replica"], registry=r
+        )
+        self.admitted = Gauge(
+            "prefixserve_router_replica_admitted",
+            "1 while a replica takes new requests, 0 while ejected.",
+            ["replica"],
+            registry=r,
+        )
+        self.policy = policy
+        for name in replicas:
+            self.in_flight.labels(name).set(0)
+            self.admitted.labels(name).set(1)

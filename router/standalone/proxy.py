@@ -1,0 +1,511 @@
+"""The standalone router's HTTP side: an OpenAI-compatible endpoint in front of OpenAI-compatible replicas.
+
+Job: for each request, ask the decision (routing.py) for a ranking, forward the request
+to the first replica, and relay its answer byte for byte as it arrives; in the
+background, probe every replica's ``/health`` (replica_set.py ejects and admits) and
+read its ``/metrics`` (load_report.py). Any OpenAI-compatible server can be a replica:
+prefixserve's, vLLM's, SGLang's.
+
+Invariants:
+
+* Every answer carries ``X-Prefixserve-Replica``: the ring name (``host:port``) of the
+  replica that answered, or ``router`` when the router answered itself (a refusal, the
+  merged model list, its own health and metrics).
+* Retries happen only before the first byte reaches the client: a refused connection,
+  a connection broken before the answer's head, 429 or 503 move the request to the
+  next replica of the ranking (``max_attempts`` in all); the last replica's 429/503
+  is passed through. A refused connection ejects the replica at once.
+* After the first byte nothing is retried: a replica that breaks off an answer is
+  ejected (it takes no new request until ``healthy_after`` good probes), and a
+  streamed (SSE) answer ends with an in-band OpenAI error event and ``data: [DONE]``;
+  any other answer is cut, as the replica cut it.
+* A client that goes away closes the upstream connection (the replica aborts the
+  request); the request's in-flight count and ``placed``'s key count end exactly once.
+* The request line and headers, and the body, are bounded as a replica bounds them
+  (431, 413), so a request the router forwards is one a replica would read.
+* ``model``: a request naming a model no replica serves is answered 404 by the router;
+  one naming a model some replicas serve goes to those alone.
+
+Imports no part of the replica's HTTP front end: the router speaks to replicas over HTTP only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import httpx
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from prefixserve.replica.contract.routing import REPLICA_HEADER
+from prefixserve.router.policies import Policy, make_policy
+from prefixserve.router.standalone.config import StandaloneRouterConfig
+from prefixserve.router.standalone.load_report import parse_load
+from prefixserve.router.standalone.metrics import StandaloneMetrics
+from prefixserve.router.standalone.replica_set import ADMITTED, EJECTED, ReplicaSet
+from prefixserve.router.standalone.routing import Plan, StandaloneRouting
+
+log = logging.getLogger(__name__)
+
+# The X-Prefixserve-Replica value of an answer the router gave itself.
+ROUTER_SELF = "router"
+RETRY_STATUSES = frozenset({429, 503})
+RETRY_AFTER_S = 1
+# Headers that describe one connection, not the message (RFC 9110 7.6.1), and those httpx sets itself.
+_HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+    }
+)
+
+
+def openai_error(status: int, message: str, code: str, error_type: str = "invalid_request_error") -> dict[str, Any]:
+    """The OpenAI error body."""
+    return {"error": {"message": message, "type": error_type, "param": None, "code": code}}
+
+
+def own_answer(status: int, body: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> JSONResponse:
+    """An answer the router gives itself (named ``router`` in the replica header)."""
+    return JSONResponse(dict(body), status_code=status, headers={**(headers or {}), REPLICA_HEADER: ROUTER_SELF})
+
+
+def upstream_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    """The client's request headers to send a replica: end-to-end ones only, and no compression asked for
+    that the client did not ask for (the body is relayed as the replica encodes it)."""
+    out = {k: v for k, v in headers.items() if k.lower() not in _HOP_BY_HOP and k.lower() != "accept-encoding"}
+    out["accept-encoding"] = headers.get("accept-encoding", "identity")
+    return out
+
+
+def answer_headers(headers: httpx.Headers, replica: str) -> list[tuple[bytes, bytes]]:
+    """A replica's answer headers to relay: end-to-end ones (its length kept), named by the router's replica header."""
+    drop = (_HOP_BY_HOP - {"content-length"}) | {REPLICA_HEADER.lower()}
+    out = [(k, v) for k, v in headers.raw if k.decode("latin-1").lower() not in drop]
+    out.append((REPLICA_HEADER.lower().encode("latin-1"), replica.encode("latin-1")))
+    return out
+
+
+def broken_stream_event(replica: str) -> bytes:
+    """The in-band end of an SSE answer its replica broke off: an OpenAI error event, then ``[DONE]``."""
+    body = openai_error(
+        502, f"replica {replica} failed while answering; the answer is incomplete", "upstream_failed", "server_error"
+    )
+    return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
+
+
+class _Open:
+    """One forwarded request's bookkeeping, ended exactly once whatever ends it."""
+
+    def __init__(self, router: StandaloneRouter, plan: Plan, replica: str) -> None:
+        self.router = router
+        self.plan = plan
+        self.replica = replica
+        self.done = False
+
+    def end(self) -> None:
+        if not self.done:
+            self.done = True
+            self.router.request_ended(self.plan, self.replica)
+
+
+class RelayResponse(Response):
+    """A replica's answer relayed chunk by chunk as it arrives (never buffered), then closed.
+
+    The upstream answer is closed, and the bookkeeping ended, when the answer ends,
+    when the replica breaks off (the module docstring) or when the client goes away.
+    """
+
+    def __init__(self, upstream: httpx.Response, opened: _Open) -> None:
+        self.upstream = upstream
+        self.opened = opened
+        self.status_code = upstream.status_code
+        self.raw_headers = answer_headers(upstream.headers, opened.replica)
+        self.background = None
+        content_type = upstream.headers.get("content-type", "")
+        self.sse = content_type.startswith("text/event-stream")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+
+                async def watch_disconnect() -> None:
+                    while (await receive())["type"] != "http.disconnect":
+                        pass
+                    group.cancel_scope.cancel()
+
+                group.start_soon(watch_disconnect)
+                await self._relay(send)
+                group.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.upstream.aclose()
+                self.opened.end()
+
+    async def _relay(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        tail = b"\n\n"
+        try:
+            async for chunk in self.upstream.aiter_raw():
+                if chunk:
+                    tail = chunk[-2:]
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except (httpx.ReadError, httpx.RemoteProtocolError, httpx.ReadTimeout) as exc:
+            router = self.opened.router
+            name = self.opened.replica
+            log.warning("replica %s broke off an answer: %s", name, exc)
+            router.metrics.stream_errors.labels(name).inc()
+            if not isinstance(exc, httpx.ReadTimeout):
+                router.replica_failed(name, "broken")
+            if not self.sse:
+                raise  # nothing in-band to say in a JSON body: cut it as the replica did
+            # An event the replica left half-written is ended first, so the error is an event of its own.
+            lead = b"" if tail == b"\n\n" else b"\n\n"
+            await send({"type": "http.response.body", "body": lead + broken_stream_event(name), "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class StandaloneRouter:
+    """One router: its replicas, decision, metrics, HTTP client and background probes."""
+
+    def __init__(self, config: StandaloneRouterConfig, policy: Policy | None = None) -> None:
+        self.config = config
+        self.replicas = ReplicaSet(
+            config.replica_urls, config.unhealthy_after, config.healthy_after, config.load_max_age_s
+        )
+        self.routing = StandaloneRouting(policy or make_policy(config.policy), self.replicas)
+        self.metrics = StandaloneMetrics(self.routing.policy.name, self.replicas.names)
+        self.models_of: dict[str, list[dict[str, Any]]] = {}  # replica -> its /v1/models entries
+        self._models_at = -float("inf")
+        self._client: httpx.AsyncClient | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # -- lifecycle ------------------------------------------------------------------
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            raise RuntimeError("the router is not started")
+        return self._client
+
+    async def start(self) -> None:
+        c = self.config
+        timeout = httpx.Timeout(connect=c.connect_timeout_s, read=c.read_timeout_s, write=c.read_timeout_s, pool=None)
+        # No pool limit: the router holds one upstream connection per open request, as any reverse proxy.
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=2.0)
+        self._client = httpx.AsyncClient(timeout=timeout, limits=limits, follow_redirects=False)
+        self._tasks = [
+            asyncio.create_task(self._every(c.health_interval_s, self.probe_all)),
+            asyncio.create_task(self._every(c.metrics_interval_s, self.read_loads)),
+        ]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    async def _every(self, period_s: float, job: Any) -> None:
+        while True:
+            try:
+                await job()
+            except Exception:  # a bad round must not end the probes for good
+                log.exception("router background job failed")
+            await asyncio.sleep(period_s)
+
+    # -- health and load --------------------------------------------------------------
+    async def probe(self, name: str) -> None:
+        """One ``GET /health`` of ``name``: 200 is good, anything else (or no answer in time) a failure."""
+        try:
+            r = await self.client.get(self.replicas[name].url + "/health", timeout=self.config.health_timeout_s)
+            ok = r.status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        change = self.replicas.probe(name, ok)
+        if change == EJECTED:
+            log.warning("replica %s ejected: %d failed health probes", name, self.replicas.unhealthy_after)
+            self.metrics.ejections.labels(name, "health").inc()
+            self.metrics.admitted.labels(name).set(0)
+            self.routing.forget(name)
+        elif change == ADMITTED:
+            log.info("replica %s admitted again", name)
+            self.metrics.readmissions.labels(name).inc()
+            self.metrics.admitted.labels(name).set(1)
+            await self.fetch_models(name, {})
+
+    async def probe_all(self) -> None:
+        await asyncio.gather(*(self.probe(n) for n in self.replicas.names))
+
+    async def read_load(self, name: str) -> None:
+        try:
+            r = await self.client.get(self.replicas[name].url + "/metrics", timeout=self.config.health_timeout_s)
+        except httpx.HTTPError:
+            return  # the probes judge health; a missing report only ages out
+        if r.status_code == 200:
+            self.replicas.report_load(name, parse_load(r.text))
+
+    async def read_loads(self) -> None:
+        await asyncio.gather(*(self.read_load(n) for n in self.replicas.admitted()))
+
+    def replica_failed(self, name: str, reason: str) -> None:
+        """``name`` refused a connection or broke off an answer: ejected until its probes recover."""
+        if self.replicas.died(name) == EJECTED:
+            log.warning("replica %s ejected: %s", name, reason)
+            self.metrics.ejections.labels(name, reason).inc()
+            self.metrics.admitted.labels(name).set(0)
+        self.routing.forget(name)
+
+    # -- models -----------------------------------------------------------------------
+    async def fetch_models(self, name: str, headers: Mapping[str, str]) -> None:
+        auth = {k: v for k, v in headers.items() if k.lower() == "authorization"}
+        try:
+            r = await self.client.get(
+                self.replicas[name].url + "/v1/models", headers=auth, timeout=self.config.health_timeout_s
+            )
+            data = r.json().get("data") if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return
+        if isinstance(data, list):
+            self.models_of[name] = [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+
+    async def refresh_models(self, headers: Mapping[str, str], force: bool = False) -> None:
+        """Ask every admitted replica for its models (at most once per health interval unless ``force``)."""
+        now = time.monotonic()
+        if not force and now - self._models_at < self.config.health_interval_s:
+            return
+        self._models_at = now
+        await asyncio.gather(*(self.fetch_models(n, headers) for n in self.replicas.admitted()))
+
+    def merged_models(self) -> list[dict[str, Any]]:
+        """Every model some replica serves, once (the first replica's entry), in replica order."""
+        seen: dict[str, dict[str, Any]] = {}
+        for name in self.replicas.names:
+            for entry in self.models_of.get(name, []):
+                seen.setdefault(entry["id"], entry)
+        return list(seen.values())
+
+    def serving(self, model: str) -> list[str]:
+        return [n for n, entries in self.models_of.items() if any(e["id"] == model for e in entries)]
+
+    # -- requests ---------------------------------------------------------------------
+    def request_ended(self, plan: Plan, replica: str) -> None:
+        self.replicas.ended(replica)
+        self.metrics.in_flight.labels(replica).set(self.replicas[replica].in_flight)
+        self.routing.finished(plan)
+
+    async def forward(self, request: Request, body: bytes, plan: Plan) -> Response:
+        """Send the request to the plan's replicas in turn (the module docstring's retries); relay the answer."""
+        attempts = plan.attempts(self.config.max_attempts)
+        headers = upstream_headers(request.headers)
+        path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        last: tuple[int, bytes, httpx.Headers, str] | None = None
+        for i, name in enumerate(attempts):
+            final = i == len(attempts) - 1
+            upstream = self.client.build_request(
+                request.method, self.replicas[name].url + path, headers=headers, content=body
+            )
+            self.replicas.started(name)
+            self.metrics.in_flight.labels(name).set(self.replicas[name].in_flight)
+            opened = _Open(self, plan, name)
+            try:
+                answer = await self.client.send(upstream, stream=True)
+            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadError, httpx.RemoteProtocolError) as exc:
+                self.replicas.ended(name)
+                self.metrics.in_flight.labels(name).set(self.replicas[name].in_flight)
+                reason = "connect" if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)) else "broken"
+                if reason == "connect":
+                    self.replica_failed(name, "connect")
+                else:  # broken before the head: maybe a stale kept-alive connection, so a probe failure only
+                    self.replicas.probe(name, False)
+                self.metrics.retries.labels(name, reason).inc()
+                continue
+            except httpx.TimeoutException:
+                opened.end()
+                return own_answer(
+                    504, openai_error(504, f"replica {name} did not answer in time", "upstream_timeout", "server_error")
+                )
+            if answer.status_code in RETRY_STATUSES and not final:
+                content = await answer.aread()
+                await answer.aclose()
+                self.replicas.ended(name)
+                self.metrics.in_flight.labels(name).set(self.replicas[name].in_flight)
+                self.metrics.retries.labels(name, str(answer.status_code)).inc()
+                last = (answer.status_code, content, answer.headers, name)
+                continue
+            kind = self.routing.landed(plan, name)
+            self.metrics.requests.labels(self.metrics.policy, name, kind).inc()
+            return RelayResponse(answer, opened)
+        self.routing.finished(plan)
+        self.metrics.no_replica.inc()
+        if last is not None:  # the last replica tried refused, and no later one answered at all
+            status, content, hdrs, name = last
+            return Response(content, status_code=status, headers=dict(answer_headers_map(hdrs, name)))
+        return own_answer(
+            503,
+            openai_error(503, "no replica could take the request; retry it", "no_replica_available", "server_error"),
+            {"Retry-After": str(RETRY_AFTER_S)},
+        )
+
+    async def read_body(self, request: Request) -> bytes | Response:
+        """The request body, or the 413 answer for one larger than a replica accepts."""
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length")
+        too_large = own_answer(
+            413,
+            openai_error(413, f"request body exceeds {limit} bytes, the most a replica accepts", "request_too_large"),
+        )
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return too_large
+        chunks = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                return too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def head_refusal(self, scope: Scope) -> Response | None:
+        """The 431 answer for more, or larger, headers than a replica accepts; None when they fit."""
+        headers = scope.get("headers") or []
+        c = self.config
+        size = len(scope.get("raw_path") or b"") + sum(len(k) + len(v) + 4 for k, v in headers)
+        if len(headers) > c.h11_max_header_count or size > c.h11_max_incomplete_event_size:
+            return own_answer(
+                431,
+                openai_error(
+                    431, "the request line and headers are larger than a replica accepts", "headers_too_large"
+                ),
+            )
+        return None
+
+    async def handle_generate(self, request: Request) -> Response:
+        body = await self.read_body(request)
+        if isinstance(body, Response):
+            return body
+        try:
+            parsed: Any = json.loads(body) if body else None
+        except ValueError:
+            parsed = None  # the replica answers it; the router routes it by load
+        among = None
+        model = parsed.get("model") if isinstance(parsed, dict) else None
+        if isinstance(model, str):
+            among = self.serving(model)
+            if not among:
+                await self.refresh_models(request.headers)
+                among = self.serving(model)
+            if not among and self.models_of:
+                return own_answer(
+                    404,
+                    openai_error(404, f"The model `{model}` does not exist on any replica.", "model_not_found"),
+                )
+        plan = self.routing.plan(parsed, request.headers, among or None)
+        return await self.forward(request, body, plan)
+
+    async def handle_models(self, request: Request) -> Response:
+        await self.refresh_models(request.headers, force=True)
+        if not self.models_of:
+            return own_answer(
+                503, openai_error(503, "no replica listed its models", "no_replica_available", "server_error")
+            )
+        return own_answer(200, {"object": "list", "data": self.merged_models()})
+
+    async def handle_health(self, request: Request) -> Response:
+        admitted = self.replicas.admitted()
+        status = 200 if admitted else 503
+        return own_answer(status, {"status": "ok" if admitted else "no replica admitted", "admitted": admitted})
+
+    async def handle_metrics(self, request: Request) -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(
+            generate_latest(self.metrics.registry),
+            media_type=CONTENT_TYPE_LATEST,
+            headers={REPLICA_HEADER: ROUTER_SELF},
+        )
+
+
+def answer_headers_map(headers: httpx.Headers, replica: str) -> list[tuple[str, str]]:
+    """``answer_headers`` as text, its length left to the answer that carries it."""
+    return [
+        (k.decode("latin-1"), v.decode("latin-1"))
+        for k, v in answer_headers(headers, replica)
+        if k.lower() != b"content-length"
+    ]
+
+
+class RouterHeadMiddleware:
+    """Outermost: refuses heads larger than a replica's (431), and names the router on any answer
+    that names no replica (Starlette's own 404 and 405 included)."""
+
+    def __init__(self, app: Any, router: StandaloneRouter) -> None:
+        self.app = app
+        self.router = router
+        self.header = (REPLICA_HEADER.lower().encode("latin-1"), ROUTER_SELF.encode("latin-1"))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        refusal = self.router.head_refusal(scope)
+        if refusal is not None:
+            await refusal(scope, receive, send)
+            return
+
+        async def named(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                if not any(k.lower() == self.header[0] for k, _ in headers):
+                    message["headers"] = [*headers, self.header]
+            await send(message)
+
+        await self.app(scope, receive, named)
+
+
+def build_app(router: StandaloneRouter) -> Starlette:
+    """The router's ASGI application; its lifespan starts and stops the router's client and probes."""
+
+    @asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.stop()
+
+    app = Starlette(
+        routes=[
+            Route("/health", router.handle_health, methods=["GET"]),
+            Route("/metrics", router.handle_metrics, methods=["GET"]),
+            Route("/v1/models", router.handle_models, methods=["GET"]),
+            Route("/v1/{path:path}", router.handle_generate, methods=["POST"]),
+        ],
+        lifespan=lifespan,
+    )
+    app.add_middleware(RouterHeadMiddleware, router=router)
+    app.state.router = router
+    return app

@@ -1,0 +1,244 @@
+"""The standalone router's pure parts: replica health transitions, load reports, the decision and its retries."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from prefixserve.router.cli import main
+from prefixserve.router.policies import KIND_FALLBACK, KIND_NO_KEY, KIND_OWNER, ReplicaLoad, make_policy
+from prefixserve.router.ring import HashRing, RingServer
+from prefixserve.router.routing_key import prefix_hash
+from prefixserve.router.standalone.config import StandaloneRouterConfig, replica_name
+from prefixserve.router.standalone.load_report import parse_load
+from prefixserve.router.standalone.replica_set import ADMITTED, EJECTED, ReplicaSet, corrected_load
+from prefixserve.router.standalone.routing import StandaloneRouting
+
+URLS = {"a:1": "http://a:1", "b:2": "http://b:2", "c:3": "http://c:3"}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# -- health -----------------------------------------------------------------------------------------
+
+
+def test_ejected_after_n_failed_probes_in_a_row_and_admitted_after_m_good_ones() -> None:
+    rs = ReplicaSet(URLS, unhealthy_after=3, healthy_after=2)
+    assert [rs.probe("a:1", False), rs.probe("a:1", False)] == [None, None]
+    assert rs.probe("a:1", True) is None  # a good probe resets the failures
+    assert [rs.probe("a:1", False) for _ in range(2)] == [None, None]
+    assert rs.probe("a:1", False) == EJECTED
+    assert "a:1" not in rs.admitted()
+    assert [c.name for c in rs.candidates()] == ["b:2", "c:3"]
+    assert rs.probe("a:1", True) is None
+    assert rs.probe("a:1", False) is None  # a failure resets the good count
+    assert rs.probe("a:1", True) is None
+    assert rs.probe("a:1", True) == ADMITTED
+    assert rs.admitted() == ["a:1", "b:2", "c:3"]
+
+
+def test_a_replica_that_died_under_a_request_is_ejected_at_once() -> None:
+    rs = ReplicaSet(URLS, unhealthy_after=3, healthy_after=1)
+    rs.report_load("b:2", ReplicaLoad(num_running=4))
+    assert rs.died("b:2") == EJECTED
+    assert rs.died("b:2") is None  # already out
+    assert rs.load("b:2") is None  # its old report is dropped with it
+    assert [c.name for c in rs.candidates()] == ["a:1", "c:3"]
+    assert rs.probe("b:2", True) == ADMITTED
+
+
+def test_every_replica_is_a_candidate_while_none_is_admitted() -> None:
+    rs = ReplicaSet(URLS, unhealthy_after=1)
+    for name in URLS:
+        rs.died(name)
+    assert [c.name for c in rs.candidates()] == list(URLS)
+    assert [c.name for c in rs.candidates(["c:3"])] == ["c:3"]
+
+
+# -- load -------------------------------------------------------------------------------------------
+
+VLLM_TEXT = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 2.0
+vllm:num_requests_waiting{engine="0",model_name="m"} 7.0
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+vllm:num_requests_waiting_by_reason{reason="capacity"} 99
+vllm:num_requests_running_total 1000
+"""
+
+
+def test_vllm_gauges_parse_summed_over_label_sets() -> None:
+    assert parse_load(VLLM_TEXT) == ReplicaLoad(num_waiting=7, num_running=5, kv_usage=0.25)
+
+
+def test_sglang_gauges_parse() -> None:
+    text = (
+        'sglang:num_running_reqs{model_name="x"} 4\nsglang:num_queue_reqs{model_name="x"} 1\nsglang:token_usage 0.5\n'
+    )
+    assert parse_load(text) == ReplicaLoad(num_waiting=1, num_running=4, kv_usage=0.5)
+
+
+def test_text_without_request_gauges_reports_no_load() -> None:
+    assert parse_load("# nothing\nprocess_cpu_seconds_total 12\nvllm:num_requests_running NaN\n") is None
+    assert parse_load("") is None
+
+
+def test_a_report_is_corrected_by_the_routers_own_change_and_ages_out() -> None:
+    clock = Clock()
+    rs = ReplicaSet(URLS, load_max_age_s=5.0, clock=clock)
+    rs.started("a:1")
+    rs.report_load("a:1", ReplicaLoad(num_waiting=1, num_running=2))
+    rs.started("a:1")  # one more sent since the report: it waits there
+    assert rs.load("a:1") == ReplicaLoad(num_waiting=2, num_running=2)
+    rs.ended("a:1")
+    rs.ended("a:1")  # two ended since: off waiting first, then running
+    assert rs.load("a:1") == ReplicaLoad(num_waiting=0, num_running=2)
+    assert corrected_load(ReplicaLoad(num_waiting=0, num_running=1), 3, 0) == ReplicaLoad()
+    clock.now = 5.5
+    assert rs.load("a:1") is None
+
+
+# -- the decision -----------------------------------------------------------------------------------
+
+
+def chat(system: str | None, user: str = "hi") -> dict:
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+    return {"model": "m", "messages": messages}
+
+
+def test_same_system_prompt_same_replica_with_placed() -> None:
+    routing = StandaloneRouting(make_policy("placed"), ReplicaSet(URLS))
+    firsts = set()
+    for i in range(6):
+        plan = routing.plan(chat("You are a pirate.", f"question {i}"), {})
+        assert plan.key == prefix_hash("You are a pirate.")
+        assert sorted(plan.ranking) == sorted(URLS)
+        firsts.add(plan.first)
+        assert routing.landed(plan, plan.first) in (KIND_OWNER, "placed", "new_conversation")
+        routing.finished(plan)
+    assert len(firsts) == 1
+
+
+def test_retries_walk_the_ring_order_of_the_key() -> None:
+    routing = StandaloneRouting(make_policy("consistent_hash"), ReplicaSet(URLS))
+    plan = routing.plan(chat("tenant 7"), {})
+    ring = HashRing([RingServer(n) for n in URLS])
+    assert plan.ranking == ring.successors(plan.key, list(URLS))
+    assert plan.attempts(2) == plan.ranking[:2]
+    assert plan.attempts(10) == plan.ranking
+    assert routing.landed(plan, plan.ranking[1]) == KIND_FALLBACK
+
+
+def test_an_ejected_replica_is_not_ranked() -> None:
+    rs = ReplicaSet(URLS, unhealthy_after=1)
+    routing = StandaloneRouting(make_policy("placed"), rs)
+    owner = routing.plan(chat("tenant 9"), {}).first
+    rs.died(owner)
+    plan = routing.plan(chat("tenant 9"), {})
+    assert owner not in plan.ranking and len(plan.ranking) == 2
+
+
+@pytest.mark.parametrize("body", [None, ["not", "an", "object"], {"messages": "nope"}, {"model": "m"}])
+def test_a_body_without_a_readable_key_is_routed_by_load(body: object) -> None:
+    rs = ReplicaSet(URLS)
+    for name in ("a:1", "a:1", "c:3"):
+        rs.started(name)
+    routing = StandaloneRouting(make_policy("placed"), rs)
+    plan = routing.plan(body, {})
+    assert plan.key is None and plan.first == "b:2" and not plan.counted
+    assert routing.landed(plan, "b:2") == KIND_NO_KEY
+
+
+def test_placed_counts_a_key_once_and_finished_ends_it() -> None:
+    routing = StandaloneRouting(make_policy("placed"), ReplicaSet(URLS))
+    placed = routing.placed
+    assert placed is not None
+    plan = routing.plan(chat("counted"), {})
+    assert placed.key_in_flight(plan.key) == 1
+    routing.finished(plan)
+    assert placed.key_in_flight(plan.key) == 0
+
+
+def test_a_fallback_landing_records_the_prompt_where_it_landed() -> None:
+    routing = StandaloneRouting(make_policy("placed"), ReplicaSet(URLS))
+    body = chat("sys", "a long first question " * 40)
+    plan = routing.plan(body, {})
+    assert plan.blocks is not None
+    other = plan.ranking[1]
+    routing.landed(plan, other)
+    assert routing.placed is not None and routing.placed.history is not None
+    held = routing.placed.history.held(plan.blocks.hashes)
+    assert held.get(other) == len(plan.blocks.hashes)
+    routing.forget(other)
+    assert other not in routing.placed.history.held(plan.blocks.hashes)
+
+
+def test_the_kv_event_seam_feeds_placed() -> None:
+    routing = StandaloneRouting(make_policy("placed", precise=True), ReplicaSet(URLS))
+    body = chat("sys", "question " * 80)
+    plan = routing.plan(body, {})
+    assert plan.blocks is not None
+    routing.report_history("c:3", plan.blocks.hashes, [])
+    assert routing.placed is not None and routing.placed.history is not None
+    assert routing.placed.history.held(plan.blocks.hashes).get("c:3") == len(plan.blocks.hashes)
+    routing.set_cached("c:3", plan.key, True)  # accepted by placed's precise table
+
+
+# -- config and CLI ---------------------------------------------------------------------------------
+
+
+def test_replica_names_are_host_port() -> None:
+    assert replica_name("http://10.0.0.1:8001/") == "10.0.0.1:8001"
+    assert replica_name("https://example.com") == "example.com:443"
+    assert replica_name("http://[::1]:9") == "[::1]:9"
+    for bad in ("10.0.0.1:8001", "ftp://x:1", "http://:80", "http://h:99999"):
+        with pytest.raises(ValueError):
+            replica_name(bad)
+
+
+def test_config_refuses_no_replica_duplicates_and_bad_numbers() -> None:
+    with pytest.raises(ValueError, match="at least one replica"):
+        StandaloneRouterConfig()
+    with pytest.raises(ValueError, match="distinct"):
+        StandaloneRouterConfig(replicas=["http://a:1", "http://a:1/"])
+    with pytest.raises(ValueError, match="max_attempts"):
+        StandaloneRouterConfig(replicas=["http://a:1"], max_attempts=0)
+    with pytest.raises(ValueError, match="health_interval_s"):
+        StandaloneRouterConfig(replicas=["http://a:1"], health_interval_s=float("inf"))
+    config = StandaloneRouterConfig(replicas=["http://a:1/", "http://b:2"])
+    assert config.replica_urls == {"a:1": "http://a:1", "b:2": "http://b:2"}
+
+
+def test_the_limits_are_the_replicas() -> None:
+    from prefixserve.replica.entrypoints.openai.server import ServerConfig
+
+    replica = ServerConfig()
+    router = StandaloneRouterConfig(replicas=["http://a:1"])
+    assert router.max_body_bytes == replica.max_body_bytes
+    assert router.h11_max_incomplete_event_size == replica.h11_max_incomplete_event_size
+    assert router.h11_max_header_count == replica.h11_max_header_count
+
+
+def test_cli_refuses_a_bad_replica_url_with_status_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["router", "--replica", "localhost:8001"]) == 2
+    assert "http://" in capsys.readouterr().err
+
+
+def test_the_router_loads_no_replica_http_front_end_and_no_ray() -> None:
+    code = (
+        "import sys, prefixserve.router.standalone.cli, prefixserve.router.standalone.proxy\n"
+        "bad = [m for m in sys.modules if m.startswith(('prefixserve.replica.entrypoints', 'ray', 'torch'))]\n"
+        "print(bad)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
