@@ -273,6 +273,14 @@ class EngineMetrics:
             "prefixserve:tool_call_parse_failures",
             "Sequences whose tool-call text did not parse (answered as content).",
         )
+        # The front end's count of request fields it ignored (replica/entrypoints/openai/request_fields.py).
+        self.ignored_fields = Counter(
+            "prefixserve:ignored_request_fields",
+            "Request fields this server does not know, ignored as vLLM ignores them, by field name "
+            "(one per request that sent it).",
+            labels + ["field"],
+            registry=r,
+        )
         self.startup = Gauge(
             "prefixserve:engine_startup_seconds",
             "Seconds this engine spent starting, by phase (see replica/model/startup.py).",
@@ -384,6 +392,10 @@ class EngineMetrics:
             self.tool_calls_parsed.inc(parsed)
         if failures:
             self.tool_call_parse_failures.inc(failures)
+
+    def observe_ignored_field(self, field: str) -> None:
+        """Count one request that sent the unknown field ``field`` (a bounded label, see request_fields.py)."""
+        self.ignored_fields.labels(self.model_name, ENGINE_INDEX, field).inc()
 
     def observe_restart(self) -> None:
         """Count one engine restart (AsyncEngine reset its state after a fatal failure)."""

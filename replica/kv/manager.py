@@ -104,6 +104,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from prefixserve.replica.kv.block_pool import BlockPool
+from prefixserve.replica.kv.event_recorder import KVEventRecorder
 from prefixserve.replica.kv.hashing import DEFAULT_HASH_ALGO, DEFAULT_HASH_SEED, BlockHasher
 from prefixserve.replica.kv.tiers import (
     MEDIUM_DEVICE,
@@ -261,6 +262,14 @@ class KVCacheManager:
         self._tier = {k: 0 for k in TierStats.__dataclass_fields__ if k != "num_host_cached_blocks"}
         if self.host_tier:
             self.pool.evicted = []
+        # vLLM-format KV events (replica/kv/event_recorder.py), when the engine publishes them.
+        self.events: KVEventRecorder | None = None
+
+    def record_events(self, recorder: KVEventRecorder) -> None:
+        """Report every block registered, evicted or dropped from the host tier to ``recorder`` from now on."""
+        self.events = recorder
+        if self.pool.evicted is None:  # evictions are what BlockRemoved reports
+            self.pool.evicted = []
 
     # --- hashing -----------------------------------------------------------
 
@@ -356,6 +365,8 @@ class KVCacheManager:
         self._hash_of_host[slot] = h
         self._host_pending[slot] = None
         self._tier_ops.host_fills.append((slot, h, payload))
+        if self.events is not None:
+            self.events.stored([h], None, (), 0, MEDIUM_HOST)
         self._disk_slots.add(slot)
         self._loads_this_step += 1
         self._tier["disk_read_blocks"] += 1
@@ -501,7 +512,7 @@ class KVCacheManager:
             )
             self._requests[request_id] = req
             if num_tier:
-                self._load_from_host(req)
+                self._load_from_host(req, token_ids)
         if cow:
             src = req.blocks[-1]
             (dst,) = self._pop_blocks(1)
@@ -540,12 +551,31 @@ class KVCacheManager:
         start = max(start, req.num_skipped)
         if start < known:
             self.pool.cache_blocks(req.blocks[start:known], hashes[start:known])
+            if self.events is not None:
+                self._note_stored(hashes, range(start, known), req.blocks[start:known], token_ids)
             if self.disk is not None and self.disk.enabled:
                 bhash = self.pool.block_hash
                 self._tier_ops.device_stores += (
                     (b, h) for b, h in zip(req.blocks[start:known], hashes[start:known]) if bhash[b] == h
                 )
         req.num_registered = known
+
+    def _note_stored(
+        self, hashes: Sequence[bytes], idx: Sequence[int], blocks: Sequence[int], token_ids: Sequence[int]
+    ) -> None:
+        """Report the request's blocks ``idx`` (ascending; in ``blocks``) that now hold their hash: one
+        ``BlockStored`` per consecutive run (a hash already held by another block stays that block's)."""
+        assert self.events is not None
+        bhash, bs = self.pool.block_hash, self.block_size
+        run: list[int] = []
+        for i, b in [*zip(idx, blocks, strict=True), (-1, -1)]:
+            if run and (b < 0 or i != run[-1] + 1 or bhash[b] != hashes[i]):
+                first = run[0]
+                parent = hashes[first - 1] if first else None
+                self.events.stored([hashes[j] for j in run], parent, token_ids[first * bs : (run[-1] + 1) * bs], bs)
+                run = []
+            if b >= 0 and bhash[b] == hashes[i]:
+                run.append(i)
 
     # --- host tier ---------------------------------------------------------
 
@@ -554,7 +584,10 @@ class KVCacheManager:
         out = self.pool.get_new_blocks(n)
         evicted = self.pool.evicted
         if evicted:
-            self._offload(evicted)
+            if self.events is not None:
+                self.events.removed([h for _, h in evicted])
+            if self.host_tier:
+                self._offload(evicted)
             evicted.clear()
         return out
 
@@ -573,6 +606,8 @@ class KVCacheManager:
             self._hash_of_host[slot] = h
             self._host_pending[slot] = None
             self._tier["host_offloaded_blocks"] += 1
+            if self.events is not None:
+                self.events.stored([h], None, (), 0, MEDIUM_HOST)
 
     def _take_host_slot(self) -> int | None:
         """A host slot to write this step: a free one, else the tier's least recent copy (queued
@@ -584,6 +619,8 @@ class KVCacheManager:
         slot, _ = self._host_lru.popitem(last=False)
         h = self._hash_of_host.pop(slot)
         del self._host_of_hash[h]
+        if self.events is not None:
+            self.events.removed([h], MEDIUM_HOST)
         self._disk_slots.discard(slot)
         self._tier["host_evicted_blocks"] += 1
         disk = self.disk
@@ -596,7 +633,7 @@ class KVCacheManager:
         self._host_ref[slot] += 1
         self._host_lru.pop(slot, None)
 
-    def _load_from_host(self, req: _Request) -> None:
+    def _load_from_host(self, req: _Request, token_ids: Sequence[int]) -> None:
         """Fresh device blocks for the request's ``TIER_BLOCK`` entries, filled from their host slots."""
         idx = [i for i, b in enumerate(req.blocks) if b == TIER_BLOCK]
         slots = [self._host_of_hash[req.hashes[i]] for i in idx]
@@ -612,6 +649,8 @@ class KVCacheManager:
                 self._disk_slots.discard(slot)
                 self._tier["disk_hit_tokens"] += bs
         self.pool.cache_blocks(fresh, [req.hashes[i] for i in idx])
+        if self.events is not None:
+            self._note_stored(req.hashes, idx, fresh, token_ids)
         self._loads_this_step += len(idx)
         self._tier["host_loaded_blocks"] += len(idx)
         self._tier["host_hit_tokens"] += len(idx) * bs
@@ -778,6 +817,7 @@ class KVCacheManager:
         fresh = iter(self._pop_blocks(num_copies))
         blocks: list[int] = []
         recached: list[tuple[int, bytes]] = []
+        recached_idx: list[int] = []  # their logical block indexes
         for i, (kind, v, h) in enumerate(sw.entries):
             if kind != _HOST:  # held, or NULL_BLOCK outside the window
                 blocks.append(v)
@@ -791,9 +831,12 @@ class KVCacheManager:
                 blocks.append(dst)
                 if h is not None:
                     recached.append((dst, h))
+                    recached_idx.append(i)
             self._release_host_slot(v)
         if recached:
             pool.cache_blocks([b for b, _ in recached], [h for _, h in recached])
+            if self.events is not None:
+                self._note_stored(sw.hashes, recached_idx, [b for b, _ in recached], token_ids)
         skipped = sum(1 for kind, _, _ in sw.entries if kind == _SKIPPED)
         self._requests[request_id] = _Request(
             blocks, sw.num_tokens, sw.hashes, sw.num_registered, sw.salt, skipped, sw.num_prompt_tokens
@@ -830,6 +873,8 @@ class KVCacheManager:
         """Forget every cached hash, the host tier's too; refused (False) while any block is in use."""
         if not self.pool.reset_prefix_cache():
             return False
+        if self.events is not None:
+            self.events.cleared()
         for slot in list(self._host_lru):
             del self._host_of_hash[self._hash_of_host.pop(slot)]
             self._host_free.append(slot)

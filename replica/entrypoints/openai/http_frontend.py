@@ -38,7 +38,7 @@ import logging
 import re
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import anyio
@@ -54,6 +54,7 @@ from prefixserve.replica.engine.request_runner import is_conversation_turn
 from prefixserve.replica.entrypoints.openai import protocol as api
 from prefixserve.replica.entrypoints.openai import serving as openai_serving
 from prefixserve.replica.entrypoints.openai.protocol import OpenAIRequest
+from prefixserve.replica.entrypoints.openai.request_fields import IgnoredFields
 from prefixserve.replica.entrypoints.openai.serving import Generation
 from prefixserve.replica.errors import PromptTooLongError
 from prefixserve.replica.tool_calling.choice import check_auto_supported
@@ -94,6 +95,8 @@ class FrontendOptions:
     ``max_header_count`` / ``max_header_bytes``: more header fields, or a request line
     and headers larger than this, get 431 before the API key is checked (None: not
     checked here; the standalone server refuses them in its HTTP protocol already).
+    ``ignored_fields``: what becomes of a body's unknown top-level fields (ignored, logged
+    once and counted, as vLLM does; refused when strict).
     """
 
     api_keys: tuple[bytes, ...] = ()
@@ -102,6 +105,7 @@ class FrontendOptions:
     client_body_timeout_s: float = DEFAULT_CLIENT_BODY_TIMEOUT_S
     max_header_count: int | None = None
     max_header_bytes: int | None = None
+    ignored_fields: IgnoredFields = field(default_factory=IgnoredFields)
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:
@@ -118,6 +122,7 @@ class FrontendOptions:
         client_body_timeout_s: float = DEFAULT_CLIENT_BODY_TIMEOUT_S,
         max_header_count: int | None = None,
         max_header_bytes: int | None = None,
+        ignored_fields: IgnoredFields | None = None,
     ) -> FrontendOptions:
         return cls(
             tuple(k.encode("utf-8") for k in (api_keys or []) if k),
@@ -126,6 +131,7 @@ class FrontendOptions:
             client_body_timeout_s,
             max_header_count,
             max_header_bytes,
+            ignored_fields or IgnoredFields(),
         )
 
 
@@ -454,6 +460,7 @@ async def handle_generate(
             slot.take()
         info = await client.model_info()
         check_message_count(body_cls, data, info)
+        data = options.ignored_fields.filter(body_cls, data)
         body = api.validate_request(body_cls, data)
         model = check_model(info, body.model)
         key = routing_key(data, request.headers) if routing_key is not None else None

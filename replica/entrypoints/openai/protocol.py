@@ -15,15 +15,24 @@ Invariants:
 * Every request model derives from :class:`RequestModel`: a field that is not
   in the schema below is refused (400, code ``unknown_parameter``, the field
   named), and so are NaN/Infinity and integers outside int64, so no torch or
-  Python overflow text ever reaches a client.
+  Python overflow text ever reaches a client. The HTTP front end drops unknown
+  *top-level* fields before validation unless the server is strict, as vLLM
+  ignores them (replica/entrypoints/openai/request_fields.py).
 * Fields OpenAI (or vLLM) defines that this engine does not implement are
   refused (400, code ``unsupported_parameter`` / ``unsupported_value``) when set
   to a value that would change the answer, never silently ignored:
   ``functions`` (non-empty), ``function_call``, ``audio``, ``modalities`` other than ``["text"]``,
   ``prediction``, ``web_search_options``, ``reasoning_effort``, ``verbosity``,
   ``moderation``, ``store: true``, ``service_tier`` other than ``auto`` /
-  ``default``; completions' ``suffix`` and ``best_of`` != ``n``.
-  vLLM extensions other than the ones declared here are unknown fields.
+  ``default``; completions' ``suffix`` and ``best_of`` != ``n``. So are vLLM's
+  extensions that would change the answer unless at vLLM's default:
+  ``use_beam_search``, ``truncate_prompt_tokens``, ``priority`` other than 0,
+  ``logits_processors``, ``return_tokens_as_token_ids``, ``return_token_ids``,
+  ``guided_whitespace_pattern``; chat's ``echo``, ``add_generation_prompt: false``,
+  ``continue_final_message``, ``add_special_tokens: true``, ``documents``,
+  ``chat_template``, ``chat_template_kwargs``; completions' ``add_special_tokens:
+  false`` and ``prompt_embeds``. vLLM extensions with no effect here
+  (``request_id``, ``kv_transfer_params``, ``length_penalty``, ...) are unknown fields.
 * Sampling fields with vLLM's names and ranges (``SamplingParams`` checks them):
   ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``, ``min_p``,
   ``bad_words``, ``allowed_token_ids``, ``include_stop_str_in_output``,
@@ -492,6 +501,31 @@ class _SamplingRequest(RequestModel):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    # vLLM extensions this engine does not implement: declared so that they are never ignored
+    # as unknown fields, and refused when set to a value that would change the answer.
+    use_beam_search: Any = None
+    truncate_prompt_tokens: Any = None
+    priority: Any = None
+    logits_processors: Any = None
+    return_tokens_as_token_ids: Any = None
+    return_token_ids: Any = None
+    guided_whitespace_pattern: Any = None
+
+    @field_validator("use_beam_search", "return_tokens_as_token_ids", "return_token_ids", mode="before")
+    @classmethod
+    def _vllm_switches_off(cls, value: Any, info: ValidationInfo) -> Any:
+        return _refuse_unless(info, value, lambda v: v is False, "false")
+
+    @field_validator("truncate_prompt_tokens", "logits_processors", "guided_whitespace_pattern", mode="before")
+    @classmethod
+    def _vllm_unset(cls, value: Any, info: ValidationInfo) -> Any:
+        return _refuse_unless(info, value, lambda v: v == [], "null")
+
+    @field_validator("priority", mode="before")
+    @classmethod
+    def _default_priority(cls, value: Any, info: ValidationInfo) -> Any:
+        # vLLM refuses another priority unless the scheduler orders by priority; this one is FCFS.
+        return _refuse_unless(info, value, lambda v: v == 0 and not isinstance(v, bool), "0")
 
     @field_validator("prompt_logprobs")
     @classmethod
@@ -616,8 +650,32 @@ class ChatCompletionRequest(_SamplingRequest):
     reasoning_effort: Any = None
     verbosity: Any = None
     moderation: Any = None
+    # vLLM's chat extensions this engine does not implement (the template is the server's,
+    # rendered with the generation prompt): refused unless set to vLLM's default.
+    echo: Any = None
+    add_generation_prompt: Any = None
+    continue_final_message: Any = None
+    add_special_tokens: Any = None
+    documents: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
 
     id_prefix: ClassVar[str] = "chatcmpl"
+
+    @field_validator("echo", "continue_final_message", "add_special_tokens", mode="before")
+    @classmethod
+    def _vllm_chat_switches_off(cls, value: Any, info: ValidationInfo) -> Any:
+        return _refuse_unless(info, value, lambda v: v is False, "false")
+
+    @field_validator("add_generation_prompt", mode="before")
+    @classmethod
+    def _generation_prompt_added(cls, value: Any, info: ValidationInfo) -> Any:
+        return _refuse_unless(info, value, lambda v: v is True, "true")
+
+    @field_validator("documents", "chat_template", "chat_template_kwargs", mode="before")
+    @classmethod
+    def _server_template_only(cls, value: Any, info: ValidationInfo) -> Any:
+        return _refuse_unless(info, value, lambda v: v == {} or v == [], "null (the server's --chat-template applies)")
 
     @field_validator("functions", mode="before")
     @classmethod
@@ -783,8 +841,21 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     best_of: Int | None = None
     suffix: str | None = None
+    # vLLM's completion extensions this engine does not implement: refused unless vLLM's default.
+    add_special_tokens: Any = None
+    prompt_embeds: Any = None
 
     id_prefix: ClassVar[str] = "cmpl"
+
+    @field_validator("add_special_tokens", mode="before")
+    @classmethod
+    def _special_tokens_added(cls, value: Any, info: ValidationInfo) -> Any:
+        return _refuse_unless(info, value, lambda v: v is True, "true")
+
+    @field_validator("prompt_embeds", mode="before")
+    @classmethod
+    def _no_prompt_embeds(cls, value: Any, info: ValidationInfo) -> Any:
+        return _refuse_unless(info, value, lambda v: False, "null")
 
     @field_validator("prompt")
     @classmethod

@@ -66,6 +66,9 @@ from prefixserve.replica.entrypoints.openai.http_frontend import (
     InFlightSlot,
 )
 from prefixserve.replica.entrypoints.openai.http_limits import ConnectionLimits, limited_protocol
+from prefixserve.replica.entrypoints.openai.request_fields import IgnoredFields
+from prefixserve.replica.entrypoints.openai.server_info import ReplicaInfo, package_version
+from prefixserve.replica.entrypoints.openai.tokenization import Tokenization
 
 if TYPE_CHECKING:
     from prefixserve.replica.engine.async_engine import AsyncEngine
@@ -131,6 +134,13 @@ class ServerConfig:
         default=30.0,
         metadata=_help(
             "on SIGTERM, seconds requests in flight may still run before they are ended with an error event"
+        ),
+    )
+    strict_request_fields: bool = field(
+        default=False,
+        metadata=_help(
+            "refuse (400 unknown_parameter) request fields this server does not know; off: ignore them as vLLM "
+            "does (each named once in the log, counted in prefixserve:ignored_request_fields_total)"
         ),
     )
 
@@ -266,6 +276,7 @@ def build_app(
     max_in_flight: int | None = None,
     client_body_timeout_s: float = DEFAULT_CLIENT_BODY_TIMEOUT_S,
     drain: Drain | None = None,
+    strict_request_fields: bool = False,
 ) -> FastAPI:
     """The FastAPI application serving ``engine``.
 
@@ -279,10 +290,16 @@ def build_app(
     ``client_body_timeout_s``: a body not whole within this gets 408. ``drain``:
     the shutdown state the server's signal handling drives (while draining,
     ``/health`` and generation requests answer 503). The engine is shut down
-    with the application.
+    with the application. ``strict_request_fields``: refuse unknown request fields (400)
+    instead of ignoring them as vLLM does.
     """
-    options = FrontendOptions.build(list(api_keys or []), max_body_bytes, client_body_timeout_s=client_body_timeout_s)
+    ignored = IgnoredFields(strict=strict_request_fields, count=engine.metrics.observe_ignored_field)
+    options = FrontendOptions.build(
+        list(api_keys or []), max_body_bytes, client_body_timeout_s=client_body_timeout_s, ignored_fields=ignored
+    )
     client = LocalEngineClient(engine)
+    tokenization = Tokenization(engine, client, options)
+    info = replica_info(engine)
     drain = drain if drain is not None else Drain(timeout_s=0.0)
 
     @asynccontextmanager
@@ -334,7 +351,49 @@ def build_app(
     async def completions(request: Request) -> Response:
         return await http_frontend.handle_generate(request, api.CompletionRequest, client, options)
 
+    # vLLM's tokenizer endpoints and the chat render (replica/entrypoints/openai/tokenization.py).
+    app.post("/tokenize")(tokenization.tokenize)
+    app.post("/detokenize")(tokenization.detokenize)
+    app.post("/v1/chat/completions/render")(tokenization.render_chat)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": info.version})
+
+    # SGLang's info endpoints, which routers probe when they register a worker; behind the key.
+    async def server_info(request: Request) -> JSONResponse:
+        http_frontend.check_auth(request, options)
+        return JSONResponse(info.server_info())
+
+    async def model_info(request: Request) -> JSONResponse:
+        http_frontend.check_auth(request, options)
+        return JSONResponse(info.model_info())
+
+    for path in ("/server_info", "/get_server_info"):
+        app.get(path)(server_info)
+    for path in ("/model_info", "/get_model_info"):
+        app.get(path)(model_info)
+
     return app
+
+
+def replica_info(engine: AsyncEngine) -> ReplicaInfo:
+    """What the info endpoints report of ``engine`` (its configuration and KV cache size)."""
+    config = engine.config
+    core = engine.engine
+    return ReplicaInfo(
+        model_name=engine.model_name,
+        model_path=config.model,
+        max_model_len=int(engine.max_model_len),
+        block_size=int(config.block_size),
+        num_kv_blocks=int(core.runner.num_blocks),
+        tensor_parallel_size=int(config.tensor_parallel_size),
+        max_num_seqs=int(config.max_num_seqs),
+        max_num_batched_tokens=int(config.max_num_batched_tokens),
+        enable_prefix_caching=bool(config.enable_prefix_caching),
+        architectures=(core.model_config.architecture,),
+        version=package_version(),
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -445,6 +504,7 @@ def serve(
         max_in_flight=config.max_in_flight,
         client_body_timeout_s=config.client_body_timeout_s,
         drain=drain,
+        strict_request_fields=config.strict_request_fields,
     )
     extra = {} if uvicorn_logging else {"log_config": None}
     server = DrainingServer(

@@ -155,7 +155,7 @@ def test_every_4xx_of_the_front_end_has_a_code(replica):
     cases = [
         ("POST", "/v1/completions", {"prompt": [1, 10**7]}),  # outside the vocabulary
         ("POST", "/v1/completions", {"prompt": "x", "model": "nope"}),
-        ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "bogus": 1}),
+        ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "bogus": 1}]}),
         ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "seed": 2**70}),
         ("GET", "/v1/nothing", None),
     ]
