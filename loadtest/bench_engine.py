@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixserve.common.logs import add_verbose_flag, quiet_libraries
+from prefixserve.loadtest.harness.report import write_json
 
 SYSTEM_LEN, QUESTION_LEN, OUTPUT_LEN = 500, 30, 16
 STARTUP_CHILD = "--startup-child"
@@ -438,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     if startup:
         print_startup(startup)
     if args.startup_only:
-        _write(Path(args.out), {"startup": startup})
+        write_json(Path(args.out), {"startup": startup})
         return 0
     if args.agents_only:
         from prefixserve.loadtest.agent_workload import AgentConfig
@@ -446,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
 
         agents = measure_agents(AgentConfig(seed=args.seed), int(args.kv_gib * 1024**3), args.repeats, args.device)
         print_agents(agents)
-        _write(Path(args.out).with_name("bench_agents.json"), agents)
+        write_json(Path(args.out).with_name("bench_agents.json"), agents)
         return 0
     import torch
 
@@ -465,11 +466,11 @@ def main(argv: list[str] | None = None) -> int:
     kv_bytes = int(args.kv_gib * 1024**3)
     if args.fp8_only:
         fp8 = measure_fp8(prompts, kv_bytes, int(args.fp8_kv_mib * 2**20))
-        _write(Path(args.out).with_name("bench_engine_fp8.json"), fp8)
+        write_json(Path(args.out).with_name("bench_engine_fp8.json"), fp8)
         return 0
     if args.tensor_parallel_size > 1:
         tp = measure_tensor_parallel(prompts, kv_bytes, args.tensor_parallel_size, args.repeats)
-        _write(Path(args.out).with_name("bench_engine_tp.json"), tp)
+        write_json(Path(args.out).with_name("bench_engine_tp.json"), tp)
         return 0
     print(
         f"workload: {len(prompts)} requests, prompt tokens mean {statistics.mean(map(len, prompts)):.0f}, "
@@ -526,14 +527,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nnote: {n}")
     for r in rows:
         r.pop("token_ids", None)
-    _write(Path(args.out), {"rows": rows, "decode_tokens_per_s": decode, "notes": notes, "startup": startup})
+    write_json(args.out, {"rows": rows, "decode_tokens_per_s": decode, "notes": notes, "startup": startup})
     return 0
-
-
-def _write(out: Path, result: dict[str, Any]) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"\nwrote {out}")
 
 
 def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:

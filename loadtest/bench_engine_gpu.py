@@ -19,7 +19,6 @@ minutes on an H200; prints markdown tables, writes results/bench_engine_gpu.json
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import tempfile
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixserve.common.logs import add_verbose_flag, quiet_libraries
+from prefixserve.loadtest.harness.report import write_json
 
 
 @dataclass(frozen=True)
@@ -372,10 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.shapes.split(","):
             results.append(bench_shape(SHAPES[name], args, tokenizer_dir, Path(tmp)))
     print_tables(results)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"environment": env, "results": results}, indent=2))
-    print(f"\nwrote {out}")
+    write_json(args.out, {"environment": env, "results": results})
     return 0
 
 

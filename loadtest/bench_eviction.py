@@ -44,7 +44,6 @@ writes results/bench_eviction.json).
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -54,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixserve.common.logs import add_verbose_flag, quiet_libraries
+from prefixserve.loadtest.harness.report import config_json, write_json
 from prefixserve.replica.kv.block_pool import EVICTION_POLICIES
 
 VOCAB_LOW, VOCAB_HIGH = 100, 49_000  # SmolLM2's ordinary tokens (no specials)
@@ -362,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             runs[run_key(p, m, st)].append(r)
     res: dict[str, Any] = {
-        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "config": config_json(args),
         "distinct_tenants": len(set(tenants)),
         "policies": {},
     }
@@ -377,9 +377,7 @@ def main(argv: list[str] | None = None) -> int:
             "hit_rates": [r["hit_rate"] for r in rs],
         }
     print(render(res))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(res, indent=2))
-    print(f"\nwrote {args.out}")
+    write_json(args.out, res)
     return 0
 
 

@@ -48,6 +48,8 @@ from tqdm import tqdm
 
 from prefixserve.common.logs import add_verbose_flag, quiet_libraries
 from prefixserve.loadtest.bench_engine_gpu import Shape, build_checkpoint, default_tokenizer_dir, token_prompts
+from prefixserve.loadtest.harness.plotting import figure
+from prefixserve.loadtest.harness.report import write_json
 from prefixserve.loadtest.peers import vllm_decode_step
 
 HOST_SHAPE = Shape(
@@ -343,36 +345,28 @@ def render(result: dict[str, Any]) -> str:
 
 def plot(result: dict[str, Any], path: Path) -> None:
     """The phases stacked per batch size, vLLM's step as a bar beside each."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = result["rows"]
     xs = list(range(len(rows)))
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    width = 0.38
-    bottom = [0.0] * len(rows)
-    for part in PARTS:
-        heights = [r["parts_ms"][part] for r in rows]
-        ax.bar([x - width / 2 for x in xs], heights, width, bottom=bottom, label=part)
-        bottom = [b + h for b, h in zip(bottom, heights)]
-    if any("vllm_step_ms" in r for r in rows):
-        ax.bar(
-            [x + width / 2 for x in xs],
-            [r.get("vllm_step_ms", 0.0) for r in rows],
-            width,
-            color="0.6",
-            label="vLLM CPU (whole step)",
-        )
-    ax.set_xticks(xs, [str(r["batch"]) for r in rows])
-    ax.set_xlabel("batch size (sequences decoding)")
-    ax.set_ylabel("ms per decode step (median)")
-    ax.set_title("Decode step of a 2-layer hidden-256 model: where the time goes")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, 110, figsize=(8, 4.5)) as (_, ax):
+        width = 0.38
+        bottom = [0.0] * len(rows)
+        for part in PARTS:
+            heights = [r["parts_ms"][part] for r in rows]
+            ax.bar([x - width / 2 for x in xs], heights, width, bottom=bottom, label=part)
+            bottom = [b + h for b, h in zip(bottom, heights)]
+        if any("vllm_step_ms" in r for r in rows):
+            ax.bar(
+                [x + width / 2 for x in xs],
+                [r.get("vllm_step_ms", 0.0) for r in rows],
+                width,
+                color="0.6",
+                label="vLLM CPU (whole step)",
+            )
+        ax.set_xticks(xs, [str(r["batch"]) for r in rows])
+        ax.set_xlabel("batch size (sequences decoding)")
+        ax.set_ylabel("ms per decode step (median)")
+        ax.set_title("Decode step of a 2-layer hidden-256 model: where the time goes")
+        ax.legend(fontsize=8)
 
 
 def environment() -> dict[str, str]:
@@ -473,8 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     table = render(result)
     print(table)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    write_json(args.out, result, indent=1, announce=False)
     args.out.with_suffix(".md").write_text(table + "\n")
     plot(result, args.out.with_suffix(".png"))
     print(f"wrote {args.out}, {args.out.with_suffix('.md')}, {args.out.with_suffix('.png')}", file=sys.stderr)

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -42,6 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from prefixserve.loadtest.harness.report import write_json
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 FP8 = torch.float8_e4m3fn
@@ -796,40 +797,36 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"triton {__import__('triton').__version__}, {time.time() - started:.0f} s\n"
         )
         print(table)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps(
-            {
-                "device": torch.cuda.get_device_name(device),
-                "torch": torch.__version__,
-                "triton": __import__("triton").__version__,
-                "seed": args.seed,
-                "shape": {
-                    "num_heads": NUM_HEADS,
-                    "num_kv_heads": NUM_KV_HEADS,
-                    "head_dim": HEAD_DIM,
-                    "block_size": BLOCK_SIZE,
-                },
-                "layer_shape": {
-                    "hidden": LAYER_HIDDEN,
-                    "num_heads": LAYER_HEADS,
-                    "num_kv_heads": LAYER_KV_HEADS,
-                    "head_dim": LAYER_HEAD_DIM,
-                    "intermediate": LAYER_INTER,
-                    "tokens": list(LAYER_TOKENS),
-                    "dtype": DTYPE_NAMES[LAYER_DTYPE],
-                },
-                "layers_only": args.layers_only,
-                "correctness": checks,
-                "ceilings": peaks,
-                "rows": [dataclasses.asdict(r) for r in rows],
+    write_json(
+        args.out,
+        {
+            "device": torch.cuda.get_device_name(device),
+            "torch": torch.__version__,
+            "triton": __import__("triton").__version__,
+            "seed": args.seed,
+            "shape": {
+                "num_heads": NUM_HEADS,
+                "num_kv_heads": NUM_KV_HEADS,
+                "head_dim": HEAD_DIM,
+                "block_size": BLOCK_SIZE,
             },
-            indent=2,
-            default=str,
-        )
+            "layer_shape": {
+                "hidden": LAYER_HIDDEN,
+                "num_heads": LAYER_HEADS,
+                "num_kv_heads": LAYER_KV_HEADS,
+                "head_dim": LAYER_HEAD_DIM,
+                "intermediate": LAYER_INTER,
+                "tokens": list(LAYER_TOKENS),
+                "dtype": DTYPE_NAMES[LAYER_DTYPE],
+            },
+            "layers_only": args.layers_only,
+            "correctness": checks,
+            "ceilings": peaks,
+            "rows": [dataclasses.asdict(r) for r in rows],
+        },
+        default=str,
+        announce=not args.json,
     )
-    if not args.json:
-        print(f"\nwrote {args.out}")
     return 0 if all(c["ok"] for c in checks) else 1
 
 

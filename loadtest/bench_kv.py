@@ -44,6 +44,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from prefixserve.loadtest.harness.report import config_json, write_json
 from prefixserve.loadtest.peers import vllm_kv_manager as vllm_peer
 from prefixserve.replica.kv import BlockHasher, KVCacheManager
 from prefixserve.replica.kv.block_pool import EVICTION_POLICIES
@@ -656,15 +657,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     steps = [(name, all_steps[name]) for name in PARTS if name in parts]
     res: dict = {
-        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "config": config_json(args),
         "python": sys.version.split()[0],
     }
     for name, fn in tqdm(steps, desc="bench_kv", unit="part"):
         res[name] = fn()
     print(render(res))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(res, indent=2))
-    print(f"\nwrote {args.out}")
+    write_json(args.out, res)
     return 0
 
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from prefixserve.loadtest.harness.report import write_json
 from prefixserve.replica.engine.outputs import RequestOutput
 from prefixserve.replica.entrypoints.llm import LLM
 from prefixserve.replica.sampling_params import SamplingParams
@@ -267,9 +268,7 @@ def main() -> None:
         "tpot": rows,
         "compile": compiled,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))  # ours kept should the vLLM peer fail
+    out = write_json(args.out, result, announce=False)  # ours kept should the vLLM peer fail
     print_rows("prefixserve", rows)
     if args.vllm_python:
         result["vllm"] = run_vllm_peer(args.vllm_python, prompts, args.batch_sizes, args.max_tokens, args.repeats)
@@ -281,7 +280,7 @@ def main() -> None:
     for k, val in compiled.items():
         print(f"| {k} | {val:.4f} |")
     print(json.dumps({"versions": versions, "machine": result["machine"]}))
-    out.write_text(json.dumps(result, indent=2))
+    write_json(out, result, announce=False)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ prompts): a tier never changes what is generated.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import shutil
 import statistics
@@ -31,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from prefixserve.loadtest.harness.report import write_json
 
 MODEL = "smollm2"
 
@@ -300,9 +301,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['ttft_host_s'] * 1e3:>8.0f}{r['ttft_disk_s'] * 1e3:>8.0f}{r['host_copy_s'] * 1e3:>11.1f}"
             f"{r['disk_copy_s'] * 1e3:>11.1f}"
         )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    write_json(args.out, result, announce=False)
     return 0
 
 

@@ -83,6 +83,8 @@ import numpy as np
 
 from prefixserve.loadtest.conversations import CONVERSATION_WORKLOADS, ConversationTraffic, preset
 from prefixserve.loadtest.cost_model import CostProfile, get_profile
+from prefixserve.loadtest.harness.plotting import figure
+from prefixserve.loadtest.harness.report import write_json
 from prefixserve.loadtest.peers import PEERS, PeerRequest, make_peer
 from prefixserve.loadtest.peers.sglang import SGLangCacheAware, SGLangConfig
 from prefixserve.loadtest.workloads import zipf_tenant_sequence
@@ -794,54 +796,45 @@ def markdown_table(results: Sequence[PolicyResult], baseline: str | None = BASEL
 def plot(
     main: Sequence[PolicyResult], by_replicas: Sequence[PolicyResult], by_epsilon: Sequence[PolicyResult], path: Path
 ) -> None:
-    import matplotlib
+    with figure(path, 110, 1, 3, figsize=(17, 5)) as (_, axes):
+        ax = axes[0]
+        names = [r.policy for r in main]
+        x = np.arange(len(main))
+        ax.bar(x, [r.hit_rate * 100 for r in main], color="tab:blue", alpha=0.7, label="hit rate")
+        ax.axhline(main[0].oracle_hit_rate * 100, color="tab:blue", ls=":", label="oracle")
+        ax.set_xticks(x, names, rotation=30, ha="right")
+        ax.set_ylabel("prefix-cache hit rate (%)", color="tab:blue")
+        ax2 = ax.twinx()
+        ax2.plot(x, [r.ttft_p50 for r in main], "o-", color="tab:red", label="TTFT p50")
+        ax2.plot(x, [r.ttft_p99 for r in main], "s--", color="tab:red", label="TTFT p99")
+        ax2.set_yscale("log")
+        ax2.set_ylabel("TTFT (s, log)", color="tab:red")
+        ax.set_title(f"{main[0].num_replicas} replicas: hit rate against TTFT")
+        ax.legend(loc="upper left", fontsize=8)
+        ax2.legend(loc="upper right", fontsize=8)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+        ax = axes[1]
+        for name in dict.fromkeys(r.policy for r in by_replicas):
+            rows = [r for r in by_replicas if r.policy == name]
+            ax.plot([r.num_replicas for r in rows], [r.hit_rate * 100 for r in rows], "o-", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("replicas")
+        ax.set_ylabel("hit rate (%)")
+        ax.set_title("hit rate against cluster size")
+        ax.legend(fontsize=8)
 
-    fig, axes = plt.subplots(1, 3, figsize=(17, 5))
-    ax = axes[0]
-    names = [r.policy for r in main]
-    x = np.arange(len(main))
-    ax.bar(x, [r.hit_rate * 100 for r in main], color="tab:blue", alpha=0.7, label="hit rate")
-    ax.axhline(main[0].oracle_hit_rate * 100, color="tab:blue", ls=":", label="oracle")
-    ax.set_xticks(x, names, rotation=30, ha="right")
-    ax.set_ylabel("prefix-cache hit rate (%)", color="tab:blue")
-    ax2 = ax.twinx()
-    ax2.plot(x, [r.ttft_p50 for r in main], "o-", color="tab:red", label="TTFT p50")
-    ax2.plot(x, [r.ttft_p99 for r in main], "s--", color="tab:red", label="TTFT p99")
-    ax2.set_yscale("log")
-    ax2.set_ylabel("TTFT (s, log)", color="tab:red")
-    ax.set_title(f"{main[0].num_replicas} replicas: hit rate against TTFT")
-    ax.legend(loc="upper left", fontsize=8)
-    ax2.legend(loc="upper right", fontsize=8)
-
-    ax = axes[1]
-    for name in dict.fromkeys(r.policy for r in by_replicas):
-        rows = [r for r in by_replicas if r.policy == name]
-        ax.plot([r.num_replicas for r in rows], [r.hit_rate * 100 for r in rows], "o-", label=name)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("replicas")
-    ax.set_ylabel("hit rate (%)")
-    ax.set_title("hit rate against cluster size")
-    ax.legend(fontsize=8)
-
-    ax = axes[2]
-    eps = [r.epsilon for r in by_epsilon]
-    ax.plot(eps, [r.hit_rate * 100 for r in by_epsilon], "o-", color="tab:blue", label="hit rate")
-    ax.set_xscale("log")
-    ax.set_xlabel(f"{by_epsilon[0].policy} epsilon")
-    ax.set_ylabel("hit rate (%)", color="tab:blue")
-    ax2 = ax.twinx()
-    ax2.plot(eps, [r.ttft_p99 for r in by_epsilon], "s--", color="tab:red", label="TTFT p99")
-    ax2.plot(eps, [r.load_max_over_mean for r in by_epsilon], "^:", color="tab:gray", label="load max/mean")
-    ax2.set_ylabel("TTFT p99 (s) / load max/mean")
-    ax.set_title(f"{by_epsilon[0].policy}: epsilon sweep")
-    ax2.legend(loc="upper left", fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        ax = axes[2]
+        eps = [r.epsilon for r in by_epsilon]
+        ax.plot(eps, [r.hit_rate * 100 for r in by_epsilon], "o-", color="tab:blue", label="hit rate")
+        ax.set_xscale("log")
+        ax.set_xlabel(f"{by_epsilon[0].policy} epsilon")
+        ax.set_ylabel("hit rate (%)", color="tab:blue")
+        ax2 = ax.twinx()
+        ax2.plot(eps, [r.ttft_p99 for r in by_epsilon], "s--", color="tab:red", label="TTFT p99")
+        ax2.plot(eps, [r.load_max_over_mean for r in by_epsilon], "^:", color="tab:gray", label="load max/mean")
+        ax2.set_ylabel("TTFT p99 (s) / load max/mean")
+        ax.set_title(f"{by_epsilon[0].policy}: epsilon sweep")
+        ax2.legend(loc="upper left", fontsize=8)
 
 
 def _progress(iterable, total: int, desc: str, enabled: bool):
@@ -1038,20 +1031,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         print(markdown_table(by_epsilon, baseline=None))
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "config": asdict(config),
-                "profile": asdict(profile),
-                "main_wall_seconds": main_wall,
-                "main": [asdict(r) for r in main_results],
-                "sweep_replicas": [asdict(r) for r in by_replicas],
-                "sweep_epsilon": [asdict(r) for r in by_epsilon],
-            },
-            indent=2,
-        )
+    out = write_json(
+        args.out,
+        {
+            "config": asdict(config),
+            "profile": asdict(profile),
+            "main_wall_seconds": main_wall,
+            "main": [asdict(r) for r in main_results],
+            "sweep_replicas": [asdict(r) for r in by_replicas],
+            "sweep_epsilon": [asdict(r) for r in by_epsilon],
+        },
+        announce=False,
     )
     if by_replicas and by_epsilon:
         plot(main_results, by_replicas, by_epsilon, Path(args.png))
