@@ -308,7 +308,7 @@ def stats(seq: int, waiting: int, running: int, **extra) -> dict:
 
 
 def test_reported_load_is_corrected_by_the_routers_own_change_since_the_report():
-    from prefixserve.router.serve.request_router import Report, corrected_load
+    from prefixserve.router.serve.replica_reports import Report, corrected_load
 
     report = Report(seq=1, load=ReplicaLoad(num_waiting=2, num_running=3, kv_usage=0.5), own_at_report=4, arrived=0.0)
     assert corrected_load(report, 4) == ReplicaLoad(2, 3, 0.5)  # nothing changed
@@ -464,7 +464,7 @@ async def test_a_departed_replica_leaves_the_history_index():
     reps = replicas(rng, 3)
     router.update_replicas(reps)
     chosen = await send(router, chat("app", history(5, 1)))
-    blocks = router._prompt_hasher.blocks(chat("app", history(5, 2)).args[0])
+    blocks = router._history.hasher.blocks(chat("app", history(5, 2)).args[0])
     assert chosen.name in router.placed.history.held(blocks.hashes)
     router.update_replicas([r for r in reps if r is not chosen])
     assert chosen.name not in router.placed.history.held(blocks.hashes)
@@ -482,7 +482,7 @@ async def test_history_events_in_routing_stats_steer_a_later_turn_and_retract_it
     # A conversation this router never sent anywhere (another ingress replica did): only the
     # replica's history events can say where it lives.
     first = chat("app", history(9, 1)).args[0]
-    blocks = router._prompt_hasher.blocks(first)
+    blocks = router._history.hasher.blocks(first)
     holder = next(r for r in reps if r.name != HashRing(sorted(r.name for r in reps)).owner("app"))
     tracker = HistoryTracker()
     pub = KVEventPublisher(history=tracker)

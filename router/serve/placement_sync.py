@@ -1,0 +1,96 @@
+"""The request router's side of the placement agreement between ingress routers (``placed``).
+
+Job: what the ingress (router/serve/ingress.py) exchanges every ``placement_sync_s``:
+the requests and uncached prompt tokens per key this router counted since the last
+exchange (``take_counts``), merged into the leader's placement (``merge_counts``); the
+leader's ``placement_snapshot``, which followers adopt (``apply_placement``); and which
+of the two this router is (``set_leader``). The ingress also reports each finished
+request's prefill work here (``observe``). Does nothing when the policy is not ``placed``.
+
+Pure Python: no Ray.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+from prefixserve.router.serve.metrics import RouterMetrics
+from prefixserve.router.serve.policy_slot import PolicySlot
+
+
+class PlacementSync:
+    """This router's placement counts since the last exchange, and the leader / follower switch."""
+
+    def __init__(self, slot: PolicySlot, metrics: RouterMetrics, deployment: str) -> None:
+        self._slot = slot
+        self._metrics = metrics
+        self._deployment = deployment
+        # Requests and prefill work routed here since the last take_counts (key -> [n, tokens]).
+        self._counts: dict[str, list[int]] = {}
+
+    def count_request(self, key: str) -> None:
+        """A request of ``key`` was counted in the placement. The caller holds the slot's lock."""
+        self._counts.setdefault(key, [0, 0])[0] += 1
+
+    def snapshot(self) -> dict[str, Any] | None:
+        """The policy's placement snapshot (JSON-serializable), None when the policy is not ``placed``."""
+        placed = self._slot.placed
+        if placed is None:
+            return None
+        with self._slot.lock:
+            return placed.placement_snapshot()
+
+    @property
+    def is_leader(self) -> bool:
+        placed = self._slot.placed
+        return placed is not None and bool(placed.options.leader)
+
+    def set_leader(self, leader: bool) -> None:
+        """Make this router the placement leader (rebalances) or a follower (applies snapshots)."""
+        placed = self._slot.placed
+        if placed is not None and placed.options.leader != leader:
+            with self._slot.lock:
+                placed.options = replace(placed.options, leader=leader)
+
+    def apply(self, snapshot: Mapping[str, Any]) -> None:
+        """Adopt the leader's snapshot (a follower)."""
+        placed = self._slot.placed
+        if placed is not None:
+            with self._slot.lock:
+                placed.apply_snapshot(snapshot)
+
+    def take_counts(self) -> dict[str, list[int]]:
+        """The requests and uncached prompt tokens per key routed since the last call (and reset)."""
+        with self._slot.lock:
+            counts, self._counts = self._counts, {}
+        return counts
+
+    def merge_counts(self, counts: Mapping[str, Any]) -> None:
+        """Count another router's requests in this (leader's) placement: ``{key: [requests, tokens]}``."""
+        placed = self._slot.placed
+        if placed is None:
+            return
+        with self._slot.lock:
+            now = time.monotonic()  # the policy's clock (its default)
+            for key, (n, tokens) in counts.items():
+                for _ in range(max(0, int(n))):
+                    placed.table.record(str(key), now)
+                if int(tokens) > 0:
+                    placed.table.observe(str(key), int(tokens), now)
+
+    def observe(self, key: str, prompt_tokens: int, cached_tokens: int | None) -> None:
+        """The prefill work of a finished request of ``key`` (the ingress reports it from the usage)."""
+        placed = self._slot.placed
+        if placed is None:
+            return
+        if prompt_tokens > 0:
+            self._metrics.reported_cached_fraction.labels(self._deployment).observe(
+                min(1.0, (cached_tokens or 0) / prompt_tokens)
+            )
+        with self._slot.lock:
+            placed.observe(key, prompt_tokens, cached_tokens)
+            entry = self._counts.setdefault(key, [0, 0])
+            entry[1] += max(0, prompt_tokens - (cached_tokens or 0))
