@@ -22,8 +22,14 @@ import torch
 import triton
 import triton.language as tl
 
+from prefixserve.kernels.checks import (
+    check_cache_dtype,
+    check_cache_pair,
+    check_last_dim_contiguous,
+    check_slot_mapping,
+)
 from prefixserve.kernels.reference import FP8_DTYPES
-from prefixserve.kernels.triton.paged_attention import interpreting
+from prefixserve.kernels.triton.paged_attention import check_triton_device
 
 CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16) + FP8_DTYPES
 
@@ -173,42 +179,18 @@ def write_kv_cache(
             f"key and value must both be [num_tokens, num_kv_heads, head_dim], got "
             f"{tuple(key.shape)} and {tuple(value.shape)}"
         )
-    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
-        raise ValueError(
-            f"key_cache and value_cache must both be [num_blocks, block_size, num_kv_heads, "
-            f"head_dim], got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
-        )
+    check_cache_pair(key_cache, value_cache)
     if tuple(key.shape[1:]) != tuple(key_cache.shape[2:]):
         raise ValueError(
             f"key rows {tuple(key.shape[1:])} do not match the cache's "
             f"[num_kv_heads, head_dim] {tuple(key_cache.shape[2:])}"
         )
-    if key_cache.dtype != value_cache.dtype or key_cache.dtype not in CACHE_DTYPES:
-        raise ValueError(
-            f"key_cache and value_cache must share one dtype of {CACHE_DTYPES}, got "
-            f"{key_cache.dtype} and {value_cache.dtype}"
-        )
+    check_cache_dtype(key_cache, value_cache, CACHE_DTYPES)
     if key.dtype not in (torch.float32, torch.float16, torch.bfloat16) or value.dtype != key.dtype:
         raise ValueError(f"key and value must share a float dtype, got {key.dtype} and {value.dtype}")
-    if slot_mapping.shape != (key.shape[0],) or slot_mapping.dtype not in (torch.int32, torch.int64):
-        raise ValueError(
-            f"slot_mapping must be an int32/int64 [{key.shape[0]}] tensor, got "
-            f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}"
-        )
-    for name, t in (("key", key), ("value", value), ("key_cache", key_cache), ("value_cache", value_cache)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must have a contiguous last dimension (stride 1); call .contiguous()")
-    if not slot_mapping.is_contiguous():
-        raise ValueError("slot_mapping must be contiguous")
-    devices = {t.device for t in (key, value, key_cache, value_cache, slot_mapping)}
-    if len(devices) != 1:
-        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
-    device = key.device
-    if interpreting() != (device.type == "cpu") or device.type not in ("cpu", "cuda"):
-        raise ValueError(
-            f"the Triton kernels need CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 "
-            f"set before importing kernels; got {device}"
-        )
+    check_slot_mapping(slot_mapping, key.shape[0])
+    check_last_dim_contiguous(key=key, value=value, key_cache=key_cache, value_cache=value_cache)
+    check_triton_device(key, value, key_cache, value_cache, slot_mapping)
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
@@ -226,16 +208,11 @@ def write_kv_cache(
         float(v_scale),
         num_kv_heads,
         head_dim,
-        key.stride(0),
-        key.stride(1),
-        value.stride(0),
-        value.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        value_cache.stride(0),
-        value_cache.stride(1),
-        value_cache.stride(2),
+        *key.stride()[:2],
+        *value.stride()[:2],
+        # [block, slot, head] strides of each cache
+        *key_cache.stride()[:3],
+        *value_cache.stride()[:3],
         BLOCK_SIZE=key_cache.shape[1],
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         DIM_PAD=triton.next_power_of_2(head_dim),

@@ -37,10 +37,16 @@ import torch
 import triton
 import triton.language as tl
 
+from prefixserve.kernels.checks import (
+    check_cache_dtype,
+    check_cache_pair,
+    check_last_dim_contiguous,
+    check_slot_mapping,
+)
 from prefixserve.kernels.interface import LayerOps
 from prefixserve.kernels.reference import FP8_DTYPES
 from prefixserve.kernels.triton.cache_write import CACHE_DTYPES, _fp8_e4m3_bits
-from prefixserve.kernels.triton.paged_attention import interpreting
+from prefixserve.kernels.triton.paged_attention import check_triton_device
 
 ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Elements of one rotary program's [heads, D/2] tile: enough to hide latency, few
@@ -122,23 +128,11 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_o + offs, _to_storage(y, out_ptr.dtype.element_ty), mask=mask)
 
 
-def _device_check(*tensors: torch.Tensor) -> None:
-    devices = {t.device for t in tensors}
-    if len(devices) != 1:
-        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
-    device = next(iter(devices))
-    if interpreting() != (device.type == "cpu") or device.type not in ("cpu", "cuda"):
-        raise ValueError(
-            f"the Triton kernels need CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 "
-            f"set before importing kernels; got {device}"
-        )
-
-
 def _activation_check(name: str, x: torch.Tensor) -> None:
     if x.dtype not in ACTIVATION_DTYPES:
         raise ValueError(f"{name} must be one of {ACTIVATION_DTYPES}, got {x.dtype}")
-    if x.dim() and x.stride(-1) != 1:
-        raise ValueError(f"{name} must have a contiguous last dimension (stride 1); call .contiguous()")
+    if x.dim():
+        check_last_dim_contiguous(**{name: x})
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -169,7 +163,7 @@ def _rms_norm(
             )
         _activation_check("residual", residual)
         tensors.append(residual)
-    _device_check(*tensors)
+    check_triton_device(*tensors)
     x2 = _rows(x)
     # The output dtype of the reference's ``weight * normed``.
     out = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
@@ -366,6 +360,68 @@ def _check_rotary(x: torch.Tensor, prepared: tuple[torch.Tensor, torch.Tensor, t
         raise ValueError(f"rotary tables are {cos.dtype} but x is {x.dtype}; build them in x's dtype")
 
 
+def _launch_rotary(
+    x: torch.Tensor,
+    prepared: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    first_kv_head: int,
+    kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """Run :func:`_rotary_kernel` over the checked, non-empty ``x`` ``[T, heads, D]``.
+
+    With ``kv`` = ``(value, key_cache, value_cache, slot_mapping)``, heads from ``first_kv_head``
+    on are K heads, stored with ``value`` into the cache; without it ``first_kv_head`` must be
+    ``heads`` (rotation only).
+    """
+    positions, cos, sin = prepared
+    rows, heads, head_dim = x.shape
+    num_q_heads, num_kv_heads = first_kv_head, heads - first_kv_head
+    half_pad, block_h = _rotary_launch_shape(max(num_q_heads, num_kv_heads), head_dim)
+    num_q_blocks = triton.cdiv(num_q_heads, block_h)
+    num_kv_blocks = triton.cdiv(num_kv_heads, block_h)
+    if kv is None:  # no cache write: placeholders the kernel never reads
+        value, key_cache, value_cache, slot_mapping = x, x, x, positions
+        cache_strides: tuple[int, ...] = (0,) * 8
+        fp8, fp8_max, block_size = False, 0.0, 1
+    else:
+        value, key_cache, value_cache, slot_mapping = kv
+        fp8 = key_cache.dtype in FP8_DTYPES
+        fp8_max = float(torch.finfo(key_cache.dtype).max) if fp8 else 0.0
+        block_size = key_cache.shape[1]
+        if fp8:  # the kernel writes the e4m3 bit patterns it computed, as cache_write does
+            key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
+        # value's [token, head] strides, then the [block, slot, head] strides of each cache
+        cache_strides = (*value.stride()[:2], *key_cache.stride()[:3], *value_cache.stride()[:3])
+    _rotary_kernel[(rows, num_q_blocks + num_kv_blocks)](
+        x,
+        positions,
+        cos,
+        sin,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        float(k_scale),
+        float(v_scale),
+        first_kv_head,
+        heads,
+        num_q_blocks,
+        x.stride(0),
+        x.stride(1),
+        cos.stride(0),
+        *cache_strides,
+        HALF=head_dim // 2,
+        HALF_PAD=half_pad,
+        BLOCK_H=block_h,
+        WRITE_KV=kv is not None,
+        CACHE_BLOCK_SIZE=block_size,
+        FP8=fp8,
+        FP8_MAX=fp8_max,
+        **ROTARY_LAUNCH_OPTIONS,
+    )
+
+
 def triton_rotary(x: torch.Tensor, prepared: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Rotate ``x`` ``[T, heads, D]`` in place (half-split layout, as ``torch_rotary``) and return it.
 
@@ -373,47 +429,9 @@ def triton_rotary(x: torch.Tensor, prepared: tuple[torch.Tensor, torch.Tensor, t
     projection's output); the last dimension must be contiguous.
     """
     _check_rotary(x, prepared)
-    positions, cos, sin = prepared
-    _device_check(x, positions, cos, sin)
-    rows, heads, head_dim = x.shape
-    if rows == 0 or heads == 0:
-        return x
-    half_pad, block_h = _rotary_launch_shape(heads, head_dim)
-    num_q_blocks = triton.cdiv(heads, block_h)
-    _rotary_kernel[(rows, num_q_blocks)](
-        x,
-        positions,
-        cos,
-        sin,
-        x,
-        x,
-        x,
-        positions,
-        1.0,
-        1.0,  # no cache write: placeholders never read
-        heads,
-        heads,
-        num_q_blocks,
-        x.stride(0),
-        x.stride(1),
-        cos.stride(0),
-        0,
-        0,
-        0,
-        0,
-        0,
-        0,
-        0,
-        0,
-        HALF=head_dim // 2,
-        HALF_PAD=half_pad,
-        BLOCK_H=block_h,
-        WRITE_KV=False,
-        CACHE_BLOCK_SIZE=1,
-        FP8=False,
-        FP8_MAX=0.0,
-        **ROTARY_LAUNCH_OPTIONS,
-    )
+    check_triton_device(x, *prepared)
+    if x.shape[0] and x.shape[1]:
+        _launch_rotary(x, prepared, x.shape[1])
     return x
 
 
@@ -438,83 +456,21 @@ def triton_rotary_and_write_kv(
     are padding and skipped; an fp8 cache gets the same e4m3 bytes). Returns ``qk``.
     """
     _check_rotary(qk, prepared)
-    positions, cos, sin = prepared
     rows, heads, head_dim = qk.shape
     if value.dim() != 3 or value.shape[0] != rows or value.shape[2] != head_dim or value.shape[1] > heads:
         raise ValueError(f"value must be [{rows}, num_kv_heads, {head_dim}], got {tuple(value.shape)}")
     num_kv_heads = value.shape[1]
     if value.dtype != qk.dtype or value.stride(-1) != 1:
         raise ValueError(f"value must be {qk.dtype} with a contiguous last dimension, got {value.dtype}")
-    if (
-        key_cache.dim() != 4
-        or key_cache.shape != value_cache.shape
-        or tuple(key_cache.shape[2:]) != (num_kv_heads, head_dim)
-    ):
-        raise ValueError(
-            f"key_cache and value_cache must both be [num_blocks, block_size, {num_kv_heads}, "
-            f"{head_dim}], got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
+    check_cache_pair(key_cache, value_cache, (num_kv_heads, head_dim))
+    check_cache_dtype(key_cache, value_cache, CACHE_DTYPES)
+    check_last_dim_contiguous(key_cache=key_cache, value_cache=value_cache)
+    check_slot_mapping(slot_mapping, rows)
+    check_triton_device(qk, value, *prepared, key_cache, value_cache, slot_mapping)
+    if rows:
+        _launch_rotary(
+            qk, prepared, heads - num_kv_heads, (value, key_cache, value_cache, slot_mapping), k_scale, v_scale
         )
-    if key_cache.dtype != value_cache.dtype or key_cache.dtype not in CACHE_DTYPES:
-        raise ValueError(
-            f"key_cache and value_cache must share one dtype of {CACHE_DTYPES}, got "
-            f"{key_cache.dtype} and {value_cache.dtype}"
-        )
-    if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
-        raise ValueError("key_cache and value_cache must have a contiguous last dimension")
-    if (
-        slot_mapping.shape != (rows,)
-        or slot_mapping.dtype not in (torch.int32, torch.int64)
-        or not slot_mapping.is_contiguous()
-    ):
-        raise ValueError(
-            f"slot_mapping must be a contiguous int32/int64 [{rows}] tensor, got "
-            f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}"
-        )
-    _device_check(qk, value, positions, cos, sin, key_cache, value_cache, slot_mapping)
-    if rows == 0:
-        return qk
-    num_q_heads = heads - num_kv_heads
-    half_pad, block_h = _rotary_launch_shape(max(num_q_heads, num_kv_heads), head_dim)
-    num_q_blocks = triton.cdiv(num_q_heads, block_h)
-    num_kv_blocks = triton.cdiv(num_kv_heads, block_h)
-    fp8 = key_cache.dtype in FP8_DTYPES
-    fp8_max = float(torch.finfo(key_cache.dtype).max) if fp8 else 0.0
-    if fp8:  # the kernel writes the e4m3 bit patterns it computed, as cache_write does
-        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
-    _rotary_kernel[(rows, num_q_blocks + num_kv_blocks)](
-        qk,
-        positions,
-        cos,
-        sin,
-        value,
-        key_cache,
-        value_cache,
-        slot_mapping,
-        float(k_scale),
-        float(v_scale),
-        num_q_heads,
-        heads,
-        num_q_blocks,
-        qk.stride(0),
-        qk.stride(1),
-        cos.stride(0),
-        value.stride(0),
-        value.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        value_cache.stride(0),
-        value_cache.stride(1),
-        value_cache.stride(2),
-        HALF=head_dim // 2,
-        HALF_PAD=half_pad,
-        BLOCK_H=block_h,
-        WRITE_KV=True,
-        CACHE_BLOCK_SIZE=key_cache.shape[1],
-        FP8=fp8,
-        FP8_MAX=fp8_max,
-        **ROTARY_LAUNCH_OPTIONS,
-    )
     return qk
 
 
@@ -537,7 +493,7 @@ def _silu_and_mul_kernel(gate_up_ptr, out_ptr, inter, stride_g, stride_o, BLOCK:
 def triton_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate_up[..., :I]) * gate_up[..., I:]`` into a new ``[..., I]`` tensor."""
     _activation_check("gate_up", gate_up)
-    _device_check(gate_up)
+    check_triton_device(gate_up)
     if gate_up.shape[-1] % 2:
         raise ValueError(f"gate_up's last dimension must be even, got {gate_up.shape[-1]}")
     inter = gate_up.shape[-1] // 2

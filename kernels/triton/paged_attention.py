@@ -34,11 +34,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
+from prefixserve.kernels.checks import check_cache_pair, check_last_dim_contiguous, check_one_device
 from prefixserve.kernels.reference import FP8_DTYPES
 
 ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -48,6 +50,16 @@ _LOG2E = 1.4426950408889634
 def interpreting() -> bool:
     """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def check_triton_device(*tensors: torch.Tensor) -> None:
+    """All ``tensors`` on one device the kernels can run on: CUDA, or the CPU under the interpreter."""
+    device = check_one_device(*tensors)
+    if interpreting() != (device.type == "cpu") or device.type not in ("cpu", "cuda"):
+        raise ValueError(
+            f"the Triton kernels need CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 "
+            f"set before importing kernels (kernels.reference runs on CPU); got {device}"
+        )
 
 
 @triton.jit
@@ -356,11 +368,7 @@ def _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_s
         raise ValueError(f"query must be [num_tokens, num_heads, head_dim], got shape {tuple(query.shape)}")
     if query.dtype not in ACTIVATION_DTYPES:
         raise ValueError(f"query dtype must be one of {ACTIVATION_DTYPES}, got {query.dtype}")
-    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
-        raise ValueError(
-            "key_cache and value_cache must both be [num_blocks, block_size, num_kv_heads, "
-            f"head_dim], got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
-        )
+    check_cache_pair(key_cache, value_cache)
     if key_cache.dtype != value_cache.dtype:
         raise ValueError(f"key_cache is {key_cache.dtype} but value_cache is {value_cache.dtype}")
     if key_cache.dtype != query.dtype and key_cache.dtype not in FP8_DTYPES:
@@ -373,9 +381,7 @@ def _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_s
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     if block_size % 16:
         raise ValueError(f"block_size={block_size} must be a multiple of 16")
-    for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must have a contiguous last dimension (stride 1); call .contiguous()")
+    check_last_dim_contiguous(query=query, key_cache=key_cache, value_cache=value_cache)
     if block_tables.dim() != 2 or block_tables.dtype != torch.int32 or block_tables.stride(1) != 1:
         raise ValueError(
             "block_tables must be a row-major int32 [num_seqs, max_blocks] tensor, got "
@@ -402,20 +408,8 @@ def _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_s
         )
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
-    tensors = [query, key_cache, value_cache, block_tables, seq_lens, query_start_loc]
-    if out is not None:
-        tensors.append(out)
-    devices = {t.device for t in tensors}
-    if len(devices) != 1:
-        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
-    device = query.device
-    if interpreting() and device.type != "cpu":
-        raise ValueError("TRITON_INTERPRET=1 runs kernels on CPU tensors; move the inputs to the CPU")
-    if not interpreting() and device.type != "cuda":
-        raise ValueError(
-            f"the Triton kernels need CUDA tensors (got {device}); use kernels.reference "
-            "on CPU, or set TRITON_INTERPRET=1 before importing kernels"
-        )
+    optional = [out] if out is not None else []
+    check_triton_device(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, *optional)
 
 
 def paged_attention(
@@ -431,111 +425,25 @@ def paged_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     out: torch.Tensor | None = None,
+    plan: LaunchPlan | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries over paged K/V; see :func:`prefixserve.kernels.reference.paged_attention`.
 
-    Tile sizes come from :func:`plan_launch`; :func:`paged_attention_planned` takes
-    an explicit :class:`LaunchPlan`.
+    Tile sizes come from :func:`plan_launch` unless ``plan`` gives them
+    (:func:`paged_attention_planned`).
     """
     _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, sliding_window)
-    num_tokens, num_heads, head_dim = query.shape
-    plan = plan_launch(
-        num_tokens,
-        block_tables.shape[0],
-        num_heads,
-        key_cache.shape[2],
-        head_dim,
-        block_tables.shape[1] * key_cache.shape[1],
-        query.dtype,
-        query.device,
-    )
-    return _launch(
-        plan,
-        query,
-        key_cache,
-        value_cache,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        scale,
-        sliding_window,
-        k_scale,
-        v_scale,
-        out,
-    )
-
-
-def paged_attention_planned(
-    plan: LaunchPlan,
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    *,
-    scale: float,
-    sliding_window: int | None = None,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """:func:`paged_attention` with explicit tile sizes (tests and benchmarks)."""
-    _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, sliding_window)
-    return _launch(
-        plan,
-        query,
-        key_cache,
-        value_cache,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        scale,
-        sliding_window,
-        k_scale,
-        v_scale,
-        out,
-    )
-
-
-def kernel_constants(
-    plan: LaunchPlan, group: int, head_dim: int, block_size: int, dtype: torch.dtype, use_window: bool
-) -> dict:
-    """The constexpr arguments of :func:`_paged_attention_kernel` for one launch (one compiled variant)."""
-    if dtype == torch.float32 or (dtype == torch.bfloat16 and plan.upcast_bf16):
-        # tf32 is exact for bf16 values; fp32 activations want true fp32 products.
-        compute, precision = tl.float32, "ieee" if dtype == torch.float32 else "tf32"
-    else:
-        compute, precision = (tl.float16 if dtype == torch.float16 else tl.bfloat16), "tf32"
-    return dict(
-        GROUP=group,
-        BLOCK_M=plan.block_m,
-        BLOCK_Q=plan.block_q(group),
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=block_size,
-        TILE_N=plan.tile_n,
-        COMPUTE_DTYPE=compute,
-        DOT_PRECISION=precision,
-        USE_WINDOW=use_window,
-        SPLIT=plan.num_kv_splits > 1,
-    )
-
-
-def _launch(
-    plan,
-    query,
-    key_cache,
-    value_cache,
-    block_tables,
-    seq_lens,
-    query_start_loc,
-    scale,
-    sliding_window,
-    k_scale,
-    v_scale,
-    out,
-) -> torch.Tensor:
+    if plan is None:
+        plan = plan_launch(
+            query.shape[0],
+            block_tables.shape[0],
+            query.shape[1],
+            key_cache.shape[2],
+            query.shape[2],
+            block_tables.shape[1] * key_cache.shape[1],
+            query.dtype,
+            query.device,
+        )
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     group = num_heads // num_kv_heads
@@ -575,12 +483,9 @@ def _launch(
         query.stride(1),
         out.stride(0),
         out.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        value_cache.stride(0),
-        value_cache.stride(1),
-        value_cache.stride(2),
+        # [block, slot, head] strides of each cache
+        *key_cache.stride()[:3],
+        *value_cache.stride()[:3],
         block_tables.stride(0),
         part_out.stride(0),
         part_out.stride(1),
@@ -614,3 +519,32 @@ def _launch(
             num_warps=4,
         )
     return out
+
+
+def paged_attention_planned(plan: LaunchPlan, *args: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """:func:`paged_attention` with explicit tile sizes (tests and benchmarks); the same arguments follow ``plan``."""
+    return paged_attention(*args, plan=plan, **kwargs)
+
+
+def kernel_constants(
+    plan: LaunchPlan, group: int, head_dim: int, block_size: int, dtype: torch.dtype, use_window: bool
+) -> dict:
+    """The constexpr arguments of :func:`_paged_attention_kernel` for one launch (one compiled variant)."""
+    if dtype == torch.float32 or (dtype == torch.bfloat16 and plan.upcast_bf16):
+        # tf32 is exact for bf16 values; fp32 activations want true fp32 products.
+        compute, precision = tl.float32, "ieee" if dtype == torch.float32 else "tf32"
+    else:
+        compute, precision = (tl.float16 if dtype == torch.float16 else tl.bfloat16), "tf32"
+    return dict(
+        GROUP=group,
+        BLOCK_M=plan.block_m,
+        BLOCK_Q=plan.block_q(group),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size,
+        TILE_N=plan.tile_n,
+        COMPUTE_DTYPE=compute,
+        DOT_PRECISION=precision,
+        USE_WINDOW=use_window,
+        SPLIT=plan.num_kv_splits > 1,
+    )
