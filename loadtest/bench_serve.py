@@ -40,8 +40,6 @@ import os
 import platform
 import random
 import shlex
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -55,11 +53,18 @@ import httpx
 
 from prefixserve.common.config_util import add_cli_arguments, from_cli_args
 from prefixserve.loadtest.harness.report import fmt, write_json
+from prefixserve.loadtest.harness.server import (
+    HOST,
+    free_port,
+    server_env,
+    start_server,
+    stop_server,
+    wait_until_answers,
+)
 from prefixserve.loadtest.harness.sse import aiter_events
 from prefixserve.loadtest.harness.stats import summary_ms
 from prefixserve.loadtest.workloads import WorkloadRequest, generate
 
-HOST = "127.0.0.1"
 DATASETS = ("prefix_repetition", "shared_prefix")
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 CLIENTS = ("ours", "vllm")
@@ -314,12 +319,6 @@ def benchmark(config: BenchServeConfig, base_url: str) -> dict[str, Any]:
 # ------------------------------------------------------------------------------ servers
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
-
-
 @contextmanager
 def server_process(
     command: Sequence[str],
@@ -331,37 +330,12 @@ def server_process(
 ) -> Iterator[None]:
     """Run ``command`` (in ``cwd``) in its own session until it answers ``/v1/models``; always stop it
     (and its children)."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            list(command), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True
-        )
+    proc = start_server(command, log_path, env, cwd)
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{command[0]} exited with {proc.returncode}; see {log_path}")
-            try:
-                if httpx.get(f"{base_url}/v1/models", timeout=2.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"no answer from {base_url} within {timeout_s:g} s; see {log_path}")
-            time.sleep(0.5)
+        wait_until_answers(proc, f"{base_url}/v1/models", timeout_s, log_path)
         yield
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=30)
-
-
-def _base_env() -> dict[str, str]:
-    return dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+        stop_server(proc)
 
 
 def ours_command(config: BenchServeConfig, port: int) -> list[str]:
@@ -406,7 +380,7 @@ def vllm_command(config: BenchServeConfig, checkpoint: Path, port: int) -> list[
 
 def vllm_env(config: BenchServeConfig) -> dict[str, str]:
     return dict(
-        _base_env(),
+        server_env(),
         VLLM_CPU_NUM_OF_RESERVED_CPU="0",
         VLLM_CPU_KVCACHE_SPACE=str(config.vllm_kv_cache_gib),
         VLLM_LOGGING_LEVEL="WARNING",
@@ -632,14 +606,14 @@ def run(config: BenchServeConfig, write: Callable[[dict[str, Any]], None] | None
 
     plan: list[tuple[str, list[str], dict[str, str], str, Path | None]] = []
     if config.vllm_python is not None and checkpoint is not None:
-        port = _free_port()
+        port = free_port()
         command = vllm_command(config, checkpoint, port)
         plan.append(("vllm", command, vllm_env(config), f"http://{HOST}:{port}", None))
     for tree in config.ours_tree:
         # `python -m` puts the working directory first on sys.path: the tree must be both.
         root = Path(tree).resolve()
-        port = _free_port()
-        env = dict(_base_env(), PYTHONPATH=str(root))
+        port = free_port()
+        env = dict(server_env(), PYTHONPATH=str(root))
         name = f"prefixserve ({_tree_label(tree)})"
         plan.append((name, ours_command(config, port), env, f"http://{HOST}:{port}", root))
     if config.base_url is not None:

@@ -59,10 +59,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -80,10 +77,17 @@ from tqdm import tqdm
 from prefixserve.loadtest.cluster_run import LocalServeCluster, _stream_one
 from prefixserve.loadtest.harness.plotting import figure
 from prefixserve.loadtest.harness.report import write_json
+from prefixserve.loadtest.harness.server import (
+    HOST,
+    free_port,
+    server_env,
+    start_server,
+    stop_server,
+    wait_until_answers,
+)
 from prefixserve.loadtest.harness.stats import nearest_rank
 from prefixserve.loadtest.workloads import DEFAULT_MODEL, SharedPrefixConfig, shared_prefix
 
-HOST = "127.0.0.1"  # loopback only, not configurable
 API_KEY = "soak-key"
 HOSTILE_KINDS: dict[str, float] = {  # kind -> relative weight within the hostile share
     "cancel": 3.0,
@@ -173,18 +177,12 @@ class SoakConfig:
 # ------------------------------------------------------------------------------ the server
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
-
-
 class StandaloneServer:
     """``prefixserve replica`` in its own session on a free loopback port; its processes for RSS."""
 
     def __init__(self, config: SoakConfig, log_path: Path) -> None:
         self.config = config
-        self.port = _free_port()
+        self.port = free_port()
         self.base_url = f"http://{HOST}:{self.port}"
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
@@ -208,21 +206,12 @@ class StandaloneServer:
             "--log-level",
             "warning",
         ]
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the replica exited with {self.proc.returncode}; see {self.log_path}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"the replica did not answer /health within {timeout_s}s; see {self.log_path}")
+        self.proc = start_server(command, self.log_path, server_env())
+        try:
+            wait_until_answers(self.proc, f"{self.base_url}/health", timeout_s, self.log_path)
+        except RuntimeError:
+            self.stop()
+            raise
 
     def processes(self) -> list[psutil.Process]:
         if self.proc is None:
@@ -234,14 +223,8 @@ class StandaloneServer:
             return []
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
+        if self.proc is not None:
+            stop_server(self.proc, grace_s=30)
 
 
 class ClusterServer:
@@ -249,7 +232,7 @@ class ClusterServer:
 
     def __init__(self, config: SoakConfig) -> None:
         self.config = config
-        self.port = _free_port()
+        self.port = free_port()
         self.base_url = f"http://{HOST}:{self.port}"
         self.cluster: LocalServeCluster | None = None
 

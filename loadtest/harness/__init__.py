@@ -5,4 +5,5 @@
 * :mod:`.stats`: percentiles and the mean/p50/p99 summary.
 * :mod:`.report`: number formatting for the markdown tables, the JSON result file.
 * :mod:`.plotting`: one matplotlib figure written to a PNG.
+* :mod:`.server`: the server under test as a child process (port, start, readiness, stop).
 """

@@ -6,12 +6,13 @@ import argparse
 import asyncio
 import json
 import random
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from prefixserve.loadtest.harness import report, sse, stats
+from prefixserve.loadtest.harness import report, server, sse, stats
 from prefixserve.loadtest.harness.plotting import figure
 
 
@@ -66,3 +67,17 @@ def test_percentile_agrees_with_numpy(q: float) -> None:
     xs = [random.Random(q).expovariate(1.0) for _ in range(37)]
     assert stats.percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
     assert stats.percentile([], q) is None
+
+
+def test_server_start_wait_stop(tmp_path: Path) -> None:
+    port = server.free_port()
+    command = [sys.executable, "-m", "http.server", str(port), "--bind", server.HOST, "--directory", str(tmp_path)]
+    proc = server.start_server(command, tmp_path / "logs" / "server.log", server.server_env())
+    try:
+        server.wait_until_answers(proc, f"http://{server.HOST}:{port}/", 30.0, tmp_path / "server.log")
+    finally:
+        server.stop_server(proc, grace_s=10)
+    assert proc.poll() is not None
+    dead = server.start_server([sys.executable, "-c", "pass"], tmp_path / "dead.log", server.server_env())
+    with pytest.raises(RuntimeError, match="exited with 0"):
+        server.wait_until_answers(dead, f"http://{server.HOST}:{port}/", 30.0, tmp_path / "dead.log")
