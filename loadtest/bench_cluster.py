@@ -81,7 +81,7 @@ from prefixserve.loadtest.harness.cli import plan_and_run
 from prefixserve.loadtest.harness.plotting import figure
 from prefixserve.loadtest.harness.report import config_json, fmt, write_json
 from prefixserve.loadtest.harness.stats import percentile
-from prefixserve.loadtest.simulate import parse_placed_options
+from prefixserve.loadtest.simulate import add_placed_option_flag, parse_placed_options
 from prefixserve.loadtest.workloads import WorkloadRequest, generate
 from prefixserve.router.policies import POLICIES, RING_POLICIES, make_policy, pick_options
 from prefixserve.router.serve.metrics import sum_samples
@@ -127,6 +127,21 @@ class WorkloadSpec:
                 f"{self.name} sends requests // tenants prompts per tenant (user): give at least "
                 f"{self.tenants} requests or fewer tenants"
             )
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> WorkloadSpec:
+        """The spec the workload flags ask for (``--workload``, ``--tenants`` ... ``--seed``)."""
+        return cls(
+            args.workload,
+            args.tenants,
+            args.requests,
+            args.system_len,
+            args.question_len,
+            args.output_len,
+            args.zipf_s,
+            args.hot_share,
+            args.seed,
+        )
 
     def generate(self) -> list[WorkloadRequest]:
         if self.name == "multi_turn":
@@ -741,13 +756,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--epsilon", type=float, default=None, help="bounded_load's and placed's epsilon (default: the policy's)"
     )
-    p.add_argument(
-        "--placed-option",
-        action="append",
-        default=[],
-        metavar="NAME=JSON",
-        help="another option of placed (PlacedOptions), its value as JSON (null: None); repeatable",
-    )
+    add_placed_option_flag(p)
     p.add_argument(
         "--session-affinity",
         default="none",
@@ -786,17 +795,7 @@ class Plan:
 
 def plan(args: argparse.Namespace) -> Plan:
     """Validate the options and size the KV pools; raises ValueError saying what to change."""
-    spec = WorkloadSpec(
-        args.workload,
-        args.tenants,
-        args.requests,
-        args.system_len,
-        args.question_len,
-        args.output_len,
-        args.zipf_s,
-        args.hot_share,
-        args.seed,
-    )
+    spec = WorkloadSpec.from_args(args)
     if args.concurrency < 1:
         raise ValueError("--concurrency must be >= 1")
     requests = spec.generate()

@@ -433,17 +433,7 @@ class Plan:
 
 def plan(args: argparse.Namespace) -> Plan:
     """Validate the options and size the pool; raises ValueError saying what to change."""
-    spec = WorkloadSpec(
-        args.workload,
-        args.tenants,
-        args.requests,
-        args.system_len,
-        args.question_len,
-        args.output_len,
-        args.zipf_s,
-        args.hot_share,
-        args.seed,
-    )
+    spec = WorkloadSpec.from_args(args)
     tiers = [t.strip() for t in args.tiers.split(",") if t.strip()]
     if not tiers or any(t not in TIER_ROWS for t in tiers) or len(set(tiers)) != len(tiers):
         raise ValueError(f"--tiers must name rows from {TIER_ROWS}, each once; got {args.tiers!r}")

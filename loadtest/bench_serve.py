@@ -338,6 +338,11 @@ def server_process(
         stop_server(proc)
 
 
+def _listen_args(config: BenchServeConfig, port: int) -> list[str]:
+    """The flags both servers share: the model's name in the API and where to listen."""
+    return ["--served-model-name", config.served_model_name, "--host", HOST, "--port", str(port)]
+
+
 def ours_command(config: BenchServeConfig, port: int) -> list[str]:
     return [
         sys.executable,
@@ -346,12 +351,7 @@ def ours_command(config: BenchServeConfig, port: int) -> list[str]:
         "replica",
         "--model",
         config.model,
-        "--served-model-name",
-        config.served_model_name,
-        "--host",
-        HOST,
-        "--port",
-        str(port),
+        *_listen_args(config, port),
         "--log-level",
         "warning",
         *shlex.split(config.ours_args),
@@ -366,12 +366,7 @@ def vllm_command(config: BenchServeConfig, checkpoint: Path, port: int) -> list[
         "vllm.entrypoints.openai.api_server",
         "--model",
         str(checkpoint),
-        "--served-model-name",
-        config.served_model_name,
-        "--host",
-        HOST,
-        "--port",
-        str(port),
+        *_listen_args(config, port),
         "--dtype",
         "float32",
         *shlex.split(config.vllm_args),

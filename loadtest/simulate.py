@@ -845,6 +845,17 @@ def _progress(iterable, total: int, desc: str, enabled: bool):
     return tqdm(iterable, total=total, desc=desc, file=sys.stderr)
 
 
+def add_placed_option_flag(parser: argparse.ArgumentParser) -> None:
+    """``--placed-option NAME=JSON``, repeatable; read back with :func:`parse_placed_options`."""
+    parser.add_argument(
+        "--placed-option",
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help="another option of placed (PlacedOptions), its value as JSON (null: None); repeatable",
+    )
+
+
 def parse_placed_options(pairs: Sequence[str]) -> tuple[tuple[str, Any], ...]:
     """``NAME=JSON`` strings as (name, value) pairs; ValueError naming a malformed one."""
     out = []
@@ -876,13 +887,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--profile", choices=("cpu", "h100"), default=d.profile)
     p.add_argument("--epsilon", type=float, default=d.epsilon, help="bounded_load's epsilon")
     p.add_argument("--placed-epsilon", type=float, default=None, help="placed's epsilon (default: the policy's)")
-    p.add_argument(
-        "--placed-option",
-        action="append",
-        default=[],
-        metavar="NAME=JSON",
-        help="another option of placed (PlacedOptions), its value as JSON (null: None); repeatable",
-    )
+    add_placed_option_flag(p)
     p.add_argument(
         "--eviction-policy",
         default=d.eviction_policy,
