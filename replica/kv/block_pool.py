@@ -421,27 +421,23 @@ class _MultiListPool(BlockPool):
         self._count[self._where[b]] -= 1
         self._where[b] = -1
 
-    def _push_tail(self, k: int, b: int) -> None:
-        s = self.num_blocks + k
+    def _link(self, k: int, b: int, p: int, q: int) -> None:
+        """Put unlinked ``b`` into list ``k`` between its adjacent nodes ``p`` and ``q``."""
         prev, nxt = self._prev, self._next
-        last = prev[s]
-        nxt[last] = b
-        prev[b] = last
-        nxt[b] = s
-        prev[s] = b
+        nxt[p] = b
+        prev[b] = p
+        nxt[b] = q
+        prev[q] = b
         self._where[b] = k
         self._count[k] += 1
 
+    def _push_tail(self, k: int, b: int) -> None:
+        s = self.num_blocks + k
+        self._link(k, b, self._prev[s], s)
+
     def _push_head(self, k: int, b: int) -> None:
         s = self.num_blocks + k
-        prev, nxt = self._prev, self._next
-        first = nxt[s]
-        nxt[s] = b
-        prev[b] = s
-        nxt[b] = first
-        prev[first] = b
-        self._where[b] = k
-        self._count[k] += 1
+        self._link(k, b, s, self._next[s])
 
     def _head(self, k: int) -> int:
         return self._next[self.num_blocks + k]
@@ -580,6 +576,41 @@ class _MultiListPool(BlockPool):
                 if k >= 0:
                     self._unlink(b)
                     self._push_head(k, b)
+
+    def _free_to_tails(self, blocks: Iterable[int], state: Sequence[int], list_of_state: Sequence[int]) -> None:
+        """ref-1 on each block, in the order given; each reaching 0 joins a list's tail: the cold
+        list without a hash, else list ``list_of_state[state[b]]``.
+
+        The policy's choice is a table lookup rather than a method call because this loop runs
+        for every block a finished request frees.
+        """
+        n = self.num_blocks
+        ref, prev, nxt, bhash = self.ref_cnt, self._prev, self._next, self.block_hash
+        where, count = self._where, self._count
+        freed = cached = 0
+        for b in blocks:
+            r = ref[b] - 1
+            if r < 0:
+                raise ValueError(f"block {b} freed more often than it was allocated")
+            ref[b] = r
+            if r:
+                continue
+            freed += 1
+            if bhash[b] is None:
+                k = 0
+            else:
+                cached += 1
+                k = list_of_state[state[b]]
+            s = n + k
+            last = prev[s]
+            nxt[last] = b
+            prev[b] = last
+            nxt[b] = s
+            prev[s] = b
+            where[b] = k
+            count[k] += 1
+        self.num_free += freed
+        self.num_cached_free += cached
 
     def _note_registered(self, block: int, block_hash: bytes) -> None:
         ghost = self._ghost
@@ -909,34 +940,9 @@ class LFUBlockPool(_MultiListPool):
 
     def free_blocks(self, blocks: Iterable[int]) -> None:
         """ref-1 on each block, in the order given; those reaching 0 join their key's bucket tail."""
-        n = self.num_blocks
-        ref, prev, nxt, bhash = self.ref_cnt, self._prev, self._next, self.block_hash
-        where, count, hits = self._where, self._count, self._hits
         floor, width = self._floor, self.LFU_MAX_FREQ + 1
-        freed = cached = 0
-        for b in blocks:
-            r = ref[b] - 1
-            if r < 0:
-                raise ValueError(f"block {b} freed more often than it was allocated")
-            ref[b] = r
-            if r:
-                continue
-            freed += 1
-            if bhash[b] is None:
-                k = 0
-            else:
-                cached += 1
-                k = 1 + (floor + 1 + hits[b]) % width
-            s = n + k
-            last = prev[s]
-            nxt[last] = b
-            prev[b] = last
-            nxt[b] = s
-            prev[s] = b
-            where[b] = k
-            count[k] += 1
-        self.num_free += freed
-        self.num_cached_free += cached
+        # A cached block's key is floor + 1 + its hits (at most _hit_cap).
+        self._free_to_tails(blocks, self._hits, [1 + (floor + 1 + h) % width for h in range(self._hit_cap + 1)])
 
     def _victim(self) -> int:
         count, nxt, n = self._count, self._next, self.num_blocks
@@ -988,33 +994,7 @@ class S3FIFOBlockPool(_MultiListPool):
 
     def free_blocks(self, blocks: Iterable[int]) -> None:
         """ref-1 on each block, in the order given; those reaching 0 join the cold, small or main tail."""
-        n = self.num_blocks
-        ref, prev, nxt, bhash = self.ref_cnt, self._prev, self._next, self.block_hash
-        where, count, main = self._where, self._count, self._main
-        freed = cached = 0
-        for b in blocks:
-            r = ref[b] - 1
-            if r < 0:
-                raise ValueError(f"block {b} freed more often than it was allocated")
-            ref[b] = r
-            if r:
-                continue
-            freed += 1
-            if bhash[b] is None:
-                k = 0
-            else:
-                cached += 1
-                k = 2 if main[b] else 1
-            s = n + k
-            last = prev[s]
-            nxt[last] = b
-            prev[b] = last
-            nxt[b] = s
-            prev[s] = b
-            where[b] = k
-            count[k] += 1
-        self.num_free += freed
-        self.num_cached_free += cached
+        self._free_to_tails(blocks, self._main, [self._SMALL, self._MAIN])
 
     def _victim(self) -> int:
         count, nxt, n, hits = self._count, self._next, self.num_blocks, self._hits
