@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +11,23 @@ from typing import Any
 def fmt(value: float | None, spec: str, missing: str = "n/a") -> str:
     """``value`` formatted with ``spec`` for a table cell; ``missing`` where there is none."""
     return missing if value is None else format(value, spec)
+
+
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]], align: str = "") -> str:
+    """A markdown table, one line a row, no trailing newline.
+
+    ``align`` has one letter a column, ``l`` (the default for a column it does
+    not reach) or ``r``; cells are written with ``str`` and so are best
+    formatted by the caller (:func:`fmt`).
+    """
+    marks = [":" if align[i : i + 1] == "r" else "" for i in range(len(header))]
+    lines = [_row(header), "|" + "|".join(f"---{m}" for m in marks) + "|"]
+    lines += [_row(cells) for cells in rows]
+    return "\n".join(lines)
+
+
+def _row(cells: Sequence[object]) -> str:
+    return "| " + " | ".join(map(str, cells)) + " |"
 
 
 def config_json(options: Any) -> dict[str, Any]:

@@ -81,3 +81,8 @@ def test_server_start_wait_stop(tmp_path: Path) -> None:
     dead = server.start_server([sys.executable, "-c", "pass"], tmp_path / "dead.log", server.server_env())
     with pytest.raises(RuntimeError, match="exited with 0"):
         server.wait_until_answers(dead, f"http://{server.HOST}:{port}/", 30.0, tmp_path / "dead.log")
+
+
+def test_markdown_table() -> None:
+    table = report.markdown_table(["a", "b", "c"], [[1, "x", 2.5], ("y", None, "")], "lr")
+    assert table == "| a | b | c |\n|---|---:|---|\n| 1 | x | 2.5 |\n| y | None |  |"
