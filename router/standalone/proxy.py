@@ -100,7 +100,8 @@ def upstream_headers(headers: Mapping[str, str]) -> dict[str, str]:
 
 def answer_headers(headers: httpx.Headers, replica: str) -> list[tuple[bytes, bytes]]:
     """A replica's answer headers to relay: end-to-end ones (its length kept), named by the router's replica header."""
-    drop = (_HOP_BY_HOP - {"content-length"}) | {REPLICA_HEADER.lower()}
+    # The router's own server writes Date and Server, as any reverse proxy does.
+    drop = (_HOP_BY_HOP - {"content-length"}) | {REPLICA_HEADER.lower(), "date", "server"}
     out = [(k, v) for k, v in headers.raw if k.decode("latin-1").lower() not in drop]
     out.append((REPLICA_HEADER.lower().encode("latin-1"), replica.encode("latin-1")))
     return out
@@ -313,9 +314,9 @@ class StandaloneRouter:
 
     # -- requests ---------------------------------------------------------------------
     def request_ended(self, plan: Plan, replica: str) -> None:
+        self.routing.finished(plan)
         self.replicas.ended(replica)
         self.metrics.in_flight.labels(replica).set(self.replicas[replica].in_flight)
-        self.routing.finished(plan)
 
     async def forward(self, request: Request, body: bytes, plan: Plan) -> Response:
         """Send the request to the plan's replicas in turn (the module docstring's retries); relay the answer."""
@@ -414,16 +415,18 @@ class StandaloneRouter:
         among = None
         model = parsed.get("model") if isinstance(parsed, dict) else None
         if isinstance(model, str):
-            among = self.serving(model)
-            if not among:
+            serving = self.serving(model)
+            if not serving:
                 await self.refresh_models(request.headers)
-                among = self.serving(model)
-            if not among and self.models_of:
+                serving = self.serving(model)
+            if not serving and self.models_of:
                 return own_answer(
                     404,
                     openai_error(404, f"The model `{model}` does not exist on any replica.", "model_not_found"),
                 )
-        plan = self.routing.plan(parsed, request.headers, among or None)
+            # Those that list it, and those whose list the router has not read (down, or not answering it yet).
+            among = [n for n in self.replicas.names if n in serving or n not in self.models_of] if serving else None
+        plan = self.routing.plan(parsed, request.headers, among)
         return await self.forward(request, body, plan)
 
     async def handle_models(self, request: Request) -> Response:
