@@ -79,7 +79,7 @@ from prefixserve.loadtest.cluster_run import (
 )
 from prefixserve.loadtest.harness.cli import plan_and_run
 from prefixserve.loadtest.harness.plotting import figure
-from prefixserve.loadtest.harness.report import config_json, fmt, write_json
+from prefixserve.loadtest.harness.report import config_json, fmt, markdown_table, write_json
 from prefixserve.loadtest.harness.stats import percentile
 from prefixserve.loadtest.simulate import add_placed_option_flag, parse_placed_options
 from prefixserve.loadtest.workloads import WorkloadRequest, generate
@@ -563,35 +563,56 @@ def ratios(results: Sequence[PolicyResult], baseline: str = BASELINE) -> dict[st
 
 def render_table(results: Sequence[PolicyResult]) -> str:
     """The per-policy markdown table."""
-    lines = [
-        "| policy | hit rate | cached/prompt tokens | TTFT p50 (s) | TTFT p95 (s) | req/s "
-        "| in-flight max/mean per replica | peak in-flight | requests per replica | spills | ok |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+    header = [
+        "policy",
+        "hit rate",
+        "cached/prompt tokens",
+        "TTFT p50 (s)",
+        "TTFT p95 (s)",
+        "req/s",
+        "in-flight max/mean per replica",
+        "peak in-flight",
+        "requests per replica",
+        "spills",
+        "ok",
     ]
-    for r in results:
-        split = " / ".join(str(int(v["requests"])) for _, v in sorted(r.replicas.items()))
-        lines.append(
-            f"| {r.policy} | {fmt(r.hit_rate, '.3f')} | {fmt(r.cached_token_ratio, '.3f')} "
-            f"| {fmt(r.ttft_p50_s, '.3f')} | {fmt(r.ttft_p95_s, '.3f')} | {r.requests_per_s:.2f} "
-            f"| {r.load_max:.2f} / {r.load_mean:.2f} ({fmt(r.load_imbalance, '.2f')}x) | {r.peak_in_flight} "
-            f"| {split} | {'-' if r.spills is None else r.spills} | {r.succeeded}/{r.requests} |"
-        )
-    return "\n".join(lines)
+    rows = [
+        [
+            r.policy,
+            fmt(r.hit_rate, ".3f"),
+            fmt(r.cached_token_ratio, ".3f"),
+            fmt(r.ttft_p50_s, ".3f"),
+            fmt(r.ttft_p95_s, ".3f"),
+            f"{r.requests_per_s:.2f}",
+            f"{r.load_max:.2f} / {r.load_mean:.2f} ({fmt(r.load_imbalance, '.2f')}x)",
+            r.peak_in_flight,
+            requests_per_replica(r),
+            "-" if r.spills is None else r.spills,
+            f"{r.succeeded}/{r.requests}",
+        ]
+        for r in results
+    ]
+    return markdown_table(header, rows, "lrrrrrrrlrr")
+
+
+def requests_per_replica(r: PolicyResult) -> str:
+    """How many requests each replica served, in replica-name order: ``10 / 9 / 0``."""
+    return " / ".join(str(int(v["requests"])) for _, v in sorted(r.replicas.items()))
 
 
 def render_ratios(table: Mapping[str, Mapping[str, float | None]], baseline: str = BASELINE) -> str:
     """The baseline-against-each-policy markdown table."""
-    lines = [
-        f"| {baseline} vs | hit-rate ratio ({baseline} / policy) | TTFT p50 ratio ({baseline} / policy) "
-        "| TTFT p95 ratio |",
-        "|---|---:|---:|---:|",
+    header = [
+        f"{baseline} vs",
+        f"hit-rate ratio ({baseline} / policy)",
+        f"TTFT p50 ratio ({baseline} / policy)",
+        "TTFT p95 ratio",
     ]
-    for policy, r in table.items():
-        lines.append(
-            f"| {policy} | {fmt(r['hit_rate_ratio'], '.2f')}x | {fmt(r['ttft_p50_ratio'], '.2f')}x "
-            f"| {fmt(r['ttft_p95_ratio'], '.2f')}x |"
-        )
-    return "\n".join(lines)
+    rows = [
+        [policy, *(f"{fmt(r[k], '.2f')}x" for k in ("hit_rate_ratio", "ttft_p50_ratio", "ttft_p95_ratio"))]
+        for policy, r in table.items()
+    ]
+    return markdown_table(header, rows, "lrrr")
 
 
 def plot(results: Sequence[PolicyResult], path: Path, title: str) -> None:

@@ -72,7 +72,7 @@ from prefixserve.loadtest.cluster_run import (
 )
 from prefixserve.loadtest.harness.cli import plan_and_run
 from prefixserve.loadtest.harness.plotting import figure
-from prefixserve.loadtest.harness.report import config_json, fmt, write_json
+from prefixserve.loadtest.harness.report import config_json, fmt, markdown_table, write_json
 from prefixserve.loadtest.harness.stats import percentile
 from prefixserve.router.policies import POLICIES
 from prefixserve.router.serve.metrics import sum_samples
@@ -334,20 +334,34 @@ def run_row(
 
 def render_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """The per-row markdown table."""
-    lines = [
-        "| shared disk tier | hit rate before | hit rate after | dip (points) | moved requests (their hit rate) "
-        "| disk-hit tokens after | TTFT p50 before / after (s) | event (s) | whole run | ok |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    header = [
+        "shared disk tier",
+        "hit rate before",
+        "hit rate after",
+        "dip (points)",
+        "moved requests (their hit rate)",
+        "disk-hit tokens after",
+        "TTFT p50 before / after (s)",
+        "event (s)",
+        "whole run",
+        "ok",
     ]
-    for r in rows:
-        b, a = r["before"], r["after"]
-        lines.append(
-            f"| {r['tier']} | {fmt(b['hit_rate'], '.3f')} | {fmt(a['hit_rate'], '.3f')} "
-            f"| {fmt(r['dip_pts'], '+.1f')} | {r['moved_requests']} ({fmt(r['moved_hit_rate'], '.3f')}) "
-            f"| {r['after_disk_hit_tokens']:.0f} | {fmt(b['ttft_p50_s'], '.3f')} / {fmt(a['ttft_p50_s'], '.3f')} "
-            f"| {r['event_s']:.0f} | {fmt(r['whole_run']['hit_rate'], '.3f')} | {r['succeeded']}/{r['requests']} |"
-        )
-    return "\n".join(lines)
+    cells = [
+        [
+            r["tier"],
+            fmt(r["before"]["hit_rate"], ".3f"),
+            fmt(r["after"]["hit_rate"], ".3f"),
+            fmt(r["dip_pts"], "+.1f"),
+            f"{r['moved_requests']} ({fmt(r['moved_hit_rate'], '.3f')})",
+            f"{r['after_disk_hit_tokens']:.0f}",
+            f"{fmt(r['before']['ttft_p50_s'], '.3f')} / {fmt(r['after']['ttft_p50_s'], '.3f')}",
+            f"{r['event_s']:.0f}",
+            fmt(r["whole_run"]["hit_rate"], ".3f"),
+            f"{r['succeeded']}/{r['requests']}",
+        ]
+        for r in rows
+    ]
+    return markdown_table(header, cells, "lrrrrrrrrr")
 
 
 def verdict(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

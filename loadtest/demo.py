@@ -46,12 +46,13 @@ from prefixserve.loadtest.bench_cluster import (
     chat_encoder,
     deploy_policy,
     measure,
+    requests_per_replica,
     size_kv,
     workload_token_counts,
 )
 from prefixserve.loadtest.cluster_run import LocalServeCluster, served_model
 from prefixserve.loadtest.harness.cli import plan_and_run
-from prefixserve.loadtest.harness.report import config_json, fmt, write_json
+from prefixserve.loadtest.harness.report import config_json, fmt, markdown_table, write_json
 from prefixserve.loadtest.workloads import WorkloadRequest
 from prefixserve.router.policies import DEFAULT_POLICY
 
@@ -88,17 +89,21 @@ def _ttft_mean(records) -> float | None:
 
 
 def render(rows: Sequence[tuple[PolicyResult, float | None]]) -> str:
-    lines = [
-        "| policy | cluster hit rate | TTFT p50 (s) | TTFT mean (s) | req/s | requests per replica | ok |",
-        "|---|---:|---:|---:|---:|---|---:|",
+    """The per-policy markdown table, the client's TTFT mean beside each policy's figures."""
+    header = ["policy", "cluster hit rate", "TTFT p50 (s)", "TTFT mean (s)", "req/s", "requests per replica", "ok"]
+    cells = [
+        [
+            r.policy,
+            fmt(r.hit_rate, ".3f"),
+            fmt(r.ttft_p50_s, ".3f"),
+            fmt(mean, ".3f"),
+            f"{r.requests_per_s:.2f}",
+            requests_per_replica(r),
+            f"{r.succeeded}/{r.requests}",
+        ]
+        for r, mean in rows
     ]
-    for r, mean in rows:
-        split = " / ".join(str(int(v["requests"])) for _, v in sorted(r.replicas.items()))
-        lines.append(
-            f"| {r.policy} | {fmt(r.hit_rate, '.3f')} | {fmt(r.ttft_p50_s, '.3f')} | {fmt(mean, '.3f')} "
-            f"| {r.requests_per_s:.2f} | {split} | {r.succeeded}/{r.requests} |"
-        )
-    return "\n".join(lines)
+    return markdown_table(header, cells, "lrrrrlr")
 
 
 def build_parser() -> argparse.ArgumentParser:
