@@ -1,14 +1,28 @@
-"""Errors the engine raises for a request, so front ends map them to status codes."""
+"""A request's errors and their HTTP status: the engine's, and the API errors front ends answer.
+
+Below the engine and the front ends (as vLLM's engine errors carry their status): the input
+processor raises the API errors too, and the contract's stream items carry one across Ray
+(replica/contract/stream.py), so none of them needs the OpenAI protocol module. Front ends
+map every other exception onto an API error (``error_from_exception`` in
+replica/entrypoints/openai/protocol.py). Plain Python: no pydantic, no HTTP framework.
+"""
 
 from __future__ import annotations
 
+import math
+from typing import Any, ClassVar
+
+# --- the engine's errors ----------------------------------------------------------------
+
 
 class RequestRejected(ValueError):
-    """The request can never be served as asked (HTTP 400)."""
+    """The request can never be served as asked."""
+
+    status_code: ClassVar[int] = 400
 
 
 class PromptTooLongError(RequestRejected):
-    """Prompt (plus max_tokens) does not fit max_model_len (HTTP 400).
+    """Prompt (plus max_tokens) does not fit max_model_len.
 
     ``param``: the request field that is too long (``"messages"`` for a chat, ``"prompt"``
     for a completion), named in the error answer.
@@ -24,7 +38,9 @@ class PromptTooLongError(RequestRejected):
 
 
 class EngineOverloadedError(RuntimeError):
-    """The waiting queue is full; retry later (HTTP 429 with Retry-After)."""
+    """The waiting queue is full; retry later (answered with Retry-After)."""
+
+    status_code: ClassVar[int] = 429
 
     def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
         super().__init__(message)
@@ -32,12 +48,128 @@ class EngineOverloadedError(RuntimeError):
 
 
 class RequestFailedError(RuntimeError):
-    """The engine failed while serving this one request (HTTP 500, ``internal_error``).
+    """The engine failed while serving this one request (``internal_error``).
 
     The engine freed the request's blocks and keeps serving every other request;
     the cause is chained (``__cause__``) and logged, not spelled in the message.
     """
 
+    status_code: ClassVar[int] = 500
+
 
 class EngineDeadError(RuntimeError):
-    """The engine loop has stopped or restarted; in-flight requests fail (HTTP 503)."""
+    """The engine loop has stopped or restarted; in-flight requests fail."""
+
+    status_code: ClassVar[int] = 503
+
+
+# --- the API errors: what a front end answers ------------------------------------------
+
+
+class APIError(Exception):
+    """An error a front end answers with the OpenAI error body and ``status_code``.
+
+    ``retry_after_s`` is set for overload answers (HTTP 429/503); the front end
+    sends it as the ``Retry-After`` header (whole seconds, rounded up).
+    """
+
+    status_code: int = 400
+    error_type: str = "invalid_request_error"
+    # Every 4xx/5xx names a code; a raise site may give a more precise one.
+    default_code: str = "invalid_request"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code or self.default_code
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> dict[str, Any]:
+        """The OpenAI error body: ``{"error": {"message", "type", "param", "code"}}``
+        (protocol.py's ErrorResponse is its schema)."""
+        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after_s is None:
+            return {}
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+
+
+class BadRequestError(APIError):
+    """Malformed body, missing or out-of-range fields, prompt too long (400)."""
+
+
+class AuthenticationError(APIError):
+    """Missing or wrong API key (401)."""
+
+    status_code = 401
+    error_type = "authentication_error"
+    default_code = "invalid_api_key"
+
+
+class ModelNotFoundError(APIError):
+    """The request names a model this server does not serve (404)."""
+
+    status_code = 404
+    error_type = "invalid_request_error"
+    default_code = "model_not_found"
+
+
+class PayloadTooLargeError(APIError):
+    """The request body exceeds the server's limit (413)."""
+
+    status_code = 413
+    error_type = "invalid_request_error"
+    default_code = "payload_too_large"
+
+
+class RequestTimeoutError(APIError):
+    """The client did not send its request (head or body) within the server's timeout (408)."""
+
+    status_code = 408
+    error_type = "invalid_request_error"
+    default_code = "request_timeout"
+
+    def headers(self) -> dict[str, str]:
+        # The rest of a late body may still come: the connection cannot carry another request.
+        return {**super().headers(), "Connection": "close"}
+
+
+class HeaderFieldsTooLargeError(APIError):
+    """The request's head (request line and headers) exceeds the server's size or count limit (431)."""
+
+    status_code = 431
+    error_type = "invalid_request_error"
+    default_code = "request_header_fields_too_large"
+
+
+class OverloadedError(APIError):
+    """The engine's waiting queue is full; retry after ``retry_after_s`` (429)."""
+
+    status_code = 429
+    error_type = "rate_limit_error"
+    default_code = "queue_full"
+
+
+class ServiceUnavailableError(APIError):
+    """The engine loop has died; the replica cannot serve (503)."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+    default_code = "service_unavailable"
+
+
+class InternalServerError(APIError):
+    """The server failed to serve the request (500)."""
+
+    status_code = 500
+    error_type = "server_error"
+    default_code = "internal_error"

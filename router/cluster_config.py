@@ -55,11 +55,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from prefixserve.common.body_limits import DEFAULT_CLIENT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from prefixserve.common.config_util import from_dict
 from prefixserve.common.tracing import check_endpoint
 from prefixserve.replica.config import EngineConfig
-from prefixserve.replica.entrypoints.openai import http_frontend
-from prefixserve.replica.entrypoints.openai.http_frontend import DEFAULT_MAX_BODY_BYTES
 from prefixserve.router.policies import DEFAULT_POLICY, POLICIES, check_options
 from prefixserve.router.routing_key import PrefixKeyConfig
 
@@ -185,7 +184,7 @@ class IngressConfig:
     )
     placement_sync_s: float = DEFAULT_PLACEMENT_SYNC_S
     # Seconds a client may take to send a whole request body (408); Serve's proxy itself has no such bound.
-    client_body_timeout_s: float = http_frontend.DEFAULT_CLIENT_BODY_TIMEOUT_S
+    client_body_timeout_s: float = DEFAULT_CLIENT_BODY_TIMEOUT_S
     # 431 above these, before the API key is checked (the standalone server's knobs and defaults). Serve's
     # proxy has read the whole head by then: this bounds what reaches the engines, not the proxy's memory.
     h11_max_header_count: int = 100

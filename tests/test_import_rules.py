@@ -2,7 +2,10 @@
 through its contracts, and replica/ and kernels/ have no import loops.
 
 Every ``import`` and ``from ... import`` of every module is parsed (ast), including imports inside functions;
-only imports under ``if TYPE_CHECKING:`` are left out of the loop check (they never run).
+only imports under ``if TYPE_CHECKING:`` are left out of the loop check and of what a module loads (they never
+run). What a module loads is the closure of its imports, each module's packages included: router/ modules
+other than the Serve adapters hosting the HTTP front end never load the front end, and the contract loads
+neither the engine nor the front end.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,12 +25,13 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ("common", "kernels", "replica", "router", "loadtest")
 
 # What router/ may import of replica/ (each a module, or a package with its modules): the ingress<->engine
-# contract, the block hashing (Contract 2), the
+# contract, the request errors with their HTTP status, the block hashing (Contract 2), the
 # engine config the cluster builds, and the replica's entry points the router hosts (the OpenAI front end
 # its ingress serves, the Serve deployment its app binds).
 ROUTER_MAY_IMPORT = frozenset(
     {
         "prefixserve.replica.contract",
+        "prefixserve.replica.errors",
         "prefixserve.replica.kv.hashing",
         "prefixserve.replica.config",
         "prefixserve.replica.entrypoints.openai.protocol",
@@ -37,6 +42,17 @@ ROUTER_MAY_IMPORT = frozenset(
 
 # Folders whose modules must not import one another in a loop.
 ACYCLIC = ("replica", "kernels")
+
+# The router's modules that host the replica's HTTP front end (the Serve ingress, the app that binds it, the
+# CLI that starts it): the only router/ modules that may load replica/entrypoints/ at all.
+ROUTER_FRONTEND_HOSTS = ("prefixserve.router.serve.ingress", "prefixserve.router.serve.app", "prefixserve.router.cli")
+
+# What must never be loaded, even through other modules, by the modules under a prefix: (loader, loaded).
+NEVER_LOADS = (
+    ("prefixserve.router", "prefixserve.replica.entrypoints"),
+    ("prefixserve.replica.contract", "prefixserve.replica.engine"),
+    ("prefixserve.replica.contract", "prefixserve.replica.entrypoints"),
+)
 
 
 @dataclass(frozen=True)
@@ -137,6 +153,47 @@ def violations(imports: list[Import]) -> list[str]:
     return bad
 
 
+def under(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def load_paths(start: str, imports: list[Import], modules: Iterable[str]) -> dict[str, list[str]]:
+    """Every module importing ``start`` runs (imports under TYPE_CHECKING left out), each with one chain of
+    imports that loads it: ``{module: [start, ..., module]}``. Importing a module first runs its packages'
+    ``__init__``, so they count as imported by it."""
+    known = set(modules)
+    graph: dict[str, set[str]] = {}
+    for imp in imports:
+        if not imp.type_checking:
+            graph.setdefault(imp.module, set()).add(imp.target)
+    paths = {start: [start]}
+    todo = [start]
+    while todo:
+        module = todo.pop()
+        parts = module.split(".")
+        packages = {".".join(parts[:i]) for i in range(2, len(parts))} & known
+        for nxt in sorted(graph.get(module, set()) | packages):
+            if nxt not in paths:
+                paths[nxt] = [*paths[module], nxt]
+                todo.append(nxt)
+    del paths[start]
+    return paths
+
+
+def load_violations(imports: list[Import], modules: Iterable[str]) -> list[str]:
+    """Each module that loads what NEVER_LOADS forbids it, as ``module loads target (a -> b -> target)``."""
+    modules = list(modules)
+    bad: list[str] = []
+    for module in sorted(modules):
+        rules = [loaded for loader, loaded in NEVER_LOADS if under(module, loader)]
+        if not rules or any(under(module, host) for host in ROUTER_FRONTEND_HOSTS):
+            continue
+        for target, path in sorted(load_paths(module, imports, modules).items()):
+            if any(under(target, loaded) for loaded in rules):
+                bad.append(f"{module} loads {target} ({' -> '.join(path)})")
+    return bad
+
+
 def cycles(imports: list[Import], folder: str) -> list[list[str]]:
     """The import loops among ``folder``'s modules (one per strongly connected component of two or more)."""
     graph: dict[str, set[str]] = {}
@@ -200,6 +257,11 @@ def test_imports_point_one_way() -> None:
     assert not bad, "imports against docs/design.md's rule:\n" + "\n".join(bad)
 
 
+def test_what_modules_load_stays_below_them() -> None:
+    bad = load_violations(all_imports(), module_files())
+    assert not bad, "modules loading what docs/design.md's rule keeps from them:\n" + "\n".join(bad)
+
+
 @pytest.mark.parametrize("folder", ACYCLIC)
 def test_no_import_loops(folder: str) -> None:
     loops = cycles(all_imports(), folder)
@@ -236,6 +298,41 @@ def test_the_checks_catch_what_they_forbid(tmp_path: Path) -> None:
     assert any(b.startswith("prefixserve.kernels.ops:1 -> prefixserve.replica.step (imports a higher") for b in bad)
     assert any(b.startswith("prefixserve.common.util:1 -> prefixserve.router.prefix (imports a higher") for b in bad)
     assert len(bad) == 3, bad
+
+
+def test_the_load_check_follows_imports_through_other_modules(tmp_path: Path) -> None:
+    _mini_tree(tmp_path)
+    _write(tmp_path, "replica/entrypoints/__init__.py", "")
+    _write(tmp_path, "replica/entrypoints/front.py", "")
+    _write(tmp_path, "replica/engine/__init__.py", "")
+    _write(tmp_path, "replica/engine/step.py", "")
+    _write(tmp_path, "replica/util.py", "")
+    _write(tmp_path, "router/serve/__init__.py", "")
+    _write(tmp_path, "router/serve/ingress.py", "from prefixserve.replica import config\n")
+    # What never runs does not count: a TYPE_CHECKING import of the engine from the contract.
+    _write(
+        tmp_path,
+        "replica/contract.py",
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from prefixserve.replica.engine import step\n",
+    )
+    assert load_violations(all_imports(tmp_path), module_files(tmp_path)) == []
+    # Each import allowed on its own (router -> config, contract -> util), forbidden through the next one.
+    _write(tmp_path, "replica/config.py", "def f():\n    from prefixserve.replica.entrypoints import front\n")
+    _write(tmp_path, "replica/contract.py", "from prefixserve.replica import util\n")
+    _write(tmp_path, "replica/util.py", "import prefixserve.replica.engine.step\n")
+    imports = all_imports(tmp_path)
+    assert violations(imports) == []
+    bad = load_violations(imports, module_files(tmp_path))
+    assert bad == [
+        "prefixserve.replica.contract loads prefixserve.replica.engine (prefixserve.replica.contract -> "
+        "prefixserve.replica.util -> prefixserve.replica.engine.step -> prefixserve.replica.engine)",
+        "prefixserve.replica.contract loads prefixserve.replica.engine.step (prefixserve.replica.contract -> "
+        "prefixserve.replica.util -> prefixserve.replica.engine.step)",
+        "prefixserve.router.prefix loads prefixserve.replica.entrypoints (prefixserve.router.prefix -> "
+        "prefixserve.replica.config -> prefixserve.replica.entrypoints.front -> prefixserve.replica.entrypoints)",
+        "prefixserve.router.prefix loads prefixserve.replica.entrypoints.front (prefixserve.router.prefix -> "
+        "prefixserve.replica.config -> prefixserve.replica.entrypoints.front)",
+    ], bad
 
 
 def test_loops_are_found_and_type_checking_imports_are_not_loops(tmp_path: Path) -> None:

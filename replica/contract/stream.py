@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prefixserve.replica.engine.outputs import FinishReason
-from prefixserve.replica.entrypoints.openai import protocol as api
+from prefixserve.replica.contract.finish_reason import FinishReason
+from prefixserve.replica.errors import APIError
 from prefixserve.replica.tool_calling.stream import ToolCallDelta, ToolCallResult
 
 
@@ -51,12 +51,12 @@ class StreamError:
     retry_after_s: float | None = None
 
     @classmethod
-    def of(cls, err: api.APIError) -> StreamError:
+    def of(cls, err: APIError) -> StreamError:
         return cls(err.status_code, err.error_type, err.code, err.message, err.param, err.retry_after_s)
 
-    def to_api_error(self) -> api.APIError:
+    def to_api_error(self) -> APIError:
         """The error as the front end answers it (its status, type and code)."""
-        err = api.APIError(self.message, param=self.param, code=self.code, retry_after_s=self.retry_after_s)
+        err = APIError(self.message, param=self.param, code=self.code, retry_after_s=self.retry_after_s)
         err.status_code = self.status_code
         err.error_type = self.error_type
         return err

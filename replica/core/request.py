@@ -27,8 +27,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from prefixserve.replica.contract.finish_reason import FinishReason
 from prefixserve.replica.contract.routing import STATIC_ROLES
-from prefixserve.replica.engine.outputs import FinishReason
 from prefixserve.replica.sampling_params import SamplingParams
 
 

@@ -35,6 +35,7 @@ import torch
 
 from prefixserve.common.tracing import RequestTracer, build_tracer
 from prefixserve.replica.config import MAX_MODEL_LEN_CAP, EngineConfig
+from prefixserve.replica.contract.finish_reason import FinishReason
 from prefixserve.replica.core.request import PreparedRequest, Request, Sequence
 from prefixserve.replica.core.sched_output import ScheduledSeq
 from prefixserve.replica.core.scheduler import Scheduler, SchedulerConfig
@@ -42,7 +43,6 @@ from prefixserve.replica.engine.detokenizer import IncrementalDetokenizer
 from prefixserve.replica.engine.input_processor import InputProcessor
 from prefixserve.replica.engine.metrics import EngineMetrics, EngineStats, SwapTotals
 from prefixserve.replica.engine.output_processor import EngineUpdate, OutputProcessor
-from prefixserve.replica.engine.outputs import FinishReason
 from prefixserve.replica.engine.step_pipeline import StepPipeline
 from prefixserve.replica.engine.step_timer import StepTimer, TimedKVCacheManager
 from prefixserve.replica.engine.tiers import EngineTiers

@@ -24,8 +24,7 @@ from prefixserve.replica.contract.request import EngineRequest
 from prefixserve.replica.contract.routing import canonical_json
 from prefixserve.replica.core.request import PreparedRequest, static_prefix_messages
 from prefixserve.replica.engine.bounded_memo import BoundedMemo, str_bytes
-from prefixserve.replica.entrypoints.openai import protocol as api
-from prefixserve.replica.errors import PromptTooLongError, RequestRejected
+from prefixserve.replica.errors import BadRequestError, PromptTooLongError, RequestRejected
 from prefixserve.replica.sampling_params import SamplingParams
 from prefixserve.replica.structured_output.compile import GrammarCache
 from prefixserve.replica.tool_calling.choice import ToolCallMode
@@ -267,7 +266,7 @@ class InputProcessor:
             raise RequestRejected("the prompt is empty")
         lowest, highest = min(prompt_ids), max(prompt_ids)
         if client_token_ids and highest >= len(self.tokenizer):
-            raise api.BadRequestError(
+            raise BadRequestError(
                 f"prompt token ids must be below the vocabulary size {len(self.tokenizer)}",
                 param="prompt",
                 code="invalid_value",
@@ -329,7 +328,7 @@ class InputProcessor:
             try:
                 chat = self.encode_chat(messages, tools=request.tools) if request.tools else self.encode_chat(messages)
             except Exception as exc:  # a chat template refusing the conversation (jinja error)
-                raise api.BadRequestError(
+                raise BadRequestError(
                     f"the chat template rejected the messages: {exc}", param="messages", code="invalid_value"
                 ) from exc
             ids = tuple(chat)

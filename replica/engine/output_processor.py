@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefixserve.common.tracing import RequestTiming, RequestTracer
+from prefixserve.replica.contract.finish_reason import FinishReason
 from prefixserve.replica.contract.stream import StreamDelta
 from prefixserve.replica.core.request import Request, Sequence
 from prefixserve.replica.engine.metrics import EngineMetrics, FinishedRequestStats
-from prefixserve.replica.engine.outputs import CompletionOutput, FinishReason, RequestOutput
+from prefixserve.replica.engine.outputs import CompletionOutput, RequestOutput
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""What the engine hands back offline: finished outputs, and why a sequence stopped.
+"""What the engine hands back offline: finished outputs.
 
 Plain data, shared by the engine and the offline LLM; the online stream deltas are
 replica/contract/stream.py's. Build them with keyword arguments: the field order is
@@ -8,19 +8,8 @@ not part of the interface.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
 
-
-class FinishReason(StrEnum):
-    """Why a sequence stopped (OpenAI's values; a StrEnum compares and serializes as the string).
-
-    A request that fails is not "finished": its stream raises an exception instead
-    (front ends map it to an HTTP error), so there is no "error" reason here.
-    """
-
-    STOP = "stop"  # EOS, a stop token id or a stop string
-    LENGTH = "length"  # max_tokens or the model's context length
-    ABORT = "abort"  # the client left or aborted
+from prefixserve.replica.contract.finish_reason import FinishReason
 
 
 @dataclass

@@ -73,6 +73,7 @@ from prefixserve.replica.contract.stream import StreamDelta, StreamError, Stream
 from prefixserve.replica.entrypoints.openai import http_frontend
 from prefixserve.replica.entrypoints.openai import protocol as api
 from prefixserve.replica.entrypoints.openai.http_frontend import FrontendOptions
+from prefixserve.replica.errors import APIError, ServiceUnavailableError
 from prefixserve.router.cluster_config import IngressConfig
 from prefixserve.router.routing_key import PrefixKeyConfig, routing_key
 from prefixserve.router.serve.metrics import merge_expositions, router_metrics
@@ -93,7 +94,7 @@ ATTEMPTS_HEADER = "X-Prefixserve-Attempts"
 PLACEMENT_TIMEOUT_S = 5.0
 
 
-class NoPlacementError(api.APIError):
+class NoPlacementError(APIError):
     """``GET /placement`` where the router has no placement (404)."""
 
     status_code = 404
@@ -178,7 +179,7 @@ class RemoteStream:
                 self._response.cancel()
                 self.replica = None
                 last = exc
-        raise api.ServiceUnavailableError(
+        raise ServiceUnavailableError(
             f"every replica tried for this request failed ({self._max_attempts} attempts): {last}",
             code="replica_failed",
             retry_after_s=1.0,
@@ -233,7 +234,7 @@ class ServeEngineClient:
                 answers = await self._handle.broadcast("model_info").results_async(return_exceptions=True)
                 infos = [a for a in answers if isinstance(a, ModelInfo)]
                 if not infos:
-                    raise api.ServiceUnavailableError(
+                    raise ServiceUnavailableError(
                         f"no engine replica answered: {answers[0] if answers else 'none running'}",
                         code="no_replica",
                         retry_after_s=1.0,
@@ -382,7 +383,7 @@ class OpenAIIngress:
         self.draining = True
 
     def _drain_refusal(self) -> Response:
-        err = api.ServiceUnavailableError(
+        err = ServiceUnavailableError(
             "the cluster is shutting down; retry later", code="server_shutting_down", retry_after_s=1.0
         )
         # Not http_frontend.error_response: an expected refusal, not a failure to log.

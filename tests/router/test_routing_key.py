@@ -96,6 +96,7 @@ def test_content_parts_join_text_parts():
 def test_non_text_parts_are_refused_as_the_api_refuses_them(part):
     """A static message with any part the OpenAI front end refuses has no key: ValueError, never a partial key."""
     from prefixserve.replica.entrypoints.openai import protocol as api
+    from prefixserve.replica.errors import BadRequestError
 
     messages = [
         {"role": "system", "content": [{"type": "text", "text": "Part one."}, part]},
@@ -103,7 +104,7 @@ def test_non_text_parts_are_refused_as_the_api_refuses_them(part):
     ]
     with pytest.raises(ValueError, match="content part"):
         routing_key({"messages": messages})
-    with pytest.raises(api.BadRequestError):
+    with pytest.raises(BadRequestError):
         api.validate_request(api.ChatCompletionRequest, {"messages": messages})
     # Parts after the static prefix are the API's business only: the key ignores them.
     later = [{"role": "system", "content": "s"}, {"role": "user", "content": [part]}]

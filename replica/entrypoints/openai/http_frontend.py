@@ -47,6 +47,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from prefixserve.common.body_limits import DEFAULT_CLIENT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from prefixserve.common.logs import REQUEST_ID
 from prefixserve.common.tracing import trace_headers
 from prefixserve.replica.contract.request import EngineClient, EngineRequest, EngineStream, ModelInfo
@@ -56,15 +57,21 @@ from prefixserve.replica.entrypoints.openai import serving as openai_serving
 from prefixserve.replica.entrypoints.openai.protocol import OpenAIRequest
 from prefixserve.replica.entrypoints.openai.request_fields import IgnoredFields
 from prefixserve.replica.entrypoints.openai.serving import Generation
-from prefixserve.replica.errors import PromptTooLongError
+from prefixserve.replica.errors import (
+    APIError,
+    BadRequestError,
+    HeaderFieldsTooLargeError,
+    ModelNotFoundError,
+    OverloadedError,
+    PayloadTooLargeError,
+    PromptTooLongError,
+    RequestTimeoutError,
+    ServiceUnavailableError,
+)
 from prefixserve.replica.tool_calling.choice import check_auto_supported
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
-# Seconds a client may take to send a whole request body (nginx's client_body_timeout, 60 s, bounds the
-# gap between two reads; a bound on the whole body also stops a client that trickles a byte at a time).
-DEFAULT_CLIENT_BODY_TIMEOUT_S = 60.0
 # Where a host that caps generation requests in flight puts the request's InFlightSlot (the ASGI scope).
 IN_FLIGHT_SLOT_SCOPE_KEY = "prefixserve.in_flight_slot"
 # Accepted from the client or generated, carried to the engine, echoed on the answer.
@@ -152,7 +159,7 @@ class InFlightSlot:
         """Take the slot, or raise OverloadedError (429, ``replica_busy``) when the cap is reached."""
         counter = self._counter
         if counter.cap is not None and counter.running >= counter.cap:
-            raise api.OverloadedError(
+            raise OverloadedError(
                 f"this replica has {counter.running} requests in flight (max_in_flight={counter.cap}); "
                 "try the next replica",
                 code="replica_busy",
@@ -196,7 +203,7 @@ async def read_body(request: Request, max_body_bytes: int, timeout_s: float = DE
             return await _read_body(request, max_body_bytes)
     except TimeoutError:
         log.info("request body not received within %g s (client_body_timeout_s)", timeout_s)
-        raise api.RequestTimeoutError(f"the request body did not arrive within {timeout_s:g} s") from None
+        raise RequestTimeoutError(f"the request body did not arrive within {timeout_s:g} s") from None
 
 
 async def _read_body(request: Request, max_body_bytes: int) -> bytes:
@@ -205,9 +212,9 @@ async def _read_body(request: Request, max_body_bytes: int) -> bytes:
         try:
             declared_len = int(declared)
         except ValueError:
-            raise api.BadRequestError(f"invalid Content-Length header {declared!r}") from None
+            raise BadRequestError(f"invalid Content-Length header {declared!r}") from None
         if declared_len > max_body_bytes:
-            raise api.PayloadTooLargeError(
+            raise PayloadTooLargeError(
                 f"request body is {declared_len} bytes; this server accepts at most {max_body_bytes}"
             )
     chunks: list[bytes] = []
@@ -216,9 +223,7 @@ async def _read_body(request: Request, max_body_bytes: int) -> bytes:
         async for chunk in request.stream():
             received += len(chunk)
             if received > max_body_bytes:
-                raise api.PayloadTooLargeError(
-                    f"request body exceeds {max_body_bytes} bytes, the most this server accepts"
-                )
+                raise PayloadTooLargeError(f"request body exceeds {max_body_bytes} bytes, the most this server accepts")
             chunks.append(chunk)
     except ClientDisconnect:
         raise ClientDisconnected() from None
@@ -267,7 +272,7 @@ def error_response(exc: BaseException, request_id: str | None = None) -> JSONRes
             "request %s failed: %s",
             request_id or "-",
             err.message,
-            exc_info=exc if not isinstance(exc, api.APIError) else None,
+            exc_info=exc if not isinstance(exc, APIError) else None,
         )
     else:
         log.info("request %s refused: %d %s: %s", request_id or "-", err.status_code, err.code, err.message)
@@ -275,19 +280,19 @@ def error_response(exc: BaseException, request_id: str | None = None) -> JSONRes
 
 
 async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-    err = api.APIError(str(exc.detail), code=str(exc.status_code))
+    err = APIError(str(exc.detail), code=str(exc.status_code))
     err.status_code = exc.status_code
     return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
 
 
-async def _api_error(_: Request, exc: api.APIError) -> JSONResponse:
+async def _api_error(_: Request, exc: APIError) -> JSONResponse:
     return error_response(exc)
 
 
 def add_error_handlers(app: FastAPI) -> None:
     """Answer Starlette's own errors (404, 405, ...) and every APIError with the OpenAI error body."""
     app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_exception_handler(api.APIError, _api_error)
+    app.add_exception_handler(APIError, _api_error)
 
 
 async def start_generation(request: Request, gen: Generation) -> None:
@@ -325,13 +330,13 @@ def check_headers(request: Request, options: FrontendOptions) -> None:
     """Raise HeaderFieldsTooLargeError (431) when the request has more or larger headers than ``options`` allow."""
     headers = request.scope.get("headers") or []
     if options.max_header_count is not None and len(headers) > options.max_header_count:
-        raise api.HeaderFieldsTooLargeError(
+        raise HeaderFieldsTooLargeError(
             f"the request has {len(headers)} header fields; this server accepts at most {options.max_header_count}"
         )
     if options.max_header_bytes is not None:
         size = len(request.scope.get("raw_path") or b"") + sum(len(k) + len(v) + 4 for k, v in headers)
         if size > options.max_header_bytes:
-            raise api.HeaderFieldsTooLargeError(
+            raise HeaderFieldsTooLargeError(
                 f"the request line and headers exceed {options.max_header_bytes} bytes, the most this server accepts"
             )
 
@@ -345,7 +350,7 @@ def check_auth(request: Request, options: FrontendOptions) -> None:
 def check_model(info: ModelInfo, name: str | None) -> str:
     """The served model's name; raise ModelNotFoundError (404) when ``name`` is another model."""
     if name is not None and not info.serves(name):
-        raise api.ModelNotFoundError(
+        raise ModelNotFoundError(
             f"the model {name!r} does not exist on this server; it serves {info.model_name!r}", param="model"
         )
     return info.model_name
@@ -357,7 +362,7 @@ def client_request_id(headers: Mapping[str, str]) -> str | None:
     if value is None:
         return None
     if not _REQUEST_ID.fullmatch(value):
-        raise api.BadRequestError(
+        raise BadRequestError(
             f"{REQUEST_ID_HEADER} must be 1 to 128 characters of letters, digits and ._:/+=-", code="invalid_request_id"
         )
     return value
@@ -412,7 +417,7 @@ def engine_request(
             try:
                 check_auto_supported(info.enable_auto_tool_choice, info.tool_call_parser)
             except ValueError as exc:
-                raise api.BadRequestError(str(exc), param="tool_choice", code="invalid_value") from None
+                raise BadRequestError(str(exc), param="tool_choice", code="invalid_value") from None
     return EngineRequest(
         request_id=(
             api.new_id(body.id_prefix) if client_id is None else f"{body.id_prefix}-{client_id}-{uuid.uuid4().hex[:8]}"
@@ -503,4 +508,4 @@ async def handle_health(client: EngineClient) -> Response:
     """``GET /health``: 200 while the engine can serve, else 503 with the OpenAI error body."""
     if await client.is_healthy():
         return Response(status_code=200)
-    return error_response(api.ServiceUnavailableError("no engine is running", code="engine_dead"))
+    return error_response(ServiceUnavailableError("no engine is running", code="engine_dead"))

@@ -37,7 +37,13 @@ import h11
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 
-from prefixserve.replica.entrypoints.openai import protocol as api
+from prefixserve.replica.errors import (
+    APIError,
+    BadRequestError,
+    HeaderFieldsTooLargeError,
+    RequestTimeoutError,
+    ServiceUnavailableError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +65,7 @@ def limited_protocol(limits: ConnectionLimits) -> Any:
     return functools.partial(LimitedH11Protocol, limits=limits)
 
 
-def error_bytes(err: api.APIError) -> bytes:
+def error_bytes(err: APIError) -> bytes:
     """A whole HTTP/1.1 answer carrying ``err``'s OpenAI error body, then ``Connection: close``."""
     body = json.dumps(err.body()).encode("utf-8")
     head = [
@@ -71,7 +77,7 @@ def error_bytes(err: api.APIError) -> bytes:
     return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
 
 
-def refusal_app(err: api.APIError) -> Any:
+def refusal_app(err: APIError) -> Any:
     """An ASGI app answering every request with ``err`` (and closing the connection)."""
     body = json.dumps(err.body()).encode("utf-8")
     headers = [
@@ -87,7 +93,7 @@ def refusal_app(err: api.APIError) -> Any:
     return app
 
 
-def _closing_headers(err: api.APIError) -> dict[str, str]:
+def _closing_headers(err: APIError) -> dict[str, str]:
     return {"Connection": "close", **err.headers()}
 
 
@@ -183,9 +189,7 @@ class LimitedH11Protocol(H11Protocol):
                 self.limits.client_header_timeout_s,
             )
             self._refuse(
-                api.RequestTimeoutError(
-                    f"the request head did not arrive within {self.limits.client_header_timeout_s:g} s"
-                )
+                RequestTimeoutError(f"the request head did not arrive within {self.limits.client_header_timeout_s:g} s")
             )
         else:  # nothing sent: close quietly, as an idle keep-alive connection is closed
             self.transport.close()
@@ -211,7 +215,7 @@ class LimitedH11Protocol(H11Protocol):
                 limits.h11_max_header_count,
             )
             self.app = refusal_app(
-                api.HeaderFieldsTooLargeError(
+                HeaderFieldsTooLargeError(
                     f"the request has {len(event.headers)} header fields; this server accepts at most "
                     f"{limits.h11_max_header_count}"
                 )
@@ -226,7 +230,7 @@ class LimitedH11Protocol(H11Protocol):
                 len(self.tasks),
             )
             self.app = refusal_app(
-                api.ServiceUnavailableError(
+                ServiceUnavailableError(
                     f"this server holds its maximum of {limits.limit_concurrency} connections (limit_concurrency); "
                     "retry later",
                     code="too_many_connections",
@@ -244,15 +248,15 @@ class LimitedH11Protocol(H11Protocol):
             )
             self._refuse(self._head_too_large())
         else:
-            self._refuse(api.BadRequestError(f"invalid HTTP request: {error or msg}", code="invalid_http_request"))
+            self._refuse(BadRequestError(f"invalid HTTP request: {error or msg}", code="invalid_http_request"))
 
-    def _head_too_large(self) -> api.APIError:
-        return api.HeaderFieldsTooLargeError(
+    def _head_too_large(self) -> APIError:
+        return HeaderFieldsTooLargeError(
             f"the request line and headers exceed {self.limits.h11_max_incomplete_event_size} bytes, "
             "the most this server accepts"
         )
 
-    def _refuse(self, err: api.APIError) -> None:
+    def _refuse(self, err: APIError) -> None:
         """Answer ``err`` outside h11's state machine (the head was never complete) and close."""
         self._disarm_head_timer()
         if not self.transport.is_closing():

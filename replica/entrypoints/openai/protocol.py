@@ -69,7 +69,6 @@ framework, Ray or torch.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -89,11 +88,16 @@ from pydantic import (
 from pydantic_core import PydanticCustomError, from_json
 
 from prefixserve.replica.errors import (
+    APIError,
+    BadRequestError,
     EngineDeadError,
     EngineOverloadedError,
+    InternalServerError,
+    OverloadedError,
     PromptTooLongError,
     RequestFailedError,
     RequestRejected,
+    ServiceUnavailableError,
 )
 from prefixserve.replica.sampling_params import SamplingParams
 from prefixserve.replica.structured_output.openai_fields import StructuredOutputFieldError, StructuredOutputFields
@@ -131,116 +135,6 @@ class ErrorResponse(BaseModel):
     """The OpenAI error body: ``{"error": {"message", "type", "param", "code"}}``."""
 
     error: ErrorDetail
-
-
-class APIError(Exception):
-    """An error a front end answers with the OpenAI error body and ``status_code``.
-
-    ``retry_after_s`` is set for overload answers (HTTP 429/503); the front end
-    sends it as the ``Retry-After`` header (whole seconds, rounded up).
-    """
-
-    status_code: int = 400
-    error_type: str = "invalid_request_error"
-    # Every 4xx/5xx names a code; a raise site may give a more precise one.
-    default_code: str = "invalid_request"
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        retry_after_s: float | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.code = code or self.default_code
-        self.retry_after_s = retry_after_s
-
-    def to_response(self) -> ErrorResponse:
-        return ErrorResponse(
-            error=ErrorDetail(message=self.message, type=self.error_type, param=self.param, code=self.code)
-        )
-
-    def body(self) -> dict[str, Any]:
-        return self.to_response().model_dump()
-
-    def headers(self) -> dict[str, str]:
-        if self.retry_after_s is None:
-            return {}
-        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
-
-
-class BadRequestError(APIError):
-    """Malformed body, missing or out-of-range fields, prompt too long (400)."""
-
-
-class AuthenticationError(APIError):
-    """Missing or wrong API key (401)."""
-
-    status_code = 401
-    error_type = "authentication_error"
-    default_code = "invalid_api_key"
-
-
-class ModelNotFoundError(APIError):
-    """The request names a model this server does not serve (404)."""
-
-    status_code = 404
-    error_type = "invalid_request_error"
-    default_code = "model_not_found"
-
-
-class PayloadTooLargeError(APIError):
-    """The request body exceeds the server's limit (413)."""
-
-    status_code = 413
-    error_type = "invalid_request_error"
-    default_code = "payload_too_large"
-
-
-class RequestTimeoutError(APIError):
-    """The client did not send its request (head or body) within the server's timeout (408)."""
-
-    status_code = 408
-    error_type = "invalid_request_error"
-    default_code = "request_timeout"
-
-    def headers(self) -> dict[str, str]:
-        # The rest of a late body may still come: the connection cannot carry another request.
-        return {**super().headers(), "Connection": "close"}
-
-
-class HeaderFieldsTooLargeError(APIError):
-    """The request's head (request line and headers) exceeds the server's size or count limit (431)."""
-
-    status_code = 431
-    error_type = "invalid_request_error"
-    default_code = "request_header_fields_too_large"
-
-
-class OverloadedError(APIError):
-    """The engine's waiting queue is full; retry after ``retry_after_s`` (429)."""
-
-    status_code = 429
-    error_type = "rate_limit_error"
-    default_code = "queue_full"
-
-
-class ServiceUnavailableError(APIError):
-    """The engine loop has died; the replica cannot serve (503)."""
-
-    status_code = 503
-    error_type = "service_unavailable"
-    default_code = "service_unavailable"
-
-
-class InternalServerError(APIError):
-    status_code = 500
-    error_type = "server_error"
-    default_code = "internal_error"
 
 
 # Pydantic error types that carry their own OpenAI code.

@@ -50,6 +50,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from prefixserve.common.body_limits import DEFAULT_CLIENT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from prefixserve.common.config_util import add_cli_arguments, from_cli_args
 from prefixserve.common.endpoint_config import DEFAULT_HOST, REPLICA_PORT, ReplicaEndpointConfig
 from prefixserve.common.logs import configure_logging
@@ -58,8 +59,6 @@ from prefixserve.replica.engine.request_runner import LocalEngineClient
 from prefixserve.replica.entrypoints.openai import http_frontend
 from prefixserve.replica.entrypoints.openai import protocol as api
 from prefixserve.replica.entrypoints.openai.http_frontend import (
-    DEFAULT_CLIENT_BODY_TIMEOUT_S,
-    DEFAULT_MAX_BODY_BYTES,
     IN_FLIGHT_SLOT_SCOPE_KEY,
     FrontendOptions,
     InFlightCounter,
@@ -69,6 +68,7 @@ from prefixserve.replica.entrypoints.openai.http_limits import ConnectionLimits,
 from prefixserve.replica.entrypoints.openai.request_fields import IgnoredFields
 from prefixserve.replica.entrypoints.openai.server_info import ReplicaInfo, package_version
 from prefixserve.replica.entrypoints.openai.tokenization import Tokenization
+from prefixserve.replica.errors import APIError, ServiceUnavailableError
 
 if TYPE_CHECKING:
     from prefixserve.replica.engine.async_engine import AsyncEngine
@@ -190,8 +190,8 @@ class Drain:
     def expired(self) -> bool:
         return self.started_at is not None and time.monotonic() - self.started_at >= self.timeout_s
 
-    def refusal(self) -> api.ServiceUnavailableError:
-        return api.ServiceUnavailableError(
+    def refusal(self) -> ServiceUnavailableError:
+        return ServiceUnavailableError(
             "this server is shutting down; retry on another replica",
             code="server_shutting_down",
             retry_after_s=RETRY_AFTER_S,
@@ -221,7 +221,7 @@ class ReplicaHeaderMiddleware:
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 
 
-def _answer(err: api.APIError) -> JSONResponse:
+def _answer(err: APIError) -> JSONResponse:
     """``err`` as the OpenAI error answer, not logged (an expected refusal, not a failure)."""
     return JSONResponse(err.body(), status_code=err.status_code, headers=err.headers())
 
@@ -485,7 +485,7 @@ def serve(
     async def end_requests() -> None:
         # The engine fails every request it holds with this error: a stream sends it in-band, then [DONE].
         await engine.shutdown(
-            api.ServiceUnavailableError(
+            ServiceUnavailableError(
                 f"this server is shutting down and the request did not finish within drain_timeout_s="
                 f"{config.drain_timeout_s:g}; retry it",
                 code="server_shutting_down",

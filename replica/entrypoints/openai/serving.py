@@ -31,6 +31,7 @@ from prefixserve.replica.contract.request import EngineStream
 from prefixserve.replica.contract.stream import StreamDelta
 from prefixserve.replica.entrypoints.openai import protocol as api
 from prefixserve.replica.entrypoints.openai.protocol import OpenAIRequest
+from prefixserve.replica.errors import AuthenticationError
 from prefixserve.replica.tool_calling.stream import ToolCallResult
 
 
@@ -49,7 +50,7 @@ def check_api_key(authorization: str, api_keys: Sequence[bytes]) -> None:
     except UnicodeEncodeError:  # not a header value a server decoded: cannot be a key's bytes
         sent = b""
     if scheme.lower() != "bearer" or not any(hmac.compare_digest(sent, k) for k in api_keys):
-        raise api.AuthenticationError("missing or invalid API key", code="invalid_api_key")
+        raise AuthenticationError("missing or invalid API key", code="invalid_api_key")
 
 
 class Generation:

@@ -63,6 +63,7 @@ from prefixserve.replica.contract.routing import ring_name
 from prefixserve.replica.contract.stream import StreamError, StreamItem, StreamStart, TokenTexts
 from prefixserve.replica.engine.request_runner import RequestRunner
 from prefixserve.replica.entrypoints.openai import protocol as api
+from prefixserve.replica.errors import ServiceUnavailableError
 
 __all__ = ["EngineDeployment"]
 
@@ -81,8 +82,8 @@ def replica_rank() -> int | None:
     return rank if isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0 else None
 
 
-def _shutting_down() -> api.ServiceUnavailableError:
-    return api.ServiceUnavailableError(
+def _shutting_down() -> ServiceUnavailableError:
+    return ServiceUnavailableError(
         "this replica is shutting down and the request did not finish within the drain timeout; retry it",
         code="server_shutting_down",
         retry_after_s=1.0,

@@ -14,10 +14,10 @@ import threading
 import pytest
 
 from prefixserve.replica.config import EngineConfig
+from prefixserve.replica.contract.finish_reason import FinishReason
 from prefixserve.replica.core.request import PreparedRequest, Request
 from prefixserve.replica.engine.async_engine import AsyncEngine
 from prefixserve.replica.engine.core import LLMEngine
-from prefixserve.replica.engine.outputs import FinishReason
 from prefixserve.replica.entrypoints.llm import LLM
 from prefixserve.replica.errors import EngineDeadError, PromptTooLongError, RequestFailedError, RequestRejected
 from prefixserve.replica.sampling_params import SamplingParams

@@ -8,7 +8,20 @@ import random
 import pytest
 
 from prefixserve.replica.entrypoints.openai import protocol as api
-from prefixserve.replica.errors import EngineDeadError, EngineOverloadedError, PromptTooLongError, RequestRejected
+from prefixserve.replica.errors import (
+    AuthenticationError,
+    BadRequestError,
+    EngineDeadError,
+    EngineOverloadedError,
+    InternalServerError,
+    ModelNotFoundError,
+    OverloadedError,
+    PayloadTooLargeError,
+    PromptTooLongError,
+    RequestFailedError,
+    RequestRejected,
+    ServiceUnavailableError,
+)
 
 
 def chat_body(**overrides) -> bytes:
@@ -21,8 +34,8 @@ def parse_chat(**overrides) -> api.ChatCompletionRequest:
     return api.parse_request(api.ChatCompletionRequest, chat_body(**overrides))
 
 
-def bad_request(model: type, body: bytes | str) -> api.BadRequestError:
-    with pytest.raises(api.BadRequestError) as info:
+def bad_request(model: type, body: bytes | str) -> BadRequestError:
+    with pytest.raises(BadRequestError) as info:
         api.parse_request(model, body)
     assert info.value.status_code == 400
     assert info.value.error_type == "invalid_request_error"
@@ -247,13 +260,13 @@ def test_bodies_that_are_not_a_json_object_are_400(raw):
 
 def test_every_error_has_a_code():
     for cls in (
-        api.BadRequestError,
-        api.AuthenticationError,
-        api.ModelNotFoundError,
-        api.PayloadTooLargeError,
-        api.OverloadedError,
-        api.ServiceUnavailableError,
-        api.InternalServerError,
+        BadRequestError,
+        AuthenticationError,
+        ModelNotFoundError,
+        PayloadTooLargeError,
+        OverloadedError,
+        ServiceUnavailableError,
+        InternalServerError,
     ):
         assert cls("x").body()["error"]["code"]
 
@@ -429,9 +442,9 @@ def test_logprob_rendering():
         (ValueError("bad"), 400, "invalid_request_error"),
         (RequestRejected("never"), 400, "invalid_request_error"),
         (PromptTooLongError("too long"), 400, "invalid_request_error"),
-        (api.AuthenticationError("key"), 401, "authentication_error"),
-        (api.ModelNotFoundError("nope"), 404, "invalid_request_error"),
-        (api.PayloadTooLargeError("big"), 413, "invalid_request_error"),
+        (AuthenticationError("key"), 401, "authentication_error"),
+        (ModelNotFoundError("nope"), 404, "invalid_request_error"),
+        (PayloadTooLargeError("big"), 413, "invalid_request_error"),
         (EngineOverloadedError("full", retry_after_s=2.2), 429, "rate_limit_error"),
         (EngineDeadError("dead"), 503, "service_unavailable"),
         (RuntimeError("boom"), 500, "server_error"),
@@ -444,6 +457,20 @@ def test_error_mapping(exc, status, type_):
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
     assert body["error"]["type"] == type_
     api.ErrorResponse.model_validate(body)
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        RequestRejected("never"),
+        PromptTooLongError("too long"),
+        EngineOverloadedError("full"),
+        RequestFailedError("failed"),
+        EngineDeadError("dead"),
+    ],
+)
+def test_engine_errors_are_answered_with_the_status_they_carry(exc):
+    assert api.error_from_exception(exc).status_code == type(exc).status_code
 
 
 def test_overload_carries_retry_after_rounded_up():

@@ -204,8 +204,8 @@ def test_the_server_exits_non_zero_once_its_engine_is_dead_for_good(model_dir):
 def test_header_limits_of_the_front_end_are_431_before_the_key_check():
     from starlette.requests import Request
 
-    from prefixserve.replica.entrypoints.openai import protocol as api
     from prefixserve.replica.entrypoints.openai.http_frontend import FrontendOptions, check_auth
+    from prefixserve.replica.errors import AuthenticationError, HeaderFieldsTooLargeError
 
     options = FrontendOptions.build(["sk"], 1024, max_header_count=3, max_header_bytes=200)
 
@@ -214,10 +214,10 @@ def test_header_limits_of_the_front_end_are_431_before_the_key_check():
             {"type": "http", "method": "GET", "path": "/v1/models", "raw_path": b"/v1/models", "headers": headers}
         )
 
-    with pytest.raises(api.HeaderFieldsTooLargeError, match="header fields"):
+    with pytest.raises(HeaderFieldsTooLargeError, match="header fields"):
         check_auth(request([(b"x-%d" % i, b"1") for i in range(4)]), options)
-    with pytest.raises(api.HeaderFieldsTooLargeError, match="200 bytes"):
+    with pytest.raises(HeaderFieldsTooLargeError, match="200 bytes"):
         check_auth(request([(b"x-big", b"a" * 300)]), options)
-    with pytest.raises(api.AuthenticationError):  # within the limits: the key is checked
+    with pytest.raises(AuthenticationError):  # within the limits: the key is checked
         check_auth(request([(b"x-small", b"a")]), options)
     check_auth(request([(b"authorization", b"Bearer sk")]), options)

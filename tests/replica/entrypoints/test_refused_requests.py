@@ -21,7 +21,7 @@ from server_helpers import InProcessReplica, ReplicaProcess, assert_openai_error
 from prefixserve.replica.engine.bounded_memo import ENTRY_OVERHEAD_BYTES, BoundedMemo
 from prefixserve.replica.engine.input_processor import min_message_tokens
 from prefixserve.replica.entrypoints.openai import protocol as api
-from prefixserve.replica.errors import PromptTooLongError
+from prefixserve.replica.errors import OverloadedError, PromptTooLongError
 
 MAX_MODEL_LEN = 128
 API_KEY = "sk-hostile"
@@ -253,7 +253,7 @@ def test_a_stream_error_crosses_ray_as_plain_fields():
         "too long",
     )
     assert again.body() == err.body()
-    overloaded = StreamError.of(api.OverloadedError("full", retry_after_s=2.0)).to_api_error()
+    overloaded = StreamError.of(OverloadedError("full", retry_after_s=2.0)).to_api_error()
     assert (overloaded.status_code, overloaded.error_type, overloaded.headers()) == (
         429,
         "rate_limit_error",

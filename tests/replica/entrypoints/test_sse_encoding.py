@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from prefixserve.replica.engine.outputs import FinishReason
+from prefixserve.replica.contract.finish_reason import FinishReason
 from prefixserve.replica.entrypoints.openai import protocol as api
 from prefixserve.replica.entrypoints.openai.serving import TextChunks
 

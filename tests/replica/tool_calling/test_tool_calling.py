@@ -12,6 +12,7 @@ from model_helpers import tiny_checkpoint
 from server_helpers import InProcessReplica, assert_openai_error, metric
 
 from prefixserve.replica.entrypoints.openai import protocol as api
+from prefixserve.replica.errors import BadRequestError
 from prefixserve.router.routing_key import PrefixKeyConfig, prefix_hash, routing_key
 
 SYSTEM = "You are the travel desk of a small agency. Call a tool when the user asks for facts."
@@ -211,8 +212,8 @@ def test_engine_config_checks_the_tool_knobs():
 # -- the request checks (400 naming the field) --------------------------------------------------
 
 
-def _bad(body: dict) -> api.BadRequestError:
-    with pytest.raises(api.BadRequestError) as info:
+def _bad(body: dict) -> BadRequestError:
+    with pytest.raises(BadRequestError) as info:
         api.parse_request(api.ChatCompletionRequest, json.dumps(body))
     return info.value
 
