@@ -52,7 +52,7 @@ from typing import Any
 import httpx
 
 from prefixserve.common.config_util import add_cli_arguments, from_cli_args
-from prefixserve.loadtest.harness.report import fmt, write_json
+from prefixserve.loadtest.harness.report import fmt, markdown_table, write_json
 from prefixserve.loadtest.harness.server import (
     HOST,
     free_port,
@@ -464,6 +464,10 @@ def _fmt(value: float | None, digits: int = 1) -> str:
     return fmt(value, f",.{digits}f", missing="—")
 
 
+# The columns of both clients' tables: vLLM's own figures, in its order.
+_FIGURES = ("server", "req/s", "output tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "ITL p50", "ITL p99")
+
+
 def markdown(report: dict[str, Any]) -> str:
     """The report's tables: our client's figures per server, then vLLM's client's."""
     lines = [
@@ -472,46 +476,36 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         "Our client (loadtest/bench_serve.py):",
         "",
-        "| server | req/s | output tok/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | ITL p50 | ITL p99 | failed |",
-        "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    ours_rows = []
     for name, run in report["servers"].items():
         ours = run.get("ours_client")
         if not ours:
-            lines.append(f"| {name} | {run.get('error', '—')} |")
+            ours_rows.append([name, run.get("error", "—")])
             continue
-        lines.append(
-            f"| {name} | {_fmt(ours['request_throughput'], 2)} | {_fmt(ours['output_throughput'])} | "
-            f"{_fmt(ours['ttft_ms']['p50'])} | {_fmt(ours['ttft_ms']['p99'])} | {_fmt(ours['tpot_ms']['p50'])} | "
-            f"{_fmt(ours['tpot_ms']['p99'])} | {_fmt(ours['itl_ms']['p50'])} | {_fmt(ours['itl_ms']['p99'])} | "
-            f"{ours['failed']} |"
+        latencies = [_fmt(ours[f"{k}_ms"][q]) for k in ("ttft", "tpot", "itl") for q in ("p50", "p99")]
+        ours_rows.append(
+            [name, _fmt(ours["request_throughput"], 2), _fmt(ours["output_throughput"]), *latencies, ours["failed"]]
         )
+    lines.append(markdown_table([*_FIGURES, "failed"], ours_rows))
     vllm_runs = {n: r["vllm_client"] for n, r in report["servers"].items() if "vllm_client" in r}
     if vllm_runs:
-        lines += [
-            "",
-            "vLLM's client (`vllm bench serve`, unmodified):",
-            "",
-            "| server | req/s | output tok/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | ITL p50 | ITL p99 |",
-            "|---|---|---|---|---|---|---|---|---|",
-        ]
+        lines += ["", "vLLM's client (`vllm bench serve`, unmodified):", ""]
+        vllm_rows = []
         for name, v in vllm_runs.items():
             if "error" in v:
-                lines.append(f"| {name} | {v['error']} |")
+                vllm_rows.append([name, v["error"]])
                 continue
-            lines.append(
-                f"| {name} | {_fmt(v['request_throughput'], 2)} | {_fmt(v['output_throughput'])} | "
-                f"{_fmt(v['median_ttft_ms'])} | {_fmt(v['p99_ttft_ms'])} | {_fmt(v['median_tpot_ms'])} | "
-                f"{_fmt(v['p99_tpot_ms'])} | {_fmt(v['median_itl_ms'])} | {_fmt(v['p99_itl_ms'])} |"
-            )
+            latencies = [_fmt(v[f"{q}_{k}_ms"]) for k in ("ttft", "tpot", "itl") for q in ("median", "p99")]
+            vllm_rows.append([name, _fmt(v["request_throughput"], 2), _fmt(v["output_throughput"]), *latencies])
+        lines.append(markdown_table(_FIGURES, vllm_rows))
     if report.get("ratios"):
         lines += ["", "Ratios to vLLM's server (req/s: higher is better; TTFT p50, TPOT p50: lower is better):", ""]
-        lines += ["| server | client | req/s | TTFT p50 | TPOT p50 |", "|---|---|---|---|---|"]
-        for row in report["ratios"]:
-            lines.append(
-                f"| {row['server']} | {row['client']} | {_fmt(row['req_s'], 2)} | "
-                f"{_fmt(row['ttft_p50'], 2)} | {_fmt(row['tpot_p50'], 2)} |"
-            )
+        ratio_rows = [
+            [row["server"], row["client"], *(_fmt(row[k], 2) for k in ("req_s", "ttft_p50", "tpot_p50"))]
+            for row in report["ratios"]
+        ]
+        lines.append(markdown_table(["server", "client", "req/s", "TTFT p50", "TPOT p50"], ratio_rows))
     return "\n".join(lines) + "\n"
 
 

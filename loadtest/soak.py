@@ -76,7 +76,7 @@ from tqdm import tqdm
 
 from prefixserve.loadtest.cluster_run import LocalServeCluster, _stream_one
 from prefixserve.loadtest.harness.plotting import figure
-from prefixserve.loadtest.harness.report import write_json
+from prefixserve.loadtest.harness.report import markdown_table, write_json
 from prefixserve.loadtest.harness.server import (
     HOST,
     free_port,
@@ -732,35 +732,47 @@ def markdown(result: dict[str, Any]) -> str:
         "",
     ]
     for name, buckets in result["phases"].items():
-        out += [
-            f"### {name}",
-            "",
-            "| bucket | start s | requests by status | normal ok | TTFT p50 / p99 ms | RSS MiB | fds | threads "
-            "| idle KV / running / waiting |",
-            "|---:|---:|---|---:|---:|---:|---:|---:|---|",
-        ]
-        for b in buckets:
-            statuses = " ".join(f"{s}:{n}" for s, n in b["status_totals"].items())
-            idle = b["idle"]
-            idle_text = " / ".join(f"{idle.get(m, float('nan')):g}" for m in METRICS) if idle else "no answer"
-            rss = "-" if b["rss_total_bytes"] is None else f"{b['rss_total_bytes'] / 2**20:.0f}"
-            out.append(
-                f"| {b['index']} | {b['start_s']:.0f} | {statuses} | {b['normal_ok']} | "
-                f"{_ms(b['ttft_p50_s'])} / {_ms(b['ttft_p99_s'])} | {rss} | {b['fds']} | {b['threads']} | "
-                f"{idle_text} |"
-            )
         kinds: dict[str, Counter[str]] = {}
         for b in buckets:
             for kind, counts in b["statuses"].items():
                 kinds.setdefault(kind, Counter()).update(counts)
-        out += ["", "| kind | statuses |", "|---|---|"]
-        out += [f"| {k} | {' '.join(f'{s}:{n}' for s, n in sorted(c.items()))} |" for k, c in sorted(kinds.items())]
-        out.append("")
-    out += ["| target | result | detail |", "|---|---|---|"]
-    for t in result["targets"]:
-        verdict = "n/a" if t["passed"] is None else ("PASS" if t["passed"] else "FAIL")
-        out.append(f"| {t['name']} | {verdict} | {t['detail']} |")
+        kind_rows = [[k, " ".join(f"{s}:{n}" for s, n in sorted(c.items()))] for k, c in sorted(kinds.items())]
+        out += [f"### {name}", "", _bucket_table(buckets), "", markdown_table(["kind", "statuses"], kind_rows), ""]
+    verdicts = {None: "n/a", True: "PASS", False: "FAIL"}
+    target_rows = [[t["name"], verdicts[t["passed"]], t["detail"]] for t in result["targets"]]
+    out.append(markdown_table(["target", "result", "detail"], target_rows))
     return "\n".join(out) + "\n"
+
+
+def _bucket_table(buckets: list[dict[str, Any]]) -> str:
+    header = [
+        "bucket",
+        "start s",
+        "requests by status",
+        "normal ok",
+        "TTFT p50 / p99 ms",
+        "RSS MiB",
+        "fds",
+        "threads",
+        "idle KV / running / waiting",
+    ]
+    rows = []
+    for b in buckets:
+        idle = b["idle"]
+        rows.append(
+            [
+                b["index"],
+                f"{b['start_s']:.0f}",
+                " ".join(f"{s}:{n}" for s, n in b["status_totals"].items()),
+                b["normal_ok"],
+                f"{_ms(b['ttft_p50_s'])} / {_ms(b['ttft_p99_s'])}",
+                "-" if b["rss_total_bytes"] is None else f"{b['rss_total_bytes'] / 2**20:.0f}",
+                b["fds"],
+                b["threads"],
+                " / ".join(f"{idle.get(m, float('nan')):g}" for m in METRICS) if idle else "no answer",
+            ]
+        )
+    return markdown_table(header, rows, "rrlrrrrrl")
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
