@@ -3,8 +3,10 @@
 Job: host the OpenAI front end (``replica/entrypoints/openai/http_frontend.py``) over one local
 :class:`AsyncEngine`: ``POST /v1/chat/completions`` and ``POST /v1/completions``
 (SSE streaming and not, ``n > 1``), ``GET /v1/models``, ``GET /health`` and
-``GET /metrics``. This is the replica nginx routes to on the nginx path; the Ray
-path reaches the same engine through ``replica/entrypoints/serve/deployment.py``.
+``GET /metrics``; vLLM's ``/tokenize``, ``/detokenize``, ``/v1/chat/completions/render``
+and ``/version`` (replica/entrypoints/openai/tokenization.py) and SGLang's server and
+model info endpoints (server_info.py), which routers probe. This is the replica nginx
+routes to on the nginx path; the Ray path reaches the same engine through ``replica/entrypoints/serve/deployment.py``.
 
 Invariants:
 * Every answer carries the ``X-Prefixserve-Replica`` header naming this replica.
@@ -280,8 +282,9 @@ def build_app(
 ) -> FastAPI:
     """The FastAPI application serving ``engine``.
 
-    ``api_keys``: when given, ``/v1/*`` and ``/openapi.json`` need ``Authorization: Bearer <key>`` with
-    one of them (``/health`` and ``/metrics`` stay open for probes and scrapers).
+    ``api_keys``: when given, ``/v1/*``, ``/openapi.json``, the tokenizer and the info endpoints need
+    ``Authorization: Bearer <key>`` with one of them (``/health``, ``/metrics`` and ``/version`` stay
+    open for probes and scrapers).
     ``max_body_bytes``: larger request bodies get 413. ``replica_name``: the value
     of the ``X-Prefixserve-Replica`` response header. ``on_engine_dead``: called
     once (while the application runs) when the engine has died for good; the

@@ -2,7 +2,7 @@
 
 Routers and clients written for vLLM (vllm-router re-serialises chat requests with SGLang's
 fields) or SGLang's gateway (it probes /get_server_info) must work unmodified; a strict server
-keeps refusing unknown fields. The slow test against a real process is in test_server.py.
+keeps refusing unknown fields. The last test (slow) runs the same against a real replica process.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+import httpx
 import pytest
 from model_helpers import tiny_checkpoint
 from server_helpers import InProcessReplica, assert_openai_error
@@ -202,3 +203,29 @@ def test_the_strict_flag_is_a_replica_option():
     assert parser.parse_args(["--strict-request-fields"]).strict_request_fields is True
     assert parser.parse_args([]).strict_request_fields is False
     assert ServerConfig().strict_request_fields is False
+
+
+@pytest.mark.slow
+def test_a_real_replica_serves_what_vllm_router_sends(tmp_path):
+    """A ``prefixserve replica`` process: chat requests with every SGLang field vllm-router adds,
+    /tokenize and the render call; the fields are counted per request and logged once."""
+    from server_helpers import ReplicaProcess, build_tiny_llama, metric
+
+    checkpoint = build_tiny_llama(tmp_path / "tiny-llama", seed=7)
+    with ReplicaProcess(checkpoint, "--max-model-len", "256", log_dir=tmp_path) as proc:
+        with httpx.Client(base_url=proc.base_url, timeout=120) as http:
+            for _ in range(3):
+                answer = http.post("/v1/chat/completions", json={**CHAT, **SGLANG_FIELDS})
+                assert answer.status_code == 200, answer.text
+                assert answer.json()["choices"][0]["message"]["role"] == "assistant"
+            tokens = http.post("/tokenize", json={"messages": CHAT["messages"]}).json()
+            render = http.post("/v1/chat/completions/render", json={**CHAT, **SGLANG_FIELDS}).json()
+            assert tokens["tokens"] == render["token_ids"]
+            assert tokens["count"] == answer.json()["usage"]["prompt_tokens"]
+            metrics = http.get("/metrics").text
+        # Three chat requests and the render each sent every ignored field.
+        for f in IGNORED:
+            assert metric(metrics, METRIC, field=f) == 4
+        log = proc.log_path.read_text()
+        for f in IGNORED:
+            assert log.count(f"request field {f!r}") == 1, f
