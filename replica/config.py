@@ -16,6 +16,7 @@ from typing import Any
 
 from prefixserve.common.config_util import add_cli_arguments, check_switches, from_cli_args, from_dict
 from prefixserve.common.tracing import check_endpoint
+from prefixserve.replica.contract.vllm_kv_events import KVEventsConfig
 from prefixserve.replica.kv.block_pool import EVICTION_POLICIES
 from prefixserve.replica.tool_calling.parsers import TOOL_CALL_PARSERS
 from prefixserve.replica.tool_calling.templates import load_chat_template
@@ -195,6 +196,11 @@ class EngineConfig:
     # possible preemption, the KV tiers) run synchronously. Off: on a CPU the forward's threads
     # already fill the cores, so overlap measured no faster there (docs/benchmarks/host_overhead.md).
     async_scheduling: bool = False
+    # vLLM's --kv-events-config: a JSON object with vLLM's field names (enable_kv_cache_events,
+    # publisher, endpoint, replay_endpoint, buffer_steps, hwm, max_queue_size, topic). Enabled, the
+    # engine publishes every block stored and removed, one batch per step, in vLLM's ZMQ format
+    # (replica/engine/kv_event_publisher.py) beside the routing-stats events. None = off.
+    kv_events_config: str | None = None
 
     def __post_init__(self) -> None:
         self._validate()
@@ -282,6 +288,10 @@ class EngineConfig:
             )
         if self.chat_template is not None:
             load_chat_template(self.chat_template)
+        if self.kv_events_config is not None:
+            if not isinstance(self.kv_events_config, str):
+                raise ValueError(f"kv_events_config must be a JSON string, got {type(self.kv_events_config).__name__}")
+            KVEventsConfig.from_json(self.kv_events_config)
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 (or None for the checkpoint's), got {self.sliding_window}")
 
@@ -322,6 +332,11 @@ class EngineConfig:
     def host_tier_enabled(self) -> bool:
         """Whether the engine keeps evicted blocks in host memory (kv_offloading_size)."""
         return self.kv_offloading_size is not None
+
+    @property
+    def kv_events(self) -> KVEventsConfig | None:
+        """The parsed ``kv_events_config`` (None when unset)."""
+        return None if self.kv_events_config is None else KVEventsConfig.from_json(self.kv_events_config)
 
     @property
     def model_name(self) -> str:

@@ -41,6 +41,7 @@ from prefixserve.replica.core.sched_output import ScheduledSeq
 from prefixserve.replica.core.scheduler import Scheduler, SchedulerConfig
 from prefixserve.replica.engine.detokenizer import IncrementalDetokenizer
 from prefixserve.replica.engine.input_processor import InputProcessor
+from prefixserve.replica.engine.kv_event_publisher import ZmqKVEventPublisher
 from prefixserve.replica.engine.metrics import EngineMetrics, EngineStats, SwapTotals
 from prefixserve.replica.engine.output_processor import EngineUpdate, OutputProcessor
 from prefixserve.replica.engine.step_pipeline import StepPipeline
@@ -48,6 +49,7 @@ from prefixserve.replica.engine.step_timer import StepTimer, TimedKVCacheManager
 from prefixserve.replica.engine.tiers import EngineTiers
 from prefixserve.replica.errors import EngineOverloadedError, RequestFailedError, RequestRejected
 from prefixserve.replica.executor.model_runner import ModelRunner, PromptLogprobSpan
+from prefixserve.replica.kv.event_recorder import KVEventRecorder
 from prefixserve.replica.kv.manager import KVCacheManager
 from prefixserve.replica.model import loader
 from prefixserve.replica.model.llama import ModelConfig
@@ -152,6 +154,21 @@ class LLMEngine:
             self.runner.shutdown()
             self.grammars.close()
             raise
+        # vLLM-format KV events (kv_events_config): the KV manager records each step's block
+        # events and the publisher sends them as one batch per step; None when off.
+        self.kv_event_recorder: KVEventRecorder | None = None
+        self.kv_event_publisher: ZmqKVEventPublisher | None = None
+        kv_events = config.kv_events
+        if kv_events is not None and kv_events.enabled:
+            try:
+                self.kv_event_publisher = ZmqKVEventPublisher(kv_events)
+            except BaseException:  # an endpoint in use: nothing started here outlives it
+                self.runner.shutdown()
+                self.grammars.close()
+                if self.tiers is not None:
+                    self.tiers.close()
+                raise
+            self.kv_event_recorder = KVEventRecorder()
         # Steps in flight on the device thread (async_scheduling); its thread starts at first use.
         self.pipeline = StepPipeline(self.runner)
         self._new_state()
@@ -172,6 +189,9 @@ class LLMEngine:
         )
         if isinstance(self.kv_manager, TimedKVCacheManager):
             self.kv_manager.step_timer = self.step_timer
+        if self.kv_event_recorder is not None:
+            self.kv_event_recorder.cleared()  # a fresh manager: whatever the old one held is gone
+            self.kv_manager.record_events(self.kv_event_recorder)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 config.max_num_seqs,
@@ -257,6 +277,8 @@ class LLMEngine:
         self.grammars.close()
         if self.tiers is not None:
             self.tiers.close()
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.close()
 
     # --- requests ------------------------------------------------------------
 
@@ -464,6 +486,19 @@ class LLMEngine:
         A failure in one request's own work fails that request (an update with
         ``error``); an exception escaping this method is fatal (see ``reset``).
         """
+        updates = self._step()
+        if self.kv_event_publisher is not None:
+            self._publish_kv_events()
+        return updates
+
+    def _publish_kv_events(self) -> None:
+        """The step's block events as one batch (none when nothing changed), as vLLM's scheduler does."""
+        assert self.kv_event_recorder is not None and self.kv_event_publisher is not None
+        events = self.kv_event_recorder.take()
+        if events:
+            self.kv_event_publisher.publish(events)
+
+    def _step(self) -> list[EngineUpdate]:
         if self.config.async_scheduling and self._may_overlap():
             return self._step_async()
         if self.pipeline.busy:  # the synchronous step needs the tokens in flight first
