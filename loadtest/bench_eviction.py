@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixserve.common.logs import add_verbose_flag, quiet_libraries
-from prefixserve.loadtest.harness.report import config_json, write_json
+from prefixserve.loadtest.harness.report import config_json, markdown_table, write_json
 from prefixserve.replica.kv.block_pool import EVICTION_POLICIES
 
 VOCAB_LOW, VOCAB_HIGH = 100, 49_000  # SmolLM2's ordinary tokens (no specials)
@@ -237,10 +237,24 @@ def render(res: dict[str, Any]) -> str:
         f"## Eviction policies on one CPU replica, {c['workload']} ({c['model']}, {c['num_kv_blocks']} KV blocks "
         f"of {c['block_size']} tokens; {what}, waves of {c['wave']})",
         "",
-        "| policy | generated blocks | static prefix | hit rate | x lru | x warm | one-shot / conversation hit rate "
-        "| req/s (median) | x lru | runs req/s | req/CPU-s (median) | x lru | evictions | preemptions |",
-        "|---|---|---|---:|---:|---:|---|---:|---:|---|---:|---:|---:|---:|",
     ]
+    header = [
+        "policy",
+        "generated blocks",
+        "static prefix",
+        "hit rate",
+        "x lru",
+        "x warm",
+        "one-shot / conversation hit rate",
+        "req/s (median)",
+        "x lru",
+        "runs req/s",
+        "req/CPU-s (median)",
+        "x lru",
+        "evictions",
+        "preemptions",
+    ]
+    rows = []
     runs = res["policies"]
     for r in runs.values():
         static = r.get("static_prefix", "protected")
@@ -254,12 +268,25 @@ def render(res: dict[str, Any]) -> str:
         kinds = " / ".join(
             "-" if r[k] is None else f"{r[k]:.3f}" for k in ("hit_rate_oneshot", "hit_rate_conversation")
         )
-        lines.append(
-            f"| {r['policy']} | {r['generated_blocks']} | {static} | {r['hit_rate']:.3f} | {hx} | {wx} | "
-            f"{kinds} | "
-            f"{r['requests_per_s']:.2f} | {rx} | {rr} | {r['requests_per_cpu_s']:.3f} | {cx} | "
-            f"{r['evictions']} | {r['preemptions']} |"
+        rows.append(
+            [
+                r["policy"],
+                r["generated_blocks"],
+                static,
+                f"{r['hit_rate']:.3f}",
+                hx,
+                wx,
+                kinds,
+                f"{r['requests_per_s']:.2f}",
+                rx,
+                rr,
+                f"{r['requests_per_cpu_s']:.3f}",
+                cx,
+                r["evictions"],
+                r["preemptions"],
+            ]
         )
+    lines.append(markdown_table(header, rows, "lllrrrlrrlrrrr"))
     return "\n".join(lines)
 
 

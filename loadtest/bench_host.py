@@ -49,7 +49,7 @@ from tqdm import tqdm
 from prefixserve.common.logs import add_verbose_flag, quiet_libraries
 from prefixserve.loadtest.bench_engine_gpu import Shape, build_checkpoint, default_tokenizer_dir, token_prompts
 from prefixserve.loadtest.harness.plotting import figure
-from prefixserve.loadtest.harness.report import write_json
+from prefixserve.loadtest.harness.report import markdown_table, write_json
 from prefixserve.loadtest.peers import vllm_decode_step
 
 HOST_SHAPE = Shape(
@@ -272,13 +272,14 @@ def render(result: dict[str, Any]) -> str:
     rows = result["rows"]
     has_vllm = any("vllm_step_ms" in r for r in rows)
     head = ["batch", "step", "host", *PARTS] + (["vLLM step", "ours ÷ vLLM"] if has_vllm else [])
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    table = []
     for r in rows:
         cells = [str(r["batch"]), f"{r['step_ms']:.3f}", f"{r['host_ms']:.3f}"]
         cells += [f"{r['parts_ms'][p]:.3f}" for p in PARTS]
         if has_vllm:
             cells += [f"{r['vllm_step_ms']:.3f}", f"**{r['x_vllm']:.2f}**"] if "vllm_step_ms" in r else ["-", "-"]
-        lines.append("| " + " | ".join(cells) + " |")
+        table.append(cells)
+    lines = [markdown_table(head, table)]
     builders = result["input_builders"]
     if len(builders) > 1:
         base = builders[0]
@@ -288,8 +289,8 @@ def render(result: dict[str, Any]) -> str:
             + [f"{b} step / prepare / build" for b in builders]
             + [f"{b} ÷ {base} (step, prepare, build)" for b in builders[1:]]
         )
-        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         by = {b: {r["batch"]: r for r in result["builder_rows"][b]} for b in builders}
+        table = []
         for batch in sorted(by[base]):
             cells = [str(batch)]
             cells += [
@@ -302,7 +303,8 @@ def render(result: dict[str, Any]) -> str:
                     f"{r['step_ms'] / r0['step_ms']:.2f}, {r['parts_ms']['prepare'] / r0['parts_ms']['prepare']:.2f}, "
                     f"{r['build_ms'] / r0['build_ms']:.2f}"
                 )
-            lines.append("| " + " | ".join(cells) + " |")
+            table.append(cells)
+        lines.append(markdown_table(head, table))
     modes = result.get("async_scheduling", ["off"])
     if len(modes) > 1:
         base = modes[0]
@@ -313,14 +315,15 @@ def render(result: dict[str, Any]) -> str:
             "",
         ]
         head = ["batch"] + [f"{m} step / host" for m in modes] + [f"{m} ÷ {base} (step, host)" for m in modes[1:]]
-        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         by = {m: {r["batch"]: r for r in result["async_rows"][m]} for m in modes}
+        table = []
         for batch in sorted(by[base]):
             cells = [str(batch)] + [f"{by[m][batch]['step_ms']:.3f} / {by[m][batch]['host_ms']:.3f}" for m in modes]
             for m in modes[1:]:
                 r, r0 = by[m][batch], by[base][batch]
                 cells.append(f"**{r['step_ms'] / r0['step_ms']:.2f}**, {r['host_ms'] / r0['host_ms']:.2f}")
-            lines.append("| " + " | ".join(cells) + " |")
+            table.append(cells)
+        lines.append(markdown_table(head, table))
         lines += [
             "",
             "With async scheduling on, `forward` is the time the engine thread waits for the device thread "

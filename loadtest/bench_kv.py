@@ -44,7 +44,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from prefixserve.loadtest.harness.report import config_json, write_json
+from prefixserve.loadtest.harness.report import config_json, markdown_table, write_json
 from prefixserve.loadtest.peers import vllm_kv_manager as vllm_peer
 from prefixserve.replica.kv import BlockHasher, KVCacheManager
 from prefixserve.replica.kv.block_pool import EVICTION_POLICIES
@@ -469,11 +469,12 @@ def _render_hashing(h: dict) -> list[str]:
     lines = [
         f"## Block hashing ({h['num_tokens']:,} tokens, block_size {h['block_size']})",
         "",
-        "| algo | tokens/s | blocks/s |",
-        "|---|---:|---:|",
+        markdown_table(
+            ["algo", "tokens/s", "blocks/s"],
+            [[a, f"{h[a]['tokens_per_s']:,.0f}", f"{h[a]['blocks_per_s']:,.0f}"] for a in ("xxh3_128", "sha256")],
+            "lrr",
+        ),
     ]
-    for algo in ("xxh3_128", "sha256"):
-        lines.append(f"| {algo} | {h[algo]['tokens_per_s']:,.0f} | {h[algo]['blocks_per_s']:,.0f} |")
     lines.append(f"\nxxh3_128 / sha256 = **{h['xxh3_over_sha256']:.2f}x**")
     return lines
 
@@ -483,12 +484,15 @@ def _render_manager(mg: dict) -> list[str]:
         f"## Manager: admit + free of {mg['prompt_len']:,}-token prompts, half the blocks hitting"
         f" ({mg['num_requests']} requests, {mg['num_blocks']} blocks)",
         "",
-        "| config | requests/s | prompt tokens/s | hit rate |",
-        "|---|---:|---:|---:|",
+        markdown_table(
+            ["config", "requests/s", "prompt tokens/s", "hit rate"],
+            [
+                [name, f"{r['requests_per_s']:,.0f}", f"{r['prompt_tokens_per_s']:,.0f}", f"{r['hit_rate']:.3f}"]
+                for name, r in ((n, mg[n]) for n in ("caching_xxh3_128", "caching_sha256", "no_caching"))
+            ],
+            "lrrr",
+        ),
     ]
-    for name in ("caching_xxh3_128", "caching_sha256", "no_caching"):
-        r = mg[name]
-        lines.append(f"| {name} | {r['requests_per_s']:,.0f} | {r['prompt_tokens_per_s']:,.0f} | {r['hit_rate']:.3f} |")
     lines.append(
         f"\ncaching (xxh3_128) / no caching = **{mg['caching_over_no_caching']:.2f}x** requests/s; "
         f"xxh3_128 / sha256 = **{mg['xxh3_over_sha256']:.2f}x**"
@@ -508,14 +512,22 @@ def _render_policies(pol: dict) -> list[str]:
         f"## Eviction policies: admit + free of {pol['prompt_len']:,}-token prompts, half hitting, "
         f"on pools full of cached blocks ({pol['num_requests']} requests)",
         "",
-        "| policy | pool blocks | requests/s | us per block op | hit rate | evictions/request |",
-        "|---|---:|---:|---:|---:|---:|",
+        markdown_table(
+            ["policy", "pool blocks", "requests/s", "us per block op", "hit rate", "evictions/request"],
+            [
+                [
+                    r["policy"],
+                    f"{r['num_blocks']:,}",
+                    f"{r['requests_per_s']:,.0f}",
+                    f"{r['us_per_block_op']:.3f}",
+                    f"{r['hit_rate']:.3f}",
+                    f"{r['evictions_per_request']:.0f}",
+                ]
+                for r in pol["rows"]
+            ],
+            "lrrrrr",
+        ),
     ]
-    for r in pol["rows"]:
-        lines.append(
-            f"| {r['policy']} | {r['num_blocks']:,} | {r['requests_per_s']:,.0f} | "
-            f"{r['us_per_block_op']:.3f} | {r['hit_rate']:.3f} | {r['evictions_per_request']:.0f} |"
-        )
     lines += [
         "",
         "Largest / smallest pool, us per block op (1.0 = O(1)): "
@@ -536,21 +548,37 @@ def _render_vllm(vs: dict) -> list[str]:
         f"## Against vLLM's KVCacheManager: admit + free of {vs['prompt_len']:,}-token prompts, half the blocks "
         f"hitting ({vs['num_requests']} requests, block_size {vs['block_size']}, workload {vs['workload_digest']})",
         "",
-        "| manager | pool (usable blocks) | timed | requests/s | us per prompt block | hit rate | evictions/request "
-        "| x vLLM |",
-        "|---|---|---|---:|---:|---:|---:|---:|",
     ]
+    header = [
+        "manager",
+        "pool (usable blocks)",
+        "timed",
+        "requests/s",
+        "us per prompt block",
+        "hit rate",
+        "evictions/request",
+        "x vLLM",
+    ]
+    rows = []
     for r in vs["rows"]:
         x = (
             f"**{r['x_vllm']:.2f}**"
             if "x_vllm" in r and not r["manager"].startswith("vLLM")
             else ("1.00" if "x_vllm" in r else "-")
         )
-        lines.append(
-            f"| {r['manager']} | {r['pool']} ({r['num_blocks']:,}) | {_TIMING_LABEL[r['timing']]} | "
-            f"{r['requests_per_s']:,.0f} | {r['us_per_prompt_block']:.3f} | {r['hit_rate']:.3f} | "
-            f"{r['evictions_per_request']:.0f} | {x} |"
+        rows.append(
+            [
+                r["manager"],
+                f"{r['pool']} ({r['num_blocks']:,})",
+                _TIMING_LABEL[r["timing"]],
+                f"{r['requests_per_s']:,.0f}",
+                f"{r['us_per_prompt_block']:.3f}",
+                f"{r['hit_rate']:.3f}",
+                f"{r['evictions_per_request']:.0f}",
+                x,
+            ]
         )
+    lines.append(markdown_table(header, rows, "lllrrrrr"))
     if "skipped" in v:
         lines.append(f"\nvLLM row skipped: {v['skipped']}")
     else:
@@ -568,14 +596,22 @@ def _render_memory(mem: dict) -> list[str]:
         f"## KV memory, {mem['num_requests']} live requests mid-generation "
         f"(max_model_len {mem['max_model_len']}, block_size {mem['block_size']}, kinds {mem['request_kinds']})",
         "",
-        "| scheme | blocks | KV slots | tokens stored | waste % | x paged |",
-        "|---|---:|---:|---:|---:|---:|",
+        markdown_table(
+            ["scheme", "blocks", "KV slots", "tokens stored", "waste %", "x paged"],
+            [
+                [
+                    r["scheme"],
+                    f"{r['blocks']:,}",
+                    f"{r['slots']:,}",
+                    f"{r['tokens_stored']:,}",
+                    f"{r['waste_pct']:.1f}",
+                    f"{r['vs_paged']:.2f}",
+                ]
+                for r in mem["rows"]
+            ],
+            "lrrrrr",
+        ),
     ]
-    for r in mem["rows"]:
-        lines.append(
-            f"| {r['scheme']} | {r['blocks']:,} | {r['slots']:,} | {r['tokens_stored']:,} | "
-            f"{r['waste_pct']:.1f} | {r['vs_paged']:.2f} |"
-        )
     lines.append(
         f"\nPrefix sharing saves **{mem['sharing_saves_pct_of_paged']:.1f}%** of the paged blocks; "
         f"the paged footprint holds only {mem['contiguous_requests_in_paged_memory']} requests "

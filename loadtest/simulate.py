@@ -84,7 +84,7 @@ import numpy as np
 from prefixserve.loadtest.conversations import CONVERSATION_WORKLOADS, ConversationTraffic, preset
 from prefixserve.loadtest.cost_model import CostProfile, get_profile
 from prefixserve.loadtest.harness.plotting import figure
-from prefixserve.loadtest.harness.report import write_json
+from prefixserve.loadtest.harness.report import markdown_table, write_json
 from prefixserve.loadtest.peers import PEERS, PeerRequest, make_peer
 from prefixserve.loadtest.peers.sglang import SGLangCacheAware, SGLangConfig
 from prefixserve.loadtest.workloads import zipf_tenant_sequence
@@ -757,7 +757,7 @@ def simulate(
 # ------------------------------------------------------------------- reports
 
 
-def markdown_table(results: Sequence[PolicyResult], baseline: str | None = BASELINE) -> str:
+def render_table(results: Sequence[PolicyResult], baseline: str | None = BASELINE) -> str:
     """One row per result; with ``baseline``, its ratios against each row.
 
     "hit x" is the baseline's hit rate over the row's; "TTFT /" the baseline's
@@ -766,31 +766,44 @@ def markdown_table(results: Sequence[PolicyResult], baseline: str | None = BASEL
     """
     # The baseline row of the same cluster size (sweeps hold several sizes).
     bases = {r.num_replicas: r for r in reversed(results) if baseline and r.policy == baseline}
-    head = (
-        "| policy | R | hit rate | of oracle | short: first touch / evicted | load max/mean | peak in-flight "
-        "| TTFT p50 (s) | TTFT p99 (s) |"
-    )
+    head = [
+        "policy",
+        "R",
+        "hit rate",
+        "of oracle",
+        "short: first touch / evicted",
+        "load max/mean",
+        "peak in-flight",
+        "TTFT p50 (s)",
+        "TTFT p99 (s)",
+    ]
     if bases:
-        head += f" {baseline} hit x | {baseline} p50 TTFT / | {baseline} p99 TTFT / |"
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+        head += [f"{baseline} hit x", f"{baseline} p50 TTFT /", f"{baseline} p99 TTFT /"]
+    rows = []
     for r in results:
-        name = r.policy if r.epsilon is None else f"{r.policy} (eps={r.epsilon:g})"
         tokens = max(r.prompt_tokens, 1)
-        short = f"{100 * r.first_touch_miss_tokens / tokens:.2f} / {100 * r.evicted_miss_tokens / tokens:.2f}"
-        row = (
-            f"| {name} | {r.num_replicas} | {r.hit_rate:.1%} | {r.of_oracle:.2f} | {short} "
-            f"| {r.load_max_over_mean:.2f} | {r.peak_in_flight} | {r.ttft_p50:.3f} | {r.ttft_p99:.3f} |"
-        )
+        row = [
+            r.policy if r.epsilon is None else f"{r.policy} (eps={r.epsilon:g})",
+            r.num_replicas,
+            f"{r.hit_rate:.1%}",
+            f"{r.of_oracle:.2f}",
+            f"{100 * r.first_touch_miss_tokens / tokens:.2f} / {100 * r.evicted_miss_tokens / tokens:.2f}",
+            f"{r.load_max_over_mean:.2f}",
+            r.peak_in_flight,
+            f"{r.ttft_p50:.3f}",
+            f"{r.ttft_p99:.3f}",
+        ]
         base = bases.get(r.num_replicas)
         if bases and base is None:
-            row += " - | - | - |"
+            row += ["-", "-", "-"]
         elif base is not None:
-            hx = f"{base.hit_rate / r.hit_rate:.2f}" if r.hit_rate else "inf"
-            p50 = f"{base.ttft_p50 / r.ttft_p50:.2f}" if r.ttft_p50 else "-"
-            p99 = f"{base.ttft_p99 / r.ttft_p99:.2f}" if r.ttft_p99 else "-"
-            row += f" {hx} | {p50} | {p99} |"
-        lines.append(row)
-    return "\n".join(lines)
+            row += [
+                f"{base.hit_rate / r.hit_rate:.2f}" if r.hit_rate else "inf",
+                f"{base.ttft_p50 / r.ttft_p50:.2f}" if r.ttft_p50 else "-",
+                f"{base.ttft_p99 / r.ttft_p99:.2f}" if r.ttft_p99 else "-",
+            ]
+        rows.append(row)
+    return markdown_table(head, rows)
 
 
 def plot(
@@ -1013,7 +1026,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"oracle hit rate {main_results[0].oracle_hit_rate:.1%}. "
         f"All policies simulated in {main_wall:.1f} s wall.\n"
     )
-    print(markdown_table(main_results))
+    print(render_table(main_results))
     if config.host_blocks_per_replica:
         print(
             f"\nKV tiers: {config.host_blocks_per_replica} host blocks per replica"
@@ -1028,13 +1041,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if by_replicas:
         print(f"\n### Sweep over replicas ({sweep_cfg.num_requests} requests)\n")
-        print(markdown_table(by_replicas))
+        print(render_table(by_replicas))
     if by_epsilon:
         print(
             f"\n### {args.sweep_policy} epsilon sweep at {sweep_cfg.num_replicas} replicas "
             f"({sweep_cfg.num_requests} requests)\n"
         )
-        print(markdown_table(by_epsilon, baseline=None))
+        print(render_table(by_epsilon, baseline=None))
 
     out = write_json(
         args.out,
