@@ -18,9 +18,13 @@ Invariants:
 * A chat's tokens are the engine's: the same chat template (``--chat-template``
   included), tools and tokenizer as a generation request's, on the engine's tokenizer
   thread, never on the event loop.
+* ``/tokenize`` counts a prompt past ``max_model_len`` (vLLM does: clients ask to know
+  how much to cut), but one whose size alone shows it cannot fit (the engine's
+  character and message-count bounds) is refused before any tokenizing, so the work a
+  request can cause stays bounded.
 * Errors are the OpenAI error body every endpoint uses (400 bad body or a prompt
-  longer than the model fits, 401 key, 404 model, 413 body); unknown top-level
-  fields are ignored or refused as on the generation endpoints (request_fields.py).
+  that cannot fit, 401 key, 404 model, 413 body); unknown top-level fields are
+  ignored or refused as on the generation endpoints (request_fields.py).
 
 Knows one local engine (the standalone server's): imports FastAPI and the replica's
 framework-free modules; never Ray or torch.
@@ -40,7 +44,7 @@ from prefixserve.replica.entrypoints.openai import http_frontend
 from prefixserve.replica.entrypoints.openai import protocol as api
 from prefixserve.replica.entrypoints.openai.http_frontend import FrontendOptions
 from prefixserve.replica.entrypoints.openai.protocol import ChatCompletionTool, ChatMessage, RequestModel, TokenId
-from prefixserve.replica.errors import PromptTooLongError
+from prefixserve.replica.errors import BadRequestError
 
 if TYPE_CHECKING:
     from prefixserve.replica.engine.async_engine import AsyncEngine
@@ -204,17 +208,11 @@ class Tokenization:
             try:
                 return processor.encode_chat(messages, **kwargs)
             except Exception as exc:  # a chat template refusing the conversation (jinja error)
-                raise api.BadRequestError(
+                raise BadRequestError(
                     f"the chat template rejected the messages: {exc}", param="messages", code="invalid_value"
                 ) from exc
 
-        ids = await self.engine.tokenizer_executor.run(encode_chat, chars=messages_chars(messages))
-        if len(ids) > processor.max_model_len:
-            raise PromptTooLongError(
-                f"this model's maximum context length is {processor.max_model_len} tokens; the messages "
-                f"render to {len(ids)} tokens"
-            )
-        return ids
+        return await self.engine.tokenizer_executor.run(encode_chat, chars=messages_chars(messages))
 
     async def detokenize(self, request: Request) -> Response:
         """``POST /detokenize``: the text of token ids."""
@@ -225,7 +223,7 @@ class Tokenization:
             vocab = len(self.engine.tokenizer)
             for i, token in enumerate(body.tokens):
                 if token >= vocab:
-                    raise api.BadRequestError(
+                    raise BadRequestError(
                         f"token id {token} is not in the vocabulary (size {vocab})", param=f"tokens.{i}"
                     )
             prompt = await self.engine.tokenizer_executor.run(

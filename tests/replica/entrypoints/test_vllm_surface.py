@@ -136,6 +136,16 @@ def test_tokenized_and_rendered_chats_are_the_tokens_the_engine_runs(replica):
     assert replica.request("POST", "/tokenize", json=bare, headers=AUTH).json()["count"] < tokenized["count"]
 
 
+def test_tokenize_counts_a_prompt_past_max_model_len_that_generation_refuses(replica):
+    long = "alpha " * 200
+    for body in ({"prompt": long}, {"messages": [{"role": "user", "content": long}]}):
+        response = replica.request("POST", "/tokenize", json=body, headers=AUTH)
+        assert response.status_code == 200 and response.json()["count"] > MAX_MODEL_LEN
+    chat = {"messages": [{"role": "user", "content": long}], "max_tokens": 1}
+    refused = replica.request("POST", "/v1/chat/completions", json=chat, headers=AUTH)
+    assert assert_openai_error(refused)["code"] == "context_length_exceeded"
+
+
 def test_detokenize_inverts_tokenize(replica):
     text = "hello there, general"
     ids = replica.request("POST", "/tokenize", json={"prompt": text, "add_special_tokens": False}, headers=AUTH)
