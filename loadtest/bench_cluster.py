@@ -69,15 +69,14 @@ from prefixserve.loadtest.cluster_run import (
     PREEMPTIONS,
     QUERIES,
     LocalServeCluster,
-    RequestRecord,
     counter_deltas,
     in_flight_by_replica,
     replica_counters,
-    run_load,
     scrape_metrics,
     served_model,
 )
 from prefixserve.loadtest.harness.cli import plan_and_run
+from prefixserve.loadtest.harness.client import RequestRecord, run_load
 from prefixserve.loadtest.harness.plotting import figure
 from prefixserve.loadtest.harness.report import config_json, fmt, markdown_table, write_json
 from prefixserve.loadtest.harness.stats import percentile

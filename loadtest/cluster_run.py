@@ -1,4 +1,4 @@
-"""Run load against a prefixserve cluster: bring-up, streaming client, per-replica bookkeeping.
+"""A prefixserve cluster under load: bring-up, its metrics, per-replica bookkeeping.
 
 Job: the pieces a cluster benchmark or demo needs, each usable alone.
 
@@ -9,21 +9,14 @@ Job: the pieces a cluster benchmark or demo needs, each usable alone.
   same the way ``serve deploy`` does, and called again with another replica count
   scales the running app (the other replicas keep running, their caches warm);
   ``delete(name)`` removes it (its replicas, and so their KV caches, go away with it).
-* :func:`run_load`: a closed-loop streaming client: ``concurrency`` workers send
-  the bodies in order over the OpenAI chat API and record, per request, when it
-  was sent, its first content token, its end, the replica that served it
-  (``X-Prefixserve-Replica``) and its token usage.
-* :func:`in_flight_by_replica`: from those records, how many requests each
-  replica had in flight over time (exact sweep of the [sent, ended] intervals,
-  attributed to the replica the response named): peak and time-weighted mean.
+* :func:`in_flight_by_replica`: from the streaming client's records
+  (loadtest/harness/client.py), how many requests each replica had in flight
+  over time (exact sweep of the [sent, ended] intervals, attributed to the
+  replica the response named): peak and time-weighted mean.
 * :func:`replica_counters` / :func:`scrape_metrics`: counters per replica out of
   a Prometheus exposition (the ingress's /metrics labels each engine replica's
   samples with ``replica``; a single replica's /metrics has no such label).
 * :func:`wait_for_router`: wait until the ingress routes over every replica.
-
-Invariants: a record exists for every body sent, in body order, failed or not
-(``ok`` False with the reason in ``error``); times are seconds on one
-monotonic clock, relative to the start of the run; nothing here retries.
 
 Imports httpx, prometheus_client and (in LocalServeCluster only) Ray Serve and
 router/serve/app.py; never torch.
@@ -31,20 +24,17 @@ router/serve/app.py; never torch.
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from prefixserve.loadtest.harness.sse import aiter_events, starts_output
-from prefixserve.replica.contract.routing import REPLICA_HEADER
+from prefixserve.loadtest.harness.client import RequestRecord, auth_headers
 
 QUERIES = "vllm:prefix_cache_queries_total"
 HITS = "vllm:prefix_cache_hits_total"
@@ -92,14 +82,14 @@ def counter_deltas(
 
 def scrape_metrics(base_url: str, *, api_key: str | None = None, timeout_s: float = 60.0) -> str:
     """The text of ``{base_url}/metrics``."""
-    response = httpx.get(f"{base_url}/metrics", headers=_auth(api_key), timeout=timeout_s)
+    response = httpx.get(f"{base_url}/metrics", headers=auth_headers(api_key), timeout=timeout_s)
     response.raise_for_status()
     return response.text
 
 
 def served_model(base_url: str, *, api_key: str | None = None, timeout_s: float = 60.0) -> str:
     """The model id the endpoint serves (the first entry of /v1/models)."""
-    response = httpx.get(f"{base_url}/v1/models", headers=_auth(api_key), timeout=timeout_s)
+    response = httpx.get(f"{base_url}/v1/models", headers=auth_headers(api_key), timeout=timeout_s)
     response.raise_for_status()
     return response.json()["data"][0]["id"]
 
@@ -127,133 +117,6 @@ def wait_for_router(base_url: str, num_replicas: int, *, timeout_s: float = 120.
                 f"the ingress's router knew {seen} engine replicas, not {num_replicas}, after {timeout_s}s"
             )
         time.sleep(0.25)
-
-
-def _auth(api_key: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
-
-
-# --------------------------------------------------------------------------- the client
-
-
-@dataclass
-class RequestRecord:
-    """What the client saw of one request (times in seconds from the start of the run)."""
-
-    index: int
-    ok: bool
-    status: int | None
-    replica: str | None
-    sent_s: float
-    first_token_s: float | None
-    ended_s: float
-    prompt_tokens: int | None = None
-    cached_tokens: int | None = None
-    completion_tokens: int | None = None
-    error: str | None = None
-
-    @property
-    def ttft_s(self) -> float | None:
-        return None if self.first_token_s is None else self.first_token_s - self.sent_s
-
-    @property
-    def e2e_s(self) -> float:
-        return self.ended_s - self.sent_s
-
-
-async def _stream_one(
-    client: httpx.AsyncClient, url: str, index: int, body: dict[str, Any], headers: dict[str, str], t0: float
-) -> RequestRecord:
-    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    sent = time.perf_counter() - t0
-    first: float | None = None
-    usage: dict[str, Any] | None = None
-    status: int | None = None
-    replica: str | None = None
-    error: str | None = None
-    try:
-        async with client.stream("POST", url, json=body, headers=headers) as response:
-            status = response.status_code
-            replica = response.headers.get(REPLICA_HEADER)
-            if status != 200:
-                error = f"HTTP {status}: {(await response.aread()).decode('utf-8', 'replace')[:300]}"
-            else:
-                async for event in aiter_events(response.aiter_lines()):
-                    if "error" in event:
-                        error = f"error event in the stream: {event['error']}"
-                        break
-                    if event.get("usage"):
-                        usage = event["usage"]
-                    if first is None and starts_output(event):
-                        first = time.perf_counter() - t0
-                if error is None and first is None:
-                    error = "the stream ended without a token"
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
-        error = f"{type(exc).__name__}: {exc}"
-    ended = time.perf_counter() - t0
-    details = (usage or {}).get("prompt_tokens_details") or {}
-    return RequestRecord(
-        index=index,
-        ok=error is None,
-        status=status,
-        replica=replica,
-        sent_s=sent,
-        first_token_s=first,
-        ended_s=ended,
-        prompt_tokens=(usage or {}).get("prompt_tokens"),
-        cached_tokens=details.get("cached_tokens"),
-        completion_tokens=(usage or {}).get("completion_tokens"),
-        error=error,
-    )
-
-
-async def run_load_async(
-    base_url: str,
-    bodies: Sequence[dict[str, Any]],
-    concurrency: int,
-    *,
-    headers: Sequence[Mapping[str, str]] | None = None,
-    api_key: str | None = None,
-    timeout_s: float = 600.0,
-    on_done: Callable[[RequestRecord], None] | None = None,
-    t0: float | None = None,
-    first_index: int = 0,
-) -> list[RequestRecord]:
-    """Send ``bodies`` (OpenAI chat bodies) with ``concurrency`` workers; one record per body, in order.
-
-    Closed loop: each worker sends its next body when its previous one ends, so
-    at most ``concurrency`` requests are in flight and they leave in body order.
-    ``headers[i]`` are extra headers of body i (e.g. ``X-Prefix-Hash``).
-    ``t0``: the ``time.perf_counter()`` origin of the records' times (default: now),
-    and ``first_index`` the index of ``bodies[0]``, so that the records of a load
-    sent in parts read as one run.
-    """
-    if concurrency < 1:
-        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
-    if headers is not None and len(headers) != len(bodies):
-        raise ValueError("headers, when given, needs one mapping per body")
-    url = f"{base_url}/v1/chat/completions"
-    records: list[RequestRecord | None] = [None] * len(bodies)
-    cursor = iter(range(len(bodies)))
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    origin = time.perf_counter() if t0 is None else t0
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30.0), limits=limits) as client:
-
-        async def worker() -> None:
-            for i in cursor:  # one shared iterator: each body is taken by exactly one worker
-                extra = dict(headers[i]) if headers is not None else {}
-                record = await _stream_one(client, url, first_index + i, bodies[i], {**_auth(api_key), **extra}, origin)
-                records[i] = record
-                if on_done is not None:
-                    on_done(record)
-
-        await asyncio.gather(*(worker() for _ in range(min(concurrency, len(bodies)))))
-    return [r for r in records if r is not None]
-
-
-def run_load(base_url: str, bodies: Sequence[dict[str, Any]], concurrency: int, **kwargs: Any) -> list[RequestRecord]:
-    """:func:`run_load_async` from synchronous code."""
-    return asyncio.run(run_load_async(base_url, bodies, concurrency, **kwargs))
 
 
 # --------------------------------------------------------------------------- load per replica

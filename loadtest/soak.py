@@ -74,7 +74,8 @@ import psutil
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
-from prefixserve.loadtest.cluster_run import LocalServeCluster, _stream_one
+from prefixserve.loadtest.cluster_run import LocalServeCluster
+from prefixserve.loadtest.harness.client import stream_one
 from prefixserve.loadtest.harness.plotting import figure
 from prefixserve.loadtest.harness.report import markdown_table, write_json
 from prefixserve.loadtest.harness.server import (
@@ -403,7 +404,7 @@ class Traffic:
     # -- actions: each records into ``bucket`` ---------------------------------------------------
     async def chat(self, bucket: Bucket) -> None:
         assert self.client is not None
-        record = await _stream_one(self.client, self.chat_url, 0, self.body(), self.auth, self.t0)
+        record = await stream_one(self.client, self.chat_url, 0, self.body(), self.auth, self.t0)
         bucket.count(NORMAL, record.status if record.status is not None else "client_error")
         if record.ok and record.ttft_s is not None:
             bucket.ttfts_s.append(record.ttft_s)

@@ -16,11 +16,11 @@ from prefixserve.loadtest.cluster_run import (
     PREEMPTIONS,
     QUERIES,
     UNLABELLED,
-    RequestRecord,
     counter_deltas,
     in_flight_by_replica,
     replica_counters,
 )
+from prefixserve.loadtest.harness.client import RequestRecord
 from prefixserve.replica.engine.metrics import EngineMetrics
 from prefixserve.router.serve.metrics import merge_expositions
 

@@ -8,7 +8,8 @@ import random
 import pytest
 
 from prefixserve.loadtest import bench_scale as S
-from prefixserve.loadtest.cluster_run import HITS, QUERIES, RequestRecord
+from prefixserve.loadtest.cluster_run import HITS, QUERIES
+from prefixserve.loadtest.harness.client import RequestRecord
 
 
 def _rec(i: int, prompt: int, cached: int, replica: str = "a", ok: bool = True) -> RequestRecord:
