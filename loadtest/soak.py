@@ -74,6 +74,7 @@ import psutil
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
+from prefixserve.common.config_util import add_cli_arguments, from_cli_args
 from prefixserve.loadtest.cluster_run import LocalServeCluster
 from prefixserve.loadtest.harness.client import stream_one
 from prefixserve.loadtest.harness.plotting import figure
@@ -121,28 +122,56 @@ RSS_TOLERANCE = 0.02
 TTFT_RATIO = 1.5
 
 
+def _flag(default: Any, help: str) -> Any:
+    """A field that is also a command-line flag (add_cli_arguments reads its help)."""
+    return field(default=default, metadata={"help": help})
+
+
+# The fields that are flags; the others (client timeout, sampling period) are fixed for the CLI.
+_FLAGS = (
+    "duration_s",
+    "cluster",
+    "replicas",
+    "hostile_share",
+    "compare_baseline",
+    "baseline_s",
+    "bucket_s",
+    "warmup_s",
+    "idle_timeout_s",
+    "concurrency",
+    "max_in_flight",
+    "model",
+    "max_tokens",
+    "hold_s",
+    "huge_messages",
+    "seed",
+)
+
+
 @dataclass(frozen=True)
 class SoakConfig:
     """One soak run's settings (the CLI's flags); see the module docstring."""
 
-    duration_s: float = 1800.0
-    cluster: bool = False
-    replicas: int = 2
-    hostile_share: float = 0.3
-    compare_baseline: bool = False
-    baseline_s: float = 300.0
-    bucket_s: float = 60.0
-    warmup_s: float = 60.0
-    idle_timeout_s: float = 20.0
-    concurrency: int = 2
-    max_in_flight: int = 4
-    model: str = DEFAULT_MODEL
-    max_tokens: int = 16
-    hold_s: float = 5.0
+    duration_s: float = _flag(1800.0, "length of the soak phase")
+    cluster: bool = _flag(
+        False, "soak the local Ray cluster (prefixserve up's shape) instead of one standalone replica"
+    )
+    replicas: int = _flag(2, "engine replicas with --cluster")
+    hostile_share: float = _flag(0.3, "probability that a client's next action is a hostile one")
+    compare_baseline: bool = _flag(False, "first run a phase without the hostile share, for the TTFT p99 ratio")
+    baseline_s: float = _flag(300.0, "length of that phase")
+    bucket_s: float = _flag(60.0, "report bucket")
+    warmup_s: float = _flag(60.0, "start of the soak phase left out of the RSS and TTFT targets")
+    idle_timeout_s: float = _flag(20.0, "longest wait, at each idle pause, for running and waiting to reach 0")
+    concurrency: int = _flag(2, "closed-loop clients")
+    max_in_flight: int = _flag(4, "the standalone replica's --max-in-flight")
+    model: str = _flag(DEFAULT_MODEL, "the model")
+    max_tokens: int = _flag(16, "tokens per normal chat")
+    hold_s: float = _flag(5.0, "how long a slow or non-reading client holds its connection")
     client_timeout_s: float = 120.0
-    huge_messages: int = 20_000
+    huge_messages: int = _flag(20_000, "empty system messages in a huge_messages request")
     sample_s: float = 5.0
-    seed: int = 0
+    seed: int = _flag(0, "the traffic's seed")
     # The hostile kinds drawn from (with HOSTILE_KINDS' weights); all of them by default.
     kinds: tuple[str, ...] = tuple(HOSTILE_KINDS)
 
@@ -858,61 +887,15 @@ def run_soak(config: SoakConfig, out_dir: Path) -> dict[str, Any]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = SoakConfig()
-    parser.add_argument(
-        "--duration-s", type=float, default=d.duration_s, help="length of the soak phase (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--cluster",
-        action="store_true",
-        help="soak the local Ray cluster (prefixserve up's shape) instead of one standalone replica",
-    )
-    parser.add_argument("--replicas", type=int, default=d.replicas, help="engine replicas with --cluster")
-    parser.add_argument(
-        "--hostile-share",
-        type=float,
-        default=d.hostile_share,
-        help="probability that a client's next action is a hostile one (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--compare-baseline",
-        action="store_true",
-        help="first run a phase without the hostile share, for the TTFT p99 ratio",
-    )
-    parser.add_argument("--baseline-s", type=float, default=d.baseline_s, help="length of that phase")
-    parser.add_argument("--bucket-s", type=float, default=d.bucket_s, help="report bucket (default: a minute)")
-    parser.add_argument(
-        "--warmup-s",
-        type=float,
-        default=d.warmup_s,
-        help="start of the soak phase left out of the RSS and TTFT targets",
-    )
-    parser.add_argument(
-        "--idle-timeout-s",
-        type=float,
-        default=d.idle_timeout_s,
-        help="longest wait, at each idle pause, for running and waiting to reach 0",
-    )
-    parser.add_argument("--concurrency", type=int, default=d.concurrency, help="closed-loop clients")
-    parser.add_argument(
-        "--max-in-flight", type=int, default=d.max_in_flight, help="the standalone replica's --max-in-flight"
-    )
-    parser.add_argument("--model", default=d.model, help="the model (default: %(default)s)")
-    parser.add_argument("--max-tokens", type=int, default=d.max_tokens, help="tokens per normal chat")
-    parser.add_argument(
-        "--hold-s", type=float, default=d.hold_s, help="how long a slow or non-reading client holds its connection"
-    )
-    parser.add_argument(
-        "--huge-messages", type=int, default=d.huge_messages, help="empty system messages in a huge_messages request"
-    )
-    parser.add_argument("--seed", type=int, default=d.seed)
-    parser.add_argument(
+    """The soak's flags: :class:`SoakConfig`'s, ``--kinds`` and ``--out-dir``."""
+    group = add_cli_arguments(parser, SoakConfig, "soak", only=_FLAGS)
+    group.add_argument(
         "--kinds",
         type=_kinds_arg,
-        default=d.kinds,
+        default=SoakConfig.kinds,
         help=f"comma-separated hostile kinds to draw from (default: all of {','.join(HOSTILE_KINDS)})",
     )
-    parser.add_argument(
+    group.add_argument(
         "--out-dir",
         type=Path,
         default=Path("results"),
@@ -928,9 +911,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m prefixserve.loadtest.soak", description=__doc__.split("\n")[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
-    names = {f for f in SoakConfig.__dataclass_fields__}
     try:
-        config = SoakConfig(**{k: v for k, v in vars(args).items() if k in names})
+        config = from_cli_args(SoakConfig, args)
     except ValueError as exc:
         parser.error(str(exc))
     result = run_soak(config, args.out_dir)
