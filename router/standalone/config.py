@@ -12,12 +12,12 @@ import math
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from prefixserve.common.body_limits import DEFAULT_CLIENT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from prefixserve.router.policies import DEFAULT_POLICY, POLICIES
 
-# A replica's own limits (replica/entrypoints/openai/server.py ServerConfig): the largest body, the largest
-# request line plus headers (uvicorn's h11 knob) and the most header fields. The router must not load the
-# replica's HTTP front end, so these are stated here; tests/router/standalone compares them with the replica's.
-DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+# A replica's head limits (replica/entrypoints/openai/server.py ServerConfig): the largest request line
+# plus headers (uvicorn's h11 knob) and the most header fields. The router must not load the replica's
+# HTTP front end, so these are stated here; tests/router/standalone compares them with the replica's.
 DEFAULT_MAX_HEAD_BYTES = 32 * 1024
 DEFAULT_MAX_HEADER_COUNT = 100
 # The router's default port: where ``prefixserve up`` serves the cluster's endpoint (the router is one).
@@ -81,6 +81,10 @@ class StandaloneRouterConfig:
         default=600.0, metadata=_help("seconds a replica may send nothing while it answers (then the answer fails)")
     )
     max_body_bytes: int = field(default=DEFAULT_MAX_BODY_BYTES, metadata=_help("largest accepted request body (413)"))
+    client_body_timeout_s: float = field(
+        default=DEFAULT_CLIENT_BODY_TIMEOUT_S,
+        metadata=_help("seconds a client may take to send a whole request body (408)"),
+    )
     h11_max_incomplete_event_size: int = field(
         default=DEFAULT_MAX_HEAD_BYTES, metadata=_help("largest request line plus headers, in bytes (431)")
     )
@@ -107,6 +111,7 @@ class StandaloneRouterConfig:
             "load_max_age_s",
             "connect_timeout_s",
             "read_timeout_s",
+            "client_body_timeout_s",
         ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > 0 and math.isfinite(v)):

@@ -372,7 +372,19 @@ class StandaloneRouter:
         )
 
     async def read_body(self, request: Request) -> bytes | Response:
-        """The request body, or the 413 answer for one larger than a replica accepts."""
+        """The request body; the 413 answer for one larger than a replica accepts, 408 for one not whole in time."""
+        try:
+            async with asyncio.timeout(self.config.client_body_timeout_s):
+                return await self._read_body(request)
+        except TimeoutError:
+            return own_answer(
+                408,
+                openai_error(
+                    408, f"the request body did not arrive within {self.config.client_body_timeout_s:g} s", "timeout"
+                ),
+            )
+
+    async def _read_body(self, request: Request) -> bytes | Response:
         limit = self.config.max_body_bytes
         declared = request.headers.get("content-length")
         too_large = own_answer(

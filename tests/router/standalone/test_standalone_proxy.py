@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import threading
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -244,3 +245,17 @@ def test_replica_load_comes_from_its_metrics() -> None:
         # A request without a key goes by load: to the idle replica.
         r = httpx.post(f"{url}/v1/chat/completions", json=chat(None), timeout=60)
         assert r.headers[HEADER] == ub.name
+
+
+def test_a_body_not_sent_in_time_is_refused_408() -> None:
+    a = FakeReplica()
+    with replicas(a) as (ua,), router_over([ua.url], client_body_timeout_s=0.2) as (url, _):
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            head = "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            sock.sendall(f'{head}Content-Length: 100\r\n\r\n{{"model"'.encode())  # and never the rest
+            answer = b""
+            while b"\r\n\r\n" not in answer:
+                answer += sock.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 408") and f"{HEADER.lower()}: {ROUTER_SELF}".encode() in answer.lower()
+        assert a.received == []

@@ -225,6 +225,7 @@ def test_the_limits_are_the_replicas() -> None:
     replica = ServerConfig()
     router = StandaloneRouterConfig(replicas=["http://a:1"])
     assert router.max_body_bytes == replica.max_body_bytes
+    assert router.client_body_timeout_s == replica.client_body_timeout_s
     assert router.h11_max_incomplete_event_size == replica.h11_max_incomplete_event_size
     assert router.h11_max_header_count == replica.h11_max_header_count
 

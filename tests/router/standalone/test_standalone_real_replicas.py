@@ -1,0 +1,70 @@
+"""``prefixserve router`` (a real process, its CLI) in front of two real ``prefixserve replica`` processes."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import httpx
+import pytest
+from process_helpers import ManagedProcess
+from server_helpers import ReplicaProcess, build_tiny_llama, free_port, metric, prefixserve_command
+
+pytestmark = pytest.mark.slow
+
+HEADER = "X-Prefixserve-Replica"
+
+
+class RouterProcess(ManagedProcess):
+    """``prefixserve router`` on a free local port over ``replica_urls``; stopped on leaving."""
+
+    name = "router"
+
+    def __init__(self, replica_urls: list[str], log_dir: Path) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        replicas = [arg for url in replica_urls for arg in ("--replica", url)]
+        super().__init__(
+            [*prefixserve_command(), "router", *replicas, "--port", str(self.port), "--log-level", "warning"],
+            log_path=log_dir / f"router-{self.port}.log",
+            ready_url=f"{self.base_url}/health",
+            startup_timeout_s=60.0,
+            poll_s=0.2,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        )
+
+
+def test_the_router_routes_to_real_replicas_and_they_answer(tmp_path_factory: pytest.TempPathFactory) -> None:
+    ckpt = build_tiny_llama(tmp_path_factory.mktemp("ckpt") / "tiny", seed=11)
+    logs = tmp_path_factory.mktemp("logs")
+    args = ("--max-model-len", "512")
+    with ReplicaProcess(ckpt, *args, log_dir=logs) as a, ReplicaProcess(ckpt, *args, log_dir=logs) as b:
+        names = {f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"}
+        with RouterProcess([a.base_url, b.base_url], logs) as router, httpx.Client(timeout=120.0) as http:
+            models = http.get(f"{router.base_url}/v1/models")
+            assert models.status_code == 200
+            model = models.json()["data"][0]["id"]
+            landed: dict[str, set[str]] = {}
+            for i in range(6):
+                system = f"You are helper {i % 2}."
+                body = {
+                    "model": model,
+                    "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"q{i}"}],
+                    "max_tokens": 4,
+                    "temperature": 0.0,
+                }
+                r = http.post(f"{router.base_url}/v1/chat/completions", json=body)
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["message"]["role"] == "assistant"
+                landed.setdefault(system, set()).add(r.headers[HEADER])
+            assert all(len(v) == 1 for v in landed.values()) and set().union(*landed.values()) <= names
+            body = {"model": model, "prompt": "Once upon a time", "max_tokens": 4, "stream": True}
+            with http.stream("POST", f"{router.base_url}/v1/completions", json=body) as r:
+                assert r.status_code == 200 and r.headers[HEADER] in names
+                events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]" and all("error" not in json.loads(e) for e in events[:-1])
+            assert metric(http.get(f"{router.base_url}/metrics").text, "prefixserve_router_requests_total") == 7
+            assert (
+                http.post(f"{router.base_url}/v1/chat/completions", json={**body, "model": "nope"}).status_code == 404
+            )
