@@ -64,6 +64,7 @@ from typing import TYPE_CHECKING, Any
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
 from prefixserve.common.tracing import build_tracer, route_span
+from prefixserve.replica.contract.prompt_blocks import PromptBlocks
 from prefixserve.replica.contract.request import EngineRequest
 from prefixserve.router.cluster_config import DEFAULT_STATS_MAX_AGE_S
 from prefixserve.router.policies import DEFAULT_POLICY, KIND_FALLBACK, Placed, Policy, ReplicaLoad, make_policy
@@ -229,7 +230,7 @@ class PrefixRouter(RequestRouter):
         candidate_replicas: list[RunningReplica],
         key: str | None,
         count: bool = True,
-        blocks: Any = None,
+        blocks: PromptBlocks | None = None,
     ) -> tuple[list[RunningReplica], str | None]:
         """The candidates best first and the key's ring owner (None without a key or ring).
 
