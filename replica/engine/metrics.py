@@ -20,7 +20,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import astuple, dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from prefixserve.common.metric_series import LabeledSeries
 
 # vLLM V1's buckets (vllm/v1/metrics/loggers.py), so that histogram_quantile answers match.
 TTFT_BUCKETS = (
@@ -166,19 +168,8 @@ class EngineMetrics:
     def __init__(self, model_name: str, max_model_len: int = 4096) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
-        labels = ["model_name", "engine"]
-        values = (model_name, ENGINE_INDEX)
-        r = self.registry
-
-        def g(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, labels, registry=r).labels(*values)
-
-        def c(name: str, doc: str) -> Counter:
-            return Counter(name, doc, labels, registry=r).labels(*values)
-
-        def h(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(*values)
-
+        series = LabeledSeries(self.registry, ["model_name", "engine"], (model_name, ENGINE_INDEX))
+        g, c, h = series.gauge, series.counter, series.histogram
         token_buckets = build_1_2_5_buckets(max_model_len)
         # Scheduler state and cache
         self.running = g("vllm:num_requests_running", "Number of requests in model execution batches.")
@@ -197,13 +188,13 @@ class EngineMetrics:
         self.preemptions = c("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
         self.prompt_tokens = c("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = c("vllm:generation_tokens", "Number of generation tokens processed.")
-        success = Counter(
+        self.request_success = series.each(
+            Counter,
             "vllm:request_success",
             "Count of successfully processed requests.",
-            labels + ["finished_reason"],
-            registry=r,
+            "finished_reason",
+            FINISH_REASONS,
         )
-        self.request_success = {reason: success.labels(*values, reason) for reason in FINISH_REASONS}
         # Histograms of counts
         self.request_prompt_tokens = h(
             "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
@@ -248,13 +239,13 @@ class EngineMetrics:
         # Swap preemption (preemption_mode="swap"): vLLM V0's gauges where it had them.
         self.swapped = g("vllm:num_requests_swapped", "Number of requests swapped to CPU.")
         self.cpu_cache_usage = g("vllm:cpu_cache_usage_perc", "CPU KV-cache usage. 1 means 100 percent usage.")
-        by_mode = Counter(
+        self.preemptions_by_mode = series.each(
+            Counter,
             "prefixserve:preemptions",
             "Preemptions by how the sequence was set aside: swap (KV kept in the host pool) or recompute (KV dropped).",
-            labels + ["mode"],
-            registry=r,
+            "mode",
+            PREEMPTION_MODES,
         )
-        self.preemptions_by_mode = {mode: by_mode.labels(*values, mode) for mode in PREEMPTION_MODES}
         self.swapped_out_blocks = c("prefixserve:swapped_out_blocks", "KV blocks copied to the host swap pool.")
         self.swapped_in_blocks = c("prefixserve:swapped_in_blocks", "KV blocks copied back from the host swap pool.")
         self.swap_in_fallbacks = c(
@@ -274,24 +265,24 @@ class EngineMetrics:
             "Sequences whose tool-call text did not parse (answered as content).",
         )
         # The front end's count of request fields it ignored (replica/entrypoints/openai/request_fields.py).
-        self.ignored_fields = Counter(
+        self.ignored_fields = series.family(
+            Counter,
             "prefixserve:ignored_request_fields",
             "Request fields this server does not know, ignored as vLLM ignores them, by field name "
             "(one per request that sent it).",
-            labels + ["field"],
-            registry=r,
+            "field",
         )
-        self.startup = Gauge(
+        self.startup = series.family(
+            Gauge,
             "prefixserve:engine_startup_seconds",
             "Seconds this engine spent starting, by phase (see replica/model/startup.py).",
-            labels + ["phase"],
-            registry=r,
+            "phase",
         )
-        self.cache_bytes = Gauge(
+        self.cache_bytes = series.family(
+            Gauge,
             "prefixserve:request_cache_bytes",
             "Estimated bytes held by each memo or cache on the request path, by name (each is bounded in bytes).",
-            labels + ["cache"],
-            registry=r,
+            "cache",
         )
         self._cache_config: Gauge | None = None
         self._last_queries = 0

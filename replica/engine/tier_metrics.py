@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from prefixserve.common.metric_series import LabeledSeries
+
 TIERS = ("host", "disk")
 # Copies the engine loop does for the tiers: device -> host (offload) and host -> device
 # (copy-back), each with that step's swap copies; disk payloads into host slots; blocks
@@ -51,36 +53,39 @@ class TierMetrics:
     """The tier series; ``observe`` turns cumulative totals into counter increments."""
 
     def __init__(self, registry: CollectorRegistry, model_name: str, engine: str = "0") -> None:
-        labels = ["model_name", "engine"]
-        values = (model_name, engine)
-
-        def c(name: str, doc: str, extra: str | None = None, keys: tuple[str, ...] = ()) -> dict[str, Counter]:
-            counter = Counter(name, doc, labels + ([extra] if extra else []), registry=registry)
-            if extra is None:
-                return {"": counter.labels(*values)}
-            return {k: counter.labels(*values, k) for k in keys}
-
+        series = LabeledSeries(registry, ["model_name", "engine"], (model_name, engine))
+        c, each = series.counter, series.each
         self.queries = c(
             "vllm:external_prefix_cache_queries",
             "External prefix cache queries from the KV tiers (host, disk), in terms of number of queried tokens.",
-        )[""]
+        )
         self.hits = c(
             "vllm:external_prefix_cache_hits",
             "External prefix cache hits from the KV tiers (host, disk), in terms of number of cached tokens.",
-        )[""]
-        self.hit_tokens = c(
+        )
+        self.hit_tokens = each(
+            Counter,
             "prefixserve:kv_tier_hit_tokens",
             "Prompt tokens whose KV came back from a tier (disk: read from disk, then through the host tier).",
             "tier",
             TIERS,
         )
-        self.stored = c("prefixserve:kv_tier_stored_blocks", "KV blocks written to a tier.", "tier", TIERS)
-        self.loaded = c("prefixserve:kv_tier_loaded_blocks", "KV blocks read back from a tier.", "tier", TIERS)
-        self.copy_seconds = c(
-            "prefixserve:kv_tier_copy_seconds", "Seconds the engine loop spent on tier copies, by op.", "op", COPY_OPS
+        self.stored = each(Counter, "prefixserve:kv_tier_stored_blocks", "KV blocks written to a tier.", "tier", TIERS)
+        self.loaded = each(
+            Counter, "prefixserve:kv_tier_loaded_blocks", "KV blocks read back from a tier.", "tier", TIERS
         )
-        self.copy_bytes = c("prefixserve:kv_tier_copy_bytes", "Bytes of tier copies, by op.", "op", COPY_OPS)
-        self.disk_errors = c(
+        self.copy_seconds = each(
+            Counter,
+            "prefixserve:kv_tier_copy_seconds",
+            "Seconds the engine loop spent on tier copies, by op.",
+            "op",
+            COPY_OPS,
+        )
+        self.copy_bytes = each(
+            Counter, "prefixserve:kv_tier_copy_bytes", "Bytes of tier copies, by op.", "op", COPY_OPS
+        )
+        self.disk_errors = each(
+            Counter,
             "prefixserve:kv_disk_errors",
             "Disk tier faults (full, read-only, vanished); the first one stops the disk tier.",
             "op",
@@ -89,28 +94,25 @@ class TierMetrics:
         self.disk_invalid = c(
             "prefixserve:kv_disk_invalid_files",
             "Disk tier files that were truncated, corrupt or written for another model (a miss; deleted).",
-        )[""]
+        )
         self.disk_dropped = c(
             "prefixserve:kv_disk_dropped_writes",
             "Blocks not written to disk: the write queue was full or the tier stopped.",
-        )[""]
+        )
         self.drain_saved = c(
             "prefixserve:kv_drain_saved_blocks",
             "KV blocks a drain wrote to the disk tier before the engine stopped (the most reused first).",
-        )[""]
-        self.usage = Gauge(
+        )
+        self.usage = series.family(
+            Gauge,
             "prefixserve:kv_tier_usage",
             "Fraction of a tier holding cached KV blocks (host: its slots; disk: this replica's estimate).",
-            labels + ["tier"],
-            registry=registry,
+            "tier",
         )
-        self.usage_by_tier = {t: self.usage.labels(*values, t) for t in TIERS}
-        self.disk_enabled = Gauge(
-            "prefixserve:kv_disk_enabled",
-            "1 while the disk tier serves, 0 after a fault stopped it.",
-            labels,
-            registry=registry,
-        ).labels(*values)
+        self.usage_by_tier = {t: series.child(self.usage, t) for t in TIERS}
+        self.disk_enabled = series.gauge(
+            "prefixserve:kv_disk_enabled", "1 while the disk tier serves, 0 after a fault stopped it."
+        )
         self._last = TierTotals()
 
     def observe(self, t: TierTotals, *, host_usage: float, disk_usage: float | None) -> None:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter
 
+from prefixserve.common.metric_series import LabeledSeries
 from prefixserve.replica.structured_output.params import KINDS
 
 # Compiles take ~1 ms (a cached tokenizer, a small schema) to seconds (large schemas, grammars).
@@ -16,35 +17,27 @@ class StructuredOutputMetrics:
     """Structured-output requests by kind, compile time, grammar cache hits and misses, refusals."""
 
     def __init__(self, registry: CollectorRegistry, model_name: str, engine: str = "0") -> None:
-        labels = ["model_name", "engine"]
-        values = (model_name, engine)
-        requests = Counter(
+        series = LabeledSeries(registry, ["model_name", "engine"], (model_name, engine))
+        self.requests = series.each(
+            Counter,
             "prefixserve:structured_output_requests",
             "Requests with a structured-output constraint, by kind.",
-            labels + ["kind"],
-            registry=registry,
+            "kind",
+            KINDS,
         )
-        self.requests = {kind: requests.labels(*values, kind) for kind in KINDS}
-        self.compile_time = Histogram(
+        self.compile_time = series.histogram(
             "prefixserve:grammar_compile_seconds",
             "Seconds spent compiling a grammar (cache misses only).",
-            labels,
-            buckets=COMPILE_BUCKETS,
-            registry=registry,
-        ).labels(*values)
-        self.cache_hits = Counter(
-            "prefixserve:grammar_cache_hits",
-            "Grammar lookups answered by the compiled-grammar cache.",
-            labels,
-            registry=registry,
-        ).labels(*values)
-        self.cache_misses = Counter(
-            "prefixserve:grammar_cache_misses", "Grammar lookups that had to compile.", labels, registry=registry
-        ).labels(*values)
-        failures = Counter(
+            COMPILE_BUCKETS,
+        )
+        self.cache_hits = series.counter(
+            "prefixserve:grammar_cache_hits", "Grammar lookups answered by the compiled-grammar cache."
+        )
+        self.cache_misses = series.counter("prefixserve:grammar_cache_misses", "Grammar lookups that had to compile.")
+        self.failures = series.each(
+            Counter,
             "prefixserve:grammar_compile_failures",
             "Constraints refused: invalid or unsupported, or compiling past the time bound.",
-            labels + ["reason"],
-            registry=registry,
+            "reason",
+            FAILURE_REASONS,
         )
-        self.failures = {reason: failures.labels(*values, reason) for reason in FAILURE_REASONS}
