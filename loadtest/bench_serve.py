@@ -43,8 +43,7 @@ import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,14 +52,7 @@ import httpx
 
 from prefixserve.common.config_util import add_cli_arguments, from_cli_args
 from prefixserve.loadtest.harness.report import fmt, markdown_table, write_json
-from prefixserve.loadtest.harness.server import (
-    HOST,
-    free_port,
-    server_env,
-    start_server,
-    stop_server,
-    wait_until_answers,
-)
+from prefixserve.loadtest.harness.server import HOST, free_port, running_server, server_env
 from prefixserve.loadtest.harness.sse import aiter_events
 from prefixserve.loadtest.harness.stats import summary_ms
 from prefixserve.loadtest.workloads import WorkloadRequest, generate
@@ -317,25 +309,6 @@ def benchmark(config: BenchServeConfig, base_url: str) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------ servers
-
-
-@contextmanager
-def server_process(
-    command: Sequence[str],
-    env: dict[str, str],
-    base_url: str,
-    log_path: Path,
-    timeout_s: float,
-    cwd: Path | None = None,
-) -> Iterator[None]:
-    """Run ``command`` (in ``cwd``) in its own session until it answers ``/v1/models``; always stop it
-    (and its children)."""
-    proc = start_server(command, log_path, env, cwd)
-    try:
-        wait_until_answers(proc, f"{base_url}/v1/models", timeout_s, log_path)
-        yield
-    finally:
-        stop_server(proc)
 
 
 def _listen_args(config: BenchServeConfig, port: int) -> list[str]:
@@ -610,7 +583,8 @@ def run(config: BenchServeConfig, write: Callable[[dict[str, Any]], None] | None
     for name, command, env, url, cwd in plan:
         label = name.replace("prefixserve (", "").rstrip(")").replace("/", "-")
         try:
-            with server_process(command, env, url, workdir / f"server-{label}.log", config.startup_timeout_s, cwd):
+            log = workdir / f"server-{label}.log"
+            with running_server(command, env, f"{url}/v1/models", log, config.startup_timeout_s, cwd):
                 servers[name] = measure(url, label)
         except RuntimeError as exc:
             servers[name] = {"error": str(exc)}

@@ -76,17 +76,11 @@ from tqdm import tqdm
 
 from prefixserve.common.config_util import add_cli_arguments, from_cli_args
 from prefixserve.loadtest.cluster_run import LocalServeCluster
+from prefixserve.loadtest.harness import server as child
 from prefixserve.loadtest.harness.client import stream_one
 from prefixserve.loadtest.harness.plotting import figure
 from prefixserve.loadtest.harness.report import markdown_table, write_json
-from prefixserve.loadtest.harness.server import (
-    HOST,
-    free_port,
-    server_env,
-    start_server,
-    stop_server,
-    wait_until_answers,
-)
+from prefixserve.loadtest.harness.server import HOST
 from prefixserve.loadtest.harness.stats import nearest_rank
 from prefixserve.loadtest.workloads import DEFAULT_MODEL, SharedPrefixConfig, shared_prefix
 
@@ -212,7 +206,7 @@ class StandaloneServer:
 
     def __init__(self, config: SoakConfig, log_path: Path) -> None:
         self.config = config
-        self.port = free_port()
+        self.port = child.free_port()
         self.base_url = f"http://{HOST}:{self.port}"
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
@@ -236,9 +230,9 @@ class StandaloneServer:
             "--log-level",
             "warning",
         ]
-        self.proc = start_server(command, self.log_path, server_env())
+        self.proc = child.start_server(command, self.log_path, child.server_env())
         try:
-            wait_until_answers(self.proc, f"{self.base_url}/health", timeout_s, self.log_path)
+            child.wait_until_answers(self.proc, f"{self.base_url}/health", timeout_s, self.log_path)
         except RuntimeError:
             self.stop()
             raise
@@ -254,7 +248,7 @@ class StandaloneServer:
 
     def stop(self) -> None:
         if self.proc is not None:
-            stop_server(self.proc, grace_s=30)
+            child.stop_server(self.proc, grace_s=30)
 
 
 class ClusterServer:
@@ -262,7 +256,7 @@ class ClusterServer:
 
     def __init__(self, config: SoakConfig) -> None:
         self.config = config
-        self.port = free_port()
+        self.port = child.free_port()
         self.base_url = f"http://{HOST}:{self.port}"
         self.cluster: LocalServeCluster | None = None
 

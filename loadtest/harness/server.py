@@ -7,7 +7,8 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -64,3 +65,21 @@ def stop_server(proc: subprocess.Popen[bytes], grace_s: float = 60.0) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
+
+
+@contextmanager
+def running_server(
+    command: Sequence[str],
+    env: dict[str, str],
+    ready_url: str,
+    log_path: Path,
+    timeout_s: float,
+    cwd: Path | None = None,
+) -> Iterator[subprocess.Popen[bytes]]:
+    """Run ``command`` (in ``cwd``) until ``ready_url`` answers, yield it, and always stop it and its children."""
+    proc = start_server(command, log_path, env, cwd)
+    try:
+        wait_until_answers(proc, ready_url, timeout_s, log_path)
+        yield proc
+    finally:
+        stop_server(proc)

@@ -72,11 +72,9 @@ def test_percentile_agrees_with_numpy(q: float) -> None:
 def test_server_start_wait_stop(tmp_path: Path) -> None:
     port = server.free_port()
     command = [sys.executable, "-m", "http.server", str(port), "--bind", server.HOST, "--directory", str(tmp_path)]
-    proc = server.start_server(command, tmp_path / "logs" / "server.log", server.server_env())
-    try:
-        server.wait_until_answers(proc, f"http://{server.HOST}:{port}/", 30.0, tmp_path / "server.log")
-    finally:
-        server.stop_server(proc, grace_s=10)
+    url = f"http://{server.HOST}:{port}/"
+    with server.running_server(command, server.server_env(), url, tmp_path / "logs" / "server.log", 30.0) as proc:
+        assert proc.poll() is None
     assert proc.poll() is not None
     dead = server.start_server([sys.executable, "-c", "pass"], tmp_path / "dead.log", server.server_env())
     with pytest.raises(RuntimeError, match="exited with 0"):
