@@ -358,6 +358,7 @@ def build_app(
     app.post("/tokenize")(tokenization.tokenize)
     app.post("/detokenize")(tokenization.detokenize)
     app.post("/v1/chat/completions/render")(tokenization.render_chat)
+    app.post("/v1/completions/render")(tokenization.render_completion)
 
     @app.get("/version")
     async def version() -> JSONResponse:

@@ -12,7 +12,8 @@ the tokens of a prompt, with vLLM's request and response shapes
   ``GenerateRequest`` (``request_id``, ``token_ids``, ``sampling_params``, ``model``,
   ``stream``, ``stream_options``, ``cache_salt``, ``priority``, ...): the prompt's
   token ids exactly as the engine would run them (the engine's own prepare path:
-  template, tokenizer, max_tokens fitted to the prompt), with nothing generated.
+  template, tokenizer, max_tokens fitted to the prompt), with nothing generated;
+  ``POST /v1/completions/render``: the same of a completion body, a list of one.
 
 Invariants:
 * A chat's tokens are the engine's: the same chat template (``--chat-template``
@@ -237,28 +238,38 @@ class Tokenization:
         """``POST /v1/chat/completions/render``: the engine's token ids and sampling parameters of a
         chat completion request, with nothing generated (vLLM's ``GenerateRequest``)."""
         try:
-            client_id = http_frontend.client_request_id(request.headers)
-            body = await _read(request, api.ChatCompletionRequest, self.options)
-            assert isinstance(body, api.ChatCompletionRequest)
-            body.check()
-            info = await self.client.model_info()
-            http_frontend.check_model(info, body.model)
-            engine_request = http_frontend.engine_request(body, info, None, client_id, request.headers)
-            prepared = await self.engine.prepare(engine_request)
+            return JSONResponse(await self._render(request, api.ChatCompletionRequest))
         except Exception as exc:
             return http_frontend.error_response(exc)
+
+    async def render_completion(self, request: Request) -> Response:
+        """``POST /v1/completions/render``: the same of a completion request, as vLLM's list of one
+        ``GenerateRequest`` per prompt (one prompt per request here)."""
+        try:
+            return JSONResponse([await self._render(request, api.CompletionRequest)])
+        except Exception as exc:
+            return http_frontend.error_response(exc)
+
+    async def _render(self, request: Request, model: type[api.OpenAIRequest]) -> dict[str, Any]:
+        """The body of ``request`` as the engine would run it, as vLLM's ``GenerateRequest``."""
+        client_id = http_frontend.client_request_id(request.headers)
+        body = await _read(request, model, self.options)
+        if isinstance(body, api.ChatCompletionRequest):
+            body.check()
+        info = await self.client.model_info()
+        http_frontend.check_model(info, body.model)
+        engine_request = http_frontend.engine_request(body, info, None, client_id, request.headers)
+        prepared = await self.engine.prepare(engine_request)
         stream_options = body.stream_options.model_dump() if body.stream and body.stream_options else None
-        return JSONResponse(
-            {
-                "request_id": http_frontend.answer_id(body, client_id, engine_request),
-                "token_ids": list(prepared.prompt_token_ids),
-                "features": None,
-                "sampling_params": rendered_sampling_params(prepared.params),
-                "model": body.model,
-                "stream": body.stream,
-                "stream_options": stream_options,
-                "cache_salt": body.cache_salt,
-                "priority": 0,
-                "kv_transfer_params": None,
-            }
-        )
+        return {
+            "request_id": http_frontend.answer_id(body, client_id, engine_request),
+            "token_ids": list(prepared.prompt_token_ids),
+            "features": None,
+            "sampling_params": rendered_sampling_params(prepared.params),
+            "model": body.model,
+            "stream": body.stream,
+            "stream_options": stream_options,
+            "cache_salt": body.cache_salt,
+            "priority": 0,
+            "kv_transfer_params": None,
+        }

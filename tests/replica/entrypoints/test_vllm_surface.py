@@ -136,6 +136,18 @@ def test_tokenized_and_rendered_chats_are_the_tokens_the_engine_runs(replica):
     assert replica.request("POST", "/tokenize", json=bare, headers=AUTH).json()["count"] < tokenized["count"]
 
 
+def test_a_rendered_completion_is_a_list_of_one_with_the_prompt_tokens(replica):
+    text = "alpha bravo"
+    rendered = replica.request("POST", "/v1/completions/render", json={"prompt": text, "seed": 5}, headers=AUTH)
+    assert rendered.status_code == 200, rendered.text
+    [render] = rendered.json()
+    assert render["token_ids"] == replica.engine.tokenizer(text).input_ids
+    assert render["request_id"].startswith("cmpl-") and render["sampling_params"]["seed"] == 5
+    assert render["sampling_params"]["max_tokens"] == 16  # OpenAI's completions default
+    ids = replica.request("POST", "/v1/completions/render", json={"prompt": [5, 6, 7]}, headers=AUTH).json()
+    assert ids[0]["token_ids"] == [5, 6, 7]
+
+
 def test_tokenize_counts_a_prompt_past_max_model_len_that_generation_refuses(replica):
     long = "alpha " * 200
     for body in ({"prompt": long}, {"messages": [{"role": "user", "content": long}]}):
