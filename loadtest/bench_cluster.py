@@ -736,6 +736,22 @@ def _record_json(r: RequestRecord) -> dict[str, Any]:
     }
 
 
+def add_workload_flags(p: argparse.ArgumentParser, defaults: WorkloadSpec, *, concurrency: int) -> None:
+    """The model, the workload (:meth:`WorkloadSpec.from_args` reads it back), the closed loop and the block size."""
+    p.add_argument("--model", default="smollm2", help="'smollm2' or a checkpoint directory / .gguf file")
+    p.add_argument("--workload", default=defaults.name, choices=WORKLOADS)
+    p.add_argument("--tenants", type=int, default=defaults.tenants)
+    p.add_argument("--requests", type=int, default=defaults.requests)
+    p.add_argument("--system-len", type=int, default=defaults.system_len, help="system prompt tokens")
+    p.add_argument("--question-len", type=int, default=defaults.question_len, help="user message tokens")
+    p.add_argument("--output-len", type=int, default=defaults.output_len, help="max_tokens")
+    p.add_argument("--zipf-s", type=float, default=defaults.zipf_s)
+    p.add_argument("--hot-share", type=float, default=defaults.hot_share)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--concurrency", type=int, default=concurrency, help="requests in flight (closed loop)")
+    p.add_argument("--block-size", type=int, default=16)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m prefixserve.loadtest.bench_cluster",
@@ -757,18 +773,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--baseline", default=BASELINE, help="policy the ratios compare against the others")
     p.add_argument("--replicas", type=int, default=2)
-    p.add_argument("--model", default="smollm2", help="'smollm2' or a checkpoint directory / .gguf file")
-    p.add_argument("--workload", default="zipf_tenants", choices=WORKLOADS)
-    p.add_argument("--tenants", type=int, default=WorkloadSpec.tenants)
-    p.add_argument("--requests", type=int, default=WorkloadSpec.requests)
-    p.add_argument("--system-len", type=int, default=WorkloadSpec.system_len, help="system prompt tokens")
-    p.add_argument("--question-len", type=int, default=WorkloadSpec.question_len, help="user message tokens")
-    p.add_argument("--output-len", type=int, default=WorkloadSpec.output_len, help="max_tokens")
-    p.add_argument("--zipf-s", type=float, default=WorkloadSpec.zipf_s)
-    p.add_argument("--hot-share", type=float, default=WorkloadSpec.hot_share)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--concurrency", type=int, default=4, help="requests in flight (closed loop)")
-    p.add_argument("--block-size", type=int, default=16)
+    add_workload_flags(p, WorkloadSpec(), concurrency=4)
     p.add_argument(
         "--kv-headroom", type=float, default=1.5, help="cluster prefix room over the working set, in [1, replicas)"
     )

@@ -52,10 +52,10 @@ from typing import Any
 
 from prefixserve.common.logs import add_verbose_flag
 from prefixserve.loadtest.bench_cluster import (
-    WORKLOADS,
     WorkloadSpec,
     _bodies,
     _record_json,
+    add_workload_flags,
     app_args,
     chat_encoder,
     workload_token_counts,
@@ -408,18 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--tiers", default=",".join(TIER_ROWS), help="rows to run, in order: off, on (the shared disk tier)")
     p.add_argument("--policy", default="placed", choices=sorted(POLICIES), help="the router's policy")
-    p.add_argument("--model", default="smollm2", help="'smollm2' or a checkpoint directory / .gguf file")
-    p.add_argument("--workload", default="shared_prefix", choices=WORKLOADS)
-    p.add_argument("--tenants", type=int, default=12)
-    p.add_argument("--requests", type=int, default=160)
-    p.add_argument("--system-len", type=int, default=WorkloadSpec.system_len, help="system prompt tokens")
-    p.add_argument("--question-len", type=int, default=WorkloadSpec.question_len, help="user message tokens")
-    p.add_argument("--output-len", type=int, default=WorkloadSpec.output_len, help="max_tokens")
-    p.add_argument("--zipf-s", type=float, default=WorkloadSpec.zipf_s)
-    p.add_argument("--hot-share", type=float, default=WorkloadSpec.hot_share)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--concurrency", type=int, default=2, help="requests in flight (closed loop)")
-    p.add_argument("--block-size", type=int, default=16)
+    add_workload_flags(p, WorkloadSpec("shared_prefix", tenants=12, requests=160), concurrency=2)
     p.add_argument("--num-kv-blocks", type=int, default=None, help="override the computed per-replica device pool")
     p.add_argument("--host-gib", type=float, default=0.25, help="host tier per replica (GiB; the disk tier needs it)")
     p.add_argument("--disk-gib", type=float, default=4.0, help="the shared disk tier's bound (GiB)")
