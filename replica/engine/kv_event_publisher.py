@@ -23,6 +23,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
+from typing import Any
 
 import zmq
 
@@ -50,7 +51,9 @@ def binds(endpoint: str) -> bool:
 class ZmqKVEventPublisher:
     """Sends KV event batches on a PUB socket with a replay buffer (the module docstring)."""
 
-    def __init__(self, config: KVEventsConfig, data_parallel_rank: int = 0, context: zmq.Context | None = None) -> None:
+    def __init__(
+        self, config: KVEventsConfig, data_parallel_rank: int = 0, context: zmq.Context[Any] | None = None
+    ) -> None:
         if not config.enabled:
             raise ValueError("the KV events config does not enable the zmq publisher")
         self.config = config
@@ -65,7 +68,7 @@ class ZmqKVEventPublisher:
         self.sent = 0
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(config.hwm)
-        self._replay: zmq.Socket | None = None
+        self._replay: zmq.Socket[bytes] | None = None
         try:
             if binds(config.endpoint):
                 self._pub.bind(config.endpoint)

@@ -1,0 +1,17 @@
+"""KV-aware routing over vLLM-format KV events: which replicas hold which blocks.
+
+* index.py: ``KVEventIndex`` (block hash -> replicas per medium, bounded; ``apply(replica, batch)``,
+  ``longest_prefix(block_hashes) -> {replica: blocks}``) and ``SequenceTracker`` (gaps, restarts);
+* subscriber.py: ``ZmqKVEventSubscriber(sources, index).start() / .stop()``, SUB sockets on the
+  replicas' publishers, the replay socket asked on a gap;
+* vllm_hashes.py: ``vllm_block_hashes``, a request's block hashes as a vLLM server computes them
+  (``sha256_cbor``), to look up in the index.
+
+The wire format is replica/contract/vllm_kv_events.py.
+"""
+
+from prefixserve.router.kv_index.index import KVEventIndex, SequenceTracker, Verdict
+from prefixserve.router.kv_index.subscriber import EventSource, ZmqKVEventSubscriber
+from prefixserve.router.kv_index.vllm_hashes import vllm_block_hashes
+
+__all__ = ["EventSource", "KVEventIndex", "SequenceTracker", "Verdict", "ZmqKVEventSubscriber", "vllm_block_hashes"]
