@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from prefixserve.common.body_limits import DEFAULT_CLIENT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
-from prefixserve.router.policies import DEFAULT_POLICY, POLICIES
+from prefixserve.router.policies import DEFAULT_POLICY, POLICIES, check_options, pick_options
+from prefixserve.router.routing_key import PrefixKeyConfig
 
 # A replica's head limits (replica/entrypoints/openai/server.py ServerConfig): the largest request line
 # plus headers (uvicorn's h11 knob) and the most header fields. The router must not load the replica's
@@ -65,6 +66,15 @@ class StandaloneRouterConfig:
     policy: str = field(
         default=DEFAULT_POLICY, metadata={"choices": tuple(POLICIES), "help": "the routing policy (router/policies/)"}
     )
+    epsilon: float | None = field(
+        default=None, metadata=_help("bounded_load's and placed's epsilon (default: the policy's)")
+    )
+    session_header: bool = field(
+        default=False, metadata=_help("multi-turn affinity: key chat requests by X-Session-Id too")
+    )
+    key_turns: int = field(
+        default=0, metadata=_help("multi-turn affinity: key chat requests by their first N turns too (0: off)")
+    )
     health_interval_s: float = field(default=2.0, metadata=_help("seconds between GET /health probes of a replica"))
     health_timeout_s: float = field(default=2.0, metadata=_help("seconds a health probe may take before it fails"))
     unhealthy_after: int = field(default=3, metadata=_help("failed probes in a row that eject a replica"))
@@ -100,6 +110,8 @@ class StandaloneRouterConfig:
             raise ValueError(f"replicas must be distinct host:port, got {names}")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown routing policy {self.policy!r}; choose one of {sorted(POLICIES)}")
+        check_options(self.policy, **self.policy_options)
+        _ = self.key_config  # PrefixKeyConfig refuses a bad key_turns: here, before the router starts
         for name in ("unhealthy_after", "healthy_after", "max_attempts", "max_body_bytes"):
             _check_int(name, getattr(self, name))
         for name in ("h11_max_incomplete_event_size", "h11_max_header_count"):
@@ -116,6 +128,16 @@ class StandaloneRouterConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > 0 and math.isfinite(v)):
                 raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+
+    @property
+    def policy_options(self) -> dict[str, object]:
+        """The options given that the policy takes (router/policies/ ``pick_options``)."""
+        return pick_options(self.policy, {"epsilon": self.epsilon})
+
+    @property
+    def key_config(self) -> PrefixKeyConfig:
+        """How a request's routing key is derived (router/routing_key.py)."""
+        return PrefixKeyConfig(session_header=self.session_header, key_turns=self.key_turns)
 
     @property
     def replica_urls(self) -> dict[str, str]:

@@ -194,7 +194,9 @@ class StandaloneRouter:
         self.replicas = ReplicaSet(
             config.replica_urls, config.unhealthy_after, config.healthy_after, config.load_max_age_s
         )
-        self.routing = StandaloneRouting(policy or make_policy(config.policy), self.replicas)
+        self.routing = StandaloneRouting(
+            policy or make_policy(config.policy, **config.policy_options), self.replicas, config.key_config
+        )
         self.metrics = StandaloneMetrics(self.routing.policy.name, self.replicas.names)
         self.models_of: dict[str, list[dict[str, Any]]] = {}  # replica -> its /v1/models entries
         self._models_at = -float("inf")

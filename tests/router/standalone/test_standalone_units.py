@@ -219,6 +219,22 @@ def test_config_refuses_no_replica_duplicates_and_bad_numbers() -> None:
     assert config.replica_urls == {"a:1": "http://a:1", "b:2": "http://b:2"}
 
 
+def test_policy_options_and_key_settings_reach_the_router() -> None:
+    with pytest.raises(ValueError, match="epsilon"):
+        StandaloneRouterConfig(replicas=["http://a:1"], epsilon=-1.0)
+    with pytest.raises(ValueError, match="key_turns"):
+        StandaloneRouterConfig(replicas=["http://a:1"], key_turns=-1)
+    config = StandaloneRouterConfig(replicas=["http://a:1"], policy="round_robin", epsilon=0.5)
+    assert config.policy_options == {}  # round_robin takes no epsilon
+    config = StandaloneRouterConfig(replicas=["http://a:1"], epsilon=0.5, key_turns=1)
+    routing = StandaloneRouting(
+        make_policy(config.policy, **config.policy_options), ReplicaSet(URLS), config.key_config
+    )
+    assert routing.placed is not None and routing.placed.epsilon == 0.5
+    one, two = routing.plan(chat("sys", "first chat"), {}), routing.plan(chat("sys", "second chat"), {})
+    assert one.key != two.key != prefix_hash("sys")
+
+
 def test_the_limits_are_the_replicas() -> None:
     from prefixserve.replica.entrypoints.openai.server import ServerConfig
 
