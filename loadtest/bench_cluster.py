@@ -562,19 +562,10 @@ def ratios(results: Sequence[PolicyResult], baseline: str = BASELINE) -> dict[st
 
 def render_table(results: Sequence[PolicyResult]) -> str:
     """The per-policy markdown table."""
-    header = [
-        "policy",
-        "hit rate",
-        "cached/prompt tokens",
-        "TTFT p50 (s)",
-        "TTFT p95 (s)",
-        "req/s",
-        "in-flight max/mean per replica",
-        "peak in-flight",
-        "requests per replica",
-        "spills",
-        "ok",
-    ]
+    header = (
+        "policy | hit rate | cached/prompt tokens | TTFT p50 (s) | TTFT p95 (s) | req/s"
+        " | in-flight max/mean per replica | peak in-flight | requests per replica | spills | ok"
+    )
     rows = [
         [
             r.policy,

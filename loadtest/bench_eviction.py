@@ -238,22 +238,11 @@ def render(res: dict[str, Any]) -> str:
         f"of {c['block_size']} tokens; {what}, waves of {c['wave']})",
         "",
     ]
-    header = [
-        "policy",
-        "generated blocks",
-        "static prefix",
-        "hit rate",
-        "x lru",
-        "x warm",
-        "one-shot / conversation hit rate",
-        "req/s (median)",
-        "x lru",
-        "runs req/s",
-        "req/CPU-s (median)",
-        "x lru",
-        "evictions",
-        "preemptions",
-    ]
+    header = (
+        "policy | generated blocks | static prefix | hit rate | x lru | x warm"
+        " | one-shot / conversation hit rate | req/s (median) | x lru | runs req/s | req/CPU-s (median)"
+        " | x lru | evictions | preemptions"
+    )
     rows = []
     runs = res["policies"]
     for r in runs.values():

@@ -549,16 +549,10 @@ def _render_vllm(vs: dict) -> list[str]:
         f"hitting ({vs['num_requests']} requests, block_size {vs['block_size']}, workload {vs['workload_digest']})",
         "",
     ]
-    header = [
-        "manager",
-        "pool (usable blocks)",
-        "timed",
-        "requests/s",
-        "us per prompt block",
-        "hit rate",
-        "evictions/request",
-        "x vLLM",
-    ]
+    header = (
+        "manager | pool (usable blocks) | timed | requests/s | us per prompt block | hit rate"
+        " | evictions/request | x vLLM"
+    )
     rows = []
     for r in vs["rows"]:
         x = (

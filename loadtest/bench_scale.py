@@ -333,18 +333,11 @@ def run_row(
 
 def render_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """The per-row markdown table."""
-    header = [
-        "shared disk tier",
-        "hit rate before",
-        "hit rate after",
-        "dip (points)",
-        "moved requests (their hit rate)",
-        "disk-hit tokens after",
-        "TTFT p50 before / after (s)",
-        "event (s)",
-        "whole run",
-        "ok",
-    ]
+    header = (
+        "shared disk tier | hit rate before | hit rate after | dip (points)"
+        " | moved requests (their hit rate) | disk-hit tokens after | TTFT p50 before / after (s)"
+        " | event (s) | whole run | ok"
+    )
     cells = [
         [
             r["tier"],

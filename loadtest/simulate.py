@@ -766,19 +766,12 @@ def render_table(results: Sequence[PolicyResult], baseline: str | None = BASELIN
     """
     # The baseline row of the same cluster size (sweeps hold several sizes).
     bases = {r.num_replicas: r for r in reversed(results) if baseline and r.policy == baseline}
-    head = [
-        "policy",
-        "R",
-        "hit rate",
-        "of oracle",
-        "short: first touch / evicted",
-        "load max/mean",
-        "peak in-flight",
-        "TTFT p50 (s)",
-        "TTFT p99 (s)",
-    ]
+    head = (
+        "policy | R | hit rate | of oracle | short: first touch / evicted | load max/mean"
+        " | peak in-flight | TTFT p50 (s) | TTFT p99 (s)"
+    )
     if bases:
-        head += [f"{baseline} hit x", f"{baseline} p50 TTFT /", f"{baseline} p99 TTFT /"]
+        head += f" | {baseline} hit x | {baseline} p50 TTFT / | {baseline} p99 TTFT /"
     rows = []
     for r in results:
         tokens = max(r.prompt_tokens, 1)

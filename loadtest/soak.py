@@ -769,17 +769,10 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def _bucket_table(buckets: list[dict[str, Any]]) -> str:
-    header = [
-        "bucket",
-        "start s",
-        "requests by status",
-        "normal ok",
-        "TTFT p50 / p99 ms",
-        "RSS MiB",
-        "fds",
-        "threads",
-        "idle KV / running / waiting",
-    ]
+    header = (
+        "bucket | start s | requests by status | normal ok | TTFT p50 / p99 ms | RSS MiB | fds | threads"
+        " | idle KV / running / waiting"
+    )
     rows = []
     for b in buckets:
         idle = b["idle"]

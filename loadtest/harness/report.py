@@ -13,13 +13,16 @@ def fmt(value: float | None, spec: str, missing: str = "n/a") -> str:
     return missing if value is None else format(value, spec)
 
 
-def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]], align: str = "") -> str:
+def markdown_table(header: str | Sequence[str], rows: Iterable[Sequence[object]], align: str = "") -> str:
     """A markdown table, one line a row, no trailing newline.
 
+    ``header`` is the column names, or one string of them separated by `` | ``.
     ``align`` has one letter a column, ``l`` (the default for a column it does
     not reach) or ``r``; cells are written with ``str`` and so are best
     formatted by the caller (:func:`fmt`).
     """
+    if isinstance(header, str):
+        header = header.split(" | ")
     marks = [":" if align[i : i + 1] == "r" else "" for i in range(len(header))]
     lines = [_row(header), "|" + "|".join(f"---{m}" for m in marks) + "|"]
     lines += [_row(cells) for cells in rows]

@@ -84,3 +84,4 @@ def test_server_start_wait_stop(tmp_path: Path) -> None:
 def test_markdown_table() -> None:
     table = report.markdown_table(["a", "b", "c"], [[1, "x", 2.5], ("y", None, "")], "lr")
     assert table == "| a | b | c |\n|---|---:|---|\n| 1 | x | 2.5 |\n| y | None |  |"
+    assert report.markdown_table("a | b | c", [[1, "x", 2.5], ("y", None, "")], "lr") == table
