@@ -22,11 +22,6 @@ from prefixserve.replica.structured_output.params import StructuredOutputsParams
 KNOBS = dict(block_size=4, num_kv_blocks=96, max_num_seqs=4, max_num_batched_tokens=64)
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> str:
-    return str(tiny_checkpoint(tmp_path_factory.mktemp("async") / "tiny", hidden=64, heads=4, kv_heads=2, seed=11))
-
-
 def prompts(count: int, seed: int = 0, shared: int = 0) -> list[list[int]]:
     """Random prompts of 5-12 tokens after ``shared`` common leading tokens."""
     rng = np.random.default_rng(seed)

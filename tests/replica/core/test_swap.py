@@ -8,7 +8,7 @@ import random
 
 import numpy as np
 import pytest
-from model_helpers import random_prompts, tiny_checkpoint
+from model_helpers import random_prompts
 
 from prefixserve.replica.core.request import PreparedRequest, Request, Sequence
 from prefixserve.replica.core.scheduler import Scheduler, SchedulerConfig
@@ -204,11 +204,6 @@ def test_randomized_swap_run_keeps_every_sequences_kv(caching, host_blocks):
 
 
 # --- the engine ---------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return str(tiny_checkpoint(tmp_path_factory.mktemp("swap") / "tiny", hidden=64, heads=4, kv_heads=2, seed=11))
 
 
 @pytest.fixture(scope="module")

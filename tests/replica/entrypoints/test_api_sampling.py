@@ -9,24 +9,11 @@ import math
 
 import pytest
 import torch
-from model_helpers import hf_model, tiny_checkpoint
-from server_helpers import InProcessReplica, assert_openai_error
+from model_helpers import hf_model
+from server_helpers import assert_openai_error
 
 PROMPT = "the quick brown fox jumps over the lazy dog"
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return tiny_checkpoint(tmp_path_factory.mktemp("api") / "tiny", max_pos=256)
-
-
-@pytest.fixture(scope="module")
-def replica(ckpt):
-    r = InProcessReplica(ckpt, max_model_len=128)
-    try:
-        yield r
-    finally:
-        r.close()
+REPLICA_OPTIONS = dict(max_model_len=128)  # conftest's replica: an InProcessReplica on the shared ckpt
 
 
 def post(replica, path: str, **body):

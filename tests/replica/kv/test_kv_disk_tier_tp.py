@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from model_helpers import engine_metric, output_token_ids, tiny_checkpoint
+from model_helpers import engine_metric, output_token_ids
 
 from prefixserve.replica.config import EngineConfig
 from prefixserve.replica.engine.async_engine import AsyncEngine
@@ -35,11 +35,6 @@ HOST_GB = 2 * 8 * BLOCK_BYTES / 2**30
 KNOBS = dict(num_kv_blocks=16, kv_offloading_size=HOST_GB, kv_disk_size_gb=0.05, tensor_parallel_size=2)
 # 64 host slots a rank: a fresh engine reads all 12 blocks of A from disk in its first step.
 ROOMY = dict(KNOBS, kv_offloading_size=8 * HOST_GB)
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> str:
-    return str(tiny_checkpoint(tmp_path_factory.mktemp("disk-tp") / "m", hidden=64, heads=4, kv_heads=2, seed=5))
 
 
 def _prompts(seed: int) -> list[list[int]]:

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from model_helpers import tiny_checkpoint
 
 from prefixserve.replica.config import EngineConfig
 from prefixserve.replica.engine.async_engine import AsyncEngine
@@ -24,11 +23,6 @@ from prefixserve.replica.sampling_params import SamplingParams
 HOST_GB = 2**22 / 2**30
 KNOBS = dict(num_kv_blocks=16, kv_offloading_size=HOST_GB, kv_disk_size_gb=0.05)
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> str:
-    return str(tiny_checkpoint(tmp_path_factory.mktemp("drain-save") / "m", hidden=64, heads=4, kv_heads=2, seed=5))
 
 
 @pytest.fixture(scope="module")

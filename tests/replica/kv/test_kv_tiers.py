@@ -9,7 +9,6 @@ import random
 
 import numpy as np
 import pytest
-from model_helpers import tiny_checkpoint
 
 from prefixserve.replica.core.request import PreparedRequest, Request, Sequence
 from prefixserve.replica.core.scheduler import Scheduler, SchedulerConfig
@@ -219,11 +218,6 @@ def test_randomized_tier_run_keeps_every_sequences_kv(mode, host_blocks, budget)
 
 
 # --- the engine ---------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return str(tiny_checkpoint(tmp_path_factory.mktemp("tiers") / "tiny", hidden=64, heads=4, kv_heads=2, seed=13))
 
 
 @pytest.fixture(scope="module")

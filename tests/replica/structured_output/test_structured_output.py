@@ -9,7 +9,7 @@ import re
 import jsonschema
 import numpy as np
 import pytest
-from model_helpers import random_prompts, tiny_checkpoint
+from model_helpers import random_prompts
 
 from prefixserve.replica.config import EngineConfig
 from prefixserve.replica.engine.async_engine import AsyncEngine
@@ -88,11 +88,6 @@ SCHEMA = {
 }
 REGEX = r"[0-9]{2}-[a-c]{2}"
 CHOICES = ["alpha", "beta", "gamma"]
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return str(tiny_checkpoint(tmp_path_factory.mktemp("so") / "tiny", hidden=64, heads=4, kv_heads=2, seed=3))
 
 
 @pytest.fixture(scope="module")
