@@ -351,34 +351,9 @@ def test_benchmark_end_to_end_on_a_local_cluster(tmp_path):
 
     model = tiny_checkpoint(tmp_path / "tiny", seed=4)
     out = tmp_path / "out"
-    code = B.main(
-        [
-            "--model",
-            str(model),
-            "--policies",
-            "round_robin,placed",
-            "--tenants",
-            "4",
-            "--requests",
-            "12",
-            "--system-len",
-            "48",
-            "--question-len",
-            "8",
-            "--output-len",
-            "4",
-            "--concurrency",
-            "2",
-            "--seed",
-            "4",
-            "--port",
-            str(free_port()),
-            "--out-dir",
-            str(out),
-            "--timeout",
-            "300",
-        ]
-    )
+    small = "--tenants 4 --requests 12 --system-len 48 --question-len 8 --output-len 4 --concurrency 2 --seed 4"
+    where = ["--port", str(free_port()), "--out-dir", str(out), "--timeout", "300"]
+    code = B.main(["--model", str(model), "--policies", "round_robin,placed", *small.split(), *where])
     assert code == 0
     data = json.loads((out / "bench_cluster.json").read_text())
     assert data["failures"] == {}

@@ -166,38 +166,10 @@ def test_benchmark_end_to_end_on_a_local_cluster(tmp_path):
 
     model = tiny_checkpoint(tmp_path / "tiny", seed=4)
     out = tmp_path / "out"
-    code = S.main(
-        [
-            "--scale-event",
-            "down",
-            "--model",
-            str(model),
-            "--tenants",
-            "4",
-            "--requests",
-            "16",
-            "--window",
-            "4",
-            "--system-len",
-            "48",
-            "--question-len",
-            "8",
-            "--output-len",
-            "2",
-            "--concurrency",
-            "2",
-            "--host-gib",
-            "0.01",
-            "--disk-root",
-            str(tmp_path),
-            "--port",
-            str(free_port()),
-            "--out-dir",
-            str(out),
-            "--timeout",
-            "120",
-        ]
-    )
+    small = "--tenants 4 --requests 16 --window 4 --system-len 48 --question-len 8 --output-len 2 --concurrency 2"
+    tiers = ["--host-gib", "0.01", "--disk-root", str(tmp_path)]
+    where = ["--port", str(free_port()), "--out-dir", str(out), "--timeout", "120"]
+    code = S.main(["--scale-event", "down", "--model", str(model), *small.split(), *tiers, *where])
     assert code == 0
     data = json.loads((out / "bench_scale_down.json").read_text())
     assert data["failures"] == {} and data["event_index"] == round(0.6 * 16)  # the default --scale-at

@@ -410,34 +410,9 @@ def test_bench_cluster_runs_the_peer_routers_on_a_local_cluster(tmp_path):
     model = tiny_checkpoint(tmp_path / "tiny", seed=5)
     out = tmp_path / "out"
     policies = list(B.PEER_POLICIES)
-    code = B.main(
-        [
-            "--model",
-            str(model),
-            "--policies",
-            ",".join(policies),
-            "--tenants",
-            "4",
-            "--requests",
-            "12",
-            "--system-len",
-            "48",
-            "--question-len",
-            "8",
-            "--output-len",
-            "4",
-            "--concurrency",
-            "2",
-            "--seed",
-            "5",
-            "--port",
-            str(free_port()),
-            "--out-dir",
-            str(out),
-            "--timeout",
-            "300",
-        ]
-    )
+    small = "--tenants 4 --requests 12 --system-len 48 --question-len 8 --output-len 4 --concurrency 2 --seed 5"
+    where = ["--port", str(free_port()), "--out-dir", str(out), "--timeout", "300"]
+    code = B.main(["--model", str(model), "--policies", ",".join(policies), *small.split(), *where])
     data = json.loads((out / "bench_cluster.json").read_text())
     assert data["failures"] == {} and code == 0
     assert [r["policy"] for r in data["results"]] == policies
