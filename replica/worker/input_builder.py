@@ -30,83 +30,91 @@ from prefixserve.replica.core.sched_output import ScheduledSeq
 from prefixserve.replica.worker.step_inputs import StepInputs
 
 
-def build_step_inputs(
-    scheduled: list[ScheduledSeq],
-    copy_ops: list[tuple[int, int]],
-    sample_rows: list[int],
-    block_size: int,
-    *,
-    sliding: bool,
-    logit_spans: Sequence[tuple[int, int, int]] = (),
-    placeholders: Sequence[int] = (),
-) -> StepInputs:
-    """The inputs of one step (see ``step_inputs.build_step_inputs`` for the arguments)."""
-    n = len(scheduled)
-    tables = [s.block_table for s in scheduled]
-    lens = np.fromiter((len(t) for t in tables), np.int64, n)
-    width = int(lens.max())
-    table = np.zeros((n, width), np.int32)
-    table[np.arange(width) < lens[:, None]] = np.fromiter(chain.from_iterable(tables), np.int32, int(lens.sum()))
-    if sliding:
-        np.maximum(table, 0, out=table)
-    return _step_inputs(scheduled, table, copy_ops, sample_rows, block_size, logit_spans, placeholders)
+class _Builder:
+    """Builds a step's inputs from the scheduler's plan; a subclass gathers the block tables."""
 
+    def block_tables(self, scheduled: list[ScheduledSeq], sliding: bool) -> np.ndarray:
+        """The step's block tables, one row per scheduled sequence, padded with 0 (NULL_BLOCK read as 0)."""
+        raise NotImplementedError
 
-def _step_inputs(
-    scheduled: list[ScheduledSeq],
-    table: np.ndarray,
-    copy_ops: list[tuple[int, int]],
-    sample_rows: list[int],
-    block_size: int,
-    logit_spans: Sequence[tuple[int, int, int]],
-    placeholders: Sequence[int] = (),
-) -> StepInputs:
-    """Every field but the block tables (``table``: the step's, padded with 0) from the plan."""
-    n = len(scheduled)
-    starts = np.fromiter((s.start for s in scheduled), np.int64, n)
-    q_lens = np.fromiter((s.num_new_tokens for s in scheduled), np.int64, n)
-    query_start = np.zeros(n + 1, np.int64)
-    np.cumsum(q_lens, out=query_start[1:])
-    num_tokens = int(query_start[-1])
-    decode = bool((q_lens == 1).all())  # every sequence schedules exactly one token
-    held = set(placeholders)
-    if decode:
-        if held:
-            ids = np.fromiter(
-                (0 if i in held else s.seq.token_ids[s.start] for i, s in enumerate(scheduled)), np.int64, n
-            )
+    def __call__(
+        self,
+        scheduled: list[ScheduledSeq],
+        copy_ops: list[tuple[int, int]],
+        sample_rows: list[int],
+        block_size: int,
+        *,
+        sliding: bool,
+        logit_spans: Sequence[tuple[int, int, int]] = (),
+        placeholders: Sequence[int] = (),
+    ) -> StepInputs:
+        """The inputs of one step (see ``step_inputs.build_step_inputs`` for the arguments)."""
+        table = self.block_tables(scheduled, sliding)
+        n = len(scheduled)
+        starts = np.fromiter((s.start for s in scheduled), np.int64, n)
+        q_lens = np.fromiter((s.num_new_tokens for s in scheduled), np.int64, n)
+        query_start = np.zeros(n + 1, np.int64)
+        np.cumsum(q_lens, out=query_start[1:])
+        num_tokens = int(query_start[-1])
+        decode = bool((q_lens == 1).all())  # every sequence schedules exactly one token
+        held = set(placeholders)
+        if decode:
+            if held:
+                ids = np.fromiter(
+                    (0 if i in held else s.seq.token_ids[s.start] for i, s in enumerate(scheduled)), np.int64, n
+                )
+            else:
+                ids = np.fromiter((s.seq.token_ids[s.start] for s in scheduled), np.int64, n)
+            seq_index = np.arange(n)
+            positions = starts
         else:
-            ids = np.fromiter((s.seq.token_ids[s.start] for s in scheduled), np.int64, n)
-        seq_index = np.arange(n)
-        positions = starts
-    else:
-        ids = np.fromiter(
-            chain.from_iterable(
-                (0,) if i in held else s.seq.token_ids[s.start : s.start + s.num_new_tokens]
-                for i, s in enumerate(scheduled)
-            ),
-            np.int64,
-            num_tokens,
+            ids = np.fromiter(
+                chain.from_iterable(
+                    (0,) if i in held else s.seq.token_ids[s.start : s.start + s.num_new_tokens]
+                    for i, s in enumerate(scheduled)
+                ),
+                np.int64,
+                num_tokens,
+            )
+            seq_index = np.repeat(np.arange(n), q_lens)
+            positions = np.repeat(starts - query_start[:-1], q_lens) + np.arange(num_tokens)
+        slots = table[seq_index, positions // block_size].astype(np.int64) * block_size + positions % block_size
+        rows = query_start[np.asarray(sample_rows, np.int64) + 1] - 1
+        if logit_spans:
+            rows = np.concatenate(
+                [rows]
+                + [np.arange(query_start[i] + first, query_start[i] + first + count) for i, first, count in logit_spans]
+            )
+        return StepInputs(
+            input_ids=torch.from_numpy(ids),
+            positions=torch.from_numpy(positions),
+            slot_mapping=torch.from_numpy(slots),
+            block_tables=torch.from_numpy(table),
+            seq_lens=torch.from_numpy((starts + q_lens).astype(np.int32)),
+            query_start_loc=torch.from_numpy(query_start.astype(np.int32)),
+            sample_rows=torch.from_numpy(rows.astype(np.int64)),
+            copy_ops=torch.from_numpy(np.asarray(copy_ops, np.int64).reshape(-1, 2)),
         )
-        seq_index = np.repeat(np.arange(n), q_lens)
-        positions = np.repeat(starts - query_start[:-1], q_lens) + np.arange(num_tokens)
-    slots = table[seq_index, positions // block_size].astype(np.int64) * block_size + positions % block_size
-    rows = query_start[np.asarray(sample_rows, np.int64) + 1] - 1
-    if logit_spans:
-        rows = np.concatenate(
-            [rows]
-            + [np.arange(query_start[i] + first, query_start[i] + first + count) for i, first, count in logit_spans]
-        )
-    return StepInputs(
-        input_ids=torch.from_numpy(ids),
-        positions=torch.from_numpy(positions),
-        slot_mapping=torch.from_numpy(slots),
-        block_tables=torch.from_numpy(table),
-        seq_lens=torch.from_numpy((starts + q_lens).astype(np.int32)),
-        query_start_loc=torch.from_numpy(query_start.astype(np.int32)),
-        sample_rows=torch.from_numpy(rows.astype(np.int64)),
-        copy_ops=torch.from_numpy(np.asarray(copy_ops, np.int64).reshape(-1, 2)),
-    )
+
+
+class _FlatTables(_Builder):
+    """Flattens every scheduled sequence's table in one pass and scatters it into a padded
+    table with a mask: stateless, for one-off builds."""
+
+    def block_tables(self, scheduled: list[ScheduledSeq], sliding: bool) -> np.ndarray:
+        n = len(scheduled)
+        tables = [s.block_table for s in scheduled]
+        lens = np.fromiter((len(t) for t in tables), np.int64, n)
+        width = int(lens.max())
+        table = np.zeros((n, width), np.int32)
+        table[np.arange(width) < lens[:, None]] = np.fromiter(chain.from_iterable(tables), np.int32, int(lens.sum()))
+        if sliding:
+            np.maximum(table, 0, out=table)
+        return table
+
+
+# The stateless builder: called like step_inputs.build_step_inputs.
+build_step_inputs = _FlatTables()
 
 
 @dataclass(slots=True)
@@ -121,7 +129,7 @@ class _Row:
     skipped: int  # leading entries known to be NULL_BLOCK (sliding window)
 
 
-class StepInputBuilder:
+class StepInputBuilder(_Builder):
     """Builds each step's inputs like :func:`build_step_inputs` (same arguments, same
     tensors) from a persistent block-table array, [max_num_seqs, max_blocks_per_seq].
 
@@ -146,18 +154,8 @@ class StepInputBuilder:
         """The persistent array (rows of released sequences are 0)."""
         return self._table
 
-    def __call__(
-        self,
-        scheduled: list[ScheduledSeq],
-        copy_ops: list[tuple[int, int]],
-        sample_rows: list[int],
-        block_size: int,
-        *,
-        sliding: bool,
-        logit_spans: Sequence[tuple[int, int, int]] = (),
-        placeholders: Sequence[int] = (),
-    ) -> StepInputs:
-        """The inputs of one step (see ``step_inputs.build_step_inputs`` for the arguments)."""
+    def block_tables(self, scheduled: list[ScheduledSeq], sliding: bool) -> np.ndarray:
+        """The step's rows of the persistent array, each brought up to date first."""
         n = len(scheduled)
         rows = self._rows
         index = np.empty(n, np.int64)
@@ -198,8 +196,7 @@ class StepInputBuilder:
             lens[i] = size
         if seg_rows:
             self._scatter(seg_rows, seg_first, seg_count, tails, sliding)
-        table = self._table[index, : int(lens.max())]  # a copy: the step keeps it, the array moves on
-        return _step_inputs(scheduled, table, copy_ops, sample_rows, block_size, logit_spans, placeholders)
+        return self._table[index, : int(lens.max())]  # a copy: the step keeps it, the array moves on
 
     def _scatter(
         self, seg_rows: list[int], seg_first: list[int], seg_count: list[int], tails: list[list[int]], sliding: bool

@@ -14,8 +14,7 @@ import time
 
 import httpx
 import pytest
-from model_helpers import tiny_checkpoint
-from server_helpers import InProcessReplica, assert_openai_error, free_port
+from server_helpers import assert_openai_error, free_port
 
 from prefixserve.replica.contract.request import EngineRequest
 from prefixserve.replica.errors import PromptTooLongError
@@ -23,20 +22,8 @@ from prefixserve.replica.errors import PromptTooLongError
 MAX_MODEL_LEN = 128
 # A deadlock breaker for the gated tests, never a measured duration.
 GATE_TIMEOUT_S = 60
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    return str(tiny_checkpoint(tmp_path_factory.mktemp("frontend") / "tiny", max_pos=256))
-
-
-@pytest.fixture(scope="module")
-def replica(model_dir):
-    r = InProcessReplica(model_dir, max_model_len=MAX_MODEL_LEN, api_keys=["sk-ключ-é"], replica_name="in-process")
-    try:
-        yield r
-    finally:
-        r.close()
+# conftest's replica: an InProcessReplica on the shared ckpt, with these options.
+REPLICA_OPTIONS = dict(max_model_len=MAX_MODEL_LEN, api_keys=["sk-ключ-é"], replica_name="in-process")
 
 
 AUTH = {b"authorization": "Bearer sk-ключ-é".encode()}
@@ -166,12 +153,12 @@ def test_every_4xx_of_the_front_end_has_a_code(replica):
         assert response.headers["x-prefixserve-replica"] == "in-process"
 
 
-def test_the_server_exits_non_zero_once_its_engine_is_dead_for_good(model_dir):
+def test_the_server_exits_non_zero_once_its_engine_is_dead_for_good(ckpt):
     from prefixserve.replica.config import EngineConfig
     from prefixserve.replica.engine.async_engine import AsyncEngine
     from prefixserve.replica.entrypoints.openai.server import EXIT_ENGINE_DEAD, serve
 
-    engine = AsyncEngine(EngineConfig(model=model_dir, max_model_len=MAX_MODEL_LEN))
+    engine = AsyncEngine(EngineConfig(model=ckpt, max_model_len=MAX_MODEL_LEN))
     port = free_port()
     status: list[int] = []
     thread = threading.Thread(

@@ -15,8 +15,7 @@ import pickle
 import httpx
 import psutil
 import pytest
-from model_helpers import tiny_checkpoint
-from server_helpers import InProcessReplica, ReplicaProcess, assert_openai_error, metric
+from server_helpers import ReplicaProcess, assert_openai_error, metric
 
 from prefixserve.replica.engine.bounded_memo import ENTRY_OVERHEAD_BYTES, BoundedMemo
 from prefixserve.replica.engine.input_processor import min_message_tokens
@@ -27,20 +26,8 @@ MAX_MODEL_LEN = 128
 API_KEY = "sk-hostile"
 AUTH = {"authorization": f"Bearer {API_KEY}"}
 ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    return str(tiny_checkpoint(tmp_path_factory.mktemp("refused") / "tiny", max_pos=256))
-
-
-@pytest.fixture(scope="module")
-def replica(model_dir):
-    r = InProcessReplica(model_dir, max_model_len=MAX_MODEL_LEN, api_keys=[API_KEY], replica_name="refusals")
-    try:
-        yield r
-    finally:
-        r.close()
+# conftest's replica: an InProcessReplica on the shared ckpt, with these options.
+REPLICA_OPTIONS = dict(max_model_len=MAX_MODEL_LEN, api_keys=[API_KEY], replica_name="refusals")
 
 
 def empty_chat(n: int, role: str = "system") -> list[dict[str, str]]:
@@ -272,13 +259,13 @@ GROWTH_BOUND_BYTES = 40 * 1024**2
 
 
 @pytest.mark.slow
-def test_refused_huge_chats_do_not_grow_a_replica(model_dir, tmp_path):
+def test_refused_huge_chats_do_not_grow_a_replica(ckpt, tmp_path):
     """100,000 empty system messages plus a unique one (3.5 MB), refused, ten times over.
 
     The unique system message makes every request's static prefix new (a memo keyed by it
     would grow by one entry of about 17 MB each time).
     """
-    with ReplicaProcess(model_dir, "--max-model-len", str(MAX_MODEL_LEN), log_dir=tmp_path) as proc:
+    with ReplicaProcess(ckpt, "--max-model-len", str(MAX_MODEL_LEN), log_dir=tmp_path) as proc:
         process = psutil.Process(proc.proc.pid)
         with httpx.Client(base_url=proc.base_url, timeout=120) as http:
 
