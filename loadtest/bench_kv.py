@@ -465,34 +465,35 @@ def bench_memory(num_requests: int, max_model_len: int, block_size: int, seed: i
 PARTS = ("hashing", "manager", "decode", "policies", "vllm", "memory")
 
 
+def _section(title: str, header: str, rows: list[list[object]], align: str) -> list[str]:
+    """A report section: its heading, a blank line, its table."""
+    return [title, "", markdown_table(header, rows, align)]
+
+
 def _render_hashing(h: dict) -> list[str]:
-    lines = [
+    rows = [[a, f"{h[a]['tokens_per_s']:,.0f}", f"{h[a]['blocks_per_s']:,.0f}"] for a in ("xxh3_128", "sha256")]
+    lines = _section(
         f"## Block hashing ({h['num_tokens']:,} tokens, block_size {h['block_size']})",
-        "",
-        markdown_table(
-            ["algo", "tokens/s", "blocks/s"],
-            [[a, f"{h[a]['tokens_per_s']:,.0f}", f"{h[a]['blocks_per_s']:,.0f}"] for a in ("xxh3_128", "sha256")],
-            "lrr",
-        ),
-    ]
+        "algo | tokens/s | blocks/s",
+        rows,
+        "lrr",
+    )
     lines.append(f"\nxxh3_128 / sha256 = **{h['xxh3_over_sha256']:.2f}x**")
     return lines
 
 
 def _render_manager(mg: dict) -> list[str]:
-    lines = [
+    rows = [
+        [n, f"{mg[n]['requests_per_s']:,.0f}", f"{mg[n]['prompt_tokens_per_s']:,.0f}", f"{mg[n]['hit_rate']:.3f}"]
+        for n in ("caching_xxh3_128", "caching_sha256", "no_caching")
+    ]
+    lines = _section(
         f"## Manager: admit + free of {mg['prompt_len']:,}-token prompts, half the blocks hitting"
         f" ({mg['num_requests']} requests, {mg['num_blocks']} blocks)",
-        "",
-        markdown_table(
-            ["config", "requests/s", "prompt tokens/s", "hit rate"],
-            [
-                [name, f"{r['requests_per_s']:,.0f}", f"{r['prompt_tokens_per_s']:,.0f}", f"{r['hit_rate']:.3f}"]
-                for name, r in ((n, mg[n]) for n in ("caching_xxh3_128", "caching_sha256", "no_caching"))
-            ],
-            "lrrr",
-        ),
-    ]
+        "config | requests/s | prompt tokens/s | hit rate",
+        rows,
+        "lrrr",
+    )
     lines.append(
         f"\ncaching (xxh3_128) / no caching = **{mg['caching_over_no_caching']:.2f}x** requests/s; "
         f"xxh3_128 / sha256 = **{mg['xxh3_over_sha256']:.2f}x**"
@@ -508,26 +509,18 @@ def _render_decode(dc: dict) -> list[str]:
 
 
 def _render_policies(pol: dict) -> list[str]:
-    lines = [
+    rows = [
+        [r["policy"], f"{r['num_blocks']:,}", f"{r['requests_per_s']:,.0f}", f"{r['us_per_block_op']:.3f}"]
+        + [f"{r['hit_rate']:.3f}", f"{r['evictions_per_request']:.0f}"]
+        for r in pol["rows"]
+    ]
+    lines = _section(
         f"## Eviction policies: admit + free of {pol['prompt_len']:,}-token prompts, half hitting, "
         f"on pools full of cached blocks ({pol['num_requests']} requests)",
-        "",
-        markdown_table(
-            ["policy", "pool blocks", "requests/s", "us per block op", "hit rate", "evictions/request"],
-            [
-                [
-                    r["policy"],
-                    f"{r['num_blocks']:,}",
-                    f"{r['requests_per_s']:,.0f}",
-                    f"{r['us_per_block_op']:.3f}",
-                    f"{r['hit_rate']:.3f}",
-                    f"{r['evictions_per_request']:.0f}",
-                ]
-                for r in pol["rows"]
-            ],
-            "lrrrrr",
-        ),
-    ]
+        "policy | pool blocks | requests/s | us per block op | hit rate | evictions/request",
+        rows,
+        "lrrrrr",
+    )
     lines += [
         "",
         "Largest / smallest pool, us per block op (1.0 = O(1)): "
@@ -544,15 +537,6 @@ _TIMING_LABEL = {
 
 def _render_vllm(vs: dict) -> list[str]:
     v = vs["vllm"]
-    lines = [
-        f"## Against vLLM's KVCacheManager: admit + free of {vs['prompt_len']:,}-token prompts, half the blocks "
-        f"hitting ({vs['num_requests']} requests, block_size {vs['block_size']}, workload {vs['workload_digest']})",
-        "",
-    ]
-    header = (
-        "manager | pool (usable blocks) | timed | requests/s | us per prompt block | hit rate"
-        " | evictions/request | x vLLM"
-    )
     rows = []
     for r in vs["rows"]:
         x = (
@@ -561,18 +545,18 @@ def _render_vllm(vs: dict) -> list[str]:
             else ("1.00" if "x_vllm" in r else "-")
         )
         rows.append(
-            [
-                r["manager"],
-                f"{r['pool']} ({r['num_blocks']:,})",
-                _TIMING_LABEL[r["timing"]],
-                f"{r['requests_per_s']:,.0f}",
-                f"{r['us_per_prompt_block']:.3f}",
-                f"{r['hit_rate']:.3f}",
-                f"{r['evictions_per_request']:.0f}",
-                x,
-            ]
+            [r["manager"], f"{r['pool']} ({r['num_blocks']:,})", _TIMING_LABEL[r["timing"]]]
+            + [f"{r['requests_per_s']:,.0f}", f"{r['us_per_prompt_block']:.3f}", f"{r['hit_rate']:.3f}"]
+            + [f"{r['evictions_per_request']:.0f}", x]
         )
-    lines.append(markdown_table(header, rows, "lllrrrrr"))
+    lines = _section(
+        f"## Against vLLM's KVCacheManager: admit + free of {vs['prompt_len']:,}-token prompts, half the blocks "
+        f"hitting ({vs['num_requests']} requests, block_size {vs['block_size']}, workload {vs['workload_digest']})",
+        "manager | pool (usable blocks) | timed | requests/s | us per prompt block | hit rate | evictions/request"
+        " | x vLLM",
+        rows,
+        "lllrrrrr",
+    )
     if "skipped" in v:
         lines.append(f"\nvLLM row skipped: {v['skipped']}")
     else:
@@ -586,26 +570,18 @@ def _render_vllm(vs: dict) -> list[str]:
 
 
 def _render_memory(mem: dict) -> list[str]:
-    lines = [
+    rows = [
+        [r["scheme"], *(f"{r[k]:,}" for k in ("blocks", "slots", "tokens_stored"))]
+        + [f"{r['waste_pct']:.1f}", f"{r['vs_paged']:.2f}"]
+        for r in mem["rows"]
+    ]
+    lines = _section(
         f"## KV memory, {mem['num_requests']} live requests mid-generation "
         f"(max_model_len {mem['max_model_len']}, block_size {mem['block_size']}, kinds {mem['request_kinds']})",
-        "",
-        markdown_table(
-            ["scheme", "blocks", "KV slots", "tokens stored", "waste %", "x paged"],
-            [
-                [
-                    r["scheme"],
-                    f"{r['blocks']:,}",
-                    f"{r['slots']:,}",
-                    f"{r['tokens_stored']:,}",
-                    f"{r['waste_pct']:.1f}",
-                    f"{r['vs_paged']:.2f}",
-                ]
-                for r in mem["rows"]
-            ],
-            "lrrrrr",
-        ),
-    ]
+        "scheme | blocks | KV slots | tokens stored | waste % | x paged",
+        rows,
+        "lrrrrr",
+    )
     lines.append(
         f"\nPrefix sharing saves **{mem['sharing_saves_pct_of_paged']:.1f}%** of the paged blocks; "
         f"the paged footprint holds only {mem['contiguous_requests_in_paged_memory']} requests "

@@ -20,10 +20,12 @@ from dataclasses import dataclass
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from model_helpers import VOCAB, tiny_checkpoint
+from model_helpers import VOCAB
 from server_helpers import InProcessReplica, assert_openai_error
 
 MAX_MODEL_LEN = 96
+# conftest's replica: an InProcessReplica on the shared ckpt, with these options.
+REPLICA_OPTIONS = dict(max_model_len=MAX_MODEL_LEN, replica_name="fuzz")
 CHAT_EXAMPLES = 900
 COMPLETION_EXAMPLES = 700
 RAW_EXAMPLES = 400
@@ -293,16 +295,6 @@ completion_bodies = request_bodies("prompt", prompt, COMPLETION_FIELDS)
 # -- the invariant --------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def replica(tmp_path_factory):
-    model_dir = tiny_checkpoint(tmp_path_factory.mktemp("fuzz") / "tiny", max_pos=256)
-    r = InProcessReplica(model_dir, max_model_len=MAX_MODEL_LEN, replica_name="fuzz")
-    try:
-        yield r
-    finally:
-        r.close()
-
-
 def check_answer(replica: InProcessReplica, path: str, content: bytes, statuses: Counter[int]) -> None:
     response = replica.request("POST", path, content=content, headers={"content-type": "application/json"})
     statuses[response.status_code] += 1
@@ -471,10 +463,10 @@ def tool_bodies(draw: st.DrawFn) -> dict:
 
 
 @pytest.fixture(scope="module")
-def tool_replica(tmp_path_factory):
-    model_dir = tiny_checkpoint(tmp_path_factory.mktemp("fuzz-tools") / "tiny", max_pos=512)
+def tool_replica(ckpt):
+    """A second replica on the shared ckpt: 512 tokens, the hermes tool parser, auto tool choice."""
     r = InProcessReplica(
-        model_dir,
+        ckpt,
         max_model_len=512,
         replica_name="fuzz-tools",
         engine_kwargs={"enable_auto_tool_choice": True, "tool_call_parser": "hermes"},

@@ -7,8 +7,7 @@ import json
 import re
 
 import pytest
-from model_helpers import tiny_checkpoint
-from server_helpers import InProcessReplica, assert_openai_error
+from server_helpers import assert_openai_error
 
 SCHEMA = {
     "type": "object",
@@ -17,15 +16,7 @@ SCHEMA = {
     "additionalProperties": False,
 }
 CHAT = [{"role": "user", "content": "hello"}]
-
-
-@pytest.fixture(scope="module")
-def replica(tmp_path_factory):
-    r = InProcessReplica(tiny_checkpoint(tmp_path_factory.mktemp("soh") / "tiny", max_pos=512), max_model_len=256)
-    try:
-        yield r
-    finally:
-        r.close()
+REPLICA_OPTIONS = dict(max_model_len=256)  # conftest's replica: an InProcessReplica on the shared ckpt
 
 
 def post(replica, path: str, body: dict):
