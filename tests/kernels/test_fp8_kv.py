@@ -198,25 +198,18 @@ def _engine_prompts(seed: int) -> list[list[int]]:
     return random_prompts(np.random.default_rng(seed + 1), 6, 5, 50, shared_prefix=shared)
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from model_helpers import tiny_checkpoint
-
-    return tiny_checkpoint(tmp_path_factory.mktemp("fp8") / "tiny")
-
-
 def _greedy(llm, prompts) -> list[list[int]]:
     from prefixserve.replica.sampling_params import SamplingParams
 
     return [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))]
 
 
-def test_fp8_cache_holds_four_times_the_fp32_blocks(tiny):
+def test_fp8_cache_holds_four_times_the_fp32_blocks(ckpt):
     from prefixserve.replica.entrypoints.llm import LLM
 
     budget = 3 << 20
-    full = LLM(str(tiny), kv_cache_memory_bytes=budget).engine.runner
-    fp8 = LLM(str(tiny), kv_cache_memory_bytes=budget, kv_cache_dtype="fp8").engine.runner
+    full = LLM(str(ckpt), kv_cache_memory_bytes=budget).engine.runner
+    fp8 = LLM(str(ckpt), kv_cache_memory_bytes=budget, kv_cache_dtype="fp8").engine.runner
     assert fp8.k_cache.dtype == fp8.v_cache.dtype == torch.float8_e4m3fn
     assert fp8.kv_bytes_per_block * 4 == full.kv_bytes_per_block  # float32 activations on CPU
     assert (fp8.num_blocks, full.num_blocks) == (budget // fp8.kv_bytes_per_block, budget // full.kv_bytes_per_block)
@@ -225,7 +218,7 @@ def test_fp8_cache_holds_four_times_the_fp32_blocks(tiny):
 
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("cpu", marks=C_KERNELS)])
-def test_fp8_engine_equals_fake_quantized_fp32_engine(tiny, backend):
+def test_fp8_engine_equals_fake_quantized_fp32_engine(ckpt, backend):
     """The fp8 engine computes exactly attention over K/V quantized with its scales: an fp32
     engine whose cache write rounds through fp8 and back (same scales) gives the same tokens."""
     import dataclasses
@@ -233,12 +226,12 @@ def test_fp8_engine_equals_fake_quantized_fp32_engine(tiny, backend):
     from prefixserve.replica.entrypoints.llm import LLM
 
     prompts = _engine_prompts(3)
-    fp8 = LLM(str(tiny), num_kv_blocks=64, kv_cache_dtype="fp8", calculate_kv_scales=True, attention_backend=backend)
+    fp8 = LLM(str(ckpt), num_kv_blocks=64, kv_cache_dtype="fp8", calculate_kv_scales=True, attention_backend=backend)
     got = _greedy(fp8, prompts)
     scales = fp8.engine.runner.model.kv_scales
     assert all(k != 1.0 and v != 1.0 and k > 0 and v > 0 for k, v in scales)
 
-    fake = LLM(str(tiny), num_kv_blocks=64, attention_backend="torch")
+    fake = LLM(str(ckpt), num_kv_blocks=64, attention_backend="torch")
 
     def fake_write(key, value, key_cache, value_cache, slots, *, k_scale, v_scale):
         key = reference.quantize_fp8(key, k_scale).float() * k_scale
@@ -252,43 +245,43 @@ def test_fp8_engine_equals_fake_quantized_fp32_engine(tiny, backend):
     assert _greedy(fake, prompts) == got
 
 
-def test_fp8_scales_from_the_checkpoint(tiny, tmp_path):
+def test_fp8_scales_from_the_checkpoint(ckpt, tmp_path):
     import shutil
 
     from safetensors.torch import save_file
 
     from prefixserve.replica.entrypoints.llm import LLM
 
-    ckpt = tmp_path / "with_scales"
-    shutil.copytree(tiny, ckpt)
+    with_scales = tmp_path / "with_scales"
+    shutil.copytree(ckpt, with_scales)
     save_file(
         {
             "model.layers.0.self_attn.k_scale": torch.tensor(0.5),
             "model.layers.0.self_attn.v_scale": torch.tensor(0.25),
             "model.layers.1.self_attn.kv_scale": torch.tensor([0.125]),
         },
-        ckpt / "zz_kv_scales.safetensors",
+        with_scales / "zz_kv_scales.safetensors",
     )
-    fp8 = LLM(str(ckpt), num_kv_blocks=16, kv_cache_dtype="fp8_e4m3").engine.runner.model
+    fp8 = LLM(str(with_scales), num_kv_blocks=16, kv_cache_dtype="fp8_e4m3").engine.runner.model
     assert fp8.kv_scales == [(0.5, 0.25), (0.125, 0.125)]
     # calculate_kv_scales wins over the checkpoint (vLLM); an unquantized cache ignores them.
-    calc = LLM(str(ckpt), num_kv_blocks=16, kv_cache_dtype="fp8", calculate_kv_scales=True)
+    calc = LLM(str(with_scales), num_kv_blocks=16, kv_cache_dtype="fp8", calculate_kv_scales=True)
     _greedy(calc, _engine_prompts(1)[:1])
     assert calc.engine.runner.model.kv_scales[0] != (0.5, 0.25)
-    assert LLM(str(ckpt), num_kv_blocks=16).engine.runner.model.kv_scales == [(1.0, 1.0), (1.0, 1.0)]
+    assert LLM(str(with_scales), num_kv_blocks=16).engine.runner.model.kv_scales == [(1.0, 1.0), (1.0, 1.0)]
     # No scales anywhere: 1.0.
-    assert LLM(str(tiny), num_kv_blocks=16, kv_cache_dtype="fp8").engine.runner.model.kv_scales == [(1.0, 1.0)] * 2
+    assert LLM(str(ckpt), num_kv_blocks=16, kv_cache_dtype="fp8").engine.runner.model.kv_scales == [(1.0, 1.0)] * 2
 
 
 @C_KERNELS
-def test_fp8_prefix_hits_and_copy_on_write(tiny):
+def test_fp8_prefix_hits_and_copy_on_write(ckpt):
     """Prefix-cache hits and n > 1 forks (block copies of an fp8 cache) give the tokens of a fresh run."""
     from prefixserve.replica.entrypoints.llm import LLM
     from prefixserve.replica.sampling_params import SamplingParams
 
     prompts = _engine_prompts(5)
-    cold = _greedy(LLM(str(tiny), num_kv_blocks=64, kv_cache_dtype="fp8", enable_prefix_caching=False), prompts)
-    warm = LLM(str(tiny), num_kv_blocks=64, kv_cache_dtype="fp8")
+    cold = _greedy(LLM(str(ckpt), num_kv_blocks=64, kv_cache_dtype="fp8", enable_prefix_caching=False), prompts)
+    warm = LLM(str(ckpt), num_kv_blocks=64, kv_cache_dtype="fp8")
     first = _greedy(warm, prompts)
     again = _greedy(warm, prompts)
     assert first == again == cold

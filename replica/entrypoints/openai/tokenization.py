@@ -14,6 +14,8 @@ the tokens of a prompt, with vLLM's request and response shapes
   token ids exactly as the engine would run them (the engine's own prepare path:
   template, tokenizer, max_tokens fitted to the prompt), with nothing generated;
   ``POST /v1/completions/render``: the same of a completion body, a list of one.
+  vllm-router's cache_aware policy posts each request to its render endpoint (with the
+  SGLang fields it adds) before it forwards the request itself.
 
 Invariants:
 * A chat's tokens are the engine's: the same chat template (``--chat-template``

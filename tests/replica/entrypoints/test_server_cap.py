@@ -7,20 +7,14 @@ import asyncio
 
 import httpx
 import pytest
-from server_helpers import build_tiny_llama
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return build_tiny_llama(tmp_path_factory.mktemp("cap") / "tiny", max_position_embeddings=1024)
-
-
-async def test_a_replica_over_its_in_flight_cap_answers_429_and_serves_again(tiny):
+async def test_a_replica_over_its_in_flight_cap_answers_429_and_serves_again(ckpt):
     from prefixserve.replica.config import EngineConfig
     from prefixserve.replica.engine.async_engine import AsyncEngine
     from prefixserve.replica.entrypoints.openai.server import build_app
 
-    engine = AsyncEngine(EngineConfig(model=str(tiny), max_model_len=512))
+    engine = AsyncEngine(EngineConfig(model=str(ckpt), max_model_len=512))
     app = build_app(engine, replica_name="capped", max_in_flight=1)
     long = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 300, "ignore_eos": True}
     try:

@@ -14,7 +14,7 @@ import time
 
 import httpx
 import pytest
-from server_helpers import ReplicaProcess, StreamReader, build_tiny_llama
+from server_helpers import ReplicaProcess, StreamReader
 
 pytestmark = pytest.mark.slow
 
@@ -23,13 +23,14 @@ DRAIN_TIMEOUT_S = 6.0
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return build_tiny_llama(tmp_path_factory.mktemp("drain") / "tiny", max_position_embeddings=8192)
+def long_context_ckpt(tiny_ckpts):
+    """The shared long_context_ckpt shape with 8192 positions (the shared ckpt has 1024): the server runs at --max-model-len 8192."""
+    return tiny_ckpts(max_pos=8192)
 
 
-def test_sigterm_drains_then_ends_open_streams_in_band_and_exits_0(tiny, tmp_path):
+def test_sigterm_drains_then_ends_open_streams_in_band_and_exits_0(long_context_ckpt, tmp_path):
     with ReplicaProcess(
-        tiny,
+        long_context_ckpt,
         "--max-model-len",
         "8192",
         "--drain-timeout-s",

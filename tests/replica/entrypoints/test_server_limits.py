@@ -19,7 +19,7 @@ from contextlib import contextmanager
 
 import httpx
 import pytest
-from server_helpers import build_tiny_llama, free_port, metric
+from server_helpers import free_port, metric
 
 pytestmark = pytest.mark.slow
 
@@ -29,11 +29,6 @@ AUTH_LINE = f"Authorization: Bearer {KEY}\r\n".encode()
 HEAD_LIMIT = 8 * 1024
 # Bounded waits for what the server does on its own (generous: no timing assertion).
 WAIT_S = 60.0
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return build_tiny_llama(tmp_path_factory.mktemp("limits") / "tiny", max_position_embeddings=1024)
 
 
 @contextmanager
@@ -115,10 +110,10 @@ def post_head(path: str, content_length: int, *, auth: bool = True) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def strict(tiny):
+def strict(ckpt):
     """Small limits and 0.5 s timeouts, one request in flight at most."""
     with running_server(
-        tiny,
+        ckpt,
         max_in_flight=1,
         h11_max_incomplete_event_size=HEAD_LIMIT,
         h11_max_header_count=50,
@@ -217,8 +212,8 @@ def test_a_client_that_never_reads_its_stream_is_cut_and_its_request_aborted(str
         sock.close()
 
 
-def test_slow_bodies_do_not_take_the_in_flight_slots(tiny):
-    with running_server(tiny, max_in_flight=2, client_body_timeout_s=WAIT_S) as base:
+def test_slow_bodies_do_not_take_the_in_flight_slots(ckpt):
+    with running_server(ckpt, max_in_flight=2, client_body_timeout_s=WAIT_S) as base:
         port = port_of(base)
         silent = socket.create_connection(("127.0.0.1", port))
         trickle = socket.create_connection(("127.0.0.1", port))

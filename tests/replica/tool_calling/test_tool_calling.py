@@ -8,7 +8,6 @@ import json
 
 import jsonschema
 import pytest
-from model_helpers import tiny_checkpoint
 from server_helpers import InProcessReplica, assert_openai_error, metric
 
 from prefixserve.replica.entrypoints.openai import protocol as api
@@ -117,10 +116,10 @@ def test_route_cli_takes_the_tools_file(tmp_path, capsys):
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
+def llm(ckpt):
     from prefixserve.replica.entrypoints.llm import LLM
 
-    with LLM(str(tiny_checkpoint(tmp_path_factory.mktemp("tiny"))), block_size=4, num_kv_blocks=64) as llm:
+    with LLM(ckpt, block_size=4, num_kv_blocks=64) as llm:
         yield llm
 
 
@@ -180,7 +179,7 @@ def test_tool_turns_render_as_tool_call_and_tool_response_blocks(llm):
     assert text.endswith("<|im_start|>assistant\n")
 
 
-def test_the_chat_template_flag_renders_every_request(tmp_path):
+def test_the_chat_template_flag_renders_every_request(ckpt, tmp_path):
     from prefixserve.replica.config import EngineConfig
     from prefixserve.replica.entrypoints.llm import LLM
 
@@ -189,9 +188,7 @@ def test_the_chat_template_flag_renders_every_request(tmp_path):
         "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
         "{% if tools %}TOOLS {{ tools | length }}\n{% endif %}"
     )
-    with LLM(
-        str(tiny_checkpoint(tmp_path / "tiny")), block_size=4, num_kv_blocks=16, chat_template=str(template)
-    ) as offline:
+    with LLM(ckpt, block_size=4, num_kv_blocks=16, chat_template=str(template)) as offline:
         engine = offline.engine
         assert engine.encode_chat([USER]) == engine.tokenize(f"[user] {USER['content']}\n")
         assert engine.encode_chat([USER], tools=[WEATHER]) == engine.tokenize(f"[user] {USER['content']}\nTOOLS 1\n")
@@ -343,13 +340,8 @@ def test_required_schema_lifts_the_tools_defs_to_the_top():
 # -- the front end on a real tiny engine ---------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_checkpoint(tmp_path_factory.mktemp("tiny-http"))
-
-
-def test_auto_needs_enable_auto_tool_choice_as_vllm_answers(tiny):
-    replica = InProcessReplica(tiny, max_model_len=512)
+def test_auto_needs_enable_auto_tool_choice_as_vllm_answers(ckpt):
+    replica = InProcessReplica(ckpt, max_model_len=512)
     try:
         for body in (chat(tools=[WEATHER], max_tokens=2), chat(tools=[WEATHER], tool_choice="auto", max_tokens=2)):
             error = assert_openai_error(replica.request("POST", "/v1/chat/completions", json=body))
@@ -366,9 +358,9 @@ def test_auto_needs_enable_auto_tool_choice_as_vllm_answers(tiny):
         replica.close()
 
 
-def test_auto_reads_the_output_with_the_parser_and_counts_it(tiny):
+def test_auto_reads_the_output_with_the_parser_and_counts_it(ckpt):
     replica = InProcessReplica(
-        tiny, max_model_len=512, engine_kwargs={"enable_auto_tool_choice": True, "tool_call_parser": "hermes"}
+        ckpt, max_model_len=512, engine_kwargs={"enable_auto_tool_choice": True, "tool_call_parser": "hermes"}
     )
     try:
         body = chat(tools=[WEATHER], max_tokens=6, temperature=0)
@@ -398,8 +390,8 @@ EMPTY_OBJECT_TOKEN, CLOSE_BRACE_TOKEN = 6150, 109
 NOOP = {"type": "function", "function": {"name": "ping", "description": "Check the service is up."}}
 
 
-def test_a_named_function_call_comes_back_collected_and_streamed(tiny):
-    replica = InProcessReplica(tiny, max_model_len=512)
+def test_a_named_function_call_comes_back_collected_and_streamed(ckpt):
+    replica = InProcessReplica(ckpt, max_model_len=512)
     try:
         body = chat(
             tools=[NOOP, WEATHER],
@@ -430,7 +422,7 @@ def test_a_named_function_call_comes_back_collected_and_streamed(tiny):
         replica.close()
 
 
-def test_tool_calls_and_parse_failures_are_counted_and_on_the_span(tmp_path):
+def test_tool_calls_and_parse_failures_are_counted_and_on_the_span(ckpt):
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from prefixserve.common.tracing import RequestTracer, build_tracer
@@ -439,7 +431,7 @@ def test_tool_calls_and_parse_failures_are_counted_and_on_the_span(tmp_path):
     from prefixserve.replica.sampling_params import SamplingParams
     from prefixserve.replica.tool_calling.choice import ToolCallMode
 
-    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint(tmp_path / "tiny")), num_kv_blocks=64, max_model_len=256))
+    engine = LLMEngine(EngineConfig(model=ckpt, num_kv_blocks=64, max_model_len=256))
     exporter = InMemorySpanExporter()
     engine.tracer = RequestTracer(build_tracer("test", exporter=exporter), engine.model_name)
     mode = ToolCallMode("named", "ping")
