@@ -26,6 +26,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+# What every answer of a FakeReplica reports: 100 prompt tokens, 40 of them cached (60 prefilled).
+USAGE = {
+    "prompt_tokens": 100,
+    "completion_tokens": 2,
+    "total_tokens": 102,
+    "prompt_tokens_details": {"cached_tokens": 40},
+}
+
 
 def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
     """Return once ``condition()`` holds; AssertionError naming ``what`` if it never does (a hang, not a timing)."""
@@ -130,11 +138,13 @@ class FakeReplica:
                     "object": "chat.completion",
                     "model": body.get("model"),
                     "choices": [{"index": 0, "message": {"role": "assistant", "content": "hello"}}],
+                    "usage": USAGE,
                 }
             )
-        return StreamingResponse(self._events(request), media_type="text/event-stream")
+        usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        return StreamingResponse(self._events(usage), media_type="text/event-stream")
 
-    async def _events(self, request: Request) -> AsyncIterator[bytes]:
+    async def _events(self, usage: bool) -> AsyncIterator[bytes]:
         try:
             yield sse(chunk("one"))
             if self.mode == "die":
@@ -144,6 +154,8 @@ class FakeReplica:
                 if not await anyio.to_thread.run_sync(gate.wait, 30.0):
                     self.gate_timed_out = True
             yield sse(chunk("two"))
+            if usage:
+                yield sse({"object": "chat.completion.chunk", "choices": [], "usage": USAGE})
             yield sse("[DONE]")
         except asyncio.CancelledError:
             self.disconnected.set()

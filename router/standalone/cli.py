@@ -2,7 +2,8 @@
 
 Job: read the flags (the endpoint's host, port and log format from
 common/endpoint_config.py, every other setting from router/standalone/config.py's
-fields), build the router and serve it with uvicorn until a signal stops it.
+fields), build the router and serve it with uvicorn until a signal stops it: SIGTERM stops
+accepting, lets the answers in flight run for up to ``--drain-timeout-s``, then exits 0.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
         port=endpoint.port,
         log_level=args.log_level,
         h11_max_incomplete_event_size=config.h11_max_incomplete_event_size,
+        timeout_graceful_shutdown=max(1, round(config.drain_timeout_s)),
         log_config=None,
     )
     return 0

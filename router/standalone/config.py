@@ -90,6 +90,10 @@ class StandaloneRouterConfig:
     read_timeout_s: float = field(
         default=600.0, metadata=_help("seconds a replica may send nothing while it answers (then the answer fails)")
     )
+    drain_timeout_s: float = field(
+        default=30.0,
+        metadata=_help("on SIGTERM, seconds the answers in flight may still run before the router stops"),
+    )
     max_body_bytes: int = field(default=DEFAULT_MAX_BODY_BYTES, metadata=_help("largest accepted request body (413)"))
     client_body_timeout_s: float = field(
         default=DEFAULT_CLIENT_BODY_TIMEOUT_S,
@@ -124,6 +128,7 @@ class StandaloneRouterConfig:
             "connect_timeout_s",
             "read_timeout_s",
             "client_body_timeout_s",
+            "drain_timeout_s",
         ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > 0 and math.isfinite(v)):

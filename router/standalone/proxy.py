@@ -55,6 +55,7 @@ from prefixserve.router.standalone.load_report import parse_load
 from prefixserve.router.standalone.metrics import StandaloneMetrics
 from prefixserve.router.standalone.replica_set import ADMITTED, EJECTED, ReplicaSet
 from prefixserve.router.standalone.routing import Plan, StandaloneRouting
+from prefixserve.router.standalone.usage import AnswerTail
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +146,9 @@ class RelayResponse(Response):
         self.background = None
         content_type = upstream.headers.get("content-type", "")
         self.sse = content_type.startswith("text/event-stream")
+        # Only a whole, successful answer's usage counts (its tokens were prefilled where it landed).
+        encoded = upstream.headers.get("content-encoding", "identity") != "identity"
+        self.tail = AnswerTail(self.sse) if upstream.status_code == 200 and not encoded else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -170,6 +174,8 @@ class RelayResponse(Response):
             async for chunk in self.upstream.aiter_raw():
                 if chunk:
                     tail = chunk[-2:]
+                    if self.tail is not None:
+                        self.tail.add(chunk)
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except (httpx.ReadError, httpx.RemoteProtocolError, httpx.ReadTimeout) as exc:
             router = self.opened.router
@@ -183,6 +189,10 @@ class RelayResponse(Response):
             # An event the replica left half-written is ended first, so the error is an event of its own.
             lead = b"" if tail == b"\n\n" else b"\n\n"
             await send({"type": "http.response.body", "body": lead + broken_stream_event(name), "more_body": True})
+        else:
+            usage = self.tail.usage() if self.tail is not None else None
+            if usage is not None:
+                self.opened.router.routing.observe(self.opened.plan, usage.prompt_tokens, usage.cached_tokens)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
@@ -249,6 +259,8 @@ class StandaloneRouter:
         except httpx.HTTPError:
             ok = False
         change = self.replicas.probe(name, ok)
+        if ok and name not in self.models_of:  # its models known before a request asks for one
+            await self.fetch_models(name, {})
         if change == EJECTED:
             log.warning("replica %s ejected: %d failed health probes", name, self.replicas.unhealthy_after)
             self.metrics.ejections.labels(name, "health").inc()
@@ -258,6 +270,7 @@ class StandaloneRouter:
             log.info("replica %s admitted again", name)
             self.metrics.readmissions.labels(name).inc()
             self.metrics.admitted.labels(name).set(1)
+            self.models_of.pop(name, None)  # a replica back from the dead may serve other models
             await self.fetch_models(name, {})
 
     async def probe_all(self) -> None:

@@ -130,6 +130,12 @@ class StandaloneRouting:
         if placed is not None and plan.counted and plan.key is not None:
             placed.done(plan.key)
 
+    def observe(self, plan: Plan, prompt_tokens: int, cached_tokens: int | None) -> None:
+        """The request's prefill work from its answer's usage (``placed`` balances keys by it too)."""
+        placed = self.placed
+        if placed is not None and plan.key is not None:
+            placed.observe(plan.key, prompt_tokens, cached_tokens)
+
     def forget(self, name: str) -> None:
         """``name`` died or was ejected: nothing the router believed it caches is trusted any more."""
         placed = self.placed

@@ -24,7 +24,7 @@ DRAIN_TIMEOUT_S = 6.0
 
 @pytest.fixture(scope="module")
 def long_context_ckpt(tiny_ckpts):
-    """The shared long_context_ckpt shape with 8192 positions (the shared ckpt has 1024): the server runs at --max-model-len 8192."""
+    """The shared tiny shape with 8192 positions, not the shared ckpt's 1024: the server runs at 8192."""
     return tiny_ckpts(max_pos=8192)
 
 

@@ -29,7 +29,6 @@ from cluster_helpers import (
     wait_for_replicas,
     wait_for_ring,
 )
-from model_helpers import tiny_checkpoint
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_helpers import PrometheusProcess, dashboard_queries, find_prometheus
 from server_helpers import metric
@@ -73,11 +72,6 @@ def app_args(model: str, num_replicas: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    return str(tiny_checkpoint(tmp_path_factory.mktemp("cluster") / "tiny", max_pos=1024))
-
-
-@pytest.fixture(scope="module")
 def cluster():
     c = LocalRayCluster(num_workers=2, cpus_per_worker=2)
     try:
@@ -87,8 +81,8 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def base(cluster, model_dir) -> str:
-    url = deploy(app_args(model_dir, 3), PORT)
+def base(cluster, ckpt) -> str:
+    url = deploy(app_args(ckpt, 3), PORT)
     wait_for_ring(url, wait_for_replicas(3), NUM_INGRESS)
     return url
 
@@ -551,11 +545,11 @@ def test_killing_a_replica_under_load_loses_no_request_not_started_and_its_repla
             time.sleep(1.0)
 
 
-def test_adding_a_replica_moves_at_most_its_share_of_keys(base, model_dir):
+def test_adding_a_replica_moves_at_most_its_share_of_keys(base, ckpt):
     rng = random.Random(105)
     before = wait_for_replicas(3)
     # Scale through Serve's override (the args are unchanged, so no replica restarts).
-    deploy(app_args(model_dir, 3), PORT, deployments=[{"name": "Engine", "num_replicas": 4}])
+    deploy(app_args(ckpt, 3), PORT, deployments=[{"name": "Engine", "num_replicas": 4}])
     after = wait_for_replicas(4)
     wait_for_ring(base, after, NUM_INGRESS)
     (newcomer,) = set(after) - set(before)
@@ -598,11 +592,11 @@ def test_adding_a_replica_moves_at_most_its_share_of_keys(base, model_dir):
     assert sizes == [4.0] * NUM_INGRESS
 
 
-def test_placed_ingress_replicas_agree_on_placements_and_hear_kv_events(base, model_dir, tmp_path):
+def test_placed_ingress_replicas_agree_on_placements_and_hear_kv_events(base, ckpt, tmp_path):
     """The default policy with two ingress replicas: one leader's placement table, applied by the other
     (both answer /placement with the same table, which counts the keys either routed), and every
     router learns from the engines' KV events which replica holds each key's prefix."""
-    args = app_args(model_dir, 3)
+    args = app_args(ckpt, 3)
     args["router"] = {"policy": "placed", "precise": True, "rebalance_interval_s": 1.0, "stats_period_s": 0.5}
     args["ingress"] = {**args["ingress"], "placement_sync_s": 0.5}
     url = deploy(args, PORT)
@@ -684,9 +678,9 @@ def test_placed_ingress_replicas_agree_on_placements_and_hear_kv_events(base, mo
     assert statuses and set(statuses) == {200}, statuses
 
 
-def test_ray_serve_llm_prefix_router_runs_on_the_engine_deployment(base, model_dir):
+def test_ray_serve_llm_prefix_router_runs_on_the_engine_deployment(base, ckpt):
     """Ray Serve LLM's PrefixCacheAffinityRouter reads EngineRequest.messages and routes a repeated prompt home."""
-    args = app_args(model_dir, 2)
+    args = app_args(ckpt, 2)
     args["router"] = {"router_class": "ray_llm_prefix_aware"}
     deploy(args, PORT)
     wait_for_replicas(2)

@@ -32,7 +32,6 @@ from cluster_helpers import (
     wait_for_app_status,
     wait_for_replicas,
 )
-from model_helpers import tiny_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -64,11 +63,6 @@ def app_args(model: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    return str(tiny_checkpoint(tmp_path_factory.mktemp("cluster_tp") / "tiny", max_pos=512))
-
-
-@pytest.fixture(scope="module")
 def cluster():
     c = LocalRayCluster(num_workers=1, cpus_per_worker=2)
     try:
@@ -78,8 +72,8 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def base(cluster, model_dir) -> str:
-    url = deploy(app_args(model_dir), PORT, timeout_s=300)
+def base(cluster, ckpt) -> str:
+    url = deploy(app_args(ckpt), PORT, timeout_s=300)
     wait_for_replicas(1)
     return url
 
@@ -102,7 +96,7 @@ def test_shipped_cluster_yaml_fails_in_serve_status_naming_the_missing_gpus(clus
     )
 
 
-def test_tp2_cpu_replica_answers_through_the_router_like_tp1(base, model_dir):
+def test_tp2_cpu_replica_answers_through_the_router_like_tp1(base, ckpt):
     from prefixserve.replica.entrypoints.llm import LLM
     from prefixserve.replica.sampling_params import SamplingParams
 
@@ -111,7 +105,7 @@ def test_tp2_cpu_replica_answers_through_the_router_like_tp1(base, model_dir):
     assert len({r.replica for r in results}) == 1
     served = [r.body["choices"][0]["message"]["content"] for r in results]
 
-    with LLM(model_dir, num_kv_blocks=256, max_num_seqs=2, max_model_len=512, device="cpu") as llm:
+    with LLM(ckpt, num_kv_blocks=256, max_num_seqs=2, max_model_len=512, device="cpu") as llm:
         outputs = llm.chat(
             [[{"role": "user", "content": p}] for p in PROMPTS], SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
         )

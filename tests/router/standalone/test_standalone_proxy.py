@@ -259,3 +259,25 @@ def test_a_body_not_sent_in_time_is_refused_408() -> None:
                 answer += sock.recv(4096)
         assert answer.startswith(b"HTTP/1.1 408") and f"{HEADER.lower()}: {ROUTER_SELF}".encode() in answer.lower()
         assert a.received == []
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_answers_usage_is_the_keys_prefill_work(stream: bool) -> None:
+    fake = FakeReplica()
+    with replicas(fake) as (up,), router_over([up.url], policy="placed") as (url, router):
+        placed = router.routing.placed
+        assert placed is not None
+        key = prefix_hash("tenant with work")
+        body = {**chat("tenant with work", stream=stream), "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            r.read()
+        wait_until(lambda: placed.key_in_flight(key) == 0, "the request ended")
+        stats = placed.table.stats(key)
+        assert stats is not None and stats[1] > 0  # 60 uncached tokens, decayed
+        plain = prefix_hash("tenant without usage")
+        r = httpx.post(f"{url}/v1/chat/completions", json=chat("tenant without usage", stream=True), timeout=60)
+        assert r.status_code == 200
+        wait_until(lambda: placed.key_in_flight(plain) == 0, "the request ended")
+        stats = placed.table.stats(plain)
+        assert stats is not None and stats[1] == 0  # a stream without a usage chunk reports no work

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -15,6 +16,7 @@ from prefixserve.router.standalone.config import StandaloneRouterConfig, replica
 from prefixserve.router.standalone.load_report import parse_load
 from prefixserve.router.standalone.replica_set import ADMITTED, EJECTED, ReplicaSet, corrected_load
 from prefixserve.router.standalone.routing import StandaloneRouting
+from prefixserve.router.standalone.usage import JSON_BODY_BYTES, SSE_TAIL_BYTES, AnswerTail, Usage, usage_of
 
 URLS = {"a:1": "http://a:1", "b:2": "http://b:2", "c:3": "http://c:3"}
 
@@ -259,3 +261,40 @@ def test_the_router_loads_no_replica_http_front_end_and_no_ray() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+# -- usage ------------------------------------------------------------------------------------------
+
+USAGE = {"prompt_tokens": 100, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 40}}
+
+
+def test_usage_from_a_streams_last_events() -> None:
+    stream = (
+        b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\n'
+        + b"data: "
+        + json.dumps({"choices": [], "usage": USAGE}).encode()
+        + b"\n\n"
+        + b"data: [DONE]\n\n"
+    )
+    assert usage_of(stream, sse=True) == Usage(100, 40)
+    assert usage_of(stream[: stream.index(b'data: {"choices": []')], sse=True) is None  # cut before the usage
+    assert usage_of(b'data: {"choices": []}\n\ndata: [DONE]\n\n', sse=True) is None
+    tail = AnswerTail(sse=True)
+    tail.add(b"data: " + b"x" * (SSE_TAIL_BYTES * 2) + b"\n\n")  # a huge event, cut: skipped
+    tail.add(stream)
+    assert len(tail.data) <= SSE_TAIL_BYTES and tail.usage() == Usage(100, 40)
+
+
+def test_usage_from_a_json_answer_kept_whole_only() -> None:
+    body = json.dumps({"choices": [], "usage": {"prompt_tokens": 7}}).encode()
+    assert usage_of(body, sse=False) == Usage(7, None)
+    tail = AnswerTail(sse=False)
+    tail.add(body[:10])
+    tail.add(body[10:])
+    assert tail.usage() == Usage(7, None)
+    big = AnswerTail(sse=False)
+    big.add(b" " * (JSON_BODY_BYTES + 1))
+    big.add(body)
+    assert big.usage() is None
+    assert usage_of(b"{not json", sse=False) is None
+    assert usage_of(b'{"usage": {"prompt_tokens": -1}}', sse=False) is None
