@@ -107,6 +107,18 @@ def _valid(call: PartialCall) -> bool:
         return False
 
 
+def _take_call(state: ParseState, text: str, pos: int) -> int | None:
+    """Scan the call object at ``pos`` into ``state``; the index past it, or None where parsing stops:
+    the object is no call (``state.error`` set) or has not ended yet."""
+    obj = scan_object(text, pos)
+    call = None if obj.error else _call(text, obj)
+    if call is None:
+        state.error = True
+        return None
+    state.calls.append(call)
+    return obj.end
+
+
 def _finish(state: ParseState, final: bool) -> ParseState:
     if final and not state.error and not all(_valid(c) for c in state.calls):
         state.error = True
@@ -131,15 +143,10 @@ class HermesParser:
             if j >= n:
                 state.error = final
                 break
-            obj = scan_object(text, j)
-            call = None if obj.error else _call(text, obj)
-            if call is None:
-                state.error = True
+            end = _take_call(state, text, j)
+            if end is None:
                 break
-            state.calls.append(call)
-            if obj.end is None:
-                break
-            k = skip_ws(text, obj.end)
+            k = skip_ws(text, end)
             if text.startswith(self.END, k):
                 pos = skip_ws(text, k + len(self.END))
             elif k >= n or (not final and self.END.startswith(text[k:])):
@@ -171,15 +178,10 @@ class Llama3JsonParser:
             if text[pos] != "{":
                 state.error = True
                 break
-            obj = scan_object(text, pos)
-            call = None if obj.error else _call(text, obj)
-            if call is None:
-                state.error = True
+            end = _take_call(state, text, pos)
+            if end is None:
                 break
-            state.calls.append(call)
-            if obj.end is None:
-                break
-            pos = skip_ws(text, obj.end)
+            pos = skip_ws(text, end)
             if pos < n:
                 if text[pos] != ";":
                     state.error = True
@@ -232,15 +234,10 @@ class RequiredParser:
             if text[j] == "]" and not state.calls:
                 closed = True
                 break
-            obj = scan_object(text, j)
-            call = None if obj.error else _call(text, obj)
-            if call is None:
-                state.error = True
-                return state
-            state.calls.append(call)
-            if obj.end is None:
+            end = _take_call(state, text, j)
+            if end is None:  # an error stays one through the checks below
                 break
-            j = skip_ws(text, obj.end)
+            j = skip_ws(text, end)
             if j >= n:
                 break
             if text[j] == "]":
