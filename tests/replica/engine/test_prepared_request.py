@@ -7,7 +7,6 @@ import asyncio
 import dataclasses
 
 import pytest
-from model_helpers import tiny_checkpoint
 
 from prefixserve.replica.config import EngineConfig
 from prefixserve.replica.contract.request import EngineRequest
@@ -22,9 +21,8 @@ CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    ckpt = tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", max_pos=MAX_MODEL_LEN)
-    engine = AsyncEngine(EngineConfig(model=str(ckpt), max_model_len=MAX_MODEL_LEN, num_kv_blocks=64))
+def engine(ckpt):
+    engine = AsyncEngine(EngineConfig(model=ckpt, max_model_len=MAX_MODEL_LEN, num_kv_blocks=64))
     yield engine
     asyncio.run(engine.shutdown())
 
