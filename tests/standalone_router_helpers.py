@@ -81,7 +81,8 @@ class FakeReplica:
     """An OpenAI-compatible upstream for router tests (the module docstring).
 
     mode: "ok" answers; "429" / "503" refuse every generation request; "die" sends a
-    stream's first event and then drops the connection. ``gate``: when set to an
+    stream's first event and then drops the connection; "die_json" drops it in the middle
+    of a JSON answer. ``gate``: when set to an
     Event, a stream waits for it after its first event (``gate_timed_out`` records a
     wait that ran out: the client never got that first event through the router).
     """
@@ -132,6 +133,8 @@ class FakeReplica:
             return JSONResponse(error, status_code=int(self.mode), headers={"Retry-After": "1"})
         if not isinstance(body, dict):
             return JSONResponse({"error": {"message": "not JSON", "type": "invalid_request_error"}}, status_code=400)
+        if self.mode == "die_json":
+            return StreamingResponse(self._cut_json(), media_type="application/json")
         if not body.get("stream"):
             return JSONResponse(
                 {
@@ -143,6 +146,10 @@ class FakeReplica:
             )
         usage = bool((body.get("stream_options") or {}).get("include_usage"))
         return StreamingResponse(self._events(usage), media_type="text/event-stream")
+
+    async def _cut_json(self) -> AsyncIterator[bytes]:
+        yield b'{"object": "chat.completion", "choices": ['
+        raise RuntimeError("the fake replica dies mid-answer")
 
     async def _events(self, usage: bool) -> AsyncIterator[bytes]:
         try:

@@ -7,7 +7,6 @@ its registry as Prometheus would (the text exposition, parsed back).
 from __future__ import annotations
 
 import pytest
-from model_helpers import tiny_checkpoint
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -47,10 +46,9 @@ VLLM_FAMILIES = {
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    ckpt = tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", hidden=64, heads=4, kv_heads=2, seed=3)
+def engine(ckpt):
     return LLMEngine(
-        EngineConfig(model=str(ckpt), served_model_name="tiny", num_kv_blocks=64, block_size=16, max_model_len=256)
+        EngineConfig(model=ckpt, served_model_name="tiny", num_kv_blocks=64, block_size=16, max_model_len=256)
     )
 
 

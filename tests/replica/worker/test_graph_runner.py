@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import gc
 import weakref
-from pathlib import Path
 
 import pytest
 import torch
-from model_helpers import tiny_checkpoint
 
 from prefixserve.replica.entrypoints.llm import LLM
 from prefixserve.replica.errors import EngineDeadError
@@ -22,13 +20,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 # Preemption, chunked prefill and prefix hits (as in test_tensor_parallel.py), and decode
 # batches of 1 to 5 sequences: padded to 1, 2, 4 and 8.
 KNOBS = dict(block_size=4, num_kv_blocks=20, max_num_seqs=5, max_num_batched_tokens=16)
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    return tiny_checkpoint(
-        tmp_path_factory.mktemp("graphs") / "llama", hidden=64, heads=4, kv_heads=2, intermediate=128, layers=2, seed=5
-    )
 
 
 def prompts(count: int) -> list[list[int]]:
@@ -61,12 +52,12 @@ def test_cuda_graph_sizes_override_the_ladder_and_bad_ones_are_refused():
 @pytest.mark.parametrize(
     "extra", [{}, {"kv_cache_dtype": "fp8", "calculate_kv_scales": True}, {"cuda_graph_sizes": [3, 5]}]
 )
-def test_static_path_gives_the_eager_engines_tokens_under_hits_chunking_and_preemption(checkpoint, extra):
+def test_static_path_gives_the_eager_engines_tokens_under_hits_chunking_and_preemption(ckpt, extra):
     batch = prompts(7)
-    with LLM(str(checkpoint), **KNOBS, **extra) as eager:
+    with LLM(ckpt, **KNOBS, **extra) as eager:
         expected = [o.outputs[0].token_ids for o in eager.generate(batch, GREEDY)]
         assert eager.engine.runner.shard.graph_runner is None  # CPU default: eager
-    with LLM(str(checkpoint), enforce_eager=False, **KNOBS, **extra) as static:
+    with LLM(ckpt, enforce_eager=False, **KNOBS, **extra) as static:
         got = [o.outputs[0].token_ids for o in static.generate(batch, GREEDY)]
         stats = static.engine.stats()
         graphs = static.engine.runner.shard.graph_runner
@@ -106,8 +97,8 @@ def written_slots(shard, before_v: torch.Tensor) -> set[int]:
     return {int(i) for i in changed.flatten().nonzero().flatten()}
 
 
-def test_padding_rows_never_reach_the_kv_cache_and_refills_match_eager(checkpoint):
-    with LLM(str(checkpoint), enforce_eager=False, **KNOBS) as llm:
+def test_padding_rows_never_reach_the_kv_cache_and_refills_match_eager(ckpt):
+    with LLM(ckpt, enforce_eager=False, **KNOBS) as llm:
         shard = llm.engine.runner.shard
         graphs = shard.graph_runner
         torch.manual_seed(0)
@@ -146,8 +137,8 @@ def test_padding_rows_never_reach_the_kv_cache_and_refills_match_eager(checkpoin
             torch.testing.assert_close(shard.v_cache, after_v)
 
 
-def test_shutdown_releases_the_model_and_cache_and_refuses_further_steps(checkpoint):
-    llm = LLM(str(checkpoint), enforce_eager=False, **KNOBS)
+def test_shutdown_releases_the_model_and_cache_and_refuses_further_steps(ckpt):
+    llm = LLM(ckpt, enforce_eager=False, **KNOBS)
     model = weakref.ref(llm.engine.runner.model)
     cache = weakref.ref(llm.engine.runner.k_cache)
     llm.generate(prompts(1), GREEDY)

@@ -281,3 +281,16 @@ def test_an_answers_usage_is_the_keys_prefill_work(stream: bool) -> None:
         wait_until(lambda: placed.key_in_flight(plain) == 0, "the request ended")
         stats = placed.table.stats(plain)
         assert stats is not None and stats[1] == 0  # a stream without a usage chunk reports no work
+
+
+def test_a_json_answer_broken_off_is_cut_for_the_client_too() -> None:
+    a, b = FakeReplica(), FakeReplica()
+    a.mode = "die_json"
+    with replicas(a, b) as (ua, ub), router_over([ua.url, ub.url], policy="consistent_hash") as (url, router):
+        system = system_owned_by(ua.name, [ua.name, ub.name])
+        with pytest.raises(httpx.RemoteProtocolError):
+            httpx.post(f"{url}/v1/chat/completions", json=chat(system), timeout=60)
+        assert not router.replicas[ua.name].admitted
+        wait_until(lambda: router.replicas[ua.name].in_flight == 0, "the broken answer's count ended")
+        r = httpx.post(f"{url}/v1/chat/completions", json=chat(system), timeout=60)
+        assert r.status_code == 200 and r.headers[HEADER] == ub.name
