@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixserve.common.logs import add_verbose_flag, quiet_libraries
-from prefixserve.loadtest.harness.report import write_json
+from prefixserve.loadtest.harness.report import fmt, markdown_table, write_json
 
 
 @dataclass(frozen=True)
@@ -302,16 +302,13 @@ def print_tables(results: list[dict[str, Any]]) -> None:
     for r in results:
         name = r["shape"]["name"]
         print(f"\n### {name} ({r['dtype']})\n")
-        print("| mode | batch | step (ms) | tokens/s | GPU busy | launches/step |\n|---|---:|---:|---:|---:|---:|")
-        for mode, rows in r["decode"].items():
-            for d in rows:
-                busy = d.get("gpu_busy_fraction")
-                launches = d.get("launches_per_step")
-                print(
-                    f"| {mode} | {d['batch']} | {d['step_ms']:.2f} | {d['batch'] / d['step_ms'] * 1e3:,.0f} | "
-                    f"{'-' if busy is None else f'{busy:.2f}'} | "
-                    f"{'-' if launches is None else f'{launches:.0f}'} |"
-                )
+        cells = [
+            [mode, d["batch"], f"{d['step_ms']:.2f}", f"{d['batch'] / d['step_ms'] * 1e3:,.0f}"]
+            + [fmt(d.get("gpu_busy_fraction"), ".2f", "-"), fmt(d.get("launches_per_step"), ".0f", "-")]
+            for mode, rows in r["decode"].items()
+            for d in rows
+        ]
+        print(markdown_table("mode | batch | step (ms) | tokens/s | GPU busy | launches/step", cells, "lrrrrr"))
         t = r["ttft_alone"]
         c = r["caching"]
         print(

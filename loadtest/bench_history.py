@@ -27,6 +27,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+from prefixserve.loadtest.harness.report import markdown_header, markdown_row
 from prefixserve.replica.contract.prompt_blocks import PromptHasher
 from prefixserve.router.policies import Placed, Replica
 from prefixserve.router.policies.history import DEFAULT_MAX_ENTRIES
@@ -159,17 +160,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=1_000_000, help="requests of the bound run (0: skip)")
     p.add_argument("--repeats", type=int, default=50)
     args = p.parse_args(argv)
-    print(
-        "| prompt tokens | body chars | blocks | hash cold (us) | hash warm (us) | json.loads (us) "
-        "| placed rank, 64 replicas (us) |"
+    header = (
+        "prompt tokens | body chars | blocks | hash cold (us) | hash warm (us) | json.loads (us)"
+        " | placed rank, 64 replicas (us)"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print(markdown_header(header, "rrrrrrr"))
     for r in bench_hashing(repeats=args.repeats):
-        print(
-            f"| {r['tokens']:,} | {r['chars']:,} | {r['blocks']} | {r['hash_cold_us']:.0f} | "
-            f"{r['hash_warm_us']:.0f} | {r['json_loads_us']:.0f} | {r['rank_us']:.0f} |",
-            flush=True,
-        )
+        timings = (f"{r[k]:.0f}" for k in ("hash_cold_us", "hash_warm_us", "json_loads_us", "rank_us"))
+        print(markdown_row([f"{r['tokens']:,}", f"{r['chars']:,}", r["blocks"], *timings]), flush=True)
     if args.requests:
         b = bench_bound(args.requests)
         print(

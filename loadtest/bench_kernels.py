@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from prefixserve.loadtest.harness.report import write_json
+from prefixserve.loadtest.harness.report import markdown_table, write_json
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 FP8 = torch.float8_e4m3fn
@@ -706,22 +706,13 @@ def bench_layer_ops(tokens: int, device: torch.device, seed: int, timer: Callabl
 def render(rows: list[Row]) -> str:
     # Every ratio is the peer's time over Triton's: above 1 means Triton is faster. The
     # baseline is SDPA over non-paged K/V for attention, the torch reference chain for layer ops.
-    heads = [
-        "part",
-        "case",
-        "Triton",
-        "vs ceiling",
-        "baseline: SDPA non-paged / torch ops",
-        "baseline / Triton time",
-        "flash-attn / Triton time",
-        "FlashInfer / Triton time",
-        "note",
-    ]
-    lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
-    for r in rows:
-        cells = [r.part, r.case, r.triton, r.of_peak, r.sdpa, r.ratio, r.flash_attn, r.flashinfer, r.note]
-        lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
-    return "\n".join(lines)
+    header = (
+        "part | case | Triton | vs ceiling | baseline: SDPA non-paged / torch ops | baseline / Triton time"
+        " | flash-attn / Triton time | FlashInfer / Triton time | note"
+    )
+    # A "|" inside a cell would split it: the cells' own bars become slashes.
+    cells = [[c.replace("|", "/") for c in dataclasses.astuple(r)] for r in rows]
+    return markdown_table(header, cells)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

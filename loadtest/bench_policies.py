@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from prefixserve.loadtest.harness.report import markdown_header, markdown_row
 from prefixserve.router.policies import Placed, ReplicaLoad
 
 
@@ -100,15 +101,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--requests", type=int, default=20_000)
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args(argv)
-    print("| replicas | keys | p50 (us) | p99 (us) | mean (us) | runs (p50 / p99) |")
-    print("|---:|---|---:|---:|---:|---|")
+    print(markdown_header("replicas | keys | p50 (us) | p99 (us) | mean (us) | runs (p50 / p99)", "rlrrrl"))
     for r in (int(s) for s in args.replicas.split(",") if s):
         for cold in (False, True):
             runs = [bench_rank(r, args.keys, args.requests, cold=cold, seed=s) for s in range(args.repeats)]
             med = {f: statistics.median(run[f] for run in runs) for f in ("p50", "p99", "mean")}
             label = "cold (every key new)" if cold else f"{args.keys} Zipf, warm"
             spread = ", ".join(f"{run['p50']:.0f}/{run['p99']:.0f}" for run in runs)
-            print(f"| {r} | {label} | {med['p50']:.1f} | {med['p99']:.1f} | {med['mean']:.1f} | {spread} |", flush=True)
+            print(markdown_row([r, label, *(f"{med[f]:.1f}" for f in ("p50", "p99", "mean")), spread]), flush=True)
 
 
 if __name__ == "__main__":

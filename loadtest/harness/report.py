@@ -21,15 +21,19 @@ def markdown_table(header: str | Sequence[str], rows: Iterable[Sequence[object]]
     not reach) or ``r``; cells are written with ``str`` and so are best
     formatted by the caller (:func:`fmt`).
     """
+    return "\n".join([markdown_header(header, align), *(markdown_row(cells) for cells in rows)])
+
+
+def markdown_header(header: str | Sequence[str], align: str = "") -> str:
+    """The first two lines of :func:`markdown_table`, for a table printed a row at a time."""
     if isinstance(header, str):
         header = header.split(" | ")
     marks = [":" if align[i : i + 1] == "r" else "" for i in range(len(header))]
-    lines = [_row(header), "|" + "|".join(f"---{m}" for m in marks) + "|"]
-    lines += [_row(cells) for cells in rows]
-    return "\n".join(lines)
+    return markdown_row(header) + "\n|" + "|".join(f"---{m}" for m in marks) + "|"
 
 
-def _row(cells: Sequence[object]) -> str:
+def markdown_row(cells: Sequence[object]) -> str:
+    """One line of a markdown table."""
     return "| " + " | ".join(map(str, cells)) + " |"
 
 
