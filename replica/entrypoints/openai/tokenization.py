@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 from prefixserve.replica.contract.request import EngineClient
 from prefixserve.replica.engine.tokenizer_executor import messages_chars
@@ -55,9 +56,14 @@ if TYPE_CHECKING:
 
 
 def _refuse_unless(info: ValidationInfo, value: Any, harmless: bool, allowed: str) -> Any:
+    """``value`` when unset or ``harmless``; else field ``info.field_name`` is refused (400 unsupported_parameter)."""
     if value is None or harmless:
         return value
-    raise ValueError(f"{info.field_name} is not supported by this server; send {allowed} or omit it")
+    raise PydanticCustomError(
+        "unsupported_parameter",
+        "{name} is not supported by this server; send {allowed} or omit it",
+        {"name": str(info.field_name), "allowed": allowed},
+    )
 
 
 class TokenizeCompletionRequest(RequestModel):

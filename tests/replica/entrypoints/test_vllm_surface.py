@@ -172,6 +172,7 @@ def test_detokenize_inverts_tokenize(replica):
     [
         ("/tokenize", {"prompt": "x", "model": "nope"}, 404, "model_not_found"),
         ("/tokenize", {"messages": []}, 400, None),
+        ("/tokenize", {**CHAT, "continue_final_message": True}, 400, "unsupported_parameter"),
         ("/tokenize", {"prompt": "x" * 100_000}, 400, "context_length_exceeded"),
         ("/detokenize", {"tokens": "abc"}, 400, None),
         ("/v1/chat/completions/render", {**CHAT, "continue_final_message": True}, 400, "unsupported_parameter"),
