@@ -81,13 +81,16 @@ class ConsistentHash(RingPolicy):
         check_candidates(candidates)
         if key is None:
             return Decision(by_load(candidates))
-        ring = self.ring_for(candidates)
         by_name = {c.name: c for c in candidates}
-        order = ring.successors(key)
-        return Decision([by_name[n] for n in order], owner=order[0])
+        order = self.ring_for(candidates).successors(key)
+        return Decision([by_name[n] for n in self._try_order(order, candidates)], owner=order[0])
+
+    def _try_order(self, successors: list[str], candidates: Sequence[ReplicaView]) -> list[str]:
+        """The key's ring successors (names of ``candidates``) in the order to try them: as they are."""
+        return successors
 
 
-class BoundedLoad(RingPolicy):
+class BoundedLoad(ConsistentHash):
     """Consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam 2018).
 
     The first choice is the first ring successor of the key holding fewer than
@@ -103,14 +106,10 @@ class BoundedLoad(RingPolicy):
         super().__init__(**options)
         self.epsilon = self.options.epsilon
 
-    def rank(self, candidates: Sequence[R], key: str | None) -> Decision[R]:
-        check_candidates(candidates)
-        if key is None:
-            return Decision(by_load(candidates))
-        ring = self.ring_for(candidates)
-        by_name = {c.name: c for c in candidates}
-        order = ring.successors(key)
-        cap = bounded_capacity(sum(c.in_flight for c in candidates), len(candidates), self.epsilon)
-        under = [n for n in order if by_name[n].in_flight < cap]
-        over = [n for n in order if by_name[n].in_flight >= cap]
-        return Decision([by_name[n] for n in under + over], owner=order[0])
+    def _try_order(self, successors: list[str], candidates: Sequence[ReplicaView]) -> list[str]:
+        """The successors under capacity first, each group in ring order."""
+        in_flight = {c.name: c.in_flight for c in candidates}
+        cap = bounded_capacity(sum(in_flight.values()), len(candidates), self.epsilon)
+        under = [n for n in successors if in_flight[n] < cap]
+        over = [n for n in successors if in_flight[n] >= cap]
+        return under + over

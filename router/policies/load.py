@@ -24,6 +24,22 @@ from prefixserve.router.policies.base import (
 )
 
 
+def _by_name(candidates: Sequence[R]) -> list[R]:
+    """The checked candidates ordered by name, so that the order they come in does not matter."""
+    check_candidates(candidates)
+    return sorted(candidates, key=lambda c: c.name)
+
+
+class _Seeded(Configured):
+    """A randomized policy: it draws from the generator its ``SeedOptions`` give."""
+
+    Options = SeedOptions
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self._rng = self.options.generator()
+
+
 class RoundRobin(Configured):
     """Rotate over the candidates, ordered by name so that the candidate order does not matter."""
 
@@ -35,46 +51,33 @@ class RoundRobin(Configured):
         self._next = 0
 
     def rank(self, candidates: Sequence[R], key: str | None) -> Decision[R]:
-        check_candidates(candidates)
-        ordered = sorted(candidates, key=lambda c: c.name)
+        ordered = _by_name(candidates)
         i = self._next % len(ordered)
         self._next += 1
         return Decision(ordered[i:] + ordered[:i])
 
 
-class Random(Configured):
+class Random(_Seeded):
     """A uniformly random order, drawn from the RNG passed in (seed it for reproducible runs)."""
 
     name = "random"
-    Options = SeedOptions
-
-    def __init__(self, **options: Any) -> None:
-        super().__init__(**options)
-        self._rng = self.options.generator()
 
     def rank(self, candidates: Sequence[R], key: str | None) -> Decision[R]:
-        check_candidates(candidates)
-        ordered = sorted(candidates, key=lambda c: c.name)
+        ordered = _by_name(candidates)
         self._rng.shuffle(ordered)
         return Decision(ordered)
 
 
-class PowerOfTwo(Configured):
+class PowerOfTwo(_Seeded):
     """Power of two choices (Ray Serve's default): of two sampled replicas, the less loaded first.
 
     The rest follow by load. Ties between the two go to the first sampled.
     """
 
     name = "power_of_two"
-    Options = SeedOptions
-
-    def __init__(self, **options: Any) -> None:
-        super().__init__(**options)
-        self._rng = self.options.generator()
 
     def rank(self, candidates: Sequence[R], key: str | None) -> Decision[R]:
-        check_candidates(candidates)
-        ordered = sorted(candidates, key=lambda c: c.name)
+        ordered = _by_name(candidates)
         if len(ordered) == 1:
             return Decision(ordered)
         a, b = self._rng.sample(ordered, 2)
