@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixserve.common.logs import add_verbose_flag, quiet_libraries
-from prefixserve.loadtest.harness.report import write_json
+from prefixserve.loadtest.harness.report import fmt, markdown_table, write_json
 
 SYSTEM_LEN, QUESTION_LEN, OUTPUT_LEN = 500, 30, 16
 STARTUP_CHILD = "--startup-child"
@@ -283,14 +283,15 @@ def measure_startup(runs: int) -> list[dict[str, Any]]:
 
 
 def print_startup(rows: list[dict[str, Any]]) -> None:
-    print("\n| start | launch to first token, median (s) | runs (s) | engine phases, median (s) |")
-    print("|---|---|---|---|")
+    cells = []
     for kind in ("cold", "warm"):
         mine = [r for r in rows if r["kind"] == kind]
         names = list(mine[0]["phases"])
         phases = ", ".join(f"{n} {statistics.median(r['phases'][n] for r in mine):.2f}" for n in names) or "-"
         spread = ", ".join(f"{r['first_token_s']:.2f}" for r in mine)
-        print(f"| {kind} | {statistics.median(r['first_token_s'] for r in mine):.2f} | {spread} | {phases} |")
+        cells.append([kind, f"{statistics.median(r['first_token_s'] for r in mine):.2f}", spread, phases])
+    header = "start | launch to first token, median (s) | runs (s) | engine phases, median (s)"
+    print("\n" + markdown_table(header, cells))
     tokens = {tuple(r["token_ids"]) for r in rows}
     print(f"\nfirst token identical across starts: {len(tokens) == 1}")
 
@@ -340,22 +341,18 @@ def measure_fp8(prompts: list[list[int]], kv_bytes: int, bound_bytes: int, wave:
         }
         del llm
     print(f"\n### fp8 KV cache ({len(prompts)} requests)\n")
-    print(
-        f"| KV cache | blocks in {kv_bytes / 2**20:.0f} MiB | identical tokens | identical completions "
-        f"| tokens before the first difference (of {OUTPUT_LEN}) |"
+    header = (
+        f"KV cache | blocks in {kv_bytes / 2**20:.0f} MiB | identical tokens | identical completions"
+        f" | tokens before the first difference (of {OUTPUT_LEN})"
     )
-    print("|---|---|---|---|---|")
-    for name in variants:
-        a = agreement[name]
-        print(
-            f"| {name} | {blocks[name]} | {a['tokens']:.1%} | {a['completions']:.1%} "
-            f"| {a['tokens_before_first_difference']:.1f} |"
-        )
+    cells = [
+        [n, blocks[n], f"{a['tokens']:.1%}", f"{a['completions']:.1%}", f"{a['tokens_before_first_difference']:.1f}"]
+        for n, a in ((n, agreement[n]) for n in variants)
+    ]
+    print(markdown_table(header, cells))
     print(f"\nMemory-bound ({bound_bytes / 2**20:.0f} MiB KV, waves of {wave}):\n")
-    print("| KV cache | blocks | prefix hit rate | preemptions |")
-    print("|---|---|---|---|")
-    for name, row in bound.items():
-        print(f"| {name} | {row['blocks']} | {row['hit_rate']:.1%} | {row['preemptions']} |")
+    cells = [[n, row["blocks"], f"{row['hit_rate']:.1%}", row["preemptions"]] for n, row in bound.items()]
+    print(markdown_table("KV cache | blocks | prefix hit rate | preemptions", cells))
     return {
         "blocks": blocks,
         "agreement": agreement,
@@ -381,19 +378,16 @@ def measure_tensor_parallel(prompts: list[list[int]], kv_bytes: int, size: int, 
             runs[n].append(run_prefixserve(prompts, True, kv_bytes, tp=n))
     rows = [_median_run(runs[n]) for n in sizes]
     base = rows[0]
-    print(
-        "\n| engine | req/s | runs (req/s) | x TP 1 | TTFT mean (s) | TTFT p50 (s) | hit rate | same tokens as TP 1 |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
+    cells = []
     for r in rows:
         same = sum(a == b for a, b in zip(base["token_ids"], r["token_ids"], strict=True))
         r["same_tokens_as_tp1"] = f"{same}/{len(r['token_ids'])}"
         spread = ", ".join(f"{x:.2f}" for x in r["requests_per_s_runs"])
-        print(
-            f"| {r['engine']} | {r['requests_per_s']:.2f} | {spread} | "
-            f"{r['requests_per_s'] / base['requests_per_s']:.2f} | {_f(r['ttft_mean_s'])} | "
-            f"{_f(r['ttft_p50_s'])} | {_f(r['hit_rate'])} | {r['same_tokens_as_tp1']} |"
-        )
+        x_base = f"{r['requests_per_s'] / base['requests_per_s']:.2f}"
+        cells.append([r["engine"], f"{r['requests_per_s']:.2f}", spread, x_base, *_latency_cells(r)])
+        cells[-1].append(r["same_tokens_as_tp1"])
+    header = "engine | req/s | runs (req/s) | x TP 1 | TTFT mean (s) | TTFT p50 (s) | hit rate | same tokens as TP 1"
+    print("\n" + markdown_table(header, cells))
     for r in rows:
         r.pop("token_ids", None)
     return {
@@ -499,30 +493,26 @@ def main(argv: list[str] | None = None) -> int:
     decode = decode_throughput([1, 8, 32], args.decode_steps, kv_bytes)
 
     base = rows[1]["requests_per_s"]
-    print(
-        "\n| engine | req/s | runs (req/s) | x caching off | TTFT mean (s) | TTFT p50 (s) | prefix hit rate "
-        "| same tokens |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
+    cells = []
     for r in rows:
         spread = ", ".join(f"{x:.2f}" for x in r.get("requests_per_s_runs", [])) or "-"
-        print(
-            f"| {r['engine']} | {r['requests_per_s']:.2f} | {spread} | {r['requests_per_s'] / base:.2f} | "
-            f"{_f(r['ttft_mean_s'])} | {_f(r['ttft_p50_s'])} | {_f(r['hit_rate'])} | "
-            f"{r.get('same_tokens_as_caching_on', '-')} |"
-        )
+        cells.append([r["engine"], f"{r['requests_per_s']:.2f}", spread, f"{r['requests_per_s'] / base:.2f}"])
+        cells[-1] += [*_latency_cells(r), r.get("same_tokens_as_caching_on", "-")]
+    header = (
+        "engine | req/s | runs (req/s) | x caching off | TTFT mean (s) | TTFT p50 (s) | prefix hit rate | same tokens"
+    )
+    print("\n" + markdown_table(header, cells))
     on, off = rows[0], rows[1]
     print(
-        f"\nTTFT alone: cache hit {_f(on['ttft_alone_hit_s'])} s vs miss {_f(off['ttft_alone_miss_s'])} s "
+        f"\nTTFT alone: cache hit {fmt(on['ttft_alone_hit_s'], '.3f', '-')} s "
+        f"vs miss {fmt(off['ttft_alone_miss_s'], '.3f', '-')} s "
         f"({off['ttft_alone_miss_s'] / on['ttft_alone_hit_s']:.1f}x)"
     )
     print(
         "vLLM CPU reference figures on this workload (measured on the 2-core VM): 5.3 req/s caching on, 1.3 off; "
         "transformers one at a time 0.50 req/s"
     )
-    print("\n| decode batch | tokens/s |\n|---|---|")
-    for b, tps in decode.items():
-        print(f"| {b} | {tps:.1f} |")
+    print("\n" + markdown_table("decode batch | tokens/s", [[b, f"{tps:.1f}"] for b, tps in decode.items()]))
     for n in notes:
         print(f"\nnote: {n}")
     for r in rows:
@@ -538,8 +528,9 @@ def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return median
 
 
-def _f(x: float | None) -> str:
-    return "-" if x is None else f"{x:.3f}"
+def _latency_cells(r: dict[str, Any]) -> list[str]:
+    """TTFT mean, TTFT p50 and hit rate of one engine row, as table cells."""
+    return [fmt(r[k], ".3f", "-") for k in ("ttft_mean_s", "ttft_p50_s", "hit_rate")]
 
 
 if __name__ == "__main__":
