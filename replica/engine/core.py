@@ -49,7 +49,8 @@ from prefixserve.replica.engine.step_timer import StepTimer, TimedKVCacheManager
 from prefixserve.replica.engine.tiers import EngineTiers
 from prefixserve.replica.errors import EngineOverloadedError, RequestFailedError, RequestRejected
 from prefixserve.replica.executor.model_runner import ModelRunner, PromptLogprobSpan
-from prefixserve.replica.kv.event_recorder import KVEventRecorder
+from prefixserve.replica.kv.disk_tier import LIST_EVERY_S
+from prefixserve.replica.kv.event_recorder import KVEventRecorder, TierSetReporter
 from prefixserve.replica.kv.manager import KVCacheManager
 from prefixserve.replica.model import loader
 from prefixserve.replica.model.llama import ModelConfig
@@ -169,6 +170,12 @@ class LLMEngine:
                     self.tiers.close()
                 raise
             self.kv_event_recorder = KVEventRecorder()
+        # The shared disk tier is known as a set of hashes (other replicas write it too): its
+        # events are that set's changes, diffed no more often than the tier relists it.
+        self._disk_events: TierSetReporter | None = None
+        self._disk_events_due = 0.0
+        if self.kv_event_recorder is not None and self.tiers is not None and self.tiers.disk is not None:
+            self._disk_events = TierSetReporter(self.kv_event_recorder)
         # Steps in flight on the device thread (async_scheduling); its thread starts at first use.
         self.pipeline = StepPipeline(self.runner)
         self._new_state()
@@ -494,6 +501,10 @@ class LLMEngine:
     def _publish_kv_events(self) -> None:
         """The step's block events as one batch (none when nothing changed), as vLLM's scheduler does."""
         assert self.kv_event_recorder is not None and self.kv_event_publisher is not None
+        if self._disk_events is not None and time.monotonic() >= self._disk_events_due:
+            assert self.tiers is not None and self.tiers.disk is not None
+            self._disk_events_due = time.monotonic() + LIST_EVERY_S
+            self._disk_events.update(self.tiers.disk.known_hashes())
         events = self.kv_event_recorder.take()
         if events:
             self.kv_event_publisher.publish(events)

@@ -464,6 +464,16 @@ class DiskTier(BlockFiles):
             self._relist()
         return block_hash in self._known
 
+    def known_hashes(self) -> set[bytes]:
+        """A copy of the known set (``contains``'s answers; empty once the tier stopped): what the
+        KV events report as the disk medium."""
+        if not self._enabled:
+            return set()
+        if self._clock() - self._listed_at >= self.list_every_s:
+            self._relist()
+        with self._lock:
+            return set(self._known)
+
     def _relist(self) -> None:
         """Rebuild the known set from a listing of the directory's names (skipped while another
         thread lists: that thread's result serves)."""

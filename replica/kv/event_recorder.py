@@ -42,6 +42,8 @@ class KVEventRecorder:
         self.max_events = max_events
         self._events: list[KVEvent] = []
         self.overflows = 0  # steps whose events were replaced by AllBlocksCleared
+        # Counts AllBlocksCleared events: after one, a consumer holds nothing of this replica.
+        self.generation = 0
 
     def __len__(self) -> int:
         return len(self._events)
@@ -50,6 +52,7 @@ class KVEventRecorder:
         if len(self._events) >= self.max_events:
             self.overflows += 1
             self._events = [AllBlocksCleared()]
+            self.generation += 1
             return
         self._events.append(event)
 
@@ -86,8 +89,39 @@ class KVEventRecorder:
     def cleared(self) -> None:
         """Every cached block is gone; what was recorded before it no longer matters."""
         self._events = [AllBlocksCleared()]
+        self.generation += 1
 
     def take(self) -> list[KVEvent]:
         """The events since the last call, in order (empty when nothing changed)."""
         events, self._events = self._events, []
         return events
+
+
+class TierSetReporter:
+    """Reports a tier known only as a set of hashes (the shared disk directory, which other
+    replicas write too) by diffing each set against the one reported before: a ``BlockStored``
+    for what appeared, a ``BlockRemoved`` for what went. After an ``AllBlocksCleared`` (the
+    recorder's ``generation`` moved) everything present is stored again, since a consumer then
+    forgot it. O(set) per call: the caller spaces the calls (the disk relists at most every
+    few seconds anyway)."""
+
+    def __init__(self, recorder: KVEventRecorder, tier: str = "disk") -> None:
+        self.recorder = recorder
+        self.tier = tier
+        self._reported: set[bytes] = set()
+        self._generation = recorder.generation
+
+    def update(self, present: set[bytes]) -> None:
+        rec = self.recorder
+        if rec.generation != self._generation:
+            self._reported = set()
+            self._generation = rec.generation
+        gone = self._reported - present
+        new = present - self._reported
+        # Sorted: the batch's bytes do not depend on set order.
+        rec.removed(sorted(gone), self.tier)
+        rec.stored(sorted(new), None, (), 0, self.tier)
+        self._reported = set(present)
+        if rec.generation != self._generation:  # the recorder overflowed meanwhile: report all next time
+            self._reported = set()
+            self._generation = rec.generation

@@ -226,3 +226,57 @@ def test_the_engine_publishes_each_steps_block_events(ckpt):
         assert any(isinstance(e, VBlockRemoved) for f in got for e in DECODER.decode(f[2]).events)
     finally:
         engine.shutdown()
+
+
+def test_the_engine_reports_its_host_and_disk_tiers(ckpt, tmp_path):
+    """With the host and disk tiers on, replayed events hold the host tier's hashes as CPU and the
+    disk directory's as STORAGE (the disk's set as of the engine's last step)."""
+    from prefixserve.replica.engine.core import LLMEngine
+    from prefixserve.replica.sampling_params import SamplingParams
+
+    knobs = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0"}'
+    config = EngineConfig(
+        model=ckpt,
+        num_kv_blocks=12,
+        block_size=4,
+        kv_offloading_size=2**22 / 2**30,
+        kv_disk_path=str(tmp_path / "kv"),
+        kv_disk_size_gb=0.05,
+        kv_events_config=knobs,
+    )
+    engine = LLMEngine(config)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        for i in range(6):  # more prompts than the device holds: evictions go to the host tier
+            engine.add_request(f"r{i}", [20 + (i * 11 + j) % 60 for j in range(17)], params)
+            while engine.has_unfinished_requests():
+                engine.step()
+        assert engine.tiers is not None and engine.tiers.disk is not None
+        assert engine.tiers.flush()
+        engine._disk_events_due = 0.0  # the next step diffs the disk's set at once
+        engine.step()
+        pub = engine.kv_event_publisher
+        assert pub is not None
+        ctx = zmq.Context.instance()
+        got = replay(ctx, pub.replay_endpoint, 0)
+        for _ in range(100):
+            if got and int.from_bytes(got[-1][1], "big") == pub._next_seq - 1:
+                break
+            got = replay(ctx, pub.replay_endpoint, 0)
+        media: dict[str, set[int]] = {"GPU": set(), "CPU": set(), "STORAGE": set()}
+        for _topic, _seq, payload in got:
+            for e in DECODER.decode(payload).events:
+                if isinstance(e, VAllBlocksCleared):
+                    for held in media.values():
+                        held.clear()
+                elif isinstance(e, VBlockStored):
+                    media[e.medium].update(e.block_hashes)
+                else:
+                    media[e.medium].difference_update(e.block_hashes)
+        kv = engine.kv_manager
+        assert media["GPU"] == {external_block_hash(h) for h in kv.pool.hash_to_block}
+        assert media["CPU"] == {external_block_hash(h) for h in kv._host_of_hash}
+        assert media["STORAGE"] == {external_block_hash(h) for h in engine.tiers.disk.known_hashes()}
+        assert media["CPU"] and media["STORAGE"]
+    finally:
+        engine.shutdown()

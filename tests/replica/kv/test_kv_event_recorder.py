@@ -15,7 +15,7 @@ from prefixserve.replica.contract.vllm_kv_events import (
     KVEvent,
     external_block_hash,
 )
-from prefixserve.replica.kv.event_recorder import KVEventRecorder
+from prefixserve.replica.kv.event_recorder import KVEventRecorder, TierSetReporter
 from prefixserve.replica.kv.hashing import hash_blocks
 from prefixserve.replica.kv.manager import KVCacheManager
 
@@ -159,3 +159,24 @@ def test_replayed_events_equal_the_pools_hash_set(host_blocks):
         device = {external_block_hash(h) for h in kv.pool.hash_to_block}
         assert media["GPU"] == device
         assert media["CPU"] == {external_block_hash(h) for h in kv._host_of_hash}
+
+
+def test_a_tier_known_as_a_set_reports_its_changes_and_everything_again_after_a_clear():
+    rec = KVEventRecorder()
+    disk = TierSetReporter(rec)
+    a, b, c = (bytes([i]) * 16 for i in range(3))
+    disk.update({a, b})
+    (e,) = rec.take()
+    assert isinstance(e, BlockStored) and e.medium == "STORAGE" and e.token_ids == [] and e.block_size == 0
+    assert sorted(e.block_hashes) == sorted(external_block_hash(h) for h in (a, b))
+    disk.update({a, b})
+    assert rec.take() == []
+    disk.update({b, c})
+    removed, stored = rec.take()
+    assert removed == BlockRemoved(block_hashes=[external_block_hash(a)], medium="STORAGE")
+    assert isinstance(stored, BlockStored) and stored.block_hashes == [external_block_hash(c)]
+    rec.cleared()  # a consumer forgets the replica: the disk's blocks are stored anew
+    disk.update({b, c})
+    events = rec.take()
+    assert events[0] == AllBlocksCleared()
+    assert sorted(events[1].block_hashes) == sorted(external_block_hash(h) for h in (b, c))
