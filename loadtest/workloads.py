@@ -149,14 +149,16 @@ def _encode(tokenizer: Tokenizer, text: str) -> list[int]:
         return list(tokenizer.encode(text))
 
 
-def _body(model: str, messages: list[dict[str, str]], max_tokens: int, stream: bool) -> dict[str, Any]:
-    return {
-        "model": model,
+def _request(config: Any, messages: list[dict[str, str]], tenant: str, workload: str) -> WorkloadRequest:
+    """One greedy chat request of ``config``'s model, output length and streaming."""
+    body = {
+        "model": config.model,
         "messages": messages,
-        "max_tokens": max_tokens,
+        "max_tokens": config.output_len,
         "temperature": 0,
-        "stream": stream,
+        "stream": config.stream,
     }
+    return WorkloadRequest(body, tenant, workload)
 
 
 def _check_positive(config: object, *names: str) -> None:
@@ -202,11 +204,7 @@ def shared_prefix(config: SharedPrefixConfig, tokenizer: Tokenizer | None = None
         for p in range(config.prompts_per_group):
             question = words_text(_rng(config.seed, "question", g, p), config.question_len, tokenizer)
             messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
-            out.append(
-                WorkloadRequest(
-                    _body(config.model, messages, config.output_len, config.stream), f"group-{g}", "shared_prefix"
-                )
-            )
+            out.append(_request(config, messages, f"group-{g}", "shared_prefix"))
     if config.shuffle:
         _rng(config.seed, "order").shuffle(out)
     return out
@@ -269,11 +267,7 @@ def zipf_tenants(config: ZipfTenantsConfig, tokenizer: Tokenizer | None = None) 
             systems[t] = words_text(_rng(config.seed, "system", t), config.system_prompt_len, tokenizer)
         question = words_text(_rng(config.seed, "question", i), config.question_len, tokenizer)
         messages = [{"role": "system", "content": systems[t]}, {"role": "user", "content": question}]
-        out.append(
-            WorkloadRequest(
-                _body(config.model, messages, config.output_len, config.stream), f"tenant-{t}", "zipf_tenants"
-            )
-        )
+        out.append(_request(config, messages, f"tenant-{t}", "zipf_tenants"))
     return out
 
 
@@ -319,11 +313,7 @@ def prefix_repetition(config: PrefixRepetitionConfig, tokenizer: Tokenizer | Non
             messages = [{"role": "system", "content": prefixes[k]}, {"role": "user", "content": suffix}]
         else:
             messages = [{"role": "user", "content": f"{prefixes[k]} {suffix}".strip()}]
-        out.append(
-            WorkloadRequest(
-                _body(config.model, messages, config.output_len, config.stream), f"prefix-{k}", "prefix_repetition"
-            )
-        )
+        out.append(_request(config, messages, f"prefix-{k}", "prefix_repetition"))
     _rng(config.seed, "order").shuffle(out)
     return out
 
@@ -374,11 +364,7 @@ def multi_turn(config: MultiTurnConfig, tokenizer: Tokenizer | None = None) -> l
             question = words_text(_rng(config.seed, "user", u, r), config.user_turn_len, tokenizer)
             history.append({"role": "user", "content": question})
             messages = [dict(m) for m in history]
-            out.append(
-                WorkloadRequest(
-                    _body(config.model, messages, config.output_len, config.stream), f"user-{u}", "multi_turn"
-                )
-            )
+            out.append(_request(config, messages, f"user-{u}", "multi_turn"))
     return out
 
 
@@ -435,9 +421,7 @@ def agent(config: AgentConfig, tokenizer: Tokenizer | None = None) -> list[Workl
                 history.append({"role": "assistant", "content": f"call_tool({call})"})
                 history.append({"role": "user", "content": f"Tool result:\n{result}"})
             messages = [dict(m) for m in history]
-            out.append(
-                WorkloadRequest(_body(config.model, messages, config.output_len, config.stream), f"user-{u}", "agent")
-            )
+            out.append(_request(config, messages, f"user-{u}", "agent"))
     return out
 
 
@@ -523,11 +507,7 @@ def volatile_system_prompt(
             system = "\n\n".join([" ".join(dynamic), *static, base]) if dynamic else "\n\n".join([*static, base])
             user_text = question
         messages = [{"role": "system", "content": system}, {"role": "user", "content": user_text}]
-        out.append(
-            WorkloadRequest(
-                _body(config.model, messages, config.output_len, config.stream), user, "volatile_system_prompt"
-            )
-        )
+        out.append(_request(config, messages, user, "volatile_system_prompt"))
     return out
 
 
