@@ -20,9 +20,10 @@ M = TypeVar("M", bound=MetricWrapperBase)
 
 
 class LabeledSeries:
-    """Creates series on ``registry`` whose leading labels ``names`` take the values ``values``."""
+    """Creates series on ``registry`` whose leading labels ``names`` take the values ``values``
+    (without ``values``, only :meth:`family`: the caller labels every child)."""
 
-    def __init__(self, registry: CollectorRegistry, names: Sequence[str], values: Sequence[str]) -> None:
+    def __init__(self, registry: CollectorRegistry, names: Sequence[str], values: Sequence[str] = ()) -> None:
         self.registry = registry
         self.names = list(names)
         self.values = tuple(values)

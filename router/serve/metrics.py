@@ -25,6 +25,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from prefixserve.common.metric_series import LabeledSeries
+
 # Decisions are pure-Python ring walks: tens of microseconds normally, more under
 # a big ring or a stalled loop.
 _DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
@@ -37,109 +39,108 @@ class RouterMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
-        self.requests = Counter(
+        # Every series is per deployment, the first of its labels.
+        series = LabeledSeries(self.registry, ["deployment"]).family
+        self.requests = series(
+            Counter,
             "prefixserve_router_requests",
             "Requests the router sent to each replica (accepted attempts), by policy.",
-            ["deployment", "policy", "replica"],
-            registry=self.registry,
+            "policy",
+            "replica",
         )
-        self.unkeyed_requests = Counter(
+        self.unkeyed_requests = series(
+            Counter,
             "prefixserve_router_unkeyed_requests",
             "Requests without a routing key (no static prefix): routed by load alone.",
-            ["deployment", "policy"],
-            registry=self.registry,
+            "policy",
         )
-        self.decisions = Counter(
+        self.decisions = series(
+            Counter,
             "prefixserve_router_decisions",
             "Requests routed, by policy, replica and decision kind "
             "(owner, spill, fallback, no_key, no_ring: router/policies/base.py's KIND_*).",
-            ["deployment", "policy", "replica", "kind"],
-            registry=self.registry,
+            "policy",
+            "replica",
+            "kind",
         )
-        self.decision_seconds = Histogram(
+        self.decision_seconds = series(
+            Histogram,
             "prefixserve_router_decision_seconds",
             "Time the policy took to rank the candidate replicas of one request.",
-            ["deployment", "policy"],
+            "policy",
             buckets=_DECISION_BUCKETS,
-            registry=self.registry,
         )
-        self.spills = Counter(
+        self.spills = series(
+            Counter,
             "prefixserve_router_spills",
             "Keyed requests served by a replica other than their ring owner "
             "(bounded load spilled them, or the owner was full).",
-            ["deployment", "policy"],
-            registry=self.registry,
+            "policy",
         )
-        self.ring_size = Gauge(
-            "prefixserve_router_ring_size",
-            "Replicas on the router's ring (the live replicas it routes over).",
-            ["deployment"],
-            registry=self.registry,
+        self.ring_size = series(
+            Gauge, "prefixserve_router_ring_size", "Replicas on the router's ring (the live replicas it routes over)."
         )
-        self.ring_version = Gauge(
+        self.ring_version = series(
+            Gauge,
             "prefixserve_router_ring_version",
             "Changes of the ring's membership this router has seen (0: the first ring).",
-            ["deployment"],
-            registry=self.registry,
         )
-        self.ring_member = Gauge(
+        self.ring_member = series(
+            Gauge,
             "prefixserve_router_ring_member",
             "1 for each replica on the router's ring (its full Serve replica id).",
-            ["deployment", "replica"],
-            registry=self.registry,
+            "replica",
         )
-        self.in_flight = Gauge(
+        self.in_flight = series(
+            Gauge,
             "prefixserve_router_in_flight",
             "Requests this router has in flight on each replica (its own bookkeeping).",
-            ["deployment", "replica"],
-            registry=self.registry,
+            "replica",
         )
-        self.kv_events = Counter(
+        self.kv_events = series(
+            Counter,
             "prefixserve_router_kv_events",
             "KV events (BlockStored / BlockRemoved) received from each replica's routing stats.",
-            ["deployment", "replica", "type"],
-            registry=self.registry,
+            "replica",
+            "type",
         )
-        self.kv_event_gaps = Counter(
+        self.kv_event_gaps = series(
+            Counter,
             "prefixserve_router_kv_event_gaps",
             "KV-event payloads applied after a gap in a replica's sequence (reports this router never saw).",
-            ["deployment", "replica"],
-            registry=self.registry,
+            "replica",
         )
 
-        self.placed_branches = Counter(
+        self.placed_branches = series(
+            Counter,
             "prefixserve_router_placed_branches",
             "placed's decisions by branch: history, new_conversation, owner, placed, replicated, spill, "
             "no_key (router/policies/base.py's KIND_*), and fallback (the request landed elsewhere than ranked first).",
-            ["deployment", "branch"],
-            registry=self.registry,
+            "branch",
         )
-        self.predicted_cached_fraction = Histogram(
+        self.predicted_cached_fraction = series(
+            Histogram,
             "prefixserve_router_predicted_cached_fraction",
             "Per decision with a history: the fraction of the prompt's blocks the router's index says are "
             "cached on the chosen replica (which=chosen) and on the best replica anywhere (which=best).",
-            ["deployment", "which"],
+            "which",
             buckets=_FRACTION_BUCKETS,
-            registry=self.registry,
         )
-        self.reported_cached_fraction = Histogram(
+        self.reported_cached_fraction = series(
+            Histogram,
             "prefixserve_router_reported_cached_fraction",
             "Per request: the fraction of its prompt tokens the engine reported cached (usage).",
-            ["deployment"],
             buckets=_FRACTION_BUCKETS,
-            registry=self.registry,
         )
-        self.history_index_entries = Gauge(
+        self.history_index_entries = series(
+            Gauge,
             "prefixserve_router_history_index_entries",
             "Block hashes in the router's history index (bounded; least recently used evicted).",
-            ["deployment"],
-            registry=self.registry,
         )
-        self.history_unhashable = Counter(
+        self.history_unhashable = series(
+            Counter,
             "prefixserve_router_history_unhashable",
             "Requests whose prompt the router could not hash: routed by their static key, then load.",
-            ["deployment"],
-            registry=self.registry,
         )
 
     def exposition(self) -> bytes:
