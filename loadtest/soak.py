@@ -659,9 +659,9 @@ def least_squares_slope(points: Sequence[tuple[float, float]]) -> float:
 def evaluate(
     phases: dict[str, list[Bucket]], samples: Sequence[ProcessSample], soak_start_s: float, warmup_s: float
 ) -> list[Target]:
-    """The four targets over the phases (the soak phase is ``"soak"``, the baseline ``"baseline"``)."""
+    """The targets over the phases (the soak phase is ``"soak"``, the baseline ``"baseline"``)."""
     soak = phases["soak"]
-    targets = []
+    settled = soak_start_s + warmup_s
     fives = {
         kind: n
         for b in (x for p in phases.values() for x in p)
@@ -669,68 +669,62 @@ def evaluate(
         for s, n in c.items()
         if s.isdigit() and int(s) >= 500
     }
-    targets.append(Target("no 5xx", not fives, f"5xx by kind: {fives}" if fives else "none"))
-    settled = soak_start_s + warmup_s
-    idle = [b.sample.rss_total for b in soak if b.sample is not None and b.sample.t_s >= settled]
-    if idle:
-        worst = max(abs(r - idle[0]) / idle[0] for r in idle)
-        targets.append(
-            Target(
-                "RSS after warm-up within 2%",
-                worst <= RSS_TOLERANCE,
-                f"{len(idle)} idle samples, largest change {worst:.2%} of {idle[0] / 2**20:.0f} MiB",
-            )
-        )
-    else:
-        targets.append(Target("RSS after warm-up within 2%", None, "no idle sample after warm-up"))
-    later = [(s.t_s, float(s.rss_total)) for s in samples if s.t_s >= settled]
-    if len(later) >= 2:
-        slope = least_squares_slope(later)
-        span = later[-1][0] - later[0][0]
-        mean = sum(y for _, y in later) / len(later)
-        growth = slope * span / mean
-        targets.append(
-            Target(
-                "RSS no upward trend",
-                growth <= RSS_TOLERANCE,
-                f"least-squares slope {slope * 60 / 2**20:+.2f} MiB/min over {span:.0f}s: {growth:+.2%} of the mean",
-            )
-        )
-    else:
-        targets.append(Target("RSS no upward trend", None, "fewer than two samples after warm-up"))
-    base = phases.get("baseline")
-    if base is None:
-        targets.append(Target("TTFT p99 within 1.5x baseline", None, "no baseline phase (--compare-baseline)"))
-    else:
-        p_soak = nearest_rank(
-            [t for b in soak if b.start_s >= settled for t in b.ttfts_s] or [t for b in soak for t in b.ttfts_s], 99
-        )
-        p_base = nearest_rank([t for b in base for t in b.ttfts_s], 99)
-        if p_soak is None or not p_base:
-            targets.append(Target("TTFT p99 within 1.5x baseline", None, "no normal chat answered in a phase"))
-        else:
-            ratio = p_soak / p_base
-            targets.append(
-                Target(
-                    "TTFT p99 within 1.5x baseline",
-                    ratio <= TTFT_RATIO,
-                    f"{p_soak * 1e3:.0f} ms vs {p_base * 1e3:.0f} ms: {ratio:.2f}x",
-                )
-            )
     left = [
         (b.index, b.idle)
         for p in phases.values()
         for b in p
         if not b.idle or any(b.idle.get(m, 1.0) != 0 for m in METRICS)
     ]
-    targets.append(
+    return [
+        Target("no 5xx", not fives, f"5xx by kind: {fives}" if fives else "none"),
+        _rss_flat(soak, settled),
+        _rss_trend(samples, settled),
+        _ttft_against_baseline(soak, phases.get("baseline"), settled),
         Target(
             "idle: KV usage, running, waiting back to 0",
             not left,
             f"{len(left)} idle pauses not at 0: {left[:3]}" if left else "every idle pause at 0",
-        )
+        ),
+    ]
+
+
+def _rss_flat(soak: list[Bucket], settled: float) -> Target:
+    """The server's RSS at the idle pauses after warm-up, against the first of them."""
+    name = "RSS after warm-up within 2%"
+    idle = [b.sample.rss_total for b in soak if b.sample is not None and b.sample.t_s >= settled]
+    if not idle:
+        return Target(name, None, "no idle sample after warm-up")
+    worst = max(abs(r - idle[0]) / idle[0] for r in idle)
+    detail = f"{len(idle)} idle samples, largest change {worst:.2%} of {idle[0] / 2**20:.0f} MiB"
+    return Target(name, worst <= RSS_TOLERANCE, detail)
+
+
+def _rss_trend(samples: Sequence[ProcessSample], settled: float) -> Target:
+    """The least-squares growth of the RSS over every sample after warm-up, as a share of its mean."""
+    name = "RSS no upward trend"
+    later = [(s.t_s, float(s.rss_total)) for s in samples if s.t_s >= settled]
+    if len(later) < 2:
+        return Target(name, None, "fewer than two samples after warm-up")
+    slope = least_squares_slope(later)
+    span = later[-1][0] - later[0][0]
+    growth = slope * span / (sum(y for _, y in later) / len(later))
+    detail = f"least-squares slope {slope * 60 / 2**20:+.2f} MiB/min over {span:.0f}s: {growth:+.2%} of the mean"
+    return Target(name, growth <= RSS_TOLERANCE, detail)
+
+
+def _ttft_against_baseline(soak: list[Bucket], base: list[Bucket] | None, settled: float) -> Target:
+    """The normal chats' TTFT p99 in the soak phase (after warm-up, if any) over the baseline phase's."""
+    name = "TTFT p99 within 1.5x baseline"
+    if base is None:
+        return Target(name, None, "no baseline phase (--compare-baseline)")
+    p_soak = nearest_rank(
+        [t for b in soak if b.start_s >= settled for t in b.ttfts_s] or [t for b in soak for t in b.ttfts_s], 99
     )
-    return targets
+    p_base = nearest_rank([t for b in base for t in b.ttfts_s], 99)
+    if p_soak is None or not p_base:
+        return Target(name, None, "no normal chat answered in a phase")
+    ratio = p_soak / p_base
+    return Target(name, ratio <= TTFT_RATIO, f"{p_soak * 1e3:.0f} ms vs {p_base * 1e3:.0f} ms: {ratio:.2f}x")
 
 
 # ------------------------------------------------------------------------------ the report
