@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixserve.loadtest.harness.report import write_json
+from prefixserve.loadtest.harness.stats import floor_rank
 
 MODEL = "smollm2"
 
@@ -66,11 +67,6 @@ def conversation_prompts(encode, users: int, rounds: int, system_len: int, seed:
     return [encode(r.body["messages"]) for r in multi_turn(cfg)]
 
 
-def _pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
 def run_row(name: str, prompts: list[list[int]], output_len: int, **knobs: Any) -> dict[str, Any]:
     from prefixserve.replica.sampling_params import SamplingParams
 
@@ -103,7 +99,7 @@ def run_row(name: str, prompts: list[list[int]], output_len: int, **knobs: Any) 
         "host_hits": host / queries,
         "disk_hits": disk / queries,
         "ttft_p50_s": statistics.median(ttfts),
-        "ttft_p99_s": _pct(ttfts, 0.99),
+        "ttft_p99_s": floor_rank(ttfts, 99),
         "wall_s": wall,
         "token_ids": outs,
     }

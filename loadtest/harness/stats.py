@@ -1,8 +1,9 @@
 """Percentiles and latency summaries of a benchmark's samples.
 
-Two percentile definitions are in use and both are kept, since a benchmark's
+Three percentile definitions are in use and all are kept, since a benchmark's
 published figures depend on the one it has always used: :func:`percentile`
-interpolates between ranks (numpy's default), :func:`nearest_rank` picks a sample.
+interpolates between ranks (numpy's default); :func:`nearest_rank` and
+:func:`floor_rank` pick a sample, at rank ``ceil(q n) - 1`` and ``floor(q n)``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,14 @@ def nearest_rank(values: Sequence[float], q: float) -> float | None:
         return None
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+def floor_rank(values: Sequence[float], q: float) -> float | None:
+    """The sorted sample at index ``floor(q / 100 * n)`` (the last for q = 100); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
 
 
 def summary_ms(values_s: Sequence[float]) -> dict[str, float | None]:

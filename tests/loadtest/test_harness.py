@@ -85,3 +85,12 @@ def test_markdown_table() -> None:
     table = report.markdown_table(["a", "b", "c"], [[1, "x", 2.5], ("y", None, "")], "lr")
     assert table == "| a | b | c |\n|---|---:|---|\n| 1 | x | 2.5 |\n| y | None |  |"
     assert report.markdown_table("a | b | c", [[1, "x", 2.5], ("y", None, "")], "lr") == table
+
+
+def test_floor_rank_takes_the_sample_at_floor_q_n() -> None:
+    xs = [float(i) for i in range(10, 0, -1)]
+    assert stats.floor_rank([], 99) is None
+    assert stats.floor_rank(xs, 99) == 10.0 and stats.floor_rank(xs, 50) == 6.0 and stats.floor_rank(xs, 100) == 10.0
+    for n in range(1, 40):
+        ys = list(range(n))
+        assert stats.floor_rank(ys, 99) == ys[min(n - 1, int(0.99 * n))]
