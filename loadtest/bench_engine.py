@@ -57,6 +57,7 @@ from typing import Any
 
 from prefixserve.common.logs import add_verbose_flag, quiet_libraries
 from prefixserve.loadtest.harness.report import fmt, markdown_table, write_json
+from prefixserve.loadtest.harness.stats import median_run
 
 SYSTEM_LEN, QUESTION_LEN, OUTPUT_LEN = 500, 30, 16
 STARTUP_CHILD = "--startup-child"
@@ -522,8 +523,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    ordered = sorted(runs, key=lambda r: r["requests_per_s"])
-    median = dict(ordered[len(ordered) // 2])
+    median = dict(median_run(runs))
     median["requests_per_s_runs"] = [round(r["requests_per_s"], 3) for r in runs]
     return median
 

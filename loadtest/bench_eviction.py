@@ -54,6 +54,7 @@ from typing import Any
 
 from prefixserve.common.logs import add_verbose_flag, quiet_libraries
 from prefixserve.loadtest.harness.report import config_json, markdown_table, write_json
+from prefixserve.loadtest.harness.stats import median_run
 from prefixserve.replica.kv.block_pool import EVICTION_POLICIES
 
 VOCAB_LOW, VOCAB_HIGH = 100, 49_000  # SmolLM2's ordinary tokens (no specials)
@@ -384,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     for p, rs in runs.items():
         rps = [r["requests_per_s"] for r in rs]
-        med = sorted(rs, key=lambda r: r["requests_per_s"])[len(rs) // 2]
+        med = median_run(rs)
         res["policies"][p] = {
             **med,
             "requests_per_s": statistics.median(rps),

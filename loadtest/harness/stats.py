@@ -9,7 +9,8 @@ interpolates between ranks (numpy's default); :func:`nearest_rank` and
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -41,6 +42,11 @@ def floor_rank(values: Sequence[float], q: float) -> float | None:
         return None
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+
+
+def median_run(runs: Sequence[Mapping[str, Any]], key: str = "requests_per_s") -> Mapping[str, Any]:
+    """Of repeated runs, the one whose ``key`` is the median (the upper middle for an even count)."""
+    return sorted(runs, key=lambda r: r[key])[len(runs) // 2]
 
 
 def summary_ms(values_s: Sequence[float]) -> dict[str, float | None]:

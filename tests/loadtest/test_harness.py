@@ -94,3 +94,8 @@ def test_floor_rank_takes_the_sample_at_floor_q_n() -> None:
     for n in range(1, 40):
         ys = list(range(n))
         assert stats.floor_rank(ys, 99) == ys[min(n - 1, int(0.99 * n))]
+
+
+def test_median_run_is_the_run_at_the_median_rate() -> None:
+    runs = [{"requests_per_s": r, "id": i} for i, r in enumerate([3.0, 1.0, 2.0, 4.0])]
+    assert stats.median_run(runs)["id"] == 0 and stats.median_run(runs[:3])["id"] == 2
