@@ -7,33 +7,11 @@ from __future__ import annotations
 import random
 
 import pytest
+from scheduler_helpers import fake_step, make_seq, random_sequences
 
-from prefixserve.replica.core.request import PreparedRequest, Request, SeqStatus, Sequence
+from prefixserve.replica.core.request import SeqStatus
 from prefixserve.replica.core.scheduler import Scheduler, SchedulerConfig
 from prefixserve.replica.kv.manager import KVCacheManager
-from prefixserve.replica.sampling_params import SamplingParams
-
-
-def make_seq(rid: str, prompt: list[int], max_tokens: int = 4, n: int = 1) -> Sequence:
-    req = Request(
-        PreparedRequest(rid, tuple(prompt), SamplingParams(n=n, temperature=0.0, max_tokens=max_tokens), None, 0.0)
-    )
-    seq = Sequence(rid, req, 0, list(prompt), len(prompt))
-    req.seqs.append(seq)
-    return seq
-
-
-def fake_step(sched: Scheduler, out) -> list[Sequence]:
-    """What the engine does after the model: sampling sequences get a token; done ones finish."""
-    finished = []
-    for s in out.scheduled:
-        if s.samples:
-            seq = s.seq
-            seq.token_ids.append(1000 + seq.num_output_tokens)
-            if seq.num_output_tokens >= seq.request.params.max_tokens:
-                sched.finish(seq)
-                finished.append(seq)
-    return finished
 
 
 def test_budget_and_max_num_seqs():
@@ -113,15 +91,7 @@ def test_randomized_run_keeps_invariants_and_frees_everything():
     rng = random.Random(1234)
     kv = KVCacheManager(40, block_size=4)
     sched = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24), kv)
-    prefixes = [[rng.randrange(1000) for _ in range(rng.randrange(4, 13))] for _ in range(3)]
-    pending = [
-        make_seq(
-            f"r{i}",
-            rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randrange(1, 20))],
-            max_tokens=rng.randrange(1, 12),
-        )
-        for i in range(40)
-    ]
+    pending = random_sequences(rng, 40, num_prefixes=3, prefix_len=(4, 13), suffix_len=(1, 20), max_tokens=(1, 12))
     done = []
     steps = 0
     while pending or sched.has_unfinished():

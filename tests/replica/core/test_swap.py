@@ -9,8 +9,8 @@ import random
 import numpy as np
 import pytest
 from model_helpers import random_prompts
+from scheduler_helpers import FakeDevice, fake_step, random_sequences
 
-from prefixserve.replica.core.request import PreparedRequest, Request, Sequence
 from prefixserve.replica.core.scheduler import Scheduler, SchedulerConfig
 from prefixserve.replica.kv.manager import KVCacheManager
 from prefixserve.replica.sampling_params import SamplingParams
@@ -123,42 +123,6 @@ def test_freeing_a_swapped_request_returns_its_blocks_and_slots():
 # --- the scheduler on a fake device with real contents ------------------------------------
 
 
-def _seq(rid: str, prompt: list[int], max_tokens: int) -> Sequence:
-    req = Request(
-        PreparedRequest(rid, tuple(prompt), SamplingParams(temperature=0.0, max_tokens=max_tokens), None, 0.0)
-    )
-    seq = Sequence(rid, req, 0, list(prompt), len(prompt))
-    req.seqs.append(seq)
-    return seq
-
-
-class FakeDevice:
-    """Block contents (the token id at each slot) moved exactly as the engine moves KV:
-    swap-outs, then swap-ins, then copy-on-write copies, then this step's writes. Every
-    scheduled sequence's table must hold its own tokens at every position already computed."""
-
-    def __init__(self, kv: KVCacheManager) -> None:
-        self.bs = kv.block_size
-        self.device = [[None] * self.bs for _ in range(kv.num_blocks)]
-        self.host = [[None] * self.bs for _ in range(kv.num_host_blocks)]
-
-    def step(self, out) -> None:
-        for dev, slot in out.swap_out:
-            self.host[slot] = list(self.device[dev])
-        for slot, dev in out.swap_in:
-            self.device[dev] = list(self.host[slot])
-        for src, dst in out.copy_ops:
-            self.device[dst] = list(self.device[src])
-        for s in out.scheduled:
-            toks, table = s.seq.token_ids, s.block_table
-            for pos in range(s.start):
-                assert self.device[table[pos // self.bs]][pos % self.bs] == toks[pos], (
-                    f"{s.seq.seq_id}: position {pos} lost its KV"
-                )
-            for pos in range(s.start, s.start + s.num_new_tokens):
-                self.device[table[pos // self.bs]][pos % self.bs] = toks[pos]
-
-
 @pytest.mark.parametrize("caching", [True, False])
 @pytest.mark.parametrize("host_blocks", [64, 1])  # room for everything; so little that swaps fall back
 def test_randomized_swap_run_keeps_every_sequences_kv(caching, host_blocks):
@@ -166,15 +130,7 @@ def test_randomized_swap_run_keeps_every_sequences_kv(caching, host_blocks):
     kv = KVCacheManager(24, block_size=4, enable_prefix_caching=caching, num_host_blocks=host_blocks)
     sched = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24, preemption_mode="swap"), kv)
     dev = FakeDevice(kv)
-    prefixes = [[rng.randrange(1000) for _ in range(rng.randrange(4, 13))] for _ in range(3)]
-    pending = [
-        _seq(
-            f"r{i}",
-            rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randrange(1, 16))],
-            max_tokens=rng.randrange(4, 24),
-        )
-        for i in range(40)
-    ]
+    pending = random_sequences(rng, 40, num_prefixes=3, prefix_len=(4, 13), suffix_len=(1, 16), max_tokens=(4, 24))
     done = 0
     for _ in range(3000):
         if not (pending or sched.has_unfinished()):
@@ -185,13 +141,7 @@ def test_randomized_swap_run_keeps_every_sequences_kv(caching, host_blocks):
         out = sched.schedule()
         assert not (out.swap_out and out.swap_in), "a step both swapped out and in"
         dev.step(out)
-        for s in out.scheduled:
-            if s.samples:
-                seq = s.seq
-                seq.token_ids.append(2000 + seq.num_output_tokens)
-                if seq.num_output_tokens >= seq.request.params.max_tokens:
-                    sched.finish(seq)
-                    done += 1
+        done += len(fake_step(sched, out, first_token=2000))
         for seq in sched.running:
             assert kv.num_tokens(seq.seq_id) == seq.num_computed_tokens
         kv.check_invariants()

@@ -9,8 +9,8 @@ import random
 
 import numpy as np
 import pytest
+from scheduler_helpers import FakeDevice, fake_step, random_sequences
 
-from prefixserve.replica.core.request import PreparedRequest, Request, Sequence
 from prefixserve.replica.core.scheduler import Scheduler, SchedulerConfig
 from prefixserve.replica.kv.manager import KVCacheManager
 from prefixserve.replica.kv.tiers import TIER_BLOCK
@@ -138,46 +138,6 @@ def test_sliding_window_hits_come_back_from_the_host_tier():
 # --- the scheduler on a fake device with real contents ------------------------------------
 
 
-def _seq(rid: str, prompt: list[int], max_tokens: int) -> Sequence:
-    req = Request(
-        PreparedRequest(rid, tuple(prompt), SamplingParams(temperature=0.0, max_tokens=max_tokens), None, 0.0)
-    )
-    seq = Sequence(rid, req, 0, list(prompt), len(prompt))
-    req.seqs.append(seq)
-    return seq
-
-
-class FakeDevice:
-    """Block contents (the token id at each slot) moved as the engine moves KV: swap-outs
-    (offloads included), then swap-ins (copy-backs included), then copy-on-write copies,
-    then the step's writes. Every position already computed must hold its own token."""
-
-    def __init__(self, kv: KVCacheManager) -> None:
-        self.bs = kv.block_size
-        self.device: list[list[int | None]] = [[None] * self.bs for _ in range(kv.num_blocks)]
-        self.host: list[list[int | None]] = [[None] * self.bs for _ in range(kv.num_host_blocks)]
-
-    def step(self, out) -> None:
-        slots = [slot for _, slot in out.swap_out]
-        assert len(slots) == len(set(slots)), "a host slot written twice in one step"
-        for dev, slot in out.swap_out:
-            self.host[slot] = list(self.device[dev])
-        for slot, dev in out.swap_in:
-            self.device[dev] = list(self.host[slot])
-        for src, dst in out.copy_ops:
-            self.device[dst] = list(self.device[src])
-        for s in out.scheduled:
-            toks, table = s.seq.token_ids, s.block_table
-            for pos in range(s.start):
-                if table[pos // self.bs] < 0:
-                    continue
-                assert self.device[table[pos // self.bs]][pos % self.bs] == toks[pos], (
-                    f"{s.seq.seq_id}: position {pos} lost its KV"
-                )
-            for pos in range(s.start, s.start + s.num_new_tokens):
-                self.device[table[pos // self.bs]][pos % self.bs] = toks[pos]
-
-
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 @pytest.mark.parametrize("host_blocks", [48, 2])  # room for much; so little that slots churn
 @pytest.mark.parametrize("budget", [512, 1])
@@ -186,15 +146,7 @@ def test_randomized_tier_run_keeps_every_sequences_kv(mode, host_blocks, budget)
     kv = KVCacheManager(16, block_size=4, num_host_blocks=host_blocks, host_tier=True, max_load_blocks_per_step=budget)
     sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=20, preemption_mode=mode), kv)
     dev = FakeDevice(kv)
-    prefixes = [[rng.randrange(1000) for _ in range(rng.randrange(8, 25))] for _ in range(6)]
-    pending = [
-        _seq(
-            f"r{i}",
-            rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randrange(1, 8))],
-            max_tokens=rng.randrange(2, 10),
-        )
-        for i in range(60)
-    ]
+    pending = random_sequences(rng, 60, num_prefixes=6, prefix_len=(8, 25), suffix_len=(1, 8), max_tokens=(2, 10))
     done = 0
     for _ in range(4000):
         if not (pending or sched.has_unfinished()):
@@ -205,13 +157,7 @@ def test_randomized_tier_run_keeps_every_sequences_kv(mode, host_blocks, budget)
         out = sched.schedule()
         kv.take_tier_ops()
         dev.step(out)
-        for s in out.scheduled:
-            if s.samples:
-                seq = s.seq
-                seq.token_ids.append(2000 + seq.num_output_tokens)
-                if seq.num_output_tokens >= seq.request.params.max_tokens:
-                    sched.finish(seq)
-                    done += 1
+        done += len(fake_step(sched, out, first_token=2000))
         kv.check_invariants()
     assert done == 60 and kv.usage == 0.0
     assert kv.stats.tiers.host_hit_tokens > 0
