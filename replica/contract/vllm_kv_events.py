@@ -33,6 +33,7 @@ Pure: msgspec only (no ZMQ, no torch).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, fields
 from typing import Any
@@ -197,6 +198,19 @@ class KVEventsConfig:
         """Whether a ZMQ publisher runs (events on and the publisher not ``null``)."""
         return self.enable_kv_cache_events and self.publisher == "zmq"
 
+    def to_json(self) -> str:
+        """The JSON object ``from_json`` reads back (vLLM's CLI form)."""
+        return json.dumps(dataclasses.asdict(self))
+
+    def for_rank(self, rank: int) -> KVEventsConfig:
+        """This config for the ``rank``-th of several publishers built from it on one host (the
+        replicas of one Serve deployment): each endpoint moved by ``offset_endpoint``."""
+        return dataclasses.replace(
+            self,
+            endpoint=offset_endpoint(self.endpoint, rank),
+            replay_endpoint=None if self.replay_endpoint is None else offset_endpoint(self.replay_endpoint, rank),
+        )
+
     @classmethod
     def from_json(cls, text: str) -> KVEventsConfig:
         """Parse the JSON object vLLM's CLI takes; unknown keys are refused, by name."""
@@ -211,3 +225,19 @@ class KVEventsConfig:
         if unknown:
             raise ValueError(f"kv_events_config: unknown keys {unknown}; known: {sorted(known)}")
         return cls(**data)
+
+
+def offset_endpoint(endpoint: str, rank: int) -> str:
+    """vLLM's ``offset_endpoint_port`` (its data-parallel ranks' endpoints): a tcp port moved up by
+    ``rank`` (port 0, any free port, left as it is), an inproc name suffixed ``_dp<rank>``; an ipc
+    path suffixed the same way (vLLM refuses ipc there; two publishers cannot share one path)."""
+    if rank < 0:
+        raise ValueError(f"rank must be >= 0, got {rank}")
+    if rank == 0:
+        return endpoint
+    if endpoint.startswith(("inproc://", "ipc://")):
+        return f"{endpoint}_dp{rank}"
+    head, sep, port = endpoint.rpartition(":")
+    if not sep or not port.isdigit() or not head.startswith("tcp://"):
+        raise ValueError(f"a tcp endpoint needs a port to offset, got {endpoint!r}")
+    return endpoint if int(port) == 0 else f"{head}:{int(port) + rank}"

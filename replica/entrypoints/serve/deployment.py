@@ -49,7 +49,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from prometheus_client import generate_latest
@@ -65,9 +65,22 @@ from prefixserve.replica.engine.request_runner import RequestRunner
 from prefixserve.replica.entrypoints.openai import protocol as api
 from prefixserve.replica.errors import ServiceUnavailableError
 
+if TYPE_CHECKING:
+    from prefixserve.replica.config import EngineConfig
+
 __all__ = ["EngineDeployment"]
 
 log = logging.getLogger(__name__)
+
+
+def kv_events_for_rank(config: EngineConfig, rank: int | None) -> EngineConfig:
+    """``config`` with its vLLM-format KV event endpoints moved for this replica's rank (every
+    replica of a deployment gets the same config; vLLM moves its data-parallel ranks' ports the same
+    way), so replicas sharing a host do not bind one port. Unchanged without events or a rank."""
+    events = config.kv_events
+    if events is None or not events.enabled or not rank:
+        return config
+    return dataclasses.replace(config, kv_events_config=events.for_rank(rank).to_json())
 
 
 def replica_rank() -> int | None:
@@ -100,7 +113,7 @@ class EngineDeployment:
         from prefixserve.replica.config import EngineConfig
         from prefixserve.replica.engine.async_engine import AsyncEngine
 
-        self.engine = AsyncEngine(EngineConfig.from_dict(dict(engine_config)))
+        self.engine = AsyncEngine(kv_events_for_rank(EngineConfig.from_dict(dict(engine_config)), replica_rank()))
         self.kv_events = KVEventPublisher(history=HistoryTracker())
         self.engine.metrics.track_cache_bytes("kv_events", lambda: self.kv_events.nbytes)
         self.runner = RequestRunner(self.engine, self.kv_events)
