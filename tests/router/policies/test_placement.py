@@ -74,6 +74,28 @@ def keys_owned_by(owner: str, count: int, names: list[str] = NAMES) -> list[str]
     return found[:count]
 
 
+def skewed_snapshot(
+    version: int, rates: list[float], others_each: int, other_rate: float
+) -> tuple[list[str], list[str], dict[str, object]]:
+    """A leader's snapshot over NAMES in which NAMES[0] holds keys of its own at ``rates`` and every
+    other replica ``others_each`` of its own keys at ``other_rate``: (NAMES[0]'s keys, the others', it)."""
+    ring = HashRing(NAMES)
+    a = NAMES[0]
+    mine = keys_owned_by(a, len(rates))
+    others = [k for n in NAMES[1:] for k in keys_owned_by(n, others_each)]
+    snap = {
+        "format": 1,
+        "version": version,
+        "members": NAMES,
+        "weights": {},
+        "keys": {
+            **{k: {"replicas": [a], "rate": r, "work": 0.0} for k, r in zip(mine, rates)},
+            **{k: {"replicas": [ring.owner(k)], "rate": other_rate, "work": 0.0} for k in others},
+        },
+    }
+    return mine, others, snap
+
+
 def drive(p: Placed, clock: Clock, keys: list[str], seconds: float, rate: float = 10.0) -> None:
     """Requests of ``keys`` in turn at ``rate`` per second for ``seconds``, all replicas idle."""
     n = int(seconds * rate)
@@ -376,23 +398,11 @@ def test_an_imbalance_within_the_counts_noise_moves_nothing_and_a_sure_one_moves
     clock = Clock()
     p = policy(clock, epsilon=0.1, hot_share=1.0, noise_z=2.0)
     p.rank(fleet(), "warm-up")
-    ring = HashRing(NAMES)
     a = NAMES[0]
-    mine = keys_owned_by(a, 6)
-    others = [k for n in NAMES[1:] for k in keys_owned_by(n, 2)]
     # a carries half the requests, each other replica a sixth: over its bound (27.5%) either
     # way; at 30 requests a's excess is within 2 sigma of its count (2 * sqrt(15) = 7.7), at
     # 600 it is not
-    snap = {
-        "format": 1,
-        "version": 3,
-        "members": NAMES,
-        "weights": {},
-        "keys": {
-            **{k: {"replicas": [a], "rate": 2.5 * scale, "work": 0.0} for k in mine},
-            **{k: {"replicas": [ring.owner(k)], "rate": 2.5 * scale, "work": 0.0} for k in others},
-        },
-    }
+    mine, _, snap = skewed_snapshot(3, [2.5 * scale] * 6, 2, 2.5 * scale)
     p.apply_snapshot(snap)
     p.table.rebalance(clock())
     moved = [k for k in mine if p.placement(k) != [a]]
@@ -405,19 +415,8 @@ def test_an_overloaded_replica_sheds_its_largest_keys_to_their_next_successor_wi
     p.rank(fleet(), "warm-up")  # membership
     ring = HashRing(NAMES)
     a = NAMES[0]
-    mine = keys_owned_by(a, 12)
-    others = [k for n in NAMES[1:] for k in keys_owned_by(n, 3)]
     # replica a holds 12 keys with rates 1..12 (78 of 114 in total); the others 3 keys of rate 4 each
-    snap = {
-        "format": 1,
-        "version": 7,
-        "members": NAMES,
-        "weights": {},
-        "keys": {
-            **{k: {"replicas": [a], "rate": float(i + 1), "work": 0.0} for i, k in enumerate(mine)},
-            **{k: {"replicas": [ring.owner(k)], "rate": 4.0, "work": 0.0} for k in others},
-        },
-    }
+    mine, others, snap = skewed_snapshot(7, [float(i + 1) for i in range(12)], 3, 4.0)
     p.apply_snapshot(snap)
     p.table.rebalance(clock())
     loads = {n: r for n, (r, _) in p.table.loads().items()}
@@ -442,24 +441,12 @@ def test_the_smallest_key_covering_the_excess_moves_alone() -> None:
     clock = Clock()
     p = policy(clock, epsilon=0.1, hot_share=1.0)
     p.rank(fleet(), "warm-up")
-    ring = HashRing(NAMES)
     a = NAMES[0]
-    mine = keys_owned_by(a, 5)
-    others = [k for n in NAMES[1:] for k in keys_owned_by(n, 2)]
     # a: 13 of 43 in all (the others 2 keys of 5 each): bound 1.1 * 43 / 4 = 11.825, a's excess 1.175;
     # a destination takes at most 1.825. Smallest cover: 1.5 (not 0.25 + 0.5 and more, not 1.75,
     # which would fit as well).
     rates = [0.25, 0.5, 1.5, 1.75, 9.0]
-    snap = {
-        "format": 1,
-        "version": 3,
-        "members": NAMES,
-        "weights": {},
-        "keys": {
-            **{k: {"replicas": [a], "rate": r, "work": 0.0} for k, r in zip(mine, rates)},
-            **{k: {"replicas": [ring.owner(k)], "rate": 5.0, "work": 0.0} for k in others},
-        },
-    }
+    mine, _, snap = skewed_snapshot(3, rates, 2, 5.0)
     p.apply_snapshot(snap)
     p.table.rebalance(clock())
     moved = [r for k, r in zip(mine, rates) if p.placement(k) != [a]]
@@ -547,20 +534,8 @@ def test_precise_mode_places_a_new_key_where_its_prefix_is_cached() -> None:
 
 def test_precise_mode_sheds_keys_whose_prefix_is_gone_first() -> None:
     clock = Clock()
-    ring = HashRing(NAMES)
     a = NAMES[0]
-    mine = keys_owned_by(a, 12)
-    others = [k for n in NAMES[1:] for k in keys_owned_by(n, 3)]
-    snap = {
-        "format": 1,
-        "version": 1,
-        "members": NAMES,
-        "weights": {},
-        "keys": {
-            **{k: {"replicas": [a], "rate": float(i + 1), "work": 0.0} for i, k in enumerate(mine)},
-            **{k: {"replicas": [ring.owner(k)], "rate": 4.0, "work": 0.0} for k in others},
-        },
-    }
+    mine, _, snap = skewed_snapshot(1, [float(i + 1) for i in range(12)], 3, 4.0)
     p = policy(clock, precise=True, epsilon=0.1, hot_share=1.0)
     p.rank(fleet(), "warm-up")
     p.apply_snapshot(snap)
