@@ -84,3 +84,25 @@ def replay(ctx: zmq.Context, endpoint: str, start: int, timeout_ms: int = 10_000
             out.append(frames[1:])
     finally:
         sock.close()
+
+
+class LegacyKVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    """Older vLLM releases' event base class: events encoded as arrays, not maps."""
+
+
+class LegacyBlockStored(LegacyKVCacheEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class LegacyBlockRemoved(LegacyKVCacheEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None
+
+
+class LegacyKVEventBatch(EventBatch):
+    events: list[LegacyBlockStored | LegacyBlockRemoved]  # type: ignore[assignment]

@@ -110,8 +110,42 @@ class KVEventBatch(EventBatch):
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
+# Older vLLM releases encoded each event as an array (``array_like=True`` on the event base
+# class too): ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id,
+# medium, lora_name, ...]``, the trailing fields a release did not have (or left at their default)
+# absent. Decoded only by consumers (``decode_any_batch``); we never publish it.
+
+
+class _LegacyEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class _LegacyBlockStored(_LegacyEvent, tag="BlockStored"):
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: ExternalBlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+
+
+class _LegacyBlockRemoved(_LegacyEvent, tag="BlockRemoved"):
+    block_hashes: list[ExternalBlockHash]
+    medium: str | None = None
+
+
+class _LegacyAllBlocksCleared(_LegacyEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class _LegacyBatch(EventBatch):
+    events: list[_LegacyBlockStored | _LegacyBlockRemoved | _LegacyAllBlocksCleared]
+
+
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(type=KVEventBatch)
+_LEGACY_DECODER = msgspec.msgpack.Decoder(type=_LegacyBatch)
 
 
 def encode_batch(batch: KVEventBatch) -> bytes:
@@ -122,6 +156,34 @@ def encode_batch(batch: KVEventBatch) -> bytes:
 def decode_batch(payload: bytes) -> KVEventBatch:
     """A payload back into a batch; ``msgspec.DecodeError`` (a ``ValueError``) when malformed."""
     return _DECODER.decode(payload)
+
+
+def decode_any_batch(payload: bytes) -> KVEventBatch:
+    """``decode_batch``, falling back to the older array layout of the events (converted to these
+    structs); ``msgspec.DecodeError``/``ValidationError`` when it is neither."""
+    try:
+        return _DECODER.decode(payload)
+    except msgspec.ValidationError:
+        legacy = _LEGACY_DECODER.decode(payload)
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
+    for e in legacy.events:
+        if isinstance(e, _LegacyBlockStored):
+            events.append(
+                BlockStored(
+                    block_hashes=e.block_hashes,
+                    parent_block_hash=e.parent_block_hash,
+                    token_ids=e.token_ids,
+                    block_size=e.block_size,
+                    lora_id=e.lora_id,
+                    medium=e.medium,
+                    lora_name=e.lora_name,
+                )
+            )
+        elif isinstance(e, _LegacyBlockRemoved):
+            events.append(BlockRemoved(block_hashes=e.block_hashes, medium=e.medium))
+        else:
+            events.append(AllBlocksCleared())
+    return KVEventBatch(ts=legacy.ts, events=events, data_parallel_rank=legacy.data_parallel_rank)
 
 
 def encode_seq(seq: int) -> bytes:

@@ -14,7 +14,8 @@ together. Each frame ``[topic, seq, payload]`` goes through the ``SequenceTracke
 * a seq at or below the last (the publisher restarted, counting from 0): the replica is
   forgotten, then the frame applied.
 
-A frame that is not three parts, a seq that is not 8 bytes, or a payload that does not
+Payloads decode in vLLM 0.32's layout or the array layout of older releases. A frame that is
+not three parts, a seq that is not 8 bytes, or a payload that does not
 decode is counted and skipped; a payload that fails to decode still advances the sequence
 as a loss (the replica is forgotten: its events are unknown). Frames over
 ``max_frame_bytes`` are refused by ZMQ itself. Nothing a publisher sends can stop the
@@ -35,7 +36,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from prefixserve.replica.contract.vllm_kv_events import END_SEQ, decode_batch, decode_seq
+from prefixserve.replica.contract.vllm_kv_events import END_SEQ, decode_any_batch, decode_seq
 from prefixserve.router.kv_index.index import KVEventIndex, SequenceTracker, Verdict
 
 log = logging.getLogger(__name__)
@@ -169,7 +170,7 @@ class ZmqKVEventSubscriber:
     def _apply(self, replica: str, seq: int, payload: bytes) -> bool:
         self.tracker.applied(replica, seq)
         try:
-            batch = decode_batch(payload)
+            batch = decode_any_batch(payload)
         except (msgspec.DecodeError, msgspec.ValidationError):
             self.stats.malformed += 1
             self.index.forget(replica)  # this batch's events are unknown: what the index holds may be stale

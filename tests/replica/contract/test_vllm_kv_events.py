@@ -3,10 +3,15 @@ seq frames, and the endpoints of several publishers built from one config (vLLM'
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from prefixserve.replica.contract.vllm_kv_events import (
+    BlockRemoved,
+    BlockStored,
     KVEventsConfig,
+    decode_any_batch,
+    decode_batch,
     decode_seq,
     encode_seq,
     external_block_hash,
@@ -45,3 +50,37 @@ def test_endpoints_offset_by_rank_as_vllm_offsets_its_data_parallel_ranks():
     moved = cfg.for_rank(2)
     assert (moved.endpoint, moved.replay_endpoint, moved.topic) == ("tcp://*:5559", "tcp://*:5602", "t")
     assert KVEventsConfig.from_json(moved.to_json()) == moved
+
+
+def test_older_releases_array_layout_decodes_to_the_same_events():
+    from vllm_events_helpers import ENCODER, LegacyBlockRemoved, LegacyBlockStored, LegacyKVEventBatch
+
+    payload = ENCODER.encode(
+        LegacyKVEventBatch(
+            ts=2.0,
+            events=[
+                LegacyBlockStored(
+                    block_hashes=[5, 6], parent_block_hash=4, token_ids=[1, 2], block_size=1, lora_id=None, medium="GPU"
+                ),
+                LegacyBlockRemoved(block_hashes=[5], medium="GPU"),
+            ],
+        )
+    )
+    with pytest.raises(msgspec.ValidationError):
+        decode_batch(payload)  # 0.32's decoder wants maps
+    batch = decode_any_batch(payload)
+    assert batch.ts == 2.0
+    assert batch.events == [
+        BlockStored(
+            block_hashes=[5, 6],
+            parent_block_hash=4,
+            token_ids=[1, 2],
+            block_size=1,
+            lora_id=None,
+            medium="GPU",
+            lora_name=None,
+        ),
+        BlockRemoved(block_hashes=[5], medium="GPU"),
+    ]
+    with pytest.raises(msgspec.DecodeError):
+        decode_any_batch(b"\xc1")

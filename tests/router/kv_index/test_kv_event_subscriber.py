@@ -283,3 +283,19 @@ def _vllm(e):
         return VBlockRemoved(**{f: getattr(e, f) for f in e.__struct_fields__})
     assert isinstance(e, AllBlocksCleared)
     return VAllBlocksCleared()
+
+
+def test_an_older_vllms_array_layout_is_indexed_too():
+    from vllm_events_helpers import LegacyBlockRemoved, LegacyBlockStored, LegacyKVEventBatch
+
+    ints = [external_block_hash(h) for h in HASHES]
+    stored = LegacyBlockStored(
+        block_hashes=ints, parent_block_hash=None, token_ids=TOKENS, block_size=16, lora_id=None, medium="GPU"
+    )
+    index = KVEventIndex()
+    sub, src = _subscriber(index)
+    sub.handle(src, [b"", (0).to_bytes(8, "big"), ENCODER.encode(LegacyKVEventBatch(ts=1.0, events=[stored]))])
+    removed = LegacyBlockRemoved(block_hashes=ints[2:], medium="GPU")
+    sub.handle(src, [b"", (1).to_bytes(8, "big"), ENCODER.encode(LegacyKVEventBatch(ts=2.0, events=[removed]))])
+    assert index.longest_prefix(HASHES) == {"v": 2}
+    assert sub.stats.malformed == 0
