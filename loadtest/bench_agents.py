@@ -5,7 +5,7 @@ plus 6 tool definitions each, 3 sessions per tenant, 3 agent steps per
 session whose history grows by a tool call and its result). Each request is
 rendered as the replica renders it (the chat template with ``tools=``, the
 shipped tool template on SmolLM2) and carries its static prefix (system
-prompt + tools, ``LLMEngine.static_prefix_tokens``) for eviction protection.
+prompt + tools, ``InputProcessor.static_prefix_tokens``) for eviction protection.
 Waves of one step each are generated as offline batches, one after the other,
 so TTFT includes queueing within a wave. Greedy, fp32, SmolLM2.
 
@@ -30,8 +30,10 @@ def render(engine: Any, waves: list[list[AgentRequest]]) -> list[list[tuple[list
     for wave in waves:
         rows = []
         for r in wave:
-            ids = engine.encode_chat(r.body["messages"], tools=r.body["tools"])
-            rows.append((ids, engine.static_prefix_tokens(r.body["messages"], ids, tools=r.body["tools"])))
+            ids = engine.input_processor.encode_chat(r.body["messages"], tools=r.body["tools"])
+            rows.append(
+                (ids, engine.input_processor.static_prefix_tokens(r.body["messages"], ids, tools=r.body["tools"]))
+            )
         out.append(rows)
     return out
 

@@ -249,7 +249,7 @@ def main() -> None:
     parser.add_argument("--out", default="results/bench_structured.json")
     args = parser.parse_args()
     llm = LLM("smollm2", max_num_seqs=max(args.batch_sizes), max_model_len=MAX_MODEL_LEN)
-    prompts = [llm.engine.encode_chat(chat(i)) for i in range(max(args.batch_sizes))]
+    prompts = [llm.engine.input_processor.encode_chat(chat(i)) for i in range(max(args.batch_sizes))]
     run_pair(llm, prompts[:2], 4, "-warm")  # warm-up: kernels built, grammar compiled
     pairs = {
         batch: [run_pair(llm, prompts[:batch], args.max_tokens, f"-{batch}-{r}") for r in range(args.repeats)]

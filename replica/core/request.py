@@ -52,15 +52,16 @@ class SeqStatus(enum.Enum):
 class PreparedRequest:
     """One request ready for the engine core: tokenized, validated and fitted, built once.
 
-    The input processor builds it (replica/engine/input_processor.py); the async engine queues
-    it as it is, and the engine core keeps a reference in its ``Request``. Nothing after the
-    input processor changes it or checks it again.
+    The input processor builds it from an EngineRequest (``InputProcessor.build``, its one factory:
+    replica/engine/input_processor.py); the async engine queues it as it is, and the engine core
+    keeps a reference in its ``Request``. Nothing after the input processor changes it or checks
+    it again.
     """
 
     request_id: str
     # Copied once from the tokenizer's list; each sequence extends its own list from it.
     prompt_token_ids: tuple[int, ...]
-    # Fitted to the prompt (replica/engine/request_runner.py fit_max_tokens) and validated.
+    # Fitted to the prompt (replica/engine/input_processor.py fit_max_tokens) and validated.
     params: SamplingParams
     cache_salt: str | None
     # When the engine host received it (time.monotonic()): its queue time starts here.

@@ -37,7 +37,7 @@ from prefixserve.replica.engine.core import LLMEngine
 from prefixserve.replica.engine.metrics import EngineMetrics, EngineStats
 from prefixserve.replica.engine.output_processor import EngineUpdate
 from prefixserve.replica.engine.tokenizer_executor import TokenizerExecutor, messages_chars
-from prefixserve.replica.errors import EngineDeadError, EngineOverloadedError, RequestRejected
+from prefixserve.replica.errors import EngineDeadError
 from prefixserve.replica.sampling_params import SamplingParams
 from prefixserve.replica.tool_calling.choice import ToolCallMode
 
@@ -144,9 +144,6 @@ class AsyncEngine:
                 )
             raise EngineDeadError(f"the engine loop is not running: {cause}")
 
-    def encode_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
-        return self.engine.encode_chat(messages, **template_kwargs)
-
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
@@ -155,7 +152,7 @@ class AsyncEngine:
     @property
     def max_messages(self) -> int | None:
         """Messages above which a chat cannot fit ``max_model_len``; None when the template gives no bound."""
-        return self.engine.max_messages
+        return self.engine.input_processor.max_messages
 
     def prefix_block_hashes(self, token_ids: Sequence[int], cache_salt: str | None, max_blocks: int) -> list[bytes]:
         """The Contract-2 hashes of the first full blocks of ``token_ids`` (at most ``max_blocks``), as
@@ -202,17 +199,7 @@ class AsyncEngine:
         self.check_health()
         arrival = time.monotonic()
         grammar = await processor.compile_grammar_async(encoded.params)
-        return processor.build(
-            request.request_id,
-            encoded,
-            arrival_time=arrival,
-            prompt=request.prompt if isinstance(request.prompt, str) else None,
-            cache_salt=request.cache_salt,
-            trace_headers=request.trace_headers,
-            conversation=request.conversation,
-            tool_mode=request.tool_mode,
-            grammar=grammar,
-        )
+        return processor.build(request, encoded, grammar, arrival_time=arrival)
 
     async def generate(
         self,
@@ -225,8 +212,10 @@ class AsyncEngine:
         static_prefix_tokens: int = 0,
         tool_mode: ToolCallMode | None = None,
     ) -> AsyncGenerator[StreamDelta, None]:
-        """Process a prompt and stream its deltas (``conversation``, ``static_prefix_tokens``, ``tool_mode``:
-        see LLMEngine.add_request; ``stream`` for the stream's errors).
+        """Process a prompt its caller rendered and stream its deltas (``conversation``,
+        ``static_prefix_tokens``, ``tool_mode``: see LLMEngine.add_request; ``stream`` for the stream's
+        errors). The prompt is built as an EngineRequest's (InputProcessor.build), encoded as given
+        (``encode_prompt``: no chat template, no ``max_tokens`` fitting).
 
         Raises PromptTooLongError / RequestRejected / EngineOverloadedError / EngineDeadError
         before the first delta.
@@ -234,6 +223,15 @@ class AsyncEngine:
         self.check_health()
         processor = self.engine.input_processor
         arrival = time.monotonic()
+        request = EngineRequest(
+            request_id=request_id or uuid.uuid4().hex,
+            prompt=prompt,
+            sampling=params,
+            cache_salt=cache_salt,
+            trace_headers=dict(trace_headers) if trace_headers is not None else None,
+            conversation=conversation,
+            tool_mode=tool_mode,
+        )
         if isinstance(prompt, str):
             processor.check_prompt_text(prompt)  # cheap: no thread for what cannot fit
             # Tokenizing a long text takes milliseconds: not on the event loop.
@@ -244,17 +242,7 @@ class AsyncEngine:
         else:
             encoded = processor.encode_prompt(prompt, params, static_prefix_tokens=static_prefix_tokens)
         grammar = await processor.compile_grammar_async(params)
-        prepared = processor.build(
-            request_id or uuid.uuid4().hex,
-            encoded,
-            arrival_time=arrival,
-            prompt=prompt if isinstance(prompt, str) else None,
-            cache_salt=cache_salt,
-            trace_headers=trace_headers,
-            conversation=conversation,
-            tool_mode=tool_mode,
-            grammar=grammar,
-        )
+        prepared = processor.build(request, encoded, grammar, arrival_time=arrival)
         # Closed with this generator: a consumer leaving early aborts the request at once.
         async with contextlib.aclosing(self.stream(prepared)) as deltas:
             async for delta in deltas:
@@ -271,15 +259,12 @@ class AsyncEngine:
         """
         request_id = request.request_id
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        bound = self.config.max_waiting_requests
         with self._lock:
             # Checked again under the lock: the loop's final sweep of streams takes it too, so a
             # stream registered after that sweep cannot wait forever.
             self.check_health()
-            if request_id in self._streams:
-                raise RequestRejected(f"request id {request_id!r} is already in use")
-            if bound is not None and self.engine.scheduler.num_waiting + self._pending_adds >= bound:
-                raise EngineOverloadedError(f"the waiting queue is full (max_waiting_requests={bound}); retry later")
+            # The ids in use are the streams'; the queue holds the requests not added yet too.
+            self.engine.check_admission(request_id, in_use=self._streams, pending=self._pending_adds)
             self._streams[request_id] = stream
             self._pending_adds += 1
             self._commands.append(request)

@@ -1,7 +1,8 @@
 """LLMEngine: one engine replica's state (scheduler, KV manager, runner), one step at a time.
 
 LLMEngine wires the parts: its input processor (replica/engine/input_processor.py) turns a
-prompt into one validated ``PreparedRequest``, which ``add_prepared`` queues as it is; each
+prompt into one validated ``PreparedRequest``, which ``add_prepared`` queues as it is (what hosts
+and tools ask of prompts, they ask the input processor: ``engine.input_processor``); each
 ``step`` asks the Scheduler for a plan, has the ModelRunner run it, forks the children of
 ``n > 1`` requests after their prompt's prefill, and hands the sampled tokens to its output
 processor (replica/engine/output_processor.py: stop checks, deltas, finished outputs).
@@ -28,7 +29,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Container, Mapping
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ import torch
 from prefixserve.common.tracing import RequestTracer, build_tracer
 from prefixserve.replica.config import MAX_MODEL_LEN_CAP, EngineConfig
 from prefixserve.replica.contract.finish_reason import FinishReason
+from prefixserve.replica.contract.request import EngineRequest
 from prefixserve.replica.core.request import PreparedRequest, Request, Sequence
 from prefixserve.replica.core.sched_output import ScheduledSeq
 from prefixserve.replica.core.scheduler import Scheduler, SchedulerConfig
@@ -62,7 +64,7 @@ from prefixserve.replica.structured_output.state import SequenceGrammar
 from prefixserve.replica.structured_output.xgrammar_backend import XGrammarBackend
 from prefixserve.replica.tool_calling.choice import ToolCallMode
 from prefixserve.replica.tool_calling.templates import load_chat_template
-from prefixserve.replica.worker.sampler import SampleSpec
+from prefixserve.replica.worker.sampler import SampleResult, SampleSpec
 
 log = logging.getLogger(__name__)
 
@@ -298,54 +300,6 @@ class LLMEngine:
     def tracer(self, tracer: RequestTracer | None) -> None:
         self.output_processor.tracer = tracer
 
-    # The input processor's answers (InputProcessor's methods of the same names), for the offline
-    # API, benchmarks and tools that hold an LLMEngine.
-
-    @property
-    def max_prompt_chars(self) -> int | None:
-        """Characters above which a text prompt cannot fit; None if unknown."""
-        return self.input_processor.max_prompt_chars
-
-    @property
-    def min_message_tokens(self) -> int:
-        """The fewest tokens the chat template renders for one message; 0 if unknown."""
-        return self.input_processor.min_message_tokens
-
-    @property
-    def max_messages(self) -> int | None:
-        """Messages above which a chat cannot fit ``max_model_len``; None if unknown."""
-        return self.input_processor.max_messages
-
-    def check_prompt_text(self, prompt: str) -> None:
-        """Refuse (PromptTooLongError) a text prompt too long to fit, without tokenizing it."""
-        self.input_processor.check_prompt_text(prompt)
-
-    def check_messages_size(self, messages: list[dict[str, Any]]) -> None:
-        """Refuse (PromptTooLongError) a chat too long to fit, without rendering it."""
-        self.input_processor.check_messages_size(messages)
-
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        """The token ids of a text prompt, or a token-id prompt's as ints."""
-        return self.input_processor.tokenize(prompt)
-
-    def encode_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
-        """Token ids of a conversation through the chat template (generation prompt added)."""
-        return self.input_processor.encode_chat(messages, **template_kwargs)
-
-    def static_prefix_tokens(
-        self, messages: list[dict[str, Any]], prompt_ids: list[int], **template_kwargs: Any
-    ) -> int:
-        """How many leading tokens of ``prompt_ids`` are the conversation's static prefix."""
-        return self.input_processor.static_prefix_tokens(messages, prompt_ids, **template_kwargs)
-
-    def validate(self, prompt_ids: list[int], params: SamplingParams, *, prompt_field: str = "messages") -> None:
-        """Raise RequestRejected / PromptTooLongError for a request that can never be served."""
-        self.input_processor.validate(prompt_ids, params, prompt_field=prompt_field)
-
-    def bad_words_token_ids(self, bad_words: list[str]) -> tuple[tuple[int, ...], ...]:
-        """vLLM's tokenization of ``bad_words``."""
-        return self.input_processor.bad_words_token_ids(bad_words)
-
     def add_request(
         self,
         request_id: str | None,
@@ -354,54 +308,61 @@ class LLMEngine:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         *,
-        prompt_text: str | None = None,
         trace_headers: Mapping[str, str] | None = None,
         conversation: bool = False,
         static_prefix_tokens: int = 0,
         grammar: Any = None,
         tool_mode: ToolCallMode | None = None,
     ) -> Request:
-        """Process a prompt (``InputProcessor.process``, in the caller's thread) and queue it.
+        """Build a prompt its caller rendered into an EngineRequest's PreparedRequest (the input
+        processor's ``encode_prompt`` and ``build``, in the caller's thread) and queue it.
 
-        ``prompt_text`` is reported back when ``prompt`` is token ids.
         ``trace_headers``: the W3C trace context the request arrived with (its spans' parent).
         ``conversation``: a turn whose answer the next turn's prompt repeats (its generated
         blocks are not sent to the cold end of the eviction order).
         ``static_prefix_tokens``: the prompt's leading tokens other requests share (its system
-        prompt, ``static_prefix_tokens()``): their blocks are kept as reused ones are.
+        prompt, ``InputProcessor.static_prefix_tokens``): their blocks are kept as reused ones are.
         ``grammar``: the compiled grammar of ``params.structured_outputs`` (``self.grammars``);
         when it is missing the constraint is compiled here.
         ``tool_mode``: read each sequence's text for tool calls (StreamDelta.content / tool_calls).
         """
-        request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self.requests:
-            raise RequestRejected(f"request id {request_id!r} is already in use")
-        prepared = self.input_processor.process(
-            request_id,
-            prompt,
-            params,
-            arrival_time=arrival_time or time.monotonic(),
-            prompt_text=prompt_text,
+        request = EngineRequest(
+            request_id=request_id or f"req-{next(self._ids)}",
+            prompt=prompt,
+            sampling=params,
             cache_salt=cache_salt,
-            trace_headers=trace_headers,
+            trace_headers=dict(trace_headers) if trace_headers is not None else None,
             conversation=conversation,
-            static_prefix_tokens=static_prefix_tokens,
             tool_mode=tool_mode,
-            grammar=grammar,
         )
-        return self.add_prepared(prepared)
+        processor = self.input_processor
+        arrival = arrival_time or time.monotonic()
+        encoded = processor.encode_prompt(prompt, params, static_prefix_tokens=static_prefix_tokens)
+        if grammar is None:
+            grammar = processor.compile_grammar(params)
+        return self.add_prepared(processor.build(request, encoded, grammar, arrival_time=arrival))
+
+    def check_admission(self, request_id: str, *, in_use: Container[str] | None = None, pending: int = 0) -> None:
+        """What admitting a request depends on besides the request (which the input processor checked):
+        raise RequestRejected when its id is in use, EngineOverloadedError when the waiting queue is full.
+
+        ``in_use``: the ids taken (default: this engine's requests; the async engine's are its streams');
+        ``pending``: requests on their way to the waiting queue (the async engine's, not added yet).
+        """
+        if request_id in (self.requests if in_use is None else in_use):
+            raise RequestRejected(f"request id {request_id!r} is already in use")
+        bound = self.config.max_waiting_requests
+        waiting = self.scheduler.num_waiting + pending
+        if bound is not None and waiting >= bound:
+            raise EngineOverloadedError(
+                f"{waiting} requests are already waiting (max_waiting_requests={bound}); retry later"
+            )
 
     def add_prepared(self, prepared: PreparedRequest) -> Request:
         """Queue a request the input processor prepared (validated there; nothing is checked again
-        but what depends on the engine's state now: its id, the waiting queue's bound)."""
+        but what depends on the engine's state now: ``check_admission``)."""
         request_id = prepared.request_id
-        if request_id in self.requests:
-            raise RequestRejected(f"request id {request_id!r} is already in use")
-        bound = self.config.max_waiting_requests
-        if bound is not None and self.scheduler.num_waiting >= bound:
-            raise EngineOverloadedError(
-                f"{self.scheduler.num_waiting} requests are already waiting (max_waiting_requests={bound}); retry later"
-            )
+        self.check_admission(request_id)
         req = Request(prepared)
         seq = self._new_sequence(req, 0)
         self.scheduler.add(seq)
@@ -599,38 +560,11 @@ class LLMEngine:
         return updates
 
     def _complete_oldest(self, timer: StepTimer | None = None) -> list[EngineUpdate]:
-        """Wait for the oldest step in flight and process its outputs; a sequence finished or
-        aborted since it was scheduled has its row discarded."""
+        """Wait for the oldest step in flight and process its outputs (``_post_step``)."""
         step, out = self.pipeline.wait_oldest()
         if timer is not None:
             timer.lap("forward")
-        now = time.monotonic()
-        failed: dict[str, tuple[Request, Exception]] = {}
-        touched: dict[str, Request] = {}
-        appended = 0
-        for seq, result in zip(step.owners, out.results):
-            req = seq.request
-            rid = req.request_id
-            if seq.is_finished or rid in failed:
-                continue
-            try:
-                if result.error is not None:
-                    raise result.error
-                reason = self.output_processor.append_token(seq, result.token_id, result.logprobs, now)
-                appended += 1
-                # The block the token completes is registered as a synchronous step would have.
-                self.kv_manager.register_known(seq.seq_id, seq.token_ids)
-                if reason is not None:
-                    self._finish(seq, reason)
-            except Exception as exc:  # noqa: BLE001 - this request fails alone
-                failed[rid] = (req, self._request_error(req, exc))
-                continue
-            touched[rid] = req
-        if timer is not None:
-            timer.lap("detokenize")
-        updates = self._updates(touched, failed, now)
-        self._observe_step(step.num_prompt_tokens, appended)
-        return updates + self._fail_all(failed)
+        return self._post_step(step.owners, out.results, {}, step.num_prompt_tokens, timer, pipelined=True)
 
     def _step_sync(self) -> list[EngineUpdate]:
         """One step on the engine thread: schedule, forward, sample, post-process."""
@@ -708,17 +642,47 @@ class LLMEngine:
                 for child in children:
                     self.kv_manager.free(child.seq_id)
                 failed[parent.request.request_id] = (parent.request, self._request_error(parent.request, exc))
+        num_prompt = sum(s.num_new_tokens for s in plan.scheduled if s.start < s.seq.num_prompt_tokens)
+        updates = self._post_step(owners, results, failed, num_prompt, timer, pipelined=False)
+        if timer is not None:
+            timer.finish("output", len(plan.scheduled))
+        return updates
+
+    def _post_step(
+        self,
+        owners: list[Sequence],
+        results: list[SampleResult],
+        failed: dict[str, tuple[Request, Exception]],
+        num_prompt_tokens: int,
+        timer: StepTimer | None,
+        *,
+        pipelined: bool,
+    ) -> list[EngineUpdate]:
+        """A step's sampled tokens into their requests, for both step paths: each owner's token
+        appended (detokenization, stop checks), finished sequences ended, the step's updates and
+        metrics, the failed requests (``failed``, and any whose work fails here, alone) reported
+        and freed.
+
+        ``pipelined``: the step ran on the pipeline while the next one was scheduled, so a sequence
+        finished or aborted since has its row discarded, the block a token completes is registered
+        here (a synchronous step registered it when it scheduled), and only the tokens appended
+        count as generated (a synchronous step counts each sampled row).
+        """
         now = time.monotonic()
         touched: dict[str, Request] = {}
+        appended = 0
         for seq, result in zip(owners, results):
             req = seq.request
             rid = req.request_id
-            if rid in failed:
+            if seq.is_finished or rid in failed:
                 continue
             try:
                 if result.error is not None:
                     raise result.error
                 reason = self.output_processor.append_token(seq, result.token_id, result.logprobs, now)
+                appended += 1
+                if pipelined:
+                    self.kv_manager.register_known(seq.seq_id, seq.token_ids)
                 if reason is not None:
                     self._finish(seq, reason)
             except Exception as exc:  # noqa: BLE001 - this request fails alone
@@ -728,12 +692,8 @@ class LLMEngine:
         if timer is not None:
             timer.lap("detokenize")
         updates = self._updates(touched, failed, now)
-        num_prompt = sum(s.num_new_tokens for s in plan.scheduled if s.start < s.seq.num_prompt_tokens)
-        self._observe_step(num_prompt, len(owners))
-        updates += self._fail_all(failed)
-        if timer is not None:
-            timer.finish("output", len(plan.scheduled))
-        return updates
+        self._observe_step(num_prompt_tokens, appended if pipelined else len(owners))
+        return updates + self._fail_all(failed)
 
     def _updates(
         self, touched: dict[str, Request], failed: dict[str, tuple[Request, Exception]], now: float

@@ -7,16 +7,18 @@ the static-prefix token count, ``bad_words`` as token ids and the grammar of a s
 output. The result is a frozen ``PreparedRequest`` (replica/core/request.py) that nothing
 after this module checks or copies again.
 
-The blocking steps (``encode_request``, ``encode_prompt``) run on the engine's tokenizer
-thread in a server (replica/engine/async_engine.py), in the caller's thread offline; the
-grammar compiles in the grammar cache's workers before ``build`` (``compile_grammar_async``).
+A request is built in three steps, whoever asks: its encoding (``encode_request`` for an
+EngineRequest, ``encode_prompt`` for a prompt its caller rendered, offline), its grammar
+(``compile_grammar`` / ``compile_grammar_async``) and ``build``, the one factory from an
+EngineRequest to its PreparedRequest. The blocking steps run on the engine's tokenizer thread
+and in the grammar cache's workers in a server (replica/engine/async_engine.py), in the
+caller's thread offline (replica/engine/core.py ``add_request``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from prefixserve.replica.config import EngineConfig
@@ -27,7 +29,6 @@ from prefixserve.replica.engine.bounded_memo import BoundedMemo, str_bytes
 from prefixserve.replica.errors import BadRequestError, PromptTooLongError, RequestRejected
 from prefixserve.replica.sampling_params import SamplingParams
 from prefixserve.replica.structured_output.compile import GrammarCache
-from prefixserve.replica.tool_calling.choice import ToolCallMode
 from prefixserve.replica.tool_calling.templates import template_for
 
 # Distinct system prompts whose token ids InputProcessor.static_prefix_tokens remembers, and their bytes
@@ -358,71 +359,31 @@ class InputProcessor:
         return None if constraint is None else await self.grammars.get_async(constraint)
 
     def build(
-        self,
-        request_id: str,
-        encoded: EncodedPrompt,
-        *,
-        arrival_time: float | None = None,
-        prompt: str | None = None,
-        cache_salt: str | None = None,
-        trace_headers: Mapping[str, str] | None = None,
-        conversation: bool = False,
-        tool_mode: ToolCallMode | None = None,
-        grammar: Any = None,
+        self, request: EngineRequest, encoded: EncodedPrompt, grammar: Any, *, arrival_time: float
     ) -> PreparedRequest:
-        """The PreparedRequest of an encoded prompt; ``grammar`` must be the compiled grammar of a
-        constrained request (``compile_grammar``), and is dropped for a free one."""
+        """The one factory of a PreparedRequest: ``request`` (its id, text prompt, cache salt, trace
+        context, conversation flag and tool mode) with its encoding (``encode_request``; offline,
+        ``encode_prompt`` of a prompt its caller rendered) and ``grammar``, the compiled grammar of a
+        constrained request (``compile_grammar``; dropped for a free one).
+
+        ``arrival_time``: when the engine host received it (time.monotonic()), where its queue time starts.
+        """
         constrained = encoded.params.structured_outputs is not None
         if constrained and grammar is None:
             raise ValueError("a constrained request needs its compiled grammar")
         return PreparedRequest(
-            request_id=request_id,
+            request_id=request.request_id,
             prompt_token_ids=encoded.token_ids,
             params=encoded.params,
-            cache_salt=cache_salt,
-            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
-            prompt=prompt,
-            trace_headers=trace_headers,
-            conversation=conversation,
+            cache_salt=request.cache_salt,
+            arrival_time=arrival_time,
+            prompt=request.prompt if isinstance(request.prompt, str) else None,
+            trace_headers=request.trace_headers,
+            conversation=request.conversation,
             static_prefix_tokens=encoded.static_prefix_tokens,
             bad_words_token_ids=encoded.bad_words_token_ids,
-            tool_mode=tool_mode,
+            tool_mode=request.tool_mode,
             grammar=grammar if constrained else None,
-        )
-
-    def process(
-        self,
-        request_id: str,
-        prompt: str | Sequence[int],
-        params: SamplingParams,
-        *,
-        arrival_time: float | None = None,
-        prompt_text: str | None = None,
-        cache_salt: str | None = None,
-        trace_headers: Mapping[str, str] | None = None,
-        conversation: bool = False,
-        static_prefix_tokens: int = 0,
-        tool_mode: ToolCallMode | None = None,
-        grammar: Any = None,
-    ) -> PreparedRequest:
-        """A prompt to its PreparedRequest in the caller's thread (the offline path; blocking).
-
-        ``prompt_text`` is reported back when ``prompt`` is token ids. ``grammar``: the compiled
-        grammar of ``params.structured_outputs``, compiled here when missing.
-        """
-        encoded = self.encode_prompt(prompt, params, static_prefix_tokens=static_prefix_tokens)
-        if grammar is None:
-            grammar = self.compile_grammar(params)
-        return self.build(
-            request_id,
-            encoded,
-            arrival_time=arrival_time,
-            prompt=prompt if isinstance(prompt, str) else prompt_text,
-            cache_salt=cache_salt,
-            trace_headers=trace_headers,
-            conversation=conversation,
-            tool_mode=tool_mode,
-            grammar=grammar,
         )
 
 

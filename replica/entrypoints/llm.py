@@ -123,10 +123,10 @@ class LLM:
         """Generate replies to conversations (lists of ``{"role", "content"}`` messages)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
-        prompts = [self.engine.encode_chat(list(c), **template_kwargs) for c in conversations]
+        prompts = [self.engine.input_processor.encode_chat(list(c), **template_kwargs) for c in conversations]
         turns = [is_conversation_turn(list(c), {}) for c in conversations]
         statics = [
-            self.engine.static_prefix_tokens(list(c), ids, **template_kwargs)
+            self.engine.input_processor.static_prefix_tokens(list(c), ids, **template_kwargs)
             for c, ids in zip(conversations, prompts, strict=True)
         ]
         return self.generate(prompts, params, use_tqdm=use_tqdm, conversation=turns, static_prefix_tokens=statics)

@@ -177,7 +177,9 @@ def test_a_real_engine_feeds_the_publisher_through_the_request_runner(tmp_path):
         kv = engine.engine.kv_manager
         prefix = pub.prefix("tenant")
         assert len(prefix) >= 4  # the system prompt's blocks, not the questions'
-        ids = engine.encode_chat([{"role": "system", "content": system}, {"role": "user", "content": "x"}])
+        ids = engine.engine.input_processor.encode_chat(
+            [{"role": "system", "content": system}, {"role": "user", "content": "x"}]
+        )
         assert prefix == kv.hasher.hash_blocks(ids, kv.block_size, None)[: len(prefix)]
         payload = pub.publish(kv.pool.hash_to_block.__contains__)
         assert payload["held"]["tenant"] == [len(prefix), len(prefix)]

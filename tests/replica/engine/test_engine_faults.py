@@ -81,13 +81,13 @@ def test_logit_bias_steers_generation(llm):
 
 def test_a_text_prompt_too_long_to_fit_is_refused_before_tokenizing(llm):
     engine = llm.engine
-    assert engine.max_prompt_chars is not None
+    assert engine.input_processor.max_prompt_chars is not None
     with pytest.raises(PromptTooLongError, match="characters"):
-        engine.tokenize("a" * (engine.max_prompt_chars + 1))
+        engine.input_processor.tokenize("a" * (engine.input_processor.max_prompt_chars + 1))
     # The bound is sound: no text packs more characters into a token than the longest vocab string.
-    longest = engine.max_prompt_chars // engine.max_model_len
+    longest = engine.input_processor.max_prompt_chars // engine.max_model_len
     for text in ("\n" + " " * 500 + "x", "hello world " * 50, "é€😀" * 100, "<|im_start|>" * 30):
-        assert len(text) <= longest * len(engine.tokenize(text))
+        assert len(text) <= longest * len(engine.input_processor.tokenize(text))
 
 
 # --- one request fails alone --------------------------------------------------------------
@@ -247,7 +247,7 @@ async def test_text_prompts_are_tokenized_off_the_event_loop(llm, ckpt):
         assert sum(len(d.token_ids) for d in deltas) >= 1
         assert threads and threading.get_ident() not in threads
         with pytest.raises(PromptTooLongError):
-            await _collect(engine, "a" * (engine.engine.max_prompt_chars + 1), LONG, "huge")
+            await _collect(engine, "a" * (engine.engine.input_processor.max_prompt_chars + 1), LONG, "huge")
     finally:
         del engine.engine.input_processor.tokenize
         await engine.shutdown()

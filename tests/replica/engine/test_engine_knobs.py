@@ -130,18 +130,18 @@ def test_the_static_prefix_is_the_system_part_of_the_templated_prompt(tmp_path):
     with LLM(str(tiny_checkpoint(tmp_path / "tiny")), block_size=4, num_kv_blocks=32) as llm:
         engine = llm.engine
         chat = [{"role": "system", "content": _SYSTEM}, {"role": "user", "content": "Do you sell rye bread?"}]
-        ids = engine.encode_chat(chat)
-        alone = engine.encode_chat(chat[:1], add_generation_prompt=False)
-        n = engine.static_prefix_tokens(chat, ids)
+        ids = engine.input_processor.encode_chat(chat)
+        alone = engine.input_processor.encode_chat(chat[:1], add_generation_prompt=False)
+        n = engine.input_processor.static_prefix_tokens(chat, ids)
         assert 0 < n == len(alone) < len(ids) and ids[:n] == alone
-        assert engine.static_prefix_tokens(chat, ids) == n  # memoized: the same answer
+        assert engine.input_processor.static_prefix_tokens(chat, ids) == n  # memoized: the same answer
         # Two leading static messages count together; a user-only chat has none.
         two = [chat[0], {"role": "developer", "content": "Never mention prices."}, chat[1]]
-        two_ids = engine.encode_chat(two)
-        assert n < engine.static_prefix_tokens(two, two_ids) < len(two_ids)
-        assert engine.static_prefix_tokens(chat[1:], engine.encode_chat(chat[1:])) == 0
+        two_ids = engine.input_processor.encode_chat(two)
+        assert n < engine.input_processor.static_prefix_tokens(two, two_ids) < len(two_ids)
+        assert engine.input_processor.static_prefix_tokens(chat[1:], engine.input_processor.encode_chat(chat[1:])) == 0
         # Another prompt than the one the messages render to: only the common run counts.
-        assert engine.static_prefix_tokens(chat, ids[:3] + [0] * 20) == 3
+        assert engine.input_processor.static_prefix_tokens(chat, ids[:3] + [0] * 20) == 3
 
 
 def _static_prefix_survives(tmp_path, protect: bool) -> bool:
@@ -162,8 +162,8 @@ def _static_prefix_survives(tmp_path, protect: bool) -> bool:
     ) as llm:
         engine, kv = llm.engine, llm.engine.kv_manager
         chat = [{"role": "system", "content": _SYSTEM}, {"role": "user", "content": "Do you sell rye bread?"}]
-        ids = engine.encode_chat(chat)
-        prefix_blocks = engine.static_prefix_tokens(chat, ids) // 4
+        ids = engine.input_processor.encode_chat(chat)
+        prefix_blocks = engine.input_processor.static_prefix_tokens(chat, ids) // 4
         prefix_hashes = kv.hasher.hash_blocks(ids, 4, None, stop=prefix_blocks)
         llm.chat(chat, greedy)
         llm.generate([[300 + i for i in range(4 * prefix_blocks + 4)]], greedy)  # B: younger than A
@@ -212,8 +212,8 @@ def test_the_request_runner_hands_the_static_prefix_to_the_engine(tmp_path):
     try:
         asyncio.run(ask())
         llm = engine.engine
-        ids = llm.encode_chat(chat)
-        static = llm.static_prefix_tokens(chat, ids) // 4
+        ids = llm.input_processor.encode_chat(chat)
+        static = llm.input_processor.static_prefix_tokens(chat, ids) // 4
         pool = llm.kv_manager.pool
         where = [pool._where[pool.hash_to_block[h]] for h in llm.kv_manager.hasher.hash_blocks(ids, 4, None)]
         assert 0 < static < len(where)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 import pytest
 
@@ -27,6 +28,12 @@ def engine(ckpt):
     asyncio.run(engine.shutdown())
 
 
+def _prepare(engine, request: EngineRequest) -> PreparedRequest:
+    """``request`` through the input processor's one factory, in this thread (no grammar: unconstrained)."""
+    processor = engine.engine.input_processor
+    return processor.build(request, processor.encode_request(request), None, arrival_time=time.monotonic())
+
+
 @pytest.fixture
 def validations(engine, monkeypatch):
     """Every call of the engine's one validation, with the prompt it checked."""
@@ -43,8 +50,8 @@ def validations(engine, monkeypatch):
 
 
 def test_the_prepared_request_is_frozen_and_holds_the_prompt_as_a_tuple(engine):
-    processor = engine.engine.input_processor
-    prepared = processor.process("r-frozen", [5, 6, 7], SamplingParams(max_tokens=2), cache_salt="s")
+    request = EngineRequest("r-frozen", prompt=[5, 6, 7], sampling=SamplingParams(max_tokens=2), cache_salt="s")
+    prepared = _prepare(engine, request)
     assert isinstance(prepared, PreparedRequest)
     assert prepared.prompt_token_ids == (5, 6, 7) and isinstance(prepared.prompt_token_ids, tuple)
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -55,7 +62,7 @@ def test_the_prepared_request_is_frozen_and_holds_the_prompt_as_a_tuple(engine):
 
 def test_the_async_engine_queues_the_prepared_request_as_it_is(engine, monkeypatch):
     llm_engine = engine.engine
-    prepared = llm_engine.input_processor.process("r-queued", [9, 10, 11], SamplingParams(max_tokens=1))
+    prepared = _prepare(engine, EngineRequest("r-queued", prompt=[9, 10, 11], sampling=SamplingParams(max_tokens=1)))
     received: list[PreparedRequest] = []
     add_prepared = llm_engine.add_prepared
 
@@ -76,9 +83,10 @@ def test_the_async_engine_queues_the_prepared_request_as_it_is(engine, monkeypat
 def test_the_scheduler_request_reads_the_prepared_request_it_was_given(engine):
     """The core keeps the object as it is: the Request's fields are the PreparedRequest's, not copies."""
     llm_engine = engine.engine
-    prepared = llm_engine.input_processor.process(
-        "r-held", [9, 10, 11, 12], SamplingParams(max_tokens=1), cache_salt="salt", conversation=True
+    request = EngineRequest(
+        "r-held", prompt=[9, 10, 11, 12], sampling=SamplingParams(max_tokens=1), cache_salt="salt", conversation=True
     )
+    prepared = _prepare(engine, request)
     # The engine thread is idle (nothing queued): the core may be driven from here.
     held = llm_engine.add_prepared(prepared)
     try:

@@ -97,7 +97,7 @@ def test_bad_words_never_appear_in_the_output(llm, prompts):
     base = _greedy_tokens(llm, prompts[1])
     banned = base[1:3]
     word = llm.engine.tokenizer.decode(banned)
-    ids = llm.engine.bad_words_token_ids([word])
+    ids = llm.engine.input_processor.bad_words_token_ids([word])
     got = _greedy_tokens(llm, prompts[1], bad_words=[word])
     for w in ids:
         assert not any(tuple(got[i : i + len(w)]) == w for i in range(len(got) - len(w) + 1))

@@ -130,7 +130,7 @@ def test_the_length_bound_never_refuses_a_prompt_that_fits(replica):
     assert len(tokenizer(text).input_ids) <= MAX_MODEL_LEN + 2
     processor.check_prompt_size(EngineRequest(prompt=text))
     processor.check_prompt_size(EngineRequest(messages=[{"role": "user", "content": text}]))
-    limit = replica.engine.engine.max_prompt_chars
+    limit = replica.engine.engine.input_processor.max_prompt_chars
     assert limit is not None and len(text) <= limit
     too_long = "x" * (limit + 1)
     for over in (EngineRequest(prompt=too_long), EngineRequest(messages=[{"role": "user", "content": too_long}])):

@@ -36,8 +36,8 @@ def empty_chat(n: int, role: str = "system") -> list[dict[str, str]]:
 
 def test_the_message_bound_comes_from_the_template_and_is_sound(replica):
     engine = replica.engine.engine
-    per_message = engine.min_message_tokens
-    assert per_message > 0 and engine.max_messages == MAX_MODEL_LEN // per_message
+    per_message = engine.input_processor.min_message_tokens
+    assert per_message > 0 and engine.input_processor.max_messages == MAX_MODEL_LEN // per_message
     tokenizer = replica.engine.tokenizer
     # Every chat of n messages, in any roles, renders at least n * per_message tokens.
     for n in (1, 2, 7, 30):
@@ -47,9 +47,9 @@ def test_the_message_bound_comes_from_the_template_and_is_sound(replica):
                 ids = tokenizer.apply_chat_template(chat, tokenize=True, add_generation_prompt=True, return_dict=False)
                 assert len(ids) >= n * per_message, (role, n, len(ids))
     # One message more than the bound allows is refused; exactly the bound is not refused by it.
-    engine.check_messages_size(empty_chat(engine.max_messages))
+    engine.input_processor.check_messages_size(empty_chat(engine.input_processor.max_messages))
     with pytest.raises(PromptTooLongError, match="messages"):
-        engine.check_messages_size(empty_chat(engine.max_messages + 1))
+        engine.input_processor.check_messages_size(empty_chat(engine.input_processor.max_messages + 1))
 
 
 def test_a_template_that_renders_empty_messages_as_nothing_gives_no_bound(replica):

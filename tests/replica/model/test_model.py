@@ -228,7 +228,7 @@ def test_smollm2_greedy_matches_transformers_on_chats_sharing_a_system_prompt():
     ]
     llm = LLM("smollm2")
     prompts = [
-        llm.engine.encode_chat([{"role": "system", "content": system}, {"role": "user", "content": q}])
+        llm.engine.input_processor.encode_chat([{"role": "system", "content": system}, {"role": "user", "content": q}])
         for q in questions
     ]
     outs = llm.generate(prompts, GREEDY)

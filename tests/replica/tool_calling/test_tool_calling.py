@@ -130,7 +130,7 @@ def _before_first_user(engine, messages, **kwargs) -> list[int]:
     template = template_for(engine.tokenizer.chat_template, None, bool(kwargs.get("tools")))
     extra = {"chat_template": template} if template else {}
     text = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs, **extra)
-    return engine.tokenize(text[: text.index("<|im_start|>user")])
+    return engine.input_processor.tokenize(text[: text.index("<|im_start|>user")])
 
 
 @pytest.mark.parametrize("tools", [None, [WEATHER], [WEATHER, FLIGHTS]])
@@ -139,23 +139,23 @@ def test_static_prefix_tokens_are_what_the_template_renders_before_the_first_use
     engine = llm.engine
     messages = ([{"role": "system", "content": SYSTEM}] if with_system else []) + [USER]
     kwargs = {"tools": tools} if tools else {}
-    ids = engine.encode_chat(messages, **kwargs)
-    n = engine.static_prefix_tokens(messages, ids, **kwargs)
+    ids = engine.input_processor.encode_chat(messages, **kwargs)
+    n = engine.input_processor.static_prefix_tokens(messages, ids, **kwargs)
     if not with_system and not tools:
         assert n == 0  # nothing static: SmolLM2's default system turn is not the client's prefix
         return
     prefix = _before_first_user(engine, messages, **kwargs)
     assert n == len(prefix) > 0 and ids[:n] == prefix
-    assert engine.static_prefix_tokens(messages, ids, **kwargs) == n  # memoized, tools and all
+    assert engine.input_processor.static_prefix_tokens(messages, ids, **kwargs) == n  # memoized, tools and all
 
 
 def test_tools_render_in_the_static_prefix_and_change_it(llm):
     engine = llm.engine
     messages = [{"role": "system", "content": SYSTEM}, USER]
-    plain = engine.encode_chat(messages)
-    with_tools = engine.encode_chat(messages, tools=[WEATHER])
-    n_plain = engine.static_prefix_tokens(messages, plain)
-    n_tools = engine.static_prefix_tokens(messages, with_tools, tools=[WEATHER])
+    plain = engine.input_processor.encode_chat(messages)
+    with_tools = engine.input_processor.encode_chat(messages, tools=[WEATHER])
+    n_plain = engine.input_processor.static_prefix_tokens(messages, plain)
+    n_tools = engine.input_processor.static_prefix_tokens(messages, with_tools, tools=[WEATHER])
     assert n_tools > n_plain
     text = engine.tokenizer.decode(with_tools[:n_tools])
     assert SYSTEM in text and '"name": "get_weather"' in text and "<tool_call>" in text
@@ -170,7 +170,7 @@ def test_tool_turns_render_as_tool_call_and_tool_response_blocks(llm):
         {"role": "assistant", "content": "", "tool_calls": [call]},
         {"role": "tool", "content": '{"rain": 0.2}', "tool_call_id": "call_1"},
     ]
-    text = engine.tokenizer.decode(engine.encode_chat(messages, tools=[WEATHER]))
+    text = engine.tokenizer.decode(engine.input_processor.encode_chat(messages, tools=[WEATHER]))
     assert (
         '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lisbon"}}\n'
         "</tool_call><|im_end|>"
@@ -190,8 +190,12 @@ def test_the_chat_template_flag_renders_every_request(ckpt, tmp_path):
     )
     with LLM(ckpt, block_size=4, num_kv_blocks=16, chat_template=str(template)) as offline:
         engine = offline.engine
-        assert engine.encode_chat([USER]) == engine.tokenize(f"[user] {USER['content']}\n")
-        assert engine.encode_chat([USER], tools=[WEATHER]) == engine.tokenize(f"[user] {USER['content']}\nTOOLS 1\n")
+        assert engine.input_processor.encode_chat([USER]) == engine.input_processor.tokenize(
+            f"[user] {USER['content']}\n"
+        )
+        assert engine.input_processor.encode_chat([USER], tools=[WEATHER]) == engine.input_processor.tokenize(
+            f"[user] {USER['content']}\nTOOLS 1\n"
+        )
     with pytest.raises(ValueError, match="chat_template .* cannot be read"):
         EngineConfig(chat_template=str(tmp_path / "missing.jinja"))
 
