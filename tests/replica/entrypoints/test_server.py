@@ -11,10 +11,11 @@ import asyncio
 import json
 import random
 import time
+from pathlib import Path
 
 import httpx
 import pytest
-from server_helpers import ReplicaProcess, build_tiny_llama, metric
+from server_helpers import ReplicaProcess, metric
 
 openai = pytest.importorskip("openai")
 
@@ -36,14 +37,9 @@ def words(rng: random.Random, n: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory):
-    return build_tiny_llama(tmp_path_factory.mktemp("ckpt") / "tiny-llama", seed=1234)
-
-
-@pytest.fixture(scope="module")
-def server(tiny_checkpoint, tmp_path_factory):
+def server(ckpt, tmp_path_factory):
     with ReplicaProcess(
-        tiny_checkpoint,
+        ckpt,
         "--api-key",
         API_KEY,
         "--replica-name",
@@ -98,7 +94,7 @@ def wait_until_idle(server, timeout_s: float = 60.0) -> str:
 # -- plain endpoints --------------------------------------------------------------
 
 
-def test_models_health_metrics_and_replica_header(server, tiny_checkpoint):
+def test_models_health_metrics_and_replica_header(server, ckpt):
     with httpx.Client(base_url=server.base_url, timeout=30) as http:
         health = http.get("/health")
         assert health.status_code == 200
@@ -108,7 +104,7 @@ def test_models_health_metrics_and_replica_header(server, tiny_checkpoint):
         assert models.headers["x-prefixserve-replica"] == REPLICA_NAME
         data = models.json()
         assert data["object"] == "list"
-        assert [m["id"] for m in data["data"]] == [tiny_checkpoint.name]
+        assert [m["id"] for m in data["data"]] == [Path(ckpt).name]
         assert data["data"][0]["max_model_len"] == MAX_MODEL_LEN
         scraped = http.get("/metrics")
         assert scraped.status_code == 200
@@ -431,19 +427,26 @@ def test_32_concurrent_streams_with_early_disconnects_free_every_block(server, m
     assert metric(text, "vllm:kv_cache_usage_perc") == 0.0
 
 
-def test_disconnected_stream_is_aborted_not_run_to_completion(server, model_name):
-    """A client that goes away mid-stream stops generation: far fewer tokens than max_tokens are made."""
+def _idle_then_a_long_request(server, model_name: str, **fields: object) -> tuple[float, dict]:
+    """Once ``server`` is idle: its generated-token count, and a chat request (with ``fields``)
+    that would generate nearly the whole context unless it is aborted."""
     wait_until_idle(server)
     before = metric(get_metrics(server), "vllm:generation_tokens_total")
-    max_tokens = MAX_MODEL_LEN - 40
     body = {
         "model": model_name,
-        "stream": True,
-        "max_tokens": max_tokens,
+        **fields,
+        "max_tokens": MAX_MODEL_LEN - 40,
         "temperature": 0,
         "ignore_eos": True,
         "messages": [{"role": "user", "content": "count"}],
     }
+    return before, body
+
+
+def test_disconnected_stream_is_aborted_not_run_to_completion(server, model_name):
+    """A client that goes away mid-stream stops generation: far fewer tokens than max_tokens are made."""
+    before, body = _idle_then_a_long_request(server, model_name, stream=True)
+    max_tokens = body["max_tokens"]
 
     async def main() -> int:
         async with httpx.AsyncClient(
@@ -458,16 +461,8 @@ def test_disconnected_stream_is_aborted_not_run_to_completion(server, model_name
 
 
 def test_disconnected_non_streaming_request_is_aborted(server, model_name):
-    wait_until_idle(server)
-    before = metric(get_metrics(server), "vllm:generation_tokens_total")
-    max_tokens = MAX_MODEL_LEN - 40
-    body = {
-        "model": model_name,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "messages": [{"role": "user", "content": "count"}],
-    }
+    before, body = _idle_then_a_long_request(server, model_name)
+    max_tokens = body["max_tokens"]
 
     async def main() -> None:
         async with httpx.AsyncClient(base_url=server.base_url, headers={"Authorization": f"Bearer {API_KEY}"}) as http:
@@ -488,9 +483,9 @@ def test_disconnected_non_streaming_request_is_aborted(server, model_name):
 # -- queue full --------------------------------------------------------------------
 
 
-def test_queue_full_is_429_with_retry_after(tiny_checkpoint, tmp_path):
+def test_queue_full_is_429_with_retry_after(ckpt, tmp_path):
     with ReplicaProcess(
-        tiny_checkpoint,
+        ckpt,
         "--max-num-seqs",
         "1",
         "--max-waiting-requests",
@@ -548,12 +543,12 @@ def test_smollm2_serves_a_chat_completion(tmp_path):
 # -- a dead engine ---------------------------------------------------------------------
 
 
-async def test_dead_engine_makes_health_and_requests_503(tiny_checkpoint):
+async def test_dead_engine_makes_health_and_requests_503(ckpt):
     from prefixserve.replica.config import EngineConfig
     from prefixserve.replica.engine.async_engine import AsyncEngine
     from prefixserve.replica.entrypoints.openai.server import build_app
 
-    engine = AsyncEngine(EngineConfig(model=str(tiny_checkpoint), max_model_len=128))
+    engine = AsyncEngine(EngineConfig(model=str(ckpt), max_model_len=128))
     app = build_app(engine, replica_name="in-process")
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://replica") as http:
         assert (await http.get("/health")).status_code == 200
