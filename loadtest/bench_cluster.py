@@ -143,53 +143,31 @@ class WorkloadSpec:
         )
 
     def generate(self) -> list[WorkloadRequest]:
+        """The requests, from loadtest/workloads.py's generator of this workload."""
+        per_tenant = self.requests // self.tenants
         if self.name == "multi_turn":
             # Users sharing one system prompt, each resending its growing conversation.
-            return generate(
-                self.name,
-                {
-                    "num_users": self.tenants,
-                    "num_rounds": self.requests // self.tenants,
-                    "system_prompt_len": self.system_len,
-                    "user_turn_len": self.question_len,
-                    "assistant_turn_len": 2 * self.question_len,
-                    "output_len": self.output_len,
-                    "shared_system_prompt": True,
-                    "seed": self.seed,
-                },
-            )
-        if self.name == "agent":
-            # Users of one agent app (system prompt + tool definitions of 4x it), each step a tool result.
-            return generate(
-                self.name,
-                {
-                    "num_users": self.tenants,
-                    "num_steps": self.requests // self.tenants,
-                    "system_prompt_len": self.system_len,
-                    "tools_len": 4 * self.system_len,
-                    "task_len": self.question_len,
-                    "tool_call_len": self.question_len,
-                    "tool_result_len": 4 * self.question_len,
-                    "output_len": self.output_len,
-                    "seed": self.seed,
-                },
-            )
-        if self.name == "zipf_tenants":
-            params = {
-                "num_tenants": self.tenants,
-                "num_requests": self.requests,
-                "zipf_s": self.zipf_s,
-                "hot_share": self.hot_share,
+            params: dict[str, Any] = {
+                "num_users": self.tenants,
+                "num_rounds": per_tenant,
+                "system_prompt_len": self.system_len,
+                "user_turn_len": self.question_len,
+                "assistant_turn_len": 2 * self.question_len,
+                "shared_system_prompt": True,
             }
+        elif self.name == "agent":
+            # Users of one agent app (system prompt + tool definitions of 4x it), each step a tool result.
+            params = {"num_users": self.tenants, "num_steps": per_tenant, "system_prompt_len": self.system_len}
+            params.update(tools_len=4 * self.system_len, task_len=self.question_len)
+            params.update(tool_call_len=self.question_len, tool_result_len=4 * self.question_len)
+        elif self.name == "zipf_tenants":
+            params = {"num_tenants": self.tenants, "num_requests": self.requests}
+            params.update(zipf_s=self.zipf_s, hot_share=self.hot_share)
         else:
-            params = {"num_groups": self.tenants, "prompts_per_group": self.requests // self.tenants}
-        params.update(
-            system_prompt_len=self.system_len,
-            question_len=self.question_len,
-            output_len=self.output_len,
-            seed=self.seed,
-        )
-        return generate(self.name, params)
+            params = {"num_groups": self.tenants, "prompts_per_group": per_tenant}
+        if self.name not in CONVERSATIONS:
+            params.update(system_prompt_len=self.system_len, question_len=self.question_len)
+        return generate(self.name, {**params, "output_len": self.output_len, "seed": self.seed})
 
 
 # --------------------------------------------------------------------------- KV sizing
