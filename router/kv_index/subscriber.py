@@ -9,8 +9,9 @@ together. Each frame ``[topic, seq, payload]`` goes through the ``SequenceTracke
 * a gap (seq past the next, or a first frame past 0): the missing batches are asked of the
   source's replay socket (a DEALER, ``[b"", start_seq]``, answered up to the end marker
   within ``replay_timeout_s``) and applied in order, then this one. If the replay cannot
-  cover the gap (no replay endpoint, a timeout, its buffer already past them) the replica
-  is forgotten and the index restarts from this frame: holes would make it over-claim;
+  cover the gap (no replay endpoint, a timeout, its buffer already past the start) the
+  replica is forgotten and the index restarts from the latest batches it could get: holes
+  would make it over-claim;
 * a seq at or below the last (the publisher restarted, counting from 0): the replica is
   forgotten, then the frame applied.
 
@@ -162,9 +163,7 @@ class ZmqKVEventSubscriber:
             self.tracker.forget(replica)
         elif verdict is Verdict.GAP:
             self.stats.gaps += 1
-            if not self._replay(source, self.tracker.expected(replica), seq):
-                self.stats.replay_failures += 1
-                self.index.forget(replica)
+            self._fill_gap(source, self.tracker.expected(replica), seq)
         self._apply(replica, seq, frames[2])
 
     def _apply(self, replica: str, seq: int, payload: bytes) -> bool:
@@ -178,37 +177,46 @@ class ZmqKVEventSubscriber:
         self.index.apply(replica, batch)
         return True
 
-    def _replay(self, source: EventSource, start: int, stop: int) -> bool:
-        """Apply ``source``'s batches ``start .. stop-1`` from its replay socket; False when they
-        cannot all be had (nothing is applied then)."""
+    def _fill_gap(self, source: EventSource, start: int, stop: int) -> None:
+        """Apply ``source``'s batches ``start .. stop-1`` from its replay socket. When it cannot give
+        them all, the replica is forgotten and only the run it gave that ends at ``stop-1`` is applied:
+        applied to nothing, a run of batches never over-claims (a block stored before it is merely
+        unknown), while missing batches in the middle could hide a removal."""
+        payloads = self._fetch_replay(source, start, stop)
+        first = stop
+        while first - 1 in payloads:
+            first -= 1
+        if first != start:
+            self.stats.replay_failures += 1
+            self.index.forget(source.replica)
+        for seq in range(first, stop):
+            self._apply(source.replica, seq, payloads[seq])  # an undecodable one forgets the replica too
+            self.stats.replayed += 1
+
+    def _fetch_replay(self, source: EventSource, start: int, stop: int) -> dict[int, bytes]:
+        """The payloads of ``source``'s buffered batches ``start .. stop-1`` by seq (what its replay
+        socket holds of them; none without one, or when it fails or times out)."""
+        got: dict[int, bytes] = {}
         if source.replay_endpoint is None:
-            return False
+            return got
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
         sock.setsockopt(zmq.RCVTIMEO, self.replay_timeout_ms)
-        got: list[tuple[int, bytes]] = []
         try:
             sock.connect(source.replay_endpoint)
             sock.send_multipart([b"", start.to_bytes(8, "big")])
             while True:
                 frames = sock.recv_multipart()
                 if len(frames) != 4:
-                    return False
+                    return {}
                 if frames[2] == END_SEQ:
-                    break
+                    return got
                 seq = decode_seq(frames[2])
                 if start <= seq < stop:
-                    got.append((seq, frames[3]))
+                    got[seq] = frames[3]
         except (zmq.ZMQError, ValueError) as exc:  # zmq.Again on the timeout
             log.warning("KV event replay from %s failed: %r", source.replica, exc)
-            return False
+            return {}
         finally:
             sock.close(linger=0)
-        if [seq for seq, _ in got] != list(range(start, stop)):
-            return False  # the buffer no longer holds the whole gap
-        for seq, payload in got:
-            if not self._apply(source.replica, seq, payload):
-                return False
-            self.stats.replayed += 1
-        return True
