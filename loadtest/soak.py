@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import random
 import subprocess
@@ -814,28 +815,11 @@ async def _drive(config: SoakConfig, server: StandaloneServer | ClusterServer) -
         await traffic.warm_up()
         traffic.t0 = time.perf_counter()
         with tqdm(total=round(total), unit="s", desc="soak", file=sys.stderr) as bar:
+            phase = functools.partial(run_phase, config, traffic, server, samples=samples, bar=bar)
             if config.compare_baseline:
-                phases["baseline"] = await run_phase(
-                    config,
-                    traffic,
-                    server,
-                    name="baseline",
-                    duration_s=config.baseline_s,
-                    hostile_share=0.0,
-                    samples=samples,
-                    bar=bar,
-                )
+                phases["baseline"] = await phase(name="baseline", duration_s=config.baseline_s, hostile_share=0.0)
             soak_start = time.perf_counter() - traffic.t0
-            phases["soak"] = await run_phase(
-                config,
-                traffic,
-                server,
-                name="soak",
-                duration_s=config.duration_s,
-                hostile_share=config.hostile_share,
-                samples=samples,
-                bar=bar,
-            )
+            phases["soak"] = await phase(name="soak", duration_s=config.duration_s, hostile_share=config.hostile_share)
             bar.n = bar.total
     targets = evaluate(phases, samples, soak_start, config.warmup_s)
     return {
