@@ -509,11 +509,9 @@ def _render_decode(dc: dict) -> list[str]:
 
 
 def _render_policies(pol: dict) -> list[str]:
-    rows = [
-        [r["policy"], f"{r['num_blocks']:,}", f"{r['requests_per_s']:,.0f}", f"{r['us_per_block_op']:.3f}"]
-        + [f"{r['hit_rate']:.3f}", f"{r['evictions_per_request']:.0f}"]
-        for r in pol["rows"]
-    ]
+    specs: tuple[tuple[str, str], ...] = (("num_blocks", ","), ("requests_per_s", ",.0f"), ("us_per_block_op", ".3f"))
+    specs += (("hit_rate", ".3f"), ("evictions_per_request", ".0f"))
+    rows = [[r["policy"], *(format(r[k], spec) for k, spec in specs)] for r in pol["rows"]]
     lines = _section(
         f"## Eviction policies: admit + free of {pol['prompt_len']:,}-token prompts, half hitting, "
         f"on pools full of cached blocks ({pol['num_requests']} requests)",
@@ -570,11 +568,8 @@ def _render_vllm(vs: dict) -> list[str]:
 
 
 def _render_memory(mem: dict) -> list[str]:
-    rows = [
-        [r["scheme"], *(f"{r[k]:,}" for k in ("blocks", "slots", "tokens_stored"))]
-        + [f"{r['waste_pct']:.1f}", f"{r['vs_paged']:.2f}"]
-        for r in mem["rows"]
-    ]
+    specs = (("blocks", ","), ("slots", ","), ("tokens_stored", ","), ("waste_pct", ".1f"), ("vs_paged", ".2f"))
+    rows = [[r["scheme"], *(format(r[k], spec) for k, spec in specs)] for r in mem["rows"]]
     lines = _section(
         f"## KV memory, {mem['num_requests']} live requests mid-generation "
         f"(max_model_len {mem['max_model_len']}, block_size {mem['block_size']}, kinds {mem['request_kinds']})",
