@@ -6,6 +6,7 @@ waits until it receives, a replay request."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -84,6 +85,18 @@ def replay(ctx: zmq.Context, endpoint: str, start: int, timeout_ms: int = 10_000
             out.append(frames[1:])
     finally:
         sock.close()
+
+
+def replay_until(endpoint: str, start: int, done: Callable[[list[list[bytes]]], bool]) -> list[list[bytes]]:
+    """:func:`replay` asked again until ``done`` holds of its answer (a publisher's sending thread
+    may not have sent what was just published), at most 100 times; the last answer."""
+    ctx = zmq.Context.instance()
+    got = replay(ctx, endpoint, start)
+    for _ in range(100):
+        if done(got):
+            break
+        got = replay(ctx, endpoint, start)
+    return got
 
 
 class LegacyKVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):

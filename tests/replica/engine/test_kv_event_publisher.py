@@ -10,7 +10,7 @@ import time
 
 import pytest
 import zmq
-from vllm_events_helpers import DECODER, local, replay
+from vllm_events_helpers import DECODER, local, replay, replay_until
 from vllm_events_helpers import AllBlocksCleared as VAllBlocksCleared
 from vllm_events_helpers import BlockRemoved as VBlockRemoved
 from vllm_events_helpers import BlockStored as VBlockStored
@@ -97,12 +97,8 @@ def test_replay_sends_the_buffered_batches_from_a_seq_then_the_end_marker(publis
     ctx = zmq.Context.instance()
     for i in range(5):  # buffer_steps=3: seqs 2, 3, 4 stay
         publisher.publish([BlockRemoved(block_hashes=[i], medium="GPU")])
-    got = replay(ctx, publisher.replay_endpoint, 3)
     # The thread may not have sent all five yet when the request arrives: ask until it has.
-    for _ in range(100):
-        if got and int.from_bytes(got[-1][1], "big") == 4:
-            break
-        got = replay(ctx, publisher.replay_endpoint, 3)
+    got = replay_until(publisher.replay_endpoint, 3, lambda got: bool(got) and int.from_bytes(got[-1][1], "big") == 4)
     assert [int.from_bytes(f[1], "big") for f in got] == [3, 4]
     assert [DECODER.decode(f[2]).events[0].block_hashes for f in got] == [[3], [4]]
     assert all(f[0] == b"kv" for f in got)
@@ -119,11 +115,7 @@ def test_a_malformed_replay_request_is_ignored_and_the_socket_keeps_serving(publ
     bad.send_multipart([b"", b"\x00\x01"])  # not an 8-byte seq
     bad.send_multipart([b"junk"])
     bad.close()
-    got = replay(ctx, publisher.replay_endpoint, 0)
-    for _ in range(100):
-        if got:
-            break
-        got = replay(ctx, publisher.replay_endpoint, 0)
+    got = replay_until(publisher.replay_endpoint, 0, bool)
     assert [int.from_bytes(f[1], "big") for f in got] == [0]
 
 
@@ -150,12 +142,7 @@ def test_a_batch_dropped_on_a_full_queue_makes_the_next_one_start_with_all_block
                 break
             time.sleep(0.01)
         assert pub.publish([BlockRemoved(block_hashes=[4], medium="GPU")])
-        ctx = zmq.Context.instance()
-        got = replay(ctx, pub.replay_endpoint, 0)
-        for _ in range(100):
-            if len(got) == 3:
-                break
-            got = replay(ctx, pub.replay_endpoint, 0)
+        got = replay_until(pub.replay_endpoint, 0, lambda got: len(got) == 3)
         events = [DECODER.decode(f[2]).events for f in got]
         assert events[0] == [VBlockRemoved(block_hashes=[1], medium="GPU")]
         assert events[1] == [VBlockRemoved(block_hashes=[2], medium="GPU")]
@@ -184,6 +171,12 @@ def test_config_takes_vllms_json_and_refuses_unknown_keys():
     assert not binds("tcp://10.0.0.1:5557")
 
 
+def _replay_everything(pub: ZmqKVEventPublisher) -> list[list[bytes]]:
+    """Every batch the publisher holds, once its thread has sent the last one published."""
+    last = pub._next_seq - 1
+    return replay_until(pub.replay_endpoint, 0, lambda got: bool(got) and int.from_bytes(got[-1][1], "big") == last)
+
+
 def test_the_engine_publishes_each_steps_block_events(ckpt):
     """Blocks stored and evicted by a real engine: replayed from seq 0, the batches' events hold
     exactly the pool's hashes, with the prompt's tokens in the stored events."""
@@ -201,12 +194,7 @@ def test_the_engine_publishes_each_steps_block_events(ckpt):
                 engine.step()
         pub = engine.kv_event_publisher
         assert pub is not None
-        ctx = zmq.Context.instance()
-        got = replay(ctx, pub.replay_endpoint, 0)
-        for _ in range(100):
-            if got and int.from_bytes(got[-1][1], "big") == pub._next_seq - 1:
-                break
-            got = replay(ctx, pub.replay_endpoint, 0)
+        got = _replay_everything(pub)
         held: set[int] = set()
         stored_tokens: list[int] = []
         for _topic, _seq, payload in got:
@@ -257,12 +245,7 @@ def test_the_engine_reports_its_host_and_disk_tiers(ckpt, tmp_path):
         engine.step()
         pub = engine.kv_event_publisher
         assert pub is not None
-        ctx = zmq.Context.instance()
-        got = replay(ctx, pub.replay_endpoint, 0)
-        for _ in range(100):
-            if got and int.from_bytes(got[-1][1], "big") == pub._next_seq - 1:
-                break
-            got = replay(ctx, pub.replay_endpoint, 0)
+        got = _replay_everything(pub)
         media: dict[str, set[int]] = {"GPU": set(), "CPU": set(), "STORAGE": set()}
         for _topic, _seq, payload in got:
             for e in DECODER.decode(payload).events:
