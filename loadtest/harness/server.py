@@ -44,7 +44,8 @@ def wait_until_answers(proc: subprocess.Popen[bytes], url: str, timeout_s: float
     deadline = time.monotonic() + timeout_s
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}; see {log_path}")
+            program = proc.args[0] if isinstance(proc.args, list) else "the server"
+            raise RuntimeError(f"{program} exited with {proc.returncode}; see {log_path}")
         try:
             if httpx.get(url, timeout=2.0).status_code == 200:
                 return
