@@ -19,6 +19,7 @@ def plan_and_run(
 ) -> int:
     """Parse ``argv``, build the plan and run it; returns the run's exit status.
 
+    The parser has common/logs.py's ``--verbose`` (library logs stay quiet without it).
     A plan that raises ValueError is a usage error: argparse reports it and exits
     with status 2 before any cluster or server is started.
     """
