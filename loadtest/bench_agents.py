@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 from prefixserve.loadtest.agent_workload import AgentConfig, AgentRequest, agent_requests
+from prefixserve.loadtest.harness.report import markdown_table
 
 
 def render(engine: Any, waves: list[list[AgentRequest]]) -> list[list[tuple[list[int], int]]]:
@@ -122,24 +123,23 @@ def print_agents(result: dict[str, Any]) -> None:
         f"{info['prompt_tokens_mean']:.0f}, static prefix (system + tools) {info['static_prefix_tokens']} "
         f"tokens, template: {info['template']}"
     )
-    print(
-        "\n| engine | prefix hit rate | cached share of prompt tokens | TTFT mean (s) | TTFT p50 (s) | wall (s) "
-        "| runs (s) |"
+    header = (
+        "engine | prefix hit rate | cached share of prompt tokens | TTFT mean (s) | TTFT p50 (s) | wall (s) | runs (s)"
     )
-    print("|---|---|---|---|---|---|---|")
-    for r in (on, off):
-        print(
-            f"| {r['engine']} | {r['hit_rate']:.3f} | {r['cached_share']:.3f} | {r['ttft_mean_s']:.3f} | "
-            f"{r['ttft_p50_s']:.3f} | {r['wall_s']:.1f} | {', '.join(map(str, r['wall_s_runs']))} |"
-        )
+    cells = [
+        [r["engine"], *(f"{r[k]:.3f}" for k in ("hit_rate", "cached_share", "ttft_mean_s", "ttft_p50_s"))]
+        + [f"{r['wall_s']:.1f}", ", ".join(map(str, r["wall_s_runs"]))]
+        for r in (on, off)
+    ]
+    print("\n" + markdown_table(header, cells))
     print(
         f"\nTTFT mean, caching off / on: {off['ttft_mean_s'] / on['ttft_mean_s']:.2f}x; "
         f"same tokens: {result['same_tokens']}"
     )
-    print("\n| step | requests | prompt tokens mean | cached share (on) | TTFT mean on (s) | TTFT mean off (s) |")
-    print("|---|---|---|---|---|---|")
-    for k, (a, b) in enumerate(zip(on["per_step"], off["per_step"])):
-        print(
-            f"| {k + 1} | {a['requests']} | {a['prompt_tokens_mean']:.0f} | {a['cached_share']:.3f} | "
-            f"{a['ttft_mean_s']:.3f} | {b['ttft_mean_s']:.3f} |"
-        )
+    header = "step | requests | prompt tokens mean | cached share (on) | TTFT mean on (s) | TTFT mean off (s)"
+    cells = [
+        [k + 1, a["requests"], f"{a['prompt_tokens_mean']:.0f}", f"{a['cached_share']:.3f}"]
+        + [f"{a['ttft_mean_s']:.3f}", f"{b['ttft_mean_s']:.3f}"]
+        for k, (a, b) in enumerate(zip(on["per_step"], off["per_step"]))
+    ]
+    print("\n" + markdown_table(header, cells))

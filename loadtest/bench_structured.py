@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from prefixserve.loadtest.harness.report import write_json
+from prefixserve.loadtest.harness.report import markdown_table, write_json
 from prefixserve.replica.engine.outputs import RequestOutput
 from prefixserve.replica.entrypoints.llm import LLM
 from prefixserve.replica.sampling_params import SamplingParams
@@ -224,14 +224,13 @@ def run_vllm_peer(
 
 def print_rows(title: str, rows: list[dict]) -> None:
     print(f"{title}\n")
-    print("| batch | TPOT unconstrained (ms) | TPOT json_schema (ms) | ratio (median) | ratios |")
-    print("|---:|---:|---:|---:|---|")
-    for r in rows:
-        print(
-            f"| {r['batch']} | {r['tpot_free_ms']:.1f} | {r['tpot_constrained_ms']:.1f} | {r['ratio']:.3f} | "
-            + ", ".join(f"{x:.3f}" for x in r["ratios"])
-            + " |"
-        )
+    cells = [
+        [r["batch"], f"{r['tpot_free_ms']:.1f}", f"{r['tpot_constrained_ms']:.1f}", f"{r['ratio']:.3f}"]
+        + [", ".join(f"{x:.3f}" for x in r["ratios"])]
+        for r in rows
+    ]
+    header = "batch | TPOT unconstrained (ms) | TPOT json_schema (ms) | ratio (median) | ratios"
+    print(markdown_table(header, cells, "rrrrl"))
     print(flush=True)
 
 
@@ -275,10 +274,7 @@ def main() -> None:
     if "vllm" in result:
         v = result["vllm"]
         print_rows(f"vLLM {v['vllm_version']} (CPU build, xgrammar {v['xgrammar_version']})", v["tpot"])
-    print("| grammar compile | seconds |")
-    print("|---|---:|")
-    for k, val in compiled.items():
-        print(f"| {k} | {val:.4f} |")
+    print(markdown_table("grammar compile | seconds", [[k, f"{val:.4f}"] for k, val in compiled.items()], "lr"))
     print(json.dumps({"versions": versions, "machine": result["machine"]}))
     write_json(out, result, announce=False)
 
