@@ -1,0 +1,390 @@
+"""Router benchmark: the same seeded workloads through real routers in front of the same replicas.
+
+``python -m prefixserve.loadtest.bench_routers`` runs, for each workload and seed and
+then each router in turn, two fresh ``prefixserve replica`` processes (cold KV caches,
+pools sized so that routing matters: bench_cluster's :func:`size_kv`), one router in
+front of them (loadtest/router_stand.py: the real peer routers ``smg`` and
+``vllm-router`` from PyPI, installed by this benchmark into a venv of their own under
+the cache root; nginx's consistent hash on ``X-Prefix-Hash``; prefixserve's standalone
+router), and streams the workload through the router with the harness's closed-loop
+client.
+
+Per router, workload and seed it reports the hit rate (cached / prompt tokens, from
+each answer's ``usage.prompt_tokens_details.cached_tokens``), the workload's bound
+(loadtest/prefix_bound.py: one unbounded cache replaying the prompts in order), the
+hit rate over that bound, TTFT p50/p95, requests/s, the split (requests per replica,
+from the ``X-Prefixserve-Replica`` header every router passes through, in replica start
+order), the answered requests and the errors, and the machine's 1-minute load average
+during the run. A router that fails to start is a row with its error, not a crash.
+
+Workloads are bench_cluster's (its :class:`WorkloadSpec`: ``zipf_tenants``,
+``multi_turn``, ``agent``), so the figures compare with docs/benchmarks/cluster.md and
+routing_conversations.md. Output: markdown tables, ``OUT_DIR/bench_routers.json`` (every
+row and request record), the processes' logs under ``OUT_DIR/bench_routers_logs/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prefixserve.common.logs import add_verbose_flag
+from prefixserve.loadtest.bench_cluster import (
+    KVSizing,
+    PolicyResult,
+    WorkloadSpec,
+    chat_encoder,
+    size_kv,
+    summarize,
+    workload_token_counts,
+)
+from prefixserve.loadtest.cluster_run import UNLABELLED, counter_deltas, replica_counters, scrape_metrics, served_model
+from prefixserve.loadtest.harness.cli import plan_and_run
+from prefixserve.loadtest.harness.client import RequestRecord, run_load
+from prefixserve.loadtest.harness.report import config_json, fmt, markdown_table, write_json
+from prefixserve.loadtest.peer_routers import PeerRouterVenv
+from prefixserve.loadtest.prefix_bound import replay_bound
+from prefixserve.loadtest.router_stand import (
+    NGINX,
+    PEER_KINDS,
+    ReplicaSettings,
+    RouterSpec,
+    find_nginx,
+    running_replicas,
+    running_router,
+)
+from prefixserve.loadtest.workloads import WorkloadRequest
+from prefixserve.router.routing_key import PREFIX_HASH_HEADER, routing_key
+
+DEFAULT_ROUTERS = (
+    "smg:round_robin",
+    "smg:cache_aware",
+    "smg:prefix_hash",
+    "vllm-router:round_robin",
+    "vllm-router:cache_aware",
+    "vllm-router:consistent_hash",
+    "vllm-router:power_of_two",
+    "nginx",
+    "prefixserve:placed",
+)
+DEFAULT_WORKLOADS = ("zipf_tenants", "multi_turn", "agent")
+
+
+# --------------------------------------------------------------------------- plan
+
+
+@dataclass
+class Case:
+    """One workload at one seed: its requests, the replicas' KV pool and its hit-rate bound."""
+
+    spec: WorkloadSpec
+    requests: list[WorkloadRequest]
+    sizing: KVSizing
+    bound: float
+    prompt_tokens: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.spec.name}-s{self.spec.seed}"
+
+
+@dataclass
+class Plan:
+    routers: list[RouterSpec]
+    cases: list[Case]
+
+    @property
+    def needs_peers(self) -> bool:
+        return any(r.kind in PEER_KINDS for r in self.routers)
+
+
+def _split_list(text: str, what: str) -> list[str]:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items or len(set(items)) != len(items):
+        raise ValueError(f"--{what} needs distinct comma-separated entries, got {text!r}")
+    return items
+
+
+def make_case(
+    spec: WorkloadSpec, encode: Callable[[list[dict[str, Any]]], list[int]], args: argparse.Namespace
+) -> Case:
+    """The case of ``spec``: KV pools sized as bench_cluster sizes them, and the replay bound."""
+    requests = spec.generate()
+    prefix, totals = workload_token_counts(requests, encode)
+    sizing = size_kv(
+        prefix,
+        totals,
+        block_size=args.block_size,
+        replicas=args.replicas,
+        concurrency=args.concurrency,
+        headroom=args.kv_headroom,
+    )
+    prompts = [encode(r.body["messages"]) for r in requests]
+    return Case(spec, requests, sizing, replay_bound(prompts, args.block_size), sum(map(len, prompts)))
+
+
+def plan(args: argparse.Namespace) -> Plan:
+    """Validate the routers, workloads and seeds and build every case; ValueError says what to change."""
+    routers = [RouterSpec.parse(t) for t in _split_list(args.routers, "routers")]
+    if any(r.kind == NGINX for r in routers) and find_nginx() is None:
+        raise ValueError("nginx is not installed (scripts/system-deps.sh): leave it out of --routers")
+    seeds = [int(s) for s in _split_list(args.seeds, "seeds")]
+    if args.concurrency < 1:
+        raise ValueError("--concurrency must be >= 1")
+    workloads = _split_list(args.workloads, "workloads")
+    encode = chat_encoder(args.model)
+    cases = []
+    for seed in seeds:
+        for name in workloads:
+            spec = WorkloadSpec(
+                name,
+                args.tenants,
+                args.requests,
+                args.system_len,
+                args.question_len,
+                args.output_len,
+                args.zipf_s,
+                args.hot_share,
+                seed,
+            )
+            cases.append(make_case(spec, encode, args))
+    return Plan(routers, cases)
+
+
+# --------------------------------------------------------------------------- one run
+
+
+@dataclass
+class RouterRun:
+    """One router on one case: the summary, the split in replica start order, or why it did not run."""
+
+    router: str
+    workload: str
+    seed: int
+    bound: float
+    result: PolicyResult | None = None
+    split: list[int] = field(default_factory=list)
+    unattributed: int = 0  # requests answered without the replica header
+    failure: str | None = None
+    load_avg: tuple[float, float] = (0.0, 0.0)  # 1-minute load average at the start and at the end
+    wall_s: float = 0.0  # the whole run: replicas, router, load
+    records: list[RequestRecord] = field(default_factory=list)
+
+    @property
+    def hit_rate(self) -> float | None:
+        return None if self.result is None else self.result.cached_token_ratio
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "router": self.router,
+            "workload": self.workload,
+            "seed": self.seed,
+            "bound": self.bound,
+            "hit_rate": self.hit_rate,
+            "result": None if self.result is None else self.result.to_json(),
+            "split": self.split,
+            "unattributed": self.unattributed,
+            "failure": self.failure,
+            "load_avg": self.load_avg,
+            "wall_s": self.wall_s,
+            "records": [asdict(r) for r in self.records],
+        }
+
+
+def prefix_hash_headers(bodies: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
+    """Per body, the ``X-Prefix-Hash`` an nginx client sends (none for a body without a static prefix)."""
+    return [{PREFIX_HASH_HEADER: k} if (k := routing_key(b)) is not None else {} for b in bodies]
+
+
+def replica_metrics(urls: Sequence[str]) -> dict[str, dict[str, float]]:
+    """Each replica's prefix-cache counters, under the name its answers carry (``host:port``)."""
+    return {url.removeprefix("http://"): replica_counters(scrape_metrics(url)).get(UNLABELLED, {}) for url in urls}
+
+
+def run_one(case: Case, spec: RouterSpec, args: argparse.Namespace, venv: PeerRouterVenv | None) -> RouterRun:
+    """Fresh replicas, ``spec`` in front of them, the case's load; a failure is recorded, not raised."""
+    run = RouterRun(spec.name, case.spec.name, case.spec.seed, case.bound)
+    work = args.out_dir / "bench_routers_logs" / f"{case.name}-{spec.name.replace(':', '-')}"
+    work.mkdir(parents=True, exist_ok=True)
+    settings = ReplicaSettings(args.model, case.sizing.num_kv_blocks, args.block_size, case.spec.seed)
+    started = time.perf_counter()
+    load_start = os.getloadavg()[0]
+    try:
+        with running_replicas(settings, args.replicas, work, args.timeout) as urls:
+            model = served_model(urls[0])
+            bodies = [{**r.body, "model": model} for r in case.requests]
+            headers = prefix_hash_headers(bodies) if spec.sends_prefix_hash else None
+            with running_router(spec, urls, work, args.timeout, venv) as router:
+                before = replica_metrics(urls)
+                run.records = run_load(
+                    router.base_url, bodies, args.concurrency, headers=headers, timeout_s=args.timeout
+                )
+                after = replica_metrics(urls)
+        run.result = summarize(spec.name, run.records, counter_deltas(before, after))
+        names = [u.removeprefix("http://") for u in urls]
+        run.split = [int(run.result.replicas.get(n, {}).get("requests", 0)) for n in names]
+        run.unattributed = sum(1 for r in run.records if r.ok and r.replica not in names)
+    except Exception as exc:  # one router failing must not lose the others' figures
+        run.failure = f"{type(exc).__name__}: {exc}"
+    run.load_avg = (load_start, os.getloadavg()[0])
+    run.wall_s = time.perf_counter() - started
+    return run
+
+
+# --------------------------------------------------------------------------- output
+
+
+def _errors_cell(run: RouterRun) -> str:
+    if run.failure is not None:
+        return f"did not run: {run.failure[:120]}"
+    assert run.result is not None
+    failed = run.result.requests - run.result.succeeded
+    first = f" ({run.result.errors[0][:100]})" if run.result.errors else ""
+    return f"{failed}{first}".replace("|", "\\|").replace("\n", " ")
+
+
+def _cells(run: RouterRun) -> list[str]:
+    r = run.result
+    if r is None:
+        return ["n/a"] * 8
+    of_bound = r.cached_token_ratio / run.bound if r.cached_token_ratio is not None and run.bound else None
+    split = " / ".join(map(str, run.split)) + (f" (+{run.unattributed} unnamed)" if run.unattributed else "")
+    return [
+        fmt(r.cached_token_ratio, ".3f"),
+        fmt(of_bound, ".2f"),
+        fmt(r.ttft_p50_s, ".3f"),
+        fmt(r.ttft_p95_s, ".3f"),
+        f"{r.requests_per_s:.2f}",
+        split,
+        f"{r.succeeded}/{r.requests}",
+        f"{run.load_avg[0]:.1f}-{run.load_avg[1]:.1f}",
+    ]
+
+
+def render_workload(runs: Sequence[RouterRun], routers: Sequence[str]) -> str:
+    """One workload's table: a row per router, each cell its per-seed values joined by `` / ``."""
+    header = [
+        "router",
+        "hit rate",
+        "of bound",
+        "TTFT p50 (s)",
+        "TTFT p95 (s)",
+        "req/s",
+        "split",
+        "answered",
+        "load avg",
+        "errors",
+    ]
+    rows = []
+    for name in routers:
+        mine = sorted((r for r in runs if r.router == name), key=lambda r: r.seed)
+        if not mine:
+            continue
+        columns = list(zip(*(_cells(r) for r in mine)))
+        rows.append([name, *(" / ".join(c) for c in columns), " / ".join(_errors_cell(r) for r in mine)])
+    return markdown_table(header, rows, "lrrrrrlrrl")
+
+
+def render(runs: Sequence[RouterRun], p: Plan) -> str:
+    """Every workload's bound line and table."""
+    parts = []
+    routers = [r.name for r in p.routers]
+    for workload in dict.fromkeys(c.spec.name for c in p.cases):
+        cases = [c for c in p.cases if c.spec.name == workload]
+        bounds = " / ".join(f"{c.bound:.3f}" for c in cases)
+        seeds = " / ".join(str(c.spec.seed) for c in cases)
+        parts.append(
+            f"### {workload} (seeds {seeds})\n\nbound (one unbounded cache replaying the prompts): {bounds}; "
+            f"{cases[0].sizing.describe()}\n\n" + render_workload([r for r in runs if r.workload == workload], routers)
+        )
+    return "\n\n".join(parts)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def run(args: argparse.Namespace, p: Plan) -> int:
+    """Every case through every router, in that order (routers alternate under the same load)."""
+    venv = PeerRouterVenv.default().ensure() if p.needs_peers else None
+    runs: list[RouterRun] = []
+    started = time.perf_counter()
+    for case in p.cases:
+        print(f"{case.name}: {case.sizing.describe()}; bound {case.bound:.3f}", file=sys.stderr)
+        for spec in p.routers:
+            r = run_one(case, spec, args, venv)
+            runs.append(r)
+            status = r.failure or (
+                f"hit rate {fmt(r.hit_rate, '.3f')}, TTFT p50 {fmt(r.result and r.result.ttft_p50_s, '.3f')} s, "
+                f"split {r.split}, {r.result.succeeded if r.result else 0}/{len(case.requests)} answered"
+            )
+            print(f"  {spec.name}: {status} ({r.wall_s:.0f} s, load {r.load_avg[0]:.1f})", file=sys.stderr)
+    spec0 = p.cases[0].spec
+    print(
+        f"\n## Router benchmark: {args.replicas} replicas, model {Path(args.model).name}, {spec0.tenants} tenants, "
+        f"{spec0.requests} requests, system {spec0.system_len} tok, concurrency {args.concurrency}\n"
+    )
+    print(render(runs, p))
+    payload = {
+        "config": config_json(args),
+        "cases": [
+            {
+                "workload": asdict(c.spec),
+                "bound": c.bound,
+                "prompt_tokens": c.prompt_tokens,
+                "kv_sizing": c.sizing.to_json(),
+            }
+            for c in p.cases
+        ],
+        "runs": [r.to_json() for r in runs],
+        "wall_s": time.perf_counter() - started,
+    }
+    write_json(args.out_dir / "bench_routers.json", payload)
+    return 1 if any(r.failure or (r.result and r.result.succeeded < r.result.requests) for r in runs) else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = WorkloadSpec()
+    p = argparse.ArgumentParser(
+        prog="python -m prefixserve.loadtest.bench_routers",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--routers",
+        default=",".join(DEFAULT_ROUTERS),
+        help="comma-separated KIND[:POLICY]: smg, vllm-router and prefixserve with a policy, nginx alone",
+    )
+    p.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS), help="comma-separated, bench_cluster's")
+    p.add_argument("--seeds", default="0", help="comma-separated workload seeds")
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--model", default="smollm2", help="'smollm2' or a checkpoint directory / .gguf file")
+    p.add_argument("--tenants", type=int, default=defaults.tenants, help="tenants (users for conversations)")
+    p.add_argument("--requests", type=int, default=defaults.requests)
+    p.add_argument("--system-len", type=int, default=defaults.system_len, help="system prompt tokens")
+    p.add_argument("--question-len", type=int, default=defaults.question_len, help="user message tokens")
+    p.add_argument("--output-len", type=int, default=defaults.output_len, help="max_tokens")
+    p.add_argument("--zipf-s", type=float, default=defaults.zipf_s)
+    p.add_argument("--hot-share", type=float, default=defaults.hot_share)
+    p.add_argument("--concurrency", type=int, default=4, help="requests in flight (closed loop)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument(
+        "--kv-headroom", type=float, default=1.5, help="cluster prefix room over the working set, in [1, replicas)"
+    )
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request and per process start")
+    p.add_argument("--out-dir", type=Path, default=Path("results"))
+    add_verbose_flag(p)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return plan_and_run(build_parser(), plan, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,243 @@
+"""The stand a router benchmark runs on: prefixserve replicas and one router in front of them.
+
+Job: bring up, as child processes on 127.0.0.1, a fresh set of ``prefixserve replica``
+servers (cold KV caches) and any of the routers under test in front of them, wait
+until the router sees every replica healthy, and always stop both.
+
+Routers (:class:`RouterSpec`, written ``KIND[:POLICY]``):
+
+* ``smg:POLICY``, ``vllm-router:POLICY``: the real peer routers from PyPI
+  (loadtest/peer_routers.py), unmodified;
+* ``nginx``: nginx's ``hash $http_x_prefix_hash consistent`` upstream as
+  ``prefixserve nginx-config`` renders it (router/nginx/config.py); its client sends
+  ``X-Prefix-Hash`` (router/routing_key.py);
+* ``prefixserve:POLICY``: prefixserve's standalone router (``prefixserve router``).
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from prefixserve.loadtest.harness.server import (
+    HOST,
+    free_port,
+    running_server,
+    server_env,
+    start_server,
+    stop_server,
+    wait_until_answers,
+)
+from prefixserve.loadtest.peer_routers import (
+    SMG,
+    SMG_POLICIES,
+    VLLM_ROUTER,
+    VLLM_ROUTER_POLICIES,
+    PeerRouterVenv,
+    smg_command,
+    vllm_router_command,
+)
+from prefixserve.router.nginx.config import NginxConfig, render_config
+from prefixserve.router.policies import POLICIES
+from prefixserve.router.ring import RingServer
+
+NGINX = "nginx"
+PREFIXSERVE = "prefixserve"
+ROUTER_POLICIES: dict[str, tuple[str, ...]] = {
+    SMG: SMG_POLICIES,
+    VLLM_ROUTER: VLLM_ROUTER_POLICIES,
+    NGINX: (),
+    PREFIXSERVE: tuple(sorted(POLICIES)),
+}
+PEER_KINDS = (SMG, VLLM_ROUTER)
+NGINX_CANDIDATES = ("/usr/sbin/nginx", "/usr/local/sbin/nginx", "/usr/local/nginx/sbin/nginx")
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """One router under test: its kind and, for all but nginx, its policy."""
+
+    kind: str
+    policy: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ROUTER_POLICIES:
+            raise ValueError(f"unknown router {self.kind!r}; choose from {sorted(ROUTER_POLICIES)}")
+        policies = ROUTER_POLICIES[self.kind]
+        if policies and self.policy not in policies:
+            raise ValueError(f"{self.kind} needs a policy from {policies} (write {self.kind}:POLICY)")
+        if not policies and self.policy is not None:
+            raise ValueError(f"{self.kind} takes no policy")
+
+    @classmethod
+    def parse(cls, text: str) -> RouterSpec:
+        kind, _, policy = text.strip().partition(":")
+        return cls(kind, policy or None)
+
+    @property
+    def name(self) -> str:
+        return self.kind if self.policy is None else f"{self.kind}:{self.policy}"
+
+    @property
+    def sends_prefix_hash(self) -> bool:
+        """Whether the client computes the routing key (nginx cannot read a body)."""
+        return self.kind == NGINX
+
+
+@dataclass(frozen=True)
+class ReplicaSettings:
+    """How each replica of the stand runs (the engine flags the benchmark sets)."""
+
+    model: str
+    num_kv_blocks: int
+    block_size: int
+    seed: int = 0
+
+
+def prefixserve_command() -> list[str]:
+    """This environment's ``prefixserve`` entry point."""
+    script = Path(sys.executable).parent / "prefixserve"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "prefixserve.router.cli"]
+
+
+def find_nginx() -> str | None:
+    return shutil.which(NGINX) or next((p for p in NGINX_CANDIDATES if Path(p).exists()), None)
+
+
+def _distinct_ports(n: int) -> list[int]:
+    ports: list[int] = []
+    while len(ports) < n:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
+@contextmanager
+def running_replicas(settings: ReplicaSettings, count: int, work_dir: Path, timeout_s: float) -> Iterator[list[str]]:
+    """``count`` fresh replicas started together (their start is the stand's slowest step); yields their URLs."""
+    ports = _distinct_ports(count)
+    procs = []
+    try:
+        for port in ports:
+            command = [
+                *prefixserve_command(),
+                "replica",
+                "--model",
+                settings.model,
+                "--host",
+                HOST,
+                "--port",
+                str(port),
+                "--num-kv-blocks",
+                str(settings.num_kv_blocks),
+                "--block-size",
+                str(settings.block_size),
+                "--seed",
+                str(settings.seed),
+                "--log-level",
+                "warning",
+            ]
+            procs.append((start_server(command, work_dir / f"replica-{port}.log", server_env()), port))
+        for proc, port in procs:
+            wait_until_answers(proc, f"http://{HOST}:{port}/health", timeout_s, work_dir / f"replica-{port}.log")
+        yield [f"http://{HOST}:{port}" for port in ports]
+    finally:
+        for proc, _ in procs:
+            stop_server(proc)
+
+
+@dataclass(frozen=True)
+class RunningRouter:
+    """A router the stand started: where to send requests, and its log."""
+
+    spec: RouterSpec
+    base_url: str
+    log_path: Path
+
+
+def _nginx_command(replicas: Sequence[str], port: int, work_dir: Path) -> list[str]:
+    nginx = find_nginx()
+    if nginx is None:
+        raise RuntimeError("nginx is not installed (scripts/system-deps.sh)")
+    root = work_dir / "nginx"
+    for sub in ("logs", "tmp"):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+    config = NginxConfig(
+        replicas=tuple(RingServer(url.removeprefix("http://")) for url in replicas),
+        listen=f"{HOST}:{port}",
+        worker_processes="1",
+        temp_dir=str(root / "tmp"),
+        pid_file=str(root / "nginx.pid"),
+        error_log=str(root / "logs" / "error.log"),
+        access_log="off",
+    )
+    conf = root / "nginx.conf"
+    conf.write_text(render_config(config))
+    return [nginx, "-p", str(root), "-c", str(conf), "-g", "daemon off;"]
+
+
+def _command(
+    spec: RouterSpec, replicas: Sequence[str], port: int, work_dir: Path, venv: PeerRouterVenv | None
+) -> tuple[list[str], str]:
+    """The router's command line and the path that answers 200 once it serves."""
+    if spec.kind in PEER_KINDS:
+        if venv is None:
+            raise ValueError(f"{spec.name} needs the peer routers' venv (PeerRouterVenv.ensure)")
+        build = smg_command if spec.kind == SMG else vllm_router_command
+        assert spec.policy is not None
+        return build(venv, spec.policy, replicas, HOST, port, free_port()), "/readiness"
+    if spec.kind == NGINX:
+        return _nginx_command(replicas, port, work_dir), "/health"
+    assert spec.policy is not None
+    command = [*prefixserve_command(), "router", "--host", HOST, "--port", str(port), "--policy", spec.policy]
+    for url in replicas:
+        command += ["--replica", url]
+    return [*command, "--log-level", "warning"], "/health"
+
+
+def healthy_upstreams(spec: RouterSpec, base_url: str, replicas: int) -> int:
+    """How many replicas the router would route to now, by its own report (nginx has none: all)."""
+    if spec.kind == NGINX:
+        return replicas
+    if spec.kind in PEER_KINDS:
+        return int(httpx.get(f"{base_url}/readiness", timeout=5).json().get("healthy_workers", 0))
+    return len(httpx.get(f"{base_url}/health", timeout=5).json().get("admitted", []))
+
+
+def _wait(condition: Callable[[], bool], what: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if condition():
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} within {timeout_s:g} s")
+        time.sleep(0.25)
+
+
+@contextmanager
+def running_router(
+    spec: RouterSpec, replicas: Sequence[str], work_dir: Path, timeout_s: float, venv: PeerRouterVenv | None = None
+) -> Iterator[RunningRouter]:
+    """Start ``spec`` in front of ``replicas``; yields once it serves and sees every replica healthy."""
+    port = free_port()
+    command, ready_path = _command(spec, replicas, port, work_dir, venv)
+    base = f"http://{HOST}:{port}"
+    log = work_dir / f"router-{spec.name.replace(':', '-')}.log"
+    with running_server(command, server_env(), base + ready_path, log, timeout_s):
+        _wait(
+            lambda: healthy_upstreams(spec, base, len(replicas)) == len(replicas),
+            f"{spec.name} did not see all {len(replicas)} replicas healthy (see {log})",
+            timeout_s,
+        )
+        yield RunningRouter(spec, base, log)

@@ -1,0 +1,137 @@
+"""Router benchmark: the replay bound, router specs and command lines, the tables; one real run.
+
+The real run (slow) puts prefixserve's standalone router and nginx in front of two real
+replicas of a tiny checkpoint; the PyPI peers are left to the benchmark itself.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from prefixserve.loadtest import bench_routers as B
+from prefixserve.loadtest.harness.client import RequestRecord
+from prefixserve.loadtest.peer_routers import PeerRouterVenv, smg_command, vllm_router_command
+from prefixserve.loadtest.prefix_bound import replay_bound, replay_hits
+from prefixserve.loadtest.router_stand import RouterSpec, find_nginx
+from prefixserve.router.routing_key import PREFIX_HASH_HEADER, prefix_hash
+
+# --------------------------------------------------------------------------- the bound
+
+
+def test_replay_hits_count_leading_whole_blocks_seen_before():
+    a = list(range(10))
+    prompts = [
+        a,  # nothing seen yet
+        a[:8] + [99, 98],  # the first two blocks of 4 are a's
+        a[:4] + [7, 7, 7, 7, 7],  # one block, then a block nobody sent
+        list(range(8)),  # two blocks seen, but the last token is always computed: one block
+        [5] + a[1:],  # differs in the first token: nothing
+    ]
+    assert replay_hits(prompts, 4) == [0, 8, 4, 4, 0]
+    assert replay_bound(prompts, 4) == pytest.approx(16 / sum(map(len, prompts)))
+
+
+def test_replay_hits_need_the_same_blocks_before_them():
+    # The second block of the later prompt equals one sent before, but after another first block.
+    assert replay_hits([[1, 1, 2, 2, 0], [3, 3, 2, 2, 0]], 2) == [0, 0]
+    assert replay_bound([], 16) == 0.0
+    with pytest.raises(ValueError):
+        replay_hits([[1]], 0)
+
+
+# --------------------------------------------------------------------------- routers
+
+
+def test_router_specs_parse_and_refuse_unknown_policies():
+    assert RouterSpec.parse("smg:cache_aware").name == "smg:cache_aware"
+    assert RouterSpec.parse("nginx") == RouterSpec("nginx")
+    assert RouterSpec.parse("nginx").sends_prefix_hash
+    assert not RouterSpec.parse("prefixserve:placed").sends_prefix_hash
+    for bad in ("smg", "smg:placed", "nginx:placed", "haproxy:round_robin", "vllm-router:prefix_hash"):
+        with pytest.raises(ValueError):
+            RouterSpec.parse(bad)
+
+
+def test_peer_command_lines_name_the_workers_policy_and_ports(tmp_path):
+    venv = PeerRouterVenv(tmp_path / "venv")
+    assert not venv.installed()
+    workers = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    smg = smg_command(venv, "prefix_hash", workers, "127.0.0.1", 10, 11)
+    assert smg[:2] == [str(tmp_path / "venv" / "bin" / "smg"), "launch"]
+    assert "--disable-tokenizer-autoload" in smg
+    assert smg[smg.index("--worker-urls") + 1 : smg.index("--worker-urls") + 3] == workers
+    assert smg[smg.index("--prometheus-port") + 1] == "11"
+    vr = vllm_router_command(venv, "consistent_hash", workers, "127.0.0.1", 10, 12)
+    assert vr[vr.index("--policy") + 1] == "consistent_hash" and vr[vr.index("--prometheus-port") + 1] == "12"
+    with pytest.raises(ValueError):
+        smg_command(venv, "consistent_hash", workers, "127.0.0.1", 10, 11)
+
+
+def test_nginx_clients_send_the_routing_key_of_the_static_prefix():
+    bodies = [
+        {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]},
+        {"messages": [{"role": "user", "content": "no system prompt"}]},
+    ]
+    assert B.prefix_hash_headers(bodies) == [{PREFIX_HASH_HEADER: prefix_hash("be brief")}, {}]
+
+
+# --------------------------------------------------------------------------- tables
+
+
+def _record(i: int, replica: str | None, ok: bool = True) -> RequestRecord:
+    return RequestRecord(
+        index=i,
+        ok=ok,
+        status=200 if ok else 502,
+        replica=replica,
+        sent_s=float(i),
+        first_token_s=i + 0.5 if ok else None,
+        ended_s=i + 1.0,
+        prompt_tokens=100,
+        cached_tokens=50 if ok else None,
+        error=None if ok else "HTTP 502: bad gateway | upstream",
+    )
+
+
+def test_workload_table_joins_seeds_and_names_failures():
+    from prefixserve.loadtest.bench_cluster import summarize
+
+    records = [_record(0, "a"), _record(1, "b"), _record(2, "a", ok=False)]
+    ran = B.RouterRun("nginx", "agent", 0, 0.8, summarize("nginx", records, {}), split=[2, 1])
+    failed = B.RouterRun("nginx", "agent", 1, 0.7, failure="RuntimeError: no answer")
+    table = B.render_workload([failed, ran], ["nginx", "smg:round_robin"])
+    lines = table.splitlines()
+    assert len(lines) == 3  # header, rule, one router (the other did not run at all)
+    row = lines[2]
+    assert row.startswith("| nginx | 0.500 / n/a | 0.62 / n/a |")
+    assert "2 / 1 / n/a" in row and "2/3 / n/a" in row
+    assert "1 (request 2: HTTP 502: bad gateway \\| upstream) / did not run: RuntimeError: no answer" in row
+
+
+# --------------------------------------------------------------------------- a real run
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(find_nginx() is None, reason="nginx is not installed (scripts/system-deps.sh)")
+def test_standalone_router_and_nginx_answer_and_route_every_request(tmp_path):
+    from model_helpers import tiny_checkpoint
+
+    model = tiny_checkpoint(tmp_path / "tiny", seed=5)
+    out = tmp_path / "out"
+    small = "--tenants 3 --requests 6 --system-len 48 --question-len 8 --output-len 4 --concurrency 2"
+    routers = "prefixserve:placed,nginx"
+    argv = ["--model", str(model), "--routers", routers, "--workloads", "agent", *small.split()]
+    code = B.main([*argv, "--out-dir", str(out), "--timeout", "300"])
+    data = json.loads((out / "bench_routers.json").read_text())
+    runs = data["runs"]
+    assert [(r["workload"], r["router"]) for r in runs] == [("agent", "prefixserve:placed"), ("agent", "nginx")]
+    for r in runs:
+        assert r["failure"] is None, r["failure"]
+        assert r["result"]["succeeded"] == r["result"]["requests"] == 6, r["result"]["errors"]
+        # Every answer named one of the two replicas: the split accounts for each request.
+        assert len(r["split"]) == 2 and sum(r["split"]) == 6 and r["unattributed"] == 0
+        assert all(rec["replica"] is not None for rec in r["records"])
+        assert 0.0 <= r["hit_rate"] <= 1.0 and 0.0 < r["bound"] < 1.0
+    assert code == 0
