@@ -5,6 +5,8 @@ plain ``[seq_len, num_kv_heads, head_dim]`` tensor, scatters it into a cache by 
 random block assignment, and computes attention in float64 with an explicit mask.
 Every cache slot no sequence owns (tails of last blocks, the block unused table
 entries point at) holds NaN, so a kernel that reads past a sequence fails.
+
+Also :func:`run_cpu`: the C kernel over a batch, in its own cache layout.
 """
 
 from __future__ import annotations
@@ -162,3 +164,27 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     if torch.isnan(a).any():
         return float("nan")
     return float((a - e).abs().max() / e.abs().max())
+
+
+def to_cpu_layout(cache: torch.Tensor, kind: str) -> torch.Tensor:
+    """[NB, BS, KVH, D] -> the C kernel's layout (keys [NB, KVH, D, BS], values [NB, KVH, BS, D])."""
+    return (cache.permute(0, 2, 3, 1) if kind == "key" else cache.permute(0, 2, 1, 3)).contiguous()
+
+
+def run_cpu(batch: PagedBatch, query: torch.Tensor | None = None, **kw: object) -> torch.Tensor:
+    """The C kernel's attention over ``batch`` (scale 1/sqrt(head_dim) unless ``kw`` gives one) into
+    an output of NaN, so that rows no sequence owns stay NaN."""
+    from prefixserve.kernels.cpu import attention as cpu_attention
+
+    query = batch.query if query is None else query
+    kw.setdefault("scale", batch.query.shape[-1] ** -0.5)
+    return cpu_attention.paged_attention(
+        query,
+        to_cpu_layout(batch.key_cache, "key"),
+        to_cpu_layout(batch.value_cache, "value"),
+        batch.block_tables,
+        batch.seq_lens,
+        batch.query_start_loc,
+        out=torch.full(batch.query.shape, float("nan")),
+        **kw,
+    )

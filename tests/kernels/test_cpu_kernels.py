@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_helpers import dense_attention, make_paged_batch, relative_error
+from kernel_helpers import dense_attention, make_paged_batch, relative_error, run_cpu, to_cpu_layout
 from model_helpers import tiny_checkpoint
 
 from prefixserve.kernels import reference, reference_layer_ops
@@ -29,27 +29,6 @@ pytestmark = pytest.mark.skipif(
     not cpu_library.available()[0], reason=f"C kernels unavailable: {cpu_library.available()[1]}"
 )
 REPO = Path(__file__).resolve().parents[2]
-
-
-def to_cpu_layout(cache: torch.Tensor, kind: str) -> torch.Tensor:
-    """[NB, BS, KVH, D] -> the C kernel's layout (keys [NB, KVH, D, BS], values [NB, KVH, BS, D])."""
-    return (cache.permute(0, 2, 3, 1) if kind == "key" else cache.permute(0, 2, 1, 3)).contiguous()
-
-
-def run_cpu(batch, query=None, **kw) -> torch.Tensor:
-    query = batch.query if query is None else query
-    out = torch.full(batch.query.shape, float("nan"))
-    return cpu_attention.paged_attention(
-        query,
-        to_cpu_layout(batch.key_cache, "key"),
-        to_cpu_layout(batch.value_cache, "value"),
-        batch.block_tables,
-        batch.seq_lens,
-        batch.query_start_loc,
-        scale=batch.query.shape[-1] ** -0.5,
-        out=out,
-        **kw,
-    )
 
 
 def mixed(bs: int) -> list[tuple[int, int]]:

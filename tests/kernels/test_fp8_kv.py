@@ -15,7 +15,7 @@ import struct
 import numpy as np
 import pytest
 import torch
-from kernel_helpers import FP8, dense_attention, make_paged_batch, relative_error
+from kernel_helpers import FP8, dense_attention, make_paged_batch, relative_error, run_cpu
 
 from prefixserve.kernels import reference
 from prefixserve.kernels.cpu import attention as cpu_attention
@@ -134,10 +134,6 @@ def test_triton_fp8_store_from_half_inputs_equals_reference(seed, src_dtype):
 # --- the C kernel's fp8 attention ---------------------------------------------------------
 
 
-def _cpu_layout(cache: torch.Tensor, kind: str) -> torch.Tensor:
-    return (cache.permute(0, 2, 3, 1) if kind == "key" else cache.permute(0, 2, 1, 3)).contiguous()
-
-
 @C_KERNELS
 @pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", [(9, 3, 64, 16), (4, 4, 32, 8), (8, 2, 64, 32)])
 @pytest.mark.parametrize("window", [None, 13])
@@ -157,17 +153,7 @@ def test_c_attention_reads_fp8_cache(seed, heads, kv_heads, head_dim, block_size
         padding_rows=2,
     )
     kw = dict(scale=head_dim**-0.5, sliding_window=window, k_scale=batch.k_scale, v_scale=batch.v_scale)
-    out = torch.full(batch.query.shape, float("nan"))
-    cpu_attention.paged_attention(
-        batch.query,
-        _cpu_layout(batch.key_cache, "key"),
-        _cpu_layout(batch.value_cache, "value"),
-        batch.block_tables,
-        batch.seq_lens,
-        batch.query_start_loc,
-        out=out,
-        **kw,
-    )
+    out = run_cpu(batch, **kw)
     rows = batch.num_tokens
     assert torch.isnan(out[rows:]).all()
     dense = dense_attention(batch, head_dim**-0.5, sliding_window=window)
@@ -306,15 +292,5 @@ def test_c_fp8_cascade_decodes_sharing_blocks(seed):
         share=(1, 0),
     )
     assert torch.equal(batch.block_tables[0, :2], batch.block_tables[1, :2])
-    out = cpu_attention.paged_attention(
-        batch.query,
-        _cpu_layout(batch.key_cache, "key"),
-        _cpu_layout(batch.value_cache, "value"),
-        batch.block_tables,
-        batch.seq_lens,
-        batch.query_start_loc,
-        scale=64**-0.5,
-        k_scale=batch.k_scale,
-        v_scale=batch.v_scale,
-    )
+    out = run_cpu(batch, scale=64**-0.5, k_scale=batch.k_scale, v_scale=batch.v_scale)
     assert relative_error(out, dense_attention(batch, 64**-0.5)) < 1e-5
