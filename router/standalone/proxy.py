@@ -258,11 +258,15 @@ class StandaloneRouter:
             ok = r.status_code == 200
         except httpx.HTTPError:
             ok = False
-        change = self.replicas.probe(name, ok)
+        self.record_probe(name, ok)
         if ok and name not in self.models_of:  # its models known before a request asks for one
             await self.fetch_models(name, {})
+
+    def record_probe(self, name: str, ok: bool) -> None:
+        """One probe's outcome (or a failure that counts as one), with its ejection or re-admission."""
+        change = self.replicas.probe(name, ok)
         if change == EJECTED:
-            log.warning("replica %s ejected: %d failed health probes", name, self.replicas.unhealthy_after)
+            log.warning("replica %s ejected: %d failures in a row", name, self.replicas.unhealthy_after)
             self.metrics.ejections.labels(name, "health").inc()
             self.metrics.admitted.labels(name).set(0)
             self.routing.forget(name)
@@ -270,8 +274,7 @@ class StandaloneRouter:
             log.info("replica %s admitted again", name)
             self.metrics.readmissions.labels(name).inc()
             self.metrics.admitted.labels(name).set(1)
-            self.models_of.pop(name, None)  # a replica back from the dead may serve other models
-            await self.fetch_models(name, {})
+            self.models_of.pop(name, None)  # a replica back from the dead may serve other models: read again
 
     async def probe_all(self) -> None:
         await asyncio.gather(*(self.probe(n) for n in self.replicas.names))
@@ -328,10 +331,18 @@ class StandaloneRouter:
         return [n for n, entries in self.models_of.items() if any(e["id"] == model for e in entries)]
 
     # -- requests ---------------------------------------------------------------------
-    def request_ended(self, plan: Plan, replica: str) -> None:
-        self.routing.finished(plan)
+    def _started(self, replica: str) -> None:
+        self.replicas.started(replica)
+        self.metrics.in_flight.labels(replica).set(self.replicas[replica].in_flight)
+
+    def _ended(self, replica: str) -> None:
         self.replicas.ended(replica)
         self.metrics.in_flight.labels(replica).set(self.replicas[replica].in_flight)
+
+    def request_ended(self, plan: Plan, replica: str) -> None:
+        """A relayed answer ended (whole, broken or abandoned): its key's count, then its replica's."""
+        self.routing.finished(plan)
+        self._ended(replica)
 
     async def forward(self, request: Request, body: bytes, plan: Plan) -> Response:
         """Send the request to the plan's replicas in turn (the module docstring's retries); relay the answer."""
@@ -344,37 +355,45 @@ class StandaloneRouter:
             upstream = self.client.build_request(
                 request.method, self.replicas[name].url + path, headers=headers, content=body
             )
-            self.replicas.started(name)
-            self.metrics.in_flight.labels(name).set(self.replicas[name].in_flight)
-            opened = _Open(self, plan, name)
+            self._started(name)
             try:
                 answer = await self.client.send(upstream, stream=True)
-            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadError, httpx.RemoteProtocolError) as exc:
-                self.replicas.ended(name)
-                self.metrics.in_flight.labels(name).set(self.replicas[name].in_flight)
-                reason = "connect" if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)) else "broken"
-                if reason == "connect":
-                    self.replica_failed(name, "connect")
-                else:  # broken before the head: maybe a stale kept-alive connection, so a probe failure only
-                    self.replicas.probe(name, False)
-                self.metrics.retries.labels(name, reason).inc()
+            except (httpx.ConnectError, httpx.ConnectTimeout):
+                self._ended(name)
+                self.replica_failed(name, "connect")
+                self.metrics.retries.labels(name, "connect").inc()
                 continue
             except httpx.TimeoutException:
-                opened.end()
+                self._ended(name)
+                self.routing.finished(plan)
                 return own_answer(
                     504, openai_error(504, f"replica {name} did not answer in time", "upstream_timeout", "server_error")
                 )
+            except (httpx.NetworkError, httpx.RemoteProtocolError):
+                # Broken before the head: maybe a kept-alive connection the replica had just closed,
+                # so it counts as one failed probe, not as a death.
+                self._ended(name)
+                self.record_probe(name, False)
+                self.metrics.retries.labels(name, "broken").inc()
+                continue
+            except BaseException:  # anything else (cancelled included) ends the request's counts, then goes on
+                self._ended(name)
+                self.routing.finished(plan)
+                raise
             if answer.status_code in RETRY_STATUSES and not final:
-                content = await answer.aread()
-                await answer.aclose()
-                self.replicas.ended(name)
-                self.metrics.in_flight.labels(name).set(self.replicas[name].in_flight)
+                try:
+                    content = await answer.aread()
+                except httpx.HTTPError:
+                    content = b""
+                finally:
+                    await answer.aclose()
+                    self._ended(name)
                 self.metrics.retries.labels(name, str(answer.status_code)).inc()
                 last = (answer.status_code, content, answer.headers, name)
                 continue
             kind = self.routing.landed(plan, name)
             self.metrics.requests.labels(self.metrics.policy, name, kind).inc()
-            return RelayResponse(answer, opened)
+            return RelayResponse(answer, _Open(self, plan, name))
         self.routing.finished(plan)
         self.metrics.no_replica.inc()
         if last is not None:  # the last replica tried refused, and no later one answered at all

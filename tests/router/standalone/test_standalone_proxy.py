@@ -155,7 +155,9 @@ def test_a_client_that_goes_away_closes_the_upstream_and_ends_its_counts() -> No
         placed = router.routing.placed
         assert placed is not None
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=chat("sys", stream=True), timeout=60) as r:
-            next(line for line in r.iter_lines() if line.startswith("data: "))
+            # Held, so that the stream stays open until the client leaves (a dropped iterator closes it).
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
             assert router.replicas[up.name].in_flight == 1
         wait_until(lambda: router.replicas[up.name].in_flight == 0, "in-flight ended after the client left")
         assert placed.key_in_flight(prefix_hash("sys")) == 0
