@@ -152,13 +152,13 @@ def test_release_freed_memory_hands_a_worker_arenas_freed_pages_back():
 
 
 @pytest.fixture(scope="module")
-def long_context_ckpt(tiny_ckpts) -> str:
+def ckpt_4096_positions(tiny_ckpts) -> str:
     """The shared tiny shape with MAX_MODEL_LEN (4096) positions, not the shared ckpt's 1024."""
     return tiny_ckpts(max_pos=MAX_MODEL_LEN)
 
 
-def test_the_engine_tokenizes_every_request_on_its_tokenizer_thread(long_context_ckpt):
-    engine = AsyncEngine(EngineConfig(model=long_context_ckpt, max_model_len=MAX_MODEL_LEN))
+def test_the_engine_tokenizes_every_request_on_its_tokenizer_thread(ckpt_4096_positions):
+    engine = AsyncEngine(EngineConfig(model=ckpt_4096_positions, max_model_len=MAX_MODEL_LEN))
     runner = RequestRunner(engine)
     seen: set[int] = set()
     tokenize = engine.engine.input_processor.tokenize
@@ -187,9 +187,9 @@ def test_the_engine_tokenizes_every_request_on_its_tokenizer_thread(long_context
         asyncio.run(engine.shutdown())
 
 
-def test_a_refused_request_leaves_no_reference_cycle(long_context_ckpt):
+def test_a_refused_request_leaves_no_reference_cycle(ckpt_4096_positions):
     """The refusal's error and its frames are freed when the answer is sent, not by a later GC pass."""
-    replica = InProcessReplica(long_context_ckpt, max_model_len=MAX_MODEL_LEN)
+    replica = InProcessReplica(ckpt_4096_positions, max_model_len=MAX_MODEL_LEN)
     try:
         assert replica.request("POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 1}).is_success
         gc.collect()
@@ -223,9 +223,9 @@ GROWTH_BOUND_BYTES = 24 * 1024**2
 
 
 @pytest.mark.slow
-def test_refused_long_text_prompts_do_not_grow_a_replica(long_context_ckpt, tmp_path):
+def test_refused_long_text_prompts_do_not_grow_a_replica(ckpt_4096_positions, tmp_path):
     """Concurrent text prompts of 80,002 tokens, tokenized and refused, do not leave their tokenizer memory."""
-    with ReplicaProcess(long_context_ckpt, "--max-model-len", str(MAX_MODEL_LEN), log_dir=tmp_path) as proc:
+    with ReplicaProcess(ckpt_4096_positions, "--max-model-len", str(MAX_MODEL_LEN), log_dir=tmp_path) as proc:
         process = psutil.Process(proc.proc.pid)
 
         async def rounds() -> None:

@@ -12,7 +12,6 @@ import logging
 
 import httpx
 import pytest
-from model_helpers import tiny_checkpoint
 from server_helpers import InProcessReplica, assert_openai_error
 
 from prefixserve.replica.entrypoints.openai.request_fields import OTHER_FIELD, IgnoredFields
@@ -34,20 +33,8 @@ SGLANG_FIELDS = {
 IGNORED = sorted(set(SGLANG_FIELDS) - {"continue_final_message"})
 CHAT = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}], "max_tokens": 2}
 METRIC = "prefixserve:ignored_request_fields_total"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    return str(tiny_checkpoint(tmp_path_factory.mktemp("surface") / "tiny", max_pos=256))
-
-
-@pytest.fixture(scope="module")
-def replica(model_dir):
-    r = InProcessReplica(model_dir, max_model_len=MAX_MODEL_LEN, api_keys=[KEY])
-    try:
-        yield r
-    finally:
-        r.close()
+# conftest's replica: an InProcessReplica on the shared ckpt, with these options.
+REPLICA_OPTIONS = dict(max_model_len=MAX_MODEL_LEN, api_keys=[KEY])
 
 
 def ignored_count(replica: InProcessReplica, field: str) -> float:
@@ -67,8 +54,8 @@ def test_sglang_fields_are_ignored_counted_per_request_and_logged_once(replica, 
     assert ignored_count(replica, "continue_final_message") == 0
 
 
-def test_a_strict_server_refuses_unknown_fields(model_dir):
-    strict = InProcessReplica(model_dir, max_model_len=MAX_MODEL_LEN, strict_request_fields=True)
+def test_a_strict_server_refuses_unknown_fields(ckpt):
+    strict = InProcessReplica(ckpt, max_model_len=MAX_MODEL_LEN, strict_request_fields=True)
     try:
         response = strict.request("POST", "/v1/chat/completions", json={**CHAT, "no_stop_trim": False})
         error = assert_openai_error(response)
