@@ -310,13 +310,33 @@ def render(runs: Sequence[RouterRun], p: Plan) -> str:
 
 
 def run(args: argparse.Namespace, p: Plan) -> int:
-    """Every case through every router, in that order (routers alternate under the same load)."""
+    """Every case through every router (the routers' order rotated from case to case)."""
     venv = PeerRouterVenv.default().ensure() if p.needs_peers else None
     runs: list[RouterRun] = []
     started = time.perf_counter()
-    for case in p.cases:
+
+    def save(announce: bool) -> None:
+        payload = {
+            "config": config_json(args),
+            "cases": [
+                {
+                    "workload": asdict(c.spec),
+                    "bound": c.bound,
+                    "prompt_tokens": c.prompt_tokens,
+                    "kv_sizing": c.sizing.to_json(),
+                }
+                for c in p.cases
+            ],
+            "runs": [r.to_json() for r in runs],
+            "wall_s": time.perf_counter() - started,
+        }
+        write_json(args.out_dir / "bench_routers.json", payload, announce=announce)
+
+    for i, case in enumerate(p.cases):
         print(f"{case.name}: {case.sizing.describe()}; bound {case.bound:.3f}", file=sys.stderr)
-        for spec in p.routers:
+        # Each case starts one router further down the list: no router always runs first under a moving load.
+        shift = i % len(p.routers)
+        for spec in p.routers[shift:] + p.routers[:shift]:
             r = run_one(case, spec, args, venv)
             runs.append(r)
             status = r.failure or (
@@ -324,27 +344,14 @@ def run(args: argparse.Namespace, p: Plan) -> int:
                 f"split {r.split}, {r.result.succeeded if r.result else 0}/{len(case.requests)} answered"
             )
             print(f"  {spec.name}: {status} ({r.wall_s:.0f} s, load {r.load_avg[0]:.1f})", file=sys.stderr)
+            save(announce=False)  # after every run: an interrupted benchmark keeps what it measured
     spec0 = p.cases[0].spec
     print(
         f"\n## Router benchmark: {args.replicas} replicas, model {Path(args.model).name}, {spec0.tenants} tenants, "
         f"{spec0.requests} requests, system {spec0.system_len} tok, concurrency {args.concurrency}\n"
     )
     print(render(runs, p))
-    payload = {
-        "config": config_json(args),
-        "cases": [
-            {
-                "workload": asdict(c.spec),
-                "bound": c.bound,
-                "prompt_tokens": c.prompt_tokens,
-                "kv_sizing": c.sizing.to_json(),
-            }
-            for c in p.cases
-        ],
-        "runs": [r.to_json() for r in runs],
-        "wall_s": time.perf_counter() - started,
-    }
-    write_json(args.out_dir / "bench_routers.json", payload)
+    save(announce=True)
     return 1 if any(r.failure or (r.result and r.result.succeeded < r.result.requests) for r in runs) else 0
 
 
