@@ -7,7 +7,14 @@
 * vllm_hashes.py: ``vllm_block_hashes``, a request's block hashes as a vLLM server computes them
   (``sha256_cbor``), to look up in the index.
 
-The wire format is replica/contract/vllm_kv_events.py.
+The wire format is replica/contract/vllm_kv_events.py. Use::
+
+    index = KVEventIndex(max_entries=1_000_000)
+    sub = ZmqKVEventSubscriber(
+        [EventSource("r0", "tcp://10.0.0.5:5557", replay_endpoint="tcp://10.0.0.5:5558")], index
+    ).start()
+    hits = index.longest_prefix(vllm_block_hashes(token_ids, block_size=16))  # {"r0": 3}
+    sub.stop()
 """
 
 from prefixserve.router.kv_index.index import KVEventIndex, SequenceTracker, Verdict
