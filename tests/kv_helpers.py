@@ -1,7 +1,9 @@
-"""Helpers for the KV manager tests: a full, comparable picture of a manager's state."""
+"""Helpers for the KV tests: a full, comparable picture of a KV manager's state, and the
+BlockStored events of the KV-event contract."""
 
 from __future__ import annotations
 
+from prefixserve.replica.contract.vllm_kv_events import BlockStored
 from prefixserve.replica.kv import KVCacheManager
 
 
@@ -17,4 +19,17 @@ def snapshot(m: KVCacheManager) -> tuple:
         tables,
         m.stats,
         list(m._copy_ops),
+    )
+
+
+def block_stored(hashes: list[int], medium: str | None = "GPU") -> BlockStored:
+    """A BlockStored event of blocks of 16 tokens (token ids and parent left out) under ``hashes``."""
+    return BlockStored(
+        block_hashes=list(hashes),
+        parent_block_hash=None,
+        token_ids=[],
+        block_size=16,
+        lora_id=None,
+        medium=medium,
+        lora_name=None,
     )

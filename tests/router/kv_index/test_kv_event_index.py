@@ -7,27 +7,15 @@ from __future__ import annotations
 import random
 
 import pytest
+from kv_helpers import block_stored
 
 from prefixserve.replica.contract.vllm_kv_events import (
     AllBlocksCleared,
     BlockRemoved,
-    BlockStored,
     KVEventBatch,
     external_block_hash,
 )
 from prefixserve.router.kv_index.index import KVEventIndex, SequenceTracker, Verdict
-
-
-def stored(hashes, medium="GPU") -> BlockStored:
-    return BlockStored(
-        block_hashes=list(hashes),
-        parent_block_hash=None,
-        token_ids=[],
-        block_size=16,
-        lora_id=None,
-        medium=medium,
-        lora_name=None,
-    )
 
 
 def batch(*events) -> KVEventBatch:
@@ -36,9 +24,9 @@ def batch(*events) -> KVEventBatch:
 
 def test_longest_prefix_per_replica():
     index = KVEventIndex()
-    index.apply("a", batch(stored([1, 2, 3])))
-    index.apply("b", batch(stored([1, 2]), stored([4])))
-    index.apply("c", batch(stored([2, 3])))  # not block 0: no prefix
+    index.apply("a", batch(block_stored([1, 2, 3])))
+    index.apply("b", batch(block_stored([1, 2]), block_stored([4])))
+    index.apply("c", batch(block_stored([2, 3])))  # not block 0: no prefix
     assert index.longest_prefix([1, 2, 3, 4]) == {"a": 3, "b": 2}
     assert index.longest_prefix([9, 1]) == {}
     assert index.longest_prefix([]) == {}
@@ -47,7 +35,7 @@ def test_longest_prefix_per_replica():
 
 def test_media_are_tracked_apart_and_filtered():
     index = KVEventIndex()
-    index.apply("a", batch(stored([1, 2]), stored([2, 3], medium="CPU")))
+    index.apply("a", batch(block_stored([1, 2]), block_stored([2, 3], medium="CPU")))
     assert index.longest_prefix([1, 2, 3]) == {"a": 3}
     assert index.longest_prefix([1, 2, 3], media={"GPU"}) == {"a": 2}
     index.apply("a", batch(BlockRemoved(block_hashes=[2], medium="GPU")))
@@ -57,24 +45,24 @@ def test_media_are_tracked_apart_and_filtered():
     assert index.holders(2) == {}
     assert index.longest_prefix([1, 2, 3]) == {"a": 1}
     # A medium left out (None) is vLLM's device pool.
-    index.apply("b", batch(stored([7], medium=None)))  # type: ignore[arg-type]
+    index.apply("b", batch(block_stored([7], medium=None)))  # type: ignore[arg-type]
     assert index.holders(7) == {"b": frozenset({"GPU"})}
 
 
 def test_bytes_and_int_hashes_meet():
     digest = bytes(range(32))
     index = KVEventIndex()
-    index.apply("bytes-publisher", batch(stored([digest])))
-    index.apply("int-publisher", batch(stored([external_block_hash(digest)])))
+    index.apply("bytes-publisher", batch(block_stored([digest])))
+    index.apply("int-publisher", batch(block_stored([external_block_hash(digest)])))
     assert index.longest_prefix([digest]) == {"bytes-publisher": 1, "int-publisher": 1}
     assert index.longest_prefix([external_block_hash(digest)]) == {"bytes-publisher": 1, "int-publisher": 1}
 
 
 def test_all_blocks_cleared_and_forget_touch_one_replica():
     index = KVEventIndex()
-    index.apply("a", batch(stored([1, 2])))
-    index.apply("b", batch(stored([1])))
-    index.apply("a", batch(AllBlocksCleared(), stored([5])))
+    index.apply("a", batch(block_stored([1, 2])))
+    index.apply("b", batch(block_stored([1])))
+    index.apply("a", batch(AllBlocksCleared(), block_stored([5])))
     assert index.longest_prefix([1, 2]) == {"b": 1}
     assert index.holders(5) == {"a": frozenset({"GPU"})}
     index.forget("b")
@@ -84,7 +72,7 @@ def test_all_blocks_cleared_and_forget_touch_one_replica():
 
 def test_removing_what_was_never_stored_changes_nothing():
     index = KVEventIndex()
-    index.apply("a", batch(BlockRemoved(block_hashes=[1, 2], medium="GPU"), stored([3])))
+    index.apply("a", batch(BlockRemoved(block_hashes=[1, 2], medium="GPU"), block_stored([3])))
     index.apply("a", batch(BlockRemoved(block_hashes=[3], medium="CPU")))  # stored in GPU only
     assert index.holders(3) == {"a": frozenset({"GPU"})}
     assert len(index) == 1
@@ -92,9 +80,9 @@ def test_removing_what_was_never_stored_changes_nothing():
 
 def test_the_bound_drops_the_least_recently_stored_hashes():
     index = KVEventIndex(max_entries=4)
-    index.apply("a", batch(stored([1, 2, 3])))
-    index.apply("b", batch(stored([1])))  # 1 is stored again: the most recent now
-    index.apply("b", batch(stored([4])))  # 5 pairs: hash 2 (the oldest) goes
+    index.apply("a", batch(block_stored([1, 2, 3])))
+    index.apply("b", batch(block_stored([1])))  # 1 is stored again: the most recent now
+    index.apply("b", batch(block_stored([4])))  # 5 pairs: hash 2 (the oldest) goes
     assert len(index) == 4
     assert index.holders(2) == {}
     assert index.longest_prefix([1, 2, 3]) == {"a": 1, "b": 1}
@@ -113,7 +101,7 @@ def test_no_event_stream_grows_the_index_past_its_bound():
         kind = rng.random()
         hashes = [rng.choice([rng.randrange(200), rng.randbytes(32), "junk", None, True]) for _ in range(20)]
         if kind < 0.6:
-            index.apply(replica, batch(stored(hashes, medium=rng.choice(["GPU", "CPU", "STORAGE"]))))
+            index.apply(replica, batch(block_stored(hashes, medium=rng.choice(["GPU", "CPU", "STORAGE"]))))
         elif kind < 0.95:
             index.apply(replica, batch(BlockRemoved(block_hashes=hashes, medium=rng.choice(["GPU", "CPU"]))))
         else:

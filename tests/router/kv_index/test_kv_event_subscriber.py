@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import zmq
+from kv_helpers import block_stored
 from vllm_events_helpers import ENCODER, local
 from vllm_events_helpers import AllBlocksCleared as VAllBlocksCleared
 from vllm_events_helpers import BlockRemoved as VBlockRemoved
@@ -131,15 +132,7 @@ def publisher():
 
 
 def _ours(hashes: list[bytes], medium="GPU") -> BlockStored:
-    return BlockStored(
-        block_hashes=[external_block_hash(h) for h in hashes],
-        parent_block_hash=None,
-        token_ids=[],
-        block_size=16,
-        lora_id=None,
-        medium=medium,
-        lora_name=None,
-    )
+    return block_stored([external_block_hash(h) for h in hashes], medium)
 
 
 def _wait_replayable(pub: ZmqKVEventPublisher, n: int) -> None:
