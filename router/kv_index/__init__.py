@@ -5,7 +5,9 @@
 * subscriber.py: ``ZmqKVEventSubscriber(sources, index).start() / .stop()``, SUB sockets on the
   replicas' publishers, the replay socket asked on a gap;
 * vllm_hashes.py: ``vllm_block_hashes``, a request's block hashes as a vLLM server computes them
-  (``sha256_cbor``), to look up in the index.
+  (``sha256_cbor``), to look up in the index. A prefixserve replica publishes its own Contract-2
+  hashes instead: look those up with replica/kv/hashing.py's ``hash_blocks`` (the replica's
+  algorithm, seed and block size); the index reads bytes digests and ints alike.
 
 The wire format is replica/contract/vllm_kv_events.py. Use::
 
