@@ -17,6 +17,7 @@ from typing import Any
 from prefixserve.common.config_util import add_cli_arguments, check_switches, from_cli_args, from_dict
 from prefixserve.common.tracing import check_endpoint
 from prefixserve.replica.contract.vllm_kv_events import KVEventsConfig
+from prefixserve.replica.core.request_queue import SCHEDULING_POLICIES
 from prefixserve.replica.kv.block_pool import EVICTION_POLICIES
 from prefixserve.replica.tool_calling.parsers import TOOL_CALL_PARSERS
 from prefixserve.replica.tool_calling.templates import load_chat_template
@@ -151,6 +152,11 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    # vLLM's --scheduling-policy: "fcfs" admits in arrival order and preempts the youngest;
+    # "priority" admits by each request's ``priority`` (lower first, then arrival) and preempts
+    # the lowest priority first (replica/core/scheduler.py). Under fcfs a request's priority
+    # must be 0 (vLLM's 400 otherwise).
+    scheduling_policy: str = "fcfs"
     # Bound on queued (not yet running) requests; beyond it add_request raises
     # EngineOverloadedError. None = unbounded.
     max_waiting_requests: int | None = 1024
@@ -215,6 +221,7 @@ class EngineConfig:
         self.prefix_hash_algo = resolve_hash_algo(self.prefix_hash_algo, self.prefix_caching_hash_algo)
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        _choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         _choice("eviction_policy", self.eviction_policy, EVICTION_POLICIES)
         _choice("dtype", self.dtype, DTYPES)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
@@ -372,6 +379,7 @@ _CHOICES = {
     "prefix_caching_hash_algo": tuple(HASH_ALGO_ALIASES),
     "kv_cache_dtype": KV_CACHE_DTYPES,
     "preemption_mode": PREEMPTION_MODES,
+    "scheduling_policy": SCHEDULING_POLICIES,
     "eviction_policy": EVICTION_POLICIES,
     "dtype": DTYPES,
     "attention_backend": ATTENTION_BACKENDS,

@@ -11,11 +11,12 @@ from prefixserve.replica.kv.manager import KVCacheManager
 from prefixserve.replica.sampling_params import SamplingParams
 
 
-def make_seq(rid: str, prompt: list[int], max_tokens: int = 4, n: int = 1) -> Sequence:
+def make_seq(
+    rid: str, prompt: list[int], max_tokens: int = 4, n: int = 1, *, priority: int = 0, arrival_time: float = 0.0
+) -> Sequence:
     """A greedy request's first sequence, not yet added to a scheduler."""
-    req = Request(
-        PreparedRequest(rid, tuple(prompt), SamplingParams(n=n, temperature=0.0, max_tokens=max_tokens), None, 0.0)
-    )
+    params = SamplingParams(n=n, temperature=0.0, max_tokens=max_tokens)
+    req = Request(PreparedRequest(rid, tuple(prompt), params, None, arrival_time, priority=priority))
     seq = Sequence(rid, req, 0, list(prompt), len(prompt))
     req.seqs.append(seq)
     return seq

@@ -82,6 +82,9 @@ class PreparedRequest:
     tool_mode: Any = None
     # The compiled grammar of ``params.structured_outputs`` (replica/structured_output/); None = free.
     grammar: Any = None
+    # vLLM's request priority: under the "priority" scheduling policy a lower value is admitted
+    # first and preempted last (replica/core/request_queue.py); always 0 under "fcfs".
+    priority: int = 0
 
 
 @dataclass(eq=False)
@@ -98,6 +101,9 @@ class Request:
     finished_time: float | None = None
     # True once the n > 1 children exist (they are forked after the prompt's prefill).
     forked: bool = False
+    # The order the scheduler received it in (Scheduler.add): it breaks ties of (priority,
+    # arrival_time), so the priority policy's order is total.
+    arrival_order: int = 0
     # With ``params.prompt_logprobs``: one entry per prompt token computed so far (the first
     # is None, as vLLM's: nothing predicts it). Complete once it has one per prompt token.
     prompt_logprobs: list[dict[int, float] | None] | None = None
@@ -129,6 +135,10 @@ class Request:
     @property
     def arrival_time(self) -> float:
         return self.prepared.arrival_time
+
+    @property
+    def priority(self) -> int:
+        return self.prepared.priority
 
     @property
     def prompt(self) -> str | None:

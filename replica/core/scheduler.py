@@ -8,7 +8,18 @@ prefill). Then waiting sequences are admitted in arrival order while the budget,
 prefix of its tokens (``KVCacheManager.get_computed_blocks``).
 
 When a running sequence cannot get a block, the most recently admitted running
-sequence is preempted and goes back to the front of the waiting queue. By recompute
+sequence is preempted and goes back to the front of the waiting queue.
+
+The ``priority`` scheduling policy (vLLM's ``--scheduling-policy priority``) orders both
+lists by ``(priority, arrival_time, arrival order)``, lowest first
+(replica/core/request_queue.py): the waiting queue is a heap, and the running list is kept
+in that order, so the sequence preempted is the running one of the highest priority value
+and, among equals, the latest arrival, the one vLLM's priority scheduler picks. A preempted
+sequence re-enters the waiting queue at its key's place. As in vLLM, a waiting sequence never
+preempts a running one, whatever their priorities: it waits for room. Under ``fcfs``
+(default) both orders are admission order, as above.
+
+A preempted sequence resumes by recompute
 (``preemption_mode="recompute"``): its blocks are freed and its progress reset (its
 full blocks usually remain cached, so it resumes with prefix hits). By swap
 (``"swap"``): ``KVCacheManager.swap_out`` keeps its KV (blocks copied to the host
@@ -44,10 +55,12 @@ Pure Python: no torch. The engine applies the model; tests drive it with a fake 
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
+import itertools
 from dataclasses import dataclass
 
 from prefixserve.replica.core.request import SeqStatus, Sequence
+from prefixserve.replica.core.request_queue import SCHEDULING_POLICIES, make_waiting_queue, priority_key
 from prefixserve.replica.core.sched_output import ScheduledSeq, SchedulerOutput
 from prefixserve.replica.kv.manager import KVCacheManager
 
@@ -67,14 +80,23 @@ class SchedulerConfig:
     # A sequence ends at this many tokens (the engine's max_model_len): a placeholder that
     # reaches it is not scheduled. None = no bound here.
     max_model_len: int | None = None
+    # "fcfs" or "priority" (EngineConfig.scheduling_policy; replica/core/request_queue.py).
+    scheduling_policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
         self.kv = kv
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = make_waiting_queue(config.scheduling_policy)
+        # Admission order under fcfs, priority_key order under priority: the last is the victim.
         self.running: list[Sequence] = []
+        self._by_priority = config.scheduling_policy == "priority"
+        self._arrivals = itertools.count()
         self.num_preemptions = 0
         # By how they happened: swapped out, or recomputed (incl. swaps the host pool refused).
         self.num_swap_preemptions = 0
@@ -92,7 +114,8 @@ class Scheduler:
                 f"the request needs {width} sequences at once but max_num_seqs is {self.config.max_num_seqs}"
             )
         seq.status = SeqStatus.WAITING
-        self.waiting.append(seq)
+        seq.request.arrival_order = next(self._arrivals)
+        self.waiting.push(seq)
 
     def add_forked(self, parent: Sequence, children: list[Sequence]) -> None:
         """Place forked children right after their (running) parent: same admission age."""
@@ -150,7 +173,8 @@ class Scheduler:
                 i += 1
                 continue
             while (table := kv.allocate_slots(seq.seq_id, seq.token_ids, n)) is None:
-                # Out of blocks: preempt the youngest running sequence (maybe seq itself).
+                # Out of blocks: preempt the last running sequence (maybe seq itself): the youngest
+                # under fcfs, the lowest priority under priority.
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is seq:
@@ -194,14 +218,14 @@ class Scheduler:
             self.num_recompute_preemptions += 1
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self.waiting.push_preempted(seq)
         self.num_preemptions += 1
         out.preempted.append(seq)
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         kv = self.kv
         while self.waiting and budget > 0:
-            seq = self.waiting[0]
+            seq = self.waiting.peek()
             # The parent of an n > 1 request brings its children after the prefill.
             width = seq.request.params.n if seq.awaits_fork else 1
             if kv.is_swapped(seq.seq_id):
@@ -225,13 +249,12 @@ class Scheduler:
                 if self.running:
                     break  # it waits for room (first come, first served)
                 # Nothing runs, so nothing will free room for it: it can never be admitted.
-                self.waiting.popleft()
+                self.waiting.pop()
                 seq.status = SeqStatus.FINISHED
                 out.rejected.append(seq)
                 continue
-            self.waiting.popleft()
-            self.running.append(seq)
-            seq.status = SeqStatus.RUNNING
+            self.waiting.pop()
+            self._start_running(seq)
             if seq.request.num_cached_tokens is None:
                 seq.request.num_cached_tokens = num_cached
             out.scheduled.append(ScheduledSeq(seq, num_cached, n, table))
@@ -256,12 +279,20 @@ class Scheduler:
             if not self.running:
                 self._swap_in_fallback(seq)
             return False
-        self.waiting.popleft()
-        self.running.append(seq)
-        seq.status = SeqStatus.RUNNING
+        self.waiting.pop()
+        self._start_running(seq)
         out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n, table))
         seq.num_computed_tokens += n
         return True
+
+    def _start_running(self, seq: Sequence) -> None:
+        """Put an admitted sequence in the running list: last under fcfs, at its key's place under
+        priority (after its equals, so it is preempted before them)."""
+        if self._by_priority:
+            bisect.insort_right(self.running, seq, key=priority_key)
+        else:
+            self.running.append(seq)
+        seq.status = SeqStatus.RUNNING
 
     def _swap_in_fallback(self, seq: Sequence) -> None:
         self.kv.discard_swapped(seq.seq_id)

@@ -210,6 +210,7 @@ class LLMEngine:
                 evict_generated_first=config.evict_generated_first,
                 protect_static_prefix=config.protect_static_prefix,
                 max_model_len=self.max_model_len,
+                scheduling_policy=config.scheduling_policy,
             ),
             self.kv_manager,
         )
