@@ -7,7 +7,9 @@ random Llama and the router runs inside Ray Serve's real RequestRouter base clas
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import Iterator
 
 import pytest
 from model_helpers import tiny_checkpoint
@@ -37,17 +39,24 @@ def run_to_end(engine: LLMEngine, prompt: list[int], params: SamplingParams, hea
         engine.step()
 
 
-def test_engine_span_per_request_with_phases_under_the_callers_trace(engine):
+@contextlib.contextmanager
+def traced_engine(engine: LLMEngine) -> Iterator[InMemorySpanExporter]:
+    """The engine traced into an in-memory exporter for the block's duration."""
     exporter = InMemorySpanExporter()
     engine.tracer = RequestTracer(build_tracer("test", exporter=exporter), engine.model_name)
     try:
+        yield exporter
+    finally:
+        engine.tracer = None
+
+
+def test_engine_span_per_request_with_phases_under_the_callers_trace(engine):
+    with traced_engine(engine) as exporter:
         prompt = list(range(5, 45))
         run_to_end(
             engine, prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), {"traceparent": TRACEPARENT}
         )
         run_to_end(engine, prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), None)
-    finally:
-        engine.tracer = None
     spans = exporter.get_finished_spans()
     requests = [s for s in spans if s.name == "llm_request"]
     assert len(requests) == 2
@@ -130,9 +139,7 @@ async def test_an_untraced_router_leaves_the_request_alone():
 def test_constrained_request_span_names_its_constraint_kind(engine):
     from prefixserve.replica.structured_output.params import StructuredOutputsParams
 
-    exporter = InMemorySpanExporter()
-    engine.tracer = RequestTracer(build_tracer("test", exporter=exporter), engine.model_name)
-    try:
+    with traced_engine(engine) as exporter:
         prompt = list(range(5, 25))
         run_to_end(
             engine,
@@ -141,8 +148,6 @@ def test_constrained_request_span_names_its_constraint_kind(engine):
             None,
         )
         run_to_end(engine, prompt, SamplingParams(temperature=0, max_tokens=2), None)
-    finally:
-        engine.tracer = None
     constrained, free = [s for s in exporter.get_finished_spans() if s.name == "llm_request"]
     assert constrained.attributes["prefixserve.structured_output.kind"] == "regex"
     assert "prefixserve.structured_output.kind" not in free.attributes
