@@ -81,8 +81,10 @@ from typing import Any
 
 import numpy as np
 
+from prefixserve.common.config_util import from_cli_args
 from prefixserve.loadtest.conversations import CONVERSATION_WORKLOADS, ConversationTraffic, preset
 from prefixserve.loadtest.cost_model import CostProfile, get_profile
+from prefixserve.loadtest.harness.cli import add_flags, flag_field
 from prefixserve.loadtest.harness.plotting import figure
 from prefixserve.loadtest.harness.report import markdown_table, write_json
 from prefixserve.loadtest.peers import PEERS, PeerRequest, make_peer
@@ -125,21 +127,22 @@ class SimConfig:
         and routing decides the hit rate.
     """
 
-    num_replicas: int = 64
-    num_tenants: int = 2000
-    num_requests: int = 100_000
-    zipf_s: float = 0.8
-    hot_share: float = 0.05
-    system_prompt_len: int = 256
-    question_len: int = 32
-    output_len: int = 128
+    num_replicas: int = flag_field(64, flag="--replicas")
+    num_tenants: int = flag_field(2000, flag="--tenants")
+    num_requests: int = flag_field(100_000, flag="--requests")
+    zipf_s: float = flag_field(0.8)
+    hot_share: float = flag_field(0.05)
+    system_prompt_len: int = flag_field(256, flag="--system-len")
+    question_len: int = flag_field(32)
+    output_len: int = flag_field(128)
     block_size: int = 16
-    blocks_per_replica: int = 1024
-    max_num_seqs: int = 64
-    utilization: float = 0.6
-    profile: str = "h100"  # the reference GPU cluster (H100 figures); "cpu" models this project's CPU replicas
-    epsilon: float = 0.25
-    placed_epsilon: float | None = None  # None: the placed policy's own default
+    blocks_per_replica: int = flag_field(1024)
+    max_num_seqs: int = flag_field(64)
+    utilization: float = flag_field(0.6)
+    # The reference GPU cluster (H100 figures); "cpu" models this project's CPU replicas.
+    profile: str = flag_field("h100", choices=("cpu", "h100"))
+    epsilon: float = flag_field(0.25, "bounded_load's epsilon")
+    placed_epsilon: float | None = flag_field(None, "placed's epsilon (unset: the policy's own)")
     # More options of placed (and placed_static / placed_precise), as (name, value) pairs
     # (router/policies/placed.py PlacedOptions); the policy validates them.
     placed_options: tuple[tuple[str, Any], ...] = ()
@@ -147,21 +150,31 @@ class SimConfig:
     # models the replicas as they ship. "cold": a finished request's generated blocks enter the
     # pool's cold end (KVCacheManager.free's generated_cold; every simulated request is a one-shot,
     # none a conversation turn).
-    eviction_policy: str = EngineConfig.eviction_policy
-    generated_blocks: str = "cold" if EngineConfig.evict_generated_first else "warm"
+    eviction_policy: str = flag_field(
+        EngineConfig.eviction_policy, "the replicas' KV eviction policy (replica/kv/block_pool.py EVICTION_POLICIES)"
+    )
+    generated_blocks: str = flag_field(
+        "cold" if EngineConfig.evict_generated_first else "warm",
+        "cold: a finished request's generated blocks enter the KV pool's cold end",
+        choices=("warm", "cold"),
+    )
     # EngineConfig.protect_static_prefix: a finished request's system-prompt blocks are freed as
     # reused (KVCacheManager.free's static_prefix_tokens), also on a replica's first sight of them.
     protect_static_prefix: bool = EngineConfig.protect_static_prefix
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
-    seed: int = 0
+    seed: int = flag_field(0)
     # "tenants" (the Zipf tenant sequence above) or a conversation workload of
     # loadtest/conversations.py ("multi_turn", "agent": its preset; the tenant and
     # prompt-length fields above are then unused).
-    workload: str = "tenants"
+    workload: str = flag_field(
+        "tenants",
+        "tenants (Zipf tenant one-shots) or a conversation workload (loadtest/conversations.py)",
+        choices=WORKLOADS,
+    )
     # KV tiers: host-tier blocks per replica (0 = none) and one disk store shared by every
     # replica (needs the host tier: disk reads land in it, as in the engine).
-    host_blocks_per_replica: int = 0
-    shared_disk: bool = False
+    host_blocks_per_replica: int = flag_field(0, "host KV tier (0: none)")
+    shared_disk: bool = flag_field(False, "one disk tier every replica reads (needs a host tier)")
     # placed_events: seconds between the replicas' KV event reports (router.stats_period_s).
     report_s: float = 1.0
 
@@ -879,52 +892,17 @@ def parse_placed_options(pairs: Sequence[str]) -> tuple[tuple[str, Any], ...]:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m prefixserve.loadtest.simulate", description=__doc__.split("\n\n")[0])
     d = SimConfig()
-    p.add_argument("--replicas", type=int, default=d.num_replicas)
-    p.add_argument("--tenants", type=int, default=d.num_tenants)
-    p.add_argument("--requests", type=int, default=d.num_requests)
-    p.add_argument("--zipf-s", type=float, default=d.zipf_s)
-    p.add_argument("--hot-share", type=float, default=d.hot_share)
-    p.add_argument("--system-len", type=int, default=d.system_prompt_len)
-    p.add_argument("--question-len", type=int, default=d.question_len)
-    p.add_argument("--output-len", type=int, default=d.output_len)
-    p.add_argument("--blocks-per-replica", type=int, default=d.blocks_per_replica)
-    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    p.add_argument("--utilization", type=float, default=d.utilization)
-    p.add_argument("--profile", choices=("cpu", "h100"), default=d.profile)
-    p.add_argument("--epsilon", type=float, default=d.epsilon, help="bounded_load's epsilon")
-    p.add_argument("--placed-epsilon", type=float, default=None, help="placed's epsilon (default: the policy's)")
+    add_flags(p, SimConfig, "cluster and traffic")
     add_placed_option_flag(p)
-    p.add_argument(
-        "--eviction-policy",
-        default=d.eviction_policy,
-        help="the replicas' KV eviction policy (replica/kv/block_pool.py EVICTION_POLICIES)",
-    )
-    p.add_argument(
-        "--generated-blocks",
-        choices=("warm", "cold"),
-        default=d.generated_blocks,
-        help="cold: a finished request's generated blocks enter the KV pool's cold end",
-    )
     p.add_argument(
         "--static-prefix",
         choices=("protected", "plain"),
         default="protected" if d.protect_static_prefix else "plain",
         help="protected: the system prompt's blocks are freed as reused (EngineConfig.protect_static_prefix)",
     )
-    p.add_argument(
-        "--host-blocks-per-replica", type=int, default=d.host_blocks_per_replica, help="host KV tier (0: none)"
-    )
-    p.add_argument("--shared-disk", action="store_true", help="one disk tier every replica reads (needs a host tier)")
     p.add_argument("--host-gbps", type=float, default=None, help="device <-> host copy rate (default: the profile's)")
     p.add_argument("--disk-gbps", type=float, default=None, help="disk read rate (default: the profile's)")
     p.add_argument("--policies", default=",".join(POLICY_NAMES))
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument(
-        "--workload",
-        choices=WORKLOADS,
-        default=d.workload,
-        help="tenants (Zipf tenant one-shots) or a conversation workload (loadtest/conversations.py)",
-    )
     p.add_argument("--sweep-replicas", default="8,16,32,64", help="comma list; empty to skip")
     p.add_argument("--sweep-epsilons", default="0.05,0.1,0.25,0.5,1,2", help="comma list; empty to skip")
     p.add_argument(
@@ -940,29 +918,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown policies {sorted(unknown)}; choose from {POLICY_NAMES}")
     try:
-        config = SimConfig(
-            num_replicas=args.replicas,
-            num_tenants=args.tenants,
-            num_requests=args.requests,
-            zipf_s=args.zipf_s,
-            hot_share=args.hot_share,
-            system_prompt_len=args.system_len,
-            question_len=args.question_len,
-            output_len=args.output_len,
-            blocks_per_replica=args.blocks_per_replica,
-            max_num_seqs=args.max_num_seqs,
-            utilization=args.utilization,
-            profile=args.profile,
-            epsilon=args.epsilon,
-            placed_epsilon=args.placed_epsilon,
+        config = replace(
+            from_cli_args(SimConfig, args),
             placed_options=parse_placed_options(args.placed_option),
-            eviction_policy=args.eviction_policy,
-            generated_blocks=args.generated_blocks,
             protect_static_prefix=args.static_prefix == "protected",
-            seed=args.seed,
-            workload=args.workload,
-            host_blocks_per_replica=args.host_blocks_per_replica,
-            shared_disk=args.shared_disk,
         )
         KVCacheManager(1, config.block_size, eviction_policy=config.eviction_policy)  # validates the name
         make_policy("placed", **dict(config.placed_options))  # validates the placed options

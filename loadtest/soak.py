@@ -75,9 +75,10 @@ import psutil
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
-from prefixserve.common.config_util import add_cli_arguments, from_cli_args
+from prefixserve.common.config_util import from_cli_args
 from prefixserve.loadtest.cluster_run import LocalServeCluster
 from prefixserve.loadtest.harness import server as child
+from prefixserve.loadtest.harness.cli import add_flags, flag_field
 from prefixserve.loadtest.harness.client import stream_one
 from prefixserve.loadtest.harness.plotting import figure
 from prefixserve.loadtest.harness.report import markdown_table, write_json
@@ -117,56 +118,30 @@ RSS_TOLERANCE = 0.02
 TTFT_RATIO = 1.5
 
 
-def _flag(default: Any, help: str) -> Any:
-    """A field that is also a command-line flag (add_cli_arguments reads its help)."""
-    return field(default=default, metadata={"help": help})
-
-
-# The fields that are flags; the others (client timeout, sampling period) are fixed for the CLI.
-_FLAGS = (
-    "duration_s",
-    "cluster",
-    "replicas",
-    "hostile_share",
-    "compare_baseline",
-    "baseline_s",
-    "bucket_s",
-    "warmup_s",
-    "idle_timeout_s",
-    "concurrency",
-    "max_in_flight",
-    "model",
-    "max_tokens",
-    "hold_s",
-    "huge_messages",
-    "seed",
-)
-
-
 @dataclass(frozen=True)
 class SoakConfig:
     """One soak run's settings (the CLI's flags); see the module docstring."""
 
-    duration_s: float = _flag(1800.0, "length of the soak phase")
-    cluster: bool = _flag(
+    duration_s: float = flag_field(1800.0, "length of the soak phase")
+    cluster: bool = flag_field(
         False, "soak the local Ray cluster (prefixserve up's shape) instead of one standalone replica"
     )
-    replicas: int = _flag(2, "engine replicas with --cluster")
-    hostile_share: float = _flag(0.3, "probability that a client's next action is a hostile one")
-    compare_baseline: bool = _flag(False, "first run a phase without the hostile share, for the TTFT p99 ratio")
-    baseline_s: float = _flag(300.0, "length of that phase")
-    bucket_s: float = _flag(60.0, "report bucket")
-    warmup_s: float = _flag(60.0, "start of the soak phase left out of the RSS and TTFT targets")
-    idle_timeout_s: float = _flag(20.0, "longest wait, at each idle pause, for running and waiting to reach 0")
-    concurrency: int = _flag(2, "closed-loop clients")
-    max_in_flight: int = _flag(4, "the standalone replica's --max-in-flight")
-    model: str = _flag(DEFAULT_MODEL, "the model")
-    max_tokens: int = _flag(16, "tokens per normal chat")
-    hold_s: float = _flag(5.0, "how long a slow or non-reading client holds its connection")
+    replicas: int = flag_field(2, "engine replicas with --cluster")
+    hostile_share: float = flag_field(0.3, "probability that a client's next action is a hostile one")
+    compare_baseline: bool = flag_field(False, "first run a phase without the hostile share, for the TTFT p99 ratio")
+    baseline_s: float = flag_field(300.0, "length of that phase")
+    bucket_s: float = flag_field(60.0, "report bucket")
+    warmup_s: float = flag_field(60.0, "start of the soak phase left out of the RSS and TTFT targets")
+    idle_timeout_s: float = flag_field(20.0, "longest wait, at each idle pause, for running and waiting to reach 0")
+    concurrency: int = flag_field(2, "closed-loop clients")
+    max_in_flight: int = flag_field(4, "the standalone replica's --max-in-flight")
+    model: str = flag_field(DEFAULT_MODEL, "the model")
+    max_tokens: int = flag_field(16, "tokens per normal chat")
+    hold_s: float = flag_field(5.0, "how long a slow or non-reading client holds its connection")
     client_timeout_s: float = 120.0
-    huge_messages: int = _flag(20_000, "empty system messages in a huge_messages request")
+    huge_messages: int = flag_field(20_000, "empty system messages in a huge_messages request")
     sample_s: float = 5.0
-    seed: int = _flag(0, "the traffic's seed")
+    seed: int = flag_field(0, "the traffic's seed")
     # The hostile kinds drawn from (with HOSTILE_KINDS' weights); all of them by default.
     kinds: tuple[str, ...] = tuple(HOSTILE_KINDS)
 
@@ -853,7 +828,7 @@ def run_soak(config: SoakConfig, out_dir: Path) -> dict[str, Any]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The soak's flags: :class:`SoakConfig`'s, ``--kinds`` and ``--out-dir``."""
-    group = add_cli_arguments(parser, SoakConfig, "soak", only=_FLAGS)
+    group = add_flags(parser, SoakConfig, "soak")
     group.add_argument(
         "--kinds",
         type=_kinds_arg,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import random
 import sys
@@ -12,7 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from prefixserve.common.config_util import from_cli_args
 from prefixserve.loadtest.harness import report, server, sse, stats
+from prefixserve.loadtest.harness.cli import add_flags, flag_field
 from prefixserve.loadtest.harness.plotting import figure
 
 
@@ -99,3 +102,20 @@ def test_floor_rank_takes_the_sample_at_floor_q_n() -> None:
 def test_median_run_is_the_run_at_the_median_rate() -> None:
     runs = [{"requests_per_s": r, "id": i} for i, r in enumerate([3.0, 1.0, 2.0, 4.0])]
     assert stats.median_run(runs)["id"] == 0 and stats.median_run(runs[:3])["id"] == 2
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    count: int = flag_field(3, "how many", flag="--n")
+    mode: str = flag_field("a", choices=("a", "b"))
+    fixed: float = 1.5
+
+
+def test_flag_fields_become_flags_and_only_they() -> None:
+    parser = argparse.ArgumentParser()
+    add_flags(parser, _Options, "options")
+    args = parser.parse_args(["--n", "5", "--mode", "b"])
+    assert from_cli_args(_Options, args) == _Options(count=5, mode="b")
+    assert "--fixed" not in parser.format_help() and "how many" in parser.format_help()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--mode", "c"])
