@@ -76,7 +76,8 @@ def run_engine(
         wall = time.perf_counter() - start
         stats = llm.engine.kv_manager.stats
         queried = stats.prefix_query_tokens - queried0
-        template = template_for(llm.engine.tokenizer.chat_template, llm.engine.chat_template, True)
+        processor = llm.engine.input_processor
+        template = template_for(processor.tokenizer.chat_template, processor.chat_template, True)
         return {
             "engine": f"prefixserve, caching {'on' if caching else 'off'}",
             "wall_s": wall,
