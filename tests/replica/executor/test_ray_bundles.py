@@ -7,9 +7,12 @@ cannot show is that the ids are right on a machine with physical GPUs.
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -59,8 +62,11 @@ def rank0_class() -> type:
     return Rank0
 
 
-def start_in_bundle0(ray, bundles: list[dict[str, float]], **options):
-    from ray.util.placement_group import placement_group
+@contextlib.contextmanager
+def in_bundle0(ray, bundles: list[dict[str, float]], **options) -> Iterator[tuple[Any, Any]]:
+    """A placement group of ``bundles`` and a rank-0 actor in its bundle 0: ``(pg, actor)``,
+    both gone after the block."""
+    from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     pg = placement_group(bundles, strategy="STRICT_PACK")
@@ -75,7 +81,11 @@ def start_in_bundle0(ray, bundles: list[dict[str, float]], **options):
         )
         .remote()
     )
-    return pg, actor
+    try:
+        yield pg, actor
+    finally:
+        ray.kill(actor)
+        remove_placement_group(pg)
 
 
 def wait_bundle_gpu_free(ray, pg, index: int, free: float, timeout_s: float = 60.0) -> None:
@@ -130,24 +140,15 @@ def test_the_driver_and_an_actor_without_a_placement_group_get_none(ray_local):
 
 
 def test_cpu_bundles_give_each_rank_its_bundles_cpus(ray_local):
-    from ray.util.placement_group import remove_placement_group
-
-    pg, actor = start_in_bundle0(ray_local, [{"CPU": 1.5}, {"CPU": 0.5}], num_cpus=1.5)
-    try:
+    with in_bundle0(ray_local, [{"CPU": 1.5}, {"CPU": 0.5}], num_cpus=1.5) as (pg, actor):
         cpus, devices, _ = ray_local.get(actor.reserve.remote(2), timeout=120)
         assert cpus == [1.5, 0.5] and devices is None
         with pytest.raises(ValueError, match=r"tensor_parallel_size=3 needs one placement-group bundle"):
             ray_local.get(actor.is_none.remote(3), timeout=120)
-    finally:
-        ray_local.kill(actor)
-        remove_placement_group(pg)
 
 
 def test_gpu_bundles_give_each_rank_its_own_gpu_and_hold_it_until_release(ray_local):
-    from ray.util.placement_group import remove_placement_group
-
-    pg, actor = start_in_bundle0(ray_local, [{"CPU": 1, "GPU": 1}, {"CPU": 1, "GPU": 1}], num_cpus=1, num_gpus=1)
-    try:
+    with in_bundle0(ray_local, [{"CPU": 1, "GPU": 1}, {"CPU": 1, "GPU": 1}], num_cpus=1, num_gpus=1) as (pg, actor):
         cpus, devices, own = ray_local.get(actor.reserve.remote(2), timeout=120)
         assert cpus == [1.0, 1.0]
         # Rank 0 has the replica actor's GPU; rank 1 the other one of the two in the cluster.
@@ -159,16 +160,10 @@ def test_gpu_bundles_give_each_rank_its_own_gpu_and_hold_it_until_release(ray_lo
         wait_bundle_gpu_free(ray_local, pg, 1, 1.0)
         # Released: bundle 1's GPU can be given to someone else, and it is the id rank 1 was told.
         assert gpu_task_in_bundle(ray_local, pg, 1) == [devices[1]]
-    finally:
-        ray_local.kill(actor)
-        remove_placement_group(pg)
 
 
 def test_probes_die_with_the_replica_actor_that_owns_them(ray_local):
-    from ray.util.placement_group import remove_placement_group
-
-    pg, actor = start_in_bundle0(ray_local, [{"CPU": 1, "GPU": 1}, {"CPU": 1, "GPU": 1}], num_cpus=1, num_gpus=1)
-    try:
+    with in_bundle0(ray_local, [{"CPU": 1, "GPU": 1}, {"CPU": 1, "GPU": 1}], num_cpus=1, num_gpus=1) as (pg, actor):
         _, devices, _ = ray_local.get(actor.reserve.remote(2), timeout=120)
         assert devices is not None
         assert ray_local.get(actor.probe_ids.remote(), timeout=120) == [[devices[1]]]
@@ -176,6 +171,3 @@ def test_probes_die_with_the_replica_actor_that_owns_them(ray_local):
         ray_local.kill(actor)
         wait_bundle_gpu_free(ray_local, pg, 1, 1.0)
         assert gpu_task_in_bundle(ray_local, pg, 1) == [devices[1]]
-    finally:
-        ray_local.kill(actor)
-        remove_placement_group(pg)
