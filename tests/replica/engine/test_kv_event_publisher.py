@@ -34,15 +34,8 @@ STORED = BlockStored(
     medium="GPU",
     lora_name=None,
 )
-V_STORED = VBlockStored(
-    block_hashes=STORED.block_hashes,
-    parent_block_hash=None,
-    token_ids=list(range(8)),
-    block_size=4,
-    lora_id=None,
-    medium="GPU",
-    lora_name=None,
-)
+# The same event as vLLM's own struct decodes it.
+V_STORED = VBlockStored(**{f: getattr(STORED, f) for f in STORED.__struct_fields__})
 
 
 def _config(**kw) -> KVEventsConfig:
