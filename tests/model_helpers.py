@@ -14,6 +14,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -208,6 +209,30 @@ def random_prompts(rng, n: int, lo: int, hi: int, shared_prefix: list[int] | Non
     """``n`` prompts of random token ids (avoiding special ids 0..16), optionally behind a shared prefix."""
     prefix = shared_prefix or []
     return [prefix + [int(t) for t in rng.integers(17, VOCAB, int(rng.integers(lo, hi + 1)))] for _ in range(n)]
+
+
+def shared_prefix_prompts(seed: int, prefix_len: int, n: int, lo: int, hi: int) -> list[list[int]]:
+    """``n`` random prompts (``lo``..``hi`` tokens each) behind one random ``prefix_len``-token prefix."""
+    rng = np.random.default_rng(seed)
+    shared = [int(t) for t in rng.integers(17, 40000, prefix_len)]
+    return random_prompts(rng, n, lo, hi, shared_prefix=shared)
+
+
+def two_tenant_prompts(seed: int, n: int, hi: int) -> list[list[int]]:
+    """``n`` random prompts (2..``hi`` tokens each) behind two tenants' random prefixes of 40 and 23 tokens,
+    the tenants alternating, from ``seed``."""
+    rng = np.random.default_rng(seed)
+    tenants = [[int(t) for t in rng.integers(17, 40000, k)] for k in (40, 23)]
+    out: list[list[int]] = []
+    for i in range(n):
+        out += random_prompts(rng, 1, 2, hi, shared_prefix=tenants[i % 2])
+    return out
+
+
+def four_block_prompts(seed: int, n: int = 3) -> list[list[int]]:
+    """``n`` prompts of 70 random token ids from ``seed``: 4 full 16-token blocks and 6 tokens more."""
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(17, 40000, 70)] for _ in range(n)]
 
 
 def output_token_ids(outs) -> list[list[int]]:

@@ -15,9 +15,8 @@ import threading
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import pytest
-from model_helpers import engine_metric, output_token_ids, tiny_checkpoint
+from model_helpers import engine_metric, four_block_prompts, output_token_ids, tiny_checkpoint
 
 from prefixserve.replica.kv.disk_tier import SUFFIX, TMP_SUFFIX, DiskKey, DiskTier
 
@@ -213,8 +212,7 @@ def test_a_full_disk_stops_the_tier_with_one_warning(tmp_path, caplog):
 
 @pytest.fixture(scope="module")
 def prompts():
-    rng = np.random.default_rng(21)
-    return [[int(t) for t in rng.integers(17, 40000, 70)] for _ in range(3)]
+    return four_block_prompts(21)
 
 
 PARAMS_KW = dict(temperature=0.0, max_tokens=6, ignore_eos=True)

@@ -14,9 +14,8 @@ import multiprocessing
 import os
 from pathlib import Path
 
-import numpy as np
 import pytest
-from model_helpers import engine_metric, output_token_ids
+from model_helpers import engine_metric, four_block_prompts, output_token_ids
 
 from prefixserve.replica.config import EngineConfig
 from prefixserve.replica.engine.async_engine import AsyncEngine
@@ -37,12 +36,7 @@ KNOBS = dict(num_kv_blocks=16, kv_offloading_size=HOST_GB, kv_disk_size_gb=0.05,
 ROOMY = dict(KNOBS, kv_offloading_size=8 * HOST_GB)
 
 
-def _prompts(seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [[int(t) for t in rng.integers(17, 40000, 70)] for _ in range(3)]
-
-
-A, B = _prompts(21), _prompts(22)  # 4 full blocks of 16 tokens each
+A, B = four_block_prompts(21), four_block_prompts(22)  # 4 full blocks of 16 tokens each
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import numpy as np
 import pytest
+from model_helpers import four_block_prompts
 
 from prefixserve.replica.config import EngineConfig
 from prefixserve.replica.engine.async_engine import AsyncEngine
@@ -27,8 +27,7 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    rng = np.random.default_rng(23)
-    return [[int(t) for t in rng.integers(17, 40000, 70)] for _ in range(3)]
+    return four_block_prompts(23)
 
 
 async def _serve_then_drain(ckpt: str, disk: str, prompts: list[list[int]], bound_s: float) -> float:
