@@ -4,8 +4,10 @@ and a fake device that carries real block contents through every KV move."""
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 
 from prefixserve.replica.core.request import PreparedRequest, Request, Sequence
+from prefixserve.replica.core.sched_output import SchedulerOutput
 from prefixserve.replica.core.scheduler import Scheduler
 from prefixserve.replica.kv.manager import KVCacheManager
 from prefixserve.replica.sampling_params import SamplingParams
@@ -56,6 +58,20 @@ def random_sequences(
         )
         for i in range(count)
     ]
+
+
+def random_steps(
+    rng: random.Random, sched: Scheduler, pending: list[Sequence], max_steps: int, max_new: int
+) -> Iterator[SchedulerOutput]:
+    """The plans of a run that adds up to ``max_new - 1`` of ``pending`` (from its end) before each
+    step, until nothing is pending or unfinished, or ``max_steps`` steps; the caller runs each plan."""
+    for _ in range(max_steps):
+        if not (pending or sched.has_unfinished()):
+            return
+        for _ in range(rng.randrange(0, max_new)):
+            if pending:
+                sched.add(pending.pop())
+        yield sched.schedule()
 
 
 class FakeDevice:

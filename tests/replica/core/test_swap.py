@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import random
 
-import numpy as np
 import pytest
-from model_helpers import random_prompts
-from scheduler_helpers import FakeDevice, fake_step, random_sequences
+from model_helpers import two_tenant_prompts
+from scheduler_helpers import FakeDevice, fake_step, random_sequences, random_steps
 
 from prefixserve.replica.core.scheduler import Scheduler, SchedulerConfig
 from prefixserve.replica.kv.manager import KVCacheManager
@@ -132,13 +131,7 @@ def test_randomized_swap_run_keeps_every_sequences_kv(caching, host_blocks):
     dev = FakeDevice(kv)
     pending = random_sequences(rng, 40, num_prefixes=3, prefix_len=(4, 13), suffix_len=(1, 16), max_tokens=(4, 24))
     done = 0
-    for _ in range(3000):
-        if not (pending or sched.has_unfinished()):
-            break
-        for _ in range(rng.randrange(0, 3)):
-            if pending:
-                sched.add(pending.pop())
-        out = sched.schedule()
+    for out in random_steps(rng, sched, pending, max_steps=3000, max_new=3):
         assert not (out.swap_out and out.swap_in), "a step both swapped out and in"
         dev.step(out)
         done += len(fake_step(sched, out, first_token=2000))
@@ -158,12 +151,7 @@ def test_randomized_swap_run_keeps_every_sequences_kv(caching, host_blocks):
 
 @pytest.fixture(scope="module")
 def prompts():
-    rng = np.random.default_rng(5)
-    tenants = [[int(t) for t in rng.integers(17, 40000, n)] for n in (40, 23)]
-    out = []
-    for i in range(8):
-        out += random_prompts(rng, 1, 2, 30, shared_prefix=tenants[i % 2])
-    return out
+    return two_tenant_prompts(seed=5, n=8, hi=30)
 
 
 def _prompt_tokens(llm) -> float:

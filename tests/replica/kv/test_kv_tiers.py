@@ -9,7 +9,7 @@ import random
 
 import numpy as np
 import pytest
-from scheduler_helpers import FakeDevice, fake_step, random_sequences
+from scheduler_helpers import FakeDevice, fake_step, random_sequences, random_steps
 
 from prefixserve.replica.core.scheduler import Scheduler, SchedulerConfig
 from prefixserve.replica.kv.manager import KVCacheManager
@@ -148,13 +148,7 @@ def test_randomized_tier_run_keeps_every_sequences_kv(mode, host_blocks, budget)
     dev = FakeDevice(kv)
     pending = random_sequences(rng, 60, num_prefixes=6, prefix_len=(8, 25), suffix_len=(1, 8), max_tokens=(2, 10))
     done = 0
-    for _ in range(4000):
-        if not (pending or sched.has_unfinished()):
-            break
-        for _ in range(rng.randrange(0, 2)):
-            if pending:
-                sched.add(pending.pop())
-        out = sched.schedule()
+    for out in random_steps(rng, sched, pending, max_steps=4000, max_new=2):
         kv.take_tier_ops()
         dev.step(out)
         done += len(fake_step(sched, out, first_token=2000))
