@@ -5,6 +5,10 @@ next body when its previous one ends, and records per request when it was
 sent, its first token (content or a finish: TTFT), its end, the replica that
 served it (``X-Prefixserve-Replica``) and its token usage.
 
+bench_serve.py keeps a sender of its own on purpose: it reproduces ``vllm bench serve``
+(Poisson arrivals under a concurrency cap, TTFT at the first non-empty text, inter-token
+latencies) so that its figures compare with vLLM's client; it shares the SSE reader.
+
 Invariants: a record exists for every body sent, in body order, failed or not
 (``ok`` False with the reason in ``error``); times are seconds on one monotonic
 clock, relative to the start of the run; nothing here retries.
