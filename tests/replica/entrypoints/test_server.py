@@ -163,7 +163,7 @@ def test_openai_client_completions_text_and_token_prompts(client, model_name):
 def test_n_greater_than_one_non_streaming(client, model_name):
     rng = random.Random(3)
     messages = [{"role": "user", "content": words(rng, 10)}]
-    response = client.chat.completions.create(
+    request = dict(
         model=model_name,
         messages=messages,
         n=3,
@@ -172,19 +172,12 @@ def test_n_greater_than_one_non_streaming(client, model_name):
         seed=77,
         extra_body={"ignore_eos": True},
     )
+    response = client.chat.completions.create(**request)
     assert sorted(c.index for c in response.choices) == [0, 1, 2]
     assert all(c.finish_reason == "length" for c in response.choices)
     assert response.usage.completion_tokens == 18
     # Seeded sampling is reproducible through the server.
-    again = client.chat.completions.create(
-        model=model_name,
-        messages=messages,
-        n=3,
-        max_tokens=6,
-        temperature=1.0,
-        seed=77,
-        extra_body={"ignore_eos": True},
-    )
+    again = client.chat.completions.create(**request)
     assert [c.message.content for c in again.choices] == [c.message.content for c in response.choices]
 
 
