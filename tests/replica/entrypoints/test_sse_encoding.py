@@ -29,27 +29,25 @@ def _texts() -> list[str]:
 FINISHES: list[str | None] = [None, FinishReason.STOP, FinishReason.LENGTH, "tool_calls"]
 
 
+def _assert_chunks_match_the_model(chat: bool, finish: str | None, id_format: str, model: str) -> None:
+    """Every text's chunk, encoded from the template, is the protocol model's JSON byte for byte."""
+    for k, text in enumerate(_texts()):
+        request_id, created, index = id_format.format(k), 1_700_000_000 + k, k % 3
+        if chat:
+            choice = api.ChatChunkChoice(index=index, delta=api.DeltaMessage(content=text), finish_reason=finish)
+            expected = api.ChatCompletionChunk(id=request_id, model=model, created=created, choices=[choice])
+        else:
+            completion = api.CompletionChoice(index=index, text=text, finish_reason=finish)
+            expected = api.CompletionResponse(id=request_id, model=model, created=created, choices=[completion])
+        encoded = TextChunks(request_id, model, chat=chat).encode(created, index, text, finish)
+        assert encoded == expected.model_dump_json(), repr(text)
+
+
 @pytest.mark.parametrize("finish", FINISHES)
 def test_completion_chunk_matches_the_model(finish: str | None) -> None:
-    for k, text in enumerate(_texts()):
-        request_id, model, created, index = f'cmpl-{k:x}é"', 'smol"lm\\2', 1_700_000_000 + k, k % 3
-        expected = api.CompletionResponse(
-            id=request_id,
-            model=model,
-            created=created,
-            choices=[api.CompletionChoice(index=index, text=text, finish_reason=finish)],
-        ).model_dump_json()
-        assert TextChunks(request_id, model, chat=False).encode(created, index, text, finish) == expected, repr(text)
+    _assert_chunks_match_the_model(False, finish, 'cmpl-{:x}é"', 'smol"lm\\2')
 
 
 @pytest.mark.parametrize("finish", FINISHES)
 def test_chat_chunk_matches_the_model(finish: str | None) -> None:
-    for k, text in enumerate(_texts()):
-        request_id, model, created, index = f"chatcmpl-{k:x}", "smollm2\n", 1_700_000_000 + k, k % 3
-        expected = api.ChatCompletionChunk(
-            id=request_id,
-            model=model,
-            created=created,
-            choices=[api.ChatChunkChoice(index=index, delta=api.DeltaMessage(content=text), finish_reason=finish)],
-        ).model_dump_json()
-        assert TextChunks(request_id, model, chat=True).encode(created, index, text, finish) == expected, repr(text)
+    _assert_chunks_match_the_model(True, finish, "chatcmpl-{:x}", "smollm2\n")
