@@ -86,6 +86,13 @@ def ckpt(tiny_ckpts: Callable[..., str]) -> str:
     return tiny_ckpts()
 
 
+@pytest.fixture(scope="session")
+def gqa_ckpt(tiny_ckpts: Callable[..., str]) -> str:
+    """The shared tiny shape with 8 query heads over its 2 KV heads (seed 3): the tensor-parallel
+    tests' model, whose heads split over 2 ranks (and not over 3)."""
+    return tiny_ckpts(heads=8, seed=3)
+
+
 @pytest.fixture(scope="module")
 def replica(request: pytest.FixtureRequest, ckpt: str) -> Iterator[Any]:
     """A replica (the real app and engine, server_helpers.InProcessReplica) on the shared checkpoint.

@@ -21,7 +21,6 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from model_helpers import tiny_checkpoint
 from server_helpers import ReplicaProcess
 
 from prefixserve.replica.config import EngineConfig
@@ -35,13 +34,6 @@ from prefixserve.replica.sampling_params import SamplingParams
 from prefixserve.replica.worker.step_inputs import StepInputs, unpack_step_inputs
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
-
-
-@pytest.fixture(scope="module")
-def gqa_checkpoint(tmp_path_factory) -> Path:
-    return tiny_checkpoint(
-        tmp_path_factory.mktemp("tp") / "llama8x2", hidden=64, heads=8, kv_heads=2, intermediate=128, layers=2, seed=3
-    )
 
 
 def shared_prefix_prompts(count: int, prefix_len: int = 24, tail_len: int = 6) -> list[list[int]]:
@@ -94,9 +86,9 @@ def test_kv_heads_that_neither_split_nor_replicate_evenly_are_refused(kv_heads, 
         TPGroup(0, size).kv_heads(kv_heads)
 
 
-def test_a_model_that_does_not_split_is_refused_before_any_worker_starts(gqa_checkpoint):
+def test_a_model_that_does_not_split_is_refused_before_any_worker_starts(gqa_ckpt):
     with pytest.raises(ValueError, match="num_attention_heads=8 is not divisible by tensor_parallel_size=3"):
-        LLM(str(gqa_checkpoint), num_kv_blocks=16, tensor_parallel_size=3)
+        LLM(str(gqa_ckpt), num_kv_blocks=16, tensor_parallel_size=3)
 
 
 def _send_then_wait(conn, sent, release) -> None:
@@ -167,23 +159,23 @@ def test_step_inputs_and_swap_messages_survive_packing():
 KNOBS = dict(block_size=4, num_kv_blocks=16, max_num_seqs=4, max_num_batched_tokens=16)
 
 
-def run_engine(checkpoint: Path, prompts: list[list[int]], **knobs) -> tuple[list[list[int]], object, list]:
+def run_engine(checkpoint: str, prompts: list[list[int]], **knobs) -> tuple[list[list[int]], object, list]:
     with LLM(str(checkpoint), **knobs) as llm:
         outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
         return outputs, llm.engine.stats(), llm.engine.runner.rank_memory
 
 
 @pytest.fixture(scope="module")
-def tp1_reference(gqa_checkpoint):
-    return run_engine(gqa_checkpoint, shared_prefix_prompts(6), **KNOBS)
+def tp1_reference(gqa_ckpt):
+    return run_engine(gqa_ckpt, shared_prefix_prompts(6), **KNOBS)
 
 
 @pytest.mark.parametrize("size", [2, 4])
 def test_greedy_tokens_equal_one_process_under_prefix_hits_chunked_prefill_and_preemption(
-    gqa_checkpoint, tp1_reference, size
+    gqa_ckpt, tp1_reference, size
 ):
     expected, reference_stats, _ = tp1_reference
-    got, stats, _ = run_engine(gqa_checkpoint, shared_prefix_prompts(6), tensor_parallel_size=size, **KNOBS)
+    got, stats, _ = run_engine(gqa_ckpt, shared_prefix_prompts(6), tensor_parallel_size=size, **KNOBS)
     assert got == expected
     # The workload did exercise what it claims to: prefix hits and preemption (16 blocks of 4
     # tokens for 6 sequences of ~42 tokens; 16-token steps chunk the 30-token prompts).
@@ -194,7 +186,7 @@ def test_greedy_tokens_equal_one_process_under_prefix_hits_chunked_prefill_and_p
     )
 
 
-def test_sampling_parameters_and_prompt_logprobs_at_tp2_equal_one_process(gqa_checkpoint):
+def test_sampling_parameters_and_prompt_logprobs_at_tp2_equal_one_process(gqa_ckpt):
     # Sampling stays on rank 0; prompt_logprobs read the extra LM-head rows every rank computes.
     prompts = shared_prefix_prompts(4)
     params = [
@@ -205,7 +197,7 @@ def test_sampling_parameters_and_prompt_logprobs_at_tp2_equal_one_process(gqa_ch
     ]
 
     def run(**knobs):
-        with LLM(str(gqa_checkpoint), **KNOBS, **knobs) as llm:
+        with LLM(str(gqa_ckpt), **KNOBS, **knobs) as llm:
             return llm.generate(prompts, params)
 
     one, two = run(), run(tensor_parallel_size=2)
@@ -217,11 +209,9 @@ def test_sampling_parameters_and_prompt_logprobs_at_tp2_equal_one_process(gqa_ch
 
 
 @pytest.mark.parametrize("size, kv_share", [(2, 2), (4, 2)])  # TP 4 replicates 2 KV heads: half each, not a quarter
-def test_each_rank_holds_its_share_of_the_kv_cache_for_the_same_block_count(
-    gqa_checkpoint, tp1_reference, size, kv_share
-):
+def test_each_rank_holds_its_share_of_the_kv_cache_for_the_same_block_count(gqa_ckpt, tp1_reference, size, kv_share):
     _, _, (whole,) = tp1_reference
-    _, _, ranks = run_engine(gqa_checkpoint, shared_prefix_prompts(1), tensor_parallel_size=size, **KNOBS)
+    _, _, ranks = run_engine(gqa_ckpt, shared_prefix_prompts(1), tensor_parallel_size=size, **KNOBS)
     assert [m.rank for m in ranks] == list(range(size))
     for memory in ranks:
         assert memory.num_blocks == whole.num_blocks
@@ -229,19 +219,19 @@ def test_each_rank_holds_its_share_of_the_kv_cache_for_the_same_block_count(
         assert memory.weights < whole.weights
 
 
-def test_block_count_is_the_minimum_any_rank_can_hold_under_a_per_rank_memory_budget(gqa_checkpoint):
+def test_block_count_is_the_minimum_any_rank_can_hold_under_a_per_rank_memory_budget(gqa_ckpt):
     budget = 64 * 1024
-    with LLM(str(gqa_checkpoint), kv_cache_memory_bytes=budget) as one:
+    with LLM(str(gqa_ckpt), kv_cache_memory_bytes=budget) as one:
         whole = one.engine.runner.num_blocks
-    with LLM(str(gqa_checkpoint), kv_cache_memory_bytes=budget, tensor_parallel_size=2) as two:
+    with LLM(str(gqa_ckpt), kv_cache_memory_bytes=budget, tensor_parallel_size=2) as two:
         # The budget is per rank (vLLM's kv_cache_memory_bytes is per GPU) and each rank's
         # blocks are half as large: twice the blocks.
         assert two.engine.runner.num_blocks == 2 * whole
         assert two.engine.stats().num_kv_blocks == 2 * whole
 
 
-async def test_killing_a_worker_mid_stream_fails_the_request_and_the_engine_for_good(gqa_checkpoint):
-    engine = AsyncEngine(EngineConfig(model=str(gqa_checkpoint), tensor_parallel_size=2, num_kv_blocks=300))
+async def test_killing_a_worker_mid_stream_fails_the_request_and_the_engine_for_good(gqa_ckpt):
+    engine = AsyncEngine(EngineConfig(model=str(gqa_ckpt), tensor_parallel_size=2, num_kv_blocks=300))
     pids = engine.engine.runner.worker_pids
     assert len(pids) == 1 and pid_alive(pids[0])
     stream = engine.generate([101, 102, 103] * 4, SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True))
@@ -273,10 +263,8 @@ DRIVER = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("how", ["crash", "ctrl-c"])
-def test_no_worker_outlives_a_driver_that_crashes_or_is_interrupted(gqa_checkpoint, how):
-    proc = subprocess.Popen(
-        [sys.executable, "-c", DRIVER, str(gqa_checkpoint), "2", how], stdout=subprocess.PIPE, text=True
-    )
+def test_no_worker_outlives_a_driver_that_crashes_or_is_interrupted(gqa_ckpt, how):
+    proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(gqa_ckpt), "2", how], stdout=subprocess.PIPE, text=True)
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]
         assert len(pids) == 1 and all(pid_alive(p) for p in pids)
@@ -319,10 +307,8 @@ def worker_children(pid: int) -> list[int]:
 
 
 @pytest.mark.slow
-def test_a_tp_server_answers_then_a_killed_worker_gets_503_and_a_nonzero_exit(gqa_checkpoint, tmp_path):
-    with ReplicaProcess(
-        gqa_checkpoint, "--tensor-parallel-size", "2", "--num-kv-blocks", "64", log_dir=tmp_path
-    ) as replica:
+def test_a_tp_server_answers_then_a_killed_worker_gets_503_and_a_nonzero_exit(gqa_ckpt, tmp_path):
+    with ReplicaProcess(gqa_ckpt, "--tensor-parallel-size", "2", "--num-kv-blocks", "64", log_dir=tmp_path) as replica:
         (worker,) = worker_children(replica.proc.pid)
         ok = httpx.post(f"{replica.base_url}/v1/completions", json={"prompt": "hello", "max_tokens": 4}, timeout=60)
         assert ok.status_code == 200, ok.text
@@ -344,10 +330,8 @@ def test_a_tp_server_answers_then_a_killed_worker_gets_503_and_a_nonzero_exit(gq
 
 
 @pytest.mark.slow
-def test_stopping_a_tp_server_stops_its_workers(gqa_checkpoint, tmp_path):
-    with ReplicaProcess(
-        gqa_checkpoint, "--tensor-parallel-size", "2", "--num-kv-blocks", "64", log_dir=tmp_path
-    ) as replica:
+def test_stopping_a_tp_server_stops_its_workers(gqa_ckpt, tmp_path):
+    with ReplicaProcess(gqa_ckpt, "--tensor-parallel-size", "2", "--num-kv-blocks", "64", log_dir=tmp_path) as replica:
         workers = worker_children(replica.proc.pid)
         assert len(workers) == 1
     # uvicorn shuts down gracefully on SIGTERM (the engine stops its workers), then
@@ -356,25 +340,25 @@ def test_stopping_a_tp_server_stops_its_workers(gqa_checkpoint, tmp_path):
     assert wait_gone(workers) == []
 
 
-def test_swap_preemption_moves_every_ranks_shard_and_keeps_tp1s_tokens(gqa_checkpoint):
+def test_swap_preemption_moves_every_ranks_shard_and_keeps_tp1s_tokens(gqa_ckpt):
     knobs = dict(KNOBS, preemption_mode="swap", swap_space_gb=0.001)
     prompts = shared_prefix_prompts(6)
-    with LLM(str(gqa_checkpoint), **knobs) as one:
+    with LLM(str(gqa_ckpt), **knobs) as one:
         expected = [o.outputs[0].token_ids for o in one.generate(prompts, GREEDY)]
-    with LLM(str(gqa_checkpoint), tensor_parallel_size=2, **knobs) as two:
+    with LLM(str(gqa_ckpt), tensor_parallel_size=2, **knobs) as two:
         got = [o.outputs[0].token_ids for o in two.generate(prompts, GREEDY)]
         swapped = two.engine._swap_totals()
     assert got == expected
     assert swapped.swap_preemptions > 0 and swapped.swapped_in_blocks > 0
 
 
-def test_calculated_fp8_scales_are_taken_over_every_ranks_heads(gqa_checkpoint):
+def test_calculated_fp8_scales_are_taken_over_every_ranks_heads(gqa_ckpt):
     knobs = dict(num_kv_blocks=32, kv_cache_dtype="fp8", calculate_kv_scales=True)
     prompt = shared_prefix_prompts(1)
-    with LLM(str(gqa_checkpoint), **knobs) as one:
+    with LLM(str(gqa_ckpt), **knobs) as one:
         one.generate(prompt, GREEDY)
         expected = one.engine.runner.model.kv_scales
-    with LLM(str(gqa_checkpoint), tensor_parallel_size=2, **knobs) as two:
+    with LLM(str(gqa_ckpt), tensor_parallel_size=2, **knobs) as two:
         two.generate(prompt, GREEDY)
         got = two.engine.runner.model.kv_scales
     # Rank 0 alone holds half the KV heads: without the all-reduce its amax could be lower.
