@@ -9,6 +9,7 @@ request the router accepts is one a replica accepts). Pure stdlib.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -23,6 +24,10 @@ DEFAULT_MAX_HEAD_BYTES = 32 * 1024
 DEFAULT_MAX_HEADER_COUNT = 100
 # The router's default port: where ``prefixserve up`` serves the cluster's endpoint (the router is one).
 DEFAULT_ROUTER_PORT = 8000
+
+
+# ``--kv-events-hash``: how the replicas name their blocks (Contract 2 with either algorithm, or vLLM's).
+HASH_SCHEMES = ("prefixserve", "prefixserve-sha256", "vllm")
 
 
 def _help(text: str) -> dict[str, str]:
@@ -43,6 +48,34 @@ def replica_name(url: str) -> str:
         raise ValueError(f"a replica URL has a bad port: {url!r}") from None
     host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
     return f"{host}:{port}"
+
+
+@dataclass(frozen=True)
+class KVEventSpec:
+    """One ``--kv-events`` value: a replica (its ring name) and its publisher's PUB and replay addresses."""
+
+    replica: str
+    endpoint: str
+    replay_endpoint: str | None = None
+
+
+def parse_kv_events(spec: str, replicas: Mapping[str, str]) -> KVEventSpec:
+    """``REPLICA_URL=ENDPOINT[,REPLAY_ENDPOINT]`` (vllm-router's ``--kv-event-source WORKER_URL=ENDPOINT``,
+    with the replay socket after a comma). ``replicas``: the router's ring names -> URLs; the URL must
+    name one of them. ValueError for anything else."""
+    url, sep, rest = spec.partition("=")
+    if not sep or not url or not rest:
+        raise ValueError(f"--kv-events takes REPLICA_URL=ENDPOINT[,REPLAY_ENDPOINT], got {spec!r}")
+    name = replica_name(url)
+    if name not in replicas:
+        raise ValueError(f"--kv-events names {url!r}, which is not one of the --replica URLs")
+    endpoint, _, replay = rest.partition(",")
+    for address in (endpoint, replay):
+        if address and not address.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"a KV event endpoint must be a tcp://, ipc:// or inproc:// address, got {address!r}")
+        if "*" in address:
+            raise ValueError(f"a KV event endpoint must name the replica's host, not a wildcard: {address!r}")
+    return KVEventSpec(name, endpoint, replay or None)
 
 
 @dataclass
@@ -105,6 +138,33 @@ class StandaloneRouterConfig:
     h11_max_header_count: int = field(
         default=DEFAULT_MAX_HEADER_COUNT, metadata=_help("most header fields a request may carry (431)")
     )
+    kv_events: list[str] = field(
+        default_factory=list,
+        metadata={
+            "flag": "--kv-events",
+            "help": "a replica's KV event publisher: REPLICA_URL=tcp://HOST:PORT[,tcp://HOST:REPLAY_PORT] "
+            "(repeat per replica; needs --policy placed and --tokenizer)",
+        },
+    )
+    kv_events_block_size: int = field(default=16, metadata=_help("the replicas' KV block size, in tokens"))
+    kv_events_hash: str = field(
+        default="prefixserve",
+        metadata={
+            "choices": HASH_SCHEMES,
+            "help": "how the replicas hash blocks: prefixserve's Contract 2 (xxh3_128 or sha256) or vLLM's sha256_cbor",
+        },
+    )
+    kv_events_seed: str | None = field(
+        default=None,
+        metadata=_help("the replicas' hash seed (default: prefixserve-v1, or vLLM's unset-PYTHONHASHSEED seed)"),
+    )
+    kv_events_max_entries: int = field(
+        default=1_000_000, metadata=_help("most (block, replica) pairs the KV event index holds")
+    )
+    tokenizer: str | None = field(
+        default=None,
+        metadata=_help("the replicas' tokenizer folder (tokenizer.json and chat template), to hash prompts"),
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.replicas, list) or not self.replicas:
@@ -120,6 +180,20 @@ class StandaloneRouterConfig:
             _check_int(name, getattr(self, name))
         for name in ("h11_max_incomplete_event_size", "h11_max_header_count"):
             _check_int(name, getattr(self, name))
+        if not isinstance(self.kv_events, list):
+            raise ValueError("kv_events must be a list of REPLICA_URL=ENDPOINT[,REPLAY_ENDPOINT]")
+        for name in ("kv_events_block_size", "kv_events_max_entries"):
+            _check_int(name, getattr(self, name))
+        if self.kv_events_hash not in HASH_SCHEMES:
+            raise ValueError(f"kv_events_hash must be one of {', '.join(HASH_SCHEMES)}, got {self.kv_events_hash!r}")
+        if self.kv_events:
+            specs = self.kv_event_specs
+            if len({s.replica for s in specs}) != len(specs):
+                raise ValueError("--kv-events names a replica twice")
+            if self.policy != "placed":
+                raise ValueError("--kv-events feeds the placed policy: use --policy placed")
+            if not self.tokenizer:
+                raise ValueError("--kv-events needs --tokenizer (the replicas' tokenizer folder) to hash prompts")
         for name in (
             "health_interval_s",
             "health_timeout_s",
@@ -137,12 +211,19 @@ class StandaloneRouterConfig:
     @property
     def policy_options(self) -> dict[str, object]:
         """The options given that the policy takes (router/policies/ ``pick_options``)."""
-        return pick_options(self.policy, {"epsilon": self.epsilon})
+        # KV events say which replica holds a key's prefix: placed's precise mode uses it.
+        return pick_options(self.policy, {"epsilon": self.epsilon, "precise": True if self.kv_events else None})
 
     @property
     def key_config(self) -> PrefixKeyConfig:
         """How a request's routing key is derived (router/routing_key.py)."""
         return PrefixKeyConfig(session_header=self.session_header, key_turns=self.key_turns)
+
+    @property
+    def kv_event_specs(self) -> list[KVEventSpec]:
+        """The ``--kv-events`` values, parsed (ValueError for a bad one)."""
+        urls = self.replica_urls
+        return [parse_kv_events(spec, urls) for spec in self.kv_events]
 
     @property
     def replica_urls(self) -> dict[str, str]:

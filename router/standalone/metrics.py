@@ -62,6 +62,17 @@ class StandaloneMetrics:
             ["replica"],
             registry=r,
         )
+        self.kv_event_blocks = Gauge(
+            "prefixserve_router_kv_event_blocks",
+            "KV blocks the replicas' KV events say each replica holds (the router's index; --kv-events).",
+            ["replica"],
+            registry=r,
+        )
+        self.kv_event_matches = Counter(
+            "prefixserve_router_kv_event_matches",
+            "Requests of which the KV events said some admitted replica held leading blocks.",
+            registry=r,
+        )
         self.policy = policy
         for name in replicas:
             self.in_flight.labels(name).set(0)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -49,8 +50,10 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from prefixserve.replica.contract.routing import REPLICA_HEADER
+from prefixserve.router.kv_index import ZmqKVEventSubscriber
 from prefixserve.router.policies import Policy, make_policy
 from prefixserve.router.standalone.config import StandaloneRouterConfig
+from prefixserve.router.standalone.kv_events import KVEventHints, build_hints, event_sources
 from prefixserve.router.standalone.load_report import parse_load
 from prefixserve.router.standalone.metrics import StandaloneMetrics
 from prefixserve.router.standalone.replica_set import ADMITTED, EJECTED, ReplicaSet
@@ -199,14 +202,20 @@ class RelayResponse(Response):
 class StandaloneRouter:
     """One router: its replicas, decision, metrics, HTTP client and background probes."""
 
-    def __init__(self, config: StandaloneRouterConfig, policy: Policy | None = None) -> None:
+    def __init__(
+        self, config: StandaloneRouterConfig, policy: Policy | None = None, hints: KVEventHints | None = None
+    ) -> None:
         self.config = config
         self.replicas = ReplicaSet(
             config.replica_urls, config.unhealthy_after, config.healthy_after, config.load_max_age_s
         )
         self.routing = StandaloneRouting(
-            policy or make_policy(config.policy, **config.policy_options), self.replicas, config.key_config
+            policy or make_policy(config.policy, **config.policy_options),
+            self.replicas,
+            config.key_config,
+            hints=hints if hints is not None else build_hints(config),
         )
+        self.subscriber: ZmqKVEventSubscriber | None = None
         self.metrics = StandaloneMetrics(self.routing.policy.name, self.replicas.names)
         self.models_of: dict[str, list[dict[str, Any]]] = {}  # replica -> its /v1/models entries
         self._models_at = -float("inf")
@@ -226,6 +235,13 @@ class StandaloneRouter:
         # No pool limit: the router holds one upstream connection per open request, as any reverse proxy.
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=2.0)
         self._client = httpx.AsyncClient(timeout=timeout, limits=limits, follow_redirects=False)
+        hints = self.routing.hints
+        if hints is not None and c.kv_events:
+            self.subscriber = ZmqKVEventSubscriber(event_sources(c), hints.index).start()
+            for source in self.subscriber.sources:
+                self.metrics.kv_event_blocks.labels(source.replica).set_function(
+                    functools.partial(hints.index.num_blocks, source.replica)
+                )
         self._tasks = [
             asyncio.create_task(self._every(c.health_interval_s, self.probe_all)),
             asyncio.create_task(self._every(c.metrics_interval_s, self.read_loads)),
@@ -238,6 +254,9 @@ class StandaloneRouter:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks = []
+        if self.subscriber is not None:
+            await asyncio.to_thread(self.subscriber.stop)
+            self.subscriber = None
         if self._client is not None:
             await self._client.aclose()
             self._client = None
@@ -472,7 +491,14 @@ class StandaloneRouter:
                 )
             # Those that list it, and those whose list the router has not read (down, or not answering it yet).
             among = [n for n in self.replicas.names if n in serving or n not in self.models_of] if serving else None
-        plan = self.routing.plan(parsed, request.headers, among)
+        blocks = None
+        hints = self.routing.hints
+        if hints is not None and isinstance(parsed, dict):
+            # Tokenizing and hashing a long prompt takes milliseconds: not on the event loop.
+            blocks = await anyio.to_thread.run_sync(hints.blocks, parsed)
+        plan = self.routing.plan(parsed, request.headers, among, token_blocks=blocks)
+        if plan.event_matched:
+            self.metrics.kv_event_matches.inc()
         return await self.forward(request, body, plan)
 
     async def handle_models(self, request: Request) -> Response:

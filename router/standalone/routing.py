@@ -11,9 +11,12 @@ A body the router cannot read for a key (not JSON, a malformed field, a bad
 ``X-Prefix-Hash``) is routed by load, never refused here: the replica answers it
 (most likely with its own 400).
 
-KV events (the seam for a subscriber to replicas' KV events): ``set_cached(replica, key,
-holds)`` feeds ``placed``'s precise placement and ``report_history(...)`` its history
-index, the same two inputs the Ray host feeds from its routing stats.
+KV events (``--kv-events``, kv_events.py): with hints, the request's history is its
+token-block hashes (computed off the event loop by the caller and passed to ``plan``),
+not its text blocks; before ranking, what the events say each admitted replica holds of
+them is stored in ``placed``'s history index and whether it holds the key's static prefix
+goes to ``set_cached``, the two inputs the Ray host feeds from its routing stats. What the
+router sent stays recorded beside them, so missing events fall back to that record.
 
 Pure Python: no HTTP, no asyncio (one event loop calls it, so it holds no lock).
 """
@@ -28,6 +31,7 @@ from typing import Any
 from prefixserve.replica.contract.prompt_blocks import PromptBlocks, PromptHasher, UnhashablePrompt
 from prefixserve.router.policies import KIND_FALLBACK, Placed, Policy, landed_kind
 from prefixserve.router.routing_key import DEFAULT_CONFIG, PrefixKeyConfig, routing_key
+from prefixserve.router.standalone.kv_events import KVEventHints
 from prefixserve.router.standalone.replica_set import ReplicaSet
 
 
@@ -39,6 +43,7 @@ class Plan:
     owner: the key's ring owner (None without a key or ring). counted: ``placed``
     counted the request under ``key`` (so ``finished`` must end it). blocks: its
     history hashes (``placed`` with a history index), recorded where it lands.
+    event_matched: the KV events said some admitted replica holds its leading blocks.
     """
 
     key: str | None
@@ -46,6 +51,7 @@ class Plan:
     owner: str | None = None
     counted: bool = False
     blocks: PromptBlocks | None = None
+    event_matched: bool = False
 
     @property
     def first(self) -> str:
@@ -65,11 +71,13 @@ class StandaloneRouting:
         replicas: ReplicaSet,
         key_config: PrefixKeyConfig = DEFAULT_CONFIG,
         hasher: PromptHasher | None = None,
+        hints: KVEventHints | None = None,
     ) -> None:
         self.policy = policy
         self.replicas = replicas
         self.key_config = key_config
         self._hasher = hasher or PromptHasher()
+        self.hints = hints if self.placed is not None else None
 
     @property
     def placed(self) -> Placed | None:
@@ -95,10 +103,18 @@ class StandaloneRouting:
         except (UnhashablePrompt, TypeError, ValueError):
             return None
 
-    def plan(self, body: Any, headers: Mapping[str, str], among: Sequence[str] | None = None) -> Plan:
+    def plan(
+        self,
+        body: Any,
+        headers: Mapping[str, str],
+        among: Sequence[str] | None = None,
+        token_blocks: PromptBlocks | None = None,
+    ) -> Plan:
         """Rank the admitted replicas (of ``among``, e.g. those serving the request's model) for one request.
 
-        ``body``: the parsed JSON body, or None when it is not JSON.
+        ``body``: the parsed JSON body, or None when it is not JSON. ``token_blocks``: with
+        KV-event hints, the prompt's token-block hashes (``hints.blocks(body)``; None when the
+        router could not tokenize it: then it has no history).
         """
         key = self.key_of(body, headers)
         candidates = self.replicas.candidates(list(among) if among is not None else None)
@@ -106,7 +122,13 @@ class StandaloneRouting:
         if placed is None:
             decision = self.policy.rank(candidates, key)
             return Plan(key, [c.name for c in decision.ranking], decision.owner)
-        blocks = self.blocks_of(body)
+        matched = False
+        if self.hints is not None:
+            blocks = token_blocks
+            if blocks is not None:
+                matched = self.learn(key, blocks)
+        else:
+            blocks = self.blocks_of(body)
         decision = placed.rank(
             candidates,
             key,
@@ -114,7 +136,7 @@ class StandaloneRouting:
             history=blocks.hashes if blocks is not None else None,
             static_blocks=blocks.static_blocks if blocks is not None else 0,
         )
-        return Plan(key, [c.name for c in decision.ranking], decision.owner, key is not None, blocks)
+        return Plan(key, [c.name for c in decision.ranking], decision.owner, key is not None, blocks, matched)
 
     def landed(self, plan: Plan, name: str) -> str:
         """The request went to ``name``: its decision kind (router/policies/base.py KIND_*)."""
@@ -143,6 +165,31 @@ class StandaloneRouting:
             placed.history.forget(name)
 
     # -- KV events (the subscriber's seam) ------------------------------------------
+    def learn(self, key: str | None, blocks: PromptBlocks) -> bool:
+        """What the KV events say the admitted replicas hold of ``blocks``, into ``placed``'s inputs.
+
+        The blocks a replica holds count as held in the history index (beside the router's own
+        record); a replica holds the key when it holds the static prefix's blocks (at least one).
+        An ejected replica is told nothing: it is no candidate, and its record was forgotten.
+        True when the events said some replica holds a leading block.
+        """
+        placed = self.placed
+        if placed is None or self.hints is None:
+            return False
+        held = self.hints.held(blocks)
+        need = max(1, blocks.static_blocks)
+        known = set(self.hints.sources()) if key is not None else set()
+        for name in self.replicas.names:
+            state = self.replicas[name]
+            if not state.admitted:
+                continue
+            n = held.get(name, 0)
+            if n and placed.history is not None:
+                placed.history.store(name, blocks.hashes[:n])
+            if key is not None and (n or name in known):
+                placed.set_cached(name, key, n >= need)
+        return bool(held)
+
     def set_cached(self, replica: str, key: str, holds: bool) -> None:
         """Whether ``replica`` holds ``key``'s prefix blocks (``placed`` with ``precise``)."""
         placed = self.placed
