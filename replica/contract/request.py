@@ -21,6 +21,23 @@ from prefixserve.replica.contract.stream import StreamDelta
 from prefixserve.replica.sampling_params import SamplingParams
 from prefixserve.replica.tool_calling.choice import ToolCallMode
 
+# A request's priority (vLLM's field; lower runs first under the "priority" scheduling policy):
+# a 32-bit signed integer, so any value a client gets accepted survives every wire it crosses.
+PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
+
+
+def priority_error(priority: int, scheduling_policy: str) -> str | None:
+    """Why an engine running ``scheduling_policy`` refuses ``priority`` (None: it takes it).
+
+    Outside [PRIORITY_MIN, PRIORITY_MAX] always; not 0 unless the policy is "priority", in
+    vLLM's words.
+    """
+    if not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+        return f"priority must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {priority}"
+    if priority != 0 and scheduling_policy != "priority":
+        return f"Got priority {priority} but Priority scheduling is not enabled."
+    return None
+
 
 @dataclass
 class EngineRequest:
@@ -51,6 +68,9 @@ class EngineRequest:
     trace_headers: dict[str, str] | None = None
     # A conversation turn (is_conversation_turn): its answer returns in the next prompt.
     conversation: bool = False
+    # vLLM's priority: under the engine's "priority" scheduling policy a lower value is admitted
+    # first and preempted last; must be 0 under "fcfs" (priority_error).
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -72,6 +92,8 @@ class ModelInfo:
     # The engine's --tool-call-parser and --enable-auto-tool-choice (tool_choice="auto" needs both).
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
+    # The engine's --scheduling-policy ("fcfs" or "priority"): whether a request's priority counts.
+    scheduling_policy: str = "fcfs"
 
     def serves(self, name: str) -> bool:
         return name in (self.model_name, self.model)

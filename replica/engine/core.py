@@ -314,6 +314,7 @@ class LLMEngine:
         static_prefix_tokens: int = 0,
         grammar: Any = None,
         tool_mode: ToolCallMode | None = None,
+        priority: int = 0,
     ) -> Request:
         """Build a prompt its caller rendered into an EngineRequest's PreparedRequest (the input
         processor's ``encode_prompt`` and ``build``, in the caller's thread) and queue it.
@@ -326,6 +327,7 @@ class LLMEngine:
         ``grammar``: the compiled grammar of ``params.structured_outputs`` (``self.grammars``);
         when it is missing the constraint is compiled here.
         ``tool_mode``: read each sequence's text for tool calls (StreamDelta.content / tool_calls).
+        ``priority``: vLLM's request priority (EngineConfig.scheduling_policy).
         """
         request = EngineRequest(
             request_id=request_id or f"req-{next(self._ids)}",
@@ -335,6 +337,7 @@ class LLMEngine:
             trace_headers=dict(trace_headers) if trace_headers is not None else None,
             conversation=conversation,
             tool_mode=tool_mode,
+            priority=priority,
         )
         processor = self.input_processor
         arrival = arrival_time or time.monotonic()

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from prefixserve.replica.config import EngineConfig
-from prefixserve.replica.contract.request import EngineRequest
+from prefixserve.replica.contract.request import EngineRequest, priority_error
 from prefixserve.replica.contract.routing import canonical_json
 from prefixserve.replica.core.request import PreparedRequest, static_prefix_messages
 from prefixserve.replica.engine.bounded_memo import BoundedMemo, str_bytes
@@ -367,10 +367,14 @@ class InputProcessor:
         constrained request (``compile_grammar``; dropped for a free one).
 
         ``arrival_time``: when the engine host received it (time.monotonic()), where its queue time starts.
+        A priority this engine's scheduling policy refuses is a RequestRejected (400, vLLM's message).
         """
         constrained = encoded.params.structured_outputs is not None
         if constrained and grammar is None:
             raise ValueError("a constrained request needs its compiled grammar")
+        problem = priority_error(request.priority, self.config.scheduling_policy)
+        if problem is not None:
+            raise RequestRejected(problem)
         return PreparedRequest(
             request_id=request.request_id,
             prompt_token_ids=encoded.token_ids,
@@ -384,6 +388,7 @@ class InputProcessor:
             bad_words_token_ids=encoded.bad_words_token_ids,
             tool_mode=request.tool_mode,
             grammar=grammar if constrained else None,
+            priority=request.priority,
         )
 
 

@@ -57,6 +57,7 @@ class RequestRunner:
             max_messages=self.engine.max_messages,
             tool_call_parser=config.tool_call_parser,
             enable_auto_tool_choice=config.enable_auto_tool_choice,
+            scheduling_policy=config.scheduling_policy,
         )
 
     async def prepare(self, request: EngineRequest) -> PreparedRequest:

@@ -50,6 +50,7 @@ class LLM:
         cache_salts: Sequence[str | None] | None = None,
         conversation: bool | Sequence[bool] = False,
         static_prefix_tokens: int | Sequence[int] = 0,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for each prompt; ``params`` is one for all or one per prompt.
 
@@ -58,6 +59,8 @@ class LLM:
         ``static_prefix_tokens``: each prompt's leading tokens that other prompts share, such
         as a system prompt's (one for all or one per prompt; EngineConfig.protect_static_prefix;
         ``chat`` derives them).
+        ``priority``: one per prompt (vLLM's argument): under the "priority" scheduling policy a
+        lower value is admitted first and preempted last; each must be 0 under "fcfs".
         """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
@@ -81,11 +84,9 @@ class LLM:
             raise ValueError(
                 f"got {len(statics)} static_prefix_tokens for {len(prompts)} prompts: pass one or one each"
             )
-        for i, (prompt, p, salt, turn, static) in enumerate(
-            zip(prompts, per_prompt, salts, turns, statics, strict=True)
-        ):
-            req = self.engine.add_request(None, prompt, p, salt, conversation=turn, static_prefix_tokens=static)
-            order[req.request_id] = i
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts: pass one each")
         results: list[RequestOutput | None] = [None] * len(prompts)
         bar = None
         if use_tqdm:
@@ -93,6 +94,14 @@ class LLM:
 
             bar = tqdm(total=len(prompts), desc="generate", unit="req")
         try:
+            # Inside the try: a prompt refused midway leaves none of those before it queued.
+            for i, (prompt, p, salt, turn, static, rank) in enumerate(
+                zip(prompts, per_prompt, salts, turns, statics, priorities, strict=True)
+            ):
+                req = self.engine.add_request(
+                    None, prompt, p, salt, conversation=turn, static_prefix_tokens=static, priority=rank
+                )
+                order[req.request_id] = i
             while self.engine.has_unfinished_requests():
                 for update in self.engine.step():
                     if update.error is not None:

@@ -430,6 +430,7 @@ def engine_request(
         tool_mode=tool_mode,
         trace_headers=trace_headers(headers or {}),
         conversation=is_conversation_turn(prompt.get("messages"), headers or {}),
+        priority=body.scheduling_priority(),
     )
 
 
@@ -466,7 +467,7 @@ async def handle_generate(
         info = await client.model_info()
         check_message_count(body_cls, data, info)
         data = options.ignored_fields.filter(body_cls, data)
-        body = api.validate_request(body_cls, data)
+        body = api.validate_request(body_cls, data, scheduling_policy=info.scheduling_policy)
         model = check_model(info, body.model)
         key = routing_key(data, request.headers) if routing_key is not None else None
         prepared = engine_request(body, info, key, client_id, request.headers)

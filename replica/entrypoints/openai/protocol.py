@@ -24,9 +24,11 @@ Invariants:
   ``functions`` (non-empty), ``function_call``, ``audio``, ``modalities`` other than ``["text"]``,
   ``prediction``, ``web_search_options``, ``reasoning_effort``, ``verbosity``,
   ``moderation``, ``store: true``, ``service_tier`` other than ``auto`` /
-  ``default``; completions' ``suffix`` and ``best_of`` != ``n``. So are vLLM's
-  extensions that would change the answer unless at vLLM's default:
-  ``use_beam_search``, ``truncate_prompt_tokens``, ``priority`` other than 0,
+  ``default`` (``flex`` and ``priority`` are accepted when the engine runs the
+  priority scheduling policy: below); completions' ``suffix`` and ``best_of`` != ``n``.
+  So are vLLM's extensions that would change the answer unless at vLLM's default:
+  ``use_beam_search``, ``truncate_prompt_tokens``, ``priority`` other than 0 unless
+  the engine runs the priority scheduling policy (vLLM's message otherwise),
   ``logits_processors``, ``return_tokens_as_token_ids``, ``return_token_ids``,
   ``guided_whitespace_pattern``; chat's ``echo``, ``add_generation_prompt: false``,
   ``continue_final_message``, ``add_special_tokens: true``, ``documents``,
@@ -49,6 +51,12 @@ Invariants:
   event sizes; events go unpadded).
 * ``logit_bias`` (token id strings to a bias in [-100, 100]) maps onto
   ``SamplingParams.logit_bias``.
+* Priority (vLLM's ``priority``, an integer in [-2**31, 2**31 - 1], lower first; the
+  engine's ``--scheduling-policy``, which ``validate_request`` is told): under
+  ``priority`` a chat's ``service_tier`` shifts it (``SERVICE_TIER_SHIFTS``: ``priority``
+  -1, ``flex`` +1, ``auto`` / ``default`` 0, saturating at the range's ends) and
+  ``scheduling_priority`` is what the engine gets; under ``fcfs`` any other priority
+  than 0 is vLLM's 400 and the tiers stay refused.
 * Tool calling (``tools``, ``tool_choice``, ``parallel_tool_calls``, assistant
   ``tool_calls`` and ``tool`` messages) is checked here as vLLM checks it
   (``check_tool_usage``): duplicate tool names, a ``tool_choice`` without tools or
@@ -87,6 +95,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError, from_json
 
+from prefixserve.replica.contract.request import PRIORITY_MAX, PRIORITY_MIN
 from prefixserve.replica.errors import (
     APIError,
     BadRequestError,
@@ -117,6 +126,16 @@ MAX_TOKEN_ID = 2**31 - 1
 Int = Annotated[int, Field(ge=INT_MIN, le=INT_MAX)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
+
+# OpenAI's service tiers a chat may name under the priority scheduling policy, as a shift of the
+# request's priority (lower runs first): "priority" ahead of its equals, "flex" behind them.
+SERVICE_TIER_SHIFTS = {"auto": 0, "default": 0, "priority": -1, "flex": 1}
+
+
+def _scheduling_policy(info: ValidationInfo) -> str:
+    """The engine's scheduling policy, from the validation context (``validate_request``); fcfs without one."""
+    context = info.context
+    return context.get("scheduling_policy", "fcfs") if isinstance(context, Mapping) else "fcfs"
 
 
 # ---------------------------------------------------------------------------
@@ -395,11 +414,12 @@ class _SamplingRequest(RequestModel):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    # vLLM's request priority (lower first): taken under the engine's priority scheduling policy.
+    priority: int = 0
     # vLLM extensions this engine does not implement: declared so that they are never ignored
     # as unknown fields, and refused when set to a value that would change the answer.
     use_beam_search: Any = None
     truncate_prompt_tokens: Any = None
-    priority: Any = None
     logits_processors: Any = None
     return_tokens_as_token_ids: Any = None
     return_token_ids: Any = None
@@ -417,9 +437,21 @@ class _SamplingRequest(RequestModel):
 
     @field_validator("priority", mode="before")
     @classmethod
-    def _default_priority(cls, value: Any, info: ValidationInfo) -> Any:
-        # vLLM refuses another priority unless the scheduler orders by priority; this one is FCFS.
-        return _refuse_unless(info, value, lambda v: v == 0 and not isinstance(v, bool), "0")
+    def _priority(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None:
+            return 0
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"priority must be an integer, got {value!r}")
+        if not PRIORITY_MIN <= value <= PRIORITY_MAX:
+            raise ValueError(f"priority must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {value}")
+        if value != 0 and _scheduling_policy(info) != "priority":
+            # vLLM's words; unsupported_parameter as for the other fields this server refuses.
+            raise PydanticCustomError(
+                "unsupported_parameter",
+                "Got priority {priority} but Priority scheduling is not enabled.",
+                {"priority": value},
+            )
+        return value
 
     @field_validator("prompt_logprobs")
     @classmethod
@@ -447,6 +479,10 @@ class _SamplingRequest(RequestModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    def scheduling_priority(self) -> int:
+        """The priority the engine schedules this request at (0 unless the engine's policy is priority)."""
+        return self.priority
 
     def requested_max_tokens(self) -> int | None:
         """The client's limit on generated tokens; None when it set none."""
@@ -605,14 +641,21 @@ class ChatCompletionRequest(_SamplingRequest):
 
     @field_validator("service_tier")
     @classmethod
-    def _default_tier_only(cls, value: str | None) -> str | None:
-        if value not in (None, "auto", "default"):
-            raise PydanticCustomError(
-                "unsupported_value",
-                'service_tier {tier!r} is not supported; send "auto", "default" or omit it',
-                {"tier": value},
-            )
-        return value
+    def _known_tier(cls, value: str | None, info: ValidationInfo) -> str | None:
+        by_priority = _scheduling_policy(info) == "priority"
+        if value is None or value in ("auto", "default") or (by_priority and value in SERVICE_TIER_SHIFTS):
+            return value
+        allowed = '"auto", "default", "flex", "priority"' if by_priority else '"auto", "default"'
+        raise PydanticCustomError(
+            "unsupported_value",
+            "service_tier {tier} is not supported; send {allowed} or omit it",
+            {"tier": repr(value), "allowed": allowed},
+        )
+
+    def scheduling_priority(self) -> int:
+        """``priority`` shifted by the service tier (SERVICE_TIER_SHIFTS), kept within the priority range."""
+        shifted = self.priority + SERVICE_TIER_SHIFTS.get(self.service_tier or "auto", 0)
+        return min(PRIORITY_MAX, max(PRIORITY_MIN, shifted))
 
     def requested_max_tokens(self) -> int | None:
         # The newer OpenAI name wins when a client sends both.
@@ -816,10 +859,16 @@ def parse_json_object(body: bytes | str) -> dict[str, Any]:
     return data
 
 
-def validate_request(model: type[OpenAIRequest], data: Mapping[str, Any]) -> OpenAIRequest:
-    """``data`` (a parsed JSON body) as ``model``; raises BadRequestError (400) on any problem."""
+def validate_request(
+    model: type[OpenAIRequest], data: Mapping[str, Any], *, scheduling_policy: str = "fcfs"
+) -> OpenAIRequest:
+    """``data`` (a parsed JSON body) as ``model``; raises BadRequestError (400) on any problem.
+
+    ``scheduling_policy``: the engine's (ModelInfo.scheduling_policy): whether ``priority`` and the
+    service tiers that shift it are taken.
+    """
     try:
-        request = model.model_validate(data)
+        request = model.model_validate(data, context={"scheduling_policy": scheduling_policy})
     except ValidationError as exc:
         raise _format_validation_error(exc) from None
     if isinstance(request, ChatCompletionRequest):
@@ -827,9 +876,9 @@ def validate_request(model: type[OpenAIRequest], data: Mapping[str, Any]) -> Ope
     return request
 
 
-def parse_request(model: type[OpenAIRequest], body: bytes | str) -> OpenAIRequest:
+def parse_request(model: type[OpenAIRequest], body: bytes | str, *, scheduling_policy: str = "fcfs") -> OpenAIRequest:
     """Parse a raw JSON body into ``model``; raises BadRequestError (400) on any problem."""
-    return validate_request(model, parse_json_object(body))
+    return validate_request(model, parse_json_object(body), scheduling_policy=scheduling_policy)
 
 
 # ---------------------------------------------------------------------------

@@ -161,10 +161,14 @@ async def _read_json(request: Request, options: FrontendOptions) -> dict[str, An
     )
 
 
-async def _read(request: Request, model: type[RequestModel], options: FrontendOptions) -> Any:
-    """The request's body validated as ``model`` (unknown fields as ``options`` says)."""
+async def _read(
+    request: Request, model: type[RequestModel], options: FrontendOptions, *, scheduling_policy: str = "fcfs"
+) -> Any:
+    """The request's body validated as ``model`` (unknown fields as ``options`` says; ``priority`` as
+    the engine's ``scheduling_policy`` takes it)."""
     data = await _read_json(request, options)
-    return model.model_validate(options.ignored_fields.filter(model, data))
+    filtered = options.ignored_fields.filter(model, data)
+    return model.model_validate(filtered, context={"scheduling_policy": scheduling_policy})
 
 
 class Tokenization:
@@ -261,7 +265,7 @@ class Tokenization:
     async def _render(self, request: Request, model: type[api.OpenAIRequest]) -> dict[str, Any]:
         """The body of ``request`` as the engine would run it, as vLLM's ``GenerateRequest``."""
         client_id = http_frontend.client_request_id(request.headers)
-        body = await _read(request, model, self.options)
+        body = await _read(request, model, self.options, scheduling_policy=self.engine.config.scheduling_policy)
         if isinstance(body, api.ChatCompletionRequest):
             body.check()
         info = await self.client.model_info()
@@ -278,6 +282,6 @@ class Tokenization:
             "stream": body.stream,
             "stream_options": stream_options,
             "cache_salt": body.cache_salt,
-            "priority": 0,
+            "priority": prepared.priority,
             "kv_transfer_params": None,
         }
