@@ -3,11 +3,12 @@ priority, and the priorities each policy refuses (vLLM's message under fcfs)."""
 
 from __future__ import annotations
 
+import argparse
 import random
 
 import pytest
 
-from prefixserve import LLM, SamplingParams
+from prefixserve import LLM, EngineConfig, SamplingParams
 from prefixserve.replica.contract.request import PRIORITY_MAX
 from prefixserve.replica.errors import RequestRejected
 
@@ -55,3 +56,13 @@ def test_a_priority_out_of_range_is_refused(priority_llm):
     with pytest.raises(RequestRejected, match=r"priority must be an integer in \[-2147483648, 2147483647\]"):
         run(priority_llm, [PRIORITY_MAX + 1] + [0] * 7)
     assert run(priority_llm, [PRIORITY_MAX] + [-(2**31)] * 7) == run(priority_llm)
+
+
+def test_the_knob_is_vllms_flag_and_refuses_other_policies():
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_arguments(parser)
+    assert EngineConfig.from_cli_args(parser.parse_args([])).scheduling_policy == "fcfs"
+    args = parser.parse_args(["--scheduling-policy", "priority"])
+    assert EngineConfig.from_cli_args(args).scheduling_policy == "priority"
+    with pytest.raises(ValueError, match="scheduling_policy must be one of"):
+        EngineConfig(scheduling_policy="lifo")
