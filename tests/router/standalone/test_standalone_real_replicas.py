@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 from process_helpers import ManagedProcess
 from server_helpers import ReplicaProcess, build_tiny_llama, free_port, metric, prefixserve_command
+
+from prefixserve.router.ring import HashRing, RingServer
+from prefixserve.router.routing_key import prefix_hash
 
 pytestmark = pytest.mark.slow
 
@@ -21,12 +25,12 @@ class RouterProcess(ManagedProcess):
 
     name = "router"
 
-    def __init__(self, replica_urls: list[str], log_dir: Path) -> None:
+    def __init__(self, replica_urls: list[str], log_dir: Path, *args: str) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         replicas = [arg for url in replica_urls for arg in ("--replica", url)]
         super().__init__(
-            [*prefixserve_command(), "router", *replicas, "--port", str(self.port), "--log-level", "warning"],
+            [*prefixserve_command(), "router", *replicas, "--port", str(self.port), "--log-level", "warning", *args],
             log_path=log_dir / f"router-{self.port}.log",
             ready_url=f"{self.base_url}/health",
             startup_timeout_s=60.0,
@@ -68,3 +72,56 @@ def test_the_router_routes_to_real_replicas_and_they_answer(tmp_path_factory: py
             assert (
                 http.post(f"{router.base_url}/v1/chat/completions", json={**body, "model": "nope"}).status_code == 404
             )
+
+
+def test_the_router_learns_from_real_replicas_kv_events(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A prompt warmed on replica b behind the router's back is routed to b: b's KV events told the router."""
+    ckpt = build_tiny_llama(tmp_path_factory.mktemp("ckpt") / "tiny", seed=12)
+    logs = tmp_path_factory.mktemp("logs")
+    ports = [free_port() for _ in range(4)]
+
+    def events(pub: int, replay: int) -> tuple[str, ...]:
+        config = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}"}
+        return ("--max-model-len", "512", "--kv-events-config", json.dumps(config))
+
+    with (
+        ReplicaProcess(ckpt, *events(ports[0], ports[1]), log_dir=logs) as a,
+        ReplicaProcess(ckpt, *events(ports[2], ports[3]), log_dir=logs) as b,
+    ):
+        names = [f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"]
+        sources = [
+            f"{a.base_url}=tcp://127.0.0.1:{ports[0]},tcp://127.0.0.1:{ports[1]}",
+            f"{b.base_url}=tcp://127.0.0.1:{ports[2]},tcp://127.0.0.1:{ports[3]}",
+        ]
+        flags = [arg for s in sources for arg in ("--kv-events", s)]
+        with (
+            RouterProcess([a.base_url, b.base_url], logs, *flags, "--tokenizer", str(ckpt)) as router,
+            httpx.Client(timeout=120.0) as http,
+        ):
+            model = http.get(f"{router.base_url}/v1/models").json()["data"][0]["id"]
+            # A system prompt the ring gives to a, so that without b's events the router would pick a.
+            ring = HashRing([RingServer(n) for n in names])
+            system = next(
+                s for s in (f"You are assistant {i}." for i in range(1000)) if ring.owner(prefix_hash(s)) == names[0]
+            )
+            user = "Tell me a long story about a dragon who lives in a castle by the sea, and about the knight."
+            body = {
+                "model": model,
+                "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+                "max_tokens": 2,
+                "temperature": 0.0,
+            }
+            assert http.post(f"{b.base_url}/v1/chat/completions", json=body).status_code == 200  # not via the router
+
+            def b_blocks() -> float:
+                return metric(
+                    http.get(f"{router.base_url}/metrics").text, "prefixserve_router_kv_event_blocks", replica=names[1]
+                )
+
+            deadline = time.monotonic() + 60.0
+            while b_blocks() == 0:
+                assert time.monotonic() < deadline, "the router never heard b's KV events"
+                time.sleep(0.2)
+            r = http.post(f"{router.base_url}/v1/chat/completions", json=body)
+            assert r.status_code == 200 and r.headers[HEADER] == names[1]
+            assert metric(http.get(f"{router.base_url}/metrics").text, "prefixserve_router_kv_event_matches_total") == 1
