@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from model_helpers import hf_greedy, hf_model, random_prompts
+from model_helpers import hf_greedy, hf_model, shared_prefix_prompts
 
 from prefixserve.replica.entrypoints.llm import LLM
 from prefixserve.replica.sampling_params import SamplingParams
@@ -45,9 +45,7 @@ def hf(ckpt_seed11):
 
 @pytest.fixture(scope="module")
 def prompts():
-    rng = np.random.default_rng(7)
-    shared = [int(t) for t in rng.integers(17, 40000, 37)]
-    return random_prompts(rng, 4, 3, 20, shared_prefix=shared)
+    return shared_prefix_prompts(seed=7, prefix_len=37, n=4, lo=3, hi=20)
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
-from model_helpers import hf_greedy, hf_model, random_prompts
+from model_helpers import hf_greedy, hf_model, shared_prefix_prompts
 
 from prefixserve.replica.config import EngineConfig
 from prefixserve.replica.engine.core import LLMEngine
@@ -23,9 +22,7 @@ KNOBS = dict(num_kv_blocks=12, max_num_batched_tokens=24, max_num_seqs=8)
 
 @pytest.fixture(scope="module")
 def prompts():
-    rng = np.random.default_rng(9)
-    shared = [int(t) for t in rng.integers(17, 40000, 33)]
-    return random_prompts(rng, 6, 3, 14, shared_prefix=shared)
+    return shared_prefix_prompts(seed=9, prefix_len=33, n=6, lo=3, hi=14)
 
 
 def _run(engine: LLMEngine, prompts: list[list[int]]) -> tuple[list[list[int]], list[StepPhases]]:

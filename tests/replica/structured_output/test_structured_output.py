@@ -7,9 +7,8 @@ import math
 import re
 
 import jsonschema
-import numpy as np
 import pytest
-from model_helpers import random_prompts
+from model_helpers import shared_prefix_prompts
 
 from prefixserve.replica.config import EngineConfig
 from prefixserve.replica.engine.async_engine import AsyncEngine
@@ -92,9 +91,7 @@ CHOICES = ["alpha", "beta", "gamma"]
 
 @pytest.fixture(scope="module")
 def prompts():
-    rng = np.random.default_rng(7)
-    shared = [int(t) for t in rng.integers(17, 40000, 40)]
-    return random_prompts(rng, 8, 3, 20, shared_prefix=shared)
+    return shared_prefix_prompts(seed=7, prefix_len=40, n=8, lo=3, hi=20)
 
 
 def constrained(kind: str, **kw) -> SamplingParams:
