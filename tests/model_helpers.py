@@ -41,6 +41,35 @@ def _tokenizer_dir() -> Path:
     return out
 
 
+def tiny_config_fields(
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    layers: int = 2,
+    intermediate: int = 128,
+    *,
+    tie: bool = False,
+    max_pos: int = 1024,
+    **extra: Any,
+) -> dict[str, Any]:
+    """The config fields of a tiny test checkpoint of any architecture (SmolLM2's vocabulary and
+    special token ids), plus ``extra``."""
+    return dict(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=tie,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        **extra,
+    )
+
+
 def tiny_checkpoint(
     path: Path,
     *,
@@ -59,19 +88,7 @@ def tiny_checkpoint(
     """Write a random checkpoint directory at ``path`` and return it."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=max_pos,
-        tie_word_embeddings=tie,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-    )
+    common = tiny_config_fields(hidden, heads, kv_heads, layers, intermediate, tie=tie, max_pos=max_pos)
     rope_parameters = {"rope_theta": 10000.0, "rope_type": "default", **(rope or {})}
     if arch == "llama":
         cfg = LlamaConfig(head_dim=head_dim or hidden // heads, rope_parameters=rope_parameters, **common)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from model_helpers import VOCAB, hf_greedy, random_prompts, save_random_checkpoint
+from model_helpers import hf_greedy, random_prompts, save_random_checkpoint, tiny_config_fields
 
 from prefixserve.replica.kv.manager import NULL_BLOCK, KVCacheManager
 from prefixserve.replica.sampling_params import SamplingParams
@@ -22,21 +22,7 @@ def windowed_checkpoint(path, *, arch: str = "mistral", window: int | None = WIN
     """A random Mistral / Qwen2 checkpoint directory (SmolLM2's tokenizer beside it)."""
     from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-        sliding_window=window,
-        **extra,
-    )
+    common = tiny_config_fields(max_pos=2048, sliding_window=window, **extra)
     if arch == "mistral":
         cfg, cls = MistralConfig(head_dim=16, **common), MistralForCausalLM
     else:
