@@ -175,6 +175,22 @@ class EngineConfig:
     # is refused (400); compiled grammars are cached by (kind, spec), at most this many.
     grammar_compile_timeout_s: float = 10.0
     grammar_cache_size: int = 256
+    # What a constraint may ask before it is compiled (replica/structured_output/limits.py): a
+    # counted repeat ({n}, {n,m}; nested ones multiplied) of at most max_grammar_repeat copies,
+    # the squares of all of a spec's counts summing to at most its square (xgrammar's compile
+    # time grows with the square: a{1000} in a schema pattern ~0.2 s, a{10000} 4.6 s), and
+    # JSON-schema lengths and counts (maxLength, minItems, ...) of at most max_grammar_length.
+    # Over either: 400 naming the knob.
+    max_grammar_repeat: int = 1000
+    max_grammar_length: int = 16384
+    # The compile pool: grammar_compile_workers threads; one client's (API key or address)
+    # compiles run on at most grammar_compile_workers_per_client of them, so one client's slow
+    # schemas cannot hold every worker; at most grammar_compile_queue_size compiles wait,
+    # grammar_compile_queue_per_client of one client; past either, 429 with Retry-After.
+    grammar_compile_workers: int = 2
+    grammar_compile_workers_per_client: int = 1
+    grammar_compile_queue_size: int = 64
+    grammar_compile_queue_per_client: int = 8
     # OpenTelemetry collector (vLLM's flag, e.g. http://127.0.0.1:4318): one llm_request span per
     # request with queue/prefill/decode children (common/tracing.py). None = no tracing.
     otlp_traces_endpoint: str | None = None
@@ -262,6 +278,22 @@ class EngineConfig:
             raise ValueError(f"grammar_compile_timeout_s must be positive, got {self.grammar_compile_timeout_s}")
         if self.grammar_cache_size < 1:
             raise ValueError(f"grammar_cache_size must be at least 1, got {self.grammar_cache_size}")
+        if self.max_grammar_repeat < 1 or self.max_grammar_length < 1:
+            raise ValueError(
+                f"max_grammar_repeat and max_grammar_length must be at least 1, got {self.max_grammar_repeat} "
+                f"and {self.max_grammar_length}"
+            )
+        if not 1 <= self.grammar_compile_workers_per_client <= self.grammar_compile_workers:
+            raise ValueError(
+                "grammar_compile_workers must be at least 1 and grammar_compile_workers_per_client in "
+                f"[1, grammar_compile_workers], got {self.grammar_compile_workers} and "
+                f"{self.grammar_compile_workers_per_client}"
+            )
+        if not 0 <= self.grammar_compile_queue_per_client <= self.grammar_compile_queue_size:
+            raise ValueError(
+                "grammar_compile_queue_per_client must be in [0, grammar_compile_queue_size], got "
+                f"{self.grammar_compile_queue_per_client} and {self.grammar_compile_queue_size}"
+            )
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if self.cuda_graph_sizes is not None and (

@@ -68,6 +68,9 @@ class EngineRequest:
     trace_headers: dict[str, str] | None = None
     # A conversation turn (is_conversation_turn): its answer returns in the next prompt.
     conversation: bool = False
+    # Who sent it, for the per-client shares of shared work (the grammar compile pool): a digest of
+    # the request's API key when the server checks keys, else the client's address; None = unknown.
+    client: str | None = None
     # vLLM's priority: under the engine's "priority" scheduling policy a lower value is admitted
     # first and preempted last; must be 0 under "fcfs" (priority_error).
     priority: int = 0

@@ -198,7 +198,7 @@ class AsyncEngine:
         encoded = await self.tokenizer_executor.run(lambda: processor.encode_request(request), chars=chars)
         self.check_health()
         arrival = time.monotonic()
-        grammar = await processor.compile_grammar_async(encoded.params)
+        grammar = await processor.compile_grammar_async(encoded.params, request.client)
         return processor.build(request, encoded, grammar, arrival_time=arrival)
 
     async def generate(

@@ -122,12 +122,7 @@ class LLMEngine:
         # Structured output: grammars compile in the cache's workers, never on the engine loop
         # (the async engine compiles before the request is queued).
         self.structured_metrics = StructuredOutputMetrics(self.metrics.registry, config.model_name)
-        self.grammars = GrammarCache(
-            self._grammar_backend,
-            timeout_s=config.grammar_compile_timeout_s,
-            max_entries=config.grammar_cache_size,
-            metrics=self.structured_metrics,
-        )
+        self.grammars = GrammarCache.from_config(self._grammar_backend, config, self.structured_metrics)
         self.input_processor = InputProcessor(
             config,
             self.tokenizer,

@@ -352,11 +352,12 @@ class InputProcessor:
         constraint = params.structured_outputs
         return None if constraint is None else self.grammars.get(constraint)
 
-    async def compile_grammar_async(self, params: SamplingParams) -> Any:
+    async def compile_grammar_async(self, params: SamplingParams, client: str | None = None) -> Any:
         """The compiled grammar of ``params.structured_outputs``, compiled in a grammar worker and bounded
-        in time (``grammar_compile_timeout_s``): the engine loop only ever sees compiled grammars."""
+        in time (``grammar_compile_timeout_s``): the engine loop only ever sees compiled grammars.
+        ``client`` (EngineRequest.client): whose share of the compile pool it takes."""
         constraint = params.structured_outputs
-        return None if constraint is None else await self.grammars.get_async(constraint)
+        return None if constraint is None else await self.grammars.get_async(constraint, client)
 
     def build(
         self, request: EngineRequest, encoded: EncodedPrompt, grammar: Any, *, arrival_time: float

@@ -9,8 +9,9 @@ from prefixserve.replica.structured_output.params import KINDS
 
 # Compiles take ~1 ms (a cached tokenizer, a small schema) to seconds (large schemas, grammars).
 COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-# Why a constraint was refused: the backend cannot compile it, or it took longer than the bound.
-FAILURE_REASONS = ("invalid", "timeout")
+# Why a constraint was refused: the backend cannot compile it, it took longer than the bound, it
+# asks for more than the limits allow (limits.py), or too many compiles were waiting already.
+FAILURE_REASONS = ("invalid", "timeout", "limit", "overloaded")
 
 
 class StructuredOutputMetrics:
@@ -37,7 +38,7 @@ class StructuredOutputMetrics:
         self.failures = series.each(
             Counter,
             "prefixserve:grammar_compile_failures",
-            "Constraints refused: invalid or unsupported, or compiling past the time bound.",
+            "Constraints refused: invalid, compiling past the time bound, over the limits, or the queue full.",
             "reason",
             FAILURE_REASONS,
         )

@@ -34,6 +34,7 @@ Imports FastAPI and the replica's framework-free modules; never Ray, torch or
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import re
 import uuid
@@ -390,6 +391,20 @@ def check_message_count(body_cls: type[OpenAIRequest], data: Mapping[str, Any], 
         )
 
 
+def client_identity(request: Request, options: FrontendOptions) -> str | None:
+    """Who sent ``request``, for per-client shares of the engine's shared work (EngineRequest.client).
+
+    With API keys: a digest of the key (never the key itself: it travels to the engine
+    and may be logged); requests under one key share one share, wherever they come from.
+    Without: the connection's address (behind a proxy, the proxy's). None when neither is known.
+    """
+    if options.api_keys:
+        token = request.headers.get("authorization", "").partition(" ")[2].strip()
+        return "key:" + hashlib.sha256(token.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+    peer = request.client
+    return f"addr:{peer.host}" if peer is not None and peer.host else None
+
+
 def answer_id(body: OpenAIRequest, client_id: str | None, prepared: EngineRequest) -> str:
     """The answer's ``id``: ``<id_prefix>-<client id>`` for a client's X-Request-Id, else the engine's."""
     return prepared.request_id if client_id is None else f"{body.id_prefix}-{client_id}"
@@ -471,6 +486,7 @@ async def handle_generate(
         model = check_model(info, body.model)
         key = routing_key(data, request.headers) if routing_key is not None else None
         prepared = engine_request(body, info, key, client_id, request.headers)
+        prepared.client = client_identity(request, options)
         request_id = client_id or prepared.request_id
         REQUEST_ID.set(request_id)  # this task's log lines name the request (common/logs.py)
         log.info("request %s (engine %s): %s, routing key %s", request_id, prepared.request_id, request.url.path, key)

@@ -88,6 +88,10 @@ def test_vllm_fields_on_completions_and_streams(replica, body, check):
         ({"guided_choice": []}, "guided_choice", "non-empty list"),
         ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex", "only one"),
         ({"structured_outputs": {"xml": "<a/>"}}, "structured_outputs", "unknown field"),
+        # Refused before compiling: xgrammar would take minutes over it (limits.py).
+        ({"guided_json": {"type": "string", "pattern": "^a{30000}$"}}, None, "max_grammar_repeat"),
+        ({"guided_regex": "(b{200}){200}"}, None, "max_grammar_repeat"),
+        ({"guided_json": {"type": "array", "maxItems": 10**9}}, None, "max_grammar_length"),
     ],
 )
 def test_bad_constraints_are_400_naming_the_problem(replica, body, param, message):
