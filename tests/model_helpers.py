@@ -47,9 +47,8 @@ def tiny_config_fields(
     kv_heads: int = 2,
     layers: int = 2,
     intermediate: int = 128,
-    *,
-    tie: bool = False,
     max_pos: int = 1024,
+    tie: bool = False,
     **extra: Any,
 ) -> dict[str, Any]:
     """The config fields of a tiny test checkpoint of any architecture (SmolLM2's vocabulary and
@@ -88,7 +87,7 @@ def tiny_checkpoint(
     """Write a random checkpoint directory at ``path`` and return it."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    common = tiny_config_fields(hidden, heads, kv_heads, layers, intermediate, tie=tie, max_pos=max_pos)
+    common = tiny_config_fields(hidden, heads, kv_heads, layers, intermediate, max_pos, tie)
     rope_parameters = {"rope_theta": 10000.0, "rope_type": "default", **(rope or {})}
     if arch == "llama":
         cfg = LlamaConfig(head_dim=head_dim or hidden // heads, rope_parameters=rope_parameters, **common)
