@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from scheduler_helpers import fake_step, make_seq
+from scheduler_helpers import FakeDevice, fake_step, make_seq
 
 from prefixserve.replica.core.request import SeqStatus, Sequence
 from prefixserve.replica.core.request_queue import FCFSQueue, PriorityQueue, priority_key
@@ -145,10 +145,14 @@ def test_queues_keep_their_orders():
         heap.remove(gone)
 
 
-def test_randomized_priority_run_admits_in_order_preempts_the_lowest_and_frees_everything():
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_randomized_priority_run_admits_in_order_preempts_the_lowest_and_frees_everything(mode):
     rng = random.Random(4321)
-    sched = priority_scheduler(16, max_num_seqs=6, max_num_batched_tokens=24)
-    kv = sched.kv
+    kv = KVCacheManager(16, block_size=4, enable_prefix_caching=False, num_host_blocks=8 if mode == "swap" else 0)
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24, preemption_mode=mode, scheduling_policy="priority"),
+        kv,
+    )
     pending = [
         make_seq(
             f"r{i}",
@@ -159,6 +163,7 @@ def test_randomized_priority_run_admits_in_order_preempts_the_lowest_and_frees_e
         )
         for i in range(40)
     ]
+    device = FakeDevice(kv)  # every KV move keeps each computed position's token
     done = []
     for _ in range(5000):
         if pending and rng.random() < 0.4:
@@ -171,8 +176,11 @@ def test_randomized_priority_run_admits_in_order_preempts_the_lowest_and_frees_e
             assert all(priority_key(victim) >= k for k in running_keys)
         left = [s for s in before if s not in set(sched.waiting)]
         assert left == before[: len(left)], "admission skipped a better waiting request"
+        device.step(out)
         done += fake_step(sched, out)
         kv.check_invariants()
         if not pending and not sched.has_unfinished():
             break
     assert len(done) == 40 and kv.num_free_blocks == 16 and sched.num_preemptions > 0
+    if mode == "swap":
+        assert sched.num_swap_preemptions > 0
