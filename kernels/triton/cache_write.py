@@ -57,6 +57,12 @@ def _fp8_e4m3_bits(y, FP8_MAX: tl.constexpr):
 
 
 @triton.jit
+def _slot_rows(cache_ptr, block, in_block, heads, offs_d, stride_cb, stride_cs, stride_ch):
+    """Pointers to the ``[heads, offs_d]`` rows of one cache slot (``in_block`` of ``block``)."""
+    return cache_ptr + block * stride_cb + in_block * stride_cs + heads[:, None] * stride_ch + offs_d[None, :]
+
+
+@triton.jit
 def _store_rows(
     src_ptr,
     cache_ptr,
@@ -79,7 +85,7 @@ def _store_rows(
     if FP8:  # the cache is passed as bytes (uint8)
         x = _fp8_e4m3_bits(tl.math.div_rn(x.to(tl.float32), scale), FP8_MAX)
     tl.store(
-        cache_ptr + block * stride_cb + in_block * stride_cs + offs_h[:, None] * stride_ch + offs_d[None, :],
+        _slot_rows(cache_ptr, block, in_block, offs_h, offs_d, stride_cb, stride_cs, stride_ch),
         x.to(cache_ptr.dtype.element_ty),
         mask=mask,
     )

@@ -45,7 +45,7 @@ from prefixserve.kernels.checks import (
 )
 from prefixserve.kernels.interface import LayerOps
 from prefixserve.kernels.reference import FP8_DTYPES
-from prefixserve.kernels.triton.cache_write import CACHE_DTYPES, _fp8_e4m3_bits
+from prefixserve.kernels.triton.cache_write import CACHE_DTYPES, _fp8_e4m3_bits, _slot_rows
 from prefixserve.kernels.triton.paged_attention import check_triton_device
 
 ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -280,23 +280,11 @@ def _rotary_kernel(
             block = slot // CACHE_BLOCK_SIZE
             in_block = slot % CACHE_BLOCK_SIZE
             kv_h = offs_h - first_kv_head
-            k_ptrs = (
-                key_cache_ptr
-                + block * stride_kcb
-                + in_block * stride_kcs
-                + kv_h[:, None] * stride_kch
-                + offs_d[None, :]
-            )
+            k_ptrs = _slot_rows(key_cache_ptr, block, in_block, kv_h, offs_d, stride_kcb, stride_kcs, stride_kch)
             _store_cache(k_ptrs, o1, k_scale, mask, FP8, FP8_MAX)
             _store_cache(k_ptrs + HALF, o2, k_scale, mask, FP8, FP8_MAX)
             v_ptrs = value_ptr + t * stride_vt + kv_h[:, None] * stride_vh + offs_d[None, :]
-            vc_ptrs = (
-                value_cache_ptr
-                + block * stride_vcb
-                + in_block * stride_vcs
-                + kv_h[:, None] * stride_vch
-                + offs_d[None, :]
-            )
+            vc_ptrs = _slot_rows(value_cache_ptr, block, in_block, kv_h, offs_d, stride_vcb, stride_vcs, stride_vch)
             v1 = tl.load(v_ptrs, mask=mask, other=0.0).to(tl.float32)
             v2 = tl.load(v_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
             _store_cache(vc_ptrs, v1, v_scale, mask, FP8, FP8_MAX)
