@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
-import numpy as np
 import pytest
-from model_helpers import hf_greedy, hf_model, random_prompts
+from model_helpers import hf_greedy, hf_model, two_tenant_prompts
 
 from prefixserve.replica.config import EngineConfig
 from prefixserve.replica.engine.async_engine import AsyncEngine
@@ -23,11 +22,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 @pytest.fixture(scope="module")
 def workload(ckpt):
     """Prompts sharing prefixes (two tenants) and transformers' greedy continuations."""
-    rng = np.random.default_rng(5)
-    tenants = [[int(t) for t in rng.integers(17, 40000, n)] for n in (40, 23)]
-    prompts = []
-    for i in range(6):
-        prompts += random_prompts(rng, 1, 2, 20, shared_prefix=tenants[i % 2])
+    prompts = two_tenant_prompts(seed=5, n=6, hi=20)
     hf = hf_model(ckpt)
     return prompts, [hf_greedy(hf, p, 16) for p in prompts]
 
