@@ -10,7 +10,6 @@ import threading
 
 import numpy as np
 import pytest
-from model_helpers import tiny_checkpoint
 
 from prefixserve.replica.config import EngineConfig
 from prefixserve.replica.engine.async_engine import AsyncEngine
@@ -292,8 +291,8 @@ async def test_async_engine_streams_the_synchronous_tokens_and_an_abort_mid_stre
 
 
 @pytest.mark.slow
-def test_tensor_parallel_2_overlapped_gives_one_synchronous_process_tokens(tmp_path):
-    gqa = str(tiny_checkpoint(tmp_path / "llama8x2", hidden=64, heads=8, kv_heads=2, intermediate=128, seed=3))
+def test_tensor_parallel_2_overlapped_gives_one_synchronous_process_tokens(gqa_ckpt):
+    gqa = gqa_ckpt
     batch = prompts(4, seed=10, shared=8)
     params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)] * 2 + [
         SamplingParams(temperature=0.8, seed=5 + i, max_tokens=12, stop=["e"]) for i in range(2)

@@ -23,14 +23,14 @@ DRAIN_TIMEOUT_S = 6.0
 
 
 @pytest.fixture(scope="module")
-def long_context_ckpt(tiny_ckpts):
+def ckpt_8192_positions(tiny_ckpts):
     """The shared tiny shape with 8192 positions, not the shared ckpt's 1024: the server runs at 8192."""
     return tiny_ckpts(max_pos=8192)
 
 
-def test_sigterm_drains_then_ends_open_streams_in_band_and_exits_0(long_context_ckpt, tmp_path):
+def test_sigterm_drains_then_ends_open_streams_in_band_and_exits_0(ckpt_8192_positions, tmp_path):
     with ReplicaProcess(
-        long_context_ckpt,
+        ckpt_8192_positions,
         "--max-model-len",
         "8192",
         "--drain-timeout-s",
