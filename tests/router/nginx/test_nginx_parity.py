@@ -19,7 +19,15 @@ from pathlib import Path
 
 import httpx
 import pytest
-from nginx_helpers import NGINX, NginxProcess, backends_conf, free_ports, needs_nginx, nginx_test_config
+from nginx_helpers import (
+    NGINX,
+    NginxProcess,
+    backends_conf,
+    free_ports,
+    needs_nginx,
+    nginx_test_config,
+    write_private_config,
+)
 
 from prefixserve.router import cli
 from prefixserve.router.nginx import config as nginx_cli
@@ -118,23 +126,8 @@ def test_nginx_config_cli_reports_errors(capsys):
 
 
 def _config(tmp_path: Path, replicas, down, front: int, backends: list[int], chat_completion: bool = False) -> Path:
-    (tmp_path / "logs").mkdir(exist_ok=True)
-    (tmp_path / "tmp").mkdir(exist_ok=True)
-    (tmp_path / "backends.conf").write_text(backends_conf(backends, chat_completion))
-    cfg = NginxConfig(
-        replicas=tuple(replicas),
-        down=frozenset(down),
-        listen=f"127.0.0.1:{front}",
-        worker_processes="1",
-        temp_dir=str(tmp_path / "tmp"),
-        pid_file=str(tmp_path / "nginx.pid"),
-        error_log=str(tmp_path / "logs" / "error.log"),
-        access_log="off",
-        includes=(str(tmp_path / "backends.conf"),),
-    )
-    conf = tmp_path / "nginx.conf"
-    conf.write_text(render_config(cfg))
-    return conf
+    text = backends_conf(backends, chat_completion)
+    return write_private_config(tmp_path, front, text, replicas=tuple(replicas), down=frozenset(down))
 
 
 @needs_nginx

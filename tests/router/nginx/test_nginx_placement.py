@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from nginx_helpers import NGINX, NginxProcess, backends_conf, free_ports, keys_owned, needs_nginx
+from nginx_helpers import NGINX, NginxProcess, backends_conf, free_ports, keys_owned, needs_nginx, write_private_config
 
 from prefixserve.router.nginx.config import NginxConfig, PlacementMap, render_config, salted_key
 from prefixserve.router.policies import Placed, Replica
@@ -94,8 +94,6 @@ def test_a_real_placed_policys_snapshot_renders(tmp_path, capsys):
 def _nginx_conf(
     tmp_path: Path, front: int, backends: list[int], placement: PlacementMap | None, busy: int | None = None
 ) -> Path:
-    (tmp_path / "logs").mkdir(exist_ok=True)
-    (tmp_path / "tmp").mkdir(exist_ok=True)
     ok = [p for p in backends if p != busy]
     text = backends_conf(ok)
     if (
@@ -105,22 +103,14 @@ def _nginx_conf(
             f"server {{\n    listen 127.0.0.1:{busy};\n    location / {{ add_header Retry-After 1 always; "
             f'return 429 \'{{"error":{{"code":"replica_busy"}}}}\'; }}\n}}\n'
         )
-    (tmp_path / "backends.conf").write_text(text)
-    cfg = NginxConfig(
+    return write_private_config(
+        tmp_path,
+        front,
+        text,
         replicas=tuple(RingServer(f"127.0.0.1:{p}") for p in backends),
-        listen=f"127.0.0.1:{front}",
-        worker_processes="1",
-        temp_dir=str(tmp_path / "tmp"),
-        pid_file=str(tmp_path / "nginx.pid"),
-        error_log=str(tmp_path / "logs" / "error.log"),
-        access_log="off",
-        includes=(str(tmp_path / "backends.conf"),),
         placement=placement,
         max_fails=0,  # keep the busy replica in: every request meets its 429
     )
-    conf = tmp_path / "nginx.conf"
-    conf.write_text(render_config(cfg))
-    return conf
 
 
 @needs_nginx
