@@ -19,7 +19,8 @@ after each run. ``--profile-router PATH`` runs the router under cProfile and wri
 stats to PATH when it stops.
 
 Output: a markdown table a run, ``--out`` (JSON: the settings, each run's summaries and
-the load). ``... bench_router_overhead upstream PORT`` serves the upstream alone.
+the load). ``... bench_router_overhead upstream PORT`` serves the upstream alone, and
+``... bench_router_overhead profile-router OUT router ARGS`` runs ``prefixserve router ARGS`` under cProfile.
 """
 
 from __future__ import annotations
@@ -132,12 +133,13 @@ class OverheadConfig:
     chunks: int = flag_field(4, "content chunks in each upstream answer")
     keys: int = flag_field(8, "distinct system prompts (routing keys) among the requests")
     policy: str = flag_field("placed", "the router's --policy")
+    upstream_pools: int = flag_field(8, "the router's --upstream-pools")
     out: str = flag_field("router_overhead.json", "where the JSON result goes")
     profile_router: str = flag_field("", "run the router under cProfile and write its stats here")
     logs: str = flag_field("router_overhead_logs", "folder for the upstream's and the router's logs")
 
     def __post_init__(self) -> None:
-        for name in ("concurrency", "requests", "rounds", "runs", "chunks", "keys"):
+        for name in ("concurrency", "requests", "rounds", "runs", "chunks", "keys", "upstream_pools"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"--{name} must be an integer >= 1, got {v!r}")
@@ -222,15 +224,40 @@ def table(summary: dict[str, Any]) -> str:
     )
 
 
+def profile_router(out: str, argv: list[str]) -> int:
+    """``prefixserve router`` (``argv``) under cProfile; its stats written to ``out`` when SIGTERM stops it.
+
+    uvicorn re-raises the signal that stopped it once it has shut down: the handler installed
+    here turns it into an exit this function sees, so the stats are written.
+    """
+    import cProfile
+    import signal
+
+    from prefixserve.router.cli import main as cli_main
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    profile = cProfile.Profile()
+    try:
+        return int(profile.runcall(cli_main, argv) or 0)
+    except SystemExit:
+        return 0
+    finally:
+        profile.dump_stats(out)
+
+
 def router_command(upstream: str, port: int, config: OverheadConfig) -> list[str]:
     """``prefixserve router`` over the upstream (under cProfile with ``--profile-router``)."""
-    head = [sys.executable]
-    if config.profile_router:
-        head += ["-m", "cProfile", "-o", config.profile_router]
+    me = [sys.executable, "-m", "prefixserve.loadtest.bench_router_overhead"]
+    head = (
+        [*me, "profile-router", config.profile_router]
+        if config.profile_router
+        else [sys.executable, "-m", "prefixserve.router.cli"]
+    )
     return [
         *head,
-        "-m",
-        "prefixserve.router.cli",
         "router",
         "--replica",
         upstream,
@@ -240,6 +267,8 @@ def router_command(upstream: str, port: int, config: OverheadConfig) -> list[str
         HOST,
         "--policy",
         config.policy,
+        "--upstream-pools",
+        str(config.upstream_pools),
         "--log-level",
         "warning",
     ]
@@ -296,6 +325,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         up.add_argument("--chunks", type=int, default=4)
         ns = up.parse_args(args[1:])
         return serve_upstream(ns.port, ns.chunks)
+    if args[:1] == ["profile-router"]:
+        return profile_router(args[1], args[2:])
 
     def plan(ns: argparse.Namespace) -> OverheadConfig:
         return from_cli_args(OverheadConfig, ns)

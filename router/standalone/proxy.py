@@ -219,7 +219,9 @@ class StandaloneRouter:
         self.metrics = StandaloneMetrics(self.routing.policy.name, self.replicas.names)
         self.models_of: dict[str, list[dict[str, Any]]] = {}  # replica -> its /v1/models entries
         self._models_at = -float("inf")
-        self._client: httpx.AsyncClient | None = None
+        self._client: httpx.AsyncClient | None = None  # probes, metrics and model lists
+        self._pools: list[httpx.AsyncClient] = []  # forwarded requests (config.upstream_pools)
+        self._turn = 0
         self._tasks: list[asyncio.Task[None]] = []
 
     # -- lifecycle ------------------------------------------------------------------
@@ -229,12 +231,22 @@ class StandaloneRouter:
             raise RuntimeError("the router is not started")
         return self._client
 
+    def next_pool(self) -> httpx.AsyncClient:
+        """The upstream pool for the next forwarded request (``upstream_pools`` of them, in turn)."""
+        if not self._pools:
+            raise RuntimeError("the router is not started")
+        self._turn = (self._turn + 1) % len(self._pools)
+        return self._pools[self._turn]
+
     async def start(self) -> None:
         c = self.config
         timeout = httpx.Timeout(connect=c.connect_timeout_s, read=c.read_timeout_s, write=c.read_timeout_s, pool=None)
         # No pool limit: the router holds one upstream connection per open request, as any reverse proxy.
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=2.0)
         self._client = httpx.AsyncClient(timeout=timeout, limits=limits, follow_redirects=False)
+        self._pools = [
+            httpx.AsyncClient(timeout=timeout, limits=limits, follow_redirects=False) for _ in range(c.upstream_pools)
+        ]
         hints = self.routing.hints
         if hints is not None and c.kv_events:
             self.subscriber = ZmqKVEventSubscriber(event_sources(c), hints.index).start()
@@ -257,6 +269,9 @@ class StandaloneRouter:
         if self.subscriber is not None:
             await asyncio.to_thread(self.subscriber.stop)
             self.subscriber = None
+        for pool in self._pools:
+            await pool.aclose()
+        self._pools = []
         if self._client is not None:
             await self._client.aclose()
             self._client = None
@@ -371,12 +386,11 @@ class StandaloneRouter:
         last: tuple[int, bytes, httpx.Headers, str] | None = None
         for i, name in enumerate(attempts):
             final = i == len(attempts) - 1
-            upstream = self.client.build_request(
-                request.method, self.replicas[name].url + path, headers=headers, content=body
-            )
+            pool = self.next_pool()
+            upstream = pool.build_request(request.method, self.replicas[name].url + path, headers=headers, content=body)
             self._started(name)
             try:
-                answer = await self.client.send(upstream, stream=True)
+                answer = await pool.send(upstream, stream=True)
             except (httpx.ConnectError, httpx.ConnectTimeout):
                 self._ended(name)
                 self.replica_failed(name, "connect")
