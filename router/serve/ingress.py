@@ -439,9 +439,17 @@ class OpenAIIngress:
         return {name: text for item in pairs if not isinstance(item, BaseException) for name, text in [item]}
 
     @app.get("/placement")
-    async def placement(self) -> Response:
+    async def placement(self, request: Request) -> Response:
         """This replica's ``placed`` snapshot (router/policies/placed.py) plus ``held`` (per key, the replicas its
-        KV events say hold the prefix); 404 when the policy is not ``placed``."""
+        KV events say hold the prefix); 404 when the policy is not ``placed``.
+
+        Behind the API key like ``/v1/*``: the table names every tenant's routing key and where its
+        prefix is cached, which an outsider could use to aim load at one tenant's replicas.
+        """
+        try:
+            http_frontend.check_auth(request, self.options)
+        except APIError as exc:
+            return self._named(http_frontend.error_response(exc))
         router = self.client.router
         snapshot = router.placement_snapshot() if router is not None else None
         if snapshot is None:
