@@ -334,32 +334,28 @@ def assert_both_kinds_were_tried(statuses: Counter[int]) -> None:
     assert statuses[200] >= total // 10 and total - statuses[200] >= total // 10, statuses
 
 
-def test_fuzz_chat_completions(replica):
+def fuzz_endpoint(replica, path: str, bodies: st.SearchStrategy[dict], examples: int) -> None:
+    """POST ``examples`` generated ``bodies`` to ``path``: each gets a sane answer and the replica
+    keeps serving; afterwards it is idle, and both accepted and refused bodies were tried."""
     statuses: Counter[int] = Counter()
 
-    @settings(FUZZ, max_examples=CHAT_EXAMPLES)
-    @given(chat_bodies)
+    @settings(FUZZ, max_examples=examples)
+    @given(bodies)
     def case(payload: dict) -> None:
-        check_answer(replica, "/v1/chat/completions", encode(payload), statuses)
+        check_answer(replica, path, encode(payload), statuses)
         still_serves(replica)
 
     case()
     assert_idle(replica)
     assert_both_kinds_were_tried(statuses)
+
+
+def test_fuzz_chat_completions(replica):
+    fuzz_endpoint(replica, "/v1/chat/completions", chat_bodies, CHAT_EXAMPLES)
 
 
 def test_fuzz_completions(replica):
-    statuses: Counter[int] = Counter()
-
-    @settings(FUZZ, max_examples=COMPLETION_EXAMPLES)
-    @given(completion_bodies)
-    def case(payload: dict) -> None:
-        check_answer(replica, "/v1/completions", encode(payload), statuses)
-        still_serves(replica)
-
-    case()
-    assert_idle(replica)
-    assert_both_kinds_were_tried(statuses)
+    fuzz_endpoint(replica, "/v1/completions", completion_bodies, COMPLETION_EXAMPLES)
 
 
 # -- tool calling, on a replica that serves tool_choice="auto" ---------------------------------
@@ -478,17 +474,7 @@ def tool_replica(ckpt):
 
 
 def test_fuzz_tool_calling(tool_replica):
-    statuses: Counter[int] = Counter()
-
-    @settings(FUZZ, max_examples=TOOL_EXAMPLES)
-    @given(tool_bodies())
-    def case(payload: dict) -> None:
-        check_answer(tool_replica, "/v1/chat/completions", encode(payload), statuses)
-        still_serves(tool_replica)
-
-    case()
-    assert_idle(tool_replica)
-    assert_both_kinds_were_tried(statuses)
+    fuzz_endpoint(tool_replica, "/v1/chat/completions", tool_bodies(), TOOL_EXAMPLES)
 
 
 raw_bodies = st.one_of(
