@@ -20,7 +20,7 @@ import subprocess
 import httpx
 import pytest
 from prometheus_helpers import REPO, PrometheusProcess, dashboard_queries, find_prometheus
-from server_helpers import ReplicaProcess, build_tiny_llama
+from server_helpers import ReplicaProcess
 
 pytestmark = [
     pytest.mark.slow,
@@ -63,8 +63,7 @@ def _chat(http: httpx.Client, system: str, question: str) -> None:
     assert response.status_code == 200, response.text
 
 
-def test_every_replica_panel_shows_plausible_values_on_a_real_prometheus(tmp_path_factory):
-    ckpt = build_tiny_llama(tmp_path_factory.mktemp("ckpt") / "tiny", seed=7)
+def test_every_replica_panel_shows_plausible_values_on_a_real_prometheus(ckpt, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("prometheus")
     disk = tmp_path_factory.mktemp("kv-disk")
     args = (*TIER_ARGS, "--kv-disk-path", str(disk), "--kv-disk-size-gb", "0.01")
@@ -96,8 +95,7 @@ def test_every_replica_panel_shows_plausible_values_on_a_real_prometheus(tmp_pat
             assert prometheus.query("min(prefixserve:kv_disk_enabled)") == [1.0]
 
 
-def test_json_logs_name_the_request_and_the_replica(tmp_path_factory):
-    ckpt = build_tiny_llama(tmp_path_factory.mktemp("ckpt") / "tiny", seed=8)
+def test_json_logs_name_the_request_and_the_replica(ckpt, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("logs")
     with ReplicaProcess(
         ckpt, "--log-format", "json", "--log-level", "info", "--replica-name", "replica-a", log_dir=workdir
