@@ -2,7 +2,8 @@
 
 ``python -m prefixserve.loadtest.bench_routers`` runs, for each workload and seed and
 then each router in turn, two fresh ``prefixserve replica`` processes (cold KV caches,
-pools sized so that routing matters: bench_cluster's :func:`size_kv`), one router in
+pools sized so that routing matters: bench_cluster's :func:`size_kv`, over every whole
+prompt block for the conversation workloads, :func:`conversation_sizing`), one router in
 front of them (loadtest/router_stand.py: the real peer routers ``smg`` and
 ``vllm-router`` from PyPI, installed by this benchmark into a venv of their own under
 the cache root; nginx's consistent hash on ``X-Prefix-Hash``; prefixserve's standalone
@@ -26,16 +27,18 @@ row and request record), the processes' logs under ``OUT_DIR/bench_routers_logs/
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from prefixserve.common.logs import add_verbose_flag
 from prefixserve.loadtest.bench_cluster import (
+    CONVERSATIONS,
     KVSizing,
     PolicyResult,
     WorkloadSpec,
@@ -49,7 +52,7 @@ from prefixserve.loadtest.harness.cli import plan_and_run
 from prefixserve.loadtest.harness.client import RequestRecord, run_load
 from prefixserve.loadtest.harness.report import config_json, fmt, markdown_table, write_json
 from prefixserve.loadtest.peer_routers import PeerRouterVenv
-from prefixserve.loadtest.prefix_bound import replay_bound
+from prefixserve.loadtest.prefix_bound import distinct_blocks, replay_bound
 from prefixserve.loadtest.router_stand import (
     NGINX,
     PEER_KINDS,
@@ -126,7 +129,34 @@ def make_case(
         headroom=args.kv_headroom,
     )
     prompts = [encode(r.body["messages"]) for r in requests]
+    if spec.name in CONVERSATIONS:
+        sizing = conversation_sizing(sizing, distinct_blocks(prompts, args.block_size))
     return Case(spec, requests, sizing, replay_bound(prompts, args.block_size), sum(map(len, prompts)))
+
+
+def conversation_sizing(sizing: KVSizing, working_set_blocks: int) -> KVSizing:
+    """``sizing`` with a conversation workload's working set: every whole block its prompts hold.
+
+    bench_cluster's rule counts each tenant's system prompt, which for users sharing one
+    app counts the shared prompt once per user and never the histories; with it, one
+    replica of the agent workload would hold every prompt and routing could not matter.
+    The same pool formula follows: ``ceil(headroom * W / replicas)`` plus the in-flight reserve.
+    """
+    pool = math.ceil(sizing.headroom * working_set_blocks / sizing.replicas) + sizing.reserve_blocks
+    return replace(sizing, working_set_blocks=working_set_blocks, num_kv_blocks=max(sizing.request_blocks, pool))
+
+
+def describe_sizing(case: Case) -> str:
+    """How the case's pools were sized (bench_cluster's sentence, or the conversations' working set)."""
+    s = case.sizing
+    if case.spec.name not in CONVERSATIONS:
+        return s.describe()
+    return (
+        f"KV sizing: working set W = {s.working_set_blocks} blocks (every whole block of the prompts, "
+        f"block size {s.block_size}); num_kv_blocks = {s.num_kv_blocks} per replica = ceil({s.headroom:g} x W / "
+        f"{s.replicas}) + {s.reserve_blocks} reserved for in-flight requests; prefix room: one replica "
+        f"{s.replica_fraction:.0%} of W, the cluster {s.cluster_fraction:.0%} of W"
+    )
 
 
 def plan(args: argparse.Namespace) -> Plan:
@@ -301,7 +331,7 @@ def render(runs: Sequence[RouterRun], p: Plan) -> str:
         seeds = " / ".join(str(c.spec.seed) for c in cases)
         parts.append(
             f"### {workload} (seeds {seeds})\n\nbound (one unbounded cache replaying the prompts): {bounds}; "
-            f"{cases[0].sizing.describe()}\n\n" + render_workload([r for r in runs if r.workload == workload], routers)
+            f"{describe_sizing(cases[0])}\n\n" + render_workload([r for r in runs if r.workload == workload], routers)
         )
     return "\n\n".join(parts)
 
@@ -333,7 +363,7 @@ def run(args: argparse.Namespace, p: Plan) -> int:
         write_json(args.out_dir / "bench_routers.json", payload, announce=announce)
 
     for i, case in enumerate(p.cases):
-        print(f"{case.name}: {case.sizing.describe()}; bound {case.bound:.3f}", file=sys.stderr)
+        print(f"{case.name}: {describe_sizing(case)}; bound {case.bound:.3f}", file=sys.stderr)
         # Each case starts one router further down the list: no router always runs first under a moving load.
         shift = i % len(p.routers)
         for spec in p.routers[shift:] + p.routers[:shift]:

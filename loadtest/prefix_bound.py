@@ -19,6 +19,17 @@ from array import array
 from collections.abc import Sequence
 
 
+def block_chain(prompt: Sequence[int], block_size: int) -> list[bytes]:
+    """One digest per whole block of ``prompt``, each over its tokens and every block before it."""
+    parent = b""
+    chain = []
+    # A block's identity is its tokens and everything before it, as the engine's chained hashes.
+    for start in range(0, len(prompt) - len(prompt) % block_size, block_size):
+        parent = hashlib.sha256(parent + array("q", prompt[start : start + block_size]).tobytes()).digest()
+        chain.append(parent)
+    return chain
+
+
 def replay_hits(prompts: Sequence[Sequence[int]], block_size: int) -> list[int]:
     """Cached tokens per prompt (a multiple of ``block_size``), replaying ``prompts`` in order."""
     if block_size < 1:
@@ -27,19 +38,18 @@ def replay_hits(prompts: Sequence[Sequence[int]], block_size: int) -> list[int]:
     hits = []
     for prompt in prompts:
         limit = max(0, (len(prompt) - 1) // block_size)
-        parent = b""
-        chain = []
-        # A block's identity is its tokens and everything before it, as the engine's chained hashes.
-        for start in range(0, len(prompt) - len(prompt) % block_size, block_size):
-            block = array("q", prompt[start : start + block_size]).tobytes()
-            parent = hashlib.sha256(parent + block).digest()
-            chain.append(parent)
+        chain = block_chain(prompt, block_size)
         n = 0
         while n < limit and chain[n] in seen:
             n += 1
         hits.append(n * block_size)
         seen.update(chain)
     return hits
+
+
+def distinct_blocks(prompts: Sequence[Sequence[int]], block_size: int) -> int:
+    """Whole blocks the unbounded cache holds after the replay: a conversation workload's working set."""
+    return len({h for prompt in prompts for h in block_chain(prompt, block_size)})
 
 
 def replay_bound(prompts: Sequence[Sequence[int]], block_size: int) -> float:

@@ -13,7 +13,7 @@ import pytest
 from prefixserve.loadtest import bench_routers as B
 from prefixserve.loadtest.harness.client import RequestRecord
 from prefixserve.loadtest.peer_routers import PeerRouterVenv, smg_command, vllm_router_command
-from prefixserve.loadtest.prefix_bound import replay_bound, replay_hits
+from prefixserve.loadtest.prefix_bound import distinct_blocks, replay_bound, replay_hits
 from prefixserve.loadtest.router_stand import RouterSpec, find_nginx
 from prefixserve.router.routing_key import PREFIX_HASH_HEADER, prefix_hash
 
@@ -39,6 +39,23 @@ def test_replay_hits_need_the_same_blocks_before_them():
     assert replay_bound([], 16) == 0.0
     with pytest.raises(ValueError):
         replay_hits([[1]], 0)
+
+
+def test_distinct_blocks_count_each_whole_block_once_by_what_precedes_it():
+    assert distinct_blocks([[1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [3, 4, 1, 2]], 2) == 2 + 0 + 2
+    assert distinct_blocks([[1]], 2) == 0
+
+
+def test_conversation_sizing_keeps_the_pool_formula_over_the_new_working_set():
+    from prefixserve.loadtest.bench_cluster import size_kv
+
+    sizing = size_kv(
+        {"u0": 64, "u1": 64}, [("u0", 100), ("u1", 300)], block_size=16, replicas=2, concurrency=4, headroom=1.5
+    )
+    conv = B.conversation_sizing(sizing, 40)
+    assert conv.working_set_blocks == 40 and conv.reserve_blocks == sizing.reserve_blocks
+    assert conv.num_kv_blocks == 30 + sizing.reserve_blocks
+    assert conv.replica_fraction < 1.0 <= conv.cluster_fraction
 
 
 # --------------------------------------------------------------------------- routers
