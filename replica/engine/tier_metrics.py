@@ -11,6 +11,7 @@ bytes on the engine loop; and the disk's faults.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -54,7 +55,10 @@ class TierMetrics:
 
     def __init__(self, registry: CollectorRegistry, model_name: str, engine: str = "0") -> None:
         series = LabeledSeries(registry, ["model_name", "engine"], (model_name, engine))
-        c, each = series.counter, series.each
+        c = series.counter
+        # The counters per tier, and per copy op.
+        by_tier = partial(series.each, Counter, label="tier", keys=TIERS)
+        by_op = partial(series.each, Counter, label="op", keys=COPY_OPS)
         self.queries = c(
             "vllm:external_prefix_cache_queries",
             "External prefix cache queries from the KV tiers (host, disk), in terms of number of queried tokens.",
@@ -63,28 +67,17 @@ class TierMetrics:
             "vllm:external_prefix_cache_hits",
             "External prefix cache hits from the KV tiers (host, disk), in terms of number of cached tokens.",
         )
-        self.hit_tokens = each(
-            Counter,
+        self.hit_tokens = by_tier(
             "prefixserve:kv_tier_hit_tokens",
             "Prompt tokens whose KV came back from a tier (disk: read from disk, then through the host tier).",
-            "tier",
-            TIERS,
         )
-        self.stored = each(Counter, "prefixserve:kv_tier_stored_blocks", "KV blocks written to a tier.", "tier", TIERS)
-        self.loaded = each(
-            Counter, "prefixserve:kv_tier_loaded_blocks", "KV blocks read back from a tier.", "tier", TIERS
+        self.stored = by_tier("prefixserve:kv_tier_stored_blocks", "KV blocks written to a tier.")
+        self.loaded = by_tier("prefixserve:kv_tier_loaded_blocks", "KV blocks read back from a tier.")
+        self.copy_seconds = by_op(
+            "prefixserve:kv_tier_copy_seconds", "Seconds the engine loop spent on tier copies, by op."
         )
-        self.copy_seconds = each(
-            Counter,
-            "prefixserve:kv_tier_copy_seconds",
-            "Seconds the engine loop spent on tier copies, by op.",
-            "op",
-            COPY_OPS,
-        )
-        self.copy_bytes = each(
-            Counter, "prefixserve:kv_tier_copy_bytes", "Bytes of tier copies, by op.", "op", COPY_OPS
-        )
-        self.disk_errors = each(
+        self.copy_bytes = by_op("prefixserve:kv_tier_copy_bytes", "Bytes of tier copies, by op.")
+        self.disk_errors = series.each(
             Counter,
             "prefixserve:kv_disk_errors",
             "Disk tier faults (full, read-only, vanished); the first one stops the disk tier.",
