@@ -191,6 +191,14 @@ class EngineConfig:
     grammar_compile_workers_per_client: int = 1
     grammar_compile_queue_size: int = 64
     grammar_compile_queue_per_client: int = 8
+    # The most tools (function definitions) one chat request may carry: each is a JSON schema the
+    # front end validates and text the template renders. More is a 400 before any of that
+    # (OpenAI's limit, 128).
+    max_tools_per_request: int = 128
+    # The most nodes (objects, arrays, values) the tools' parameter schemas of one request may have
+    # together: validating them costs about 0.1 ms a node, in a front-end worker thread; more is
+    # a 400 before any is checked (128 tools of 10 string properties are ~5,600 nodes).
+    max_tool_schema_nodes: int = 8192
     # OpenTelemetry collector (vLLM's flag, e.g. http://127.0.0.1:4318): one llm_request span per
     # request with queue/prefill/decode children (common/tracing.py). None = no tracing.
     otlp_traces_endpoint: str | None = None
@@ -289,6 +297,10 @@ class EngineConfig:
                 f"[1, grammar_compile_workers], got {self.grammar_compile_workers} and "
                 f"{self.grammar_compile_workers_per_client}"
             )
+        if self.max_tool_schema_nodes < 1:
+            raise ValueError(f"max_tool_schema_nodes must be at least 1, got {self.max_tool_schema_nodes}")
+        if self.max_tools_per_request < 0:
+            raise ValueError(f"max_tools_per_request must be >= 0, got {self.max_tools_per_request}")
         if not 0 <= self.grammar_compile_queue_per_client <= self.grammar_compile_queue_size:
             raise ValueError(
                 "grammar_compile_queue_per_client must be in [0, grammar_compile_queue_size], got "

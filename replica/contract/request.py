@@ -92,6 +92,12 @@ class ModelInfo:
     # Chats of more messages cannot fit (InputProcessor.max_messages), refused before parsing them
     # further; None when the chat template gives no bound.
     max_messages: int | None = None
+    # The most tools a request may carry (EngineConfig.max_tools_per_request), refused before they are
+    # validated; None = no bound.
+    max_tools: int | None = None
+    # The most nodes the tools' parameter schemas may have together (EngineConfig.max_tool_schema_nodes):
+    # what bounds the front end's schema checks; None = no bound.
+    max_tool_schema_nodes: int | None = None
     # The engine's --tool-call-parser and --enable-auto-tool-choice (tool_choice="auto" needs both).
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False

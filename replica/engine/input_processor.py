@@ -118,12 +118,13 @@ class InputProcessor:
         """Messages above which a chat cannot fit ``max_model_len`` (see min_message_tokens); None if unknown."""
         return self.max_model_len // self.min_message_tokens if self.min_message_tokens else None
 
-    def check_messages_size(self, messages: list[dict[str, Any]]) -> None:
+    def check_messages_size(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> None:
         """Refuse (PromptTooLongError) a chat too long to fit, without rendering it.
 
         Sound bounds only: every message renders at least ``min_message_tokens``
-        template tokens (empty ones too), and the contents alone are under the
-        character bound of ``max_prompt_chars``.
+        template tokens (empty ones too), and the contents alone, with the strings of
+        ``tools`` (which every tool template renders as JSON), are under the character
+        bound of ``max_prompt_chars``.
         """
         limit = self.max_messages
         if limit is not None and len(messages) > limit:
@@ -133,7 +134,7 @@ class InputProcessor:
                 f"{self.max_model_len} tokens: send fewer"
             )
         if self.max_prompt_chars is not None:
-            chars = sum(len(m.get("content") or "") for m in messages)
+            chars = sum(len(m.get("content") or "") for m in messages) + json_string_chars(tools)
             if chars > self.max_prompt_chars:
                 raise PromptTooLongError(
                     f"the messages have {chars} characters, more than any prompt that fits this model's "
@@ -158,7 +159,7 @@ class InputProcessor:
                     param="prompt",
                 )
         else:
-            self.check_messages_size(request.messages or [])
+            self.check_messages_size(request.messages or [], request.tools)
 
     # --- tokens ------------------------------------------------------------------------
 
@@ -391,6 +392,21 @@ class InputProcessor:
             grammar=grammar if constrained else None,
             priority=request.priority,
         )
+
+
+def json_string_chars(value: Any) -> int:
+    """The characters of the strings (keys included) in a JSON value: a lower bound of its JSON text's."""
+    total, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            total += sum(len(k) for k in item if isinstance(k, str))
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return total
 
 
 def _max_prompt_chars(tokenizer: Any, max_model_len: int) -> int | None:

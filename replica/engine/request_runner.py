@@ -55,6 +55,8 @@ class RequestRunner:
             model=config.model,
             max_model_len=self.max_model_len,
             max_messages=self.engine.max_messages,
+            max_tools=config.max_tools_per_request,
+            max_tool_schema_nodes=config.max_tool_schema_nodes,
             tool_call_parser=config.tool_call_parser,
             enable_auto_tool_choice=config.enable_auto_tool_choice,
             scheduling_policy=config.scheduling_policy,

@@ -34,6 +34,8 @@ Imports FastAPI and the replica's framework-free modules; never Ray, torch or
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import hashlib
 import logging
 import re
@@ -405,6 +407,36 @@ def client_identity(request: Request, options: FrontendOptions) -> str | None:
     return f"addr:{peer.host}" if peer is not None and peer.host else None
 
 
+def check_tool_count(body_cls: type[OpenAIRequest], data: Mapping[str, Any], info: ModelInfo) -> None:
+    """Refuse (400) more tools than the engine takes (``max_tools_per_request``), before validating them.
+
+    Every tool is a schema to validate and text to render: a count is all it costs to refuse
+    1,000 of them (OpenAI's limit and message: 128).
+    """
+    tools = data.get("tools")
+    limit = info.max_tools
+    if "tools" in body_cls.model_fields and isinstance(tools, list) and limit is not None and len(tools) > limit:
+        raise BadRequestError(
+            f"Invalid 'tools': array too long. Expected an array with maximum length {limit}, but got an "
+            f"array with length {len(tools)} instead (max_tools_per_request).",
+            param="tools",
+            code="array_above_max_length",
+        )
+
+
+# Tool schema checks (jsonschema, pure Python) run here, never on the event loop; two at a time, so
+# many large tool lists queue for these threads instead of taking every thread of the process.
+_TOOL_SCHEMA_CHECKS = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="prefixserve-tools")
+
+
+async def check_tool_schemas(body: OpenAIRequest, info: ModelInfo) -> None:
+    """``ChatCompletionRequest.check_tool_schemas`` in a worker thread (the event loop keeps serving),
+    bounded by ``info.max_tool_schema_nodes``."""
+    if isinstance(body, api.ChatCompletionRequest) and body.tools:
+        check = functools.partial(body.check_tool_schemas, info.max_tool_schema_nodes)
+        await asyncio.get_running_loop().run_in_executor(_TOOL_SCHEMA_CHECKS, check)
+
+
 def answer_id(body: OpenAIRequest, client_id: str | None, prepared: EngineRequest) -> str:
     """The answer's ``id``: ``<id_prefix>-<client id>`` for a client's X-Request-Id, else the engine's."""
     return prepared.request_id if client_id is None else f"{body.id_prefix}-{client_id}"
@@ -481,8 +513,10 @@ async def handle_generate(
             slot.take()
         info = await client.model_info()
         check_message_count(body_cls, data, info)
+        check_tool_count(body_cls, data, info)
         data = options.ignored_fields.filter(body_cls, data)
-        body = api.validate_request(body_cls, data, scheduling_policy=info.scheduling_policy)
+        body = api.validate_request(body_cls, data, scheduling_policy=info.scheduling_policy, tool_schemas=False)
+        await check_tool_schemas(body, info)
         model = check_model(info, body.model)
         key = routing_key(data, request.headers) if routing_key is not None else None
         prepared = engine_request(body, info, key, client_id, request.headers)

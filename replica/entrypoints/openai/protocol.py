@@ -242,19 +242,17 @@ FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
 
 
 class FunctionDefinition(RequestModel):
-    """A tool's function: ``parameters`` is a JSON Schema of its arguments object."""
+    """A tool's function: ``parameters`` is a JSON Schema of its arguments object.
+
+    That it is a valid schema is checked by ``ChatCompletionRequest.check_tool_schemas``, not
+    while parsing: a request may carry many large schemas, and the front ends run that check
+    off their event loop.
+    """
 
     name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
-
-    @field_validator("parameters")
-    @classmethod
-    def _a_json_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None:
-            check_json_schema(value)
-        return value
 
 
 class ChatCompletionTool(RequestModel):
@@ -352,6 +350,19 @@ class ChatMessage(RequestModel):
         if self.role == "tool":
             out["tool_call_id"] = self.tool_call_id
         return out
+
+
+def json_nodes(value: Any, stop: int) -> int:
+    """The nodes of a JSON value (each object, array and value counts one), counted up to ``stop``."""
+    count, stack = 0, [value]
+    while stack and count < stop:
+        item = stack.pop()
+        count += 1
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return count
 
 
 def check_json_schema(schema: Any) -> None:
@@ -707,8 +718,12 @@ class ChatCompletionRequest(_SamplingRequest):
             return named_schema(dict(tools)[self.tool_choice.function.name])
         return None
 
-    def check(self) -> None:
-        """The checks across fields: tool names unique, tool_choice among the tools, tool results answer calls."""
+    def check(self, *, tool_schemas: bool = True) -> None:
+        """The checks across fields: tool names unique, tool_choice among the tools, tool results answer calls.
+
+        ``tool_schemas``: also ``check_tool_schemas`` (CPU work proportional to the tools' size,
+        which a front end runs in a worker thread instead: pass False there).
+        """
         names = [t.function.name for t in self.tools or ()]
         seen: set[str] = set()
         for i, name in enumerate(names):
@@ -723,6 +738,11 @@ class ChatCompletionRequest(_SamplingRequest):
         if choice is not None and choice != "none" and self.tools is None:
             raise BadRequestError(
                 "When using `tool_choice`, `tools` must be set.", param="tool_choice", code="invalid_value"
+            )
+        if choice == "required" and not self.tools:
+            # Otherwise an empty list would silently mean "none" (OpenAI and vLLM refuse it too).
+            raise BadRequestError(
+                '`tool_choice` "required" needs at least one tool in `tools`', param="tools", code="invalid_value"
             )
         if isinstance(choice, NamedToolChoice) and choice.function.name not in seen:
             raise BadRequestError(
@@ -742,6 +762,37 @@ class ChatCompletionRequest(_SamplingRequest):
                     param=f"messages.{i}.tool_call_id",
                     code="invalid_value",
                 )
+        if tool_schemas:
+            self.check_tool_schemas()
+
+    def check_tool_schemas(self, max_nodes: int | None = None) -> None:
+        """Each tool's ``parameters`` a valid JSON Schema, and the schema ``required`` or a named function
+        constrains decoding to buildable; BadRequestError (400) naming the tool otherwise.
+
+        Blocking CPU work: jsonschema's check costs about 0.1 ms per schema node (two cores),
+        so with ``max_nodes`` the schemas' nodes (objects, arrays, values) are counted first,
+        a walk a thousand times cheaper, and more than ``max_nodes`` is a 400 with no check run.
+        """
+        if max_nodes is not None:
+            count = sum(json_nodes(t.function.parameters, max_nodes + 1) for t in self.tools or ())
+            if count > max_nodes:
+                raise BadRequestError(
+                    f"the tools' parameter schemas have more than {max_nodes} nodes (objects, arrays and "
+                    "values), the most this server validates for one request (max_tool_schema_nodes): "
+                    "send fewer or smaller tools",
+                    param="tools",
+                    code="invalid_value",
+                )
+        for i, tool in enumerate(self.tools or ()):
+            if tool.function.parameters is not None:
+                try:
+                    check_json_schema(tool.function.parameters)
+                except ValueError as exc:
+                    raise BadRequestError(
+                        f"tools.{i}.function.parameters: {exc}",
+                        param=f"tools.{i}.function.parameters",
+                        code="invalid_value",
+                    ) from None
         try:
             self.tool_call_schema()
         except ValueError as exc:  # $defs that the required schema cannot merge
@@ -860,19 +911,21 @@ def parse_json_object(body: bytes | str) -> dict[str, Any]:
 
 
 def validate_request(
-    model: type[OpenAIRequest], data: Mapping[str, Any], *, scheduling_policy: str = "fcfs"
+    model: type[OpenAIRequest], data: Mapping[str, Any], *, scheduling_policy: str = "fcfs", tool_schemas: bool = True
 ) -> OpenAIRequest:
     """``data`` (a parsed JSON body) as ``model``; raises BadRequestError (400) on any problem.
 
     ``scheduling_policy``: the engine's (ModelInfo.scheduling_policy): whether ``priority`` and the
-    service tiers that shift it are taken.
+    service tiers that shift it are taken. ``tool_schemas``: check the tools' schemas here
+    (``ChatCompletionRequest.check_tool_schemas``); False leaves that to the caller, which runs it
+    off its event loop.
     """
     try:
         request = model.model_validate(data, context={"scheduling_policy": scheduling_policy})
     except ValidationError as exc:
         raise _format_validation_error(exc) from None
     if isinstance(request, ChatCompletionRequest):
-        request.check()
+        request.check(tool_schemas=tool_schemas)
     return request
 
 

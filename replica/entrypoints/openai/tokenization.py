@@ -212,10 +212,10 @@ class Tokenization:
 
             return await self.engine.tokenizer_executor.run(encode_text, chars=len(prompt))
         messages = [m.template_message() for m in body.messages]
-        processor.check_messages_size(messages)
         kwargs: dict[str, Any] = {"add_generation_prompt": body.add_generation_prompt}
         if body.tools:
             kwargs["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
+        processor.check_messages_size(messages, kwargs.get("tools"))
 
         def encode_chat() -> list[int]:
             try:
@@ -267,9 +267,12 @@ class Tokenization:
         client_id = http_frontend.client_request_id(request.headers)
         body = await _read(request, model, self.options, scheduling_policy=self.engine.config.scheduling_policy)
         if isinstance(body, api.ChatCompletionRequest):
-            body.check()
+            body.check(tool_schemas=False)
         info = await self.client.model_info()
         http_frontend.check_model(info, body.model)
+        # The generation endpoints' tool bounds, the schema checks off the event loop.
+        http_frontend.check_tool_count(model, {"tools": getattr(body, "tools", None)}, info)
+        await http_frontend.check_tool_schemas(body, info)
         engine_request = http_frontend.engine_request(body, info, None, client_id, request.headers)
         prepared = await self.engine.prepare(engine_request)
         stream_options = body.stream_options.model_dump() if body.stream and body.stream_options else None

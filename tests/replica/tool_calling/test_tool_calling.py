@@ -232,6 +232,7 @@ CALL = {"id": "call_a", "type": "function", "function": {"name": "get_weather", 
             "does not match any of the specified `tools`",
         ),
         (chat(tool_choice="required"), "tool_choice", "When using `tool_choice`, `tools` must be set."),
+        (chat(tools=[], tool_choice="required"), "tools", '"required" needs at least one tool'),
         (
             {
                 "messages": [
