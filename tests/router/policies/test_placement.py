@@ -144,12 +144,16 @@ def test_keyless_requests_go_least_loaded() -> None:
     assert d.kind == KIND_NO_KEY and d.owner is None
 
 
-def test_over_the_in_flight_cap_spills_to_the_next_ring_successor_under_it() -> None:
-    clock = Clock()
-    p = policy(clock)
+def one_key_routed() -> tuple[Placed, str, list[str]]:
+    """A policy that routed one key of NAMES[0]'s once, all idle: (it, the key, the key's ring successors)."""
+    p = policy(Clock())
     key = keys_owned_by(NAMES[0], 1)[0]
     p.rank(fleet(), key)
-    succ = HashRing(NAMES).successors(key)
+    return p, key, HashRing(NAMES).successors(key)
+
+
+def test_over_the_in_flight_cap_spills_to_the_next_ring_successor_under_it() -> None:
+    p, key, succ = one_key_routed()
     assert p.placement(key) == [succ[0]]
     # mean in-flight m = 4: cap = 4 + max(2, 6) + 1 = 11
     assert in_flight_cap(4.0) == 11.0
@@ -166,11 +170,7 @@ def test_over_the_in_flight_cap_spills_to_the_next_ring_successor_under_it() -> 
 
 
 def test_replica_reported_load_counts_when_higher_than_the_routers_own() -> None:
-    clock = Clock()
-    p = policy(clock)
-    key = keys_owned_by(NAMES[0], 1)[0]
-    p.rank(fleet(), key)
-    succ = HashRing(NAMES).successors(key)
+    p, key, succ = one_key_routed()
     busy = [Loaded(n, 0, ReplicaLoad(num_waiting=40 if n == succ[0] else 0)) for n in NAMES]
     assert p.rank(busy, key).chosen.name == succ[1]
     quiet = [Loaded(n, 0, None) for n in NAMES]  # no load reported: in_flight alone
