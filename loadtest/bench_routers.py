@@ -27,12 +27,13 @@ row and request record), the processes' logs under ``OUT_DIR/bench_routers_logs/
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -146,10 +147,9 @@ def conversation_sizing(sizing: KVSizing, working_set_blocks: int) -> KVSizing:
     return replace(sizing, working_set_blocks=working_set_blocks, num_kv_blocks=max(sizing.request_blocks, pool))
 
 
-def describe_sizing(case: Case) -> str:
-    """How the case's pools were sized (bench_cluster's sentence, or the conversations' working set)."""
-    s = case.sizing
-    if case.spec.name not in CONVERSATIONS:
+def describe_sizing(workload: str, s: KVSizing) -> str:
+    """How a case's pools were sized (bench_cluster's sentence, or the conversations' working set)."""
+    if workload not in CONVERSATIONS:
         return s.describe()
     return (
         f"KV sizing: working set W = {s.working_set_blocks} blocks (every whole block of the prompts, "
@@ -161,6 +161,8 @@ def describe_sizing(case: Case) -> str:
 
 def plan(args: argparse.Namespace) -> Plan:
     """Validate the routers, workloads and seeds and build every case; ValueError says what to change."""
+    if args.tables_from:
+        return Plan([], [])
     routers = [RouterSpec.parse(t) for t in _split_list(args.routers, "routers")]
     if any(r.kind == NGINX for r in routers) and find_nginx() is None:
         raise ValueError("nginx is not installed (scripts/system-deps.sh): leave it out of --routers")
@@ -209,6 +211,24 @@ class RouterRun:
     @property
     def hit_rate(self) -> float | None:
         return None if self.result is None else self.result.cached_token_ratio
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> RouterRun:
+        """A saved run, without its request records."""
+        known = {f.name for f in fields(PolicyResult)}
+        result = data["result"]
+        return cls(
+            data["router"],
+            data["workload"],
+            data["seed"],
+            data["bound"],
+            None if result is None else PolicyResult(**{k: v for k, v in result.items() if k in known}),
+            list(data["split"]),
+            data["unattributed"],
+            data["failure"],
+            (data["load_avg"][0], data["load_avg"][1]),
+            data["wall_s"],
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -321,19 +341,49 @@ def render_workload(runs: Sequence[RouterRun], routers: Sequence[str]) -> str:
     return markdown_table(header, rows, "lrrrrrlrrl")
 
 
-def render(runs: Sequence[RouterRun], p: Plan) -> str:
-    """Every workload's bound line and table."""
+def case_json(case: Case) -> dict[str, Any]:
+    """What the tables and the JSON keep of a case."""
+    return {
+        "workload": asdict(case.spec),
+        "bound": case.bound,
+        "prompt_tokens": case.prompt_tokens,
+        "kv_sizing": case.sizing.to_json(),
+    }
+
+
+def render(runs: Sequence[RouterRun], routers: Sequence[str], cases: Sequence[Mapping[str, Any]]) -> str:
+    """Every workload's bound line and table (``cases``: :func:`case_json`'s, in seed order)."""
     parts = []
-    routers = [r.name for r in p.routers]
-    for workload in dict.fromkeys(c.spec.name for c in p.cases):
-        cases = [c for c in p.cases if c.spec.name == workload]
-        bounds = " / ".join(f"{c.bound:.3f}" for c in cases)
-        seeds = " / ".join(str(c.spec.seed) for c in cases)
+    for workload in dict.fromkeys(c["workload"]["name"] for c in cases):
+        mine = [c for c in cases if c["workload"]["name"] == workload]
+        bounds = " / ".join(f"{c['bound']:.3f}" for c in mine)
+        seeds = " / ".join(str(c["workload"]["seed"]) for c in mine)
+        pools = " / ".join(str(c["kv_sizing"]["num_kv_blocks"]) for c in mine)
+        sizing = describe_sizing(workload, _sizing(mine[0]["kv_sizing"]))
+        table = render_workload([r for r in runs if r.workload == workload], routers)
         parts.append(
             f"### {workload} (seeds {seeds})\n\nbound (one unbounded cache replaying the prompts): {bounds}; "
-            f"{describe_sizing(cases[0])}\n\n" + render_workload([r for r in runs if r.workload == workload], routers)
+            f"KV blocks per replica: {pools}. Seed {mine[0]['workload']['seed']}'s {sizing}\n\n{table}"
         )
     return "\n\n".join(parts)
+
+
+def _sizing(saved: Mapping[str, Any]) -> KVSizing:
+    return KVSizing(**{f.name: saved[f.name] for f in fields(KVSizing)})
+
+
+def render_saved(paths: Sequence[Path]) -> str:
+    """The tables of saved results (one file per seed, say), merged: the routers in the first file's order."""
+    runs: list[RouterRun] = []
+    cases: list[dict[str, Any]] = []
+    routers: list[str] = []
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        runs += [RouterRun.from_json(r) for r in data["runs"]]
+        cases += data["cases"]
+        routers += [r for r in _split_list(data["config"]["routers"], "routers") if r not in routers]
+    cases.sort(key=lambda c: c["workload"]["seed"])
+    return render(runs, routers, cases)
 
 
 # --------------------------------------------------------------------------- main
@@ -341,6 +391,9 @@ def render(runs: Sequence[RouterRun], p: Plan) -> str:
 
 def run(args: argparse.Namespace, p: Plan) -> int:
     """Every case through every router (the routers' order rotated from case to case)."""
+    if args.tables_from:
+        print(render_saved(args.tables_from))
+        return 0
     venv = PeerRouterVenv.default().ensure() if p.needs_peers else None
     runs: list[RouterRun] = []
     started = time.perf_counter()
@@ -348,22 +401,14 @@ def run(args: argparse.Namespace, p: Plan) -> int:
     def save(announce: bool) -> None:
         payload = {
             "config": config_json(args),
-            "cases": [
-                {
-                    "workload": asdict(c.spec),
-                    "bound": c.bound,
-                    "prompt_tokens": c.prompt_tokens,
-                    "kv_sizing": c.sizing.to_json(),
-                }
-                for c in p.cases
-            ],
+            "cases": [case_json(c) for c in p.cases],
             "runs": [r.to_json() for r in runs],
             "wall_s": time.perf_counter() - started,
         }
         write_json(args.out_dir / "bench_routers.json", payload, announce=announce)
 
     for i, case in enumerate(p.cases):
-        print(f"{case.name}: {describe_sizing(case)}; bound {case.bound:.3f}", file=sys.stderr)
+        print(f"{case.name}: {describe_sizing(case.spec.name, case.sizing)}; bound {case.bound:.3f}", file=sys.stderr)
         # Each case starts one router further down the list: no router always runs first under a moving load.
         shift = i % len(p.routers)
         for spec in p.routers[shift:] + p.routers[:shift]:
@@ -380,7 +425,7 @@ def run(args: argparse.Namespace, p: Plan) -> int:
         f"\n## Router benchmark: {args.replicas} replicas, model {Path(args.model).name}, {spec0.tenants} tenants, "
         f"{spec0.requests} requests, system {spec0.system_len} tok, concurrency {args.concurrency}\n"
     )
-    print(render(runs, p))
+    print(render(runs, [r.name for r in p.routers], [case_json(c) for c in p.cases]))
     save(announce=True)
     return 1 if any(r.failure or (r.result and r.result.succeeded < r.result.requests) for r in runs) else 0
 
@@ -415,6 +460,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request and per process start")
     p.add_argument("--out-dir", type=Path, default=Path("results"))
+    p.add_argument(
+        "--tables-from",
+        type=Path,
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="print the tables of saved bench_routers.json files (merged, e.g. one per seed) and run nothing",
+    )
     add_verbose_flag(p)
     return p
 

@@ -152,3 +152,19 @@ def test_standalone_router_and_nginx_answer_and_route_every_request(tmp_path):
         assert all(rec["replica"] is not None for rec in r["records"])
         assert 0.0 <= r["hit_rate"] <= 1.0 and 0.0 < r["bound"] < 1.0
     assert code == 0
+
+
+def test_saved_results_of_two_seeds_render_as_one_table(tmp_path):
+    from prefixserve.loadtest.bench_cluster import size_kv, summarize
+
+    sizing = size_kv({"t": 64}, [("t", 100)], block_size=16, replicas=2, concurrency=2, headroom=1.5)
+    paths = []
+    for seed in (1, 0):
+        run = B.RouterRun("nginx", "zipf_tenants", seed, 0.8, summarize("nginx", [_record(0, "a")], {}), split=[1, 0])
+        case = {"workload": {"name": "zipf_tenants", "seed": seed}, "bound": 0.8, "kv_sizing": sizing.to_json()}
+        data = {"config": {"routers": "nginx"}, "cases": [case], "runs": [run.to_json()]}
+        paths.append(tmp_path / f"seed{seed}.json")
+        paths[-1].write_text(json.dumps(data))
+    text = B.render_saved(paths)
+    assert text.startswith("### zipf_tenants (seeds 0 / 1)")
+    assert "| nginx | 0.500 / 0.500 |" in text and "1 / 0 / 1 / 0" in text
