@@ -30,6 +30,7 @@ import hashlib
 import sys
 from array import array
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import xxhash
 
@@ -87,6 +88,15 @@ def encode_tokens(token_ids: Sequence[int]) -> bytes:
     return arr.tobytes()
 
 
+@dataclass(frozen=True)
+class BlockKeys:
+    """What besides its tokens enters a request's block hashes: its cache salt (block 0) and
+    its extra keys (every block; a LoRA adapter's name). Passed where a bare salt goes."""
+
+    cache_salt: str | bytes | None = None
+    extra_keys: tuple[str | bytes, ...] = ()
+
+
 class BlockHasher:
     """Computes the chained hashes of a token sequence's full blocks.
 
@@ -112,7 +122,7 @@ class BlockHasher:
         self,
         token_ids: Sequence[int],
         block_size: int,
-        cache_salt: str | bytes | None = None,
+        cache_salt: str | bytes | BlockKeys | None = None,
         *,
         extra_keys: Sequence[str | bytes] = (),
         start: int = 0,
@@ -123,8 +133,12 @@ class BlockHasher:
 
         ``token_ids`` is the whole sequence from position 0 (block ``i`` covers
         ``token_ids[i*block_size:(i+1)*block_size]``); the trailing partial
-        block is not hashed. Returns one digest per block, in order.
+        block is not hashed. Returns one digest per block, in order. A ``BlockKeys`` in
+        place of ``cache_salt`` gives the salt and extra keys (its keys before ``extra_keys``).
         """
+        if isinstance(cache_salt, BlockKeys):
+            extra_keys = (*cache_salt.extra_keys, *extra_keys)
+            cache_salt = cache_salt.cache_salt
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if start < 0:

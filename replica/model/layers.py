@@ -18,6 +18,7 @@ query heads attend with.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -82,6 +83,12 @@ class TPGroup:
         return torch.cat(parts, dim=-1) if parts is not None else None
 
 
+class LinearDelta(Protocol):
+    """What a linear adds to its own output, per row (LoRA adapters, replica/lora/slots.py)."""
+
+    def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor: ...
+
+
 def mkl_packing_available() -> bool:
     """Whether float32 linears can use MKL's packed-weight GEMM here (CPU torch built with MKL)."""
     return bool(torch.backends.mkl.is_available() and torch.backends.mkldnn.is_available())
@@ -96,6 +103,8 @@ class _PackableLinear(nn.Module):
     """
 
     packed_weight: torch.Tensor | None = None
+    # Adapter slots of the column- and row-parallel projections (None: no LoRA, no cost).
+    lora: LinearDelta | None = None
 
     def pack_for_cpu(self) -> None:
         w = self.weight
@@ -163,7 +172,8 @@ class ColumnParallelLinear(_PackableLinear):
         param.data.narrow(0, offset, seg.rows).copy_(loaded.narrow(0, seg.start, seg.rows))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._linear(x, self.bias)
+        y = self._linear(x, self.bias)
+        return y if self.lora is None else self.lora.apply(x, y)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -205,7 +215,10 @@ class RowParallelLinear(_PackableLinear):
         param.data.copy_(loaded.narrow(1, self.tp.rank * self.in_shard, self.in_shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(self._linear(x, None))
+        y = self._linear(x, None)
+        if self.lora is not None:  # one rank only: LoRA is refused under tensor parallelism (EngineConfig)
+            y = self.lora.apply(x, y)
+        y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
 

@@ -1,0 +1,115 @@
+"""The adapters resident in the model's projections: ``max_loras`` slots per adapted linear.
+
+:class:`LoRASlots` attaches a :class:`LoRALinear` to every projection an adapter may target
+(the fused q/k/v and gate/up linears, o and down) of a built ``LlamaForCausalLM``; each
+holds zeroed ``A``/``B`` buffers of ``max_loras`` slots at ``max_lora_rank`` (see sgmv.py for
+the layout). :meth:`LoRASlots.load` writes an adapter into a slot (every projection it does
+not adapt stays zero there); :meth:`LoRASlots.set_mapping` gives every layer the step's
+rows grouped by slot. One mapping object is shared by all layers, set once per step.
+
+Tensor parallelism is refused with LoRA (EngineConfig): the buffers are full-width here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from prefixserve.replica.lora.adapter import LoRAAdapter
+from prefixserve.replica.lora.sgmv import LoRAMapping, add_lora
+from prefixserve.replica.model.llama import LlamaForCausalLM
+
+# PEFT module -> (the model's linear, as a path from a decoder layer; the slice it fills).
+MODULE_SLICES: dict[str, tuple[str, int]] = {
+    "q_proj": ("self_attn.qkv_proj", 0),
+    "k_proj": ("self_attn.qkv_proj", 1),
+    "v_proj": ("self_attn.qkv_proj", 2),
+    "o_proj": ("self_attn.o_proj", 0),
+    "gate_proj": ("mlp.gate_up_proj", 0),
+    "up_proj": ("mlp.gate_up_proj", 1),
+    "down_proj": ("mlp.down_proj", 0),
+}
+
+
+class _Shared:
+    """The step's mapping, read by every layer."""
+
+    mapping: LoRAMapping | None = None
+
+
+class LoRALinear:
+    """The LoRA slots of one linear: ``out_sizes`` its fused slices' output rows, in order."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_sizes: list[int],
+        max_loras: int,
+        max_rank: int,
+        shared: _Shared,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        n = len(out_sizes)
+        self.rank = max_rank
+        self.out_offsets = [sum(out_sizes[:i]) for i in range(n)]
+        self.out_sizes = out_sizes
+        self.a = torch.zeros((max_loras, n * max_rank, in_features), dtype=dtype, device=device)
+        self.b = torch.zeros((max_loras, sum(out_sizes), n * max_rank), dtype=dtype, device=device)
+        self.shared = shared
+
+    def clear(self, slot: int) -> None:
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+
+    def write(self, slot: int, index: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Slice ``index``'s A ``[r, in]`` and B ``[out_i, r]`` into ``slot`` (r <= max rank)."""
+        r, first, out = a.shape[0], index * self.rank, self.out_offsets[index]
+        self.a[slot, first : first + r].copy_(a)
+        self.b[slot, out : out + self.out_sizes[index], first : first + r].copy_(b)
+
+    def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``y`` (the base projection of ``x``) plus each row's adapter delta."""
+        mapping = self.shared.mapping
+        return y if mapping is None else add_lora(y, x, self.a, self.b, mapping)
+
+
+class LoRASlots:
+    """``max_loras`` adapter slots in every adaptable projection of ``model``."""
+
+    def __init__(
+        self, model: LlamaForCausalLM, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.max_loras = max_loras
+        self.shared = _Shared()
+        self.layers: list[dict[str, LoRALinear]] = []
+        decoder_layers: list[Any] = list(model.layers)
+        for layer in decoder_layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            q, kv = attn.q_size, attn.kv_size
+            hidden = attn.o_proj.weight.shape[0]
+            linears = {
+                "self_attn.qkv_proj": (attn.qkv_proj, hidden, [q, kv, kv]),
+                "self_attn.o_proj": (attn.o_proj, attn.o_proj.weight.shape[1], [hidden]),
+                "mlp.gate_up_proj": (mlp.gate_up_proj, hidden, [mlp.inter, mlp.inter]),
+                "mlp.down_proj": (mlp.down_proj, mlp.down_proj.weight.shape[1], [hidden]),
+            }
+            built = {}
+            for path, (module, in_features, outs) in linears.items():
+                lora = LoRALinear(in_features, outs, max_loras, max_rank, self.shared, dtype, device)
+                module.lora = lora
+                built[path] = lora
+            self.layers.append(built)
+
+    def load(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Write ``adapter`` into ``slot`` of every layer (zeros where it adapts nothing)."""
+        for layer in self.layers:
+            for lora in layer.values():
+                lora.clear(slot)
+        for (i, module), (a, b) in adapter.weights.items():
+            path, index = MODULE_SLICES[module]
+            self.layers[i][path].write(slot, index, a, b)
+
+    def set_mapping(self, mapping: LoRAMapping | None) -> None:
+        self.shared.mapping = mapping
