@@ -231,6 +231,16 @@ class EngineConfig:
     # engine publishes every block stored and removed, one batch per step, in vLLM's ZMQ format
     # (replica/engine/kv_event_publisher.py) beside the routing-stats events. None = off.
     kv_events_config: str | None = None
+    # LoRA adapters (vLLM's knobs; replica/lora/, docs/engine.md "LoRA adapters"): requests may
+    # name a PEFT adapter on any of q/k/v/o/gate/up/down, mixed with base-model requests in one
+    # batch. max_loras: adapters resident in the model's slots at once (a step's sequences use
+    # at most this many; a request of another adapter waits); max_cpu_loras: adapters kept
+    # loaded in host memory, least recently used evicted (None = max_loras); max_lora_rank: the
+    # largest rank accepted. One rank only: refused with tensor_parallel_size > 1.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_cpu_loras: int | None = None
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         self._validate()
@@ -308,6 +318,7 @@ class EngineConfig:
             )
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        self._validate_lora()
         if self.cuda_graph_sizes is not None and (
             not self.cuda_graph_sizes or not all(isinstance(n, int) and n >= 1 for n in self.cuda_graph_sizes)
         ):
@@ -378,6 +389,27 @@ class EngineConfig:
                     "kv_disk_path with calculate_kv_scales: each replica computes its own fp8 scales, so their "
                     "blocks are not interchangeable; use the checkpoint's scales (calculate_kv_scales off)"
                 )
+
+    def _validate_lora(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be at least 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be at least 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}): "
+                "every resident adapter is also held in memory"
+            )
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "enable_lora with tensor_parallel_size > 1 is not supported yet: the adapters are not "
+                "sharded over ranks; serve adapters with tensor_parallel_size=1"
+            )
+
+    @property
+    def lora_cpu_capacity(self) -> int:
+        """Adapters kept loaded in host memory (max_cpu_loras, or max_loras when unset)."""
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
 
     @property
     def host_tier_enabled(self) -> bool:

@@ -29,6 +29,8 @@ from typing import Any
 
 from prefixserve.replica.contract.finish_reason import FinishReason
 from prefixserve.replica.contract.routing import STATIC_ROLES
+from prefixserve.replica.kv.hashing import BlockKeys
+from prefixserve.replica.lora.request import LoRARequest
 from prefixserve.replica.sampling_params import SamplingParams
 
 
@@ -85,6 +87,8 @@ class PreparedRequest:
     # vLLM's request priority: under the "priority" scheduling policy a lower value is admitted
     # first and preempted last (replica/core/request_queue.py); always 0 under "fcfs".
     priority: int = 0
+    # The LoRA adapter it runs with (EngineConfig.enable_lora); None = the base model.
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(eq=False)
@@ -131,6 +135,20 @@ class Request:
     @property
     def cache_salt(self) -> str | None:
         return self.prepared.cache_salt
+
+    @property
+    def lora_name(self) -> str | None:
+        """Its adapter's name (None: the base model)."""
+        lora = self.prepared.lora_request
+        return None if lora is None else lora.lora_name
+
+    @property
+    def block_keys(self) -> str | BlockKeys | None:
+        """What besides its tokens enters its block hashes (KVCacheManager's ``cache_salt``): the
+        salt alone for the base model; with an adapter, the adapter's name as an extra key on
+        every block (Contract 2), so requests of different adapters never share a block."""
+        name = self.lora_name
+        return self.cache_salt if name is None else BlockKeys(self.cache_salt, (name,))
 
     @property
     def arrival_time(self) -> float:

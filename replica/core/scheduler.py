@@ -82,6 +82,9 @@ class SchedulerConfig:
     max_model_len: int | None = None
     # "fcfs" or "priority" (EngineConfig.scheduling_policy; replica/core/request_queue.py).
     scheduling_policy: str = "fcfs"
+    # LoRA adapters the running sequences may use at once (EngineConfig.max_loras: the model's
+    # slots); a sequence of another adapter waits. None = no LoRA.
+    max_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -228,6 +231,8 @@ class Scheduler:
             seq = self.waiting.peek()
             # The parent of an n > 1 request brings its children after the prefill.
             width = seq.request.params.n if seq.awaits_fork else 1
+            if not self._adapter_fits(seq):
+                break  # its adapter waits for a slot (max_loras): a running adapter's sequences must end
             if kv.is_swapped(seq.seq_id):
                 if self._swap_in(seq, out, budget, width):
                     budget -= out.scheduled[-1].num_new_tokens
@@ -236,7 +241,7 @@ class Scheduler:
                     break  # it waits for room
             table = None
             if len(self.running) + width <= self.config.max_num_seqs:
-                salt = seq.request.cache_salt
+                salt = seq.request.block_keys
                 # prompt_logprobs need every prompt position's logits: no hit (as vLLM).
                 blocks, num_cached = (
                     ([], 0) if seq.request.needs_prompt_logits else kv.get_computed_blocks(seq.token_ids, salt)
@@ -260,6 +265,14 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, num_cached, n, table))
             seq.num_computed_tokens = num_cached + n
             budget -= n
+
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        """Whether running ``seq`` keeps the running sequences within ``max_loras`` adapters."""
+        name, limit = seq.request.lora_name, self.config.max_loras
+        if name is None or limit is None:
+            return True
+        active = {s.request.lora_name for s in self.running} - {None}
+        return name in active or len(active) < limit
 
     def _swap_in(self, seq: Sequence, out: SchedulerOutput, budget: int, width: int) -> bool:
         """Resume a swapped sequence at the front of the queue: True when it runs this step.

@@ -54,6 +54,7 @@ from prefixserve.replica.executor.model_runner import ModelRunner, PromptLogprob
 from prefixserve.replica.kv.disk_tier import LIST_EVERY_S
 from prefixserve.replica.kv.event_recorder import KVEventRecorder, TierSetReporter
 from prefixserve.replica.kv.manager import KVCacheManager
+from prefixserve.replica.lora.request import LoRARequest
 from prefixserve.replica.model import loader
 from prefixserve.replica.model.llama import ModelConfig
 from prefixserve.replica.model.startup import StartupTimer
@@ -206,6 +207,7 @@ class LLMEngine:
                 protect_static_prefix=config.protect_static_prefix,
                 max_model_len=self.max_model_len,
                 scheduling_policy=config.scheduling_policy,
+                max_loras=config.max_loras if config.enable_lora else None,
             ),
             self.kv_manager,
         )
@@ -308,6 +310,7 @@ class LLMEngine:
         conversation: bool = False,
         static_prefix_tokens: int = 0,
         grammar: Any = None,
+        lora_request: LoRARequest | None = None,
         tool_mode: ToolCallMode | None = None,
         priority: int = 0,
     ) -> Request:
@@ -322,6 +325,8 @@ class LLMEngine:
         ``grammar``: the compiled grammar of ``params.structured_outputs`` (``self.grammars``);
         when it is missing the constraint is compiled here.
         ``tool_mode``: read each sequence's text for tool calls (StreamDelta.content / tool_calls).
+        ``lora_request``: the LoRA adapter it runs with (EngineConfig.enable_lora), loaded and checked
+        here: a bad adapter is a ValueError and nothing is queued.
         ``priority``: vLLM's request priority (EngineConfig.scheduling_policy).
         """
         request = EngineRequest(
@@ -334,12 +339,24 @@ class LLMEngine:
             tool_mode=tool_mode,
             priority=priority,
         )
+        if lora_request is not None:
+            self.add_lora(lora_request)
         processor = self.input_processor
         arrival = arrival_time or time.monotonic()
         encoded = processor.encode_prompt(prompt, params, static_prefix_tokens=static_prefix_tokens)
         if grammar is None:
             grammar = processor.compile_grammar(params)
-        return self.add_prepared(processor.build(request, encoded, grammar, arrival_time=arrival))
+        return self.add_prepared(
+            processor.build(request, encoded, grammar, arrival_time=arrival, lora_request=lora_request)
+        )
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load and check an adapter (vLLM's ``add_lora``): ValueError when LoRA is off or the
+        adapter does not fit the model; a good one stays loaded while it is among the
+        ``max_cpu_loras`` most recently used."""
+        if self.runner.lora is None:
+            raise ValueError("LoRA adapters need enable_lora=True (the engine was started without it)")
+        self.runner.lora.add(lora_request)
 
     def check_admission(self, request_id: str, *, in_use: Container[str] | None = None, pending: int = 0) -> None:
         """What admitting a request depends on besides the request (which the input processor checked):

@@ -27,6 +27,7 @@ from prefixserve.replica.contract.routing import canonical_json
 from prefixserve.replica.core.request import PreparedRequest, static_prefix_messages
 from prefixserve.replica.engine.bounded_memo import BoundedMemo, str_bytes
 from prefixserve.replica.errors import BadRequestError, PromptTooLongError, RequestRejected
+from prefixserve.replica.lora.request import LoRARequest
 from prefixserve.replica.sampling_params import SamplingParams
 from prefixserve.replica.structured_output.compile import GrammarCache
 from prefixserve.replica.tool_calling.templates import template_for
@@ -361,7 +362,13 @@ class InputProcessor:
         return None if constraint is None else await self.grammars.get_async(constraint, client)
 
     def build(
-        self, request: EngineRequest, encoded: EncodedPrompt, grammar: Any, *, arrival_time: float
+        self,
+        request: EngineRequest,
+        encoded: EncodedPrompt,
+        grammar: Any,
+        *,
+        arrival_time: float,
+        lora_request: LoRARequest | None = None,
     ) -> PreparedRequest:
         """The one factory of a PreparedRequest: ``request`` (its id, text prompt, cache salt, trace
         context, conversation flag and tool mode) with its encoding (``encode_request``; offline,
@@ -369,6 +376,7 @@ class InputProcessor:
         constrained request (``compile_grammar``; dropped for a free one).
 
         ``arrival_time``: when the engine host received it (time.monotonic()), where its queue time starts.
+        ``lora_request``: its LoRA adapter, already loaded and checked (``LLMEngine.add_lora``).
         A priority this engine's scheduling policy refuses is a RequestRejected (400, vLLM's message).
         """
         constrained = encoded.params.structured_outputs is not None
@@ -390,6 +398,7 @@ class InputProcessor:
             bad_words_token_ids=encoded.bad_words_token_ids,
             tool_mode=request.tool_mode,
             grammar=grammar if constrained else None,
+            lora_request=lora_request,
             priority=request.priority,
         )
 

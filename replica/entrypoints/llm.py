@@ -17,6 +17,7 @@ from prefixserve.replica.config import EngineConfig
 from prefixserve.replica.engine.core import LLMEngine
 from prefixserve.replica.engine.outputs import RequestOutput
 from prefixserve.replica.engine.request_runner import is_conversation_turn
+from prefixserve.replica.lora.request import LoRARequest
 from prefixserve.replica.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -50,6 +51,7 @@ class LLM:
         cache_salts: Sequence[str | None] | None = None,
         conversation: bool | Sequence[bool] = False,
         static_prefix_tokens: int | Sequence[int] = 0,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for each prompt; ``params`` is one for all or one per prompt.
@@ -59,6 +61,8 @@ class LLM:
         ``static_prefix_tokens``: each prompt's leading tokens that other prompts share, such
         as a system prompt's (one for all or one per prompt; EngineConfig.protect_static_prefix;
         ``chat`` derives them).
+        ``lora_request``: the LoRA adapter to run with (vLLM's argument; the engine needs
+        ``enable_lora``): one for all prompts or one per prompt, None for the base model.
         ``priority``: one per prompt (vLLM's argument): under the "priority" scheduling policy a
         lower value is admitted first and preempted last; each must be 0 under "fcfs".
         """
@@ -71,6 +75,7 @@ class LLM:
         if len(per_prompt) != len(prompts):
             raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts: pass one or one each")
         salts = list(cache_salts) if cache_salts is not None else [None] * len(prompts)
+        loras = _per_prompt_lora(lora_request, len(prompts))
         order = {}
         turns = [conversation] * len(prompts) if isinstance(conversation, bool) else list(conversation)
         if len(turns) != len(prompts):
@@ -99,7 +104,14 @@ class LLM:
                 zip(prompts, per_prompt, salts, turns, statics, priorities, strict=True)
             ):
                 req = self.engine.add_request(
-                    None, prompt, p, salt, conversation=turn, static_prefix_tokens=static, priority=rank
+                    None,
+                    prompt,
+                    p,
+                    salt,
+                    conversation=turn,
+                    static_prefix_tokens=static,
+                    priority=rank,
+                    lora_request=loras[i],
                 )
                 order[req.request_id] = i
             while self.engine.has_unfinished_requests():
@@ -127,6 +139,7 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         **template_kwargs: Any,
     ) -> list[RequestOutput]:
         """Generate replies to conversations (lists of ``{"role", "content"}`` messages)."""
@@ -138,4 +151,23 @@ class LLM:
             self.engine.input_processor.static_prefix_tokens(list(c), ids, **template_kwargs)
             for c, ids in zip(conversations, prompts, strict=True)
         ]
-        return self.generate(prompts, params, use_tqdm=use_tqdm, conversation=turns, static_prefix_tokens=statics)
+        return self.generate(
+            prompts,
+            params,
+            use_tqdm=use_tqdm,
+            conversation=turns,
+            static_prefix_tokens=statics,
+            lora_request=lora_request,
+        )
+
+
+def _per_prompt_lora(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, count: int
+) -> list[LoRARequest | None]:
+    """One adapter (or None) per prompt from ``generate``'s ``lora_request``."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    loras = list(lora_request)
+    if len(loras) != count:
+        raise ValueError(f"got {len(loras)} LoRA requests for {count} prompts: pass one or one each")
+    return loras

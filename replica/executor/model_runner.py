@@ -28,6 +28,8 @@ from prefixserve.replica.errors import EngineDeadError
 from prefixserve.replica.executor.ray_bundles import RankResources, reserve_rank_resources
 from prefixserve.replica.executor.tensor_parallel import WorkerGroup, WorkerSpec
 from prefixserve.replica.executor.tp_protocol import OP_CLEAR, init_distributed, step_message, swap_message
+from prefixserve.replica.lora.adapter import ModuleShapes
+from prefixserve.replica.lora.manager import LoRAManager, LoRAStep
 from prefixserve.replica.model import loader
 from prefixserve.replica.model.layers import TPGroup
 from prefixserve.replica.model.llama import LlamaForCausalLM, ModelConfig
@@ -98,6 +100,8 @@ class PreparedStep:
     inputs: StepInputs
     specs: list[SampleSpec]
     consumer: _PromptLogitsConsumer | None = None
+    # The step's adapters: slot writes and rows by slot (None: no row has an adapter).
+    lora: LoRAStep | None = None
 
 
 @dataclass
@@ -171,6 +175,16 @@ class ModelRunner:
         # reference) take the same arguments and give the same tensors (bench_host compares them).
         max_blocks = -(-max_model_len // self.shard.block_size)
         self.build_inputs: Callable[..., StepInputs] = StepInputBuilder(config.max_num_seqs, max_blocks)
+        # The adapters in memory and in the shard's slots (enable_lora; one rank only).
+        self.lora: LoRAManager | None = None
+        if config.enable_lora:
+            self.lora = LoRAManager(
+                ModuleShapes.of(model_cfg),
+                config.max_loras,
+                config.lora_cpu_capacity,
+                config.max_lora_rank,
+                config.model,
+            )
 
     def _start_workers(
         self, checkpoint: loader.CheckpointSource, checkpoint_dtype: torch.dtype | None, threads: list[int | None]
@@ -308,9 +322,14 @@ class ModelRunner:
             placeholders=placeholders,
         )
         consumer = _PromptLogitsConsumer(len(specs), prompt_spans) if prompt_spans else None
+        lora = None
+        if self.lora is not None:
+            lora = self.lora.plan_step(
+                [s.seq.request.lora_name for s in scheduled], [s.num_new_tokens for s in scheduled]
+            )
         if self.lap is not None:
             self.lap("prepare")
-        return PreparedStep(inputs, [s for _, s in specs], consumer)
+        return PreparedStep(inputs, [s for _, s in specs], consumer, lora)
 
     def run(self, step: PreparedStep, *, lap: Callable[[str], None] | None = None) -> StepOutput:
         """The forward pass and sampling of a prepared step (the device's half of ``execute``;
@@ -320,7 +339,7 @@ class ModelRunner:
             raise EngineDeadError("the engine was shut down")
         inputs, consumer = step.inputs, step.consumer
         if self.workers is None:
-            logits = self.shard.run(inputs, consumer)
+            logits = self.shard.run(inputs, consumer, lora=step.lora)
         else:
             self.workers.send(step_message(inputs.pack()))
             try:

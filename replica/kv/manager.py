@@ -105,7 +105,7 @@ from dataclasses import dataclass, field
 
 from prefixserve.replica.kv.block_pool import BlockPool
 from prefixserve.replica.kv.event_recorder import KVEventRecorder
-from prefixserve.replica.kv.hashing import DEFAULT_HASH_ALGO, DEFAULT_HASH_SEED, BlockHasher
+from prefixserve.replica.kv.hashing import DEFAULT_HASH_ALGO, DEFAULT_HASH_SEED, BlockHasher, BlockKeys
 from prefixserve.replica.kv.tiers import (
     MEDIUM_DEVICE,
     MEDIUM_DISK,
@@ -149,7 +149,7 @@ class _Request:
     num_tokens: int  # tokens with slots
     hashes: list[bytes]  # chained hashes of the known full blocks (caching on)
     num_registered: int  # leading full blocks already offered to the hash map
-    salt: str | bytes | None
+    salt: str | bytes | BlockKeys | None
     num_skipped: int = 0  # leading entries that are NULL_BLOCK (outside the sliding window)
     num_prompt_tokens: int = 0  # tokens known at the first allocate_slots: blocks past them are generated
 
@@ -169,7 +169,7 @@ class _Swapped:
     num_tokens: int
     hashes: list[bytes]
     num_registered: int
-    salt: str | bytes | None
+    salt: str | bytes | BlockKeys | None
     num_prompt_tokens: int = 0
 
 
@@ -178,7 +178,7 @@ class _Lookup:
     """The last lookup's hashes and hit, so the allocation right after it neither rehashes
     nor checks the hit blocks' hashes again."""
 
-    salt: str | bytes | None
+    salt: str | bytes | BlockKeys | None
     tokens: list[int]  # a private copy of the tokens the hashes cover (whole blocks)
     hashes: list[bytes]
     hit: list[int] = field(default_factory=list)  # a private copy of the blocks the lookup returned
@@ -273,7 +273,7 @@ class KVCacheManager:
 
     # --- hashing -----------------------------------------------------------
 
-    def _memo_for(self, token_ids: Sequence[int], salt: str | bytes | None) -> _Lookup | None:
+    def _memo_for(self, token_ids: Sequence[int], salt: str | bytes | BlockKeys | None) -> _Lookup | None:
         """The last lookup's memo when its hashes are those of leading blocks of ``token_ids``."""
         memo = self._lookup
         if memo is not None and memo.salt == salt and memo.covers(token_ids):
@@ -281,7 +281,7 @@ class KVCacheManager:
         return None
 
     def _full_block_hashes(
-        self, token_ids: Sequence[int], salt: str | bytes | None, memo: _Lookup | None
+        self, token_ids: Sequence[int], salt: str | bytes | BlockKeys | None, memo: _Lookup | None
     ) -> list[bytes]:
         """Hashes of every full block of ``token_ids``, the leading ones from ``memo`` (``_memo_for``).
 
@@ -300,7 +300,7 @@ class KVCacheManager:
     # --- lookup ------------------------------------------------------------
 
     def get_computed_blocks(
-        self, token_ids: Sequence[int], cache_salt: str | bytes | None = None
+        self, token_ids: Sequence[int], cache_salt: str | bytes | BlockKeys | None = None
     ) -> tuple[list[int], int]:
         """The longest run of cached leading full blocks of a prompt, and its token count.
 
@@ -456,7 +456,7 @@ class KVCacheManager:
         token_ids: Sequence[int],
         num_new_tokens: int,
         computed_blocks: Sequence[int] = (),
-        cache_salt: str | bytes | None = None,
+        cache_salt: str | bytes | BlockKeys | None = None,
     ) -> list[int] | None:
         """Make room for ``num_new_tokens`` more tokens; return the whole block table.
 

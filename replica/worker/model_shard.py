@@ -29,6 +29,8 @@ import torch
 
 from prefixserve.kernels.backends import select_backend
 from prefixserve.replica.config import EngineConfig
+from prefixserve.replica.lora.manager import LoRAStep
+from prefixserve.replica.lora.slots import LoRASlots
 from prefixserve.replica.model.layers import TPGroup
 from prefixserve.replica.model.llama import AttentionMetadata, LlamaForCausalLM, ModelConfig
 from prefixserve.replica.model.startup import StartupTimer
@@ -164,6 +166,13 @@ class ModelShard:
             self.model.eval()
             if self.backend.name == "cpu":
                 self.model.pack_weights_for_cpu()
+            # Adapter slots in every adaptable projection (enable_lora): allocated before the KV
+            # cache is sized, so that their memory is counted.
+            self.lora_slots = (
+                LoRASlots(self.model, config.max_loras, config.max_lora_rank, dtype, device)
+                if config.enable_lora
+                else None
+            )
         self.max_model_len = max_model_len
         self.num_blocks = 0
         self.num_host_blocks = 0
@@ -258,10 +267,15 @@ class ModelShard:
 
     @torch.inference_mode()
     def run(
-        self, inputs: StepInputs, consume: Callable[[int, torch.Tensor], None] | None = None
+        self,
+        inputs: StepInputs,
+        consume: Callable[[int, torch.Tensor], None] | None = None,
+        *,
+        lora: LoRAStep | None = None,
     ) -> torch.Tensor | None:
         """Block copies, then one forward pass; the float32 logits of ``inputs.sample_rows``
-        on rank 0 (None on other ranks, and when no row samples).
+        on rank 0 (None on other ranks, and when no row samples). ``lora``: the step's adapter
+        slot writes, applied first, and its rows by slot (None: every row is the base model's).
 
         The LM head runs on at most ``LOGIT_SLICE_ROWS`` rows at a time. With ``consume``,
         rank 0 hands each slice to ``consume(first_row, logits)`` instead and returns None.
@@ -271,9 +285,12 @@ class ModelShard:
             src, dst = inputs.copy_ops[:, 0], inputs.copy_ops[:, 1]
             for cache in (_raw(self.k_cache), _raw(self.v_cache)):
                 cache[:, dst] = cache[:, src]
+        if self.lora_slots is not None:
+            self._set_lora(lora)
         graphs = self.graph_runner
         # fp8 scales still to be computed come from the first forward: never a padded one.
-        if graphs is not None and graphs.accepts(inputs) and not self._kv_scales_pending():
+        # A step with adapters runs eagerly: the captured graphs hold no LoRA rows.
+        if graphs is not None and graphs.accepts(inputs) and not self._kv_scales_pending() and lora is None:
             hidden = graphs.run(inputs)
         else:
             meta = AttentionMetadata(
@@ -298,6 +315,17 @@ class ModelShard:
         if not parts:
             return None
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _set_lora(self, lora: LoRAStep | None) -> None:
+        """Write the step's new adapters into their slots and give the layers its rows by slot."""
+        assert self.lora_slots is not None
+        if lora is None:
+            self.lora_slots.set_mapping(None)
+            return
+        for slot, adapter in lora.writes:
+            self.lora_slots.load(slot, adapter)
+        mapping = lora.mapping
+        self.lora_slots.set_mapping(None if mapping is None else mapping.to(self.device))
 
     def _kv_scales_pending(self) -> bool:
         return any(layer.self_attn.calculate_kv_scales for layer in self.model.layers)

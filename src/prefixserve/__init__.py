@@ -11,7 +11,7 @@ checkout's root it never stands in for another distribution's top-level ``kernel
 The offline API is re-exported here, imported on first use so that
 ``import prefixserve.router.routing_key`` does not pay for torch::
 
-    from prefixserve import LLM, SamplingParams, EngineConfig
+    from prefixserve import LLM, SamplingParams, EngineConfig, LoRARequest
 """
 
 from __future__ import annotations
@@ -25,15 +25,17 @@ _EXPORTS = {
     "EngineConfig": "prefixserve.replica.config",
     "RequestOutput": "prefixserve.replica.engine.outputs",
     "CompletionOutput": "prefixserve.replica.engine.outputs",
+    "LoRARequest": "prefixserve.replica.lora.request",
 }
 
-__all__ = ["CompletionOutput", "EngineConfig", "LLM", "RequestOutput", "SamplingParams"]
+__all__ = ["CompletionOutput", "EngineConfig", "LLM", "LoRARequest", "RequestOutput", "SamplingParams"]
 
 
 if TYPE_CHECKING:
     from prefixserve.replica.config import EngineConfig
     from prefixserve.replica.engine.outputs import CompletionOutput, RequestOutput
     from prefixserve.replica.entrypoints.llm import LLM
+    from prefixserve.replica.lora.request import LoRARequest
     from prefixserve.replica.sampling_params import SamplingParams
 
 

@@ -1,0 +1,127 @@
+"""LoRA adapters in the engine, offline: tokens equal transformers + peft, adapters mixed with the
+base model in one batch, their own prefix-cache blocks, residency and loading."""
+
+import numpy as np
+import pytest
+from lora_helpers import ALL_MODULES, make_adapter, peft_greedy
+from model_helpers import random_prompts
+
+from prefixserve import LLM, LoRARequest, SamplingParams
+from prefixserve.replica.kv.hashing import BlockKeys, hash_blocks
+
+MAX_TOKENS = 8
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def adapters(ckpt: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, LoRARequest]:
+    """Three adapters of the shared checkpoint: every projection (rank 8), attention q/v only
+    (rank 4), the MLP only (rank 8, rsLoRA scaling)."""
+    root = tmp_path_factory.mktemp("loras")
+    paths = {
+        "all": make_adapter(ckpt, root / "all", targets=ALL_MODULES, rank=8, seed=1),
+        "qv": make_adapter(ckpt, root / "qv", targets=["q_proj", "v_proj"], rank=4, alpha=8, seed=2),
+        "mlp": make_adapter(
+            ckpt, root / "mlp", targets=["gate_proj", "up_proj", "down_proj"], rank=8, seed=3, use_rslora=True
+        ),
+    }
+    return {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(paths.items())}
+
+
+def _engine(ckpt: str, **knobs) -> LLM:
+    return LLM(ckpt, enable_lora=True, max_lora_rank=8, num_kv_blocks=256, **knobs)
+
+
+def _prompts(seed: int, n: int, lo: int = 20) -> list[list[int]]:
+    return random_prompts(np.random.default_rng(seed), n, lo, 44)
+
+
+def test_mixed_batch_equals_peft_with_prefix_hits_and_chunked_prefill(
+    ckpt: str, adapters: dict[str, LoRARequest], seed: int
+) -> None:
+    """Base, three adapters, each twice, in one generate call; then prompts sharing each first
+    prompt's first 32 tokens, which hit the two blocks the first call left, with chunked prefill."""
+    names = [None, "all", "qv", "mlp"]
+    first = _prompts(seed, 2 * len(names), lo=36)
+    second = [first[i][:32] + p[:10] for i, p in enumerate(_prompts(seed + 1, len(names)))]
+    loras = [None if n is None else adapters[n] for n in names]
+    llm = _engine(ckpt, max_loras=4, max_num_batched_tokens=24)
+    out1 = llm.generate(first, GREEDY, lora_request=loras * 2)
+    out2 = llm.generate(second, GREEDY, lora_request=loras)
+    for i, name in enumerate(names):
+        path = None if name is None else adapters[name].lora_path
+        expected = peft_greedy(ckpt, path, [first[i], first[i + len(names)], second[i]], MAX_TOKENS)
+        got = [out1[i], out1[i + len(names)], out2[i]]
+        assert [o.outputs[0].token_ids for o in got] == expected, name
+    # The second call's prompts hit their own adapter's blocks: two full blocks of 16.
+    assert [o.num_cached_tokens for o in out2] == [32] * len(names)
+    # Each adapter changes the tokens: the comparison above could not pass by ignoring adapters.
+    base = out1[0].outputs[0].token_ids
+    assert all(out1[i].outputs[0].token_ids != base for i in range(1, len(names)))
+
+
+def test_adapter_name_enters_block_hashes(ckpt: str, adapters: dict[str, LoRARequest], seed: int) -> None:
+    """Same prompt, different adapters: no hit across them (their KV differs); same adapter: a hit."""
+    prompt = _prompts(seed, 1)[0][:20] + list(range(100, 120))
+    llm = _engine(ckpt, max_loras=2)
+
+    def cached(lora: LoRARequest | None) -> int:
+        return llm.generate([prompt], GREEDY, lora_request=lora)[0].num_cached_tokens
+
+    assert cached(adapters["all"]) == 0
+    assert cached(adapters["qv"]) == 0
+    assert cached(None) == 0
+    assert cached(adapters["all"]) == 32
+    assert cached(adapters["qv"]) == 32
+    assert cached(None) == 32
+
+
+def test_block_keys_are_contract_two_extra_keys() -> None:
+    tokens = list(range(40))
+    keyed = hash_blocks(tokens, 16, BlockKeys("salt", ("adapter",)))
+    assert keyed == hash_blocks(tokens, 16, "salt", extra_keys=["adapter"])
+    assert keyed != hash_blocks(tokens, 16, "salt")
+    assert hash_blocks(tokens, 16, BlockKeys()) == hash_blocks(tokens, 16)
+
+
+def test_more_adapters_than_slots_wait_their_turn(ckpt: str, adapters: dict[str, LoRARequest], seed: int) -> None:
+    """max_loras=1: the three adapters' requests run one adapter at a time, with the base beside."""
+    names = ["all", None, "qv", "mlp", "all"]
+    prompts = _prompts(seed, len(names))
+    loras = [None if n is None else adapters[n] for n in names]
+    llm = _engine(ckpt, max_loras=1, max_cpu_loras=3)
+    outs = llm.generate(prompts, GREEDY, lora_request=loras)
+    for prompt, name, out in zip(prompts, names, outs, strict=True):
+        path = None if name is None else adapters[name].lora_path
+        assert out.outputs[0].token_ids == peft_greedy(ckpt, path, [prompt], MAX_TOKENS)[0], name
+
+
+def test_cpu_residency_is_lru_and_loads_are_counted(ckpt: str, adapters: dict[str, LoRARequest], seed: int) -> None:
+    llm = _engine(ckpt, max_loras=1, max_cpu_loras=2)
+    manager = llm.engine.runner.lora
+    assert manager is not None
+    prompt = _prompts(seed, 1)
+    expected = {}
+    for name, loads, loaded in [
+        ("all", 1, ["all"]),
+        ("qv", 2, ["all", "qv"]),
+        ("all", 2, ["qv", "all"]),  # in memory: used again, no load
+        ("mlp", 3, ["all", "mlp"]),  # evicts the least recently used, qv
+        ("qv", 4, ["mlp", "qv"]),  # loaded again from its path
+    ]:
+        out = llm.generate(prompt, GREEDY, lora_request=adapters[name])[0].outputs[0].token_ids
+        assert (manager.num_loads, manager.loaded) == (loads, loaded), name
+        assert expected.setdefault(name, out) == out  # a reloaded adapter gives the same tokens
+
+
+def test_lora_knob_without_adapters_changes_no_token(ckpt: str, seed: int) -> None:
+    prompts = _prompts(seed, 3)
+    with_lora = _engine(ckpt, max_loras=2).generate(prompts, GREEDY)
+    without = LLM(ckpt, num_kv_blocks=256).generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in with_lora] == [o.outputs[0].token_ids for o in without]
+
+
+def test_lora_request_per_prompt_count_is_checked(ckpt: str, adapters: dict[str, LoRARequest]) -> None:
+    llm = _engine(ckpt)
+    with pytest.raises(ValueError, match="2 LoRA requests for 3 prompts"):
+        llm.generate(_prompts(0, 3), GREEDY, lora_request=[adapters["all"], None])
