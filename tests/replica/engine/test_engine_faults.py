@@ -31,6 +31,20 @@ def llm(ckpt):
     return LLM(ckpt, num_kv_blocks=64, max_num_seqs=4, max_model_len=256)
 
 
+def _step_to_end(engine, never_stalls: bool = False) -> tuple[dict, dict]:
+    """Step until nothing is unfinished (with ``never_stalls``, asserting no step stalled): the
+    final outputs and the errors, by request id."""
+    outputs, errors = {}, {}
+    while engine.has_unfinished_requests():
+        for u in engine.step():
+            if u.error is not None:
+                errors[u.request_id] = u.error
+            elif u.output is not None:
+                outputs[u.request_id] = u.output
+        assert not (never_stalls and engine.stalled)
+    return outputs, errors
+
+
 def _free(engine: LLMEngine) -> int:
     engine.kv_manager.check_invariants()
     return engine.kv_manager.num_free_blocks
@@ -104,13 +118,7 @@ def test_a_fault_in_one_request_fails_it_alone_offline(llm):
     # A validation gap: an id past the vocabulary slipped into a running request.
     engine.requests["f1"].params.stop_token_ids = [10**9]
     engine.requests["f1"].params.min_tokens = 10
-    results, errors = {}, {}
-    while engine.has_unfinished_requests():
-        for u in engine.step():
-            if u.error is not None:
-                errors[u.request_id] = u.error
-            elif u.output is not None:
-                results[u.request_id] = u.output
+    results, errors = _step_to_end(engine)
     assert set(errors) == {"f1"} and isinstance(errors["f1"], RequestFailedError)
     assert isinstance(errors["f1"].__cause__, IndexError) and "IndexError" in str(errors["f1"])
     assert {rid: len(o.outputs[0].token_ids) for rid, o in results.items()} == {"f0": 10, "f2": 10}
@@ -122,14 +130,7 @@ def test_a_request_that_can_never_run_does_not_block_the_queue(llm):
     engine.add_request("wide", PROMPTS[0], SamplingParams(n=2, temperature=1.0, max_tokens=4))
     engine.requests["wide"].params.n = 9  # past validation: more seats than max_num_seqs
     engine.add_request("behind", PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=4))
-    errors, outputs = {}, {}
-    while engine.has_unfinished_requests():
-        for u in engine.step():
-            if u.error is not None:
-                errors[u.request_id] = u.error
-            elif u.output is not None:
-                outputs[u.request_id] = u.output
-        assert not engine.stalled
+    outputs, errors = _step_to_end(engine, never_stalls=True)
     assert isinstance(errors["wide"], RequestRejected) and "never be scheduled" in str(errors["wide"])
     assert len(outputs["behind"].outputs[0].token_ids) == 4
 
