@@ -136,7 +136,9 @@ class OutputProcessor:
                 prompt_logprob_ranks=prompt_ranks,
             )
             if seq.tool_stream is not None:
-                tools = seq.tool_stream.feed(text, finished=seq.is_finished)
+                tools = seq.tool_stream.feed(
+                    text, finished=seq.is_finished, truncated=seq.finish_reason == FinishReason.LENGTH
+                )
                 delta.content, delta.tool_calls = tools.content, list(tools.tool_calls) or None
                 delta.tool_result = seq.tool_result = tools.result
             deltas.append(delta)

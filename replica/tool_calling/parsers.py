@@ -97,7 +97,7 @@ def _call(text: str, obj: ObjectScan, argument_keys: tuple[str, ...] = ARGUMENT_
     return PartialCall(name, arguments, obj.end is not None)
 
 
-def _valid(call: PartialCall) -> bool:
+def valid_call(call: PartialCall) -> bool:
     """A finished call: a name and an arguments text that parses to a JSON object."""
     if not call.complete or call.name is None:
         return False
@@ -120,7 +120,7 @@ def _take_call(state: ParseState, text: str, pos: int) -> int | None:
 
 
 def _finish(state: ParseState, final: bool) -> ParseState:
-    if final and not state.error and not all(_valid(c) for c in state.calls):
+    if final and not state.error and not all(valid_call(c) for c in state.calls):
         state.error = True
     return state
 

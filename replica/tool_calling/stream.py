@@ -2,11 +2,19 @@
 
 Job: feed a sequence's text deltas through its parser (``replica/tool_calling/parsers.py``)
 and say what to send: new content, and per call first one delta with its index,
-``id`` (``call_...``), type and function name, then its argument fragments. On the
-last delta, the collected result: the content, the calls, and whether parsing
-failed. A failed parse (malformed or truncated tool-call text) makes the whole
-text the answer's content and no calls, as vLLM answers; on a stream, what was
-not yet sent goes out as content when no call had started.
+``id`` (``call_...``), type and function name, then its arguments. On the last
+delta, the collected result: the content, the calls, and whether parsing failed.
+A failed parse (malformed tool-call text) makes the whole text the answer's content
+and no calls, as vLLM answers; on a stream, what was not yet sent goes out as
+content when no call had started.
+
+A call is sent only once it is whole (its object closed, a string name, an arguments
+object), so a stream never carries a call that does not parse: vLLM's hermes parser
+streams argument fragments as they come, and a stream cut by ``max_tokens`` then ends
+inside a call no client can use. The price is that a call's arguments arrive in one
+piece rather than token by token. A sequence cut by ``max_tokens`` (``truncated``)
+keeps the whole calls before the cut, in a collected answer as in a stream, and its
+finish reason stays ``"length"``; the unfinished call after them is dropped.
 
 Whitespace-only content is held back while the answer may still turn out to be
 tool calls, so a stream and a collected answer to the same text agree: a
@@ -22,7 +30,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from prefixserve.replica.tool_calling.parsers import ParseState, ToolCallParser
+from prefixserve.replica.tool_calling.parsers import ParseState, ToolCallParser, valid_call
 
 
 def new_call_id() -> str:
@@ -84,10 +92,13 @@ class ToolCallStream:
         self.ids: list[str] = []
         self.sent_args: list[int] = []
 
-    def feed(self, delta: str, finished: bool = False) -> ToolStreamDelta:
-        """Add ``delta`` to the text; ``finished`` on the sequence's last delta."""
+    def feed(self, delta: str, finished: bool = False, truncated: bool = False) -> ToolStreamDelta:
+        """Add ``delta`` to the text; ``finished`` on the sequence's last delta, ``truncated`` when that
+        delta ends it at ``max_tokens`` or the context length (finish reason ``"length"``)."""
         self.text += delta
         state = self.parser.parse(self.text, final=finished)
+        if finished and state.error and truncated:
+            state = self._whole_calls_before_the_cut()
         if finished and state.error:
             return self._failed()
         if not self.parallel:
@@ -109,11 +120,22 @@ class ToolCallStream:
         self.sent_content = len(text)
         return out
 
+    def _whole_calls_before_the_cut(self) -> ParseState:
+        """The text read as if more were coming, keeping its leading whole calls; an error when there
+        are none or the text before the cut is malformed (then it is all content, as any failure)."""
+        state = self.parser.parse(self.text, final=False)
+        whole = 0
+        while whole < len(state.calls) and valid_call(state.calls[whole]):
+            whole += 1
+        state.calls = state.calls[:whole]
+        state.error = state.error or not whole
+        return state
+
     def _calls(self, state: ParseState) -> tuple[ToolCallDelta, ...]:
         out: list[ToolCallDelta] = []
         for i, call in enumerate(state.calls):
-            if call.name is None:
-                break  # a later call cannot start before this one has its name
+            if not valid_call(call):
+                break  # sent only whole; a later call cannot start before this one
             if i == len(self.ids):
                 self.ids.append(new_call_id())
                 self.sent_args.append(0)

@@ -391,7 +391,7 @@ def test_auto_reads_the_output_with_the_parser_and_counts_it(ckpt):
 # -- the engine reads the output: collected, streamed, counted, traced --------------------------
 
 # SmolLM2's token "{}": with a +100 bias a random model writes exactly it, an empty arguments object.
-EMPTY_OBJECT_TOKEN, CLOSE_BRACE_TOKEN = 6150, 109
+EMPTY_OBJECT_TOKEN, CLOSE_BRACE_TOKEN, OPEN_BRACE_TOKEN = 6150, 109, 107
 NOOP = {"type": "function", "function": {"name": "ping", "description": "Check the service is up."}}
 
 
@@ -423,6 +423,32 @@ def test_a_named_function_call_comes_back_collected_and_streamed(ckpt):
         assert [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]] == ["length"]
 
         assert metric(replica.request("GET", "/metrics").text, "prefixserve:tool_calls_parsed_total") == 2
+    finally:
+        replica.close()
+
+
+def test_a_call_cut_by_max_tokens_is_never_streamed_and_the_answer_is_its_text(ckpt):
+    """max_tokens ends a named function's arguments at "{": no call goes out, in a stream or collected;
+    the text is the content and the finish reason "length"."""
+    replica = InProcessReplica(ckpt, max_model_len=512)
+    try:
+        body = chat(
+            tools=[NOOP],
+            tool_choice={"type": "function", "function": {"name": "ping"}},
+            max_tokens=1,
+            temperature=0,
+            logit_bias={str(OPEN_BRACE_TOKEN): 100},
+        )
+        answer = replica.request("POST", "/v1/chat/completions", json=body)
+        assert answer.status_code == 200, answer.text
+        choice = answer.json()["choices"][0]
+        assert choice["message"]["content"] == "{" and not choice["message"].get("tool_calls")
+        assert choice["finish_reason"] == "length"
+        streamed = replica.request("POST", "/v1/chat/completions", json={**body, "stream": True})
+        events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+        assert not [c for e in events for c in e["choices"] if c["delta"].get("tool_calls")]
+        assert "".join(c["delta"].get("content") or "" for e in events for c in e["choices"]) == "{"
+        assert [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]] == ["length"]
     finally:
         replica.close()
 

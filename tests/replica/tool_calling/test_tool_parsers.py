@@ -100,19 +100,21 @@ CASES = [
 ]
 
 
-def _collected(factory, text: str) -> ToolCallResult:
-    result = ToolCallStream(factory()).feed(text, finished=True).result
+def _collected(factory, text: str, truncated: bool = False) -> ToolCallResult:
+    result = ToolCallStream(factory()).feed(text, finished=True, truncated=truncated).result
     assert result is not None
     return result
 
 
-def _streamed(factory, pieces: list[str]) -> tuple[str, dict[int, dict], ToolCallResult]:
-    """Content and calls as a client reassembles them from the deltas of ``pieces``."""
+def _streamed(factory, pieces: list[str], truncated: bool = False) -> tuple[str, dict[int, dict], ToolCallResult]:
+    """Content and calls as a client reassembles them from the deltas of ``pieces``; every call a
+    client has seen at any point parses (a call is sent whole)."""
     stream = ToolCallStream(factory())
     content, calls = "", {}
     result = None
     for k, piece in enumerate(pieces):
-        out = stream.feed(piece, finished=k == len(pieces) - 1)
+        last = k == len(pieces) - 1
+        out = stream.feed(piece, finished=last, truncated=truncated and last)
         content += out.content
         for d in out.tool_calls:
             if d.id is not None:
@@ -121,6 +123,8 @@ def _streamed(factory, pieces: list[str]) -> tuple[str, dict[int, dict], ToolCal
             else:
                 assert d.name is None
                 calls[d.index]["arguments"] += d.arguments
+        for call in calls.values():
+            assert isinstance(json.loads(call["arguments"]), dict), (pieces, calls)
         result = out.result
     assert result is not None
     return content, calls, result
@@ -153,12 +157,59 @@ def test_streamed_at_every_split_point_equals_collected(factory, text, content, 
         assert [c["id"] for c in got_calls.values()] == [c.id for c in result.calls]
 
 
-def test_arguments_stream_in_fragments_after_the_name():
+def test_a_call_is_sent_whole_once_its_object_closes():
     stream = ToolCallStream(HermesParser())
     text = f"<tool_call>\n{WEATHER}\n</tool_call>"
-    deltas = [d for ch in text for d in stream.feed(ch).tool_calls]
-    assert deltas[0].name == "get_weather" and deltas[0].id is not None
-    assert len(deltas) > 10 and all(d.name is None and d.id is None for d in deltas[1:])
+    sent = [(i, d) for i, ch in enumerate(text) for d in stream.feed(ch).tool_calls]
+    closed = text.index(WEATHER) + len(WEATHER) - 1  # the object's last brace
+    assert [i for i, _ in sent] == [closed, closed]
+    (_, opening), (_, arguments) = sent
+    assert (opening.name, opening.arguments) == ("get_weather", "") and opening.id is not None
+    assert arguments.id is None and json.loads(arguments.arguments)["city"] == "Paris"
+
+
+CALL_A = '{"name": "a", "arguments": {"x": 1}}'
+# (parser factory, text cut by max_tokens, its whole calls before the cut, the content)
+TRUNCATED = [
+    (HermesParser, f"Sure.<tool_call>{CALL_A}</tool_call>\n<tool_call>" + '{"name": "b", "argu', ["a"], "Sure."),
+    (HermesParser, f"<tool_call>{CALL_A}</tool_call><tool_call>" + '{"name": "b", "arguments": {"y": [2', ["a"], None),
+    (HermesParser, f"<tool_call>{CALL_A}</tool_ca", ["a"], None),
+    (HermesParser, f"<tool_call>{CALL_A}</tool_call>" * 2 + '<tool_call>{"na', ["a", "a"], None),
+    (Llama3JsonParser, '{"name": "a", "parameters": {}}; {"name": "b", "param', ["a"], None),
+    (RequiredParser, '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {"y"', ["a"], None),
+]
+
+
+@pytest.mark.parametrize("factory,text,names,content", TRUNCATED)
+def test_a_cut_answer_keeps_its_whole_calls_collected_and_streamed(factory, text, names, content):
+    result = _collected(factory, text, truncated=True)
+    assert not result.failed and result.content == content
+    assert [c.name for c in result.calls] == names
+    assert all(isinstance(json.loads(c.arguments), dict) for c in result.calls)
+    # Not cut (the model stopped there on its own): malformed, all content, as vLLM answers.
+    assert _collected(factory, text).failed
+    for pieces in [[text]] + [[text[:i], text[i:]] for i in range(1, len(text))] + [list(text)]:
+        got_content, got_calls, streamed = _streamed(factory, pieces, truncated=True)
+        assert [c["name"] for c in got_calls.values()] == names, pieces
+        assert [c["arguments"] for c in got_calls.values()] == [c.arguments for c in streamed.calls]
+        assert got_content == (content or "")
+
+
+@pytest.mark.parametrize(
+    "factory,text",
+    [
+        (HermesParser, '<tool_call>{"name": "a", "arguments": {"x": 1'),
+        (HermesParser, "Paris is <tool_ca"),
+        (lambda: NamedFunctionParser("f"), '{"city": "Ro'),
+        (RequiredParser, '[{"name": "a", "par'),
+    ],
+)
+def test_a_cut_answer_without_a_whole_call_is_all_content_and_no_call_was_streamed(factory, text):
+    result = _collected(factory, text, truncated=True)
+    assert result.content == text and result.calls == ()
+    for pieces in [[text[:i], text[i:]] for i in range(1, len(text))] + [list(text)]:
+        got_content, got_calls, _ = _streamed(factory, pieces, truncated=True)
+        assert got_calls == {} and got_content == text
 
 
 def test_whitespace_before_calls_is_no_content_but_stays_when_there_are_none():
