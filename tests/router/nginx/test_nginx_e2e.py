@@ -12,7 +12,7 @@ from __future__ import annotations
 import httpx
 import pytest
 from nginx_helpers import NGINX, NginxProcess, free_ports, needs_nginx
-from server_helpers import ReplicaProcess, build_tiny_llama, metric
+from server_helpers import ReplicaProcess, metric
 
 from prefixserve.router.nginx.config import NginxConfig, render_config
 from prefixserve.router.ring import HashRing, RingServer
@@ -32,11 +32,10 @@ SYSTEM_PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(ckpt, tmp_path_factory):
     """Three replicas behind one nginx; yields (nginx base URL, replicas by name, ring)."""
     root = tmp_path_factory.mktemp("nginx-e2e")
-    model = build_tiny_llama(root / "model", seed=11)
-    replicas = [ReplicaProcess(model, "--num-kv-blocks", "256", log_dir=root) for _ in range(3)]
+    replicas = [ReplicaProcess(ckpt, "--num-kv-blocks", "256", log_dir=root) for _ in range(3)]
     started: list[ReplicaProcess] = []
     try:
         for replica in replicas:
