@@ -23,7 +23,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def replica(tmp_path_factory):
+def smollm2_replica(tmp_path_factory):
+    """A real replica process serving SmolLM2 with the hermes tool parser (not conftest's in-process tiny replica)."""
     with ReplicaProcess(
         "smollm2",
         "--max-model-len",
@@ -38,8 +39,8 @@ def replica(tmp_path_factory):
 
 
 @pytest.fixture()
-def client(replica):
-    with openai.OpenAI(base_url=f"{replica.base_url}/v1", api_key="unused", max_retries=0, timeout=300) as c:
+def client(smollm2_replica):
+    with openai.OpenAI(base_url=f"{smollm2_replica.base_url}/v1", api_key="unused", max_retries=0, timeout=300) as c:
         yield c
 
 
@@ -71,8 +72,8 @@ def test_forced_tool_calls_have_arguments_that_validate_collected_and_streamed(c
     assert valid_arguments(streamed[0]["name"], streamed[0]["arguments"]) == collected
 
 
-def test_an_agent_loop_calls_a_tool_reads_its_result_and_answers(client, replica):
-    before = httpx.get(f"{replica.base_url}/metrics", timeout=10).text
+def test_an_agent_loop_calls_a_tool_reads_its_result_and_answers(client, smollm2_replica):
+    before = httpx.get(f"{smollm2_replica.base_url}/metrics", timeout=10).text
     messages = list(QUESTION)
     call = client.chat.completions.create(
         model="smollm2",
@@ -98,7 +99,7 @@ def test_an_agent_loop_calls_a_tool_reads_its_result_and_answers(client, replica
     # The system prompt, the tools and the history came from the prefix cache.
     assert answer.usage.prompt_tokens_details.cached_tokens > call.usage.prompt_tokens // 2
 
-    after = httpx.get(f"{replica.base_url}/metrics", timeout=10).text
+    after = httpx.get(f"{smollm2_replica.base_url}/metrics", timeout=10).text
     name = "prefixserve:tool_calls_parsed_total"
     assert metric(after, name) - metric(before, name) >= 1
 
