@@ -125,3 +125,30 @@ def test_lora_request_per_prompt_count_is_checked(ckpt: str, adapters: dict[str,
     llm = _engine(ckpt)
     with pytest.raises(ValueError, match="2 LoRA requests for 3 prompts"):
         llm.generate(_prompts(0, 3), GREEDY, lora_request=[adapters["all"], None])
+
+
+@pytest.mark.parametrize("knobs", [{"async_scheduling": True}, {"enforce_eager": False}])
+def test_async_scheduling_and_static_decode_path_keep_the_tokens(
+    ckpt: str, adapters: dict[str, LoRARequest], seed: int, knobs: dict
+) -> None:
+    """Slots reassigned while a step is in flight (async_scheduling, two slots for three adapters),
+    and the static decode path beside eager adapter steps: the synchronous eager engine's tokens."""
+    names = ["all", None, "qv", "mlp", None, "qv", "all"]
+    prompts = _prompts(seed, len(names))
+    loras = [None if n is None else adapters[n] for n in names]
+    expected = _engine(ckpt, max_loras=2).generate(prompts, GREEDY, lora_request=loras)
+    got = _engine(ckpt, max_loras=2, **knobs).generate(prompts, GREEDY, lora_request=loras)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+
+
+def test_preempted_adapter_requests_keep_their_tokens(ckpt: str, adapters: dict[str, LoRARequest], seed: int) -> None:
+    """Too few blocks for the batch: sequences are preempted and recomputed, re-admitted through
+    their adapter's block hashes, with the tokens of an engine that had room."""
+    names = ["all", "qv", None, "mlp", "all", "qv"]
+    prompts = _prompts(seed, len(names), lo=36)
+    loras = [None if n is None else adapters[n] for n in names]
+    roomy = _engine(ckpt, max_loras=3).generate(prompts, GREEDY, lora_request=loras)
+    tight = LLM(ckpt, enable_lora=True, max_lora_rank=8, max_loras=3, num_kv_blocks=10)
+    got = tight.generate(prompts, GREEDY, lora_request=loras)
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in roomy]
