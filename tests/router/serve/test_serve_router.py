@@ -29,6 +29,30 @@ def counter(metrics: RouterMetrics, name: str, **labels: str) -> float:
     return 0.0 if value is None else value
 
 
+def decisions(metrics: RouterMetrics, policy: str, replica: str, kind: str) -> float:
+    """The deployment's routing-decision counter for one policy, replica and kind."""
+    return counter(
+        metrics,
+        "prefixserve_router_decisions_total",
+        deployment="Engine",
+        policy=policy,
+        replica=replica,
+        kind=kind,
+    )
+
+
+def started(
+    seed: int, n: int, max_ongoing_requests: int | None = None, **options
+) -> tuple[random.Random, PrefixRouter, list[FakeReplica]]:
+    """A seeded rng, a router made with ``options`` and ``n`` replicas it already knows."""
+    rng = random.Random(seed)
+    router = make_router(**options)
+    extra = {} if max_ongoing_requests is None else {"max_ongoing_requests": max_ongoing_requests}
+    reps = replicas(rng, n, **extra)
+    router.update_replicas(reps)
+    return rng, router, reps
+
+
 async def test_key_is_read_from_the_first_argument():
     assert request_routing_key(pending("abc")) == "abc"
     assert request_routing_key(pending(None)) is None
@@ -39,10 +63,7 @@ async def test_key_is_read_from_the_first_argument():
 
 
 async def test_tiers_are_the_keys_ring_successors_one_replica_each():
-    rng = random.Random(11)
-    router = make_router()
-    reps = replicas(rng, 4)
-    router.update_replicas(reps)
+    rng, router, reps = started(11, 4)
     ring = HashRing(sorted(r.name for r in reps))
     for key in random_keys(rng, 200):
         tiers = await router.choose_replicas(list(reversed(reps)), pending(key))
@@ -51,10 +72,7 @@ async def test_tiers_are_the_keys_ring_successors_one_replica_each():
 
 
 async def test_same_key_same_replica_and_keys_spread():
-    rng = random.Random(12)
-    router = make_router()
-    reps = replicas(rng, 3)
-    router.update_replicas(reps)
+    rng, router, reps = started(12, 3)
     keys = random_keys(rng, 60)
     first = {k: (await route(router, pending(k))).name for k in keys}
     again = {k: (await route(router, pending(k))).name for k in keys}
@@ -79,28 +97,8 @@ async def test_full_owner_falls_back_to_the_next_ring_replica():
     assert chosen.name == order[1]
     router.on_request_routed(request, chosen.replica_id, result=None)
     # The policy put the owner first; Serve moved on because it was full: a fallback, not a spill.
-    assert (
-        counter(
-            router._metrics,
-            "prefixserve_router_decisions_total",
-            deployment="Engine",
-            policy="consistent_hash",
-            replica=order[1],
-            kind="fallback",
-        )
-        == 1
-    )
-    assert (
-        counter(
-            router._metrics,
-            "prefixserve_router_decisions_total",
-            deployment="Engine",
-            policy="consistent_hash",
-            replica=order[1],
-            kind="spill",
-        )
-        == 0
-    )
+    assert decisions(router._metrics, "consistent_hash", order[1], "fallback") == 1
+    assert decisions(router._metrics, "consistent_hash", order[1], "spill") == 0
 
 
 def load(router: PrefixRouter, replica: FakeReplica, n: int) -> list[PendingRequest]:
@@ -112,10 +110,7 @@ def load(router: PrefixRouter, replica: FakeReplica, n: int) -> list[PendingRequ
 
 
 async def test_bounded_load_spills_a_hot_key_and_counts_it():
-    rng = random.Random(14)
-    router = make_router(epsilon=0.25)
-    reps = replicas(rng, 4, max_ongoing_requests=100)
-    router.update_replicas(reps)
+    rng, router, reps = started(14, 4, max_ongoing_requests=100, epsilon=0.25)
     by_name = {r.name: r for r in reps}
     key = random_keys(rng, 1)[0]
     order = HashRing(sorted(by_name)).successors(key)
@@ -133,28 +128,8 @@ async def test_bounded_load_spills_a_hot_key_and_counts_it():
         )
         == 1
     )
-    assert (
-        counter(
-            metrics,
-            "prefixserve_router_decisions_total",
-            deployment="Engine",
-            policy="bounded_load",
-            replica=order[1],
-            kind="spill",
-        )
-        == 1
-    )
-    assert (
-        counter(
-            metrics,
-            "prefixserve_router_decisions_total",
-            deployment="Engine",
-            policy="bounded_load",
-            replica=order[0],
-            kind="no_key",
-        )
-        == 10
-    )  # load() routes unkeyed requests
+    assert decisions(metrics, "bounded_load", order[1], "spill") == 1
+    assert decisions(metrics, "bounded_load", order[0], "no_key") == 10  # load() routes unkeyed requests
     # Once the owner's requests complete, the key returns to it and nothing spills.
     for r in [*hot, request]:
         router.on_request_completed(by_name[order[0]].replica_id, r.metadata.internal_request_id)
@@ -163,24 +138,11 @@ async def test_bounded_load_spills_a_hot_key_and_counts_it():
     router.on_request_routed(request, chosen.replica_id, result=None)
     assert chosen.name == order[0]
     assert counter(metrics, "prefixserve_router_spills_total", deployment="Engine", policy="bounded_load") == 1
-    assert (
-        counter(
-            metrics,
-            "prefixserve_router_decisions_total",
-            deployment="Engine",
-            policy="bounded_load",
-            replica=order[0],
-            kind="owner",
-        )
-        == 1
-    )
+    assert decisions(metrics, "bounded_load", order[0], "owner") == 1
 
 
 async def test_dead_replica_leaves_the_ring_and_no_surviving_key_moves():
-    rng = random.Random(15)
-    router = make_router()
-    reps = replicas(rng, 4)
-    router.update_replicas(reps)
+    rng, router, reps = started(15, 4)
     keys = random_keys(rng, 2000)
     before = {k: (await router.choose_replicas(reps, pending(k)))[0][0].name for k in keys}
     dead = reps[1]
@@ -199,10 +161,7 @@ async def test_dead_replica_leaves_the_ring_and_no_surviving_key_moves():
 
 
 async def test_added_replica_moves_at_most_its_share_of_keys():
-    rng = random.Random(16)
-    router = make_router()
-    reps = replicas(rng, 4)
-    router.update_replicas(reps)
+    rng, router, reps = started(16, 4)
     keys = random_keys(rng, 10_000)
     before = {k: (await router.choose_replicas(router._replicas_list, pending(k)))[0][0].name for k in keys}
     newcomer = replicas(rng, 1)[0]
@@ -218,10 +177,7 @@ async def test_added_replica_moves_at_most_its_share_of_keys():
 
 
 async def test_unkeyed_requests_go_to_the_least_loaded():
-    rng = random.Random(17)
-    router = make_router()
-    reps = replicas(rng, 3)
-    router.update_replicas(reps)
+    rng, router, reps = started(17, 3)
     for n, r in zip((5, 1, 3), reps):
         load(router, r, n)
     tiers = await router.choose_replicas(reps, pending(None))
@@ -229,10 +185,7 @@ async def test_unkeyed_requests_go_to_the_least_loaded():
 
 
 async def test_in_flight_is_routed_minus_completed_and_ignores_stale_probes():
-    rng = random.Random(18)
-    router = make_router()
-    reps = replicas(rng, 2)
-    router.update_replicas(reps)
+    rng, router, reps = started(18, 2)
     requests = load(router, reps[0], 3)
     # A late queue-length probe must not make an idle replica look busy or a busy one idle.
     router.replica_queue_len_cache.update(reps[1].replica_id, 7)
@@ -249,10 +202,7 @@ async def test_in_flight_is_routed_minus_completed_and_ignores_stale_probes():
 
 
 async def test_round_robin_alternates_over_live_replicas():
-    rng = random.Random(19)
-    router = make_router(policy="round_robin")
-    reps = replicas(rng, 2)
-    router.update_replicas(reps)
+    rng, router, reps = started(19, 2, policy="round_robin")
     key = random_keys(rng, 1)[0]
     chosen = []
     for _ in range(6):
@@ -263,17 +213,7 @@ async def test_round_robin_alternates_over_live_replicas():
     assert chosen[0::2] == [chosen[0]] * 3 and chosen[1::2] == [chosen[1]] * 3
     assert chosen[0] != chosen[1]
     # A keyed request under a policy without a ring.
-    assert (
-        counter(
-            router._metrics,
-            "prefixserve_router_decisions_total",
-            deployment="Engine",
-            policy="round_robin",
-            replica=chosen[0],
-            kind="no_ring",
-        )
-        == 3
-    )
+    assert decisions(router._metrics, "round_robin", chosen[0], "no_ring") == 3
 
 
 def test_initialize_state_rejects_options_of_other_policies():
@@ -318,10 +258,7 @@ def test_reported_load_is_corrected_by_the_routers_own_change_since_the_report()
 
 
 async def test_views_carry_the_reported_load_and_every_router_sees_other_routers_requests():
-    rng = random.Random(20)
-    router = make_router(policy="placed")
-    reps = replicas(rng, 2)
-    router.update_replicas(reps)
+    rng, router, reps = started(20, 2, policy="placed")
     a, b = reps
     a.routing_stats = stats(1, waiting=5, running=2)  # another ingress's requests: this router sent none
     router.refresh_reports(reps)
@@ -341,10 +278,7 @@ async def test_views_carry_the_reported_load_and_every_router_sees_other_routers
 
 async def test_placed_routes_away_from_a_replica_other_routers_fill():
     """The key's placed replica is over the in-flight cap only in the reports (other routers' requests)."""
-    rng = random.Random(21)
-    router = make_router(policy="placed")
-    reps = replicas(rng, 3)
-    router.update_replicas(reps)
+    rng, router, reps = started(21, 3, policy="placed")
     key = random_keys(rng, 1)[0]
     owner = HashRing(sorted(r.name for r in reps)).owner(key)
     first = await route(router, pending(key))
@@ -383,10 +317,7 @@ async def test_placed_counts_a_request_once_and_the_leader_merges_a_followers_co
 async def test_kv_events_in_routing_stats_reach_the_placed_policys_precise_hook():
     from prefixserve.replica.contract.kv_events import KVEventPublisher
 
-    rng = random.Random(23)
-    router = make_router(policy="placed", precise=True)
-    reps = replicas(rng, 2)
-    router.update_replicas(reps)
+    rng, router, reps = started(23, 2, policy="placed", precise=True)
     pub = KVEventPublisher(snapshot_every=100)
     pub.remember("tenant", [b"\x01" * 16, b"\x02" * 16])
     pool = {b"\x01" * 16, b"\x02" * 16}
@@ -433,10 +364,7 @@ async def send(router: PrefixRouter, request: PendingRequest) -> FakeReplica:
 
 
 async def test_placed_follows_each_conversation_without_a_client_key():
-    rng = random.Random(31)
-    router = make_router("placed")
-    reps = replicas(rng, 2)
-    router.update_replicas(reps)
+    rng, router, reps = started(31, 2, policy="placed")
     first = {u: (await send(router, chat("app", history(u, 1)))).name for u in range(8)}
     assert len(set(first.values())) == 2  # eight conversations at once: the app's set grew to both
     again = {u: (await send(router, chat("app", history(u, 2)))).name for u in range(8)}
@@ -448,10 +376,7 @@ async def test_placed_follows_each_conversation_without_a_client_key():
 
 
 async def test_a_prompt_the_router_cannot_hash_still_routes_and_is_counted():
-    rng = random.Random(32)
-    router = make_router("placed")
-    reps = replicas(rng, 3)
-    router.update_replicas(reps)
+    rng, router, reps = started(32, 3, policy="placed")
     bad = [SYSTEM, {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
     chosen = await send(router, chat("app", bad))
     assert chosen.name == HashRing(sorted(r.name for r in reps)).owner("app")  # by its static key
@@ -459,10 +384,7 @@ async def test_a_prompt_the_router_cannot_hash_still_routes_and_is_counted():
 
 
 async def test_a_departed_replica_leaves_the_history_index():
-    rng = random.Random(33)
-    router = make_router("placed")
-    reps = replicas(rng, 3)
-    router.update_replicas(reps)
+    rng, router, reps = started(33, 3, policy="placed")
     chosen = await send(router, chat("app", history(5, 1)))
     blocks = router._history.hasher.blocks(chat("app", history(5, 2)).args[0])
     assert chosen.name in router.placed.history.held(blocks.hashes)
@@ -475,10 +397,7 @@ async def test_history_events_in_routing_stats_steer_a_later_turn_and_retract_it
     from prefixserve.replica.contract.history_events import HistoryTracker
     from prefixserve.replica.contract.kv_events import KVEventPublisher
 
-    rng = random.Random(35)
-    router = make_router("placed")
-    reps = replicas(rng, 2)
-    router.update_replicas(reps)
+    rng, router, reps = started(35, 2, policy="placed")
     # A conversation this router never sent anywhere (another ingress replica did): only the
     # replica's history events can say where it lives.
     first = chat("app", history(9, 1)).args[0]
@@ -525,10 +444,7 @@ async def test_history_events_in_routing_stats_steer_a_later_turn_and_retract_it
 
 
 async def test_a_completed_conversation_frees_its_keys_in_flight_count():
-    rng = random.Random(34)
-    router = make_router("placed")
-    reps = replicas(rng, 2)
-    router.update_replicas(reps)
+    rng, router, reps = started(34, 2, policy="placed")
     requests = [chat("app", history(u, 1)) for u in range(4)]
     routed = [(r, await send(router, r)) for r in requests]
     assert router.placed.key_in_flight("app") == 4
