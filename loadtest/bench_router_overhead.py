@@ -5,7 +5,9 @@ OpenAI-compatible upstream that answers every chat request at once with a short 
 stream (a benchmark fixture: no model, no tokenizer, its few chunks written as soon as
 the request is read) and ``prefixserve router`` in front of it, then streams the same
 chat requests with the harness's closed-loop client (``--concurrency`` streams, 64 by
-default) alternately straight to the upstream and through the router: each round runs
+default; with ``--rate R``, R requests/s over those streams instead, each sent at its
+slot, so that neither path is saturated and the difference is the router's per-request
+cost rather than its queue) alternately straight to the upstream and through the router: each round runs
 both phases, the order swapped every round, so that a drift in the machine's load falls
 on both. Each run reports TTFT and total latency p50/p99 of the direct and the routed
 requests and their difference (the router's added latency); ``--runs`` runs.
@@ -15,7 +17,8 @@ What the difference contains: the router's HTTP server, its decision (``--policy
 connection through its client pool and the chunk relay. What it does not: any model
 time. The client, the router and the upstream share the machine's cores, so the figures
 are only as quiet as the machine: the 1-minute load average is recorded before and
-after each run. ``--profile-router PATH`` runs the router under cProfile and writes its
+after each run, and the router process's CPU time per routed request (from /proc), a cost
+that does not depend on what else runs. ``--profile-router PATH`` runs the router under cProfile and writes its
 stats to PATH when it stops.
 
 Output: a markdown table a run, ``--out`` (JSON: the settings, each run's summaries and
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import sys
 import time
@@ -36,10 +40,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from prefixserve.common.config_util import from_cli_args
 from prefixserve.common.logs import add_verbose_flag
 from prefixserve.loadtest.harness.cli import add_flags, flag_field, plan_and_run
-from prefixserve.loadtest.harness.client import RequestRecord, run_load_async
+from prefixserve.loadtest.harness.client import RequestRecord, run_load_async, stream_one
 from prefixserve.loadtest.harness.report import fmt, markdown_table, write_json
 from prefixserve.loadtest.harness.server import HOST, free_port, running_server, server_env
 from prefixserve.loadtest.harness.stats import percentile
@@ -125,7 +131,10 @@ def serve_upstream(port: int, chunks: int) -> int:
 
 @dataclass
 class OverheadConfig:
-    concurrency: int = flag_field(64, "streams in flight at once (closed loop)")
+    concurrency: int = flag_field(64, "most streams in flight at once")
+    rate: float = flag_field(
+        0.0, "requests/s across the streams, each sent at its slot (0: closed loop, each as the last ends)"
+    )
     requests: int = flag_field(1000, "requests per phase (one target, one round)")
     rounds: int = flag_field(4, "rounds per run; each runs a direct and a routed phase, the order swapped each round")
     runs: int = flag_field(2, "runs, each summarized on its own")
@@ -143,6 +152,8 @@ class OverheadConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"--{name} must be an integer >= 1, got {v!r}")
+        if not (self.rate >= 0 and math.isfinite(self.rate)):
+            raise ValueError(f"--rate must be a finite number >= 0, got {self.rate!r}")
         if self.warmup < 0:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
 
@@ -194,13 +205,46 @@ def load_average() -> float:
     return os.getloadavg()[0]
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """CPU time (user + system) process ``pid`` has used so far; None where /proc cannot tell."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
+
+
+async def paced_load(url: str, batch: list[dict[str, Any]], concurrency: int, rate: float) -> list[RequestRecord]:
+    """``batch`` sent at ``rate`` requests/s (request i at i / rate s) by ``concurrency`` streams: a request
+    whose slot comes while every stream is busy waits for one (its times start when it is sent)."""
+    url = f"{url}/v1/chat/completions"
+    records: list[RequestRecord | None] = [None] * len(batch)
+    cursor = iter(range(len(batch)))
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=30.0), limits=limits) as client:
+
+        async def stream() -> None:
+            for i in cursor:
+                delay = t0 + i / rate - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                records[i] = await stream_one(client, url, i, batch[i], {}, t0)
+
+        await asyncio.gather(*(stream() for _ in range(min(concurrency, len(batch)))))
+    return [r for r in records if r is not None]
+
+
 async def run_rounds(urls: dict[str, str], config: OverheadConfig, offset: int) -> dict[str, list[RequestRecord]]:
     records: dict[str, list[RequestRecord]] = {t: [] for t in TARGETS}
     for i in range(config.rounds):
         for target in phase_order(i):
             batch = bodies(config.requests, config.keys, offset)
             offset += config.requests
-            records[target] += await run_load_async(urls[target], batch, config.concurrency, timeout_s=60.0)
+            if config.rate:
+                records[target] += await paced_load(urls[target], batch, config.concurrency, config.rate)
+            else:
+                records[target] += await run_load_async(urls[target], batch, config.concurrency, timeout_s=60.0)
     return records
 
 
@@ -290,20 +334,31 @@ def run(config: OverheadConfig) -> dict[str, Any]:
             urls["router"] + "/health",
             logs / "router.log",
             60.0,
-        ),
+        ) as router,
     ):
         if config.warmup:
             for target in TARGETS:
                 asyncio.run(run_load_async(urls[target], bodies(config.warmup, config.keys), config.concurrency))
         offset = 0
         for n in range(config.runs):
-            load_before = load_average()
+            load_before, cpu_before = load_average(), cpu_seconds(router.pid)
             records = asyncio.run(run_rounds(urls, config, offset))
+            cpu_after = cpu_seconds(router.pid)
             offset += 2 * config.rounds * config.requests
             summary = summarize(records)
             summary["load_before"], summary["load_after"] = load_before, load_average()
+            # The router's CPU time per request it routed (its probes of the upstream included): its
+            # cost whatever else the machine runs, where its latency is only as quiet as the machine.
+            routed = len(records["router"])
+            summary["router_cpu_ms_per_request"] = (
+                None if cpu_before is None or cpu_after is None else (cpu_after - cpu_before) * 1000 / routed
+            )
             result["runs"].append(summary)
-            print(f"\nrun {n + 1} (1-minute load {load_before:.2f} -> {summary['load_after']:.2f})")
+            cpu = fmt(summary["router_cpu_ms_per_request"], ".3f")
+            print(
+                f"\nrun {n + 1} (1-minute load {load_before:.2f} -> {summary['load_after']:.2f}; "
+                f"router CPU {cpu} ms per request)"
+            )
             print(table(summary))
             write_json(config.out, result, announce=False)
     write_json(config.out, result)

@@ -453,19 +453,24 @@ class StandaloneRouter:
 
     async def _read_body(self, request: Request) -> bytes | Response:
         limit = self.config.max_body_bytes
+
+        def too_large() -> Response:  # built only when needed: a JSON answer costs as much as routing one
+            return own_answer(
+                413,
+                openai_error(
+                    413, f"request body exceeds {limit} bytes, the most a replica accepts", "request_too_large"
+                ),
+            )
+
         declared = request.headers.get("content-length")
-        too_large = own_answer(
-            413,
-            openai_error(413, f"request body exceeds {limit} bytes, the most a replica accepts", "request_too_large"),
-        )
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            return too_large
+            return too_large()
         chunks = []
         size = 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                return too_large
+                return too_large()
             chunks.append(chunk)
         return b"".join(chunks)
 

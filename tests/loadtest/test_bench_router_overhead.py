@@ -37,11 +37,14 @@ def test_the_upstream_streams_a_whole_answer() -> None:
     assert payloads[-1]["usage"]["completion_tokens"] == 3 and payloads[3]["choices"][0]["finish_reason"] == "stop"
     with pytest.raises(ValueError):
         OverheadConfig(concurrency=0)
+    with pytest.raises(ValueError):
+        OverheadConfig(rate=-1.0)
 
 
-def test_the_benchmark_runs_at_a_tiny_setting(tmp_path: Path) -> None:
+@pytest.mark.parametrize("rate", ["0", "50"])
+def test_the_benchmark_runs_at_a_tiny_setting(tmp_path: Path, rate: str) -> None:
     out = tmp_path / "overhead.json"
-    argv = ["--concurrency", "2", "--requests", "3", "--rounds", "2", "--runs", "1", "--warmup", "2"]
+    argv = ["--concurrency", "2", "--requests", "3", "--rounds", "2", "--runs", "1", "--warmup", "2", "--rate", rate]
     assert main([*argv, "--out", str(out), "--logs", str(tmp_path / "logs")]) == 0
     (result,) = json.loads(out.read_text())["runs"]
     for target in ("direct", "router"):
