@@ -19,8 +19,10 @@ import an HTTP framework, Ray, torch or anything from ``router``.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +35,8 @@ from prefixserve.replica.entrypoints.openai import protocol as api
 from prefixserve.replica.entrypoints.openai.protocol import OpenAIRequest
 from prefixserve.replica.errors import AuthenticationError
 from prefixserve.replica.tool_calling.stream import ToolCallResult
+
+log = logging.getLogger(__name__)
 
 
 def check_api_key(authorization: str, api_keys: Sequence[bytes]) -> None:
@@ -244,6 +248,12 @@ async def collect_response(
     return api.CompletionResponse(id=gen.request_id, model=model, choices=rendered, usage=usage.build())
 
 
+def _dropped(gen: Generation) -> None:
+    """One line for a stream whose client went away: routine, so no traceback (the engine request
+    is aborted by the stream's close)."""
+    log.info("request %s: the client disconnected mid-stream; its engine request is aborted", gen.request_id)
+
+
 def sse_stream(gen: Generation, body: OpenAIRequest, model: str, token_text: api.TokenText) -> AsyncIterator[str]:
     """The streamed answer to ``body``: SSE events (``data: ...\\n\\n``), ``data: [DONE]`` last."""
     if isinstance(body, api.ChatCompletionRequest):
@@ -332,6 +342,9 @@ async def _chat_stream(
             )
         if body.include_usage:
             yield chunk([], usage.build())
+    except (asyncio.CancelledError, GeneratorExit):  # the client went away: cancelled, or closed at a yield
+        _dropped(gen)
+        raise
     except Exception as exc:  # the engine failed mid-stream: say so in-band, the status is sent
         yield _sse(json.dumps(api.error_from_exception(exc).body()))
     finally:
@@ -383,6 +396,9 @@ async def _completion_stream(
             )
         if body.include_usage:
             yield chunk([], usage.build())
+    except (asyncio.CancelledError, GeneratorExit):
+        _dropped(gen)
+        raise
     except Exception as exc:
         yield _sse(json.dumps(api.error_from_exception(exc).body()))
     finally:
