@@ -78,6 +78,23 @@ class APIError(Exception):
     # Every 4xx/5xx names a code; a raise site may give a more precise one.
     default_code: str = "invalid_request"
 
+    def __init_subclass__(
+        cls,
+        *,
+        status_code: int | None = None,
+        error_type: str | None = None,
+        default_code: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        # Each error states only what differs from APIError, in its class line.
+        super().__init_subclass__(**kwargs)
+        if status_code is not None:
+            cls.status_code = status_code
+        if error_type is not None:
+            cls.error_type = error_type
+        if default_code is not None:
+            cls.default_code = default_code
+
     def __init__(
         self,
         message: str,
@@ -107,69 +124,39 @@ class BadRequestError(APIError):
     """Malformed body, missing or out-of-range fields, prompt too long (400)."""
 
 
-class AuthenticationError(APIError):
+class AuthenticationError(APIError, status_code=401, error_type="authentication_error", default_code="invalid_api_key"):
     """Missing or wrong API key (401)."""
 
-    status_code = 401
-    error_type = "authentication_error"
-    default_code = "invalid_api_key"
 
-
-class ModelNotFoundError(APIError):
+class ModelNotFoundError(APIError, status_code=404, default_code="model_not_found"):
     """The request names a model this server does not serve (404)."""
 
-    status_code = 404
-    error_type = "invalid_request_error"
-    default_code = "model_not_found"
 
-
-class PayloadTooLargeError(APIError):
+class PayloadTooLargeError(APIError, status_code=413, default_code="payload_too_large"):
     """The request body exceeds the server's limit (413)."""
 
-    status_code = 413
-    error_type = "invalid_request_error"
-    default_code = "payload_too_large"
 
-
-class RequestTimeoutError(APIError):
+class RequestTimeoutError(APIError, status_code=408, default_code="request_timeout"):
     """The client did not send its request (head or body) within the server's timeout (408)."""
-
-    status_code = 408
-    error_type = "invalid_request_error"
-    default_code = "request_timeout"
 
     def headers(self) -> dict[str, str]:
         # The rest of a late body may still come: the connection cannot carry another request.
         return {**super().headers(), "Connection": "close"}
 
 
-class HeaderFieldsTooLargeError(APIError):
+class HeaderFieldsTooLargeError(APIError, status_code=431, default_code="request_header_fields_too_large"):
     """The request's head (request line and headers) exceeds the server's size or count limit (431)."""
 
-    status_code = 431
-    error_type = "invalid_request_error"
-    default_code = "request_header_fields_too_large"
 
-
-class OverloadedError(APIError):
+class OverloadedError(APIError, status_code=429, error_type="rate_limit_error", default_code="queue_full"):
     """The engine's waiting queue is full; retry after ``retry_after_s`` (429)."""
 
-    status_code = 429
-    error_type = "rate_limit_error"
-    default_code = "queue_full"
 
-
-class ServiceUnavailableError(APIError):
+class ServiceUnavailableError(
+    APIError, status_code=503, error_type="service_unavailable", default_code="service_unavailable"
+):
     """The engine loop has died; the replica cannot serve (503)."""
 
-    status_code = 503
-    error_type = "service_unavailable"
-    default_code = "service_unavailable"
 
-
-class InternalServerError(APIError):
+class InternalServerError(APIError, status_code=500, error_type="server_error", default_code="internal_error"):
     """The server failed to serve the request (500)."""
-
-    status_code = 500
-    error_type = "server_error"
-    default_code = "internal_error"
