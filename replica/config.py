@@ -19,6 +19,7 @@ from prefixserve.common.tracing import check_endpoint
 from prefixserve.replica.contract.vllm_kv_events import KVEventsConfig
 from prefixserve.replica.core.request_queue import SCHEDULING_POLICIES
 from prefixserve.replica.kv.block_pool import EVICTION_POLICIES
+from prefixserve.replica.sampling_params import LOGPROBS_MODES
 from prefixserve.replica.tool_calling.parsers import TOOL_CALL_PARSERS
 from prefixserve.replica.tool_calling.templates import load_chat_template
 
@@ -157,6 +158,11 @@ class EngineConfig:
     # the lowest priority first (replica/core/scheduler.py). Under fcfs a request's priority
     # must be 0 (vLLM's 400 otherwise).
     scheduling_policy: str = "fcfs"
+    # vLLM's --logprobs-mode: what a sampled token's logprobs are read from. "raw_logprobs" (vLLM
+    # V1's default): the model's logits, before masks, bias, penalties, the grammar bitmask and
+    # temperature; "processed_logprobs": those the token was drawn from; the "*_logits" variants
+    # report the logits unnormalized (replica/sampling_params.py LOGPROBS_MODES).
+    logprobs_mode: str = "raw_logprobs"
     # Bound on queued (not yet running) requests; beyond it add_request raises
     # EngineOverloadedError. None = unbounded.
     max_waiting_requests: int | None = 1024
@@ -256,6 +262,7 @@ class EngineConfig:
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         _choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
+        _choice("logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
         _choice("eviction_policy", self.eviction_policy, EVICTION_POLICIES)
         _choice("dtype", self.dtype, DTYPES)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
@@ -456,6 +463,7 @@ _CHOICES = {
     "kv_cache_dtype": KV_CACHE_DTYPES,
     "preemption_mode": PREEMPTION_MODES,
     "scheduling_policy": SCHEDULING_POLICIES,
+    "logprobs_mode": LOGPROBS_MODES,
     "eviction_policy": EVICTION_POLICIES,
     "dtype": DTYPES,
     "attention_backend": ATTENTION_BACKENDS,

@@ -36,6 +36,12 @@ LOGIT_BIAS_LIMIT = 100.0
 # above 0 (1.0 is off), min_p in [0, 1], logprobs and prompt_logprobs up to max_logprobs (20).
 PENALTY_LIMIT = 2.0
 MAX_LOGPROBS = 20
+# What a sampled token's ``logprobs`` are read from (vLLM's ``logprobs_mode``, EngineConfig's knob):
+# the model's logits as they come ("raw_*", the default: the same numbers whatever the sampling
+# parameters), or the ones the token was drawn from ("processed_*": after masks, bias, penalties
+# and the grammar bitmask; for a random row also after temperature, min_p, top-k and top-p).
+# "*_logprobs" are log-softmaxed, "*_logits" not.
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 # bad_words are tokenized per request and matched against the output every step: bounded.
 MAX_BAD_WORDS = 128
 MAX_BAD_WORD_CHARS = 256

@@ -353,7 +353,7 @@ class ModelRunner:
         if logits is None or not step.specs:
             return StepOutput([], None)
         with torch.inference_mode():
-            results, tokens = sample_tokens(logits, step.specs, self.generator)
+            results, tokens = sample_tokens(logits, step.specs, self.generator, self.config.logprobs_mode)
         if lap is not None:
             lap("sample")
         return StepOutput(results, tokens)

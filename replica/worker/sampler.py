@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from prefixserve.replica.errors import RequestRejected
-from prefixserve.replica.sampling_params import GREEDY_TEMPERATURE, SamplingParams
+from prefixserve.replica.sampling_params import GREEDY_TEMPERATURE, LOGPROBS_MODES, SamplingParams
 from prefixserve.replica.structured_output.state import SequenceGrammar, apply_grammar_bitmasks
 
 # torch is imported inside the functions: importing this module stays cheap.
@@ -100,13 +100,15 @@ def process_logits(logits: torch.Tensor, specs: list[SampleSpec]) -> dict[int, E
     return errors
 
 
-def sample(logits: torch.Tensor, specs: list[SampleSpec], shared: torch.Generator) -> list[SampleResult]:
+def sample(
+    logits: torch.Tensor, specs: list[SampleSpec], shared: torch.Generator, logprobs_mode: str = "raw_logprobs"
+) -> list[SampleResult]:
     """Pick one token per row of ``logits`` ([N, vocab], float32); see ``sample_tokens``."""
-    return sample_tokens(logits, specs, shared)[0]
+    return sample_tokens(logits, specs, shared, logprobs_mode)[0]
 
 
 def sample_tokens(
-    logits: torch.Tensor, specs: list[SampleSpec], shared: torch.Generator
+    logits: torch.Tensor, specs: list[SampleSpec], shared: torch.Generator, logprobs_mode: str = "raw_logprobs"
 ) -> tuple[list[SampleResult], torch.Tensor]:
     """Pick one token per row of ``logits`` ([N, vocab], float32): the results, and the
     sampled ids as an int64 tensor on the logits' device (a row that failed holds a valid id
@@ -122,13 +124,29 @@ def sample_tokens(
     (argmax of p / Exp(1)), which equals sampling from p, picks one with one generator
     call per row.
 
+    ``logprobs_mode`` (``LOGPROBS_MODES``, vLLM's): what the rows that ask for logprobs
+    report. ``raw_*`` reads the logits as they came in, before any stage; ``processed_*``
+    the logits the token was picked from: after ``process_logits`` for a greedy row,
+    also after temperature, min_p and top-k/top-p for a random one (vLLM's order).
+
     Work done for one row alone runs under its own ``try``: a failure there marks that
     row's result (``SampleResult.error``) instead of failing the whole batch. Only a
     failure of the batched tensor work raises.
     """
     import torch
 
+    if logprobs_mode not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode {logprobs_mode!r} is not one of {', '.join(LOGPROBS_MODES)}")
+    want = [i for i, s in enumerate(specs) if s.params.logprobs is not None]
+    # Read before any stage touches the logits (raw), or filled below where each row's are final.
+    reported: torch.Tensor | None = None
+    if want and logprobs_mode.startswith("raw_"):
+        reported = logits[want].clone()
+    elif want:
+        reported = torch.empty((len(want), logits.shape[1]), dtype=logits.dtype, device=logits.device)
     errors = process_logits(logits, specs)
+    if reported is not None and logprobs_mode.startswith("processed_"):
+        reported.copy_(logits[want])  # a random row's are overwritten below, after its sampling stages
     tokens, top = greedy_tokens(logits)
     # Rows whose masks exclude every token: found with the tokens' own transfer, no extra sync.
     dead = top == float("-inf") if any(s.masks_row or s.grammar is not None for s in specs) else None
@@ -139,6 +157,11 @@ def sample_tokens(
         params = [specs[i].params for i in random_rows]
         temps = torch.tensor([p.temperature for p in params], dtype=sub.dtype, device=sub.device)
         sub = _top_k_top_p(_min_p(sub / temps.unsqueeze(1), params), params)
+        if reported is not None and logprobs_mode.startswith("processed_"):
+            position = {i: j for j, i in enumerate(want)}
+            for j, i in enumerate(random_rows):
+                if i in position:
+                    reported[position[i]] = sub[j]
         probs = torch.softmax(sub, dim=-1)
         noise = torch.empty_like(probs)
         shared_rows = []
@@ -169,9 +192,8 @@ def sample_tokens(
             )
             token_list[i] = 0
     results = [SampleResult(t) for t in token_list]
-    want = [i for i, s in enumerate(specs) if s.params.logprobs is not None]
-    if want:
-        logprobs = torch.log_softmax(logits[want], dim=-1)
+    if reported is not None:
+        logprobs = torch.log_softmax(reported, dim=-1) if logprobs_mode.endswith("_logprobs") else reported
         for j, i in enumerate(want):
             try:
                 results[i].logprobs = _row_logprobs(logprobs[j], specs[i].params.logprobs or 0, token_list[i])

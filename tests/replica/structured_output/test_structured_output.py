@@ -231,12 +231,16 @@ async def test_async_engine_compiles_off_the_loop_with_a_time_bound_and_caches(c
         await engine.shutdown()
 
 
-def test_logprobs_of_a_constrained_row_list_only_tokens_it_may_take(ckpt, prompts):
-    with LLM(ckpt) as llm:
-        [out] = llm.generate(
-            prompts[:1],
-            SamplingParams(temperature=0.0, logprobs=5, structured_outputs=StructuredOutputsParams(choice=["x", "y"])),
-        )
+def test_processed_logprobs_of_a_constrained_row_list_only_tokens_it_may_take(ckpt, prompts):
+    params = SamplingParams(temperature=0.0, logprobs=5, structured_outputs=StructuredOutputsParams(choice=["x", "y"]))
+    with LLM(ckpt, logprobs_mode="processed_logprobs") as llm:
+        [out] = llm.generate(prompts[:1], params)
+        allowed = set(llm.tokenizer.convert_tokens_to_ids(["x", "y"]))
     entries = out.outputs[0].logprobs
     assert entries and all(math.isfinite(v) for entry in entries for v in entry.values())
-    assert set(entries[0]) <= set(llm.tokenizer.convert_tokens_to_ids(["x", "y"]))
+    assert set(entries[0]) <= allowed
+    # The default, vLLM's raw_logprobs: the model's own top 5, before the grammar's mask, and the same token.
+    with LLM(ckpt) as llm:
+        [raw] = llm.generate(prompts[:1], params)
+    assert raw.outputs[0].token_ids == out.outputs[0].token_ids
+    assert len(raw.outputs[0].logprobs[0]) >= 5 and not set(raw.outputs[0].logprobs[0]) <= allowed

@@ -365,3 +365,67 @@ def test_greedy_tokens_equal_torchs_first_maximum():
         assert values.nan_to_num().tolist() == expected.values.nan_to_num().tolist()
     half = logits.to(torch.bfloat16)  # other dtypes take torch's reduction
     assert greedy_tokens(half)[0].tolist() == half.max(dim=-1).indices.tolist()
+
+
+def _lp_specs() -> list[SampleSpec]:
+    """A greedy row with a penalty and a bias, and a seeded random row with temperature and top-k."""
+    return [
+        SampleSpec(
+            SamplingParams(temperature=0.0, logprobs=5, repetition_penalty=1.7, logit_bias={3: 4.0}),
+            None,
+            token_ids=[2, 3, 4, 5],
+            num_prompt_tokens=2,
+        ),
+        SampleSpec(
+            SamplingParams(temperature=0.4, top_k=6, frequency_penalty=1.5, logprobs=5),
+            torch.Generator().manual_seed(3),
+            token_ids=[1, 6, 6, 7],
+            num_prompt_tokens=1,
+        ),
+    ]
+
+
+def _entries_close(got: dict[int, float], want_row: torch.Tensor, k: int, token: int) -> None:
+    top = want_row.topk(k)
+    want = {t: v for t, v in zip(top.indices.tolist(), top.values.tolist()) if v != float("-inf")}
+    want[token] = float(want_row[token])
+    assert got.keys() == want.keys()
+    assert all(math.isclose(got[t], want[t], rel_tol=1e-5, abs_tol=1e-6) for t in want)
+
+
+def test_logprobs_are_the_raw_log_softmax_by_default_and_processed_on_request():
+    raw = _logits(2, seed=15)
+    results = {
+        mode: sample(raw.clone(), _lp_specs(), torch.Generator().manual_seed(0), mode)
+        for mode in ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+    }
+    default = sample(raw.clone(), _lp_specs(), torch.Generator().manual_seed(0))
+    # The mode changes what is reported, never the tokens.
+    tokens = [r.token_id for r in default]
+    assert all([r.token_id for r in rs] == tokens for rs in results.values())
+    for i in range(2):
+        assert default[i].logprobs == results["raw_logprobs"][i].logprobs
+        _entries_close(results["raw_logprobs"][i].logprobs, torch.log_softmax(raw[i], dim=-1), 5, tokens[i])
+        _entries_close(results["raw_logits"][i].logprobs, raw[i], 5, tokens[i])
+    # Processed: the greedy row after its penalty and bias; the random row also after temperature and top-k.
+    processed = raw.clone()
+    process_logits(processed, _lp_specs())
+    greedy_row = processed[0]
+    random_row = processed[1] / 0.4
+    random_row = random_row.masked_fill(random_row < random_row.topk(6).values[-1], float("-inf"))
+    for row, i in ((greedy_row, 0), (random_row, 1)):
+        _entries_close(results["processed_logits"][i].logprobs, row, 5, tokens[i])
+        _entries_close(results["processed_logprobs"][i].logprobs, torch.log_softmax(row, dim=-1), 5, tokens[i])
+        raw_lp, proc_lp = results["raw_logprobs"][i].logprobs, results["processed_logprobs"][i].logprobs
+        assert not math.isclose(raw_lp[tokens[i]], proc_lp[tokens[i]], rel_tol=1e-3)
+    with pytest.raises(ValueError, match="logprobs_mode"):
+        sample(raw.clone(), _lp_specs(), torch.Generator(), "final_logprobs")
+
+
+def test_engine_config_takes_vllms_logprobs_modes():
+    from prefixserve.replica.config import EngineConfig
+
+    assert EngineConfig(model="smollm2").logprobs_mode == "raw_logprobs"
+    assert EngineConfig(model="smollm2", logprobs_mode="processed_logits").logprobs_mode == "processed_logits"
+    with pytest.raises(ValueError, match="logprobs_mode"):
+        EngineConfig(model="smollm2", logprobs_mode="processed")
