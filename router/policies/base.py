@@ -35,7 +35,7 @@ from __future__ import annotations
 import random as _random
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Generic, Protocol, TypeVar, runtime_checkable
 
 from prefixserve.common.config_util import from_dict
@@ -91,6 +91,24 @@ class ReplicaLoad:
             or not (0.0 <= self.kv_usage <= 1.0)
         ):
             raise ValueError(f"ReplicaLoad.kv_usage must be a number in [0, 1], got {self.kv_usage!r}")
+
+    def corrected(self, own_at_report: int, own_now: int) -> ReplicaLoad:
+        """This report corrected by a router's own in-flight change since it arrived.
+
+        Both hosts (router/serve, router/standalone) apply this one rule: requests the
+        router sent since count as waiting; requests that ended since come off waiting
+        first, then running; neither goes below 0.
+        """
+        waiting, running = self.num_waiting, self.num_running
+        delta = own_now - own_at_report
+        if delta > 0:
+            waiting += delta
+        elif delta < 0:
+            done = -delta
+            taken = min(waiting, done)
+            waiting -= taken
+            running = max(0, running - (done - taken))
+        return replace(self, num_waiting=waiting, num_running=running)
 
 
 def load_of(candidate: object) -> ReplicaLoad | None:

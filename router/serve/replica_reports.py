@@ -19,7 +19,7 @@ Pure Python: Ray only for type checking.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from prefixserve.router.policies import ReplicaLoad
@@ -74,17 +74,7 @@ def parse_load(stats: Mapping[str, Any]) -> ReplicaLoad | None:
 
 def corrected_load(report: Report, own_now: int) -> ReplicaLoad:
     """The report corrected by this router's own change since it arrived (the module docstring's rule)."""
-    load = report.load
-    waiting, running = load.num_waiting, load.num_running
-    delta = own_now - report.own_at_report
-    if delta > 0:
-        waiting += delta
-    elif delta < 0:
-        done = -delta
-        taken = min(waiting, done)
-        waiting -= taken
-        running = max(0, running - (done - taken))
-    return replace(load, num_waiting=waiting, num_running=running)
+    return report.load.corrected(report.own_at_report, own_now)
 
 
 @dataclass

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from prefixserve.router.policies import ReplicaLoad
 
@@ -64,16 +64,7 @@ class ReplicaState:
 
 def corrected_load(report: ReplicaLoad, own_at_report: int, own_now: int) -> ReplicaLoad:
     """``report`` corrected by the router's own in-flight change since it arrived (the module docstring)."""
-    waiting, running = report.num_waiting, report.num_running
-    delta = own_now - own_at_report
-    if delta > 0:
-        waiting += delta
-    elif delta < 0:
-        done = -delta
-        taken = min(waiting, done)
-        waiting -= taken
-        running = max(0, running - (done - taken))
-    return replace(report, num_waiting=waiting, num_running=running)
+    return report.corrected(own_at_report, own_now)
 
 
 class ReplicaSet:
