@@ -84,17 +84,14 @@ def test_a_conversation_turn_is_a_chat_with_an_answer_in_it_or_a_session_id(mess
     assert is_conversation_turn(messages, headers) is expected
 
 
-def _surviving_answer_block(tmp_path, *, evict_generated_first: bool, conversation: bool) -> bool:
+def _surviving_answer_block(ckpt: str, *, evict_generated_first: bool, conversation: bool) -> bool:
     """Request C finishes, then A (whose 4 generated tokens fill one block); then a third
     request needs one cached block evicted. True when A's answer block survived it."""
-    from model_helpers import tiny_checkpoint
-
     from prefixserve.replica.entrypoints.llm import LLM
     from prefixserve.replica.sampling_params import SamplingParams
 
-    ckpt = tiny_checkpoint(tmp_path / "tiny")
     with LLM(
-        str(ckpt), block_size=4, num_kv_blocks=7, eviction_policy="lru", evict_generated_first=evict_generated_first
+        ckpt, block_size=4, num_kv_blocks=7, eviction_policy="lru", evict_generated_first=evict_generated_first
     ) as llm:
         c_prompt, a_prompt = ([base + i for i in range(8)] for base in (300, 500))
         d_prompt = [700 + i for i in range(12)]
@@ -111,10 +108,10 @@ def _surviving_answer_block(tmp_path, *, evict_generated_first: bool, conversati
         return answer_hash in kv.pool.hash_to_block
 
 
-def test_a_one_shot_answer_is_evicted_before_older_prompts_but_a_conversation_answer_is_kept(tmp_path):
-    assert not _surviving_answer_block(tmp_path, evict_generated_first=True, conversation=False)
-    assert _surviving_answer_block(tmp_path, evict_generated_first=True, conversation=True)
-    assert _surviving_answer_block(tmp_path, evict_generated_first=False, conversation=False)  # vLLM's LRU order
+def test_a_one_shot_answer_is_evicted_before_older_prompts_but_a_conversation_answer_is_kept(ckpt):
+    assert not _surviving_answer_block(ckpt, evict_generated_first=True, conversation=False)
+    assert _surviving_answer_block(ckpt, evict_generated_first=True, conversation=True)
+    assert _surviving_answer_block(ckpt, evict_generated_first=False, conversation=False)  # vLLM's LRU order
 
 
 # --- protect_static_prefix ---------------------------------------------------------------
@@ -122,12 +119,10 @@ def test_a_one_shot_answer_is_evicted_before_older_prompts_but_a_conversation_an
 _SYSTEM = "You are the support assistant of a bakery. Answer in one short sentence, politely."
 
 
-def test_the_static_prefix_is_the_system_part_of_the_templated_prompt(tmp_path):
-    from model_helpers import tiny_checkpoint
-
+def test_the_static_prefix_is_the_system_part_of_the_templated_prompt(ckpt):
     from prefixserve.replica.entrypoints.llm import LLM
 
-    with LLM(str(tiny_checkpoint(tmp_path / "tiny")), block_size=4, num_kv_blocks=32) as llm:
+    with LLM(ckpt, block_size=4, num_kv_blocks=32) as llm:
         engine = llm.engine
         chat = [{"role": "system", "content": _SYSTEM}, {"role": "user", "content": "Do you sell rye bread?"}]
         ids = engine.input_processor.encode_chat(chat)
@@ -144,17 +139,15 @@ def test_the_static_prefix_is_the_system_part_of_the_templated_prompt(tmp_path):
         assert engine.input_processor.static_prefix_tokens(chat, ids[:3] + [0] * 20) == 3
 
 
-def _static_prefix_survives(tmp_path, protect: bool) -> bool:
+def _static_prefix_survives(ckpt: str, protect: bool) -> bool:
     """Chat A (system prompt + question), then one-shot B (no system prompt), both finished;
     then D needs every free block but A's static-prefix ones. True when they all survive."""
-    from model_helpers import tiny_checkpoint
-
     from prefixserve.replica.entrypoints.llm import LLM
     from prefixserve.replica.sampling_params import SamplingParams
 
     greedy = SamplingParams(temperature=0.0, max_tokens=1)
     with LLM(
-        str(tiny_checkpoint(tmp_path / "tiny")),
+        ckpt,
         block_size=4,
         num_kv_blocks=64,
         eviction_policy="slru",
@@ -173,18 +166,16 @@ def _static_prefix_survives(tmp_path, protect: bool) -> bool:
         return all(h in kv.pool.hash_to_block for h in prefix_hashes)
 
 
-def test_a_system_prompt_outlives_younger_one_shot_blocks_only_when_protected(tmp_path):
-    assert _static_prefix_survives(tmp_path, protect=True)
+def test_a_system_prompt_outlives_younger_one_shot_blocks_only_when_protected(ckpt):
+    assert _static_prefix_survives(ckpt, protect=True)
     # slru without the hint: A's prefix entered probation before B's blocks, so it goes first.
-    assert not _static_prefix_survives(tmp_path, protect=False)
+    assert not _static_prefix_survives(ckpt, protect=False)
 
 
-def test_the_request_runner_hands_the_static_prefix_to_the_engine(tmp_path):
+def test_the_request_runner_hands_the_static_prefix_to_the_engine(ckpt):
     """A chat through RequestRunner (what every engine host runs): after one request its
     system prompt's full blocks are protected, its question's are in probation."""
     import asyncio
-
-    from model_helpers import tiny_checkpoint
 
     from prefixserve.replica.config import EngineConfig
     from prefixserve.replica.contract.request import EngineRequest
@@ -195,7 +186,7 @@ def test_the_request_runner_hands_the_static_prefix_to_the_engine(tmp_path):
     engine = AsyncEngine(
         EngineConfig.from_dict(
             {
-                "model": str(tiny_checkpoint(tmp_path / "tiny", max_pos=512)),
+                "model": ckpt,
                 "num_kv_blocks": 64,
                 "block_size": 4,
                 "max_model_len": 256,
