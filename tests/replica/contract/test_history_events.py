@@ -248,12 +248,10 @@ def test_bad_bounds_are_refused():
         HistoryTracker(max_events=-1)
 
 
-def test_a_real_engines_finished_chats_report_the_routers_text_blocks(tmp_path):
+def test_a_real_engines_finished_chats_report_the_routers_text_blocks(ckpt):
     """LLMEngine (through AsyncEngine and RequestRunner) with a history-tracking publisher: finished chats
     produce HistoryStored events whose hashes are exactly the router's hashes of the same messages, and
     blocks the KV manager evicts are reported removed."""
-    from model_helpers import tiny_checkpoint
-
     from prefixserve.replica.config import EngineConfig
     from prefixserve.replica.contract.prompt_blocks import PromptHasher
     from prefixserve.replica.contract.request import EngineRequest
@@ -261,11 +259,8 @@ def test_a_real_engines_finished_chats_report_the_routers_text_blocks(tmp_path):
     from prefixserve.replica.engine.request_runner import RequestRunner
     from prefixserve.replica.sampling_params import SamplingParams
 
-    model = tiny_checkpoint(tmp_path / "tiny", max_pos=1024)
     engine = AsyncEngine(
-        EngineConfig.from_dict(
-            {"model": str(model), "num_kv_blocks": 160, "block_size": 4, "max_model_len": 512, "seed": 0}
-        )
+        EngineConfig.from_dict({"model": ckpt, "num_kv_blocks": 160, "block_size": 4, "max_model_len": 512, "seed": 0})
     )
     pub = KVEventPublisher(snapshot_every=1000, history=HistoryTracker())
     runner = RequestRunner(engine, pub)

@@ -143,20 +143,17 @@ def test_a_snapshot_withdraws_keys_it_no_longer_lists():
     assert consumer.apply("r", {"format": 99}) == []
 
 
-def test_a_real_engine_feeds_the_publisher_through_the_request_runner(tmp_path):
+def test_a_real_engine_feeds_the_publisher_through_the_request_runner(ckpt):
     """Requests with a routing key through RequestRunner: the publisher learns the key's shared prefix
     blocks (Contract-2 hashes equal to the KV manager's) and sees them in the real pool."""
-    from model_helpers import tiny_checkpoint
-
     from prefixserve.replica.config import EngineConfig
     from prefixserve.replica.contract.request import EngineRequest
     from prefixserve.replica.engine.async_engine import AsyncEngine
     from prefixserve.replica.engine.request_runner import RequestRunner
     from prefixserve.replica.sampling_params import SamplingParams
 
-    model = tiny_checkpoint(tmp_path / "tiny", max_pos=512)
     engine = AsyncEngine(
-        EngineConfig.from_dict({"model": str(model), "num_kv_blocks": 64, "block_size": 4, "max_model_len": 256})
+        EngineConfig.from_dict({"model": ckpt, "num_kv_blocks": 64, "block_size": 4, "max_model_len": 256})
     )
     pub = KVEventPublisher(snapshot_every=100)
     runner = RequestRunner(engine, pub)
@@ -248,14 +245,11 @@ def test_a_shared_disk_run_counts_for_every_replica_of_its_directory():
             pub.seq = 0  # the next payloads are snapshots again, for the next consumer
 
 
-def test_a_real_engine_reports_its_host_tier_blocks(tmp_path):
+def test_a_real_engine_reports_its_host_tier_blocks(ckpt):
     """An engine with a host tier: blocks its device pool evicted are reported in the host medium."""
-    from model_helpers import tiny_checkpoint
-
     from prefixserve.replica.entrypoints.llm import LLM
     from prefixserve.replica.sampling_params import SamplingParams
 
-    ckpt = str(tiny_checkpoint(tmp_path / "m", hidden=64, heads=4, kv_heads=2, seed=5))
     llm = LLM(ckpt, num_kv_blocks=8, kv_offloading_size=2**22 / 2**30)
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     first = list(range(100, 164))  # 4 full blocks
