@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
-from typing import Any
+from typing import Any, Protocol
 
 from prefixserve.router.policies.base import (
     KIND_HISTORY,
@@ -224,6 +224,16 @@ class _KeyOrder:
                 rankings.clear()
             getter = rankings[head] = itemgetter(*self.positions(head))
         return list(getter(candidates))
+
+
+class PromptHistory(Protocol):
+    """A prompt's chained block hashes as the hosts hold them (replica/contract/prompt_blocks.py PromptBlocks)."""
+
+    @property
+    def hashes(self) -> Sequence[bytes]: ...
+
+    @property
+    def static_blocks(self) -> int: ...
 
 
 class Placed(RingPolicy):
@@ -526,6 +536,18 @@ class Placed(RingPolicy):
             head = (chosen, *(p for p in placed if p != chosen))
         return Decision(
             entry.rank(head, candidates), owner=entry.owner, kind=kind, predicted_blocks=predicted, best_blocks=best
+        )
+
+    def rank_prompt(
+        self, candidates: Sequence[R], key: str | None, blocks: PromptHistory | None, count: bool = True
+    ) -> Decision[R]:
+        """``rank`` with the prompt's block hashes as both hosts hold them (None: the prompt has none)."""
+        return self.rank(
+            candidates,
+            key,
+            count=count,
+            history=blocks.hashes if blocks is not None else None,
+            static_blocks=blocks.static_blocks if blocks is not None else 0,
         )
 
     # -- other inputs -------------------------------------------------------------

@@ -47,13 +47,7 @@ class Ranker:
         start = time.perf_counter()
         with self._slot.lock:
             if placed is not None:
-                decision = placed.rank(
-                    views,
-                    key,
-                    count=count,
-                    history=blocks.hashes if blocks is not None else None,
-                    static_blocks=blocks.static_blocks if blocks is not None else 0,
-                )
+                decision = placed.rank_prompt(views, key, blocks, count=count)
                 if count and key is not None:
                     self._placement.count_request(key)
                 entries = len(placed.history) if placed.history is not None else 0

@@ -129,13 +129,7 @@ class StandaloneRouting:
                 matched = self.learn(key, blocks)
         else:
             blocks = self.blocks_of(body)
-        decision = placed.rank(
-            candidates,
-            key,
-            count=True,
-            history=blocks.hashes if blocks is not None else None,
-            static_blocks=blocks.static_blocks if blocks is not None else 0,
-        )
+        decision = placed.rank_prompt(candidates, key, blocks)
         return Plan(key, [c.name for c in decision.ranking], decision.owner, key is not None, blocks, matched)
 
     def landed(self, plan: Plan, name: str) -> str:
