@@ -16,7 +16,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from kernel_helpers import dense_attention, make_paged_batch, relative_error, run_cpu, to_cpu_layout
-from model_helpers import tiny_checkpoint
 
 from prefixserve.kernels import reference, reference_layer_ops
 from prefixserve.kernels.backends import select_backend
@@ -269,10 +268,10 @@ def test_select_backend_auto_on_cpu():
     ],
     ids=["auto", "torch"],
 )
-def test_the_engine_runs_one_backends_attention_and_layer_ops(tmp_path, name, attention, layer_ops):
+def test_the_engine_runs_one_backends_attention_and_layer_ops(ckpt, name, attention, layer_ops):
     """The shard's one select_backend call decides both: every attention layer runs the backend's
     attention, every norm, rotary and MLP its layer ops."""
-    with LLM(str(tiny_checkpoint(tmp_path / "ckpt")), num_kv_blocks=16, attention_backend=name) as llm:
+    with LLM(ckpt, num_kv_blocks=16, attention_backend=name) as llm:
         shard = llm.engine.runner.shard
         assert shard.backend.paged_attention is attention
         modules = list(shard.model.modules())
