@@ -216,13 +216,12 @@ def test_the_strict_flag_is_a_replica_option():
 
 
 @pytest.mark.slow
-def test_a_real_replica_serves_what_vllm_router_sends(tmp_path):
+def test_a_real_replica_serves_what_vllm_router_sends(ckpt, tmp_path):
     """A ``prefixserve replica`` process: chat requests with every SGLang field vllm-router adds,
     /tokenize and the render call; the fields are counted per request and logged once."""
-    from server_helpers import ReplicaProcess, build_tiny_llama, metric
+    from server_helpers import ReplicaProcess, metric
 
-    checkpoint = build_tiny_llama(tmp_path / "tiny-llama", seed=7)
-    with ReplicaProcess(checkpoint, "--max-model-len", "256", log_dir=tmp_path) as proc:
+    with ReplicaProcess(ckpt, "--max-model-len", "256", log_dir=tmp_path) as proc:
         with httpx.Client(base_url=proc.base_url, timeout=120) as http:
             for _ in range(3):
                 answer = http.post("/v1/chat/completions", json={**CHAT, **SGLANG_FIELDS})
