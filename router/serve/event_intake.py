@@ -25,17 +25,15 @@ from typing import Any
 from prefixserve.replica.contract.kv_events import KVEventConsumer, TierWeights
 from prefixserve.router.serve.history_feed import HistoryFeed
 from prefixserve.router.serve.metrics import RouterMetrics
-from prefixserve.router.serve.policy_slot import PolicySlot
+from prefixserve.router.serve.policy_slot import PolicySlot, SlotPart
 
 
-class KVEventIntake:
+class KVEventIntake(SlotPart):
     """Applies KV event payloads by replica name and feeds the policy what they say."""
 
     def __init__(self, slot: PolicySlot, history: HistoryFeed, metrics: RouterMetrics, deployment: str) -> None:
-        self._slot = slot
+        super().__init__(slot, metrics, deployment)
         self._history = history
-        self._metrics = metrics
-        self._deployment = deployment
         placed = slot.placed
         weights = TierWeights(placed.options.kv_host_weight, placed.options.kv_disk_weight) if placed else None
         self._consumer = KVEventConsumer(weights)

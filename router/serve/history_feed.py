@@ -18,16 +18,14 @@ from prefixserve.replica.contract.history_events import HistoryReport
 from prefixserve.replica.contract.prompt_blocks import PromptBlocks, PromptHasher, UnhashablePrompt
 from prefixserve.replica.contract.request import EngineRequest
 from prefixserve.router.serve.metrics import RouterMetrics
-from prefixserve.router.serve.policy_slot import PolicySlot
+from prefixserve.router.serve.policy_slot import PolicySlot, SlotPart
 
 
-class HistoryFeed:
+class HistoryFeed(SlotPart):
     """Hashes prompts for ``placed``'s history and applies what the router learns of where they are."""
 
     def __init__(self, slot: PolicySlot, metrics: RouterMetrics, deployment: str) -> None:
-        self._slot = slot
-        self._metrics = metrics
-        self._deployment = deployment
+        super().__init__(slot, metrics, deployment)
         self.hasher = PromptHasher()  # remembers earlier turns' message hashes
 
     def blocks(self, request: EngineRequest | None) -> PromptBlocks | None:

@@ -18,16 +18,14 @@ from dataclasses import replace
 from typing import Any
 
 from prefixserve.router.serve.metrics import RouterMetrics
-from prefixserve.router.serve.policy_slot import PolicySlot
+from prefixserve.router.serve.policy_slot import PolicySlot, SlotPart
 
 
-class PlacementSync:
+class PlacementSync(SlotPart):
     """This router's placement counts since the last exchange, and the leader / follower switch."""
 
     def __init__(self, slot: PolicySlot, metrics: RouterMetrics, deployment: str) -> None:
-        self._slot = slot
-        self._metrics = metrics
-        self._deployment = deployment
+        super().__init__(slot, metrics, deployment)
         # Requests and prefill work routed here since the last take_counts (key -> [n, tokens]).
         self._counts: dict[str, list[int]] = {}
 

@@ -15,6 +15,7 @@ import threading
 from dataclasses import dataclass, field
 
 from prefixserve.router.policies import Placed, Policy
+from prefixserve.router.serve.metrics import RouterMetrics
 
 
 @dataclass
@@ -28,3 +29,12 @@ class PolicySlot:
     def placed(self) -> Placed | None:
         """The policy when it is ``placed`` (placements, snapshots, history, precise hook), else None."""
         return self.policy if isinstance(self.policy, Placed) else None
+
+
+class SlotPart:
+    """A router part that uses the shared policy slot and records the deployment's metrics."""
+
+    def __init__(self, slot: PolicySlot, metrics: RouterMetrics, deployment: str) -> None:
+        self._slot = slot
+        self._metrics = metrics
+        self._deployment = deployment

@@ -19,19 +19,17 @@ from prefixserve.replica.contract.prompt_blocks import PromptBlocks
 from prefixserve.router.policies import Decision, ReplicaView
 from prefixserve.router.serve.metrics import RouterMetrics
 from prefixserve.router.serve.placement_sync import PlacementSync
-from prefixserve.router.serve.policy_slot import PolicySlot
+from prefixserve.router.serve.policy_slot import PolicySlot, SlotPart
 
 V = TypeVar("V", bound=ReplicaView)
 
 
-class Ranker:
+class Ranker(SlotPart):
     """Ranks candidates with the slot's policy and records each decision's metrics."""
 
     def __init__(self, slot: PolicySlot, placement: PlacementSync, metrics: RouterMetrics, deployment: str) -> None:
-        self._slot = slot
+        super().__init__(slot, metrics, deployment)
         self._placement = placement
-        self._metrics = metrics
-        self._deployment = deployment
 
     def rank(
         self, views: Sequence[V], key: str | None, count: bool = True, blocks: PromptBlocks | None = None
