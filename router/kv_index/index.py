@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -106,13 +106,18 @@ class KVEventIndex:
             self.stats.cleared += 1
             self._forget(replica)
 
-    def _store(self, replica: str, hashes: Iterable[object], medium: str) -> None:
-        blocks, mine = self._blocks, self._per_replica.setdefault(replica, set())
+    def _valid(self, hashes: Iterable[object]) -> Iterator[int]:
+        """The hashes as ints, in order; one that is not a block hash is counted and skipped."""
         for raw in hashes:
             h = normalize_block_hash(raw)
             if h is None:
                 self.stats.invalid_hashes += 1
-                continue
+            else:
+                yield h
+
+    def _store(self, replica: str, hashes: Iterable[object], medium: str) -> None:
+        blocks, mine = self._blocks, self._per_replica.setdefault(replica, set())
+        for h in self._valid(hashes):
             holders = blocks.get(h)
             if holders is None:
                 holders = blocks[h] = _Holders()
@@ -135,11 +140,7 @@ class KVEventIndex:
 
     def _remove(self, replica: str, hashes: Iterable[object], medium: str) -> None:
         blocks = self._blocks
-        for raw in hashes:
-            h = normalize_block_hash(raw)
-            if h is None:
-                self.stats.invalid_hashes += 1
-                continue
+        for h in self._valid(hashes):
             holders = blocks.get(h)
             media = holders.media.get(replica) if holders is not None else None
             if holders is None or media is None or medium not in media:
