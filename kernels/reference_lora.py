@@ -10,6 +10,9 @@ Several projections fused into one linear (q/k/v, gate/up) stack their ranks: ``
 ``[slots, n * r, in]`` and ``B`` is ``[slots, out, n * r]`` with slice ``i``'s output rows
 reading only slice ``i``'s ranks (zeros elsewhere), so one shrink and one expand cover the
 fused layer. Ranks below the slot's width are zero-padded: the padding adds exact zeros.
+
+This is the torch implementation (CPUs, and the oracle); ``kernels/triton/lora.py`` is the
+GPU one, reading each row's slot from ``LoRAMapping.token_slots``. Imports torch only.
 """
 
 from __future__ import annotations
@@ -21,11 +24,13 @@ import torch
 
 @dataclass(frozen=True)
 class LoRAMapping:
-    """A step's rows grouped by adapter slot: ``groups`` = ``(slot, row indices)``, slots >= 0 only.
+    """A step's rows grouped by adapter slot: ``groups`` = ``(slot, row indices)``, slots >= 0 only;
+    ``token_slots`` each row's slot (-1: none).
 
     ``full`` names the slot when every row of the batch uses it (no gather needed)."""
 
     groups: tuple[tuple[int, torch.Tensor], ...]
+    token_slots: torch.Tensor
     full: int | None = None
 
     @classmethod
@@ -35,12 +40,14 @@ class LoRAMapping:
         if not present:
             return None
         if len(present) == 1 and bool((token_slots == present[0]).all()):
-            return cls(((present[0], torch.arange(token_slots.numel(), device=token_slots.device)),), present[0])
+            rows = torch.arange(token_slots.numel(), device=token_slots.device)
+            return cls(((present[0], rows),), token_slots, present[0])
         groups = tuple((s, torch.nonzero(token_slots == s).flatten()) for s in present)
-        return cls(groups)
+        return cls(groups, token_slots)
 
     def to(self, device: torch.device) -> LoRAMapping:
-        return LoRAMapping(tuple((s, rows.to(device)) for s, rows in self.groups), self.full)
+        groups = tuple((s, rows.to(device)) for s, rows in self.groups)
+        return LoRAMapping(groups, self.token_slots.to(device), self.full)
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mapping: LoRAMapping) -> torch.Tensor:

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from prefixserve.kernels.reference_lora import LoRAMapping
 from prefixserve.replica.lora.adapter import LoRAAdapter, ModuleShapes, load_adapter
 from prefixserve.replica.lora.request import LoRARequest
-from prefixserve.replica.lora.sgmv import LoRAMapping
 
 
 @dataclass(frozen=True)

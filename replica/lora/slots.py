@@ -2,7 +2,7 @@
 
 :class:`LoRASlots` attaches a :class:`LoRALinear` to every projection an adapter may target
 (the fused q/k/v and gate/up linears, o and down) of a built ``LlamaForCausalLM``; each
-holds zeroed ``A``/``B`` buffers of ``max_loras`` slots at ``max_lora_rank`` (see sgmv.py for
+holds zeroed ``A``/``B`` buffers of ``max_loras`` slots at ``max_lora_rank`` (see kernels/reference_lora.py for
 the layout). :meth:`LoRASlots.load` writes an adapter into a slot (every projection it does
 not adapt stays zero there); :meth:`LoRASlots.set_mapping` gives every layer the step's
 rows grouped by slot. One mapping object is shared by all layers, set once per step.
@@ -12,12 +12,13 @@ Tensor parallelism is refused with LoRA (EngineConfig): the buffers are full-wid
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from prefixserve.kernels.reference_lora import LoRAMapping, add_lora
 from prefixserve.replica.lora.adapter import LoRAAdapter
-from prefixserve.replica.lora.sgmv import LoRAMapping, add_lora
 from prefixserve.replica.model.llama import LlamaForCausalLM
 
 # PEFT module -> (the model's linear, as a path from a decoder layer; the slice it fills).
@@ -32,10 +33,32 @@ MODULE_SLICES: dict[str, tuple[str, int]] = {
 }
 
 
+# The segmented matmul: y, x, A, B, the step's mapping -> y (updated in place).
+LoRAOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LoRAMapping], torch.Tensor]
+
+
+def _torch_op(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, m: LoRAMapping) -> torch.Tensor:
+    return add_lora(y, x, a, b, m)
+
+
+def segmented_op(triton: bool) -> LoRAOp:
+    """The Triton kernels with the Triton backend (CUDA, or the interpreter in tests: one launch
+    pair per projection, whatever the adapters), torch otherwise."""
+    if not triton:
+        return _torch_op
+    from prefixserve.kernels.triton.lora import triton_add_lora
+
+    def triton_op(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, m: LoRAMapping) -> torch.Tensor:
+        return triton_add_lora(y, x.contiguous(), a, b, m.token_slots)
+
+    return triton_op
+
+
 class _Shared:
-    """The step's mapping, read by every layer."""
+    """The step's mapping and the op that applies it, read by every layer."""
 
     mapping: LoRAMapping | None = None
+    op: LoRAOp = _torch_op
 
 
 class LoRALinear:
@@ -72,17 +95,26 @@ class LoRALinear:
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (the base projection of ``x``) plus each row's adapter delta."""
         mapping = self.shared.mapping
-        return y if mapping is None else add_lora(y, x, self.a, self.b, mapping)
+        return y if mapping is None else self.shared.op(y, x, self.a, self.b, mapping)
 
 
 class LoRASlots:
     """``max_loras`` adapter slots in every adaptable projection of ``model``."""
 
     def __init__(
-        self, model: LlamaForCausalLM, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device
+        self,
+        model: LlamaForCausalLM,
+        max_loras: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        *,
+        triton: bool = False,
     ) -> None:
+        """``triton``: apply the adapters with the Triton kernels (the Triton attention backend's model)."""
         self.max_loras = max_loras
         self.shared = _Shared()
+        self.shared.op = segmented_op(triton)
         self.layers: list[dict[str, LoRALinear]] = []
         decoder_layers: list[Any] = list(model.layers)
         for layer in decoder_layers:

@@ -169,7 +169,14 @@ class ModelShard:
             # Adapter slots in every adaptable projection (enable_lora): allocated before the KV
             # cache is sized, so that their memory is counted.
             self.lora_slots = (
-                LoRASlots(self.model, config.max_loras, config.max_lora_rank, dtype, device)
+                LoRASlots(
+                    self.model,
+                    config.max_loras,
+                    config.max_lora_rank,
+                    dtype,
+                    device,
+                    triton=self.backend.name == "triton",
+                )
                 if config.enable_lora
                 else None
             )

@@ -10,7 +10,8 @@ reference bit for bit (tests/kernels/test_fp8_kv.py checks the same code under t
 The fused layer kernels (kernels/triton/layer_ops.py) are compiled for every dtype and
 constexpr branch; the rotary kernel must contain no fused multiply-add (its fp32 path
 rounds like the torch chain only without contraction) and its fp8 cache store the same
-div.rn and integer e4m3 rounding as the cache write.
+div.rn and integer e4m3 rounding as the cache write. The segmented LoRA matmul's shrink and
+expand kernels (kernels/triton/lora.py) are compiled for each activation dtype.
 
 Usage: ``python tests/kernels/kernel_compile_check.py [sm]`` (default 90); prints one line
 per variant and exits non-zero on the first failure.
@@ -32,6 +33,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from prefixserve.kernels.triton import cache_write, paged_attention  # noqa: E402
 from prefixserve.kernels.triton import layer_ops as triton_layer_ops  # noqa: E402
+from prefixserve.kernels.triton import lora as triton_lora  # noqa: E402
 
 TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8e4nv"}
 
@@ -117,6 +119,21 @@ def main(sm: int) -> None:
                 raise SystemExit(f"fp8 store {src}: expected div.rn.f32 and no hardware e4m3 conversion")
         print("ok cache write", src, "->", cache, flush=True)
     layer_ops_variants(target)
+    lora_variants(target)
+
+
+def lora_variants(target: GPUTarget) -> None:
+    """The segmented LoRA matmul's shrink and expand kernels (kernels/triton/lora.py) per activation dtype."""
+    for act in ("fp32", "fp16", "bf16"):
+        ints = {name: "i32" for name in ("K", "R", "N", "stride_x", "stride_as", "stride_ar", "stride_y")}
+        shrink = {"x_ptr": "*" + act, "a_ptr": "*" + act, "h_ptr": "*fp32", "slots_ptr": "*i64", **ints}
+        constants = dict(BLOCK_R=triton_lora.BLOCK_R, BLOCK_K=triton_lora.BLOCK_K)
+        _compile(triton_lora._shrink, shrink, constants, target, num_warps=4)
+        expand = {"h_ptr": "*fp32", "b_ptr": "*" + act, "y_ptr": "*" + act, "slots_ptr": "*i64", **ints}
+        expand.update(stride_bs="i32", stride_bn="i32")
+        constants = dict(BLOCK_N=triton_lora.BLOCK_N, BLOCK_R=triton_lora.BLOCK_R)
+        _compile(triton_lora._expand, expand, constants, target, num_warps=4)
+        print("ok lora", act, flush=True)
 
 
 def _check_fp8_store(ptx: str, label: str) -> None:

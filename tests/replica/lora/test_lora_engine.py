@@ -152,3 +152,22 @@ def test_preempted_adapter_requests_keep_their_tokens(ckpt: str, adapters: dict[
     got = tight.generate(prompts, GREEDY, lora_request=loras)
     assert tight.engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in roomy]
+
+
+def test_triton_backend_applies_adapters_with_the_triton_kernels(
+    ckpt: str, adapters: dict[str, LoRARequest], seed: int
+) -> None:
+    """The Triton backend's model (its attention, layer ops and LoRA kernels, under the interpreter
+    here) gives the torch path's tokens, adapters and base mixed."""
+    from prefixserve.replica.lora.slots import _torch_op
+
+    names = ["all", None, "mlp"]
+    prompts = [p[:12] for p in _prompts(seed, len(names))]
+    loras = [None if n is None else adapters[n] for n in names]
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    expected = _engine(ckpt, max_loras=2, attention_backend="torch").generate(prompts, params, lora_request=loras)
+    triton = _engine(ckpt, max_loras=2, attention_backend="triton")
+    slots = triton.engine.runner.shard.lora_slots
+    assert slots is not None and slots.shared.op is not _torch_op
+    got = triton.generate(prompts, params, lora_request=loras)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
