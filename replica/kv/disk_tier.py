@@ -7,23 +7,31 @@ bytes valid::
 
     <model fingerprint>-<kv dtype>-bs<block size>-<layout>-tp<rank>of<size>-<block hash>.kv
 
-(``DiskKey.file_name``): the model fingerprint (the weights themselves, sampled, and the
-fp8 scales), the cache dtype, the block size, the attention backend's block layout,
-the tensor-parallel rank and size, and the chained block hash (Contract 2 of
-docs/design.md, which covers the parent chain and ``cache_salt``).
+(``DiskKey.file_name``): the model fingerprint (the weights themselves, sampled, the fp8
+scales, and the config the KV depends on: ``replica/worker/tier_io.py`` ``kv_config``),
+the cache dtype, the block size, the attention backend's block layout, the
+tensor-parallel rank and size, and the chained block hash (Contract 2 of docs/design.md,
+which covers the parent chain and ``cache_salt``).
 
 A file is ``MAGIC``, a little-endian u32 header length, a JSON header (the key, the
 block hash, the payload length, the payload's xxh3_64) and the payload. A read checks
 all of it: a file that is truncated, corrupt, or written for another key is a miss and
-is deleted, never wrong tokens.
+is deleted, never wrong tokens. The directory is shared, so whatever sits under a block's
+name is opened with ``O_NOFOLLOW | O_NONBLOCK`` and ``fstat``-ed before a byte is read:
+only a regular file of exactly the block file's size is read; a symlink (to a huge file,
+say), a FIFO (which would block a plain open), a directory or a file of another size is
+a miss, removed when it can be, and never stops the tier.
 
 Writes are write-behind: ``store`` puts the payload on a bounded queue (dropped and
 counted when full) and one writer thread writes a temporary file beside the target,
 then renames it (atomic on POSIX), so a writer killed mid-write leaves only a
 ``.tmp`` file that no reader opens; two writers of one block both rename whole files.
-The directory is bounded by ``size_bytes``: past it the writer deletes the least
-recently used files (reads refresh a file's mtime) down to ``TRIM_TO`` of the bound,
-rescanning the directory, so files other replicas wrote count too.
+The directory is bounded by ``size_bytes``, as measured from the directory: every
+``1 / SCAN_FRACTION`` of the bound this process writes it re-measures the directory's
+block files (regular files only, every writer's), and past the bound deletes the least
+recently used files (reads refresh a file's mtime), whoever wrote them, down to
+``TRIM_TO`` of the bound. With N writers sharing a directory it therefore exceeds the bound
+by at most about N / ``SCAN_FRACTION`` of it between two measurements.
 
 ``contains`` answers from memory: the tier keeps the set of block hashes it knows to be
 in the directory (what it wrote, read or found there), refreshed from a directory
@@ -33,9 +41,13 @@ call; its answer may lag another replica's write or trim by that interval. That 
 never serves a wrong token (``load`` reads and verifies the file, and a file found
 missing leaves the set) and never writes a block twice (the writer checks the file).
 
-A disk fault (full, read-only, the directory gone) stops the tier for good with one
-warning and one ``errors`` count; serving goes on from the other tiers. A directory
-that cannot be used at start raises ``ValueError`` naming it.
+A full disk (ENOSPC, EDQUOT, EFBIG) degrades the tier instead of stopping it: the write is
+dropped and counted (``errors["write"]``, ``dropped_writes``), this process trims the
+directory to ``TRIM_TO`` of what it measures, and writes pause for ``FULL_BACKOFF_S``
+(dropped and counted meanwhile; reads go on), then resume: one warning per episode. Any
+other disk fault (read-only, the directory gone) stops the tier for good with one warning
+and one ``errors`` count; serving goes on from the other tiers. A directory that cannot
+be used at start raises ``ValueError`` naming it.
 
 Under tensor parallelism each rank holds its shard of every block, so a block is one file
 per rank, each rank writing and reading only its own (``BlockFiles``), and rank 0's
@@ -55,6 +67,7 @@ import json
 import logging
 import os
 import queue
+import stat
 import struct
 import threading
 import time
@@ -74,6 +87,14 @@ TRIM_TO = 0.9
 STALE_TMP_S = 600.0
 # Seconds between the directory listings that refresh the set ``contains`` answers from.
 LIST_EVERY_S = 2.0
+# Each writer re-measures the shared directory every 1/SCAN_FRACTION of the bound it writes.
+SCAN_FRACTION = 64
+# After a full disk: seconds writes pause (dropped and counted) before they are tried again.
+FULL_BACKOFF_S = 30.0
+# Write errors that mean "no space": the tier degrades and recovers instead of stopping.
+NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+# Flags a block file is opened with: never through a symlink, never blocking on a FIFO.
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 _HEADER_LEN = struct.Struct("<I")
 
 
@@ -130,17 +151,21 @@ class DiskTierStats:
     disabled: bool = False
 
 
+def _header(key: DiskKey, block_hash: bytes, length: int, digest: str) -> bytes:
+    return json.dumps({"key": key.header_key(), "hash": block_hash.hex(), "length": length, "xxh3_64": digest}).encode()
+
+
 def encode_block_file(key: DiskKey, block_hash: bytes, payload: bytes) -> bytes:
     """A block file's bytes (MAGIC, header length, JSON header, payload)."""
-    header = json.dumps(
-        {
-            "key": key.header_key(),
-            "hash": block_hash.hex(),
-            "length": len(payload),
-            "xxh3_64": xxhash.xxh3_64_hexdigest(payload),
-        }
-    ).encode()
+    header = _header(key, block_hash, len(payload), xxhash.xxh3_64_hexdigest(payload))
     return MAGIC + _HEADER_LEN.pack(len(header)) + header + payload
+
+
+def block_file_size(key: DiskKey, block_hash: bytes) -> int:
+    """The exact size of ``block_hash``'s file of ``key``: every header field has a fixed width
+    for them (the digest is always 16 hex digits)."""
+    header = _header(key, block_hash, key.payload_bytes, "0" * 16)
+    return len(MAGIC) + _HEADER_LEN.size + len(header) + key.payload_bytes
 
 
 def decode_block_file(key: DiskKey, block_hash: bytes, data: bytes) -> bytes | None:
@@ -178,12 +203,17 @@ class BlockFiles:
     whole tier (``DiskTier.fail``).
     """
 
-    def __init__(self, path: str, key: DiskKey, queue_blocks: int = 256) -> None:
+    def __init__(
+        self, path: str, key: DiskKey, queue_blocks: int = 256, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.path = os.path.abspath(path)
         self.key = key
         self.stats = DiskTierStats()
         self.fault: tuple[str, str] | None = None
         self._enabled = True
+        self._clock = clock
+        # While the disk is full: when writes are tried again (None: they are not paused).
+        self._paused_until: float | None = None
         self._lock = threading.Lock()
         self._check_usable()
         self._queue: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue(maxsize=queue_blocks)
@@ -221,28 +251,49 @@ class BlockFiles:
             return None
         name = self._file(block_hash)
         try:
-            with open(name, "rb") as f:
-                data = f.read()
+            data = self._read_file(name, block_file_size(self.key, block_hash))
         except FileNotFoundError:
             self._note(block_hash, False)
             if not os.path.isdir(self.path):
                 self._fail("read", FileNotFoundError(errno.ENOENT, "the directory vanished", self.path))
             return None
         except OSError as exc:
-            self._fail("read", exc)
-            return None
-        payload = decode_block_file(self.key, block_hash, data)
+            if exc.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+                self._fail("read", exc)
+                return None
+            data = None  # a symlink (O_NOFOLLOW), a socket or a directory under the block's name
+        payload = None if data is None else decode_block_file(self.key, block_hash, data)
         if payload is None:
             self.stats.invalid_files += 1
             _remove(name)
             self._note(block_hash, False)
             return None
         try:
-            os.utime(name)  # the size bound evicts the least recently used files first
+            os.utime(name, follow_symlinks=False)  # the size bound evicts the least recently used files first
         except OSError:
             pass  # evicted by another replica meanwhile: the payload read is whole and verified
         self._note(block_hash, True)
         return payload
+
+    @staticmethod
+    def _read_file(name: str, size: int) -> bytes | None:
+        """The bytes of ``name`` when it is a regular file of exactly ``size`` bytes, else None; never
+        follows a symlink nor blocks on a FIFO, and reads nothing of a file of another size."""
+        fd = os.open(name, _OPEN_FLAGS)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+                return None
+            chunks, left = [], size
+            while left:
+                chunk = os.read(fd, left)
+                if not chunk:
+                    return None  # shrank under us: another process truncated it
+                chunks.append(chunk)
+                left -= len(chunk)
+            return b"".join(chunks)
+        finally:
+            os.close(fd)
 
     def count_loaded(self, payload: bytes) -> None:
         """Count one block served from the disk."""
@@ -258,7 +309,8 @@ class BlockFiles:
 
     def store(self, block_hash: bytes, payload: bytes) -> bool:
         """Queue a block for the writer; False (counted) when the queue is full or the tier stopped."""
-        if not self._enabled:
+        if not self._enabled or self._write_paused():
+            self.stats.dropped_writes += 1
             return False
         try:
             self._queue.put_nowait((block_hash, payload))
@@ -290,7 +342,7 @@ class BlockFiles:
 
     def _touch_file(self, name: str, block_hash: bytes, mtime_ns: int) -> bool:
         try:
-            os.utime(name, ns=(mtime_ns, mtime_ns))
+            os.utime(name, ns=(mtime_ns, mtime_ns), follow_symlinks=False)
         except OSError:
             self._note(block_hash, False)
             return False
@@ -319,8 +371,10 @@ class BlockFiles:
             try:
                 if item is None:
                     return
-                if self._enabled:
+                if self._enabled and not self._write_paused():
                     self._write(*item)
+                elif self._enabled:
+                    self.stats.dropped_writes += 1
             except Exception as exc:  # noqa: BLE001 - a writer fault stops the tier, never the engine
                 self._fail("write", exc)
             finally:
@@ -339,8 +393,14 @@ class BlockFiles:
             os.replace(tmp, target)
         except OSError as exc:
             _remove(tmp)
-            self._fail("write", exc)
+            if exc.errno in NO_SPACE_ERRNOS:
+                self._disk_full(exc)
+            else:
+                self._fail("write", exc)
             return
+        if self._paused_until is not None:
+            self._paused_until = None
+            log.info("KV disk tier at %s writes again after a full disk", self.path)
         self._note(block_hash, True)
         self.stats.stored_blocks += 1
         self.stats.stored_bytes += len(payload)
@@ -348,6 +408,32 @@ class BlockFiles:
 
     def _wrote(self, nbytes: int) -> None:
         """A file of ``nbytes`` was written (``DiskTier`` bounds the directory's size)."""
+
+    def _write_paused(self) -> bool:
+        """Whether writes wait out a full disk (``FULL_BACKOFF_S`` after it)."""
+        until = self._paused_until
+        return until is not None and self._clock() < until
+
+    def _disk_full(self, exc: OSError) -> None:
+        """A write found no space: drop it, pause writes for ``FULL_BACKOFF_S``, make room; the tier
+        stays up (reads go on) and writes resume after the pause."""
+        with self._lock:
+            self.stats.errors["write"] = self.stats.errors.get("write", 0) + 1
+            self.stats.dropped_writes += 1
+            first = self._paused_until is None
+            self._paused_until = self._clock() + FULL_BACKOFF_S
+        if first:
+            log.warning(
+                "KV disk tier at %s: the disk is full (%s); writes pause for %g s and old block files are "
+                "trimmed, reads go on",
+                self.path,
+                exc,
+                FULL_BACKOFF_S,
+            )
+        self._make_room()
+
+    def _make_room(self) -> None:
+        """Free space after a full disk (``DiskTier`` trims the directory; a worker rank leaves that to rank 0)."""
 
     def _fail(self, op: str, exc: BaseException) -> bool:
         """Stop after a disk fault, counted per op; True for the fault that stopped it."""
@@ -397,7 +483,9 @@ class DiskTier(BlockFiles):
         self._gone: set[bytes] = set()
         self._bytes = 0
         self._rank_keys = [dataclasses.replace(key, tp_rank=r) for r in range(key.tp_size)]
-        super().__init__(path, key, queue_blocks)
+        # Bytes this process wrote since it last measured the directory.
+        self._since_measure = 0
+        super().__init__(path, key, queue_blocks, clock)
         self._bytes = self._scan_size()
         self._listed_at = self._clock()
 
@@ -411,9 +499,11 @@ class DiskTier(BlockFiles):
         known = set()
         for entry in self._entries():
             try:
-                st = entry.stat()
+                st = entry.stat(follow_symlinks=False)
             except OSError:
                 continue
+            if not stat.S_ISREG(st.st_mode):
+                continue  # a symlink, FIFO or directory holds no block and no space of ours
             if entry.name.endswith(TMP_SUFFIX):
                 if now - st.st_mtime > STALE_TMP_S:
                     _remove(entry.path)
@@ -535,24 +625,42 @@ class DiskTier(BlockFiles):
     def _wrote(self, nbytes: int) -> None:
         # Every rank writes a file of this size for the block (each holds its shard of it).
         self._bytes += nbytes * self.key.tp_size
+        self._since_measure += nbytes * self.key.tp_size
+        if self._since_measure >= self.size_bytes / SCAN_FRACTION:
+            # Other replicas write into the directory too: measure it, not this process's writes.
+            self._bytes = sum(size for _, size, _ in self._block_files())
+            self._since_measure = 0
         if self._bytes > self.size_bytes:
             self._trim()
 
-    def _trim(self) -> None:
-        """Delete the least recently used block files down to ``TRIM_TO`` of the bound (a block of
-        this key goes with every rank's file of it)."""
+    def _make_room(self) -> None:
+        try:
+            self._trim(min(self.size_bytes, sum(size for _, size, _ in self._block_files())) * TRIM_TO)
+        except OSError:
+            pass  # the directory is gone: the next read or write reports it
+
+    def _block_files(self) -> list[tuple[int, int, str]]:
+        """(mtime_ns, size, path) of the directory's block files: regular files only, every writer's."""
         files = []
         for entry in self._entries():
             if entry.name.endswith(SUFFIX):
                 try:
-                    st = entry.stat()
+                    st = entry.stat(follow_symlinks=False)
                 except OSError:
                     continue  # deleted by another replica meanwhile
-                files.append((st.st_mtime_ns, st.st_size, entry.path))
+                if stat.S_ISREG(st.st_mode):
+                    files.append((st.st_mtime_ns, st.st_size, entry.path))
+        return files
+
+    def _trim(self, goal: float | None = None) -> None:
+        """Delete the least recently used block files, whoever wrote them, down to ``goal`` bytes
+        (``TRIM_TO`` of the bound); a block of this key goes with every rank's file of it."""
+        files = self._block_files()
         files.sort()
         sizes = {name: size for _, size, name in files}
         total = sum(sizes.values())
-        goal = self.size_bytes * TRIM_TO
+        goal = self.size_bytes * TRIM_TO if goal is None else goal
+        self._since_measure = 0
         for _, _, name in files:
             if total <= goal:
                 break

@@ -5,7 +5,8 @@ slots and the disk (``replica/kv/tiers.py``); the host <-> device copies travel 
 the swap copies (``ModelShard.swap``, every rank). This module does the rest, on each
 rank for its own shard: it reads blocks (device or host slots) as payload bytes for the
 disk tier, writes payloads read from disk into host slots, and names what makes a
-payload valid (``disk_key``: the model's fingerprint, dtype, block size, layout, rank).
+payload valid (``disk_key``: the model's fingerprint, weights and KV config, dtype, block size,
+layout, rank).
 :class:`TierIO` is rank 0's (the payloads the KV manager read); :class:`ShardTierIO` a
 worker rank's under tensor parallelism (its own files, read when rank 0's lookup asks,
 held until the step's fills).
@@ -16,7 +17,9 @@ A block's payload is its K rows then its V rows over every layer, as raw bytes
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -30,11 +33,37 @@ from prefixserve.replica.worker.model_shard import ModelShard
 FINGERPRINT_SAMPLE_ELEMENTS = 4096
 
 
+def kv_config(shard: ModelShard) -> str:
+    """Everything besides the weights that a block's K and V values depend on, as canonical JSON:
+    the model's config (RoPE theta, type and scaling, max positions, norm epsilon, head layout,
+    biases, windows), the compute and KV dtypes, the block size, the tensor-parallel rank and
+    size with this rank's KV heads, and, for a scaled RoPE, the context length (dynamic NTK
+    scales its frequencies by it). Two replicas of one weight file and another config must
+    never read each other's blocks."""
+    model = dataclasses.asdict(shard.model_cfg)
+    model.pop("eos_token_ids", None)  # when generation stops, not what a block holds
+    scaled = shard.model_cfg.rope.rope_type != "default"
+    return json.dumps(
+        {
+            "model": model,
+            "dtype": str(shard.dtype),
+            "kv_dtype": str(shard.kv_cache_dtype),
+            "block_size": shard.block_size,
+            "tp": [shard.tp.rank, shard.tp.size, shard.num_kv_heads],
+            "max_model_len": shard.max_model_len if scaled else None,
+        },
+        sort_keys=True,
+        default=str,
+    )
+
+
 def model_fingerprint(shard: ModelShard) -> str:
     """A digest of the shard's weights (names, shapes, dtypes, a strided sample of every
-    tensor's values) and its fp8 KV scales: another checkpoint, even under the same path,
-    gets another fingerprint."""
+    tensor's values), its fp8 KV scales and its KV config (``kv_config``): another checkpoint,
+    even under the same path, or the same weights under another config, gets another
+    fingerprint."""
     h = hashlib.sha256()
+    h.update(kv_config(shard).encode())
     for name, p in shard.model.state_dict().items():
         t = p.detach().reshape(-1)
         h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())

@@ -4,6 +4,7 @@ and engines sharing one directory: the second serves what the first computed."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import resource
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 from model_helpers import engine_metric, four_block_prompts, output_token_ids, tiny_checkpoint
 
-from prefixserve.replica.kv.disk_tier import SUFFIX, TMP_SUFFIX, DiskKey, DiskTier
+from prefixserve.replica.kv.disk_tier import FULL_BACKOFF_S, SUFFIX, TMP_SUFFIX, DiskKey, DiskTier
 
 KEY = DiskKey("ab" * 32, "float32", 16, "cpu:2x16x16.2x16x16", 0, 1, 64)
 
@@ -191,20 +192,108 @@ def test_a_read_only_directory_stops_the_tier_with_one_warning(tmp_path, caplog)
     tier.close()
 
 
-def test_a_full_disk_stops_the_tier_with_one_warning(tmp_path, caplog):
+class FakeClock:
+    """A monotonic clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_full_disk_degrades_the_tier_and_it_recovers(tmp_path, caplog):
     # The process's file-size limit makes the write fail as a full disk does (EFBIG, the
     # same failed write); SIGXFSZ is ignored so the write returns the error.
-    tier = DiskTier(str(tmp_path / "kv"), 1 << 20, KEY)
+    clock = FakeClock()
+    tier = DiskTier(str(tmp_path / "kv"), 1 << 20, KEY, clock=clock)
+    _stored(tier, 1)
     old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (32, hard))
     try:
-        _fault_stops_the_tier(tier, caplog)
+        with caplog.at_level(logging.WARNING, logger="prefixserve.replica.kv.disk_tier"):
+            assert tier.store(_hash(7), _payload(7))
+            assert tier.flush()
+            assert not tier.store(_hash(8), _payload(8))  # writes pause: dropped and counted
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         signal.signal(signal.SIGXFSZ, old_handler)
+    assert tier.enabled and tier.stats.errors["write"] == 1 and tier.stats.dropped_writes == 2
+    assert len([r for r in caplog.records if "full" in r.getMessage()]) == 1
     assert not list((tmp_path / "kv").glob("*" + TMP_SUFFIX))  # the partial temporary file is gone
+    # Reads go on; after the pause writes do too: the tier recovered.
+    assert not (tmp_path / "kv" / KEY.file_name(_hash(7))).exists()
+    clock.now += FULL_BACKOFF_S + 1
+    _stored(tier, 9)
+    assert tier.load(_hash(9)) == _payload(9)
+    assert tier.enabled and tier.stats.errors["write"] == 1
     tier.close()
+
+
+def test_a_full_disk_trims_the_directory_to_make_room(tmp_path):
+    size = len(_stored_size_probe(tmp_path / "probe"))
+    tier = DiskTier(str(tmp_path / "kv"), size * 100, KEY)
+    for i in range(20):
+        _stored(tier, i)
+    tier._disk_full(OSError(28, "No space left on device"))
+    left = len(list((tmp_path / "kv").glob("*" + SUFFIX)))
+    assert left == 18 and tier.stats.evicted_files == 2 and tier.enabled  # 90% of what was there
+    tier.close()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "symlink_to_big_file", "dangling_symlink", "wrong_size"])
+def test_only_a_regular_file_of_the_block_size_is_read(tmp_path, kind):
+    kv = tmp_path / "kv"
+    tier = DiskTier(str(kv), 1 << 40, KEY)
+    _stored(tier, 1)
+    name = kv / KEY.file_name(_hash(2))
+    if kind == "fifo":
+        os.mkfifo(name)  # a plain open for reading would wait for a writer forever
+    elif kind == "directory":
+        name.mkdir()
+        (name / "x").write_bytes(b"x")
+    elif kind == "symlink_to_big_file":
+        big = tmp_path / "big"
+        with open(big, "wb") as f:
+            f.truncate(1536 * 1024**2)  # 1.5 GiB, sparse
+        name.symlink_to(big)
+    elif kind == "dangling_symlink":
+        name.symlink_to(tmp_path / "nothing")
+    else:
+        name.write_bytes(_stored_size_probe(tmp_path / "probe") + b"x")
+    result: list[object] = []
+    reader = threading.Thread(target=lambda: result.append(tier.load(_hash(2))), daemon=True)
+    reader.start()
+    reader.join(timeout=60)  # a hang guard: the read must not block
+    assert not reader.is_alive() and result == [None]
+    assert tier.enabled and tier.stats.errors == {"read": 0, "write": 0}
+    assert tier.load(_hash(1)) == _payload(1)  # the tier goes on
+    # Counted as the directory's block bytes: only regular files (the 1.5 GiB target is not).
+    assert tier._scan_size() < 1 << 20
+    if kind != "directory":
+        assert not name.is_symlink() and not name.exists()  # removed: the block can be written again
+        _stored(tier, 2)
+        assert tier.load(_hash(2)) == _payload(2)
+    tier.close()
+
+
+def test_four_writers_keep_the_directory_within_its_bound(tmp_path):
+    size = len(_stored_size_probe(tmp_path / "probe"))
+    bound = size * 256
+    kv = tmp_path / "kv"
+    tiers = [DiskTier(str(kv), bound, KEY) for _ in range(4)]
+    largest = 0
+    for i in range(1000):
+        for w, tier in enumerate(tiers):
+            tier.store(_hash(4 * i + w), _payload(i))
+        for tier in tiers:
+            assert tier.flush()
+        largest = max(largest, sum(p.stat().st_size for p in kv.glob("*" + SUFFIX)))
+    assert largest <= 1.1 * bound, largest / bound
+    assert sum(t.stats.evicted_files for t in tiers) >= 4000 - 256
+    for tier in tiers:
+        tier.close()
 
 
 # --- engines sharing a directory ------------------------------------------------------------
@@ -342,3 +431,43 @@ def test_misses_between_listings_leave_nothing_behind(tmp_path):
         assert tier.load(_hash(i)) is None  # the lookups of a replica that never publishes
     assert not tier._added and not tier._gone
     tier.close()
+
+
+def _with_rope_theta(src: Path, dst: Path, theta: float) -> Path:
+    """A checkpoint directory of ``src``'s weight file (linked, the same bytes) and another RoPE theta."""
+    dst.mkdir()
+    for item in src.iterdir():
+        if item.name != "config.json":
+            (dst / item.name).symlink_to(item)
+    config = json.loads((src / "config.json").read_text())
+    if isinstance(config.get("rope_parameters"), dict):
+        config["rope_parameters"]["rope_theta"] = theta
+    config["rope_theta"] = theta
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_one_weight_file_under_another_config_never_reads_the_others_blocks(tmp_path, prompts):
+    from prefixserve.replica.entrypoints.llm import LLM
+    from prefixserve.replica.sampling_params import SamplingParams
+
+    params = SamplingParams(**PARAMS_KW)
+    first_ckpt = tiny_checkpoint(tmp_path / "m", hidden=64, heads=4, kv_heads=2, seed=5)
+    second_ckpt = _with_rope_theta(first_ckpt, tmp_path / "m-theta", 500000.0)
+    expected = [
+        output_token_ids(LLM(str(c), num_kv_blocks=64).generate(prompts, params)) for c in (first_ckpt, second_ckpt)
+    ]
+    assert expected[0] != expected[1]  # the theta matters: each other's KV would give wrong tokens
+    first = _engine(str(first_ckpt), tmp_path / "kv")
+    assert output_token_ids(first.generate(prompts, params)) == expected[0]
+    assert first.engine.tiers.disk.flush()
+    second = _engine(str(second_ckpt), tmp_path / "kv")
+    outs = second.generate(prompts, params)
+    assert output_token_ids(outs) == expected[1]
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 0]
+    assert second.engine.kv_manager.stats.tiers.disk_read_blocks == 0
+    assert second.engine.tiers.disk.flush()
+    # Each reads its own: a third engine of the first config hits every full block.
+    third = _engine(str(first_ckpt), tmp_path / "kv")
+    again = third.generate(prompts, params)
+    assert output_token_ids(again) == expected[0] and [o.num_cached_tokens for o in again] == [64, 64, 64]

@@ -133,22 +133,39 @@ def test_one_ranks_missing_or_corrupt_file_makes_the_block_a_miss_on_every_rank(
 
 
 @pytest.mark.slow
-def test_a_fault_on_one_rank_stops_the_tier_for_the_replica_with_one_warning(ckpt, expected, tmp_path, caplog):
+def test_a_directory_under_one_ranks_block_name_is_a_miss_and_the_tier_goes_on(ckpt, expected, tmp_path, caplog):
     disk = tmp_path / "kv"
     with LLM(ckpt, kv_disk_path=str(disk), **KNOBS) as first:
         assert output_token_ids(first.generate(A, PARAMS)) == expected["A"]
         target = _block_file(first, A[0], 0, 1)
     target.unlink()
-    target.mkdir()  # rank 1's read of it fails with an OSError: a disk fault on that rank only
+    target.mkdir()  # not a regular file: rank 1's read is a miss, not a disk fault
     with caplog.at_level(logging.WARNING), LLM(ckpt, kv_disk_path=str(disk), **ROOMY) as second:
         outs = second.generate(A, PARAMS)
         assert output_token_ids(outs) == expected["A"]
         assert output_token_ids(second.generate(A, PARAMS)) == expected["A"]
-        assert engine_metric(second, "prefixserve:kv_disk_errors_total", op="read") == 1
-        assert engine_metric(second, "prefixserve:kv_disk_enabled") == 0
-        assert outs[0].num_cached_tokens == 0
+        assert engine_metric(second, "prefixserve:kv_disk_errors_total", op="read") == 0
+        assert engine_metric(second, "prefixserve:kv_disk_enabled") == 1
+        assert outs[0].num_cached_tokens == 0  # the block and those after it recomputed
         _no_leak(second)
-    assert len([r for r in caplog.records if "disk tier" in r.getMessage()]) == 1
+    assert not [r for r in caplog.records if "disk tier" in r.getMessage()]
+
+
+def test_a_fault_a_worker_reports_stops_the_tier_with_one_warning(tmp_path, caplog):
+    tier = DiskTier(str(tmp_path), 1 << 20, _key(0))
+    try:
+        h = b"\x06" * 16
+        tier.save(h, b"\x06" * 64, 1_000_000_000)
+        workers = _Workers(LOAD_OK)
+        workers.collect = lambda what: [([1], ("read", "OSError: [Errno 5] Input/output error"))]  # type: ignore[method-assign]
+        store = tp_disk.ShardedDiskTier(tier, workers)  # type: ignore[arg-type]
+        with caplog.at_level(logging.WARNING):
+            assert store.load(h) is None
+            assert store.load(h) is None
+        assert not tier.enabled and tier.stats.errors["read"] == 1
+        assert len([r for r in caplog.records if "stopped" in r.getMessage()]) == 1
+    finally:
+        tier.close()
 
 
 @pytest.mark.slow
