@@ -34,6 +34,7 @@ from prefixserve.replica.contract.request import EngineRequest
 from prefixserve.replica.contract.stream import StreamDelta
 from prefixserve.replica.core.request import PreparedRequest
 from prefixserve.replica.engine.core import LLMEngine
+from prefixserve.replica.engine.input_processor import rendered_request
 from prefixserve.replica.engine.metrics import EngineMetrics, EngineStats
 from prefixserve.replica.engine.output_processor import EngineUpdate
 from prefixserve.replica.engine.tokenizer_executor import TokenizerExecutor, messages_chars
@@ -223,14 +224,8 @@ class AsyncEngine:
         self.check_health()
         processor = self.engine.input_processor
         arrival = time.monotonic()
-        request = EngineRequest(
-            request_id=request_id or uuid.uuid4().hex,
-            prompt=prompt,
-            sampling=params,
-            cache_salt=cache_salt,
-            trace_headers=dict(trace_headers) if trace_headers is not None else None,
-            conversation=conversation,
-            tool_mode=tool_mode,
+        request = rendered_request(
+            request_id or uuid.uuid4().hex, prompt, params, cache_salt, trace_headers, conversation, tool_mode
         )
         if isinstance(prompt, str):
             processor.check_prompt_text(prompt)  # cheap: no thread for what cannot fit

@@ -37,12 +37,11 @@ import torch
 from prefixserve.common.tracing import RequestTracer, build_tracer
 from prefixserve.replica.config import MAX_MODEL_LEN_CAP, EngineConfig
 from prefixserve.replica.contract.finish_reason import FinishReason
-from prefixserve.replica.contract.request import EngineRequest
 from prefixserve.replica.core.request import PreparedRequest, Request, Sequence
 from prefixserve.replica.core.sched_output import ScheduledSeq
 from prefixserve.replica.core.scheduler import Scheduler, SchedulerConfig
 from prefixserve.replica.engine.detokenizer import IncrementalDetokenizer
-from prefixserve.replica.engine.input_processor import InputProcessor
+from prefixserve.replica.engine.input_processor import InputProcessor, rendered_request
 from prefixserve.replica.engine.kv_event_publisher import ZmqKVEventPublisher
 from prefixserve.replica.engine.metrics import EngineMetrics, EngineStats, SwapTotals
 from prefixserve.replica.engine.output_processor import EngineUpdate, OutputProcessor
@@ -329,15 +328,15 @@ class LLMEngine:
         here: a bad adapter is a ValueError and nothing is queued.
         ``priority``: vLLM's request priority (EngineConfig.scheduling_policy).
         """
-        request = EngineRequest(
-            request_id=request_id or f"req-{next(self._ids)}",
-            prompt=prompt,
-            sampling=params,
-            cache_salt=cache_salt,
-            trace_headers=dict(trace_headers) if trace_headers is not None else None,
-            conversation=conversation,
-            tool_mode=tool_mode,
-            priority=priority,
+        request = rendered_request(
+            request_id or f"req-{next(self._ids)}",
+            prompt,
+            params,
+            cache_salt,
+            trace_headers,
+            conversation,
+            tool_mode,
+            priority,
         )
         if lora_request is not None:
             self.add_lora(lora_request)

@@ -18,7 +18,7 @@ caller's thread offline (replica/engine/core.py ``add_request``).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from prefixserve.replica.config import EngineConfig
@@ -30,6 +30,7 @@ from prefixserve.replica.errors import BadRequestError, PromptTooLongError, Requ
 from prefixserve.replica.lora.request import LoRARequest
 from prefixserve.replica.sampling_params import SamplingParams
 from prefixserve.replica.structured_output.compile import GrammarCache
+from prefixserve.replica.tool_calling.choice import ToolCallMode
 from prefixserve.replica.tool_calling.templates import template_for
 
 # Distinct system prompts whose token ids InputProcessor.static_prefix_tokens remembers, and their bytes
@@ -52,6 +53,29 @@ def fit_max_tokens(request: EngineRequest, prompt_len: int, max_model_len: int) 
         return request.sampling
     fit = min(request.max_tokens_default, max_model_len - prompt_len)
     return dataclasses.replace(request.sampling, max_tokens=max(1, fit))
+
+
+def rendered_request(
+    request_id: str,
+    prompt: str | list[int],
+    params: SamplingParams,
+    cache_salt: str | None,
+    trace_headers: Mapping[str, str] | None,
+    conversation: bool,
+    tool_mode: ToolCallMode | None,
+    priority: int = 0,
+) -> EngineRequest:
+    """The EngineRequest of a prompt its caller rendered (LLMEngine.add_request, AsyncEngine.generate)."""
+    return EngineRequest(
+        request_id=request_id,
+        prompt=prompt,
+        sampling=params,
+        cache_salt=cache_salt,
+        trace_headers=dict(trace_headers) if trace_headers is not None else None,
+        conversation=conversation,
+        tool_mode=tool_mode,
+        priority=priority,
+    )
 
 
 class EncodedPrompt(NamedTuple):
