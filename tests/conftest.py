@@ -87,6 +87,12 @@ def ckpt(tiny_ckpts: Callable[..., str]) -> str:
 
 
 @pytest.fixture(scope="session")
+def ckpt_4096_positions(tiny_ckpts: Callable[..., str]) -> str:
+    """The shared tiny shape with 4096 positions (``ckpt`` has 1024): for max_model_len 4096."""
+    return tiny_ckpts(max_pos=4096)
+
+
+@pytest.fixture(scope="session")
 def gqa_ckpt(tiny_ckpts: Callable[..., str]) -> str:
     """The shared tiny shape with 8 query heads over its 2 KV heads (seed 3): the tensor-parallel
     tests' model, whose heads split over 2 ranks (and not over 3)."""

@@ -151,12 +151,6 @@ def test_release_freed_memory_hands_a_worker_arenas_freed_pages_back():
     assert after - base < 20 * 2**20, f"{(after - base) / 2**20:.1f} MB still resident after the trim"
 
 
-@pytest.fixture(scope="module")
-def ckpt_4096_positions(tiny_ckpts) -> str:
-    """The shared tiny shape with MAX_MODEL_LEN (4096) positions, not the shared ckpt's 1024."""
-    return tiny_ckpts(max_pos=MAX_MODEL_LEN)
-
-
 def test_the_engine_tokenizes_every_request_on_its_tokenizer_thread(ckpt_4096_positions):
     engine = AsyncEngine(EngineConfig(model=ckpt_4096_positions, max_model_len=MAX_MODEL_LEN))
     runner = RequestRunner(engine)

@@ -13,7 +13,6 @@ import time
 import httpx
 import pytest
 from cluster_helpers import APP_NAME, LocalRayCluster, deploy
-from model_helpers import tiny_checkpoint
 from server_helpers import StreamReader
 
 pytestmark = pytest.mark.slow
@@ -22,10 +21,10 @@ PORT = 18447
 WAIT_S = 120.0
 
 
-def test_a_draining_cluster_refuses_new_requests_and_ends_open_streams_in_band(tmp_path):
+def test_a_draining_cluster_refuses_new_requests_and_ends_open_streams_in_band(ckpt_4096_positions):
     from prefixserve.router.serve.drain import drain_app
 
-    model = str(tiny_checkpoint(tmp_path / "tiny", max_pos=4096))
+    model = ckpt_4096_positions
     cluster = LocalRayCluster(num_workers=1, cpus_per_worker=2)
     try:
         base = deploy(
