@@ -470,6 +470,14 @@ def _section(title: str, header: str, rows: list[list[object]], align: str) -> l
     return [title, "", markdown_table(header, rows, align)]
 
 
+def _spec_section(
+    title: str, header: str, results: list[dict], name: str, specs: Sequence[tuple[str, str]]
+) -> list[str]:
+    """A section whose table is each result's ``name``, then its numbers formatted by ``specs`` (right-aligned)."""
+    rows: list[list[object]] = [[r[name], *(format(r[k], spec) for k, spec in specs)] for r in results]
+    return _section(title, header, rows, "l" + "r" * len(specs))
+
+
 def _render_hashing(h: dict) -> list[str]:
     rows = [[a, f"{h[a]['tokens_per_s']:,.0f}", f"{h[a]['blocks_per_s']:,.0f}"] for a in ("xxh3_128", "sha256")]
     lines = _section(
@@ -511,13 +519,13 @@ def _render_decode(dc: dict) -> list[str]:
 def _render_policies(pol: dict) -> list[str]:
     specs: tuple[tuple[str, str], ...] = (("num_blocks", ","), ("requests_per_s", ",.0f"), ("us_per_block_op", ".3f"))
     specs += (("hit_rate", ".3f"), ("evictions_per_request", ".0f"))
-    rows = [[r["policy"], *(format(r[k], spec) for k, spec in specs)] for r in pol["rows"]]
-    lines = _section(
+    lines = _spec_section(
         f"## Eviction policies: admit + free of {pol['prompt_len']:,}-token prompts, half hitting, "
         f"on pools full of cached blocks ({pol['num_requests']} requests)",
         "policy | pool blocks | requests/s | us per block op | hit rate | evictions/request",
-        rows,
-        "lrrrrr",
+        pol["rows"],
+        "policy",
+        specs,
     )
     lines += [
         "",
@@ -569,13 +577,13 @@ def _render_vllm(vs: dict) -> list[str]:
 
 def _render_memory(mem: dict) -> list[str]:
     specs = (("blocks", ","), ("slots", ","), ("tokens_stored", ","), ("waste_pct", ".1f"), ("vs_paged", ".2f"))
-    rows = [[r["scheme"], *(format(r[k], spec) for k, spec in specs)] for r in mem["rows"]]
-    lines = _section(
+    lines = _spec_section(
         f"## KV memory, {mem['num_requests']} live requests mid-generation "
         f"(max_model_len {mem['max_model_len']}, block_size {mem['block_size']}, kinds {mem['request_kinds']})",
         "scheme | blocks | KV slots | tokens stored | waste % | x paged",
-        rows,
-        "lrrrrr",
+        mem["rows"],
+        "scheme",
+        specs,
     )
     lines.append(
         f"\nPrefix sharing saves **{mem['sharing_saves_pct_of_paged']:.1f}%** of the paged blocks; "
