@@ -354,6 +354,7 @@ class Placed(RingPolicy):
         count: bool = True,
         history: Sequence[bytes] | None = None,
         static_blocks: int = 0,
+        events_held: Mapping[str, int] | None = None,
     ) -> Decision[R]:
         """Rank for one request of ``key``; ``count=False`` for a retry of a request already counted.
 
@@ -364,6 +365,9 @@ class Placed(RingPolicy):
         prefix goes to the one holding most (KIND_HISTORY) if under the cap; a new
         conversation to the least loaded of the key's set (PlacedOptions.new_epsilon)
         under the cap. Call ``done(key)`` when a counted request ends.
+        ``events_held``: per replica, the leading blocks of ``history`` its KV events say it holds
+        (the standalone router's index); a replica counts as holding the larger of that and what
+        the history index says. Not stored: when the events say a block is gone, it is.
 
         The class docstring states the decision; this path reads each candidate
         once and reuses, per key, its ring order in candidate positions and the
@@ -411,9 +415,14 @@ class Placed(RingPolicy):
         held: dict[int, int] = {}
         best = 0
         chosen = -1
-        if history and self.history is not None:
+        if history and (self.history is not None or events_held):
             pos = self._view_pos
-            held = {pos[n]: b for n, b in self.history.held(history).items() if n in pos}
+            if self.history is not None:
+                held = {pos[n]: b for n, b in self.history.held(history).items() if n in pos}
+            for n, b in (events_held or {}).items():
+                p = pos.get(n)
+                if p is not None and b > held.get(p, 0):
+                    held[p] = b
             best = max(held.values(), default=0)
         conv_cap = cap
         if history is not None and self.options.balance_epsilon is not None:
@@ -539,7 +548,12 @@ class Placed(RingPolicy):
         )
 
     def rank_prompt(
-        self, candidates: Sequence[R], key: str | None, blocks: PromptHistory | None, count: bool = True
+        self,
+        candidates: Sequence[R],
+        key: str | None,
+        blocks: PromptHistory | None,
+        count: bool = True,
+        events_held: Mapping[str, int] | None = None,
     ) -> Decision[R]:
         """``rank`` with the prompt's block hashes as both hosts hold them (None: the prompt has none)."""
         return self.rank(
@@ -548,6 +562,7 @@ class Placed(RingPolicy):
             count=count,
             history=blocks.hashes if blocks is not None else None,
             static_blocks=blocks.static_blocks if blocks is not None else 0,
+            events_held=events_held,
         )
 
     # -- other inputs -------------------------------------------------------------

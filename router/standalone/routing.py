@@ -14,9 +14,10 @@ A body the router cannot read for a key (not JSON, a malformed field, a bad
 KV events (``--kv-events``, kv_events.py): with hints, the request's history is its
 token-block hashes (computed off the event loop by the caller and passed to ``plan``),
 not its text blocks; before ranking, what the events say each admitted replica holds of
-them is stored in ``placed``'s history index and whether it holds the key's static prefix
-goes to ``set_cached``, the two inputs the Ray host feeds from its routing stats. What the
-router sent stays recorded beside them, so missing events fall back to that record.
+them goes to ``rank`` beside the history index (``events_held``: the larger count wins)
+and whether it holds the key's static prefix to ``set_cached``, the inputs the Ray host
+feeds from its routing stats. The history index keeps recording what the router sent, so
+missing events fall back to that record.
 
 Pure Python: no HTTP, no asyncio (one event loop calls it, so it holds no lock).
 """
@@ -122,15 +123,16 @@ class StandaloneRouting:
         if placed is None:
             decision = self.policy.rank(candidates, key)
             return Plan(key, [c.name for c in decision.ranking], decision.owner)
-        matched = False
+        events_held: dict[str, int] = {}
         if self.hints is not None:
             blocks = token_blocks
             if blocks is not None:
-                matched = self.learn(key, blocks)
+                events_held = self.learn(key, blocks)
         else:
             blocks = self.blocks_of(body)
-        decision = placed.rank_prompt(candidates, key, blocks)
-        return Plan(key, [c.name for c in decision.ranking], decision.owner, key is not None, blocks, matched)
+        decision = placed.rank_prompt(candidates, key, blocks, events_held=events_held)
+        ranking = [c.name for c in decision.ranking]
+        return Plan(key, ranking, decision.owner, key is not None, blocks, bool(events_held))
 
     def landed(self, plan: Plan, name: str) -> str:
         """The request went to ``name``: its decision kind (router/policies/base.py KIND_*)."""
@@ -159,30 +161,30 @@ class StandaloneRouting:
             placed.history.forget(name)
 
     # -- KV events (the subscriber's seam) ------------------------------------------
-    def learn(self, key: str | None, blocks: PromptBlocks) -> bool:
-        """What the KV events say the admitted replicas hold of ``blocks``, into ``placed``'s inputs.
+    def learn(self, key: str | None, blocks: PromptBlocks) -> dict[str, int]:
+        """What the KV events say the admitted replicas hold of ``blocks`` (replica -> leading blocks).
 
-        The blocks a replica holds count as held in the history index (beside the router's own
-        record); a replica holds the key when it holds the static prefix's blocks (at least one).
+        Whether a replica holds the key (the static prefix's blocks, at least one) goes to
+        ``placed``'s precise ``set_cached``; the counts go to this request's ``rank`` only, never
+        into the history index: a block the events later say is gone stops counting at once.
         An ejected replica is told nothing: it is no candidate, and its record was forgotten.
-        True when the events said some replica holds a leading block.
         """
         placed = self.placed
         if placed is None or self.hints is None:
-            return False
+            return {}
         held = self.hints.held(blocks)
         need = max(1, blocks.static_blocks)
         known = set(self.hints.sources()) if key is not None else set()
+        admitted: dict[str, int] = {}
         for name in self.replicas.names:
-            state = self.replicas[name]
-            if not state.admitted:
+            if not self.replicas[name].admitted:
                 continue
             n = held.get(name, 0)
-            if n and placed.history is not None:
-                placed.history.store(name, blocks.hashes[:n])
+            if n:
+                admitted[name] = n
             if key is not None and (n or name in known):
                 placed.set_cached(name, key, n >= need)
-        return bool(held)
+        return admitted
 
     def set_cached(self, replica: str, key: str, holds: bool) -> None:
         """Whether ``replica`` holds ``key``'s prefix blocks (``placed`` with ``precise``)."""

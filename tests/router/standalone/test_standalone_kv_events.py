@@ -20,7 +20,14 @@ from kv_helpers import block_stored
 from server_helpers import free_port, metric
 from standalone_router_helpers import FakeReplica, ServerThread, wait_until
 
-from prefixserve.replica.contract.vllm_kv_events import BlockStored, KVEventBatch, KVEventsConfig, encode_batch
+from prefixserve.replica.contract.vllm_kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    KVEventsConfig,
+    encode_batch,
+)
 from prefixserve.replica.engine.kv_event_publisher import ZmqKVEventPublisher
 from prefixserve.replica.kv.hashing import hash_blocks
 from prefixserve.router.kv_index import EventSource, KVEventIndex, ZmqKVEventSubscriber, vllm_block_hashes
@@ -156,8 +163,9 @@ def test_a_chat_is_rendered_by_its_template_and_its_static_prefix_counted(tokeni
 
 def test_the_hash_schemes_are_the_replicas() -> None:
     ids = list(range(100, 140))
-    assert block_hasher("prefixserve", 16)(ids) == hash_blocks(ids, 16)
+    assert block_hasher("prefixserve", 16)(ids) == hash_blocks(ids, 16) == hash_blocks(ids, 16, algo="sha256")
     assert block_hasher("prefixserve-sha256", 16)(ids) == hash_blocks(ids, 16, algo="sha256")
+    assert block_hasher("prefixserve-xxh3_128", 16)(ids) == hash_blocks(ids, 16, algo="xxh3_128")
     assert block_hasher("vllm", 16)(ids) == vllm_block_hashes(ids, 16)
     assert block_hasher("vllm", 16, "42")(ids) == vllm_block_hashes(ids, 16, seed="42")
     with pytest.raises(ValueError):
@@ -203,6 +211,54 @@ def test_the_longest_held_prefix_wins(tokenizer_dir: Path) -> None:
     stored_by(hints, "b:2", body, blocks=3)
     stored_by(hints, "c:3", body, blocks=5)
     assert routing.plan(body, {}, token_blocks=hints.blocks(body)).first == "c:3"
+
+
+def test_blocks_the_events_say_are_gone_stop_counting_at_once(tokenizer_dir: Path) -> None:
+    names = ["a:1", "b:2"]
+    routing, hints = routing_with_events(tokenizer_dir, names)
+    body = chat(owned_by("a:1", names), words(160, 12))
+    stored_by(hints, "b:2", body)
+    plan = routing.plan(body, {}, token_blocks=hints.blocks(body))
+    assert plan.first == "b:2"
+    routing.finished(plan)
+    got = hints.blocks(body)
+    assert got is not None
+    hints.index.apply("b:2", KVEventBatch(ts=0.0, events=[BlockRemoved(list(got.hashes), "GPU")]))
+    plan = routing.plan(body, {}, token_blocks=got)
+    assert not plan.event_matched  # only the router's own record of what it sent b:2 is left
+    routing.finished(plan)
+    # A prompt the router never sent: held while b:2's events say so, not once they clear it.
+    ring = HashRing([RingServer(n) for n in names])
+    system = next(w for w in (words(i, 3) for i in range(1, 300)) if ring.owner(prefix_hash(w)) == "a:1"
+                  and w != body["messages"][0]["content"])  # fmt: skip
+    other = chat(system, words(200, 12))
+    stored_by(hints, "b:2", other)
+    other_blocks = hints.blocks(other)
+    assert other_blocks is not None and routing.placed is not None and routing.placed.history is not None
+    assert routing.learn(None, other_blocks) == {"b:2": len(other_blocks.hashes)}
+    assert "b:2" not in routing.placed.history.held(other_blocks.hashes)  # the events' view is not stored
+    hints.index.apply("b:2", KVEventBatch(ts=0.0, events=[AllBlocksCleared()]))
+    plan = routing.plan(other, {}, token_blocks=hints.blocks(other))
+    assert plan.first == "a:1" and not plan.event_matched
+
+
+def test_a_publisher_that_starts_over_is_forgotten_before_its_new_events(tokenizer_dir: Path) -> None:
+    names = ["a:1", "b:2"]
+    routing, hints = routing_with_events(tokenizer_dir, names)
+    sub = ZmqKVEventSubscriber([EventSource("b:2", "tcp://127.0.0.1:1")], hints.index)
+    body = chat(owned_by("a:1", names), words(240, 12))
+    got = hints.blocks(body)
+    assert got is not None
+    for seq in range(3):
+        batch = KVEventBatch(ts=0.0, events=[block_stored([seq * 100 + 1])])
+        sub.handle(sub.sources[0], [b"", seq.to_bytes(8, "big"), encode_batch(batch)])
+    stored = KVEventBatch(ts=0.0, events=[block_stored(list(got.hashes))])
+    sub.handle(sub.sources[0], [b"", (3).to_bytes(8, "big"), encode_batch(stored)])
+    assert hints.index.num_blocks("b:2") == 3 + len(got.hashes)
+    # Seq 0 again: a restarted replica; what it held before is forgotten, its new batch applied.
+    sub.handle(sub.sources[0], [b"", (0).to_bytes(8, "big"), encode_batch(KVEventBatch(0.0, [block_stored([7])]))])
+    assert hints.index.num_blocks("b:2") == 1 and sub.stats.restarts == 1
+    assert routing.plan(body, {}, token_blocks=got).first == "a:1"
 
 
 def test_an_ejected_replica_gets_nothing_whatever_its_events_say(tokenizer_dir: Path) -> None:
