@@ -45,6 +45,12 @@ def chat(**fields) -> dict:
     return {"messages": [{"role": "system", "content": SYSTEM}, USER], **fields}
 
 
+def streamed_events(replica: InProcessReplica, body: dict) -> list[dict]:
+    """The JSON chunks of ``body`` sent as a stream."""
+    streamed = replica.request("POST", "/v1/chat/completions", json={**body, "stream": True})
+    return [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+
+
 # -- Contract 1: the tools are part of the static prefix ----------------------------------------
 
 
@@ -377,8 +383,7 @@ def test_auto_reads_the_output_with_the_parser_and_counts_it(ckpt):
             "POST", "/v1/chat/completions", json=chat(tools=[WEATHER], tool_choice="none", max_tokens=6, temperature=0)
         )
         assert message["content"] == plain.json()["choices"][0]["message"]["content"]
-        streamed = replica.request("POST", "/v1/chat/completions", json={**body, "stream": True})
-        events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+        events = streamed_events(replica, body)
         text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
         assert text == message["content"]
         metrics = replica.request("GET", "/metrics").text
@@ -395,16 +400,21 @@ EMPTY_OBJECT_TOKEN, CLOSE_BRACE_TOKEN, OPEN_BRACE_TOKEN = 6150, 109, 107
 NOOP = {"type": "function", "function": {"name": "ping", "description": "Check the service is up."}}
 
 
+def ping_forced(tools: list[dict], token: int) -> dict:
+    """A chat whose one sampled token is ``token`` (a +100 bias), under tool_choice naming ``ping``."""
+    return chat(
+        tools=tools,
+        tool_choice={"type": "function", "function": {"name": "ping"}},
+        max_tokens=1,
+        temperature=0,
+        logit_bias={str(token): 100},
+    )
+
+
 def test_a_named_function_call_comes_back_collected_and_streamed(ckpt):
     replica = InProcessReplica(ckpt, max_model_len=512)
     try:
-        body = chat(
-            tools=[NOOP, WEATHER],
-            tool_choice={"type": "function", "function": {"name": "ping"}},
-            max_tokens=1,
-            temperature=0,
-            logit_bias={str(EMPTY_OBJECT_TOKEN): 100},
-        )
+        body = ping_forced([NOOP, WEATHER], EMPTY_OBJECT_TOKEN)
         answer = replica.request("POST", "/v1/chat/completions", json=body)
         assert answer.status_code == 200, answer.text
         choice = answer.json()["choices"][0]
@@ -413,8 +423,7 @@ def test_a_named_function_call_comes_back_collected_and_streamed(ckpt):
         assert [(c["type"], c["function"]) for c in calls] == [("function", {"name": "ping", "arguments": "{}"})]
         assert calls[0]["id"].startswith("call_")
 
-        streamed = replica.request("POST", "/v1/chat/completions", json={**body, "stream": True})
-        events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+        events = streamed_events(replica, body)
         pieces = [d for e in events for c in e["choices"] for d in c["delta"].get("tool_calls") or ()]
         assert pieces[0]["index"] == 0 and pieces[0]["type"] == "function" and pieces[0]["id"].startswith("call_")
         assert pieces[0]["function"] == {"name": "ping", "arguments": ""}
@@ -432,20 +441,13 @@ def test_a_call_cut_by_max_tokens_is_never_streamed_and_the_answer_is_its_text(c
     the text is the content and the finish reason "length"."""
     replica = InProcessReplica(ckpt, max_model_len=512)
     try:
-        body = chat(
-            tools=[NOOP],
-            tool_choice={"type": "function", "function": {"name": "ping"}},
-            max_tokens=1,
-            temperature=0,
-            logit_bias={str(OPEN_BRACE_TOKEN): 100},
-        )
+        body = ping_forced([NOOP], OPEN_BRACE_TOKEN)
         answer = replica.request("POST", "/v1/chat/completions", json=body)
         assert answer.status_code == 200, answer.text
         choice = answer.json()["choices"][0]
         assert choice["message"]["content"] == "{" and not choice["message"].get("tool_calls")
         assert choice["finish_reason"] == "length"
-        streamed = replica.request("POST", "/v1/chat/completions", json={**body, "stream": True})
-        events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+        events = streamed_events(replica, body)
         assert not [c for e in events for c in e["choices"] if c["delta"].get("tool_calls")]
         assert "".join(c["delta"].get("content") or "" for e in events for c in e["choices"]) == "{"
         assert [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]] == ["length"]
