@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 from process_helpers import ManagedProcess
-from server_helpers import ReplicaProcess, build_tiny_llama, free_port, metric, prefixserve_command
+from server_helpers import ReplicaProcess, free_port, metric, prefixserve_command
 
 from prefixserve.router.ring import HashRing, RingServer
 from prefixserve.router.routing_key import prefix_hash
@@ -39,8 +39,9 @@ class RouterProcess(ManagedProcess):
         )
 
 
-def test_the_router_routes_to_real_replicas_and_they_answer(tmp_path_factory: pytest.TempPathFactory) -> None:
-    ckpt = build_tiny_llama(tmp_path_factory.mktemp("ckpt") / "tiny", seed=11)
+def test_the_router_routes_to_real_replicas_and_they_answer(
+    ckpt: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     logs = tmp_path_factory.mktemp("logs")
     args = ("--max-model-len", "512")
     with ReplicaProcess(ckpt, *args, log_dir=logs) as a, ReplicaProcess(ckpt, *args, log_dir=logs) as b:
@@ -74,9 +75,8 @@ def test_the_router_routes_to_real_replicas_and_they_answer(tmp_path_factory: py
             )
 
 
-def test_the_router_learns_from_real_replicas_kv_events(tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_the_router_learns_from_real_replicas_kv_events(ckpt: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     """A prompt warmed on replica b behind the router's back is routed to b: b's KV events told the router."""
-    ckpt = build_tiny_llama(tmp_path_factory.mktemp("ckpt") / "tiny", seed=12)
     logs = tmp_path_factory.mktemp("logs")
     ports = [free_port() for _ in range(4)]
 
