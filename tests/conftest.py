@@ -64,7 +64,7 @@ def tiny_ckpts(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
 
     Nothing writes to a checkpoint once built, so every module and test may read it. Most tests
     take ``ckpt`` (the defaults); a module whose checks need another shape or other weights keeps
-    a local fixture named for the difference (``ckpt_seed11``, ``long_context_ckpt``...) on this.
+    a local fixture named for the difference (``ckpt_seed11``, ``ckpt_8192_positions``...) on this.
     """
     from model_helpers import tiny_checkpoint  # here, not above: torch only for the tests that need it
 
