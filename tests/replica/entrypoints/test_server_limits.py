@@ -19,7 +19,7 @@ from contextlib import contextmanager
 
 import httpx
 import pytest
-from server_helpers import free_port, metric
+from server_helpers import free_port, metric, wait_for_health
 
 pytestmark = pytest.mark.slow
 
@@ -50,14 +50,7 @@ def running_server(model, **limits) -> Iterator[str]:
     thread.start()
     base = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        else:
-            pytest.fail("the server never answered /health")
+        wait_for_health(base)
         yield base
     finally:
         # With its engine gone the server stops itself (its engine watchdog), so no thread outlives the test.
