@@ -189,6 +189,9 @@ class EngineConfig:
     # Over either: 400 naming the knob.
     max_grammar_repeat: int = 1000
     max_grammar_length: int = 16384
+    # The longest constraint spec (a schema's compact JSON, a regex, a grammar) compiled; at most
+    # 65536 (what StructuredOutputsParams takes at all).
+    max_grammar_spec_chars: int = 65536
     # The compile pool: grammar_compile_workers threads; one client's (API key or address)
     # compiles run on at most grammar_compile_workers_per_client of them, so one client's slow
     # schemas cannot hold every worker; at most grammar_compile_queue_size compiles wait,
@@ -205,6 +208,9 @@ class EngineConfig:
     # together: validating them costs about 0.1 ms a node, in a front-end worker thread; more is
     # a 400 before any is checked (128 tools of 10 string properties are ~5,600 nodes).
     max_tool_schema_nodes: int = 8192
+    # Seconds the shared disk tier pauses its writes after a full disk (ENOSPC, EDQUOT, EFBIG):
+    # the write is dropped, the directory trimmed, reads go on; then writes are tried again.
+    kv_disk_full_backoff_s: float = 30.0
     # OpenTelemetry collector (vLLM's flag, e.g. http://127.0.0.1:4318): one llm_request span per
     # request with queue/prefill/decode children (common/tracing.py). None = no tracing.
     otlp_traces_endpoint: str | None = None
@@ -303,6 +309,8 @@ class EngineConfig:
             raise ValueError(f"grammar_compile_timeout_s must be positive, got {self.grammar_compile_timeout_s}")
         if self.grammar_cache_size < 1:
             raise ValueError(f"grammar_cache_size must be at least 1, got {self.grammar_cache_size}")
+        if not 1 <= self.max_grammar_spec_chars <= 65536:
+            raise ValueError(f"max_grammar_spec_chars must be in [1, 65536], got {self.max_grammar_spec_chars}")
         if self.max_grammar_repeat < 1 or self.max_grammar_length < 1:
             raise ValueError(
                 f"max_grammar_repeat and max_grammar_length must be at least 1, got {self.max_grammar_repeat} "
@@ -314,6 +322,8 @@ class EngineConfig:
                 f"[1, grammar_compile_workers], got {self.grammar_compile_workers} and "
                 f"{self.grammar_compile_workers_per_client}"
             )
+        if not self.kv_disk_full_backoff_s >= 0:
+            raise ValueError(f"kv_disk_full_backoff_s must be >= 0, got {self.kv_disk_full_backoff_s}")
         if self.max_tool_schema_nodes < 1:
             raise ValueError(f"max_tool_schema_nodes must be at least 1, got {self.max_tool_schema_nodes}")
         if self.max_tools_per_request < 0:

@@ -59,6 +59,7 @@ class EngineTiers:
             else:
                 self.sharded = ShardedDiskTier.open(config.kv_disk_path, size, key, runner.workers)
                 self.disk = self.sharded.disk
+            self.disk.full_backoff_s = config.kv_disk_full_backoff_s
             self.io = TierIO(runner.shard, self.disk)
         self.metrics = TierMetrics(registry, model_name)
         self._carried = TierStats()

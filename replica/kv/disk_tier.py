@@ -43,7 +43,7 @@ missing leaves the set) and never writes a block twice (the writer checks the fi
 
 A full disk (ENOSPC, EDQUOT, EFBIG) degrades the tier instead of stopping it: the write is
 dropped and counted (``errors["write"]``, ``dropped_writes``), this process trims the
-directory to ``TRIM_TO`` of what it measures, and writes pause for ``FULL_BACKOFF_S``
+directory to ``TRIM_TO`` of what it measures, and writes pause for ``full_backoff_s``
 (dropped and counted meanwhile; reads go on), then resume: one warning per episode. Any
 other disk fault (read-only, the directory gone) stops the tier for good with one warning
 and one ``errors`` count; serving goes on from the other tiers. A directory that cannot
@@ -89,7 +89,8 @@ STALE_TMP_S = 600.0
 LIST_EVERY_S = 2.0
 # Each writer re-measures the shared directory every 1/SCAN_FRACTION of the bound it writes.
 SCAN_FRACTION = 64
-# After a full disk: seconds writes pause (dropped and counted) before they are tried again.
+# After a full disk: seconds writes pause (dropped and counted) before they are tried again
+# (``BlockFiles.full_backoff_s``; EngineConfig.kv_disk_full_backoff_s on rank 0).
 FULL_BACKOFF_S = 30.0
 # Write errors that mean "no space": the tier degrades and recovers instead of stopping.
 NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
@@ -212,6 +213,7 @@ class BlockFiles:
         self.fault: tuple[str, str] | None = None
         self._enabled = True
         self._clock = clock
+        self.full_backoff_s = FULL_BACKOFF_S
         # While the disk is full: when writes are tried again (None: they are not paused).
         self._paused_until: float | None = None
         self._lock = threading.Lock()
@@ -410,25 +412,25 @@ class BlockFiles:
         """A file of ``nbytes`` was written (``DiskTier`` bounds the directory's size)."""
 
     def _write_paused(self) -> bool:
-        """Whether writes wait out a full disk (``FULL_BACKOFF_S`` after it)."""
+        """Whether writes wait out a full disk (``full_backoff_s`` after it)."""
         until = self._paused_until
         return until is not None and self._clock() < until
 
     def _disk_full(self, exc: OSError) -> None:
-        """A write found no space: drop it, pause writes for ``FULL_BACKOFF_S``, make room; the tier
+        """A write found no space: drop it, pause writes for ``full_backoff_s``, make room; the tier
         stays up (reads go on) and writes resume after the pause."""
         with self._lock:
             self.stats.errors["write"] = self.stats.errors.get("write", 0) + 1
             self.stats.dropped_writes += 1
             first = self._paused_until is None
-            self._paused_until = self._clock() + FULL_BACKOFF_S
+            self._paused_until = self._clock() + self.full_backoff_s
         if first:
             log.warning(
                 "KV disk tier at %s: the disk is full (%s); writes pause for %g s and old block files are "
                 "trimmed, reads go on",
                 self.path,
                 exc,
-                FULL_BACKOFF_S,
+                self.full_backoff_s,
             )
         self._make_room()
 

@@ -154,7 +154,11 @@ class GrammarCache:
                 max_queued=config.grammar_compile_queue_size,
                 max_queued_per_client=config.grammar_compile_queue_per_client,
             ),
-            limits=GrammarLimits(max_repeat=config.max_grammar_repeat, max_length=config.max_grammar_length),
+            limits=GrammarLimits(
+                max_repeat=config.max_grammar_repeat,
+                max_length=config.max_grammar_length,
+                max_spec_chars=config.max_grammar_spec_chars,
+            ),
             metrics=metrics,
         )
 

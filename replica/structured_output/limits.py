@@ -11,6 +11,8 @@ walks the constraint's text (no compiler) and refuses, as a 400 naming the limit
   product (``(a{100}){100}`` is 10,000 copies);
 * a spec whose repeats' squared counts sum to more than ``max_repeat ** 2``: the whole
   constraint costs at most what one maximal repeat costs, however many patterns it has;
+* a spec (the schema's compact JSON, the regex, the grammar) longer than ``max_spec_chars``:
+  its walk, hash and compile all grow with it;
 * a JSON-schema length or count (``minLength``, ``maxLength``, ``minItems``, ``maxItems``,
   ``minProperties``, ``maxProperties``, ``minContains``, ``maxContains``) above
   ``max_length``. 0.2.8 compiles these without expanding them (``maxLength: 20000`` in
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefixserve.replica.errors import RequestRejected
-from prefixserve.replica.structured_output.params import StructuredOutputsParams
+from prefixserve.replica.structured_output.params import MAX_SPEC_CHARS, StructuredOutputsParams
 
 # JSON-schema keywords whose integer value xgrammar may expand into that many copies.
 LENGTH_KEYWORDS = (
@@ -138,15 +140,21 @@ class GrammarLimits:
 
     max_repeat: int = 1000
     max_length: int = 16384
+    max_spec_chars: int = MAX_SPEC_CHARS
 
     def __post_init__(self) -> None:
-        if self.max_repeat < 1 or self.max_length < 1:
+        if self.max_repeat < 1 or self.max_length < 1 or self.max_spec_chars < 1:
             raise ValueError("grammar limits must be at least 1")
 
     def check(self, params: StructuredOutputsParams) -> None:
         """Raise GrammarLimitError (400) naming the limit when ``params`` asks for more than it allows."""
         kind = params.kind
         where = f"structured_outputs.{kind}"
+        if len(params.spec) > self.max_spec_chars:
+            raise GrammarLimitError(
+                f"{where} has {len(params.spec)} characters; this server allows at most {self.max_spec_chars} "
+                "(max_grammar_spec_chars): shorten it"
+            )
         counts: list[int] = []
         if kind == "regex":
             counts.extend(repeat_counts(params.spec))

@@ -468,6 +468,7 @@ def test_one_weight_file_under_another_config_never_reads_the_others_blocks(tmp_
     assert second.engine.kv_manager.stats.tiers.disk_read_blocks == 0
     assert second.engine.tiers.disk.flush()
     # Each reads its own: a third engine of the first config hits every full block.
-    third = _engine(str(first_ckpt), tmp_path / "kv")
+    third = _engine(str(first_ckpt), tmp_path / "kv", kv_disk_full_backoff_s=5.0)
+    assert third.engine.tiers.disk.full_backoff_s == 5.0
     again = third.generate(prompts, params)
     assert output_token_ids(again) == expected[0] and [o.num_cached_tokens for o in again] == [64, 64, 64]

@@ -75,11 +75,19 @@ def test_ordinary_constraints_pass(spec):
     LIMITS.check(Params(**spec))
 
 
+def test_a_spec_longer_than_the_bound_is_refused_naming_the_knob():
+    spec = {"json": {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(100)}}}
+    with pytest.raises(GrammarLimitError, match="max_grammar_spec_chars"):
+        GrammarLimits(max_spec_chars=500).check(Params(**spec))
+    GrammarLimits(max_spec_chars=5000).check(Params(**spec))
+
+
 def test_engine_config_knobs_reach_the_cache():
     config = EngineConfig(
         model="x",
         max_grammar_repeat=50,
         max_grammar_length=60,
+        max_grammar_spec_chars=70,
         grammar_compile_workers=3,
         grammar_compile_workers_per_client=2,
         grammar_compile_queue_size=5,
@@ -87,7 +95,7 @@ def test_engine_config_knobs_reach_the_cache():
     )
     cache = GrammarCache.from_config(lambda: None, config)  # type: ignore[arg-type,return-value]
     try:
-        assert cache.limits == GrammarLimits(50, 60)
+        assert cache.limits == GrammarLimits(50, 60, 70)
         assert cache.pool == CompilePoolConfig(3, 2, 5, 1)
     finally:
         cache.close()
