@@ -19,6 +19,7 @@ from prefixserve.common.tracing import check_endpoint
 from prefixserve.replica.contract.vllm_kv_events import KVEventsConfig
 from prefixserve.replica.core.request_queue import SCHEDULING_POLICIES
 from prefixserve.replica.kv.block_pool import EVICTION_POLICIES
+from prefixserve.replica.kv.hashing import DEFAULT_HASH_ALGO
 from prefixserve.replica.sampling_params import LOGPROBS_MODES
 from prefixserve.replica.tool_calling.parsers import TOOL_CALL_PARSERS
 from prefixserve.replica.tool_calling.templates import load_chat_template
@@ -61,9 +62,10 @@ class EngineConfig:
     served_model_name: str | None = None
     block_size: int = 16
     enable_prefix_caching: bool = True
-    # Block-hash digest: "xxh3_128" (default) or "sha256"; vLLM's values are accepted too
+    # Block-hash digest: "sha256" (default: collision-resistant, as vLLM's) or "xxh3_128" (faster,
+    # for trusted clients only; replica/kv/hashing.py); vLLM's values are accepted too
     # (HASH_ALGO_ALIASES) and stored as ours.
-    prefix_hash_algo: str = "xxh3_128"
+    prefix_hash_algo: str = DEFAULT_HASH_ALGO
     # vLLM's name of the knob above, accepted as an alias (same values). When both are
     # given they must name the same algorithm.
     prefix_caching_hash_algo: str | None = None
@@ -506,7 +508,7 @@ def resolve_hash_algo(ours: str, vllm_alias: str | None) -> str:
     if vllm_alias is None:
         return algo
     alias = _hash_algo("prefix_caching_hash_algo", vllm_alias)
-    if algo != alias and ours != "xxh3_128":
+    if algo != alias and ours != DEFAULT_HASH_ALGO:
         raise ValueError(
             f"prefix_hash_algo={ours!r} and prefix_caching_hash_algo={vllm_alias!r} name "
             "different algorithms: set only one of them"

@@ -12,10 +12,13 @@ client in another language computes the same digests:
                        tag 0x02  an extra key (adapter id; UTF-8 or raw bytes), on every
                                  block, in the order given
                      so a block without extra keys has extra_i = 00 00 00 00.
-    H              = xxh3_128 (seed 0) as its canonical 16-byte big-endian digest
-                     (C: XXH128_canonicalFromHash; Python: xxhash.xxh3_128_digest),
-                     or SHA-256 (32 bytes) for untrusted multi-tenant use, where a
-                     crafted collision must not let one tenant read another's KV.
+    H              = SHA-256 (32 bytes), the default, as vLLM's: the seed is public, so
+                     with a non-cryptographic H a client could craft two prompts whose
+                     blocks collide and be served another tenant's KV; or xxh3_128 (seed 0)
+                     as its canonical 16-byte big-endian digest (C:
+                     XXH128_canonicalFromHash; Python: xxhash.xxh3_128_digest), the
+                     option where every client is trusted. SHA-256 costs about 0.8 us
+                     more per 16-token block (loadtest/bench_kv.py, docs/engine.md).
 
 Only full blocks are hashed: a partial block's content is still changing.
 Because each digest covers its parent, equal hashes mean equal whole prefixes.
@@ -35,7 +38,7 @@ from dataclasses import dataclass
 import xxhash
 
 HASH_ALGOS: tuple[str, ...] = ("xxh3_128", "sha256")
-DEFAULT_HASH_ALGO = "xxh3_128"
+DEFAULT_HASH_ALGO = "sha256"
 DEFAULT_HASH_SEED = b"prefixserve-v1"
 
 _TAG_SALT = 0x01

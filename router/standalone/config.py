@@ -27,7 +27,8 @@ DEFAULT_ROUTER_PORT = 8000
 
 
 # ``--kv-events-hash``: how the replicas name their blocks (Contract 2 with either algorithm, or vLLM's).
-HASH_SCHEMES = ("prefixserve", "prefixserve-sha256", "vllm")
+# "prefixserve" is Contract 2 with the replicas' default digest (sha256), the same as "prefixserve-sha256".
+HASH_SCHEMES = ("prefixserve", "prefixserve-sha256", "prefixserve-xxh3_128", "vllm")
 
 
 def _help(text: str) -> dict[str, str]:
@@ -157,7 +158,8 @@ class StandaloneRouterConfig:
         default="prefixserve",
         metadata={
             "choices": HASH_SCHEMES,
-            "help": "how the replicas hash blocks: prefixserve's Contract 2 (xxh3_128 or sha256) or vLLM's sha256_cbor",
+            "help": "how the replicas hash blocks: prefixserve's Contract 2 (default sha256, or xxh3_128) "
+            "or vLLM's sha256_cbor",
         },
     )
     kv_events_seed: str | None = field(

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from prefixserve.replica.contract.prompt_blocks import PromptBlocks
-from prefixserve.replica.kv.hashing import DEFAULT_HASH_SEED, BlockHasher
+from prefixserve.replica.kv.hashing import DEFAULT_HASH_ALGO, DEFAULT_HASH_SEED, BlockHasher
 from prefixserve.router.kv_index import EventSource, KVEventIndex, vllm_block_hashes
 from prefixserve.router.standalone.config import HASH_SCHEMES, StandaloneRouterConfig
 from prefixserve.router.standalone.prompt_tokens import PromptTokens
@@ -42,7 +42,8 @@ def block_hasher(scheme: str, block_size: int, seed: str | None = None) -> Calla
         return lambda ids: vllm_block_hashes(ids, block_size, seed=vllm_seed)
     if scheme not in HASH_SCHEMES:
         raise ValueError(f"unknown KV event hash scheme {scheme!r}; choose one of {', '.join(HASH_SCHEMES)}")
-    hasher = BlockHasher("sha256" if scheme == "prefixserve-sha256" else "xxh3_128", seed or DEFAULT_HASH_SEED)
+    algo = {"prefixserve-sha256": "sha256", "prefixserve-xxh3_128": "xxh3_128"}.get(scheme, DEFAULT_HASH_ALGO)
+    hasher = BlockHasher(algo, seed or DEFAULT_HASH_SEED)
     return lambda ids: hasher.hash_blocks(ids, block_size)
 
 

@@ -283,7 +283,7 @@ def test_app_args_are_valid_router_app_args_for_every_policy():
                 "seed": 1,
                 "model": "smollm2",
                 "block_size": 16,
-                "hash_algo": "xxh3_128",
+                "hash_algo": "sha256",
                 "num_gpu_blocks": sizing.num_kv_blocks,
             }
         else:

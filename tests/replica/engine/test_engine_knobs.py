@@ -41,8 +41,10 @@ def test_unknown_hash_algo_is_refused_naming_the_choices(knob, value):
 
 
 def test_conflicting_hash_knobs_are_refused():
+    # Refused when ours is not the default (sha256): a default value cannot tell "unset" from "set".
     with pytest.raises(ValueError, match="different algorithms"):
-        EngineConfig(prefix_hash_algo="sha256", prefix_caching_hash_algo="xxhash")
+        EngineConfig(prefix_hash_algo="xxh3_128", prefix_caching_hash_algo="sha256_cbor")
+    assert EngineConfig(prefix_caching_hash_algo="xxhash").prefix_hash_algo == "xxh3_128"
     cfg = EngineConfig(prefix_hash_algo="sha256", prefix_caching_hash_algo="sha256_cbor")
     assert cfg.prefix_hash_algo == "sha256"
     assert EngineConfig.from_dict(cfg.to_dict()) == cfg

@@ -9,6 +9,7 @@ import struct
 import pytest
 import xxhash
 
+from prefixserve.replica.config import EngineConfig
 from prefixserve.replica.kv import DEFAULT_HASH_SEED, BlockHasher, hash_blocks
 
 
@@ -49,9 +50,14 @@ def test_pinned_values():
     seed_digest = hashlib.sha256(b"prefixserve-v1").digest()
     layout = seed_digest + bytes(4) + bytes.fromhex("00000000010000000200000003000000")
     assert BlockHasher("sha256").hash_blocks([0, 1, 2, 3], 4) == [hashlib.sha256(layout).digest()]
+    # SHA-256 is the default (collision-resistant), in the hasher and the engine's knob alike.
+    assert BlockHasher().hash_blocks([0, 1, 2, 3], 4) == [hashlib.sha256(layout).digest()]
+    assert EngineConfig(model="smollm2").prefix_hash_algo == "sha256"
     x_root = xxhash.xxh3_128_intdigest(b"prefixserve-v1").to_bytes(16, "big")
     x_layout = x_root + bytes(4) + bytes.fromhex("00000000010000000200000003000000")
-    assert BlockHasher().hash_blocks([0, 1, 2, 3], 4) == [xxhash.xxh3_128_intdigest(x_layout).to_bytes(16, "big")]
+    assert BlockHasher("xxh3_128").hash_blocks([0, 1, 2, 3], 4) == [
+        xxhash.xxh3_128_intdigest(x_layout).to_bytes(16, "big")
+    ]
 
 
 def test_algos_differ_but_are_deterministic():
