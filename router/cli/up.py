@@ -57,8 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     router.add_argument(
         "--precise",
-        action="store_true",
-        help="placed: use the replicas' KV events (which replica holds each key's prefix)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="placed: use the replicas' KV events (which replica holds each key's prefix, in which tier); "
+        "default: on when a KV tier is (--kv-offloading-size, --kv-disk-path), else off",
     )
     add_cli_arguments(parser, IngressArgs, "ingress", only=("num_replicas",), dest_prefix=INGRESS_PREFIX)
     add_cli_arguments(parser, IngressConfig, "routing keys", only=INGRESS_FLAGS)
@@ -74,8 +76,8 @@ def app_args(args: argparse.Namespace) -> dict[str, Any]:
     router: dict[str, Any] = {name: getattr(args, name) for name in ROUTER_FLAGS}
     if args.epsilon is not None:
         router["epsilon"] = args.epsilon
-    if args.precise:
-        router["precise"] = True
+    if args.precise is not None:
+        router["precise"] = args.precise
     if engine.otlp_traces_endpoint is not None:  # the router's route spans go where the engines' go
         router["otlp_traces_endpoint"] = engine.otlp_traces_endpoint
     return {

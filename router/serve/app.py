@@ -77,10 +77,24 @@ class AppArgsError(RayServeException, ValueError):
     """
 
 
-def request_router_config(router: RouterArgs) -> RequestRouterConfig:
-    """Serve's RequestRouterConfig of the engine deployment for the ``router`` section."""
+def has_kv_tier(engine: Mapping[str, Any]) -> bool:
+    """Whether the engine config (EngineConfig fields) turns on a KV tier behind the device pool:
+    the host tier (``kv_offloading_size``) or the shared disk tier (``kv_disk_path``)."""
+    return bool(engine.get("kv_offloading_size")) or bool(engine.get("kv_disk_path"))
+
+
+def request_router_config(router: RouterArgs, engine: Mapping[str, Any] | None = None) -> RequestRouterConfig:
+    """Serve's RequestRouterConfig of the engine deployment for the ``router`` section.
+
+    With a KV tier on in ``engine``, ``placed`` runs precise unless ``precise`` is given: only
+    precise mode reads the KV events' tiers (a prefix in a replica's host tier or shared disk
+    directory is a cheap load there, ``kv_host_weight`` / ``kv_disk_weight``), and without
+    them a tier's blocks would be invisible to routing.
+    """
     if router.router_class == "prefixserve":
         kwargs: dict[str, Any] = {"policy": router.policy, **router.policy_options}
+        if router.policy == "placed" and "precise" not in kwargs and engine is not None and has_kv_tier(engine):
+            kwargs["precise"] = True
         if router.stats_max_age_s is not None:
             kwargs["stats_max_age_s"] = router.stats_max_age_s
         if router.otlp_traces_endpoint is not None:
@@ -152,7 +166,7 @@ def build_engine(args: AppArgs) -> serve.Application:
         "ray_actor_options": dict(args.ray_actor_options),
         "health_check_period_s": args.health_check_period_s,
         "health_check_timeout_s": args.health_check_timeout_s,
-        "request_router_config": request_router_config(args.router),
+        "request_router_config": request_router_config(args.router, args.engine),
         **args.shutdown_options(),
     }
     bundles = engine_bundles(args)

@@ -140,3 +140,32 @@ def test_up_builds_the_serve_app_its_flags_describe() -> None:
     assert config.request_router_config.request_router_kwargs == {"policy": "bounded_load", "epsilon": 0.5}
     assert ingress.num_replicas == field_default(IngressArgs, "num_replicas")
     assert ingress.init_args[1]["api_keys"] == ["k"]
+
+
+def _router_kwargs(*flags: str) -> dict:
+    from prefixserve.router.serve.app import build_app
+
+    ingress = build_app(up.app_args(up_parser().parse_args(list(flags))))._bound_deployment
+    engine = ingress.init_args[0]._bound_deployment
+    return engine._deployment_config.request_router_config.request_router_kwargs
+
+
+def test_placed_is_tier_aware_by_default_when_a_kv_tier_is_on(tmp_path) -> None:
+    """Only precise mode reads the KV events' tiers: a tier turns it on unless precise is given."""
+    assert "precise" not in _router_kwargs()
+    assert _router_kwargs("--kv-offloading-size=2")["precise"] is True
+    assert _router_kwargs("--kv-offloading-size=2", f"--kv-disk-path={tmp_path}")["precise"] is True
+    assert _router_kwargs("--kv-offloading-size=2", "--no-precise")["precise"] is False
+    assert _router_kwargs("--precise")["precise"] is True
+    # Other policies take no precise option, tier or not.
+    assert "precise" not in _router_kwargs("--policy=bounded_load", "--kv-offloading-size=2")
+    from prefixserve.router.serve.app import request_router_config
+
+    router = RouterArgs.from_dict({"policy": "placed"})
+    assert request_router_config(router, {"model": "m", "kv_disk_path": "/x"}).request_router_kwargs["precise"]
+    assert "precise" not in request_router_config(router, {"model": "m"}).request_router_kwargs
+    explicit = RouterArgs.from_dict({"policy": "placed", "precise": False})
+    assert request_router_config(explicit, {"model": "m", "kv_offloading_size": 4}).request_router_kwargs == {
+        "policy": "placed",
+        "precise": False,
+    }
