@@ -3,6 +3,7 @@
 * :class:`LocalRayCluster`: ``ray.cluster_utils.Cluster`` with a CPU-less head
   and worker nodes (each >= 75 MiB object store, as Ray requires), connected
   with ``ray.init``; ``shutdown`` always stops Serve, Ray and every node.
+* :func:`cluster_fixture`: a module's ``cluster`` fixture of a given size.
 * :func:`deploy`: runs the prefixserve app (router/serve/app.py) with given args on
   the cluster's HTTP port and waits until it answers.
 * :func:`chat`: one chat request over real HTTP, returning status, body and
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,6 +73,21 @@ class LocalRayCluster:
                 ray.shutdown()
             finally:
                 self.cluster.shutdown()
+
+
+def cluster_fixture(num_workers: int, cpus_per_worker: int = 2) -> Any:
+    """A module-scoped ``cluster`` fixture: a LocalRayCluster of this size, shut down after the module."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def cluster() -> Iterator[LocalRayCluster]:
+        c = LocalRayCluster(num_workers=num_workers, cpus_per_worker=cpus_per_worker)
+        try:
+            yield c
+        finally:
+            c.shutdown()
+
+    return cluster
 
 
 def deploy_config(

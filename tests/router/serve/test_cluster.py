@@ -20,8 +20,8 @@ import pytest
 from cluster_helpers import (
     INGRESS_HEADER,
     REPLICA_HEADER,
-    LocalRayCluster,
     chat,
+    cluster_fixture,
     deploy,
     engine_actors,
     engine_replicas,
@@ -71,13 +71,7 @@ def app_args(model: str, num_replicas: int) -> dict:
     }
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    c = LocalRayCluster(num_workers=2, cpus_per_worker=2)
-    try:
-        yield c
-    finally:
-        c.shutdown()
+cluster = cluster_fixture(num_workers=2)
 
 
 @pytest.fixture(scope="module")

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import yaml
 from cluster_helpers import (
-    LocalRayCluster,
     chat,
+    cluster_fixture,
     deploy,
     deploy_config,
     replica_processes,
@@ -62,13 +62,7 @@ def app_args(model: str) -> dict:
     }
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    c = LocalRayCluster(num_workers=1, cpus_per_worker=2)
-    try:
-        yield c
-    finally:
-        c.shutdown()
+cluster = cluster_fixture(num_workers=1)
 
 
 @pytest.fixture(scope="module")
