@@ -274,13 +274,16 @@ def _write(root: Path, rel: str, text: str) -> None:
     path.write_text(text)
 
 
+def _empty(root: Path, *rels: str) -> None:
+    """Empty modules (packages' ``__init__`` files, modules a test only imports)."""
+    for rel in rels:
+        _write(root, rel, "")
+
+
 def _mini_tree(root: Path) -> None:
     for top in LAYERS:
         _write(root, f"{top}/__init__.py", "")
-    _write(root, "replica/contract.py", "")
-    _write(root, "replica/config.py", "")
-    _write(root, "replica/kv/__init__.py", "")
-    _write(root, "replica/kv/hashing.py", "")
+    _empty(root, "replica/contract.py", "replica/config.py", "replica/kv/__init__.py", "replica/kv/hashing.py")
     _write(root, "replica/step.py", "import prefixserve.kernels\nfrom prefixserve.common import x\n")
     _write(
         root, "router/prefix.py", "from prefixserve.replica.contract import A\nfrom prefixserve.replica import config\n"
@@ -302,12 +305,15 @@ def test_the_checks_catch_what_they_forbid(tmp_path: Path) -> None:
 
 def test_the_load_check_follows_imports_through_other_modules(tmp_path: Path) -> None:
     _mini_tree(tmp_path)
-    _write(tmp_path, "replica/entrypoints/__init__.py", "")
-    _write(tmp_path, "replica/entrypoints/front.py", "")
-    _write(tmp_path, "replica/engine/__init__.py", "")
-    _write(tmp_path, "replica/engine/step.py", "")
-    _write(tmp_path, "replica/util.py", "")
-    _write(tmp_path, "router/serve/__init__.py", "")
+    _empty(
+        tmp_path,
+        "replica/entrypoints/__init__.py",
+        "replica/entrypoints/front.py",
+        "replica/engine/__init__.py",
+        "replica/engine/step.py",
+        "replica/util.py",
+        "router/serve/__init__.py",
+    )
     _write(tmp_path, "router/serve/ingress.py", "from prefixserve.replica import config\n")
     # What never runs does not count: a TYPE_CHECKING import of the engine from the contract.
     _write(
