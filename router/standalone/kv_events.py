@@ -4,11 +4,12 @@ Job: turn ``--kv-events REPLICA_URL=ENDPOINT[,REPLAY_ENDPOINT]`` into the subscr
 sources (router/kv_index/), and per request turn the prompt's token ids
 (prompt_tokens.py) into the block hashes the replicas publish: our Contract-2 hashes
 (replica/kv/hashing.py) for prefixserve replicas, vLLM's ``sha256_cbor`` for vLLM
-servers. ``KVEventHints.learn`` then asks the index which replicas hold the longest
-prefix of those blocks and hands it to ``placed`` as the Ray router's event intake
-(router/serve/event_intake.py) does: the blocks a replica holds go into the history
-index (so ``placed`` sends the request to the replica holding the longest cached
-prefix) and whether it holds the key's static prefix into ``set_cached``.
+servers. ``KVEventHints.held`` then asks the index which replicas hold the longest
+prefix of those blocks, and routing.py's ``StandaloneRouting.learn`` hands it to
+``placed`` as the Ray router's event intake (router/serve/event_intake.py) does: the
+blocks a replica holds count for this request beside the history index (so ``placed``
+sends it to the replica holding the longest cached prefix) and whether it holds the
+key's static prefix goes to ``set_cached``.
 
 The history index also keeps what the router sent each replica, so when events are
 missing, late or gapped (the subscriber then forgets that replica's view) the router
