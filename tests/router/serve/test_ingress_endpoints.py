@@ -63,12 +63,13 @@ def get(path: str, authorization: str | None = None) -> Request:
 def test_placement_needs_the_api_key_and_shows_nothing_without_it():
     router = FakeRouter()
     ing = ingress(router, [KEY])
-    for auth in (None, "Bearer wrong", f"Basic {KEY}x"):
+    for auth in (None, "Bearer sk-presented-by-a-stranger", f"Basic {KEY}x"):
         refused = asyncio.run(ing.placement(get("/placement", auth)))
         assert refused.status_code == 401
         body = json.loads(refused.body)
         assert body["error"]["code"] == "invalid_api_key"
-        assert "0123456789abcdef" not in refused.body.decode()
+        # Neither the table nor the presented key comes back.
+        assert "0123456789abcdef" not in refused.body.decode() and "stranger" not in refused.body.decode()
     assert router.reads == 0  # the table was never even read for a refused caller
     ok = asyncio.run(ing.placement(get("/placement", f"Bearer {KEY}")))
     assert ok.status_code == 200 and json.loads(ok.body)["keys"] == SNAPSHOT["keys"]
