@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixserve.common.logs import add_verbose_flag, quiet_libraries
+from prefixserve.loadtest.harness.random_checkpoint import llama_config_fields, sharpened_random_model
 from prefixserve.loadtest.harness.report import fmt, markdown_table, write_json
 
 
@@ -58,29 +59,22 @@ def build_checkpoint(shape: Shape, out: Path, tokenizer_dir: Path, seed: int = 0
     """Random-weight Llama of ``shape`` at ``out`` (sharpened so greedy has clear winners)."""
     import shutil
 
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        vocab_size=shape.vocab,
-        hidden_size=shape.hidden,
-        intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
-        max_position_embeddings=8192,
-        rope_parameters={"rope_theta": shape.rope_theta, "rope_type": "default"},
-        tie_word_embeddings=shape.tie,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
+        **llama_config_fields(
+            vocab=shape.vocab,
+            hidden=shape.hidden,
+            intermediate=shape.intermediate,
+            layers=shape.layers,
+            heads=shape.heads,
+            kv_heads=shape.kv_heads,
+            max_pos=8192,
+            tie=shape.tie,
+            rope_parameters={"rope_theta": shape.rope_theta, "rope_type": "default"},
+        )
     )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.5 if "embed" in name else 0.15)
+    model = sharpened_random_model(LlamaForCausalLM, cfg, seed)
     model.save_pretrained(out)
     for f in tokenizer_dir.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens")):

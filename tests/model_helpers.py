@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from prefixserve.loadtest.harness.random_checkpoint import llama_config_fields, sharpened_random_model
+
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 VOCAB = 49152  # SmolLM2's tokenizer
 
@@ -53,18 +55,15 @@ def tiny_config_fields(
 ) -> dict[str, Any]:
     """The config fields of a tiny test checkpoint of any architecture (SmolLM2's vocabulary and
     special token ids), plus ``extra``."""
-    return dict(
-        vocab_size=VOCAB,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=max_pos,
-        tie_word_embeddings=tie,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
+    return llama_config_fields(
+        vocab=VOCAB,
+        hidden=hidden,
+        intermediate=intermediate,
+        layers=layers,
+        heads=heads,
+        kv_heads=kv_heads,
+        max_pos=max_pos,
+        tie=tie,
         **extra,
     )
 
@@ -102,15 +101,7 @@ def tiny_checkpoint(
 
 def save_random_checkpoint(model_class: Any, config: Any, path: Path, seed: int) -> Path:
     """``model_class(config)`` with seeded, sharpened random weights, saved with SmolLM2's tokenizer at ``path``."""
-    torch.manual_seed(seed)
-    model = model_class(config)
-    # Random init is near-uniform over the vocabulary; sharpen so greedy has clear winners.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.5 if "embed" in name else 0.15)
-            elif "bias" in name:
-                p.normal_(0, 0.1)
+    model = sharpened_random_model(model_class, config, seed)
     model.save_pretrained(path)
     for f in _tokenizer_dir().iterdir():
         shutil.copy(f, path / f.name)
