@@ -46,8 +46,9 @@ from tqdm import tqdm
 
 from prefixserve.loadtest.harness.report import config_json, markdown_table, write_json
 from prefixserve.loadtest.peers import vllm_kv_manager as vllm_peer
-from prefixserve.replica.kv import BlockHasher, KVCacheManager
 from prefixserve.replica.kv.block_pool import EVICTION_POLICIES
+from prefixserve.replica.kv.hashing import BlockHasher
+from prefixserve.replica.kv.manager import KVCacheManager
 
 
 def _best_of(repeats: int, fn: Callable[[], None]) -> float:

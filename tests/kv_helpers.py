@@ -4,7 +4,7 @@ BlockStored events of the KV-event contract."""
 from __future__ import annotations
 
 from prefixserve.replica.contract.vllm_kv_events import BlockStored
-from prefixserve.replica.kv import KVCacheManager
+from prefixserve.replica.kv.manager import KVCacheManager
 
 
 def snapshot(m: KVCacheManager) -> tuple:

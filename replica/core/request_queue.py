@@ -19,9 +19,10 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from collections.abc import Iterator
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from prefixserve.replica.core.request import Sequence
+if TYPE_CHECKING:  # annotations only: the engine config reads SCHEDULING_POLICIES without the request types
+    from prefixserve.replica.core.request import Sequence
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 

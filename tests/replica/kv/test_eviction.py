@@ -11,8 +11,8 @@ import random
 
 import pytest
 
-from prefixserve.replica.kv import BlockPool, KVCacheManager
-from prefixserve.replica.kv.block_pool import EVICTION_POLICIES, LFUBlockPool, SLRUBlockPool, _MultiListPool
+from prefixserve.replica.kv.block_pool import EVICTION_POLICIES, BlockPool, LFUBlockPool, SLRUBlockPool, _MultiListPool
+from prefixserve.replica.kv.manager import KVCacheManager
 
 BS = 4
 

@@ -10,7 +10,7 @@ import pytest
 import xxhash
 
 from prefixserve.replica.config import EngineConfig
-from prefixserve.replica.kv import DEFAULT_HASH_SEED, BlockHasher, hash_blocks
+from prefixserve.replica.kv.hashing import DEFAULT_HASH_SEED, BlockHasher, hash_blocks
 
 
 def _independent(algo: str, seed: bytes, tokens: list[int], bs: int, salt: bytes | None) -> list[bytes]:

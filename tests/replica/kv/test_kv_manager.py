@@ -7,7 +7,8 @@ import random
 import pytest
 from kv_helpers import snapshot
 
-from prefixserve.replica.kv import BlockHasher, KVCacheManager
+from prefixserve.replica.kv.hashing import BlockHasher
+from prefixserve.replica.kv.manager import KVCacheManager
 
 BS = 4
 

@@ -34,8 +34,8 @@ from hypothesis.stateful import (
 )
 from kv_helpers import snapshot
 
-from prefixserve.replica.kv import KVCacheManager
 from prefixserve.replica.kv.block_pool import EVICTION_POLICIES
+from prefixserve.replica.kv.manager import KVCacheManager
 
 # A few shared system prompts, and a tiny vocabulary so that identical blocks
 # (and so duplicate hashes) happen often.
