@@ -304,7 +304,7 @@ def _cells(run: RouterRun) -> list[str]:
     if r is None:
         return ["n/a"] * 8
     of_bound = r.cached_token_ratio / run.bound if r.cached_token_ratio is not None and run.bound else None
-    split = " / ".join(map(str, run.split)) + (f" (+{run.unattributed} unnamed)" if run.unattributed else "")
+    split = ":".join(map(str, run.split)) + (f" (+{run.unattributed} unnamed)" if run.unattributed else "")
     return [
         fmt(r.cached_token_ratio, ".3f"),
         fmt(of_bound, ".2f"),

@@ -123,7 +123,7 @@ def test_workload_table_joins_seeds_and_names_failures():
     assert len(lines) == 3  # header, rule, one router (the other did not run at all)
     row = lines[2]
     assert row.startswith("| nginx | 0.500 / n/a | 0.62 / n/a |")
-    assert "2 / 1 / n/a" in row and "2/3 / n/a" in row
+    assert "2:1 / n/a" in row and "2/3 / n/a" in row
     assert "1 (request 2: HTTP 502: bad gateway \\| upstream) / did not run: RuntimeError: no answer" in row
 
 
@@ -167,4 +167,4 @@ def test_saved_results_of_two_seeds_render_as_one_table(tmp_path):
         paths[-1].write_text(json.dumps(data))
     text = B.render_saved(paths)
     assert text.startswith("### zipf_tenants (seeds 0 / 1)")
-    assert "| nginx | 0.500 / 0.500 |" in text and "1 / 0 / 1 / 0" in text
+    assert "| nginx | 0.500 / 0.500 |" in text and "1:0 / 1:0" in text
