@@ -46,7 +46,9 @@ def gauge(metrics: RouterMetrics, name: str, **labels: str) -> float | None:
 # -- routing_hints ----------------------------------------------------------------------------
 
 
-def test_hints_are_read_off_an_engine_request_only():
+async def test_hints_are_read_off_an_engine_request_only():
+    # async: a PendingRequest makes an asyncio.Future, which needs a running loop (a sync test has none once
+    # another async test in the same process has closed its loop).
     request = EngineRequest(prompt="hi", routing_key="k")
     assert routing_hints(pending(request)) == RoutingHints("k", request)
     assert request_routing_key(pending(EngineRequest(prompt="hi", routing_key=""))) is None
