@@ -8,8 +8,12 @@ reads them back.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from prefixserve.common.config_util import add_cli_arguments
@@ -56,4 +60,23 @@ def plan_and_run(
         p = plan(args)
     except ValueError as exc:
         parser.error(str(exc))  # exits with status 2
-    return run(args, p)
+    with _sigterm_unwinds():
+        return run(args, p)
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    """While the run lasts, SIGTERM raises SystemExit as Ctrl-C raises KeyboardInterrupt, so the run's
+    context managers stop the replicas, routers and clusters it started instead of leaving them behind."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _exit(signum: int, _frame: object) -> None:
+        sys.exit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, _exit)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

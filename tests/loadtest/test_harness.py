@@ -7,6 +7,8 @@ import asyncio
 import dataclasses
 import json
 import random
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -119,3 +121,42 @@ def test_flag_fields_become_flags_and_only_they() -> None:
     assert "--fixed" not in parser.format_help() and "how many" in parser.format_help()
     with pytest.raises(SystemExit):
         parser.parse_args(["--mode", "c"])
+
+
+_RUN_UNTIL_TERMINATED = """
+import argparse, contextlib, sys, time
+from pathlib import Path
+from prefixserve.loadtest.harness.cli import plan_and_run
+
+@contextlib.contextmanager
+def server(marker):
+    try:
+        yield
+    finally:
+        Path(marker).write_text("stopped")
+
+def run(args, plan):
+    with server(args.marker):
+        print("running", flush=True)
+        time.sleep(60)
+    return 0
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--marker")
+parser.add_argument("--verbose", action="store_true")
+sys.exit(plan_and_run(parser, lambda args: None, run))
+"""
+
+
+def test_sigterm_unwinds_the_run_so_what_it_started_is_stopped(tmp_path):
+    marker = tmp_path / "stopped"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _RUN_UNTIL_TERMINATED, "--marker", str(marker)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "running"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    finally:
+        proc.kill()
+    assert marker.read_text() == "stopped"
