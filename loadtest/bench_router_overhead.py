@@ -145,7 +145,7 @@ class OverheadConfig:
     upstream_pools: int = flag_field(8, "the router's --upstream-pools")
     out: str = flag_field("router_overhead.json", "where the JSON result goes")
     profile_router: str = flag_field("", "run the router under cProfile and write its stats here")
-    logs: str = flag_field("router_overhead_logs", "folder for the upstream's and the router's logs")
+    logs: str = flag_field("results/router_overhead_logs", "folder for the upstream's and the router's logs")
 
     def __post_init__(self) -> None:
         for name in ("concurrency", "requests", "rounds", "runs", "chunks", "keys", "upstream_pools"):
