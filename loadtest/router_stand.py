@@ -44,7 +44,7 @@ from prefixserve.loadtest.peer_routers import (
     smg_command,
     vllm_router_command,
 )
-from prefixserve.router.nginx.config import NginxConfig, render_config
+from prefixserve.router.nginx.config import write_prefix_config
 from prefixserve.router.policies import POLICIES
 from prefixserve.router.ring import RingServer
 
@@ -168,19 +168,9 @@ def _nginx_command(replicas: Sequence[str], port: int, work_dir: Path) -> list[s
     if nginx is None:
         raise RuntimeError("nginx is not installed (scripts/system-deps.sh)")
     root = work_dir / "nginx"
-    for sub in ("logs", "tmp"):
-        (root / sub).mkdir(parents=True, exist_ok=True)
-    config = NginxConfig(
-        replicas=tuple(RingServer(url.removeprefix("http://")) for url in replicas),
-        listen=f"{HOST}:{port}",
-        worker_processes="1",
-        temp_dir=str(root / "tmp"),
-        pid_file=str(root / "nginx.pid"),
-        error_log=str(root / "logs" / "error.log"),
-        access_log="off",
+    conf = write_prefix_config(
+        root, f"{HOST}:{port}", replicas=tuple(RingServer(url.removeprefix("http://")) for url in replicas)
     )
-    conf = root / "nginx.conf"
-    conf.write_text(render_config(config))
     return [nginx, "-p", str(root), "-c", str(conf), "-g", "daemon off;"]
 
 

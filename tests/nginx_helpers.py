@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from prefixserve.router.nginx.config import NginxConfig, render_config
+from prefixserve.router.nginx.config import write_prefix_config
 from prefixserve.router.ring import HashRing
 from prefixserve.router.routing_key import prefix_hash
 
@@ -55,21 +55,8 @@ def write_private_config(tmp_path: Path, front: int, backends_text: str, **field
     """``tmp_path / "nginx.conf"``, rendered from an NginxConfig with ``fields`` that listens on
     ``front`` with one worker, keeps its pid file, error log and temp paths under ``tmp_path``, logs
     no access and includes ``backends_text`` (written to ``backends.conf`` there)."""
-    (tmp_path / "logs").mkdir(exist_ok=True)
-    (tmp_path / "tmp").mkdir(exist_ok=True)
     (tmp_path / "backends.conf").write_text(backends_text)
-    cfg = NginxConfig(
-        listen=f"127.0.0.1:{front}",
-        worker_processes="1",
-        temp_dir=str(tmp_path / "tmp"),
-        pid_file=str(tmp_path / "nginx.pid"),
-        error_log=str(tmp_path / "logs" / "error.log"),
-        access_log="off",
-        includes=(str(tmp_path / "backends.conf"),),
-        **fields,
-    )
-    conf = tmp_path / "nginx.conf"
-    conf.write_text(render_config(cfg))
+    conf = write_prefix_config(tmp_path, f"127.0.0.1:{front}", includes=(str(tmp_path / "backends.conf"),), **fields)
     return conf
 
 

@@ -392,6 +392,25 @@ def _server_line(cfg: NginxConfig, r: RingServer) -> str:
     return "        " + " ".join(parts) + ";"
 
 
+def write_prefix_config(root: Path, listen: str, **fields: Any) -> Path:
+    """Render ``root/nginx.conf`` for an nginx run as ``nginx -p root -c root/nginx.conf``: one worker,
+    its pid file, error log and temp files under ``root`` (``logs/`` and ``tmp/`` made here), no access log;
+    ``fields`` are the rest of the NginxConfig (the replicas, includes, ...)."""
+    for sub in ("logs", "tmp"):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+    settings: dict[str, Any] = {
+        "worker_processes": "1",
+        "temp_dir": str(root / "tmp"),
+        "pid_file": str(root / "nginx.pid"),
+        "error_log": str(root / "logs" / "error.log"),
+        "access_log": "off",
+        **fields,
+    }
+    conf = root / "nginx.conf"
+    conf.write_text(render_config(NginxConfig(listen=listen, **settings)))
+    return conf
+
+
 def render_config(cfg: NginxConfig) -> str:
     """The complete nginx.conf text for ``cfg``.
 

@@ -14,7 +14,7 @@ import pytest
 from nginx_helpers import NGINX, NginxProcess, free_ports, needs_nginx
 from server_helpers import ReplicaProcess, metric
 
-from prefixserve.router.nginx.config import NginxConfig, render_config
+from prefixserve.router.nginx.config import write_prefix_config
 from prefixserve.router.ring import HashRing, RingServer
 from prefixserve.router.routing_key import PREFIX_HASH_HEADER, prefix_hash
 
@@ -41,20 +41,8 @@ def cluster(ckpt, tmp_path_factory):
         for replica in replicas:
             started.append(replica.__enter__())
         (front,) = free_ports(1)
-        for sub in ("logs", "tmp"):
-            (root / sub).mkdir()
         servers = tuple(RingServer(f"127.0.0.1:{r.port}") for r in replicas)
-        config = NginxConfig(
-            replicas=servers,
-            listen=f"127.0.0.1:{front}",
-            worker_processes="1",
-            temp_dir=str(root / "tmp"),
-            pid_file=str(root / "nginx.pid"),
-            error_log=str(root / "logs" / "error.log"),
-            access_log="off",
-        )
-        conf = root / "nginx.conf"
-        conf.write_text(render_config(config))
+        conf = write_prefix_config(root, f"127.0.0.1:{front}", replicas=servers)
         with NginxProcess(NGINX, conf, root, wait_ports=[front]):
             yield (f"http://127.0.0.1:{front}", {s.name: r for s, r in zip(servers, replicas)}, HashRing(servers))
     finally:
