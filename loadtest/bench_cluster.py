@@ -128,10 +128,13 @@ class WorkloadSpec:
             )
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> WorkloadSpec:
-        """The spec the workload flags ask for (``--workload``, ``--tenants`` ... ``--seed``)."""
+    def from_args(
+        cls, args: argparse.Namespace, *, workload: str | None = None, seed: int | None = None
+    ) -> WorkloadSpec:
+        """The spec the workload flags ask for (``--workload``, ``--tenants`` ... ``--seed``); ``workload`` and
+        ``seed`` stand in for those two flags where a benchmark sweeps several."""
         return cls(
-            args.workload,
+            workload if workload is not None else args.workload,
             args.tenants,
             args.requests,
             args.system_len,
@@ -139,7 +142,7 @@ class WorkloadSpec:
             args.output_len,
             args.zipf_s,
             args.hot_share,
-            args.seed,
+            seed if seed is not None else args.seed,
         )
 
     def generate(self) -> list[WorkloadRequest]:

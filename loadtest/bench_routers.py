@@ -174,17 +174,7 @@ def plan(args: argparse.Namespace) -> Plan:
     cases = []
     for seed in seeds:
         for name in workloads:
-            spec = WorkloadSpec(
-                name,
-                args.tenants,
-                args.requests,
-                args.system_len,
-                args.question_len,
-                args.output_len,
-                args.zipf_s,
-                args.hot_share,
-                seed,
-            )
+            spec = WorkloadSpec.from_args(args, workload=name, seed=seed)
             cases.append(make_case(spec, encode, args))
     return Plan(routers, cases)
 
