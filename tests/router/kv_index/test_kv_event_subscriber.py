@@ -1,7 +1,8 @@
 """The ZMQ subscriber feeding the router's KV-event index (router/kv_index/subscriber.py), on 127.0.0.1:
 
-* a committed fixture of vLLM-format frames (vllm_0_32_kv_events.json). It was built here, not
-  captured from a vLLM server: ``fixture_frames`` encodes it with vLLM 0.32's own struct
+* a committed fixture of vLLM-format frames (vllm_0_32_kv_events.json), built here for the
+  fields a CPU server never sends (test_vllm_captured_events.py parses a real server's):
+  ``fixture_frames`` encodes it with vLLM 0.32's own struct
   definitions (tests/vllm_events_helpers.py, copied from vllm/distributed/kv_events.py), with
   int hashes (0.32's default), bytes hashes (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0) and 0.32's
   newer fields (extra_keys, group_idx, lora_name, session_id); the test checks the file still
