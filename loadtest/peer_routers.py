@@ -29,6 +29,8 @@ VLLM_ROUTER = "vllm-router"
 # The policies each router offers that route a plain HTTP worker list (no PD, no KV-event source).
 SMG_POLICIES = ("round_robin", "random", "power_of_two", "cache_aware", "consistent_hashing", "prefix_hash")
 VLLM_ROUTER_POLICIES = ("round_robin", "random", "power_of_two", "cache_aware", "consistent_hash")
+# vllm-router's policy that reads the workers' KV events (vLLM servers' ZMQ publishers).
+VLLM_ROUTER_EVENT_POLICIES = ("kv_aware",)
 # The file that records what an install holds, one requirement a line.
 _RECORD = "installed.txt"
 
@@ -110,11 +112,32 @@ def smg_command(
 
 
 def vllm_router_command(
-    venv: PeerRouterVenv, policy: str, workers: Sequence[str], host: str, port: int, metrics_port: int
+    venv: PeerRouterVenv,
+    policy: str,
+    workers: Sequence[str],
+    host: str,
+    port: int,
+    metrics_port: int,
+    event_sources: Sequence[tuple[str, str, str]] = (),
+    event_block_size: int = 16,
+    event_model: str = "",
 ) -> list[str]:
-    """``vllm-router`` in front of ``workers``."""
-    if policy not in VLLM_ROUTER_POLICIES:
-        raise ValueError(f"vllm-router policy must be one of {VLLM_ROUTER_POLICIES}, got {policy!r}")
+    """``vllm-router`` in front of ``workers``.
+
+    ``event_sources``: per worker (its URL, its KV-event PUB endpoint, its replay endpoint),
+    which ``kv_aware`` needs and only it reads; ``event_model``: the model the workers serve
+    (vllm-router wants one model identity for static event sources).
+    """
+    policies = VLLM_ROUTER_POLICIES + VLLM_ROUTER_EVENT_POLICIES
+    if policy not in policies:
+        raise ValueError(f"vllm-router policy must be one of {policies}, got {policy!r}")
+    if policy in VLLM_ROUTER_EVENT_POLICIES and not event_sources:
+        raise ValueError(f"vllm-router's {policy} needs the workers' KV event sources (vLLM servers)")
+    events: list[str] = []
+    for url, endpoint, replay in event_sources:
+        events += ["--kv-event-source", f"{url}={endpoint}", "--kv-event-replay-source", f"{url}={replay}"]
+    if events:
+        events += ["--kv-event-block-size", str(event_block_size), "--kv-event-model", event_model]
     return [
         str(venv.binary(VLLM_ROUTER)),
         "--host",
@@ -131,4 +154,5 @@ def vllm_router_command(
         str(metrics_port),
         "--log-level",
         "warning",
+        *events,
     ]

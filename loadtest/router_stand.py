@@ -12,6 +12,10 @@ Routers (:class:`RouterSpec`, written ``KIND[:POLICY]``):
   ``prefixserve nginx-config`` renders it (router/nginx/config.py); its client sends
   ``X-Prefix-Hash`` (router/routing_key.py);
 * ``prefixserve:POLICY``: prefixserve's standalone router (``prefixserve router``).
+
+In front of vLLM servers (loadtest/vllm_stand.py) an :class:`EventFeed` hands the servers' KV
+event sockets to the routers that read them: vllm-router's ``kv_aware`` and prefixserve's
+``placed`` (``--kv-events``, hashing prompts as vLLM does).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from prefixserve.loadtest.peer_routers import (
     SMG,
     SMG_POLICIES,
     VLLM_ROUTER,
+    VLLM_ROUTER_EVENT_POLICIES,
     VLLM_ROUTER_POLICIES,
     PeerRouterVenv,
     smg_command,
@@ -52,7 +57,7 @@ NGINX = "nginx"
 PREFIXSERVE = "prefixserve"
 ROUTER_POLICIES: dict[str, tuple[str, ...]] = {
     SMG: SMG_POLICIES,
-    VLLM_ROUTER: VLLM_ROUTER_POLICIES,
+    VLLM_ROUTER: VLLM_ROUTER_POLICIES + VLLM_ROUTER_EVENT_POLICIES,
     NGINX: (),
     PREFIXSERVE: tuple(sorted(POLICIES)),
 }
@@ -155,12 +160,39 @@ def running_replicas(settings: ReplicaSettings, count: int, work_dir: Path, time
 
 
 @dataclass(frozen=True)
+class EventFeed:
+    """The replicas' KV event sockets and how their blocks are named (vLLM servers)."""
+
+    sources: tuple[tuple[str, str, str], ...]  # (replica URL, PUB endpoint, replay endpoint)
+    block_size: int
+    hash_seed: str
+    tokenizer: Path  # the servers' tokenizer folder: the router hashes the token ids they will see
+    model: str  # the name the servers serve
+
+    def prefixserve_args(self) -> list[str]:
+        args = ["--tokenizer", str(self.tokenizer), "--kv-events-hash", "vllm"]
+        args += ["--kv-events-block-size", str(self.block_size), "--kv-events-seed", self.hash_seed]
+        for url, endpoint, replay in self.sources:
+            args += ["--kv-events", f"{url}={endpoint},{replay}"]
+        return args
+
+
+@dataclass(frozen=True)
 class RunningRouter:
     """A router the stand started: where to send requests, and its log."""
 
     spec: RouterSpec
     base_url: str
     log_path: Path
+    metrics_url: str | None = None  # a peer router's Prometheus endpoint (its own port)
+
+    def save_metrics(self, path: Path) -> None:
+        """The peer router's metrics text, into ``path`` (nothing for routers without a metrics port)."""
+        if self.metrics_url is not None:
+            try:
+                path.write_text(httpx.get(self.metrics_url, timeout=10).text)
+            except httpx.HTTPError as exc:
+                path.write_text(f"# could not scrape {self.metrics_url}: {exc!r}\n")
 
 
 def _nginx_command(replicas: Sequence[str], port: int, work_dir: Path) -> list[str]:
@@ -175,21 +207,33 @@ def _nginx_command(replicas: Sequence[str], port: int, work_dir: Path) -> list[s
 
 
 def _command(
-    spec: RouterSpec, replicas: Sequence[str], port: int, work_dir: Path, venv: PeerRouterVenv | None
+    spec: RouterSpec,
+    replicas: Sequence[str],
+    port: int,
+    work_dir: Path,
+    venv: PeerRouterVenv | None,
+    feed: EventFeed | None = None,
+    metrics_port: int = 0,
 ) -> tuple[list[str], str]:
     """The router's command line and the path that answers 200 once it serves."""
     if spec.kind in PEER_KINDS:
         if venv is None:
             raise ValueError(f"{spec.name} needs the peer routers' venv (PeerRouterVenv.ensure)")
-        build = smg_command if spec.kind == SMG else vllm_router_command
         assert spec.policy is not None
-        return build(venv, spec.policy, replicas, HOST, port, free_port()), "/readiness"
+        if spec.kind == SMG:
+            return smg_command(venv, spec.policy, replicas, HOST, port, metrics_port), "/readiness"
+        sources = feed.sources if feed is not None and spec.policy in VLLM_ROUTER_EVENT_POLICIES else ()
+        block, model = (feed.block_size, feed.model) if feed is not None else (16, "")
+        command = vllm_router_command(venv, spec.policy, replicas, HOST, port, metrics_port, sources, block, model)
+        return command, "/readiness"
     if spec.kind == NGINX:
         return _nginx_command(replicas, port, work_dir), "/health"
     assert spec.policy is not None
     command = [*prefixserve_command(), "router", "--host", HOST, "--port", str(port), "--policy", spec.policy]
     for url in replicas:
         command += ["--replica", url]
+    if feed is not None and spec.policy == "placed":
+        command += feed.prefixserve_args()
     return [*command, "--log-level", "warning"], "/health"
 
 
@@ -217,11 +261,20 @@ def _wait(condition: Callable[[], bool], what: str, timeout_s: float) -> None:
 
 @contextmanager
 def running_router(
-    spec: RouterSpec, replicas: Sequence[str], work_dir: Path, timeout_s: float, venv: PeerRouterVenv | None = None
+    spec: RouterSpec,
+    replicas: Sequence[str],
+    work_dir: Path,
+    timeout_s: float,
+    venv: PeerRouterVenv | None = None,
+    feed: EventFeed | None = None,
 ) -> Iterator[RunningRouter]:
-    """Start ``spec`` in front of ``replicas``; yields once it serves and sees every replica healthy."""
-    port = free_port()
-    command, ready_path = _command(spec, replicas, port, work_dir, venv)
+    """Start ``spec`` in front of ``replicas``; yields once it serves and sees every replica healthy.
+
+    ``feed``: the replicas' KV event sockets, for the routers that read them.
+    """
+    port, metrics_port = free_port(), free_port()
+    command, ready_path = _command(spec, replicas, port, work_dir, venv, feed, metrics_port)
+    metrics_url = f"http://{HOST}:{metrics_port}/metrics" if spec.kind in PEER_KINDS else None
     base = f"http://{HOST}:{port}"
     log = work_dir / f"router-{spec.name.replace(':', '-')}.log"
     with running_server(command, server_env(), base + ready_path, log, timeout_s):
@@ -230,4 +283,4 @@ def running_router(
             f"{spec.name} did not see all {len(replicas)} replicas healthy (see {log})",
             timeout_s,
         )
-        yield RunningRouter(spec, base, log)
+        yield RunningRouter(spec, base, log, metrics_url)

@@ -14,7 +14,8 @@ from prefixserve.loadtest import bench_routers as B
 from prefixserve.loadtest.harness.client import RequestRecord
 from prefixserve.loadtest.peer_routers import PeerRouterVenv, smg_command, vllm_router_command
 from prefixserve.loadtest.prefix_bound import distinct_blocks, replay_bound, replay_hits
-from prefixserve.loadtest.router_stand import RouterSpec, find_nginx
+from prefixserve.loadtest.router_stand import EventFeed, RouterSpec, find_nginx
+from prefixserve.loadtest.vllm_stand import VLLMSettings, server_command
 from prefixserve.router.routing_key import PREFIX_HASH_HEADER, prefix_hash
 
 # --------------------------------------------------------------------------- the bound
@@ -84,6 +85,39 @@ def test_peer_command_lines_name_the_workers_policy_and_ports(tmp_path):
     assert vr[vr.index("--policy") + 1] == "consistent_hash" and vr[vr.index("--prometheus-port") + 1] == "12"
     with pytest.raises(ValueError):
         smg_command(venv, "consistent_hash", workers, "127.0.0.1", 10, 11)
+
+
+def test_event_reading_routers_get_the_vllm_servers_sockets_and_hash_settings(tmp_path):
+    venv = PeerRouterVenv(tmp_path / "venv")
+    workers = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    sources = tuple((w, f"tcp://127.0.0.1:{p}", f"tcp://127.0.0.1:{p + 1}") for w, p in zip(workers, (5, 7)))
+    kv = vllm_router_command(venv, "kv_aware", workers, "127.0.0.1", 10, 12, sources, 32, "smollm2")
+    assert kv.count("--kv-event-source") == 2 and "http://127.0.0.1:1=tcp://127.0.0.1:5" in kv
+    assert "http://127.0.0.1:2=tcp://127.0.0.1:8" in kv  # its replay socket
+    assert kv[kv.index("--kv-event-block-size") + 1] == "32" and kv[kv.index("--kv-event-model") + 1] == "smollm2"
+    with pytest.raises(ValueError, match="event sources"):
+        vllm_router_command(venv, "kv_aware", workers, "127.0.0.1", 10, 12)
+    ours = EventFeed(sources, 32, "0", tmp_path / "tok", "smollm2").prefixserve_args()
+    assert ours[ours.index("--kv-events-hash") + 1] == "vllm" and ours[ours.index("--kv-events-seed") + 1] == "0"
+    assert "http://127.0.0.1:1=tcp://127.0.0.1:5,tcp://127.0.0.1:6" in ours
+
+
+def test_vllm_servers_run_with_the_settings_a_router_must_match(tmp_path):
+    command = server_command(VLLMSettings("py", tmp_path, num_kv_blocks=60, block_size=32), 9000, 9001, 9002)
+    assert command[command.index("--prefix-caching-hash-algo") + 1] == "sha256_cbor"
+    assert command[command.index("--num-gpu-blocks-override") + 1] == "61"  # and its null block
+    assert "--enable-prompt-tokens-details" in command and "--enable-scale-out" in command
+    events = json.loads(command[command.index("--kv-events-config") + 1])
+    assert events["endpoint"] == "tcp://*:9001" and events["replay_endpoint"] == "tcp://*:9002"
+    with pytest.raises(ValueError, match="multiple of 32"):
+        VLLMSettings("py", tmp_path, num_kv_blocks=60, block_size=16)
+
+
+def test_the_vllm_upstream_needs_its_python_and_kv_aware_needs_the_vllm_upstream():
+    with pytest.raises(ValueError, match="--vllm-python"):
+        B.plan(B.build_parser().parse_args(["--upstream", "vllm", "--block-size", "32"]))
+    with pytest.raises(ValueError, match="kv_aware"):
+        B.plan(B.build_parser().parse_args(["--routers", "vllm-router:kv_aware"]))
 
 
 def test_nginx_clients_send_the_routing_key_of_the_static_prefix():
