@@ -211,6 +211,8 @@ class LLMEngine:
             self.kv_manager,
         )
         self.requests: dict[str, Request] = {}
+        if self.runner.lora is not None:  # a live request's adapter stays loaded until it finishes
+            self.runner.lora.in_use = lambda: {n for r in self.requests.values() if (n := r.lora_name) is not None}
         # Requests whose next step needs their last tokens on the host (async_scheduling's
         # fallback, ``_needs_host_tokens``); pruned as they leave ``requests``.
         self._host_bound: dict[str, Request] = {}

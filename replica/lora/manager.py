@@ -2,7 +2,10 @@
 
 :class:`LoRAManager` (the driver's) keeps up to ``max_cpu_loras`` loaded adapters, least
 recently used evicted first, and counts every load (a name the engine already knows is
-reloaded from its path when a request needs it after eviction). :meth:`add` checks a
+reloaded from its path when a request needs it after eviction). An adapter a live request
+uses (``in_use``, the engine's requests) is never evicted, so a step never reads an adapter
+from disk: its files may be gone by then, and a failed load inside a step would fail every
+request in it. While more adapters are in use than ``max_cpu_loras``, more stay loaded. :meth:`add` checks a
 request's adapter before the request is queued: a bad adapter is a ValueError and changes
 nothing. :meth:`plan_step` gives a step's adapters a slot each (an adapter keeps its slot
 while it stays resident; otherwise the least recently used slot is taken) and returns the
@@ -13,7 +16,7 @@ slot writes and each row's slot; the model shard applies them just before the fo
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,6 +43,8 @@ class LoRAManager:
     max_lora_rank: int
     model_name: str
     num_loads: int = 0
+    # The adapter names live requests use (set by the engine); None: nothing is pinned.
+    in_use: Callable[[], Collection[str]] | None = None
     _known: dict[str, LoRARequest] = field(default_factory=dict)
     _loaded: OrderedDict[str, LoRAAdapter] = field(default_factory=OrderedDict)
     # Slot -> adapter name written there (None: empty), and the slots by last use (least first).
@@ -77,11 +82,20 @@ class LoRAManager:
             adapter = load_adapter(request, self.shapes, max_rank=self.max_lora_rank, model_name=self.model_name)
             self.num_loads += 1
             self._loaded[request.lora_name] = adapter
-            while len(self._loaded) > self.max_cpu_loras:
-                self._loaded.popitem(last=False)
+            self._evict(keep=request.lora_name)
         else:
             self._loaded.move_to_end(request.lora_name)
         return adapter
+
+    def _evict(self, keep: str) -> None:
+        """Drop the least recently used adapters past ``max_cpu_loras``, never ``keep`` or one in use."""
+        excess = len(self._loaded) - self.max_cpu_loras
+        if excess <= 0:
+            return
+        pinned = set(self.in_use()) if self.in_use is not None else set()
+        pinned.add(keep)
+        for name in [n for n in self._loaded if n not in pinned][:excess]:
+            del self._loaded[name]
 
     def plan_step(self, names: Sequence[str | None], num_tokens: Sequence[int]) -> LoRAStep | None:
         """Slots for the adapters of a step's sequences (``names``, None = base; ``num_tokens``

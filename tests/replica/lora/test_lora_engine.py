@@ -171,3 +171,39 @@ def test_triton_backend_applies_adapters_with_the_triton_kernels(
     assert slots is not None and slots.shared.op is not _torch_op
     got = triton.generate(prompts, params, lora_request=loras)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+
+
+def test_an_adapter_a_live_request_uses_is_never_evicted_so_its_files_may_go(
+    ckpt: str, adapters: dict[str, LoRARequest], seed: int, tmp_path
+) -> None:
+    """max_cpu_loras=1 with three adapters' requests in flight and one slot: each waits its turn
+    in memory, not on disk. Their files are gone before the first step, and every request still
+    gets its adapter's tokens; once they finish, residency shrinks back to max_cpu_loras."""
+    import shutil
+
+    copies = {}
+    for name, request in adapters.items():
+        path = tmp_path / name
+        shutil.copytree(request.lora_path, path)
+        copies[name] = LoRARequest(f"{name}-copy", request.lora_int_id + 10, str(path))
+    llm = _engine(ckpt, max_loras=1, max_cpu_loras=1)
+    manager = llm.engine.runner.lora
+    assert manager is not None
+    names = ["all", "qv", "mlp"]
+    prompts = _prompts(seed, len(names))
+    for i, (name, prompt) in enumerate(zip(names, prompts, strict=True)):
+        llm.engine.add_request(str(i), prompt, GREEDY, lora_request=copies[name])
+    assert sorted(manager.loaded) == sorted(f"{n}-copy" for n in names)  # all in use: none evicted
+    for name in names:
+        shutil.rmtree(tmp_path / name)
+    done = {}
+    while llm.engine.has_unfinished_requests():
+        for update in llm.engine.step():
+            assert update.error is None, update.error
+            if update.output is not None:
+                done[update.request_id] = update.output.outputs[0].token_ids
+    for i, (name, prompt) in enumerate(zip(names, prompts, strict=True)):
+        assert done[str(i)] == peft_greedy(ckpt, adapters[name].lora_path, [prompt], MAX_TOKENS)[0], name
+    assert manager.num_loads == 3
+    llm.engine.add_request("next", prompts[0], GREEDY, lora_request=adapters["all"])
+    assert manager.loaded == ["all"]  # nothing in use any more: back to one
