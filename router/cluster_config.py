@@ -189,12 +189,17 @@ class IngressConfig:
     # proxy has read the whole head by then: this bounds what reaches the engines, not the proxy's memory.
     h11_max_header_count: int = 100
     h11_max_incomplete_event_size: int = 32 * 1024
+    # Unknown top-level request fields: ignored as vLLM ignores them (logged once per name, counted in
+    # prefixserve_router_ignored_request_fields_total), or refused with a 400 naming the field.
+    strict_request_fields: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.placement_sync_s, (int, float)) or not self.placement_sync_s > 0:
             raise ValueError(f"placement_sync_s must be a number > 0, got {self.placement_sync_s!r}")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
+        if not isinstance(self.strict_request_fields, bool):
+            raise ValueError(f"strict_request_fields must be true or false, got {self.strict_request_fields!r}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be at least 1, got {self.max_attempts}")
         if any(not isinstance(k, str) or not k for k in self.api_keys):

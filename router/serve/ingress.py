@@ -73,6 +73,7 @@ from prefixserve.replica.contract.stream import StreamDelta, StreamError, Stream
 from prefixserve.replica.entrypoints.openai import http_frontend
 from prefixserve.replica.entrypoints.openai import protocol as api
 from prefixserve.replica.entrypoints.openai.http_frontend import FrontendOptions
+from prefixserve.replica.entrypoints.openai.request_fields import IgnoredFields
 from prefixserve.replica.errors import APIError, ServiceUnavailableError
 from prefixserve.router.cluster_config import IngressConfig
 from prefixserve.router.routing_key import PrefixKeyConfig, routing_key
@@ -296,6 +297,7 @@ class OpenAIIngress:
             client_body_timeout_s=self.config.client_body_timeout_s,
             max_header_count=self.config.h11_max_header_count,
             max_header_bytes=self.config.h11_max_incomplete_event_size,
+            ignored_fields=IgnoredFields(strict=self.config.strict_request_fields, count=self._count_ignored_field),
         )
         self.draining = False
         self.key_config = PrefixKeyConfig(
@@ -310,6 +312,9 @@ class OpenAIIngress:
         self._siblings: DeploymentHandle | None = None  # this deployment's handle, made at first use
         self._sync_task: asyncio.Task[None] | None = None
         self.placement_leader: str | None = None  # the leader at the last exchange
+
+    def _count_ignored_field(self, name: str) -> None:
+        router_metrics().ignored_request_fields.labels(self._deployment[0], name).inc()
 
     def siblings(self) -> DeploymentHandle:
         """A handle to this deployment (every ingress replica, this one included)."""

@@ -137,6 +137,13 @@ class RouterMetrics:
             "prefixserve_router_history_index_entries",
             "Block hashes in the router's history index (bounded; least recently used evicted).",
         )
+        self.ignored_request_fields = series(
+            Counter,
+            "prefixserve_router_ignored_request_fields",
+            "Request fields the ingress does not know, ignored as vLLM ignores them, by field name "
+            "(one per request that sent it; ingress.strict_request_fields refuses them instead).",
+            "field",
+        )
         self.history_unhashable = series(
             Counter,
             "prefixserve_router_history_unhashable",

@@ -169,3 +169,9 @@ def test_placed_is_tier_aware_by_default_when_a_kv_tier_is_on(tmp_path) -> None:
         "policy": "placed",
         "precise": False,
     }
+
+
+def test_the_ingress_strict_request_fields_knob_is_a_bool():
+    assert IngressConfig.from_dict({"strict_request_fields": True}).strict_request_fields is True
+    with pytest.raises(ValueError, match="strict_request_fields"):
+        IngressConfig.from_dict({"strict_request_fields": "yes"})

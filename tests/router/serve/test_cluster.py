@@ -271,6 +271,27 @@ def test_vllm_sampling_fields_cross_the_ray_path(base):
     assert refused.status_code == 400 and "presence_penalty" in refused.json()["error"]["message"]
 
 
+def test_the_ingress_ignores_and_counts_fields_it_does_not_know_as_a_replica_does(base):
+    # vllm-router re-serialises every chat request with SGLang's fields.
+    body = {
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 2,
+        "no_stop_trim": False,
+        "separate_reasoning": True,
+    }
+    answer = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)
+    assert answer.status_code == 200, answer.text
+    metrics = httpx.get(f"{base}/metrics", timeout=60).text
+    counted = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith("prefixserve_router_ignored_request_fields_total") and 'field="no_stop_trim"' in line
+    ]
+    assert counted and float(counted[0].rsplit(" ", 1)[1]) >= 1
+    nested = {**body, "messages": [{"role": "user", "content": "hi", "no_such_key": 1}]}
+    assert httpx.post(f"{base}/v1/chat/completions", json=nested, timeout=120).status_code == 400
+
+
 @pytest.fixture()
 def openai_client(base):
     openai = pytest.importorskip("openai")
