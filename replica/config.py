@@ -11,7 +11,7 @@ Pure Python: no torch here (device strings are checked later by the model runner
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from prefixserve.common.config_util import add_cli_arguments, check_switches, from_cli_args, from_dict
@@ -255,6 +255,9 @@ class EngineConfig:
     max_loras: int = 1
     max_cpu_loras: int | None = None
     max_lora_rank: int = 16
+    # Adapters served from the start, ``NAME=PATH`` each (vLLM's --lora-modules): a request's
+    # ``model`` names one. Needs enable_lora.
+    lora_modules: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._validate()
@@ -424,6 +427,18 @@ class EngineConfig:
                 "enable_lora with tensor_parallel_size > 1 is not supported yet: the adapters are not "
                 "sharded over ranks; serve adapters with tensor_parallel_size=1"
             )
+        if not isinstance(self.lora_modules, list) or not all(isinstance(m, str) for m in self.lora_modules):
+            raise ValueError(f"lora_modules must be a list of NAME=PATH strings, got {self.lora_modules!r}")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora (start with --enable-lora)")
+        names = []
+        for module in self.lora_modules:
+            name, sep, path = module.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"lora_modules takes NAME=PATH, got {module!r}")
+            names.append(name)
+        if len(set(names)) != len(names):
+            raise ValueError(f"lora_modules names an adapter twice: {names}")
 
     @property
     def lora_cpu_capacity(self) -> int:

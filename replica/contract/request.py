@@ -74,6 +74,8 @@ class EngineRequest:
     # vLLM's priority: under the engine's "priority" scheduling policy a lower value is admitted
     # first and preempted last; must be 0 under "fcfs" (priority_error).
     priority: int = 0
+    # The served LoRA adapter the request runs with (the name its ``model`` gave); None = the base model.
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -103,9 +105,15 @@ class ModelInfo:
     enable_auto_tool_choice: bool = False
     # The engine's --scheduling-policy ("fcfs" or "priority"): whether a request's priority counts.
     scheduling_policy: str = "fcfs"
+    # The LoRA adapters served by name (name -> path), each a model a request may name.
+    adapters: tuple[tuple[str, str], ...] = ()
 
     def serves(self, name: str) -> bool:
-        return name in (self.model_name, self.model)
+        return name in (self.model_name, self.model) or self.adapter(name) is not None
+
+    def adapter(self, name: str | None) -> str | None:
+        """``name`` when it names a served adapter, else None."""
+        return name if name is not None and any(a == name for a, _ in self.adapters) else None
 
 
 class EngineStream(Protocol):

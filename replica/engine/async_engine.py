@@ -27,7 +27,7 @@ import uuid
 from collections import deque
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from prefixserve.replica.config import EngineConfig
 from prefixserve.replica.contract.request import EngineRequest
@@ -38,9 +38,12 @@ from prefixserve.replica.engine.input_processor import rendered_request
 from prefixserve.replica.engine.metrics import EngineMetrics, EngineStats
 from prefixserve.replica.engine.output_processor import EngineUpdate
 from prefixserve.replica.engine.tokenizer_executor import TokenizerExecutor, messages_chars
-from prefixserve.replica.errors import EngineDeadError
+from prefixserve.replica.errors import EngineDeadError, ModelNotFoundError
+from prefixserve.replica.lora.request import LoRARequest
 from prefixserve.replica.sampling_params import SamplingParams
 from prefixserve.replica.tool_calling.choice import ToolCallMode
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +59,17 @@ class AbortRequest:
     reply: asyncio.Future[bool] | None = None
 
 
+@dataclass(frozen=True)
+class EngineCall:
+    """Command to the engine thread: run ``fn`` between steps (what touches the engine's state
+    from outside, such as loading an adapter) and resolve ``reply`` with its result or error."""
+
+    fn: Callable[[], Any]
+    reply: asyncio.Future[Any]
+
+
 # A request to start is its PreparedRequest, queued as the input processor built it.
-Command = PreparedRequest | AbortRequest
+Command = PreparedRequest | AbortRequest | EngineCall
 
 
 @dataclass(frozen=True)
@@ -195,12 +207,34 @@ class AsyncEngine:
         """
         processor = self.engine.input_processor
         processor.check_prompt_size(request)
+        lora = self.lora_request(request.lora_name)
         chars = len(request.prompt) if isinstance(request.prompt, str) else messages_chars(request.messages)
         encoded = await self.tokenizer_executor.run(lambda: processor.encode_request(request), chars=chars)
         self.check_health()
         arrival = time.monotonic()
         grammar = await processor.compile_grammar_async(encoded.params, request.client)
-        return processor.build(request, encoded, grammar, arrival_time=arrival)
+        return processor.build(request, encoded, grammar, arrival_time=arrival, lora_request=lora)
+
+    def lora_adapters(self) -> dict[str, LoRARequest]:
+        """The LoRA adapters served by name (a copy: the engine thread changes the engine's)."""
+        return dict(self.engine.lora_adapters)
+
+    def lora_request(self, name: str | None) -> LoRARequest | None:
+        """The served adapter ``name`` (None: the base model); ModelNotFoundError (404) when no longer served."""
+        if name is None:
+            return None
+        lora = self.engine.lora_adapters.get(name)
+        if lora is None:
+            raise ModelNotFoundError(f"the LoRA adapter {name!r} is not served (it was unloaded)", param="model")
+        return lora
+
+    async def load_lora_adapter(self, name: str, path: str) -> LoRARequest:
+        """``LLMEngine.load_lora_adapter`` on the engine thread (reading the files there, between steps)."""
+        return await self.call(lambda: self.engine.load_lora_adapter(name, path))
+
+    async def unload_lora_adapter(self, name: str) -> LoRARequest:
+        """``LLMEngine.unload_lora_adapter`` on the engine thread."""
+        return await self.call(lambda: self.engine.unload_lora_adapter(name))
 
     async def generate(
         self,
@@ -282,6 +316,15 @@ class AsyncEngine:
                 if not done:
                     self._commands.append(AbortRequest(request_id))
             self._wake.set()
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the engine thread between two steps; its result, or its exception raised here."""
+        self.check_health()
+        fut: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        with self._lock:
+            self._commands.append(EngineCall(fn, fut))
+        self._wake.set()
+        return await fut
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request; returns once the engine thread has freed its blocks."""
@@ -389,6 +432,13 @@ class AsyncEngine:
         for cmd in commands:
             if isinstance(cmd, PreparedRequest):
                 self._add(cmd)
+            elif isinstance(cmd, EngineCall):
+                try:
+                    result = cmd.fn()
+                except Exception as exc:  # noqa: BLE001 - handed to the caller
+                    cmd.reply.get_loop().call_soon_threadsafe(_fail, cmd.reply, exc)
+                else:
+                    cmd.reply.get_loop().call_soon_threadsafe(_resolve, cmd.reply, result)
             else:
                 found = self.engine.abort_request(cmd.request_id)
                 fut = cmd.reply
@@ -447,6 +497,11 @@ class AsyncEngine:
             pass
 
 
-def _resolve(future: asyncio.Future[bool], value: bool) -> None:
+def _resolve(future: asyncio.Future[Any], value: Any) -> None:
     if not future.done():
         future.set_result(value)
+
+
+def _fail(future: asyncio.Future[Any], exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)

@@ -213,6 +213,12 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         if self.runner.lora is not None:  # a live request's adapter stays loaded until it finishes
             self.runner.lora.in_use = lambda: {n for r in self.requests.values() if (n := r.lora_name) is not None}
+        # Adapters served by name (EngineConfig.lora_modules, load_lora_adapter): what a request's
+        # ``model`` may name besides the base model.
+        self.lora_adapters: dict[str, LoRARequest] = {}
+        for module in config.lora_modules:
+            name, _, path = module.partition("=")
+            self.load_lora_adapter(name, path)
         # Requests whose next step needs their last tokens on the host (async_scheduling's
         # fallback, ``_needs_host_tokens``); pruned as they leave ``requests``.
         self._host_bound: dict[str, Request] = {}
@@ -359,6 +365,30 @@ class LLMEngine:
             raise ValueError("LoRA adapters need enable_lora=True (the engine was started without it)")
         self.runner.lora.add(lora_request)
 
+    def load_lora_adapter(self, name: str, path: str) -> LoRARequest:
+        """Serve the PEFT adapter at ``path`` under ``name`` (vLLM's ``/v1/load_lora_adapter``), loaded
+        and checked now. ValueError, with nothing changed, when LoRA is off, ``name`` is served
+        already (or is the base model's), or the adapter does not fit (rank, modules, base model,
+        missing or corrupt files). A name keeps meaning the adapter it first named until the engine
+        restarts (its KV blocks are keyed by name): loading it again takes the same path.
+        """
+        if name in self.lora_adapters or name in (self.config.model_name, self.config.model):
+            raise ValueError(f"the name {name!r} is already served; unload it first or pick another")
+        next_id = max((r.lora_int_id for r in self.lora_adapters.values()), default=0) + 1
+        request = LoRARequest(name, next_id, path)
+        self.add_lora(request)
+        self.lora_adapters[name] = request
+        return request
+
+    def unload_lora_adapter(self, name: str) -> LoRARequest:
+        """Stop serving ``name`` (vLLM's ``/v1/unload_lora_adapter``): a request naming it from now on
+        is unknown; those in flight finish with it, after which its memory is freed. KeyError when
+        ``name`` is not served."""
+        request = self.lora_adapters.pop(name)
+        if self.runner.lora is not None:
+            self.runner.lora.unload(name)
+        return request
+
     def check_admission(self, request_id: str, *, in_use: Container[str] | None = None, pending: int = 0) -> None:
         """What admitting a request depends on besides the request (which the input processor checked):
         raise RequestRejected when its id is in use, EngineOverloadedError when the waiting queue is full.
@@ -380,6 +410,8 @@ class LLMEngine:
         but what depends on the engine's state now: ``check_admission``)."""
         request_id = prepared.request_id
         self.check_admission(request_id)
+        if prepared.lora_request is not None:
+            self.add_lora(prepared.lora_request)  # in memory while the request lives (LoRAManager)
         req = Request(prepared)
         seq = self._new_sequence(req, 0)
         self.scheduler.add(seq)

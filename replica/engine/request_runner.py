@@ -60,6 +60,7 @@ class RequestRunner:
             tool_call_parser=config.tool_call_parser,
             enable_auto_tool_choice=config.enable_auto_tool_choice,
             scheduling_policy=config.scheduling_policy,
+            adapters=tuple((name, r.lora_path) for name, r in self.engine.lora_adapters().items()),
         )
 
     async def prepare(self, request: EngineRequest) -> PreparedRequest:

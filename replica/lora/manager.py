@@ -97,6 +97,13 @@ class LoRAManager:
         for name in [n for n in self._loaded if n not in pinned][:excess]:
             del self._loaded[name]
 
+    def unload(self, name: str) -> None:
+        """Free ``name``'s memory now unless a live request uses it (then eviction frees it later).
+        The name stays bound to its path (:meth:`add`): cached KV blocks are keyed by the name."""
+        pinned = set(self.in_use()) if self.in_use is not None else set()
+        if name not in pinned:
+            self._loaded.pop(name, None)
+
     def plan_step(self, names: Sequence[str | None], num_tokens: Sequence[int]) -> LoRAStep | None:
         """Slots for the adapters of a step's sequences (``names``, None = base; ``num_tokens``
         rows each, in batch order); None when no sequence has an adapter."""

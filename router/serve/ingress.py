@@ -72,8 +72,7 @@ from prefixserve.replica.contract.routing import REPLICA_HEADER
 from prefixserve.replica.contract.stream import StreamDelta, StreamError, StreamStart, TokenTexts
 from prefixserve.replica.entrypoints.openai import http_frontend
 from prefixserve.replica.entrypoints.openai import protocol as api
-from prefixserve.replica.entrypoints.openai.http_frontend import FrontendOptions
-from prefixserve.replica.entrypoints.openai.request_fields import IgnoredFields
+from prefixserve.replica.entrypoints.openai.http_frontend import FrontendOptions, IgnoredFields
 from prefixserve.replica.errors import APIError, ServiceUnavailableError
 from prefixserve.router.cluster_config import IngressConfig
 from prefixserve.router.routing_key import PrefixKeyConfig, routing_key

@@ -351,12 +351,12 @@ def check_auth(request: Request, options: FrontendOptions) -> None:
 
 
 def check_model(info: ModelInfo, name: str | None) -> str:
-    """The served model's name; raise ModelNotFoundError (404) when ``name`` is another model."""
+    """The name answers carry: the adapter's when ``name`` is a served LoRA adapter, else the served
+    model's; raise ModelNotFoundError (404) when ``name`` is neither."""
     if name is not None and not info.serves(name):
-        raise ModelNotFoundError(
-            f"the model {name!r} does not exist on this server; it serves {info.model_name!r}", param="model"
-        )
-    return info.model_name
+        served = ", ".join(repr(n) for n in [info.model_name, *(a for a, _ in info.adapters)])
+        raise ModelNotFoundError(f"the model {name!r} does not exist on this server; it serves {served}", param="model")
+    return info.adapter(name) or info.model_name
 
 
 def client_request_id(headers: Mapping[str, str]) -> str | None:
@@ -478,6 +478,7 @@ def engine_request(
         trace_headers=trace_headers(headers or {}),
         conversation=is_conversation_turn(prompt.get("messages"), headers or {}),
         priority=body.scheduling_priority(),
+        lora_name=info.adapter(body.model),
     )
 
 
@@ -538,11 +539,15 @@ async def handle_generate(
 
 
 async def handle_models(request: Request, client: EngineClient, options: FrontendOptions) -> JSONResponse:
-    """``GET /v1/models``: the one served model."""
+    """``GET /v1/models``: the served model, then its LoRA adapters (``parent``: the model), as vLLM lists them."""
     check_auth(request, options)
     info = await client.model_info()
-    card = api.ModelCard(id=info.model_name, root=info.model, max_model_len=info.max_model_len)
-    return JSONResponse(api.ModelList(data=[card]).model_dump())
+    cards = [api.ModelCard(id=info.model_name, root=info.model, max_model_len=info.max_model_len)]
+    cards += [
+        api.ModelCard(id=name, root=path, parent=info.model_name, max_model_len=info.max_model_len)
+        for name, path in info.adapters
+    ]
+    return JSONResponse(api.ModelList(data=cards).model_dump())
 
 
 async def handle_openapi(request: Request, app: FastAPI, options: FrontendOptions) -> JSONResponse:

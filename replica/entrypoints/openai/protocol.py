@@ -1114,6 +1114,8 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "prefixserve"
     root: str | None = None
+    # A LoRA adapter's base model (vLLM's field); None for a base model.
+    parent: str | None = None
     max_model_len: int | None = None
 
 

@@ -58,7 +58,7 @@ from prefixserve.common.endpoint_config import DEFAULT_HOST, REPLICA_PORT, Repli
 from prefixserve.common.logs import configure_logging
 from prefixserve.replica.contract.routing import REPLICA_HEADER
 from prefixserve.replica.engine.request_runner import LocalEngineClient
-from prefixserve.replica.entrypoints.openai import http_frontend
+from prefixserve.replica.entrypoints.openai import http_frontend, lora_endpoints
 from prefixserve.replica.entrypoints.openai import protocol as api
 from prefixserve.replica.entrypoints.openai.http_frontend import (
     IN_FLIGHT_SLOT_SCOPE_KEY,
@@ -143,6 +143,13 @@ class ServerConfig:
         metadata=_help(
             "refuse (400 unknown_parameter) request fields this server does not know; off: ignore them as vLLM "
             "does (each named once in the log, counted in prefixserve:ignored_request_fields_total)"
+        ),
+    )
+    allow_runtime_lora_updating: bool = field(
+        default=False,
+        metadata=_help(
+            "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's; also on with "
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True); needs --enable-lora"
         ),
     )
 
@@ -279,6 +286,7 @@ def build_app(
     client_body_timeout_s: float = DEFAULT_CLIENT_BODY_TIMEOUT_S,
     drain: Drain | None = None,
     strict_request_fields: bool = False,
+    allow_runtime_lora_updating: bool = False,
 ) -> FastAPI:
     """The FastAPI application serving ``engine``.
 
@@ -294,7 +302,8 @@ def build_app(
     the shutdown state the server's signal handling drives (while draining,
     ``/health`` and generation requests answer 503). The engine is shut down
     with the application. ``strict_request_fields``: refuse unknown request fields (400)
-    instead of ignoring them as vLLM does.
+    instead of ignoring them as vLLM does. ``allow_runtime_lora_updating``: serve vLLM's
+    runtime LoRA endpoints (lora_endpoints.py; vLLM's environment variable turns them on too).
     """
     ignored = IgnoredFields(strict=strict_request_fields, count=engine.metrics.observe_ignored_field)
     options = FrontendOptions.build(
@@ -353,6 +362,16 @@ def build_app(
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await http_frontend.handle_generate(request, api.CompletionRequest, client, options)
+
+    if lora_endpoints.runtime_updating_allowed(allow_runtime_lora_updating):
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: Request) -> Response:
+            return await lora_endpoints.load_lora_adapter(request, engine, options)
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: Request) -> Response:
+            return await lora_endpoints.unload_lora_adapter(request, engine, options)
 
     # vLLM's tokenizer endpoints and the chat render (replica/entrypoints/openai/tokenization.py).
     app.post("/tokenize")(tokenization.tokenize)
@@ -509,6 +528,7 @@ def serve(
         client_body_timeout_s=config.client_body_timeout_s,
         drain=drain,
         strict_request_fields=config.strict_request_fields,
+        allow_runtime_lora_updating=config.allow_runtime_lora_updating,
     )
     extra = {} if uvicorn_logging else {"log_config": None}
     server = DrainingServer(
