@@ -11,6 +11,12 @@
 client can compute to land on the replica that holds its prefix.
 """
 
-from prefixserve.router.routing_key import PrefixKeyConfig, prefix_hash, routing_key, static_prefix
+from prefixserve.router.routing_key import (
+    PrefixKeyConfig,
+    prefix_hash,
+    prompt_cache_key_hash,
+    routing_key,
+    static_prefix,
+)
 
-__all__ = ["PrefixKeyConfig", "prefix_hash", "routing_key", "static_prefix"]
+__all__ = ["PrefixKeyConfig", "prefix_hash", "prompt_cache_key_hash", "routing_key", "static_prefix"]

@@ -7,6 +7,10 @@ that already caches it.
 The rule, which any client in any language can reproduce:
 
 * A request carrying an ``X-Prefix-Hash`` header uses the header's value.
+* Otherwise a request with a non-empty ``prompt_cache_key`` (OpenAI's field: requests
+  sharing it share a cache) uses the key of ``0x00 || "prompt_cache_key:" || its UTF-8
+  bytes`` (the same SHA-256/16 hex digits, salt first, as below): the client's grouping
+  beats the static prefix, and the leading 0x00 keeps it apart from every system prompt.
 * Otherwise the static prefix of a chat request is the text of its leading run
   of ``system`` / ``developer`` messages joined by ``"\\n"`` (a message whose
   content is a list of OpenAI content parts contributes its parts' texts joined
@@ -225,6 +229,14 @@ def conversation_key(
     return None
 
 
+PROMPT_CACHE_KEY_TAG = b"\x00prompt_cache_key:"
+
+
+def prompt_cache_key_hash(prompt_cache_key: str, cache_salt: str | None = None) -> str:
+    """The routing key (and ``X-Prefix-Hash`` value) of a request carrying ``prompt_cache_key``."""
+    return _digest(PROMPT_CACHE_KEY_TAG + prompt_cache_key.encode("utf-8"), cache_salt)
+
+
 def validate_prefix_hash(value: str, config: PrefixKeyConfig = DEFAULT_CONFIG) -> str:
     """Return ``value`` if it is a usable ``X-Prefix-Hash``, else raise InvalidPrefixHash.
 
@@ -265,6 +277,12 @@ def routing_key(
     salt = body.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
         raise ValueError(f"cache_salt must be a string, got {type(salt).__name__}")
+
+    cache_key = body.get("prompt_cache_key")
+    if cache_key is not None and not isinstance(cache_key, str):
+        raise ValueError(f"prompt_cache_key must be a string, got {type(cache_key).__name__}")
+    if cache_key:
+        return prompt_cache_key_hash(cache_key, salt)
 
     if "messages" in body:
         messages = body["messages"]

@@ -14,6 +14,7 @@ from prefixserve.router.routing_key import (
     InvalidPrefixHash,
     PrefixKeyConfig,
     prefix_hash,
+    prompt_cache_key_hash,
     routing_key,
     static_prefix,
 )
@@ -233,3 +234,29 @@ def test_key_turns_extends_the_key_with_the_conversations_leading_turns():
     assert routing_key({"messages": _conversation("sys", ["q"])}, {}, two) == prefix_hash("sys")
     with pytest.raises(ValueError, match="key_turns"):
         PrefixKeyConfig(key_turns=-1)
+
+
+def test_prompt_cache_key_is_the_key_when_present():
+    system = "You are a support agent for ACME."
+    by_prefix = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": "hi"}]}
+    keyed = {**by_prefix, "prompt_cache_key": "customer-42"}
+    expected = hashlib.sha256(b"\x00prompt_cache_key:customer-42").hexdigest()[:16]
+    assert routing_key(keyed) == expected == prompt_cache_key_hash("customer-42")
+    assert routing_key(keyed) != routing_key(by_prefix)
+    # Another system prompt, the same cache key: one key (the client's grouping wins).
+    other = {"messages": [{"role": "system", "content": "Other."}], "prompt_cache_key": "customer-42"}
+    assert routing_key(other) == routing_key(keyed)
+    # No static prefix at all still routes by the cache key; completions too.
+    assert routing_key({"messages": [{"role": "user", "content": "x"}], "prompt_cache_key": "k"}) == (
+        prompt_cache_key_hash("k")
+    )
+    assert routing_key({"prompt": "abc", "prompt_cache_key": "k"}) == prompt_cache_key_hash("k")
+    # The salt goes first, as for every key; the header still wins; an empty key is no key.
+    salted = {**keyed, "cache_salt": "s"}
+    assert routing_key(salted) == prompt_cache_key_hash("customer-42", "s") != routing_key(keyed)
+    assert routing_key(keyed, {PREFIX_HASH_HEADER: "explicit"}) == "explicit"
+    assert routing_key({**by_prefix, "prompt_cache_key": ""}) == routing_key(by_prefix)
+    # The tag keeps a cache key apart from a system prompt of the same text.
+    assert prompt_cache_key_hash("x") != prefix_hash("prompt_cache_key:x") != prefix_hash("x")
+    with pytest.raises(ValueError, match="prompt_cache_key"):
+        routing_key({**by_prefix, "prompt_cache_key": 7})

@@ -44,11 +44,12 @@ Invariants:
   completions' ``echo`` (the prompt before the output; with ``logprobs``, the prompt
   tokens' logprobs first, null for the first token).
 * Harmless fields real clients send are accepted and ignored, as vLLM does:
-  ``user``, ``safety_identifier``, ``metadata``, ``prompt_cache_key``,
-  ``prompt_cache_retention``, ``prompt_cache_options`` (caching hints: our
-  prefix cache is automatic), ``store: false``, ``service_tier: "auto"`` /
-  ``"default"``, ``stream_options.include_obfuscation`` (padding that hides
-  event sizes; events go unpadded).
+  ``user``, ``safety_identifier``, ``metadata``, ``prompt_cache_key`` (the
+  routers key by it: router/routing_key.py; the replica's prefix cache is
+  automatic), ``prompt_cache_retention``, ``prompt_cache_options`` (caching
+  hints), ``store: false``, ``service_tier: "auto"`` / ``"default"``,
+  ``stream_options.include_obfuscation`` (padding that hides event sizes;
+  events go unpadded).
 * ``logit_bias`` (token id strings to a bias in [-100, 100]) maps onto
   ``SamplingParams.logit_bias``.
 * Priority (vLLM's ``priority``, an integer in [-2**31, 2**31 - 1], lower first; the
