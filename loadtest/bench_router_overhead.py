@@ -49,8 +49,10 @@ from prefixserve.loadtest.harness.client import RequestRecord, run_load_async, s
 from prefixserve.loadtest.harness.report import fmt, markdown_table, write_json
 from prefixserve.loadtest.harness.server import HOST, free_port, running_server, server_env
 from prefixserve.loadtest.harness.stats import percentile
+from prefixserve.loadtest.peer_routers import SMG, VLLM_ROUTER, PeerRouterVenv, smg_command, vllm_router_command
 
 TARGETS = ("direct", "router")
+ROUTERS = ("prefixserve", SMG, VLLM_ROUTER)
 SSE_TYPE = (b"content-type", b"text/event-stream")
 
 
@@ -142,6 +144,12 @@ class OverheadConfig:
     chunks: int = flag_field(4, "content chunks in each upstream answer")
     keys: int = flag_field(8, "distinct system prompts (routing keys) among the requests")
     policy: str = flag_field("placed", "the router's --policy")
+    router: str = flag_field(
+        "prefixserve",
+        "the router measured: prefixserve's standalone router, or a peer from PyPI (smg, vllm-router; "
+        "installed by the benchmark into a venv of its own) with --peer-policy",
+    )
+    peer_policy: str = flag_field("round_robin", "the peer router's --policy")
     upstream_pools: int = flag_field(8, "the router's --upstream-pools")
     out: str = flag_field("router_overhead.json", "where the JSON result goes")
     profile_router: str = flag_field("", "run the router under cProfile and write its stats here")
@@ -156,6 +164,10 @@ class OverheadConfig:
             raise ValueError(f"--rate must be a finite number >= 0, got {self.rate!r}")
         if self.warmup < 0:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
+        if self.router not in ROUTERS:
+            raise ValueError(f"--router must be one of {ROUTERS}, got {self.router!r}")
+        if self.router != "prefixserve" and self.profile_router:
+            raise ValueError("--profile-router profiles prefixserve's router only")
 
 
 def bodies(n: int, keys: int, offset: int = 0) -> list[dict[str, Any]]:
@@ -292,8 +304,14 @@ def profile_router(out: str, argv: list[str]) -> int:
         profile.dump_stats(out)
 
 
-def router_command(upstream: str, port: int, config: OverheadConfig) -> list[str]:
-    """``prefixserve router`` over the upstream (under cProfile with ``--profile-router``)."""
+def router_command(upstream: str, port: int, config: OverheadConfig, venv: PeerRouterVenv | None = None) -> list[str]:
+    """The measured router over the upstream: ``prefixserve router`` (under cProfile with
+    ``--profile-router``), or a peer router from ``venv`` (PeerRouterVenv.ensure)."""
+    if config.router != "prefixserve":
+        if venv is None:
+            raise ValueError(f"{config.router} needs the peer routers' venv")
+        build = smg_command if config.router == SMG else vllm_router_command
+        return build(venv, config.peer_policy, [upstream], HOST, port, free_port())
     me = [sys.executable, "-m", "prefixserve.loadtest.bench_router_overhead"]
     head = (
         [*me, "profile-router", config.profile_router]
@@ -325,13 +343,14 @@ def run(config: OverheadConfig) -> dict[str, Any]:
     upstream_cmd = [sys.executable, "-m", "prefixserve.loadtest.bench_router_overhead", "upstream", str(up_port)]
     upstream_cmd += ["--chunks", str(config.chunks)]
     env = server_env()
+    venv = PeerRouterVenv.default().ensure() if config.router != "prefixserve" else None
     result: dict[str, Any] = {"config": asdict(config), "cpus": os.cpu_count(), "runs": []}
     with (
         running_server(upstream_cmd, env, urls["direct"] + "/health", logs / "upstream.log", 60.0),
         running_server(
-            router_command(urls["direct"], router_port, config),
+            router_command(urls["direct"], router_port, config, venv),
             env,
-            urls["router"] + "/health",
+            urls["router"] + ("/health" if config.router == "prefixserve" else "/readiness"),
             logs / "router.log",
             60.0,
         ) as router,

@@ -184,10 +184,10 @@ class RunningRouter:
     spec: RouterSpec
     base_url: str
     log_path: Path
-    metrics_url: str | None = None  # a peer router's Prometheus endpoint (its own port)
+    metrics_url: str | None = None  # the router's Prometheus endpoint (None: nginx has none)
 
     def save_metrics(self, path: Path) -> None:
-        """The peer router's metrics text, into ``path`` (nothing for routers without a metrics port)."""
+        """The router's metrics text, into ``path`` (nothing for nginx)."""
         if self.metrics_url is not None:
             try:
                 path.write_text(httpx.get(self.metrics_url, timeout=10).text)
@@ -274,8 +274,8 @@ def running_router(
     """
     port, metrics_port = free_port(), free_port()
     command, ready_path = _command(spec, replicas, port, work_dir, venv, feed, metrics_port)
-    metrics_url = f"http://{HOST}:{metrics_port}/metrics" if spec.kind in PEER_KINDS else None
     base = f"http://{HOST}:{port}"
+    metrics_url = {NGINX: None, PREFIXSERVE: f"{base}/metrics"}.get(spec.kind, f"http://{HOST}:{metrics_port}/metrics")
     log = work_dir / f"router-{spec.name.replace(':', '-')}.log"
     with running_server(command, server_env(), base + ready_path, log, timeout_s):
         _wait(

@@ -8,8 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from prefixserve.loadtest.bench_router_overhead import OverheadConfig, main, phase_order, summarize, upstream_events
+from prefixserve.loadtest.bench_router_overhead import (
+    OverheadConfig,
+    main,
+    phase_order,
+    router_command,
+    summarize,
+    upstream_events,
+)
 from prefixserve.loadtest.harness.client import RequestRecord
+from prefixserve.loadtest.peer_routers import PeerRouterVenv
 
 
 def record(ttft_ms: float, total_ms: float, ok: bool = True) -> RequestRecord:
@@ -51,3 +59,16 @@ def test_the_benchmark_runs_at_a_tiny_setting(tmp_path: Path, rate: str) -> None
         assert result[target]["requests"] == 6 and result[target]["errors"] == 0
         assert result[target]["total_p99_ms"] >= result[target]["total_p50_ms"] > 0
     assert set(result["added"]) == {"ttft_p50_ms", "ttft_p99_ms", "total_p50_ms", "total_p99_ms"}
+
+
+def test_a_peer_router_is_measured_from_its_venv_with_its_policy(tmp_path: Path) -> None:
+
+    venv = PeerRouterVenv(tmp_path / "venv")
+    smg = router_command("http://127.0.0.1:1", 9, OverheadConfig(router="smg"), venv)
+    assert smg[0] == str(venv.binary("smg")) and smg[smg.index("--policy") + 1] == "round_robin"
+    ours = router_command("http://127.0.0.1:1", 9, OverheadConfig())
+    assert "router" in ours and ours[ours.index("--policy") + 1] == "placed"
+    with pytest.raises(ValueError, match="venv"):
+        router_command("http://127.0.0.1:1", 9, OverheadConfig(router="vllm-router"))
+    with pytest.raises(ValueError, match="--router"):
+        OverheadConfig(router="haproxy")
