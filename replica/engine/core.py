@@ -874,6 +874,16 @@ class LLMEngine:
         self.metrics.observe_swap(self._swap_totals(), num_swapped=st.num_swapped_requests, host_usage=host_usage)
         if self.tiers is not None:
             self.tiers.observe(st)
+        lora = self.runner.lora
+        if lora is not None:
+            sched = self.scheduler
+            self.metrics.observe_lora(
+                max_loras=lora.max_loras,
+                running=(n for seq in sched.running if (n := seq.request.lora_name) is not None),
+                waiting=(n for seq in sched.waiting if (n := seq.request.lora_name) is not None),
+                loaded=len(lora.loaded),
+                resident=sum(1 for name in lora.resident if name is not None),
+            )
         queries, hits, preemptions = self._totals()
         self.metrics.observe_step(
             num_running=self.scheduler.num_running,

@@ -2,11 +2,11 @@
 
 vLLM's own dashboards and alerts (vllm/v1/metrics/loggers.py's PrometheusStatLogger)
 work unchanged: every ``vllm:*`` series carries ``model_name`` and ``engine`` (the
-engine index inside its process; always "0" here, one engine per replica process).
-Our additions are ``prefixserve:*``; the seeds' ``vllm:gpu_prefix_cache_hit_rate``
-gauge (hit tokens / queried tokens since start) is kept for compatibility with
-their dashboards; prefer ``rate(vllm:prefix_cache_hits_total) /
-rate(vllm:prefix_cache_queries_total)``.
+engine index inside its process; always "0" here, one engine per replica process),
+but ``vllm:lora_requests_info``, labelled as vLLM labels it. Our additions are
+``prefixserve:*``; the seeds' ``vllm:gpu_prefix_cache_hit_rate`` gauge (hit tokens /
+queried tokens since start) is kept for compatibility with their dashboards; prefer
+``rate(vllm:prefix_cache_hits_total) / rate(vllm:prefix_cache_queries_total)``.
 
 Each engine owns its own ``CollectorRegistry`` (several engines may live in one
 process: tests, the benchmark). The engine calls ``observe_step`` after each step,
@@ -17,7 +17,7 @@ nothing here reads engine internals. Also ``EngineStats``, the snapshot that
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import astuple, dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -210,6 +210,19 @@ class EngineMetrics:
             "prefixserve:tool_call_parse_failures",
             "Sequences whose tool-call text did not parse (answered as content).",
         )
+        # LoRA (replica/lora/): vLLM's info series, one sample whose labels name the adapters of the
+        # running and the waiting requests (comma-joined, sorted) and max_loras, set to the time of
+        # the last change (the previous label set is dropped, so one sample stands); plus the adapters
+        # held in host memory and those in the model's slots.
+        self.lora_info = Gauge(
+            "vllm:lora_requests_info",
+            "Running stats on LoRA requests: the adapters of the running and the waiting requests.",
+            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            registry=self.registry,
+        )
+        self._last_lora: tuple[str, str, str] | None = None
+        self.loras_loaded = g("prefixserve:lora_adapters_loaded", "LoRA adapters held in host memory.")
+        self.loras_resident = g("prefixserve:lora_adapters_resident", "LoRA adapters written in the model's slots.")
         # The front end's count of request fields it ignored (replica/entrypoints/openai/request_fields.py).
         self.ignored_fields = series.family(
             Counter,
@@ -277,6 +290,18 @@ class EngineMetrics:
             self.generation_tokens.inc(num_generation_tokens)
         if num_prompt_tokens or num_generation_tokens:
             self.iteration_tokens.observe(num_prompt_tokens + num_generation_tokens)
+
+    def observe_lora(
+        self, *, max_loras: int, running: Iterable[str], waiting: Iterable[str], loaded: int, resident: int
+    ) -> None:
+        """Record which adapters the running and waiting requests use, and the adapters held."""
+        labels = (str(max_loras), ",".join(sorted(set(waiting))), ",".join(sorted(set(running))))
+        if labels != self._last_lora:
+            self.lora_info.clear()
+            self.lora_info.labels(*labels).set_to_current_time()
+            self._last_lora = labels
+        self.loras_loaded.set(loaded)
+        self.loras_resident.set(resident)
 
     def observe_swap(self, totals: SwapTotals, *, num_swapped: int, host_usage: float) -> None:
         """Record swap state; ``totals`` are cumulative and turned into increments."""

@@ -140,3 +140,12 @@ def test_lora_modules_need_enable_lora_and_name_equals_path() -> None:
         EngineConfig(model="m", enable_lora=True, lora_modules=["just-a-path"])
     with pytest.raises(ValueError, match="twice"):
         EngineConfig(model="m", enable_lora=True, lora_modules=["a=/x", "a=/y"])
+
+
+def test_metrics_name_the_adapters_in_use_and_held(replica) -> None:
+    assert _complete(replica, "all").status_code == 200
+    text = replica.request("GET", "/metrics").text
+    info = [line for line in text.splitlines() if line.startswith("vllm:lora_requests_info{")]
+    assert len(info) == 1 and 'max_lora="2"' in info[0], info
+    loaded = [line for line in text.splitlines() if line.startswith("prefixserve:lora_adapters_loaded{")]
+    assert loaded and float(loaded[0].rsplit(" ", 1)[1]) >= 1
