@@ -199,7 +199,7 @@ def _nginx_command(replicas: Sequence[str], port: int, work_dir: Path) -> list[s
     nginx = find_nginx()
     if nginx is None:
         raise RuntimeError("nginx is not installed (scripts/system-deps.sh)")
-    root = work_dir / "nginx"
+    root = (work_dir / "nginx").resolve()  # nginx reads a relative -c under its -p prefix
     conf = write_prefix_config(
         root, f"{HOST}:{port}", replicas=tuple(RingServer(url.removeprefix("http://")) for url in replicas)
     )
