@@ -466,7 +466,7 @@ class Placed(RingPolicy):
             # first requests; a conversational key grows by in-flight alone (its sessions stay
             # where they start, so they must spread as they start).
             if not conversational:
-                want = max(1, min(want, table.rate_copies(key, now)))
+                want = max(1, min(want, table.rate_copies(key)))
             # A key whose requests mostly continue conversations (an app's users' chats):
             # its new conversations also spread over its next ring successors, since a
             # conversation stays where it starts and one static-prefix miss buys all its turns.
