@@ -1,10 +1,10 @@
 """Capture a real vLLM server's KV events: the fixture the router's event tests parse.
 
 ``python -m prefixserve.loadtest.peers.capture_vllm_kv_events --vllm-python PY --out FILE``
-starts vLLM's OpenAI server (the CPU build, in a venv of its own: FIELD-NOTES) on the
-default model with ``--kv-events-config`` (ZMQ PUB and a replay ROUTER socket), the hash
-settings a router outside the server must match (``--prefix-caching-hash-algo
-sha256_cbor``, ``PYTHONHASHSEED``, ``--block-size``: router/kv_index/vllm_hashes.py) and a
+starts vLLM's OpenAI server (the CPU build, in a venv of its own: FIELD-NOTES) as
+loadtest/vllm_stand.py runs it (``--kv-events-config`` with a PUB and a replay ROUTER socket,
+the hash settings a router outside the server must match: ``--prefix-caching-hash-algo
+sha256_cbor``, ``PYTHONHASHSEED``, ``--block-size``, router/kv_index/vllm_hashes.py), with a
 pool small enough that the prompts evict blocks. A SUB socket records every frame while
 chat requests run (two sharing a system prompt, three unrelated ones), then the prefix
 cache is reset (``/reset_prefix_cache``, dev mode) and one more request carries the clear
@@ -30,11 +30,10 @@ from typing import Any
 import httpx
 import zmq
 
-from prefixserve.loadtest.harness.server import HOST, free_port, running_server, server_env
+from prefixserve.loadtest.harness.server import HOST, free_port, running_server
+from prefixserve.loadtest.vllm_stand import HASH_SEED, SERVED_NAME, VLLMSettings, server_command, server_env_for_vllm
 from prefixserve.replica.contract.vllm_kv_events import END_SEQ, encode_seq
 
-SERVED_NAME = "smollm2"
-TOPIC = "kv@smollm2"
 SYSTEM = "You are a careful assistant for the prefixserve test suite. " * 6
 PROMPTS: list[list[dict[str, str]]] = [
     [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is a KV cache?"}],
@@ -43,44 +42,6 @@ PROMPTS: list[list[dict[str, str]]] = [
     [{"role": "user", "content": "Another long prompt that does not share anything with the ones before it. " * 3}],
     [{"role": "user", "content": "And a fifth prompt, which pushes the small pool into evicting older blocks. " * 3}],
 ]
-
-
-def server_command(
-    vllm_python: str, checkpoint: Path, port: int, pub: int, replay: int, args: argparse.Namespace
-) -> list[str]:
-    events = {
-        "enable_kv_cache_events": True,
-        "publisher": "zmq",
-        "endpoint": f"tcp://*:{pub}",
-        "replay_endpoint": f"tcp://*:{replay}",
-        "topic": TOPIC,
-    }
-    return [
-        vllm_python,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(checkpoint),
-        "--served-model-name",
-        SERVED_NAME,
-        "--host",
-        HOST,
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--block-size",
-        str(args.block_size),
-        "--num-gpu-blocks-override",
-        str(args.num_blocks),
-        "--max-model-len",
-        str(args.block_size * (args.num_blocks - 2)),
-        "--enable-prompt-tokens-details",
-        "--prefix-caching-hash-algo",
-        "sha256_cbor",
-        "--kv-events-config",
-        json.dumps(events),
-    ]
 
 
 def capture(base: str, pub: int, replay: int) -> dict[str, Any]:
@@ -153,7 +114,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--model", default="smollm2", help="the model (name or path) whose safetensors folder vLLM loads")
     p.add_argument("--block-size", type=int, default=32, help="vLLM's CPU backend takes multiples of 32")
     p.add_argument("--num-blocks", type=int, default=10, help="the KV pool, small enough that the prompts evict")
-    p.add_argument("--hash-seed", default="0", help="PYTHONHASHSEED of the server (the hashes' NONE_HASH seed)")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument(
         "--log", type=Path, default=Path("results/capture_vllm_kv_events.server.log"), help="the server's log"
@@ -163,14 +123,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     checkpoint = loader.prepare(loader.resolve(args.model)).folder
     port, pub, replay = free_port(), free_port(), free_port()
-    env = dict(
-        server_env(),
-        PYTHONHASHSEED=args.hash_seed,
-        VLLM_SERVER_DEV_MODE="1",
-        VLLM_CPU_NUM_OF_RESERVED_CPU="0",
-        VLLM_CPU_KVCACHE_SPACE="1",
-    )
-    command = server_command(args.vllm_python, checkpoint, port, pub, replay, args)
+    env = server_env_for_vllm()
+    # vllm_stand's servers, with a pool of --num-blocks (its null block included).
+    settings = VLLMSettings(args.vllm_python, checkpoint, args.num_blocks - 1, args.block_size)
+    command = server_command(settings, port, pub, replay)
     log = args.log
     log.parent.mkdir(parents=True, exist_ok=True)
     base = f"http://{HOST}:{port}"
@@ -179,10 +135,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     server = {
         "vllm": vllm_version(args.vllm_python),
         "args": command[3:],
-        "env": {"PYTHONHASHSEED": args.hash_seed, "VLLM_SERVER_DEV_MODE": "1"},
+        "env": {"PYTHONHASHSEED": HASH_SEED, "VLLM_SERVER_DEV_MODE": "1"},
         "block_size": args.block_size,
-        "hash_seed": args.hash_seed,
-        "topic": TOPIC,
+        "hash_seed": HASH_SEED,
+        "topic": f"kv@{SERVED_NAME}",
     }
     server["args"] = [a if a != str(checkpoint) else "<smollm2 safetensors folder>" for a in server["args"]]
     args.out.write_text(json.dumps({"server": server, **captured}, indent=1) + "\n")
