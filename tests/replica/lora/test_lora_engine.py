@@ -207,3 +207,35 @@ def test_an_adapter_a_live_request_uses_is_never_evicted_so_its_files_may_go(
     assert manager.num_loads == 3
     llm.engine.add_request("next", prompts[0], GREEDY, lora_request=adapters["all"])
     assert manager.loaded == ["all"]  # nothing in use any more: back to one
+
+
+def test_unloading_an_adapter_lets_its_requests_in_flight_finish_with_it(
+    ckpt: str, adapters: dict[str, LoRARequest], seed: int, tmp_path
+) -> None:
+    """Two served adapters take turns in one slot; one is unloaded and its files removed while its
+    requests are in flight: they finish with its tokens (held in memory, never read again)."""
+    import shutil
+
+    shutil.copytree(adapters["qv"].lora_path, tmp_path / "qv")
+    llm = _engine(ckpt, max_loras=1, max_cpu_loras=2)
+    engine = llm.engine
+    qv = engine.load_lora_adapter("qv-served", str(tmp_path / "qv"))
+    every = engine.load_lora_adapter("all-served", adapters["all"].lora_path)
+    names = ["qv", "all", "qv"]
+    prompts = _prompts(seed, len(names))
+    for i, (name, prompt) in enumerate(zip(names, prompts, strict=True)):
+        engine.add_request(str(i), prompt, GREEDY, lora_request=qv if name == "qv" else every)
+    engine.step()
+    engine.unload_lora_adapter("qv-served")
+    shutil.rmtree(tmp_path / "qv")
+    assert "qv-served" not in engine.lora_adapters
+    done = {}
+    while engine.has_unfinished_requests():
+        for update in engine.step():
+            assert update.error is None, update.error
+            if update.output is not None:
+                done[update.request_id] = update.output.outputs[0].token_ids
+    for i, (name, prompt) in enumerate(zip(names, prompts, strict=True)):
+        assert done[str(i)] == peft_greedy(ckpt, adapters[name].lora_path, [prompt], MAX_TOKENS)[0], name
+    with pytest.raises(KeyError):
+        engine.unload_lora_adapter("qv-served")
