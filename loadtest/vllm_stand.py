@@ -18,6 +18,7 @@ vLLM's CPU attention takes block sizes that are multiples of 32; its pool has on
 from __future__ import annotations
 
 import json
+import subprocess
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -119,24 +120,56 @@ def server_env_for_vllm() -> dict[str, str]:
     )
 
 
+# Starts of one server: a port picked free can be taken by the time vLLM binds it (each server
+# opens several sockets of its own while starting), which ends that start.
+START_ATTEMPTS = 3
+
+
+def _ports(n: int, taken: set[int]) -> list[int]:
+    ports: list[int] = []
+    while len(ports) < n:
+        port = free_port()
+        if port not in taken and port not in ports:
+            ports.append(port)
+    taken.update(ports)
+    return ports
+
+
+def _start(settings: VLLMSettings, work_dir: Path, taken: set[int]) -> tuple[subprocess.Popen[bytes], Path, VLLMServer]:
+    port, events, replay = _ports(3, taken)
+    log = work_dir / f"vllm-{port}.log"
+    proc = start_server(server_command(settings, port, events, replay), log, server_env_for_vllm())
+    return proc, log, VLLMServer(f"http://{HOST}:{port}", f"tcp://{HOST}:{events}", f"tcp://{HOST}:{replay}")
+
+
 @contextmanager
 def running_vllm_servers(
     settings: VLLMSettings, count: int, work_dir: Path, timeout_s: float
 ) -> Iterator[list[VLLMServer]]:
-    """``count`` servers started together; yields them once each answers ``/health``; always stops them."""
+    """``count`` servers started together; yields them once each answers ``/health``; always stops them.
+
+    A server that exits while starting is started again on other ports (``START_ATTEMPTS`` in all).
+    """
     with ExitStack() as stack:
+        taken: set[int] = set()
         started = []
         for _ in range(count):
-            port, events, replay = free_port(), free_port(), free_port()
-            log = work_dir / f"vllm-{port}.log"
-            proc = start_server(server_command(settings, port, events, replay), log, server_env_for_vllm())
+            proc, log, server = _start(settings, work_dir, taken)
             stack.callback(stop_server, proc)
-            started.append(
-                (proc, log, VLLMServer(f"http://{HOST}:{port}", f"tcp://{HOST}:{events}", f"tcp://{HOST}:{replay}"))
-            )
+            started.append((proc, log, server))
+        ready = []
         for proc, log, server in started:
-            wait_until_answers(proc, f"{server.url}/health", timeout_s, log)
-        yield [server for _, _, server in started]
+            for attempt in range(START_ATTEMPTS):
+                try:
+                    wait_until_answers(proc, f"{server.url}/health", timeout_s, log)
+                    break
+                except RuntimeError:
+                    if proc.poll() is None or attempt == START_ATTEMPTS - 1:
+                        raise
+                    proc, log, server = _start(settings, work_dir, taken)
+                    stack.callback(stop_server, proc)
+            ready.append(server)
+        yield ready
 
 
 def reset_prefix_caches(servers: Sequence[VLLMServer]) -> None:

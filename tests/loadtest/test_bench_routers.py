@@ -202,3 +202,11 @@ def test_saved_results_of_two_seeds_render_as_one_table(tmp_path):
     text = B.render_saved(paths)
     assert text.startswith("### zipf_tenants (seeds 0 / 1)")
     assert "| nginx | 0.500 / 0.500 |" in text and "1:0 / 1:0" in text
+
+
+def test_vllm_servers_get_ports_no_other_server_of_the_stand_has():
+    from prefixserve.loadtest.vllm_stand import _ports
+
+    taken: set[int] = set()
+    first, second = _ports(3, taken), _ports(3, taken)
+    assert len(set(first) | set(second)) == 6 and taken == set(first) | set(second)
