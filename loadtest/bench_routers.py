@@ -324,7 +324,8 @@ def run_one_vllm(
     urls = [s.url for s in servers]
     try:
         reset_prefix_caches(servers)
-        bodies = [{**r.body, "model": served_model(urls[0])} for r in case.requests]
+        model = served_model(urls[0])
+        bodies = [{**r.body, "model": model} for r in case.requests]
         with running_router(spec, urls, work, args.timeout, venv, feed) as router:
             before, done_before = replica_metrics(urls), requests_done(servers)
             run.records = run_load(router.base_url, bodies, args.concurrency, timeout_s=args.timeout)
