@@ -48,7 +48,16 @@ from prefixserve.loadtest.bench_cluster import (
     summarize,
     workload_token_counts,
 )
-from prefixserve.loadtest.cluster_run import UNLABELLED, counter_deltas, replica_counters, scrape_metrics, served_model
+from prefixserve.loadtest.cluster_run import (
+    HITS,
+    PREEMPTIONS,
+    QUERIES,
+    UNLABELLED,
+    counter_deltas,
+    replica_counters,
+    scrape_metrics,
+    served_model,
+)
 from prefixserve.loadtest.harness.cli import plan_and_run
 from prefixserve.loadtest.harness.client import RequestRecord, run_load
 from prefixserve.loadtest.harness.report import config_json, fmt, markdown_table, write_json
@@ -66,10 +75,10 @@ from prefixserve.loadtest.router_stand import (
 )
 from prefixserve.loadtest.vllm_stand import (
     HASH_SEED,
+    REQUESTS_DONE,
     SERVED_NAME,
     VLLMServer,
     VLLMSettings,
-    requests_done,
     reset_prefix_caches,
     running_vllm_servers,
 )
@@ -271,9 +280,14 @@ def prefix_hash_headers(bodies: Sequence[Mapping[str, Any]]) -> list[dict[str, s
     return [{PREFIX_HASH_HEADER: k} if (k := routing_key(b)) is not None else {} for b in bodies]
 
 
-def replica_metrics(urls: Sequence[str]) -> dict[str, dict[str, float]]:
-    """Each replica's prefix-cache counters, under the name its answers carry (``host:port``)."""
-    return {url.removeprefix("http://"): replica_counters(scrape_metrics(url)).get(UNLABELLED, {}) for url in urls}
+def replica_metrics(
+    urls: Sequence[str], names: Sequence[str] = (QUERIES, HITS, PREEMPTIONS)
+) -> dict[str, dict[str, float]]:
+    """Each replica's counters ``names`` (prefix cache by default), under the name its answers carry
+    (``host:port``)."""
+    return {
+        url.removeprefix("http://"): replica_counters(scrape_metrics(url), names).get(UNLABELLED, {}) for url in urls
+    }
 
 
 def run_one(case: Case, spec: RouterSpec, args: argparse.Namespace, venv: PeerRouterVenv | None) -> RouterRun:
@@ -327,12 +341,14 @@ def run_one_vllm(
         model = served_model(urls[0])
         bodies = [{**r.body, "model": model} for r in case.requests]
         with running_router(spec, urls, work, args.timeout, venv, feed) as router:
-            before, done_before = replica_metrics(urls), requests_done(servers)
+            counters = (QUERIES, HITS, PREEMPTIONS, REQUESTS_DONE)
+            before = replica_metrics(urls, counters)
             run.records = run_load(router.base_url, bodies, args.concurrency, timeout_s=args.timeout)
-            after, done_after = replica_metrics(urls), requests_done(servers)
+            after = replica_metrics(urls, counters)
             router.save_metrics(work / "router-metrics.txt")
-        run.result = summarize(spec.name, run.records, counter_deltas(before, after))
-        run.split = [round(done_after[s.name] - done_before[s.name]) for s in servers]
+        deltas = counter_deltas(before, after)
+        run.result = summarize(spec.name, run.records, deltas)
+        run.split = [round(deltas[s.name].get(REQUESTS_DONE, 0.0)) for s in servers]
     except Exception as exc:  # one router failing must not lose the others' figures
         run.failure = f"{type(exc).__name__}: {exc}"
     run.load_avg = (load_start, os.getloadavg()[0])

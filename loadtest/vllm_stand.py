@@ -9,7 +9,7 @@ each, ``--enable-prompt-tokens-details`` (cached tokens in every answer's usage)
 KV pool of the benchmark's size; clear their prefix caches between routers
 (``/reset_prefix_cache``, which vLLM serves in dev mode: a vLLM server takes 80-90 s to
 start here, so the stand restarts nothing between routers); count what each answered
-(``vllm:request_success_total``: vLLM sends no replica header).
+(``REQUESTS_DONE``, ``vllm:request_success_total``: vLLM sends no replica header).
 
 vLLM's CPU attention takes block sizes that are multiples of 32; its pool has one null block
 (block 0), so it gets one block more than the benchmark's pool.
@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from prefixserve.loadtest.harness.server import (
     HOST,
@@ -176,17 +175,3 @@ def reset_prefix_caches(servers: Sequence[VLLMServer]) -> None:
     """Empty every server's prefix cache (each publishes AllBlocksCleared with its next step)."""
     for server in servers:
         httpx.post(f"{server.url}/reset_prefix_cache", timeout=60).raise_for_status()
-
-
-def requests_done(servers: Sequence[VLLMServer]) -> dict[str, float]:
-    """Per server (``host:port``), the requests it has finished (summed over finish reasons)."""
-    out: dict[str, float] = {}
-    for server in servers:
-        text = httpx.get(f"{server.url}/metrics", timeout=30).text
-        total = 0.0
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == REQUESTS_DONE:
-                    total += sample.value
-        out[server.name] = total
-    return out
