@@ -40,6 +40,12 @@ The args (every key optional except ``engine``)::
       placement_sync_s: 2.0        # placed: how often ingress replicas agree on placements
       session_header: false        # multi-turn affinity: key by X-Session-Id (router/routing_key.py)
       key_turns: 0                 # multi-turn affinity: key by the first N turns too
+      tenants: null                # flow control: {tenant_header, tenants: [...]}, the tenant file's
+                                   #   shape (router/flow_control/tenants.py); null = none
+      flow_max_in_flight: 0        # requests run at once per ingress replica before the fair queue
+                                   #   holds them; 0 = the engines' max_ongoing_requests together
+      queue_budget_s: 30           # the longest a request waits in the queue (then 503)
+      max_queued: 1024             # waiting requests per ingress replica (one more: 503)
 
 Invariants: the args are validated here, before anything is deployed, with
 messages that say what to change; the engine config is checked with
@@ -59,6 +65,8 @@ from prefixserve.common.body_limits import DEFAULT_CLIENT_BODY_TIMEOUT_S, DEFAUL
 from prefixserve.common.config_util import from_dict
 from prefixserve.common.tracing import check_endpoint
 from prefixserve.replica.config import EngineConfig
+from prefixserve.router.flow_control.controller import FlowConfig
+from prefixserve.router.flow_control.tenants import TenantTable, tenants_from_data
 from prefixserve.router.policies import DEFAULT_POLICY, POLICIES, check_options
 from prefixserve.router.routing_key import PrefixKeyConfig
 
@@ -192,8 +200,28 @@ class IngressConfig:
     # Unknown top-level request fields: ignored as vLLM ignores them (logged once per name, counted in
     # prefixserve_router_ignored_request_fields_total), or refused with a 400 naming the field.
     strict_request_fields: bool = False
+    # Flow control (router/flow_control/): the tenant file's mapping (``prefixserve up --tenants FILE``
+    # reads it; a Serve config writes it inline). None: no tenants, no quotas, no queue at the ingress.
+    tenants: dict[str, Any] | None = None
+    # Requests one ingress replica runs at once before the fair queue holds the rest (0: the engine
+    # replicas' max_ongoing_requests together, shared among the ingress replicas: AppArgs.flow_max_in_flight).
+    flow_max_in_flight: int = 0
+    queue_budget_s: float = field(
+        default=FlowConfig().queue_budget_s, metadata=_cli("flow control: longest wait for a slot before a 503")
+    )
+    max_queued: int = FlowConfig().max_queued
+    # The ingress replicas that share the traffic, each holding its part of every tenant's quota
+    # (set by the app build from ingress.num_replicas: AppArgs.ingress_config).
+    flow_ingress_replicas: int = 1
 
     def __post_init__(self) -> None:
+        if self.tenants is not None:
+            self.tenant_table()  # refused at start, with the entry
+        if self.flow_ingress_replicas < 1:
+            raise ValueError(f"flow_ingress_replicas must be >= 1, got {self.flow_ingress_replicas}")
+        if self.flow_max_in_flight < 0:
+            raise ValueError(f"flow_max_in_flight must be >= 0, got {self.flow_max_in_flight}")
+        self.flow_config(1)
         if not isinstance(self.placement_sync_s, (int, float)) or not self.placement_sync_s > 0:
             raise ValueError(f"placement_sync_s must be a number > 0, got {self.placement_sync_s!r}")
         if self.max_body_bytes < 1:
@@ -209,6 +237,19 @@ class IngressConfig:
     def from_dict(cls, data: Mapping[str, Any] | None) -> IngressConfig:
         """Strictly from a mapping (unknown keys named)."""
         return from_dict(cls, data, "ingress config")
+
+    def tenant_table(self) -> TenantTable | None:
+        """The tenants (TenantFileError, a ValueError, when the mapping is malformed); None without."""
+        return tenants_from_data(self.tenants, "ingress.tenants") if self.tenants is not None else None
+
+    def flow_config(self, default_max_in_flight: int) -> FlowConfig:
+        """Flow control's knobs, ``default_max_in_flight`` where flow_max_in_flight is 0."""
+        return FlowConfig(
+            max_in_flight=self.flow_max_in_flight or default_max_in_flight,
+            queue_budget_s=self.queue_budget_s,
+            max_queued=self.max_queued,
+            quota_share=1.0 / self.flow_ingress_replicas,
+        )
 
 
 @dataclass
@@ -300,6 +341,23 @@ class AppArgs:
             or not self.drain_timeout_s >= 0
         ):
             raise ValueError(f"drain_timeout_s must be a number >= 0, got {self.drain_timeout_s!r}")
+
+    def ingress_config(self) -> dict[str, Any]:
+        """What each ingress replica is built with: its config, the flow-control shares filled in."""
+        return {
+            **vars(self.ingress.config),
+            "flow_max_in_flight": self.flow_max_in_flight(),
+            "flow_ingress_replicas": self.ingress.num_replicas,
+        }
+
+    def flow_max_in_flight(self) -> int:
+        """Slots per ingress replica: every engine replica's max_ongoing_requests (the most replicas,
+        under autoscaling), shared among the ingress replicas (rounded up)."""
+        if self.ingress.config.flow_max_in_flight:
+            return self.ingress.config.flow_max_in_flight
+        replicas = self.num_replicas if self.autoscaling is None else self.autoscaling.get("max_replicas", 1)
+        total = int(replicas or 1) * self.max_ongoing_requests
+        return max(1, -(-total // self.ingress.num_replicas))
 
     def shutdown_options(self) -> dict[str, float]:
         """Serve's graceful-shutdown options of both deployments: a stopping replica waits for its

@@ -121,13 +121,15 @@ def deploy(
     name: str = APP_NAME,
     deployments: list[dict[str, Any]] | None = None,
     timeout_s: float = 180.0,
+    api_key: str | None = None,
 ) -> str:
     """Deploy the app with ``args`` the way ``serve deploy`` does; returns its base URL.
 
     Declarative, like ``serve deploy cluster.yaml``: the controller imports
     prefixserve.router.serve.app:build_app. Changing ``args`` rebuilds the app and replaces every
     replica; changing only a ``deployments`` override such as ``num_replicas``
-    adds or removes replicas and leaves the others running.
+    adds or removes replicas and leaves the others running. ``api_key``: the key the app's
+    ``/v1/models`` needs (when the app checks keys).
     """
     from ray import serve
     from ray.serve.context import _get_global_client
@@ -140,7 +142,8 @@ def deploy(
     last = "no answer"
     while True:
         try:
-            response = httpx.get(f"{base}/v1/models", timeout=10)
+            headers = {"Authorization": f"Bearer {api_key}"} if api_key is not None else {}
+            response = httpx.get(f"{base}/v1/models", headers=headers, timeout=10)
             if response.status_code == 200:
                 return base
             last = f"{response.status_code} {response.text[:300]}"

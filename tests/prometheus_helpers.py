@@ -66,6 +66,11 @@ class Query:
         return any(name in self.expr for name in PLACED_SERIES)
 
     @property
+    def needs_flow(self) -> bool:
+        """True when only an ingress with tenants (flow control) exports its series."""
+        return "prefixserve_router_flow_" in self.expr
+
+    @property
     def needs_tiers(self) -> bool:
         """True when only replicas with KV tiers (``kv_offloading_size``, ``kv_disk_path``) export its series."""
         return any(name in self.expr for name in TIER_SERIES)

@@ -76,6 +76,8 @@ class EngineRequest:
     priority: int = 0
     # The served LoRA adapter the request runs with (the name its ``model`` gave); None = the base model.
     lora_name: str | None = None
+    # The tenant the front end's tenant table says sent it (router/flow_control/); None = no tenants.
+    tenant: str | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):

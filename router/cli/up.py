@@ -28,6 +28,7 @@ from prefixserve.common.endpoint_config import EndpointConfig
 from prefixserve.common.logs import add_verbose_flag, configure_logging, quiet_libraries
 from prefixserve.replica.config import EngineConfig
 from prefixserve.router.cluster_config import DEFAULT_REPLICA_CPUS, AppArgs, IngressArgs, IngressConfig, RouterArgs
+from prefixserve.router.flow_control.tenants import TenantFileError, load_tenants
 
 APP_NAME = "prefixserve"
 
@@ -36,6 +37,7 @@ APP_NAME = "prefixserve"
 APP_FLAGS = ("num_replicas", "max_ongoing_requests", "drain_timeout_s")
 ROUTER_FLAGS = ("policy",)
 INGRESS_FLAGS = ("session_header", "key_turns")
+FLOW_FLAGS = ("queue_budget_s",)
 # IngressArgs' flags store under this prefix, beside AppArgs' fields of the same names.
 INGRESS_PREFIX = "ingress_"
 
@@ -64,6 +66,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_cli_arguments(parser, IngressArgs, "ingress", only=("num_replicas",), dest_prefix=INGRESS_PREFIX)
     add_cli_arguments(parser, IngressConfig, "routing keys", only=INGRESS_FLAGS)
+    flow = add_cli_arguments(parser, IngressConfig, "flow control", only=FLOW_FLAGS)
+    flow.add_argument(
+        "--tenants",
+        metavar="FILE",
+        default=None,
+        help="tenant file (YAML or JSON: router/flow_control/tenants.py): quotas, weights and priorities "
+        "per tenant, and a fair queue at the ingress; none: no flow control",
+    )
     add_cli_arguments(parser, EndpointConfig, "http")
     EngineConfig.add_cli_arguments(parser)
     add_verbose_flag(parser)
@@ -88,7 +98,8 @@ def app_args(args: argparse.Namespace) -> dict[str, Any]:
         "ingress": {
             "num_replicas": getattr(args, INGRESS_PREFIX + "num_replicas"),
             "api_keys": endpoint.api_keys,
-            **{name: getattr(args, name) for name in INGRESS_FLAGS},
+            **{name: getattr(args, name) for name in INGRESS_FLAGS + FLOW_FLAGS},
+            **({"tenants": load_tenants(args.tenants).to_dict()} if args.tenants is not None else {}),
         },
     }
 
@@ -103,7 +114,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.num_replicas < 1:
         raise SystemExit("--replicas must be at least 1")
-    app = app_args(args)
+    try:
+        app = app_args(args)
+    except TenantFileError as exc:
+        raise SystemExit(f"--tenants: {exc}") from None
     drain_timeout_s = AppArgs.from_dict(app).drain_timeout_s  # refuse bad options before starting anything
     configure_logging(logging.INFO, args.log_format)
     level = quiet_libraries(args.verbose)

@@ -195,7 +195,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
             num_replicas=ingress.num_replicas,
             ray_actor_options=dict(ingress.ray_actor_options),
             **parsed.shutdown_options(),
-        ).bind(engine, vars(ingress.config))
+        ).bind(engine, parsed.ingress_config())
     except AppArgsError:
         raise
     except ValueError as exc:

@@ -20,6 +20,12 @@ Invariants:
 * Answers name the ingress replica too (``X-Prefixserve-Ingress``), so that
   several ingress replicas can be told apart, and how many sends the request
   took (``X-Prefixserve-Attempts``).
+* With tenants configured (``ingress.tenants``), flow control (router/serve/flow.py) runs on
+  every generation request: its tenant is named right after its API key (403 when none is),
+  and its first send to a replica waits for a slot (quota: 429 with Retry-After; the fair
+  queue's budget or size: 503 with the reason in ``X-Prefixserve-Reject-Reason``). The slot
+  is held until its stream ends and its tokens are settled against the tenant's quota. Slots
+  are per ingress replica (AppArgs.flow_max_in_flight shares the engines' caps among them).
 * ``/health`` answers 200 only while at least one engine replica passes its
   health check (asked at most once per ``HEALTH_CACHE_S``), else 503.
 * Once :meth:`OpenAIIngress.begin_drain` was called (the cluster is stopping),
@@ -57,7 +63,7 @@ never torch (the model lives in the engine replicas).
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -75,7 +81,9 @@ from prefixserve.replica.entrypoints.openai import protocol as api
 from prefixserve.replica.entrypoints.openai.http_frontend import FrontendOptions, IgnoredFields
 from prefixserve.replica.errors import APIError, ServiceUnavailableError
 from prefixserve.router.cluster_config import IngressConfig
+from prefixserve.router.flow_control.controller import FlowConfig, Lease
 from prefixserve.router.routing_key import PrefixKeyConfig, routing_key
+from prefixserve.router.serve.flow import IngressFlow
 from prefixserve.router.serve.metrics import merge_expositions, router_metrics
 from prefixserve.router.serve.request_router import PrefixRouter, router_for
 
@@ -127,11 +135,15 @@ class RemoteStream:
         request: EngineRequest,
         max_attempts: int,
         on_first: Callable[[EngineRequest, StreamDelta], None] | None = None,
+        admit: Callable[[EngineRequest], Awaitable[Lease]] | None = None,
     ) -> None:
         self._handle = handle
         self.request = request
         self._max_attempts = max_attempts
         self._on_first = on_first
+        self._admit = admit
+        self._lease: Lease | None = None
+        self._usage = (0, 0)  # prompt and completion tokens so far (the deltas' counts are cumulative)
         self._response: DeploymentResponseGenerator | None = None
         self._started = False
         self._texts: dict[int, str] = {}
@@ -159,7 +171,13 @@ class RemoteStream:
             elif isinstance(item, StreamError):
                 raise item.to_api_error()
             else:
+                self._usage = (item.num_prompt_tokens, item.num_output_tokens)
                 return item
+
+    def _release(self) -> None:
+        """Give the request's flow-control slot back, settling the tokens it used (once)."""
+        if self._lease is not None:
+            self._lease.release(*self._usage)
 
     async def _first_delta(self) -> StreamDelta:
         last: BaseException | None = None
@@ -189,8 +207,17 @@ class RemoteStream:
         return self
 
     async def __anext__(self) -> StreamDelta:
+        try:
+            return await self._next()
+        except BaseException:
+            self._release()  # the end of the stream, or its failure
+            raise
+
+    async def _next(self) -> StreamDelta:
         if not self._started:
             self._started = True
+            if self._admit is not None:
+                self._lease = await self._admit(self.request)
             delta = await self._first_delta()
             if self._on_first is not None:
                 try:
@@ -206,7 +233,8 @@ class RemoteStream:
             raise _cause(exc) from None
 
     async def aclose(self) -> None:
-        """Cancel the replica-side stream; its generator aborts the engine request."""
+        """Cancel the replica-side stream (its generator aborts the engine request); free its slot."""
+        self._release()
         if self._response is not None:
             self._response.cancel()
 
@@ -214,9 +242,10 @@ class RemoteStream:
 class ServeEngineClient:
     """An EngineClient over the engine deployment's Serve handle."""
 
-    def __init__(self, handle: DeploymentHandle, max_attempts: int) -> None:
+    def __init__(self, handle: DeploymentHandle, max_attempts: int, flow: IngressFlow | None = None) -> None:
         self._handle = handle
         self._max_attempts = max_attempts
+        self._flow = flow
         self._router: PrefixRouter | None = None
         self._model_info: ModelInfo | None = None
         self._model_info_lock = asyncio.Lock()
@@ -271,8 +300,14 @@ class ServeEngineClient:
         if router is not None and request.routing_key:
             router.observe(request.routing_key, delta.num_prompt_tokens, delta.num_cached_tokens)
 
+    async def _admit(self, request: EngineRequest) -> Lease:
+        assert self._flow is not None
+        info = await self.model_info()
+        return await self._flow.admit(request, info.scheduling_policy == "priority")
+
     def open_stream(self, request: EngineRequest) -> RemoteStream:
-        return RemoteStream(self._handle, request, self._max_attempts, self._observe)
+        admit = self._admit if self._flow is not None else None
+        return RemoteStream(self._handle, request, self._max_attempts, self._observe, admit)
 
 
 app = FastAPI(title="prefixserve", docs_url=None, redoc_url=None, openapi_url=None)
@@ -287,16 +322,25 @@ class OpenAIIngress:
     def __init__(self, engine: DeploymentHandle, config: dict[str, Any] | None = None) -> None:
         self.config = IngressConfig.from_dict(config)
         self.engine = engine
-        self.client = ServeEngineClient(engine, self.config.max_attempts)
+        context = serve.get_replica_context()
+        tenants = self.config.tenant_table()
+        # The app build sets flow_max_in_flight (AppArgs.flow_max_in_flight); FlowConfig's default otherwise.
+        self.flow = (
+            IngressFlow(tenants, self.config.flow_config(FlowConfig().max_in_flight), context.deployment)
+            if tenants is not None
+            else None
+        )
+        self.client = ServeEngineClient(engine, self.config.max_attempts, self.flow)
         # Serve's proxy passes the client's X-Request-Id (or one it generates) in and echoes it itself.
         self.options = FrontendOptions.build(
-            self.config.api_keys,
+            [*self.config.api_keys, *(tenants.api_keys if tenants is not None else [])],
             self.config.max_body_bytes,
             echo_request_id=False,
             client_body_timeout_s=self.config.client_body_timeout_s,
             max_header_count=self.config.h11_max_header_count,
             max_header_bytes=self.config.h11_max_incomplete_event_size,
             ignored_fields=IgnoredFields(strict=self.config.strict_request_fields, count=self._count_ignored_field),
+            tenant_of=self.flow.tenant_of if self.flow is not None else None,
         )
         self.draining = False
         self.key_config = PrefixKeyConfig(
@@ -305,7 +349,6 @@ class OpenAIIngress:
             session_header=self.config.session_header,
             key_turns=self.config.key_turns,
         )
-        context = serve.get_replica_context()
         self.name = context.replica_id.to_full_id_str()
         self._deployment = (context.deployment, context.app_name)
         self._siblings: DeploymentHandle | None = None  # this deployment's handle, made at first use

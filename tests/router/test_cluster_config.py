@@ -175,3 +175,27 @@ def test_the_ingress_strict_request_fields_knob_is_a_bool():
     assert IngressConfig.from_dict({"strict_request_fields": True}).strict_request_fields is True
     with pytest.raises(ValueError, match="strict_request_fields"):
         IngressConfig.from_dict({"strict_request_fields": "yes"})
+
+
+def test_up_tenants_file_reaches_each_ingress_replica_with_its_shares(tmp_path) -> None:
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text("tenants:\n  - {name: a, api_key: k, requests_per_minute: 60}\n")
+    app = parsed_up(
+        f"--tenants={tenants}", "--queue-budget-s=5", "--replicas=3", "--max-ongoing-requests=8", "--ingress-replicas=2"
+    )
+    built = IngressConfig.from_dict(app.ingress_config())
+    table = built.tenant_table()
+    assert table is not None and [t.name for t in table.tenants] == ["a"]
+    flow = built.flow_config(1)
+    # 3 engine replicas x 8 slots over 2 ingress replicas; each enforces half of every quota.
+    assert (flow.max_in_flight, flow.queue_budget_s, flow.quota_share) == (12, 5.0, 0.5)
+    assert parsed_up().ingress_config()["tenants"] is None
+
+
+def test_a_malformed_tenants_file_stops_up_with_its_line(tmp_path) -> None:
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text("tenants:\n  - name: a\n    apikey: k\n")
+    with pytest.raises(ValueError, match="line 3: unknown tenant keys"):
+        parsed_up(f"--tenants={tenants}")
+    with pytest.raises(ValueError, match="ingress.tenants: 'tenants' must be a non-empty list"):
+        AppArgs.from_dict({"engine": {"model": "m"}, "ingress": {"tenants": {"tenants": []}}})

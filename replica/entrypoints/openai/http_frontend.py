@@ -107,6 +107,9 @@ class FrontendOptions:
     checked here; the standalone server refuses them in its HTTP protocol already).
     ``ignored_fields``: what becomes of a body's unknown top-level fields (ignored, logged
     once and counted, as vLLM does; refused when strict).
+    ``tenant_of``: the host's tenants (its flow control): the name of the tenant a request's
+    headers name, checked right after its API key, raising APIError when they name none;
+    None: no tenants.
     """
 
     api_keys: tuple[bytes, ...] = ()
@@ -116,6 +119,7 @@ class FrontendOptions:
     max_header_count: int | None = None
     max_header_bytes: int | None = None
     ignored_fields: IgnoredFields = field(default_factory=IgnoredFields)
+    tenant_of: Callable[[Mapping[str, str]], str] | None = None
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:
@@ -133,6 +137,7 @@ class FrontendOptions:
         max_header_count: int | None = None,
         max_header_bytes: int | None = None,
         ignored_fields: IgnoredFields | None = None,
+        tenant_of: Callable[[Mapping[str, str]], str] | None = None,
     ) -> FrontendOptions:
         return cls(
             tuple(k.encode("utf-8") for k in (api_keys or []) if k),
@@ -142,6 +147,7 @@ class FrontendOptions:
             max_header_count,
             max_header_bytes,
             ignored_fields or IgnoredFields(),
+            tenant_of,
         )
 
 
@@ -508,6 +514,7 @@ async def handle_generate(
     try:
         request_id = client_id = client_request_id(request.headers)
         check_auth(request, options)
+        tenant = options.tenant_of(request.headers) if options.tenant_of is not None else None
         data = api.parse_json_object(await read_body(request, options.max_body_bytes, options.client_body_timeout_s))
         slot = request.scope.get(IN_FLIGHT_SLOT_SCOPE_KEY)
         if slot is not None:
@@ -522,6 +529,7 @@ async def handle_generate(
         key = routing_key(data, request.headers) if routing_key is not None else None
         prepared = engine_request(body, info, key, client_id, request.headers)
         prepared.client = client_identity(request, options)
+        prepared.tenant = tenant
         request_id = client_id or prepared.request_id
         REQUEST_ID.set(request_id)  # this task's log lines name the request (common/logs.py)
         log.info("request %s (engine %s): %s, routing key %s", request_id, prepared.request_id, request.url.path, key)

@@ -158,7 +158,7 @@ def test_every_dashboard_panel_shows_plausible_values_through_the_serve_proxy(ba
         try:
             # The module's app runs bounded_load without KV tiers; placed's panels are proven in the
             # placed test below, the tiers' in tests/test_observability.py.
-            queries = [q for q in dashboard_queries() if not (q.needs_placed or q.needs_tiers)]
+            queries = [q for q in dashboard_queries() if not (q.needs_placed or q.needs_tiers or q.needs_flow)]
             prometheus.evaluate(queries, timeout_s=90.0)
         finally:
             stop.set()
@@ -708,3 +708,80 @@ def test_ray_serve_llm_prefix_router_runs_on_the_engine_deployment(base, ckpt):
     assert all(r.status == 200 for r in results), [r.body for r in results]
     assert len({r.replica for r in results[1:]}) == 1
     assert all(r.cached_tokens >= 48 for r in results[2:])
+
+
+FLOW_TENANTS = {
+    "tenants": [
+        {"name": "live", "api_key": "k-live"},
+        {"name": "batch", "api_key": "k-batch", "priorities": [10, 10]},
+        {"name": "noisy", "api_key": "k-noisy", "requests_per_minute": 6},
+    ]
+}
+
+
+def test_flow_control_at_the_ingress_names_tenants_holds_quotas_and_queues_for_slots(cluster, ckpt, tmp_path):
+    """Tenants at the Ray ingress: unknown keys refused, a tenant over its quota gets a 429 with the
+    bucket's Retry-After, and past the one slot requests wait in the fair queue and all succeed; the
+    flow-control panels show on a real Prometheus."""
+    args = app_args(ckpt, 1)
+    args["ingress"] = {**args["ingress"], "num_replicas": 1, "tenants": FLOW_TENANTS, "flow_max_in_flight": 1}
+    url = deploy(args, PORT, api_key="k-live")
+    wait_for_ring(url, wait_for_replicas(1), 1)
+    body = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4, "temperature": 0}
+
+    def post(http: httpx.Client, key: str | None) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+        return http.post(f"{url}/v1/chat/completions", json=body, headers=headers)
+
+    with httpx.Client(timeout=120) as http:
+        assert post(http, None).status_code == 401
+        assert post(http, "k-other").status_code == 401
+        assert post(http, "k-noisy").status_code == 200
+        over = post(http, "k-noisy")
+        assert over.status_code == 429, over.text
+        assert over.json()["error"]["code"] == "tenant_rate_limit_exceeded"
+        assert over.headers["X-Prefixserve-Reject-Reason"] == "requests_per_minute"
+        assert int(over.headers["Retry-After"]) >= 1
+
+    stop = threading.Event()
+    statuses: list[int] = []
+
+    def load(key: str) -> None:  # three senders over one slot: the others wait in the queue
+        with httpx.Client(timeout=120) as http:
+            sent = 0
+            while sent < 4 or not stop.wait(0.05):
+                statuses.append(post(http, key).status_code)
+                sent += 1
+
+    senders = [threading.Thread(target=load, args=(k,), daemon=True) for k in ("k-live", "k-batch", "k-live")]
+    for sender in senders:
+        sender.start()
+    try:
+        with httpx.Client(timeout=120) as http:
+            deadline = time.monotonic() + 120
+            while True:
+                text = http.get(f"{url}/metrics").text
+                try:
+                    waited = metric(text, "prefixserve_router_flow_queue_wait_seconds_count")
+                    live = metric(text, "prefixserve_router_flow_tokens_total", tenant="live", kind="completion")
+                    batch = metric(text, "prefixserve_router_flow_tokens_total", tenant="batch", kind="prompt")
+                    fairness = metric(text, "prefixserve_router_flow_fairness_index")
+                except KeyError:
+                    waited = live = batch = fairness = 0.0
+                if waited >= 1 and live > 0 and batch > 0:
+                    break
+                assert time.monotonic() < deadline, text[-3000:]
+                time.sleep(0.5)
+        assert 0 < fairness <= 1
+        assert (
+            metric(text, "prefixserve_router_flow_rejections_total", tenant="noisy", reason="requests_per_minute") == 1
+        )
+        if find_prometheus() is not None:
+            with PrometheusProcess([url.removeprefix("http://")], tmp_path, scrape_interval_s=3) as prometheus:
+                prometheus.wait_until(prometheus.targets_up, 60.0, "the ingress was not scraped")
+                prometheus.evaluate([q for q in dashboard_queries() if q.needs_flow], timeout_s=90.0)
+    finally:
+        stop.set()
+        for sender in senders:
+            sender.join(timeout=130)
+    assert statuses and set(statuses) == {200}, statuses
