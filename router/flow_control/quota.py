@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 
 # A bucket holds this many seconds of its rate: the burst a tenant may send after being idle.
-BURST_S = 10.0
+BURST_S = 2.0
 
 
 @dataclass

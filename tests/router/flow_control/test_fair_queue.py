@@ -76,22 +76,23 @@ def test_remove_takes_a_waiter_out_once() -> None:
 
 
 def test_token_bucket_refills_to_capacity_and_tells_the_wait() -> None:
-    bucket = TokenBucket.per_minute(60)  # 1 a second, 10 banked
-    assert bucket.capacity == 10
-    bucket.take(10, now=0.0)
+    bucket = TokenBucket.per_minute(60)  # 1 a second, 2 banked
+    assert bucket.capacity == 2
+    bucket.take(2, now=0.0)
     assert bucket.wait_s(1, now=0.0) == 1.0
     assert bucket.wait_s(1, now=0.5) == 0.5
-    assert bucket.wait_s(1, now=100.0) == 0.0 and bucket.level == 10
+    assert bucket.wait_s(1, now=100.0) == 0.0 and bucket.level == 2
 
 
 def test_tenant_quota_reserves_then_settles_tokens() -> None:
-    quota = TenantQuota(requests_per_minute=None, tokens_per_minute=600)  # 10 a second, 100 banked
+    quota = TenantQuota(requests_per_minute=None, tokens_per_minute=600)  # 10 a second, 20 banked
     assert quota.check(0.0) is None
-    quota.reserve(150, 0.0)  # admitted out of debt; now 50 in debt
+    quota.reserve(70, 0.0)  # admitted out of debt; now 50 in debt
     refusal = quota.check(0.0)
     assert refusal is not None and refusal.kind == "tokens" and refusal.retry_after_s == 5
-    quota.settle(150, 30, 0.0)  # it used 30: the level is back to 70
-    assert quota.check(0.0) is None and quota.tokens is not None and quota.tokens.level == 70
+    quota.settle(70, 30, 0.0)  # it used 30: the level is back to -10
+    assert quota.tokens is not None and quota.tokens.level == -10
+    assert quota.check(1.0) is None  # a second of refill
 
 
 def test_request_quota_refuses_with_retry_after() -> None:
