@@ -34,6 +34,7 @@ The args (every key optional except ``engine``)::
     ingress:
       num_replicas: 1
       ray_actor_options: {num_cpus: 0}
+      max_ongoing_requests: 1000000000   # Serve's cap per ingress replica: none, as Ray Serve LLM's
       api_keys: []                 # Bearer keys; empty = open
       max_body_bytes: 4194304
       max_attempts: 4              # sends per request while replicas die under it
@@ -43,7 +44,7 @@ The args (every key optional except ``engine``)::
       tenants: null                # flow control: {tenant_header, tenants: [...]}, the tenant file's
                                    #   shape (router/flow_control/tenants.py); null = none
       flow_max_in_flight: 0        # requests run at once per ingress replica before the fair queue
-                                   #   holds them; 0 = the engines' max_ongoing_requests together
+                                   #   holds them; 0 = the engines' batches (max_num_seqs) together
       queue_budget_s: 30           # the longest a request waits in the queue (then 503)
       max_queued: 1024             # waiting requests per ingress replica (one more: 503)
 
@@ -97,6 +98,8 @@ DEFAULT_STATS_MAX_AGE_S = 10.0
 # Tries per request before a dead-replica failure is reported (one per replica
 # that can die under it; Serve's controller replaces dead replicas meanwhile).
 DEFAULT_MAX_ATTEMPTS = 4
+# Requests one ingress replica takes at once (Ray Serve LLM's ingress default: unbounded).
+INGRESS_MAX_ONGOING_REQUESTS = 10**9
 # Seconds between placement exchanges of the ingress replicas (placed policy).
 DEFAULT_PLACEMENT_SYNC_S = 2.0
 
@@ -204,7 +207,7 @@ class IngressConfig:
     # reads it; a Serve config writes it inline). None: no tenants, no quotas, no queue at the ingress.
     tenants: dict[str, Any] | None = None
     # Requests one ingress replica runs at once before the fair queue holds the rest (0: the engine
-    # replicas' max_ongoing_requests together, shared among the ingress replicas: AppArgs.flow_max_in_flight).
+    # replicas' batches together, shared among the ingress replicas: AppArgs.flow_max_in_flight).
     flow_max_in_flight: int = 0
     queue_budget_s: float = field(
         default=FlowConfig().queue_budget_s, metadata=_cli("flow control: longest wait for a slot before a 503")
@@ -259,6 +262,11 @@ class IngressArgs:
     num_replicas: int = field(default=1, metadata=_cli("ingress replicas", flag="--ingress-replicas"))
     ray_actor_options: dict[str, Any] = field(default_factory=lambda: {"num_cpus": 0})
     config: IngressConfig = field(default_factory=IngressConfig)
+    # Serve's cap of one ingress replica. Serve's own default (5) would make its proxy hold every
+    # request past the fifth in a first-come queue before the ingress sees it; the ingress only
+    # awaits the engines, so, as Ray Serve LLM's ingress, it takes all (the engines' caps and flow
+    # control are what bound the work).
+    max_ongoing_requests: int = INGRESS_MAX_ONGOING_REQUESTS
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> IngressArgs:
@@ -271,7 +279,10 @@ class IngressArgs:
         if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
             raise ValueError(f"ingress.num_replicas must be an integer >= 1, got {num_replicas!r}")
         options = data.pop("ray_actor_options", default.ray_actor_options)
-        return cls(num_replicas, dict(options), IngressConfig.from_dict(data))
+        max_ongoing = data.pop("max_ongoing_requests", default.max_ongoing_requests)
+        if isinstance(max_ongoing, bool) or not isinstance(max_ongoing, int) or max_ongoing < 1:
+            raise ValueError(f"ingress.max_ongoing_requests must be an integer >= 1, got {max_ongoing!r}")
+        return cls(num_replicas, dict(options), IngressConfig.from_dict(data), max_ongoing)
 
 
 @dataclass
@@ -351,12 +362,15 @@ class AppArgs:
         }
 
     def flow_max_in_flight(self) -> int:
-        """Slots per ingress replica: every engine replica's max_ongoing_requests (the most replicas,
-        under autoscaling), shared among the ingress replicas (rounded up)."""
+        """Slots per ingress replica: what every engine replica runs at once (its max_num_seqs, within
+        Serve's max_ongoing_requests; the most replicas, under autoscaling), shared among the ingress
+        replicas (rounded up). Past that, requests wait in the fair queue rather than in an engine's
+        waiting queue or in Serve's, which is first come, first served."""
         if self.ingress.config.flow_max_in_flight:
             return self.ingress.config.flow_max_in_flight
         replicas = self.num_replicas if self.autoscaling is None else self.autoscaling.get("max_replicas", 1)
-        total = int(replicas or 1) * self.max_ongoing_requests
+        per_replica = min(EngineConfig.from_dict(dict(self.engine)).max_num_seqs, self.max_ongoing_requests)
+        total = int(replicas or 1) * per_replica
         return max(1, -(-total // self.ingress.num_replicas))
 
     def shutdown_options(self) -> dict[str, float]:

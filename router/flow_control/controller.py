@@ -8,8 +8,9 @@ refused. In order:
 2. **Priority band** (:meth:`FlowController.band_of`): the request's priority (vLLM's, lower
    first) when it asks one, else its tenant's default; outside the tenant's range: 400.
 3. **Quota** (in :meth:`FlowController.admit`): the tenant's requests and tokens per minute
-   (router/flow_control/quota.py); over: 429 ``tenant_rate_limit_exceeded`` with the bucket's
-   Retry-After. A refused request costs the tenant nothing.
+   (router/flow_control/quota.py), charged on arrival; over: 429 ``tenant_rate_limit_exceeded``
+   with the bucket's Retry-After. A refused request costs the tenant nothing (one refused while
+   waiting is refunded).
 4. **Slot**: at most ``max_in_flight`` requests run at once (the replicas' in-flight caps);
    past that a request waits in the fair queue (router/flow_control/fair_queue.py: bands, then
    weighted fair queuing over tenants, costed by estimated tokens), at most ``queue_budget_s``
@@ -167,11 +168,16 @@ class FlowController:
                 retry_after_s=refusal.retry_after_s,
             )
         estimate = max(1, estimated_tokens)
+        # Charged now, not once a slot is free: the requests waiting count against the quota too.
+        quota.reserve(estimate, now)
         if self.in_flight < self.config.max_in_flight and not self._queue:
             self.in_flight += 1
         else:
-            await self._wait(tenant, band, estimate, now)
-        quota.reserve(estimate, self._clock())
+            try:
+                await self._wait(tenant, band, estimate, now)
+            except BaseException:
+                quota.refund(estimate, self._clock())  # refused or abandoned: it cost nothing
+                raise
         return Lease(self, tenant, estimate)
 
     async def _wait(self, tenant: TenantSpec, band: int, estimate: int, since: float) -> None:

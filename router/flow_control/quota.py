@@ -90,6 +90,13 @@ class TenantQuota:
         if self.tokens is not None:
             self.tokens.take(float(estimated_tokens), now)
 
+    def refund(self, estimated_tokens: int, now: float) -> None:
+        """Undo a reserve: the request did not run."""
+        if self.requests is not None:
+            self.requests.give_back(1.0, now)
+        if self.tokens is not None:
+            self.tokens.give_back(float(estimated_tokens), now)
+
     def settle(self, estimated_tokens: int, used_tokens: int, now: float) -> None:
         """Replace a request's reserved estimate with the tokens it used."""
         if self.tokens is None:

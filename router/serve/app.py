@@ -193,6 +193,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         ingress = parsed.ingress
         return OpenAIIngress.options(
             num_replicas=ingress.num_replicas,
+            max_ongoing_requests=ingress.max_ongoing_requests,
             ray_actor_options=dict(ingress.ray_actor_options),
             **parsed.shutdown_options(),
         ).bind(engine, parsed.ingress_config())

@@ -160,3 +160,20 @@ async def test_a_front_end_holds_its_share_of_each_quota() -> None:
         except TenantRateLimitError:
             pass
     assert 60 <= admitted <= 62  # the rate for a minute, plus the 2 s burst it started with
+
+
+async def test_waiting_requests_count_against_the_quota_and_a_refused_one_is_refunded() -> None:
+    clock = [0.0]
+    table = parse_tenants("tenants:\n  - {name: t, api_key: k, requests_per_minute: 60}\n")  # 2 banked
+    flow = FlowController(table, FlowConfig(max_in_flight=1, queue_budget_s=0.01), clock=lambda: clock[0])
+    tenant = flow.tenant_of("k", {})
+    running = await flow.admit(tenant, 0, 1)
+    waiting = asyncio.create_task(flow.admit(tenant, 0, 1))
+    await asyncio.sleep(0)
+    # The waiter holds the second request of the bucket: a third is over the quota at once.
+    with pytest.raises(TenantRateLimitError):
+        await flow.admit(tenant, 0, 1)
+    with pytest.raises(QueueRefusal):
+        await waiting  # its wait ran out: refunded
+    running.release()
+    (await flow.admit(tenant, 0, 1)).release()  # so this one fits the quota again
