@@ -236,18 +236,34 @@ class Targets:
 
 
 def app_args(
-    model: str, replicas: int, max_num_seqs: int, tenants: dict[str, Any] | None, queue_budget_s: float
+    model: str,
+    replicas: int,
+    slots_per_replica: int,
+    tenants: dict[str, Any] | None,
+    queue_budget_s: float,
+    reserved_slots: int = 0,
 ) -> dict[str, Any]:
-    """The deployment: priority scheduling, the ingress's slots = the engines' batches, tenants or none."""
+    """The deployment: priority scheduling; with tenants, the ingress runs ``slots_per_replica`` requests
+    per engine replica at once and queues the rest fairly.
+
+    Each engine's batch (and Serve's cap) is every slot of the ingress: however the router spreads
+    the running requests, a request that has its slot finds a seat on its replica at once, so the
+    ingress's order is the order requests run in. Without tenants, the same engines and caps: every
+    request goes straight to Serve and waits in an engine's queue.
+    """
+    slots = replicas * slots_per_replica
     ingress: dict[str, Any] = {"num_replicas": 1}
     if tenants is not None:
-        ingress.update(tenants=tenants, queue_budget_s=queue_budget_s)
+        ingress.update(
+            tenants=tenants,
+            queue_budget_s=queue_budget_s,
+            flow_max_in_flight=slots,
+            flow_reserved_slots=reserved_slots,
+        )
     return {
-        "engine": {"model": model, "scheduling_policy": "priority", "max_num_seqs": max_num_seqs},
+        "engine": {"model": model, "scheduling_policy": "priority", "max_num_seqs": slots},
         "num_replicas": replicas,
-        # Above the ingress's slots: Serve's router never queues (first come, first served) behind
-        # the fair queue's order; a replica the router fills past its batch queues by priority.
-        "max_ongoing_requests": replicas * max_num_seqs,
+        "max_ongoing_requests": slots,
         "ray_actor_options": {"num_cpus": 1},
         "router": {"policy": "placed"},
         "ingress": ingress,
@@ -262,11 +278,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", default="smollm2", help="'smollm2' or a checkpoint directory / .gguf file")
     p.add_argument("--replicas", type=int, default=2)
-    p.add_argument("--max-num-seqs", type=int, default=4, help="each engine's batch")
+    p.add_argument(
+        "--slots-per-replica", type=int, default=4, help="requests the ingress runs at once, per engine replica"
+    )
     p.add_argument("--duration-s", type=float, default=30.0, help="seconds each open-loop phase sends")
     p.add_argument("--overload", type=float, default=3.0, help="the batch load, in multiples of the capacity")
     p.add_argument("--interactive-share", type=float, default=0.15, help="the interactive rate, x capacity")
     p.add_argument("--noisy-quota-share", type=float, default=0.25, help="the noisy tenant's quota, x capacity")
+    p.add_argument(
+        "--reserved-slots",
+        type=int,
+        default=None,
+        help="ingress slots for the interactive band alone (default: one per replica)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=8000, help="Serve's HTTP port for the local cluster")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per request and per deployment")
@@ -280,18 +304,22 @@ class Plan:
     """Validated options."""
 
     queue_budget_s: float
+    reserved_slots: int
 
 
 def plan(args: argparse.Namespace) -> Plan:
     """Check the options; the queue budget covers a whole overloaded phase's backlog."""
-    if args.replicas < 1 or args.max_num_seqs < 1:
-        raise ValueError("--replicas and --max-num-seqs must be >= 1")
+    if args.replicas < 1 or args.slots_per_replica < 1:
+        raise ValueError("--replicas and --slots-per-replica must be >= 1")
     if not args.duration_s > 0 or not args.overload > 0:
         raise ValueError("--duration-s and --overload must be > 0")
     if not 0 < args.interactive_share < 1 or not 0 < args.noisy_quota_share < 1:
         raise ValueError("--interactive-share and --noisy-quota-share must be in (0, 1)")
     # The backlog of a phase drains in about overload x duration: no batch request may time out in it.
-    return Plan(queue_budget_s=args.overload * args.duration_s * 2 + 60.0)
+    reserved = args.replicas if args.reserved_slots is None else args.reserved_slots
+    if not 0 <= reserved < args.replicas * args.slots_per_replica:
+        raise ValueError("--reserved-slots must leave the batch bands a slot")
+    return Plan(queue_budget_s=args.overload * args.duration_s * 2 + 60.0, reserved_slots=reserved)
 
 
 def measure_capacity(base: str, model: str, slots: int, seed: int, timeout_s: float) -> float:
@@ -310,7 +338,7 @@ def run(args: argparse.Namespace, p: Plan) -> int:
     started = time.perf_counter()
     phases: dict[str, dict[str, TenantSummary]] = {}
     records: dict[str, list[TenantRecord]] = {}
-    slots = args.replicas * args.max_num_seqs
+    slots = args.replicas * args.slots_per_replica
     noisy_quota = 0.0
     capacity = 0.0
     fairness_gauge: float | None = None
@@ -318,7 +346,9 @@ def run(args: argparse.Namespace, p: Plan) -> int:
         bar = tqdm(total=len(PHASES) + 1, desc="phases", unit="phase", file=sys.stderr)
         # The noisy quota is set from the capacity, known only once measured: deploy, measure, redeploy.
         base = cluster.deploy(
-            app_args(args.model, args.replicas, args.max_num_seqs, tenant_file(60.0), p.queue_budget_s),
+            app_args(
+                args.model, args.replicas, args.slots_per_replica, tenant_file(60.0), p.queue_budget_s, p.reserved_slots
+            ),
             "bench-flow",
             num_replicas=args.replicas,
             timeout_s=args.timeout,
@@ -331,7 +361,14 @@ def run(args: argparse.Namespace, p: Plan) -> int:
         tqdm.write(f"capacity: {capacity:.2f} batch requests/s at {slots} in flight", file=sys.stderr)
         cluster.delete("bench-flow")
         base = cluster.deploy(
-            app_args(args.model, args.replicas, args.max_num_seqs, tenant_file(noisy_quota), p.queue_budget_s),
+            app_args(
+                args.model,
+                args.replicas,
+                args.slots_per_replica,
+                tenant_file(noisy_quota),
+                p.queue_budget_s,
+                p.reserved_slots,
+            ),
             "bench-flow",
             num_replicas=args.replicas,
             timeout_s=args.timeout,
@@ -360,7 +397,7 @@ def run(args: argparse.Namespace, p: Plan) -> int:
         fairness_gauge = sum_samples(text, "prefixserve_router_flow_fairness_index") or None
         cluster.delete("bench-flow")
         base = cluster.deploy(
-            app_args(args.model, args.replicas, args.max_num_seqs, None, p.queue_budget_s),
+            app_args(args.model, args.replicas, args.slots_per_replica, None, p.queue_budget_s),
             "bench-no-flow",
             num_replicas=args.replicas,
             timeout_s=args.timeout,
@@ -387,7 +424,7 @@ def run(args: argparse.Namespace, p: Plan) -> int:
         no_flow_interactive_ttft_vs_alone=_ratio(phases["overload_no_flow"][INTERACTIVE].ttft_p50_s, alone),
     )
     title = (
-        f"{args.replicas} replicas x {args.max_num_seqs} seqs, model {Path(args.model).name}, capacity "
+        f"{args.replicas} replicas x {args.slots_per_replica} slots, model {Path(args.model).name}, capacity "
         f"{capacity:.2f} req/s, overload {args.overload:g}x for {args.duration_s:g} s"
     )
     print(f"\n## Flow control: {title}\n")

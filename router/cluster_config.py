@@ -47,6 +47,7 @@ The args (every key optional except ``engine``)::
                                    #   holds them; 0 = the engines' batches (max_num_seqs) together
       queue_budget_s: 30           # the longest a request waits in the queue (then 503)
       max_queued: 1024             # waiting requests per ingress replica (one more: 503)
+      flow_reserved_slots: 0       # of those slots, how many only the best band may take
 
 Invariants: the args are validated here, before anything is deployed, with
 messages that say what to change; the engine config is checked with
@@ -213,6 +214,8 @@ class IngressConfig:
         default=FlowConfig().queue_budget_s, metadata=_cli("flow control: longest wait for a slot before a 503")
     )
     max_queued: int = FlowConfig().max_queued
+    # Slots of each ingress replica only the best band (the lowest priority a tenant defaults to) may take.
+    flow_reserved_slots: int = 0
     # The ingress replicas that share the traffic, each holding its part of every tenant's quota
     # (set by the app build from ingress.num_replicas: AppArgs.ingress_config).
     flow_ingress_replicas: int = 1
@@ -224,7 +227,9 @@ class IngressConfig:
             raise ValueError(f"flow_ingress_replicas must be >= 1, got {self.flow_ingress_replicas}")
         if self.flow_max_in_flight < 0:
             raise ValueError(f"flow_max_in_flight must be >= 0, got {self.flow_max_in_flight}")
-        self.flow_config(1)
+        if self.flow_reserved_slots < 0:
+            raise ValueError(f"flow_reserved_slots must be >= 0, got {self.flow_reserved_slots}")
+        self.flow_config(self.flow_reserved_slots + 1)
         if not isinstance(self.placement_sync_s, (int, float)) or not self.placement_sync_s > 0:
             raise ValueError(f"placement_sync_s must be a number > 0, got {self.placement_sync_s!r}")
         if self.max_body_bytes < 1:
@@ -252,6 +257,7 @@ class IngressConfig:
             queue_budget_s=self.queue_budget_s,
             max_queued=self.max_queued,
             quota_share=1.0 / self.flow_ingress_replicas,
+            reserved_slots=self.flow_reserved_slots,
         )
 
 
@@ -344,6 +350,7 @@ class AppArgs:
             raise ValueError(f"num_replicas must be an integer >= 1, got {self.num_replicas!r}")
         if self.max_ongoing_requests < 1:
             raise ValueError(f"max_ongoing_requests must be >= 1, got {self.max_ongoing_requests}")
+        self.ingress.config.flow_config(self.flow_max_in_flight())  # reserved slots within the slots
         if self.health_check_period_s <= 0 or self.health_check_timeout_s <= 0:
             raise ValueError("health_check_period_s and health_check_timeout_s must be positive")
         if (

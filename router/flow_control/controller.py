@@ -11,10 +11,11 @@ refused. In order:
    (router/flow_control/quota.py), charged on arrival; over: 429 ``tenant_rate_limit_exceeded``
    with the bucket's Retry-After. A refused request costs the tenant nothing (one refused while
    waiting is refunded).
-4. **Slot**: at most ``max_in_flight`` requests run at once (the replicas' in-flight caps);
-   past that a request waits in the fair queue (router/flow_control/fair_queue.py: bands, then
-   weighted fair queuing over tenants, costed by estimated tokens), at most ``queue_budget_s``
-   (then 503 ``queue_timeout``) and behind at most ``max_queued`` others (else 503 ``queue_full``).
+4. **Slot**: at most ``max_in_flight`` requests run at once (the replicas' in-flight caps), the
+   last ``reserved_slots`` of them for the best band alone; past that a request waits in the fair
+   queue (router/flow_control/fair_queue.py: bands, then weighted fair queuing over tenants,
+   costed by estimated tokens), at most ``queue_budget_s`` (then 503 ``queue_timeout``) and
+   behind at most ``max_queued`` others (else 503 ``queue_full``).
 
 An admitted request holds a :class:`Lease` until it ends; :meth:`Lease.release` frees its slot
 (the next waiter goes), settles its tokens against the quota and records them for the fairness
@@ -60,6 +61,9 @@ class FlowConfig:
     fairness_window_s: float = 60.0
     # The part of each tenant's quota this front end enforces (1 / the front ends sharing the traffic).
     quota_share: float = 1.0
+    # Slots only the best band (the lowest priority any tenant defaults to) may take: a request of
+    # another band waits while no more than these are free, so the best band seldom waits at all.
+    reserved_slots: int = 0
 
     def __post_init__(self) -> None:
         if self.max_in_flight < 1:
@@ -72,6 +76,10 @@ class FlowConfig:
             raise ValueError(f"fairness_window_s must be > 0, got {self.fairness_window_s}")
         if not 0 < self.quota_share <= 1:
             raise ValueError(f"quota_share must be in (0, 1], got {self.quota_share}")
+        if not 0 <= self.reserved_slots < self.max_in_flight:
+            raise ValueError(
+                f"reserved_slots must be in [0, max_in_flight = {self.max_in_flight}), got {self.reserved_slots}"
+            )
 
 
 class FlowObserver(Protocol):
@@ -99,6 +107,13 @@ class Lease:
         self.released = True
         self._controller._release(self, prompt_tokens, completion_tokens)
 
+    def release_as_estimated(self) -> None:
+        """Free the slot of a request that ran but whose usage is unknown: its estimate stays charged."""
+        if self.released:
+            return
+        self.released = True
+        self._controller._release(self, None, None)
+
 
 class FlowController:
     """Quotas and the fair queue of one front end (see the module docstring)."""
@@ -123,6 +138,7 @@ class FlowController:
             for t in table.tenants
         }
         self._weights = {t.name: t.weight for t in table.tenants}
+        self._best_band = min(t.default_priority for t in table.tenants)
         self._queue = FairQueue()
         self._fairness = FairnessWindow(self.config.fairness_window_s)
         self.in_flight = 0
@@ -170,7 +186,7 @@ class FlowController:
         estimate = max(1, estimated_tokens)
         # Charged now, not once a slot is free: the requests waiting count against the quota too.
         quota.reserve(estimate, now)
-        if self.in_flight < self.config.max_in_flight and not self._queue:
+        if self._may_start(band) and not self._queue.waiting_at_or_before(band):
             self.in_flight += 1
         else:
             try:
@@ -198,9 +214,12 @@ class FlowController:
             # The client left while waiting: its place, or the slot it was just handed, goes on.
             if not self._queue.remove(item) and slot.done():
                 self._release_slot()
+            else:
+                self._dispatch()  # the waiter ahead of others is gone: those behind may start
             self._report_queue(band, tenant.name)
             raise
         if not done and (self._queue.remove(item) or not slot.done()):
+            self._dispatch()
             self._report_queue(band, tenant.name)
             self._report_rejected(tenant.name, "queue_timeout")
             raise QueueRefusal(
@@ -211,25 +230,38 @@ class FlowController:
         if self._observer is not None:
             self._observer.waited(band, tenant.name, self._clock() - since)
 
-    def _release(self, lease: Lease, prompt_tokens: int, completion_tokens: int) -> None:
+    def _release(self, lease: Lease, prompt_tokens: int | None, completion_tokens: int | None) -> None:
+        """Settle (None: usage unknown, the estimate stands and no tokens are counted) and free the slot."""
         now = self._clock()
-        used = prompt_tokens + completion_tokens
+        used = (
+            lease.estimate if prompt_tokens is None or completion_tokens is None else prompt_tokens + completion_tokens
+        )
         self._quotas[lease.tenant.name].settle(lease.estimate, used, now)
         self._fairness.record(lease.tenant.name, float(used), now)
         if self._observer is not None:
             fairness = self._fairness.index(now, self._weights)
-            self._observer.served(lease.tenant.name, prompt_tokens, completion_tokens, fairness)
+            self._observer.served(lease.tenant.name, prompt_tokens or 0, completion_tokens or 0, fairness)
         self._release_slot()
 
+    def _may_start(self, band: int) -> bool:
+        """Whether a request of ``band`` may take a free slot now (the best band may take the reserved ones)."""
+        reserved = self.config.reserved_slots if band > self._best_band else 0
+        return self.in_flight < self.config.max_in_flight - reserved
+
     def _release_slot(self) -> None:
-        """A slot is free: hand it to the next waiter (whose future is still open), else keep it free."""
-        while (item := self._queue.pop()) is not None:
+        """A slot is free: the waiters that may start now take it."""
+        self.in_flight -= 1
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        """Hand free slots to the waiters in the fair queue's order while the next one may start."""
+        while (item := self._queue.peek()) is not None and self._may_start(item.band):
+            self._queue.pop()
             self._report_queue(item.band, item.tenant)
             slot: asyncio.Future[None] = item.payload
             if not slot.done():
-                slot.set_result(None)  # the slot passes straight to it: in_flight unchanged
-                return
-        self.in_flight -= 1
+                self.in_flight += 1
+                slot.set_result(None)
 
     def fairness_index(self) -> float | None:
         """Jain's index of the weighted tokens served over the window (None: nothing served)."""

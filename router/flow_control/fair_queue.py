@@ -58,18 +58,28 @@ class FairQueue:
         self._size += 1
         return item
 
+    def peek(self) -> QueuedItem | None:
+        """The request :meth:`pop` would hand out, left in the queue (None when none waits)."""
+        if not self._queues:
+            return None
+        tenants = self._queues[min(self._queues)]
+        return min((q[0] for q in tenants.values()), key=lambda item: (item.start_tag, item.seq))
+
     def pop(self) -> QueuedItem | None:
         """The next request to serve (removed from the queue), or None when none waits."""
-        for band in sorted(self._queues):
-            tenants = self._queues[band]
-            tenant = min(tenants, key=lambda t: (tenants[t][0].start_tag, tenants[t][0].seq))
-            item = tenants[tenant].popleft()
-            self._virtual_time[band] = max(self._virtual_time.get(band, 0.0), item.start_tag)
-            self._drop_empty(band, tenant)
-            item.queued = False
-            self._size -= 1
-            return item
-        return None
+        item = self.peek()
+        if item is None:
+            return None
+        self._queues[item.band][item.tenant].popleft()
+        self._virtual_time[item.band] = max(self._virtual_time.get(item.band, 0.0), item.start_tag)
+        self._drop_empty(item.band, item.tenant)
+        item.queued = False
+        self._size -= 1
+        return item
+
+    def waiting_at_or_before(self, band: int) -> bool:
+        """Whether a request of ``band`` or of a band served before it waits."""
+        return any(b <= band for b in self._queues)
 
     def remove(self, item: QueuedItem) -> bool:
         """Take ``item`` out before its turn (its wait ran out, its client left); False if it was not queued."""

@@ -15,8 +15,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-# A bucket holds this many seconds of its rate: the burst a tenant may send after being idle.
+# A bucket holds this many seconds of its rate, and at least MIN_BURST units: the burst a tenant may
+# send after being idle. Two units, not one: a bucket that holds one request wastes its refill while
+# it waits full for the next arrival, and admits well under the rate of a tenant sending at random.
 BURST_S = 2.0
+MIN_BURST = 2.0
 
 
 @dataclass
@@ -34,7 +37,7 @@ class TokenBucket:
         self.level = self.capacity
 
     @classmethod
-    def per_minute(cls, amount: float, min_capacity: float = 1.0) -> TokenBucket:
+    def per_minute(cls, amount: float, min_capacity: float = MIN_BURST) -> TokenBucket:
         """``amount`` a minute, bursting up to BURST_S seconds' worth (at least ``min_capacity``)."""
         rate = amount / 60.0
         return cls(rate, max(min_capacity, rate * BURST_S))

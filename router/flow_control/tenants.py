@@ -114,6 +114,17 @@ class TenantTable:
         }
 
 
+def bearer_token(authorization: str | None) -> str | None:
+    """The key of an ``Authorization: Bearer KEY`` header as the client sent it (None: no such header)."""
+    scheme, _, token = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    try:  # ASGI servers decode header bytes as latin-1: back to the client's bytes, read as UTF-8
+        return token.strip().encode("latin-1").decode("utf-8")
+    except (UnicodeEncodeError, UnicodeDecodeError):
+        return None
+
+
 def _line(node: yaml.Node | None) -> int | None:
     return node.start_mark.line + 1 if node is not None else None
 

@@ -16,42 +16,17 @@ from collections.abc import Mapping
 
 from prefixserve.replica.contract.request import EngineRequest
 from prefixserve.router.flow_control.controller import FlowConfig, FlowController, Lease
-from prefixserve.router.flow_control.tenants import TenantTable
-from prefixserve.router.serve.metrics import FlowMetrics
-
-# Characters per token when estimating a prompt's tokens before the engine has tokenized it.
-CHARS_PER_TOKEN = 4
-
-
-def bearer_token(authorization: str | None) -> str | None:
-    """The key of an ``Authorization: Bearer KEY`` header as the client sent it (None: no such header)."""
-    scheme, _, token = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer":
-        return None
-    try:  # ASGI servers decode header bytes as latin-1: back to the client's bytes, read as UTF-8
-        return token.strip().encode("latin-1").decode("utf-8")
-    except (UnicodeEncodeError, UnicodeDecodeError):
-        return None
-
-
-def estimated_tokens(request: EngineRequest) -> int:
-    """What a request may use, before it ran: its prompt's characters over CHARS_PER_TOKEN (token ids
-    counted as they are) plus the completion tokens it may generate (all ``n`` choices)."""
-    if isinstance(request.prompt, list):
-        prompt = len(request.prompt)
-    elif request.prompt is not None:
-        prompt = len(request.prompt) // CHARS_PER_TOKEN
-    else:
-        prompt = sum(len(str(m.get("content") or "")) for m in request.messages or []) // CHARS_PER_TOKEN
-    completion = request.max_tokens_default or request.sampling.max_tokens
-    return prompt + completion * request.sampling.n
+from prefixserve.router.flow_control.estimate import estimated_tokens
+from prefixserve.router.flow_control.metrics import FlowMetrics
+from prefixserve.router.flow_control.tenants import TenantTable, bearer_token
+from prefixserve.router.serve.metrics import router_metrics
 
 
 class IngressFlow:
     """One ingress replica's flow control (see the module docstring)."""
 
     def __init__(self, table: TenantTable, config: FlowConfig, deployment: str) -> None:
-        self.controller = FlowController(table, config, FlowMetrics(deployment))
+        self.controller = FlowController(table, config, FlowMetrics(router_metrics().flow, deployment))
 
     def tenant_of(self, headers: Mapping[str, str]) -> str:
         """The tenant named by the request's API key or tenant header (UnknownTenantError: 403)."""

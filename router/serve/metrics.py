@@ -26,14 +26,13 @@ from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from prefixserve.common.metric_series import LabeledSeries
+from prefixserve.router.flow_control.metrics import FlowMetricFamilies
 
 # Decisions are pure-Python ring walks: tens of microseconds normally, more under
 # a big ring or a stalled loop.
 _DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
 # Fractions of a prompt cached (predicted or reported): 0 to 1.
 _FRACTION_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
-# Waits in flow control's queue: from a freed slot's hand-over to a whole queue budget.
-_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class RouterMetrics:
@@ -152,74 +151,12 @@ class RouterMetrics:
             "Requests whose prompt the router could not hash: routed by their static key, then load.",
         )
 
-        self.flow_queue_size = series(
-            Gauge,
-            "prefixserve_router_flow_queue_size",
-            "Requests waiting in flow control's fair queue for a slot, by priority band and tenant.",
-            "band",
-            "tenant",
-        )
-        self.flow_queue_wait_seconds = series(
-            Histogram,
-            "prefixserve_router_flow_queue_wait_seconds",
-            "How long requests that waited for a slot waited, by priority band and tenant.",
-            "band",
-            "tenant",
-            buckets=_WAIT_BUCKETS,
-        )
-        self.flow_tokens = series(
-            Counter,
-            "prefixserve_router_flow_tokens",
-            "Tokens each tenant's finished requests used, by kind (prompt, completion).",
-            "tenant",
-            "kind",
-        )
-        self.flow_rejections = series(
-            Counter,
-            "prefixserve_router_flow_rejections",
-            "Requests flow control refused, by tenant ('-': none named) and reason "
-            "(requests_per_minute, tokens_per_minute, queue_timeout, queue_full, unknown_tenant, "
-            "priority_not_allowed).",
-            "tenant",
-            "reason",
-        )
-        self.flow_fairness_index = series(
-            Gauge,
-            "prefixserve_router_flow_fairness_index",
-            "Jain's fairness index of the tenants' weighted token shares over the last minute "
-            "(1: every tenant served its weighted share).",
-        )
+        # Flow control's (router/flow_control/metrics.py), filled when the ingress has tenants.
+        self.flow = FlowMetricFamilies(self.registry, ["deployment"])
 
     def exposition(self) -> bytes:
         """The registry in Prometheus text format."""
         return generate_latest(self.registry)
-
-
-class FlowMetrics:
-    """Flow control's observer (router/flow_control/controller.py's FlowObserver) over RouterMetrics."""
-
-    def __init__(self, deployment: str, metrics: RouterMetrics | None = None) -> None:
-        self._deployment = deployment
-        self._metrics = metrics
-
-    @property
-    def metrics(self) -> RouterMetrics:
-        return self._metrics or router_metrics()
-
-    def queued(self, band: int, tenant: str, size: int) -> None:
-        self.metrics.flow_queue_size.labels(self._deployment, str(band), tenant).set(size)
-
-    def waited(self, band: int, tenant: str, seconds: float) -> None:
-        self.metrics.flow_queue_wait_seconds.labels(self._deployment, str(band), tenant).observe(seconds)
-
-    def rejected(self, tenant: str, reason: str) -> None:
-        self.metrics.flow_rejections.labels(self._deployment, tenant, reason).inc()
-
-    def served(self, tenant: str, prompt_tokens: int, completion_tokens: int, fairness: float | None) -> None:
-        self.metrics.flow_tokens.labels(self._deployment, tenant, "prompt").inc(prompt_tokens)
-        self.metrics.flow_tokens.labels(self._deployment, tenant, "completion").inc(completion_tokens)
-        if fairness is not None:
-            self.metrics.flow_fairness_index.labels(self._deployment).set(fairness)
 
 
 _PROCESS_METRICS: RouterMetrics | None = None

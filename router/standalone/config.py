@@ -3,7 +3,8 @@
 Job: say which replicas the router fronts, which policy ranks them, how it checks
 their health and load, how often it retries, and which requests it refuses before
 reading them (the same head and body limits as ``prefixserve replica``, so a
-request the router accepts is one a replica accepts). Pure stdlib.
+request the router accepts is one a replica accepts), and its tenants (flow control).
+Pure: no HTTP.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from prefixserve.common.body_limits import DEFAULT_CLIENT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
+from prefixserve.router.flow_control.controller import FlowConfig
+from prefixserve.router.flow_control.tenants import TenantTable, load_tenants
 from prefixserve.router.policies import DEFAULT_POLICY, POLICIES, check_options, pick_options
 from prefixserve.router.routing_key import PrefixKeyConfig
 
@@ -22,6 +25,8 @@ from prefixserve.router.routing_key import PrefixKeyConfig
 # HTTP front end, so these are stated here; tests/router/standalone compares them with the replica's.
 DEFAULT_MAX_HEAD_BYTES = 32 * 1024
 DEFAULT_MAX_HEADER_COUNT = 100
+# Flow control's slots per replica when not given: the replicas' default batch (our max_num_seqs).
+DEFAULT_SLOTS_PER_REPLICA = 64
 # The router's default port: where ``prefixserve up`` serves the cluster's endpoint (the router is one).
 DEFAULT_ROUTER_PORT = 8000
 
@@ -173,6 +178,29 @@ class StandaloneRouterConfig:
         default=None,
         metadata=_help("the replicas' tokenizer folder (tokenizer.json and chat template), to hash prompts"),
     )
+    tenants: str | None = field(
+        default=None,
+        metadata=_help(
+            "tenant file (YAML or JSON, docs/flow_control.md): quotas, weights and priority bands per tenant, "
+            "and a fair queue in front of the replicas; none: no flow control"
+        ),
+    )
+    flow_max_in_flight: int = field(
+        default=0,
+        metadata=_help(
+            f"flow control: requests forwarded at once before the fair queue holds the rest "
+            f"(0: {DEFAULT_SLOTS_PER_REPLICA} per replica, the replicas' default batch)"
+        ),
+    )
+    flow_reserved_slots: int = field(
+        default=0, metadata=_help("flow control: of those slots, how many only the best priority band may take")
+    )
+    queue_budget_s: float = field(
+        default=FlowConfig().queue_budget_s, metadata=_help("flow control: longest wait for a slot before a 503")
+    )
+    max_queued: int = field(
+        default=FlowConfig().max_queued, metadata=_help("flow control: most requests waiting at once (then 503)")
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.replicas, list) or not self.replicas:
@@ -194,6 +222,11 @@ class StandaloneRouterConfig:
             _check_int(name, getattr(self, name))
         if self.kv_events_hash not in HASH_SCHEMES:
             raise ValueError(f"kv_events_hash must be one of {', '.join(HASH_SCHEMES)}, got {self.kv_events_hash!r}")
+        if self.tenants is not None:
+            self.tenant_table()  # a malformed file stops the router before it starts, with the line
+        if isinstance(self.flow_max_in_flight, bool) or not isinstance(self.flow_max_in_flight, int):
+            raise ValueError(f"flow_max_in_flight must be an integer >= 0, got {self.flow_max_in_flight!r}")
+        self.flow_config()
         if self.kv_events:
             specs = self.kv_event_specs
             if len({s.replica for s in specs}) != len(specs):
@@ -232,6 +265,19 @@ class StandaloneRouterConfig:
         """The ``--kv-events`` values, parsed (ValueError for a bad one)."""
         urls = self.replica_urls
         return [parse_kv_events(spec, urls) for spec in self.kv_events]
+
+    def tenant_table(self) -> TenantTable | None:
+        """The tenants of ``--tenants`` (TenantFileError, a ValueError, naming the line); None without."""
+        return load_tenants(self.tenants) if self.tenants is not None else None
+
+    def flow_config(self) -> FlowConfig:
+        """Flow control's knobs (ValueError for bad ones)."""
+        return FlowConfig(
+            max_in_flight=self.flow_max_in_flight or DEFAULT_SLOTS_PER_REPLICA * max(1, len(self.replicas)),
+            queue_budget_s=self.queue_budget_s,
+            max_queued=self.max_queued,
+            reserved_slots=self.flow_reserved_slots,
+        )
 
     @property
     def replica_urls(self) -> dict[str, str]:

@@ -10,13 +10,17 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from prefixserve.router.flow_control.metrics import FlowMetricFamilies
+
 
 class StandaloneMetrics:
     """Counters and gauges of one standalone router."""
 
-    def __init__(self, policy: str, replicas: list[str]) -> None:
+    def __init__(self, policy: str, replicas: list[str], flow: bool = False) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        # Flow control's series, when the router has tenants.
+        self.flow = FlowMetricFamilies(r) if flow else None
         self.requests = Counter(
             "prefixserve_router_requests",
             "Requests answered by a replica, by the replica and the decision kind that sent them there.",

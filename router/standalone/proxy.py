@@ -25,6 +25,11 @@ Invariants:
   (431, 413), so a request the router forwards is one a replica would read.
 * ``model``: a request naming a model no replica serves is answered 404 by the router;
   one naming a model some replicas serve goes to those alone.
+* With ``--tenants``, flow control (router/flow_control/) admits each generation request before
+  it is routed (403 unknown tenant, 400 priority outside its tenant's range, 429 over quota, 503
+  past the queue budget or size, each naming its reason in ``X-Prefixserve-Reject-Reason``);
+  its slot is held until the relayed answer ends, and the answer's usage settles its tokens (an
+  answer without a readable usage settles at the estimate).
 
 Imports no part of the replica's HTTP front end: the router speaks to replicas over HTTP only.
 """
@@ -50,6 +55,11 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from prefixserve.replica.contract.routing import REPLICA_HEADER
+from prefixserve.router.flow_control.controller import FlowController, Lease
+from prefixserve.router.flow_control.errors import FlowRefusal
+from prefixserve.router.flow_control.estimate import estimated_body_tokens
+from prefixserve.router.flow_control.metrics import FlowMetrics
+from prefixserve.router.flow_control.tenants import bearer_token
 from prefixserve.router.kv_index import ZmqKVEventSubscriber
 from prefixserve.router.policies import Policy, make_policy
 from prefixserve.router.standalone.config import StandaloneRouterConfig
@@ -58,7 +68,7 @@ from prefixserve.router.standalone.load_report import parse_load
 from prefixserve.router.standalone.metrics import StandaloneMetrics
 from prefixserve.router.standalone.replica_set import ADMITTED, EJECTED, ReplicaSet
 from prefixserve.router.standalone.routing import Plan, StandaloneRouting
-from prefixserve.router.standalone.usage import AnswerTail
+from prefixserve.router.standalone.usage import AnswerTail, Usage
 
 log = logging.getLogger(__name__)
 
@@ -122,16 +132,27 @@ def broken_stream_event(replica: str) -> bytes:
 class _Open:
     """One forwarded request's bookkeeping, ended exactly once whatever ends it."""
 
-    def __init__(self, router: StandaloneRouter, plan: Plan, replica: str) -> None:
+    def __init__(self, router: StandaloneRouter, plan: Plan, replica: str, lease: Lease | None = None) -> None:
         self.router = router
         self.plan = plan
         self.replica = replica
+        self.lease = lease
         self.done = False
 
-    def end(self) -> None:
-        if not self.done:
-            self.done = True
-            self.router.request_ended(self.plan, self.replica)
+    def end(self, usage: Usage | None = None, answered: bool = False) -> None:
+        """End the counts; settle the flow-control lease with ``usage``, or, for an ``answered`` request
+        whose usage the router could not read, with its estimate (so no answer runs off the quota)."""
+        if self.done:
+            return
+        self.done = True
+        self.router.request_ended(self.plan, self.replica)
+        if self.lease is not None:
+            if usage is not None:
+                self.lease.release(usage.prompt_tokens, usage.completion_tokens)
+            elif answered:
+                self.lease.release_as_estimated()
+            else:
+                self.lease.release()
 
 
 class RelayResponse(Response):
@@ -152,6 +173,7 @@ class RelayResponse(Response):
         # Only a whole, successful answer's usage counts (its tokens were prefilled where it landed).
         encoded = upstream.headers.get("content-encoding", "identity") != "identity"
         self.tail = AnswerTail(self.sse) if upstream.status_code == 200 and not encoded else None
+        self.usage: Usage | None = None  # read once the whole answer was relayed
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -168,7 +190,7 @@ class RelayResponse(Response):
         finally:
             with anyio.CancelScope(shield=True):
                 await self.upstream.aclose()
-                self.opened.end()
+                self.opened.end(self.usage, answered=self.status_code == 200)
 
     async def _relay(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
@@ -193,7 +215,7 @@ class RelayResponse(Response):
             lead = b"" if tail == b"\n\n" else b"\n\n"
             await send({"type": "http.response.body", "body": lead + broken_stream_event(name), "more_body": True})
         else:
-            usage = self.tail.usage() if self.tail is not None else None
+            usage = self.usage = self.tail.usage() if self.tail is not None else None
             if usage is not None:
                 self.opened.router.routing.observe(self.opened.plan, usage.prompt_tokens, usage.cached_tokens)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -216,7 +238,13 @@ class StandaloneRouter:
             hints=hints if hints is not None else build_hints(config),
         )
         self.subscriber: ZmqKVEventSubscriber | None = None
-        self.metrics = StandaloneMetrics(self.routing.policy.name, self.replicas.names)
+        tenants = config.tenant_table()
+        self.metrics = StandaloneMetrics(self.routing.policy.name, self.replicas.names, flow=tenants is not None)
+        self.flow = (
+            FlowController(tenants, config.flow_config(), FlowMetrics(self.metrics.flow))
+            if tenants is not None and self.metrics.flow is not None
+            else None
+        )
         self.models_of: dict[str, list[dict[str, Any]]] = {}  # replica -> its /v1/models entries
         self._models_at = -float("inf")
         self._client: httpx.AsyncClient | None = None  # probes, metrics and model lists
@@ -378,8 +406,32 @@ class StandaloneRouter:
         self.routing.finished(plan)
         self._ended(replica)
 
-    async def forward(self, request: Request, body: bytes, plan: Plan) -> Response:
-        """Send the request to the plan's replicas in turn (the module docstring's retries); relay the answer."""
+    async def admit(self, request: Request, parsed: Any) -> Lease:
+        """Flow control's slot for a request (FlowRefusal: 403, 400, 429 or 503): its tenant by key or
+        header, its band by its ``priority`` when it asks one, its cost by its estimated tokens."""
+        assert self.flow is not None
+        tenant = self.flow.tenant_of(bearer_token(request.headers.get("authorization")), request.headers)
+        priority = parsed.get("priority") if isinstance(parsed, dict) else None
+        asked = priority if isinstance(priority, int) and not isinstance(priority, bool) and priority else None
+        band = self.flow.band_of(tenant, asked)
+        return await self.flow.admit(tenant, band, estimated_body_tokens(parsed))
+
+    async def forward(self, request: Request, body: bytes, plan: Plan, lease: Lease | None = None) -> Response:
+        """Send the request to the plan's replicas in turn (the module docstring's retries); relay the answer.
+
+        ``lease``: the request's flow-control slot, handed to the relayed answer, released here otherwise.
+        """
+        try:
+            response = await self._forward(request, body, plan, lease)
+        except BaseException:
+            if lease is not None:
+                lease.release()
+            raise
+        if lease is not None and not isinstance(response, RelayResponse):
+            lease.release()  # the router answered itself: no replica ran it
+        return response
+
+    async def _forward(self, request: Request, body: bytes, plan: Plan, lease: Lease | None) -> Response:
         attempts = plan.attempts(self.config.max_attempts)
         headers = upstream_headers(request.headers)
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
@@ -426,7 +478,7 @@ class StandaloneRouter:
                 continue
             kind = self.routing.landed(plan, name)
             self.metrics.requests.labels(self.metrics.policy, name, kind).inc()
-            return RelayResponse(answer, _Open(self, plan, name))
+            return RelayResponse(answer, _Open(self, plan, name, lease))
         self.routing.finished(plan)
         self.metrics.no_replica.inc()
         if last is not None:  # the last replica tried refused, and no later one answered at all
@@ -510,6 +562,21 @@ class StandaloneRouter:
                 )
             # Those that list it, and those whose list the router has not read (down, or not answering it yet).
             among = [n for n in self.replicas.names if n in serving or n not in self.models_of] if serving else None
+        lease = None
+        if self.flow is not None:
+            try:
+                lease = await self.admit(request, parsed)
+            except FlowRefusal as exc:
+                return own_answer(exc.status_code, exc.body(), exc.headers())
+        try:
+            plan = await self._plan(request, parsed, among)
+        except BaseException:
+            if lease is not None:
+                lease.release()
+            raise
+        return await self.forward(request, body, plan, lease)
+
+    async def _plan(self, request: Request, parsed: Any, among: list[str] | None) -> Plan:
         blocks = None
         hints = self.routing.hints
         if hints is not None and isinstance(parsed, dict):
@@ -518,7 +585,7 @@ class StandaloneRouter:
         plan = self.routing.plan(parsed, request.headers, among, token_blocks=blocks)
         if plan.event_matched:
             self.metrics.kv_event_matches.inc()
-        return await self.forward(request, body, plan)
+        return plan
 
     async def handle_models(self, request: Request) -> Response:
         await self.refresh_models(request.headers, force=True)

@@ -1,4 +1,5 @@
-"""A relayed answer's token usage, read from its end: the prefill work ``placed`` balances.
+"""A relayed answer's token usage, read from its end: the prefill work ``placed`` balances, and the
+tokens flow control settles a tenant's quota with.
 
 Job: the prompt tokens of a finished request, and how many of them the replica
 found cached, from the OpenAI ``usage`` object (``prompt_tokens``,
@@ -28,6 +29,8 @@ JSON_BODY_BYTES = 256 * 1024
 class Usage:
     prompt_tokens: int
     cached_tokens: int | None
+    # What flow control settles a tenant's token quota with (0 when the answer does not say).
+    completion_tokens: int = 0
 
 
 def _usage(obj: Any) -> Usage | None:
@@ -41,7 +44,10 @@ def _usage(obj: Any) -> Usage | None:
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
     if isinstance(cached, bool) or not isinstance(cached, int) or cached < 0:
         cached = None
-    return Usage(prompt, cached)
+    completion = usage.get("completion_tokens")
+    if isinstance(completion, bool) or not isinstance(completion, int) or completion < 0:
+        completion = 0
+    return Usage(prompt, cached, completion)
 
 
 def usage_of(data: bytes, sse: bool) -> Usage | None:

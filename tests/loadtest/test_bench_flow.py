@@ -30,8 +30,9 @@ def test_the_tenant_file_and_the_deployment_are_valid() -> None:
     table = tenants_from_data(bf.tenant_file(30.0))
     assert {t.name: t.default_priority for t in table.tenants} == bf.TENANT_BANDS
     assert table.by_name(bf.NOISY).requests_per_minute == 30.0  # type: ignore[union-attr]
-    args = AppArgs.from_dict(bf.app_args("m", 2, 4, bf.tenant_file(30.0), 120.0))
+    args = AppArgs.from_dict(bf.app_args("m", 2, 4, bf.tenant_file(30.0), 120.0, reserved_slots=2))
     assert args.flow_max_in_flight() == 8 and args.ingress.config.queue_budget_s == 120.0
+    assert args.engine["max_num_seqs"] == 8 and args.ingress.config.flow_reserved_slots == 2
     assert AppArgs.from_dict(bf.app_args("m", 2, 4, None, 120.0)).ingress.config.tenants is None
 
 

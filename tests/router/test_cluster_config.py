@@ -199,3 +199,11 @@ def test_a_malformed_tenants_file_stops_up_with_its_line(tmp_path) -> None:
         parsed_up(f"--tenants={tenants}")
     with pytest.raises(ValueError, match="ingress.tenants: 'tenants' must be a non-empty list"):
         AppArgs.from_dict({"engine": {"model": "m"}, "ingress": {"tenants": {"tenants": []}}})
+
+
+def test_reserved_slots_must_leave_a_slot_to_the_other_bands() -> None:
+    engine = {"model": "m", "max_num_seqs": 2}
+    ok = AppArgs.from_dict({"engine": engine, "num_replicas": 2, "ingress": {"flow_reserved_slots": 3}})
+    assert ok.ingress.config.flow_config(ok.flow_max_in_flight()).reserved_slots == 3
+    with pytest.raises(ValueError, match="reserved_slots must be in"):
+        AppArgs.from_dict({"engine": engine, "num_replicas": 2, "ingress": {"flow_reserved_slots": 4}})

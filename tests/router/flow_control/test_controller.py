@@ -135,7 +135,8 @@ async def test_a_waiter_whose_client_left_gives_its_place_back() -> None:
 async def test_over_quota_is_a_429_with_the_buckets_retry_after() -> None:
     flow, recorder = _controller()
     noisy = flow.tenant_of(None, {"x-tenant": "noisy"})
-    (await flow.admit(noisy, 0, 1)).release(1, 1)  # its one banked request
+    for _ in range(2):  # its two banked requests
+        (await flow.admit(noisy, 0, 1)).release(1, 1)
     with pytest.raises(TenantRateLimitError) as info:
         await flow.admit(noisy, 0, 1)
     err = info.value
@@ -177,3 +178,39 @@ async def test_waiting_requests_count_against_the_quota_and_a_refused_one_is_ref
         await waiting  # its wait ran out: refunded
     running.release()
     (await flow.admit(tenant, 0, 1)).release()  # so this one fits the quota again
+
+
+async def test_reserved_slots_are_the_best_bands_alone() -> None:
+    flow, _ = _controller(max_in_flight=3, reserved_slots=1)
+    live, batch = flow.tenant_of("k-live", {}), flow.tenant_of("k-batch", {})
+    first, second = await flow.admit(batch, 10, 1), await flow.admit(batch, 10, 1)
+    third = asyncio.create_task(flow.admit(batch, 10, 1))
+    await asyncio.sleep(0)
+    assert flow.queued == 1 and flow.in_flight == 2  # a slot is free, but it is the live band's
+    interactive = await flow.admit(live, 0, 1)  # takes it at once, the batch waiter notwithstanding
+    assert flow.in_flight == 3
+    first.release()
+    await asyncio.sleep(0)
+    assert flow.queued == 1 and flow.in_flight == 2  # still only the reserved slot free
+    interactive.release()
+    late_batch = await third  # two slots free now: the batch may take one
+    assert flow.in_flight == 2 and flow.queued == 0
+    for lease in (second, late_batch):
+        lease.release()
+    assert flow.in_flight == 0
+
+
+def test_reserved_slots_must_leave_one() -> None:
+    with pytest.raises(ValueError, match="reserved_slots"):
+        FlowConfig(max_in_flight=2, reserved_slots=2)
+
+
+def test_peek_is_what_pop_hands_out() -> None:
+    from prefixserve.router.flow_control.fair_queue import FairQueue
+
+    queue = FairQueue()
+    assert queue.peek() is None and not queue.waiting_at_or_before(0)
+    queue.push("a", 10, 1, 1)
+    b = queue.push("b", 5, 1, 1)
+    assert queue.peek() is b and queue.pop() is b
+    assert queue.waiting_at_or_before(10) and not queue.waiting_at_or_before(9)

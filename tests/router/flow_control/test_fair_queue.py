@@ -76,7 +76,7 @@ def test_remove_takes_a_waiter_out_once() -> None:
 
 
 def test_token_bucket_refills_to_capacity_and_tells_the_wait() -> None:
-    bucket = TokenBucket.per_minute(60)  # 1 a second, 2 banked
+    bucket = TokenBucket.per_minute(60)  # 1 a second, 2 s of it banked
     assert bucket.capacity == 2
     bucket.take(2, now=0.0)
     assert bucket.wait_s(1, now=0.0) == 1.0
@@ -96,7 +96,8 @@ def test_tenant_quota_reserves_then_settles_tokens() -> None:
 
 
 def test_request_quota_refuses_with_retry_after() -> None:
-    quota = TenantQuota(requests_per_minute=6, tokens_per_minute=None)  # one per 10 s, one banked
+    quota = TenantQuota(requests_per_minute=6, tokens_per_minute=None)  # one per 10 s, two banked
+    quota.reserve(0, 0.0)
     quota.reserve(0, 0.0)
     refusal = quota.check(1.0)
     assert refusal is not None and refusal.kind == "requests" and refusal.retry_after_s == 9

@@ -736,7 +736,8 @@ def test_flow_control_at_the_ingress_names_tenants_holds_quotas_and_queues_for_s
     with httpx.Client(timeout=120) as http:
         assert post(http, None).status_code == 401
         assert post(http, "k-other").status_code == 401
-        assert post(http, "k-noisy").status_code == 200
+        for _ in range(2):  # its two banked requests
+            assert post(http, "k-noisy").status_code == 200
         over = post(http, "k-noisy")
         assert over.status_code == 429, over.text
         assert over.json()["error"]["code"] == "tenant_rate_limit_exceeded"

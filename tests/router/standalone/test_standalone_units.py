@@ -276,13 +276,13 @@ def test_usage_from_a_streams_last_events() -> None:
         + b"\n\n"
         + b"data: [DONE]\n\n"
     )
-    assert usage_of(stream, sse=True) == Usage(100, 40)
+    assert usage_of(stream, sse=True) == Usage(100, 40, USAGE["completion_tokens"])
     assert usage_of(stream[: stream.index(b'data: {"choices": []')], sse=True) is None  # cut before the usage
     assert usage_of(b'data: {"choices": []}\n\ndata: [DONE]\n\n', sse=True) is None
     tail = AnswerTail(sse=True)
     tail.add(b"data: " + b"x" * (SSE_TAIL_BYTES * 2) + b"\n\n")  # a huge event, cut: skipped
     tail.add(stream)
-    assert len(tail.data) <= SSE_TAIL_BYTES and tail.usage() == Usage(100, 40)
+    assert len(tail.data) <= SSE_TAIL_BYTES and tail.usage() == Usage(100, 40, USAGE["completion_tokens"])
 
 
 def test_usage_from_a_json_answer_kept_whole_only() -> None:
