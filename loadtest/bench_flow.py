@@ -243,13 +243,14 @@ def app_args(
     queue_budget_s: float,
     reserved_slots: int = 0,
 ) -> dict[str, Any]:
-    """The deployment: priority scheduling; with tenants, the ingress runs ``slots_per_replica`` requests
-    per engine replica at once and queues the rest fairly.
+    """The deployment: priority scheduling, ``slots_per_replica`` requests running per engine replica.
 
-    Each engine's batch (and Serve's cap) is every slot of the ingress: however the router spreads
-    the running requests, a request that has its slot finds a seat on its replica at once, so the
-    ingress's order is the order requests run in. Without tenants, the same engines and caps: every
-    request goes straight to Serve and waits in an engine's queue.
+    With tenants, the ingress holds the slots (``replicas x slots_per_replica``) and queues the rest
+    fairly; each engine's batch (and Serve's cap) is every slot, so a request that has its slot
+    finds a seat on its replica at once, however the router spreads them, and the ingress's order
+    is the order requests run in. Without tenants, each engine's batch is ``slots_per_replica``:
+    the same work at once, every other request waiting in an engine's queue in arrival order (no
+    tenant asks a priority), Serve's cap above what the router sends a replica.
     """
     slots = replicas * slots_per_replica
     ingress: dict[str, Any] = {"num_replicas": 1}
@@ -261,9 +262,13 @@ def app_args(
             flow_reserved_slots=reserved_slots,
         )
     return {
-        "engine": {"model": model, "scheduling_policy": "priority", "max_num_seqs": slots},
+        "engine": {
+            "model": model,
+            "scheduling_policy": "priority",
+            "max_num_seqs": slots if tenants is not None else slots_per_replica,
+        },
         "num_replicas": replicas,
-        "max_ongoing_requests": slots,
+        "max_ongoing_requests": 64 * slots,
         "ray_actor_options": {"num_cpus": 1},
         "router": {"policy": "placed"},
         "ingress": ingress,

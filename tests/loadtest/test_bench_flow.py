@@ -33,7 +33,8 @@ def test_the_tenant_file_and_the_deployment_are_valid() -> None:
     args = AppArgs.from_dict(bf.app_args("m", 2, 4, bf.tenant_file(30.0), 120.0, reserved_slots=2))
     assert args.flow_max_in_flight() == 8 and args.ingress.config.queue_budget_s == 120.0
     assert args.engine["max_num_seqs"] == 8 and args.ingress.config.flow_reserved_slots == 2
-    assert AppArgs.from_dict(bf.app_args("m", 2, 4, None, 120.0)).ingress.config.tenants is None
+    plain = AppArgs.from_dict(bf.app_args("m", 2, 4, None, 120.0))
+    assert plain.ingress.config.tenants is None and plain.engine["max_num_seqs"] == 4
 
 
 def test_schedule_is_seeded_poisson_per_tenant() -> None:
