@@ -5,7 +5,8 @@ request carrying the same header value reaches the same replica, which then
 serves the shared system prompt from its prefix cache. The header is
 `prefixserve.router.routing_key.prefix_hash(system_prompt, tools=tools)`: the first 16 hex digits
 of SHA-256 over the prompt's UTF-8 bytes, then (for a request with tools) a 0x00 byte and
-the tools' canonical JSON (see nginx/README.md for other languages).
+the tools' canonical JSON (see nginx/README.md for other languages); a request for a LoRA
+adapter keys by `adapter_key(that key, adapter name)` (docs/routing.md, rule 7).
 
 Two ways to attach it:
 
@@ -33,15 +34,19 @@ SYSTEM_PROMPT = (
 
 
 def prefix_headers(
-    messages: list[dict], cache_salt: str | None = None, tools: list[dict] | None = None
+    messages: list[dict],
+    cache_salt: str | None = None,
+    tools: list[dict] | None = None,
+    adapter: str | None = None,
 ) -> dict[str, str]:
-    """The X-Prefix-Hash header for a chat request ({} when it has no system prompt and no tools)."""
+    """The X-Prefix-Hash header for a chat request ({} when it has no system prompt, no tools and no
+    adapter). ``adapter``: the LoRA adapter the request's ``model`` names, when it names one."""
     body: dict = {"messages": messages}
     if cache_salt is not None:
         body["cache_salt"] = cache_salt
     if tools:
         body["tools"] = tools
-    key = routing_key(body)
+    key = routing_key(body, adapter=adapter)
     return {} if key is None else {PREFIX_HASH_HEADER: key}
 
 

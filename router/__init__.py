@@ -13,10 +13,11 @@ client can compute to land on the replica that holds its prefix.
 
 from prefixserve.router.routing_key import (
     PrefixKeyConfig,
+    adapter_key,
     prefix_hash,
     prompt_cache_key_hash,
     routing_key,
     static_prefix,
 )
 
-__all__ = ["PrefixKeyConfig", "prefix_hash", "prompt_cache_key_hash", "routing_key", "static_prefix"]
+__all__ = ["PrefixKeyConfig", "adapter_key", "prefix_hash", "prompt_cache_key_hash", "routing_key", "static_prefix"]

@@ -35,6 +35,12 @@ The rule, which any client in any language can reproduce:
 * No static prefix (no leading system/developer message or empty text, and no
   tools; an empty prompt) means no affinity: the key is ``None`` and the policy
   routes by load.
+* A request for a LoRA adapter (its ``model`` names an adapter the replicas serve: only the
+  front end knows which names are adapters, so it passes ``adapter``) has another KV than the
+  base's and every other adapter's for the same prefix, so it gets another key: the first 16
+  hex digits of SHA-256 over ``0x00 || "lora:" || adapter name || 0x00 || the key above`` (the
+  key's ASCII; empty when the request has no static prefix, so an adapter's requests without
+  one still share its replicas). The header, when sent, is used as it is.
 
 Multi-turn affinity (opt-in, off by default; the rule above is unchanged
 without it): a conversation's later turns share more than the system prompt,
@@ -257,23 +263,39 @@ def validate_prefix_hash(value: str, config: PrefixKeyConfig = DEFAULT_CONFIG) -
     return value
 
 
+LORA_TAG = b"\x00lora:"
+
+
+def adapter_key(key: str | None, adapter: str) -> str:
+    """The routing key of a request for LoRA adapter ``adapter`` whose key without it is ``key``
+    (None: no static prefix)."""
+    return _digest(LORA_TAG + adapter.encode("utf-8") + b"\x00" + (key or "").encode("ascii"), None)
+
+
 def routing_key(
     body: Mapping[str, Any],
     headers: Mapping[str, str] | None = None,
     config: PrefixKeyConfig = DEFAULT_CONFIG,
+    adapter: str | None = None,
 ) -> str | None:
     """The routing key of one OpenAI request, or None when it has no static prefix.
 
     ``body`` is the parsed JSON of a chat-completions (``messages``) or
     completions (``prompt``) request; ``headers`` are the HTTP headers (any
-    Mapping; the header name is matched case-insensitively). Raises
+    Mapping; the header name is matched case-insensitively); ``adapter``: the
+    LoRA adapter its ``model`` names, when it names one. Raises
     InvalidPrefixHash for a malformed header and ValueError for a malformed body.
     """
     if headers is not None and config.honor_header:
         value = _header_value(headers)
         if value is not None:
             return validate_prefix_hash(value, config)
+    key = _body_key(body, headers, config)
+    return adapter_key(key, adapter) if adapter else key
 
+
+def _body_key(body: Mapping[str, Any], headers: Mapping[str, str] | None, config: PrefixKeyConfig) -> str | None:
+    """The key of the body alone (the module docstring's rule, before the header and the adapter)."""
     salt = body.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
         raise ValueError(f"cache_salt must be a string, got {type(salt).__name__}")

@@ -87,8 +87,11 @@ class FakeReplica:
     wait that ran out: the client never got that first event through the router).
     """
 
-    def __init__(self, models: tuple[str, ...] = ("m",), running: int = 0, waiting: int = 0) -> None:
+    def __init__(
+        self, models: tuple[str, ...] = ("m",), running: int = 0, waiting: int = 0, adapters: tuple[str, ...] = ()
+    ) -> None:
         self.models = models
+        self.adapters = adapters  # LoRA adapters of the first model, listed with their parent as vLLM lists them
         self.healthy = True
         self.mode = "ok"
         self.gate: threading.Event | None = None
@@ -112,7 +115,9 @@ class FakeReplica:
         return Response(status_code=200 if self.healthy else 503)
 
     async def list_models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": m, "object": "model"} for m in self.models]})
+        cards = [{"id": m, "object": "model"} for m in self.models]
+        cards += [{"id": a, "object": "model", "parent": self.models[0]} for a in self.adapters]
+        return JSONResponse({"object": "list", "data": cards})
 
     async def metrics(self, request: Request) -> Response:
         return PlainTextResponse(

@@ -271,6 +271,11 @@ class ServeEngineClient:
                 self._model_info = infos[0]
         return self._model_info
 
+    @property
+    def cached_model_info(self) -> ModelInfo | None:
+        """The model info once asked (None before)."""
+        return self._model_info
+
     async def is_healthy(self) -> bool:
         """Whether at least one engine replica passes its health check (cached HEALTH_CACHE_S)."""
         async with self._health_lock:
@@ -421,7 +426,11 @@ class OpenAIIngress:
         return response
 
     def _routing_key(self, body: Mapping[str, Any], headers: Mapping[str, str]) -> str | None:
-        return routing_key(body, headers, self.key_config)
+        # The front end asked the model info before it asks the key: it is cached by then.
+        info = self.client.cached_model_info
+        model = body.get("model")
+        adapter = info.adapter(model) if info is not None and isinstance(model, str) else None
+        return routing_key(body, headers, self.key_config, adapter=adapter)
 
     def begin_drain(self) -> None:
         """Stop taking requests (``/health`` and new generation requests: 503); those here run on."""

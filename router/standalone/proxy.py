@@ -392,6 +392,10 @@ class StandaloneRouter:
     def serving(self, model: str) -> list[str]:
         return [n for n, entries in self.models_of.items() if any(e["id"] == model for e in entries)]
 
+    def is_adapter(self, model: str) -> bool:
+        """Whether a replica lists ``model`` as a LoRA adapter (an entry with a ``parent``, as vLLM lists them)."""
+        return any(e["id"] == model and e.get("parent") for entries in self.models_of.values() for e in entries)
+
     # -- requests ---------------------------------------------------------------------
     def _started(self, replica: str) -> None:
         self.replicas.started(replica)
@@ -582,7 +586,9 @@ class StandaloneRouter:
         if hints is not None and isinstance(parsed, dict):
             # Tokenizing and hashing a long prompt takes milliseconds: not on the event loop.
             blocks = await anyio.to_thread.run_sync(hints.blocks, parsed)
-        plan = self.routing.plan(parsed, request.headers, among, token_blocks=blocks)
+        model = parsed.get("model") if isinstance(parsed, dict) else None
+        adapter = model if isinstance(model, str) and self.is_adapter(model) else None
+        plan = self.routing.plan(parsed, request.headers, among, token_blocks=blocks, adapter=adapter)
         if plan.event_matched:
             self.metrics.kv_event_matches.inc()
         return plan

@@ -84,12 +84,13 @@ class StandaloneRouting:
     def placed(self) -> Placed | None:
         return self.policy if isinstance(self.policy, Placed) else None
 
-    def key_of(self, body: Any, headers: Mapping[str, str]) -> str | None:
-        """The request's routing key; None when it has none or the router cannot read one."""
+    def key_of(self, body: Any, headers: Mapping[str, str], adapter: str | None = None) -> str | None:
+        """The request's routing key (``adapter``: the LoRA adapter its model names); None when it has
+        none or the router cannot read one."""
         if not isinstance(body, Mapping):
             return None
         try:
-            return routing_key(body, headers, self.key_config)
+            return routing_key(body, headers, self.key_config, adapter=adapter)
         except (ValueError, TypeError):
             return None
 
@@ -110,14 +111,16 @@ class StandaloneRouting:
         headers: Mapping[str, str],
         among: Sequence[str] | None = None,
         token_blocks: PromptBlocks | None = None,
+        adapter: str | None = None,
     ) -> Plan:
         """Rank the admitted replicas (of ``among``, e.g. those serving the request's model) for one request.
 
         ``body``: the parsed JSON body, or None when it is not JSON. ``token_blocks``: with
         KV-event hints, the prompt's token-block hashes (``hints.blocks(body)``; None when the
-        router could not tokenize it: then it has no history).
+        router could not tokenize it: then it has no history). ``adapter``: the LoRA adapter the
+        request's model names (a replica lists it with a ``parent``), part of its key.
         """
-        key = self.key_of(body, headers)
+        key = self.key_of(body, headers, adapter)
         candidates = self.replicas.candidates(list(among) if among is not None else None)
         placed = self.placed
         if placed is None:

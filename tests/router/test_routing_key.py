@@ -260,3 +260,26 @@ def test_prompt_cache_key_is_the_key_when_present():
     assert prompt_cache_key_hash("x") != prefix_hash("prompt_cache_key:x") != prefix_hash("x")
     with pytest.raises(ValueError, match="prompt_cache_key"):
         routing_key({**by_prefix, "prompt_cache_key": 7})
+
+
+def test_an_adapters_requests_get_a_key_of_their_own() -> None:
+    import hashlib
+
+    from prefixserve.router.routing_key import adapter_key
+
+    body = {"messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hi"}]}
+    base = routing_key(body)
+    assert base is not None
+    key = routing_key(body, adapter="support-v2")
+    assert (
+        key
+        == hashlib.sha256(b"\x00lora:support-v2\x00" + base.encode()).hexdigest()[:16]
+        == adapter_key(base, "support-v2")
+    )
+    assert key != base and key != routing_key(body, adapter="support-v3")
+    # Without a static prefix the adapter alone keys it: its requests share its replicas.
+    bare = {"messages": [{"role": "user", "content": "hi"}]}
+    assert routing_key(bare) is None
+    assert routing_key(bare, adapter="support-v2") == hashlib.sha256(b"\x00lora:support-v2\x00").hexdigest()[:16]
+    # The header is the client's own key, used as sent.
+    assert routing_key(body, {"X-Prefix-Hash": "abc"}, adapter="support-v2") == "abc"

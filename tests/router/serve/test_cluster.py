@@ -786,3 +786,56 @@ def test_flow_control_at_the_ingress_names_tenants_holds_quotas_and_queues_for_s
         for sender in senders:
             sender.join(timeout=130)
     assert statuses and set(statuses) == {200}, statuses
+
+
+def test_lora_adapters_through_the_cluster_get_their_own_key_and_tokens(cluster, ckpt, tmp_path):
+    """A served adapter through the Ray path: listed with its parent, picked by ``model``, answered with
+    the adapter's tokens, and routed by the adapter's own key (docs/routing.md rule 7)."""
+    from lora_helpers import ALL_MODULES, make_adapter
+
+    from prefixserve import LLM, LoRARequest, SamplingParams
+    from prefixserve.router.routing_key import adapter_key
+
+    adapter = make_adapter(ckpt, tmp_path / "all", targets=ALL_MODULES, rank=8, seed=11)
+    args = app_args(ckpt, 2)
+    args["engine"] = {**args["engine"], "enable_lora": True, "max_lora_rank": 8, "lora_modules": [f"all={adapter}"]}
+    args["router"] = {"policy": "consistent_hash", "stats_period_s": 1.0}
+    args["ingress"] = {**args["ingress"], "num_replicas": 1}
+    url = deploy(args, PORT)
+    names = wait_for_replicas(2)
+    wait_for_ring(url, names, 1)
+    ring = HashRing(names)
+    system = next(
+        s
+        for s in (f"Adapter tenant {i}." for i in range(10_000))
+        if ring.owner(prefix_hash(s)) != ring.owner(adapter_key(prefix_hash(s), "all"))
+    )
+    prompt = [5, 9, 14, 23, 42, 77, 101, 130, 7, 8, 9, 10]
+    with httpx.Client(timeout=120) as http:
+        models = http.get(f"{url}/v1/models").json()["data"]
+        base_name = models[0]["id"]
+        assert {"id": "all", "parent": base_name}.items() <= next(m for m in models if m["id"] == "all").items()
+        done = http.post(
+            f"{url}/v1/completions", json={"model": "all", "prompt": prompt, "max_tokens": 6, "temperature": 0}
+        )
+        assert done.status_code == 200, done.text
+        assert done.json()["model"] == "all"
+        routed = {}
+        for model in (base_name, "all"):
+            r = http.post(
+                f"{url}/v1/chat/completions",
+                json={
+                    "model": model,
+                    "messages": [{"role": "system", "content": system}, {"role": "user", "content": "hi"}],
+                    "max_tokens": 2,
+                    "temperature": 0,
+                },
+            )
+            assert r.status_code == 200, r.text
+            routed[model] = r.headers[REPLICA_HEADER]
+    assert routed[base_name] == ring.owner(prefix_hash(system))
+    assert routed["all"] == ring.owner(adapter_key(prefix_hash(system), "all"))
+    llm = LLM(ckpt, enable_lora=True, max_lora_rank=8, num_kv_blocks=64)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    offline = llm.generate([prompt], greedy, lora_request=LoRARequest("all", 1, adapter))[0].outputs[0]
+    assert done.json()["choices"][0]["text"] == offline.text

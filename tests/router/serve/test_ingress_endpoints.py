@@ -128,3 +128,15 @@ def test_a_request_refused_for_its_key_leaves_no_routing_key_behind():
         )
         assert response.status_code == 401
     assert keyed == []
+
+
+def test_the_ingress_keys_an_adapters_requests_apart() -> None:
+    from prefixserve.replica.contract.request import ModelInfo
+    from prefixserve.router.routing_key import PrefixKeyConfig, adapter_key, prefix_hash
+
+    info = ModelInfo(model_name="base", model="/models/base", max_model_len=64, adapters=(("ad", "/adapters/ad"),))
+    fake = SimpleNamespace(client=SimpleNamespace(cached_model_info=info), key_config=PrefixKeyConfig())
+    key_of = OpenAIIngress.func_or_class._routing_key
+    body = {"messages": [{"role": "system", "content": "tenant"}, {"role": "user", "content": "hi"}]}
+    assert key_of(fake, {**body, "model": "base"}, {}) == prefix_hash("tenant")
+    assert key_of(fake, {**body, "model": "ad"}, {}) == adapter_key(prefix_hash("tenant"), "ad")

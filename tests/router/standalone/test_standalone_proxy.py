@@ -306,3 +306,25 @@ def test_forwarded_requests_take_the_upstream_pools_in_turn() -> None:
         with httpx.Client(timeout=30.0) as http:
             for _ in range(4):
                 assert http.post(f"{url}/v1/chat/completions", json=chat("s")).status_code == 200
+
+
+def test_a_request_for_an_adapter_goes_where_the_adapters_key_lands() -> None:
+    from prefixserve.router.routing_key import adapter_key
+
+    fakes = [FakeReplica(adapters=("ad",)), FakeReplica(adapters=("ad",))]
+    with replicas(*fakes) as ups, router_over([u.url for u in ups], policy="consistent_hash") as (url, router):
+        names = [u.name for u in ups]
+        ring = HashRing([RingServer(n) for n in names])
+        # A system prompt whose base key and adapter key land on different replicas.
+        system = next(
+            s
+            for s in (f"system prompt {i}" for i in range(10_000))
+            if ring.owner(prefix_hash(s)) != ring.owner(adapter_key(prefix_hash(s), "ad"))
+        )
+        with httpx.Client(timeout=60) as client:
+            client.get(f"{url}/v1/models")  # the router reads which names are adapters
+            base = client.post(f"{url}/v1/chat/completions", json=chat(system))
+            lora = client.post(f"{url}/v1/chat/completions", json=chat(system, model="ad"))
+        assert base.headers[HEADER] == ring.owner(prefix_hash(system))
+        assert lora.headers[HEADER] == ring.owner(adapter_key(prefix_hash(system), "ad"))
+        assert router.is_adapter("ad") and not router.is_adapter("m")
