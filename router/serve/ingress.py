@@ -93,6 +93,8 @@ log = logging.getLogger(__name__)
 HEALTH_CACHE_S = 1.0
 # ... and counts replicas that have not answered within this as unhealthy.
 HEALTH_TIMEOUT_S = 2.0
+# The engine replicas' model info (names, adapters) is asked again after this long.
+MODEL_INFO_TTL_S = 5.0
 # /metrics waits this long for the other ingress replicas' router metrics.
 METRICS_TIMEOUT_S = 2.0
 INGRESS_HEADER = "X-Prefixserve-Ingress"
@@ -248,27 +250,33 @@ class ServeEngineClient:
         self._flow = flow
         self._router: PrefixRouter | None = None
         self._model_info: ModelInfo | None = None
+        self._model_info_at = float("-inf")
         self._model_info_lock = asyncio.Lock()
         self._health_lock = asyncio.Lock()
         self._healthy = False
         self._health_checked_at = float("-inf")
 
     async def model_info(self) -> ModelInfo:
-        """Served model names and max_model_len, asked of an engine replica once."""
+        """Served model names, adapters and max_model_len, asked of the engine replicas at most once per
+        MODEL_INFO_TTL_S: adapters loaded at run time, and replicas replaced by a new deployment (whose
+        old replicas may answer first while they stop), show within that."""
         async with self._model_info_lock:
-            if self._model_info is None:
+            if self._model_info is None or time.monotonic() - self._model_info_at >= MODEL_INFO_TTL_S:
                 # A broadcast, not a routed call: Serve's router counts a routed unary
                 # call in flight on its replica long after it returned, which would
                 # make bounded_load spill that replica's keys.
                 answers = await self._handle.broadcast("model_info").results_async(return_exceptions=True)
                 infos = [a for a in answers if isinstance(a, ModelInfo)]
-                if not infos:
+                if not infos and self._model_info is None:
                     raise ServiceUnavailableError(
                         f"no engine replica answered: {answers[0] if answers else 'none running'}",
                         code="no_replica",
                         retry_after_s=1.0,
                     )
-                self._model_info = infos[0]
+                if infos:
+                    self._model_info = infos[0]
+                self._model_info_at = time.monotonic()
+        assert self._model_info is not None
         return self._model_info
 
     @property

@@ -812,7 +812,15 @@ def test_lora_adapters_through_the_cluster_get_their_own_key_and_tokens(cluster,
     )
     prompt = [5, 9, 14, 23, 42, 77, 101, 130, 7, 8, 9, 10]
     with httpx.Client(timeout=120) as http:
-        models = http.get(f"{url}/v1/models").json()["data"]
+        # The ingress asks the engines again every few seconds: the replicas of the app this one
+        # replaced may have answered its first question while they stopped.
+        deadline = time.monotonic() + 60
+        while True:
+            models = http.get(f"{url}/v1/models").json()["data"]
+            if any(m["id"] == "all" for m in models):
+                break
+            assert time.monotonic() < deadline, models
+            time.sleep(0.5)
         base_name = models[0]["id"]
         assert {"id": "all", "parent": base_name}.items() <= next(m for m in models if m["id"] == "all").items()
         done = http.post(
