@@ -79,7 +79,7 @@ from prefixserve.loadtest.harness.cli import plan_and_run
 from prefixserve.loadtest.harness.client import RequestRecord, run_load
 from prefixserve.loadtest.harness.plotting import figure
 from prefixserve.loadtest.harness.report import config_json, fmt, markdown_table, write_json
-from prefixserve.loadtest.harness.stats import percentile
+from prefixserve.loadtest.harness.stats import percentile, ratio
 from prefixserve.loadtest.simulate import add_placed_option_flag, parse_placed_options
 from prefixserve.loadtest.workloads import WorkloadRequest, generate
 from prefixserve.router.policies import POLICIES, RING_POLICIES, make_policy, pick_options
@@ -425,12 +425,6 @@ def session_headers(requests: Sequence[WorkloadRequest], session_affinity: str) 
 # --------------------------------------------------------------------------- statistics
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None or b == 0:
-        return None
-    return a / b
-
-
 @dataclass
 class PolicyResult:
     """One policy's figures (times in seconds)."""
@@ -461,7 +455,7 @@ class PolicyResult:
     @property
     def load_imbalance(self) -> float | None:
         """load_max / load_mean: 1.0 is perfectly even."""
-        return _ratio(self.load_max, self.load_mean)
+        return ratio(self.load_max, self.load_mean)
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "load_imbalance": self.load_imbalance}
@@ -529,9 +523,9 @@ def ratios(results: Sequence[PolicyResult], baseline: str = BASELINE) -> dict[st
         return {}
     return {
         r.policy: {
-            "hit_rate_ratio": _ratio(base.hit_rate, r.hit_rate),
-            "ttft_p50_ratio": _ratio(base.ttft_p50_s, r.ttft_p50_s),
-            "ttft_p95_ratio": _ratio(base.ttft_p95_s, r.ttft_p95_s),
+            "hit_rate_ratio": ratio(base.hit_rate, r.hit_rate),
+            "ttft_p50_ratio": ratio(base.ttft_p50_s, r.ttft_p50_s),
+            "ttft_p95_ratio": ratio(base.ttft_p95_s, r.ttft_p95_s),
         }
         for r in results
         if r.policy != baseline

@@ -44,7 +44,7 @@ from prefixserve.loadtest.harness.cli import plan_and_run
 from prefixserve.loadtest.harness.client import RequestRecord, auth_headers, run_load, stream_one
 from prefixserve.loadtest.harness.plotting import figure
 from prefixserve.loadtest.harness.report import config_json, fmt, markdown_table, write_json
-from prefixserve.loadtest.harness.stats import percentile
+from prefixserve.loadtest.harness.stats import percentile, ratio
 from prefixserve.router.flow_control.fairness import jain_index
 from prefixserve.router.serve.metrics import sum_samples
 
@@ -76,20 +76,17 @@ def api_key(tenant: str) -> str:
 
 def tenant_file(noisy_requests_per_minute: float) -> dict[str, Any]:
     """The tenant file of the flow-control deployment (docs/flow_control.md's shape)."""
-    tenants: list[dict[str, Any]] = [
-        {"name": name, "api_key": api_key(name), "priorities": [band, band]}
-        for name, band in TENANT_BANDS.items()
-        if name != NOISY
-    ]
-    tenants.append(
-        {
-            "name": NOISY,
-            "api_key": api_key(NOISY),
-            "priorities": [TENANT_BANDS[NOISY]] * 2,
-            "requests_per_minute": noisy_requests_per_minute,
-        }
-    )
-    return {"tenants": tenants}
+    return {
+        "tenants": [
+            {
+                "name": name,
+                "api_key": api_key(name),
+                "priorities": [band, band],
+                **({"requests_per_minute": noisy_requests_per_minute} if name == NOISY else {}),
+            }
+            for name, band in TENANT_BANDS.items()
+        ]
+    }
 
 
 def chat_body(rng: random.Random, shape: Shape, system: str, model: str) -> dict[str, Any]:
@@ -217,10 +214,6 @@ def admitted_rate_ratio(
     """The tenant's admitted requests per minute over the phase, over its quota."""
     admitted = sum(1 for r in records if r.tenant == tenant and r.record.status == 200)
     return admitted / (duration_s / 60.0) / quota_per_minute
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
 
 
 @dataclass
@@ -418,15 +411,15 @@ def run(args: argparse.Namespace, p: Plan) -> int:
 
     alone = phases["alone"][INTERACTIVE].ttft_p50_s
     targets = Targets(
-        interactive_ttft_vs_alone=_ratio(phases["overload"][INTERACTIVE].ttft_p50_s, alone),
+        interactive_ttft_vs_alone=ratio(phases["overload"][INTERACTIVE].ttft_p50_s, alone),
         batch_completed=f"{phases['overload'][BATCH].ok}/{phases['overload'][BATCH].sent}",
         noisy_admitted_vs_quota=admitted_rate_ratio(records["noisy"], NOISY, noisy_quota, args.duration_s),
         others_ttft_vs_without_noisy={
-            t: _ratio(phases["noisy"][t].ttft_p50_s, phases["fair"][t].ttft_p50_s)
+            t: ratio(phases["noisy"][t].ttft_p50_s, phases["fair"][t].ttft_p50_s)
             for t in (INTERACTIVE, BATCH_A, BATCH_B)
         },
         jain_equal_tenants=backlogged_jain(records["fair"], [BATCH_A, BATCH_B]),
-        no_flow_interactive_ttft_vs_alone=_ratio(phases["overload_no_flow"][INTERACTIVE].ttft_p50_s, alone),
+        no_flow_interactive_ttft_vs_alone=ratio(phases["overload_no_flow"][INTERACTIVE].ttft_p50_s, alone),
     )
     title = (
         f"{args.replicas} replicas x {args.slots_per_replica} slots, model {Path(args.model).name}, capacity "

@@ -42,7 +42,6 @@ from prefixserve.loadtest.bench_cluster import (
     PolicyResult,
     WorkloadSpec,
     _bodies,
-    _ratio,
     chat_encoder,
     deploy_policy,
     measure,
@@ -53,6 +52,7 @@ from prefixserve.loadtest.bench_cluster import (
 from prefixserve.loadtest.cluster_run import LocalServeCluster, served_model
 from prefixserve.loadtest.harness.cli import plan_and_run
 from prefixserve.loadtest.harness.report import config_json, fmt, markdown_table, write_json
+from prefixserve.loadtest.harness.stats import ratio
 from prefixserve.loadtest.workloads import WorkloadRequest
 from prefixserve.router.policies import DEFAULT_POLICY
 
@@ -216,10 +216,10 @@ def run(args: argparse.Namespace, p: Plan) -> int:
     print(sizing.describe() + "\n")
     print(render(rows))
     ratios = {
-        "hit_rate": _ratio(bl.hit_rate, rr.hit_rate),
-        "ttft_p50": _ratio(bl.ttft_p50_s, rr.ttft_p50_s),
-        "ttft_mean": _ratio(bl_mean, rr_mean),
-        "requests_per_s": _ratio(bl.requests_per_s, rr.requests_per_s),
+        "hit_rate": ratio(bl.hit_rate, rr.hit_rate),
+        "ttft_p50": ratio(bl.ttft_p50_s, rr.ttft_p50_s),
+        "ttft_mean": ratio(bl_mean, rr_mean),
+        "requests_per_s": ratio(bl.requests_per_s, rr.requests_per_s),
     }
     print(
         f"\n{DEFAULT_POLICY} / round_robin: hit rate {fmt(ratios['hit_rate'], '.2f')}x, "

@@ -1,4 +1,4 @@
-"""Percentiles and latency summaries of a benchmark's samples.
+"""Percentiles, latency summaries and ratios of a benchmark's samples.
 
 Three percentile definitions are in use and all are kept, since a benchmark's
 published figures depend on the one it has always used: :func:`percentile`
@@ -13,6 +13,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """``a / b``; None when either is unknown or ``b`` is 0."""
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:

@@ -76,11 +76,12 @@ class TenantTable:
     def __init__(self, tenants: tuple[TenantSpec, ...], tenant_header: str | None = None) -> None:
         self.tenants = tenants
         self.tenant_header = tenant_header
+        self._by_name = {t.name: t for t in tenants}
         self._by_key = {t.api_key: t for t in tenants if t.api_key is not None}
         self._by_header = {t.header_value: t for t in tenants if t.header_value is not None}
 
     def by_name(self, name: str) -> TenantSpec | None:
-        return next((t for t in self.tenants if t.name == name), None)
+        return self._by_name.get(name)
 
     @property
     def api_keys(self) -> list[str]:

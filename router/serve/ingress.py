@@ -259,7 +259,13 @@ class ServeEngineClient:
     async def model_info(self) -> ModelInfo:
         """Served model names, adapters and max_model_len, asked of the engine replicas at most once per
         MODEL_INFO_TTL_S: adapters loaded at run time, and replicas replaced by a new deployment (whose
-        old replicas may answer first while they stop), show within that."""
+        old replicas may answer first while they stop), show within that. While one request asks,
+        the others take the info at hand rather than wait for the broadcast."""
+        info = self._model_info
+        if info is not None and (
+            time.monotonic() - self._model_info_at < MODEL_INFO_TTL_S or self._model_info_lock.locked()
+        ):
+            return info
         async with self._model_info_lock:
             if self._model_info is None or time.monotonic() - self._model_info_at >= MODEL_INFO_TTL_S:
                 # A broadcast, not a routed call: Serve's router counts a routed unary

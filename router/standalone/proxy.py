@@ -423,19 +423,8 @@ class StandaloneRouter:
     async def forward(self, request: Request, body: bytes, plan: Plan, lease: Lease | None = None) -> Response:
         """Send the request to the plan's replicas in turn (the module docstring's retries); relay the answer.
 
-        ``lease``: the request's flow-control slot, handed to the relayed answer, released here otherwise.
+        ``lease``: the request's flow-control slot, handed to the relayed answer (which releases it).
         """
-        try:
-            response = await self._forward(request, body, plan, lease)
-        except BaseException:
-            if lease is not None:
-                lease.release()
-            raise
-        if lease is not None and not isinstance(response, RelayResponse):
-            lease.release()  # the router answered itself: no replica ran it
-        return response
-
-    async def _forward(self, request: Request, body: bytes, plan: Plan, lease: Lease | None) -> Response:
         attempts = plan.attempts(self.config.max_attempts)
         headers = upstream_headers(request.headers)
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
@@ -574,11 +563,14 @@ class StandaloneRouter:
                 return own_answer(exc.status_code, exc.body(), exc.headers())
         try:
             plan = await self._plan(request, parsed, among)
+            response = await self.forward(request, body, plan, lease)
         except BaseException:
             if lease is not None:
                 lease.release()
             raise
-        return await self.forward(request, body, plan, lease)
+        if lease is not None and not isinstance(response, RelayResponse):
+            lease.release()  # the router answered itself: no replica ran it
+        return response
 
     async def _plan(self, request: Request, parsed: Any, among: list[str] | None) -> Plan:
         blocks = None
