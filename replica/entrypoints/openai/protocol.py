@@ -81,7 +81,7 @@ import dataclasses
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -911,9 +911,13 @@ def parse_json_object(body: bytes | str) -> dict[str, Any]:
     return data
 
 
+# Any request model validate_request parses (the chat and completions bodies, the Responses API's).
+R = TypeVar("R", bound=RequestModel)
+
+
 def validate_request(
-    model: type[OpenAIRequest], data: Mapping[str, Any], *, scheduling_policy: str = "fcfs", tool_schemas: bool = True
-) -> OpenAIRequest:
+    model: type[R], data: Mapping[str, Any], *, scheduling_policy: str = "fcfs", tool_schemas: bool = True
+) -> R:
     """``data`` (a parsed JSON body) as ``model``; raises BadRequestError (400) on any problem.
 
     ``scheduling_policy``: the engine's (ModelInfo.scheduling_policy): whether ``priority`` and the
