@@ -130,6 +130,13 @@ class EngineConfig:
     # evicting a tenant's system prompt between its requests; the other policies ignore
     # it. docs/benchmarks/eviction.md, "The static prefix", has the measurements.
     protect_static_prefix: bool = True
+    # prompt_cache_retention "24h" (replica/kv/pins.py): the share of the device's KV blocks that
+    # retention pins may hold together (0 = none: such requests are served unpinned, and say so),
+    # the share of that one owner (a tenant, else a client) may hold, and how long a pin lives
+    # after its last hit. Pins give way to running requests before any preemption.
+    cache_retention_budget: float = 0.5
+    cache_retention_tenant_budget: float = 0.5
+    cache_retention_ttl_s: float = 86400.0
     # Sliding-window attention: None = the checkpoint's (``sliding_window`` and per-layer
     # ``layer_types``); an int = that window on the checkpoint's windowed layers, or on every
     # layer of a checkpoint without any. Layers attend to the last ``sliding_window``
@@ -281,6 +288,11 @@ class EngineConfig:
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        for name in ("cache_retention_budget", "cache_retention_tenant_budget"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        if not self.cache_retention_ttl_s > 0:
+            raise ValueError(f"cache_retention_ttl_s must be positive, got {self.cache_retention_ttl_s}")
         if self.kv_cache_memory_bytes <= 0:
             raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:

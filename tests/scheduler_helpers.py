@@ -14,11 +14,22 @@ from prefixserve.replica.sampling_params import SamplingParams
 
 
 def make_seq(
-    rid: str, prompt: list[int], max_tokens: int = 4, n: int = 1, *, priority: int = 0, arrival_time: float = 0.0
+    rid: str,
+    prompt: list[int],
+    max_tokens: int = 4,
+    n: int = 1,
+    *,
+    priority: int = 0,
+    arrival_time: float = 0.0,
+    retention_owner: str | None = None,
 ) -> Sequence:
-    """A greedy request's first sequence, not yet added to a scheduler."""
+    """A greedy request's first sequence, not yet added to a scheduler (``retention_owner``: it asked
+    for prompt_cache_retention 24h, pinning for that owner)."""
     params = SamplingParams(n=n, temperature=0.0, max_tokens=max_tokens)
-    req = Request(PreparedRequest(rid, tuple(prompt), params, None, arrival_time, priority=priority))
+    prepared = PreparedRequest(
+        rid, tuple(prompt), params, None, arrival_time, priority=priority, retention_owner=retention_owner
+    )
+    req = Request(prepared)
     seq = Sequence(rid, req, 0, list(prompt), len(prompt))
     req.seqs.append(seq)
     return seq

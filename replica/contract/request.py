@@ -78,6 +78,9 @@ class EngineRequest:
     lora_name: str | None = None
     # The tenant the front end's tenant table says sent it (router/flow_control/); None = no tenants.
     tenant: str | None = None
+    # OpenAI's prompt_cache_retention (replica/contract/retention.py): "24h" pins its prefix blocks
+    # on the replica; None or "in_memory" = the prefix cache as it is.
+    cache_retention: str | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):

@@ -89,6 +89,8 @@ class StreamDelta:
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
     tool_result: ToolCallResult | None = None
+    # For a request that asked for retention: whether its prefix is pinned (replica/contract/retention.py).
+    cache_retention: str | None = None
 
 
 StreamItem = StreamStart | TokenTexts | StreamDelta | StreamError

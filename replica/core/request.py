@@ -89,6 +89,9 @@ class PreparedRequest:
     priority: int = 0
     # The LoRA adapter it runs with (EngineConfig.enable_lora); None = the base model.
     lora_request: LoRARequest | None = None
+    # Who pins its prefix blocks when it asked for retention (prompt_cache_retention "24h": the
+    # tenant, else the client; replica/kv/pins.py); None = no retention asked.
+    retention_owner: str | None = None
 
 
 @dataclass(eq=False)
@@ -115,6 +118,9 @@ class Request:
     prompt_logprob_ranks: list[int | None] = field(default_factory=lambda: [None])
     # Whether a stream delta has carried ``prompt_logprobs`` (only the first one does).
     prompt_logprobs_sent: bool = False
+    # For a request that asked for retention, decided at its admission: RETENTION_PINNED when the
+    # pin budget held its prompt's blocks (pinned when it finishes), else RETENTION_UNPINNED.
+    cache_retention: str | None = None
 
     def __post_init__(self) -> None:
         if self.prompt_logprobs is None and self.prepared.params.prompt_logprobs is not None:
@@ -173,6 +179,10 @@ class Request:
     @property
     def static_prefix_tokens(self) -> int:
         return self.prepared.static_prefix_tokens
+
+    @property
+    def retention_owner(self) -> str | None:
+        return self.prepared.retention_owner
 
     @property
     def bad_words_token_ids(self) -> tuple[tuple[int, ...], ...]:

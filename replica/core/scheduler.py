@@ -59,6 +59,7 @@ import bisect
 import itertools
 from dataclasses import dataclass
 
+from prefixserve.replica.contract.retention import RETENTION_PINNED, RETENTION_UNPINNED
 from prefixserve.replica.core.request import SeqStatus, Sequence
 from prefixserve.replica.core.request_queue import SCHEDULING_POLICIES, make_waiting_queue, priority_key
 from prefixserve.replica.core.sched_output import ScheduledSeq, SchedulerOutput
@@ -106,6 +107,8 @@ class Scheduler:
         self.num_recompute_preemptions = 0
         # Swapped sequences resumed by recompute (they could not be swapped in with nothing running).
         self.num_swap_in_fallbacks = 0
+        # Requests that asked for retention and were served unpinned: the pin budget could not hold them.
+        self.num_pin_refusals = 0
 
     # --- queue changes -----------------------------------------------------
 
@@ -139,7 +142,10 @@ class Scheduler:
             self.free(seq)
 
     def free(self, seq: Sequence) -> None:
-        """Free a finished sequence's blocks."""
+        """Free a finished sequence's blocks, pinning them first when its request was admitted pinned."""
+        request = seq.request
+        if request.cache_retention == RETENTION_PINNED and request.retention_owner is not None:
+            self.kv.pin(seq.seq_id, request.retention_owner)
         cold = self.config.evict_generated_first and not seq.request.conversation
         self.kv.free(seq.seq_id, generated_cold=cold, static_prefix_tokens=self._static_prefix(seq))
 
@@ -164,6 +170,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         kv = self.kv
+        kv.expire_pins()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -176,7 +183,10 @@ class Scheduler:
                 i += 1
                 continue
             while (table := kv.allocate_slots(seq.seq_id, seq.token_ids, n)) is None:
-                # Out of blocks: preempt the last running sequence (maybe seq itself): the youngest
+                # Out of blocks: retention pins give way first (to the host tier, when there is one).
+                if kv.release_pins(kv.num_blocks_needed(seq.seq_id, n) - kv.num_free_blocks):
+                    continue
+                # Then preempt the last running sequence (maybe seq itself): the youngest
                 # under fcfs, the lowest priority under priority.
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -250,6 +260,10 @@ class Scheduler:
                 n = min(remaining, budget)
                 if n == remaining or self.config.enable_chunked_prefill:
                     table = kv.allocate_slots(seq.seq_id, seq.token_ids, n, blocks, salt)
+                    if table is None and not self.running:
+                        # Nothing else will free room: the pins give way (their blocks stay cached).
+                        if kv.release_pins(kv.num_blocks_needed(seq.seq_id, n, blocks) - kv.num_free_blocks):
+                            table = kv.allocate_slots(seq.seq_id, seq.token_ids, n, blocks, salt)
             if table is None:
                 if self.running:
                     break  # it waits for room (first come, first served)
@@ -262,9 +276,22 @@ class Scheduler:
             self._start_running(seq)
             if seq.request.num_cached_tokens is None:
                 seq.request.num_cached_tokens = num_cached
+            self._decide_retention(seq)
             out.scheduled.append(ScheduledSeq(seq, num_cached, n, table))
             seq.num_computed_tokens = num_cached + n
             budget -= n
+
+    def _decide_retention(self, seq: Sequence) -> None:
+        """At a retention request's first admission: pinned if the pin budget holds its prompt's blocks."""
+        request = seq.request
+        owner = request.retention_owner
+        if owner is None or request.cache_retention is not None:
+            return
+        if self.kv.can_pin(seq.seq_id, owner):
+            request.cache_retention = RETENTION_PINNED
+        else:
+            request.cache_retention = RETENTION_UNPINNED
+            self.num_pin_refusals += 1
 
     def _adapter_fits(self, seq: Sequence) -> bool:
         """Whether running ``seq`` keeps the running sequences within ``max_loras`` adapters."""

@@ -43,7 +43,7 @@ from prefixserve.replica.core.scheduler import Scheduler, SchedulerConfig
 from prefixserve.replica.engine.detokenizer import IncrementalDetokenizer
 from prefixserve.replica.engine.input_processor import InputProcessor, rendered_request
 from prefixserve.replica.engine.kv_event_publisher import ZmqKVEventPublisher
-from prefixserve.replica.engine.metrics import EngineMetrics, EngineStats, SwapTotals
+from prefixserve.replica.engine.metrics import EngineMetrics, EngineStats, PinTotals, SwapTotals
 from prefixserve.replica.engine.output_processor import EngineUpdate, OutputProcessor
 from prefixserve.replica.engine.step_pipeline import StepPipeline
 from prefixserve.replica.engine.step_timer import StepTimer, TimedKVCacheManager
@@ -141,6 +141,7 @@ class LLMEngine:
         # cumulative since start, so a fresh KV manager and scheduler continue from here.
         self._carried = (0, 0, 0)
         self._carried_swap = SwapTotals()
+        self._carried_pins = PinTotals()
         # The host and disk KV tiers (kv_offloading_size, kv_disk_path); None without them.
         try:
             self.tiers = (
@@ -181,6 +182,7 @@ class LLMEngine:
         """Fresh request bookkeeping, KV manager and scheduler over the runner's cache."""
         config = self.config
         manager_class = KVCacheManager if self.step_timer is None else TimedKVCacheManager
+        pin_budget = int(self.runner.num_blocks * config.cache_retention_budget)
         self.kv_manager = manager_class(
             self.runner.num_blocks,
             config.block_size,
@@ -189,6 +191,9 @@ class LLMEngine:
             eviction_policy=config.eviction_policy,
             num_host_blocks=self.runner.num_host_blocks,
             sliding_window=self.model_config.kv_window,
+            pin_budget_blocks=pin_budget,
+            pin_budget_per_owner=int(pin_budget * config.cache_retention_tenant_budget),
+            pin_ttl_s=config.cache_retention_ttl_s,
             **(self.tiers.manager_kwargs() if self.tiers is not None else {}),  # type: ignore[arg-type]
         )
         if isinstance(self.kv_manager, TimedKVCacheManager):
@@ -234,6 +239,7 @@ class LLMEngine:
         """
         self._carried = self._totals()
         self._carried_swap = self._swap_totals()
+        self._carried_pins = self._pin_totals()
         if self.tiers is not None:
             self.tiers.carry(self.kv_manager.stats)
         self.pipeline.reset()
@@ -868,10 +874,17 @@ class LLMEngine:
             sched.num_swap_in_fallbacks,
         )
 
+    def _pin_totals(self) -> PinTotals:
+        st = self.kv_manager.stats
+        return self._carried_pins + PinTotals(
+            self.scheduler.num_pin_refusals, st.num_pins_expired, st.num_pins_released_for_room
+        )
+
     def _observe_step(self, num_prompt_tokens: int, num_generated: int) -> None:
         st = self.kv_manager.stats
         host_usage = st.num_used_host_blocks / st.num_host_blocks if st.num_host_blocks else 0.0
         self.metrics.observe_swap(self._swap_totals(), num_swapped=st.num_swapped_requests, host_usage=host_usage)
+        self.metrics.observe_pins(self._pin_totals(), num_pinned=st.num_pinned_blocks)
         if self.tiers is not None:
             self.tiers.observe(st)
         lora = self.runner.lora

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 from prefixserve.replica.config import EngineConfig
 from prefixserve.replica.contract.request import EngineRequest, priority_error
+from prefixserve.replica.contract.retention import RETENTION_24H
 from prefixserve.replica.contract.routing import canonical_json
 from prefixserve.replica.core.request import PreparedRequest, static_prefix_messages
 from prefixserve.replica.engine.bounded_memo import BoundedMemo, str_bytes
@@ -53,6 +54,14 @@ def fit_max_tokens(request: EngineRequest, prompt_len: int, max_model_len: int) 
         return request.sampling
     fit = min(request.max_tokens_default, max_model_len - prompt_len)
     return dataclasses.replace(request.sampling, max_tokens=max(1, fit))
+
+
+def retention_owner(request: EngineRequest) -> str | None:
+    """Whose pin budget a request asking for retention draws on: its tenant, else its client
+    (everyone unnamed shares one); None when it asked for none."""
+    if request.cache_retention != RETENTION_24H:
+        return None
+    return request.tenant or request.client or ""
 
 
 def rendered_request(
@@ -424,6 +433,7 @@ class InputProcessor:
             grammar=grammar if constrained else None,
             lora_request=lora_request,
             priority=request.priority,
+            retention_owner=retention_owner(request),
         )
 
 

@@ -62,6 +62,18 @@ class SwapTotals:
         return SwapTotals(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
 
 
+@dataclass(frozen=True)
+class PinTotals:
+    """Cumulative retention-pin counts since the engine started (replica/kv/pins.py)."""
+
+    refused: int = 0  # requests served unpinned: the pin budget could not hold them
+    expired: int = 0  # pins whose time to live ran out
+    released_for_room: int = 0  # pins given up so that running requests had blocks
+
+    def __add__(self, other: PinTotals) -> PinTotals:
+        return PinTotals(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+
 def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
     """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's token-count buckets)."""
     buckets: list[int] = []
@@ -199,6 +211,20 @@ class EngineMetrics:
             "Swapped sequences resumed by recompute (they could not be swapped in even with nothing running).",
         )
         self._last_swap = SwapTotals()
+        # Retention pins (prompt_cache_retention "24h"; replica/kv/pins.py).
+        self.pinned_blocks = g("prefixserve:kv_pinned_blocks", "KV blocks held by prompt_cache_retention pins.")
+        self.pin_refusals = c(
+            "prefixserve:kv_pin_refusals",
+            "Requests that asked for prompt_cache_retention 24h and were served unpinned (over the pin budget).",
+        )
+        self.pins_released = series.each(
+            Counter,
+            "prefixserve:kv_pins_released",
+            "Pinned KV blocks unpinned: their time to live ran out (expired), or running requests needed the room.",
+            "reason",
+            ("expired", "room"),
+        )
+        self._last_pins = PinTotals()
         self.restarts = c(
             "prefixserve:engine_restarts", "Times the engine reset its state after a fatal step failure (weights kept)."
         )
@@ -314,6 +340,15 @@ class EngineMetrics:
         self.swapped_in_blocks.inc(totals.swapped_in_blocks - last.swapped_in_blocks)
         self.swap_in_fallbacks.inc(totals.swap_in_fallbacks - last.swap_in_fallbacks)
         self._last_swap = totals
+
+    def observe_pins(self, totals: PinTotals, *, num_pinned: int) -> None:
+        """Record the retention pins; ``totals`` are cumulative and turned into increments."""
+        self.pinned_blocks.set(num_pinned)
+        last = self._last_pins
+        self.pin_refusals.inc(totals.refused - last.refused)
+        self.pins_released["expired"].inc(totals.expired - last.expired)
+        self.pins_released["room"].inc(totals.released_for_room - last.released_for_room)
+        self._last_pins = totals
 
     def observe_startup(self, phases: dict[str, float]) -> None:
         """Record the start-up time of each phase (StartupTimer.phases)."""

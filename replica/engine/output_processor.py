@@ -134,6 +134,7 @@ class OutputProcessor:
                 prompt_logprobs=prompt_lps,
                 prompt_token_ids=prompt_ids,
                 prompt_logprob_ranks=prompt_ranks,
+                cache_retention=req.cache_retention,
             )
             if seq.tool_stream is not None:
                 tools = seq.tool_stream.feed(

@@ -24,6 +24,7 @@ import anyio
 from prefixserve.replica.contract.history_events import token_blocks_at
 from prefixserve.replica.contract.prompt_blocks import PromptBlocks, PromptHasher, UnhashablePrompt
 from prefixserve.replica.contract.request import EngineRequest, ModelInfo
+from prefixserve.replica.contract.retention import CACHE_RETENTION_HEADER
 from prefixserve.replica.contract.routing import SESSION_HEADER
 from prefixserve.replica.contract.stream import StreamDelta
 from prefixserve.replica.core.request import PreparedRequest
@@ -140,12 +141,16 @@ class LocalStream:
     def __init__(self, runner: RequestRunner, request: EngineRequest) -> None:
         self._runner = runner
         self._deltas = runner.generate(request)
+        self._retention: str | None = None
 
     def __aiter__(self) -> LocalStream:
         return self
 
     async def __anext__(self) -> StreamDelta:
-        return await self._deltas.__anext__()
+        delta = await self._deltas.__anext__()
+        if delta.cache_retention is not None:
+            self._retention = delta.cache_retention
+        return delta
 
     async def aclose(self) -> None:
         await self._deltas.aclose()
@@ -154,7 +159,8 @@ class LocalStream:
         return self._runner.engine.tokenizer.decode([token_id])
 
     def response_headers(self) -> dict[str, str]:
-        return {}
+        """Whether the request's prefix is pinned, when it asked for retention."""
+        return {CACHE_RETENTION_HEADER: self._retention} if self._retention is not None else {}
 
 
 class LocalEngineClient:

@@ -83,6 +83,14 @@ unless the disk holds it already. Hit tokens from the tiers count in ``cached_to
 (the scheduler's ``num_cached``) and in ``TierStats``, not in ``prefix_hit_tokens``
 (vLLM's local-cache counter).
 
+Retention pins (``pin_budget_blocks`` > 0; OpenAI's ``prompt_cache_retention: "24h"``;
+``replica/kv/pins.py``): ``pin(request_id, owner)``, called before a request's ``free``, holds one
+reference on each of its leading full cached blocks, so they survive any churn of other
+requests, until the pin's time to live runs out (``expire_pins``; refreshed by every hit) or
+running requests need the room (``release_pins``, before any preemption). ``ref_cnt[b]`` then
+counts the pin as one more holder. A reset of the prefix cache unpins everything, and is refused
+as before while a request holds a block.
+
 Sliding window (``sliding_window``: every layer of the model attends to at most the
 last ``sliding_window`` positions; vLLM's SlidingWindowManager): a position ``p``
 needs keys from ``p - sliding_window + 1`` on, so once a request's next token is at
@@ -99,13 +107,15 @@ Pure Python, no torch and no ray: the cluster simulator runs thousands of these.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from prefixserve.replica.kv.block_pool import BlockPool
 from prefixserve.replica.kv.event_recorder import KVEventRecorder
 from prefixserve.replica.kv.hashing import DEFAULT_HASH_ALGO, DEFAULT_HASH_SEED, BlockHasher, BlockKeys
+from prefixserve.replica.kv.pins import PinTable
 from prefixserve.replica.kv.tiers import (
     MEDIUM_DEVICE,
     MEDIUM_DISK,
@@ -140,6 +150,9 @@ class KVCacheStats:
     num_swapped_out_blocks: int = 0  # blocks copied device -> host, cumulative
     num_swapped_in_blocks: int = 0  # blocks copied host -> device, cumulative
     num_window_freed_blocks: int = 0  # blocks freed for lying outside the sliding window, cumulative
+    num_pinned_blocks: int = 0  # held by retention pins (replica/kv/pins.py)
+    num_pins_expired: int = 0  # pins whose time to live ran out, cumulative
+    num_pins_released_for_room: int = 0  # pins given up so that running requests had blocks, cumulative
     tiers: TierStats = field(default_factory=TierStats)  # the host and disk tiers (host_tier=True)
 
 
@@ -216,6 +229,10 @@ class KVCacheManager:
         host_tier: bool = False,
         max_load_blocks_per_step: int = 512,
         disk: BlockStore | None = None,
+        pin_budget_blocks: int = 0,
+        pin_budget_per_owner: int | None = None,
+        pin_ttl_s: float = 86400.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -264,6 +281,12 @@ class KVCacheManager:
             self.pool.evicted = []
         # vLLM-format KV events (replica/kv/event_recorder.py), when the engine publishes them.
         self.events: KVEventRecorder | None = None
+        # Retention pins (module docstring); None when retention is off or nothing is cached.
+        self.pins: PinTable | None = None
+        if pin_budget_blocks > 0 and enable_prefix_caching:
+            per_owner = pin_budget_blocks if pin_budget_per_owner is None else pin_budget_per_owner
+            self.pins = PinTable(min(pin_budget_blocks, num_blocks), per_owner, pin_ttl_s)
+        self._clock = clock
 
     def record_events(self, recorder: KVEventRecorder) -> None:
         """Report every block registered, evicted or dropped from the host tier to ``recorder`` from now on."""
@@ -506,6 +529,11 @@ class KVCacheManager:
             # Hits leave the free queue before new blocks are popped, so none is evicted.
             skipped = computed_blocks.count(NULL_BLOCK)
             pool.touch([b for b in computed_blocks if b >= 0] if skipped or num_tier else computed_blocks)
+            if self.pins:
+                now, bhash = self._clock(), pool.block_hash
+                for b in computed_blocks:
+                    if b >= 0 and (h := bhash[b]) is not None:
+                        self.pins.refresh(h, now)
             held = len(computed_blocks)
             req = _Request(
                 list(computed_blocks), held * self.block_size, hashes, held, cache_salt, skipped, len(token_ids)
@@ -689,6 +717,57 @@ class KVCacheManager:
             self.pool.free_blocks(reversed(req.blocks[req.num_skipped :] if req.num_skipped else req.blocks))
         return True
 
+    # --- retention pins ----------------------------------------------------
+
+    def can_pin(self, request_id: str, owner: str) -> bool:
+        """Whether the pin budget holds ``owner`` pinning every full prompt block of the request
+        (which has a table) that is not pinned already."""
+        pins = self.pins
+        if pins is None:
+            return False
+        req = self._requests[request_id]
+        full = req.hashes[: req.num_prompt_tokens // self.block_size]
+        return sum(1 for h in full if h not in pins) <= pins.room(owner)
+
+    def pin(self, request_id: str, owner: str) -> int:
+        """Pin the request's leading full cached blocks for ``owner``, refreshing those already
+        pinned, as many as the budget holds (the chain's head first: a prefix is only a hit from
+        its start). Call before ``free``. Returns the number newly pinned."""
+        pins, req = self.pins, self._requests.get(request_id)
+        if pins is None or req is None:
+            return 0
+        now, pool, added = self._clock(), self.pool, 0
+        for h in req.hashes[req.num_skipped : req.num_registered]:
+            if pins.refresh(h, now):
+                continue
+            # This table's block, or the one the hash map kept when this one is a private copy.
+            block = pool.get_cached_block(h)
+            if block is None or pins.room(owner) == 0:
+                break
+            pool.touch((block,))
+            pins.add(h, block, owner, now)
+            added += 1
+        return added
+
+    def expire_pins(self) -> int:
+        """Unpin the pins whose time to live ran out (their blocks become evictable); how many."""
+        if not self.pins:
+            return 0
+        blocks = self.pins.pop_expired(self._clock())
+        self.pool.free_blocks(blocks)
+        return len(blocks)
+
+    def release_pins(self, num_blocks: int) -> int:
+        """Unpin up to ``num_blocks`` pins whose block nothing else holds, least recently
+        refreshed first, so that their blocks can be allocated (evicted to the host tier when
+        there is one); how many."""
+        if not self.pins or num_blocks < 1:
+            return 0
+        ref = self.pool.ref_cnt
+        blocks = self.pins.pop_oldest(num_blocks, lambda pin: ref[pin.block] == 1)
+        self.pool.free_blocks(blocks)
+        return len(blocks)
+
     def fork(self, parent_id: str, child_id: str) -> list[int]:
         """Give ``child_id`` the parent's table, sharing every block (ref+1); returns it."""
         if child_id in self._requests:
@@ -870,7 +949,13 @@ class KVCacheManager:
         return ops
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash, the host tier's too; refused (False) while any block is in use."""
+        """Forget every cached hash, the host tier's too, unpinning every block; refused (False)
+        while a request holds a block."""
+        if self.pins:
+            ref = self.pool.ref_cnt
+            if self.pool.num_used > sum(1 for _, pin in self.pins.items() if ref[pin.block] == 1):
+                return False
+            self.pool.free_blocks(self.pins.pop_all())
         if not self.pool.reset_prefix_cache():
             return False
         if self.events is not None:
@@ -965,6 +1050,9 @@ class KVCacheManager:
             num_swapped_out_blocks=self._swapped_out_blocks,
             num_swapped_in_blocks=self._swapped_in_blocks,
             num_window_freed_blocks=self._num_window_freed,
+            num_pinned_blocks=len(self.pins) if self.pins is not None else 0,
+            num_pins_expired=self.pins.num_expired if self.pins is not None else 0,
+            num_pins_released_for_room=self.pins.num_released_for_room if self.pins is not None else 0,
             tiers=TierStats(
                 **self._tier,
                 num_host_cached_blocks=len(self._host_lru) + sum(1 for s in idle if s in self._hash_of_host),
@@ -1021,7 +1109,12 @@ class KVCacheManager:
             assert self._host_ref[slot] > 0 or (self.host_tier and (slot in self._host_lru or slot in idle)), (
                 f"host slot {slot} is hashed but neither swapped nor in the host tier"
             )
+        if self.pins is not None:
+            self.pins.check_invariants()
+            for h, pin in self.pins.items():
+                assert pool.block_hash[pin.block] == h, f"pinned block {pin.block} lost its hash"
+                holders[pin.block] += 1
         for b in range(pool.num_blocks):
-            assert pool.ref_cnt[b] == holders[b], f"block {b}: ref {pool.ref_cnt[b]} but {holders[b]} tables"
+            assert pool.ref_cnt[b] == holders[b], f"block {b}: ref {pool.ref_cnt[b]} but {holders[b]} holders"
         if not self.enable_prefix_caching:
             assert not pool.hash_to_block, "prefix caching is off but blocks carry hashes"

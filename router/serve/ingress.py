@@ -74,6 +74,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from prefixserve.replica.contract.request import EngineRequest, ModelInfo
+from prefixserve.replica.contract.retention import CACHE_RETENTION_HEADER
 from prefixserve.replica.contract.routing import REPLICA_HEADER
 from prefixserve.replica.contract.stream import StreamDelta, StreamError, StreamStart, TokenTexts
 from prefixserve.replica.entrypoints.openai import http_frontend
@@ -151,6 +152,8 @@ class RemoteStream:
         self._texts: dict[int, str] = {}
         self.replica: str | None = None
         self.attempts = 0
+        # Whether the replica pinned the request's prefix, when it asked for retention.
+        self.cache_retention: str | None = None
 
     def token_text(self, token_id: int) -> str:
         return self._texts[token_id]
@@ -160,6 +163,8 @@ class RemoteStream:
         headers = {ATTEMPTS_HEADER: str(self.attempts)}
         if self.replica is not None:
             headers[REPLICA_HEADER] = self.replica
+        if self.cache_retention is not None:
+            headers[CACHE_RETENTION_HEADER] = self.cache_retention
         return headers
 
     async def _next_delta(self) -> StreamDelta:
@@ -174,6 +179,8 @@ class RemoteStream:
                 raise item.to_api_error()
             else:
                 self._usage = (item.num_prompt_tokens, item.num_output_tokens)
+                if item.cache_retention is not None:
+                    self.cache_retention = item.cache_retention
                 return item
 
     def _release(self) -> None:

@@ -485,6 +485,7 @@ def engine_request(
         conversation=is_conversation_turn(prompt.get("messages"), headers or {}),
         priority=body.scheduling_priority(),
         lora_name=info.adapter(body.model),
+        cache_retention=body.cache_retention(),
     )
 
 

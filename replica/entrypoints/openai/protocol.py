@@ -46,10 +46,12 @@ Invariants:
 * Harmless fields real clients send are accepted and ignored, as vLLM does:
   ``user``, ``safety_identifier``, ``metadata``, ``prompt_cache_key`` (the
   routers key by it: router/routing_key.py; the replica's prefix cache is
-  automatic), ``prompt_cache_retention``, ``prompt_cache_options`` (caching
-  hints), ``store: false``, ``service_tier: "auto"`` / ``"default"``,
+  automatic), ``prompt_cache_options`` (caching hints), ``store: false``, ``service_tier: "auto"`` / ``"default"``,
   ``stream_options.include_obfuscation`` (padding that hides event sizes;
   events go unpadded).
+* A chat's ``prompt_cache_retention`` is OpenAI's: ``"in_memory"`` (the cache as it is) or
+  ``"24h"``, which pins the prompt's blocks on the replica within its pin budget
+  (replica/contract/retention.py); another value is a 400.
 * ``logit_bias`` (token id strings to a bias in [-100, 100]) maps onto
   ``SamplingParams.logit_bias``.
 * Priority (vLLM's ``priority``, an integer in [-2**31, 2**31 - 1], lower first; the
@@ -97,6 +99,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError, from_json
 
 from prefixserve.replica.contract.request import PRIORITY_MAX, PRIORITY_MIN
+from prefixserve.replica.contract.retention import PROMPT_CACHE_RETENTIONS
 from prefixserve.replica.errors import (
     APIError,
     BadRequestError,
@@ -496,6 +499,10 @@ class _SamplingRequest(RequestModel):
         """The priority the engine schedules this request at (0 unless the engine's policy is priority)."""
         return self.priority
 
+    def cache_retention(self) -> str | None:
+        """OpenAI's prompt_cache_retention of this request (None: not asked)."""
+        return None
+
     def requested_max_tokens(self) -> int | None:
         """The client's limit on generated tokens; None when it set none."""
         return self.max_tokens
@@ -650,6 +657,20 @@ class ChatCompletionRequest(_SamplingRequest):
                 "store=true is not supported: this server keeps no completions; send false or omit it",
             )
         return value
+
+    @field_validator("prompt_cache_retention")
+    @classmethod
+    def _known_retention(cls, value: str | None) -> str | None:
+        if value is None or value in PROMPT_CACHE_RETENTIONS:
+            return value
+        raise PydanticCustomError(
+            "unsupported_value",
+            "prompt_cache_retention {value} is not supported; send {allowed} or omit it",
+            {"value": repr(value), "allowed": " or ".join(repr(v) for v in PROMPT_CACHE_RETENTIONS)},
+        )
+
+    def cache_retention(self) -> str | None:
+        return self.prompt_cache_retention
 
     @field_validator("service_tier")
     @classmethod
