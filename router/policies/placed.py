@@ -99,6 +99,9 @@ class PlacedOptions(RingOptions):
         sent ``conversation_move_bound(mean, move_epsilon, noise_z)`` recent requests
         or more is placed as a new conversation (it recomputes its history once).
         None: never moved for balance.
+    retain_s: how long after a request asking for ``prompt_cache_retention`` its key stays where
+        it is placed (``retain``): rebalancing neither moves nor forgets it, its replica holding
+        its pinned prefix (the engines' ``cache_retention_ttl_s``, a day, by default).
     clock: seconds, monotonic (default ``time.monotonic``); tests inject one.
     """
 
@@ -119,6 +122,7 @@ class PlacedOptions(RingOptions):
     recent_tau_s: float | None = RECENT_TAU_S
     recent_epsilon: float = 0.1
     move_epsilon: float | None = MOVE_EPSILON
+    retain_s: float = 86400.0
     clock: Callable[[], float] | None = None
 
     def __post_init__(self) -> None:
@@ -138,6 +142,7 @@ class PlacedOptions(RingOptions):
             "recent_tau_s",
             "recent_epsilon",
             "move_epsilon",
+            "retain_s",
         ):
             v = getattr(self, name)
             if name in ("work_epsilon", "new_epsilon", "balance_epsilon", "recent_tau_s", "move_epsilon") and v is None:
@@ -582,6 +587,11 @@ class Placed(RingPolicy):
         """Record the prefill work of one request of ``key`` (see the class docstring)."""
         uncached = prompt_tokens - (cached_tokens or 0)
         self.table.observe(key, max(0, uncached), self._clock())
+
+    def retain(self, key: str) -> None:
+        """A request of ``key`` (ranked with ``count=True``) asked its replica to pin its prefix:
+        keep the key where it is placed for ``retain_s`` (router/policies/placement.py)."""
+        self.table.retain(key, self._clock() + self.options.retain_s)
 
     def set_cached(self, replica: str, key: str, cached: bool) -> None:
         """Precise mode: whether ``replica`` holds ``key``'s prefix blocks (ignored unless ``precise``)."""

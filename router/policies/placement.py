@@ -36,6 +36,11 @@ destination or a copy, ordering the keys a replica sheds. A key with no
 information is treated as in approximate mode, so missed or late events degrade
 to approximate placement, never to a wrong answer.
 
+Retained keys: ``retain(key, until)`` marks a key whose requests ask their replica to pin its
+prefix (OpenAI's ``prompt_cache_retention``, replica/kv/pins.py): until then rebalancing neither
+moves it off its primary replica nor forgets it, since its cache is where it is. Hot-key copies
+are still added and taken back. Only the table that rebalances (the leader) needs to know.
+
 Agreement: ``snapshot()`` is a JSON-serializable table (version, members,
 per key: replicas and decayed statistics as of the snapshot); ``apply(snapshot)``
 on another instance makes its placement and statistics equal, so fed the same
@@ -123,6 +128,7 @@ class PlacementTable:
         # whatever changes the slot's placement: the per-request path reads no numpy for it.
         self._placed_memo: dict[int, tuple[int, ...]] = {}
         self._cached: dict[str, dict[str, bool]] = {}  # key -> replica -> holds its prefix (precise mode)
+        self._retained: dict[str, float] = {}  # key -> until when rebalancing keeps it where it is
         # Per member: the placed load (decayed units of t0), kept current between rebalances.
         self._load_rate: FloatArray = np.zeros(0)
         self._load_work: FloatArray = np.zeros(0)
@@ -377,10 +383,24 @@ class PlacementTable:
         self._total_rate = float(self._rate.sum())  # free slots hold 0
         self._total_work = float(self._work.sum())
 
+    def retain(self, key: str, until: float) -> None:
+        """Keep ``key`` (a key the table knows) where it is placed until ``until`` (module docstring)."""
+        if key in self._slot:
+            self._retained[key] = max(until, self._retained.get(key, until))
+
+    def retained(self, key: str) -> bool:
+        return key in self._retained
+
+    def _retained_mask(self) -> npt.NDArray[np.bool_]:
+        mask = np.zeros(len(self._live), dtype=np.bool_)
+        mask[[s for k in self._retained if (s := self._slot.get(k)) is not None]] = True
+        return mask
+
     def rebalance(self, now: float) -> bool:
         """Decay, forget, replicate hot keys, shed from overloaded replicas; True if any placement changed."""
         self._renormalize(now)
         version = self.version
+        self._retained = {k: u for k, u in self._retained.items() if u > now and k in self._slot}
         if not self.members:
             return False
         self._forget()
@@ -390,7 +410,7 @@ class PlacementTable:
         return self.version != version
 
     def _forget(self) -> None:
-        quiet = np.nonzero(self._live & (self._rate < FORGET_BELOW))[0]
+        quiet = np.nonzero(self._live & (self._rate < FORGET_BELOW) & ~self._retained_mask())[0]
         for slot in quiet.tolist():
             key = self._keys[slot]
             assert key is not None
@@ -463,7 +483,7 @@ class PlacementTable:
         if not len(over):
             return
         # Candidates: single-copy keys on an overloaded replica, grouped by replica.
-        single = (self._copies == 1) & np.isin(self._primary, over)
+        single = (self._copies == 1) & np.isin(self._primary, over) & ~self._retained_mask()
         slots = np.nonzero(single)[0]
         owners = self._primary[slots]
         for r in over.tolist():

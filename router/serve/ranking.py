@@ -32,12 +32,18 @@ class Ranker(SlotPart):
         self._placement = placement
 
     def rank(
-        self, views: Sequence[V], key: str | None, count: bool = True, blocks: PromptBlocks | None = None
+        self,
+        views: Sequence[V],
+        key: str | None,
+        count: bool = True,
+        blocks: PromptBlocks | None = None,
+        retained: bool = False,
     ) -> Decision[V]:
         """The policy's decision over ``views`` for a request of ``key`` (None: no key).
 
         ``count=False``: Serve asks again for a request already ranked (``placed`` counts it once).
         ``blocks``: the prompt's history hashes, for ``placed``.
+        ``retained``: the request asks its replica to pin its prefix; ``placed`` keeps its key where it is.
         """
         policy = self._slot.policy
         placed = self._slot.placed
@@ -48,6 +54,8 @@ class Ranker(SlotPart):
                 decision = placed.rank_prompt(views, key, blocks, count=count)
                 if count and key is not None:
                     self._placement.count_request(key)
+                    if retained:
+                        placed.retain(key)
                 entries = len(placed.history) if placed.history is not None else 0
             else:
                 decision = policy.rank(views, key)

@@ -66,6 +66,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, R
 from prefixserve.common.tracing import build_tracer, route_span
 from prefixserve.replica.contract.prompt_blocks import PromptBlocks
 from prefixserve.replica.contract.request import EngineRequest
+from prefixserve.replica.contract.retention import RETENTION_24H
 from prefixserve.router.cluster_config import DEFAULT_STATS_MAX_AGE_S
 from prefixserve.router.policies import DEFAULT_POLICY, KIND_FALLBACK, Placed, Policy, ReplicaLoad, make_policy
 from prefixserve.router.serve import registry
@@ -231,14 +232,16 @@ class PrefixRouter(RequestRouter):
         key: str | None,
         count: bool = True,
         blocks: PromptBlocks | None = None,
+        retained: bool = False,
     ) -> tuple[list[RunningReplica], str | None]:
         """The candidates best first and the key's ring owner (None without a key or ring).
 
         ``count=False``: Serve asks again for a request already ranked (``placed`` counts it once).
         ``blocks``: the prompt's history hashes (router/serve/history_feed.py), for ``placed``.
+        ``retained``: the request asks for prompt_cache_retention; ``placed`` keeps its key where it is.
         """
         self.refresh_reports(candidate_replicas)
-        decision = self._ranker.rank([self.view(r) for r in candidate_replicas], key, count, blocks)
+        decision = self._ranker.rank([self.view(r) for r in candidate_replicas], key, count, blocks, retained)
         return [v.replica for v in decision.ranking], decision.owner
 
     async def choose_replicas(
@@ -257,7 +260,8 @@ class PrefixRouter(RequestRouter):
         ) as (span, headers):
             seen = pending_request is not None and pending_request.metadata.internal_request_id in self._pending_choices
             blocks = self._history.blocks(request) if not seen else None
-            ranking, owner = self.rank(candidate_replicas, key, count=not seen, blocks=blocks)
+            retained = request is not None and request.cache_retention == RETENTION_24H
+            ranking, owner = self.rank(candidate_replicas, key, count=not seen, blocks=blocks, retained=retained)
             if span is not None:
                 span.set_attributes(
                     {

@@ -30,6 +30,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from prefixserve.replica.contract.prompt_blocks import PromptBlocks, PromptHasher, UnhashablePrompt
+from prefixserve.replica.contract.retention import RETENTION_24H
 from prefixserve.router.policies import KIND_FALLBACK, Placed, Policy, landed_kind
 from prefixserve.router.routing_key import DEFAULT_CONFIG, PrefixKeyConfig, routing_key
 from prefixserve.router.standalone.kv_events import KVEventHints
@@ -134,6 +135,8 @@ class StandaloneRouting:
         else:
             blocks = self.blocks_of(body)
         decision = placed.rank_prompt(candidates, key, blocks, events_held=events_held)
+        if key is not None and isinstance(body, Mapping) and body.get("prompt_cache_retention") == RETENTION_24H:
+            placed.retain(key)  # its replica pins its prefix: rebalancing keeps the key there
         ranking = [c.name for c in decision.ranking]
         return Plan(key, ranking, decision.owner, key is not None, blocks, bool(events_held))
 

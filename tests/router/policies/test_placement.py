@@ -563,6 +563,7 @@ def test_precise_mode_sheds_keys_whose_prefix_is_gone_first() -> None:
         ({"hot_share": "0.5"}, "hot_share"),
         ({"precise": 1}, "precise must be true or false"),
         ({"noise_z": -1.0}, "noise_z must be a finite number >= 0"),
+        ({"retain_s": 0}, "retain_s must be a finite number > 0"),
         ({"clock": 3}, "clock must be a callable"),
         ({"seed": 3}, "unknown placed policy option keys"),
     ],
@@ -595,3 +596,36 @@ def test_rank_bench_runs(cold: bool) -> None:
 def test_table_refuses_to_route_without_members() -> None:
     with pytest.raises(ValueError, match="no members"):
         PlacementTable(0.1, 300.0, 0.5).record("k", 0.0)
+
+
+def test_retained_keys_stay_on_their_replica_and_are_not_forgotten_until_retention_ends() -> None:
+    clock = Clock()
+    p = policy(clock, epsilon=0.1, hot_share=1.0, retain_s=1000.0)
+    p.rank(fleet(), "warm-up")
+    a = NAMES[0]
+    rates = [float(i + 1) for i in range(12)]
+    mine, _, snap = skewed_snapshot(7, rates, 3, 4.0)
+    p.apply_snapshot(snap)
+    for k in mine:  # every key of the overloaded replica pins its prefix there
+        p.retain(k)
+    p.table.rebalance(clock())
+    assert all(p.placement(k) == [a] for k in mine)
+    # Retention ends: the same excess sheds keys as it does without retention.
+    clock.t = 1001.0
+    p.apply_snapshot(snap)
+    p.table.rebalance(clock())
+    assert any(p.placement(k) != [a] for k in mine)
+
+
+def test_a_quiet_retained_key_outlives_the_forgetting_of_its_statistics() -> None:
+    clock = Clock()
+    p = policy(clock, tau_s=100.0, retain_s=5000.0)
+    p.rank(fleet(), "kept")
+    p.retain("kept")
+    p.rank(fleet(), "other")
+    clock.t = 100.0 * 20  # both counts decayed below FORGET_BELOW
+    p.rebalance()
+    assert p.placement("kept") != [] and p.placement("other") == []
+    clock.t = 5001.0
+    p.rebalance()
+    assert p.placement("kept") == []

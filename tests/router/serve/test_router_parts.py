@@ -150,6 +150,17 @@ def test_a_ranked_request_is_counted_once_and_its_prefill_work_is_handed_over():
     assert not sync.is_leader
 
 
+def test_a_request_asking_for_retention_keeps_its_key_where_it_is_placed():
+    slot, metrics = placed_slot(), RouterMetrics()
+    ranker = Ranker(slot, PlacementSync(slot, metrics, "Engine"), metrics, "Engine")
+    views = [Replica("a"), Replica("b")]
+    ranker.rank(views, "plain")
+    ranker.rank(views, "kept", retained=True)
+    placed = slot.placed
+    assert placed is not None
+    assert placed.table.retained("kept") and not placed.table.retained("plain")
+
+
 def test_a_policy_without_placement_ranks_and_syncs_nothing():
     slot, metrics = PolicySlot(make_policy("round_robin")), RouterMetrics()
     sync = PlacementSync(slot, metrics, "Engine")

@@ -361,3 +361,13 @@ def test_the_router_learns_from_a_replicas_events_over_zmq(tokenizer_dir: Path) 
         router.replica_failed(b.name, "connect")
         r = http.post(f"{server.url}/v1/chat/completions", json=body)
         assert r.status_code == 200 and r.headers[HEADER] == a.name
+
+
+def test_a_request_asking_for_retention_keeps_its_key_where_it_is_placed() -> None:
+    routing = StandaloneRouting(make_policy("placed"), ReplicaSet({n: f"http://{n}" for n in ["a:1", "b:2"]}))
+    kept = {**chat("kept system", "w2"), "prompt_cache_retention": "24h"}
+    plain = {**chat("plain system", "w2"), "prompt_cache_retention": "in_memory"}
+    plans = [routing.plan(kept, {}), routing.plan(plain, {})]
+    placed = routing.placed
+    assert placed is not None and plans[0].key is not None and plans[1].key is not None
+    assert placed.table.retained(plans[0].key) and not placed.table.retained(plans[1].key)
