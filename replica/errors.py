@@ -132,6 +132,10 @@ class ModelNotFoundError(APIError, status_code=404, default_code="model_not_foun
     """The request names a model this server does not serve (404)."""
 
 
+class NotFoundError(APIError, status_code=404, default_code="not_found"):
+    """The request names something this server does not hold for its sender, such as a stored response (404)."""
+
+
 class PayloadTooLargeError(APIError, status_code=413, default_code="payload_too_large"):
     """The request body exceeds the server's limit (413)."""
 

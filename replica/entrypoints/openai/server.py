@@ -2,7 +2,9 @@
 
 Job: host the OpenAI front end (``replica/entrypoints/openai/http_frontend.py``) over one local
 :class:`AsyncEngine`: ``POST /v1/chat/completions`` and ``POST /v1/completions``
-(SSE streaming and not, ``n > 1``), ``GET /v1/models``, ``GET /health`` and
+(SSE streaming and not, ``n > 1``), OpenAI's Responses API (``POST /v1/responses``,
+``GET`` and ``DELETE /v1/responses/{id}``, its stored responses in one bounded
+store: responses_endpoint.py), ``GET /v1/models``, ``GET /health`` and
 ``GET /metrics``; vLLM's ``/tokenize``, ``/detokenize``, ``/v1/chat/completions/render``
 and ``/version`` (replica/entrypoints/openai/tokenization.py) and SGLang's server and
 model info endpoints (server_info.py), which routers probe. This is the replica nginx
@@ -56,7 +58,9 @@ from prefixserve.common.body_limits import DEFAULT_CLIENT_BODY_TIMEOUT_S, DEFAUL
 from prefixserve.common.config_util import add_cli_arguments, from_cli_args
 from prefixserve.common.endpoint_config import DEFAULT_HOST, REPLICA_PORT, ReplicaEndpointConfig
 from prefixserve.common.logs import configure_logging
+from prefixserve.common.metric_series import LabeledSeries
 from prefixserve.replica.contract.routing import REPLICA_HEADER
+from prefixserve.replica.engine.metrics import ENGINE_INDEX
 from prefixserve.replica.engine.request_runner import LocalEngineClient
 from prefixserve.replica.entrypoints.openai import http_frontend, lora_endpoints
 from prefixserve.replica.entrypoints.openai import protocol as api
@@ -68,6 +72,12 @@ from prefixserve.replica.entrypoints.openai.http_frontend import (
 )
 from prefixserve.replica.entrypoints.openai.http_limits import ConnectionLimits, limited_protocol
 from prefixserve.replica.entrypoints.openai.request_fields import IgnoredFields
+from prefixserve.replica.entrypoints.openai.response_store import (
+    DEFAULT_MAX_BYTES,
+    DEFAULT_MAX_ENTRIES,
+    ResponseStore,
+)
+from prefixserve.replica.entrypoints.openai.responses_endpoint import ResponsesEndpoints
 from prefixserve.replica.entrypoints.openai.server_info import ReplicaInfo, package_version
 from prefixserve.replica.entrypoints.openai.tokenization import Tokenization
 from prefixserve.replica.errors import APIError, ServiceUnavailableError
@@ -145,6 +155,14 @@ class ServerConfig:
             "does (each named once in the log, counted in prefixserve:ignored_request_fields_total)"
         ),
     )
+    responses_max_entries: int = field(
+        default=DEFAULT_MAX_ENTRIES,
+        metadata=_help("most responses /v1/responses keeps for previous_response_id and GET (least recently used go)"),
+    )
+    responses_max_bytes: int = field(
+        default=DEFAULT_MAX_BYTES,
+        metadata=_help("most bytes of stored /v1/responses answers and conversations (least recently used go)"),
+    )
     allow_runtime_lora_updating: bool = field(
         default=False,
         metadata=_help(
@@ -158,6 +176,10 @@ class ServerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("responses_max_entries", "responses_max_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         for name in ("max_in_flight", "limit_concurrency"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -227,7 +249,7 @@ class ReplicaHeaderMiddleware:
         await self.app(scope, receive, send_with_header)
 
 
-GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 
 
 def _answer(err: APIError) -> JSONResponse:
@@ -287,6 +309,7 @@ def build_app(
     drain: Drain | None = None,
     strict_request_fields: bool = False,
     allow_runtime_lora_updating: bool = False,
+    response_store: ResponseStore | None = None,
 ) -> FastAPI:
     """The FastAPI application serving ``engine``.
 
@@ -304,6 +327,8 @@ def build_app(
     with the application. ``strict_request_fields``: refuse unknown request fields (400)
     instead of ignoring them as vLLM does. ``allow_runtime_lora_updating``: serve vLLM's
     runtime LoRA endpoints (lora_endpoints.py; vLLM's environment variable turns them on too).
+    ``response_store``: where ``/v1/responses`` keeps its stored responses (a default-sized store
+    when None); its size is exported on ``/metrics``.
     """
     ignored = IgnoredFields(strict=strict_request_fields, count=engine.metrics.observe_ignored_field)
     options = FrontendOptions.build(
@@ -311,6 +336,9 @@ def build_app(
     )
     client = LocalEngineClient(engine)
     tokenization = Tokenization(engine, client, options)
+    store = response_store if response_store is not None else ResponseStore()
+    responses = ResponsesEndpoints(client, options, store)
+    _export_store_size(engine, store)
     info = replica_info(engine)
     drain = drain if drain is not None else Drain(timeout_s=0.0)
 
@@ -363,6 +391,18 @@ def build_app(
     async def completions(request: Request) -> Response:
         return await http_frontend.handle_generate(request, api.CompletionRequest, client, options)
 
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        return await responses.create(request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(request: Request, response_id: str) -> Response:
+        return await responses.retrieve(request, response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(request: Request, response_id: str) -> Response:
+        return await responses.delete(request, response_id)
+
     if lora_endpoints.runtime_updating_allowed(allow_runtime_lora_updating):
 
         @app.post("/v1/load_lora_adapter")
@@ -398,6 +438,19 @@ def build_app(
         app.get(path)(model_info)
 
     return app
+
+
+def _export_store_size(engine: AsyncEngine, store: ResponseStore) -> None:
+    """The response store's entries and bytes as gauges on the engine's registry (read at each scrape)."""
+    series = LabeledSeries(engine.metrics.registry, ["model_name", "engine"], (engine.model_name, ENGINE_INDEX))
+    entries = series.gauge(
+        "prefixserve:response_store_entries", "Responses /v1/responses holds for previous_response_id."
+    )
+    entries.set_function(lambda: store.entries)
+    size = series.gauge(
+        "prefixserve:response_store_bytes", "Bytes of the responses and conversations /v1/responses holds."
+    )
+    size.set_function(lambda: store.bytes)
 
 
 def replica_info(engine: AsyncEngine) -> ReplicaInfo:
@@ -529,6 +582,7 @@ def serve(
         drain=drain,
         strict_request_fields=config.strict_request_fields,
         allow_runtime_lora_updating=config.allow_runtime_lora_updating,
+        response_store=ResponseStore(config.responses_max_entries, config.responses_max_bytes),
     )
     extra = {} if uvicorn_logging else {"log_config": None}
     server = DrainingServer(

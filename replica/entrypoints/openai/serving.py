@@ -160,7 +160,9 @@ class _Prompt:
 
 
 @dataclass
-class _Usage:
+class UsageCounter:
+    """A request's token counts so far, from its deltas (prompt, cached prompt, output)."""
+
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
@@ -219,7 +221,7 @@ async def collect_response(
 ) -> api.ChatCompletionResponse | api.CompletionResponse:
     """The whole non-streaming answer to ``body``: every choice's text, logprobs and finish reason, and usage."""
     choices = [_Choice() for _ in range(body.n)]
-    usage = _Usage()
+    usage = UsageCounter()
     prompt = _Prompt()
     try:
         async for delta in gen.deltas():
@@ -301,7 +303,7 @@ class TextChunks:
 async def _chat_stream(
     gen: Generation, body: api.ChatCompletionRequest, model: str, token_text: api.TokenText
 ) -> AsyncIterator[str]:
-    usage = _Usage()
+    usage = UsageCounter()
     top_k = _top_k(body)
     texts = TextChunks(gen.request_id, model, chat=True)
 
@@ -355,7 +357,7 @@ async def _chat_stream(
 async def _completion_stream(
     gen: Generation, body: api.CompletionRequest, model: str, token_text: api.TokenText
 ) -> AsyncIterator[str]:
-    usage = _Usage()
+    usage = UsageCounter()
     top_k = _top_k(body)
     offsets = [0] * body.n
     prompt = _Prompt()
