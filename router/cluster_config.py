@@ -48,6 +48,8 @@ The args (every key optional except ``engine``)::
       queue_budget_s: 30           # the longest a request waits in the queue (then 503)
       max_queued: 1024             # waiting requests per ingress replica (one more: 503)
       flow_reserved_slots: 0       # of those slots, how many only the best band may take
+      responses_max_entries: 10000 # /v1/responses: stored responses per ingress replica (LRU)
+      responses_max_bytes: 268435456  # ... and their bytes
 
 Invariants: the args are validated here, before anything is deployed, with
 messages that say what to change; the engine config is checked with
@@ -103,6 +105,10 @@ DEFAULT_MAX_ATTEMPTS = 4
 INGRESS_MAX_ONGOING_REQUESTS = 10**9
 # Seconds between placement exchanges of the ingress replicas (placed policy).
 DEFAULT_PLACEMENT_SYNC_S = 2.0
+# Each ingress replica's /v1/responses store: the standalone server's defaults (its response_store.py,
+# which the router does not load).
+DEFAULT_RESPONSES_MAX_ENTRIES = 10_000
+DEFAULT_RESPONSES_MAX_BYTES = 256 * 1024 * 1024
 
 
 def _cli(help: str, flag: str | None = None, choices: tuple[str, ...] | None = None) -> dict[str, Any]:
@@ -219,6 +225,15 @@ class IngressConfig:
     # The ingress replicas that share the traffic, each holding its part of every tenant's quota
     # (set by the app build from ingress.num_replicas: AppArgs.ingress_config).
     flow_ingress_replicas: int = 1
+    # /v1/responses: each ingress replica's store of answered responses (previous_response_id, GET).
+    responses_max_entries: int = field(
+        default=DEFAULT_RESPONSES_MAX_ENTRIES,
+        metadata=_cli("most responses each ingress replica keeps for previous_response_id (least recently used go)"),
+    )
+    responses_max_bytes: int = field(
+        default=DEFAULT_RESPONSES_MAX_BYTES,
+        metadata=_cli("most bytes of responses each ingress replica keeps (least recently used go)"),
+    )
 
     def __post_init__(self) -> None:
         if self.tenants is not None:
@@ -236,6 +251,10 @@ class IngressConfig:
             raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
         if not isinstance(self.strict_request_fields, bool):
             raise ValueError(f"strict_request_fields must be true or false, got {self.strict_request_fields!r}")
+        for name in ("responses_max_entries", "responses_max_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be at least 1, got {self.max_attempts}")
         if any(not isinstance(k, str) or not k for k in self.api_keys):

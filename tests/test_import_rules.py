@@ -36,6 +36,8 @@ ROUTER_MAY_IMPORT = frozenset(
         "prefixserve.replica.config",
         "prefixserve.replica.entrypoints.openai.protocol",
         "prefixserve.replica.entrypoints.openai.http_frontend",
+        "prefixserve.replica.entrypoints.openai.response_store",
+        "prefixserve.replica.entrypoints.openai.responses_endpoint",
         "prefixserve.replica.entrypoints.serve.deployment",
     }
 )

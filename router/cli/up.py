@@ -38,6 +38,7 @@ APP_FLAGS = ("num_replicas", "max_ongoing_requests", "drain_timeout_s")
 ROUTER_FLAGS = ("policy",)
 INGRESS_FLAGS = ("session_header", "key_turns")
 FLOW_FLAGS = ("queue_budget_s",)
+RESPONSES_FLAGS = ("responses_max_entries", "responses_max_bytes")
 # IngressArgs' flags store under this prefix, beside AppArgs' fields of the same names.
 INGRESS_PREFIX = "ingress_"
 
@@ -74,6 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="tenant file (YAML or JSON: router/flow_control/tenants.py): quotas, weights and priorities "
         "per tenant, and a fair queue at the ingress; none: no flow control",
     )
+    add_cli_arguments(parser, IngressConfig, "responses", only=RESPONSES_FLAGS)
     add_cli_arguments(parser, EndpointConfig, "http")
     EngineConfig.add_cli_arguments(parser)
     add_verbose_flag(parser)
@@ -98,7 +100,7 @@ def app_args(args: argparse.Namespace) -> dict[str, Any]:
         "ingress": {
             "num_replicas": getattr(args, INGRESS_PREFIX + "num_replicas"),
             "api_keys": endpoint.api_keys,
-            **{name: getattr(args, name) for name in INGRESS_FLAGS + FLOW_FLAGS},
+            **{name: getattr(args, name) for name in INGRESS_FLAGS + FLOW_FLAGS + RESPONSES_FLAGS},
             **({"tenants": load_tenants(args.tenants).to_dict()} if args.tenants is not None else {}),
         },
     }

@@ -26,6 +26,11 @@ Invariants:
   queue's budget or size: 503 with the reason in ``X-Prefixserve-Reject-Reason``). The slot
   is held until its stream ends and its tokens are settled against the tenant's quota. Slots
   are per ingress replica (AppArgs.flow_max_in_flight shares the engines' caps among them).
+* OpenAI's Responses API (``/v1/responses``, replica/entrypoints/openai/responses_endpoint.py) runs
+  on the same chat path; each ingress replica keeps the responses it answered in its own bounded
+  store (``ingress.responses_max_entries`` / ``responses_max_bytes``) and, when a continuation,
+  GET or DELETE names one it does not hold, asks its sibling replicas. Each stored record names
+  the engine replica that answered it.
 * ``/health`` answers 200 only while at least one engine replica passes its
   health check (asked at most once per ``HEALTH_CACHE_S``), else 503.
 * Once :meth:`OpenAIIngress.begin_drain` was called (the cluster is stopping),
@@ -80,6 +85,8 @@ from prefixserve.replica.contract.stream import StreamDelta, StreamError, Stream
 from prefixserve.replica.entrypoints.openai import http_frontend
 from prefixserve.replica.entrypoints.openai import protocol as api
 from prefixserve.replica.entrypoints.openai.http_frontend import FrontendOptions, IgnoredFields
+from prefixserve.replica.entrypoints.openai.response_store import ResponseStore, StoredResponse
+from prefixserve.replica.entrypoints.openai.responses_endpoint import ResponsesEndpoints
 from prefixserve.replica.errors import APIError, ServiceUnavailableError
 from prefixserve.router.cluster_config import IngressConfig
 from prefixserve.router.flow_control.controller import FlowConfig, Lease
@@ -103,6 +110,8 @@ INGRESS_HEADER = "X-Prefixserve-Ingress"
 ATTEMPTS_HEADER = "X-Prefixserve-Attempts"
 # An exchange waits this long for the other ingress replicas.
 PLACEMENT_TIMEOUT_S = 5.0
+# A stored response this replica lacks: how long its siblings are asked for it.
+SIBLING_STORE_TIMEOUT_S = 5.0
 
 
 class NoPlacementError(APIError):
@@ -336,6 +345,33 @@ class ServeEngineClient:
         return RemoteStream(self._handle, request, self._max_attempts, self._observe, admit)
 
 
+class SiblingStores:
+    """The response stores of an ingress replica's siblings (responses_endpoint.OtherStores), asked by broadcast."""
+
+    def __init__(self, ingress: "OpenAIIngress") -> None:
+        self._ingress = ingress
+
+    async def _ask(self, method: str, response_id: str, owner: str | None) -> list[Any]:
+        ingress = self._ingress
+        try:
+            answers = (
+                await ingress.siblings()
+                .broadcast(method, ingress.name, response_id, owner)
+                .results_async(timeout_s=SIBLING_STORE_TIMEOUT_S, return_exceptions=True)
+            )
+        except TimeoutError:
+            log.warning("ingress replicas did not all answer %s within %ss", method, SIBLING_STORE_TIMEOUT_S)
+            return []
+        return [a for a in answers if not isinstance(a, BaseException)]
+
+    async def find(self, response_id: str, owner: str | None) -> StoredResponse | None:
+        found = [a for a in await self._ask("stored_response", response_id, owner) if a is not None]
+        return found[0] if found else None
+
+    async def delete(self, response_id: str, owner: str | None) -> bool:
+        return any(await self._ask("delete_stored_response", response_id, owner))
+
+
 app = FastAPI(title="prefixserve", docs_url=None, redoc_url=None, openapi_url=None)
 http_frontend.add_error_handlers(app)
 
@@ -377,6 +413,13 @@ class OpenAIIngress:
         )
         self.name = context.replica_id.to_full_id_str()
         self._deployment = (context.deployment, context.app_name)
+        self.responses_store = ResponseStore(self.config.responses_max_entries, self.config.responses_max_bytes)
+        self.responses = ResponsesEndpoints(
+            self.client, self.options, self.responses_store, self._routing_key, SiblingStores(self)
+        )
+        metrics = router_metrics()
+        metrics.response_store_entries.labels(context.deployment).set_function(lambda: self.responses_store.entries)
+        metrics.response_store_bytes.labels(context.deployment).set_function(lambda: self.responses_store.bytes)
         self._siblings: DeploymentHandle | None = None  # this deployment's handle, made at first use
         self._sync_task: asyncio.Task[None] | None = None
         self.placement_leader: str | None = None  # the leader at the last exchange
@@ -432,6 +475,14 @@ class OpenAIIngress:
             router.apply_placement(ready[leader])
         self.placement_leader = leader
         return leader
+
+    def stored_response(self, caller: str, response_id: str, owner: str | None) -> StoredResponse | None:
+        """A sibling's lookup: ``owner``'s response in this replica's store (None for the caller itself)."""
+        return None if caller == self.name else self.responses_store.get(response_id, owner)
+
+    def delete_stored_response(self, caller: str, response_id: str, owner: str | None) -> bool:
+        """A sibling's delete: whether this replica's store held ``owner``'s response (never the caller's)."""
+        return caller != self.name and self.responses_store.delete(response_id, owner)
 
     def placement_exchange(self, caller: str, counts: dict[str, list[int]]) -> tuple[str, bool, Any]:
         """A sibling's exchange: merge its counts if this router leads; (name, has a placed router, snapshot)."""
@@ -555,3 +606,18 @@ class OpenAIIngress:
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, api.CompletionRequest)
+
+    @app.post("/v1/responses")
+    async def create_response(self, request: Request) -> Response:
+        if self.draining:
+            return self._drain_refusal()
+        self._ensure_placement_sync()
+        return self._named(await self.responses.create(request))
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(self, request: Request, response_id: str) -> Response:
+        return self._named(await self.responses.retrieve(request, response_id))
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(self, request: Request, response_id: str) -> Response:
+        return self._named(await self.responses.delete(request, response_id))

@@ -151,6 +151,17 @@ class RouterMetrics:
             "Requests whose prompt the router could not hash: routed by their static key, then load.",
         )
 
+        self.response_store_entries = series(
+            Gauge,
+            "prefixserve_router_response_store_entries",
+            "Responses the ingress replica holds for /v1/responses' previous_response_id and GET (bounded).",
+        )
+        self.response_store_bytes = series(
+            Gauge,
+            "prefixserve_router_response_store_bytes",
+            "Bytes of the responses and conversations the ingress replica holds for /v1/responses (bounded).",
+        )
+
         # Flow control's (router/flow_control/metrics.py), filled when the ingress has tenants.
         self.flow = FlowMetricFamilies(self.registry, ["deployment"])
 

@@ -207,3 +207,18 @@ def test_reserved_slots_must_leave_a_slot_to_the_other_bands() -> None:
     assert ok.ingress.config.flow_config(ok.flow_max_in_flight()).reserved_slots == 3
     with pytest.raises(ValueError, match="reserved_slots must be in"):
         AppArgs.from_dict({"engine": engine, "num_replicas": 2, "ingress": {"flow_reserved_slots": 4}})
+
+
+def test_the_ingress_response_store_bounds_are_up_flags_with_the_servers_defaults() -> None:
+    from prefixserve.replica.entrypoints.openai import response_store
+    from prefixserve.router.serve.app import build_app
+
+    defaults = IngressConfig()
+    assert defaults.responses_max_entries == response_store.DEFAULT_MAX_ENTRIES
+    assert defaults.responses_max_bytes == response_store.DEFAULT_MAX_BYTES
+    flags = ["--responses-max-entries=5", "--responses-max-bytes=4096"]
+    ingress = build_app(up.app_args(up_parser().parse_args(flags)))._bound_deployment
+    assert (ingress.init_args[1]["responses_max_entries"], ingress.init_args[1]["responses_max_bytes"]) == (5, 4096)
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="responses_max_entries"):
+            IngressConfig(responses_max_entries=bad)

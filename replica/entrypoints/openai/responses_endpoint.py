@@ -24,6 +24,9 @@ Invariants:
 * The answer's ``id`` is ``resp_`` and 32 hex digits, or ``resp_<client id>`` for a client's
   ``X-Request-Id`` (the rule of handle_generate); the engine request id is the generated id,
   or the client's with a random suffix.
+* A host of several replicas, each with its store (the ingress), asks the others (``OtherStores``)
+  when its own store misses, so a continuation, GET or DELETE finds a response whichever
+  replica took it.
 * Errors of the chat translation name the Responses fields (``input``, ``tools.N.parameters``,
   ``max_output_tokens``, ``text.format``), not the chat's.
 
@@ -37,7 +40,7 @@ import re
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -138,10 +141,23 @@ def _with_headers(response: Response, stream: EngineStream | None, request_id: s
     return response
 
 
+class OtherStores(Protocol):
+    """The stores of a host's other replicas, asked when its own store misses."""
+
+    async def find(self, response_id: str, owner: str | None) -> StoredResponse | None:
+        """``owner``'s response ``response_id`` in another replica's store; None when none has it."""
+        ...
+
+    async def delete(self, response_id: str, owner: str | None) -> bool:
+        """Remove ``owner``'s response ``response_id`` from the other stores; whether one held it."""
+        ...
+
+
 class ResponsesEndpoints:
     """``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{response_id}`` over one host's store.
 
     ``routing_key``: the host's routing key of the chat body a response runs as (the ingress's).
+    ``others``: the stores of the host's other replicas, when it has some.
     """
 
     def __init__(
@@ -150,11 +166,19 @@ class ResponsesEndpoints:
         options: FrontendOptions,
         store: ResponseStore,
         routing_key: RoutingKeyFn | None = None,
+        others: OtherStores | None = None,
     ) -> None:
         self.client = client
         self.options = options
         self.store = store
         self.routing_key = routing_key
+        self.others = others
+
+    async def _find(self, response_id: str, owner: str | None) -> StoredResponse | None:
+        entry = self.store.get(response_id, owner)
+        if entry is None and self.others is not None:
+            entry = await self.others.find(response_id, owner)
+        return entry
 
     async def create(self, request: Request) -> Response:
         """Serve one ``POST /v1/responses``."""
@@ -178,7 +202,7 @@ class ResponsesEndpoints:
             body = api.validate_request(rp.ResponsesRequest, data, scheduling_policy=info.scheduling_policy)
             history: list[dict[str, Any]] = []
             if body.previous_response_id is not None:
-                previous = self.store.get(body.previous_response_id, owner)
+                previous = await self._find(body.previous_response_id, owner)
                 if previous is None:
                     raise previous_not_found(body.previous_response_id)
                 history = previous.conversation()
@@ -278,7 +302,7 @@ class ResponsesEndpoints:
     async def retrieve(self, request: Request, response_id: str) -> Response:
         """Serve ``GET /v1/responses/{response_id}``: the stored Response object."""
         try:
-            entry = self.store.get(response_id, self._owner(request))
+            entry = await self._find(response_id, self._owner(request))
             if entry is None:
                 raise response_not_found(response_id)
         except Exception as exc:
@@ -288,7 +312,11 @@ class ResponsesEndpoints:
     async def delete(self, request: Request, response_id: str) -> Response:
         """Serve ``DELETE /v1/responses/{response_id}``."""
         try:
-            if not self.store.delete(response_id, self._owner(request)):
+            owner = self._owner(request)
+            deleted = self.store.delete(response_id, owner)
+            if not deleted and self.others is not None:
+                deleted = await self.others.delete(response_id, owner)
+            if not deleted:
                 raise response_not_found(response_id)
         except Exception as exc:
             return error_response(exc)

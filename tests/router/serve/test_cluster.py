@@ -399,6 +399,40 @@ def test_an_agent_loop_through_the_cluster_stays_on_one_replica_and_hits_its_cac
     assert usage.prompt_tokens_details.cached_tokens > call_usage.prompt_tokens // 2
 
 
+def test_responses_cross_the_ray_path_and_continue_whichever_ingress_replica_stored_them(openai_client, model, base):
+    """/v1/responses through the ingress: each ingress replica stores what it answered and asks its
+    siblings for what it lacks, so every continuation and GET finds its response; one system prompt
+    keeps the conversation on one engine replica, whose prefix cache the continuations hit."""
+    rng = random.Random(47)
+    instructions = f"You are terse. {words(rng, 40)}"
+    kwargs = dict(model=model, instructions=instructions, temperature=0, max_output_tokens=8)
+    raw = openai_client.responses.with_raw_response.create(input=words(rng, 4), **kwargs)
+    first, replica = raw.parse(), raw.headers[REPLICA_HEADER]
+    assert first.id.startswith("resp_") and first.status in ("completed", "incomplete")
+    previous = first
+    for _ in range(4):
+        raw = openai_client.responses.with_raw_response.create(
+            input=words(rng, 4), previous_response_id=previous.id, **kwargs
+        )
+        answer = raw.parse()
+        assert answer.previous_response_id == previous.id and raw.headers[REPLICA_HEADER] == replica
+        assert answer.usage.input_tokens > previous.usage.input_tokens
+        assert answer.usage.input_tokens_details.cached_tokens > 0
+        previous = answer
+    events = list(
+        openai_client.responses.create(input=words(rng, 4), previous_response_id=previous.id, stream=True, **kwargs)
+    )
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    assert events[-1].response.usage.input_tokens_details.cached_tokens > 0
+    for _ in range(4):
+        assert openai_client.responses.retrieve(first.id).id == first.id
+    text = httpx.get(f"{base}/metrics", timeout=30).text
+    assert metric(text, "prefixserve_router_response_store_entries") >= 6
+    openai_client.responses.delete(first.id)
+    with pytest.raises(pytest.importorskip("openai").NotFoundError):
+        openai_client.responses.retrieve(first.id)
+
+
 def test_a_client_that_disconnects_mid_stream_frees_its_replica(base):
     before = {path: len(lines) for d in ("Engine", "Ingress") for path, lines in serve_log_lines(d).items()}
     body = {"messages": [{"role": "user", "content": "go on"}], "max_tokens": 800, "ignore_eos": True, "stream": True}
