@@ -197,7 +197,7 @@ class TextFormat(RequestModel):
             return {"type": "json_object"}
         if self.schema_ is None:
             raise BadRequestError("text.format of type json_schema needs a schema", param="text.format.schema")
-        spec = {"name": self.name or "response", "schema": self.schema_}
+        spec: dict[str, Any] = {"name": self.name or "response", "schema": self.schema_}
         if self.description is not None:
             spec["description"] = self.description
         if self.strict is not None:

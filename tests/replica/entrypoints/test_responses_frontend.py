@@ -269,3 +269,43 @@ def test_an_engine_failure_mid_stream_ends_with_an_error_and_response_failed():
         "code": "server_error",
         "message": "the engine failed this request",
     }
+
+
+def test_text_then_calls_stream_as_items_in_order_each_closed_before_the_next():
+    from prefixserve.replica.entrypoints.openai.responses_stream import EventWriter, OutputBuilder
+    from prefixserve.replica.tool_calling.stream import ToolCallDelta
+
+    builder = OutputBuilder(EventWriter())
+    lines = [
+        *builder.text("Let me "),
+        *builder.text("look."),
+        *builder.call(ToolCallDelta(0, '{"city":', id="call_1", name="get_weather")),
+        *builder.call(ToolCallDelta(0, '"Oslo"}')),
+        *builder.call(ToolCallDelta(1, "{}", id="call_2", name="now")),
+        *builder.close("tool_calls"),
+    ]
+    events = sse_events("".join(lines))
+    assert [(e["type"].removeprefix("response."), e["output_index"]) for e in events] == [
+        ("output_item.added", 0),
+        ("content_part.added", 0),
+        ("output_text.delta", 0),
+        ("output_text.delta", 0),
+        ("output_text.done", 0),
+        ("content_part.done", 0),
+        ("output_item.done", 0),
+        ("output_item.added", 1),
+        ("function_call_arguments.delta", 1),
+        ("function_call_arguments.delta", 1),
+        ("function_call_arguments.done", 1),
+        ("output_item.done", 1),
+        ("output_item.added", 2),
+        ("function_call_arguments.delta", 2),
+        ("function_call_arguments.done", 2),
+        ("output_item.done", 2),
+    ]
+    message, first, second = builder.items
+    assert isinstance(message, rp.OutputMessage) and message.content[0].text == "Let me look."
+    assert (first.call_id, first.name, first.arguments) == ("call_1", "get_weather", '{"city":"Oslo"}')
+    assert (second.call_id, second.arguments, second.status) == ("call_2", "{}", "completed")
+    assert events[10]["arguments"] == '{"city":"Oslo"}' and events[10]["item_id"] == first.id
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
