@@ -489,7 +489,8 @@ def engine_request(
     )
 
 
-def _with_stream_headers(response: Response, stream: EngineStream | None, request_id: str | None) -> Response:
+def with_stream_headers(response: Response, stream: EngineStream | None, request_id: str | None) -> Response:
+    """``response`` with the engine stream's headers (the replica that served it, ...) and ``X-Request-Id``."""
     if stream is not None:
         response.headers.update(stream.response_headers())
     if request_id is not None:
@@ -542,9 +543,9 @@ async def handle_generate(
         return Response(status_code=499)
     except Exception as exc:
         echoed = request_id if options.echo_request_id else None
-        return _with_stream_headers(error_response(exc, request_id), stream, echoed)
+        return with_stream_headers(error_response(exc, request_id), stream, echoed)
     echoed = request_id if options.echo_request_id else None
-    return _with_stream_headers(await respond(request, gen, body, model, stream.token_text), stream, echoed)
+    return with_stream_headers(await respond(request, gen, body, model, stream.token_text), stream, echoed)
 
 
 async def handle_models(request: Request, client: EngineClient, options: FrontendOptions) -> JSONResponse:

@@ -53,7 +53,6 @@ from prefixserve.replica.entrypoints.openai import responses_protocol as rp
 from prefixserve.replica.entrypoints.openai import serving as openai_serving
 from prefixserve.replica.entrypoints.openai.http_frontend import (
     IN_FLIGHT_SLOT_SCOPE_KEY,
-    REQUEST_ID_HEADER,
     ClientDisconnected,
     FrontendOptions,
     RoutingKeyFn,
@@ -69,6 +68,7 @@ from prefixserve.replica.entrypoints.openai.http_frontend import (
     read_body,
     start_generation,
     until_disconnect,
+    with_stream_headers,
 )
 from prefixserve.replica.entrypoints.openai.response_store import ResponseStore, StoredResponse
 from prefixserve.replica.entrypoints.openai.responses_stream import response_events
@@ -131,14 +131,6 @@ def _check_counts(data: Mapping[str, Any], info: ModelInfo) -> None:
     items = data.get("input")
     check_message_count(api.ChatCompletionRequest, {"messages": items}, info)
     check_tool_count(api.ChatCompletionRequest, data, info)
-
-
-def _with_headers(response: Response, stream: EngineStream | None, request_id: str | None) -> Response:
-    if stream is not None:
-        response.headers.update(stream.response_headers())
-    if request_id is not None:
-        response.headers[REQUEST_ID_HEADER] = request_id
-    return response
 
 
 class OtherStores(Protocol):
@@ -237,10 +229,10 @@ class ResponsesEndpoints:
             return Response(status_code=499)
         except Exception as exc:
             echoed = request_id if options.echo_request_id else None
-            return _with_headers(error_response(_responses_error(exc), request_id), stream, echoed)
+            return with_stream_headers(error_response(_responses_error(exc), request_id), stream, echoed)
         echoed = request_id if options.echo_request_id else None
         answer = await self._answer(request, gen, body, chat, model, _Turn(conversation, owner, stream))
-        return _with_headers(answer, stream, echoed)
+        return with_stream_headers(answer, stream, echoed)
 
     async def _answer(
         self,
