@@ -28,6 +28,11 @@ The rule, which any client in any language can reproduce:
   array as sent, object keys sorted, no whitespace, non-ASCII characters as
   themselves, UTF-8). Same system prompt and same tools: one key; another tool
   list: another key. Without tools the bytes are the system text's alone.
+* A Responses request (``/v1/responses``: ``input``, no ``messages``) is keyed as the chat
+  request it runs as: its ``instructions`` are the system text, and its function tools
+  (``{"type": "function", "name", ...}``) are the chat's (``{"type": "function", "function":
+  {"name", ...}}``, the fields that are not null). A continuation's stored history follows
+  the static prefix, so it changes nothing here.
 * The key is the first 16 hex digits of SHA-256 over the prefix's bytes,
   with ``cache_salt`` UTF-8 bytes and one 0x00 byte in front when the request
   has a salt. For one system message, no tools and no salt this is exactly
@@ -151,6 +156,20 @@ def request_tools(body: Mapping[str, Any]) -> list[Any] | None:
     if not isinstance(tools, list):
         raise ValueError(f"tools must be a list, got {type(tools).__name__}")
     return tools or None
+
+
+def responses_chat_tools(body: Mapping[str, Any]) -> list[Any] | None:
+    """A Responses body's ``tools`` as its chat request carries them (function tools nested under
+    ``function``, null fields dropped; other tools as sent); None when it has none."""
+    tools = request_tools(body)
+    if tools is None:
+        return None
+    return [
+        {"type": "function", "function": {k: v for k, v in t.items() if k != "type" and v is not None}}
+        if isinstance(t, Mapping) and t.get("type") == "function"
+        else t
+        for t in tools
+    ]
 
 
 def static_prefix(messages: Iterable[Mapping[str, Any]]) -> str | None:
@@ -319,6 +338,15 @@ def _body_key(body: Mapping[str, Any], headers: Mapping[str, str] | None, config
         if text is None and tools is None:
             return None
         return prefix_hash(text or "", salt, tools)
+
+    if "input" in body:
+        instructions = body.get("instructions")
+        if instructions is not None and not isinstance(instructions, str):
+            raise ValueError(f"instructions must be a string, got {type(instructions).__name__}")
+        tools = responses_chat_tools(body)
+        if not instructions and tools is None:
+            return None
+        return prefix_hash(instructions or "", salt, tools)
 
     if "prompt" in body:
         payload = _prompt_payload(body["prompt"], config.completion_prefix_chars)

@@ -74,6 +74,8 @@ log = logging.getLogger(__name__)
 
 # The X-Prefixserve-Replica value of an answer the router gave itself.
 ROUTER_SELF = "router"
+# OpenAI's Responses API: its answers are stored on the replica that gave them (response_homes.py).
+RESPONSES_PATH = "/v1/responses"
 RETRY_STATUSES = frozenset({429, 503})
 RETRY_AFTER_S = 1
 # Headers that describe one connection, not the message (RFC 9110 7.6.1), and those httpx sets itself.
@@ -132,11 +134,15 @@ def broken_stream_event(replica: str) -> bytes:
 class _Open:
     """One forwarded request's bookkeeping, ended exactly once whatever ends it."""
 
-    def __init__(self, router: StandaloneRouter, plan: Plan, replica: str, lease: Lease | None = None) -> None:
+    def __init__(
+        self, router: StandaloneRouter, plan: Plan, replica: str, lease: Lease | None = None, responses: bool = False
+    ) -> None:
         self.router = router
         self.plan = plan
         self.replica = replica
         self.lease = lease
+        # A /v1/responses request: the Response its answer names is stored on ``replica``.
+        self.responses = responses
         self.done = False
 
     def end(self, usage: Usage | None = None, answered: bool = False) -> None:
@@ -216,8 +222,13 @@ class RelayResponse(Response):
             await send({"type": "http.response.body", "body": lead + broken_stream_event(name), "more_body": True})
         else:
             usage = self.usage = self.tail.usage() if self.tail is not None else None
+            routing = self.opened.router.routing
             if usage is not None:
-                self.opened.router.routing.observe(self.opened.plan, usage.prompt_tokens, usage.cached_tokens)
+                routing.observe(self.opened.plan, usage.prompt_tokens, usage.cached_tokens)
+            if self.opened.responses and self.tail is not None:
+                response_id = self.tail.response_id()
+                if response_id is not None:
+                    routing.response_homes.remember(response_id, self.opened.replica)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
@@ -471,7 +482,7 @@ class StandaloneRouter:
                 continue
             kind = self.routing.landed(plan, name)
             self.metrics.requests.labels(self.metrics.policy, name, kind).inc()
-            return RelayResponse(answer, _Open(self, plan, name, lease))
+            return RelayResponse(answer, _Open(self, plan, name, lease, request.url.path == RESPONSES_PATH))
         self.routing.finished(plan)
         self.metrics.no_replica.inc()
         if last is not None:  # the last replica tried refused, and no later one answered at all
@@ -585,6 +596,43 @@ class StandaloneRouter:
             self.metrics.kv_event_matches.inc()
         return plan
 
+    async def handle_stored_response(self, request: Request) -> Response:
+        """``GET`` / ``DELETE /v1/responses/{id}``: to the replica whose answer carried the id; one the
+        router has not relayed (it restarted, or another router did) is asked of each admitted
+        replica in turn until one has it (a 404 from every one is the last one's)."""
+        response_id = request.path_params["response_id"]
+        homes = self.routing.response_homes
+        home = homes.home(response_id)
+        admitted = self.replicas.admitted()
+        names = [home] if home in admitted else admitted
+        if not names:
+            return own_answer(503, openai_error(503, "no replica is admitted", "no_replica_available", "server_error"))
+        # Identity: the answer is read whole and relayed as read.
+        headers = {**upstream_headers(request.headers), "accept-encoding": "identity"}
+        pool = self.next_pool()
+        answer: httpx.Response | None = None
+        for name in names:
+            try:
+                answer = await pool.request(request.method, self.replicas[name].url + request.url.path, headers=headers)
+            except httpx.HTTPError as exc:
+                log.warning("replica %s did not answer %s %s: %s", name, request.method, request.url.path, exc)
+                continue
+            if answer.status_code != 404:
+                if request.method == "DELETE" and answer.status_code == 200:
+                    homes.forget(response_id)
+                elif answer.status_code == 200:
+                    homes.remember(response_id, name)
+                return Response(
+                    answer.content,
+                    status_code=answer.status_code,
+                    headers=dict(answer_headers_map(answer.headers, name)),
+                )
+        if answer is None:
+            return own_answer(502, openai_error(502, "no replica answered", "upstream_failed", "server_error"))
+        return Response(
+            answer.content, status_code=answer.status_code, headers=dict(answer_headers_map(answer.headers, names[-1]))
+        )
+
     async def handle_models(self, request: Request) -> Response:
         await self.refresh_models(request.headers, force=True)
         if not self.models_of:
@@ -661,6 +709,7 @@ def build_app(router: StandaloneRouter) -> Starlette:
             Route("/health", router.handle_health, methods=["GET"]),
             Route("/metrics", router.handle_metrics, methods=["GET"]),
             Route("/v1/models", router.handle_models, methods=["GET"]),
+            Route(RESPONSES_PATH + "/{response_id}", router.handle_stored_response, methods=["GET", "DELETE"]),
             Route("/v1/{path:path}", router.handle_generate, methods=["POST"]),
         ],
         lifespan=lifespan,

@@ -35,6 +35,7 @@ from prefixserve.router.policies import KIND_FALLBACK, Placed, Policy, landed_ki
 from prefixserve.router.routing_key import DEFAULT_CONFIG, PrefixKeyConfig, routing_key
 from prefixserve.router.standalone.kv_events import KVEventHints
 from prefixserve.router.standalone.replica_set import ReplicaSet
+from prefixserve.router.standalone.response_homes import ResponseHomes
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,7 @@ class StandaloneRouting:
         self.key_config = key_config
         self._hasher = hasher or PromptHasher()
         self.hints = hints if self.placed is not None else None
+        self.response_homes = ResponseHomes()
 
     @property
     def placed(self) -> Placed | None:
@@ -123,10 +125,11 @@ class StandaloneRouting:
         """
         key = self.key_of(body, headers, adapter)
         candidates = self.replicas.candidates(list(among) if among is not None else None)
+        home = self.continuation_home(body)
         placed = self.placed
         if placed is None:
             decision = self.policy.rank(candidates, key)
-            return Plan(key, [c.name for c in decision.ranking], decision.owner)
+            return Plan(key, _home_first([c.name for c in decision.ranking], home), decision.owner)
         events_held: dict[str, int] = {}
         if self.hints is not None:
             blocks = token_blocks
@@ -137,8 +140,14 @@ class StandaloneRouting:
         decision = placed.rank_prompt(candidates, key, blocks, events_held=events_held)
         if key is not None and isinstance(body, Mapping) and body.get("prompt_cache_retention") == RETENTION_24H:
             placed.retain(key)  # its replica pins its prefix: rebalancing keeps the key there
-        ranking = [c.name for c in decision.ranking]
+        ranking = _home_first([c.name for c in decision.ranking], home)
         return Plan(key, ranking, decision.owner, key is not None, blocks, bool(events_held))
+
+    def continuation_home(self, body: Any) -> str | None:
+        """The replica that stored the Response a ``/v1/responses`` body continues (its
+        ``previous_response_id``), when the router relayed it; None otherwise."""
+        previous = body.get("previous_response_id") if isinstance(body, Mapping) else None
+        return self.response_homes.home(previous) if isinstance(previous, str) else None
 
     def landed(self, plan: Plan, name: str) -> str:
         """The request went to ``name``: its decision kind (router/policies/base.py KIND_*)."""
@@ -205,3 +214,11 @@ class StandaloneRouting:
         placed = self.placed
         if placed is not None and placed.history is not None:
             placed.history.report(replica, stored, removed, reset)
+
+
+def _home_first(ranking: list[str], home: str | None) -> list[str]:
+    """``ranking`` with ``home`` first when it is among them: a continuation's stored Response is there
+    (its key's ranking follows, for when ``home`` cannot take it)."""
+    if home is None or home not in ranking or ranking[0] == home:
+        return ranking
+    return [home, *(name for name in ranking if name != home)]

@@ -125,3 +125,47 @@ def test_the_router_learns_from_real_replicas_kv_events(ckpt: str, tmp_path_fact
             r = http.post(f"{router.base_url}/v1/chat/completions", json=body)
             assert r.status_code == 200 and r.headers[HEADER] == names[1]
             assert metric(http.get(f"{router.base_url}/metrics").text, "prefixserve_router_kv_event_matches_total") == 1
+
+
+def test_responses_continue_on_the_replica_that_stored_them(
+    ckpt: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Each replica stores the Responses it answers: the router sends a continuation, a GET and a DELETE
+    to the replica whose answer carried the id, streamed or not, whatever the routing key says."""
+    logs = tmp_path_factory.mktemp("logs")
+    args = ("--max-model-len", "512")
+    with ReplicaProcess(ckpt, *args, log_dir=logs) as a, ReplicaProcess(ckpt, *args, log_dir=logs) as b:
+        names = [f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"]
+        with (
+            RouterProcess([a.base_url, b.base_url], logs, "--policy", "round_robin") as router,
+            httpx.Client(timeout=120.0) as http,
+        ):
+            model = http.get(f"{router.base_url}/v1/models").json()["data"][0]["id"]
+            base = {"model": model, "instructions": "Be brief.", "max_output_tokens": 4, "temperature": 0.0}
+            first = http.post(f"{router.base_url}/v1/responses", json={**base, "input": "Hello"})
+            assert first.status_code == 200, first.text
+            home, previous = first.headers[HEADER], first.json()["id"]
+            # Round robin alone would alternate; every turn goes back to the replica holding the chain.
+            for i in range(3):
+                body = {**base, "input": f"And then {i}?", "previous_response_id": previous}
+                if i == 1:
+                    with http.stream("POST", f"{router.base_url}/v1/responses", json={**body, "stream": True}) as r:
+                        assert r.status_code == 200 and r.headers[HEADER] == home
+                        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+                    # Four tokens: the answer ends at its length limit, stored all the same.
+                    assert events[-1]["type"] in ("response.completed", "response.incomplete")
+                    previous = events[-1]["response"]["id"]
+                else:
+                    r = http.post(f"{router.base_url}/v1/responses", json=body)
+                    assert r.status_code == 200 and r.headers[HEADER] == home, r.text
+                    assert r.json()["usage"]["input_tokens_details"]["cached_tokens"] > 0
+                    previous = r.json()["id"]
+            got = http.get(f"{router.base_url}/v1/responses/{previous}")
+            assert got.status_code == 200 and got.json()["id"] == previous and got.headers[HEADER] == home
+            other = names[1 - names.index(home)]
+            # The other replica does not have it: asked directly it says 404, as OpenAI does.
+            direct = http.get(f"http://{other}/v1/responses/{previous}")
+            assert direct.status_code == 404
+            assert http.delete(f"{router.base_url}/v1/responses/{previous}").status_code == 200
+            gone = http.get(f"{router.base_url}/v1/responses/{previous}")
+            assert gone.status_code == 404 and gone.json()["error"]["code"] == "not_found"
