@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from prefixserve.kernels.reference_lora import LoRAMapping, add_lora, add_lora_reference
+from prefixserve.kernels.reference_lora import BATCHED_MAX_ROWS, LoRAMapping, add_lora, add_lora_reference
 
 
 @pytest.mark.parametrize(
@@ -29,6 +29,29 @@ def test_add_lora_matches_row_by_row(slots: list[int], seed: int) -> None:
     torch.testing.assert_close(got, expected)
     # Base rows are left exactly as they were.
     base = token_slots < 0
+    assert torch.equal(got[base], y[base])
+
+
+@pytest.mark.parametrize("rows", [3, BATCHED_MAX_ROWS, BATCHED_MAX_ROWS + 1])
+@pytest.mark.parametrize("adapters", [(0, 1), (1, 2)])  # the buffers' leading slots, or a gather of them
+def test_the_batched_order_of_small_batches_matches_row_by_row(rows: int, adapters: tuple[int, int], seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    d_in, d_out, rank, num_slots = 12, 10, 4, 3
+    choices = torch.tensor([-1, *adapters])
+    slots = choices[torch.randint(0, 3, (rows,), generator=gen)]
+    slots[:2] = torch.tensor(adapters)  # both adapters present: not the one-adapter path
+    x = torch.randn(rows, d_in, generator=gen)
+    y = torch.randn(rows, d_out, generator=gen)
+    a = torch.randn(num_slots, rank, d_in, generator=gen)
+    b = torch.randn(num_slots, d_out, rank, generator=gen)
+    mapping = LoRAMapping.from_token_slots(slots)
+    assert mapping is not None and mapping.full is None
+    batched = mapping.batched
+    assert (batched is not None) == (rows <= BATCHED_MAX_ROWS)
+    assert batched is None or batched.leading == (adapters == (0, 1))
+    got = add_lora(y.clone(), x, a, b, mapping)
+    torch.testing.assert_close(got, add_lora_reference(y, x, a, b, slots))
+    base = slots < 0
     assert torch.equal(got[base], y[base])
 
 
