@@ -434,11 +434,6 @@ class EngineConfig:
                 f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}): "
                 "every resident adapter is also held in memory"
             )
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise ValueError(
-                "enable_lora with tensor_parallel_size > 1 is not supported yet: the adapters are not "
-                "sharded over ranks; serve adapters with tensor_parallel_size=1"
-            )
         if not isinstance(self.lora_modules, list) or not all(isinstance(m, str) for m in self.lora_modules):
             raise ValueError(f"lora_modules must be a list of NAME=PATH strings, got {self.lora_modules!r}")
         if self.lora_modules and not self.enable_lora:

@@ -27,7 +27,13 @@ from prefixserve.replica.core.sched_output import ScheduledSeq
 from prefixserve.replica.errors import EngineDeadError
 from prefixserve.replica.executor.ray_bundles import RankResources, reserve_rank_resources
 from prefixserve.replica.executor.tensor_parallel import WorkerGroup, WorkerSpec
-from prefixserve.replica.executor.tp_protocol import OP_CLEAR, init_distributed, step_message, swap_message
+from prefixserve.replica.executor.tp_protocol import (
+    OP_CLEAR,
+    OP_LORA,
+    init_distributed,
+    step_message,
+    swap_message,
+)
 from prefixserve.replica.lora.adapter import ModuleShapes
 from prefixserve.replica.lora.manager import LoRAManager, LoRAStep
 from prefixserve.replica.model import loader
@@ -341,9 +347,13 @@ class ModelRunner:
         if self.workers is None:
             logits = self.shard.run(inputs, consumer, lora=step.lora)
         else:
+            if step.lora is not None:  # the workers write their shards of new adapters, then map the rows
+                mapping = step.lora.mapping
+                self.workers.send(torch.tensor([OP_LORA], dtype=torch.int64))
+                self.workers.reply((step.lora.writes, mapping.token_slots if mapping is not None else None))
             self.workers.send(step_message(inputs.pack()))
             try:
-                logits = self.shard.run(inputs, consumer)
+                logits = self.shard.run(inputs, consumer, lora=step.lora)
             except Exception as exc:
                 raise self.workers.failure(exc) from exc
         if consumer is not None:

@@ -7,7 +7,9 @@ hashes (``hashed_message``): a lookup's reads (``OP_DISK_LOAD``), the step's tie
 the swap (``OP_TIER_BEFORE``: host slots to store, host slots to fill) and after the forward
 (``OP_TIER_AFTER``: device blocks to store). Opening the tier (``OP_DISK_OPEN``) and a drain's
 save (``OP_DISK_SAVE``) are followed by one pickled object; the disk messages that want an
-answer (``DISK_REPLIES``) get one pickled reply from each worker. The driver
+answer (``DISK_REPLIES``) get one pickled reply from each worker. A step with LoRA adapters
+is preceded by ``OP_LORA`` and one pickled ``(writes, token_slots)``: the adapters to write
+into slots (each rank keeps its shard) and each row's slot, for the next ``OP_STEP``. The driver
 (replica/executor/tensor_parallel.py) builds them, the worker (replica/executor/tp_worker.py)
 parses them; neither imports the other.
 """
@@ -22,6 +24,7 @@ import torch.distributed as dist
 # Message opcodes (the first int64 of every message to a worker).
 OP_STEP, OP_SWAP, OP_CLEAR, OP_SHUTDOWN = 1, 2, 3, 4
 OP_DISK_KEY, OP_DISK_OPEN, OP_DISK_LOAD, OP_TIER_BEFORE, OP_TIER_AFTER, OP_DISK_FLUSH, OP_DISK_SAVE = range(5, 12)
+OP_LORA = 12
 # The disk messages each worker answers (one pickled reply each).
 DISK_REPLIES = frozenset({OP_DISK_KEY, OP_DISK_OPEN, OP_DISK_LOAD, OP_DISK_FLUSH, OP_DISK_SAVE})
 

@@ -9,7 +9,7 @@ does not run into the collective timeout on another.
 
 Then serve messages until told to stop: each is one flat int64 buffer whose first
 element is the opcode (a step's inputs, swap copies, a cache clear, the disk tier's reads
-and copies of this rank's shard files, shutdown). Any
+and copies of this rank's shard files, a step's LoRA adapters, shutdown). Any
 failure ends the process with a non-zero code: its peers' collectives then fail and the
 driver declares the engine dead (there is no partial recovery from ranks out of step).
 The worker also exits when the driver goes away (pipe EOF, or a new parent pid) and
@@ -87,9 +87,11 @@ def _serve(shard, conn: Connection) -> None:
     import torch
     import torch.distributed as dist
 
+    from prefixserve.kernels.reference_lora import LoRAMapping
     from prefixserve.replica.executor.tp_protocol import (
         DISK_REPLIES,
         OP_CLEAR,
+        OP_LORA,
         OP_SHUTDOWN,
         OP_STEP,
         OP_SWAP,
@@ -97,9 +99,11 @@ def _serve(shard, conn: Connection) -> None:
         OP_TIER_BEFORE,
         parse_swap_message,
     )
+    from prefixserve.replica.lora.manager import LoRAStep
     from prefixserve.replica.worker.step_inputs import unpack_step_inputs
 
     disk = None  # this rank's side of the disk tier (ShardTierIO), once rank 0 opens it
+    lora = None  # the next step's adapters (OP_LORA), when it has any
     while True:
         try:
             data = conn.recv_bytes()
@@ -108,7 +112,12 @@ def _serve(shard, conn: Connection) -> None:
         message = torch.frombuffer(bytearray(data), dtype=torch.int64)
         op = int(message[0])
         if op == OP_STEP:
-            shard.run(unpack_step_inputs(message[1:]))
+            shard.run(unpack_step_inputs(message[1:]), lora=lora)
+            lora = None
+        elif op == OP_LORA:
+            writes, token_slots = conn.recv()
+            mapping = LoRAMapping.from_token_slots(token_slots) if token_slots is not None else None
+            lora = LoRAStep(writes, mapping)
         elif op == OP_SWAP:
             shard.swap(*parse_swap_message(message))
         elif op == OP_CLEAR:

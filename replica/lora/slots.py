@@ -7,7 +7,11 @@ the layout). :meth:`LoRASlots.load` writes an adapter into a slot (every project
 not adapt stays zero there); :meth:`LoRASlots.set_mapping` gives every layer the step's
 rows grouped by slot. One mapping object is shared by all layers, set once per step.
 
-Tensor parallelism is refused with LoRA (EngineConfig): the buffers are full-width here.
+Under tensor parallelism each rank's slots hold its shard of every adapter, cut as the
+projection's own weight is: a column-parallel linear (q/k/v, gate/up) keeps A whole and the
+rows of B its output rows are; a row-parallel one (o, down) keeps the columns of A its input
+columns are and B whole, so its delta is a partial sum that the projection's all-reduce adds
+up with the base's (``x A^T B^T`` is linear in ``x``'s shards).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 
 from prefixserve.kernels.reference_lora import LoRAMapping, add_lora
 from prefixserve.replica.lora.adapter import LoRAAdapter
+from prefixserve.replica.model.layers import ColumnParallelLinear, RowParallelLinear
 from prefixserve.replica.model.llama import LlamaForCausalLM
 
 # PEFT module -> (the model's linear, as a path from a decoder layer; the slice it fills).
@@ -73,9 +78,18 @@ class LoRALinear:
         shared: _Shared,
         dtype: torch.dtype,
         device: torch.device,
+        *,
+        out_starts: list[int] | None = None,
+        in_start: int = 0,
     ) -> None:
+        """``out_starts``: where this rank's rows of each fused slice start in the slice's full
+        output (a column-parallel shard; 0s: every row); ``in_start``: where its input columns
+        start (a row-parallel shard's)."""
         n = len(out_sizes)
         self.rank = max_rank
+        self.in_features = in_features
+        self.in_start = in_start
+        self.out_starts = out_starts if out_starts is not None else [0] * n
         self.out_offsets = [sum(out_sizes[:i]) for i in range(n)]
         self.out_sizes = out_sizes
         self.a = torch.zeros((max_loras, n * max_rank, in_features), dtype=dtype, device=device)
@@ -87,10 +101,13 @@ class LoRALinear:
         self.b[slot].zero_()
 
     def write(self, slot: int, index: int, a: torch.Tensor, b: torch.Tensor) -> None:
-        """Slice ``index``'s A ``[r, in]`` and B ``[out_i, r]`` into ``slot`` (r <= max rank)."""
-        r, first, out = a.shape[0], index * self.rank, self.out_offsets[index]
+        """Slice ``index``'s A ``[r, in]`` and B ``[out_i, r]`` (whole: this rank keeps its shard)
+        into ``slot`` (r <= max rank)."""
+        r, first, out, rows = a.shape[0], index * self.rank, self.out_offsets[index], self.out_sizes[index]
+        a = a.narrow(1, self.in_start, self.in_features)
+        b = b.narrow(0, self.out_starts[index], rows)
         self.a[slot, first : first + r].copy_(a)
-        self.b[slot, out : out + self.out_sizes[index], first : first + r].copy_(b)
+        self.b[slot, out : out + rows, first : first + r].copy_(b)
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (the base projection of ``x``) plus each row's adapter delta."""
@@ -119,17 +136,14 @@ class LoRASlots:
         decoder_layers: list[Any] = list(model.layers)
         for layer in decoder_layers:
             attn, mlp = layer.self_attn, layer.mlp
-            q, kv = attn.q_size, attn.kv_size
-            hidden = attn.o_proj.weight.shape[0]
-            linears = {
-                "self_attn.qkv_proj": (attn.qkv_proj, hidden, [q, kv, kv]),
-                "self_attn.o_proj": (attn.o_proj, attn.o_proj.weight.shape[1], [hidden]),
-                "mlp.gate_up_proj": (mlp.gate_up_proj, hidden, [mlp.inter, mlp.inter]),
-                "mlp.down_proj": (mlp.down_proj, mlp.down_proj.weight.shape[1], [hidden]),
-            }
             built = {}
-            for path, (module, in_features, outs) in linears.items():
-                lora = LoRALinear(in_features, outs, max_loras, max_rank, self.shared, dtype, device)
+            for path, module in (
+                ("self_attn.qkv_proj", attn.qkv_proj),
+                ("self_attn.o_proj", attn.o_proj),
+                ("mlp.gate_up_proj", mlp.gate_up_proj),
+                ("mlp.down_proj", mlp.down_proj),
+            ):
+                lora = _lora_linear(module, max_loras, max_rank, self.shared, dtype, device)
                 module.lora = lora
                 built[path] = lora
             self.layers.append(built)
@@ -145,3 +159,33 @@ class LoRASlots:
 
     def set_mapping(self, mapping: LoRAMapping | None) -> None:
         self.shared.mapping = mapping
+
+
+def _lora_linear(
+    module: Any, max_loras: int, max_rank: int, shared: _Shared, dtype: torch.dtype, device: torch.device
+) -> LoRALinear:
+    """The slots of one projection, cut to this rank's shard of it (the module docstring)."""
+    if isinstance(module, ColumnParallelLinear):
+        segments = module.segments
+        return LoRALinear(
+            module.weight.shape[1],
+            [seg.rows for seg in segments],
+            max_loras,
+            max_rank,
+            shared,
+            dtype,
+            device,
+            out_starts=[seg.start for seg in segments],
+        )
+    assert isinstance(module, RowParallelLinear)
+    in_shard = module.in_shard
+    return LoRALinear(
+        in_shard,
+        [module.weight.shape[0]],
+        max_loras,
+        max_rank,
+        shared,
+        dtype,
+        device,
+        in_start=module.tp.rank * in_shard,
+    )

@@ -97,7 +97,6 @@ def test_lora_request_without_enable_lora_is_refused(ckpt: str, good: str) -> No
 @pytest.mark.parametrize(
     ("knobs", "message"),
     [
-        ({"enable_lora": True, "tensor_parallel_size": 2}, "tensor_parallel_size > 1 is not supported"),
         ({"max_loras": 0}, "max_loras must be at least 1"),
         ({"max_lora_rank": 0}, "max_lora_rank must be at least 1"),
         ({"max_loras": 3, "max_cpu_loras": 2}, "max_cpu_loras"),

@@ -60,6 +60,27 @@ def test_mixed_batch_equals_peft_with_prefix_hits_and_chunked_prefill(
     assert all(out1[i].outputs[0].token_ids != base for i in range(1, len(names)))
 
 
+@pytest.mark.parametrize("size", [2, 4])  # 4: one query head a rank, the 2 KV heads replicated
+def test_tensor_parallel_ranks_hold_their_shard_of_each_adapter_and_the_tokens_equal_peft(
+    ckpt: str, adapters: dict[str, LoRARequest], seed: int, size: int
+) -> None:
+    """Base and three adapters mixed in one batch, over 2 and 4 ranks, with prefix hits and chunked
+    prefill: each rank's slots hold its cut of every adapter (column-parallel B rows, row-parallel A
+    columns), and the tokens are peft's."""
+    names = [None, "all", "qv", "mlp"]
+    first = _prompts(seed, len(names), lo=36)
+    second = [first[i][:32] + p[:10] for i, p in enumerate(_prompts(seed + 1, len(names)))]
+    loras = [None if n is None else adapters[n] for n in names]
+    with _engine(ckpt, max_loras=4, max_num_batched_tokens=24, tensor_parallel_size=size) as llm:
+        out1 = llm.generate(first, GREEDY, lora_request=loras)
+        out2 = llm.generate(second, GREEDY, lora_request=loras)
+    for i, name in enumerate(names):
+        path = None if name is None else adapters[name].lora_path
+        expected = peft_greedy(ckpt, path, [first[i], second[i]], MAX_TOKENS)
+        assert [out1[i].outputs[0].token_ids, out2[i].outputs[0].token_ids] == expected, name
+    assert [o.num_cached_tokens for o in out2] == [32] * len(names)
+
+
 def test_adapter_name_enters_block_hashes(ckpt: str, adapters: dict[str, LoRARequest], seed: int) -> None:
     """Same prompt, different adapters: no hit across them (their KV differs); same adapter: a hit."""
     prompt = _prompts(seed, 1)[0][:20] + list(range(100, 120))
