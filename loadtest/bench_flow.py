@@ -38,9 +38,8 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from prefixserve.common.logs import add_verbose_flag
 from prefixserve.loadtest.cluster_run import LocalServeCluster, scrape_metrics, served_model
-from prefixserve.loadtest.harness.cli import plan_and_run
+from prefixserve.loadtest.harness.cli import cluster_parser, plan_and_run
 from prefixserve.loadtest.harness.client import RequestRecord, auth_headers, run_load, stream_one
 from prefixserve.loadtest.harness.plotting import figure
 from prefixserve.loadtest.harness.report import config_json, fmt, markdown_table, write_json
@@ -269,13 +268,7 @@ def app_args(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m prefixserve.loadtest.bench_flow",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument("--model", default="smollm2", help="'smollm2' or a checkpoint directory / .gguf file")
-    p.add_argument("--replicas", type=int, default=2)
+    p = cluster_parser("bench_flow", __doc__ or "")
     p.add_argument(
         "--slots-per-replica", type=int, default=4, help="requests the ingress runs at once, per engine replica"
     )
@@ -289,11 +282,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="ingress slots for the interactive band alone (default: one per replica)",
     )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--port", type=int, default=8000, help="Serve's HTTP port for the local cluster")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds per request and per deployment")
-    p.add_argument("--out-dir", type=Path, default=Path("results"))
-    add_verbose_flag(p)
     return p
 
 

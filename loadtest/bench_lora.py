@@ -30,7 +30,7 @@ from typing import Any
 from tqdm import tqdm
 
 from prefixserve.common.logs import add_verbose_flag
-from prefixserve.loadtest.harness.cli import plan_and_run
+from prefixserve.loadtest.harness.cli import alternated, plan_and_run
 from prefixserve.loadtest.harness.report import config_json, fmt, markdown_table, write_json
 from prefixserve.loadtest.harness.stats import ratio
 
@@ -136,8 +136,7 @@ def run(args: argparse.Namespace, _: None) -> int:
         }
         for engine, loras in cases.values():  # warm-up: first-use costs out of the timed runs
             decode_tokens_per_s(engine, prompts[:2], loras[:2], 2)
-        order = [way for i in range(args.repeats) for way in (WAYS if i % 2 == 0 else WAYS[::-1])]
-        for way in tqdm(order, desc="runs", unit="run", file=sys.stderr):
+        for _, way in tqdm(alternated(WAYS, args.repeats), desc="runs", unit="run", file=sys.stderr):
             engine, loras = cases[way]
             runs[way].append(decode_tokens_per_s(engine, prompts, loras, args.steps))
         plain.shutdown()

@@ -25,15 +25,13 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
 from tqdm import tqdm
 
-from prefixserve.common.logs import add_verbose_flag
 from prefixserve.loadtest.cluster_run import LocalServeCluster, served_model
-from prefixserve.loadtest.harness.cli import plan_and_run
+from prefixserve.loadtest.harness.cli import alternated, cluster_parser, plan_and_run
 from prefixserve.loadtest.harness.report import config_json, fmt, markdown_table, write_json
 from prefixserve.loadtest.harness.stats import ratio
 from prefixserve.loadtest.workloads import words_text
@@ -143,24 +141,13 @@ async def run_way(base: str, model: str, way: str, seed: int, args: argparse.Nam
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m prefixserve.loadtest.bench_responses",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument("--model", default="smollm2", help="'smollm2' or a checkpoint directory / .gguf file")
-    p.add_argument("--replicas", type=int, default=2)
+    p = cluster_parser("bench_responses", __doc__ or "")
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--system-tokens", type=int, default=150)
     p.add_argument("--user-tokens", type=int, default=30)
     p.add_argument("--answer-tokens", type=int, default=16)
     p.add_argument("--runs", type=int, default=2, help="runs of each way, alternated")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--port", type=int, default=8000, help="Serve's HTTP port for the local cluster")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds per request and per deployment")
-    p.add_argument("--out-dir", type=Path, default=Path("results"))
-    add_verbose_flag(p)
     return p
 
 
@@ -175,7 +162,7 @@ def plan(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace, _: None) -> int:
     started = time.perf_counter()
     results: list[RunResult] = []
-    order = [(i, way) for i in range(args.runs) for way in (WAYS if i % 2 == 0 else WAYS[::-1])]
+    order = alternated(WAYS, args.runs)
     with LocalServeCluster(num_cpus=args.replicas + 1, port=args.port) as cluster:
         bar = tqdm(total=len(order), desc="runs", unit="run", file=sys.stderr)
         for i, way in order:

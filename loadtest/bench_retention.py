@@ -35,9 +35,8 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from prefixserve.common.logs import add_verbose_flag
 from prefixserve.loadtest.cluster_run import LocalServeCluster, scrape_metrics, served_model
-from prefixserve.loadtest.harness.cli import plan_and_run
+from prefixserve.loadtest.harness.cli import alternated, cluster_parser, plan_and_run
 from prefixserve.loadtest.harness.plotting import figure
 from prefixserve.loadtest.harness.report import config_json, fmt, markdown_table, write_json
 from prefixserve.loadtest.harness.stats import ratio
@@ -186,13 +185,7 @@ async def run_mode(base: str, model: str, mode: str, seed: int, args: argparse.N
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m prefixserve.loadtest.bench_retention",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument("--model", default="smollm2", help="'smollm2' or a checkpoint directory / .gguf file")
-    p.add_argument("--replicas", type=int, default=2)
+    p = cluster_parser("bench_retention", __doc__ or "")
     p.add_argument("--num-kv-blocks", type=int, default=512, help="KV blocks (16 tokens) per engine replica")
     p.add_argument(
         "--eviction-policy",
@@ -209,11 +202,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--burst-tokens", type=int, default=400)
     p.add_argument("--burst-concurrency", type=int, default=8)
     p.add_argument("--runs", type=int, default=2, help="runs of each mode, alternated")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--port", type=int, default=8000, help="Serve's HTTP port for the local cluster")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds per request and per deployment")
-    p.add_argument("--out-dir", type=Path, default=Path("results"))
-    add_verbose_flag(p)
     return p
 
 
@@ -232,7 +220,7 @@ def plan(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace, _: None) -> int:
     started = time.perf_counter()
     results: list[RunResult] = []
-    order = [(i, mode) for i in range(args.runs) for mode in (MODES if i % 2 == 0 else MODES[::-1])]
+    order = alternated(MODES, args.runs)
     with LocalServeCluster(num_cpus=args.replicas + 1, port=args.port) as cluster:
         bar = tqdm(total=len(order), desc="runs", unit="run", file=sys.stderr)
         for i, mode in order:

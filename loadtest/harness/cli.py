@@ -14,12 +14,14 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 from prefixserve.common.config_util import add_cli_arguments
-from prefixserve.common.logs import quiet_libraries
+from prefixserve.common.logs import add_verbose_flag, quiet_libraries
 
 P = TypeVar("P")
+W = TypeVar("W")
 # The metadata key that marks a field as a flag.
 _FLAG = "cli_flag"
 
@@ -40,6 +42,32 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, title: str) -> argpars
     """One flag per :func:`flag_field` of dataclass ``cls``, in a group named ``title``; returns the group."""
     names = [f.name for f in dataclasses.fields(cls) if f.metadata.get(_FLAG)]
     return add_cli_arguments(parser, cls, title, only=names)
+
+
+def cluster_parser(module: str, doc: str) -> argparse.ArgumentParser:
+    """The parser of a benchmark on a local Ray cluster (``python -m prefixserve.loadtest.<module>``),
+    its description ``doc``'s first paragraph, with the options every such benchmark takes:
+    ``--model``, ``--replicas``, ``--seed``, ``--port``, ``--timeout``, ``--out-dir``, ``--verbose``.
+    The benchmark adds its own."""
+    p = argparse.ArgumentParser(
+        prog=f"python -m prefixserve.loadtest.{module}",
+        description=doc.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--model", default="smollm2", help="'smollm2' or a checkpoint directory / .gguf file")
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--port", type=int, default=8000, help="Serve's HTTP port for the local cluster")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per request and per deployment")
+    p.add_argument("--out-dir", type=Path, default=Path("results"))
+    add_verbose_flag(p)
+    return p
+
+
+def alternated(ways: Sequence[W], repeats: int) -> list[tuple[int, W]]:
+    """``repeats`` runs of each way, the order reversed every other round (A B, B A, A B, ...), so
+    that no way always runs first: (round, way) pairs."""
+    return [(i, way) for i in range(repeats) for way in (ways if i % 2 == 0 else ways[::-1])]
 
 
 def plan_and_run(

@@ -588,6 +588,11 @@ class Placed(RingPolicy):
         uncached = prompt_tokens - (cached_tokens or 0)
         self.table.observe(key, max(0, uncached), self._clock())
 
+    def refused(self, key: str) -> None:
+        """A request of ``key`` ranked with ``count=True`` was refused by its replica as a client error:
+        take its count back (a key seen only in refused requests leaves the table). Call ``done`` too."""
+        self.table.unrecord(key, self._clock())
+
     def retain(self, key: str) -> None:
         """A request of ``key`` (ranked with ``count=True``) asked its replica to pin its prefix:
         keep the key where it is placed for ``retain_s`` (router/policies/placement.py)."""

@@ -412,20 +412,42 @@ class PlacementTable:
     def _forget(self) -> None:
         quiet = np.nonzero(self._live & (self._rate < FORGET_BELOW) & ~self._retained_mask())[0]
         for slot in quiet.tolist():
-            key = self._keys[slot]
-            assert key is not None
-            del self._slot[key]
-            self._cached.pop(key, None)
-            self._keys[slot] = None
-            self._live[slot] = False
-            self._primary[slot] = -1
-            self._copies[slot] = 0
-            self._rate[slot] = self._work[slot] = 0.0
-            self._extra.pop(slot, None)
-            self._unplace(slot)
-            self._succ[slot] = None
-            self._free.append(slot)
+            self._drop(slot)
         if len(quiet):
+            self.version += 1
+
+    def _drop(self, slot: int) -> None:
+        """Forget the key of ``slot`` and free the slot (the caller takes its statistics out of the loads)."""
+        key = self._keys[slot]
+        assert key is not None
+        del self._slot[key]
+        self._cached.pop(key, None)
+        self._retained.pop(key, None)
+        self._keys[slot] = None
+        self._live[slot] = False
+        self._primary[slot] = -1
+        self._copies[slot] = 0
+        self._rate[slot] = self._work[slot] = 0.0
+        self._extra.pop(slot, None)
+        self._unplace(slot)
+        self._succ[slot] = None
+        self._free.append(slot)
+
+    def unrecord(self, key: str, now: float) -> None:
+        """Take back one request of ``key`` counted at about ``now``: its replica refused it (a client
+        error says nothing of the key's traffic). A key left with nothing else is forgotten at once,
+        so that refused requests leave no keys in the table."""
+        slot = self._slot.get(key)
+        if slot is None:
+            return
+        unit = self._unit(now)
+        w = min(unit, float(self._rate[slot]))
+        self._rate[slot] -= w
+        self._total_rate -= w
+        if self._primary[slot] >= 0:
+            self._add_load(slot, -w, 0.0)
+        if self._rate[slot] < FORGET_BELOW * unit and self._work[slot] <= 0 and key not in self._retained:
+            self._drop(slot)
             self.version += 1
 
     def _replicate(self) -> None:

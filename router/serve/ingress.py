@@ -148,12 +148,14 @@ class RemoteStream:
         max_attempts: int,
         on_first: Callable[[EngineRequest, StreamDelta], None] | None = None,
         admit: Callable[[EngineRequest], Awaitable[Lease]] | None = None,
+        on_refused: Callable[[EngineRequest], None] | None = None,
     ) -> None:
         self._handle = handle
         self.request = request
         self._max_attempts = max_attempts
         self._on_first = on_first
         self._admit = admit
+        self._on_refused = on_refused
         self._lease: Lease | None = None
         self._usage = (0, 0)  # prompt and completion tokens so far (the deltas' counts are cumulative)
         self._response: DeploymentResponseGenerator | None = None
@@ -236,7 +238,13 @@ class RemoteStream:
             self._started = True
             if self._admit is not None:
                 self._lease = await self._admit(self.request)
-            delta = await self._first_delta()
+            try:
+                delta = await self._first_delta()
+            except APIError as exc:
+                # A client error of the replica's (the prompt too long, a bad adapter): not traffic of its key.
+                if self._on_refused is not None and 400 <= exc.status_code < 500 and exc.status_code != 429:
+                    self._on_refused(self.request)
+                raise
             if self._on_first is not None:
                 try:
                     self._on_first(self.request, delta)
@@ -335,6 +343,14 @@ class ServeEngineClient:
         if router is not None and request.routing_key:
             router.observe(request.routing_key, delta.num_prompt_tokens, delta.num_cached_tokens)
 
+    def _refused(self, request: EngineRequest) -> None:
+        router = self.router
+        if router is not None and request.routing_key:
+            try:
+                router.refused(request.routing_key)
+            except Exception:  # bookkeeping must never fail a request
+                log.exception("forgetting the refused request %s failed", request.request_id)
+
     async def _admit(self, request: EngineRequest) -> Lease:
         assert self._flow is not None
         info = await self.model_info()
@@ -342,7 +358,7 @@ class ServeEngineClient:
 
     def open_stream(self, request: EngineRequest) -> RemoteStream:
         admit = self._admit if self._flow is not None else None
-        return RemoteStream(self._handle, request, self._max_attempts, self._observe, admit)
+        return RemoteStream(self._handle, request, self._max_attempts, self._observe, admit, self._refused)
 
 
 class SiblingStores:

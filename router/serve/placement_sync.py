@@ -67,7 +67,8 @@ class PlacementSync(SlotPart):
         return counts
 
     def merge_counts(self, counts: Mapping[str, Any]) -> None:
-        """Count another router's requests in this (leader's) placement: ``{key: [requests, tokens]}``."""
+        """Count another router's requests in this (leader's) placement: ``{key: [requests, tokens]}``
+        (requests below 0: refused ones it had counted in an earlier exchange, taken back)."""
         placed = self._slot.placed
         if placed is None:
             return
@@ -76,8 +77,23 @@ class PlacementSync(SlotPart):
             for key, (n, tokens) in counts.items():
                 for _ in range(max(0, int(n))):
                     placed.table.record(str(key), now)
+                for _ in range(max(0, -int(n))):
+                    placed.table.unrecord(str(key), now)
                 if int(tokens) > 0:
                     placed.table.observe(str(key), int(tokens), now)
+
+    def refused(self, key: str) -> None:
+        """A request of ``key`` its replica refused as a client error: its count taken back, here and
+        in what the next exchange hands the leader."""
+        placed = self._slot.placed
+        if placed is None:
+            return
+        with self._slot.lock:
+            placed.refused(key)
+            entry = self._counts.setdefault(key, [0, 0])
+            entry[0] -= 1  # below 0 when the exchange already handed the leader its count
+            if entry == [0, 0]:
+                del self._counts[key]
 
     def observe(self, key: str, prompt_tokens: int, cached_tokens: int | None) -> None:
         """The prefill work of a finished request of ``key`` (the ingress reports it from the usage)."""

@@ -221,6 +221,11 @@ class PrefixRouter(RequestRouter):
         """The prefill work of a finished request of ``key`` (the ingress reports it from the usage)."""
         self._placement.observe(key, prompt_tokens, cached_tokens)
 
+    def refused(self, key: str) -> None:
+        """A request of ``key`` its replica refused as a client error (the ingress reports it): the
+        placement keeps no key of refused requests."""
+        self._placement.refused(key)
+
     # -- the decision -----------------------------------------------------------------
     def in_flight(self, replica: RunningReplica) -> int:
         """Requests this router sent to ``replica`` that have not completed."""

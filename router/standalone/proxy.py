@@ -482,6 +482,8 @@ class StandaloneRouter:
                 continue
             kind = self.routing.landed(plan, name)
             self.metrics.requests.labels(self.metrics.policy, name, kind).inc()
+            if 400 <= answer.status_code < 500 and answer.status_code != 429:
+                self.routing.refused(plan)
             return RelayResponse(answer, _Open(self, plan, name, lease, request.url.path == RESPONSES_PATH))
         self.routing.finished(plan)
         self.metrics.no_replica.inc()

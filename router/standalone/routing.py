@@ -157,6 +157,13 @@ class StandaloneRouting:
             placed.history.record(name, plan.blocks.hashes)  # the prompt is cached there, not on the first choice
         return kind
 
+    def refused(self, plan: Plan) -> None:
+        """The replica refused the request as a client error: its key's count taken back (the
+        placement keeps no key of refused requests)."""
+        placed = self.placed
+        if placed is not None and plan.counted and plan.key is not None:
+            placed.refused(plan.key)
+
     def finished(self, plan: Plan) -> None:
         """The request ended (answered, failed or abandoned)."""
         placed = self.placed

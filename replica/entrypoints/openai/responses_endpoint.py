@@ -42,7 +42,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from fastapi import Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from prefixserve.common.logs import REQUEST_ID
@@ -165,6 +165,19 @@ class ResponsesEndpoints:
         self.store = store
         self.routing_key = routing_key
         self.others = others
+
+    def add_routes(self, app: FastAPI) -> None:
+        """The three endpoints on ``app`` (a host built as a function; the Ray ingress routes its
+        class's methods to them)."""
+        app.post("/v1/responses")(self.create)
+
+        @app.get("/v1/responses/{response_id}")
+        async def retrieve(request: Request, response_id: str) -> Response:
+            return await self.retrieve(request, response_id)
+
+        @app.delete("/v1/responses/{response_id}")
+        async def delete(request: Request, response_id: str) -> Response:
+            return await self.delete(request, response_id)
 
     async def _find(self, response_id: str, owner: str | None) -> StoredResponse | None:
         entry = self.store.get(response_id, owner)

@@ -391,17 +391,7 @@ def build_app(
     async def completions(request: Request) -> Response:
         return await http_frontend.handle_generate(request, api.CompletionRequest, client, options)
 
-    @app.post("/v1/responses")
-    async def create_response(request: Request) -> Response:
-        return await responses.create(request)
-
-    @app.get("/v1/responses/{response_id}")
-    async def retrieve_response(request: Request, response_id: str) -> Response:
-        return await responses.retrieve(request, response_id)
-
-    @app.delete("/v1/responses/{response_id}")
-    async def delete_response(request: Request, response_id: str) -> Response:
-        return await responses.delete(request, response_id)
+    responses.add_routes(app)
 
     if lora_endpoints.runtime_updating_allowed(allow_runtime_lora_updating):
 

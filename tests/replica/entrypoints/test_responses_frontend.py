@@ -14,8 +14,7 @@ import logging
 
 import httpx
 import pytest
-from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi import FastAPI
 from server_helpers import assert_openai_error
 
 from prefixserve.replica.contract.request import EngineRequest, ModelInfo
@@ -143,17 +142,7 @@ def tenant_host(replica):
     app = FastAPI()
     http_frontend.add_error_handlers(app)
 
-    @app.post("/v1/responses")
-    async def create_response(request: Request) -> Response:
-        return await endpoints.create(request)
-
-    @app.get("/v1/responses/{response_id}")
-    async def get_response(request: Request, response_id: str) -> Response:
-        return await endpoints.retrieve(request, response_id)
-
-    @app.delete("/v1/responses/{response_id}")
-    async def delete_response(request: Request, response_id: str) -> Response:
-        return await endpoints.delete(request, response_id)
+    endpoints.add_routes(app)
 
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://host", timeout=120)
 

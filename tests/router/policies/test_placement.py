@@ -629,3 +629,24 @@ def test_a_quiet_retained_key_outlives_the_forgetting_of_its_statistics() -> Non
     clock.t = 5001.0
     p.rebalance()
     assert p.placement("kept") == []
+
+
+def test_a_refused_request_is_taken_back_and_a_key_seen_only_in_refused_requests_leaves() -> None:
+    clock = Clock()
+    p = policy(clock)
+    p.rank(fleet(), "kept")
+    clock.t = 5.0
+    p.rank(fleet(), "kept")
+    p.rank(fleet(), "refused-only")
+    p.refused("refused-only")
+    p.refused("kept")
+    assert "refused-only" not in p.table and p.placement("refused-only") == []
+    twin = policy(clock)  # saw only the first request of "kept"
+    clock.t = 0.0
+    twin.rank(fleet(), "kept")
+    clock.t = 5.0
+    assert p.table.stats("kept") == pytest.approx(twin.table.stats("kept"), rel=1e-9)
+    got, want = p.table.loads(), twin.table.loads()  # the replicas' loads too
+    assert got.keys() == want.keys() and all(got[n] == pytest.approx(want[n], abs=1e-9) for n in got)
+    p.refused("never-seen")  # nothing to take back
+    assert len(p.table) == 1

@@ -646,8 +646,9 @@ def test_adding_a_replica_moves_at_most_its_share_of_keys(base, ckpt):
 
 def test_placed_ingress_replicas_agree_on_placements_and_hear_kv_events(base, ckpt, tmp_path):
     """The default policy with two ingress replicas: one leader's placement table, applied by the other
-    (both answer /placement with the same table, which counts the keys either routed), and every
-    router learns from the engines' KV events which replica holds each key's prefix."""
+    (both answer /placement with the same table, which counts the keys either routed and none of the
+    requests the engines refused), and every router learns from the engines' KV events which replica
+    holds each key's prefix."""
     args = app_args(ckpt, 3)
     args["router"] = {"policy": "placed", "precise": True, "rebalance_interval_s": 1.0, "stats_period_s": 0.5}
     args["ingress"] = {**args["ingress"], "placement_sync_s": 0.5}
@@ -660,6 +661,11 @@ def test_placed_ingress_replicas_agree_on_placements_and_hear_kv_events(base, ck
     served: dict[str, set[str]] = {k: set() for k in keys}
     ingresses = set()
     with httpx.Client(timeout=120) as http:
+        # Requests their engine replica refuses (prompts longer than max_model_len): routed and
+        # counted, then taken back, so their keys never show in any table (checked below).
+        for i in range(4):
+            r = chat(url, words(rng, 4), system=f"Refused {i}: " + words(rng, 1500), client=http)
+            assert r.status == 400 and r.body["error"]["code"] == "context_length_exceeded", r.body
         for i in range(36):  # tenant 0 every other request, the others in turn
             system = systems[0] if i % 2 == 0 else systems[1 + (i // 2) % 5]
             r = chat(url, words(rng, 4), system=system, client=http)

@@ -150,6 +150,27 @@ def test_a_ranked_request_is_counted_once_and_its_prefill_work_is_handed_over():
     assert not sync.is_leader
 
 
+def test_a_refused_request_leaves_no_key_here_nor_at_the_leader():
+    slot, metrics = placed_slot(), RouterMetrics()
+    sync = PlacementSync(slot, metrics, "Engine")
+    ranker = Ranker(slot, sync, metrics, "Engine")
+    views = [Replica("a"), Replica("b")]
+    ranker.rank(views, "early")
+    sync.refused("early")  # refused before the exchange: nothing to hand over
+    ranker.rank(views, "late")
+    handed = sync.take_counts()
+    sync.refused("late")  # refused after it: the next exchange takes the count back
+    assert handed == {"late": [1, 0]} and sync.take_counts() == {"late": [-1, 0]}
+    placed = slot.placed
+    assert placed is not None and "early" not in placed.table and "late" not in placed.table
+    leader_slot = placed_slot()
+    leader = PlacementSync(leader_slot, metrics, "Engine")
+    Ranker(leader_slot, leader, metrics, "Engine").rank(views, "other")  # members known
+    leader.merge_counts(handed)
+    leader.merge_counts({"late": [-1, 0]})
+    assert leader_slot.placed is not None and "late" not in leader_slot.placed.table
+
+
 def test_a_request_asking_for_retention_keeps_its_key_where_it_is_placed():
     slot, metrics = placed_slot(), RouterMetrics()
     ranker = Ranker(slot, PlacementSync(slot, metrics, "Engine"), metrics, "Engine")

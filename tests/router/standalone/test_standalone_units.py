@@ -298,3 +298,13 @@ def test_usage_from_a_json_answer_kept_whole_only() -> None:
     assert big.usage() is None
     assert usage_of(b"{not json", sse=False) is None
     assert usage_of(b'{"usage": {"prompt_tokens": -1}}', sse=False) is None
+
+
+def test_a_request_its_replica_refused_leaves_no_key_in_the_placement() -> None:
+    routing = StandaloneRouting(make_policy("placed"), ReplicaSet({"a:1": "http://a:1", "b:2": "http://b:2"}))
+    body = {"messages": [{"role": "system", "content": "refused"}, {"role": "user", "content": "x"}]}
+    plan = routing.plan(body, {})
+    routing.refused(plan)
+    routing.finished(plan)
+    placed = routing.placed
+    assert placed is not None and plan.key is not None and plan.key not in placed.table
