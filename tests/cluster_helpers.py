@@ -195,22 +195,27 @@ def chat(
     )
 
 
-def engine_replicas(app_name: str = APP_NAME) -> list[str]:
-    """Ring names of the engine replicas that answer now."""
+def _broadcast(method: str, app_name: str) -> list[Any]:
+    """Each engine replica's answer to ``method`` (an exception for one that failed); none while the
+    driver's handle knows no replica yet (just after a deploy: Serve says the deployment is unavailable)."""
     from ray import serve
+    from ray.serve.exceptions import DeploymentUnavailableError
 
     handle = serve.get_deployment_handle("Engine", app_name=app_name)
-    names = handle.broadcast("replica_name").results(timeout_s=60, return_exceptions=True)
-    return sorted(n for n in names if isinstance(n, str))
+    try:
+        return list(handle.broadcast(method).results(timeout_s=60, return_exceptions=True))
+    except DeploymentUnavailableError:
+        return []
+
+
+def engine_replicas(app_name: str = APP_NAME) -> list[str]:
+    """Ring names of the engine replicas that answer now."""
+    return sorted(n for n in _broadcast("replica_name", app_name) if isinstance(n, str))
 
 
 def engine_actors(app_name: str = APP_NAME) -> dict[str, str]:
     """Each answering engine replica's ring name -> its actor's name (its full Serve replica id)."""
-    from ray import serve
-
-    handle = serve.get_deployment_handle("Engine", app_name=app_name)
-    pairs = handle.broadcast("replica_names").results(timeout_s=60, return_exceptions=True)
-    return dict(p for p in pairs if isinstance(p, tuple))
+    return dict(p for p in _broadcast("replica_names", app_name) if isinstance(p, tuple))
 
 
 def wait_for_replicas(count: int, app_name: str = APP_NAME, timeout_s: float = 180.0) -> list[str]:
