@@ -81,6 +81,10 @@ class EngineRequest:
     # OpenAI's prompt_cache_retention (replica/contract/retention.py): "24h" pins its prefix blocks
     # on the replica; None or "in_memory" = the prefix cache as it is.
     cache_retention: str | None = None
+    # The engine replica (its ring name) that holds the conversation this request continues (a
+    # /v1/responses continuation: where its previous response was answered). The router sends it
+    # there first, and routes it as any other request when that replica is gone.
+    home_replica: str | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):

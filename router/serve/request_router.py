@@ -267,6 +267,8 @@ class PrefixRouter(RequestRouter):
             blocks = self._history.blocks(request) if not seen else None
             retained = request is not None and request.cache_retention == RETENTION_24H
             ranking, owner = self.rank(candidate_replicas, key, count=not seen, blocks=blocks, retained=retained)
+            if request is not None and request.home_replica is not None:
+                ranking = self._home_first(ranking, request.home_replica)
             if span is not None:
                 span.set_attributes(
                     {
@@ -290,6 +292,14 @@ class PrefixRouter(RequestRouter):
             for dropped in self._pending_choices.remember(request_id, choice):
                 self._done(dropped.key)  # never routed (cancelled): its key's in-flight count ends here
         return [[r] for r in ranking]
+
+    def _home_first(self, ranking: list[RunningReplica], home: str) -> list[RunningReplica]:
+        """``ranking`` with the replica named ``home`` first when it is a candidate: the conversation a
+        request continues is cached there. Gone, the ranking stands (its history decides)."""
+        at = next((i for i, r in enumerate(ranking) if self.name_of(r.replica_id) == home), None)
+        if not at:
+            return ranking
+        return [ranking[at], *ranking[:at], *ranking[at + 1 :]]
 
     def _done(self, key: str | None) -> None:
         placed = self.placed

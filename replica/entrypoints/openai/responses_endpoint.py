@@ -206,6 +206,7 @@ class ResponsesEndpoints:
             data = options.ignored_fields.filter(rp.ResponsesRequest, data)
             body = api.validate_request(rp.ResponsesRequest, data, scheduling_policy=info.scheduling_policy)
             history: list[dict[str, Any]] = []
+            previous: StoredResponse | None = None
             if body.previous_response_id is not None:
                 previous = await self._find(body.previous_response_id, owner)
                 if previous is None:
@@ -229,6 +230,7 @@ class ResponsesEndpoints:
             prepared.client = client_identity(request, options)
             prepared.tenant = tenant
             prepared.conversation = prepared.conversation or body.previous_response_id is not None
+            prepared.home_replica = previous.replica if previous is not None else None
             request_id = client_id or prepared.request_id
             REQUEST_ID.set(request_id)
             log.info(

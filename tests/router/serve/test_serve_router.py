@@ -509,3 +509,16 @@ async def test_two_replicas_reporting_one_rank_are_both_named_by_their_ids_and_u
     reps[2].routing_stats = stats(2, 0, 0, rank=2)
     router.refresh_reports(reps)
     assert [router.name_of(r.replica_id) for r in reps] == [ring_name("prefixserve", "Engine", i) for i in range(3)]
+
+
+async def test_a_continuation_goes_to_the_replica_holding_its_conversation_while_it_is_there():
+    rng, router, reps = started(31, 3, policy="placed")
+    key = random_keys(rng, 1)[0]
+    owner = (await route(router, pending(key))).name
+    home = next(r.name for r in reps if r.name != owner)
+    continuation = pending(key)
+    continuation.args[0].home_replica = home
+    assert (await route(router, continuation)).name == home
+    gone = pending(key)
+    gone.args[0].home_replica = "prefixserve#Engine#rank-99"  # replaced since: the ranking stands
+    assert (await route(router, gone)).name == owner
