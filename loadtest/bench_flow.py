@@ -14,6 +14,8 @@ and runs, on that one deployment, seeded open-loop phases of ``--duration-s`` ea
    both were backlogged.
 5. **noisy**: phase 4 plus a noisy tenant sending three times its requests-per-minute quota:
    its admitted rate against the quota, the others' TTFT p50 against phase 4's.
+6. **noisy_at_quota**: phase 5 with the noisy tenant sending exactly its quota: the others' TTFT
+   p50 in phase 5 against this one is what its traffic beyond the quota costs them.
 
 Then phase 3 again on a deployment without tenants (no flow control: every request waits in
 Serve's and the engines' queues in arrival order), the comparison point.
@@ -53,7 +55,7 @@ WORDS = (
 ).split()
 INTERACTIVE, BATCH, BATCH_A, BATCH_B, NOISY = "interactive", "batch", "batch-a", "batch-b", "noisy"
 TENANT_BANDS = {INTERACTIVE: 0, BATCH: 10, BATCH_A: 10, BATCH_B: 10, NOISY: 10}
-PHASES = ("alone", "overload", "fair", "noisy", "overload_no_flow")
+PHASES = ("alone", "overload", "fair", "noisy", "noisy_at_quota", "overload_no_flow")
 
 
 @dataclass(frozen=True)
@@ -223,6 +225,8 @@ class Targets:
     batch_completed: str  # "ok/sent" under overload (target: all)
     noisy_admitted_vs_quota: float | None  # target within 10% (0.9-1.1)
     others_ttft_vs_without_noisy: dict[str, float | None] = field(default_factory=dict)  # target <= 1.2
+    # The noisy tenant at three times its quota against it at its quota: what its excess costs the others.
+    others_ttft_over_vs_at_quota: dict[str, float | None] = field(default_factory=dict)
     jain_equal_tenants: float | None = None  # target >= 0.9
     no_flow_interactive_ttft_vs_alone: float | None = None  # the comparison point
 
@@ -372,6 +376,13 @@ def run(args: argparse.Namespace, p: Plan) -> int:
                 BATCH_B: overload / 2,
                 NOISY: 3 * noisy_quota / 60,
             },
+            # The noisy tenant sending exactly its quota: what the others pay for its allowed share.
+            "noisy_at_quota": {
+                INTERACTIVE: interactive,
+                BATCH_A: overload / 2,
+                BATCH_B: overload / 2,
+                NOISY: noisy_quota / 60,
+            },
         }
         for i, (phase, rates) in enumerate(loads.items()):
             arrivals = schedule(rates, args.duration_s, model, args.seed + i)
@@ -404,6 +415,10 @@ def run(args: argparse.Namespace, p: Plan) -> int:
         noisy_admitted_vs_quota=admitted_rate_ratio(records["noisy"], NOISY, noisy_quota, args.duration_s),
         others_ttft_vs_without_noisy={
             t: ratio(phases["noisy"][t].ttft_p50_s, phases["fair"][t].ttft_p50_s)
+            for t in (INTERACTIVE, BATCH_A, BATCH_B)
+        },
+        others_ttft_over_vs_at_quota={
+            t: ratio(phases["noisy"][t].ttft_p50_s, phases["noisy_at_quota"][t].ttft_p50_s)
             for t in (INTERACTIVE, BATCH_A, BATCH_B)
         },
         jain_equal_tenants=backlogged_jain(records["fair"], [BATCH_A, BATCH_B]),
@@ -476,6 +491,10 @@ def render_targets(t: Targets, fairness_gauge: float | None) -> str:
         *(
             (f"{tenant} TTFT p50 with the noisy tenant / without", fmt(v, ".2f"), "<= 1.2")
             for tenant, v in t.others_ttft_vs_without_noisy.items()
+        ),
+        *(
+            (f"{tenant} TTFT p50, noisy tenant at 3x its quota / at its quota", fmt(v, ".2f"), "(isolation)")
+            for tenant, v in t.others_ttft_over_vs_at_quota.items()
         ),
         ("Jain's index, equal-weight batch tenants (backlogged)", fmt(t.jain_equal_tenants, ".3f"), ">= 0.9"),
         ("Jain's index, the ingress's gauge at the end", fmt(fairness_gauge, ".3f"), "(all tenants, last minute)"),
