@@ -37,16 +37,18 @@ BATCHED_MAX_ROWS = 64
 class BatchedRows:
     """The rows of a small batch laid out for batched matmuls: ``slots`` ``[P]`` the adapters
     present, ``rows`` ``[P * G]`` each group's rows padded to ``G`` with row 0, ``valid`` ``[P * G, 1]``
-    False on the padding; ``leading``: the slots are ``0 .. P-1`` (the buffers' first P, no gather)."""
+    False on the padding, None when every group is ``G`` rows (nothing to zero); ``leading``: the slots
+    are ``0 .. P-1`` (the buffers' first P, no gather)."""
 
     slots: torch.Tensor
     rows: torch.Tensor
-    valid: torch.Tensor
+    valid: torch.Tensor | None
     group: int
     leading: bool
 
     def to(self, device: torch.device) -> BatchedRows:
-        return BatchedRows(self.slots.to(device), self.rows.to(device), self.valid.to(device), self.group, self.leading)
+        valid = self.valid.to(device) if self.valid is not None else None
+        return BatchedRows(self.slots.to(device), self.rows.to(device), valid, self.group, self.leading)
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,7 @@ class LoRAMapping:
             batched = BatchedRows(
                 torch.tensor(present),
                 padded.flatten().to(token_slots.device),
-                valid.reshape(-1, 1).to(token_slots.device),
+                None if bool(valid.all()) else valid.reshape(-1, 1).to(token_slots.device),
                 group,
                 present == list(range(len(present))),
             )
@@ -105,7 +107,10 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     batched = mapping.batched
     if batched is not None:
         p, g = batched.slots.numel(), batched.group
-        xs = x.index_select(0, batched.rows).masked_fill_(~batched.valid, 0).view(p, g, -1)
+        xs = x.index_select(0, batched.rows)
+        if batched.valid is not None:
+            xs.masked_fill_(~batched.valid, 0)
+        xs = xs.view(p, g, -1)
         a_p = a[:p] if batched.leading else a.index_select(0, batched.slots)
         b_p = b[:p] if batched.leading else b.index_select(0, batched.slots)
         delta = torch.bmm(torch.bmm(xs, a_p.transpose(1, 2)), b_p.transpose(1, 2))
