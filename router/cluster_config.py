@@ -38,6 +38,9 @@ The args (every key optional except ``engine``)::
       api_keys: []                 # Bearer keys; empty = open
       max_body_bytes: 4194304
       max_attempts: 4              # sends per request while replicas die under it
+      migrate_streams: true        # a stream whose replica dies or stops goes on on another one,
+                                   #   token-exact (replica/contract/continuation.py)
+      max_stream_migrations: 3     # ... at most this many times per request
       placement_sync_s: 2.0        # placed: how often ingress replicas agree on placements
       session_header: false        # multi-turn affinity: key by X-Session-Id (router/routing_key.py)
       key_turns: 0                 # multi-turn affinity: key by the first N turns too
@@ -101,6 +104,8 @@ DEFAULT_STATS_MAX_AGE_S = 10.0
 # Tries per request before a dead-replica failure is reported (one per replica
 # that can die under it; Serve's controller replaces dead replicas meanwhile).
 DEFAULT_MAX_ATTEMPTS = 4
+# Moves of one stream to another replica (a replica dying under it each time).
+DEFAULT_MAX_STREAM_MIGRATIONS = 3
 # Requests one ingress replica takes at once (Ray Serve LLM's ingress default: unbounded).
 INGRESS_MAX_ONGOING_REQUESTS = 10**9
 # Seconds between placement exchanges of the ingress replicas (placed policy).
@@ -201,6 +206,14 @@ class IngressConfig:
         default=0, metadata=_cli("multi-turn affinity: key chat requests by their first N turns too (0: off)")
     )
     placement_sync_s: float = DEFAULT_PLACEMENT_SYNC_S
+    # A stream whose engine replica dies or stops mid-stream goes on on another replica, from the
+    # tokens its client has (replica/contract/continuation.py), at most this many times per request.
+    migrate_streams: bool = field(
+        default=True, metadata=_cli("continue a stream on another replica when its replica dies or stops")
+    )
+    max_stream_migrations: int = field(
+        default=DEFAULT_MAX_STREAM_MIGRATIONS, metadata=_cli("most times one stream moves to another replica")
+    )
     # Seconds a client may take to send a whole request body (408); Serve's proxy itself has no such bound.
     client_body_timeout_s: float = DEFAULT_CLIENT_BODY_TIMEOUT_S
     # 431 above these, before the API key is checked (the standalone server's knobs and defaults). Serve's
@@ -257,6 +270,12 @@ class IngressConfig:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be at least 1, got {self.max_attempts}")
+        if not isinstance(self.migrate_streams, bool):
+            raise ValueError(f"migrate_streams must be true or false, got {self.migrate_streams!r}")
+        if isinstance(self.max_stream_migrations, bool) or not isinstance(self.max_stream_migrations, int):
+            raise ValueError(f"max_stream_migrations must be an integer, got {self.max_stream_migrations!r}")
+        if self.max_stream_migrations < 0:
+            raise ValueError(f"max_stream_migrations must be >= 0, got {self.max_stream_migrations}")
         if any(not isinstance(k, str) or not k for k in self.api_keys):
             raise ValueError("api_keys must be non-empty strings")
 

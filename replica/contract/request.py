@@ -17,6 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from prefixserve.replica.contract.continuation import Continuation
 from prefixserve.replica.contract.stream import StreamDelta
 from prefixserve.replica.sampling_params import SamplingParams
 from prefixserve.replica.tool_calling.choice import ToolCallMode
@@ -85,6 +86,12 @@ class EngineRequest:
     # /v1/responses continuation: where its previous response was answered). The router sends it
     # there first, and routes it as any other request when that replica is gone.
     home_replica: str | None = None
+    # Engine replicas (ring names) the router sends it to only when no other can take it: those that
+    # failed it already (a resend, a migrated stream).
+    avoid_replicas: tuple[str, ...] = ()
+    # A stream moved here from a replica that stopped serving it (replica/contract/continuation.py):
+    # what its client already has, which this replica replays rather than sends.
+    continuation: Continuation | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):

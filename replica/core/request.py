@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from prefixserve.replica.contract.continuation import Continuation
 from prefixserve.replica.contract.finish_reason import FinishReason
 from prefixserve.replica.contract.routing import STATIC_ROLES
 from prefixserve.replica.kv.hashing import BlockKeys
@@ -92,6 +93,9 @@ class PreparedRequest:
     # Who pins its prefix blocks when it asked for retention (prompt_cache_retention "24h": the
     # tenant, else the client; replica/kv/pins.py); None = no retention asked.
     retention_owner: str | None = None
+    # What its client already has when it continues a stream another replica served
+    # (replica/contract/continuation.py), checked against its prompt; None for a new request.
+    continuation: Continuation | None = None
 
 
 @dataclass(eq=False)

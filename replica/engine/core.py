@@ -36,6 +36,7 @@ import torch
 
 from prefixserve.common.tracing import RequestTracer, build_tracer
 from prefixserve.replica.config import MAX_MODEL_LEN_CAP, EngineConfig
+from prefixserve.replica.contract.continuation import Continuation
 from prefixserve.replica.contract.finish_reason import FinishReason
 from prefixserve.replica.core.request import PreparedRequest, Request, Sequence
 from prefixserve.replica.core.sched_output import ScheduledSeq
@@ -64,7 +65,7 @@ from prefixserve.replica.structured_output.state import SequenceGrammar
 from prefixserve.replica.structured_output.xgrammar_backend import XGrammarBackend
 from prefixserve.replica.tool_calling.choice import ToolCallMode
 from prefixserve.replica.tool_calling.templates import load_chat_template
-from prefixserve.replica.worker.sampler import SampleResult, SampleSpec
+from prefixserve.replica.worker.sampler import SampleResult, SampleSpec, advance_generator
 
 log = logging.getLogger(__name__)
 
@@ -451,7 +452,20 @@ class LLMEngine:
             seq.logprobs = []
         if req.grammar is not None:
             seq.grammar = SequenceGrammar.start(req.grammar, self.grammars.backend)
+        continuation = req.prepared.continuation
+        if continuation is not None and index == 0:
+            self._continue(seq, continuation)
         return seq
+
+    def _continue(self, seq: Sequence, continuation: Continuation) -> None:
+        """Stand ``seq`` where the stream it continues stood (OutputProcessor.replay): its tokens are
+        prefilled with the prompt, nothing already sent is sent again, a seeded generator draws next
+        what it would have, and the prompt's logprobs (sent by the first replica) are not asked again."""
+        self.output_processor.replay(seq, continuation)
+        if seq.generator is not None and not seq.request.params.greedy:
+            advance_generator(seq.generator, len(continuation.output_token_ids), self.model_config.vocab_size)
+        seq.request.prompt_logprobs = None
+        seq.request.prompt_logprobs_sent = True
 
     def abort_request(self, request_id: str) -> bool:
         """Drop a request and free its blocks; False if it is unknown or already finished."""

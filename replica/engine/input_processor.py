@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from prefixserve.replica.config import EngineConfig
+from prefixserve.replica.contract.continuation import Continuation, ContinuationMismatchError
 from prefixserve.replica.contract.request import EngineRequest, priority_error
 from prefixserve.replica.contract.retention import RETENTION_24H
 from prefixserve.replica.contract.routing import canonical_json
@@ -418,6 +419,8 @@ class InputProcessor:
         problem = priority_error(request.priority, self.config.scheduling_policy)
         if problem is not None:
             raise RequestRejected(problem)
+        if request.continuation is not None:
+            self.check_continuation(request.continuation, encoded)
         return PreparedRequest(
             request_id=request.request_id,
             prompt_token_ids=encoded.token_ids,
@@ -434,7 +437,29 @@ class InputProcessor:
             lora_request=lora_request,
             priority=request.priority,
             retention_owner=retention_owner(request),
+            continuation=request.continuation,
         )
+
+    def check_continuation(self, continuation: Continuation, encoded: EncodedPrompt) -> None:
+        """Refuse (ContinuationMismatchError) a continuation this engine cannot take exactly: one of
+        several sequences, a prompt that tokenizes to another length here, tokens outside the
+        vocabulary, or as many tokens as ``max_tokens`` allows (the output was over). What the
+        tokens' replay finds (an output they already end, text other than the client's) is the
+        engine core's check (LLMEngine.add_prepared)."""
+        params, sent = encoded.params, continuation.output_token_ids
+        if params.n != 1:
+            raise ContinuationMismatchError(f"only a single sequence continues on another replica; n is {params.n}")
+        if continuation.num_prompt_tokens != len(encoded.token_ids):
+            raise ContinuationMismatchError(
+                f"the prompt is {len(encoded.token_ids)} tokens here and was {continuation.num_prompt_tokens} "
+                "on the replica that started the stream: they do not serve the same model and template"
+            )
+        if sent and (min(sent) < 0 or max(sent) >= self.vocab_size):
+            raise ContinuationMismatchError(f"the continued token ids must be in [0, {self.vocab_size})")
+        if len(sent) >= params.max_tokens:
+            raise ContinuationMismatchError(
+                f"the stream already has {len(sent)} tokens, its max_tokens ({params.max_tokens}): nothing to continue"
+            )
 
 
 def json_string_chars(value: Any) -> int:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefixserve.common.tracing import RequestTiming, RequestTracer
+from prefixserve.replica.contract.continuation import Continuation, ContinuationMismatchError
 from prefixserve.replica.contract.finish_reason import FinishReason
 from prefixserve.replica.contract.stream import StreamDelta
 from prefixserve.replica.core.request import Request, Sequence
@@ -83,6 +84,48 @@ class OutputProcessor:
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
+
+    def replay(self, seq: Sequence, continuation: Continuation) -> None:
+        """Put a continued stream's tokens into its new sequence (replica/contract/continuation.py) as if
+        this engine had sampled them, and count what the client has as sent: the grammar's matcher, the
+        text and its stop-string search, the tool-call parser and the logprobs' places stand where the
+        first replica's stood, and the next update sends only what is new.
+
+        ContinuationMismatchError when the tokens cannot be the stream's so far: the grammar refuses
+        one, they already end the output, or their text is shorter than what the client was sent.
+        No metric counts them (the first replica did).
+        """
+        p = seq.request.params
+        for token in continuation.output_token_ids:
+            if seq.grammar is not None:
+                try:
+                    seq.grammar.accept(token)
+                except RuntimeError as exc:
+                    raise ContinuationMismatchError(
+                        f"the continued output does not follow its grammar: {exc}"
+                    ) from None
+            seq.token_ids.append(token)
+            ended = token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
+            if ended or (seq.grammar is not None and seq.grammar.terminated):
+                raise ContinuationMismatchError("the continued tokens end the output: nothing to continue")
+            delta = seq.detok.add(token)
+            if delta:
+                seq.text += delta
+                if p.stop and self._truncate_at_stop(seq, len(delta)):
+                    raise ContinuationMismatchError("the continued text holds a stop string: nothing to continue")
+        if continuation.emitted_chars > len(seq.text):
+            raise ContinuationMismatchError(
+                f"the client was sent {continuation.emitted_chars} characters but these tokens spell {len(seq.text)}"
+            )
+        seq.num_emitted_tokens = seq.num_output_tokens
+        seq.num_emitted_chars = continuation.emitted_chars
+        if seq.logprobs is not None:  # sent by the first replica; kept in place so the list lines up
+            seq.logprobs.extend({} for _ in continuation.output_token_ids)
+        if seq.tool_stream is not None:
+            try:
+                seq.tool_stream.resume(seq.text[: continuation.emitted_chars], continuation.tool_call_ids)
+            except ValueError as exc:
+                raise ContinuationMismatchError(str(exc)) from None
 
     @staticmethod
     def _truncate_at_stop(seq: Sequence, delta_len: int) -> bool:

@@ -28,6 +28,7 @@ store inside StreamDelta).
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from prefixserve.replica.tool_calling.parsers import ParseState, ToolCallParser, valid_call
@@ -110,6 +111,19 @@ class ToolCallStream:
         calls = tuple(ToolCall(self.ids[i], c.name or "", c.arguments) for i, c in enumerate(state.calls))
         kept = state.content if not calls or state.content.strip() else None
         return ToolStreamDelta(content, pieces, ToolCallResult(kept, calls))
+
+    def resume(self, text: str, call_ids: Sequence[str]) -> None:
+        """Stand where a stream that was fed ``text`` (and sent what that gave) stood, its calls named
+        ``call_ids``: a stream continued on another replica (replica/contract/continuation.py) sends
+        only what comes after. The state is the text's alone (the parse reads the whole text, and
+        calls are sent only whole), so one feed of it equals the first stream's many. ValueError when
+        ``text`` gives another number of sent calls than ``call_ids`` names."""
+        self.feed(text)
+        if len(call_ids) != len(self.ids):
+            raise ValueError(
+                f"the continued text has {len(self.ids)} whole tool calls; the stream sent {len(call_ids)}"
+            )
+        self.ids[:] = call_ids
 
     def _content(self, state: ParseState, finished: bool) -> str:
         text = state.content

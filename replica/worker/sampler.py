@@ -204,6 +204,20 @@ def sample_tokens(
     return results, sampled
 
 
+def advance_generator(generator: torch.Generator, draws: int, width: int) -> None:
+    """Move a seeded sequence's generator past ``draws`` sampled tokens of rows ``width`` logits wide.
+
+    ``sample_tokens`` takes one exponential draw of the row's width per token of a random row, so a
+    stream continued on another replica (replica/contract/continuation.py) draws next what the first
+    replica would have drawn.
+    """
+    import torch
+
+    row = torch.empty(width, dtype=torch.float32, device=generator.device)
+    for _ in range(draws):
+        row.exponential_(generator=generator)
+
+
 def greedy_tokens(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's first maximum (argmax's tie rule) and its value, as tensors on the logits' device.
 

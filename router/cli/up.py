@@ -39,6 +39,7 @@ ROUTER_FLAGS = ("policy",)
 INGRESS_FLAGS = ("session_header", "key_turns")
 FLOW_FLAGS = ("queue_budget_s",)
 RESPONSES_FLAGS = ("responses_max_entries", "responses_max_bytes")
+MIGRATION_FLAGS = ("migrate_streams", "max_stream_migrations")
 # IngressArgs' flags store under this prefix, beside AppArgs' fields of the same names.
 INGRESS_PREFIX = "ingress_"
 
@@ -76,6 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "per tenant, and a fair queue at the ingress; none: no flow control",
     )
     add_cli_arguments(parser, IngressConfig, "responses", only=RESPONSES_FLAGS)
+    add_cli_arguments(parser, IngressConfig, "stream migration", only=MIGRATION_FLAGS)
     add_cli_arguments(parser, EndpointConfig, "http")
     EngineConfig.add_cli_arguments(parser)
     add_verbose_flag(parser)
@@ -100,7 +102,7 @@ def app_args(args: argparse.Namespace) -> dict[str, Any]:
         "ingress": {
             "num_replicas": getattr(args, INGRESS_PREFIX + "num_replicas"),
             "api_keys": endpoint.api_keys,
-            **{name: getattr(args, name) for name in INGRESS_FLAGS + FLOW_FLAGS + RESPONSES_FLAGS},
+            **{name: getattr(args, name) for name in INGRESS_FLAGS + FLOW_FLAGS + RESPONSES_FLAGS + MIGRATION_FLAGS},
             **({"tenants": load_tenants(args.tenants).to_dict()} if args.tenants is not None else {}),
         },
     }

@@ -66,9 +66,11 @@ never torch (the model lives in the engine replicas).
 """
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -78,6 +80,14 @@ from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
+from prefixserve.replica.contract.continuation import (
+    MIGRATION_DISABLED,
+    MIGRATION_MIGRATED,
+    MIGRATION_REFUSED,
+    MIGRATION_REPLICA_DIED,
+    MIGRATION_REPLICA_STOPPING,
+    SHUTTING_DOWN_CODE,
+)
 from prefixserve.replica.contract.request import EngineRequest, ModelInfo
 from prefixserve.replica.contract.retention import CACHE_RETENTION_HEADER
 from prefixserve.replica.contract.routing import REPLICA_HEADER
@@ -87,12 +97,13 @@ from prefixserve.replica.entrypoints.openai import protocol as api
 from prefixserve.replica.entrypoints.openai.http_frontend import FrontendOptions, IgnoredFields
 from prefixserve.replica.entrypoints.openai.response_store import ResponseStore, StoredResponse
 from prefixserve.replica.entrypoints.openai.responses_endpoint import ResponsesEndpoints
-from prefixserve.replica.errors import APIError, ServiceUnavailableError
+from prefixserve.replica.errors import APIError, EngineDeadError, ServiceUnavailableError
 from prefixserve.router.cluster_config import IngressConfig
 from prefixserve.router.flow_control.controller import FlowConfig, Lease
 from prefixserve.router.routing_key import PrefixKeyConfig, routing_key
 from prefixserve.router.serve.flow import IngressFlow
 from prefixserve.router.serve.metrics import merge_expositions, router_metrics
+from prefixserve.router.serve.migration import StreamProgress, migration_refusal
 from prefixserve.router.serve.request_router import PrefixRouter, router_for
 
 log = logging.getLogger(__name__)
@@ -133,6 +144,30 @@ def _replica_gone(exc: BaseException) -> bool:
     return isinstance(exc, RayActorError) or isinstance(_cause(exc), RayActorError)
 
 
+def _lost_replica(exc: BaseException) -> str | None:
+    """Why a stream's replica stopped serving it when it did (MIGRATION_REPLICA_DIED: the actor or its
+    engine died; MIGRATION_REPLICA_STOPPING: it ended its streams while stopping); None for any
+    other failure (the request's own, which another replica would meet too)."""
+    cause = _cause(exc)
+    if _replica_gone(exc) or isinstance(cause, EngineDeadError):
+        return MIGRATION_REPLICA_DIED
+    if isinstance(cause, APIError) and cause.code == SHUTTING_DOWN_CODE:
+        return MIGRATION_REPLICA_STOPPING
+    return None
+
+
+@dataclass
+class Migration:
+    """How an ingress moves streams whose replica stopped serving them (IngressConfig's
+    ``migrate_streams`` and ``max_stream_migrations``); ``draining``: whether the ingress is
+    stopping (nowhere to move to); ``count(reason, result)`` counts each decision."""
+
+    enabled: bool
+    max_migrations: int
+    draining: Callable[[], bool]
+    count: Callable[[str, str], None]
+
+
 class RemoteStream:
     """The deltas of one request from an engine replica, resent while no token has arrived.
 
@@ -149,6 +184,7 @@ class RemoteStream:
         on_first: Callable[[EngineRequest, StreamDelta], None] | None = None,
         admit: Callable[[EngineRequest], Awaitable[Lease]] | None = None,
         on_refused: Callable[[EngineRequest], None] | None = None,
+        migration: Migration | None = None,
     ) -> None:
         self._handle = handle
         self.request = request
@@ -156,6 +192,9 @@ class RemoteStream:
         self._on_first = on_first
         self._admit = admit
         self._on_refused = on_refused
+        self._migration = migration
+        self._progress = StreamProgress()
+        self.migrations = 0
         self._lease: Lease | None = None
         self._usage = (0, 0)  # prompt and completion tokens so far (the deltas' counts are cumulative)
         self._response: DeploymentResponseGenerator | None = None
@@ -192,6 +231,7 @@ class RemoteStream:
                 self._usage = (item.num_prompt_tokens, item.num_output_tokens)
                 if item.cache_retention is not None:
                     self.cache_retention = item.cache_retention
+                self._progress.record(item)
                 return item
 
     def _release(self) -> None:
@@ -199,11 +239,20 @@ class RemoteStream:
         if self._lease is not None:
             self._lease.release(*self._usage)
 
+    def _send(self, request: EngineRequest) -> None:
+        self.attempts += 1
+        self._response = self._handle.options(stream=True, method_name="generate").remote(request)
+
+    def _avoiding_this_replica(self, request: EngineRequest) -> EngineRequest:
+        """``request`` with the replica that failed it among those the router tries last."""
+        if self.replica is None or self.replica in request.avoid_replicas:
+            return request
+        return dataclasses.replace(request, avoid_replicas=(*request.avoid_replicas, self.replica))
+
     async def _first_delta(self) -> StreamDelta:
         last: BaseException | None = None
         for _ in range(self._max_attempts):
-            self.attempts += 1
-            self._response = self._handle.options(stream=True, method_name="generate").remote(self.request)
+            self._send(self.request)
             try:
                 return await self._next_delta()
             except StopAsyncIteration:
@@ -214,7 +263,9 @@ class RemoteStream:
                 log.warning(
                     "replica %s failed before the first token of %s; resending", self.replica, self.request.request_id
                 )
+                assert self._response is not None
                 self._response.cancel()
+                self.request = self._avoiding_this_replica(self.request)
                 self.replica = None
                 last = exc
         raise ServiceUnavailableError(
@@ -256,7 +307,64 @@ class RemoteStream:
         except StopAsyncIteration:
             raise
         except Exception as exc:
-            raise _cause(exc) from None
+            reason = _lost_replica(exc)
+            if reason is None:
+                raise _cause(exc) from None
+            return await self._migrate(reason, exc)
+
+    async def _migrate(self, reason: str, exc: BaseException) -> StreamDelta:
+        """Continue the stream on another replica (router/serve/migration.py) after its replica died or
+        ended it while stopping (``reason``); its next delta. When the stream may not move, or no
+        replica takes it within the per-request limit, the replica's error ends it as before."""
+        while True:
+            m = self._migration
+            refusal = (
+                MIGRATION_DISABLED
+                if m is None
+                else migration_refusal(
+                    self.request,
+                    enabled=m.enabled,
+                    migrations=self.migrations,
+                    max_migrations=m.max_migrations,
+                    draining=m.draining(),
+                )
+            )
+            if refusal is not None:
+                if m is not None:
+                    m.count(reason, refusal)
+                raise _cause(exc) from None
+            assert m is not None and self._response is not None
+            self._response.cancel()
+            self.migrations += 1
+            moved = self._avoiding_this_replica(
+                dataclasses.replace(self.request, continuation=self._progress.continuation(self.migrations))
+            )
+            log.warning(
+                "replica %s stopped serving %s after %d tokens (%s); continuing it on another replica",
+                self.replica,
+                self.request.request_id,
+                len(self._progress.token_ids),
+                reason,
+            )
+            self.request = dataclasses.replace(moved, continuation=None)
+            self.replica = None
+            self._send(moved)
+            try:
+                delta = await self._next_delta()
+            except StopAsyncIteration:
+                raise RuntimeError(f"replica {self.replica} ended the continued stream without output") from None
+            except APIError:
+                m.count(reason, MIGRATION_REFUSED)
+                raise
+            except Exception as again:
+                reason = _lost_replica(again)
+                if reason is None:
+                    m.count(MIGRATION_REPLICA_DIED, MIGRATION_REFUSED)
+                    raise _cause(again) from None
+                exc = again
+                continue
+            m.count(reason, MIGRATION_MIGRATED)
+            return delta
 
     async def aclose(self) -> None:
         """Cancel the replica-side stream (its generator aborts the engine request); free its slot."""
@@ -268,10 +376,17 @@ class RemoteStream:
 class ServeEngineClient:
     """An EngineClient over the engine deployment's Serve handle."""
 
-    def __init__(self, handle: DeploymentHandle, max_attempts: int, flow: IngressFlow | None = None) -> None:
+    def __init__(
+        self,
+        handle: DeploymentHandle,
+        max_attempts: int,
+        flow: IngressFlow | None = None,
+        migration: Migration | None = None,
+    ) -> None:
         self._handle = handle
         self._max_attempts = max_attempts
         self._flow = flow
+        self._migration = migration
         self._router: PrefixRouter | None = None
         self._model_info: ModelInfo | None = None
         self._model_info_at = float("-inf")
@@ -358,7 +473,9 @@ class ServeEngineClient:
 
     def open_stream(self, request: EngineRequest) -> RemoteStream:
         admit = self._admit if self._flow is not None else None
-        return RemoteStream(self._handle, request, self._max_attempts, self._observe, admit, self._refused)
+        return RemoteStream(
+            self._handle, request, self._max_attempts, self._observe, admit, self._refused, self._migration
+        )
 
 
 class SiblingStores:
@@ -408,7 +525,13 @@ class OpenAIIngress:
             if tenants is not None
             else None
         )
-        self.client = ServeEngineClient(engine, self.config.max_attempts, self.flow)
+        migration = Migration(
+            enabled=self.config.migrate_streams,
+            max_migrations=self.config.max_stream_migrations,
+            draining=lambda: self.draining,
+            count=self._count_migration,
+        )
+        self.client = ServeEngineClient(engine, self.config.max_attempts, self.flow, migration)
         # Serve's proxy passes the client's X-Request-Id (or one it generates) in and echoes it itself.
         self.options = FrontendOptions.build(
             [*self.config.api_keys, *(tenants.api_keys if tenants is not None else [])],
@@ -439,6 +562,9 @@ class OpenAIIngress:
         self._siblings: DeploymentHandle | None = None  # this deployment's handle, made at first use
         self._sync_task: asyncio.Task[None] | None = None
         self.placement_leader: str | None = None  # the leader at the last exchange
+
+    def _count_migration(self, reason: str, result: str) -> None:
+        router_metrics().stream_migrations.labels(self._deployment[0], reason, result).inc()
 
     def _count_ignored_field(self, name: str) -> None:
         router_metrics().ignored_request_fields.labels(self._deployment[0], name).inc()
@@ -528,7 +654,7 @@ class OpenAIIngress:
 
     def _drain_refusal(self) -> Response:
         err = ServiceUnavailableError(
-            "the cluster is shutting down; retry later", code="server_shutting_down", retry_after_s=1.0
+            "the cluster is shutting down; retry later", code=SHUTTING_DOWN_CODE, retry_after_s=1.0
         )
         # Not http_frontend.error_response: an expected refusal, not a failure to log.
         return self._named(JSONResponse(err.body(), status_code=err.status_code, headers=err.headers()))

@@ -71,6 +71,15 @@ class RouterMetrics:
             "policy",
             buckets=_DECISION_BUCKETS,
         )
+        self.stream_migrations = series(
+            Counter,
+            "prefixserve_router_stream_migrations",
+            "Streams whose engine replica stopped serving them mid-stream, by why (replica_died, "
+            "replica_stopping) and what came of it (migrated: continued on another replica; else why "
+            "not: disabled, several_sequences, limit, draining, refused), per move.",
+            "reason",
+            "result",
+        )
         self.spills = series(
             Counter,
             "prefixserve_router_spills",

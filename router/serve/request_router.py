@@ -269,6 +269,8 @@ class PrefixRouter(RequestRouter):
             ranking, owner = self.rank(candidate_replicas, key, count=not seen, blocks=blocks, retained=retained)
             if request is not None and request.home_replica is not None:
                 ranking = self._home_first(ranking, request.home_replica)
+            if request is not None and request.avoid_replicas:
+                ranking = self._avoided_last(ranking, request.avoid_replicas)
             if span is not None:
                 span.set_attributes(
                     {
@@ -300,6 +302,12 @@ class PrefixRouter(RequestRouter):
         if not at:
             return ranking
         return [ranking[at], *ranking[:at], *ranking[at + 1 :]]
+
+    def _avoided_last(self, ranking: list[RunningReplica], avoid: tuple[str, ...]) -> list[RunningReplica]:
+        """``ranking`` with the replicas named in ``avoid`` (those that failed this request already)
+        moved to the end, in their order: tried only when no other replica takes the request."""
+        kept = [r for r in ranking if self.name_of(r.replica_id) not in avoid]
+        return kept + [r for r in ranking if self.name_of(r.replica_id) in avoid]
 
     def _done(self, key: str | None) -> None:
         placed = self.placed

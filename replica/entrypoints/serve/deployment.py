@@ -56,6 +56,7 @@ from prometheus_client import generate_latest
 from ray import serve
 from ray.serve.context import _get_internal_replica_context
 
+from prefixserve.replica.contract.continuation import SHUTTING_DOWN_CODE
 from prefixserve.replica.contract.history_events import HistoryTracker
 from prefixserve.replica.contract.kv_events import KVEventPublisher
 from prefixserve.replica.contract.request import EngineRequest, ModelInfo
@@ -98,7 +99,7 @@ def replica_rank() -> int | None:
 def _shutting_down() -> ServiceUnavailableError:
     return ServiceUnavailableError(
         "this replica is shutting down and the request did not finish within the drain timeout; retry it",
-        code="server_shutting_down",
+        code=SHUTTING_DOWN_CODE,
         retry_after_s=1.0,
     )
 

@@ -502,15 +502,26 @@ def test_two_ingress_replicas_route_each_key_identically(base):
         assert {replica for _, replica in seen[k]} == {owners[k]}
 
 
+# Long answers keep the victim's two seats busy, so that the rest still queue when it dies: a plain
+# greedy stream, and one under a JSON schema (60 digits: some 300 tokens, whitespace included, from
+# the tiny random model) the continuation's grammar must replay.
+PLAIN_BODY = {"messages": [{"role": "user", "content": "count"}], "max_tokens": 400, "ignore_eos": True}
+LIST_SCHEMA = {
+    "type": "array",
+    "items": {"type": "integer", "minimum": 0, "maximum": 9},
+    "minItems": 60,
+    "maxItems": 60,
+}
+JSON_BODY = {
+    "messages": [{"role": "user", "content": "list"}],
+    "max_tokens": 900,
+    "response_format": {"type": "json_schema", "json_schema": {"name": "numbers", "schema": LIST_SCHEMA}},
+}
+
+
 async def _stream(http: httpx.AsyncClient, base: str, key: str, record: dict) -> None:
-    # Long answers keep the victim's two seats busy, so that the rest still queue when it dies.
-    body = {
-        "messages": [{"role": "user", "content": "count"}],
-        "max_tokens": 400,
-        "ignore_eos": True,
-        "temperature": 0,
-        "stream": True,
-    }
+    body = {**(JSON_BODY if record.get("json") else PLAIN_BODY), "temperature": 0, "stream": True}
+    text: list[str] = []
     try:
         async with http.stream(
             "POST", f"{base}/v1/chat/completions", json=body, headers={PREFIX_HASH_HEADER: key}
@@ -519,14 +530,22 @@ async def _stream(http: httpx.AsyncClient, base: str, key: str, record: dict) ->
             record["replica"] = response.headers.get(REPLICA_HEADER)
             record["attempts"] = int(response.headers.get(ATTEMPTS_HEADER, "0"))
             async for line in response.aiter_lines():
-                if line.startswith("data: ") and '"content":"' in line and '"content":""' not in line:
-                    record.setdefault("first_token_at", time.monotonic())
-                if '"error"' in line:
-                    record["error"] = line
                 if line == "data: [DONE]":
                     record["done"] = True
+                elif line.startswith("data: "):
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        record["error"] = line
+                        continue
+                    piece = (event["choices"] or [{}])[0].get("delta", {}).get("content") or ""
+                    if piece:
+                        record.setdefault("first_token_at", time.monotonic())
+                        text.append(piece)
+                    if event["choices"] and event["choices"][0].get("finish_reason"):
+                        record["finish_reason"] = event["choices"][0]["finish_reason"]
     except httpx.HTTPError as exc:
         record["error"] = repr(exc)
+    record["text"] = "".join(text)
 
 
 async def _victim_waiting(http: httpx.AsyncClient, base: str, victim: str) -> bool:
@@ -538,7 +557,21 @@ async def _victim_waiting(http: httpx.AsyncClient, base: str, victim: str) -> bo
         return False
 
 
-def test_killing_a_replica_under_load_loses_no_request_not_started_and_its_replacement_gets_its_keys_back(base):
+def migrations(metrics_text: str) -> dict[tuple[str, str], float]:
+    """prefixserve_router_stream_migrations_total summed over ingress replicas, by (reason, result)."""
+    out: Counter[tuple[str, str]] = Counter()
+    for family in text_string_to_metric_families(metrics_text):
+        for s in family.samples:
+            if s.name == "prefixserve_router_stream_migrations_total":
+                out[(s.labels["reason"], s.labels["result"])] += s.value
+    return dict(out)
+
+
+def test_killing_a_replica_mid_stream_loses_no_request_and_its_replacement_gets_its_keys_back(base):
+    """Requests queued on the killed replica are resent; those it was streaming continue on another
+    replica token for token (greedy: every plain answer equals every other, every JSON answer too,
+    and parses and validates), whichever replica finished them."""
+    import jsonschema
     import ray
 
     rng = random.Random(104)
@@ -549,7 +582,18 @@ def test_killing_a_replica_under_load_loses_no_request_not_started_and_its_repla
     probe_keys = [f"{rng.getrandbits(64):016x}" for _ in range(2000)]
     victim_keys = [k for k in probe_keys if ring.owner(k) == victim][:8]
     other_keys = [k for k in probe_keys if ring.owner(k) != victim][:4]
-    records = [{"key": k} for k in victim_keys + other_keys]
+    # The victim's first two (its two seats) are JSON streams, so that a grammar's replay is checked.
+    kinds = [True, True, False, False, True, False, True, False] + [True, False] * 2
+    records = [{"key": k, "json": j} for k, j in zip(victim_keys + other_keys, kinds, strict=True)]
+    with httpx.Client(timeout=120) as http:
+        # The schema's grammar compiled on the victim beforehand: its JSON streams start as fast as the plain.
+        warm = http.post(
+            f"{base}/v1/chat/completions",
+            json={**JSON_BODY, "temperature": 0},
+            headers={PREFIX_HASH_HEADER: victim_keys[0]},
+        )
+        assert warm.status_code == 200 and warm.headers[REPLICA_HEADER] == victim, warm.text
+        moved_before = migrations(http.get(f"{base}/metrics").text)
 
     async def main() -> None:
         async with httpx.AsyncClient(timeout=300) as http:
@@ -565,16 +609,25 @@ def test_killing_a_replica_under_load_loses_no_request_not_started_and_its_repla
             await asyncio.gather(*tasks)
 
     asyncio.run(main())
-    for r in records:
-        if not r.get("done") or "error" in r:
-            # Only a request that was already streaming from the victim may fail. A streamed
-            # answer gets its 200 and replica header only once the ingress holds the first
-            # token, so a 200 naming the victim is exactly "had started streaming there".
-            assert r.get("status") == 200 and r.get("replica") == victim, r
+    failed = [r for r in records if not r.get("done") or "error" in r]
+    assert not failed, failed
     resent = [r for r in records if r.get("attempts", 0) > 1]
     assert resent, "no request was queued on the victim when it died"
-    assert all(r.get("done") and "error" not in r and r["replica"] != victim for r in resent)
-    assert sum(1 for r in records if r.get("done") and "error" not in r) >= len(records) - 2
+    assert all(r["replica"] != victim for r in resent)
+    with httpx.Client(timeout=60) as http:
+        moved = migrations(http.get(f"{base}/metrics").text)
+    migrated = moved.get(("replica_died", "migrated"), 0) - moved_before.get(("replica_died", "migrated"), 0)
+    # A streamed answer names its replica once the first token is here: the victim's streams moved.
+    streaming_on_victim = [r for r in records if r["replica"] == victim]
+    assert streaming_on_victim and migrated >= len(streaming_on_victim), (moved, streaming_on_victim)
+    assert any(r["json"] for r in streaming_on_victim), "no JSON stream was on the victim when it died"
+    for kind in (False, True):
+        texts = {r["text"] for r in records if r["json"] is kind}
+        assert len(texts) == 1, f"{'json' if kind else 'plain'} answers differ: {[t[:80] for t in texts]}"
+    assert next(r["text"] for r in records if r["json"]) == warm.json()["choices"][0]["message"]["content"]
+    numbers = json.loads(next(r["text"] for r in records if r["json"]))
+    jsonschema.validate(numbers, LIST_SCHEMA)
+    assert {r["finish_reason"] for r in records if r["json"]} == {"stop"}
 
     # Serve replaces the dead replica with one of the victim's rank: it takes the victim's
     # ring name, so every key, the victim's included, routes as before the kill.

@@ -522,3 +522,15 @@ async def test_a_continuation_goes_to_the_replica_holding_its_conversation_while
     gone = pending(key)
     gone.args[0].home_replica = "prefixserve#Engine#rank-99"  # replaced since: the ranking stands
     assert (await route(router, gone)).name == owner
+
+
+async def test_a_request_avoids_the_replicas_that_failed_it_while_another_can_take_it():
+    rng, router, reps = started(32, 3, policy="placed")
+    key = random_keys(rng, 1)[0]
+    owner = (await route(router, pending(key))).name
+    moved = pending(key)
+    moved.args[0].avoid_replicas = (owner,)
+    assert (await route(router, moved)).name != owner
+    everyone = pending(key)
+    everyone.args[0].avoid_replicas = tuple(r.name for r in reps)
+    assert (await route(router, everyone)).name == owner  # no other left: the ranking stands
