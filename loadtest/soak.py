@@ -19,7 +19,11 @@ shared_prefix) or, with probability ``--hostile-share``, one hostile action:
 * ``unread_stream``: a stream whose body is not read for ``--hold-s``;
   ``slow_headers``: headers announcing a body that never comes, held for
   ``--hold-s``; ``slow_body``: a body sent one byte at a time;
-* ``dup_ids``: four concurrent requests with one ``X-Request-Id``.
+* ``dup_ids``: four concurrent requests with one ``X-Request-Id``;
+* ``big_tools``: 1,000 tools of 60 properties (3.3 MB; over the tools cap: 400, refused before
+  any schema is checked or rendered); ``slow_schema``: a JSON schema whose pattern repeats a
+  character 30,000 times (xgrammar's compile time grows with its square: 400 naming the bound,
+  before any compile), a new schema each time.
 
 ``--kinds`` limits the draw to some of these (to find which one a symptom
 follows); the others keep their relative weights.
@@ -99,7 +103,14 @@ HOSTILE_KINDS: dict[str, float] = {  # kind -> relative weight within the hostil
     "slow_headers": 1.0,
     "slow_body": 1.0,
     "dup_ids": 1.0,
+    "big_tools": 0.5,
+    "slow_schema": 1.0,
 }
+# big_tools' body: 1,000 tools of 60 properties each (3.3 MB, the probe's), over any tool cap.
+BIG_TOOLS = 1000
+BIG_TOOL_PROPERTIES = 60
+# slow_schema's pattern: a repeat whose compile time grows with its square (xgrammar's), past any bound.
+SLOW_PATTERN = "^a{30000}$"
 NORMAL = "chat"
 BAD_PARAMS: tuple[dict[str, Any], ...] = (
     {"temperature": -1.0},
@@ -452,6 +463,36 @@ class Traffic:
     async def bad_key(self, bucket: Bucket) -> None:
         status = await self._post({**self.body(), "stream": False}, {"Authorization": "Bearer not-the-key"})
         bucket.count("bad_key", status)
+
+    async def big_tools(self, bucket: Bucket) -> None:
+        tools = [
+            {
+                "type": "function",
+                "function": {
+                    "name": f"tool_{i}",
+                    "description": "a tool of many parameters",
+                    "parameters": {
+                        "type": "object",
+                        "properties": {
+                            f"p{j}": {"type": "string", "description": "a parameter of the tool, described"}
+                            for j in range(BIG_TOOL_PROPERTIES)
+                        },
+                    },
+                },
+            }
+            for i in range(BIG_TOOLS)
+        ]
+        bucket.count("big_tools", await self._post({**self.body(), "stream": False, "tools": tools}))
+
+    async def slow_schema(self, bucket: Bucket) -> None:
+        self._ids += 1  # a new schema each time: no compiled grammar to reuse
+        schema = {"type": "object", "properties": {f"k{self._ids}": {"type": "string", "pattern": SLOW_PATTERN}}}
+        body = {
+            **self.body(),
+            "stream": False,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "slow", "schema": schema}},
+        }
+        bucket.count("slow_schema", await self._post(body))
 
     async def _raw(
         self, head: bytes, body: bytes = b"", *, byte_delay_s: float = 0.0, answer_timeout_s: float

@@ -15,15 +15,35 @@ Greedy and seeded requests then produce the tokens an undisturbed run would have
 floating-point differences between a prefill and a decode step, the same as a preemption's
 recompute); an unseeded sample goes on as a sample of the same distribution.
 
+Over HTTP (the standalone router in front of prefixserve replicas), the same exchange has two
+parts. A front end that sends ``X-Prefixserve-Stream-Progress: 1`` gets, in the replica's SSE stream,
+an SSE comment line (``: progress {json}``, which clients ignore) at the head of each event that
+brings sequence 0 tokens (a comment-only event when they bring no text yet): ``ids`` the event's
+token ids, ``chars`` their text's length, ``calls`` the ids of tool calls it opens; the first one
+also ``prompt`` (the prompt's token count) and ``id`` (the answer's id). The router strips them and
+counts what its client has. To continue, it sends the request again with the body field
+``prefixserve_continuation``: ``{"id", "output_token_ids", "emitted_chars", "num_prompt_tokens",
+"tool_call_ids", "migrations"}``; that replica's stream keeps the answer's id and opens no role
+delta (nor a completion's echo) again.
+
 Plain data (it crosses the Ray object store inside the EngineRequest).
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from prefixserve.replica.errors import BadRequestError
 
+# The request header that asks a replica's SSE stream for progress comments (the module docstring).
+STREAM_PROGRESS_HEADER = "X-Prefixserve-Stream-Progress"
+# The start of a progress comment line.
+PROGRESS_COMMENT = ": progress "
+# The request body field of a continuation over HTTP.
+CONTINUATION_FIELD = "prefixserve_continuation"
 # The error code of a stream a stopping replica ends (a 503): a front end may continue it elsewhere.
 SHUTTING_DOWN_CODE = "server_shutting_down"
 # Why a stream lost its replica (the ``reason`` label of the ingress's migration metric)...
@@ -32,6 +52,7 @@ MIGRATION_REPLICA_STOPPING = "replica_stopping"
 # ... and what came of it (its ``result`` label): moved, or why not (the stream then ends with an
 # in-band error, as without migration; "refused": the next replica could not continue it exactly).
 MIGRATION_MIGRATED = "migrated"
+MIGRATION_NO_REPLICA = "no_replica"
 MIGRATION_DISABLED = "disabled"
 MIGRATION_SEVERAL_SEQUENCES = "several_sequences"
 MIGRATION_LIMIT = "limit"
@@ -63,3 +84,35 @@ class Continuation:
     def __post_init__(self) -> None:
         if self.emitted_chars < 0 or self.num_prompt_tokens < 1 or self.migrations < 1:
             raise ValueError(f"a continuation needs counts >= 0 (prompt, migrations >= 1): {self!r}")
+
+
+def progress_comment(
+    token_ids: Sequence[int],
+    chars: int,
+    call_ids: Sequence[str] = (),
+    *,
+    prompt_tokens: int | None = None,
+    answer_id: str | None = None,
+) -> str:
+    """One progress comment line (its newline included): what an event brings (the module docstring)."""
+    fields: dict[str, Any] = {"ids": list(token_ids), "chars": chars}
+    if call_ids:
+        fields["calls"] = list(call_ids)
+    if prompt_tokens is not None:
+        fields["prompt"] = prompt_tokens
+    if answer_id is not None:
+        fields["id"] = answer_id
+    return PROGRESS_COMMENT + json.dumps(fields, separators=(",", ":")) + "\n"
+
+
+def parse_progress(line: str) -> dict[str, Any]:
+    """The fields of a progress comment line (without its newline); ValueError when it is not one."""
+    if not line.startswith(PROGRESS_COMMENT):
+        raise ValueError("not a progress comment")
+    fields = json.loads(line[len(PROGRESS_COMMENT) :])
+    if not isinstance(fields, dict):
+        raise ValueError(f"a malformed progress comment: {line[:200]!r}")
+    ids, chars = fields.get("ids"), fields.get("chars")
+    if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids) or not isinstance(chars, int):
+        raise ValueError(f"a malformed progress comment: {line[:200]!r}")
+    return dict(fields)

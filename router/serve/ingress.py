@@ -100,10 +100,10 @@ from prefixserve.replica.entrypoints.openai.responses_endpoint import ResponsesE
 from prefixserve.replica.errors import APIError, EngineDeadError, ServiceUnavailableError
 from prefixserve.router.cluster_config import IngressConfig
 from prefixserve.router.flow_control.controller import FlowConfig, Lease
+from prefixserve.router.migration import StreamProgress, migration_refusal
 from prefixserve.router.routing_key import PrefixKeyConfig, routing_key
 from prefixserve.router.serve.flow import IngressFlow
 from prefixserve.router.serve.metrics import merge_expositions, router_metrics
-from prefixserve.router.serve.migration import StreamProgress, migration_refusal
 from prefixserve.router.serve.request_router import PrefixRouter, router_for
 
 log = logging.getLogger(__name__)
@@ -193,8 +193,9 @@ class RemoteStream:
         self._admit = admit
         self._on_refused = on_refused
         self._migration = migration
-        self._progress = StreamProgress()
-        self.migrations = 0
+        # A request that continues a stream already (a client's prefixserve_continuation) counts its part.
+        self._progress = StreamProgress.of(request.continuation)
+        self.migrations = request.continuation.migrations if request.continuation is not None else 0
         self._lease: Lease | None = None
         self._usage = (0, 0)  # prompt and completion tokens so far (the deltas' counts are cumulative)
         self._response: DeploymentResponseGenerator | None = None
@@ -313,7 +314,7 @@ class RemoteStream:
             return await self._migrate(reason, exc)
 
     async def _migrate(self, reason: str, exc: BaseException) -> StreamDelta:
-        """Continue the stream on another replica (router/serve/migration.py) after its replica died or
+        """Continue the stream on another replica (router/migration.py) after its replica died or
         ended it while stopping (``reason``); its next delta. When the stream may not move, or no
         replica takes it within the per-request limit, the replica's error ends it as before."""
         while True:

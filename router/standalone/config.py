@@ -125,6 +125,14 @@ class StandaloneRouterConfig:
     max_attempts: int = field(
         default=3, metadata=_help("replicas a request is tried on before its first byte (connect error, 429, 503)")
     )
+    migrate_streams: bool = field(
+        default=True,
+        metadata=_help(
+            "continue a stream on another prefixserve replica when its replica dies or stops mid-stream "
+            "(replicas that list their models as owned by prefixserve)"
+        ),
+    )
+    max_stream_migrations: int = field(default=3, metadata=_help("most times one stream moves to another replica"))
     connect_timeout_s: float = field(default=5.0, metadata=_help("seconds to connect to a replica"))
     read_timeout_s: float = field(
         default=600.0, metadata=_help("seconds a replica may send nothing while it answers (then the answer fails)")
@@ -224,6 +232,10 @@ class StandaloneRouterConfig:
             raise ValueError(f"kv_events_hash must be one of {', '.join(HASH_SCHEMES)}, got {self.kv_events_hash!r}")
         if self.tenants is not None:
             self.tenant_table()  # a malformed file stops the router before it starts, with the line
+        if isinstance(self.max_stream_migrations, bool) or not isinstance(self.max_stream_migrations, int):
+            raise ValueError(f"max_stream_migrations must be an integer >= 0, got {self.max_stream_migrations!r}")
+        if self.max_stream_migrations < 0:
+            raise ValueError(f"max_stream_migrations must be an integer >= 0, got {self.max_stream_migrations}")
         if isinstance(self.flow_max_in_flight, bool) or not isinstance(self.flow_max_in_flight, int):
             raise ValueError(f"flow_max_in_flight must be an integer >= 0, got {self.flow_max_in_flight!r}")
         self.flow_config()

@@ -52,6 +52,13 @@ class StandaloneMetrics:
             ["replica"],
             registry=r,
         )
+        self.stream_migrations = Counter(
+            "prefixserve_router_stream_migrations",
+            "Streams whose replica died or stopped mid-stream, by why (replica_died, replica_stopping) and "
+            "what came of it (migrated: continued on another replica; else why not), per move.",
+            ["reason", "result"],
+            registry=r,
+        )
         self.no_replica = Counter(
             "prefixserve_router_unrouted",
             "Requests no replica answered (every attempt refused or failed before its first byte).",

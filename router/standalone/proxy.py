@@ -15,10 +15,17 @@ Invariants:
   a connection broken before the answer's head, 429 or 503 move the request to the
   next replica of the ranking (``max_attempts`` in all); the last replica's 429/503
   is passed through. A refused connection ejects the replica at once.
-* After the first byte nothing is retried: a replica that breaks off an answer is
+* After the first byte nothing is resent whole: a replica that breaks off an answer is
   ejected (it takes no new request until ``healthy_after`` good probes), and a
   streamed (SSE) answer ends with an in-band OpenAI error event and ``data: [DONE]``;
   any other answer is cut, as the replica cut it.
+* Except that a stream of one sequence to a prefixserve replica (one whose ``/v1/models`` entries
+  are owned by prefixserve) moves (``migrate_streams``): the router asks it for progress comments
+  (replica/contract/continuation.py), relays its answer whole event by whole event with the
+  comments taken out (stream_relay.py), and when the replica breaks off or ends the stream while
+  stopping, sends the request again to the next prefixserve replica of the ranking as a
+  continuation of what the client has; the client's stream goes on with no gap, up to
+  ``max_stream_migrations`` moves. A refused continuation ends the stream in-band, as before.
 * A client that goes away closes the upstream connection (the replica aborts the
   request); the request's in-flight count and ``placed``'s key count end exactly once.
 * The request line and headers, and the body, are bounded as a replica bounds them
@@ -44,6 +51,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -54,6 +62,17 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from prefixserve.replica.contract.continuation import (
+    CONTINUATION_FIELD,
+    MIGRATION_LIMIT,
+    MIGRATION_MIGRATED,
+    MIGRATION_NO_REPLICA,
+    MIGRATION_REFUSED,
+    MIGRATION_REPLICA_DIED,
+    MIGRATION_REPLICA_STOPPING,
+    SHUTTING_DOWN_CODE,
+    STREAM_PROGRESS_HEADER,
+)
 from prefixserve.replica.contract.routing import REPLICA_HEADER
 from prefixserve.router.flow_control.controller import FlowController, Lease
 from prefixserve.router.flow_control.errors import FlowRefusal
@@ -61,6 +80,7 @@ from prefixserve.router.flow_control.estimate import estimated_body_tokens
 from prefixserve.router.flow_control.metrics import FlowMetrics
 from prefixserve.router.flow_control.tenants import bearer_token
 from prefixserve.router.kv_index import ZmqKVEventSubscriber
+from prefixserve.router.migration import StreamProgress
 from prefixserve.router.policies import Policy, make_policy
 from prefixserve.router.standalone.config import StandaloneRouterConfig
 from prefixserve.router.standalone.kv_events import KVEventHints, build_hints, event_sources
@@ -68,6 +88,7 @@ from prefixserve.router.standalone.load_report import parse_load
 from prefixserve.router.standalone.metrics import StandaloneMetrics
 from prefixserve.router.standalone.replica_set import ADMITTED, EJECTED, ReplicaSet
 from prefixserve.router.standalone.routing import Plan, StandaloneRouting
+from prefixserve.router.standalone.stream_relay import ProgressRelay
 from prefixserve.router.standalone.usage import AnswerTail, Usage
 
 log = logging.getLogger(__name__)
@@ -131,6 +152,32 @@ def broken_stream_event(replica: str) -> bytes:
     return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
 
 
+def error_event(body: Mapping[str, Any]) -> bytes:
+    """An in-band end of an SSE answer: the OpenAI error ``body``, then ``[DONE]``."""
+    return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
+
+
+def stream_of_one(parsed: Any) -> bool:
+    """Whether a parsed request body asks for a stream of one sequence (the streams that may move)."""
+    if not isinstance(parsed, dict) or parsed.get("stream") is not True:
+        return False
+    n = parsed.get("n", 1)
+    return (n is None or n == 1) and CONTINUATION_FIELD not in parsed
+
+
+@dataclass
+class Resend:
+    """What moving a stream needs: the request (path, headers, parsed body), its plan, the replicas
+    that failed it, and how many times it moved."""
+
+    path: str
+    headers: dict[str, str]
+    parsed: dict[str, Any]
+    plan: Plan
+    failed: set[str] = field(default_factory=set)
+    migrations: int = 0
+
+
 class _Open:
     """One forwarded request's bookkeeping, ended exactly once whatever ends it."""
 
@@ -168,7 +215,7 @@ class RelayResponse(Response):
     when the replica breaks off (the module docstring) or when the client goes away.
     """
 
-    def __init__(self, upstream: httpx.Response, opened: _Open) -> None:
+    def __init__(self, upstream: httpx.Response, opened: _Open, resend: Resend | None = None) -> None:
         self.upstream = upstream
         self.opened = opened
         self.status_code = upstream.status_code
@@ -180,6 +227,10 @@ class RelayResponse(Response):
         encoded = upstream.headers.get("content-encoding", "identity") != "identity"
         self.tail = AnswerTail(self.sse) if upstream.status_code == 200 and not encoded else None
         self.usage: Usage | None = None  # read once the whole answer was relayed
+        # A stream that may move (the module docstring): relayed event by event, its progress counted.
+        movable = resend is not None and self.sse and upstream.status_code == 200 and not encoded
+        self.resend = resend if movable else None
+        self.relay = ProgressRelay(StreamProgress()) if movable else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -201,26 +252,44 @@ class RelayResponse(Response):
     async def _relay(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         tail = b"\n\n"
-        try:
-            async for chunk in self.upstream.aiter_raw():
-                if chunk:
-                    tail = chunk[-2:]
-                    if self.tail is not None:
-                        self.tail.add(chunk)
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except (httpx.ReadError, httpx.RemoteProtocolError, httpx.ReadTimeout) as exc:
-            router = self.opened.router
-            name = self.opened.replica
-            log.warning("replica %s broke off an answer: %s", name, exc)
-            router.metrics.stream_errors.labels(name).inc()
-            if not isinstance(exc, httpx.ReadTimeout):
-                router.replica_failed(name, "broken")
-            if not self.sse:
-                raise  # nothing in-band to say in a JSON body: cut it as the replica did
-            # An event the replica left half-written is ended first, so the error is an event of its own.
-            lead = b"" if tail == b"\n\n" else b"\n\n"
-            await send({"type": "http.response.body", "body": lead + broken_stream_event(name), "more_body": True})
-        else:
+        while True:
+            broken: httpx.HTTPError | None = None
+            try:
+                async for chunk in self.upstream.aiter_raw():
+                    out = self.relay.feed(chunk) if self.relay is not None else chunk
+                    if out:
+                        tail = out[-2:]
+                        if self.tail is not None:
+                            self.tail.add(out)
+                        await send({"type": "http.response.body", "body": out, "more_body": True})
+                    if self.relay is not None and self.relay.stopping:
+                        break
+            except (httpx.ReadError, httpx.RemoteProtocolError, httpx.ReadTimeout) as exc:
+                broken = exc
+                router = self.opened.router
+                name = self.opened.replica
+                log.warning("replica %s broke off an answer: %s", name, exc)
+                router.metrics.stream_errors.labels(name).inc()
+                if not isinstance(exc, httpx.ReadTimeout):
+                    router.replica_failed(name, "broken")
+            stopping = self.relay is not None and self.relay.stopping
+            died = broken is not None and not isinstance(broken, httpx.ReadTimeout)
+            if self.relay is not None and (died or stopping):
+                ended = await self._move(MIGRATION_REPLICA_DIED if died else MIGRATION_REPLICA_STOPPING)
+                if ended is None:
+                    continue  # the stream goes on from the next replica
+                await send({"type": "http.response.body", "body": ended, "more_body": True})
+                break
+            if broken is not None:
+                if not self.sse:
+                    raise broken  # nothing in-band to say in a JSON body: cut it as the replica did
+                # An event the replica left half-written is ended first, so the error is an event of its own.
+                lead = b"" if tail == b"\n\n" else b"\n\n"
+                body = lead + broken_stream_event(self.opened.replica)
+                await send({"type": "http.response.body", "body": body, "more_body": True})
+                break
+            if self.relay is not None and self.relay.pending:  # a last event without its blank line
+                await send({"type": "http.response.body", "body": self.relay.pending, "more_body": True})
             usage = self.usage = self.tail.usage() if self.tail is not None else None
             routing = self.opened.router.routing
             if usage is not None:
@@ -229,7 +298,88 @@ class RelayResponse(Response):
                 response_id = self.tail.response_id()
                 if response_id is not None:
                     routing.response_homes.remember(response_id, self.opened.replica)
+            break
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _move(self, reason: str) -> bytes | None:
+        """Continue the stream on the next prefixserve replica (the module docstring) after its replica
+        died or stopped (``reason``): None once the next replica streams; else the in-band end the
+        client gets (the stopping replica's error, a refusal, or the broken-stream event)."""
+        assert self.relay is not None and self.resend is not None
+        router, resend, progress = self.opened.router, self.resend, self.relay.progress
+        count = router.metrics.stream_migrations
+        old = self.opened.replica
+        resend.failed.add(old)
+        if not self.relay.valid or progress.answer_id is None or progress.num_prompt_tokens is None:
+            count.labels(reason, MIGRATION_REFUSED).inc()
+            return self._end_for(reason, old)
+        if resend.migrations >= router.config.max_stream_migrations:
+            count.labels(reason, MIGRATION_LIMIT).inc()
+            return self._end_for(reason, old)
+        body = {**resend.parsed, CONTINUATION_FIELD: progress.continuation_field(resend.migrations + 1)}
+        content = json.dumps(body).encode()
+        for name in router.continuation_targets(resend.plan, resend.failed):
+            pool = router.next_pool()
+            request = pool.build_request(
+                "POST", router.replicas[name].url + resend.path, headers=resend.headers, content=content
+            )
+            router.started(name)
+            try:
+                answer = await pool.send(request, stream=True)
+            except httpx.HTTPError as exc:
+                router.ended(name)
+                resend.failed.add(name)
+                if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+                    router.replica_failed(name, "connect")
+                continue
+            if answer.status_code != 200 or not answer.headers.get("content-type", "").startswith("text/event-stream"):
+                refusal = await _read_closed(answer)
+                router.ended(name)
+                resend.failed.add(name)
+                if answer.status_code in RETRY_STATUSES:
+                    continue
+                count.labels(reason, MIGRATION_REFUSED).inc()
+                log.warning("replica %s refused to continue a stream: %d %s", name, answer.status_code, refusal[:300])
+                try:
+                    error = json.loads(refusal)
+                except ValueError:
+                    error = openai_error(502, f"replica {name} could not continue the stream", "upstream_failed")
+                return error_event(error)
+            await self.upstream.aclose()
+            router.ended(old)
+            self.opened.replica, self.upstream = name, answer
+            self.relay = ProgressRelay(progress)
+            resend.migrations += 1
+            count.labels(reason, MIGRATION_MIGRATED).inc()
+            log.warning(
+                "replica %s stopped serving a stream after %d tokens (%s); continuing it on %s",
+                old,
+                len(progress.token_ids),
+                reason,
+                name,
+            )
+            return None
+        count.labels(reason, MIGRATION_NO_REPLICA).inc()
+        return self._end_for(reason, old)
+
+    @staticmethod
+    def _end_for(reason: str, replica: str) -> bytes:
+        """The in-band end of a stream that did not move: the stopping replica's own error, or the
+        broken-stream event."""
+        if reason == MIGRATION_REPLICA_STOPPING:
+            message = "the replica is shutting down and the stream could not continue elsewhere; retry it"
+            return error_event(openai_error(503, message, SHUTTING_DOWN_CODE, "server_error"))
+        return broken_stream_event(replica)
+
+
+async def _read_closed(answer: httpx.Response) -> bytes:
+    """A refused answer's body (what could be read), the answer closed."""
+    try:
+        return await answer.aread()
+    except httpx.HTTPError:
+        return b""
+    finally:
+        await answer.aclose()
 
 
 class StandaloneRouter:
@@ -407,19 +557,33 @@ class StandaloneRouter:
         """Whether a replica lists ``model`` as a LoRA adapter (an entry with a ``parent``, as vLLM lists them)."""
         return any(e["id"] == model and e.get("parent") for entries in self.models_of.values() for e in entries)
 
+    def speaks_prefixserve(self, name: str) -> bool:
+        """Whether ``name`` is a prefixserve replica (its models owned by prefixserve): one that can
+        report a stream's progress and continue another's."""
+        return any(e.get("owned_by") == "prefixserve" for e in self.models_of.get(name, ()))
+
+    def continuation_targets(self, plan: Plan, failed: set[str]) -> list[str]:
+        """Where a moving stream may go, best first: the plan's ranking, then the other admitted
+        replicas, each an admitted prefixserve replica that has not failed the stream."""
+        admitted = self.replicas.admitted()
+        order = [*plan.ranking, *(n for n in admitted if n not in plan.ranking)]
+        return [n for n in order if n in admitted and n not in failed and self.speaks_prefixserve(n)]
+
     # -- requests ---------------------------------------------------------------------
-    def _started(self, replica: str) -> None:
+    def started(self, replica: str) -> None:
+        """A request (or a stream's continuation) is open on ``replica``."""
         self.replicas.started(replica)
         self.metrics.in_flight.labels(replica).set(self.replicas[replica].in_flight)
 
-    def _ended(self, replica: str) -> None:
+    def ended(self, replica: str) -> None:
+        """A request (or the part of a stream) open on ``replica`` ended."""
         self.replicas.ended(replica)
         self.metrics.in_flight.labels(replica).set(self.replicas[replica].in_flight)
 
     def request_ended(self, plan: Plan, replica: str) -> None:
         """A relayed answer ended (whole, broken or abandoned): its key's count, then its replica's."""
         self.routing.finished(plan)
-        self._ended(replica)
+        self.ended(replica)
 
     async def admit(self, request: Request, parsed: Any) -> Lease:
         """Flow control's slot for a request (FlowRefusal: 403, 400, 429 or 503): its tenant by key or
@@ -431,29 +595,41 @@ class StandaloneRouter:
         band = self.flow.band_of(tenant, asked)
         return await self.flow.admit(tenant, band, estimated_body_tokens(parsed))
 
-    async def forward(self, request: Request, body: bytes, plan: Plan, lease: Lease | None = None) -> Response:
+    async def forward(
+        self, request: Request, body: bytes, plan: Plan, lease: Lease | None = None, parsed: Any = None
+    ) -> Response:
         """Send the request to the plan's replicas in turn (the module docstring's retries); relay the answer.
 
         ``lease``: the request's flow-control slot, handed to the relayed answer (which releases it).
+        ``parsed``: the body as JSON, when it parsed: a stream of one sequence may move (the module
+        docstring).
         """
         attempts = plan.attempts(self.config.max_attempts)
         headers = upstream_headers(request.headers)
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        movable = self.config.migrate_streams and stream_of_one(parsed) and request.method == "POST"
+        progress_headers = {**headers, STREAM_PROGRESS_HEADER: "1"}
         last: tuple[int, bytes, httpx.Headers, str] | None = None
         for i, name in enumerate(attempts):
             final = i == len(attempts) - 1
             pool = self.next_pool()
-            upstream = pool.build_request(request.method, self.replicas[name].url + path, headers=headers, content=body)
-            self._started(name)
+            asks_progress = movable and self.speaks_prefixserve(name)
+            upstream = pool.build_request(
+                request.method,
+                self.replicas[name].url + path,
+                headers=progress_headers if asks_progress else headers,
+                content=body,
+            )
+            self.started(name)
             try:
                 answer = await pool.send(upstream, stream=True)
             except (httpx.ConnectError, httpx.ConnectTimeout):
-                self._ended(name)
+                self.ended(name)
                 self.replica_failed(name, "connect")
                 self.metrics.retries.labels(name, "connect").inc()
                 continue
             except httpx.TimeoutException:
-                self._ended(name)
+                self.ended(name)
                 self.routing.finished(plan)
                 return own_answer(
                     504, openai_error(504, f"replica {name} did not answer in time", "upstream_timeout", "server_error")
@@ -461,12 +637,12 @@ class StandaloneRouter:
             except (httpx.NetworkError, httpx.RemoteProtocolError):
                 # Broken before the head: maybe a kept-alive connection the replica had just closed,
                 # so it counts as one failed probe, not as a death.
-                self._ended(name)
+                self.ended(name)
                 self.record_probe(name, False)
                 self.metrics.retries.labels(name, "broken").inc()
                 continue
             except BaseException:  # anything else (cancelled included) ends the request's counts, then goes on
-                self._ended(name)
+                self.ended(name)
                 self.routing.finished(plan)
                 raise
             if answer.status_code in RETRY_STATUSES and not final:
@@ -476,7 +652,7 @@ class StandaloneRouter:
                     content = b""
                 finally:
                     await answer.aclose()
-                    self._ended(name)
+                    self.ended(name)
                 self.metrics.retries.labels(name, str(answer.status_code)).inc()
                 last = (answer.status_code, content, answer.headers, name)
                 continue
@@ -484,7 +660,8 @@ class StandaloneRouter:
             self.metrics.requests.labels(self.metrics.policy, name, kind).inc()
             if 400 <= answer.status_code < 500 and answer.status_code != 429:
                 self.routing.refused(plan)
-            return RelayResponse(answer, _Open(self, plan, name, lease, request.url.path == RESPONSES_PATH))
+            resend = Resend(path, progress_headers, parsed, plan) if asks_progress else None
+            return RelayResponse(answer, _Open(self, plan, name, lease, request.url.path == RESPONSES_PATH), resend)
         self.routing.finished(plan)
         self.metrics.no_replica.inc()
         if last is not None:  # the last replica tried refused, and no later one answered at all
@@ -576,7 +753,7 @@ class StandaloneRouter:
                 return own_answer(exc.status_code, exc.body(), exc.headers())
         try:
             plan = await self._plan(request, parsed, among)
-            response = await self.forward(request, body, plan, lease)
+            response = await self.forward(request, body, plan, lease, parsed)
         except BaseException:
             if lease is not None:
                 lease.release()

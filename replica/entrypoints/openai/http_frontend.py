@@ -53,6 +53,7 @@ from starlette.requests import ClientDisconnect
 from prefixserve.common.body_limits import DEFAULT_CLIENT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from prefixserve.common.logs import REQUEST_ID
 from prefixserve.common.tracing import trace_headers
+from prefixserve.replica.contract.continuation import STREAM_PROGRESS_HEADER
 from prefixserve.replica.contract.request import EngineClient, EngineRequest, EngineStream, ModelInfo
 from prefixserve.replica.engine.request_runner import is_conversation_turn
 from prefixserve.replica.entrypoints.openai import protocol as api
@@ -318,8 +319,9 @@ async def respond(
 ) -> Response:
     """The answer to a started generation: SSE when ``body.stream``, else the collected JSON (499: client gone)."""
     if body.stream:
+        progress = request.headers.get(STREAM_PROGRESS_HEADER) == "1"
         return StreamingResponse(
-            openai_serving.sse_stream(gen, body, model, token_text), media_type="text/event-stream"
+            openai_serving.sse_stream(gen, body, model, token_text, progress=progress), media_type="text/event-stream"
         )
     try:
         response = await until_disconnect(request, openai_serving.collect_response(gen, body, model, token_text))
@@ -444,7 +446,10 @@ async def check_tool_schemas(body: OpenAIRequest, info: ModelInfo) -> None:
 
 
 def answer_id(body: OpenAIRequest, client_id: str | None, prepared: EngineRequest) -> str:
-    """The answer's ``id``: ``<id_prefix>-<client id>`` for a client's X-Request-Id, else the engine's."""
+    """The answer's ``id``: a continued stream's own; ``<id_prefix>-<client id>`` for a client's
+    X-Request-Id; else the engine's."""
+    if body.prefixserve_continuation is not None:
+        return body.prefixserve_continuation.id
     return prepared.request_id if client_id is None else f"{body.id_prefix}-{client_id}"
 
 
@@ -486,6 +491,9 @@ def engine_request(
         priority=body.scheduling_priority(),
         lora_name=info.adapter(body.model),
         cache_retention=body.cache_retention(),
+        continuation=(
+            body.prefixserve_continuation.continuation() if body.prefixserve_continuation is not None else None
+        ),
     )
 
 

@@ -98,6 +98,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError, from_json
 
+from prefixserve.replica.contract.continuation import Continuation
 from prefixserve.replica.contract.request import PRIORITY_MAX, PRIORITY_MIN
 from prefixserve.replica.contract.retention import PROMPT_CACHE_RETENTIONS
 from prefixserve.replica.errors import (
@@ -389,6 +390,27 @@ class StreamOptions(RequestModel):
     include_obfuscation: bool | None = None  # accepted, ignored: events go unpadded
 
 
+class StreamContinuation(RequestModel):
+    """``prefixserve_continuation``: the part of a stream its client already has, which this replica
+    replays and goes on from (replica/contract/continuation.py; prefixserve's own field)."""
+
+    id: str = Field(min_length=1, max_length=256)
+    output_token_ids: list[TokenId]
+    emitted_chars: Int = Field(ge=0)
+    num_prompt_tokens: Int = Field(ge=1)
+    tool_call_ids: list[str] = Field(default_factory=list)
+    migrations: Int = Field(default=1, ge=1)
+
+    def continuation(self) -> Continuation:
+        return Continuation(
+            output_token_ids=tuple(self.output_token_ids),
+            emitted_chars=self.emitted_chars,
+            num_prompt_tokens=self.num_prompt_tokens,
+            tool_call_ids=tuple(self.tool_call_ids),
+            migrations=self.migrations,
+        )
+
+
 class _SamplingRequest(RequestModel):
     """Fields both endpoints share (OpenAI's names plus vLLM's extensions)."""
 
@@ -439,6 +461,8 @@ class _SamplingRequest(RequestModel):
     return_tokens_as_token_ids: Any = None
     return_token_ids: Any = None
     guided_whitespace_pattern: Any = None
+    # A stream another replica started, continued here (StreamContinuation); streams of one sequence only.
+    prefixserve_continuation: StreamContinuation | None = None
 
     @field_validator("use_beam_search", "return_tokens_as_token_ids", "return_token_ids", mode="before")
     @classmethod
@@ -480,6 +504,15 @@ class _SamplingRequest(RequestModel):
     def _salt_not_empty(cls, value: str | None) -> str | None:
         if value is not None and not value:
             raise ValueError("cache_salt must be a non-empty string or omitted")
+        return value
+
+    @field_validator("prefixserve_continuation")
+    @classmethod
+    def _continuation_of_one_stream(
+        cls, value: StreamContinuation | None, info: ValidationInfo
+    ) -> StreamContinuation | None:
+        if value is not None and not (info.data.get("stream") and info.data.get("n", 1) == 1):
+            raise ValueError("a continuation continues a stream of one sequence: stream true and n 1")
         return value
 
     @field_validator("stream_options")

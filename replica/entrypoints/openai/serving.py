@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import anyio
 
+from prefixserve.replica.contract.continuation import progress_comment
 from prefixserve.replica.contract.request import EngineStream
 from prefixserve.replica.contract.stream import StreamDelta
 from prefixserve.replica.entrypoints.openai import protocol as api
@@ -256,11 +257,53 @@ def _dropped(gen: Generation) -> None:
     log.info("request %s: the client disconnected mid-stream; its engine request is aborted", gen.request_id)
 
 
-def sse_stream(gen: Generation, body: OpenAIRequest, model: str, token_text: api.TokenText) -> AsyncIterator[str]:
-    """The streamed answer to ``body``: SSE events (``data: ...\\n\\n``), ``data: [DONE]`` last."""
+def sse_stream(
+    gen: Generation, body: OpenAIRequest, model: str, token_text: api.TokenText, *, progress: bool = False
+) -> AsyncIterator[str]:
+    """The streamed answer to ``body``: SSE events (``data: ...\\n\\n``), ``data: [DONE]`` last.
+
+    ``progress``: each event that brings sequence 0 tokens starts with a progress comment
+    (replica/contract/continuation.py), for a front end that may continue the stream elsewhere.
+    A continued stream (``prefixserve_continuation``) opens no role delta, nor echo, again.
+    """
+    notes = ProgressNotes(gen.request_id) if progress and body.n == 1 else None
     if isinstance(body, api.ChatCompletionRequest):
-        return _chat_stream(gen, body, model, token_text)
-    return _completion_stream(gen, body, model, token_text)
+        return _chat_stream(gen, body, model, token_text, notes)
+    return _completion_stream(gen, body, model, token_text, notes)
+
+
+class ProgressNotes:
+    """The progress comments of one stream (replica/contract/continuation.py): one per delta of sequence
+    0 that brings tokens; the first also names the prompt's length and the answer's id."""
+
+    def __init__(self, answer_id: str) -> None:
+        self.answer_id = answer_id
+        self.first = True
+
+    def comment(self, delta: StreamDelta) -> str:
+        """The comment line heading the event(s) of ``delta`` ("" when it brings nothing to count)."""
+        if delta.index != 0:
+            return ""
+        calls = [c.id for c in delta.tool_calls or () if c.id is not None]
+        if not (delta.token_ids or delta.text or calls or self.first):
+            return ""
+        first, self.first = self.first, False
+        return progress_comment(
+            delta.token_ids,
+            len(delta.text),
+            calls,
+            prompt_tokens=delta.num_prompt_tokens if first else None,
+            answer_id=self.answer_id if first else None,
+        )
+
+
+def _with_note(note: str, events: list[str]) -> str | None:
+    """A delta's ``events``, the last headed by the progress comment ``note`` (the router counts what
+    the note says once that event is whole); the comment as an event of its own when the delta
+    gives none (its text is held back); None when there is neither."""
+    if events:
+        return "".join(events[:-1]) + note + events[-1]
+    return note + "\n" if note else None
 
 
 def _sse(payload: str) -> str:
@@ -301,7 +344,11 @@ class TextChunks:
 
 
 async def _chat_stream(
-    gen: Generation, body: api.ChatCompletionRequest, model: str, token_text: api.TokenText
+    gen: Generation,
+    body: api.ChatCompletionRequest,
+    model: str,
+    token_text: api.TokenText,
+    notes: ProgressNotes | None = None,
 ) -> AsyncIterator[str]:
     usage = UsageCounter()
     top_k = _top_k(body)
@@ -312,36 +359,42 @@ async def _chat_stream(
             api.ChatCompletionChunk(id=gen.request_id, model=model, choices=choices, usage=usage_).model_dump_json()
         )
 
+    def event(delta: StreamDelta) -> str | None:
+        """The SSE event of one delta; None when it shows nothing yet."""
+        if delta.content is not None:  # read for tool calls: content and call pieces
+            if not delta.content and not delta.tool_calls and delta.finish_reason is None:
+                return None
+            message = api.DeltaMessage(content=delta.content or None, tool_calls=delta_tool_calls(delta))
+            finish = (
+                tool_finish_reason(delta.tool_result, delta.finish_reason, body)
+                if delta.tool_result is not None
+                else delta.finish_reason
+            )
+        else:
+            if not delta.text and delta.finish_reason is None:
+                return None  # the detokenizer holds back an incomplete character
+            if not (body.logprobs and delta.logprobs):
+                return _sse(texts.encode(int(time.time()), delta.index, delta.text, delta.finish_reason))
+            message, finish = api.DeltaMessage(content=delta.text), delta.finish_reason
+        logprobs = None
+        if body.logprobs and delta.logprobs:
+            logprobs = api.chat_logprobs(delta.token_ids, delta.logprobs, top_k, token_text)
+        return chunk([api.ChatChunkChoice(index=delta.index, delta=message, logprobs=logprobs, finish_reason=finish)])
+
     try:
-        # OpenAI opens each choice with a role-only delta.
-        yield chunk(
-            [api.ChatChunkChoice(index=i, delta=api.DeltaMessage(role="assistant", content="")) for i in range(body.n)]
-        )
+        if body.prefixserve_continuation is None:  # OpenAI opens each choice with a role-only delta
+            yield chunk(
+                [
+                    api.ChatChunkChoice(index=i, delta=api.DeltaMessage(role="assistant", content=""))
+                    for i in range(body.n)
+                ]
+            )
         async for delta in gen.deltas():
             usage.update(delta)
-            if delta.content is not None:  # read for tool calls: content and call pieces
-                if not delta.content and not delta.tool_calls and delta.finish_reason is None:
-                    continue
-                message = api.DeltaMessage(content=delta.content or None, tool_calls=delta_tool_calls(delta))
-                finish = (
-                    tool_finish_reason(delta.tool_result, delta.finish_reason, body)
-                    if delta.tool_result is not None
-                    else delta.finish_reason
-                )
-            else:
-                if not delta.text and delta.finish_reason is None:
-                    continue  # the detokenizer holds back an incomplete character
-                if not (body.logprobs and delta.logprobs):
-                    text_chunk = texts.encode(int(time.time()), delta.index, delta.text, delta.finish_reason)
-                    yield _sse(text_chunk)
-                    continue
-                message, finish = api.DeltaMessage(content=delta.text), delta.finish_reason
-            logprobs = None
-            if body.logprobs and delta.logprobs:
-                logprobs = api.chat_logprobs(delta.token_ids, delta.logprobs, top_k, token_text)
-            yield chunk(
-                [api.ChatChunkChoice(index=delta.index, delta=message, logprobs=logprobs, finish_reason=finish)]
-            )
+            shown = event(delta)
+            out = _with_note(notes.comment(delta), [shown] if shown else []) if notes is not None else shown
+            if out is not None:
+                yield out
         if body.include_usage:
             yield chunk([], usage.build())
     except (asyncio.CancelledError, GeneratorExit):  # the client went away: cancelled, or closed at a yield
@@ -355,13 +408,18 @@ async def _chat_stream(
 
 
 async def _completion_stream(
-    gen: Generation, body: api.CompletionRequest, model: str, token_text: api.TokenText
+    gen: Generation,
+    body: api.CompletionRequest,
+    model: str,
+    token_text: api.TokenText,
+    notes: ProgressNotes | None = None,
 ) -> AsyncIterator[str]:
     usage = UsageCounter()
     top_k = _top_k(body)
     offsets = [0] * body.n
     prompt = _Prompt()
-    echoed = [not body.echo] * body.n
+    # A continued stream's prompt was echoed by the replica that started it.
+    echoed = [not body.echo or body.prefixserve_continuation is not None] * body.n
     texts = TextChunks(gen.request_id, model, chat=False)
 
     def chunk(choices: list[api.CompletionChoice], usage_: api.Usage | None = None) -> str:
@@ -369,33 +427,39 @@ async def _completion_stream(
             api.CompletionResponse(id=gen.request_id, model=model, choices=choices, usage=usage_).model_dump_json()
         )
 
+    def events(delta: StreamDelta) -> list[str]:
+        """The SSE events of one delta (its echo first); none when it shows nothing yet."""
+        i = delta.index
+        out = []
+        if not echoed[i]:  # each choice's first event repeats the prompt (and its logprobs)
+            echoed[i] = True
+            text = _Prompt.text(body, token_text)
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = api.completion_logprobs(prompt.token_ids, prompt.logprobs, top_k, token_text)
+            offsets[i] += len(text)
+            out.append(chunk([api.CompletionChoice(index=i, text=text, logprobs=logprobs)]))
+        if not delta.text and delta.finish_reason is None:
+            return out
+        if body.logprobs is None:
+            return [*out, _sse(texts.encode(int(time.time()), i, delta.text, delta.finish_reason))]
+        logprobs = None
+        if delta.logprobs:
+            logprobs = api.completion_logprobs(
+                delta.token_ids, delta.logprobs, top_k, token_text, text_offset=offsets[i]
+            )
+        offsets[i] += len(delta.text)
+        finish = delta.finish_reason
+        return [*out, chunk([api.CompletionChoice(index=i, text=delta.text, logprobs=logprobs, finish_reason=finish)])]
+
     try:
         async for delta in gen.deltas():
             usage.update(delta)
             prompt.update(delta)
-            i = delta.index
-            if not echoed[i]:  # each choice's first event repeats the prompt (and its logprobs)
-                echoed[i] = True
-                text = _Prompt.text(body, token_text)
-                logprobs = None
-                if body.logprobs is not None:
-                    logprobs = api.completion_logprobs(prompt.token_ids, prompt.logprobs, top_k, token_text)
-                offsets[i] += len(text)
-                yield chunk([api.CompletionChoice(index=i, text=text, logprobs=logprobs)])
-            if not delta.text and delta.finish_reason is None:
-                continue
-            if body.logprobs is None:
-                yield _sse(texts.encode(int(time.time()), i, delta.text, delta.finish_reason))
-                continue
-            logprobs = None
-            if delta.logprobs:
-                logprobs = api.completion_logprobs(
-                    delta.token_ids, delta.logprobs, top_k, token_text, text_offset=offsets[i]
-                )
-            offsets[i] += len(delta.text)
-            yield chunk(
-                [api.CompletionChoice(index=i, text=delta.text, logprobs=logprobs, finish_reason=delta.finish_reason)]
-            )
+            shown = events(delta)
+            out = _with_note(notes.comment(delta), shown) if notes is not None else "".join(shown) or None
+            if out is not None:
+                yield out
         if body.include_usage:
             yield chunk([], usage.build())
     except (asyncio.CancelledError, GeneratorExit):

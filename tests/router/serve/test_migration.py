@@ -1,4 +1,4 @@
-"""What a moved stream carries and when it may move (router/serve/migration.py), and which failures
+"""What a moved stream carries and when it may move (router/migration.py), and which failures
 of a replica the ingress continues elsewhere (router/serve/ingress.py ``_lost_replica``)."""
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from prefixserve.replica.contract.stream import StreamDelta
 from prefixserve.replica.errors import BadRequestError, EngineDeadError, ServiceUnavailableError
 from prefixserve.replica.sampling_params import SamplingParams
 from prefixserve.replica.tool_calling.stream import ToolCallDelta
+from prefixserve.router.migration import StreamProgress, migration_refusal
 from prefixserve.router.serve.ingress import _lost_replica
-from prefixserve.router.serve.migration import StreamProgress, migration_refusal
 
 
 def delta(index: int, ids: list[int], text: str, calls: list[ToolCallDelta] | None = None) -> StreamDelta:

@@ -169,3 +169,104 @@ def test_responses_continue_on_the_replica_that_stored_them(
             assert http.delete(f"{router.base_url}/v1/responses/{previous}").status_code == 200
             gone = http.get(f"{router.base_url}/v1/responses/{previous}")
             assert gone.status_code == 404 and gone.json()["error"]["code"] == "not_found"
+
+
+# A greedy stream long enough to be mid-way when its replica dies, and one under a JSON schema
+# (a list of 40 digits) whose grammar the continuation replays.
+DIGITS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 40, "maxItems": 40}
+
+
+def _stream_text(http: httpx.Client, url: str, body: dict, record: dict) -> None:
+    record["chunks"] = 0
+    text = []
+    with http.stream("POST", url, json={**body, "stream": True}) as r:
+        record["status"], record["replica"] = r.status_code, r.headers.get(HEADER)
+        for line in r.iter_lines():
+            assert not line.startswith(":"), f"a progress comment reached the client: {line!r}"
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                record["done"] = record.get("done") or line == "data: [DONE]"
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                record["error"] = event
+                continue
+            piece = (event["choices"] or [{}])[0].get("delta", {}).get("content") or ""
+            text.append(piece)
+            record["chunks"] += bool(piece)
+    record["text"] = "".join(text)
+
+
+@pytest.mark.parametrize("stop", ["kill", "drain"])
+def test_a_stream_whose_replica_dies_or_drains_continues_on_the_other_one_token_for_token(
+    ckpt: str, tmp_path_factory: pytest.TempPathFactory, stop: str
+) -> None:
+    """Stop the replica serving most streams mid-way (SIGKILL; or SIGTERM, whose drain ends the streams
+    in-band after its 1 s timeout): every stream ends whole, its text the one an undisturbed run gives
+    (greedy), the JSON ones valid; the router counts the moves by reason."""
+    import signal
+    import threading
+
+    import jsonschema
+
+    logs = tmp_path_factory.mktemp("logs")
+    args = ("--max-model-len", "1024", "--drain-timeout-s", "1")
+    with ReplicaProcess(ckpt, *args, log_dir=logs) as a, ReplicaProcess(ckpt, *args, log_dir=logs) as b:
+        by_name = {f"127.0.0.1:{a.port}": a, f"127.0.0.1:{b.port}": b}
+        with RouterProcess([a.base_url, b.base_url], logs) as router, httpx.Client(timeout=300.0) as http:
+            model = http.get(f"{router.base_url}/v1/models").json()["data"][0]["id"]
+            url = f"{router.base_url}/v1/chat/completions"
+            bodies = []
+            for i in range(6):
+                body = {
+                    "model": model,
+                    "messages": [
+                        {"role": "system", "content": f"You are helper {i}."},
+                        {"role": "user", "content": "go"},
+                    ],
+                    "temperature": 0.0,
+                }
+                if i % 2:
+                    schema = {"type": "json_schema", "json_schema": {"name": "digits", "schema": DIGITS}}
+                    body.update(max_tokens=700, response_format=schema)
+                else:  # long enough to outlast the drain's 1 s
+                    body.update(max_tokens=900, ignore_eos=True)
+                bodies.append(body)
+            reference = []
+            for body in bodies:
+                r = http.post(url, json=body)
+                assert r.status_code == 200, r.text
+                reference.append(r.json()["choices"][0]["message"]["content"])
+            records: list[dict] = [{} for _ in bodies]
+            threads = [
+                threading.Thread(target=_stream_text, args=(http, url, body, rec), daemon=True)
+                for body, rec in zip(bodies, records, strict=True)
+            ]
+            for t in threads:
+                t.start()
+            deadline = time.monotonic() + 120
+            while not all(r.get("chunks", 0) >= 10 or r.get("done") for r in records):
+                assert time.monotonic() < deadline, records
+                time.sleep(0.01)
+            plain_served = [r.get("replica") for r, b in zip(records, bodies, strict=True) if "ignore_eos" in b]
+            victim = max(by_name, key=plain_served.count)  # the plain streams outlast the drain
+            assert by_name[victim].proc is not None
+            by_name[victim].proc.send_signal(signal.SIGKILL if stop == "kill" else signal.SIGTERM)
+            for t in threads:
+                t.join(300)
+            for rec, want in zip(records, reference, strict=True):
+                assert rec.get("done") and "error" not in rec, rec
+                assert rec["text"] == want
+            for rec, body in zip(records, bodies, strict=True):
+                if "response_format" in body:
+                    jsonschema.validate(json.loads(rec["text"]), DIGITS)
+            moved = metric(
+                http.get(f"{router.base_url}/metrics").text,
+                "prefixserve_router_stream_migrations_total",
+                reason="replica_died" if stop == "kill" else "replica_stopping",
+                result="migrated",
+            )
+            # Every plain stream on the victim was mid-way when it stopped; a JSON one may have ended first.
+            plain_on_victim = sum(
+                1 for r, b in zip(records, bodies, strict=True) if r["replica"] == victim and "ignore_eos" in b
+            )
+            assert moved >= plain_on_victim >= 1
