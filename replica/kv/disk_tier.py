@@ -169,8 +169,10 @@ def block_file_size(key: DiskKey, block_hash: bytes) -> int:
     return len(MAGIC) + _HEADER_LEN.size + len(header) + key.payload_bytes
 
 
-def decode_block_file(key: DiskKey, block_hash: bytes, data: bytes) -> bytes | None:
-    """The payload of a block file when every check passes, else None."""
+def decode_block_file(key: DiskKey, block_hash: bytes, data: bytes, payload: bytes | None = None) -> bytes | None:
+    """The payload of a block file when every check passes, else None. ``data`` is the whole file,
+    or, with ``payload`` given, the part before the payload (as :meth:`BlockFiles.read` reads a
+    file: in two reads, so the payload is never copied out of the whole)."""
     head = len(MAGIC) + _HEADER_LEN.size
     if len(data) < head or not data.startswith(MAGIC):
         return None
@@ -181,7 +183,10 @@ def decode_block_file(key: DiskKey, block_hash: bytes, data: bytes) -> bytes | N
         header = json.loads(data[head : head + n])
     except ValueError:
         return None
-    payload = data[head + n :]
+    if payload is None:
+        payload = data[head + n :]
+    elif len(data) != head + n:
+        return None
     if (
         not isinstance(header, dict)
         or header.get("key") != key.header_key()
@@ -253,7 +258,7 @@ class BlockFiles:
             return None
         name = self._file(block_hash)
         try:
-            data = self._read_file(name, block_file_size(self.key, block_hash))
+            parts = self._read_file(name, block_file_size(self.key, block_hash), self.key.payload_bytes)
         except FileNotFoundError:
             self._note(block_hash, False)
             if not os.path.isdir(self.path):
@@ -263,8 +268,8 @@ class BlockFiles:
             if exc.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
                 self._fail("read", exc)
                 return None
-            data = None  # a symlink (O_NOFOLLOW), a socket or a directory under the block's name
-        payload = None if data is None else decode_block_file(self.key, block_hash, data)
+            parts = None  # a symlink (O_NOFOLLOW), a socket or a directory under the block's name
+        payload = None if parts is None else decode_block_file(self.key, block_hash, *parts)
         if payload is None:
             self.stats.invalid_files += 1
             _remove(name)
@@ -278,22 +283,26 @@ class BlockFiles:
         return payload
 
     @staticmethod
-    def _read_file(name: str, size: int) -> bytes | None:
+    def _read_file(name: str, size: int, payload_size: int) -> tuple[bytes, bytes] | None:
         """The bytes of ``name`` when it is a regular file of exactly ``size`` bytes, else None; never
-        follows a symlink nor blocks on a FIFO, and reads nothing of a file of another size."""
+        follows a symlink nor blocks on a FIFO, and reads nothing of a file of another size. In two
+        parts: what comes before the last ``payload_size`` bytes, and those (each filled by the
+        kernel, never copied: on a VM a fresh copy's pages cost more than the read)."""
         fd = os.open(name, _OPEN_FLAGS)
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size != size:
                 return None
-            chunks, left = [], size
-            while left:
-                chunk = os.read(fd, left)
-                if not chunk:
-                    return None  # shrank under us: another process truncated it
-                chunks.append(chunk)
-                left -= len(chunk)
-            return b"".join(chunks)
+            parts = []
+            for want in (size - payload_size, payload_size):
+                part = os.read(fd, want)
+                while len(part) < want:  # a short read: rare, joined
+                    more = os.read(fd, want - len(part))
+                    if not more:
+                        return None  # shrank under us: another process truncated it
+                    part += more
+                parts.append(part)
+            return parts[0], parts[1]
         finally:
             os.close(fd)
 

@@ -351,19 +351,25 @@ class ModelShard:
 
     def swap(self, out_ops: list[tuple[int, int]], in_ops: list[tuple[int, int]]) -> None:
         """Apply a step's swap copies: (device block, host slot) out first, then (host slot, device block) in."""
+        pairs = ((self.k_cache, self.k_host), (self.v_cache, self.v_host))
+        if self.device.type == "cpu":
+            # Block by block: a gathered batch would be a fresh temporary as large as the copy, and
+            # on a CPU host fresh pages can cost more than the copy itself.
+            for cache, pool in pairs:
+                dev_rows, host_rows = _raw(cache), _raw(pool)
+                for d, h in out_ops:
+                    host_rows[:, h].copy_(dev_rows[:, d])
+                for h, d in in_ops:
+                    dev_rows[:, d].copy_(host_rows[:, h])
+            return
         if out_ops:
             dev = torch.tensor([d for d, _ in out_ops], dtype=torch.long, device=self.device)
             host = torch.tensor([h for _, h in out_ops], dtype=torch.long)
-            for cache, pool in ((self.k_cache, self.k_host), (self.v_cache, self.v_host)):
+            for cache, pool in pairs:
                 _raw(pool)[:, host] = _raw(cache)[:, dev].to("cpu")
         if in_ops:
             host = torch.tensor([h for h, _ in in_ops], dtype=torch.long)
-            if self.device.type == "cuda":
-                self._swap_in_cuda(host, [d for _, d in in_ops])
-                return
-            dev = torch.tensor([d for _, d in in_ops], dtype=torch.long, device=self.device)
-            for cache, pool in ((self.k_cache, self.k_host), (self.v_cache, self.v_host)):
-                _raw(cache)[:, dev] = _raw(pool)[:, host]
+            self._swap_in_cuda(host, [d for _, d in in_ops])
 
     def _swap_in_cuda(self, host: torch.Tensor, dst: list[int]) -> None:
         """Host -> device copies on a side stream (DMA from pinned rows), ordered after the

@@ -21,6 +21,7 @@ import dataclasses
 import hashlib
 import json
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -115,11 +116,23 @@ def disk_key(shard: ModelShard) -> DiskKey:
     )
 
 
-def read_blocks(shard: ModelShard, ids: list[int], host: bool) -> list[bytes]:
-    """The payloads of device blocks (or host slots, ``host``) ``ids``."""
+def read_blocks(shard: ModelShard, ids: list[int], host: bool) -> list[bytes | bytearray]:
+    """The payloads of device blocks (or host slots, ``host``) ``ids`` (bytes-like: written and hashed as they are)."""
     if not ids:
         return []
     k, v = _block_views(shard, host)
+    if k.device.type == "cpu":
+        # Each block copied once, straight into its payload: a gathered batch would make three
+        # more copies as large, and on a CPU host fresh pages can cost more than the copies.
+        per_k = k[:, 0].numel()
+        out: list[bytes | bytearray] = []
+        for b in ids:
+            payload = bytearray(per_k + v[:, 0].numel())
+            row = torch.frombuffer(payload, dtype=torch.uint8)
+            row[:per_k].view(k.shape[0], *k.shape[2:]).copy_(k[:, b])
+            row[per_k:].view(v.shape[0], *v.shape[2:]).copy_(v[:, b])
+            out.append(payload)
+        return out
     index = torch.tensor(ids, dtype=torch.long, device=k.device)
     # [layers, n, ...] -> [n, layers, ...]: one contiguous payload per block
     ks = k.index_select(1, index).transpose(0, 1).reshape(len(ids), -1).to("cpu")
@@ -129,16 +142,19 @@ def read_blocks(shard: ModelShard, ids: list[int], host: bool) -> list[bytes]:
 
 
 def fill_host_slots(shard: ModelShard, fills: list[tuple[int, bytes]]) -> None:
-    """Write disk payloads into host slots (before the step's swap-ins read them)."""
+    """Write disk payloads into host slots (before the step's swap-ins read them): each straight from
+    its bytes into its slot, with no intermediate copy."""
     if not fills:
         return
     k, v = _block_views(shard, host=True)
     per_k = k[:, 0].numel()
-    rows = torch.stack([torch.frombuffer(bytearray(p), dtype=torch.uint8) for _, p in fills])
-    slots = torch.tensor([s for s, _ in fills], dtype=torch.long)
-    n = len(fills)
-    k[:, slots] = rows[:, :per_k].reshape(n, k.shape[0], *k.shape[2:]).transpose(0, 1)
-    v[:, slots] = rows[:, per_k:].reshape(n, v.shape[0], *v.shape[2:]).transpose(0, 1)
+    with warnings.catch_warnings():
+        # The payload is read-only bytes and is only read here.
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        for slot, payload in fills:
+            row = torch.frombuffer(payload, dtype=torch.uint8)
+            k[:, slot].copy_(row[:per_k].view(k.shape[0], *k.shape[2:]))
+            v[:, slot].copy_(row[per_k:].view(v.shape[0], *v.shape[2:]))
 
 
 def store_blocks(shard: ModelShard, files: BlockFiles, blocks: list[tuple[int, bytes]], host: bool) -> None:
