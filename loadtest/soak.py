@@ -474,8 +474,7 @@ class Traffic:
                     "parameters": {
                         "type": "object",
                         "properties": {
-                            f"p{j}": {"type": "string", "description": "a parameter of the tool, described"}
-                            for j in range(BIG_TOOL_PROPERTIES)
+                            f"p{j}": {"type": "string", "description": "a param"} for j in range(BIG_TOOL_PROPERTIES)
                         },
                     },
                 },
