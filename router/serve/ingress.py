@@ -11,10 +11,15 @@ reached a replica names it in ``X-Prefixserve-Replica``.
 Invariants:
 
 * A request that fails because its replica died (Ray reports the actor dead
-  or unavailable) before any token reached this ingress is sent again; the
-  router has dropped the dead replica, so it lands on the key's next ring
-  replica. Once the first token is here it is never resent (the client may
-  already have it).
+  or unavailable) before any token reached this ingress is sent again, the
+  dead replica tried last (``EngineRequest.avoid_replicas``), so it lands on
+  the key's next ring replica. Once the first token is here it is never sent
+  whole again: a stream whose replica dies (its actor or its engine) or ends
+  it while stopping (503 ``server_shutting_down``) continues on another
+  replica from what its client has (``ingress.migrate_streams``, at most
+  ``max_stream_migrations`` moves; replica/contract/continuation.py), and
+  ends with the replica's error when it may not move (``n > 1``, the
+  ingress draining, the limit) or the next replica cannot continue it exactly.
 * The ingress keeps no routing state of its own: several ingress replicas
   (each with its own handle and router) route the same key to the same replica.
 * Answers name the ingress replica too (``X-Prefixserve-Ingress``), so that
@@ -169,7 +174,8 @@ class Migration:
 
 
 class RemoteStream:
-    """The deltas of one request from an engine replica, resent while no token has arrived.
+    """The deltas of one request from an engine replica: resent while no token has arrived, continued
+    on another replica when its replica stops serving it after (the module docstring).
 
     An async iterator of StreamDelta. ``replica`` names the replica serving it
     (set once a replica took it); ``token_text`` decodes token ids the replica
@@ -358,11 +364,11 @@ class RemoteStream:
                 m.count(reason, MIGRATION_REFUSED)
                 raise
             except Exception as again:
-                reason = _lost_replica(again)
-                if reason is None:
-                    m.count(MIGRATION_REPLICA_DIED, MIGRATION_REFUSED)
+                lost = _lost_replica(again)
+                if lost is None:
+                    m.count(reason, MIGRATION_REFUSED)
                     raise _cause(again) from None
-                exc = again
+                reason, exc = lost, again
                 continue
             m.count(reason, MIGRATION_MIGRATED)
             return delta

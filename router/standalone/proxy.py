@@ -98,6 +98,8 @@ ROUTER_SELF = "router"
 # OpenAI's Responses API: its answers are stored on the replica that gave them (response_homes.py).
 RESPONSES_PATH = "/v1/responses"
 RETRY_STATUSES = frozenset({429, 503})
+# The answers a prefixserve replica reports progress in, and continues (replica/contract/continuation.py).
+MOVABLE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 RETRY_AFTER_S = 1
 # Headers that describe one connection, not the message (RFC 9110 7.6.1), and those httpx sets itself.
 _HOP_BY_HOP = frozenset(
@@ -607,7 +609,7 @@ class StandaloneRouter:
         attempts = plan.attempts(self.config.max_attempts)
         headers = upstream_headers(request.headers)
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        movable = self.config.migrate_streams and stream_of_one(parsed) and request.method == "POST"
+        movable = self.config.migrate_streams and stream_of_one(parsed) and request.url.path in MOVABLE_PATHS
         progress_headers = {**headers, STREAM_PROGRESS_HEADER: "1"}
         last: tuple[int, bytes, httpx.Headers, str] | None = None
         for i, name in enumerate(attempts):
