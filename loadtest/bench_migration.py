@@ -44,7 +44,7 @@ from tqdm import tqdm
 from prefixserve.loadtest.cluster_run import LocalServeCluster, scrape_metrics, served_model
 from prefixserve.loadtest.harness.cli import alternated, cluster_parser, plan_and_run
 from prefixserve.loadtest.harness.plotting import figure
-from prefixserve.loadtest.harness.report import config_json, fmt, markdown_table, write_json
+from prefixserve.loadtest.harness.report import fmt, markdown_table, write_runs
 from prefixserve.loadtest.harness.sse import aiter_events
 from prefixserve.loadtest.harness.stats import nearest_rank, ratio
 from prefixserve.loadtest.workloads import words_text
@@ -355,14 +355,8 @@ def run(args: argparse.Namespace, _: None) -> int:
     )
     print(f"\n## A replica killed mid-stream: {title}\n")
     print(render(results))
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    payload = {
-        "config": config_json(args),
-        "runs": [r.to_json() for r in results],
-        "wall_s": time.perf_counter() - started,
-    }
     stem = "bench_migration_disk" if args.kv_disk_gb > 0 else "bench_migration"
-    json_path = write_json(args.out_dir / f"{stem}.json", payload, announce=False)
+    json_path = write_runs(args, stem, (r.to_json() for r in results), started)
     png_path = args.out_dir / f"{stem}.png"
     plot(results, png_path, title)
     print(f"\nwrote {json_path} and {png_path}")

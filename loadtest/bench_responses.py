@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from prefixserve.loadtest.cluster_run import LocalServeCluster, served_model
 from prefixserve.loadtest.harness.cli import alternated, cluster_parser, plan_and_run
-from prefixserve.loadtest.harness.report import config_json, fmt, markdown_table, write_json
+from prefixserve.loadtest.harness.report import fmt, markdown_table, write_runs
 from prefixserve.loadtest.harness.stats import ratio
 from prefixserve.loadtest.workloads import words_text
 
@@ -182,13 +182,7 @@ def run(args: argparse.Namespace, _: None) -> int:
         bar.close()
     print(f"\n## Continuations: {args.replicas} replicas, {args.conversations} conversations x {args.turns} turns\n")
     print(render(results))
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    payload = {
-        "config": config_json(args),
-        "runs": [r.to_json() for r in results],
-        "wall_s": time.perf_counter() - started,
-    }
-    path = write_json(args.out_dir / "bench_responses.json", payload, announce=False)
+    path = write_runs(args, "bench_responses", (r.to_json() for r in results), started)
     print(f"\nwrote {path}")
     return 0
 

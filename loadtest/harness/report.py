@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -62,3 +63,10 @@ def write_json(
     if announce:
         print(f"\nwrote {out}")
     return out
+
+
+def write_runs(options: Any, stem: str, runs: Iterable[Mapping[str, Any]], started: float) -> Path:
+    """``<options.out_dir>/<stem>.json``: how the result was made (``config_json``), each run, and the
+    wall time since ``started`` (``time.perf_counter()``); returns the path."""
+    payload = {"config": config_json(options), "runs": list(runs), "wall_s": time.perf_counter() - started}
+    return write_json(Path(options.out_dir) / f"{stem}.json", payload, announce=False)
