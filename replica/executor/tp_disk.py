@@ -85,7 +85,7 @@ class ShardedDiskTier:
     def contains(self, block_hash: bytes) -> bool:
         return self.disk.contains(block_hash)
 
-    def load(self, block_hash: bytes) -> bytes | None:
+    def load(self, block_hash: bytes) -> bytes | bytearray | None:
         """Rank 0's verified payload when every rank's file of the block verified, else None
         (every rank's file deleted)."""
         disk = self.disk

@@ -92,6 +92,10 @@ SCAN_FRACTION = 64
 # After a full disk: seconds writes pause (dropped and counted) before they are tried again
 # (``BlockFiles.full_backoff_s``; EngineConfig.kv_disk_full_backoff_s on rank 0).
 FULL_BACKOFF_S = 30.0
+# Bytes of payload buffers a reader keeps for its next reads (BlockFiles.recycle).
+READ_POOL_BYTES = 64 * 1024**2
+# Buffers lent and not recycled yet that a reader remembers (more are forgotten, never reused).
+MAX_LENT_BUFFERS = 4096
 # Write errors that mean "no space": the tier degrades and recovers instead of stopping.
 NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 # Flags a block file is opened with: never through a symlink, never blocking on a FIFO.
@@ -169,7 +173,9 @@ def block_file_size(key: DiskKey, block_hash: bytes) -> int:
     return len(MAGIC) + _HEADER_LEN.size + len(header) + key.payload_bytes
 
 
-def decode_block_file(key: DiskKey, block_hash: bytes, data: bytes, payload: bytes | None = None) -> bytes | None:
+def decode_block_file(
+    key: DiskKey, block_hash: bytes, data: bytes, payload: bytes | bytearray | None = None
+) -> bytes | bytearray | None:
     """The payload of a block file when every check passes, else None. ``data`` is the whole file,
     or, with ``payload`` given, the part before the payload (as :meth:`BlockFiles.read` reads a
     file: in two reads, so the payload is never copied out of the whole)."""
@@ -199,6 +205,17 @@ def decode_block_file(key: DiskKey, block_hash: bytes, data: bytes, payload: byt
     return payload
 
 
+def _read_exactly(fd: int, size: int) -> bytes | None:
+    """``size`` bytes from ``fd``'s position, or None when the file ends first."""
+    data = os.read(fd, size)
+    while len(data) < size:  # a short read: rare, joined
+        more = os.read(fd, size - len(data))
+        if not more:
+            return None
+        data += more
+    return data
+
+
 class BlockFiles:
     """One rank's block files under ``path`` for its ``key``: verified reads, write-behind writes,
     deletes, and no decisions (no size bound, no known set).
@@ -223,6 +240,10 @@ class BlockFiles:
         self._paused_until: float | None = None
         self._lock = threading.Lock()
         self._check_usable()
+        # Payload buffers reads fill (a fresh one per read costs more than the read on a VM): those
+        # free, and those lent to this step's reads (``recycle`` frees them once their fills are done).
+        self._free_buffers: list[bytearray] = []
+        self._lent_buffers: list[bytearray] = []
         self._queue: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue(maxsize=queue_blocks)
         self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
         self._writer.start()
@@ -251,14 +272,14 @@ class BlockFiles:
     def _note(self, block_hash: bytes, present: bool) -> None:
         """What this process saw of ``block_hash``'s file (``DiskTier`` keeps it; a worker rank does not)."""
 
-    def read(self, block_hash: bytes) -> bytes | None:
+    def read(self, block_hash: bytes) -> bytes | bytearray | None:
         """The verified payload of this rank's file, or None (a miss; an invalid file is deleted and
         counted in ``stats.invalid_files``; a fault stops the object). Counts no load."""
         if not self._enabled:
             return None
         name = self._file(block_hash)
         try:
-            parts = self._read_file(name, block_file_size(self.key, block_hash), self.key.payload_bytes)
+            parts = self._read_file(name, block_file_size(self.key, block_hash))
         except FileNotFoundError:
             self._note(block_hash, False)
             if not os.path.isdir(self.path):
@@ -270,6 +291,8 @@ class BlockFiles:
                 return None
             parts = None  # a symlink (O_NOFOLLOW), a socket or a directory under the block's name
         payload = None if parts is None else decode_block_file(self.key, block_hash, *parts)
+        if payload is None and parts is not None:
+            self._give_back(parts[1])
         if payload is None:
             self.stats.invalid_files += 1
             _remove(name)
@@ -282,36 +305,54 @@ class BlockFiles:
         self._note(block_hash, True)
         return payload
 
-    @staticmethod
-    def _read_file(name: str, size: int, payload_size: int) -> tuple[bytes, bytes] | None:
+    def _read_file(self, name: str, size: int) -> tuple[bytes, bytearray] | None:
         """The bytes of ``name`` when it is a regular file of exactly ``size`` bytes, else None; never
         follows a symlink nor blocks on a FIFO, and reads nothing of a file of another size. In two
-        parts: what comes before the last ``payload_size`` bytes, and those (each filled by the
-        kernel, never copied: on a VM a fresh copy's pages cost more than the read)."""
+        parts: what comes before the payload, and the payload, read into a buffer of this object's
+        (``recycle`` takes it back)."""
         fd = os.open(name, _OPEN_FLAGS)
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size != size:
                 return None
-            parts = []
-            for want in (size - payload_size, payload_size):
-                part = os.read(fd, want)
-                while len(part) < want:  # a short read: rare, joined
-                    more = os.read(fd, want - len(part))
-                    if not more:
-                        return None  # shrank under us: another process truncated it
-                    part += more
-                parts.append(part)
-            return parts[0], parts[1]
+            head = _read_exactly(fd, size - self.key.payload_bytes)
+            if head is None:
+                return None
+            payload = self._free_buffers.pop() if self._free_buffers else bytearray(self.key.payload_bytes)
+            self._lent_buffers.append(payload)
+            if len(self._lent_buffers) > MAX_LENT_BUFFERS:
+                del self._lent_buffers[0]  # a caller that never recycles: forgotten (never reused), not kept
+            view, done = memoryview(payload), 0
+            while done < len(payload):
+                got = os.readv(fd, [view[done:]])
+                if not got:
+                    return None  # shrank under us: another process truncated it
+                done += got
+            return head, payload
         finally:
             os.close(fd)
 
-    def count_loaded(self, payload: bytes) -> None:
+    def _give_back(self, payload: bytearray) -> None:
+        """A lent buffer whose read did not verify: free again at once."""
+        for i, lent in enumerate(self._lent_buffers):
+            if lent is payload:
+                del self._lent_buffers[i]
+                self._free_buffers.append(payload)
+                return
+
+    def recycle(self) -> None:
+        """The payloads read so far are used (their fills are done): their buffers serve the next
+        reads, up to READ_POOL_BYTES of them kept."""
+        keep = max(0, READ_POOL_BYTES // max(1, self.key.payload_bytes) - len(self._free_buffers))
+        self._free_buffers.extend(self._lent_buffers[:keep])
+        self._lent_buffers.clear()
+
+    def count_loaded(self, payload: bytes | bytearray) -> None:
         """Count one block served from the disk."""
         self.stats.loaded_blocks += 1
         self.stats.loaded_bytes += len(payload)
 
-    def load(self, block_hash: bytes) -> bytes | None:
+    def load(self, block_hash: bytes) -> bytes | bytearray | None:
         """``read``, counted as a load when it verifies."""
         payload = self.read(block_hash)
         if payload is not None:

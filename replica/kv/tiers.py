@@ -44,8 +44,9 @@ class BlockStore(Protocol):
         """False once the store stopped (a disk fault): every lookup is then a miss."""
         ...
 
-    def load(self, block_hash: bytes) -> bytes | None:
-        """The verified payload stored under ``block_hash``; None on a miss (a bad file is deleted)."""
+    def load(self, block_hash: bytes) -> bytes | bytearray | None:
+        """The verified payload stored under ``block_hash``; None on a miss (a bad file is deleted).
+        It may be a buffer the store lends until the step's fills are done."""
         ...
 
     def contains(self, block_hash: bytes) -> bool:
@@ -62,7 +63,8 @@ class TierOps:
     lookup's ``BlockStore.load`` asked them (``replica/executor/tp_disk.py``)."""
 
     host_stores: list[tuple[int, bytes]] = field(default_factory=list)  # (host slot, hash) -> disk
-    host_fills: list[tuple[int, bytes, bytes]] = field(default_factory=list)  # (host slot, hash, payload) from disk
+    # (host slot, hash, payload) from disk
+    host_fills: list[tuple[int, bytes, bytes | bytearray]] = field(default_factory=list)
     device_stores: list[tuple[int, bytes]] = field(default_factory=list)  # (device block, hash) -> disk
 
     def __bool__(self) -> bool:

@@ -141,7 +141,7 @@ def read_blocks(shard: ModelShard, ids: list[int], host: bool) -> list[bytes | b
     return [row.tobytes() for row in both]
 
 
-def fill_host_slots(shard: ModelShard, fills: list[tuple[int, bytes]]) -> None:
+def fill_host_slots(shard: ModelShard, fills: list[tuple[int, bytes | bytearray]]) -> None:
     """Write disk payloads into host slots (before the step's swap-ins read them): each straight from
     its bytes into its slot, with no intermediate copy."""
     if not fills:
@@ -189,6 +189,7 @@ class TierIO:
         store_blocks(self.shard, self.disk, ops.host_stores, host=True)
         t1 = time.perf_counter()
         fill_host_slots(self.shard, [(s, p) for s, _, p in ops.host_fills])
+        self.disk.recycle()  # the payloads are in their slots: their buffers serve the next reads
         t2 = time.perf_counter()
         self.times.store_seconds += t1 - t0
         self.times.fill_seconds += t2 - t1
@@ -245,6 +246,7 @@ class ShardTierIO:
             raise RuntimeError(f"a disk fill for block {exc.args[0].hex()} that this rank did not read") from None
         finally:
             self.pending.clear()
+            self.files.recycle()
 
     def after_forward(self, device_stores: list[tuple[int, bytes]]) -> None:
         """Blocks computed this step go to this rank's write queue (write-behind)."""

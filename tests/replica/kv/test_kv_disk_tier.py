@@ -51,6 +51,33 @@ def test_a_stored_block_loads_back_and_names_its_key(tmp_path):
     tier.close()
 
 
+def test_reads_reuse_their_buffers_only_once_recycled(tmp_path, monkeypatch):
+    """A read's payload is a buffer the tier lends until ``recycle``: never overwritten before, then
+    reused for the next read (no fresh memory per read); a read that does not verify gives its
+    buffer back at once; a caller that never recycles leaves nothing held."""
+    import prefixserve.replica.kv.disk_tier as disk_tier
+
+    tier = DiskTier(str(tmp_path), 1 << 20, KEY)
+    for i in range(4):
+        _stored(tier, i)
+    first, second = tier.load(_hash(0)), tier.load(_hash(1))
+    assert first == _payload(0) and second == _payload(1) and first is not second
+    third = tier.load(_hash(2))
+    assert first == _payload(0) and third == _payload(2)  # not recycled: nothing reused
+    tier.recycle()
+    again = tier.load(_hash(3))
+    assert again == _payload(3) and any(again is b for b in (first, second, third))
+    bad = _stored(tier, 5)
+    bad.write_bytes(bad.read_bytes()[:-1] + bytes([bad.read_bytes()[-1] ^ 1]))
+    lent = len(tier._lent_buffers)
+    assert tier.load(_hash(5)) is None and len(tier._lent_buffers) == lent
+    monkeypatch.setattr(disk_tier, "MAX_LENT_BUFFERS", 2)
+    for _ in range(5):
+        tier.load(_hash(0))
+    assert len(tier._lent_buffers) == 2
+    tier.close()
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip", "foreign"])
 def test_a_bad_file_is_a_miss_and_is_deleted(tmp_path, damage):
     tier = DiskTier(str(tmp_path), 1 << 20, KEY)
