@@ -531,7 +531,7 @@ async def _stream(http: httpx.AsyncClient, base: str, key: str, record: dict) ->
             record["attempts"] = int(response.headers.get(ATTEMPTS_HEADER, "0"))
             async for line in response.aiter_lines():
                 if line == "data: [DONE]":
-                    record["done"] = True
+                    record["done"], record["done_at"] = True, time.monotonic()
                 elif line.startswith("data: "):
                     event = json.loads(line[6:])
                     if "error" in event:
@@ -582,8 +582,8 @@ def test_killing_a_replica_mid_stream_loses_no_request_and_its_replacement_gets_
     probe_keys = [f"{rng.getrandbits(64):016x}" for _ in range(2000)]
     victim_keys = [k for k in probe_keys if ring.owner(k) == victim][:8]
     other_keys = [k for k in probe_keys if ring.owner(k) != victim][:4]
-    # The victim's first two (its two seats) are JSON streams, so that a grammar's replay is checked.
-    kinds = [True, True, False, False, True, False, True, False] + [True, False] * 2
+    # Most of the victim's streams are JSON, so that one is mid-way when it dies (a grammar's replay).
+    kinds = [True] * 6 + [False] * 2 + [True, False] * 2
     records = [{"key": k, "json": j} for k, j in zip(victim_keys + other_keys, kinds, strict=True)]
     with httpx.Client(timeout=120) as http:
         # The schema's grammar compiled on the victim beforehand: its JSON streams start as fast as the plain.
@@ -598,16 +598,20 @@ def test_killing_a_replica_mid_stream_loses_no_request_and_its_replacement_gets_
     async def main() -> None:
         async with httpx.AsyncClient(timeout=300) as http:
             tasks = [asyncio.create_task(_stream(http, base, r["key"], r)) for r in records]
-            # Let the victim start its first two requests (max_num_seqs=2) and queue the rest: kill
-            # it only once its engine reports a request waiting, so that one is queued there.
+            # Let the victim start its requests (max_num_seqs=2) and queue the rest: kill it only once a
+            # JSON stream streams there and its engine reports a request waiting, so one is queued.
             deadline = time.monotonic() + 60
-            on_victim = records[: len(victim_keys)]
-            while not (any("first_token_at" in r for r in on_victim) and await _victim_waiting(http, base, victim)):
+            json_on_victim = [r for r in records[: len(victim_keys)] if r["json"]]
+            while not (
+                any("first_token_at" in r for r in json_on_victim) and await _victim_waiting(http, base, victim)
+            ):
                 assert time.monotonic() < deadline, "the victim never streamed with a request queued"
                 await asyncio.sleep(0.05)
+            killed_at.append(time.monotonic())
             ray.kill(ray.get_actor(victim_actor, namespace="serve"), no_restart=True)
             await asyncio.gather(*tasks)
 
+    killed_at: list[float] = []
     asyncio.run(main())
     failed = [r for r in records if not r.get("done") or "error" in r]
     assert not failed, failed
@@ -617,8 +621,9 @@ def test_killing_a_replica_mid_stream_loses_no_request_and_its_replacement_gets_
     with httpx.Client(timeout=60) as http:
         moved = migrations(http.get(f"{base}/metrics").text)
     migrated = moved.get(("replica_died", "migrated"), 0) - moved_before.get(("replica_died", "migrated"), 0)
-    # A streamed answer names its replica once the first token is here: the victim's streams moved.
-    streaming_on_victim = [r for r in records if r["replica"] == victim]
+    # A streamed answer names its replica once the first token is here: the victim's streams not
+    # done when it died moved.
+    streaming_on_victim = [r for r in records if r["replica"] == victim and r["done_at"] > killed_at[0]]
     assert streaming_on_victim and migrated >= len(streaming_on_victim), (moved, streaming_on_victim)
     assert any(r["json"] for r in streaming_on_victim), "no JSON stream was on the victim when it died"
     for kind in (False, True):
