@@ -89,15 +89,7 @@ class StreamProgress:
         """The continuation as the HTTP body field ``prefixserve_continuation`` (it needs the answer's id)."""
         if self.answer_id is None:
             raise ValueError("a stream whose answer id is unknown cannot be continued over HTTP")
-        c = self.continuation(migrations)
-        return {
-            "id": self.answer_id,
-            "output_token_ids": list(c.output_token_ids),
-            "emitted_chars": c.emitted_chars,
-            "num_prompt_tokens": c.num_prompt_tokens,
-            "tool_call_ids": list(c.tool_call_ids),
-            "migrations": c.migrations,
-        }
+        return self.continuation(migrations).http_field(self.answer_id)
 
 
 def migration_refusal(

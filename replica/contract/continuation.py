@@ -85,6 +85,18 @@ class Continuation:
         if self.emitted_chars < 0 or self.num_prompt_tokens < 1 or self.migrations < 1:
             raise ValueError(f"a continuation needs counts >= 0 (prompt, migrations >= 1): {self!r}")
 
+    def http_field(self, answer_id: str) -> dict[str, Any]:
+        """The value of the request body field ``CONTINUATION_FIELD`` (the module docstring): this
+        continuation, and the id of the answer the continued stream keeps."""
+        return {
+            "id": answer_id,
+            "output_token_ids": list(self.output_token_ids),
+            "emitted_chars": self.emitted_chars,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "tool_call_ids": list(self.tool_call_ids),
+            "migrations": self.migrations,
+        }
+
 
 def progress_comment(
     token_ids: Sequence[int],

@@ -70,7 +70,7 @@ class OutputProcessor:
         seq.last_token_time = now
         if seq.logprobs is not None and logprobs is not None:
             seq.logprobs.append(logprobs)
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+        if self._stops(seq, token):
             if p.include_stop_str_in_output:  # vLLM then detokenizes the stop token too
                 seq.text += seq.detok.add(token)
             return FinishReason.STOP
@@ -84,6 +84,11 @@ class OutputProcessor:
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
+
+    def _stops(self, seq: Sequence, token: int) -> bool:
+        """Whether ``token`` ends ``seq``: one of its stop token ids, or EOS unless it ignores EOS."""
+        p = seq.request.params
+        return token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
 
     def replay(self, seq: Sequence, continuation: Continuation) -> None:
         """Put a continued stream's tokens into its new sequence (replica/contract/continuation.py) as if
@@ -105,8 +110,7 @@ class OutputProcessor:
                         f"the continued output does not follow its grammar: {exc}"
                     ) from None
             seq.token_ids.append(token)
-            ended = token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
-            if ended or (seq.grammar is not None and seq.grammar.terminated):
+            if self._stops(seq, token) or (seq.grammar is not None and seq.grammar.terminated):
                 raise ContinuationMismatchError("the continued tokens end the output: nothing to continue")
             delta = seq.detok.add(token)
             if delta:

@@ -124,10 +124,10 @@ def read_blocks(shard: ModelShard, ids: list[int], host: bool) -> list[bytes | b
     if k.device.type == "cpu":
         # Each block copied once, straight into its payload: a gathered batch would make three
         # more copies as large, and on a CPU host fresh pages can cost more than the copies.
-        per_k = k[:, 0].numel()
+        per_k, per_v = k[:, 0].numel(), v[:, 0].numel()
         out: list[bytes | bytearray] = []
         for b in ids:
-            payload = bytearray(per_k + v[:, 0].numel())
+            payload = bytearray(per_k + per_v)
             row = torch.frombuffer(payload, dtype=torch.uint8)
             row[:per_k].view(k.shape[0], *k.shape[2:]).copy_(k[:, b])
             row[per_k:].view(v.shape[0], *v.shape[2:]).copy_(v[:, b])
