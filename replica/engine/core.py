@@ -908,8 +908,9 @@ class LLMEngine:
                 max_loras=lora.max_loras,
                 running=(n for seq in sched.running if (n := seq.request.lora_name) is not None),
                 waiting=(n for seq in sched.waiting if (n := seq.request.lora_name) is not None),
-                loaded=len(lora.loaded),
+                loaded=lora.loaded,
                 resident=sum(1 for name in lora.resident if name is not None),
+                num_loads=lora.num_loads,
             )
         queries, hits, preemptions = self._totals()
         self.metrics.observe_step(
@@ -934,6 +935,8 @@ class LLMEngine:
             prefix_cache_hits=hits,
             num_preemptions=preemptions,
             num_kv_blocks=self.kv_manager.num_blocks,
+            lora_loaded=tuple(lora.loaded) if (lora := self.runner.lora) is not None else (),
+            lora_loads=lora.num_loads if lora is not None else 0,
         )
 
 

@@ -17,7 +17,7 @@ nothing here reads engine internals. Also ``EngineStats``, the snapshot that
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import astuple, dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -98,6 +98,10 @@ class EngineStats:
     prefix_cache_hits: int
     num_preemptions: int
     num_kv_blocks: int
+    # LoRA adapters held in host memory (their requests start without a load), least recently
+    # used first, and the loads from their files since start (EngineConfig.enable_lora).
+    lora_loaded: tuple[str, ...] = ()
+    lora_loads: int = 0
 
 
 @dataclass(frozen=True)
@@ -249,6 +253,21 @@ class EngineMetrics:
         self._last_lora: tuple[str, str, str] | None = None
         self.loras_loaded = g("prefixserve:lora_adapters_loaded", "LoRA adapters held in host memory.")
         self.loras_resident = g("prefixserve:lora_adapters_resident", "LoRA adapters written in the model's slots.")
+        # Which adapters are held (a router prefers a replica holding a request's adapter), as one
+        # sample whose label names them, like vLLM's info series; and the loads from their files.
+        self.lora_loaded_info = Gauge(
+            "prefixserve:lora_adapters_loaded_info",
+            "LoRA adapters held in host memory: one sample, its label the adapter names (comma-joined, sorted).",
+            ["loaded_lora_adapters"],
+            registry=self.registry,
+        )
+        self._last_loaded: str | None = None
+        self.lora_loads = Counter(
+            "prefixserve:lora_adapter_loads",
+            "LoRA adapters read from their files into host memory (the first time, and again after eviction).",
+            registry=self.registry,
+        )
+        self._lora_loads_seen = 0
         # The front end's count of request fields it ignored (replica/entrypoints/openai/request_fields.py).
         self.ignored_fields = series.family(
             Counter,
@@ -318,15 +337,31 @@ class EngineMetrics:
             self.iteration_tokens.observe(num_prompt_tokens + num_generation_tokens)
 
     def observe_lora(
-        self, *, max_loras: int, running: Iterable[str], waiting: Iterable[str], loaded: int, resident: int
+        self,
+        *,
+        max_loras: int,
+        running: Iterable[str],
+        waiting: Iterable[str],
+        loaded: Sequence[str],
+        resident: int,
+        num_loads: int,
     ) -> None:
-        """Record which adapters the running and waiting requests use, and the adapters held."""
+        """Record which adapters the running and waiting requests use, the adapters held and the
+        loads so far (``num_loads``: cumulative, turned into increments)."""
         labels = (str(max_loras), ",".join(sorted(set(waiting))), ",".join(sorted(set(running))))
         if labels != self._last_lora:
             self.lora_info.clear()
             self.lora_info.labels(*labels).set_to_current_time()
             self._last_lora = labels
-        self.loras_loaded.set(loaded)
+        names = ",".join(sorted(loaded))
+        if names != self._last_loaded:
+            self.lora_loaded_info.clear()
+            self.lora_loaded_info.labels(names).set(1)
+            self._last_loaded = names
+        if num_loads > self._lora_loads_seen:
+            self.lora_loads.inc(num_loads - self._lora_loads_seen)
+            self._lora_loads_seen = num_loads
+        self.loras_loaded.set(len(loaded))
         self.loras_resident.set(resident)
 
     def observe_swap(self, totals: SwapTotals, *, num_swapped: int, host_usage: float) -> None:

@@ -41,6 +41,7 @@ from prefixserve.router.policies.base import (
     SeedOptions,
     by_load,
     effective_in_flight,
+    holds_adapter,
     landed_kind,
     load_of,
 )
@@ -84,6 +85,7 @@ __all__ = [
     "effective_in_flight",
     "in_flight_cap",
     "landed_kind",
+    "holds_adapter",
     "load_of",
     "make_policy",
     "pick_options",

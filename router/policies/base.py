@@ -70,6 +70,9 @@ class ReplicaLoad:
     kv_usage: fraction of KV blocks in use, 0..1.
     queued_prefill_tokens: prompt tokens of the waiting requests not covered by the
         prefix cache (the prefill work ahead of a new request).
+    adapters: the LoRA adapters the replica holds loaded (a request for one of them starts
+        without reading the adapter's files); a vLLM server reports those its running and
+        waiting requests use.
 
     Policies read it with ``load_of(candidate)``: a candidate without a ``load``
     attribute (or with None) is known by its ``in_flight`` count alone.
@@ -79,6 +82,7 @@ class ReplicaLoad:
     num_running: int = 0
     kv_usage: float = 0.0
     queued_prefill_tokens: int = 0
+    adapters: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         for name in ("num_waiting", "num_running", "queued_prefill_tokens"):
@@ -91,6 +95,8 @@ class ReplicaLoad:
             or not (0.0 <= self.kv_usage <= 1.0)
         ):
             raise ValueError(f"ReplicaLoad.kv_usage must be a number in [0, 1], got {self.kv_usage!r}")
+        if not isinstance(self.adapters, frozenset) or not all(isinstance(a, str) for a in self.adapters):
+            raise ValueError(f"ReplicaLoad.adapters must be a frozenset of adapter names, got {self.adapters!r}")
 
     def corrected(self, own_at_report: int, own_now: int) -> ReplicaLoad:
         """This report corrected by a router's own in-flight change since it arrived.
@@ -115,6 +121,12 @@ def load_of(candidate: object) -> ReplicaLoad | None:
     """The candidate's reported load (its optional ``load`` attribute), or None when it has none."""
     load = getattr(candidate, "load", None)
     return load if isinstance(load, ReplicaLoad) else None
+
+
+def holds_adapter(candidate: object, adapter: str) -> bool:
+    """Whether the candidate reported holding LoRA adapter ``adapter`` loaded."""
+    load = load_of(candidate)
+    return load is not None and adapter in load.adapters
 
 
 R = TypeVar("R", bound=ReplicaView)

@@ -31,6 +31,7 @@ from prefixserve.router.policies.base import (
     RingOptions,
     check_candidates,
     effective_in_flight,
+    holds_adapter,
 )
 from prefixserve.router.policies.consistent import RingPolicy
 from prefixserve.router.policies.history import DEFAULT_MAX_ENTRIES, HistoryIndex
@@ -360,6 +361,7 @@ class Placed(RingPolicy):
         history: Sequence[bytes] | None = None,
         static_blocks: int = 0,
         events_held: Mapping[str, int] | None = None,
+        adapter: str | None = None,
     ) -> Decision[R]:
         """Rank for one request of ``key``; ``count=False`` for a retry of a request already counted.
 
@@ -373,6 +375,10 @@ class Placed(RingPolicy):
         ``events_held``: per replica, the leading blocks of ``history`` its KV events say it holds
         (the standalone router's index); a replica counts as holding the larger of that and what
         the history index says. Not stored: when the events say a block is gone, it is.
+        ``adapter``: the LoRA adapter the request runs with (its key already names it). Among
+        the replicas the decision would take alike (the key's set under the cap, the spill's
+        ring successors) those whose reported load holds the adapter come first: a replica
+        without it reads the adapter's files before the request's prefill.
 
         The class docstring states the decision; this path reads each candidate
         once and reuses, per key, its ring order in candidate positions and the
@@ -403,6 +409,9 @@ class Placed(RingPolicy):
                     f = q
             loads.append(f)
         cap = in_flight_cap(sum(loads) / len(candidates))
+        holding: frozenset[int] = frozenset()
+        if adapter is not None:
+            holding = frozenset(p for p, c in enumerate(candidates) if holds_adapter(c, adapter))
         table = self.table
         # A key's first request memoizes nothing here (most keys seen once are never seen again).
         seen = key in table
@@ -487,6 +496,8 @@ class Placed(RingPolicy):
                 # conversations onto a replica their sessions already load).
                 more = next((p for p in order if loads[p] < conv_cap and recent[p] < recent_bound), None)
                 under = [more] if more is not None else []
+            if holding and under:
+                under = [p for p in under if p in holding] or under
             if recent and under:
                 # Of those, the fewest requests sent recently: a conversation stays where it
                 # starts, so they are the load its sessions will bring, which in flight is not.
@@ -507,6 +518,8 @@ class Placed(RingPolicy):
             kind = KIND_OWNER if first == order[0] else KIND_PLACED
         else:
             under = [p for p in placed if loads[p] < cap]
+            if holding and under:
+                under = [p for p in under if p in holding] or under
             if under:
                 # Least loaded; ties rotate over the key's requests, so that copies of a
                 # hot key share its traffic evenly (as the placement's accounting assumes).
@@ -518,8 +531,11 @@ class Placed(RingPolicy):
                 chosen = tied[turn % len(tied)]
                 kind = KIND_REPLICATED if chosen != first else KIND_OWNER if chosen == order[0] else KIND_PLACED
             else:
-                # The first ring successor outside the placement under the cap, else the least loaded.
-                spill = next((p for p in order if loads[p] < cap and p not in placed), None)
+                # The first ring successor outside the placement under the cap (one holding the
+                # request's adapter first), else the least loaded.
+                spill = next((p for p in order if loads[p] < cap and p not in placed and p in holding), None)
+                if spill is None:
+                    spill = next((p for p in order if loads[p] < cap and p not in placed), None)
                 chosen = spill if spill is not None else min(order, key=loads.__getitem__)
                 kind = KIND_SPILL
         predicted = held.get(chosen, 0)
@@ -559,6 +575,7 @@ class Placed(RingPolicy):
         blocks: PromptHistory | None,
         count: bool = True,
         events_held: Mapping[str, int] | None = None,
+        adapter: str | None = None,
     ) -> Decision[R]:
         """``rank`` with the prompt's block hashes as both hosts hold them (None: the prompt has none)."""
         return self.rank(
@@ -568,6 +585,7 @@ class Placed(RingPolicy):
             history=blocks.hashes if blocks is not None else None,
             static_blocks=blocks.static_blocks if blocks is not None else 0,
             events_held=events_held,
+            adapter=adapter,
         )
 
     # -- other inputs -------------------------------------------------------------

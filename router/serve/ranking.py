@@ -38,12 +38,14 @@ class Ranker(SlotPart):
         count: bool = True,
         blocks: PromptBlocks | None = None,
         retained: bool = False,
+        adapter: str | None = None,
     ) -> Decision[V]:
         """The policy's decision over ``views`` for a request of ``key`` (None: no key).
 
         ``count=False``: Serve asks again for a request already ranked (``placed`` counts it once).
         ``blocks``: the prompt's history hashes, for ``placed``.
         ``retained``: the request asks its replica to pin its prefix; ``placed`` keeps its key where it is.
+        ``adapter``: the LoRA adapter the request runs with; ``placed`` prefers replicas holding it.
         """
         policy = self._slot.policy
         placed = self._slot.placed
@@ -51,7 +53,7 @@ class Ranker(SlotPart):
         start = time.perf_counter()
         with self._slot.lock:
             if placed is not None:
-                decision = placed.rank_prompt(views, key, blocks, count=count)
+                decision = placed.rank_prompt(views, key, blocks, count=count, adapter=adapter)
                 if count and key is not None:
                     self._placement.count_request(key)
                     if retained:

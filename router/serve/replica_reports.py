@@ -61,12 +61,16 @@ class Report:
 
 def parse_load(stats: Mapping[str, Any]) -> ReplicaLoad | None:
     """The ReplicaLoad of a routing-stats dict (None when it has no valid load fields)."""
+    adapters = stats.get("lora_adapters", ())
     try:
         return ReplicaLoad(
             num_waiting=int(stats["num_waiting"]),
             num_running=int(stats["num_running"]),
             kv_usage=min(1.0, max(0.0, float(stats.get("kv_usage", 0.0)))),
             queued_prefill_tokens=int(stats.get("queued_prefill_tokens", 0)),
+            adapters=frozenset(a for a in adapters if isinstance(a, str))
+            if isinstance(adapters, list)
+            else frozenset(),
         )
     except (KeyError, TypeError, ValueError):
         return None

@@ -238,15 +238,18 @@ class PrefixRouter(RequestRouter):
         count: bool = True,
         blocks: PromptBlocks | None = None,
         retained: bool = False,
+        adapter: str | None = None,
     ) -> tuple[list[RunningReplica], str | None]:
         """The candidates best first and the key's ring owner (None without a key or ring).
 
         ``count=False``: Serve asks again for a request already ranked (``placed`` counts it once).
         ``blocks``: the prompt's history hashes (router/serve/history_feed.py), for ``placed``.
         ``retained``: the request asks for prompt_cache_retention; ``placed`` keeps its key where it is.
+        ``adapter``: the request's LoRA adapter; ``placed`` prefers replicas reporting it loaded.
         """
         self.refresh_reports(candidate_replicas)
-        decision = self._ranker.rank([self.view(r) for r in candidate_replicas], key, count, blocks, retained)
+        views = [self.view(r) for r in candidate_replicas]
+        decision = self._ranker.rank(views, key, count, blocks, retained, adapter)
         return [v.replica for v in decision.ranking], decision.owner
 
     async def choose_replicas(
@@ -266,7 +269,10 @@ class PrefixRouter(RequestRouter):
             seen = pending_request is not None and pending_request.metadata.internal_request_id in self._pending_choices
             blocks = self._history.blocks(request) if not seen else None
             retained = request is not None and request.cache_retention == RETENTION_24H
-            ranking, owner = self.rank(candidate_replicas, key, count=not seen, blocks=blocks, retained=retained)
+            adapter = request.lora_name if request is not None else None
+            ranking, owner = self.rank(
+                candidate_replicas, key, count=not seen, blocks=blocks, retained=retained, adapter=adapter
+            )
             if request is not None and request.home_replica is not None:
                 ranking = self._home_first(ranking, request.home_replica)
             if request is not None and request.avoid_replicas:

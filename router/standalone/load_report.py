@@ -11,12 +11,19 @@ A gauge with several samples (one per model or engine label set) counts their su
 (requests) or their largest (KV usage). Text without a running or waiting gauge
 gives None: the router then knows the replica by its own in-flight count alone.
 
+The LoRA adapters a replica holds: prefixserve names those loaded in host memory
+(``prefixserve:lora_adapters_loaded_info{loaded_lora_adapters="a,b"}``); vLLM only those
+its running and waiting requests use (``vllm:lora_requests_info``'s
+``running_lora_adapters`` and ``waiting_lora_adapters`` labels), surely loaded too. The
+replica's ``adapters`` are their union.
+
 Pure stdlib: a line parser for the gauges above, not a general Prometheus parser.
 """
 
 from __future__ import annotations
 
 import math
+import re
 
 from prefixserve.router.policies import ReplicaLoad
 
@@ -24,6 +31,12 @@ RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
 WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
 _WANTED = frozenset((*RUNNING, *WAITING, *KV_USAGE))
+# Info series whose labels name adapters: metric -> its labels that do.
+ADAPTER_LABELS = {
+    "prefixserve:lora_adapters_loaded_info": ("loaded_lora_adapters",),
+    "vllm:lora_requests_info": ("running_lora_adapters", "waiting_lora_adapters"),
+}
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
 def samples(text: str) -> dict[str, list[float]]:
@@ -58,6 +71,22 @@ def samples(text: str) -> dict[str, list[float]]:
     return out
 
 
+def adapters(text: str) -> frozenset[str]:
+    """The LoRA adapter names the info series of ``ADAPTER_LABELS`` name in exposition ``text``."""
+    names: set[str] = set()
+    for line in text.splitlines():
+        brace = line.find("{")
+        if brace <= 0:
+            continue
+        wanted = ADAPTER_LABELS.get(line[:brace].strip())
+        if wanted is None:
+            continue
+        for label, value in _LABEL.findall(line[brace : line.rfind("}") + 1]):
+            if label in wanted:
+                names.update(n for n in value.split(",") if n)
+    return frozenset(names)
+
+
 def _count(found: dict[str, list[float]], names: tuple[str, ...]) -> int | None:
     for name in names:
         if name in found:
@@ -77,4 +106,4 @@ def parse_load(text: str) -> ReplicaLoad | None:
         if name in found:
             kv = min(1.0, max(0.0, max(found[name])))
             break
-    return ReplicaLoad(num_waiting=waiting or 0, num_running=running or 0, kv_usage=kv)
+    return ReplicaLoad(num_waiting=waiting or 0, num_running=running or 0, kv_usage=kv, adapters=adapters(text))

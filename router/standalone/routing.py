@@ -137,7 +137,7 @@ class StandaloneRouting:
                 events_held = self.learn(key, blocks)
         else:
             blocks = self.blocks_of(body)
-        decision = placed.rank_prompt(candidates, key, blocks, events_held=events_held)
+        decision = placed.rank_prompt(candidates, key, blocks, events_held=events_held, adapter=adapter)
         if key is not None and isinstance(body, Mapping) and body.get("prompt_cache_retention") == RETENTION_24H:
             placed.retain(key)  # its replica pins its prefix: rebalancing keeps the key there
         ranking = _home_first([c.name for c in decision.ranking], home)

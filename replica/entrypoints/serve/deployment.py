@@ -193,7 +193,8 @@ class EngineDeployment:
         """What routers see as ``RunningReplica.routing_stats`` (about one period late).
 
         ``seq`` counts reports (a router tells a new report from one it has seen);
-        the load fields are router/policies/'s ReplicaLoad; ``kv_events`` is the
+        the load fields are router/policies/'s ReplicaLoad (``lora_adapters``: its ``adapters``,
+        absent when none is loaded); ``kv_events`` is the
         KV event publisher's payload (replica/contract/kv_events.py); ``rank`` is the
         replica's Serve rank (the router's ring name for it), absent without one.
         """
@@ -209,6 +210,8 @@ class EngineDeployment:
             "queued_prefill_tokens": self.engine.queued_prefill_tokens(),
             "kv_events": events,
         }
+        if stats.lora_loaded:
+            report["lora_adapters"] = list(stats.lora_loaded)
         rank = replica_rank()
         if rank is not None:
             report["rank"] = rank

@@ -149,3 +149,10 @@ def test_metrics_name_the_adapters_in_use_and_held(replica) -> None:
     assert len(info) == 1 and 'max_lora="2"' in info[0], info
     loaded = [line for line in text.splitlines() if line.startswith("prefixserve:lora_adapters_loaded{")]
     assert loaded and float(loaded[0].rsplit(" ", 1)[1]) >= 1
+    # Which adapters are held, as the standalone router reads them, and the loads counted.
+    from prefixserve.router.standalone.load_report import parse_load
+
+    load = parse_load(text)
+    assert load is not None and "all" in load.adapters, load
+    loads = [line for line in text.splitlines() if line.startswith("prefixserve:lora_adapter_loads_total")]
+    assert loads and float(loads[0].rsplit(" ", 1)[1]) >= 1, loads

@@ -941,6 +941,11 @@ def test_lora_adapters_through_the_cluster_get_their_own_key_and_tokens(cluster,
             routed[model] = r.headers[REPLICA_HEADER]
     assert routed[base_name] == ring.owner(prefix_hash(system))
     assert routed["all"] == ring.owner(adapter_key(prefix_hash(system), "all"))
+    # Every replica loaded the adapter at start and says so to the routers (placed prefers them).
+    from ray import serve
+
+    stats = serve.get_deployment_handle("Engine", app_name="prefixserve").broadcast("record_routing_stats")
+    assert all(s.get("lora_adapters") == ["all"] for s in stats.results(timeout_s=60))
     llm = LLM(ckpt, enable_lora=True, max_lora_rank=8, num_kv_blocks=64)
     greedy = SamplingParams(max_tokens=6, temperature=0.0)
     offline = llm.generate([prompt], greedy, lora_request=LoRARequest("all", 1, adapter))[0].outputs[0]

@@ -24,7 +24,7 @@ from prefixserve.router.serve.metrics import RouterMetrics
 from prefixserve.router.serve.placement_sync import PlacementSync
 from prefixserve.router.serve.policy_slot import PolicySlot
 from prefixserve.router.serve.ranking import Ranker
-from prefixserve.router.serve.replica_reports import ReplicaReports
+from prefixserve.router.serve.replica_reports import ReplicaReports, parse_load
 from prefixserve.router.serve.ring_members import RingMembership, replica_name
 from prefixserve.router.serve.routing_hints import RoutingHints, is_generation, request_routing_key, routing_hints
 
@@ -97,6 +97,12 @@ def test_reports_are_taken_once_per_seq_expire_and_carry_ranks_and_kv_events():
     assert not again.renamed and again.kv_events == [(b.replica_id, {"seq": 1})]  # b had no load: no seq kept
     reports.forget({a.replica_id})
     assert reports.ranks == {}
+
+
+def test_a_report_names_the_adapters_its_replica_holds():
+    stats = {"seq": 1, "num_waiting": 0, "num_running": 2, "lora_adapters": ["a", "b", 3]}
+    assert parse_load(stats) == ReplicaLoad(0, 2, adapters=frozenset({"a", "b"}))
+    assert parse_load({**stats, "lora_adapters": "a"}) == ReplicaLoad(0, 2)  # not a list: none
 
 
 # -- decisions --------------------------------------------------------------------------------

@@ -90,6 +90,21 @@ def test_sglang_gauges_parse() -> None:
     assert parse_load(text) == ReplicaLoad(num_waiting=1, num_running=4, kv_usage=0.5)
 
 
+def test_the_adapters_a_replica_holds_are_read_from_prefixserve_and_vllm_info_series() -> None:
+    text = (
+        'vllm:num_requests_running{model_name="x"} 1\n'
+        'vllm:lora_requests_info{max_lora="2",running_lora_adapters="a,b",waiting_lora_adapters="c"} 1.7e9\n'
+        'prefixserve:lora_adapters_loaded_info{loaded_lora_adapters="d,a"} 1.0\n'
+        'vllm:other_info{running_lora_adapters="not-this"} 1\n'
+    )
+    assert parse_load(text) == ReplicaLoad(num_running=1, adapters=frozenset("abcd"))
+    empty = (
+        "vllm:num_requests_running 0\n"
+        'vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""} 1\n'
+    )
+    assert parse_load(empty) == ReplicaLoad()
+
+
 def test_text_without_request_gauges_reports_no_load() -> None:
     assert parse_load("# nothing\nprocess_cpu_seconds_total 12\nvllm:num_requests_running NaN\n") is None
     assert parse_load("") is None
