@@ -29,6 +29,12 @@ in fp32 (30 x 3 x 64 x 2 x 4 = 45 KiB a token) and the copy rates docs/benchmark
 measured here (a 1,024-token restore, 64 blocks of 737 KB: host -> device in 23.5 ms, 2 GB/s;
 disk -> host -> device in 101 ms, so about 0.6 GB/s for the disk read).
 
+LoRA adapters: a replica that does not hold a request's adapter reads its files first
+(``adapter_load_s``: ``adapter_bytes`` over the disk read rate, then over the host copy
+rate). ``h100``: a rank-16 adapter on all seven projections of Llama-3-8B in bf16 (32 layers
+x 16 x (2 x 8192 + 2 x 5120 + 3 x 18432) x 2 bytes = 84 MB); ``cpu``: the same on SmolLM2-135M
+in fp32 (30 x 16 x (2 x 1152 + 2 x 768 + 3 x 2112) x 4 bytes = 19.5 MB).
+
 Pure Python: json only.
 """
 
@@ -56,6 +62,7 @@ class CostProfile:
     kv_bytes_per_token: int = 131_072
     host_copy_gbps: float = 25.0  # device <-> host tier, GB/s
     disk_read_gbps: float = 6.0  # shared disk tier -> host, GB/s (then host -> device as well)
+    adapter_bytes: int = 83_886_080  # one LoRA adapter's weights
 
     def __post_init__(self) -> None:
         if (
@@ -66,6 +73,7 @@ class CostProfile:
             or self.kv_bytes_per_token <= 0
             or self.host_copy_gbps <= 0
             or self.disk_read_gbps <= 0
+            or self.adapter_bytes <= 0
         ):
             raise ValueError(f"cost profile {self.name!r}: times must be positive (overhead, per-seq >= 0)")
 
@@ -77,6 +85,11 @@ class CostProfile:
         and of the ``disk_tokens`` of them the host tier first read from disk."""
         nbytes = self.kv_bytes_per_token
         return host_tokens * nbytes / (self.host_copy_gbps * 1e9) + disk_tokens * nbytes / (self.disk_read_gbps * 1e9)
+
+    def adapter_load_s(self) -> float:
+        """Time to bring one LoRA adapter in: its files read from disk, then copied to the device."""
+        nbytes = self.adapter_bytes
+        return nbytes / (self.disk_read_gbps * 1e9) + nbytes / (self.host_copy_gbps * 1e9)
 
     def decode_step(self, batch: int) -> float:
         return self.decode_step_s + batch * self.decode_per_seq_s
@@ -92,6 +105,7 @@ CPU_DEFAULT = CostProfile(
     kv_bytes_per_token=46_080,
     host_copy_gbps=2.0,
     disk_read_gbps=0.6,
+    adapter_bytes=19_537_920,
 )
 H100 = CostProfile(
     "h100",
@@ -140,6 +154,7 @@ def profile_from_bench(data: Any, source: str) -> CostProfile | None:
         kv_bytes_per_token=CPU_DEFAULT.kv_bytes_per_token,
         host_copy_gbps=CPU_DEFAULT.host_copy_gbps,
         disk_read_gbps=CPU_DEFAULT.disk_read_gbps,
+        adapter_bytes=CPU_DEFAULT.adapter_bytes,
     )
 
 

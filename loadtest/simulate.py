@@ -73,7 +73,7 @@ import heapq
 import json
 import sys
 import time
-from collections import deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -96,7 +96,7 @@ from prefixserve.replica.contract.kv_events import KVEventConsumer, KVEventPubli
 from prefixserve.replica.kv.hashing import BlockHasher
 from prefixserve.replica.kv.manager import KVCacheManager
 from prefixserve.router.policies import Placed, ReplicaLoad, make_policy, pick_options
-from prefixserve.router.routing_key import prefix_hash
+from prefixserve.router.routing_key import adapter_key, prefix_hash
 
 # Our policies, then the peers; "placed" (the default) is the tables' baseline.
 OWN_POLICIES = (
@@ -177,6 +177,11 @@ class SimConfig:
     shared_disk: bool = flag_field(False, "one disk tier every replica reads (needs a host tier)")
     # placed_events: seconds between the replicas' KV event reports (router.stats_period_s).
     report_s: float = 1.0
+    # LoRA adapters (tenants workload): tenant t's requests run adapter ``lora-{t mod N}`` (0: none);
+    # a replica holds ``max_loras`` of them loaded, least recently used evicted unless in use, and
+    # one it lacks is loaded before the request's prefill (CostProfile.adapter_load_s), counted.
+    num_adapters: int = flag_field(0, "LoRA adapters: tenant t runs adapter t mod N (0: none)", flag="--adapters")
+    max_loras: int = flag_field(4, "LoRA adapters a replica holds loaded")
 
     def __post_init__(self) -> None:
         for name in (
@@ -194,6 +199,10 @@ class SimConfig:
             raise ValueError("a prompt needs at least one token: raise system_prompt_len or question_len")
         if self.workload not in WORKLOADS:
             raise ValueError(f"workload must be one of {WORKLOADS}, got {self.workload!r}")
+        if self.num_adapters < 0 or self.max_loras < 1:
+            raise ValueError(f"num_adapters must be >= 0 and max_loras >= 1, got {self.num_adapters}, {self.max_loras}")
+        if self.num_adapters and self.workload != "tenants":
+            raise ValueError("LoRA adapters are simulated on the tenants workload")
         if self.host_blocks_per_replica < 0:
             raise ValueError(f"SimConfig.host_blocks_per_replica must be >= 0, got {self.host_blocks_per_replica}")
         if self.shared_disk and not self.host_blocks_per_replica:
@@ -230,6 +239,11 @@ class Traffic:
     oracle_hits: list[int]  # per request, tokens an unbounded single cache would hit
     conv: ConversationTraffic | None = None  # a conversation workload's sessions (tenants = its apps)
     previous: list[int] = field(default_factory=list)  # conv: per request its session's previous one, or -1
+    adapters: list[str | None] = field(default_factory=list)  # per tenant its LoRA adapter (SimConfig.num_adapters)
+
+    def adapter(self, i: int) -> str | None:
+        """The LoRA adapter request ``i`` runs with (None: the base model)."""
+        return self.adapters[self.tenants[i]] if self.adapters else None
 
     def prompt(self, i: int, config: SimConfig) -> list[int]:
         if self.conv is not None:
@@ -258,15 +272,22 @@ def make_traffic(config: SimConfig) -> Traffic:
     hasher = BlockHasher()
     bs = config.block_size
     system_tokens, system_hashes, keys = [], [], []
+    adapters: list[str | None] = []
     for t in range(config.num_tenants):
         toks = np.random.default_rng([config.seed, 1, t]).integers(0, VOCAB, config.system_prompt_len).tolist()
         system_tokens.append(toks)
         system_hashes.append(hasher.hash_blocks(toks, bs, None))
-        keys.append(prefix_hash(f"tenant-{t}:" + " ".join(map(str, toks[:32]))))
+        key = prefix_hash(f"tenant-{t}:" + " ".join(map(str, toks[:32])))
+        if config.num_adapters:
+            # The adapter's key (Contract 1). Its blocks' hashes need no adapter here: each tenant
+            # runs one adapter over a system prompt of its own, so no two adapters share a block.
+            adapters.append(f"lora-{t % config.num_adapters}")
+            key = adapter_key(key, adapters[-1])
+        keys.append(key)
     rng = np.random.default_rng([config.seed, 2])
     tail = rng.integers(0, VOCAB, (config.num_requests, config.question_len + config.output_len), dtype=np.int64)
     gaps = rng.exponential(1.0, config.num_requests)
-    traffic = Traffic(tenants, system_tokens, system_hashes, keys, tail, gaps, [])
+    traffic = Traffic(tenants, system_tokens, system_hashes, keys, tail, gaps, [], adapters=adapters)
     traffic.oracle_hits = _oracle(traffic, config, hasher)
     return traffic
 
@@ -373,6 +394,10 @@ class SimReplica:
         "load",
         "queued_tokens",
         "num_gpu_blocks",
+        "adapters",
+        "max_loras",
+        "adapter_loads",
+        "waiting",
     )
 
     def __init__(self, index: int, config: SimConfig, disk: SharedDisk | None = None) -> None:
@@ -395,10 +420,48 @@ class SimReplica:
         self.peak = 0
         self.queued_tokens = 0
         self.load = ReplicaLoad()
+        # LoRA adapters held loaded -> their running requests (least recently used first); the
+        # adapters of the queued requests; loads so far (SimConfig.num_adapters).
+        self.adapters: OrderedDict[str, int] = OrderedDict()
+        self.max_loras = config.max_loras
+        self.adapter_loads = 0
+        self.waiting: Counter[str] = Counter()
 
     def refresh_load(self) -> None:
-        """What the replica reports after a change: queue, running, KV usage, queued prompt tokens."""
-        self.load = ReplicaLoad(len(self.queue), self.running, self.kv.usage, self.queued_tokens)
+        """What the replica reports after a change: queue, running, KV usage, queued prompt tokens, adapters held."""
+        held = frozenset(self.adapters) if self.adapters else frozenset()
+        self.load = ReplicaLoad(
+            len(self.queue), self.running, self.kv.usage, self.queued_tokens, held, self.max_loras if held else 0
+        )
+
+    @property
+    def running_adapters(self) -> frozenset[str]:
+        """Adapters of the running requests (vLLM's ``running_lora_adapters``)."""
+        return frozenset(a for a, n in self.adapters.items() if n)
+
+    @property
+    def waiting_adapters(self) -> frozenset[str]:
+        """Adapters of the queued requests (vLLM's ``waiting_lora_adapters``)."""
+        return frozenset(a for a, n in self.waiting.items() if n)
+
+    def use_adapter(self, name: str) -> bool:
+        """A request of adapter ``name`` starts here: True when the adapter had to be loaded.
+        Past ``max_loras`` the least recently used adapter no request runs is dropped (as the engine's
+        LoRAManager does: one in use stays, so more than ``max_loras`` may be held)."""
+        held = self.adapters
+        loaded = name not in held
+        if loaded:
+            self.adapter_loads += 1
+            held[name] = 0
+            idle = [a for a, n in held.items() if n == 0 and a != name]
+            for a in idle[: max(0, len(held) - self.max_loras)]:
+                del held[a]
+        held[name] += 1
+        held.move_to_end(name)
+        return loaded
+
+    def end_adapter(self, name: str) -> None:
+        self.adapters[name] -= 1
 
     def cached_blocks(self, block_hashes: Sequence[bytes]) -> int:
         """Leading blocks of a prompt this replica's KV cache holds (what KV events would tell a router)."""
@@ -442,6 +505,8 @@ class PolicyResult:
     wall_seconds: float
     host_hit_tokens: int = 0  # of hit_tokens, served by a host tier (disk reads included)
     disk_hit_tokens: int = 0  # of those, read from the shared disk first
+    adapter_loads: int = 0  # LoRA adapters loaded by the replicas (SimConfig.num_adapters)
+    adapter_loads_per_1000: float = 0.0  # per 1,000 finished requests
 
 
 class _Router:
@@ -493,7 +558,7 @@ class _Router:
         hashes = base + self._hasher.hash_blocks(
             prompt, cfg.block_size, None, start=len(base), parent=base[-1] if base else None
         )
-        return PeerRequest(i, tuple(prompt), hashes, tr.keys[t], now, cfg.block_size)
+        return PeerRequest(i, tuple(prompt), hashes, tr.keys[t], now, cfg.block_size, tr.adapter(i))
 
     def route(self, i: int, now: float) -> SimReplica:
         tr = self.traffic
@@ -512,7 +577,9 @@ class _Router:
                 self._report(now)
             req = self.request(i, now)
             static_blocks = len(tr.system_hashes[tr.tenants[i]])
-            chosen = self.placed.rank(self.replicas, key, history=req.block_hashes, static_blocks=static_blocks).chosen
+            chosen = self.placed.rank(
+                self.replicas, key, history=req.block_hashes, static_blocks=static_blocks, adapter=tr.adapter(i)
+            ).chosen
             if self.events:
                 self._publishers[chosen.index].history.begin(req.block_hashes)  # type: ignore[union-attr]
                 self._sent[i] = req.block_hashes
@@ -612,6 +679,7 @@ def simulate(
         rate = config.utilization * config.num_replicas / (work / len(conv.starts))
         arrivals = [0.0] * n  # set as each request arrives (a turn follows its predecessor's finish)
     decode_step = profile.decode_step
+    adapter_load_s = profile.adapter_load_s()
     per_token, overhead = profile.prefill_s_per_token, profile.prefill_overhead_s
     max_seqs = config.max_num_seqs
     cold_generated = config.generated_blocks == "cold"
@@ -664,6 +732,11 @@ def simulate(
             tier_tokens[0] += host_t
             tier_tokens[1] += disk_t
             load_s = profile.tier_load_s(host_t, disk_t)
+        adapter = traffic.adapter(i)
+        if adapter is not None:
+            rep.waiting[adapter] -= 1
+            if rep.use_adapter(adapter):
+                load_s += adapter_load_s
         rep.queue.popleft()
         rep.queued_tokens -= len(prompt)
         rep.running += 1
@@ -699,6 +772,8 @@ def simulate(
             if rep.in_flight > rep.peak:
                 rep.peak = rep.in_flight
             rep.queue.append(i)
+            if (adapter := traffic.adapter(i)) is not None:
+                rep.waiting[adapter] += 1
             rep.queued_tokens += traffic.prompt_len(i, config)
             rep.refresh_load()
             try_admit(rep, now)
@@ -720,6 +795,8 @@ def simulate(
             rep.running -= 1
             rep.in_flight -= 1
             finished += 1
+            if (adapter := traffic.adapter(i)) is not None:
+                rep.end_adapter(adapter)
             rep.refresh_load()
             router.finished(i, rep, traffic.prompt_len(i, config), hits[i])
             if conv is not None and conv.next_turn[i] >= 0:
@@ -764,6 +841,8 @@ def simulate(
         wall_seconds=time.perf_counter() - started,
         host_hit_tokens=tier_tokens[0],
         disk_hit_tokens=tier_tokens[1],
+        adapter_loads=(loads := sum(rep.adapter_loads for rep in replicas)),
+        adapter_loads_per_1000=1000 * loads / finished if finished else 0.0,
     )
 
 
@@ -783,6 +862,9 @@ def render_table(results: Sequence[PolicyResult], baseline: str | None = BASELIN
         "policy | R | hit rate | of oracle | short: first touch / evicted | load max/mean"
         " | peak in-flight | TTFT p50 (s) | TTFT p99 (s)"
     )
+    adapters = any(r.adapter_loads for r in results)
+    if adapters:
+        head += " | adapter loads / 1,000 requests"
     if bases:
         head += f" | {baseline} hit x | {baseline} p50 TTFT / | {baseline} p99 TTFT /"
     rows = []
@@ -799,6 +881,8 @@ def render_table(results: Sequence[PolicyResult], baseline: str | None = BASELIN
             f"{r.ttft_p50:.3f}",
             f"{r.ttft_p99:.3f}",
         ]
+        if adapters:
+            row.append(f"{r.adapter_loads_per_1000:.1f}")
         base = bases.get(r.num_replicas)
         if bases and base is None:
             row += ["-", "-", "-"]

@@ -6,7 +6,8 @@ them on the same traffic as our own policies:
 
 * ``sglang.py``: sglang-router's ``cache_aware`` (approximate radix tree, load-imbalance fallback).
 * ``ray_prefix.py``: Ray Serve LLM's ``PrefixCacheAffinityRouter`` (prefix tree of routed prompts).
-* ``llmd.py``: llm-d's inference scheduler (weighted scorers: prefix 3, queue 2, KV utilization 2).
+* ``llmd.py``: llm-d's inference scheduler (weighted scorers: prefix 3, queue 2, KV utilization 2;
+  ``llmd_lora`` adds its LoRA-affinity scorer, weight 4).
 * ``dynamo.py``: NVIDIA Dynamo's KV router (cost = prefill blocks after overlap + decode blocks).
 
 The interface (``Peer``): ``route(candidates, request) -> Decision`` ranks the
@@ -37,6 +38,7 @@ class PeerRequest:
     block_hashes: the prompt's full-block chained hashes (design Contract 2).
     key: the routing key (Contract 1), for peers that use one.
     now: the arrival time (seconds).
+    adapter: the LoRA adapter the request's ``model`` names (None: the base model).
     """
 
     index: int
@@ -45,6 +47,7 @@ class PeerRequest:
     key: str
     now: float
     block_size: int
+    adapter: str | None = None
 
 
 class PeerReplica(Protocol):
@@ -103,10 +106,16 @@ def _llmd(seed: int) -> Peer:
     return LlmdScorer(seed=seed)
 
 
+def _llmd_lora(seed: int) -> Peer:
+    from prefixserve.loadtest.peers.llmd import LORA_WEIGHT, LlmdScorer
+
+    return LlmdScorer(lora_weight=LORA_WEIGHT, seed=seed, name="llmd_lora")
+
+
 def _dynamo(seed: int) -> Peer:
     from prefixserve.loadtest.peers.dynamo import DynamoKvRouter
 
     return DynamoKvRouter(seed=seed)
 
 
-PEERS = {"sglang_tree": _sglang, "ray_prefix": _ray, "llmd": _llmd, "dynamo": _dynamo}
+PEERS = {"sglang_tree": _sglang, "ray_prefix": _ray, "llmd": _llmd, "llmd_lora": _llmd_lora, "dynamo": _dynamo}

@@ -17,7 +17,17 @@ queue-scorer 2, kv-cache-utilization-scorer 2. What this reproduces:
   sizes, 1 for every pod when all queues are equal;
 * KV-cache utilization scorer: ``1 - kv_usage``;
 * the picker takes the highest weighted sum; ties are broken at random
-  (the picker shuffles before sorting).
+  (the picker shuffles before sorting);
+* LoRA-affinity scorer (``llmd_lora``; ``loraaffinity`` in llm-d's router,
+  ``pkg/epp/scheduling/framework/plugins/scorer/lora_affinity.go`` in the Gateway API
+  Inference Extension): 1.0 when the request's adapter is active on the pod (in the
+  ``running_lora_adapters`` of its ``vllm:lora_requests_info``), else 0.8 when the pod's
+  active plus waiting adapters are fewer than its ``max_lora``, else 0.6 when the adapter
+  is waiting there, else 0. It reads activity, not residency: an adapter loaded but idle
+  scores as any other. Weight 4, as KServe's llm-d ``LLMInferenceService`` controller adds
+  it to every scheduling profile when the service names adapters
+  (``injectLoRAAffinityScorer``). A simulated replica offers ``running_adapters``,
+  ``waiting_adapters`` and ``max_loras`` (loadtest/simulate.py ``SimReplica``).
 
 Difference: EPP hashes 64-character blocks of the request body (≈ 16 tokens);
 the model hashes the engine's 16-token blocks (Contract 2), the same granularity.
@@ -35,6 +45,7 @@ from prefixserve.loadtest.peers import PeerReplica, PeerRequest, rest_by_load
 from prefixserve.router.policies import Decision
 
 MAX_PREFIX_BLOCKS = 256
+LORA_WEIGHT = 4.0
 DEFAULT_LRU_CAPACITY = 31_250  # EPP's default when a pod reports no block count
 
 
@@ -72,10 +83,21 @@ class PrefixIndex:
         return res
 
 
+def lora_affinity(pod: object, adapter: str) -> float:
+    """The LoRA-affinity scorer's score of ``pod`` for ``adapter`` (the module docstring)."""
+    active = getattr(pod, "running_adapters", frozenset())
+    waiting = getattr(pod, "waiting_adapters", frozenset())
+    if adapter in active:
+        return 1.0
+    if len(active) + len(waiting) < getattr(pod, "max_loras", 0):
+        return 0.8
+    if adapter in waiting:
+        return 0.6
+    return 0.0
+
+
 class LlmdScorer:
     """The peer (loadtest/peers): llm-d's weighted prefix/queue/KV-utilization scoring."""
-
-    name = "llmd"
 
     def __init__(
         self,
@@ -84,8 +106,12 @@ class LlmdScorer:
         kv_weight: float = 2.0,
         lru_capacity: int | None = None,
         seed: int = 0,
+        lora_weight: float = 0.0,
+        name: str = "llmd",
     ) -> None:
+        self.name = name
         self.weights = (prefix_weight, queue_weight, kv_weight)
+        self.lora_weight = lora_weight
         self.lru_capacity = lru_capacity
         self.index = PrefixIndex()
         self._rng = random.Random(seed)
@@ -106,6 +132,8 @@ class LlmdScorer:
             prefix = matches.get(c.name, 0) / total if total else 0.0
             queue = 1.0 if qmax == qmin else (qmax - c.load.num_waiting) / (qmax - qmin)
             score = wp * prefix + wq * queue + wk * (1.0 - c.load.kv_usage)
+            if self.lora_weight and request.adapter is not None:
+                score += self.lora_weight * lora_affinity(c, request.adapter)
             if score > best_score:
                 best, best_score = c, score
         capacity = self.lru_capacity or getattr(best, "num_gpu_blocks", None) or DEFAULT_LRU_CAPACITY

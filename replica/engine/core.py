@@ -911,6 +911,7 @@ class LLMEngine:
                 loaded=lora.loaded,
                 resident=sum(1 for name in lora.resident if name is not None),
                 num_loads=lora.num_loads,
+                capacity=lora.max_cpu_loras,
             )
         queries, hits, preemptions = self._totals()
         self.metrics.observe_step(
@@ -937,6 +938,7 @@ class LLMEngine:
             num_kv_blocks=self.kv_manager.num_blocks,
             lora_loaded=tuple(lora.loaded) if (lora := self.runner.lora) is not None else (),
             lora_loads=lora.num_loads if lora is not None else 0,
+            lora_capacity=lora.max_cpu_loras if lora is not None else 0,
         )
 
 

@@ -102,6 +102,7 @@ class EngineStats:
     # used first, and the loads from their files since start (EngineConfig.enable_lora).
     lora_loaded: tuple[str, ...] = ()
     lora_loads: int = 0
+    lora_capacity: int = 0  # max_cpu_loras (0: LoRA off)
 
 
 @dataclass(frozen=True)
@@ -257,8 +258,9 @@ class EngineMetrics:
         # sample whose label names them, like vLLM's info series; and the loads from their files.
         self.lora_loaded_info = Gauge(
             "prefixserve:lora_adapters_loaded_info",
-            "LoRA adapters held in host memory: one sample, its label the adapter names (comma-joined, sorted).",
-            ["loaded_lora_adapters"],
+            "LoRA adapters held in host memory: one sample, its labels the adapter names (comma-joined, sorted) "
+            "and how many it holds at most (max_cpu_loras).",
+            ["loaded_lora_adapters", "max_cpu_loras"],
             registry=self.registry,
         )
         self._last_loaded: str | None = None
@@ -345,6 +347,7 @@ class EngineMetrics:
         loaded: Sequence[str],
         resident: int,
         num_loads: int,
+        capacity: int,
     ) -> None:
         """Record which adapters the running and waiting requests use, the adapters held and the
         loads so far (``num_loads``: cumulative, turned into increments)."""
@@ -356,7 +359,7 @@ class EngineMetrics:
         names = ",".join(sorted(loaded))
         if names != self._last_loaded:
             self.lora_loaded_info.clear()
-            self.lora_loaded_info.labels(names).set(1)
+            self.lora_loaded_info.labels(names, str(capacity)).set(1)
             self._last_loaded = names
         if num_loads > self._lora_loads_seen:
             self.lora_loads.inc(num_loads - self._lora_loads_seen)

@@ -73,6 +73,8 @@ class ReplicaLoad:
     adapters: the LoRA adapters the replica holds loaded (a request for one of them starts
         without reading the adapter's files); a vLLM server reports those its running and
         waiting requests use.
+    adapter_capacity: how many adapters it holds loaded at most (prefixserve's
+        ``max_cpu_loras``, vLLM's ``max_lora``); 0: unknown.
 
     Policies read it with ``load_of(candidate)``: a candidate without a ``load``
     attribute (or with None) is known by its ``in_flight`` count alone.
@@ -83,9 +85,10 @@ class ReplicaLoad:
     kv_usage: float = 0.0
     queued_prefill_tokens: int = 0
     adapters: frozenset[str] = frozenset()
+    adapter_capacity: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("num_waiting", "num_running", "queued_prefill_tokens"):
+        for name in ("num_waiting", "num_running", "queued_prefill_tokens", "adapter_capacity"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"ReplicaLoad.{name} must be an integer >= 0, got {v!r}")
@@ -127,6 +130,12 @@ def holds_adapter(candidate: object, adapter: str) -> bool:
     """Whether the candidate reported holding LoRA adapter ``adapter`` loaded."""
     load = load_of(candidate)
     return load is not None and adapter in load.adapters
+
+
+def adapters_full(candidate: object) -> bool:
+    """Whether the candidate reported holding as many adapters as it can (loading one evicts another)."""
+    load = load_of(candidate)
+    return load is not None and 0 < load.adapter_capacity <= len(load.adapters)
 
 
 R = TypeVar("R", bound=ReplicaView)

@@ -29,6 +29,7 @@ from prefixserve.router.policies.base import (
     ReplicaLoad,
     ReplicaView,
     RingOptions,
+    adapters_full,
     check_candidates,
     effective_in_flight,
     holds_adapter,
@@ -462,7 +463,16 @@ class Placed(RingPolicy):
             if holders:
                 chosen = min(holders, key=lambda p: (loads[p], p not in placed, p))
                 kind = KIND_HISTORY
-        if chosen >= 0:
+        move = -1
+        if chosen < 0 and adapter is not None and not any(p in holding for p in placed):
+            # The key's replicas lack its adapter. A replica holding it under the cap (it ran the
+            # adapter lately, so likely the key's prefix too); else, when the key's replica holds
+            # all the adapters it can (loading one more evicts another, which comes back to load
+            # again), the first ring successor under the cap with room for it.
+            move = next((p for p in order if p in holding and loads[p] < cap), -1)
+            if move < 0 and adapters_full(candidates[first]):
+                move = next((p for p in order if loads[p] < cap and not adapters_full(candidates[p])), -1)
+        if chosen >= 0 or move >= 0:
             pass
         elif history is not None and self.options.new_epsilon is not None and count:
             # A new conversation (nothing beyond the static prefix held anywhere): the least
@@ -513,6 +523,9 @@ class Placed(RingPolicy):
                 kind = KIND_NEW_CONVERSATION if chosen in placed else KIND_SPILL
         if chosen >= 0:
             pass
+        elif move >= 0:
+            chosen = move
+            kind = KIND_SPILL
         elif len(placed) == 1 and loads[first] < cap:  # the common case: one replica, under the cap
             chosen = first
             kind = KIND_OWNER if first == order[0] else KIND_PLACED

@@ -62,6 +62,7 @@ class Report:
 def parse_load(stats: Mapping[str, Any]) -> ReplicaLoad | None:
     """The ReplicaLoad of a routing-stats dict (None when it has no valid load fields)."""
     adapters = stats.get("lora_adapters", ())
+    capacity = stats.get("lora_capacity", 0)
     try:
         return ReplicaLoad(
             num_waiting=int(stats["num_waiting"]),
@@ -71,6 +72,7 @@ def parse_load(stats: Mapping[str, Any]) -> ReplicaLoad | None:
             adapters=frozenset(a for a in adapters if isinstance(a, str))
             if isinstance(adapters, list)
             else frozenset(),
+            adapter_capacity=max(0, int(capacity)),
         )
     except (KeyError, TypeError, ValueError):
         return None

@@ -15,7 +15,8 @@ The LoRA adapters a replica holds: prefixserve names those loaded in host memory
 (``prefixserve:lora_adapters_loaded_info{loaded_lora_adapters="a,b"}``); vLLM only those
 its running and waiting requests use (``vllm:lora_requests_info``'s
 ``running_lora_adapters`` and ``waiting_lora_adapters`` labels), surely loaded too. The
-replica's ``adapters`` are their union.
+replica's ``adapters`` are their union, and its ``adapter_capacity`` the first series'
+``max_cpu_loras`` label, else vLLM's ``max_lora``.
 
 Pure stdlib: a line parser for the gauges above, not a general Prometheus parser.
 """
@@ -36,6 +37,7 @@ ADAPTER_LABELS = {
     "prefixserve:lora_adapters_loaded_info": ("loaded_lora_adapters",),
     "vllm:lora_requests_info": ("running_lora_adapters", "waiting_lora_adapters"),
 }
+CAPACITY_LABELS = ("max_cpu_loras", "max_lora")  # the first found wins
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
@@ -71,9 +73,11 @@ def samples(text: str) -> dict[str, list[float]]:
     return out
 
 
-def adapters(text: str) -> frozenset[str]:
-    """The LoRA adapter names the info series of ``ADAPTER_LABELS`` name in exposition ``text``."""
+def adapters(text: str) -> tuple[frozenset[str], int]:
+    """The LoRA adapter names the info series of ``ADAPTER_LABELS`` name in exposition ``text``, and
+    how many the replica holds at most (0: not said)."""
     names: set[str] = set()
+    capacity: dict[str, int] = {}
     for line in text.splitlines():
         brace = line.find("{")
         if brace <= 0:
@@ -84,7 +88,9 @@ def adapters(text: str) -> frozenset[str]:
         for label, value in _LABEL.findall(line[brace : line.rfind("}") + 1]):
             if label in wanted:
                 names.update(n for n in value.split(",") if n)
-    return frozenset(names)
+            elif label in CAPACITY_LABELS and value.isdigit():
+                capacity[label] = int(value)
+    return frozenset(names), next((capacity[c] for c in CAPACITY_LABELS if c in capacity), 0)
 
 
 def _count(found: dict[str, list[float]], names: tuple[str, ...]) -> int | None:
@@ -106,4 +112,7 @@ def parse_load(text: str) -> ReplicaLoad | None:
         if name in found:
             kv = min(1.0, max(0.0, max(found[name])))
             break
-    return ReplicaLoad(num_waiting=waiting or 0, num_running=running or 0, kv_usage=kv, adapters=adapters(text))
+    held, capacity = adapters(text)
+    return ReplicaLoad(
+        num_waiting=waiting or 0, num_running=running or 0, kv_usage=kv, adapters=held, adapter_capacity=capacity
+    )

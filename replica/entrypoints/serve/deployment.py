@@ -193,8 +193,8 @@ class EngineDeployment:
         """What routers see as ``RunningReplica.routing_stats`` (about one period late).
 
         ``seq`` counts reports (a router tells a new report from one it has seen);
-        the load fields are router/policies/'s ReplicaLoad (``lora_adapters``: its ``adapters``,
-        absent when none is loaded); ``kv_events`` is the
+        the load fields are router/policies/'s ReplicaLoad (``lora_adapters`` and ``lora_capacity``:
+        its ``adapters`` and ``adapter_capacity``, absent with LoRA off); ``kv_events`` is the
         KV event publisher's payload (replica/contract/kv_events.py); ``rank`` is the
         replica's Serve rank (the router's ring name for it), absent without one.
         """
@@ -210,8 +210,9 @@ class EngineDeployment:
             "queued_prefill_tokens": self.engine.queued_prefill_tokens(),
             "kv_events": events,
         }
-        if stats.lora_loaded:
+        if stats.lora_capacity:
             report["lora_adapters"] = list(stats.lora_loaded)
+            report["lora_capacity"] = stats.lora_capacity
         rank = replica_rank()
         if rank is not None:
             report["rank"] = rank

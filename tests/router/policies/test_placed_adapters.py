@@ -88,3 +88,34 @@ def test_a_replica_holding_the_adapter_over_the_cap_is_not_taken() -> None:
     full = {owner: 50, order[2]: 50}
     decision = policy.rank(views(full, {order[2]: {"lora-5"}}), key, adapter="lora-5")
     assert decision.chosen.name == order[1]
+
+
+def test_a_key_whose_replicas_lack_its_adapter_goes_where_it_is_held() -> None:
+    policy = Placed(clock=Clock())
+    key = key_for("lora-7")
+    idle = views({}, {})
+    order = [v.name for v in policy.rank(idle, key, count=False).ranking]
+    holder = order[3]
+    decision = policy.rank(views({}, {holder: {"lora-7"}}), key, adapter="lora-7")
+    assert decision.chosen.name == holder and decision.kind == KIND_SPILL
+    # The key's own replica holding it too: it stays.
+    both = views({}, {holder: {"lora-7"}, order[0]: {"lora-7"}})
+    assert policy.rank(both, key, adapter="lora-7").chosen.name == order[0]
+
+
+def test_a_key_whose_replica_is_full_of_other_adapters_goes_to_one_with_room() -> None:
+    policy = Placed(clock=Clock())
+    key = key_for("lora-9")
+    idle = views({}, {})
+    order = [v.name for v in policy.rank(idle, key, count=False).ranking]
+
+    def fleet(held: dict[str, set[str]], capacity: int) -> list[View]:
+        return [
+            View(n, 0, ReplicaLoad(adapters=frozenset(held.get(n, set())), adapter_capacity=capacity)) for n in NAMES
+        ]
+
+    full = {order[0]: {"a", "b"}, order[1]: {"c", "d"}, order[2]: {"e"}}
+    assert policy.rank(fleet(full, 2), key, adapter="lora-9").chosen.name == order[2]
+    # With room on its own replica (or no capacity reported) the key stays placed.
+    assert policy.rank(fleet(full, 3), key, adapter="lora-9").chosen.name == order[0]
+    assert policy.rank(fleet(full, 0), key, adapter="lora-9").chosen.name == order[0]

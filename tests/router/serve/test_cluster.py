@@ -945,7 +945,7 @@ def test_lora_adapters_through_the_cluster_get_their_own_key_and_tokens(cluster,
     from ray import serve
 
     stats = serve.get_deployment_handle("Engine", app_name="prefixserve").broadcast("record_routing_stats")
-    assert all(s.get("lora_adapters") == ["all"] for s in stats.results(timeout_s=60))
+    assert all(s.get("lora_adapters") == ["all"] and s["lora_capacity"] >= 1 for s in stats.results(timeout_s=60))
     llm = LLM(ckpt, enable_lora=True, max_lora_rank=8, num_kv_blocks=64)
     greedy = SamplingParams(max_tokens=6, temperature=0.0)
     offline = llm.generate([prompt], greedy, lora_request=LoRARequest("all", 1, adapter))[0].outputs[0]

@@ -100,9 +100,9 @@ def test_reports_are_taken_once_per_seq_expire_and_carry_ranks_and_kv_events():
 
 
 def test_a_report_names_the_adapters_its_replica_holds():
-    stats = {"seq": 1, "num_waiting": 0, "num_running": 2, "lora_adapters": ["a", "b", 3]}
-    assert parse_load(stats) == ReplicaLoad(0, 2, adapters=frozenset({"a", "b"}))
-    assert parse_load({**stats, "lora_adapters": "a"}) == ReplicaLoad(0, 2)  # not a list: none
+    stats = {"seq": 1, "num_waiting": 0, "num_running": 2, "lora_adapters": ["a", "b", 3], "lora_capacity": 4}
+    assert parse_load(stats) == ReplicaLoad(0, 2, adapters=frozenset({"a", "b"}), adapter_capacity=4)
+    assert parse_load({**stats, "lora_adapters": "a"}) == ReplicaLoad(0, 2, adapter_capacity=4)  # not a list
 
 
 # -- decisions --------------------------------------------------------------------------------

@@ -97,12 +97,14 @@ def test_the_adapters_a_replica_holds_are_read_from_prefixserve_and_vllm_info_se
         'prefixserve:lora_adapters_loaded_info{loaded_lora_adapters="d,a"} 1.0\n'
         'vllm:other_info{running_lora_adapters="not-this"} 1\n'
     )
-    assert parse_load(text) == ReplicaLoad(num_running=1, adapters=frozenset("abcd"))
+    assert parse_load(text) == ReplicaLoad(num_running=1, adapters=frozenset("abcd"), adapter_capacity=2)
+    ours = text.replace('loaded_lora_adapters="d,a"', 'loaded_lora_adapters="d,a",max_cpu_loras="6"')
+    assert parse_load(ours) == ReplicaLoad(num_running=1, adapters=frozenset("abcd"), adapter_capacity=6)
     empty = (
         "vllm:num_requests_running 0\n"
         'vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""} 1\n'
     )
-    assert parse_load(empty) == ReplicaLoad()
+    assert parse_load(empty) == ReplicaLoad(adapter_capacity=2)
 
 
 def test_text_without_request_gauges_reports_no_load() -> None:
