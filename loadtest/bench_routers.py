@@ -85,6 +85,8 @@ from prefixserve.loadtest.vllm_stand import (
 from prefixserve.loadtest.workloads import WorkloadRequest
 from prefixserve.router.routing_key import PREFIX_HASH_HEADER, routing_key
 
+ADAPTER_LOADS = "prefixserve:lora_adapter_loads_total"
+
 DEFAULT_ROUTERS = (
     "smg:round_robin",
     "smg:cache_aware",
@@ -199,6 +201,10 @@ def plan(args: argparse.Namespace) -> Plan:
             args.routers = ",".join(DEFAULT_VLLM_ROUTERS)
     elif args.routers is None:
         args.routers = ",".join(DEFAULT_ROUTERS)
+    if args.adapters < 0 or args.adapter_rank < 1 or args.max_cpu_loras < 1:
+        raise ValueError("--adapters must be >= 0, --adapter-rank and --max-cpu-loras >= 1")
+    if args.adapters and (args.upstream != "prefixserve" or args.workloads != "zipf_tenants"):
+        raise ValueError("--adapters runs zipf_tenants in front of prefixserve replicas: pass --workloads zipf_tenants")
     routers = [RouterSpec.parse(t) for t in _split_list(args.routers, "routers")]
     if args.upstream != "vllm" and any(r.policy == "kv_aware" for r in routers):
         raise ValueError("vllm-router:kv_aware reads vLLM servers' KV events: use it with --upstream vllm")
@@ -235,6 +241,7 @@ class RouterRun:
     load_avg: tuple[float, float] = (0.0, 0.0)  # 1-minute load average at the start and at the end
     wall_s: float = 0.0  # the whole run: replicas, router, load
     records: list[RequestRecord] = field(default_factory=list)
+    adapter_loads: float | None = None  # LoRA adapters the replicas loaded during the load (--adapters)
 
     @property
     def hit_rate(self) -> float | None:
@@ -256,6 +263,7 @@ class RouterRun:
             data["failure"],
             (data["load_avg"][0], data["load_avg"][1]),
             data["wall_s"],
+            adapter_loads=data.get("adapter_loads"),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -271,6 +279,7 @@ class RouterRun:
             "failure": self.failure,
             "load_avg": self.load_avg,
             "wall_s": self.wall_s,
+            "adapter_loads": self.adapter_loads,
             "records": [asdict(r) for r in self.records],
         }
 
@@ -290,27 +299,71 @@ def replica_metrics(
     }
 
 
+def adapter_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    """The replicas' LoRA flags with ``--adapters N``: the adapters written under ``--out-dir``, served as
+    ``lora-0`` ... ``lora-{N-1}``, ``--max-cpu-loras`` of them held at a time (none without adapters)."""
+    if not args.adapters:
+        return ()
+    modules = [f for i, p in enumerate(adapter_paths(args)) for f in ("--lora-modules", f"lora-{i}={p}")]
+    return (
+        "--enable-lora",
+        "--max-lora-rank",
+        str(args.adapter_rank),
+        "--max-loras",
+        str(min(args.max_cpu_loras, args.concurrency)),
+        "--max-cpu-loras",
+        str(args.max_cpu_loras),
+        *modules,
+    )
+
+
+def adapter_paths(args: argparse.Namespace) -> list[str]:
+    """``--adapters`` random PEFT adapters of the model (written once by peft, as bench_lora writes them)."""
+    from prefixserve.loadtest.bench_lora import write_adapters
+
+    out = args.out_dir / "bench_routers_adapters" / f"r{args.adapter_rank}"
+    paths = [out / f"adapter-{i}" for i in range(args.adapters)]
+    if not all((p / "adapter_model.safetensors").is_file() for p in paths):
+        return write_adapters(args.model, out, args.adapters, args.adapter_rank, seed=0)
+    return [str(p) for p in paths]
+
+
+def adapter_of(request: WorkloadRequest, adapters: int) -> str | None:
+    """The adapter a zipf_tenants request runs with under ``--adapters N``: tenant t's is ``lora-{t mod N}``."""
+    if not adapters or not request.tenant.startswith("tenant-"):
+        return None
+    return f"lora-{int(request.tenant.removeprefix('tenant-')) % adapters}"
+
+
 def run_one(case: Case, spec: RouterSpec, args: argparse.Namespace, venv: PeerRouterVenv | None) -> RouterRun:
     """Fresh replicas, ``spec`` in front of them, the case's load; a failure is recorded, not raised."""
     run = RouterRun(spec.name, case.spec.name, case.spec.seed, case.bound)
     work = args.out_dir / "bench_routers_logs" / f"{case.name}-{spec.name.replace(':', '-')}"
     work.mkdir(parents=True, exist_ok=True)
-    settings = ReplicaSettings(args.model, case.sizing.num_kv_blocks, args.block_size, case.spec.seed)
+    settings = ReplicaSettings(
+        args.model, case.sizing.num_kv_blocks, args.block_size, case.spec.seed, adapter_flags(args)
+    )
     started = time.perf_counter()
     load_start = os.getloadavg()[0]
     try:
         with running_replicas(settings, args.replicas, work, args.timeout) as urls:
             model = served_model(urls[0])
-            bodies = [{**r.body, "model": model} for r in case.requests]
+            bodies = [{**r.body, "model": adapter_of(r, args.adapters) or model} for r in case.requests]
             headers = prefix_hash_headers(bodies) if spec.sends_prefix_hash else None
             with running_router(spec, urls, work, args.timeout, venv) as router:
                 before = replica_metrics(urls)
+                loads_before = replica_metrics(urls, (ADAPTER_LOADS,))
                 run.records = run_load(
                     router.base_url, bodies, args.concurrency, headers=headers, timeout_s=args.timeout
                 )
                 after = replica_metrics(urls)
+                loads_after = replica_metrics(urls, (ADAPTER_LOADS,))
                 router.save_metrics(work / "router-metrics.txt")
         run.result = summarize(spec.name, run.records, counter_deltas(before, after))
+        if args.adapters:
+            run.adapter_loads = sum(
+                loads_after[u].get(ADAPTER_LOADS, 0.0) - loads_before[u].get(ADAPTER_LOADS, 0.0) for u in loads_after
+            )
         names = [u.removeprefix("http://") for u in urls]
         run.split = [int(run.result.replicas.get(n, {}).get("requests", 0)) for n in names]
         run.unattributed = sum(1 for r in run.records if r.ok and r.replica not in names)
@@ -368,10 +421,10 @@ def _errors_cell(run: RouterRun) -> str:
     return f"{failed}{first}".replace("|", "\\|").replace("\n", " ")
 
 
-def _cells(run: RouterRun) -> list[str]:
+def _cells(run: RouterRun, adapters: bool = False) -> list[str]:
     r = run.result
     if r is None:
-        return ["n/a"] * 8
+        return ["n/a"] * (9 if adapters else 8)
     of_bound = r.cached_token_ratio / run.bound if r.cached_token_ratio is not None and run.bound else None
     split = ":".join(map(str, run.split)) + (f" (+{run.unattributed} unnamed)" if run.unattributed else "")
     return [
@@ -383,6 +436,7 @@ def _cells(run: RouterRun) -> list[str]:
         split,
         f"{r.succeeded}/{r.requests}",
         f"{run.load_avg[0]:.1f}-{run.load_avg[1]:.1f}",
+        *([fmt(1000 * run.adapter_loads / r.requests if run.adapter_loads is not None else None, ".0f")] * adapters),
     ]
 
 
@@ -400,14 +454,17 @@ def render_workload(runs: Sequence[RouterRun], routers: Sequence[str]) -> str:
         "load avg",
         "errors",
     ]
+    adapters = any(r.adapter_loads is not None for r in runs)
+    if adapters:
+        header.insert(-1, "adapter loads / 1,000 requests")
     rows = []
     for name in routers:
         mine = sorted((r for r in runs if r.router == name), key=lambda r: r.seed)
         if not mine:
             continue
-        columns = list(zip(*(_cells(r) for r in mine)))
+        columns = list(zip(*(_cells(r, adapters) for r in mine)))
         rows.append([name, *(" / ".join(c) for c in columns), " / ".join(_errors_cell(r) for r in mine)])
-    return markdown_table(header, rows, "lrrrrrlrrl")
+    return markdown_table(header, rows, "lrrrrrlrr" + "r" * adapters + "l")
 
 
 def case_json(case: Case) -> dict[str, Any]:
@@ -570,6 +627,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--kv-headroom", type=float, default=1.5, help="cluster prefix room over the working set, in [1, replicas)"
     )
+    p.add_argument(
+        "--adapters",
+        type=int,
+        default=0,
+        help="serve N random LoRA adapters (peft) and send zipf_tenants' tenant t to adapter t mod N (0: none)",
+    )
+    p.add_argument("--adapter-rank", type=int, default=8, help="the adapters' rank (--adapters)")
+    p.add_argument("--max-cpu-loras", type=int, default=6, help="adapters a replica holds loaded (--adapters)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request and per process start")
     p.add_argument("--out-dir", type=Path, default=Path("results"))
     p.add_argument(

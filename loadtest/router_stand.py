@@ -104,6 +104,7 @@ class ReplicaSettings:
     num_kv_blocks: int
     block_size: int
     seed: int = 0
+    extra_args: tuple[str, ...] = ()  # more ``prefixserve replica`` flags (LoRA adapters)
 
 
 def prefixserve_command() -> list[str]:
@@ -149,6 +150,7 @@ def running_replicas(settings: ReplicaSettings, count: int, work_dir: Path, time
                 str(settings.seed),
                 "--log-level",
                 "warning",
+                *settings.extra_args,
             ]
             procs.append((start_server(command, work_dir / f"replica-{port}.log", server_env()), port))
         for proc, port in procs:

@@ -225,6 +225,7 @@ class LLMEngine:
         for module in config.lora_modules:
             name, _, path = module.partition("=")
             self.load_lora_adapter(name, path)
+        self._observe_lora()
         # Requests whose next step needs their last tokens on the host (async_scheduling's
         # fallback, ``_needs_host_tokens``); pruned as they leave ``requests``.
         self._host_bound: dict[str, Request] = {}
@@ -385,6 +386,7 @@ class LLMEngine:
         request = LoRARequest(name, next_id, path)
         self.add_lora(request)
         self.lora_adapters[name] = request
+        self._observe_lora()
         return request
 
     def unload_lora_adapter(self, name: str) -> LoRARequest:
@@ -394,6 +396,7 @@ class LLMEngine:
         request = self.lora_adapters.pop(name)
         if self.runner.lora is not None:
             self.runner.lora.unload(name)
+        self._observe_lora()
         return request
 
     def check_admission(self, request_id: str, *, in_use: Container[str] | None = None, pending: int = 0) -> None:
@@ -894,6 +897,23 @@ class LLMEngine:
             self.scheduler.num_pin_refusals, st.num_pins_expired, st.num_pins_released_for_room
         )
 
+    def _observe_lora(self) -> None:
+        """The LoRA metrics: adapters in use, held and loaded so far (after each step, and after
+        adapters are loaded outside a step, so that loads at start count as soon as they happen)."""
+        lora = self.runner.lora
+        if lora is None:
+            return
+        sched = self.scheduler
+        self.metrics.observe_lora(
+            max_loras=lora.max_loras,
+            running=(n for seq in sched.running if (n := seq.request.lora_name) is not None),
+            waiting=(n for seq in sched.waiting if (n := seq.request.lora_name) is not None),
+            loaded=lora.loaded,
+            resident=sum(1 for name in lora.resident if name is not None),
+            num_loads=lora.num_loads,
+            capacity=lora.max_cpu_loras,
+        )
+
     def _observe_step(self, num_prompt_tokens: int, num_generated: int) -> None:
         st = self.kv_manager.stats
         host_usage = st.num_used_host_blocks / st.num_host_blocks if st.num_host_blocks else 0.0
@@ -901,18 +921,7 @@ class LLMEngine:
         self.metrics.observe_pins(self._pin_totals(), num_pinned=st.num_pinned_blocks)
         if self.tiers is not None:
             self.tiers.observe(st)
-        lora = self.runner.lora
-        if lora is not None:
-            sched = self.scheduler
-            self.metrics.observe_lora(
-                max_loras=lora.max_loras,
-                running=(n for seq in sched.running if (n := seq.request.lora_name) is not None),
-                waiting=(n for seq in sched.waiting if (n := seq.request.lora_name) is not None),
-                loaded=lora.loaded,
-                resident=sum(1 for name in lora.resident if name is not None),
-                num_loads=lora.num_loads,
-                capacity=lora.max_cpu_loras,
-            )
+        self._observe_lora()
         queries, hits, preemptions = self._totals()
         self.metrics.observe_step(
             num_running=self.scheduler.num_running,

@@ -156,3 +156,16 @@ def test_metrics_name_the_adapters_in_use_and_held(replica) -> None:
     assert load is not None and "all" in load.adapters and load.adapter_capacity >= 2, load
     loads = [line for line in text.splitlines() if line.startswith("prefixserve:lora_adapter_loads_total")]
     assert loads and float(loads[0].rsplit(" ", 1)[1]) >= 1, loads
+
+
+def test_adapters_loaded_at_start_are_counted_and_named_before_any_request(ckpt: str, adapters) -> None:
+    modules = [f"{name}={path}" for name, path in adapters.items()]
+    llm = LLM(ckpt, enable_lora=True, max_lora_rank=8, max_loras=1, max_cpu_loras=1, lora_modules=modules)
+    registry = llm.engine.metrics.registry
+    assert registry.get_sample_value("prefixserve:lora_adapter_loads_total") == 2
+    # One held (max_cpu_loras 1): the last loaded, named with the capacity.
+    assert registry.get_sample_value(
+        "prefixserve:lora_adapters_loaded_info", {"loaded_lora_adapters": "qv", "max_cpu_loras": "1"}
+    )
+    llm.generate([PROMPT], SamplingParams(max_tokens=2), lora_request=LoRARequest("all", 1, adapters["all"]))
+    assert registry.get_sample_value("prefixserve:lora_adapter_loads_total") == 3
