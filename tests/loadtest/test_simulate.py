@@ -77,6 +77,35 @@ def test_deterministic_for_a_seed(traffic) -> None:
     assert other.tenants != traffic.tenants
 
 
+ADAPTERS = replace(
+    SMALL, num_tenants=16, num_adapters=16, max_loras=4, num_requests=1500, blocks_per_replica=96, seed=0
+)
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "placed", "llmd", "llmd_lora"])
+def test_adapters_are_loaded_and_dropped_as_the_engine_does(policy) -> None:
+    r = S.simulate(ADAPTERS, policy, check_invariants=True)
+    assert r.finished == ADAPTERS.num_requests and r.leaked_blocks == 0
+    # Every adapter is loaded at least once; never more than once a request.
+    assert ADAPTERS.num_adapters <= r.adapter_loads <= ADAPTERS.num_requests
+    assert r.adapter_loads_per_1000 == pytest.approx(1000 * r.adapter_loads / r.finished)
+
+
+def test_placed_keeps_adapters_where_they_are_held() -> None:
+    traffic = S.make_traffic(ADAPTERS)
+    loads = {p: S.simulate(ADAPTERS, p, traffic) for p in ("round_robin", "placed", "llmd_lora")}
+    placed = loads["placed"]
+    assert placed.adapter_loads <= 0.5 * loads["round_robin"].adapter_loads
+    assert placed.adapter_loads <= loads["llmd_lora"].adapter_loads
+    assert placed.hit_rate >= max(loads["round_robin"].hit_rate, loads["llmd_lora"].hit_rate) - 0.005
+
+
+def test_without_adapters_nothing_is_loaded(traffic) -> None:
+    assert S.simulate(SMALL, "placed", traffic).adapter_loads == 0
+    with pytest.raises(ValueError, match="tenants workload"):
+        replace(SMALL, num_adapters=4, workload="multi_turn")
+
+
 def test_config_errors_say_what_to_change() -> None:
     with pytest.raises(ValueError, match="raise blocks_per_replica"):
         S.SimConfig(blocks_per_replica=4)
