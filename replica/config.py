@@ -11,7 +11,8 @@ Pure Python: no torch here (device strings are checked later by the model runner
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict, dataclass, field
+from collections.abc import Collection
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from prefixserve.common.config_util import add_cli_arguments, check_switches, from_cli_args, from_dict
@@ -481,9 +482,10 @@ class EngineConfig:
         return from_dict(cls, data, "engine config")
 
     @classmethod
-    def add_cli_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        """Add one ``--kebab-case`` option per field (defaults from the dataclass)."""
-        add_cli_arguments(parser, cls, "engine", _CHOICES)
+    def add_cli_arguments(cls, parser: argparse.ArgumentParser, exclude: Collection[str] = ()) -> None:
+        """Add one ``--kebab-case`` option per field (defaults from the dataclass), but those of ``exclude``."""
+        only = [f.name for f in fields(cls) if f.name not in exclude] if exclude else None
+        add_cli_arguments(parser, cls, "engine", _CHOICES, only=only)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:

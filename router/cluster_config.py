@@ -11,6 +11,9 @@ and the keys that exist).
 The args (every key optional except ``engine``)::
 
     engine: {...}                  # EngineConfig fields (replica/config.py)
+    models: []                     # more base models behind the same endpoint, each an engine
+                                   #   section of its own (``model`` at least) plus its optional
+                                   #   num_replicas: one engine deployment (and ring) per model
     num_replicas: 2                # or autoscaling: {min_replicas, max_replicas, ...}
     autoscaling: null              # Serve's autoscaling_config, passed through
     max_ongoing_requests: 64       # per engine replica; beyond it Serve tries the next ring replica
@@ -91,6 +94,8 @@ ACCELERATOR_TYPE_RESOURCE = "accelerator_type:{}"
 ACCELERATOR_TYPE_AMOUNT = 0.001
 
 
+# The engine deployments' Serve names: the default model's, then "Engine-2", "Engine-3", ... for ``models``.
+ENGINE_DEPLOYMENT = "Engine"
 # Ray CPUs per engine replica (per tensor-parallel rank) unless ray_actor_options say otherwise.
 DEFAULT_REPLICA_CPUS = 1
 # Import path of prefixserve's request router for RequestRouterConfig(request_router_class=...).
@@ -329,11 +334,25 @@ class IngressArgs:
         return cls(num_replicas, dict(options), IngressConfig.from_dict(data), max_ongoing)
 
 
+@dataclass(frozen=True)
+class ModelDeployment:
+    """One base model's engine deployment: its Serve name, its engine section and replica count."""
+
+    name: str
+    engine: dict[str, Any]
+    num_replicas: int | None
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return int(self.engine.get("tensor_parallel_size", 1))
+
+
 @dataclass
 class AppArgs:
     """Everything ``build_app`` takes (see the module docstring)."""
 
     engine: dict[str, Any]
+    models: list[dict[str, Any]] = field(default_factory=list)
     num_replicas: int | None = field(default=2, metadata=_cli("engine replicas", flag="--replicas"))
     autoscaling: dict[str, Any] | None = None
     max_ongoing_requests: int = field(
@@ -373,15 +392,43 @@ class AppArgs:
         """The engine's tensor-parallel size (ranks per replica)."""
         return int(self.engine.get("tensor_parallel_size", 1))
 
+    def deployments(self) -> list[ModelDeployment]:
+        """Every base model's engine deployment, the default model's (``engine``) first."""
+        out = [ModelDeployment(ENGINE_DEPLOYMENT, dict(self.engine), self.num_replicas)]
+        for i, entry in enumerate(self.models, start=2):
+            engine = dict(entry)
+            replicas = engine.pop("num_replicas", self.num_replicas)
+            out.append(ModelDeployment(f"{ENGINE_DEPLOYMENT}-{i}", engine, replicas))
+        return out
+
     def validate(self) -> None:
         """ValueError for settings Serve or the engine would refuse, before anything is deployed."""
-        engine = EngineConfig.from_dict(dict(self.engine))
+        if not isinstance(self.models, list) or not all(isinstance(m, Mapping) for m in self.models):
+            raise ValueError("models must be a list of engine sections (EngineConfig fields, 'model' at least)")
         if not isinstance(self.check_resources, bool):
             raise ValueError(f"check_resources must be true or false, got {self.check_resources!r}")
         if not isinstance(self.ray_actor_options, Mapping):
             raise ValueError(f"ray_actor_options must be a mapping, got {type(self.ray_actor_options).__name__}")
-        if engine.tensor_parallel_size > 1:
-            check_rank_options(engine.tensor_parallel_size, engine.device, self.ray_actor_options)
+        names: dict[str, str] = {}  # served name (model or adapter) -> the deployment serving it
+        for deployment in self.deployments():
+            where = "engine" if deployment.name == ENGINE_DEPLOYMENT else f"models[{deployment.name}]"
+            if deployment.name != ENGINE_DEPLOYMENT:
+                if "model" not in deployment.engine:
+                    raise ValueError(f"each entry of models needs a 'model', got {sorted(deployment.engine)}")
+                n = deployment.num_replicas
+                if self.autoscaling is None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+                    raise ValueError(f"{where}: num_replicas must be an integer >= 1, got {n!r}")
+            engine = EngineConfig.from_dict(dict(deployment.engine))
+            if engine.tensor_parallel_size > 1:
+                check_rank_options(engine.tensor_parallel_size, engine.device, self.ray_actor_options)
+            served = [engine.model_name, *(m.partition("=")[0] for m in engine.lora_modules)]
+            for name in served:
+                if name in names:
+                    raise ValueError(
+                        f"{name!r} is served by two engine deployments ({names[name]} and {deployment.name}): "
+                        "give each model its own served_model_name and each adapter its own name"
+                    )
+                names[name] = deployment.name
         if self.autoscaling is not None and self.num_replicas is not None:
             raise ValueError("set either num_replicas or autoscaling, not both (Serve refuses both)")
         if self.autoscaling is None and (not isinstance(self.num_replicas, int) or self.num_replicas < 1):
@@ -413,9 +460,11 @@ class AppArgs:
         waiting queue or in Serve's, which is first come, first served."""
         if self.ingress.config.flow_max_in_flight:
             return self.ingress.config.flow_max_in_flight
-        replicas = self.num_replicas if self.autoscaling is None else self.autoscaling.get("max_replicas", 1)
-        per_replica = min(EngineConfig.from_dict(dict(self.engine)).max_num_seqs, self.max_ongoing_requests)
-        total = int(replicas or 1) * per_replica
+        total = 0
+        for deployment in self.deployments():
+            replicas = deployment.num_replicas if self.autoscaling is None else self.autoscaling.get("max_replicas", 1)
+            per_replica = min(EngineConfig.from_dict(dict(deployment.engine)).max_num_seqs, self.max_ongoing_requests)
+            total += int(replicas or 1) * per_replica
         return max(1, -(-total // self.ingress.num_replicas))
 
     def shutdown_options(self) -> dict[str, float]:

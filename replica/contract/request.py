@@ -77,6 +77,9 @@ class EngineRequest:
     priority: int = 0
     # The served LoRA adapter the request runs with (the name its ``model`` gave); None = the base model.
     lora_name: str | None = None
+    # The served base model it runs on (ModelInfo.model_name): a front end over several models
+    # sends it to that model's engines. None: the only one.
+    model: str | None = None
     # The tenant the front end's tenant table says sent it (router/flow_control/); None = no tenants.
     tenant: str | None = None
     # OpenAI's prompt_cache_retention (replica/contract/retention.py): "24h" pins its prefix blocks
@@ -153,9 +156,21 @@ class EngineStream(Protocol):
 
 
 class EngineClient(Protocol):
-    """An engine as a front end sees it: model info, health, and streams."""
+    """An engine as a front end sees it: model info, health, and streams.
 
-    async def model_info(self) -> ModelInfo: ...
+    A client may front several base models (the Ray ingress over one engine deployment per
+    model): ``model_info(name)`` is then the info of the model a request naming ``name`` runs
+    on, and a request's ``model`` field says which one ``open_stream`` sends it to.
+    """
+
+    async def model_info(self, name: str | None = None) -> ModelInfo:
+        """The served model's info; with several, the one serving ``name`` (base name, path or
+        adapter; None or a name none serves: the first, whose check then refuses the name)."""
+        ...
+
+    async def models(self) -> list[ModelInfo]:
+        """Every model served (``/v1/models``), the default first."""
+        ...
 
     async def is_healthy(self) -> bool: ...
 

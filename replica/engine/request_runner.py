@@ -170,8 +170,11 @@ class LocalEngineClient:
         self.engine = engine
         self.runner = RequestRunner(engine)
 
-    async def model_info(self) -> ModelInfo:
+    async def model_info(self, name: str | None = None) -> ModelInfo:
         return self.runner.model_info()
+
+    async def models(self) -> list[ModelInfo]:
+        return [self.runner.model_info()]
 
     async def is_healthy(self) -> bool:
         return bool(self.engine.is_running)

@@ -8,7 +8,9 @@ flight run on for up to ``--drain-timeout-s``, then end in-band) and shut
 Serve and Ray down cleanly.
 
 Every EngineConfig knob is an option (``--block-size``, ``--num-kv-blocks``,
-...), as for ``prefixserve replica``.
+...), as for ``prefixserve replica``. ``--model`` repeats: each further base model gets
+an engine deployment of its own behind the one endpoint, with the same engine options
+(but ``--served-model-name`` and ``--lora-modules``, the first model's alone).
 
 Imports Ray Serve lazily (in ``run``), so ``prefixserve --help`` stays fast.
 """
@@ -79,13 +81,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_cli_arguments(parser, IngressConfig, "responses", only=RESPONSES_FLAGS)
     add_cli_arguments(parser, IngressConfig, "stream migration", only=MIGRATION_FLAGS)
     add_cli_arguments(parser, EndpointConfig, "http")
-    EngineConfig.add_cli_arguments(parser)
+    EngineConfig.add_cli_arguments(parser, exclude=("model",))
+    parser.add_argument(
+        "--model",
+        action="append",
+        default=None,
+        help="a base model to serve: a GGUF file, a checkpoint folder or 'smollm2'; repeat to serve several "
+        f"behind the one endpoint, each its own engine deployment (default: {EngineConfig.model})",
+    )
     add_verbose_flag(parser)
+
+
+# Engine options that name one model's things: the first model's alone under several --model.
+FIRST_MODEL_ONLY = ("served_model_name", "lora_modules")
+
+
+def model_names(args: argparse.Namespace) -> list[str]:
+    """The base models ``--model`` named, in order (the default model when none)."""
+    return list(args.model or [EngineConfig.model])
 
 
 def app_args(args: argparse.Namespace) -> dict[str, Any]:
     """router/serve/app.py's args for the options given."""
-    engine = EngineConfig.from_cli_args(args)
+    first, *more = model_names(args)
+    engine = EngineConfig.from_cli_args(argparse.Namespace(**{**vars(args), "model": first}))
+    own = {name: dataclasses.asdict(EngineConfig())[name] for name in FIRST_MODEL_ONLY}
+    models = [{**dataclasses.asdict(engine), **own, "model": m} for m in more]
     endpoint = from_cli_args(EndpointConfig, args)
     router: dict[str, Any] = {name: getattr(args, name) for name in ROUTER_FLAGS}
     if args.epsilon is not None:
@@ -97,6 +118,7 @@ def app_args(args: argparse.Namespace) -> dict[str, Any]:
     return {
         **{name: getattr(args, name) for name in APP_FLAGS},
         "engine": dataclasses.asdict(engine),
+        **({"models": models} if models else {}),
         "ray_actor_options": {"num_cpus": args.replica_cpus},
         "router": router,
         "ingress": {
@@ -134,8 +156,9 @@ def run(args: argparse.Namespace) -> int:
     # Replicas inherit the environment: nothing from a model hub at run time.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # Ray's logical CPUs: enough for every replica's bundles (one per tensor-parallel rank).
-    cpus = max(os.cpu_count() or 1, int(args.num_replicas * args.tensor_parallel_size * args.replica_cpus + 0.999))
+    # Ray's logical CPUs: enough for every replica's bundles (one per tensor-parallel rank), of every model.
+    engines = len(model_names(args)) * args.num_replicas
+    cpus = max(os.cpu_count() or 1, int(engines * args.tensor_parallel_size * args.replica_cpus + 0.999))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -144,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         serve.start(http_options={"host": args.host, "port": args.port}, logging_config=serve_logging)
         print(
-            f"starting {args.num_replicas} engine replica(s) of {app['engine']['model']} "
+            f"starting {args.num_replicas} engine replica(s) of {', '.join(model_names(args))} "
             f"with the {args.policy} router...",
             flush=True,
         )
@@ -159,9 +182,9 @@ def run(args: argparse.Namespace) -> int:
             stop.wait(1.0)
         if not stop.is_set():
             running = True
+            served = [EngineConfig.from_dict(m).model_name for m in [app["engine"], *app.get("models", [])]]
             print(
-                f"OpenAI endpoint: http://{args.host}:{args.port}/v1 "
-                f"(models: {EngineConfig.from_cli_args(args).model_name}); Ctrl-C to stop",
+                f"OpenAI endpoint: http://{args.host}:{args.port}/v1 (models: {', '.join(served)}); Ctrl-C to stop",
                 flush=True,
             )
         stop.wait()

@@ -5,7 +5,9 @@ application in a ``serve deploy`` config such as cluster.yaml, or
 ``prefixserve up``) into a ``serve.Application``: the engine deployment
 (replica/entrypoints/serve/deployment.py) with its request router (router/serve/request_router.py, or
 Ray Serve LLM's PrefixCacheAffinityRouter for comparison), and the ingress
-(router/serve/ingress.py) bound to its handle.
+(router/serve/ingress.py) bound to its handle. With ``models`` (several base models behind one
+endpoint) one engine deployment per model, ``Engine``, ``Engine-2``, ..., each with its own request
+router and ring; the ingress sends each request to the deployment of the model it names.
 
 The args are router/cluster_config.py's ``AppArgs`` (its docstring lists every key).
 
@@ -61,6 +63,7 @@ from prefixserve.router.cluster_config import (
     ROUTER_CLASSES,
     TP_PLACEMENT_STRATEGY,
     AppArgs,
+    ModelDeployment,
     RouterArgs,
     number_text,
     rank_bundle,
@@ -108,9 +111,10 @@ def request_router_config(router: RouterArgs, engine: Mapping[str, Any] | None =
     )
 
 
-def engine_bundles(args: AppArgs) -> list[dict[str, float]] | None:
-    """The engine replica's placement-group bundles (one per rank), or None when TP is 1."""
-    tp_size = args.tensor_parallel_size
+def engine_bundles(args: AppArgs, deployment: ModelDeployment | None = None) -> list[dict[str, float]] | None:
+    """An engine replica's placement-group bundles (one per rank), or None when TP is 1 (``deployment``:
+    that model's engine; None: the default model's)."""
+    tp_size = (deployment or args.deployments()[0]).tensor_parallel_size
     if tp_size <= 1:
         return None
     return [rank_bundle(args.ray_actor_options) for _ in range(tp_size)]
@@ -146,38 +150,44 @@ def check_cluster_resources(args: AppArgs) -> None:
     Skipped when Ray is not initialized here (building the app offline), with
     ``check_resources: false``, or when TP is 1.
     """
-    bundles = engine_bundles(args)
-    if bundles is None or not args.check_resources or not ray.is_initialized():
+    if not args.check_resources or not ray.is_initialized():
         return
-    nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
-    message = missing_node_resources(bundles, nodes)
-    if message is not None:
-        raise AppArgsError(message)
+    for deployment in args.deployments():
+        bundles = engine_bundles(args, deployment)
+        if bundles is None:
+            continue
+        nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
+        message = missing_node_resources(bundles, nodes)
+        if message is not None:
+            raise AppArgsError(message)
 
 
-def build_engine(args: AppArgs) -> serve.Application:
-    """The engine deployment, bound to its EngineConfig dict.
+def build_engine(args: AppArgs, deployment: ModelDeployment | None = None) -> serve.Application:
+    """An engine deployment, bound to its EngineConfig dict (``deployment``: that model's; None: the
+    default model's).
 
     With tensor_parallel_size N > 1: N placement-group bundles of the per-rank
     ``ray_actor_options``, STRICT_PACK (see the module docstring).
     """
+    deployment = deployment or args.deployments()[0]
     options: dict[str, Any] = {
+        "name": deployment.name,
         "max_ongoing_requests": args.max_ongoing_requests,
         "ray_actor_options": dict(args.ray_actor_options),
         "health_check_period_s": args.health_check_period_s,
         "health_check_timeout_s": args.health_check_timeout_s,
-        "request_router_config": request_router_config(args.router, args.engine),
+        "request_router_config": request_router_config(args.router, deployment.engine),
         **args.shutdown_options(),
     }
-    bundles = engine_bundles(args)
+    bundles = engine_bundles(args, deployment)
     if bundles is not None:
         options["placement_group_bundles"] = bundles
         options["placement_group_strategy"] = TP_PLACEMENT_STRATEGY
     if args.autoscaling is not None:
         options["autoscaling_config"] = dict(args.autoscaling)
     else:
-        options["num_replicas"] = args.num_replicas
-    return EngineDeployment.options(**options).bind(dict(args.engine))
+        options["num_replicas"] = deployment.num_replicas
+    return EngineDeployment.options(**options).bind(dict(deployment.engine))
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:
@@ -189,14 +199,14 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     try:
         parsed = AppArgs.from_dict(args)
         check_cluster_resources(parsed)
-        engine = build_engine(parsed)
+        engine, *more = [build_engine(parsed, d) for d in parsed.deployments()]
         ingress = parsed.ingress
         return OpenAIIngress.options(
             num_replicas=ingress.num_replicas,
             max_ongoing_requests=ingress.max_ongoing_requests,
             ray_actor_options=dict(ingress.ray_actor_options),
             **parsed.shutdown_options(),
-        ).bind(engine, parsed.ingress_config())
+        ).bind(engine, parsed.ingress_config(), more)
     except AppArgsError:
         raise
     except ValueError as exc:

@@ -20,10 +20,11 @@ import logging
 import time
 from typing import Any
 
+from prefixserve.router.cluster_config import ENGINE_DEPLOYMENT
+
 log = logging.getLogger(__name__)
 
 INGRESS_DEPLOYMENT = "Ingress"
-ENGINE_DEPLOYMENT = "Engine"
 # Bounds on each broadcast, and the poll period of the wait.
 CALL_TIMEOUT_S = 10.0
 POLL_S = 0.25
@@ -45,23 +46,30 @@ def _broadcast(handle: Any, method: str) -> list[Any]:
         return [exc]
 
 
+def is_engine_deployment(name: str) -> bool:
+    """Whether deployment ``name`` of a prefixserve app is an engine deployment (one per base model)."""
+    return name == ENGINE_DEPLOYMENT or name.startswith(ENGINE_DEPLOYMENT + "-")
+
+
 def drain_app(app_name: str, timeout_s: float) -> int:
     """Drain ``app_name`` (see the module docstring); how many requests were ended at the timeout."""
     from ray import serve
 
     ingress = serve.get_deployment_handle(INGRESS_DEPLOYMENT, app_name)
-    engine = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name)
+    status = serve.status().applications.get(app_name)
+    names = [n for n in status.deployments if is_engine_deployment(n)] if status is not None else []
+    engines = [serve.get_deployment_handle(n, app_name) for n in names or [ENGINE_DEPLOYMENT]]
     _broadcast(ingress, "begin_drain")
     deadline = time.monotonic() + timeout_s
     while True:
-        left = open_requests(_broadcast(engine, "engine_stats"))
-        if left == 0:
+        counts = [open_requests(_broadcast(engine, "engine_stats")) for engine in engines]
+        if all(c == 0 for c in counts):
             log.info("drained: no request open")
             return 0
         if time.monotonic() >= deadline:
             break
         time.sleep(POLL_S)
-    ended = _broadcast(engine, "end_requests")
+    ended = [n for engine in engines for n in _broadcast(engine, "end_requests")]
     count = sum(n for n in ended if isinstance(n, int))
     log.warning("drain timeout (%g s): ended %d open requests with an error", timeout_s, count)
     return count

@@ -102,13 +102,14 @@ from prefixserve.replica.entrypoints.openai import protocol as api
 from prefixserve.replica.entrypoints.openai.http_frontend import FrontendOptions, IgnoredFields
 from prefixserve.replica.entrypoints.openai.response_store import ResponseStore, StoredResponse
 from prefixserve.replica.entrypoints.openai.responses_endpoint import ResponsesEndpoints
-from prefixserve.replica.errors import APIError, EngineDeadError, ServiceUnavailableError
+from prefixserve.replica.errors import APIError, EngineDeadError, ModelNotFoundError, ServiceUnavailableError
 from prefixserve.router.cluster_config import IngressConfig
 from prefixserve.router.flow_control.controller import FlowConfig, Lease
 from prefixserve.router.migration import StreamProgress, migration_refusal
 from prefixserve.router.routing_key import PrefixKeyConfig, routing_key
 from prefixserve.router.serve.flow import IngressFlow
 from prefixserve.router.serve.metrics import merge_expositions, router_metrics
+from prefixserve.router.serve.models import ModelsClient
 from prefixserve.router.serve.request_router import PrefixRouter, router_for
 
 log = logging.getLogger(__name__)
@@ -402,7 +403,7 @@ class ServeEngineClient:
         self._healthy = False
         self._health_checked_at = float("-inf")
 
-    async def model_info(self) -> ModelInfo:
+    async def model_info(self, name: str | None = None) -> ModelInfo:
         """Served model names, adapters and max_model_len, asked of the engine replicas at most once per
         MODEL_INFO_TTL_S: adapters loaded at run time, and replicas replaced by a new deployment (whose
         old replicas may answer first while they stop), show within that. While one request asks,
@@ -430,6 +431,9 @@ class ServeEngineClient:
                 self._model_info_at = time.monotonic()
         assert self._model_info is not None
         return self._model_info
+
+    async def models(self) -> list[ModelInfo]:
+        return [await self.model_info()]
 
     @property
     def cached_model_info(self) -> ModelInfo | None:
@@ -521,9 +525,15 @@ http_frontend.add_error_handlers(app)
 class OpenAIIngress:
     """OpenAI API over the engine deployment (one or several replicas of this class)."""
 
-    def __init__(self, engine: DeploymentHandle, config: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        engine: DeploymentHandle,
+        config: dict[str, Any] | None = None,
+        more_engines: list[DeploymentHandle] | None = None,
+    ) -> None:
+        """``engine``: the default model's engine deployment; ``more_engines``: one per further base model."""
         self.config = IngressConfig.from_dict(config)
-        self.engine = engine
+        self.engines = [engine, *(more_engines or [])]
         context = serve.get_replica_context()
         tenants = self.config.tenant_table()
         # The app build sets flow_max_in_flight (AppArgs.flow_max_in_flight); FlowConfig's default otherwise.
@@ -538,7 +548,11 @@ class OpenAIIngress:
             draining=lambda: self.draining,
             count=self._count_migration,
         )
-        self.client = ServeEngineClient(engine, self.config.max_attempts, self.flow, migration)
+        self.model_clients = {
+            handle.deployment_name: ServeEngineClient(handle, self.config.max_attempts, self.flow, migration)
+            for handle in self.engines
+        }
+        self.client = ModelsClient(list(self.model_clients.values()))
         # Serve's proxy passes the client's X-Request-Id (or one it generates) in and echoes it itself.
         self.options = FrontendOptions.build(
             [*self.config.api_keys, *(tenants.api_keys if tenants is not None else [])],
@@ -595,12 +609,24 @@ class OpenAIIngress:
             except Exception:
                 log.exception("placement exchange failed; retrying in %ss", self.config.placement_sync_s)
 
+    def placed_routers(self) -> dict[str, PrefixRouter]:
+        """This process's ``placed`` router of each engine deployment (by deployment name) that has one."""
+        return {
+            deployment: router
+            for deployment, client in self.model_clients.items()
+            if (router := client.router) is not None and router.placed is not None
+        }
+
     async def sync_placement(self) -> str | None:
-        """One exchange with the sibling ingress replicas (see the module docstring); the leader's name."""
-        router = self.client.router
-        if router is None or router.placed is None:
+        """One exchange with the sibling ingress replicas (see the module docstring); the leader's name.
+
+        One leader for every model: each model's router counts its own keys, and the leader's
+        snapshot of each model's placement is what its followers apply.
+        """
+        routers = self.placed_routers()
+        if not routers:
             return None
-        counts = router.take_counts()
+        counts = {deployment: router.take_counts() for deployment, router in routers.items()}
         try:
             answers = (
                 await self.siblings()
@@ -619,9 +645,11 @@ class OpenAIIngress:
         }
         ready.setdefault(self.name, None)
         leader = min(ready)
-        router.set_leader(leader == self.name)
-        if leader != self.name and ready[leader] is not None:
-            router.apply_placement(ready[leader])
+        snapshots = ready[leader] if leader != self.name else None
+        for deployment, router in routers.items():
+            router.set_leader(leader == self.name)
+            if snapshots is not None and snapshots.get(deployment) is not None:
+                router.apply_placement(snapshots[deployment])
         self.placement_leader = leader
         return leader
 
@@ -633,14 +661,20 @@ class OpenAIIngress:
         """A sibling's delete: whether this replica's store held ``owner``'s response (never the caller's)."""
         return caller != self.name and self.responses_store.delete(response_id, owner)
 
-    def placement_exchange(self, caller: str, counts: dict[str, list[int]]) -> tuple[str, bool, Any]:
-        """A sibling's exchange: merge its counts if this router leads; (name, has a placed router, snapshot)."""
-        router = self.client.router
-        if router is None or router.placed is None:
+    def placement_exchange(self, caller: str, counts: dict[str, dict[str, list[int]]]) -> tuple[str, bool, Any]:
+        """A sibling's exchange: merge its counts (per engine deployment) where this replica's routers
+        lead; (name, has a placed router, {deployment: snapshot} when leading, else None)."""
+        routers = self.placed_routers()
+        if not routers:
             return self.name, False, None
-        if caller != self.name and router.is_leader and counts:
-            router.merge_counts(counts)
-        return self.name, True, router.placement_snapshot() if router.is_leader else None
+        snapshots = {}
+        for deployment, router in routers.items():
+            if not router.is_leader:
+                continue
+            if caller != self.name and counts.get(deployment):
+                router.merge_counts(counts[deployment])
+            snapshots[deployment] = router.placement_snapshot()
+        return self.name, True, snapshots or None
 
     def _named(self, response: Response) -> Response:
         response.headers[INGRESS_HEADER] = self.name
@@ -648,8 +682,8 @@ class OpenAIIngress:
 
     def _routing_key(self, body: Mapping[str, Any], headers: Mapping[str, str]) -> str | None:
         # The front end asked the model info before it asks the key: it is cached by then.
-        info = self.client.cached_model_info
         model = body.get("model")
+        info = self.client.cached_model_info(model if isinstance(model, str) else None)
         adapter = info.adapter(model) if info is not None and isinstance(model, str) else None
         return routing_key(body, headers, self.key_config, adapter=adapter)
 
@@ -711,14 +745,23 @@ class OpenAIIngress:
         return texts
 
     async def engine_metrics(self) -> dict[str, str]:
-        """Each live engine replica's Prometheus text, by replica name (a dead one is left out)."""
-        pairs = await self.engine.broadcast("named_metrics_text").results_async(return_exceptions=True)
-        return {name: text for item in pairs if not isinstance(item, BaseException) for name, text in [item]}
+        """Each live engine replica's Prometheus text, by replica name (a dead one is left out), every model's."""
+        answers = await asyncio.gather(
+            *(e.broadcast("named_metrics_text").results_async(return_exceptions=True) for e in self.engines)
+        )
+        return {
+            name: text
+            for pairs in answers
+            for item in pairs
+            if not isinstance(item, BaseException)
+            for name, text in [item]
+        }
 
     @app.get("/placement")
     async def placement(self, request: Request) -> Response:
         """This replica's ``placed`` snapshot (router/policies/placed.py) plus ``held`` (per key, the replicas its
-        KV events say hold the prefix); 404 when the policy is not ``placed``.
+        KV events say hold the prefix); 404 when the policy is not ``placed``. ``?model=NAME``: that
+        base model's placement (each model's engines have their own ring), else the default model's.
 
         Behind the API key like ``/v1/*``: the table names every tenant's routing key and where its
         prefix is cached, which an outsider could use to aim load at one tenant's replicas.
@@ -727,7 +770,14 @@ class OpenAIIngress:
             http_frontend.check_auth(request, self.options)
         except APIError as exc:
             return self._named(http_frontend.error_response(exc))
-        router = self.client.router
+        name = request.query_params.get("model")
+        client = next(
+            (c for c in self.model_clients.values() if (i := c.cached_model_info) is not None and i.serves(name)),
+            None,
+        )
+        if name is not None and client is None:
+            return self._named(http_frontend.error_response(ModelNotFoundError(f"no model {name!r} here")))
+        router = (client or next(iter(self.model_clients.values()))).router
         snapshot = router.placement_snapshot() if router is not None else None
         if snapshot is None:
             return self._named(

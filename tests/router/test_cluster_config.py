@@ -222,3 +222,54 @@ def test_the_ingress_response_store_bounds_are_up_flags_with_the_servers_default
     for bad in (-1, True, 1.5):
         with pytest.raises(ValueError, match="responses_max_entries"):
             IngressConfig(responses_max_entries=bad)
+
+
+def test_up_serves_every_model_given_each_its_own_engine_deployment(tmp_path) -> None:
+    from prefixserve.router.serve.app import build_app
+
+    flags = ["--model=smollm2", f"--model={tmp_path}/other", "--num-kv-blocks=64", "--served-model-name=first"]
+    flags += ["--replicas=2", "--lora-modules", f"a={tmp_path}/a", "--enable-lora"]
+    args = up.app_args(up_parser().parse_args(flags))
+    app = AppArgs.from_dict(args)
+    first, second = app.deployments()
+    assert (first.name, first.engine["model"], first.engine["served_model_name"]) == ("Engine", "smollm2", "first")
+    assert first.engine["lora_modules"] == [f"a={tmp_path}/a"]
+    # The engine options carry over; the first model's name and adapters do not.
+    assert (second.name, second.engine["model"], second.engine["num_kv_blocks"]) == (
+        "Engine-2",
+        f"{tmp_path}/other",
+        64,
+    )
+    assert second.engine["served_model_name"] is None and second.engine["lora_modules"] == []
+    assert second.num_replicas == 2
+    # Slots per ingress replica: both models' engines.
+    assert app.flow_max_in_flight() == 2 * AppArgs.from_dict({"engine": args["engine"]}).flow_max_in_flight()
+    ingress = build_app(args)._bound_deployment
+    engine, config, more = ingress.init_args
+    assert engine._bound_deployment.name == "Engine" and [m._bound_deployment.name for m in more] == ["Engine-2"]
+    assert more[0]._bound_deployment.init_args[0]["model"] == f"{tmp_path}/other"
+
+
+def test_models_are_refused_when_a_name_is_served_twice_or_an_entry_lacks_a_model() -> None:
+    base = {"engine": {"model": "/m/one"}}
+    assert [d.name for d in AppArgs.from_dict({**base, "models": [{"model": "/m/two"}]}).deployments()] == [
+        "Engine",
+        "Engine-2",
+    ]
+    with pytest.raises(ValueError, match="served by two engine deployments"):
+        AppArgs.from_dict({**base, "models": [{"model": "/other/one"}]})  # both named "one"
+    with pytest.raises(ValueError, match="served by two engine deployments"):
+        AppArgs.from_dict(
+            {
+                "engine": {"model": "/m/one", "enable_lora": True, "lora_modules": ["two=/a"]},
+                "models": [{"model": "/m/two"}],
+            }
+        )
+    with pytest.raises(ValueError, match="needs a 'model'"):
+        AppArgs.from_dict({**base, "models": [{"num_kv_blocks": 8}]})
+    with pytest.raises(ValueError, match="num_replicas"):
+        AppArgs.from_dict({**base, "models": [{"model": "/m/two", "num_replicas": 0}]})
+    with pytest.raises(ValueError, match="list of engine sections"):
+        AppArgs.from_dict({**base, "models": {"model": "/m/two"}})
+    with pytest.raises(ValueError, match="EngineConfig|unknown"):
+        AppArgs.from_dict({**base, "models": [{"model": "/m/two", "no_such_knob": 1}]})

@@ -358,6 +358,12 @@ def check_auth(request: Request, options: FrontendOptions) -> None:
     openai_serving.check_api_key(request.headers.get("authorization", ""), options.api_keys)
 
 
+def requested_model(data: Mapping[str, Any]) -> str | None:
+    """The ``model`` a parsed request body names (None when it names none, or not as a string)."""
+    model = data.get("model")
+    return model if isinstance(model, str) else None
+
+
 def check_model(info: ModelInfo, name: str | None) -> str:
     """The name answers carry: the adapter's when ``name`` is a served LoRA adapter, else the served
     model's; raise ModelNotFoundError (404) when ``name`` is neither."""
@@ -490,6 +496,7 @@ def engine_request(
         conversation=is_conversation_turn(prompt.get("messages"), headers or {}),
         priority=body.scheduling_priority(),
         lora_name=info.adapter(body.model),
+        model=info.model_name,
         cache_retention=body.cache_retention(),
         continuation=(
             body.prefixserve_continuation.continuation() if body.prefixserve_continuation is not None else None
@@ -529,7 +536,7 @@ async def handle_generate(
         slot = request.scope.get(IN_FLIGHT_SLOT_SCOPE_KEY)
         if slot is not None:
             slot.take()
-        info = await client.model_info()
+        info = await client.model_info(requested_model(data))
         check_message_count(body_cls, data, info)
         check_tool_count(body_cls, data, info)
         data = options.ignored_fields.filter(body_cls, data)
@@ -559,12 +566,13 @@ async def handle_generate(
 async def handle_models(request: Request, client: EngineClient, options: FrontendOptions) -> JSONResponse:
     """``GET /v1/models``: the served model, then its LoRA adapters (``parent``: the model), as vLLM lists them."""
     check_auth(request, options)
-    info = await client.model_info()
-    cards = [api.ModelCard(id=info.model_name, root=info.model, max_model_len=info.max_model_len)]
-    cards += [
-        api.ModelCard(id=name, root=path, parent=info.model_name, max_model_len=info.max_model_len)
-        for name, path in info.adapters
-    ]
+    cards = []
+    for info in await client.models():
+        cards.append(api.ModelCard(id=info.model_name, root=info.model, max_model_len=info.max_model_len))
+        cards += [
+            api.ModelCard(id=name, root=path, parent=info.model_name, max_model_len=info.max_model_len)
+            for name, path in info.adapters
+        ]
     return JSONResponse(api.ModelList(data=cards).model_dump())
 
 

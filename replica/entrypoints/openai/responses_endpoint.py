@@ -66,6 +66,7 @@ from prefixserve.replica.entrypoints.openai.http_frontend import (
     engine_request,
     error_response,
     read_body,
+    requested_model,
     start_generation,
     until_disconnect,
     with_stream_headers,
@@ -201,7 +202,7 @@ class ResponsesEndpoints:
             slot = request.scope.get(IN_FLIGHT_SLOT_SCOPE_KEY)
             if slot is not None:
                 slot.take()
-            info = await self.client.model_info()
+            info = await self.client.model_info(requested_model(data))
             _check_counts(data, info)
             data = options.ignored_fields.filter(rp.ResponsesRequest, data)
             body = api.validate_request(rp.ResponsesRequest, data, scheduling_policy=info.scheduling_policy)

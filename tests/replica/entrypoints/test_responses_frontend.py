@@ -118,8 +118,11 @@ class NamingClient:
         self.client = client
         self.requests: list[EngineRequest] = []
 
-    async def model_info(self) -> ModelInfo:
-        return await self.client.model_info()
+    async def model_info(self, name: str | None = None) -> ModelInfo:
+        return await self.client.model_info(name)
+
+    async def models(self) -> list[ModelInfo]:
+        return await self.client.models()
 
     async def is_healthy(self) -> bool:
         return await self.client.is_healthy()

@@ -950,3 +950,47 @@ def test_lora_adapters_through_the_cluster_get_their_own_key_and_tokens(cluster,
     greedy = SamplingParams(max_tokens=6, temperature=0.0)
     offline = llm.generate([prompt], greedy, lora_request=LoRARequest("all", 1, adapter))[0].outputs[0]
     assert done.json()["choices"][0]["text"] == offline.text
+
+
+def test_two_base_models_behind_one_endpoint_each_on_its_own_engines(cluster, ckpt, gqa_ckpt):
+    """``models``: a second base model gets its own engine deployment (and ring); the ingress sends each
+    request to the model it names, lists both, and refuses a name neither serves with a 404."""
+    from prefixserve import LLM, SamplingParams
+
+    args = app_args(ckpt, 1)
+    args["engine"] = {**args["engine"], "served_model_name": "first"}
+    args["models"] = [{**args["engine"], "model": gqa_ckpt, "served_model_name": "second", "num_replicas": 1}]
+    args["router"] = {"policy": "placed", "stats_period_s": 1.0}
+    args["ingress"] = {**args["ingress"], "num_replicas": 1}
+    url = deploy(args, PORT)
+    prompt = [5, 9, 14, 23, 42, 77, 101, 130, 7, 8, 9, 10]
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    with httpx.Client(timeout=120) as http:
+        deadline = time.monotonic() + 120
+        while True:
+            listed = http.get(f"{url}/v1/models")
+            ids = [m["id"] for m in listed.json().get("data", [])] if listed.status_code == 200 else []
+            if ids == ["first", "second"]:
+                break
+            assert time.monotonic() < deadline, listed.text
+            time.sleep(0.5)
+        for model, path, deployment in (("first", ckpt, "Engine"), ("second", gqa_ckpt, "Engine-2")):
+            done = http.post(
+                f"{url}/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 6, "temperature": 0}
+            )
+            assert done.status_code == 200, done.text
+            assert done.json()["model"] == model
+            assert f"#{deployment}#" in done.headers[REPLICA_HEADER]
+            offline = LLM(path, num_kv_blocks=64).generate([prompt], greedy)[0].outputs[0]
+            assert done.json()["choices"][0]["text"] == offline.text
+        unknown = http.post(f"{url}/v1/completions", json={"model": "third", "prompt": prompt, "max_tokens": 2})
+        assert unknown.status_code == 404, unknown.text
+        assert "'first'" in unknown.text and "'second'" in unknown.text
+        # Each model's placement is its own ring's.
+        placement = http.get(f"{url}/placement", params={"model": "second"})
+        assert placement.status_code == 200, placement.text
+        assert all("#Engine-2#" in m for m in placement.json()["members"])
+        assert http.get(f"{url}/placement", params={"model": "third"}).status_code == 404
+        text = http.get(f"{url}/metrics").text
+        assert "#Engine#" in text and "#Engine-2#" in text
+        assert http.get(f"{url}/health").status_code == 200

@@ -49,7 +49,7 @@ class FakeIngress(SimpleNamespace):
 def ingress(router: FakeRouter, api_keys: list[str]) -> Any:
     return FakeIngress(
         options=FrontendOptions.build(api_keys, 1 << 20),
-        client=SimpleNamespace(router=router),
+        model_clients={"Engine": SimpleNamespace(router=router, cached_model_info=None)},
         name="ingress-0",
         placement_leader="ingress-0",
     )
@@ -86,7 +86,7 @@ class NoEngine:
 
     router = None
 
-    async def model_info(self) -> Any:
+    async def model_info(self, name: str | None = None) -> Any:
         raise AssertionError("a refused request asked the engine")
 
     def open_stream(self, request: Any) -> Any:
@@ -133,9 +133,10 @@ def test_a_request_refused_for_its_key_leaves_no_routing_key_behind():
 def test_the_ingress_keys_an_adapters_requests_apart() -> None:
     from prefixserve.replica.contract.request import ModelInfo
     from prefixserve.router.routing_key import PrefixKeyConfig, adapter_key, prefix_hash
+    from prefixserve.router.serve.models import ModelsClient
 
     info = ModelInfo(model_name="base", model="/models/base", max_model_len=64, adapters=(("ad", "/adapters/ad"),))
-    fake = SimpleNamespace(client=SimpleNamespace(cached_model_info=info), key_config=PrefixKeyConfig())
+    fake = SimpleNamespace(client=ModelsClient([SimpleNamespace(cached_model_info=info)]), key_config=PrefixKeyConfig())
     key_of = OpenAIIngress.func_or_class._routing_key
     body = {"messages": [{"role": "system", "content": "tenant"}, {"role": "user", "content": "hi"}]}
     assert key_of(fake, {**body, "model": "base"}, {}) == prefix_hash("tenant")
