@@ -1,5 +1,6 @@
 """bench_structured's measure on a tiny random checkpoint (no assertion about speed), and its
-vLLM peer script's isolation (it runs in vLLM's own venv, which CI does not build)."""
+vLLM peer scripts' isolation (they run in vLLM's own venv, which CI does not build: this one's and
+bench_lora's)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ import pytest
 from model_helpers import tiny_checkpoint
 
 from prefixserve.loadtest import bench_structured as B
-from prefixserve.loadtest.peers import vllm_structured as peer
+from prefixserve.loadtest.peers import vllm_lora, vllm_structured
 from prefixserve.replica.entrypoints.llm import LLM
 
 
-def test_the_peer_script_imports_nothing_of_ours():
+@pytest.mark.parametrize("peer", [vllm_structured, vllm_lora], ids=["structured", "lora"])
+def test_the_peer_scripts_import_nothing_of_ours(peer):
     tree = ast.parse(Path(peer.__file__).read_text())
     names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
