@@ -49,13 +49,12 @@ import functools
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-import httpx
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -89,6 +88,16 @@ from prefixserve.router.standalone.metrics import StandaloneMetrics
 from prefixserve.router.standalone.replica_set import ADMITTED, EJECTED, ReplicaSet
 from prefixserve.router.standalone.routing import Plan, StandaloneRouting
 from prefixserve.router.standalone.stream_relay import ProgressRelay
+from prefixserve.router.standalone.upstream import (
+    BrokenAnswer,
+    BrokenBeforeHead,
+    ConnectFailed,
+    TimedOut,
+    Timeouts,
+    Upstream,
+    UpstreamAnswer,
+    UpstreamError,
+)
 from prefixserve.router.standalone.usage import AnswerTail, Usage
 
 log = logging.getLogger(__name__)
@@ -101,7 +110,7 @@ RETRY_STATUSES = frozenset({429, 503})
 # The answers a prefixserve replica reports progress in, and continues (replica/contract/continuation.py).
 MOVABLE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 RETRY_AFTER_S = 1
-# Headers that describe one connection, not the message (RFC 9110 7.6.1), and those httpx sets itself.
+# Headers that describe one connection, not the message (RFC 9110 7.6.1), and those the client sets itself.
 _HOP_BY_HOP = frozenset(
     {
         "connection",
@@ -137,11 +146,11 @@ def upstream_headers(headers: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
-def answer_headers(headers: httpx.Headers, replica: str) -> list[tuple[bytes, bytes]]:
+def answer_headers(headers: Sequence[tuple[bytes, bytes]], replica: str) -> list[tuple[bytes, bytes]]:
     """A replica's answer headers to relay: end-to-end ones (its length kept), named by the router's replica header."""
     # The router's own server writes Date and Server, as any reverse proxy does.
     drop = (_HOP_BY_HOP - {"content-length"}) | {REPLICA_HEADER.lower(), "date", "server"}
-    out = [(k, v) for k, v in headers.raw if k.decode("latin-1").lower() not in drop]
+    out = [(k, v) for k, v in headers if k.decode("latin-1").lower() not in drop]
     out.append((REPLICA_HEADER.lower().encode("latin-1"), replica.encode("latin-1")))
     return out
 
@@ -217,20 +226,20 @@ class RelayResponse(Response):
     when the replica breaks off (the module docstring) or when the client goes away.
     """
 
-    def __init__(self, upstream: httpx.Response, opened: _Open, resend: Resend | None = None) -> None:
+    def __init__(self, upstream: UpstreamAnswer, opened: _Open, resend: Resend | None = None) -> None:
         self.upstream = upstream
         self.opened = opened
-        self.status_code = upstream.status_code
-        self.raw_headers = answer_headers(upstream.headers, opened.replica)
+        self.status_code = upstream.status
+        self.raw_headers = answer_headers(upstream.raw_headers, opened.replica)
         self.background = None
         content_type = upstream.headers.get("content-type", "")
         self.sse = content_type.startswith("text/event-stream")
         # Only a whole, successful answer's usage counts (its tokens were prefilled where it landed).
         encoded = upstream.headers.get("content-encoding", "identity") != "identity"
-        self.tail = AnswerTail(self.sse) if upstream.status_code == 200 and not encoded else None
+        self.tail = AnswerTail(self.sse) if upstream.status == 200 and not encoded else None
         self.usage: Usage | None = None  # read once the whole answer was relayed
         # A stream that may move (the module docstring): relayed event by event, its progress counted.
-        movable = resend is not None and self.sse and upstream.status_code == 200 and not encoded
+        movable = resend is not None and self.sse and upstream.status == 200 and not encoded
         self.resend = resend if movable else None
         self.relay = ProgressRelay(StreamProgress()) if movable else None
 
@@ -248,16 +257,16 @@ class RelayResponse(Response):
                 group.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
-                await self.upstream.aclose()
+                self.upstream.close()
                 self.opened.end(self.usage, answered=self.status_code == 200)
 
     async def _relay(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         tail = b"\n\n"
         while True:
-            broken: httpx.HTTPError | None = None
+            broken: BrokenAnswer | None = None
             try:
-                async for chunk in self.upstream.aiter_raw():
+                async for chunk in self.upstream.chunks():
                     out = self.relay.feed(chunk) if self.relay is not None else chunk
                     if out:
                         tail = out[-2:]
@@ -266,16 +275,16 @@ class RelayResponse(Response):
                         await send({"type": "http.response.body", "body": out, "more_body": True})
                     if self.relay is not None and self.relay.stopping:
                         break
-            except (httpx.ReadError, httpx.RemoteProtocolError, httpx.ReadTimeout) as exc:
+            except BrokenAnswer as exc:
                 broken = exc
                 router = self.opened.router
                 name = self.opened.replica
                 log.warning("replica %s broke off an answer: %s", name, exc)
                 router.metrics.stream_errors.labels(name).inc()
-                if not isinstance(exc, httpx.ReadTimeout):
+                if not exc.timed_out:
                     router.replica_failed(name, "broken")
             stopping = self.relay is not None and self.relay.stopping
-            died = broken is not None and not isinstance(broken, httpx.ReadTimeout)
+            died = broken is not None and not broken.timed_out
             if self.relay is not None and (died or stopping):
                 ended = await self._move(MIGRATION_REPLICA_DIED if died else MIGRATION_REPLICA_STOPPING)
                 if ended is None:
@@ -322,32 +331,29 @@ class RelayResponse(Response):
         content = json.dumps(body).encode()
         for name in router.continuation_targets(resend.plan, resend.failed):
             pool = router.next_pool()
-            request = pool.build_request(
-                "POST", router.replicas[name].url + resend.path, headers=resend.headers, content=content
-            )
             router.started(name)
             try:
-                answer = await pool.send(request, stream=True)
-            except httpx.HTTPError as exc:
+                answer = await pool.send("POST", router.replicas[name].url + resend.path, resend.headers, content)
+            except UpstreamError as exc:
                 router.ended(name)
                 resend.failed.add(name)
-                if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+                if isinstance(exc, ConnectFailed):
                     router.replica_failed(name, "connect")
                 continue
-            if answer.status_code != 200 or not answer.headers.get("content-type", "").startswith("text/event-stream"):
+            if answer.status != 200 or not answer.headers.get("content-type", "").startswith("text/event-stream"):
                 refusal = await _read_closed(answer)
                 router.ended(name)
                 resend.failed.add(name)
-                if answer.status_code in RETRY_STATUSES:
+                if answer.status in RETRY_STATUSES:
                     continue
                 count.labels(reason, MIGRATION_REFUSED).inc()
-                log.warning("replica %s refused to continue a stream: %d %s", name, answer.status_code, refusal[:300])
+                log.warning("replica %s refused to continue a stream: %d %s", name, answer.status, refusal[:300])
                 try:
                     error = json.loads(refusal)
                 except ValueError:
                     error = openai_error(502, f"replica {name} could not continue the stream", "upstream_failed")
                 return error_event(error)
-            await self.upstream.aclose()
+            self.upstream.close()
             router.ended(old)
             self.opened.replica, self.upstream = name, answer
             self.relay = ProgressRelay(progress)
@@ -374,14 +380,12 @@ class RelayResponse(Response):
         return broken_stream_event(replica)
 
 
-async def _read_closed(answer: httpx.Response) -> bytes:
+async def _read_closed(answer: UpstreamAnswer) -> bytes:
     """A refused answer's body (what could be read), the answer closed."""
     try:
-        return await answer.aread()
-    except httpx.HTTPError:
-        return b""
+        return await answer.read()
     finally:
-        await answer.aclose()
+        answer.close()
 
 
 class StandaloneRouter:
@@ -410,19 +414,19 @@ class StandaloneRouter:
         )
         self.models_of: dict[str, list[dict[str, Any]]] = {}  # replica -> its /v1/models entries
         self._models_at = -float("inf")
-        self._client: httpx.AsyncClient | None = None  # probes, metrics and model lists
-        self._pools: list[httpx.AsyncClient] = []  # forwarded requests (config.upstream_pools)
+        self._client: Upstream | None = None  # probes, metrics and model lists
+        self._pools: list[Upstream] = []  # forwarded requests (config.upstream_pools)
         self._turn = 0
         self._tasks: list[asyncio.Task[None]] = []
 
     # -- lifecycle ------------------------------------------------------------------
     @property
-    def client(self) -> httpx.AsyncClient:
+    def client(self) -> Upstream:
         if self._client is None:
             raise RuntimeError("the router is not started")
         return self._client
 
-    def next_pool(self) -> httpx.AsyncClient:
+    def next_pool(self) -> Upstream:
         """The upstream pool for the next forwarded request (``upstream_pools`` of them, in turn)."""
         if not self._pools:
             raise RuntimeError("the router is not started")
@@ -431,13 +435,9 @@ class StandaloneRouter:
 
     async def start(self) -> None:
         c = self.config
-        timeout = httpx.Timeout(connect=c.connect_timeout_s, read=c.read_timeout_s, write=c.read_timeout_s, pool=None)
-        # No pool limit: the router holds one upstream connection per open request, as any reverse proxy.
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=2.0)
-        self._client = httpx.AsyncClient(timeout=timeout, limits=limits, follow_redirects=False)
-        self._pools = [
-            httpx.AsyncClient(timeout=timeout, limits=limits, follow_redirects=False) for _ in range(c.upstream_pools)
-        ]
+        timeouts = Timeouts(connect_s=c.connect_timeout_s, read_s=c.read_timeout_s)
+        self._client = Upstream(timeouts)
+        self._pools = [Upstream(timeouts) for _ in range(c.upstream_pools)]
         hints = self.routing.hints
         if hints is not None and c.kv_events:
             self.subscriber = ZmqKVEventSubscriber(event_sources(c), hints.index).start()
@@ -461,10 +461,10 @@ class StandaloneRouter:
             await asyncio.to_thread(self.subscriber.stop)
             self.subscriber = None
         for pool in self._pools:
-            await pool.aclose()
+            await pool.close()
         self._pools = []
         if self._client is not None:
-            await self._client.aclose()
+            await self._client.close()
             self._client = None
 
     async def _every(self, period_s: float, job: Any) -> None:
@@ -479,9 +479,11 @@ class StandaloneRouter:
     async def probe(self, name: str) -> None:
         """One ``GET /health`` of ``name``: 200 is good, anything else (or no answer in time) a failure."""
         try:
-            r = await self.client.get(self.replicas[name].url + "/health", timeout=self.config.health_timeout_s)
-            ok = r.status_code == 200
-        except httpx.HTTPError:
+            status, _, _ = await self.client.fetch(
+                "GET", self.replicas[name].url + "/health", timeout_s=self.config.health_timeout_s
+            )
+            ok = status == 200
+        except UpstreamError:
             ok = False
         self.record_probe(name, ok)
         if ok and name not in self.models_of:  # its models known before a request asks for one
@@ -506,11 +508,13 @@ class StandaloneRouter:
 
     async def read_load(self, name: str) -> None:
         try:
-            r = await self.client.get(self.replicas[name].url + "/metrics", timeout=self.config.health_timeout_s)
-        except httpx.HTTPError:
+            status, _, text = await self.client.fetch(
+                "GET", self.replicas[name].url + "/metrics", timeout_s=self.config.health_timeout_s
+            )
+        except UpstreamError:
             return  # the probes judge health; a missing report only ages out
-        if r.status_code == 200:
-            self.replicas.report_load(name, parse_load(r.text))
+        if status == 200:
+            self.replicas.report_load(name, parse_load(text.decode("utf-8", "replace")))
 
     async def read_loads(self) -> None:
         await asyncio.gather(*(self.read_load(n) for n in self.replicas.admitted()))
@@ -527,11 +531,11 @@ class StandaloneRouter:
     async def fetch_models(self, name: str, headers: Mapping[str, str]) -> None:
         auth = {k: v for k, v in headers.items() if k.lower() == "authorization"}
         try:
-            r = await self.client.get(
-                self.replicas[name].url + "/v1/models", headers=auth, timeout=self.config.health_timeout_s
+            status, _, body = await self.client.fetch(
+                "GET", self.replicas[name].url + "/v1/models", auth, timeout_s=self.config.health_timeout_s
             )
-            data = r.json().get("data") if r.status_code == 200 else None
-        except (httpx.HTTPError, ValueError, AttributeError):
+            data = json.loads(body).get("data") if status == 200 else None
+        except (UpstreamError, ValueError, AttributeError):
             return
         if isinstance(data, list):
             self.models_of[name] = [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
@@ -611,32 +615,28 @@ class StandaloneRouter:
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         movable = self.config.migrate_streams and stream_of_one(parsed) and request.url.path in MOVABLE_PATHS
         progress_headers = {**headers, STREAM_PROGRESS_HEADER: "1"}
-        last: tuple[int, bytes, httpx.Headers, str] | None = None
+        last: tuple[int, bytes, tuple[tuple[bytes, bytes], ...], str] | None = None
         for i, name in enumerate(attempts):
             final = i == len(attempts) - 1
             pool = self.next_pool()
             asks_progress = movable and self.speaks_prefixserve(name)
-            upstream = pool.build_request(
-                request.method,
-                self.replicas[name].url + path,
-                headers=progress_headers if asks_progress else headers,
-                content=body,
-            )
             self.started(name)
             try:
-                answer = await pool.send(upstream, stream=True)
-            except (httpx.ConnectError, httpx.ConnectTimeout):
+                answer = await pool.send(
+                    request.method, self.replicas[name].url + path, progress_headers if asks_progress else headers, body
+                )
+            except ConnectFailed:
                 self.ended(name)
                 self.replica_failed(name, "connect")
                 self.metrics.retries.labels(name, "connect").inc()
                 continue
-            except httpx.TimeoutException:
+            except TimedOut:
                 self.ended(name)
                 self.routing.finished(plan)
                 return own_answer(
                     504, openai_error(504, f"replica {name} did not answer in time", "upstream_timeout", "server_error")
                 )
-            except (httpx.NetworkError, httpx.RemoteProtocolError):
+            except BrokenBeforeHead:
                 # Broken before the head: maybe a kept-alive connection the replica had just closed,
                 # so it counts as one failed probe, not as a death.
                 self.ended(name)
@@ -647,20 +647,18 @@ class StandaloneRouter:
                 self.ended(name)
                 self.routing.finished(plan)
                 raise
-            if answer.status_code in RETRY_STATUSES and not final:
+            if answer.status in RETRY_STATUSES and not final:
                 try:
-                    content = await answer.aread()
-                except httpx.HTTPError:
-                    content = b""
+                    content = await answer.read()
                 finally:
-                    await answer.aclose()
+                    answer.close()
                     self.ended(name)
-                self.metrics.retries.labels(name, str(answer.status_code)).inc()
-                last = (answer.status_code, content, answer.headers, name)
+                self.metrics.retries.labels(name, str(answer.status)).inc()
+                last = (answer.status, content, answer.raw_headers, name)
                 continue
             kind = self.routing.landed(plan, name)
             self.metrics.requests.labels(self.metrics.policy, name, kind).inc()
-            if 400 <= answer.status_code < 500 and answer.status_code != 429:
+            if 400 <= answer.status < 500 and answer.status != 429:
                 self.routing.refused(plan)
             resend = Resend(path, progress_headers, parsed, plan) if asks_progress else None
             return RelayResponse(answer, _Open(self, plan, name, lease, request.url.path == RESPONSES_PATH), resend)
@@ -791,28 +789,24 @@ class StandaloneRouter:
         # Identity: the answer is read whole and relayed as read.
         headers = {**upstream_headers(request.headers), "accept-encoding": "identity"}
         pool = self.next_pool()
-        answer: httpx.Response | None = None
+        answer: tuple[int, tuple[tuple[bytes, bytes], ...], bytes] | None = None
         for name in names:
             try:
-                answer = await pool.request(request.method, self.replicas[name].url + request.url.path, headers=headers)
-            except httpx.HTTPError as exc:
+                answer = await pool.fetch(request.method, self.replicas[name].url + request.url.path, headers)
+            except UpstreamError as exc:
                 log.warning("replica %s did not answer %s %s: %s", name, request.method, request.url.path, exc)
                 continue
-            if answer.status_code != 404:
-                if request.method == "DELETE" and answer.status_code == 200:
+            status, raw, content = answer
+            if status != 404:
+                if request.method == "DELETE" and status == 200:
                     homes.forget(response_id)
-                elif answer.status_code == 200:
+                elif status == 200:
                     homes.remember(response_id, name)
-                return Response(
-                    answer.content,
-                    status_code=answer.status_code,
-                    headers=dict(answer_headers_map(answer.headers, name)),
-                )
+                return Response(content, status_code=status, headers=dict(answer_headers_map(raw, name)))
         if answer is None:
             return own_answer(502, openai_error(502, "no replica answered", "upstream_failed", "server_error"))
-        return Response(
-            answer.content, status_code=answer.status_code, headers=dict(answer_headers_map(answer.headers, names[-1]))
-        )
+        status, raw, content = answer
+        return Response(content, status_code=status, headers=dict(answer_headers_map(raw, names[-1])))
 
     async def handle_models(self, request: Request) -> Response:
         await self.refresh_models(request.headers, force=True)
@@ -837,7 +831,7 @@ class StandaloneRouter:
         )
 
 
-def answer_headers_map(headers: httpx.Headers, replica: str) -> list[tuple[str, str]]:
+def answer_headers_map(headers: Sequence[tuple[bytes, bytes]], replica: str) -> list[tuple[str, str]]:
     """``answer_headers`` as text, its length left to the answer that carries it."""
     return [
         (k.decode("latin-1"), v.decode("latin-1"))
