@@ -24,11 +24,8 @@ base-model rows other tokens when the batch holds adapters: docs/benchmarks/lora
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -193,6 +190,7 @@ def compare_with_vllm(args: argparse.Namespace, prompts: list[list[int]], paths:
     """Greedy tokens of ``prompts`` (prompt i on adapter ``i mod (adapters + 1)``, the last index
     the base model) from this engine and from vLLM's CPU build under ``args.vllm_python``."""
     from prefixserve import LLM, LoRARequest, SamplingParams
+    from prefixserve.loadtest.harness.vllm_job import run_vllm_job
     from prefixserve.loadtest.peers import vllm_lora
 
     adapter_of = [i % (len(paths) + 1) for i in range(len(prompts))]
@@ -221,23 +219,7 @@ def compare_with_vllm(args: argparse.Namespace, prompts: list[list[int]], paths:
         "max_model_len": 512,
         "kv_cache_memory_bytes": 256 * 1024 * 1024,
     }
-    with tempfile.TemporaryDirectory(prefix="bench-lora-vllm-") as tmp:
-        job_path = Path(tmp) / "job.json"
-        job_path.write_text(json.dumps(job))
-        env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-        env.pop("PYTHONPATH", None)
-        # -I: neither PYTHONPATH, the user site nor the script's folder (peers/ has a sglang.py) on sys.path
-        proc = subprocess.run(
-            [args.vllm_python, "-I", vllm_lora.__file__, str(job_path)],
-            capture_output=True,
-            text=True,
-            env=env,
-            cwd=tmp,
-            check=False,
-        )
-    if proc.returncode != 0:
-        raise RuntimeError(f"the vLLM peer failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    theirs: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    theirs = run_vllm_job(args.vllm_python, vllm_lora.__file__, job, "bench-lora-vllm-")
     plain = iter(theirs["base_tokens_without_lora"])
     # Each prompt against vLLM's same batch, and a base-model prompt also against vLLM without LoRA.
     in_batch = [a == b for a, b in zip(mine, theirs["tokens"], strict=True)]

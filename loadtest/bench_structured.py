@@ -32,12 +32,9 @@ import json
 import os
 import platform
 import statistics
-import subprocess
-import tempfile
 import time
 from dataclasses import dataclass
 from importlib import metadata
-from pathlib import Path
 
 from prefixserve.loadtest.harness.report import markdown_table, write_json
 from prefixserve.replica.engine.outputs import RequestOutput
@@ -188,6 +185,7 @@ def run_vllm_peer(
 ) -> dict:
     """``loadtest/peers/vllm_structured.py`` under ``vllm_python`` on the same checkpoint, prompts,
     schema and settings; its JSON result."""
+    from prefixserve.loadtest.harness.vllm_job import run_vllm_job
     from prefixserve.loadtest.peers import vllm_structured
     from prefixserve.replica.model import loader
 
@@ -202,24 +200,7 @@ def run_vllm_peer(
         "max_tokens": max_tokens,
         "repeats": repeats,
     }
-    with tempfile.TemporaryDirectory(prefix="bench-structured-") as tmp:
-        job_path = Path(tmp) / "job.json"
-        job_path.write_text(json.dumps(job))
-        env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-        env.pop("PYTHONPATH", None)
-        # -I: neither PYTHONPATH, the user site nor the script's folder (peers/ has a sglang.py) on sys.path
-        proc = subprocess.run(
-            [vllm_python, "-I", vllm_structured.__file__, str(job_path)],
-            capture_output=True,
-            text=True,
-            env=env,
-            cwd=tmp,
-            check=False,
-        )
-    if proc.returncode != 0:
-        raise RuntimeError(f"the vLLM peer failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    result: dict = json.loads(proc.stdout.strip().splitlines()[-1])
-    return result
+    return run_vllm_job(vllm_python, vllm_structured.__file__, job, "bench-structured-")
 
 
 def print_rows(title: str, rows: list[dict]) -> None:

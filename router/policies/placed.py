@@ -379,7 +379,10 @@ class Placed(RingPolicy):
         ``adapter``: the LoRA adapter the request runs with (its key already names it). Among
         the replicas the decision would take alike (the key's set under the cap, the spill's
         ring successors) those whose reported load holds the adapter come first: a replica
-        without it reads the adapter's files before the request's prefill.
+        without it reads the adapter's files before the request's prefill. When none of the
+        key's replicas holds it (and no history decides), the request goes to a replica holding
+        it under the cap, else, when the key's replica holds all the adapters it can, to the
+        first ring successor under the cap with room for one more (KIND_SPILL).
 
         The class docstring states the decision; this path reads each candidate
         once and reuses, per key, its ring order in candidate positions and the

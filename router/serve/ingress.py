@@ -6,7 +6,9 @@ error bodies and status codes) over an :class:`EngineClient` that reaches the
 engine deployment through its Serve handle, whose request router
 (router/serve/request_router.py) picks the replica; compute the routing key
 (router/routing_key.py) from the body the front end parsed. Every answer that
-reached a replica names it in ``X-Prefixserve-Replica``.
+reached a replica names it in ``X-Prefixserve-Replica``. With several base models (the app
+args' ``models``) there is one engine deployment, handle and router per model, and the
+client is router/serve/models.py's: each request goes to the deployment of the model it names.
 
 Invariants:
 
@@ -36,7 +38,7 @@ Invariants:
   store (``ingress.responses_max_entries`` / ``responses_max_bytes``) and, when a continuation,
   GET or DELETE names one it does not hold, asks its sibling replicas. Each stored record names
   the engine replica that answered it.
-* ``/health`` answers 200 only while at least one engine replica passes its
+* ``/health`` answers 200 only while at least one engine replica (of every model) passes its
   health check (asked at most once per ``HEALTH_CACHE_S``), else 503.
 * Once :meth:`OpenAIIngress.begin_drain` was called (the cluster is stopping),
   ``/health`` and new generation requests answer 503 ``server_shutting_down``
@@ -523,7 +525,7 @@ http_frontend.add_error_handlers(app)
 @serve.deployment(name="Ingress")
 @serve.ingress(app)
 class OpenAIIngress:
-    """OpenAI API over the engine deployment (one or several replicas of this class)."""
+    """OpenAI API over the engine deployments, one per base model (one or several replicas of this class)."""
 
     def __init__(
         self,
