@@ -43,6 +43,7 @@ from prefixserve.loadtest.bench_cluster import (
     KVSizing,
     PolicyResult,
     WorkloadSpec,
+    app_args,
     chat_encoder,
     size_kv,
     summarize,
@@ -53,6 +54,7 @@ from prefixserve.loadtest.cluster_run import (
     PREEMPTIONS,
     QUERIES,
     UNLABELLED,
+    LocalServeCluster,
     counter_deltas,
     replica_counters,
     scrape_metrics,
@@ -61,11 +63,13 @@ from prefixserve.loadtest.cluster_run import (
 from prefixserve.loadtest.harness.cli import plan_and_run
 from prefixserve.loadtest.harness.client import RequestRecord, run_load
 from prefixserve.loadtest.harness.report import config_json, fmt, markdown_table, write_json
+from prefixserve.loadtest.harness.server import free_port
 from prefixserve.loadtest.peer_routers import PeerRouterVenv
 from prefixserve.loadtest.prefix_bound import distinct_blocks, replay_bound
 from prefixserve.loadtest.router_stand import (
     NGINX,
     PEER_KINDS,
+    RAY_CLUSTER,
     EventFeed,
     ReplicaSettings,
     RouterSpec,
@@ -206,6 +210,8 @@ def plan(args: argparse.Namespace) -> Plan:
     if args.adapters and (args.upstream != "prefixserve" or args.workloads != "zipf_tenants"):
         raise ValueError("--adapters runs zipf_tenants in front of prefixserve replicas: pass --workloads zipf_tenants")
     routers = [RouterSpec.parse(t) for t in _split_list(args.routers, "routers")]
+    if any(r.kind == RAY_CLUSTER for r in routers) and (args.upstream != "prefixserve" or args.adapters):
+        raise ValueError("ray:POLICY runs prefixserve's own cluster: not with --upstream vllm or --adapters")
     if args.upstream != "vllm" and any(r.policy == "kv_aware" for r in routers):
         raise ValueError("vllm-router:kv_aware reads vLLM servers' KV events: use it with --upstream vllm")
     if any(r.kind == NGINX for r in routers) and find_nginx() is None:
@@ -365,6 +371,41 @@ def run_one(case: Case, spec: RouterSpec, args: argparse.Namespace, venv: PeerRo
                 loads_after[u].get(ADAPTER_LOADS, 0.0) - loads_before[u].get(ADAPTER_LOADS, 0.0) for u in loads_after
             )
         names = [u.removeprefix("http://") for u in urls]
+        run.split = [int(run.result.replicas.get(n, {}).get("requests", 0)) for n in names]
+        run.unattributed = sum(1 for r in run.records if r.ok and r.replica not in names)
+    except Exception as exc:  # one router failing must not lose the others' figures
+        run.failure = f"{type(exc).__name__}: {exc}"
+    run.load_avg = (load_start, os.getloadavg()[0])
+    run.wall_s = time.perf_counter() - started
+    return run
+
+
+def run_one_ray(case: Case, spec: RouterSpec, args: argparse.Namespace) -> RouterRun:
+    """prefixserve's Ray Serve cluster (its ingress and request router over its own engine replicas, as
+    ``prefixserve up`` runs them) with the stand's engine settings, a fresh local Ray instance per run
+    (cold caches); the split in ring-name order. A failure is recorded, not raised."""
+    run = RouterRun(spec.name, case.spec.name, case.spec.seed, case.bound)
+    started = time.perf_counter()
+    load_start = os.getloadavg()[0]
+    assert spec.policy is not None
+    cluster_args = app_args(
+        spec.policy,
+        model=args.model,
+        replicas=args.replicas,
+        sizing=case.sizing,
+        seed=case.spec.seed,
+        epsilon=None,
+    )
+    try:
+        with LocalServeCluster(num_cpus=args.replicas + 1, port=free_port()) as cluster:
+            url = cluster.deploy(cluster_args, "bench-routers", num_replicas=args.replicas, timeout_s=args.timeout)
+            model = served_model(url)
+            bodies = [{**r.body, "model": model} for r in case.requests]
+            before = replica_counters(scrape_metrics(url))
+            run.records = run_load(url, bodies, args.concurrency, timeout_s=args.timeout)
+            after = replica_counters(scrape_metrics(url))
+        run.result = summarize(spec.name, run.records, counter_deltas(before, after))
+        names = sorted(n for n in run.result.replicas if n != UNLABELLED)
         run.split = [int(run.result.replicas.get(n, {}).get("requests", 0)) for n in names]
         run.unattributed = sum(1 for r in run.records if r.ok and r.replica not in names)
     except Exception as exc:  # one router failing must not lose the others' figures
@@ -579,7 +620,8 @@ def run(args: argparse.Namespace, p: Plan) -> int:
             run_vllm_case(case, order, args, venv, report)
             continue
         for spec in order:
-            report(case, spec, run_one(case, spec, args, venv))
+            ran = run_one_ray(case, spec, args) if spec.kind == RAY_CLUSTER else run_one(case, spec, args, venv)
+            report(case, spec, ran)
     spec0 = p.cases[0].spec
     print(
         f"\n## Router benchmark: {args.replicas} replicas, model {Path(args.model).name}, {spec0.tenants} tenants, "

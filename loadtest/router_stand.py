@@ -55,11 +55,15 @@ from prefixserve.router.ring import RingServer
 
 NGINX = "nginx"
 PREFIXSERVE = "prefixserve"
+# prefixserve's Ray Serve cluster (router/serve/app.py) over its own engine replicas: not a router
+# process in front of the stand's replicas (bench_routers deploys it with the same engine settings).
+RAY_CLUSTER = "ray"
 ROUTER_POLICIES: dict[str, tuple[str, ...]] = {
     SMG: SMG_POLICIES,
     VLLM_ROUTER: VLLM_ROUTER_POLICIES + VLLM_ROUTER_EVENT_POLICIES,
     NGINX: (),
     PREFIXSERVE: tuple(sorted(POLICIES)),
+    RAY_CLUSTER: tuple(sorted(POLICIES)),
 }
 PEER_KINDS = (SMG, VLLM_ROUTER)
 NGINX_CANDIDATES = ("/usr/sbin/nginx", "/usr/local/sbin/nginx", "/usr/local/nginx/sbin/nginx")

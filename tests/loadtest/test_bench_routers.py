@@ -1,7 +1,8 @@
 """Router benchmark: the replay bound, router specs and command lines, the tables; one real run.
 
 The real run (slow) puts prefixserve's standalone router and nginx in front of two real
-replicas of a tiny checkpoint; the PyPI peers are left to the benchmark itself.
+replicas of a tiny checkpoint, and runs prefixserve's Ray cluster with the same engine settings;
+the PyPI peers are left to the benchmark itself.
 """
 
 from __future__ import annotations
@@ -118,6 +119,10 @@ def test_the_vllm_upstream_needs_its_python_and_kv_aware_needs_the_vllm_upstream
         B.plan(B.build_parser().parse_args(["--upstream", "vllm", "--block-size", "32"]))
     with pytest.raises(ValueError, match="kv_aware"):
         B.plan(B.build_parser().parse_args(["--routers", "vllm-router:kv_aware"]))
+    with pytest.raises(ValueError, match="ray:POLICY"):
+        B.plan(
+            B.build_parser().parse_args(["--routers", "ray:placed", "--adapters", "2", "--workloads", "zipf_tenants"])
+        )
 
 
 def test_nginx_clients_send_the_routing_key_of_the_static_prefix():
@@ -166,18 +171,22 @@ def test_workload_table_joins_seeds_and_names_failures():
 
 @pytest.mark.slow
 @pytest.mark.skipif(find_nginx() is None, reason="nginx is not installed (scripts/system-deps.sh)")
-def test_standalone_router_and_nginx_answer_and_route_every_request(tmp_path):
+def test_standalone_router_nginx_and_the_ray_cluster_answer_and_route_every_request(tmp_path):
     from model_helpers import tiny_checkpoint
 
     model = tiny_checkpoint(tmp_path / "tiny", seed=5)
     out = tmp_path / "out"
     small = "--tenants 3 --requests 6 --system-len 48 --question-len 8 --output-len 4 --concurrency 2"
-    routers = "prefixserve:placed,nginx"
+    routers = "prefixserve:placed,nginx,ray:placed"
     argv = ["--model", str(model), "--routers", routers, "--workloads", "agent", *small.split()]
     code = B.main([*argv, "--out-dir", str(out), "--timeout", "300"])
     data = json.loads((out / "bench_routers.json").read_text())
     runs = data["runs"]
-    assert [(r["workload"], r["router"]) for r in runs] == [("agent", "prefixserve:placed"), ("agent", "nginx")]
+    assert [(r["workload"], r["router"]) for r in runs] == [
+        ("agent", "prefixserve:placed"),
+        ("agent", "nginx"),
+        ("agent", "ray:placed"),
+    ]
     for r in runs:
         assert r["failure"] is None, r["failure"]
         assert r["result"]["succeeded"] == r["result"]["requests"] == 6, r["result"]["errors"]
