@@ -102,7 +102,8 @@ def add_cli_arguments(
     Defaults come from the dataclass; a field's ``metadata["help"]`` is its help
     text, ``metadata["flag"]`` another option name, ``metadata["choices"]`` its
     values. Fields typed ``bool`` become ``--x/--no-x``, ``list[int]`` take several
-    values, ``list[str]`` repeat the option once per value; ``choices`` restricts a
+    values, ``list[str]`` repeat the option once per value (or, with ``metadata["several"]``,
+    also take several values after one option, as vLLM's ``--lora-modules``); ``choices`` restricts a
     field's values by name; ``only`` limits the options to those fields. The option
     stores under ``dest_prefix`` + the field's name (no prefix: :func:`from_cli_args` finds it).
     """
@@ -120,6 +121,8 @@ def add_cli_arguments(
         text += "(repeat for several)" if kind is tuple else f"(default: {default})"
         if kind is list:
             group.add_argument(flag, dest=dest, type=int, nargs="+", default=default, help=text)
+        elif kind is tuple and f.metadata.get("several"):
+            group.add_argument(flag, dest=dest, action="extend", nargs="+", default=None, help=text, **named)
         elif kind is tuple:
             group.add_argument(flag, dest=dest, action="append", default=None, help=text, **named)
         elif kind is bool:

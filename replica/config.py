@@ -263,9 +263,9 @@ class EngineConfig:
     max_loras: int = 1
     max_cpu_loras: int | None = None
     max_lora_rank: int = 16
-    # Adapters served from the start, ``NAME=PATH`` each (vLLM's --lora-modules): a request's
-    # ``model`` names one. Needs enable_lora.
-    lora_modules: list[str] = field(default_factory=list)
+    # Adapters served from the start, ``NAME=PATH`` each (vLLM's --lora-modules: several after one
+    # flag, or the flag repeated): a request's ``model`` names one. Needs enable_lora.
+    lora_modules: list[str] = field(default_factory=list, metadata={"several": True})
 
     def __post_init__(self) -> None:
         self._validate()

@@ -9,6 +9,7 @@ import pytest
 
 from prefixserve.common.config_util import add_cli_arguments, from_cli_args
 from prefixserve.common.endpoint_config import CLUSTER_PORT, REPLICA_PORT, EndpointConfig
+from prefixserve.replica.config import EngineConfig
 from prefixserve.replica.entrypoints.openai import server
 from prefixserve.router.cli import up
 from prefixserve.router.cluster_config import AppArgs, IngressArgs, IngressConfig, RouterArgs
@@ -92,6 +93,11 @@ def test_repeated_options_collect_and_default_to_the_field_factory() -> None:
     assert got.api_keys == ["k1", "k2"]
     with pytest.raises(SystemExit):
         parser.parse_args(["--log-format", "xml"])
+    # vLLM's --lora-modules: several after one flag, or the flag repeated.
+    engine = argparse.ArgumentParser()
+    EngineConfig.add_cli_arguments(engine)
+    flags = ["--enable-lora", "--lora-modules", "a=/x", "b=/y", "--lora-modules", "c=/z"]
+    assert EngineConfig.from_cli_args(engine.parse_args(flags)).lora_modules == ["a=/x", "b=/y", "c=/z"]
 
 
 def test_dest_prefix_keeps_same_named_fields_apart() -> None:
