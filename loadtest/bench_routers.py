@@ -32,7 +32,8 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -290,6 +291,28 @@ class RouterRun:
         }
 
 
+@contextmanager
+def measured(run: RouterRun) -> Iterator[None]:
+    """Time ``run`` and its machine's load around the block; an exception in it is the run's failure,
+    recorded, not raised (one router failing must not lose the others' figures)."""
+    started = time.perf_counter()
+    load_start = os.getloadavg()[0]
+    try:
+        yield
+    except Exception as exc:
+        run.failure = f"{type(exc).__name__}: {exc}"
+    finally:
+        run.load_avg = (load_start, os.getloadavg()[0])
+        run.wall_s = time.perf_counter() - started
+
+
+def split_by(run: RouterRun, names: Sequence[str]) -> None:
+    """The run's requests per replica of ``names`` (as its answers named them), and those named otherwise."""
+    assert run.result is not None
+    run.split = [int(run.result.replicas.get(n, {}).get("requests", 0)) for n in names]
+    run.unattributed = sum(1 for r in run.records if r.ok and r.replica not in names)
+
+
 def prefix_hash_headers(bodies: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
     """Per body, the ``X-Prefix-Hash`` an nginx client sends (none for a body without a static prefix)."""
     return [{PREFIX_HASH_HEADER: k} if (k := routing_key(b)) is not None else {} for b in bodies]
@@ -349,9 +372,7 @@ def run_one(case: Case, spec: RouterSpec, args: argparse.Namespace, venv: PeerRo
     settings = ReplicaSettings(
         args.model, case.sizing.num_kv_blocks, args.block_size, case.spec.seed, adapter_flags(args)
     )
-    started = time.perf_counter()
-    load_start = os.getloadavg()[0]
-    try:
+    with measured(run):
         with running_replicas(settings, args.replicas, work, args.timeout) as urls:
             model = served_model(urls[0])
             bodies = [{**r.body, "model": adapter_of(r, args.adapters) or model} for r in case.requests]
@@ -370,13 +391,7 @@ def run_one(case: Case, spec: RouterSpec, args: argparse.Namespace, venv: PeerRo
             run.adapter_loads = sum(
                 loads_after[u].get(ADAPTER_LOADS, 0.0) - loads_before[u].get(ADAPTER_LOADS, 0.0) for u in loads_after
             )
-        names = [u.removeprefix("http://") for u in urls]
-        run.split = [int(run.result.replicas.get(n, {}).get("requests", 0)) for n in names]
-        run.unattributed = sum(1 for r in run.records if r.ok and r.replica not in names)
-    except Exception as exc:  # one router failing must not lose the others' figures
-        run.failure = f"{type(exc).__name__}: {exc}"
-    run.load_avg = (load_start, os.getloadavg()[0])
-    run.wall_s = time.perf_counter() - started
+        split_by(run, [u.removeprefix("http://") for u in urls])
     return run
 
 
@@ -385,8 +400,6 @@ def run_one_ray(case: Case, spec: RouterSpec, args: argparse.Namespace) -> Route
     ``prefixserve up`` runs them) with the stand's engine settings, a fresh local Ray instance per run
     (cold caches); the split in ring-name order. A failure is recorded, not raised."""
     run = RouterRun(spec.name, case.spec.name, case.spec.seed, case.bound)
-    started = time.perf_counter()
-    load_start = os.getloadavg()[0]
     assert spec.policy is not None
     cluster_args = app_args(
         spec.policy,
@@ -396,7 +409,7 @@ def run_one_ray(case: Case, spec: RouterSpec, args: argparse.Namespace) -> Route
         seed=case.spec.seed,
         epsilon=None,
     )
-    try:
+    with measured(run):
         with LocalServeCluster(num_cpus=args.replicas + 1, port=free_port()) as cluster:
             url = cluster.deploy(cluster_args, "bench-routers", num_replicas=args.replicas, timeout_s=args.timeout)
             model = served_model(url)
@@ -405,13 +418,7 @@ def run_one_ray(case: Case, spec: RouterSpec, args: argparse.Namespace) -> Route
             run.records = run_load(url, bodies, args.concurrency, timeout_s=args.timeout)
             after = replica_counters(scrape_metrics(url))
         run.result = summarize(spec.name, run.records, counter_deltas(before, after))
-        names = sorted(n for n in run.result.replicas if n != UNLABELLED)
-        run.split = [int(run.result.replicas.get(n, {}).get("requests", 0)) for n in names]
-        run.unattributed = sum(1 for r in run.records if r.ok and r.replica not in names)
-    except Exception as exc:  # one router failing must not lose the others' figures
-        run.failure = f"{type(exc).__name__}: {exc}"
-    run.load_avg = (load_start, os.getloadavg()[0])
-    run.wall_s = time.perf_counter() - started
+        split_by(run, sorted(n for n in run.result.replicas if n != UNLABELLED))
     return run
 
 
@@ -427,10 +434,8 @@ def run_one_vllm(
     run = RouterRun(spec.name, case.spec.name, case.spec.seed, case.bound)
     work = args.out_dir / "bench_routers_logs" / f"{case.name}-vllm-{spec.name.replace(':', '-')}"
     work.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    load_start = os.getloadavg()[0]
     urls = [s.url for s in servers]
-    try:
+    with measured(run):
         reset_prefix_caches(servers)
         model = served_model(urls[0])
         bodies = [{**r.body, "model": model} for r in case.requests]
@@ -443,10 +448,6 @@ def run_one_vllm(
         deltas = counter_deltas(before, after)
         run.result = summarize(spec.name, run.records, deltas)
         run.split = [round(deltas[s.name].get(REQUESTS_DONE, 0.0)) for s in servers]
-    except Exception as exc:  # one router failing must not lose the others' figures
-        run.failure = f"{type(exc).__name__}: {exc}"
-    run.load_avg = (load_start, os.getloadavg()[0])
-    run.wall_s = time.perf_counter() - started
     return run
 
 
