@@ -389,8 +389,8 @@ class AppArgs:
 
     @property
     def tensor_parallel_size(self) -> int:
-        """The engine's tensor-parallel size (ranks per replica)."""
-        return int(self.engine.get("tensor_parallel_size", 1))
+        """The default model's engine's tensor-parallel size (ranks per replica)."""
+        return self.deployments()[0].tensor_parallel_size
 
     def deployments(self) -> list[ModelDeployment]:
         """Every base model's engine deployment, the default model's (``engine``) first."""

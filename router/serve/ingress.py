@@ -405,7 +405,7 @@ class ServeEngineClient:
         self._healthy = False
         self._health_checked_at = float("-inf")
 
-    async def model_info(self, name: str | None = None) -> ModelInfo:
+    async def model_info(self) -> ModelInfo:
         """Served model names, adapters and max_model_len, asked of the engine replicas at most once per
         MODEL_INFO_TTL_S: adapters loaded at run time, and replicas replaced by a new deployment (whose
         old replicas may answer first while they stop), show within that. While one request asks,
@@ -433,9 +433,6 @@ class ServeEngineClient:
                 self._model_info_at = time.monotonic()
         assert self._model_info is not None
         return self._model_info
-
-    async def models(self) -> list[ModelInfo]:
-        return [await self.model_info()]
 
     @property
     def cached_model_info(self) -> ModelInfo | None:
@@ -773,13 +770,10 @@ class OpenAIIngress:
         except APIError as exc:
             return self._named(http_frontend.error_response(exc))
         name = request.query_params.get("model")
-        client = next(
-            (c for c in self.model_clients.values() if (i := c.cached_model_info) is not None and i.serves(name)),
-            None,
-        )
-        if name is not None and client is None:
+        client = self.client.serving(name) if name is not None else self.client.default
+        if client is None:
             return self._named(http_frontend.error_response(ModelNotFoundError(f"no model {name!r} here")))
-        router = (client or next(iter(self.model_clients.values()))).router
+        router = client.router
         snapshot = router.placement_snapshot() if router is not None else None
         if snapshot is None:
             return self._named(

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 from prefixserve.replica.contract.request import EngineRequest, EngineStream, ModelInfo
 from prefixserve.replica.errors import ModelNotFoundError
@@ -26,7 +26,7 @@ from prefixserve.replica.errors import ModelNotFoundError
 class ModelClient(Protocol):
     """What the ingress keeps per engine deployment (ServeEngineClient satisfies it)."""
 
-    async def model_info(self, name: str | None = None) -> ModelInfo: ...
+    async def model_info(self) -> ModelInfo: ...
 
     @property
     def cached_model_info(self) -> ModelInfo | None: ...
@@ -36,16 +36,19 @@ class ModelClient(Protocol):
     def open_stream(self, request: EngineRequest) -> EngineStream: ...
 
 
-class ModelsClient:
+C = TypeVar("C", bound=ModelClient)
+
+
+class ModelsClient(Generic[C]):
     """An EngineClient over one client per base model (the module docstring), the default model first."""
 
-    def __init__(self, clients: Sequence[ModelClient]) -> None:
+    def __init__(self, clients: Sequence[C]) -> None:
         if not clients:
             raise ValueError("ModelsClient needs at least one model's client")
         self.clients = list(clients)
 
     @property
-    def default(self) -> ModelClient:
+    def default(self) -> C:
         return self.clients[0]
 
     async def _infos(self) -> list[ModelInfo | BaseException]:
@@ -89,15 +92,20 @@ class ModelsClient:
                 return info
         return None
 
-    def client_for(self, model: str | None) -> ModelClient:
+    def serving(self, name: str) -> C | None:
+        """The client of the model that serves ``name``, as last asked (None: no model does, or not asked yet)."""
+        for client in self.clients:
+            info = client.cached_model_info
+            if info is not None and info.serves(name):
+                return client
+        return None
+
+    def client_for(self, model: str | None) -> C:
         """The client of the model named ``model`` (its served name, as ``EngineRequest.model`` carries it);
         the default model's for None or a name none serves (its engines then refuse it)."""
-        if model is not None and len(self.clients) > 1:
-            for client in self.clients:
-                info = client.cached_model_info
-                if info is not None and info.serves(model):
-                    return client
-        return self.default
+        if model is None or len(self.clients) == 1:
+            return self.default
+        return self.serving(model) or self.default
 
     async def is_healthy(self) -> bool:
         """Whether every model has an engine replica passing its health check."""

@@ -19,6 +19,7 @@ from prefixserve.replica.entrypoints.openai import http_frontend
 from prefixserve.replica.entrypoints.openai import protocol as api
 from prefixserve.replica.entrypoints.openai.http_frontend import FrontendOptions
 from prefixserve.router.serve.ingress import OpenAIIngress
+from prefixserve.router.serve.models import ModelsClient
 
 KEY = "sk-placement"
 SNAPSHOT = {"keys": {"0123456789abcdef": ["Engine#rank-0"]}}
@@ -49,7 +50,7 @@ class FakeIngress(SimpleNamespace):
 def ingress(router: FakeRouter, api_keys: list[str]) -> Any:
     return FakeIngress(
         options=FrontendOptions.build(api_keys, 1 << 20),
-        model_clients={"Engine": SimpleNamespace(router=router, cached_model_info=None)},
+        client=ModelsClient([SimpleNamespace(router=router, cached_model_info=None)]),
         name="ingress-0",
         placement_leader="ingress-0",
     )
@@ -133,7 +134,6 @@ def test_a_request_refused_for_its_key_leaves_no_routing_key_behind():
 def test_the_ingress_keys_an_adapters_requests_apart() -> None:
     from prefixserve.replica.contract.request import ModelInfo
     from prefixserve.router.routing_key import PrefixKeyConfig, adapter_key, prefix_hash
-    from prefixserve.router.serve.models import ModelsClient
 
     info = ModelInfo(model_name="base", model="/models/base", max_model_len=64, adapters=(("ad", "/adapters/ad"),))
     fake = SimpleNamespace(client=ModelsClient([SimpleNamespace(cached_model_info=info)]), key_config=PrefixKeyConfig())
