@@ -193,6 +193,8 @@ _MAX_MEMO_POSITIONS = 4_000_000
 _MAX_RANKINGS_PER_KEY = 8
 # Keys whose history-branch share ``placed`` tracks (conversation_spread); the table is cleared when full.
 _MAX_CONVERSATIONAL_KEYS = 200_000
+# Decisions of its own after which a key is judged conversational or not by them alone.
+_OWN_EVIDENCE = 8
 
 
 class _KeyOrder:
@@ -287,6 +289,7 @@ class Placed(RingPolicy):
         self._turns: dict[str, int] = {}  # replicated key -> requests counted (tie rotation)
         self._key_in_flight: dict[str, int] = {}  # key -> its requests ranked and not yet ``done``
         self._conversational: dict[str, list[int]] = {}  # key -> [history decisions, decisions]
+        self._fleet_turns = [0, 0]  # every key's [history decisions, decisions], halved as a key's are
         # The candidate list of the last keyed call (names in the caller's order) and what was
         # derived from it: valid while the caller passes the same names in the same order and
         # the ring is the one the view was built on.
@@ -491,9 +494,10 @@ class Placed(RingPolicy):
             # requests in flight at once on a small cluster are noise, and a copy of its static
             # prefix evicts another tenant's. A key that is all of the traffic grows from its
             # first requests; a conversational key grows by in-flight alone (its sessions stay
-            # where they start, so they must spread as they start).
-            if not conversational:
-                want = max(1, min(want, table.rate_copies(key)))
+            # where they start, so they must spread as they start), and so does a young key
+            # among conversations, until its own decisions show what it is.
+            if not conversational and not self._young_in_conversational_traffic(turns):
+                want = max(1, min(want, table.rate_copies(key, now)))
             # A key whose requests mostly continue conversations (an app's users' chats):
             # its new conversations also spread over its next ring successors, since a
             # conversation stays where it starts and one static-prefix miss buys all its turns.
@@ -562,11 +566,13 @@ class Placed(RingPolicy):
                 if len(self._conversational) >= _MAX_CONVERSATIONAL_KEYS:
                     self._conversational.clear()  # a follower never rebalances: bound it here too
                 turns = self._conversational[key] = [0, 0]
-            turns[0] += kind == KIND_HISTORY
-            turns[1] += 1
-            if turns[1] >= 64:
-                turns[0] //= 2
-                turns[1] //= 2
+            fleet = self._fleet_turns
+            for t in (turns, fleet):
+                t[0] += kind == KIND_HISTORY
+                t[1] += 1
+                if t[1] >= 64:
+                    t[0] //= 2
+                    t[1] //= 2
         if count:
             self._key_in_flight[key] = self._key_in_flight.get(key, 0) + 1
             if self.recent is not None:
@@ -603,6 +609,16 @@ class Placed(RingPolicy):
             events_held=events_held,
             adapter=adapter,
         )
+
+    def _young_in_conversational_traffic(self, turns: list[int] | None) -> bool:
+        """Whether a key too young to judge by its own decisions (every request of a new key
+        starts a conversation, whether or not it will continue) is in traffic with conversations
+        (a recent decision followed a history): its new conversations then spread as a
+        conversational key's do, not only as far as its share of the requests surely carries it."""
+        if turns is not None and turns[1] >= _OWN_EVIDENCE:
+            return False
+        fleet = self._fleet_turns
+        return fleet[0] > 0
 
     # -- other inputs -------------------------------------------------------------
     def done(self, key: str) -> None:

@@ -584,14 +584,23 @@ class PlacementTable:
         slot = self._slot.get(key)
         return None if slot is None else (float(self._rate[slot]), float(self._work[slot]))
 
-    def rate_copies(self, key: str) -> int:
+    def rate_copies(self, key: str, now: float) -> int:
         """The replicas the key's share of the request rate fills: one per ``hot_share`` of a
-        replica's fair share, rounded up as hot-key copies are, 1 to one per member (1 if unknown)."""
+        replica's fair share, rounded up as hot-key copies are, 1 to one per member (1 if unknown).
+
+        The share is the one the key surely has: its observed share less ``noise_z`` binomial
+        standard deviations of a share estimated from the table's (decayed) request count. A
+        tenant that sent two of the first three requests has not shown that it needs two
+        replicas, and a copy of its prefix costs a cold prefill and another tenant's cached
+        blocks; a key that sent every request has, from its first few.
+        """
         slot = self._slot.get(key)
         n = len(self.members)
         if slot is None or n < 2 or self._total_rate <= 0:
             return 1
+        count = self._total_rate / self._unit(now)  # requests seen, decayed to now (may renormalize)
         share = float(self._rate[slot]) / self._total_rate
+        share -= self.noise_z * math.sqrt(max(share * (1.0 - share), 0.0) / max(count, 1.0))
         return min(n, max(1, math.ceil(share * n / self.hot_share)))
 
     def __len__(self) -> int:

@@ -152,14 +152,54 @@ def test_a_tenants_requests_in_flight_at_once_stay_on_its_placement_while_its_ra
 def test_a_keys_rate_copies_are_one_replica_per_hot_share_of_a_fair_share_of_its_requests():
     policy = Placed(clock=lambda: 0.0)  # hot_share 0.5: a key with a fair share fills two replicas
     idle = dict.fromkeys([f"r{i}" for i in range(4)], 0)
-    for _ in range(8):
+    for _ in range(80):
         policy.rank(_replicas(idle), "app")
-    assert policy.table.rate_copies("app") == 4  # all of the traffic: every replica
-    for i in range(24):
+    assert policy.table.rate_copies("app", 0.0) == 4  # all of the traffic: every replica
+    for i in range(240):
         policy.rank(_replicas(idle), f"tenant-{i % 6}")
-    assert policy.table.rate_copies("app") == 2  # a quarter of the requests: 0.25 * 4 / 0.5
-    assert policy.table.rate_copies("tenant-0") == 1  # an eighth: 0.125 * 4 / 0.5
-    assert policy.table.rate_copies("never-seen") == 1
+    assert policy.table.rate_copies("app", 0.0) == 2  # a quarter of the requests: 0.25 * 4 / 0.5
+    assert policy.table.rate_copies("tenant-0", 0.0) == 1  # an eighth: 0.125 * 4 / 0.5
+    assert policy.table.rate_copies("never-seen", 0.0) == 1
+
+
+def test_a_share_seen_on_a_few_requests_does_not_buy_a_copy():
+    policy = Placed(clock=lambda: 0.0)
+    idle = dict.fromkeys(["r0", "r1"], 0)
+    for key in ("hot", "other", "hot"):
+        policy.rank(_replicas(idle), key)
+    # Two of three requests: a two-thirds share, within noise of a quarter.
+    assert policy.table.rate_copies("hot", 0.0) == 1
+    for _ in range(40):
+        policy.rank(_replicas(idle), "hot")
+    assert policy.table.rate_copies("hot", 0.0) == 2  # 42 of 43: it surely fills both
+    no_noise = Placed(noise_z=0.0, clock=lambda: 0.0)
+    for key in ("hot", "other", "hot"):
+        no_noise.rank(_replicas(idle), key)
+    assert no_noise.table.rate_copies("hot", 0.0) == 2
+
+
+def test_a_young_keys_new_conversations_spread_in_conversational_traffic_not_in_one_shot_traffic():
+    def young_key_split(continuing: bool) -> list[int]:
+        policy = Placed(clock=lambda: 0.0)
+        idle = {"r0": 0, "r1": 0}
+        for user in range(4):  # the traffic so far: an app's conversations, continued or not
+            policy.rank(_replicas(idle), "app", history=chain(conversation(user, 1)), static_blocks=STATIC_BLOCKS)
+            policy.done("app")
+            turn = (user, 2) if continuing else (100 + user, 1)
+            policy.rank(_replicas(idle), "app", history=chain(conversation(*turn)), static_blocks=STATIC_BLOCKS)
+            policy.done("app")
+        loads = dict(idle)
+        for user in range(3):  # a new key's first three conversations, in flight at once
+            d = policy.rank(
+                _replicas(loads), "new-app", history=chain(conversation(500 + user, 1)), static_blocks=STATIC_BLOCKS
+            )
+            loads[d.chosen.name] += 1
+        return sorted(loads.values())
+
+    # Its share (3 of 11 requests) does not surely fill two replicas, but a key this young
+    # cannot yet show it is one-shot: among conversations it spreads as they do.
+    assert young_key_split(continuing=True) == [1, 2]
+    assert young_key_split(continuing=False) == [0, 3]
 
 
 def test_the_index_never_sends_to_a_replica_that_is_not_a_candidate():
