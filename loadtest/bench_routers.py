@@ -377,7 +377,7 @@ def run_one(case: Case, spec: RouterSpec, args: argparse.Namespace, venv: PeerRo
             model = served_model(urls[0])
             bodies = [{**r.body, "model": adapter_of(r, args.adapters) or model} for r in case.requests]
             headers = prefix_hash_headers(bodies) if spec.sends_prefix_hash else None
-            with running_router(spec, urls, work, args.timeout, venv) as router:
+            with running_router(spec, urls, work, args.timeout, venv, log_level=args.router_log_level) as router:
                 before = replica_metrics(urls)
                 loads_before = replica_metrics(urls, (ADAPTER_LOADS,))
                 run.records = run_load(
@@ -439,7 +439,7 @@ def run_one_vllm(
         reset_prefix_caches(servers)
         model = served_model(urls[0])
         bodies = [{**r.body, "model": model} for r in case.requests]
-        with running_router(spec, urls, work, args.timeout, venv, feed) as router:
+        with running_router(spec, urls, work, args.timeout, venv, feed, args.router_log_level) as router:
             counters = (QUERIES, HITS, PREEMPTIONS, REQUESTS_DONE)
             before = replica_metrics(urls, counters)
             run.records = run_load(router.base_url, bodies, args.concurrency, timeout_s=args.timeout)
@@ -679,6 +679,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapter-rank", type=int, default=8, help="the adapters' rank (--adapters)")
     p.add_argument("--max-cpu-loras", type=int, default=6, help="adapters a replica holds loaded (--adapters)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request and per process start")
+    p.add_argument(
+        "--router-log-level",
+        choices=("debug", "info", "warning"),
+        default="warning",
+        help="prefixserve router's log level; debug logs every decision (key, kind, ranking, in flight) "
+        "into the run's router log",
+    )
     p.add_argument("--out-dir", type=Path, default=Path("results"))
     p.add_argument(
         "--tables-from",

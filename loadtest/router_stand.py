@@ -220,8 +220,10 @@ def _command(
     venv: PeerRouterVenv | None,
     feed: EventFeed | None = None,
     metrics_port: int = 0,
+    log_level: str = "warning",
 ) -> tuple[list[str], str]:
-    """The router's command line and the path that answers 200 once it serves."""
+    """The router's command line and the path that answers 200 once it serves (``log_level``:
+    prefixserve's router's; ``debug`` logs each decision)."""
     if spec.kind in PEER_KINDS:
         if venv is None:
             raise ValueError(f"{spec.name} needs the peer routers' venv (PeerRouterVenv.ensure)")
@@ -240,7 +242,7 @@ def _command(
         command += ["--replica", url]
     if feed is not None and spec.policy == "placed":
         command += feed.prefixserve_args()
-    return [*command, "--log-level", "warning"], "/health"
+    return [*command, "--log-level", log_level], "/health"
 
 
 def healthy_upstreams(spec: RouterSpec, base_url: str, replicas: int) -> int:
@@ -273,13 +275,15 @@ def running_router(
     timeout_s: float,
     venv: PeerRouterVenv | None = None,
     feed: EventFeed | None = None,
+    log_level: str = "warning",
 ) -> Iterator[RunningRouter]:
     """Start ``spec`` in front of ``replicas``; yields once it serves and sees every replica healthy.
 
-    ``feed``: the replicas' KV event sockets, for the routers that read them.
+    ``feed``: the replicas' KV event sockets, for the routers that read them. ``log_level``:
+    prefixserve's router's (its log is kept beside the run's).
     """
     port, metrics_port = free_port(), free_port()
-    command, ready_path = _command(spec, replicas, port, work_dir, venv, feed, metrics_port)
+    command, ready_path = _command(spec, replicas, port, work_dir, venv, feed, metrics_port, log_level)
     base = f"http://{HOST}:{port}"
     metrics_url = {NGINX: None, PREFIXSERVE: f"{base}/metrics"}.get(spec.kind, f"http://{HOST}:{metrics_port}/metrics")
     log = work_dir / f"router-{spec.name.replace(':', '-')}.log"

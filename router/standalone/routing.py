@@ -24,6 +24,7 @@ Pure Python: no HTTP, no asyncio (one event loop calls it, so it holds no lock).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -31,11 +32,13 @@ from typing import Any
 
 from prefixserve.replica.contract.prompt_blocks import PromptBlocks, PromptHasher, UnhashablePrompt
 from prefixserve.replica.contract.retention import RETENTION_24H
-from prefixserve.router.policies import KIND_FALLBACK, Placed, Policy, landed_kind
+from prefixserve.router.policies import KIND_FALLBACK, Placed, Policy, effective_in_flight, landed_kind
 from prefixserve.router.routing_key import DEFAULT_CONFIG, PrefixKeyConfig, routing_key
 from prefixserve.router.standalone.kv_events import KVEventHints
 from prefixserve.router.standalone.replica_set import ReplicaSet
 from prefixserve.router.standalone.response_homes import ResponseHomes
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,17 @@ class StandaloneRouting:
         if key is not None and isinstance(body, Mapping) and body.get("prompt_cache_retention") == RETENTION_24H:
             placed.retain(key)  # its replica pins its prefix: rebalancing keeps the key there
         ranking = _home_first([c.name for c in decision.ranking], home)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "key %s: %s, ranking %s, in flight %s (the key's %d), events' blocks %s, placement %s",
+                key,
+                decision.kind,
+                ranking,
+                {c.name: effective_in_flight(c) for c in candidates},
+                placed.key_in_flight(key) if key is not None else 0,
+                events_held or None,
+                placed.placement(key) if key is not None else None,
+            )
         return Plan(key, ranking, decision.owner, key is not None, blocks, bool(events_held))
 
     def continuation_home(self, body: Any) -> str | None:

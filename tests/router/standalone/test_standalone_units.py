@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 
@@ -146,6 +147,18 @@ def test_same_system_prompt_same_replica_with_placed() -> None:
         assert routing.landed(plan, plan.first) in (KIND_OWNER, "placed", "new_conversation")
         routing.finished(plan)
     assert len(firsts) == 1
+
+
+def test_each_decision_is_logged_at_debug_with_its_key_kind_and_loads(caplog) -> None:
+    routing = StandaloneRouting(make_policy("placed"), ReplicaSet(URLS))
+    routing.plan(chat("You are a pirate.", "question 0"), {})  # not logged at the default level
+    assert not caplog.records
+    with caplog.at_level(logging.DEBUG, logger="prefixserve.router.standalone.routing"):
+        plan = routing.plan(chat("You are a pirate.", "question 1"), {})
+    (record,) = caplog.records
+    message = record.getMessage()
+    assert plan.key is not None and f"key {plan.key}: new_conversation, ranking {plan.ranking}" in message
+    assert "(the key's 2)" in message  # the first request has not finished and f"placement ['{plan.first}']" in message
 
 
 def test_retries_walk_the_ring_order_of_the_key() -> None:
