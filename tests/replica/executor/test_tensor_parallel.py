@@ -251,6 +251,9 @@ async def test_killing_a_worker_mid_stream_fails_the_request_and_the_engine_for_
 
 DRIVER = textwrap.dedent("""
     import os, signal, sys
+    # Ctrl-C raises KeyboardInterrupt even when this test runs in the background of a shell
+    # without job control, whose children start with SIGINT ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from prefixserve.replica.entrypoints.llm import LLM
     from prefixserve.replica.sampling_params import SamplingParams
     llm = LLM(sys.argv[1], num_kv_blocks=64, tensor_parallel_size=int(sys.argv[2]))
