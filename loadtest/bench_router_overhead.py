@@ -52,7 +52,8 @@ from prefixserve.loadtest.harness.stats import percentile
 from prefixserve.loadtest.peer_routers import SMG, VLLM_ROUTER, PeerRouterVenv, smg_command, vllm_router_command
 
 TARGETS = ("direct", "router")
-ROUTERS = ("prefixserve", SMG, VLLM_ROUTER)
+PROTOCOL_RELAY = "protocol-relay"  # loadtest/peers/protocol_relay.py: no routing, the floor of a Python relay
+ROUTERS = ("prefixserve", SMG, VLLM_ROUTER, PROTOCOL_RELAY)
 SSE_TYPE = (b"content-type", b"text/event-stream")
 
 
@@ -146,8 +147,9 @@ class OverheadConfig:
     policy: str = flag_field("placed", "the router's --policy")
     router: str = flag_field(
         "prefixserve",
-        "the router measured: prefixserve's standalone router, or a peer from PyPI (smg, vllm-router; "
-        "installed by the benchmark into a venv of its own) with --peer-policy",
+        "the router measured: prefixserve's standalone router, a peer from PyPI (smg, vllm-router; "
+        "installed by the benchmark into a venv of its own) with --peer-policy, or protocol-relay "
+        "(loadtest/peers/protocol_relay.py: bytes passed through on uvloop and httptools, no routing)",
     )
     peer_policy: str = flag_field("round_robin", "the peer router's --policy")
     upstream_pools: int = flag_field(8, "the router's --upstream-pools")
@@ -306,7 +308,10 @@ def profile_router(out: str, argv: list[str]) -> int:
 
 def router_command(upstream: str, port: int, config: OverheadConfig, venv: PeerRouterVenv | None = None) -> list[str]:
     """The measured router over the upstream: ``prefixserve router`` (under cProfile with
-    ``--profile-router``), or a peer router from ``venv`` (PeerRouterVenv.ensure)."""
+    ``--profile-router``), the protocol-level relay, or a peer router from ``venv`` (PeerRouterVenv.ensure)."""
+    if config.router == PROTOCOL_RELAY:
+        up_port = upstream.rsplit(":", 1)[1]
+        return [sys.executable, "-m", "prefixserve.loadtest.peers.protocol_relay", str(port), up_port]
     if config.router != "prefixserve":
         if venv is None:
             raise ValueError(f"{config.router} needs the peer routers' venv")
@@ -343,14 +348,14 @@ def run(config: OverheadConfig) -> dict[str, Any]:
     upstream_cmd = [sys.executable, "-m", "prefixserve.loadtest.bench_router_overhead", "upstream", str(up_port)]
     upstream_cmd += ["--chunks", str(config.chunks)]
     env = server_env()
-    venv = PeerRouterVenv.default().ensure() if config.router != "prefixserve" else None
+    venv = PeerRouterVenv.default().ensure() if config.router in (SMG, VLLM_ROUTER) else None
     result: dict[str, Any] = {"config": asdict(config), "cpus": os.cpu_count(), "runs": []}
     with (
         running_server(upstream_cmd, env, urls["direct"] + "/health", logs / "upstream.log", 60.0),
         running_server(
             router_command(urls["direct"], router_port, config, venv),
             env,
-            urls["router"] + ("/health" if config.router == "prefixserve" else "/readiness"),
+            urls["router"] + ("/readiness" if config.router in (SMG, VLLM_ROUTER) else "/health"),
             logs / "router.log",
             60.0,
         ) as router,

@@ -49,10 +49,11 @@ def test_the_upstream_streams_a_whole_answer() -> None:
         OverheadConfig(rate=-1.0)
 
 
-@pytest.mark.parametrize("rate", ["0", "50"])
-def test_the_benchmark_runs_at_a_tiny_setting(tmp_path: Path, rate: str) -> None:
+@pytest.mark.parametrize(("rate", "router"), [("0", "prefixserve"), ("50", "prefixserve"), ("0", "protocol-relay")])
+def test_the_benchmark_runs_at_a_tiny_setting(tmp_path: Path, rate: str, router: str) -> None:
     out = tmp_path / "overhead.json"
     argv = ["--concurrency", "2", "--requests", "3", "--rounds", "2", "--runs", "1", "--warmup", "2", "--rate", rate]
+    argv += ["--router", router]
     assert main([*argv, "--out", str(out), "--logs", str(tmp_path / "logs")]) == 0
     (result,) = json.loads(out.read_text())["runs"]
     for target in ("direct", "router"):
