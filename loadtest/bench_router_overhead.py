@@ -49,11 +49,17 @@ from prefixserve.loadtest.harness.client import RequestRecord, run_load_async, s
 from prefixserve.loadtest.harness.report import fmt, markdown_table, write_json
 from prefixserve.loadtest.harness.server import HOST, free_port, running_server, server_env
 from prefixserve.loadtest.harness.stats import percentile
-from prefixserve.loadtest.peer_routers import SMG, VLLM_ROUTER, PeerRouterVenv, smg_command, vllm_router_command
+from prefixserve.loadtest.peer_routers import (
+    PEER_ROUTERS,
+    SMG,
+    PeerRouterVenv,
+    smg_command,
+    vllm_router_command,
+)
 
 TARGETS = ("direct", "router")
-PROTOCOL_RELAY = "protocol-relay"  # loadtest/peers/protocol_relay.py: no routing, the floor of a Python relay
-ROUTERS = ("prefixserve", SMG, VLLM_ROUTER, PROTOCOL_RELAY)
+PROTOCOL_RELAY = "protocol-relay"  # loadtest/harness/protocol_relay.py: no routing, the floor of a Python relay
+ROUTERS = ("prefixserve", *PEER_ROUTERS, PROTOCOL_RELAY)
 SSE_TYPE = (b"content-type", b"text/event-stream")
 
 
@@ -149,7 +155,7 @@ class OverheadConfig:
         "prefixserve",
         "the router measured: prefixserve's standalone router, a peer from PyPI (smg, vllm-router; "
         "installed by the benchmark into a venv of its own) with --peer-policy, or protocol-relay "
-        "(loadtest/peers/protocol_relay.py: bytes passed through on uvloop and httptools, no routing)",
+        "(loadtest/harness/protocol_relay.py: bytes passed through on uvloop and httptools, no routing)",
     )
     peer_policy: str = flag_field("round_robin", "the peer router's --policy")
     upstream_pools: int = flag_field(8, "the router's --upstream-pools")
@@ -311,7 +317,7 @@ def router_command(upstream: str, port: int, config: OverheadConfig, venv: PeerR
     ``--profile-router``), the protocol-level relay, or a peer router from ``venv`` (PeerRouterVenv.ensure)."""
     if config.router == PROTOCOL_RELAY:
         up_port = upstream.rsplit(":", 1)[1]
-        return [sys.executable, "-m", "prefixserve.loadtest.peers.protocol_relay", str(port), up_port]
+        return [sys.executable, "-m", "prefixserve.loadtest.harness.protocol_relay", str(port), up_port]
     if config.router != "prefixserve":
         if venv is None:
             raise ValueError(f"{config.router} needs the peer routers' venv")
@@ -348,14 +354,14 @@ def run(config: OverheadConfig) -> dict[str, Any]:
     upstream_cmd = [sys.executable, "-m", "prefixserve.loadtest.bench_router_overhead", "upstream", str(up_port)]
     upstream_cmd += ["--chunks", str(config.chunks)]
     env = server_env()
-    venv = PeerRouterVenv.default().ensure() if config.router in (SMG, VLLM_ROUTER) else None
+    venv = PeerRouterVenv.default().ensure() if config.router in PEER_ROUTERS else None
     result: dict[str, Any] = {"config": asdict(config), "cpus": os.cpu_count(), "runs": []}
     with (
         running_server(upstream_cmd, env, urls["direct"] + "/health", logs / "upstream.log", 60.0),
         running_server(
             router_command(urls["direct"], router_port, config, venv),
             env,
-            urls["router"] + ("/readiness" if config.router in (SMG, VLLM_ROUTER) else "/health"),
+            urls["router"] + ("/readiness" if config.router in PEER_ROUTERS else "/health"),
             logs / "router.log",
             60.0,
         ) as router,

@@ -65,11 +65,10 @@ from prefixserve.loadtest.harness.cli import plan_and_run
 from prefixserve.loadtest.harness.client import RequestRecord, run_load
 from prefixserve.loadtest.harness.report import config_json, fmt, markdown_table, write_json
 from prefixserve.loadtest.harness.server import free_port
-from prefixserve.loadtest.peer_routers import PeerRouterVenv
+from prefixserve.loadtest.peer_routers import PEER_ROUTERS, PeerRouterVenv
 from prefixserve.loadtest.prefix_bound import distinct_blocks, replay_bound
 from prefixserve.loadtest.router_stand import (
     NGINX,
-    PEER_KINDS,
     RAY_CLUSTER,
     EventFeed,
     ReplicaSettings,
@@ -139,7 +138,7 @@ class Plan:
 
     @property
     def needs_peers(self) -> bool:
-        return any(r.kind in PEER_KINDS for r in self.routers)
+        return any(r.kind in PEER_ROUTERS for r in self.routers)
 
 
 def _split_list(text: str, what: str) -> list[str]:

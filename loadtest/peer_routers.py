@@ -26,6 +26,7 @@ from prefixserve.common.paths import cache_root
 PEER_PACKAGES: tuple[str, ...] = ("smg==1.13.0", "vllm-router==0.1.17")
 SMG = "smg"
 VLLM_ROUTER = "vllm-router"
+PEER_ROUTERS = (SMG, VLLM_ROUTER)
 # The policies each router offers that route a plain HTTP worker list (no PD, no KV-event source).
 SMG_POLICIES = ("round_robin", "random", "power_of_two", "cache_aware", "consistent_hashing", "prefix_hash")
 VLLM_ROUTER_POLICIES = ("round_robin", "random", "power_of_two", "cache_aware", "consistent_hash")
@@ -54,7 +55,7 @@ class PeerRouterVenv:
         record = self.root / _RECORD
         if not record.is_file() or record.read_text().split() != list(self.packages):
             return False
-        return all(self.binary(name).exists() for name in (SMG, VLLM_ROUTER))
+        return all(self.binary(name).exists() for name in PEER_ROUTERS)
 
     def ensure(self) -> PeerRouterVenv:
         """Create the venv and install the packages unless :meth:`installed`; returns self.

@@ -40,6 +40,7 @@ from prefixserve.loadtest.harness.server import (
     wait_until_answers,
 )
 from prefixserve.loadtest.peer_routers import (
+    PEER_ROUTERS,
     SMG,
     SMG_POLICIES,
     VLLM_ROUTER,
@@ -65,7 +66,6 @@ ROUTER_POLICIES: dict[str, tuple[str, ...]] = {
     PREFIXSERVE: tuple(sorted(POLICIES)),
     RAY_CLUSTER: tuple(sorted(POLICIES)),
 }
-PEER_KINDS = (SMG, VLLM_ROUTER)
 NGINX_CANDIDATES = ("/usr/sbin/nginx", "/usr/local/sbin/nginx", "/usr/local/nginx/sbin/nginx")
 
 
@@ -224,7 +224,7 @@ def _command(
 ) -> tuple[list[str], str]:
     """The router's command line and the path that answers 200 once it serves (``log_level``:
     prefixserve's router's; ``debug`` logs each decision)."""
-    if spec.kind in PEER_KINDS:
+    if spec.kind in PEER_ROUTERS:
         if venv is None:
             raise ValueError(f"{spec.name} needs the peer routers' venv (PeerRouterVenv.ensure)")
         assert spec.policy is not None
@@ -249,7 +249,7 @@ def healthy_upstreams(spec: RouterSpec, base_url: str, replicas: int) -> int:
     """How many replicas the router would route to now, by its own report (nginx has none: all)."""
     if spec.kind == NGINX:
         return replicas
-    if spec.kind in PEER_KINDS:
+    if spec.kind in PEER_ROUTERS:
         return int(httpx.get(f"{base_url}/readiness", timeout=5).json().get("healthy_workers", 0))
     return len(httpx.get(f"{base_url}/health", timeout=5).json().get("admitted", []))
 

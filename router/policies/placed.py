@@ -617,8 +617,7 @@ class Placed(RingPolicy):
         conversational key's do, not only as far as its share of the requests surely carries it."""
         if turns is not None and turns[1] >= _OWN_EVIDENCE:
             return False
-        fleet = self._fleet_turns
-        return fleet[0] > 0
+        return self._fleet_turns[0] > 0
 
     # -- other inputs -------------------------------------------------------------
     def done(self, key: str) -> None:

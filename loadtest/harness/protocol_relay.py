@@ -8,7 +8,7 @@ arrive, chunked framing included. Connections are kept alive on both sides, upst
 in a pool. What it measures: how much of the standalone router's added latency is the HTTP
 stack it is built on (uvicorn, Starlette, aiohttp's client) rather than Python itself.
 
-``python -m prefixserve.loadtest.peers.protocol_relay PORT UPSTREAM_PORT`` (both on 127.0.0.1).
+``python -m prefixserve.loadtest.harness.protocol_relay PORT UPSTREAM_PORT`` (both on 127.0.0.1).
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ async def serve(port: int, upstream_port: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2 or not all(a.isdigit() for a in args):
-        print("usage: python -m prefixserve.loadtest.peers.protocol_relay PORT UPSTREAM_PORT", file=sys.stderr)
+        print("usage: python -m prefixserve.loadtest.harness.protocol_relay PORT UPSTREAM_PORT", file=sys.stderr)
         return 2
     uvloop.run(serve(int(args[0]), int(args[1])))
     return 0
