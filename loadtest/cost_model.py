@@ -1,39 +1,60 @@
 """Cost profiles for the cluster simulator: seconds per uncached prefill token and per decode step.
 
-Two profiles:
+Four profiles; every figure below says whether it was measured (and where) or derived (and from what):
 
+* ``h100-70b-tp4`` (the simulator's default; ``cluster.yaml``'s replica): Llama-3.1-70B in bf16 on
+  4 x H100 SXM with tensor parallelism 4, served by vLLM. Decode, measured: vLLM 0.6.0 on that
+  replica and model served ShareGPT at a median TPOT of 23.58 ms at 4 requests/s and 29.15 ms at
+  8 requests/s, with median end-to-end latencies of 2.92 s and 3.75 s (SGLang's
+  ``benchmark/benchmark_vllm_060/README.md``, vLLM's own reproduction recipe of vllm-project/vllm#8176).
+  By Little's law that is 11.7 and 30.0 requests in flight, so step(B) = 20.0 ms + 0.303 ms x B
+  (the TPOT includes the prefills interleaved with the decodes, so the slope is an upper bound).
+  Prefill, derived: 2 x 70.6e9 FLOPs a token over 4 x 989 bf16 dense TFLOPS (H100 SXM datasheet) at
+  50% utilisation is 71 us a token; the fixed 40 ms is the 54 ms median TTFT SGLang measured on the
+  same replica at 4 requests/s (ShareGPT prompts, ~200 tokens: 14 ms of compute) less that compute.
+* ``h100-8b``: Llama-3.1-8B in bf16 on one H100 SXM, vLLM. Decode, measured: vLLM 0.6.0 streamed
+  10 concurrent ShareGPT requests at 72 ms per 10-step chunk, 7.2 ms a token
+  (LambdaLabsML/vllm-benchmark, ``results/prompt_10/1xH100-80GB-SXM/Meta-Llama-3-8B-Instruct_tp1_len2048.json``);
+  the per-sequence slope is derived (the KV of a 1,000-token context, 128 MiB, read at 3.35 TB/s:
+  0.04 ms). Prefill, derived: 2 x 8.0e9 FLOPs a token over 989 TFLOPS at 50%: 32 us a token;
+  fixed 18 ms, what is left of the 62 ms TTFT that run measured for 10 prompts of 1,369 tokens
+  arriving together once their 44 ms of compute is taken out.
+* ``seed-article``: the seed articles' own figures, measured on a loaded 70B deployment. The
+  prefix-cache article gives a TTFT p50 of ~820 ms for a 512 + 100-token prompt computed whole and
+  ~180 ms for the 100-token suffix alone: (820 - 180) / 512 = 1.25 ms per uncached token and
+  180 - 125 = 55 ms fixed, about 18 times the 4 x H100 replica's idle prefill above (queueing
+  is in it). The KV-internals article serves ~47 requests/s with 200-token outputs with prefix
+  caching (9,400 decode tokens/s); at a batch of 256 that is a 27 ms decode step: 15 ms + 0.05 ms
+  per sequence. Its tier and adapter figures are the 8B shape's (128 KiB a token, 25 GB/s, 84 MB),
+  as the tables that cite this profile were run with them.
 * ``cpu``: our engine on this 2-core machine, derived from ``results/bench_engine.json``
   when ``loadtest/bench_engine.py`` has written it (``profile_from_bench``);
   otherwise the documented default below, derived from the figures measured here for vLLM's CPU build on
   bench_engine's workload (SmolLM2, ~530-token prompts): TTFT 0.71 s for a
   miss, 0.10 s for a hit computing ~40 tokens alone, so
-  (0.71 - 0.10) / 490 = 1.25 ms per uncached token and 0.05 s fixed.
-* ``h100``: from the seed articles' figures. The prefix-cache article gives a
-  TTFT p50 of ~820 ms for a 512 + 100-token prompt computed whole and ~180 ms
-  for the 100-token suffix alone: (820 - 180) / 512 = 1.25 ms per uncached
-  token and 180 - 125 = 55 ms fixed. The KV-internals article serves ~47
-  requests/s with 200-token outputs with prefix caching (9,400 decode
-  tokens/s); at a batch of 256 that is a 27 ms decode step.
+  (0.71 - 0.10) / 490 = 1.25 ms per uncached token and 0.05 s fixed; decode 30 ms + 2 ms per
+  running sequence.
 
-Decode steps grow with the batch: ``decode_step_s + B * decode_per_seq_s``. For
-``cpu`` 30 ms + 2 ms per running sequence (SmolLM2 on two cores); for ``h100``
-15 ms + 0.05 ms, i.e. the 27 ms above at B = 256.
+Decode steps grow with the batch: ``decode_step_s + B * decode_per_seq_s``.
 
 KV tiers (the host-memory and shared disk tiers behind the device pool): a prompt token
 whose KV comes back from a tier costs ``kv_bytes_per_token`` over that tier's copy rate
 instead of its prefill time (``tier_load_s``; the copy is counted as if serialized with the
-prefill, the conservative reading of the engine's side-stream overlap). ``h100``: a Llama-3-8B
-shape in bf16 (32 layers x 8 KV heads x 128 x K and V x 2 bytes = 128 KiB a token), pinned
-host memory over PCIe 5 at 25 GB/s (half its peak), an NVMe disk at 6 GB/s. ``cpu``: SmolLM2
-in fp32 (30 x 3 x 64 x 2 x 4 = 45 KiB a token) and the copy rates docs/benchmarks/tiers.md
+prefill, the conservative reading of the engine's side-stream overlap). Llama-3.1-8B in bf16
+holds 32 layers x 8 KV heads x 128 x K and V x 2 bytes = 128 KiB a token; 70B 80 layers, 320 KiB.
+Pinned host memory over PCIe 5 at 25 GB/s a GPU (half the ~50 GB/s one direction vLLM's
+offloading connector measured on an H100 with 2 MB blocks, vLLM blog 2025-12-29), so 100 GB/s
+for a 4-GPU replica whose GPUs each move their own shard; an NVMe disk at 6 GB/s. ``cpu``:
+SmolLM2 in fp32 (30 x 3 x 64 x 2 x 4 = 45 KiB a token) and the copy rates docs/benchmarks/tiers.md
 measured here (a 1,024-token restore, 64 blocks of 737 KB: host -> device in 23.5 ms, 2 GB/s;
 disk -> host -> device in 101 ms, so about 0.6 GB/s for the disk read).
 
 LoRA adapters: a replica that does not hold a request's adapter reads its files first
 (``adapter_load_s``: ``adapter_bytes`` over the disk read rate, then over the host copy
-rate). ``h100``: a rank-16 adapter on all seven projections of Llama-3-8B in bf16 (32 layers
-x 16 x (2 x 8192 + 2 x 5120 + 3 x 18432) x 2 bytes = 84 MB); ``cpu``: the same on SmolLM2-135M
-in fp32 (30 x 16 x (2 x 1152 + 2 x 768 + 3 x 2112) x 4 bytes = 19.5 MB).
+rate). A rank-16 adapter on all seven projections in bf16: Llama-3.1-8B 32 layers
+x 16 x (2 x 8192 + 2 x 5120 + 3 x 18432) x 2 bytes = 84 MB; 70B 80 layers x 16 x
+(2 x 16384 + 2 x 9216 + 3 x 36864) x 2 bytes = 414 MB; SmolLM2-135M in fp32
+(30 x 16 x (2 x 1152 + 2 x 768 + 3 x 2112) x 4 bytes) = 19.5 MB.
 
 Pure Python: json only.
 """
@@ -107,14 +128,38 @@ CPU_DEFAULT = CostProfile(
     disk_read_gbps=0.6,
     adapter_bytes=19_537_920,
 )
-H100 = CostProfile(
-    "h100",
+H100_70B_TP4 = CostProfile(
+    "h100-70b-tp4",
+    7.1e-5,
+    0.040,
+    0.0200,
+    0.000303,
+    "Llama-3.1-70B bf16 on 4 x H100 SXM (TP 4), vLLM 0.6.0: TPOT 23.6 / 29.2 ms at 11.7 / 30 in flight "
+    "(SGLang benchmark_vllm_060); prefill 71 us/token at 50% of 4 x 989 TFLOPS, 40 ms fixed",
+    kv_bytes_per_token=327_680,
+    host_copy_gbps=100.0,
+    adapter_bytes=414_187_520,
+)
+H100_8B = CostProfile(
+    "h100-8b",
+    3.2e-5,
+    0.018,
+    0.0068,
+    0.00004,
+    "Llama-3.1-8B bf16 on 1 x H100 SXM, vLLM 0.6.0: 7.2 ms a token at 10 in flight "
+    "(LambdaLabsML/vllm-benchmark); prefill 32 us/token at 50% of 989 TFLOPS, 18 ms fixed",
+)
+SEED_ARTICLE = CostProfile(
+    "seed-article",
     1.25e-3,
     0.055,
     0.015,
     0.00005,
-    "seed articles: 820 ms vs 180 ms TTFT (512+100 vs 100 tokens); 47 req/s x 200 tokens at batch 256",
+    "seed articles, a loaded 70B deployment: 820 ms vs 180 ms TTFT (512+100 vs 100 tokens); "
+    "47 req/s x 200 tokens at batch 256",
 )
+GPU_PROFILES = {p.name: p for p in (H100_70B_TP4, H100_8B, SEED_ARTICLE)}
+PROFILE_NAMES = ("h100-70b-tp4", "h100-8b", "seed-article", "cpu")
 
 
 # The engine benchmark's prompts: 500 system + 30 question tokens (+ the chat
@@ -169,8 +214,9 @@ def cpu_profile(path: str | Path = DEFAULT_BENCH_ENGINE) -> CostProfile:
 
 
 def get_profile(name: str, bench_engine: str | Path = DEFAULT_BENCH_ENGINE) -> CostProfile:
+    """The profile called ``name`` (one of ``PROFILE_NAMES``); ``cpu`` is read from the engine benchmark."""
     if name == "cpu":
         return cpu_profile(bench_engine)
-    if name == "h100":
-        return H100
-    raise ValueError(f"unknown cost profile {name!r}; choose 'cpu' or 'h100'")
+    if name in GPU_PROFILES:
+        return GPU_PROFILES[name]
+    raise ValueError(f"unknown cost profile {name!r}; choose one of {', '.join(PROFILE_NAMES)}")

@@ -83,7 +83,7 @@ import numpy as np
 
 from prefixserve.common.config_util import from_cli_args
 from prefixserve.loadtest.conversations import CONVERSATION_WORKLOADS, ConversationTraffic, preset
-from prefixserve.loadtest.cost_model import CostProfile, get_profile
+from prefixserve.loadtest.cost_model import PROFILE_NAMES, CostProfile, get_profile
 from prefixserve.loadtest.harness.cli import add_flags, flag_field
 from prefixserve.loadtest.harness.plotting import figure
 from prefixserve.loadtest.harness.report import markdown_table, write_json
@@ -139,8 +139,9 @@ class SimConfig:
     blocks_per_replica: int = flag_field(1024)
     max_num_seqs: int = flag_field(64)
     utilization: float = flag_field(0.6)
-    # The reference GPU cluster (H100 figures); "cpu" models this project's CPU replicas.
-    profile: str = flag_field("h100", choices=("cpu", "h100"))
+    # The cost model (loadtest/cost_model.py): cluster.yaml's 4 x H100 replica of Llama-3.1-70B by
+    # default; "cpu" models this project's CPU replicas.
+    profile: str = flag_field("h100-70b-tp4", choices=PROFILE_NAMES)
     epsilon: float = flag_field(0.25, "bounded_load's epsilon")
     placed_epsilon: float | None = flag_field(None, "placed's epsilon (unset: the policy's own)")
     # More options of placed (and placed_static / placed_precise), as (name, value) pairs

@@ -222,6 +222,28 @@ def test_cpu_profile_from_the_engine_benchmark(tmp_path) -> None:
     assert cpu_profile(path) == CPU_DEFAULT
 
 
+def test_gpu_profiles_reproduce_the_measurements_they_cite() -> None:
+    """Each GPU profile's figures give back the published measurements loadtest/cost_model.py cites."""
+    from prefixserve.loadtest.cost_model import PROFILE_NAMES, get_profile
+
+    tp4 = get_profile("h100-70b-tp4")
+    # vLLM 0.6.0, 4 x H100, ShareGPT: TPOT 23.58 ms with 4 x 2.9156 s in flight, 29.15 ms with 8 x 3.7524 s.
+    assert tp4.decode_step(4 * 2.9156) == pytest.approx(0.02358, abs=1e-4)
+    assert tp4.decode_step(8 * 3.75238) == pytest.approx(0.02915, abs=1e-4)
+    assert tp4.prefill_s(200) == pytest.approx(0.054, abs=1e-3)  # SGLang's median TTFT, same replica
+    small = get_profile("h100-8b")
+    assert small.decode_step(10) == pytest.approx(0.0072, abs=1e-5)  # 72 ms per 10-step chunk
+    assert small.prefill_s(1369) == pytest.approx(0.062, abs=1e-3)  # 10 prompts arriving together
+    seed = get_profile("seed-article")
+    assert seed.prefill_s(512 + 100) - seed.prefill_s(100) == pytest.approx(0.64)  # 820 - 180 ms
+    assert seed.decode_step(256) == pytest.approx(0.0278)
+    # The seed article's loaded prefill is an order of magnitude slower than the idle 4 x H100 replica.
+    assert seed.prefill_s_per_token / tp4.prefill_s_per_token > 10
+    assert {get_profile(n).name for n in PROFILE_NAMES} == set(PROFILE_NAMES)
+    with pytest.raises(ValueError, match="h100-70b-tp4"):
+        get_profile("h100")
+
+
 def test_kv_tiers_serve_evicted_prefixes_and_their_copies_cost_less_than_prefill(traffic) -> None:
     off = S.simulate(SMALL, "round_robin", traffic, check_invariants=True)
     host_cfg = replace(SMALL, host_blocks_per_replica=256)

@@ -481,7 +481,7 @@ def test_simulator_generated_blocks_cold_raises_the_hit_rate(policy):
             eviction_policy=policy,
             generated_blocks=generated,
             protect_static_prefix=False,
-            profile="h100",
+            profile="seed-article",
         )
         r = sim.simulate(cfg, "consistent_hash", check_invariants=True)
         assert r.oracle_violations == 0 and r.finished == cfg.num_requests
@@ -505,7 +505,7 @@ def test_simulator_protected_static_prefix_raises_the_affinity_hit_rate():
             blocks_per_replica=256,
             eviction_policy="slru",
             protect_static_prefix=protect,
-            profile="h100",
+            profile="seed-article",
         )
         r = sim.simulate(cfg, "consistent_hash", check_invariants=True)
         assert r.oracle_violations == 0 and r.finished == cfg.num_requests
