@@ -97,7 +97,8 @@ class AsyncEngine:
         self.config = config
         # An engine handed in belongs to the caller: shutdown() leaves its workers and memory alone.
         self._owns_engine = engine is None
-        self.engine = engine or LLMEngine(config)
+        if engine is not None:
+            self.engine = engine
         self._commands: deque[Command] = deque()
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -110,8 +111,14 @@ class AsyncEngine:
         self.num_restarts = 0
         # Every tokenization and chat template of this engine's requests, on one thread.
         self.tokenizer_executor = TokenizerExecutor()
+        self._built = threading.Event()
+        self._build_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="prefixserve-engine", daemon=True)
         self._thread.start()
+        self._built.wait()
+        if self._build_error is not None:
+            self.tokenizer_executor.shutdown()
+            raise self._build_error
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
@@ -352,7 +359,26 @@ class AsyncEngine:
 
     # --- the engine thread ------------------------------------------------------
 
+    def _build(self) -> bool:
+        """Build the engine on this thread, the one that steps it; False when that failed.
+
+        On CPU the model's parallel regions (torch's, MKL's, the C kernels') then all start from
+        this thread, whose OpenMP pool is the process's only one. A model loaded on another
+        thread leaves that thread's pool behind; with more pooled threads than cores libgomp
+        throttles its workers' spinning, so every region of the forward waits for a worker to
+        wake: the served forward ran 20% slower (docs/benchmarks/layers.md).
+        """
+        try:
+            if self._owns_engine:
+                self.engine = LLMEngine(self.config)
+        except BaseException as exc:  # noqa: BLE001 - raised again by __init__, on the caller's thread
+            self._build_error = exc
+        self._built.set()
+        return self._build_error is None
+
     def _run(self) -> None:
+        if not self._build():
+            return
         error: Exception = EngineDeadError("the engine was shut down")
         try:
             while True:
