@@ -316,9 +316,29 @@ def _listen_args(config: BenchServeConfig, port: int) -> list[str]:
     return ["--served-model-name", config.served_model_name, "--host", HOST, "--port", str(port)]
 
 
-def ours_command(config: BenchServeConfig, port: int) -> list[str]:
+def tree_python(root: Path) -> str:
+    """An interpreter whose ``prefixserve`` is the tree at ``root``: the tree's own ``.venv`` (``make
+    setup`` there), else this one if it imports that tree. A package is installed by a mapping of
+    the tree's folders (setup.py), so ``PYTHONPATH`` alone cannot point an interpreter at another
+    tree: it would import the installed one and the comparison would time one tree twice."""
+    for python in (root / ".venv" / "bin" / "python", Path(sys.executable)):
+        if not python.exists():
+            continue
+        got = subprocess.run(
+            [str(python), "-c", "import os, prefixserve; print(os.path.realpath(prefixserve.__file__))"],
+            capture_output=True,
+            text=True,
+            cwd=root,
+            check=False,
+        )
+        if got.returncode == 0 and Path(got.stdout.strip()).is_relative_to(root.resolve()):
+            return str(python)
+    raise ValueError(f"--ours-tree {root}: no interpreter imports this tree's prefixserve; run `make setup` in it")
+
+
+def ours_command(config: BenchServeConfig, port: int, python: str = sys.executable) -> list[str]:
     return [
-        sys.executable,
+        python,
         "-m",
         "prefixserve.router.cli",
         "replica",
@@ -572,12 +592,13 @@ def run(config: BenchServeConfig, write: Callable[[dict[str, Any]], None] | None
         command = vllm_command(config, checkpoint, port)
         plan.append(("vllm", command, vllm_env(config), f"http://{HOST}:{port}", None))
     for tree in config.ours_tree:
-        # `python -m` puts the working directory first on sys.path: the tree must be both.
+        # The tree's own interpreter imports its code; `python -m` puts the working directory
+        # first on sys.path, so the tree is that too.
         root = Path(tree).resolve()
         port = free_port()
         env = dict(server_env(), PYTHONPATH=str(root))
         name = f"prefixserve ({_tree_label(tree)})"
-        plan.append((name, ours_command(config, port), env, f"http://{HOST}:{port}", root))
+        plan.append((name, ours_command(config, port, tree_python(root)), env, f"http://{HOST}:{port}", root))
     if config.base_url is not None:
         servers["server"] = measure(config.base_url, "server")
     for name, command, env, url, cwd in plan:
@@ -601,7 +622,11 @@ def _tree_label(tree: str) -> str:
     got = subprocess.run(
         ["git", "-C", str(path), "rev-parse", "--abbrev-ref", "HEAD"], capture_output=True, text=True, check=False
     )
-    return got.stdout.strip() or path.name
+    label = got.stdout.strip()
+    if label == "HEAD":  # detached: the commit
+        got = subprocess.run(["git", "-C", str(path), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        label = got.stdout.strip()
+    return label or path.name
 
 
 def _describe(config: BenchServeConfig) -> str:

@@ -89,3 +89,16 @@ def test_bench_serve_runs_against_a_replica(tmp_path, endpoint, capsys):
     assert figures["total_output_tokens"] == 6 * 4  # from the streamed usage (ignore_eos)
     assert figures["ttft_ms"]["p50"] > 0 and figures["tpot_ms"]["p50"] > 0 and figures["itl_ms"]["p50"] > 0
     assert out.with_suffix(".md").read_text() in capsys.readouterr().out
+
+
+def test_a_tree_runs_under_an_interpreter_that_imports_that_tree(tmp_path):
+    """--ours-tree must time the tree's own code: PYTHONPATH cannot point the installed package elsewhere."""
+    from pathlib import Path
+
+    from prefixserve.loadtest.bench_serve import tree_python
+
+    here = Path(__file__).resolve().parents[2]
+    python = tree_python(here)
+    assert Path(python).exists()
+    with pytest.raises(ValueError, match="make setup"):
+        tree_python(tmp_path)
