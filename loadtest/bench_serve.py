@@ -16,8 +16,9 @@ workload's messages; completion requests their text as ``prompt``.
 
 Servers: ``--base-url`` for one running server, or started here in the same run,
 one after the other on the same model: prefixserve replicas (``--ours-tree``, once per
-source tree to compare, e.g. main and a branch; each runs ``prefixserve replica`` with
-that tree on its PYTHONPATH) and, with ``--vllm-python``, vLLM's OpenAI server
+source tree to compare, e.g. main and a branch; each runs ``prefixserve replica`` under an
+interpreter that imports that tree, its own ``.venv`` after ``make setup`` there:
+``tree_python``) and, with ``--vllm-python``, vLLM's OpenAI server
 (``vllm.entrypoints.openai.api_server``, CPU build). With ``--vllm-python`` vLLM's own
 unmodified client (``vllm bench serve``) also runs against every server.
 
