@@ -26,6 +26,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -360,7 +361,8 @@ class AsyncEngine:
     # --- the engine thread ------------------------------------------------------
 
     def _build(self) -> bool:
-        """Build the engine on this thread, the one that steps it; False when that failed.
+        """Build the engine on the thread that runs its forward (this one; the device thread with
+        async scheduling); False when that failed.
 
         On CPU the model's parallel regions (torch's, MKL's, the C kernels') then all start from
         this thread, whose OpenMP pool is the process's only one. A model loaded on another
@@ -369,7 +371,16 @@ class AsyncEngine:
         wake: the served forward ran 20% slower (docs/benchmarks/layers.md).
         """
         try:
-            if self._owns_engine:
+            if self._owns_engine and self.config.async_scheduling:
+                # The forward runs on the device thread: build the model there, for the same reason.
+                device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixserve-device")
+                try:
+                    self.engine = device.submit(LLMEngine, self.config).result()
+                except BaseException:
+                    device.shutdown(wait=False)
+                    raise
+                self.engine.pipeline.adopt_executor(device)
+            elif self._owns_engine:
                 self.engine = LLMEngine(self.config)
         except BaseException as exc:  # noqa: BLE001 - raised again by __init__, on the caller's thread
             self._build_error = exc

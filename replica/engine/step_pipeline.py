@@ -63,6 +63,12 @@ class StepPipeline:
         # Steps submitted since the engine started (how often the pipeline was used).
         self.num_submitted = 0
 
+    def adopt_executor(self, executor: ThreadPoolExecutor) -> None:
+        """Run the steps on ``executor``'s one thread (the one the model was built on), not a new one."""
+        if self._executor is not None:
+            raise RuntimeError("the device thread is already running")
+        self._executor = executor
+
     @property
     def busy(self) -> bool:
         """Whether a step is in flight (its outputs not processed yet)."""

@@ -13,25 +13,30 @@ from prefixserve.replica.sampling_params import SamplingParams
 
 
 class RecordingEngine(AE.LLMEngine):
-    """The real engine, noting which threads built and stepped it."""
+    """The real engine, noting which threads built it and ran its forward."""
 
     built_on: list[str] = []
-    stepped_on: set[str] = set()
+    ran_on: set[str] = set()
 
     def __init__(self, *args, **kwargs) -> None:
         RecordingEngine.built_on.append(threading.current_thread().name)
         super().__init__(*args, **kwargs)
+        run = self.runner.run
 
-    def step(self, *args, **kwargs):
-        RecordingEngine.stepped_on.add(threading.current_thread().name)
-        return super().step(*args, **kwargs)
+        def recording_run(*a, **k):
+            RecordingEngine.ran_on.add(threading.current_thread().name)
+            return run(*a, **k)
+
+        self.runner.run = recording_run
 
 
-def test_the_engine_is_built_on_the_thread_that_steps_it(ckpt, monkeypatch):
+@pytest.mark.parametrize("async_scheduling, thread", [(False, "prefixserve-engine"), (True, "prefixserve-device_0")])
+def test_the_model_is_built_on_the_thread_that_runs_its_forward(ckpt, monkeypatch, async_scheduling, thread):
     """Every OpenMP region of the model then starts from one thread (one worker pool in the process)."""
     monkeypatch.setattr(AE, "LLMEngine", RecordingEngine)
-    RecordingEngine.built_on, RecordingEngine.stepped_on = [], set()
-    engine = AE.AsyncEngine(EngineConfig(model=ckpt, num_kv_blocks=64, max_num_seqs=4))
+    RecordingEngine.built_on, RecordingEngine.ran_on = [], set()
+    config = EngineConfig(model=ckpt, num_kv_blocks=64, max_num_seqs=4, async_scheduling=async_scheduling)
+    engine = AE.AsyncEngine(config)
 
     async def one_request():
         return [d async for d in engine.generate([5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=3))]
@@ -39,11 +44,11 @@ def test_the_engine_is_built_on_the_thread_that_steps_it(ckpt, monkeypatch):
     try:
         deltas = asyncio.run(one_request())
         assert sum(len(d.token_ids) for d in deltas) == 3
-        assert RecordingEngine.built_on == ["prefixserve-engine"]
-        assert RecordingEngine.stepped_on == {"prefixserve-engine"}
-        assert threading.current_thread().name not in RecordingEngine.built_on
+        assert RecordingEngine.built_on == [thread]
+        assert RecordingEngine.ran_on == {thread}
     finally:
         asyncio.run(engine.shutdown())
+    assert thread not in {t.name for t in threading.enumerate()}
 
 
 def test_a_failed_build_raises_on_the_callers_thread_and_leaves_no_thread(ckpt, monkeypatch):
