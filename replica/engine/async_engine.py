@@ -26,7 +26,6 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -38,6 +37,7 @@ from prefixserve.replica.engine.core import LLMEngine
 from prefixserve.replica.engine.input_processor import rendered_request
 from prefixserve.replica.engine.metrics import EngineMetrics, EngineStats
 from prefixserve.replica.engine.output_processor import EngineUpdate
+from prefixserve.replica.engine.step_pipeline import build_on_forward_thread
 from prefixserve.replica.engine.tokenizer_executor import TokenizerExecutor, messages_chars
 from prefixserve.replica.errors import EngineDeadError, ModelNotFoundError
 from prefixserve.replica.lora.request import LoRARequest
@@ -362,26 +362,10 @@ class AsyncEngine:
 
     def _build(self) -> bool:
         """Build the engine on the thread that runs its forward (this one; the device thread with
-        async scheduling); False when that failed.
-
-        On CPU the model's parallel regions (torch's, MKL's, the C kernels') then all start from
-        this thread, whose OpenMP pool is the process's only one. A model loaded on another
-        thread leaves that thread's pool behind; with more pooled threads than cores libgomp
-        throttles its workers' spinning, so every region of the forward waits for a worker to
-        wake: the served forward ran 20% slower (docs/benchmarks/layers.md).
-        """
+        async scheduling: step_pipeline.build_on_forward_thread says why); False when that failed."""
         try:
-            if self._owns_engine and self.config.async_scheduling:
-                # The forward runs on the device thread: build the model there, for the same reason.
-                device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixserve-device")
-                try:
-                    self.engine = device.submit(LLMEngine, self.config).result()
-                except BaseException:
-                    device.shutdown(wait=False)
-                    raise
-                self.engine.pipeline.adopt_executor(device)
-            elif self._owns_engine:
-                self.engine = LLMEngine(self.config)
+            if self._owns_engine:
+                self.engine = build_on_forward_thread(lambda: LLMEngine(self.config), self.config.async_scheduling)
         except BaseException as exc:  # noqa: BLE001 - raised again by __init__, on the caller's thread
             self._build_error = exc
         self._built.set()

@@ -25,6 +25,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -175,3 +176,33 @@ class StepPipeline:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+
+
+class _Pipelined(Protocol):
+    pipeline: StepPipeline
+
+
+E = TypeVar("E", bound=_Pipelined)
+
+
+def build_on_forward_thread(build: Callable[[], E], async_scheduling: bool) -> E:
+    """``build()`` (an engine) on the thread that will run its forward: this one, or with async
+    scheduling a new device thread that the engine's pipeline then adopts.
+
+    On CPU every parallel region of the model (torch's, MKL's, the C kernels') then starts from
+    that one thread, whose OpenMP pool is the process's only one. A model built on another
+    thread leaves that thread's pool behind; with more pooled threads than cores libgomp
+    throttles its workers' spinning, and every region of the forward waits for a worker to wake:
+    the served forward ran 20% slower, and twice as slow with async scheduling
+    (docs/benchmarks/layers.md).
+    """
+    if not async_scheduling:
+        return build()
+    device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixserve-device")
+    try:
+        engine = device.submit(build).result()
+    except BaseException:
+        device.shutdown(wait=False)
+        raise
+    engine.pipeline.adopt_executor(device)
+    return engine

@@ -17,6 +17,7 @@ from prefixserve.replica.config import EngineConfig
 from prefixserve.replica.engine.core import LLMEngine
 from prefixserve.replica.engine.outputs import RequestOutput
 from prefixserve.replica.engine.request_runner import is_conversation_turn
+from prefixserve.replica.engine.step_pipeline import build_on_forward_thread
 from prefixserve.replica.lora.request import LoRARequest
 from prefixserve.replica.sampling_params import SamplingParams
 
@@ -26,7 +27,7 @@ Prompt = str | list[int]
 class LLM:
     def __init__(self, model: str = "smollm2", **engine_knobs: Any) -> None:
         self.config = EngineConfig(model=model, **engine_knobs)
-        self.engine = LLMEngine(self.config)
+        self.engine = build_on_forward_thread(lambda: LLMEngine(self.config), self.config.async_scheduling)
 
     @property
     def tokenizer(self) -> Any:

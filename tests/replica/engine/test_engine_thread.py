@@ -64,3 +64,20 @@ def test_a_failed_build_raises_on_the_callers_thread_and_leaves_no_thread(ckpt, 
         if t.name == "prefixserve-engine":
             t.join(timeout=10)
     assert "prefixserve-engine" not in {t.name for t in threading.enumerate() if t.is_alive()} - before
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_offline_llm_builds_its_model_where_the_forward_runs(ckpt, monkeypatch, async_scheduling):
+    from prefixserve.replica.entrypoints import llm as offline
+
+    monkeypatch.setattr(offline, "LLMEngine", RecordingEngine)
+    RecordingEngine.built_on, RecordingEngine.ran_on = [], set()
+    model = offline.LLM(ckpt, num_kv_blocks=64, max_num_seqs=4, async_scheduling=async_scheduling)
+    try:
+        out = model.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=3))
+        assert len(out[0].outputs[0].token_ids) == 3
+        expected = "prefixserve-device_0" if async_scheduling else threading.current_thread().name
+        assert RecordingEngine.built_on == [expected]
+        assert RecordingEngine.ran_on == {expected}
+    finally:
+        model.shutdown()
