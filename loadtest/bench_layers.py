@@ -31,10 +31,8 @@ from __future__ import annotations
 
 import argparse
 import platform
-import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -46,6 +44,7 @@ from prefixserve.common.config_util import from_cli_args
 from prefixserve.common.logs import add_verbose_flag, quiet_libraries
 from prefixserve.loadtest.bench_engine_gpu import SHAPES
 from prefixserve.loadtest.harness.cli import add_flags, flag_field
+from prefixserve.loadtest.harness.layer_cases import case_tensors, rotary_tables, rotating, time_call
 from prefixserve.loadtest.harness.report import fmt, markdown_table, write_json
 from prefixserve.loadtest.harness.vllm_job import VLLM_HOWTO, run_vllm_job
 
@@ -150,61 +149,6 @@ def cases(config: LayersConfig, model: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def case_tensors(torch: Any, case: dict[str, Any], model: dict[str, Any], seed: int) -> dict[str, Any]:
-    """A case's inputs; the same function as loadtest/peers/vllm_layer_ops.py's (same values there)."""
-
-    def randn(*shape: int, offset: int, scale: float = 1.0) -> Any:
-        g = torch.Generator().manual_seed(seed * 1000 + offset)
-        return torch.randn(*shape, generator=g, dtype=torch.float32) * scale
-
-    h, heads, kvh, d = model["hidden"], model["heads"], model["kv_heads"], model["head_dim"]
-    op = case["op"]
-    if op == "linear":
-        return {
-            "x": randn(case["m"], case["k"], offset=0),
-            "w": randn(case["n"], case["k"], offset=1, scale=case["k"] ** -0.5),
-        }
-    if op in ("rms_norm", "add_rms_norm"):
-        return {
-            "x": randn(case["m"], h, offset=0),
-            "residual": randn(case["m"], h, offset=1),
-            "weight": 1.0 + randn(h, offset=2, scale=0.1),
-        }
-    if op == "rotary":
-        m = case["m"]
-        return {
-            "q": randn(m, heads, d, offset=0),
-            "k": randn(m, kvh, d, offset=1),
-            "positions": (torch.arange(m, dtype=torch.int64) * 7 + 100) % model["max_pos"],
-        }
-    if op == "silu_and_mul":
-        return {"gate_up": randn(case["m"], 2 * model["inter"], offset=0)}
-    if op == "attention":
-        seqs, q_len, ctx = case["seqs"], case["query_len"], case["context"]
-        return {
-            "q": randn(seqs * q_len, heads, d, offset=0),
-            "k": randn(seqs * ctx, kvh, d, offset=1),
-            "v": randn(seqs * ctx, kvh, d, offset=2),
-        }
-    raise ValueError(f"unknown op {op!r}")
-
-
-def time_call(fn: Callable[[], Any], samples: int, min_sample_s: float) -> float:
-    """Median seconds of one call of ``fn`` (the peer script times the same way)."""
-    fn()
-    start = time.perf_counter()
-    fn()
-    once = max(time.perf_counter() - start, 1e-7)
-    loops = max(1, int(min_sample_s / once))
-    per_call = []
-    for _ in range(samples):
-        start = time.perf_counter()
-        for _ in range(loops):
-            fn()
-        per_call.append((time.perf_counter() - start) / loops)
-    return statistics.median(per_call)
-
-
 # One implementation of a case: (name, the call, the restore its in-place call needs first or None).
 Impl = tuple[str, Callable[[], Any], Callable[[], Any] | None]
 
@@ -288,26 +232,6 @@ def copies_of(case: dict[str, Any], config: LayersConfig) -> int:
     if case["op"] == "linear" and case["name"] == "lm_head":
         return min(config.copies, LM_HEAD_COPIES)
     return config.copies if case["op"] in ("linear", "attention") else 1
-
-
-def rotating(calls: list[Callable[[], Any]]) -> Callable[[], Any]:
-    """A call that calls each of ``calls`` in turn (they compute the same values on copies of the data)."""
-    state = {"next": 0}
-
-    def call() -> Any:
-        i = state["next"]
-        state["next"] = (i + 1) % len(calls)
-        return calls[i]()
-
-    return call
-
-
-def rotary_tables(torch: Any, model: dict[str, Any]) -> tuple[Any, Any]:
-    """cos and sin ``[max_pos, head_dim / 2]`` (the peer builds vLLM's ``cos_sin_cache`` from the same)."""
-    d = model["head_dim"]
-    inv_freq = 1.0 / (model["rope_theta"] ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-    freqs = torch.outer(torch.arange(model["max_pos"], dtype=torch.float32), inv_freq)
-    return freqs.cos(), freqs.sin()
 
 
 def c_attention_call(

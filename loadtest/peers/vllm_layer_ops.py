@@ -1,10 +1,9 @@
 """vLLM's CPU kernels on the layer benchmark's cases (loadtest/bench_layers.py), called directly.
 
 Runs from vLLM's own virtualenv (``python -I``: nothing of ours on ``sys.path``), so it imports
-nothing from prefixserve; the few lines that build a case's tensors and time a call are the
-benchmark's own, repeated here (``case_tensors``, ``time_call``) so both sides see the same
-numbers: torch's CPU generator gives the same values for the same seed in both venvs (torch
-2.13 in each). What each case calls is what vLLM 0.32's CPU model runs for that layer:
+nothing from prefixserve; it loads loadtest/harness/layer_cases.py by its path (standard library
+and torch only), the code that builds a case's tensors and times a call on both sides. What each
+case calls is what vLLM 0.32's CPU model runs for that layer:
 
 * linear: ``dispatch_cpu_unquantized_gemm`` on the weight (vLLM's own choice per shape:
   sgl-kernel's packed GEMM for small weights, else a cached oneDNN matmul primitive,
@@ -28,86 +27,20 @@ to ``out_dir/<index>.pt`` for the benchmark to compare with its own.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import platform
-import statistics
 import sys
-import time
 
 
-def time_call(fn, samples: int, min_sample_s: float) -> float:
-    """Median seconds of one call of ``fn`` over ``samples`` samples of at least ``min_sample_s``."""
-    fn()
-    start = time.perf_counter()
-    fn()
-    once = max(time.perf_counter() - start, 1e-7)
-    loops = max(1, int(min_sample_s / once))
-    per_call = []
-    for _ in range(samples):
-        start = time.perf_counter()
-        for _ in range(loops):
-            fn()
-        per_call.append((time.perf_counter() - start) / loops)
-    return statistics.median(per_call)
-
-
-def rotating(calls):
-    """A call that calls each of ``calls`` in turn (copies of a weight or cache: bench_layers.rotating)."""
-    state = {"next": 0}
-
-    def call():
-        i = state["next"]
-        state["next"] = (i + 1) % len(calls)
-        return calls[i]()
-
-    return call
-
-
-def case_tensors(torch, case: dict, model: dict, seed: int) -> dict:
-    """The inputs of one case (same function as bench_layers.case_tensors)."""
-
-    def randn(*shape, offset: int, scale: float = 1.0):
-        g = torch.Generator().manual_seed(seed * 1000 + offset)
-        return torch.randn(*shape, generator=g, dtype=torch.float32) * scale
-
-    h, heads, kvh, d = model["hidden"], model["heads"], model["kv_heads"], model["head_dim"]
-    op = case["op"]
-    if op == "linear":
-        return {
-            "x": randn(case["m"], case["k"], offset=0),
-            "w": randn(case["n"], case["k"], offset=1, scale=case["k"] ** -0.5),
-        }
-    if op in ("rms_norm", "add_rms_norm"):
-        return {
-            "x": randn(case["m"], h, offset=0),
-            "residual": randn(case["m"], h, offset=1),
-            "weight": 1.0 + randn(h, offset=2, scale=0.1),
-        }
-    if op == "rotary":
-        m = case["m"]
-        return {
-            "q": randn(m, heads, d, offset=0),
-            "k": randn(m, kvh, d, offset=1),
-            "positions": (torch.arange(m, dtype=torch.int64) * 7 + 100) % model["max_pos"],
-        }
-    if op == "silu_and_mul":
-        return {"gate_up": randn(case["m"], 2 * model["inter"], offset=0)}
-    if op == "attention":
-        seqs, q_len, ctx = case["seqs"], case["query_len"], case["context"]
-        return {
-            "q": randn(seqs * q_len, heads, d, offset=0),
-            "k": randn(seqs * ctx, kvh, d, offset=1),
-            "v": randn(seqs * ctx, kvh, d, offset=2),
-        }
-    raise ValueError(f"unknown op {op!r}")
-
-
-def rotary_cache(torch, model: dict):
-    d = model["head_dim"]
-    inv_freq = 1.0 / (model["rope_theta"] ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-    freqs = torch.outer(torch.arange(model["max_pos"], dtype=torch.float32), inv_freq)
-    return freqs.cos(), freqs.sin()
+def load_cases():
+    """loadtest/harness/layer_cases.py, by its path: what both sides build and time alike."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "harness", "layer_cases.py")
+    spec = importlib.util.spec_from_file_location("layer_cases", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def worker_env() -> dict[str, str] | None:
@@ -198,9 +131,11 @@ def main() -> int:
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
+    cases = load_cases()
+    case_tensors, rotating, time_call = cases.case_tensors, cases.rotating, cases.time_call
     model, seed, block = job["model"], job["seed"], job["block_size"]
     samples, min_s = job["samples"], job["min_sample_s"]
-    cos, sin = rotary_cache(torch, model)
+    cos, sin = cases.rotary_tables(torch, model)
     cos_sin = torch.cat([cos, sin], dim=-1).contiguous()
     d, eps = model["head_dim"], model["eps"]
     results: dict[str, dict] = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,30 +37,25 @@ def test_every_case_has_its_own_id_and_the_lm_head_runs_only_at_decode_batches(t
     assert [(c["query_len"], c["context"]) for c in prefill] == [(8, 8 + BL.PREFILL_CACHED)]
 
 
-def test_both_sides_build_the_same_tensors_and_cycle_the_same_copies(tmp_path):
-    """vLLM's side (peers/vllm_layer_ops.py) imports nothing of ours: its copy of case_tensors must agree."""
-    config = small_config(tmp_path)
+def test_the_peer_loads_the_same_case_code_by_its_path():
+    """vLLM's side (peers/vllm_layer_ops.py) imports nothing of ours: it loads harness/layer_cases.py
+    by path, and must find the very code the benchmark uses."""
+    from prefixserve.loadtest.harness import layer_cases
+
+    loaded = peer.load_cases()
+    assert Path(loaded.__file__).resolve() == Path(layer_cases.__file__).resolve()
     model = BL.model_shape()
-    for index, case in enumerate(BL.cases(config, model)):
-        ours = BL.case_tensors(torch, case, model, config.seed + index)
-        theirs = peer.case_tensors(torch, case, model, config.seed + index)
-        assert ours.keys() == theirs.keys()
-        for name in ours:
-            assert torch.equal(ours[name], theirs[name]), (case["id"], name)
+    case = {"id": "x", "op": "attention", "seqs": 2, "query_len": 1, "context": 8}
+    ours, theirs = BL.case_tensors(torch, case, model, 3), loaded.case_tensors(torch, case, model, 3)
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_rotating_calls_each_copy_in_turn():
     calls = []
-    ours_rotating = BL.rotating([lambda i=i: calls.append(("ours", i)) for i in range(3)])
-    peer_rotating = peer.rotating([lambda i=i: calls.append(("peer", i)) for i in range(3)])
+    rotate = BL.rotating([lambda i=i: calls.append(i) for i in range(3)])
     for _ in range(4):
-        ours_rotating()
-        peer_rotating()
-    assert [i for who, i in calls if who == "ours"] == [i for who, i in calls if who == "peer"] == [0, 1, 2, 0]
-
-
-def test_the_rotary_tables_are_the_ones_the_peer_builds_vllms_cache_from():
-    model = BL.model_shape()
-    cos, sin = BL.rotary_tables(torch, model)
-    peer_cos, peer_sin = peer.rotary_cache(torch, model)
-    assert torch.equal(cos, peer_cos) and torch.equal(sin, peer_sin)
+        rotate()
+    assert calls == [0, 1, 2, 0]
 
 
 def test_a_short_run_of_our_kernels_times_every_case_and_adds_up_a_decode_step(tmp_path):
