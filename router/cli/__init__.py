@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # name -> (module, one-line help)
@@ -36,6 +37,14 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "audit": ("prefixserve.loadtest.prompt_audit", "audit a prompt log for prefix-cache hit-rate killers"),
 }
 
+# Environment a subcommand's process starts with unless the user set it, applied before its module
+# (and so torch and libgomp) is imported. A replica's forward starts hundreds of OpenMP regions a
+# step from one thread; libgomp's default spin between them (300,000 pauses, milliseconds) wins on
+# an idle machine and collapses when another process wants the cores, where its workers spin on
+# cores the engine thread needs. 10,000: served on 2 cores (docs/benchmarks/layers.md) 13.6 s
+# idle against 12.9 s at the default, and 28.9 s beside a busy process against 82.8 s.
+ENVIRONMENT_DEFAULTS: dict[str, dict[str, str]] = {"replica": {"GOMP_SPINCOUNT": "10000"}}
+
 
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand; returns the exit status (2 for a bad command line, with argparse's message)."""
@@ -46,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         sub_parser = sub.add_parser(name, help=help_text, description=help_text)
         sub_parser.set_defaults(_module=module_name)
         if argv[:1] == [name]:
+            for key, value in ENVIRONMENT_DEFAULTS.get(name, {}).items():
+                os.environ.setdefault(key, value)
             importlib.import_module(module_name).add_arguments(sub_parser)
     try:
         args = parser.parse_args(argv)
