@@ -37,13 +37,16 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "audit": ("prefixserve.loadtest.prompt_audit", "audit a prompt log for prefix-cache hit-rate killers"),
 }
 
-# Environment a subcommand's process starts with unless the user set it, applied before its module
+# Environment a subcommand's process starts with unless the user set it (or one of the variables
+# that would stand in its stead: a wait policy decides the spin as well), applied before its module
 # (and so torch and libgomp) is imported. A replica's forward starts hundreds of OpenMP regions a
 # step from one thread; libgomp's default spin between them (300,000 pauses, milliseconds) wins on
 # an idle machine and collapses when another process wants the cores, where its workers spin on
 # cores the engine thread needs. 10,000: served on 2 cores (docs/benchmarks/layers.md) 13.6 s
 # idle against 12.9 s at the default, and 28.9 s beside a busy process against 82.8 s.
-ENVIRONMENT_DEFAULTS: dict[str, dict[str, str]] = {"replica": {"GOMP_SPINCOUNT": "10000"}}
+ENVIRONMENT_DEFAULTS: dict[str, tuple[tuple[str, str, tuple[str, ...]], ...]] = {
+    "replica": (("GOMP_SPINCOUNT", "10000", ("OMP_WAIT_POLICY",)),),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,8 +58,9 @@ def main(argv: list[str] | None = None) -> int:
         sub_parser = sub.add_parser(name, help=help_text, description=help_text)
         sub_parser.set_defaults(_module=module_name)
         if argv[:1] == [name]:
-            for key, value in ENVIRONMENT_DEFAULTS.get(name, {}).items():
-                os.environ.setdefault(key, value)
+            for key, value, unless in ENVIRONMENT_DEFAULTS.get(name, ()):
+                if key not in os.environ and not any(other in os.environ for other in unless):
+                    os.environ[key] = value
             importlib.import_module(module_name).add_arguments(sub_parser)
     try:
         args = parser.parse_args(argv)
