@@ -44,7 +44,7 @@ from prefixserve.common.config_util import from_cli_args
 from prefixserve.common.logs import add_verbose_flag, quiet_libraries
 from prefixserve.loadtest.bench_engine_gpu import SHAPES
 from prefixserve.loadtest.harness.cli import add_flags, flag_field
-from prefixserve.loadtest.harness.layer_cases import case_tensors, rotary_tables, rotating, time_call
+from prefixserve.loadtest.harness.layer_cases import case_tensors, rotary_tables, rotating, time_call, time_in_place
 from prefixserve.loadtest.harness.report import fmt, markdown_table, write_json
 from prefixserve.loadtest.harness.vllm_job import VLLM_HOWTO, run_vllm_job
 
@@ -269,13 +269,7 @@ def measure_ours(config: LayersConfig, all_cases: list[dict[str, Any]], model: d
             if restore is None:
                 timings[name] = time_call(call, config.samples, min_s)
             else:
-
-                def restored(call: Callable[[], Any] = call, restore: Callable[[], Any] = restore) -> Any:
-                    restore()
-                    return call()
-
-                seconds = time_call(restored, config.samples, min_s) - time_call(restore, config.samples, min_s)
-                timings[name] = max(0.0, seconds)
+                timings[name] = time_in_place(call, restore, config.samples, min_s)
             if output is None:
                 if restore is not None:
                     restore()

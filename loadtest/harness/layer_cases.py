@@ -80,6 +80,17 @@ def time_call(fn: Callable[[], Any], samples: int, min_sample_s: float) -> float
     return statistics.median(per_call)
 
 
+def time_in_place(call: Callable[[], Any], restore: Callable[[], Any], samples: int, min_sample_s: float) -> float:
+    """Seconds of one call of an operation that overwrites its inputs: each timed call first runs
+    ``restore`` (the inputs copied back), which is timed alone as well and taken out."""
+
+    def restored() -> Any:
+        restore()
+        return call()
+
+    return max(0.0, time_call(restored, samples, min_sample_s) - time_call(restore, samples, min_sample_s))
+
+
 def rotating(calls: list[Callable[[], Any]]) -> Callable[[], Any]:
     """A call that calls each of ``calls`` in turn (they compute the same values on copies of the
     data: a weight or KV cache per layer, as a forward reads them)."""

@@ -117,7 +117,7 @@ class StepPipeline:
                 return runner.run(prepared)
 
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixserve-device")
+            self._executor = device_executor()
         step = InFlightStep(self._executor.submit(run), scheduled, owners, num_prompt_tokens)
         for seq in owners:
             seq.num_placeholders += 1
@@ -178,6 +178,11 @@ class StepPipeline:
             self._executor = None
 
 
+def device_executor() -> ThreadPoolExecutor:
+    """The one thread that runs the forward of an engine with async scheduling."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixserve-device")
+
+
 class _Pipelined(Protocol):
     pipeline: StepPipeline
 
@@ -198,7 +203,7 @@ def build_on_forward_thread(build: Callable[[], E], async_scheduling: bool) -> E
     """
     if not async_scheduling:
         return build()
-    device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixserve-device")
+    device = device_executor()
     try:
         engine = device.submit(build).result()
     except BaseException:
