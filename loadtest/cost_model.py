@@ -159,7 +159,7 @@ SEED_ARTICLE = CostProfile(
     "47 req/s x 200 tokens at batch 256",
 )
 GPU_PROFILES = {p.name: p for p in (H100_70B_TP4, H100_8B, SEED_ARTICLE)}
-PROFILE_NAMES = ("h100-70b-tp4", "h100-8b", "seed-article", "cpu")
+PROFILE_NAMES = (*GPU_PROFILES, "cpu")
 
 
 # The engine benchmark's prompts: 500 system + 30 question tokens (+ the chat
