@@ -33,6 +33,10 @@ os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
 # Serve's fallback rather than the router's choice. Serve's documented remedy for slow
 # answers: a longer deadline.
 os.environ.setdefault("RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "0.5")
+# The engines the tests build in-process spin as `prefixserve replica` does (router/cli's
+# ENVIRONMENT_DEFAULTS): libgomp's default spin between OpenMP regions collapses when the other
+# test worker wants the cores. Read when torch loads libgomp, so set before anything imports it.
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 from nginx_helpers import find_nginx  # noqa: E402  (after the environment above)
 from prometheus_helpers import find_prometheus  # noqa: E402
