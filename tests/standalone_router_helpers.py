@@ -100,6 +100,7 @@ class FakeReplica:
         self.waiting = waiting
         self.received: list[Any] = []  # generation request bodies (parsed JSON, or the raw bytes)
         self.headers: list[dict[str, str]] = []
+        self.targets: list[bytes] = []  # generation requests' paths and queries, as sent
         self.disconnected = threading.Event()
         self.app = Starlette(
             routes=[
@@ -133,6 +134,8 @@ class FakeReplica:
             body = raw
         self.received.append(body)
         self.headers.append(dict(request.headers))
+        query = request.scope["query_string"]
+        self.targets.append(request.scope["raw_path"] + (b"?" + query if query else b""))
         if self.mode in ("429", "503"):
             error = {"error": {"message": "busy", "type": "server_error", "param": None, "code": "replica_busy"}}
             return JSONResponse(error, status_code=int(self.mode), headers={"Retry-After": "1"})

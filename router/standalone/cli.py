@@ -46,5 +46,7 @@ def run(args: argparse.Namespace) -> int:
         h11_max_incomplete_event_size=config.h11_max_incomplete_event_size,
         timeout_graceful_shutdown=max(1, round(config.drain_timeout_s)),
         log_config=None,
+        # No client address is read (tenants come from keys and headers): no X-Forwarded-* rewriting per request.
+        proxy_headers=False,
     )
     return 0

@@ -110,9 +110,11 @@ RETRY_STATUSES = frozenset({429, 503})
 # The answers a prefixserve replica reports progress in, and continues (replica/contract/continuation.py).
 MOVABLE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 RETRY_AFTER_S = 1
-# Headers that describe one connection, not the message (RFC 9110 7.6.1), and those the client sets itself.
+# Headers that describe one connection, not the message (RFC 9110 7.6.1), those the client sets itself,
+# and ``expect`` (the router has the whole body before it forwards it: a replica need not ask for it).
 _HOP_BY_HOP = frozenset(
     {
+        "expect",
         "connection",
         "keep-alive",
         "proxy-authenticate",
@@ -244,21 +246,28 @@ class RelayResponse(Response):
         self.relay = ProgressRelay(StreamProgress()) if movable else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        client_gone = False
+
+        async def watch_disconnect() -> None:
+            nonlocal client_gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            client_gone = True
+            task.cancel()
+
+        # The relay runs in the request's own task; a client that goes away cancels it there.
+        watcher = asyncio.ensure_future(watch_disconnect())
         try:
-            async with anyio.create_task_group() as group:
-
-                async def watch_disconnect() -> None:
-                    while (await receive())["type"] != "http.disconnect":
-                        pass
-                    group.cancel_scope.cancel()
-
-                group.start_soon(watch_disconnect)
-                await self._relay(send)
-                group.cancel_scope.cancel()
+            await self._relay(send)
+        except asyncio.CancelledError:
+            if not client_gone or task.uncancel() > 0:  # cancelled from elsewhere as well (a shutdown)
+                raise
         finally:
-            with anyio.CancelScope(shield=True):
-                self.upstream.close()
-                self.opened.end(self.usage, answered=self.status_code == 200)
+            watcher.cancel()
+            self.upstream.close()
+            self.opened.end(self.usage, answered=self.status_code == 200)
 
     async def _relay(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
@@ -612,8 +621,13 @@ class StandaloneRouter:
         """
         attempts = plan.attempts(self.config.max_attempts)
         headers = upstream_headers(request.headers)
-        path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        movable = self.config.migrate_streams and stream_of_one(parsed) and request.url.path in MOVABLE_PATHS
+        scope = request.scope
+        query = scope.get("query_string", b"")
+        # As the client sent it (percent-encoding kept), with its query.
+        path = scope.get("raw_path", scope["path"].encode()).decode("latin-1") + (
+            "?" + query.decode("latin-1") if query else ""
+        )
+        movable = self.config.migrate_streams and stream_of_one(parsed) and scope["path"] in MOVABLE_PATHS
         progress_headers = {**headers, STREAM_PROGRESS_HEADER: "1"}
         last: tuple[int, bytes, tuple[tuple[bytes, bytes], ...], str] | None = None
         for i, name in enumerate(attempts):
@@ -661,7 +675,7 @@ class StandaloneRouter:
             if 400 <= answer.status < 500 and answer.status != 429:
                 self.routing.refused(plan)
             resend = Resend(path, progress_headers, parsed, plan) if asks_progress else None
-            return RelayResponse(answer, _Open(self, plan, name, lease, request.url.path == RESPONSES_PATH), resend)
+            return RelayResponse(answer, _Open(self, plan, name, lease, scope["path"] == RESPONSES_PATH), resend)
         self.routing.finished(plan)
         self.metrics.no_replica.inc()
         if last is not None:  # the last replica tried refused, and no later one answered at all
@@ -868,7 +882,30 @@ class RouterHeadMiddleware:
         await self.app(scope, receive, named)
 
 
-def build_app(router: StandaloneRouter) -> Starlette:
+class RouterApp:
+    """The router's ASGI application: a generation request (``POST /v1/...``) goes straight to
+    ``handle_generate``; everything else (its own endpoints, the lifespan, 404 and 405) through
+    Starlette with :class:`RouterHeadMiddleware`.
+
+    Why the bypass: a generation request is the router's hot path, and Starlette's layers around a
+    handler (its error and exception middlewares, the route table, the request-response wrappers,
+    each wrapping every ``send``) were a large part of what the router added to a request's latency
+    (docs/benchmarks/router_overhead.md). Every answer on that path names its replica already.
+    """
+
+    def __init__(self, router: StandaloneRouter, rest: Any) -> None:
+        self.router = router
+        self.rest = rest
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"].startswith("/v1/"):
+            response = self.router.head_refusal(scope) or await self.router.handle_generate(Request(scope, receive))
+            await response(scope, receive, send)
+        else:
+            await self.rest(scope, receive, send)
+
+
+def build_app(router: StandaloneRouter) -> RouterApp:
     """The router's ASGI application; its lifespan starts and stops the router's client and probes."""
 
     @asynccontextmanager
@@ -879,16 +916,16 @@ def build_app(router: StandaloneRouter) -> Starlette:
         finally:
             await router.stop()
 
-    app = Starlette(
+    rest = Starlette(
         routes=[
             Route("/health", router.handle_health, methods=["GET"]),
             Route("/metrics", router.handle_metrics, methods=["GET"]),
             Route("/v1/models", router.handle_models, methods=["GET"]),
             Route(RESPONSES_PATH + "/{response_id}", router.handle_stored_response, methods=["GET", "DELETE"]),
+            # RouterApp takes the POSTs: this route gives other methods on a generation path their 405.
             Route("/v1/{path:path}", router.handle_generate, methods=["POST"]),
         ],
         lifespan=lifespan,
     )
-    app.add_middleware(RouterHeadMiddleware, router=router)
-    app.state.router = router
-    return app
+    rest.add_middleware(RouterHeadMiddleware, router=router)
+    return RouterApp(router, rest)

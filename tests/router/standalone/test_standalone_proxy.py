@@ -148,6 +148,18 @@ def test_a_replica_dying_mid_stream_ends_the_stream_in_band_and_takes_no_new_req
         )
 
 
+def test_the_path_and_query_go_to_the_replica_as_the_client_sent_them() -> None:
+    fake = FakeReplica()
+    with replicas(fake) as (up,), router_over([up.url]) as (url, _):
+        r = httpx.post(
+            f"{url}/v1/completions?api-version=1%2F2&x=a%20b", json={"model": "m", "prompt": "p"}, timeout=60
+        )
+        assert r.status_code == 200 and r.headers[HEADER] == up.name
+        r = httpx.get(f"{url}/v1/completions", timeout=60)  # not a generation method: the router's 405
+        assert r.status_code == 405 and r.headers[HEADER] == ROUTER_SELF
+    assert fake.targets == [b"/v1/completions?api-version=1%2F2&x=a%20b"]
+
+
 def test_a_client_that_goes_away_closes_the_upstream_and_ends_its_counts() -> None:
     fake = FakeReplica()
     fake.gate = threading.Event()
