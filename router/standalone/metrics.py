@@ -86,5 +86,4 @@ class StandaloneMetrics:
         )
         self.policy = policy
         for name in replicas:
-            self.in_flight.labels(name).set(0)
             self.admitted.labels(name).set(1)

@@ -416,6 +416,8 @@ class StandaloneRouter:
         self.subscriber: ZmqKVEventSubscriber | None = None
         tenants = config.tenant_table()
         self.metrics = StandaloneMetrics(self.routing.policy.name, self.replicas.names, flow=tenants is not None)
+        for name in self.replicas.names:  # read when scraped: nothing to count per request
+            self.metrics.in_flight.labels(name).set_function(functools.partial(self._in_flight, name))
         self.flow = (
             FlowController(tenants, config.flow_config(), FlowMetrics(self.metrics.flow))
             if tenants is not None and self.metrics.flow is not None
@@ -588,12 +590,13 @@ class StandaloneRouter:
     def started(self, replica: str) -> None:
         """A request (or a stream's continuation) is open on ``replica``."""
         self.replicas.started(replica)
-        self.metrics.in_flight.labels(replica).set(self.replicas[replica].in_flight)
 
     def ended(self, replica: str) -> None:
         """A request (or the part of a stream) open on ``replica`` ended."""
         self.replicas.ended(replica)
-        self.metrics.in_flight.labels(replica).set(self.replicas[replica].in_flight)
+
+    def _in_flight(self, replica: str) -> int:
+        return self.replicas[replica].in_flight
 
     def request_ended(self, plan: Plan, replica: str) -> None:
         """A relayed answer ended (whole, broken or abandoned): its key's count, then its replica's."""
