@@ -158,13 +158,12 @@ class OverheadConfig:
         "(loadtest/harness/protocol_relay.py: bytes passed through on uvloop and httptools, no routing)",
     )
     peer_policy: str = flag_field("round_robin", "the peer router's --policy")
-    upstream_pools: int = flag_field(8, "the router's --upstream-pools")
     out: str = flag_field("router_overhead.json", "where the JSON result goes")
     profile_router: str = flag_field("", "run the router under cProfile and write its stats here")
     logs: str = flag_field("results/router_overhead_logs", "folder for the upstream's and the router's logs")
 
     def __post_init__(self) -> None:
-        for name in ("concurrency", "requests", "rounds", "runs", "chunks", "keys", "upstream_pools"):
+        for name in ("concurrency", "requests", "rounds", "runs", "chunks", "keys"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"--{name} must be an integer >= 1, got {v!r}")
@@ -340,8 +339,6 @@ def router_command(upstream: str, port: int, config: OverheadConfig, venv: PeerR
         HOST,
         "--policy",
         config.policy,
-        "--upstream-pools",
-        str(config.upstream_pools),
         "--log-level",
         "warning",
     ]

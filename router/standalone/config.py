@@ -152,12 +152,6 @@ class StandaloneRouterConfig:
     h11_max_header_count: int = field(
         default=DEFAULT_MAX_HEADER_COUNT, metadata=_help("most header fields a request may carry (431)")
     )
-    # httpcore walks every connection of a pool, with a readability poll (a system call) for each
-    # idle one, whenever a request starts or ends: one pool holding a connection per open request
-    # makes each request cost O(requests in flight) (docs/benchmarks/router_overhead.md).
-    upstream_pools: int = field(
-        default=8, metadata=_help("upstream connection pools forwarded requests take in turn (short pool walks)")
-    )
     kv_events: list[str] = field(
         default_factory=list,
         metadata={
@@ -226,7 +220,7 @@ class StandaloneRouterConfig:
             _check_int(name, getattr(self, name))
         if not isinstance(self.kv_events, list):
             raise ValueError("kv_events must be a list of REPLICA_URL=ENDPOINT[,REPLAY_ENDPOINT]")
-        for name in ("kv_events_block_size", "kv_events_max_entries", "upstream_pools"):
+        for name in ("kv_events_block_size", "kv_events_max_entries"):
             _check_int(name, getattr(self, name))
         if self.kv_events_hash not in HASH_SCHEMES:
             raise ValueError(f"kv_events_hash must be one of {', '.join(HASH_SCHEMES)}, got {self.kv_events_hash!r}")

@@ -339,10 +339,11 @@ class RelayResponse(Response):
         body = {**resend.parsed, CONTINUATION_FIELD: progress.continuation_field(resend.migrations + 1)}
         content = json.dumps(body).encode()
         for name in router.continuation_targets(resend.plan, resend.failed):
-            pool = router.next_pool()
             router.started(name)
             try:
-                answer = await pool.send("POST", router.replicas[name].url + resend.path, resend.headers, content)
+                answer = await router.client.send(
+                    "POST", router.replicas[name].url + resend.path, resend.headers, content
+                )
             except UpstreamError as exc:
                 router.ended(name)
                 resend.failed.add(name)
@@ -425,9 +426,7 @@ class StandaloneRouter:
         )
         self.models_of: dict[str, list[dict[str, Any]]] = {}  # replica -> its /v1/models entries
         self._models_at = -float("inf")
-        self._client: Upstream | None = None  # probes, metrics and model lists
-        self._pools: list[Upstream] = []  # forwarded requests (config.upstream_pools)
-        self._turn = 0
+        self._client: Upstream | None = None  # forwarded requests, probes, metrics and model lists
         self._tasks: list[asyncio.Task[None]] = []
 
     # -- lifecycle ------------------------------------------------------------------
@@ -437,18 +436,10 @@ class StandaloneRouter:
             raise RuntimeError("the router is not started")
         return self._client
 
-    def next_pool(self) -> Upstream:
-        """The upstream pool for the next forwarded request (``upstream_pools`` of them, in turn)."""
-        if not self._pools:
-            raise RuntimeError("the router is not started")
-        self._turn = (self._turn + 1) % len(self._pools)
-        return self._pools[self._turn]
-
     async def start(self) -> None:
         c = self.config
         timeouts = Timeouts(connect_s=c.connect_timeout_s, read_s=c.read_timeout_s)
         self._client = Upstream(timeouts)
-        self._pools = [Upstream(timeouts) for _ in range(c.upstream_pools)]
         hints = self.routing.hints
         if hints is not None and c.kv_events:
             self.subscriber = ZmqKVEventSubscriber(event_sources(c), hints.index).start()
@@ -471,9 +462,6 @@ class StandaloneRouter:
         if self.subscriber is not None:
             await asyncio.to_thread(self.subscriber.stop)
             self.subscriber = None
-        for pool in self._pools:
-            await pool.close()
-        self._pools = []
         if self._client is not None:
             await self._client.close()
             self._client = None
@@ -635,11 +623,10 @@ class StandaloneRouter:
         last: tuple[int, bytes, tuple[tuple[bytes, bytes], ...], str] | None = None
         for i, name in enumerate(attempts):
             final = i == len(attempts) - 1
-            pool = self.next_pool()
             asks_progress = movable and self.speaks_prefixserve(name)
             self.started(name)
             try:
-                answer = await pool.send(
+                answer = await self.client.send(
                     request.method, self.replicas[name].url + path, progress_headers if asks_progress else headers, body
                 )
             except ConnectFailed:
@@ -805,11 +792,10 @@ class StandaloneRouter:
             return own_answer(503, openai_error(503, "no replica is admitted", "no_replica_available", "server_error"))
         # Identity: the answer is read whole and relayed as read.
         headers = {**upstream_headers(request.headers), "accept-encoding": "identity"}
-        pool = self.next_pool()
         answer: tuple[int, tuple[tuple[bytes, bytes], ...], bytes] | None = None
         for name in names:
             try:
-                answer = await pool.fetch(request.method, self.replicas[name].url + request.url.path, headers)
+                answer = await self.client.fetch(request.method, self.replicas[name].url + request.url.path, headers)
             except UpstreamError as exc:
                 log.warning("replica %s did not answer %s %s: %s", name, request.method, request.url.path, exc)
                 continue

@@ -310,16 +310,6 @@ def test_a_json_answer_broken_off_is_cut_for_the_client_too() -> None:
         assert r.status_code == 200 and r.headers[HEADER] == ub.name
 
 
-def test_forwarded_requests_take_the_upstream_pools_in_turn() -> None:
-    with pytest.raises(ValueError, match="upstream_pools"):
-        StandaloneRouterConfig(replicas=["http://a:1"], upstream_pools=0)
-    with replicas(FakeReplica()) as (a,), router_over([a.url], upstream_pools=3) as (url, router):
-        assert len({id(router.next_pool()) for _ in range(6)}) == 3
-        with httpx.Client(timeout=30.0) as http:
-            for _ in range(4):
-                assert http.post(f"{url}/v1/chat/completions", json=chat("s")).status_code == 200
-
-
 def test_a_request_for_an_adapter_goes_where_the_adapters_key_lands() -> None:
     from prefixserve.router.routing_key import adapter_key
 
