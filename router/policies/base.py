@@ -75,6 +75,8 @@ class ReplicaLoad:
         waiting requests use.
     adapter_capacity: how many adapters it holds loaded at most (prefixserve's
         ``max_cpu_loras``, vLLM's ``max_lora``); 0: unknown.
+    kv_capacity_tokens: how many tokens of KV its cache holds (its blocks times their size,
+        vLLM's ``cache_config_info``); 0: unknown.
 
     Policies read it with ``load_of(candidate)``: a candidate without a ``load``
     attribute (or with None) is known by its ``in_flight`` count alone.
@@ -86,9 +88,10 @@ class ReplicaLoad:
     queued_prefill_tokens: int = 0
     adapters: frozenset[str] = frozenset()
     adapter_capacity: int = 0
+    kv_capacity_tokens: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("num_waiting", "num_running", "queued_prefill_tokens", "adapter_capacity"):
+        for name in ("num_waiting", "num_running", "queued_prefill_tokens", "adapter_capacity", "kv_capacity_tokens"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"ReplicaLoad.{name} must be an integer >= 0, got {v!r}")

@@ -101,6 +101,9 @@ class PlacedOptions(RingOptions):
         sent ``conversation_move_bound(mean, move_epsilon, noise_z)`` recent requests
         or more is placed as a new conversation (it recomputes its history once).
         None: never moved for balance.
+    kv_fill: the share of a replica's KV capacity (its reported ``kv_capacity_tokens``) the
+        static prefixes of the keys placed on it may fill (``observe``'s ``static_tokens``): a
+        new or shed key goes past a replica they would overfill (placement.py, "KV footprint").
     retain_s: how long after a request asking for ``prompt_cache_retention`` its key stays where
         it is placed (``retain``): rebalancing neither moves nor forgets it, its replica holding
         its pinned prefix (the engines' ``cache_retention_ttl_s``, a day, by default).
@@ -125,6 +128,7 @@ class PlacedOptions(RingOptions):
     recent_epsilon: float = 0.1
     move_epsilon: float | None = MOVE_EPSILON
     retain_s: float = 86400.0
+    kv_fill: float = 0.9
     clock: Callable[[], float] | None = None
 
     def __post_init__(self) -> None:
@@ -154,7 +158,7 @@ class PlacedOptions(RingOptions):
         z = self.noise_z
         if isinstance(z, bool) or not isinstance(z, (int, float)) or not (z >= 0 and math.isfinite(z)):
             raise ValueError(f"noise_z must be a finite number >= 0, got {z!r}")
-        for name in ("kv_host_weight", "kv_disk_weight"):
+        for name in ("kv_host_weight", "kv_disk_weight", "kv_fill"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
                 raise ValueError(f"{name} must be a number in [0, 1], got {v!r}")
@@ -281,7 +285,10 @@ class Placed(RingPolicy):
         o: PlacedOptions = self.options
         self.epsilon = o.epsilon
         self._clock: Callable[[], float] = o.clock if o.clock is not None else time.monotonic
-        self.table = PlacementTable(o.epsilon, o.tau_s, o.hot_share, o.precise, o.work_epsilon, o.noise_z)
+        self.table = PlacementTable(
+            o.epsilon, o.tau_s, o.hot_share, o.precise, o.work_epsilon, o.noise_z, kv_fill=o.kv_fill
+        )
+        self._capacities: dict[str, int] = {}  # replica -> the KV capacity last told to the table
         self.history = HistoryIndex(o.history_max_entries) if o.history_max_entries else None
         self.recent = RecentCounts(o.recent_tau_s) if o.recent_tau_s is not None else None
         self._next_rebalance: float | None = None
@@ -414,6 +421,9 @@ class Placed(RingPolicy):
                 q = load.num_waiting + load.num_running
                 if q > f:
                     f = q
+                if load.kv_capacity_tokens != self._capacities.get(c.name, 0):
+                    self._capacities[c.name] = load.kv_capacity_tokens
+                    self.table.set_capacity(c.name, load.kv_capacity_tokens)
             loads.append(f)
         cap = in_flight_cap(sum(loads) / len(candidates))
         holding: frozenset[int] = frozenset()
@@ -632,10 +642,15 @@ class Placed(RingPolicy):
         """Requests of ``key`` ranked and not yet ``done``."""
         return self._key_in_flight.get(key, 0)
 
-    def observe(self, key: str, prompt_tokens: int, cached_tokens: int | None = None) -> None:
-        """Record the prefill work of one request of ``key`` (see the class docstring)."""
+    def observe(
+        self, key: str, prompt_tokens: int, cached_tokens: int | None = None, static_tokens: int | None = None
+    ) -> None:
+        """Record the prefill work of one request of ``key`` (see the class docstring), and, with
+        ``static_tokens``, how many tokens its static prefix takes (the key's KV footprint)."""
         uncached = prompt_tokens - (cached_tokens or 0)
         self.table.observe(key, max(0, uncached), self._clock())
+        if static_tokens:
+            self.table.set_footprint(key, static_tokens)
 
     def refused(self, key: str) -> None:
         """A request of ``key`` ranked with ``count=True`` was refused by its replica as a client error:

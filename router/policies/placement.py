@@ -36,6 +36,16 @@ destination or a copy, ordering the keys a replica sheds. A key with no
 information is treated as in approximate mode, so missed or late events degrade
 to approximate placement, never to a wrong answer.
 
+KV footprint: with ``set_capacity(replica, tokens)`` (how many tokens of KV a replica holds)
+and ``set_footprint(key, tokens)`` (the tokens of a key's static prefix), a replica also has room
+for a key only while the footprints of the keys placed on it and requested in the last ``tau_s``
+(each copy whole) fit ``kv_fill`` of its capacity; an empty replica still always has room. Rate
+and work balance say nothing of how many prompts a pool holds: ten tenants of equal traffic and
+long prompts can balance two replicas' rates at eight prompts against two, and the eight evict
+each other. A key whose footprint is not known yet counts as the mean of those known. The
+footprints on each replica are recounted at every rebalance and kept between them as keys are
+placed and moved. Without capacities (or footprints) nothing changes.
+
 Retained keys: ``retain(key, until)`` marks a key whose requests ask their replica to pin its
 prefix (OpenAI's ``prompt_cache_retention``, replica/kv/pins.py): until then rebalancing neither
 moves it off its primary replica nor forgets it, since its cache is where it is. Hot-key copies
@@ -92,8 +102,12 @@ class PlacementTable:
         precise: bool = False,
         work_epsilon: float | None = None,
         noise_z: float = 0.0,
+        kv_fill: float = 0.9,
     ) -> None:
         self.epsilon = float(epsilon)
+        # The share of a replica's KV capacity the static prefixes placed on it may fill: the rest
+        # holds the requests' own blocks (questions, answers, histories).
+        self.kv_fill = float(kv_fill)
         # Rebalancing acts on decayed request counts, which carry Poisson noise of about
         # sqrt(count): a replica sheds, and a key gains a copy, only when its excess
         # exceeds noise_z standard deviations. Each move costs a cold prefill, and on a
@@ -134,6 +148,14 @@ class PlacementTable:
         self._load_work: FloatArray = np.zeros(0)
         self._total_rate = 0.0
         self._total_work = 0.0
+        # KV footprint (module docstring): per slot, its static prefix's tokens (0: not known yet);
+        # per member, its capacity in tokens (0: unknown) and the footprint placed on it.
+        self._foot: FloatArray = np.zeros(0)
+        self._capacity_of: dict[str, float] = {}
+        self._capacity: FloatArray = np.zeros(0)
+        self._load_foot: FloatArray = np.zeros(0)
+        self._foot_prior = 0.0  # the mean known footprint, counted for a key not known yet
+        self._now: float | None = None  # the latest time the table was told (footprints count the recent keys)
 
     # -- membership -----------------------------------------------------------------
     def set_members(
@@ -166,6 +188,7 @@ class PlacementTable:
             self._copies[slot] += len(extra)
         self._succ = [None] * len(self._succ)
         self._placed_memo.clear()
+        self._capacity = np.asarray([self._capacity_of.get(n, 0.0) for n in self.members], dtype=np.float64)
         self._recompute_loads()
         self.version += 1
 
@@ -216,6 +239,7 @@ class PlacementTable:
         if not self.members:
             raise ValueError("the placement table has no members")
         w = self._unit(now)
+        self._now = now
         slot = self._slot.get(key)
         if slot is None:
             slot = self._new_slot(key)
@@ -261,6 +285,7 @@ class PlacementTable:
             size = max(64, 2 * old)
             self._rate = np.concatenate([self._rate, np.zeros(size - old)])
             self._work = np.concatenate([self._work, np.zeros(size - old)])
+            self._foot = np.concatenate([self._foot, np.zeros(size - old)])
             self._primary = np.concatenate([self._primary, np.full(size - old, -1, dtype=np.int64)])
             self._copies = np.concatenate([self._copies, np.zeros(size - old, dtype=np.int64)])
             self._live = np.concatenate([self._live, np.zeros(size - old, dtype=np.bool_)])
@@ -272,7 +297,7 @@ class PlacementTable:
         self._unplace(slot)
         self._slot[key] = slot
         self._keys[slot] = key
-        self._rate[slot] = self._work[slot] = 0.0
+        self._rate[slot] = self._work[slot] = self._foot[slot] = 0.0
         self._primary[slot] = -1
         self._copies[slot] = 0
         self._live[slot] = True
@@ -298,15 +323,18 @@ class PlacementTable:
         return succ
 
     # -- room and placement ---------------------------------------------------------
-    def _room(self, i: int, rate: float, work: float | None) -> bool:
-        """Whether member ``i`` stays within its bounds after taking a key's rate (and work, unless None).
+    def _room(self, i: int, rate: float, work: float | None, foot: float | None = None) -> bool:
+        """Whether member ``i`` stays within its bounds after taking a key's rate (and work and
+        footprint, unless None).
 
         Bounds: (1 + epsilon) of its fair share of the rate, (1 + work_epsilon)
-        of the work. An empty replica always has room (the ceiling of Mirrokni
-        et al.'s bound).
+        of the work, ``kv_fill`` of its KV capacity when known. An empty replica
+        always has room (the ceiling of Mirrokni et al.'s bound).
         """
         if self._load_rate[i] <= 0.0:
             return True
+        if foot and self._capacity[i] > 0.0 and self._load_foot[i] + foot > self.kv_fill * self._capacity[i]:
+            return False
         # The totals already count the key (a new key's request is counted before it is placed).
         if self._load_rate[i] + rate > (1.0 + self.epsilon) * self._share[i] * self._total_rate:
             return False
@@ -320,18 +348,20 @@ class PlacementTable:
             return None
         return self._cached.get(key, {}).get(replica)
 
-    def _pick(self, slot: int, order: Sequence[int], rate: float, work: float) -> int | None:
+    def _pick(self, slot: int, order: Sequence[int], rate: float, work: float, foot: float = 0.0) -> int | None:
         """The first member of ``order`` with room, preferring (precise mode) one holding the key.
 
-        Room in rate and work if any member has it, else room in rate alone. The
-        walk stops at the first member with room (approximate mode) or the first
-        with room holding the key (precise mode): room is asked of no member past it.
+        Room in rate, work and KV footprint if any member has it, else in rate and footprint,
+        else in rate alone. The walk stops at the first member with room (approximate mode)
+        or the first with room holding the key (precise mode): room is asked of no member
+        past it.
         """
         key = self._keys[slot] if self.precise else None
-        for bound in (work, None):
+        tiers = ((work, foot), (None, foot), (None, 0.0)) if foot else ((work, 0.0), (None, 0.0))
+        for bound, kv in tiers:
             first: int | None = None
             for i in order:
-                if not self._room(i, rate, bound):
+                if not self._room(i, rate, bound, kv):
                     continue
                 if key is None:
                     return i
@@ -344,15 +374,23 @@ class PlacementTable:
         return None
 
     def _place_new(self, slot: int) -> None:
-        rate, work = float(self._rate[slot]), float(self._work[slot])
+        rate, work, foot = float(self._rate[slot]), float(self._work[slot]), self._footprint(slot)
         succ = self.successors_of(slot)
-        chosen = self._pick(slot, succ, rate, work)
-        self._primary[slot] = succ[0] if chosen is None else chosen
+        chosen = self._pick(slot, succ, rate, work, foot)
+        primary = self._primary[slot] = succ[0] if chosen is None else chosen
         self._copies[slot] = 1
         self._extra.pop(slot, None)
         self._unplace(slot)
         self._add_load(slot, rate, work)
+        self._load_foot[primary] += foot
         self.version += 1
+
+    def _footprint(self, slot: int) -> float:
+        """The tokens ``slot``'s key counts for on each replica it is placed on (the known mean
+        when its own are not known); 0 while no replica's capacity is known."""
+        if not self._capacity_of:
+            return 0.0
+        return float(self._foot[slot]) or self._foot_prior
 
     # -- rebalance ------------------------------------------------------------------
     def _renormalize(self, now: float) -> None:
@@ -382,6 +420,24 @@ class PlacementTable:
                 self._load_work[i] += self._work[slot] / c
         self._total_rate = float(self._rate.sum())  # free slots hold 0
         self._total_work = float(self._work.sum())
+        self._recount_footprints(placed, idx)
+
+    def _recount_footprints(self, placed: npt.NDArray[np.bool_], idx: IntArray) -> None:
+        """Each member's placed footprint: the keys placed on it requested in the last ``tau_s``,
+        each copy whole, a key not known yet counting as the known mean."""
+        n = len(self.members)
+        if not self._capacity_of:
+            self._load_foot = np.zeros(n)
+            return
+        known = self._live & (self._foot > 0.0)
+        self._foot_prior = float(self._foot[known].mean()) if known.any() else 0.0
+        foot = np.where(self._foot > 0.0, self._foot, self._foot_prior)
+        if self._now is not None:
+            foot = np.where(self._seen >= self._now - self.tau_s, foot, 0.0)
+        self._load_foot = np.bincount(idx, foot[placed], minlength=n).astype(np.float64)
+        for slot, extra in self._extra.items():
+            for i in extra:
+                self._load_foot[i] += foot[slot]
 
     def retain(self, key: str, until: float) -> None:
         """Keep ``key`` (a key the table knows) where it is placed until ``until`` (module docstring)."""
@@ -399,6 +455,7 @@ class PlacementTable:
     def rebalance(self, now: float) -> bool:
         """Decay, forget, replicate hot keys, shed from overloaded replicas; True if any placement changed."""
         self._renormalize(now)
+        self._now = now
         version = self.version
         self._retained = {k: u for k, u in self._retained.items() if u > now and k in self._slot}
         if not self.members:
@@ -427,7 +484,7 @@ class PlacementTable:
         self._live[slot] = False
         self._primary[slot] = -1
         self._copies[slot] = 0
-        self._rate[slot] = self._work[slot] = 0.0
+        self._rate[slot] = self._work[slot] = self._foot[slot] = 0.0
         self._extra.pop(slot, None)
         self._unplace(slot)
         self._succ[slot] = None
@@ -501,7 +558,8 @@ class PlacementTable:
         slack = self.noise_z * np.sqrt(np.maximum(self._load_rate, 0.0))
         cap_rate = cap_rate + slack
         cap_work = cap_work * (1.0 + slack / np.maximum(self._load_rate, 1.0))
-        over = np.nonzero((self._load_rate > cap_rate) | (self._load_work > cap_work))[0]
+        cap_foot = np.where(self._capacity > 0.0, self.kv_fill * self._capacity, np.inf)
+        over = np.nonzero((self._load_rate > cap_rate) | (self._load_work > cap_work) | (self._load_foot > cap_foot))[0]
         if not len(over):
             return
         # Candidates: single-copy keys on an overloaded replica, grouped by replica.
@@ -509,29 +567,39 @@ class PlacementTable:
         slots = np.nonzero(single)[0]
         owners = self._primary[slots]
         for r in over.tolist():
-            mine = self._shed_order(slots[owners == r], r, cap_rate[r], cap_work[r])
+            mine = self._shed_order(slots[owners == r], r, cap_rate[r], cap_work[r], cap_foot[r])
             for slot in mine.tolist():
-                if self._load_rate[r] <= cap_rate[r] and self._load_work[r] <= cap_work[r]:
+                if (
+                    self._load_rate[r] <= cap_rate[r]
+                    and self._load_work[r] <= cap_work[r]
+                    and self._load_foot[r] <= cap_foot[r]
+                ):
                     break
                 self._move(slot, r)
 
-    def _shed_order(self, mine: IntArray, r: int, cap_rate: float, cap_work: float) -> IntArray:
+    def _shed_order(
+        self, mine: IntArray, r: int, cap_rate: float, cap_work: float, cap_foot: float = math.inf
+    ) -> IntArray:
         """The order in which replica ``r`` offers its single-copy keys ``mine`` when over its caps.
 
         Every move costs the key one cold prefill on its new replica (its prefix stays
         cached where it was), whatever the key's size, so the replica sheds with the
         fewest moves: first the smallest key that covers the whole excess alone, then
-        the rest largest first. The excess is the rate's, or the work's when only the
-        work is over. Precise mode puts the keys whose prefix ``r`` is known not to hold
+        the rest largest first. The excess is the rate's, or else the work's, or else the
+        KV footprint's. Precise mode puts the keys whose prefix ``r`` is known not to hold
         in front (moving them costs nothing), in the same order among themselves.
         """
         if not len(mine):
             return mine
         rate_excess = self._load_rate[r] - cap_rate
+        work_excess = self._load_work[r] - cap_work
         if rate_excess > 0:
             size, excess = self._rate[mine], rate_excess
+        elif work_excess > 0:
+            size, excess = self._work[mine], work_excess
         else:
-            size, excess = self._work[mine], self._load_work[r] - cap_work
+            size = np.where(self._foot[mine] > 0.0, self._foot[mine], self._foot_prior)
+            excess = self._load_foot[r] - cap_foot
         by_size = np.argsort(-size, kind="stable")
         mine, size = mine[by_size], size[by_size]
         covering = np.nonzero(size >= excess)[0]
@@ -549,11 +617,11 @@ class PlacementTable:
         return mine
 
     def _move(self, slot: int, src: int) -> None:
-        rate, work = float(self._rate[slot]), float(self._work[slot])
+        rate, work, foot = float(self._rate[slot]), float(self._work[slot]), self._footprint(slot)
         succ = self.successors_of(slot)
         start = succ.index(src) if src in succ else 0
         after = [succ[(start + j) % len(succ)] for j in range(1, len(succ))]
-        dst = self._pick(slot, after, rate, work)
+        dst = self._pick(slot, after, rate, work, foot)
         if dst is None:
             return
         self._primary[slot] = dst
@@ -562,6 +630,8 @@ class PlacementTable:
         self._load_work[src] -= work
         self._load_rate[dst] += rate
         self._load_work[dst] += work
+        self._load_foot[src] -= foot
+        self._load_foot[dst] += foot
         self.version += 1
 
     # -- precise mode ---------------------------------------------------------------
@@ -573,6 +643,27 @@ class PlacementTable:
             known = self._cached.get(key)
             if known is not None or key in self._slot:
                 self._cached.setdefault(key, {})[replica] = False
+
+    # -- KV footprint ---------------------------------------------------------------
+    def set_capacity(self, replica: str, tokens: float) -> None:
+        """How many tokens of KV ``replica`` holds (0: unknown); counted from the next rebalance."""
+        if tokens > 0:
+            self._capacity_of[replica] = float(tokens)
+        else:
+            self._capacity_of.pop(replica, None)
+        i = self._index.get(replica)
+        if i is not None:
+            self._capacity[i] = self._capacity_of.get(replica, 0.0)
+
+    def set_footprint(self, key: str, tokens: float) -> None:
+        """The tokens of ``key``'s static prefix (the largest told); counted from the next rebalance."""
+        slot = self._slot.get(key)
+        if slot is not None and tokens > self._foot[slot]:
+            self._foot[slot] = float(tokens)
+
+    def footprints(self) -> dict[str, tuple[float, float]]:
+        """Per member: (the KV footprint placed on it, its capacity), tokens (0: unknown)."""
+        return {n: (float(self._load_foot[i]), float(self._capacity[i])) for i, n in enumerate(self.members)}
 
     # -- inspection and agreement ---------------------------------------------------
     def loads(self) -> dict[str, tuple[float, float]]:
@@ -622,6 +713,7 @@ class PlacementTable:
                 "replicas": self.placement(key),
                 "rate": float(self._rate[slot]) * f,
                 "work": float(self._work[slot]) * f,
+                "foot": float(self._foot[slot]),
                 "age": max(0.0, now - float(self._seen[slot])),
             }
         return {"format": SNAPSHOT_FORMAT, "version": self.version, "members": list(self.members), "keys": keys}
@@ -644,6 +736,7 @@ class PlacementTable:
         self._free = []
         self._rate = np.zeros(0)
         self._work = np.zeros(0)
+        self._foot = np.zeros(0)
         self._primary = np.zeros(0, dtype=np.int64)
         self._copies = np.zeros(0, dtype=np.int64)
         self._live = np.zeros(0, dtype=np.bool_)
@@ -651,11 +744,12 @@ class PlacementTable:
         self._extra = {}
         self._succ = []
         self._placed_memo = {}
-        self._t0 = now
+        self._t0 = self._now = now
         for key, entry in entries.items():
             slot = self._new_slot(str(key))
             self._rate[slot] = float(entry["rate"])
             self._work[slot] = float(entry["work"])
+            self._foot[slot] = float(entry.get("foot", 0.0))
             self._seen[slot] = now - float(entry.get("age", 0.0))
             idx = [self._index[n] for n in entry["replicas"] if n in self._index]
             if idx:

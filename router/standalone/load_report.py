@@ -18,6 +18,9 @@ its running and waiting requests use (``vllm:lora_requests_info``'s
 replica's ``adapters`` are their union, and its ``adapter_capacity`` the first series'
 ``max_cpu_loras`` label, else vLLM's ``max_lora``.
 
+The KV capacity: prefixserve and vLLM publish their cache settings as the labels of
+``vllm:cache_config_info``; ``num_gpu_blocks`` times ``block_size`` is the tokens the cache holds.
+
 Pure stdlib: a line parser for the gauges above, not a general Prometheus parser.
 """
 
@@ -38,6 +41,7 @@ ADAPTER_LABELS = {
     "vllm:lora_requests_info": ("running_lora_adapters", "waiting_lora_adapters"),
 }
 CAPACITY_LABELS = ("max_cpu_loras", "max_lora")  # the first found wins
+CACHE_CONFIG = "vllm:cache_config_info"
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
@@ -93,6 +97,16 @@ def adapters(text: str) -> tuple[frozenset[str], int]:
     return frozenset(names), next((capacity[c] for c in CAPACITY_LABELS if c in capacity), 0)
 
 
+def kv_capacity_tokens(text: str) -> int:
+    """The tokens of KV the cache settings in exposition ``text`` say the replica holds (0: not said)."""
+    for line in text.splitlines():
+        if line.startswith(CACHE_CONFIG + "{"):
+            labels = dict(_LABEL.findall(line[len(CACHE_CONFIG) : line.rfind("}") + 1]))
+            blocks, size = labels.get("num_gpu_blocks", ""), labels.get("block_size", "")
+            return int(blocks) * int(size) if blocks.isdigit() and size.isdigit() else 0
+    return 0
+
+
 def _count(found: dict[str, list[float]], names: tuple[str, ...]) -> int | None:
     for name in names:
         if name in found:
@@ -114,5 +128,10 @@ def parse_load(text: str) -> ReplicaLoad | None:
             break
     held, capacity = adapters(text)
     return ReplicaLoad(
-        num_waiting=waiting or 0, num_running=running or 0, kv_usage=kv, adapters=held, adapter_capacity=capacity
+        num_waiting=waiting or 0,
+        num_running=running or 0,
+        kv_usage=kv,
+        adapters=held,
+        adapter_capacity=capacity,
+        kv_capacity_tokens=kv_capacity_tokens(text),
     )

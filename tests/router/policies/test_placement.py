@@ -226,6 +226,7 @@ class ReferenceTable(PlacementTable):
         if not self.members:
             raise ValueError("the placement table has no members")
         w = self._unit(now)
+        self._now = now
         slot = self._slot.get(key)
         if slot is None:
             slot = self._new_slot(key)
@@ -240,8 +241,11 @@ class ReferenceTable(PlacementTable):
                 self._load_rate[self._index[n]] += w / len(placed)
         return self.placement(key)
 
-    def _pick(self, slot: int, order, rate: float, work: float) -> int | None:  # type: ignore[no-untyped-def]
-        with_room = [i for i in order if self._room(i, rate, work)]
+    def _pick(self, slot: int, order, rate: float, work: float, foot: float = 0.0) -> int | None:  # type: ignore[no-untyped-def]
+        # Room in rate, work and footprint; else in rate and footprint; else in rate alone.
+        with_room = [i for i in order if self._room(i, rate, work, foot)]
+        if not with_room:
+            with_room = [i for i in order if self._room(i, rate, None, foot)]
         if not with_room:
             with_room = [i for i in order if self._room(i, rate, None)]
         if not with_room:
@@ -267,6 +271,9 @@ def reference_rank(p: Placed, candidates: list[Loaded], key: str | None, count: 
         if p._next_rebalance is not None:
             p._rebalance(now)
         p._next_rebalance = now + p.options.rebalance_interval_s
+    for c in candidates:  # a reported KV capacity is the table's from then on
+        if c.load is not None:
+            p.table.set_capacity(c.name, c.load.kv_capacity_tokens)
     placed = p.table.record(key, now) if count else p.table.placement(key)
     order = ring.successors(key)
     by_name = {c.name: c for c in candidates}
@@ -321,6 +328,9 @@ def test_rank_decides_as_the_direct_statement_of_the_decision(seed: int, monkeyp
     names = rng.sample(pool, 6)
     keys = [f"k{i}" for i in range(40)]
     spread = rng.choice([3, 12, 40])
+    # KV capacities (some replicas unknown) and static prefixes: placements bounded by footprints too.
+    with_capacity = seed % 4 != 0
+    capacities = {n: rng.choice([0, 2000, 5000, 20000]) for n in pool}
     kinds: Counter[str] = Counter()
     for step in range(1500):
         clock.t += rng.expovariate(20.0)
@@ -333,7 +343,12 @@ def test_rank_decides_as_the_direct_statement_of_the_decision(seed: int, monkeyp
         for n in names:
             # some over the in-flight cap, so that requests spill
             f = rng.randint(0, spread) if rng.random() < 0.7 else rng.randint(4 * spread, 8 * spread)
-            load = None if rng.random() < 0.3 else ReplicaLoad(rng.randint(0, spread), rng.randint(0, 4))
+            capacity = capacities.get(n, 0) if with_capacity else 0
+            load = (
+                None
+                if rng.random() < 0.3
+                else ReplicaLoad(rng.randint(0, spread), rng.randint(0, 4), kv_capacity_tokens=capacity)
+            )
             cands.append(Loaded(n, f, load))
         u = rng.random()
         key = None if u < 0.05 else f"new-{step}" if u < 0.1 else keys[min(int(rng.paretovariate(1.0)) - 1, 39)]
@@ -346,8 +361,9 @@ def test_rank_decides_as_the_direct_statement_of_the_decision(seed: int, monkeyp
         kinds[a.kind or ""] += 1
         if key is not None and rng.random() < 0.5:
             prompt, cached = rng.randint(1, 500), rng.choice([None, rng.randint(0, 500)])
-            fast.observe(key, prompt, cached)
-            ref.observe(key, prompt, cached)
+            static = rng.choice([None, rng.randint(0, prompt)])
+            fast.observe(key, prompt, cached, static)
+            ref.observe(key, prompt, cached, static)
         if precise and rng.random() < 0.3:
             k, n, held = rng.choice(keys), rng.choice(pool), rng.random() < 0.5
             fast.set_cached(n, k, held)
@@ -361,6 +377,7 @@ def test_rank_decides_as_the_direct_statement_of_the_decision(seed: int, monkeyp
         if step % 100 == 99:
             assert fast.table.snapshot(clock.t) == ref.table.snapshot(clock.t)
             assert fast.table.loads() == ref.table.loads()
+            assert fast.table.footprints() == ref.table.footprints()
             for k in fast.table.keys():
                 assert fast.placement(k) == ref.table.placement(k)
     # the stream reached every branch of the decision
@@ -650,3 +667,90 @@ def test_a_refused_request_is_taken_back_and_a_key_seen_only_in_refused_requests
     assert got.keys() == want.keys() and all(got[n] == pytest.approx(want[n], abs=1e-9) for n in got)
     p.refused("never-seen")  # nothing to take back
     assert len(p.table) == 1
+
+
+# ------------------------------------------------------------------- KV footprint
+
+
+def footprint_fleet(capacity: int, names: list[str] = NAMES[:2]) -> list[Loaded]:
+    return [Loaded(n, 0, ReplicaLoad(kv_capacity_tokens=capacity)) for n in names]
+
+
+def test_new_keys_go_past_a_replica_their_static_prefixes_would_overfill() -> None:
+    clock = Clock()
+    names = NAMES[:2]
+    a, b = names
+    # Rates cannot tell (one request a second each, a loose bound), and work is not counted.
+    p = policy(clock, epsilon=10.0, work_epsilon=None, kv_fill=0.9)
+    keys = keys_owned_by(a, 12, names)
+    for i, k in enumerate(keys):
+        clock.t = float(i)
+        assert p.rank(footprint_fleet(1000), k).chosen.name in names
+        p.observe(k, prompt_tokens=120, cached_tokens=0, static_tokens=100)
+    placement = {k: p.placement(k)[0] for k in keys}
+    # 0.9 x 1000 tokens hold nine prompts of 100: the rest go to the next successor, b.
+    assert [placement[k] for k in keys].count(a) == 9
+    assert all(placement[k] == b for k in keys[9:])
+    foot = p.table.footprints()
+    assert foot[a] == (900.0, 1000.0) and foot[b] == (300.0, 1000.0)
+
+
+def test_without_capacities_footprints_change_nothing() -> None:
+    clock = Clock()
+    names = NAMES[:2]
+    a = names[0]
+    p = policy(clock, epsilon=10.0, work_epsilon=None)
+    keys = keys_owned_by(a, 12, names)
+    for i, k in enumerate(keys):
+        clock.t = float(i)
+        p.rank(fleet(names=names), k)
+        p.observe(k, prompt_tokens=120, cached_tokens=0, static_tokens=100)
+    assert all(p.placement(k) == [a] for k in keys)
+
+
+def test_a_replica_over_its_footprint_sheds_keys_at_the_rebalance_and_quiet_keys_do_not_count() -> None:
+    clock = Clock()
+    names = NAMES[:2]
+    a, b = names
+    p = policy(clock, epsilon=10.0, work_epsilon=None, rebalance_interval_s=1e9)
+    keys = keys_owned_by(a, 10, names)
+    for i, k in enumerate(keys):  # placed before any capacity is known: all on their owner
+        clock.t = float(i)
+        p.rank(fleet(names=names), k)
+        p.observe(k, prompt_tokens=100, cached_tokens=0, static_tokens=100)
+    assert all(p.placement(k) == [a] for k in keys)
+    p.rank(footprint_fleet(500, names), keys[0])  # the capacities arrive with a load report
+    p.table.rebalance(clock())
+    on_a = [k for k in keys if p.placement(k) == [a]]
+    assert len(on_a) == 4 and p.table.footprints()[a][0] <= 450.0  # 0.9 x 500
+    assert all(p.placement(k) == [b] for k in keys if k not in on_a)
+    # Keys not requested for tau_s hold no footprint any more (their blocks are the first evicted).
+    clock.t += 301.0
+    p.table.rebalance(clock.t)
+    assert p.table.footprints()[a][0] == 0.0
+
+
+def test_a_key_whose_footprint_is_not_known_counts_as_the_mean_of_those_known() -> None:
+    clock = Clock()
+    names = NAMES[:2]
+    a, b = names
+    p = policy(clock, epsilon=10.0, work_epsilon=None)
+    keys = keys_owned_by(a, 6, names)
+    for i, k in enumerate(keys[:4]):
+        clock.t = float(i)
+        p.rank(footprint_fleet(1000, names), k)
+        p.observe(k, prompt_tokens=200, cached_tokens=0, static_tokens=200)
+    p.table.rebalance(clock.t)  # the mean known footprint: 200
+    clock.t += 1.0
+    p.rank(footprint_fleet(1000, names), keys[4])  # 800 + 200 > 900: past a, unknown as it is
+    assert p.placement(keys[4]) == [b]
+
+
+def test_footprints_travel_in_the_snapshot() -> None:
+    clock = Clock()
+    leader, follower = policy(clock), policy(clock, leader=False)
+    leader.rank(fleet(), "k")
+    leader.observe("k", prompt_tokens=50, cached_tokens=0, static_tokens=40)
+    follower.rank(fleet(), "other")
+    follower.apply_snapshot(json.loads(json.dumps(leader.placement_snapshot())))
+    assert follower.table.snapshot(clock())["keys"]["k"]["foot"] == 40.0

@@ -108,6 +108,17 @@ def test_the_adapters_a_replica_holds_are_read_from_prefixserve_and_vllm_info_se
     assert parse_load(empty) == ReplicaLoad(adapter_capacity=2)
 
 
+def test_the_kv_capacity_is_read_from_the_cache_settings() -> None:
+    text = (
+        "vllm:num_requests_running 0\n"
+        'vllm:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="True",'
+        'num_gpu_blocks="119",swap_space="4.0"} 1.0\n'
+    )
+    assert parse_load(text) == ReplicaLoad(kv_capacity_tokens=119 * 16)
+    unknown = text.replace('num_gpu_blocks="119"', 'num_gpu_blocks="None"')
+    assert parse_load(unknown) == ReplicaLoad()
+
+
 def test_text_without_request_gauges_reports_no_load() -> None:
     assert parse_load("# nothing\nprocess_cpu_seconds_total 12\nvllm:num_requests_running NaN\n") is None
     assert parse_load("") is None
@@ -147,6 +158,19 @@ def test_same_system_prompt_same_replica_with_placed() -> None:
         assert routing.landed(plan, plan.first) in (KIND_OWNER, "placed", "new_conversation")
         routing.finished(plan)
     assert len(firsts) == 1
+
+
+def test_an_answers_usage_tells_placed_the_tokens_of_its_keys_static_prefix() -> None:
+    routing = StandaloneRouting(make_policy("placed"), ReplicaSet(URLS))
+    system = "You are a pirate. " * 20
+    plan = routing.plan(chat(system, "what is the time?"), {})
+    assert plan.blocks is not None and 0 < plan.blocks.static_blocks < len(plan.blocks.hashes)
+    share = plan.blocks.static_blocks / len(plan.blocks.hashes)
+    routing.observe(plan, prompt_tokens=200, cached_tokens=0)
+    routing.finished(plan)
+    placed = routing.placed
+    assert placed is not None and plan.key is not None
+    assert placed.table.snapshot(0.0)["keys"][plan.key]["foot"] == round(200 * share)
 
 
 def test_each_decision_is_logged_at_debug_with_its_key_kind_and_loads(caplog) -> None:
