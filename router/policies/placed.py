@@ -289,6 +289,9 @@ class Placed(RingPolicy):
             o.epsilon, o.tau_s, o.hot_share, o.precise, o.work_epsilon, o.noise_z, kv_fill=o.kv_fill
         )
         self._capacities: dict[str, int] = {}  # replica -> the KV capacity last told to the table
+        # key -> the share of its latest ranked prompt's blocks its static prefix covers: with an
+        # answer's prompt tokens, the tokens of its KV footprint (``observe``).
+        self._static_share: dict[str, float] = {}
         self.history = HistoryIndex(o.history_max_entries) if o.history_max_entries else None
         self.recent = RecentCounts(o.recent_tau_s) if o.recent_tau_s is not None else None
         self._next_rebalance: float | None = None
@@ -328,6 +331,7 @@ class Placed(RingPolicy):
         changed = self.table.rebalance(now)
         self._turns = {k: t for k, t in self._turns.items() if len(self.table.placement(k)) > 1}
         self._conversational = {k: t for k, t in self._conversational.items() if k in self.table}
+        self._static_share = {k: s for k, s in self._static_share.items() if k in self.table}
         return changed
 
     def _set_view(self, candidates: Sequence[ReplicaView], names: list[str]) -> HashRing:
@@ -470,6 +474,8 @@ class Placed(RingPolicy):
             recent_bound = mean_recent * (1.0 + self.options.recent_epsilon) + 1.0
             if self.options.move_epsilon is not None:
                 move_bound = conversation_move_bound(mean_recent, self.options.move_epsilon, self.options.noise_z)
+        if history:
+            self._static_share[key] = min(static_blocks, len(history)) / len(history)
         if best > static_blocks:
             # A conversation's later turn: the replica holding most of its history, if under the cap
             # (the least loaded of several, the placement's first).
@@ -642,15 +648,17 @@ class Placed(RingPolicy):
         """Requests of ``key`` ranked and not yet ``done``."""
         return self._key_in_flight.get(key, 0)
 
-    def observe(
-        self, key: str, prompt_tokens: int, cached_tokens: int | None = None, static_tokens: int | None = None
-    ) -> None:
-        """Record the prefill work of one request of ``key`` (see the class docstring), and, with
-        ``static_tokens``, how many tokens its static prefix takes (the key's KV footprint)."""
+    def observe(self, key: str, prompt_tokens: int, cached_tokens: int | None = None) -> int:
+        """Record the prefill work of one request of ``key`` (see the class docstring), and the
+        tokens of its static prefix, its KV footprint: ``prompt_tokens`` times the share of the
+        blocks the static prefix covered in the key's latest ranked prompt. Returns those tokens
+        (0 when the key was ranked with no history)."""
         uncached = prompt_tokens - (cached_tokens or 0)
         self.table.observe(key, max(0, uncached), self._clock())
+        static_tokens = round(prompt_tokens * self._static_share.get(key, 0.0))
         if static_tokens:
             self.table.set_footprint(key, static_tokens)
+        return static_tokens
 
     def refused(self, key: str) -> None:
         """A request of ``key`` ranked with ``count=True`` was refused by its replica as a client error:
@@ -686,3 +694,4 @@ class Placed(RingPolicy):
         self._weights.update({str(n): int(w) for n, w in weights.items()})
         self._sync_members([Replica(str(n)) for n in members])
         self.table.apply(snapshot, self._clock())
+        self._static_share = {k: s for k, s in self._static_share.items() if k in self.table}

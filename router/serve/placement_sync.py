@@ -2,9 +2,10 @@
 
 Job: what the ingress (router/serve/ingress.py) exchanges every ``placement_sync_s``:
 the requests and uncached prompt tokens per key this router counted since the last
-exchange (``take_counts``), merged into the leader's placement (``merge_counts``); the
-leader's ``placement_snapshot``, which followers adopt (``apply_placement``); and which
-of the two this router is (``set_leader``). The ingress also reports each finished
+exchange, and the tokens of a key's static prefix when it learnt them (``take_counts``),
+merged into the leader's placement (``merge_counts``); the leader's
+``placement_snapshot``, which followers adopt (``apply_placement``); and which of the two
+this router is (``set_leader``). The ingress also reports each finished
 request's prefill work here (``observe``). Does nothing when the policy is not ``placed``.
 
 Pure Python: no Ray.
@@ -26,7 +27,8 @@ class PlacementSync(SlotPart):
 
     def __init__(self, slot: PolicySlot, metrics: RouterMetrics, deployment: str) -> None:
         super().__init__(slot, metrics, deployment)
-        # Requests and prefill work routed here since the last take_counts (key -> [n, tokens]).
+        # Requests and prefill work routed here since the last take_counts (key -> [n, tokens]), and
+        # the key's KV footprint in tokens as a third entry once observe learnt it.
         self._counts: dict[str, list[int]] = {}
 
     def count_request(self, key: str) -> None:
@@ -61,26 +63,30 @@ class PlacementSync(SlotPart):
                 placed.apply_snapshot(snapshot)
 
     def take_counts(self) -> dict[str, list[int]]:
-        """The requests and uncached prompt tokens per key routed since the last call (and reset)."""
+        """The requests and uncached prompt tokens per key routed since the last call (and reset), and
+        the tokens of the key's static prefix as a third entry when known."""
         with self._slot.lock:
             counts, self._counts = self._counts, {}
         return counts
 
     def merge_counts(self, counts: Mapping[str, Any]) -> None:
-        """Count another router's requests in this (leader's) placement: ``{key: [requests, tokens]}``
-        (requests below 0: refused ones it had counted in an earlier exchange, taken back)."""
+        """Count another router's requests in this (leader's) placement: ``{key: [requests, tokens]}``,
+        or ``[requests, tokens, static prefix tokens]`` (requests below 0: refused ones it had counted in
+        an earlier exchange, taken back)."""
         placed = self._slot.placed
         if placed is None:
             return
         with self._slot.lock:
             now = time.monotonic()  # the policy's clock (its default)
-            for key, (n, tokens) in counts.items():
+            for key, (n, tokens, *footprint) in counts.items():
                 for _ in range(max(0, int(n))):
                     placed.table.record(str(key), now)
                 for _ in range(max(0, -int(n))):
                     placed.table.unrecord(str(key), now)
                 if int(tokens) > 0:
                     placed.table.observe(str(key), int(tokens), now)
+                if footprint:
+                    placed.table.set_footprint(str(key), int(footprint[0]))
 
     def refused(self, key: str) -> None:
         """A request of ``key`` its replica refused as a client error: its count taken back, here and
@@ -105,6 +111,11 @@ class PlacementSync(SlotPart):
                 min(1.0, (cached_tokens or 0) / prompt_tokens)
             )
         with self._slot.lock:
-            placed.observe(key, prompt_tokens, cached_tokens)
+            static_tokens = placed.observe(key, prompt_tokens, cached_tokens)
             entry = self._counts.setdefault(key, [0, 0])
             entry[1] += max(0, prompt_tokens - (cached_tokens or 0))
+            if static_tokens:
+                if len(entry) == 2:
+                    entry.append(static_tokens)
+                else:
+                    entry[2] = max(entry[2], static_tokens)

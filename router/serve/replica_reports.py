@@ -73,6 +73,7 @@ def parse_load(stats: Mapping[str, Any]) -> ReplicaLoad | None:
             if isinstance(adapters, list)
             else frozenset(),
             adapter_capacity=max(0, int(capacity)),
+            kv_capacity_tokens=max(0, int(stats.get("kv_capacity_tokens", 0))),
         )
     except (KeyError, TypeError, ValueError):
         return None

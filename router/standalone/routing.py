@@ -185,15 +185,11 @@ class StandaloneRouting:
             placed.done(plan.key)
 
     def observe(self, plan: Plan, prompt_tokens: int, cached_tokens: int | None) -> None:
-        """The request's prefill work from its answer's usage (``placed`` balances keys by it too), and
-        its static prefix's tokens: the prompt's tokens in the share of its blocks the prefix covers."""
+        """The request's prefill work from its answer's usage (``placed`` balances keys by it too, and
+        learns the tokens of the key's static prefix from it)."""
         placed = self.placed
         if placed is not None and plan.key is not None:
-            blocks = plan.blocks
-            static = None
-            if blocks is not None and blocks.hashes:
-                static = round(prompt_tokens * min(blocks.static_blocks, len(blocks.hashes)) / len(blocks.hashes))
-            placed.observe(plan.key, prompt_tokens, cached_tokens, static)
+            placed.observe(plan.key, prompt_tokens, cached_tokens)
 
     def forget(self, name: str) -> None:
         """``name`` died or was ejected: nothing the router believed it caches is trusted any more."""

@@ -208,6 +208,7 @@ class EngineDeployment:
             "num_running": int(stats.num_running),
             "num_waiting": int(stats.num_waiting),
             "queued_prefill_tokens": self.engine.queued_prefill_tokens(),
+            "kv_capacity_tokens": int(stats.num_kv_blocks) * self.engine.config.block_size,
             "kv_events": events,
         }
         if stats.lora_capacity:

@@ -361,9 +361,12 @@ def test_rank_decides_as_the_direct_statement_of_the_decision(seed: int, monkeyp
         kinds[a.kind or ""] += 1
         if key is not None and rng.random() < 0.5:
             prompt, cached = rng.randint(1, 500), rng.choice([None, rng.randint(0, 500)])
-            static = rng.choice([None, rng.randint(0, prompt)])
-            fast.observe(key, prompt, cached, static)
-            ref.observe(key, prompt, cached, static)
+            fast.observe(key, prompt, cached)
+            ref.observe(key, prompt, cached)
+            if rng.random() < 0.5:  # the key's static prefix, as observe learns it from a ranked history
+                static = rng.randint(0, prompt)
+                fast.table.set_footprint(key, static)
+                ref.table.set_footprint(key, static)
         if precise and rng.random() < 0.3:
             k, n, held = rng.choice(keys), rng.choice(pool), rng.random() < 0.5
             fast.set_cached(n, k, held)
@@ -676,6 +679,11 @@ def footprint_fleet(capacity: int, names: list[str] = NAMES[:2]) -> list[Loaded]
     return [Loaded(n, 0, ReplicaLoad(kv_capacity_tokens=capacity)) for n in names]
 
 
+def prompt_of(key: str, blocks: int = 12, static_blocks: int = 10) -> dict[str, object]:
+    """A prompt's history hashes (its own) and how many of them its static prefix covers."""
+    return {"history": [f"{key}-{i}".encode() for i in range(blocks)], "static_blocks": static_blocks}
+
+
 def test_new_keys_go_past_a_replica_their_static_prefixes_would_overfill() -> None:
     clock = Clock()
     names = NAMES[:2]
@@ -685,8 +693,8 @@ def test_new_keys_go_past_a_replica_their_static_prefixes_would_overfill() -> No
     keys = keys_owned_by(a, 12, names)
     for i, k in enumerate(keys):
         clock.t = float(i)
-        assert p.rank(footprint_fleet(1000), k).chosen.name in names
-        p.observe(k, prompt_tokens=120, cached_tokens=0, static_tokens=100)
+        assert p.rank(footprint_fleet(1000), k, **prompt_of(k)).chosen.name in names
+        assert p.observe(k, prompt_tokens=120, cached_tokens=0) == 100  # 10 of its 12 blocks
     placement = {k: p.placement(k)[0] for k in keys}
     # 0.9 x 1000 tokens hold nine prompts of 100: the rest go to the next successor, b.
     assert [placement[k] for k in keys].count(a) == 9
@@ -703,8 +711,8 @@ def test_without_capacities_footprints_change_nothing() -> None:
     keys = keys_owned_by(a, 12, names)
     for i, k in enumerate(keys):
         clock.t = float(i)
-        p.rank(fleet(names=names), k)
-        p.observe(k, prompt_tokens=120, cached_tokens=0, static_tokens=100)
+        p.rank(fleet(names=names), k, **prompt_of(k))
+        p.observe(k, prompt_tokens=120, cached_tokens=0)
     assert all(p.placement(k) == [a] for k in keys)
 
 
@@ -716,8 +724,8 @@ def test_a_replica_over_its_footprint_sheds_keys_at_the_rebalance_and_quiet_keys
     keys = keys_owned_by(a, 10, names)
     for i, k in enumerate(keys):  # placed before any capacity is known: all on their owner
         clock.t = float(i)
-        p.rank(fleet(names=names), k)
-        p.observe(k, prompt_tokens=100, cached_tokens=0, static_tokens=100)
+        p.rank(fleet(names=names), k, **prompt_of(k, static_blocks=12))
+        p.observe(k, prompt_tokens=100, cached_tokens=0)
     assert all(p.placement(k) == [a] for k in keys)
     p.rank(footprint_fleet(500, names), keys[0])  # the capacities arrive with a load report
     p.table.rebalance(clock())
@@ -738,8 +746,8 @@ def test_a_key_whose_footprint_is_not_known_counts_as_the_mean_of_those_known() 
     keys = keys_owned_by(a, 6, names)
     for i, k in enumerate(keys[:4]):
         clock.t = float(i)
-        p.rank(footprint_fleet(1000, names), k)
-        p.observe(k, prompt_tokens=200, cached_tokens=0, static_tokens=200)
+        p.rank(footprint_fleet(1000, names), k, **prompt_of(k, static_blocks=12))
+        p.observe(k, prompt_tokens=200, cached_tokens=0)
     p.table.rebalance(clock.t)  # the mean known footprint: 200
     clock.t += 1.0
     p.rank(footprint_fleet(1000, names), keys[4])  # 800 + 200 > 900: past a, unknown as it is
@@ -749,8 +757,8 @@ def test_a_key_whose_footprint_is_not_known_counts_as_the_mean_of_those_known() 
 def test_footprints_travel_in_the_snapshot() -> None:
     clock = Clock()
     leader, follower = policy(clock), policy(clock, leader=False)
-    leader.rank(fleet(), "k")
-    leader.observe("k", prompt_tokens=50, cached_tokens=0, static_tokens=40)
+    leader.rank(fleet(), "k", **prompt_of("k", blocks=5, static_blocks=4))
+    leader.observe("k", prompt_tokens=50, cached_tokens=0)
     follower.rank(fleet(), "other")
     follower.apply_snapshot(json.loads(json.dumps(leader.placement_snapshot())))
     assert follower.table.snapshot(clock())["keys"]["k"]["foot"] == 40.0

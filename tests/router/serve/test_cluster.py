@@ -117,8 +117,18 @@ def test_replicas_report_routing_stats_and_metrics_name_every_replica(base):
     stats = handle.broadcast("record_routing_stats").results(timeout_s=60)
     assert len(stats) == 3
     for s in stats:
-        assert set(s) == {"seq", "kv_usage", "num_running", "num_waiting", "queued_prefill_tokens", "kv_events", "rank"}
+        assert set(s) == {
+            "seq",
+            "kv_usage",
+            "num_running",
+            "num_waiting",
+            "queued_prefill_tokens",
+            "kv_capacity_tokens",
+            "kv_events",
+            "rank",
+        }
         assert 0.0 <= s["kv_usage"] <= 1.0 and s["num_running"] >= 0 and s["num_waiting"] >= 0
+        assert s["kv_capacity_tokens"] > 0 and s["kv_capacity_tokens"] % 16 == 0  # blocks x block size
         assert s["queued_prefill_tokens"] >= 0 and s["kv_events"]["format"] == 1
     assert sorted(s["rank"] for s in stats) == [0, 1, 2]  # Serve's ranks: what the ring names the replicas by
     response = httpx.get(f"{base}/metrics", timeout=60)

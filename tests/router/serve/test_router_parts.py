@@ -14,6 +14,7 @@ from ray.serve._private.common import DeploymentID, ReplicaID, RequestMetadata
 from ray.serve.request_router import PendingRequest
 
 from prefixserve.replica.contract.kv_events import KVEventPublisher
+from prefixserve.replica.contract.prompt_blocks import PromptBlocks
 from prefixserve.replica.contract.request import EngineRequest
 from prefixserve.replica.contract.routing import ring_name
 from prefixserve.router.policies import KIND_FALLBACK, KIND_NO_KEY, KIND_OWNER, Replica, ReplicaLoad, make_policy
@@ -154,6 +155,25 @@ def test_a_ranked_request_is_counted_once_and_its_prefill_work_is_handed_over():
     assert sync.snapshot() is not None and sync.is_leader
     sync.set_leader(False)
     assert not sync.is_leader
+
+
+def test_a_keys_static_prefix_tokens_and_the_replicas_kv_capacity_reach_the_leaders_placement():
+    slot, metrics = placed_slot(), RouterMetrics()
+    sync = PlacementSync(slot, metrics, "Engine")
+    views = [Replica("a"), Replica("b")]
+    blocks = PromptBlocks([f"h{i}".encode() for i in range(12)], static_blocks=9)
+    Ranker(slot, sync, metrics, "Engine").rank(views, "k", blocks=blocks)
+    sync.observe("k", prompt_tokens=120, cached_tokens=0)
+    handed = sync.take_counts()
+    assert handed == {"k": [1, 120, 90]}  # 9 of the prompt's 12 blocks are its static prefix
+    leader_slot = placed_slot()
+    leader = PlacementSync(leader_slot, metrics, "Engine")
+    Ranker(leader_slot, leader, metrics, "Engine").rank(views, "other")
+    leader.merge_counts(handed)
+    assert leader_slot.placed is not None
+    assert leader_slot.placed.table.snapshot(0.0)["keys"]["k"]["foot"] == 90.0
+    stats = {"seq": 1, "num_waiting": 0, "num_running": 0, "kv_capacity_tokens": 8192}
+    assert parse_load(stats) == ReplicaLoad(kv_capacity_tokens=8192)
 
 
 def test_a_refused_request_leaves_no_key_here_nor_at_the_leader():
