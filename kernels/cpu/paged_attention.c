@@ -28,7 +28,8 @@
  * many requests) are grouped into one task per KV head, cascade style: the shared
  * keys are scored once for all the group's query rows, then each sequence goes on
  * alone over its own blocks. The online softmax carries each row across both parts,
- * so nothing is merged afterwards.
+ * so nothing is merged afterwards. When the groups make too few tasks for the threads
+ * (one prompt, a handful of sequences), each group runs as several parts of its members.
  */
 #include <math.h>
 #include <stdint.h>
@@ -397,8 +398,9 @@ int paged_attention_f32(const float *query, int64_t q_stride, const void *key_ca
     Task *tasks = malloc(sizeof(Task) * ((int64_t)num_kv_heads * ((int64_t)num_seqs + query_start_loc[num_seqs]) + 1));
     int32_t *members = malloc(sizeof(int32_t) * (num_seqs + 1));
     SeqRef *decoding = malloc(sizeof(SeqRef) * (num_seqs + 1));
-    if (!tasks || !members || !decoding) {
-        free(tasks), free(members), free(decoding);
+    int32_t *group_end = malloc(sizeof(int32_t) * (num_seqs + 1)), *group_shared = malloc(sizeof(int32_t) * (num_seqs + 1));
+    if (!tasks || !members || !decoding || !group_end || !group_shared) {
+        free(tasks), free(members), free(decoding), free(group_end), free(group_shared);
         return -3;
     }
     int64_t n = 0;
@@ -420,8 +422,9 @@ int paged_attention_f32(const float *query, int64_t q_stride, const void *key_ca
         }
     }
     qsort(decoding, num_decoding, sizeof(SeqRef), compare_seqs);
-    for (int32_t i = 0; i < num_decoding;) {
-        /* A group: the next sequences with at least one block in common with the first. */
+    /* Groups: the next sequences with at least one block in common with the first. */
+    int32_t num_groups = 0;
+    for (int32_t i = 0; i < num_decoding; num_groups++) {
         int32_t end = i + 1, shared = decoding[i].blocks;
         while (end < num_decoding && end - i < max_members) {
             const int32_t common = common_blocks(&decoding[i], &decoding[end]);
@@ -437,12 +440,32 @@ int paged_attention_f32(const float *query, int64_t q_stride, const void *key_ca
             for (int32_t j = i; j < end; j++)
                 if (seq_lens[decoding[j].seq] < shared_keys) shared_keys = seq_lens[decoding[j].seq];
         }
-        for (int32_t j = i; j < end; j++) members[num_members + j - i] = decoding[j].seq;
-        for (int h = 0; h < num_kv_heads; h++)
-            tasks[n++] = (Task){h, 0, 1, num_members, end - i, shared_keys, decoding[i].table[0]};
-        num_members += end - i;
+        group_end[num_groups] = end, group_shared[num_groups] = shared_keys;
         i = end;
     }
+    /* Few groups (one system prompt, a handful of sequences) make fewer tasks than the
+     * threads can balance (with the prefill tiles, two a thread): 8 sequences of one prefix over 3 KV heads are 3 tasks, one
+     * thread of 2 doing two. Each group's members are then split into parts, each part
+     * a task per KV head still reading the shared keys once for its rows: the score
+     * and value work is per row either way; a part only loads the shared blocks again,
+     * from cache. */
+    int32_t parts_wanted = 1;
+    const int64_t group_tasks = (int64_t)num_groups * num_kv_heads, wanted = 2 * (int64_t)num_threads - n;
+    if (group_tasks > 0 && wanted > group_tasks) parts_wanted = (int32_t)((wanted + group_tasks - 1) / group_tasks);
+    for (int32_t g = 0, i = 0; g < num_groups; g++) {
+        const int32_t end = group_end[g], size = end - i;
+        const int32_t parts = parts_wanted < size ? parts_wanted : size;
+        for (int32_t j = i; j < end; j++) members[num_members + j - i] = decoding[j].seq;
+        for (int32_t part = 0; part < parts; part++) {
+            const int32_t lo = size * part / parts, hi = size * (part + 1) / parts;
+            for (int h = 0; h < num_kv_heads; h++)
+                tasks[n++] = (Task){h, 0, 1, num_members + lo, hi - lo, hi - lo > 1 ? group_shared[g] : 0,
+                                    decoding[i].table[0]};
+        }
+        num_members += size;
+        i = end;
+    }
+    free(group_end), free(group_shared);
     free(decoding);
     /* Per KV head, tasks on the same leading block run back to back, so the blocks
      * they share are read from cache, not memory, by all but the first. */

@@ -139,6 +139,49 @@ def test_decodes_sharing_blocks_are_grouped_and_exact(seed):
         assert relative_error(out[int(starts[i]) : int(starts[i + 1])], expected) < 1e-5, f"sequence {i}"
 
 
+@pytest.mark.parametrize("threads", [2, 3, 4, 8])
+def test_a_group_split_into_parts_for_the_threads_gives_the_same_bits(threads):
+    """Eight decodes on one prompt are one group: 3 tasks over 3 KV heads, fewer than the
+    threads can balance, so the group runs in parts: the output equals the one-thread run's
+    (to rounding: a part's last rows are scored outside the four-row path, summing the
+    dimensions in another order) and the oracle."""
+    gen = torch.Generator().manual_seed(threads)
+    heads, kv_heads, head_dim, bs = 9, 3, 64, 16
+    prompt = torch.randn(32, 2, kv_heads, head_dim, generator=gen)
+    seqs = [torch.cat([prompt, torch.randn(int(n), 2, kv_heads, head_dim, generator=gen)]) for n in range(3, 11)]
+    key_cache = torch.full((64, bs, kv_heads, head_dim), float("nan"))
+    value_cache = torch.full_like(key_cache, float("nan"))
+    free = iter(range(2, 64))
+    tables = [[0, 1] + [next(free) for _ in range(-(-kv.shape[0] // bs) - 2)] for kv in seqs]
+    for kv, table in zip(seqs, tables):
+        pos = torch.arange(kv.shape[0])
+        phys = torch.tensor(table)[pos // bs]
+        key_cache[phys, pos % bs], value_cache[phys, pos % bs] = kv[:, 0], kv[:, 1]
+    query = torch.randn(len(seqs), heads, head_dim, generator=gen)
+    args = (
+        query,
+        to_cpu_layout(key_cache, "key"),
+        to_cpu_layout(value_cache, "value"),
+        torch.tensor([t + [0] * (3 - len(t)) for t in tables], dtype=torch.int32),
+        torch.tensor([kv.shape[0] for kv in seqs], dtype=torch.int32),
+        torch.arange(len(seqs) + 1, dtype=torch.int32),
+    )
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = cpu_attention.paged_attention(*args, scale=head_dim**-0.5)
+        torch.set_num_threads(threads)
+        split = cpu_attention.paged_attention(*args, scale=head_dim**-0.5)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.allclose(alone, split, rtol=0, atol=1e-6)
+    for i, kv in enumerate(seqs):
+        k = kv[:, 0].double().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+        v = kv[:, 1].double().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+        expected = ((query[i].double()[:, None] @ k.transpose(1, 2)).squeeze(1) * head_dim**-0.5).softmax(-1)
+        assert relative_error(split[i], (expected[:, None] @ v).squeeze(1)) < 1e-5, f"sequence {i}"
+
+
 def test_paged_attention_reads_strided_query_rows(seed):
     """q as a view into a wider per-token row (the fused qkv output) gives the same result."""
     batch = make_paged_batch(
