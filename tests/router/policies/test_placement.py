@@ -684,6 +684,18 @@ def prompt_of(key: str, blocks: int = 12, static_blocks: int = 10) -> dict[str, 
     return {"history": [f"{key}-{i}".encode() for i in range(blocks)], "static_blocks": static_blocks}
 
 
+def send_each(
+    p: Placed, clock: Clock, keys: list[str], candidates: list, prompt_tokens: int, static_blocks: int = 10
+) -> list[int]:
+    """One request of each key, a second apart, answered with ``prompt_tokens``: the static tokens learnt."""
+    learnt = []
+    for i, k in enumerate(keys):
+        clock.t = float(i)
+        assert p.rank(candidates, k, **prompt_of(k, static_blocks=static_blocks)).chosen.name in p.table.members
+        learnt.append(p.observe(k, prompt_tokens=prompt_tokens, cached_tokens=0))
+    return learnt
+
+
 def test_new_keys_go_past_a_replica_their_static_prefixes_would_overfill() -> None:
     clock = Clock()
     names = NAMES[:2]
@@ -691,10 +703,7 @@ def test_new_keys_go_past_a_replica_their_static_prefixes_would_overfill() -> No
     # Rates cannot tell (one request a second each, a loose bound), and work is not counted.
     p = policy(clock, epsilon=10.0, work_epsilon=None, kv_fill=0.9)
     keys = keys_owned_by(a, 12, names)
-    for i, k in enumerate(keys):
-        clock.t = float(i)
-        assert p.rank(footprint_fleet(1000), k, **prompt_of(k)).chosen.name in names
-        assert p.observe(k, prompt_tokens=120, cached_tokens=0) == 100  # 10 of its 12 blocks
+    assert send_each(p, clock, keys, footprint_fleet(1000), 120) == [100] * 12  # 10 of its 12 blocks
     placement = {k: p.placement(k)[0] for k in keys}
     # 0.9 x 1000 tokens hold nine prompts of 100: the rest go to the next successor, b.
     assert [placement[k] for k in keys].count(a) == 9
@@ -709,10 +718,7 @@ def test_without_capacities_footprints_change_nothing() -> None:
     a = names[0]
     p = policy(clock, epsilon=10.0, work_epsilon=None)
     keys = keys_owned_by(a, 12, names)
-    for i, k in enumerate(keys):
-        clock.t = float(i)
-        p.rank(fleet(names=names), k, **prompt_of(k))
-        p.observe(k, prompt_tokens=120, cached_tokens=0)
+    send_each(p, clock, keys, fleet(names=names), 120)
     assert all(p.placement(k) == [a] for k in keys)
 
 
@@ -722,10 +728,7 @@ def test_a_replica_over_its_footprint_sheds_keys_at_the_rebalance_and_quiet_keys
     a, b = names
     p = policy(clock, epsilon=10.0, work_epsilon=None, rebalance_interval_s=1e9)
     keys = keys_owned_by(a, 10, names)
-    for i, k in enumerate(keys):  # placed before any capacity is known: all on their owner
-        clock.t = float(i)
-        p.rank(fleet(names=names), k, **prompt_of(k, static_blocks=12))
-        p.observe(k, prompt_tokens=100, cached_tokens=0)
+    send_each(p, clock, keys, fleet(names=names), 100, static_blocks=12)  # before any capacity is known
     assert all(p.placement(k) == [a] for k in keys)
     p.rank(footprint_fleet(500, names), keys[0])  # the capacities arrive with a load report
     p.table.rebalance(clock())
@@ -744,10 +747,7 @@ def test_a_key_whose_footprint_is_not_known_counts_as_the_mean_of_those_known() 
     a, b = names
     p = policy(clock, epsilon=10.0, work_epsilon=None)
     keys = keys_owned_by(a, 6, names)
-    for i, k in enumerate(keys[:4]):
-        clock.t = float(i)
-        p.rank(footprint_fleet(1000, names), k, **prompt_of(k, static_blocks=12))
-        p.observe(k, prompt_tokens=200, cached_tokens=0)
+    send_each(p, clock, keys[:4], footprint_fleet(1000, names), 200, static_blocks=12)
     p.table.rebalance(clock.t)  # the mean known footprint: 200
     clock.t += 1.0
     p.rank(footprint_fleet(1000, names), keys[4])  # 800 + 200 > 900: past a, unknown as it is
