@@ -204,6 +204,50 @@ static inline __attribute__((always_inline)) void accumulate_values(float *restr
         for (int j = 0; j < width; j++) acc[d] += p[j] * v[(int64_t)j * v_stride + d];
 }
 
+/* accumulate_values for `rows` (1 to 4, a constant where it is inlined) consecutive rows at
+ * once: acc + i * head_dim += sum_j p[i * CHUNK + j] * v[j] for i < rows, over head_dim's
+ * leading 64-dimension blocks. Each value vector loaded serves every row (up to sixteen
+ * independent chains), where a row at a time loads it once per row: on a GQA group's
+ * heads, or a prefill tile's positions, those loads were the bound. Returns the dimensions
+ * done; the caller finishes the rest row by row. */
+static inline __attribute__((always_inline)) int accumulate_rows(float *restrict acc, const float *restrict p,
+                                                                 const int rows, int width, const float *restrict v,
+                                                                 int v_stride, int head_dim) {
+    int d = 0;
+    for (; d + 4 * CHUNK <= head_dim; d += 4 * CHUNK) {
+        v16 a[4][4];
+        for (int i = 0; i < rows; i++)
+            for (int b = 0; b < 4; b++) a[i][b] = LOAD(acc + i * head_dim + d + b * CHUNK);
+        for (int j = 0; j < width; j++) {
+            const float *vj = v + (int64_t)j * v_stride + d;
+            const v16 v0 = LOAD(vj), v1 = LOAD(vj + CHUNK), v2 = LOAD(vj + 2 * CHUNK), v3 = LOAD(vj + 3 * CHUNK);
+            for (int i = 0; i < rows; i++) {
+                const float pij = p[i * CHUNK + j];
+                a[i][0] += pij * v0, a[i][1] += pij * v1, a[i][2] += pij * v2, a[i][3] += pij * v3;
+            }
+        }
+        for (int i = 0; i < rows; i++)
+            for (int b = 0; b < 4; b++) STORE(acc + i * head_dim + d + b * CHUNK, a[i][b]);
+    }
+    return d;
+}
+
+/* Rows [r, r + rows) of the scratch: their weights (in place of their scores) times the
+ * chunk's values, added to their accumulators. */
+static inline __attribute__((always_inline)) void accumulate_chunk(Scratch *restrict sc, int r, const int rows,
+                                                                   int width, const float *restrict v, int v_stride,
+                                                                   int head_dim) {
+    float *acc = sc->acc + r * head_dim;
+    const float *p = (const float *)&sc->scores[r];
+    /* A full chunk takes the constant-trip loop. */
+    const int done = width == CHUNK ? accumulate_rows(acc, p, rows, CHUNK, v, v_stride, head_dim)
+                                    : accumulate_rows(acc, p, rows, width, v, v_stride, head_dim);
+    if (done < head_dim)
+        for (int i = 0; i < rows; i++)
+            accumulate_values(acc + i * head_dim + done, sc->scores[r + i], width, v + done, v_stride,
+                              head_dim - done);
+}
+
 /* Online-softmax update of rows [r0, r1) with the 16 keys at positions key_pos..
  * (only the first `width` exist); v + j * v_stride is key j's value row. Row r sits
  * at position positions[r] and sees keys in [key_floor, positions[r]], and within
@@ -213,32 +257,42 @@ static void softmax_accumulate(Scratch *restrict sc, int r0, int r1, int head_di
                                int v_stride) {
     v16i lane;
     for (int j = 0; j < CHUNK; j++) lane[j] = j;
+    /* First each row's weights, in place of its scores (0 where it sees no key), its running
+     * max and sum, and its accumulator rescaled; then the weighted values, four rows at a
+     * time. Lanes past `width` are slots the sequence does not own (maybe garbage, even
+     * NaN): never read them. */
     for (int r = r0; r < r1; r++) {
         int32_t hi = positions[r] - key_pos; /* last visible lane */
         int32_t lo = key_floor - key_pos;    /* first visible lane */
         if (window > 0 && positions[r] - window + 1 - key_pos > lo) lo = positions[r] - window + 1 - key_pos;
         if (hi > width - 1) hi = width - 1;
-        if (hi < 0 || lo > hi) continue;
+        if (hi < 0 || lo > hi) {
+            sc->scores[r] = splat(0.0f);
+            continue;
+        }
         v16i visible = (lane >= lo) & (lane <= hi);
         v16 s = select_v16(visible, sc->scores[r], splat(MASKED));
         float old_max = sc->row_max[r];
         float chunk_max = hmax(s);
         float new_max = chunk_max > old_max ? chunk_max : old_max;
         v16 p = select_v16(visible, exp_v16(s - new_max), splat(0.0f));
-        float *acc = sc->acc + r * head_dim;
         if (new_max > old_max) {
             float alpha = exp_v16(splat(old_max - new_max))[0];
+            float *acc = sc->acc + r * head_dim;
             sc->row_sum[r] *= alpha;
             for (int d = 0; d < head_dim; d++) acc[d] *= alpha;
             sc->row_max[r] = new_max;
         }
         sc->row_sum[r] += p;
-        /* Lanes past `width` are slots the sequence does not own (maybe garbage, even
-         * NaN): never read them. A full chunk takes the constant-trip loop. */
-        if (width == CHUNK)
-            accumulate_values(acc, p, CHUNK, v, v_stride, head_dim);
-        else
-            accumulate_values(acc, p, width, v, v_stride, head_dim);
+        sc->scores[r] = p;
+    }
+    int r = r0;
+    for (; r + 4 <= r1; r += 4) accumulate_chunk(sc, r, 4, width, v, v_stride, head_dim);
+    switch (r1 - r) {
+        case 3: accumulate_chunk(sc, r, 3, width, v, v_stride, head_dim); break;
+        case 2: accumulate_chunk(sc, r, 2, width, v, v_stride, head_dim); break;
+        case 1: accumulate_chunk(sc, r, 1, width, v, v_stride, head_dim); break;
+        default: break;
     }
 }
 
