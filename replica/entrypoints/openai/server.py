@@ -594,6 +594,7 @@ def serve(
 
 def run(args: argparse.Namespace) -> int:
     """Load the model, start the engine and serve until drained by a signal (or until the engine dies)."""
+    from prefixserve.common.gc_heap import freeze_gc_heap
     from prefixserve.replica.config import EngineConfig
     from prefixserve.replica.engine.async_engine import AsyncEngine
 
@@ -601,6 +602,7 @@ def run(args: argparse.Namespace) -> int:
     server_config = from_cli_args(ServerConfig, args)  # refuses bad limits before the model loads
     configure_logging(args.log_level, args.log_format, replica_name)
     engine = AsyncEngine(EngineConfig.from_cli_args(args))
+    freeze_gc_heap()  # the model, tokenizer and engine live as long as the process: no full collection walks them
     return serve(
         engine,
         host=args.host,

@@ -111,6 +111,7 @@ class EngineDeployment:
     def __init__(self, engine_config: dict[str, Any]) -> None:
         # Imported here so that importing this module (the ingress does, for
         # EngineRequest) does not load torch.
+        from prefixserve.common.gc_heap import freeze_gc_heap
         from prefixserve.replica.config import EngineConfig
         from prefixserve.replica.engine.async_engine import AsyncEngine
 
@@ -121,6 +122,7 @@ class EngineDeployment:
         context = serve.get_replica_context()
         self._replica_id = context.replica_id
         self._stats_seq = 0
+        freeze_gc_heap()  # this process hosts this engine for its whole life (common/gc_heap.py)
 
     @property
     def name(self) -> str:
