@@ -288,7 +288,6 @@ class Placed(RingPolicy):
         self.table = PlacementTable(
             o.epsilon, o.tau_s, o.hot_share, o.precise, o.work_epsilon, o.noise_z, kv_fill=o.kv_fill
         )
-        self._capacities: dict[str, int] = {}  # replica -> the KV capacity last told to the table
         # key -> the share of its latest ranked prompt's blocks its static prefix covers: with an
         # answer's prompt tokens, the tokens of its KV footprint (``observe``).
         self._static_share: dict[str, float] = {}
@@ -425,8 +424,7 @@ class Placed(RingPolicy):
                 q = load.num_waiting + load.num_running
                 if q > f:
                     f = q
-                if load.kv_capacity_tokens != self._capacities.get(c.name, 0):
-                    self._capacities[c.name] = load.kv_capacity_tokens
+                if load.kv_capacity_tokens != self.table.capacity(c.name):
                     self.table.set_capacity(c.name, load.kv_capacity_tokens)
             loads.append(f)
         cap = in_flight_cap(sum(loads) / len(candidates))

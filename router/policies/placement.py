@@ -655,6 +655,10 @@ class PlacementTable:
         if i is not None:
             self._capacity[i] = self._capacity_of.get(replica, 0.0)
 
+    def capacity(self, replica: str) -> float:
+        """The tokens of KV ``replica`` holds as last told (0: unknown)."""
+        return self._capacity_of.get(replica, 0.0)
+
     def set_footprint(self, key: str, tokens: float) -> None:
         """The tokens of ``key``'s static prefix (the largest told); counted from the next rebalance."""
         slot = self._slot.get(key)
