@@ -32,6 +32,7 @@ import httpx
 
 from prefixserve.loadtest.harness.server import (
     HOST,
+    core_sets,
     free_port,
     running_server,
     server_env,
@@ -132,11 +133,17 @@ def _distinct_ports(n: int) -> list[int]:
 
 @contextmanager
 def running_replicas(settings: ReplicaSettings, count: int, work_dir: Path, timeout_s: float) -> Iterator[list[str]]:
-    """``count`` fresh replicas started together (their start is the stand's slowest step); yields their URLs."""
+    """``count`` fresh replicas started together (their start is the stand's slowest step); yields their URLs.
+
+    Each runs on cores of its own, one torch thread a core (as a Ray replica of ``num_cpus`` n
+    runs n threads), so that the stand models replicas on machines of their own: two replicas
+    sharing every core slow each other's steps, which would charge a router for keeping both busy.
+    """
     ports = _distinct_ports(count)
+    cores = core_sets(count)
     procs = []
     try:
-        for port in ports:
+        for i, port in enumerate(ports):
             command = [
                 *prefixserve_command(),
                 "replica",
@@ -156,7 +163,12 @@ def running_replicas(settings: ReplicaSettings, count: int, work_dir: Path, time
                 "warning",
                 *settings.extra_args,
             ]
-            procs.append((start_server(command, work_dir / f"replica-{port}.log", server_env()), port))
+            env, own_cores = server_env(), None
+            if cores is not None:
+                own_cores = cores[i]
+                env["OMP_NUM_THREADS"] = str(len(own_cores))
+            log = work_dir / f"replica-{port}.log"
+            procs.append((start_server(command, log, env, cores=own_cores), port))
         for proc, port in procs:
             wait_until_answers(proc, f"http://{HOST}:{port}/health", timeout_s, work_dir / f"replica-{port}.log")
         yield [f"http://{HOST}:{port}" for port in ports]

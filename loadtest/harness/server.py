@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -28,15 +29,37 @@ def server_env() -> dict[str, str]:
     return dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
 
 
+def core_sets(count: int) -> list[tuple[int, ...]] | None:
+    """This process's cores split into ``count`` disjoint sets of equal size, one per server, so
+    that servers modelled as machines of their own do not wait on each other's threads; None when
+    there are fewer cores than servers."""
+    cores = sorted(os.sched_getaffinity(0))
+    per_server = len(cores) // count if count > 0 else 0
+    if per_server == 0:
+        return None
+    return [tuple(cores[i * per_server : (i + 1) * per_server]) for i in range(count)]
+
+
 def start_server(
-    command: Sequence[str], log_path: Path, env: dict[str, str], cwd: Path | None = None
+    command: Sequence[str],
+    log_path: Path,
+    env: dict[str, str],
+    cwd: Path | None = None,
+    cores: Sequence[int] | None = None,
 ) -> subprocess.Popen[bytes]:
-    """Start ``command`` in its own session, output to ``log_path``: :func:`stop_server` reaches its children."""
+    """Start ``command`` in its own session, output to ``log_path``: :func:`stop_server` reaches its
+    children. ``cores``: the CPUs it (and every thread and child it starts) may run on."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:
-        return subprocess.Popen(
+        proc = subprocess.Popen(
             list(command), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True
         )
+    if cores is not None:
+        # Set before the interpreter has started any thread (it is still loading): threads and
+        # children inherit the mask. Not preexec_fn, which is unsafe beside the caller's threads.
+        with contextlib.suppress(ProcessLookupError):  # exited already: its waiter reports that
+            os.sched_setaffinity(proc.pid, cores)
+    return proc
 
 
 def wait_until_answers(proc: subprocess.Popen[bytes], url: str, timeout_s: float, log_path: Path) -> None:

@@ -160,3 +160,22 @@ def test_sigterm_unwinds_the_run_so_what_it_started_is_stopped(tmp_path):
     finally:
         proc.kill()
     assert marker.read_text() == "stopped"
+
+
+def test_core_sets_split_the_cores_a_process_may_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(server.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 5})
+    assert server.core_sets(2) == [(0, 1), (2, 3)]
+    assert server.core_sets(5) == [(0,), (1,), (2,), (3,), (5,)]
+    assert server.core_sets(6) is None
+
+
+def test_a_server_started_on_cores_runs_on_those_cores(tmp_path: Path) -> None:
+    core = min(server.os.sched_getaffinity(0))
+    proc = server.start_server(
+        [sys.executable, "-c", "import os, sys; sys.stdout.write(repr(sorted(os.sched_getaffinity(0))))"],
+        tmp_path / "pinned.log",
+        server.server_env(),
+        cores=[core],
+    )
+    assert proc.wait(timeout=60) == 0
+    assert (tmp_path / "pinned.log").read_text() == repr([core])
