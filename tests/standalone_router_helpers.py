@@ -2,6 +2,8 @@
 
 * :class:`ServerThread`: any ASGI app served by uvicorn on a thread, on a port the OS
   picked (the socket is bound before the server starts, so no port race).
+* :class:`RouterServerThread`: the router's app served by the router's own HTTP server
+  (router/standalone/http_server.py), as ``prefixserve router`` serves it.
 * :class:`FakeReplica`: a small OpenAI-compatible upstream whose behaviour a test sets
   (healthy or not; answering, refusing with 429/503, or dying after its first event;
   a gate that holds a stream after its first event). A test upstream, not the product:
@@ -12,6 +14,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
@@ -25,6 +28,9 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
+
+from prefixserve.router.standalone.config import DEFAULT_MAX_HEAD_BYTES, DEFAULT_MAX_HEADER_COUNT
+from prefixserve.router.standalone.http_server import HttpServer, ServerLimits
 
 # What every answer of a FakeReplica reports: 100 prompt tokens, 40 of them cached (60 prefilled).
 USAGE = {
@@ -65,6 +71,43 @@ class ServerThread:
 
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
+        self.thread.join(30)
+        self.sock.close()
+
+
+class RouterServerThread:
+    """Serve ``app`` with the router's HTTP server on 127.0.0.1 on a thread of its own (its own
+    event loop); a context manager that always stops it (draining for up to ``drain_s``)."""
+
+    def __init__(self, app: Any, limits: ServerLimits | None = None, drain_s: float = 1.0) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.name = f"127.0.0.1:{self.port}"
+        limits = limits or ServerLimits(DEFAULT_MAX_HEAD_BYTES, DEFAULT_MAX_HEADER_COUNT)
+        self.server = HttpServer(app, "127.0.0.1", self.port, limits, drain_s, sock=self.sock)
+        self.started = threading.Event()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        async def main() -> None:
+            self.loop = asyncio.get_running_loop()
+            await self.server.serve(ready=lambda port: self.started.set())
+
+        asyncio.run(main())
+
+    def __enter__(self) -> RouterServerThread:
+        self.thread.start()
+        wait_until(self.started.is_set, f"router server on port {self.port} started")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.loop is not None and self.thread.is_alive():
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: the server stopped
+                self.loop.call_soon_threadsafe(self.server.stop)
         self.thread.join(30)
         self.sock.close()
 

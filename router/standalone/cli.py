@@ -2,8 +2,9 @@
 
 Job: read the flags (the endpoint's host, port and log format from
 common/endpoint_config.py, every other setting from router/standalone/config.py's
-fields), build the router and serve it with uvicorn until a signal stops it: SIGTERM stops
-accepting, lets the answers in flight run for up to ``--drain-timeout-s``, then exits 0.
+fields), build the router and serve it with its own HTTP server (http_server.py) until a signal
+stops it: SIGTERM stops accepting, lets the answers in flight run for up to
+``--drain-timeout-s``, then exits 0.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
+    from prefixserve.common.gc_heap import freeze_gc_heap
     from prefixserve.common.logs import configure_logging
+    from prefixserve.router.standalone.http_server import ServerLimits
+    from prefixserve.router.standalone.http_server import run as serve
     from prefixserve.router.standalone.proxy import StandaloneRouter, build_app
 
     try:
@@ -38,15 +40,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     configure_logging(args.log_level, endpoint.log_format, "router")
     app = build_app(StandaloneRouter(config))
-    uvicorn.run(
-        app,
-        host=endpoint.host,
-        port=endpoint.port,
-        log_level=args.log_level,
-        h11_max_incomplete_event_size=config.h11_max_incomplete_event_size,
-        timeout_graceful_shutdown=max(1, round(config.drain_timeout_s)),
-        log_config=None,
-        # No client address is read (tenants come from keys and headers): no X-Forwarded-* rewriting per request.
-        proxy_headers=False,
-    )
+    freeze_gc_heap()  # its modules, tokenizer and tables live as long as the process (common/gc_heap.py)
+    limits = ServerLimits(config.h11_max_incomplete_event_size, config.h11_max_header_count)
+    serve(app, endpoint.host, endpoint.port, limits, config.drain_timeout_s)
     return 0

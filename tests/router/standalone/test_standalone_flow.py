@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 from server_helpers import metric
-from standalone_router_helpers import USAGE, FakeReplica, ServerThread, wait_until
+from standalone_router_helpers import USAGE, FakeReplica, RouterServerThread, ServerThread, wait_until
 
 from prefixserve.router.standalone.config import StandaloneRouterConfig
 from prefixserve.router.standalone.proxy import ROUTER_SELF, StandaloneRouter, build_app
@@ -33,12 +33,12 @@ def key(k: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {k}"}
 
 
-def serve(tmp_path: Path, upstream: ServerThread, **settings: Any) -> tuple[ServerThread, StandaloneRouter]:
+def serve(tmp_path: Path, upstream: ServerThread, **settings: Any) -> tuple[RouterServerThread, StandaloneRouter]:
     tenants = tmp_path / "tenants.yaml"
     tenants.write_text(TENANTS)
     config = StandaloneRouterConfig(replicas=[upstream.url], tenants=str(tenants), health_interval_s=60.0, **settings)
     router = StandaloneRouter(config)
-    return ServerThread(build_app(router)), router
+    return RouterServerThread(build_app(router)), router
 
 
 def test_tenants_quotas_and_the_settled_usage(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from kv_helpers import block_stored
 from server_helpers import free_port, metric
-from standalone_router_helpers import FakeReplica, ServerThread, wait_until
+from standalone_router_helpers import FakeReplica, RouterServerThread, ServerThread, wait_until
 
 from prefixserve.replica.contract.vllm_kv_events import (
     AllBlocksCleared,
@@ -338,7 +338,7 @@ def test_the_router_learns_from_a_replicas_events_over_zmq(tokenizer_dir: Path) 
             tokenizer=str(tokenizer_dir),
         )
         router = StandaloneRouter(config)
-        server = stack.enter_context(ServerThread(build_app(router)))
+        server = stack.enter_context(RouterServerThread(build_app(router)))
         http = stack.enter_context(httpx.Client(timeout=30.0))
         body = chat(owned_by(a.name, [a.name, b.name]), words(140, 16))
         hints = router.routing.hints

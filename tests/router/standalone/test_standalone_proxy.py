@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 from server_helpers import free_port, metric
-from standalone_router_helpers import FakeReplica, ServerThread, wait_until
+from standalone_router_helpers import FakeReplica, RouterServerThread, ServerThread, wait_until
 
 from prefixserve.router.ring import HashRing, RingServer
 from prefixserve.router.routing_key import prefix_hash
@@ -33,7 +33,7 @@ def router_over(urls: list[str], **settings: Any) -> Iterator[tuple[str, Standal
     """A running router over ``urls``; by default its probes run once at start only (tests that need them set it)."""
     config = StandaloneRouterConfig(replicas=urls, **{"health_interval_s": 60.0, **settings})
     router = StandaloneRouter(config)
-    with ServerThread(build_app(router)) as server:
+    with RouterServerThread(build_app(router)) as server:
         yield server.url, router
 
 
