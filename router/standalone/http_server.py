@@ -19,7 +19,10 @@ carry more than ``max_header_count`` fields is answered 431 and its connection c
 application sees it; an unparsable request 400 (connection closed); HTTP/1.0 and
 ``Connection: close`` close after the answer; ``Expect: 100-continue`` is answered when the
 application first asks for the body; pipelined requests are answered in order; a connection
-idle for ``keepalive_s`` is closed; the client going away is ``http.disconnect`` to the
+idle for ``keepalive_s`` is closed, and a request head not whole within ``head_timeout_s`` of its
+first byte is answered 408 (a client sending a header a byte at a time holds no connection for
+long); a client that takes nothing for ``send_timeout_s`` while its answer waits is cut; the
+client going away is ``http.disconnect`` to the
 application; an application that fails before its answer's head gets a 500, after it the
 connection is cut. Every answer carries ``date``.
 """
@@ -109,6 +112,8 @@ class ServerLimits:
     max_head_bytes: int
     max_header_count: int
     keepalive_s: float = 5.0  # an idle kept-alive connection is closed after this (uvicorn's default)
+    head_timeout_s: float = 60.0  # a request head not whole this long after it began: 408 (nginx's default)
+    send_timeout_s: float = 60.0  # a client that takes nothing this long while output waits is cut (nginx's)
     high_water: int = 64 * 1024  # request body bytes queued and not yet taken before reading pauses
 
 
@@ -274,6 +279,7 @@ class HttpConnection(asyncio.Protocol):
         self._queue: deque[_Exchange] = deque()  # parsed requests not yet answered, oldest first
         self._task: asyncio.Task[None] | None = None  # the oldest exchange's application run
         self._idle_timer: asyncio.TimerHandle | None = None
+        self._head_timer: asyncio.TimerHandle | None = None
         self._refusal: bytes | None = None  # the answer to a request refused while parsing it
 
     # -- writes ---------------------------------------------------------------------
@@ -318,9 +324,20 @@ class HttpConnection(asyncio.Protocol):
             self.loop.call_soon(self._flush)
 
     async def drain(self) -> None:
+        """Until the client takes what is queued; a client that takes nothing for ``send_timeout_s``
+        is cut (the application sees it leave), so it cannot hold a replica's stream open."""
         if self.write_paused and not self.lost:
             self._drained = self._drained or self.loop.create_future()
-            await self._drained
+            timer = self.loop.call_later(self.limits.send_timeout_s, self._send_expired)
+            try:
+                await self._drained
+            finally:
+                timer.cancel()
+
+    def _send_expired(self) -> None:
+        if self.write_paused and self.transport is not None and not self.lost:
+            log.warning("a client took nothing for %g s: connection cut", self.limits.send_timeout_s)
+            self.transport.abort()
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -355,6 +372,7 @@ class HttpConnection(asyncio.Protocol):
         self.lost = True
         self.server.connections.discard(self)
         self._disarm_idle()
+        self._cancel_head_timer()
         for exchange in self._queue:
             exchange.wake()
         if self._drained is not None and not self._drained.done():
@@ -381,7 +399,7 @@ class HttpConnection(asyncio.Protocol):
             if self._head_fed > self.limits.max_head_bytes:
                 self._refuse(431, HEAD_TOO_LARGE)
                 return
-        if self.idle:  # between requests, or a head still coming: the keep-alive clock runs
+        if self.idle and not self._in_head:  # between requests: the keep-alive clock runs
             self._arm_idle()
 
     def _refuse(self, status: int, text: str) -> None:
@@ -414,6 +432,8 @@ class HttpConnection(asyncio.Protocol):
         self._head_bytes = 0
         self._head_fed = 0
         self._in_head = True
+        self._disarm_idle()
+        self._head_timer = self.loop.call_later(self.limits.head_timeout_s, self._head_expired)
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -429,6 +449,7 @@ class HttpConnection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        self._cancel_head_timer()
         parser = self._parser
         parsed = httptools.parse_url(self._url)
         raw_path = parsed.path
@@ -537,6 +558,17 @@ class HttpConnection(asyncio.Protocol):
         if self._idle_timer is not None:
             self._idle_timer.cancel()
             self._idle_timer = None
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_expired(self) -> None:
+        self._head_timer = None
+        if self._in_head and not self.lost:
+            self._in_head = False
+            self._refuse(408, "the request head did not arrive in time")
 
     def _idle_expired(self) -> None:
         if self.idle and self.transport is not None:

@@ -7,6 +7,7 @@ import asyncio
 import json
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -26,6 +27,7 @@ class App:
     def __init__(self) -> None:
         self.disconnected = threading.Event()
         self.release = threading.Event()
+        self.flooded = threading.Event()
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -71,6 +73,13 @@ class App:
             await send({"type": "http.response.start", "status": 200, "headers": []})
             await asyncio.get_running_loop().run_in_executor(None, self.release.wait, 30)
             await send({"type": "http.response.body", "body": b"done"})
+        elif path == "/flood":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            for _ in range(10_000):  # far more than socket buffers hold: the send waits for the client
+                await send({"type": "http.response.body", "body": b"x" * 65536, "more_body": True})
+                if self.disconnected.is_set():
+                    break
+            self.flooded.set()
         elif path == "/fail-before":
             raise RuntimeError("failed before the head")
         elif path == "/fail-after":
@@ -184,6 +193,18 @@ def test_a_head_past_the_limits_is_refused_431_and_the_connection_closed(head: s
         assert closed_after(sock)
 
 
+def test_a_head_that_does_not_arrive_in_time_is_refused_408_however_it_trickles() -> None:
+    limits = ServerLimits(max_head_bytes=1024, max_header_count=10, keepalive_s=0.2, head_timeout_s=2.0)
+    with served(limits=limits) as (server, _), connect(server) as sock:
+        sock.sendall(b"GET /echo HTTP/1.1\r\nx-slow: ")
+        for _ in range(4):  # a byte at a time, more often than the keep-alive timeout
+            time.sleep(0.1)
+            sock.sendall(b"x")
+        answers, _ = read_answers(sock, 1)
+        assert answers[0]["status"] == 408
+        assert closed_after(sock)
+
+
 def test_garbage_is_refused_400_and_the_connection_closed() -> None:
     with served() as (server, _), connect(server) as sock:
         sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")
@@ -242,6 +263,14 @@ def test_a_client_that_leaves_is_an_http_disconnect_to_the_app() -> None:
             data += sock.recv(65536)
         sock.close()
         wait_until(app.disconnected.is_set, "the app saw the client leave")
+
+
+def test_a_client_that_takes_nothing_is_cut_after_the_send_timeout() -> None:
+    limits = ServerLimits(max_head_bytes=1024, max_header_count=10, send_timeout_s=0.5)
+    with served(limits=limits) as (server, app), connect(server) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.sendall(request("/flood"))
+        wait_until(app.flooded.is_set, "the app's sends ended once the client was cut")
 
 
 def test_an_app_that_fails_before_its_head_answers_500_and_after_it_cuts_the_connection() -> None:
