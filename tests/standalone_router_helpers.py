@@ -50,14 +50,19 @@ def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 30.0
         time.sleep(0.01)
 
 
+def loopback_socket() -> tuple[socket.socket, int]:
+    """A socket bound to a port the OS picked on 127.0.0.1 (bound before its server starts: no port race)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock, sock.getsockname()[1]
+
+
 class ServerThread:
     """Serve ``app`` with uvicorn on 127.0.0.1 on a thread; a context manager that always stops it."""
 
     def __init__(self, app: Any) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
+        self.sock, self.port = loopback_socket()
         self.url = f"http://127.0.0.1:{self.port}"
         self.name = f"127.0.0.1:{self.port}"
         config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=1)
@@ -80,10 +85,7 @@ class RouterServerThread:
     event loop); a context manager that always stops it (draining for up to ``drain_s``)."""
 
     def __init__(self, app: Any, limits: ServerLimits | None = None, drain_s: float = 1.0) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
+        self.sock, self.port = loopback_socket()
         self.url = f"http://127.0.0.1:{self.port}"
         self.name = f"127.0.0.1:{self.port}"
         limits = limits or ServerLimits(DEFAULT_MAX_HEAD_BYTES, DEFAULT_MAX_HEADER_COUNT)
