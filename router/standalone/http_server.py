@@ -123,6 +123,7 @@ class _Exchange:
     __slots__ = (
         "body",
         "body_size",
+        "bodiless",
         "chunked",
         "complete",
         "connection",
@@ -150,6 +151,7 @@ class _Exchange:
         self.started = False
         self.complete = False
         self.chunked = False
+        self.bodiless = False  # a HEAD request's answer, or a 204 or 304: no body is written
         self.remaining: int | None = None  # bytes still owed by a declared content-length
         self.waiter: asyncio.Future[None] | None = None
 
@@ -197,7 +199,7 @@ class _Exchange:
             self.expect_continue = False
             status = int(message["status"])
             head = [status_line(status), connection.server.clock.date_header()]
-            declared = False
+            declared = closing = False
             for name, value in message.get("headers", ()):
                 if b"\n" in name or b"\r" in name or b"\n" in value or b"\r" in value:
                     raise RuntimeError("a response header holds a line break")
@@ -209,6 +211,7 @@ class _Exchange:
                     continue  # the framing is this server's
                 elif lower == b"connection" and b"close" in value.lower():
                     self.keep_alive = False
+                    closing = True
                 head += (name, b": ", value, b"\r\n")
             bodiless = self.head_only or status in _BODILESS
             if not declared and not bodiless:
@@ -217,11 +220,12 @@ class _Exchange:
                     head.append(b"transfer-encoding: chunked\r\n")
                 else:
                     self.keep_alive = False  # HTTP/1.0: the body ends with the connection
-            if not self.keep_alive:
+            if not self.keep_alive and not closing:
                 head.append(b"connection: close\r\n")
             head.append(b"\r\n")
             connection.write(b"".join(head))
             if bodiless:
+                self.bodiless = True
                 self.remaining = 0
             return
         if self.complete:
@@ -231,7 +235,7 @@ class _Exchange:
         body = message.get("body", b"")
         more = message.get("more_body", False)
         out = b""
-        if body and not self.head_only and self.remaining != 0:
+        if body and not self.bodiless:
             if self.chunked:
                 out = b"%x\r\n%b\r\n" % (len(body), body)
             else:
@@ -240,7 +244,7 @@ class _Exchange:
                         raise RuntimeError("the answer is longer than its content-length")
                     self.remaining -= len(body)
                 out = body
-        if not more and self.chunked and not self.head_only:
+        if not more and self.chunked:
             out += b"0\r\n\r\n"
         if out:
             connection.write_now(out)
@@ -281,6 +285,7 @@ class HttpConnection(asyncio.Protocol):
         self._idle_timer: asyncio.TimerHandle | None = None
         self._head_timer: asyncio.TimerHandle | None = None
         self._refusal: bytes | None = None  # the answer to a request refused while parsing it
+        self._upgrade_body: tuple[_Exchange, int] | None = None  # an upgrade's body: bytes still to read
 
     # -- writes ---------------------------------------------------------------------
     def write(self, data: bytes) -> None:
@@ -380,14 +385,13 @@ class HttpConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._disarm_idle()
+        if self._upgrade_body is not None:
+            self._take_upgrade_body(data)
+            return
         try:
             self._parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            # An upgrade the router does not speak (h2c, websocket): the request was read as
-            # HTTP/1.1; nothing after it on this connection is.
-            if self._queue:
-                self._queue[-1].keep_alive = False
-            self._pause_reading()
+        except httptools.HttpParserUpgrade as exc:
+            self._upgrade_refused(data[int(exc.args[0]) :] if exc.args else b"")
             return
         except httptools.HttpParserError as exc:
             too_large = isinstance(exc.__context__, _TooLarge)
@@ -401,6 +405,45 @@ class HttpConnection(asyncio.Protocol):
                 return
         if self.idle and not self._in_head:  # between requests: the keep-alive clock runs
             self._arm_idle()
+
+    def _upgrade_refused(self, rest: bytes) -> None:
+        """An upgrade the router does not speak (``Upgrade: h2c`` from ``curl --http2``, a
+        websocket): the request is answered as HTTP/1.1, as nginx does, and the connection closes
+        after it. llhttp ends the message at its head; a declared body is read here instead."""
+        exchange = self._queue[-1] if self._queue else None
+        self._pause_reading()
+        if exchange is None or exchange.started:
+            return
+        exchange.keep_alive = False
+        declared = next((v for n, v in exchange.scope["headers"] if n == b"content-length"), None)
+        chunked = any(n == b"transfer-encoding" for n, _ in exchange.scope["headers"])
+        if chunked or (declared is not None and not declared.strip().isdigit()):
+            # A chunked body after an upgrade is not read: cut, as a body that breaks off is.
+            if self.transport is not None:
+                self.transport.close()
+            return
+        length = int(declared) if declared is not None else 0
+        if length:
+            exchange.more_body = True
+            self._upgrade_body = (exchange, length)
+            self._take_upgrade_body(rest)
+
+    def _take_upgrade_body(self, data: bytes) -> None:
+        assert self._upgrade_body is not None
+        exchange, left = self._upgrade_body
+        part = data[:left]
+        left -= len(part)
+        if part:
+            exchange.body.append(part)
+            exchange.body_size += len(part)
+        if left == 0:
+            exchange.more_body = False
+            self._upgrade_body = None
+            self._pause_reading()  # nothing after it on this connection is read
+        else:
+            self._upgrade_body = (exchange, left)
+            self.resume_reading()
+        exchange.wake()
 
     def _refuse(self, status: int, text: str) -> None:
         """A request the application never sees: a plain-text answer after the answers owed to the

@@ -80,6 +80,13 @@ class App:
                 if self.disconnected.is_set():
                     break
             self.flooded.set()
+        elif path == "/close":
+            head = [(b"connection", b"close"), (b"content-length", b"2")]
+            await send({"type": "http.response.start", "status": 200, "headers": head})
+            await send({"type": "http.response.body", "body": b"ok"})
+        elif path == "/overlong":
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"0")]})
+            await send({"type": "http.response.body", "body": b"more than declared"})
         elif path == "/fail-before":
             raise RuntimeError("failed before the head")
         elif path == "/fail-after":
@@ -220,6 +227,17 @@ def test_a_refusal_after_a_good_request_comes_after_its_answer() -> None:
         assert [a["status"] for a in answers] == [200, 400] and answers[0]["body"] == b"ok"
 
 
+def test_an_upgrade_the_router_does_not_speak_is_answered_as_http_1_1_with_its_body() -> None:
+    head = b"POST /echo HTTP/1.1\r\nhost: t\r\nconnection: Upgrade, HTTP2-Settings\r\nupgrade: h2c\r\n"
+    with served() as (server, _), connect(server) as sock:  # curl --http2 on an http:// URL
+        sock.sendall(head + b"http2-settings: AAMAAABkAARAAAAAAAIAAAAA\r\ncontent-length: 11\r\n\r\nhello")
+        time.sleep(0.2)  # the body's rest in a later segment
+        sock.sendall(b" world")
+        answers, _ = read_answers(sock, 1)
+        assert answers[0]["status"] == 200 and answers[0]["body"] == b"hello world"
+        assert answers[0]["headers"]["connection"] == "close" and closed_after(sock)
+
+
 def test_expect_100_continue_is_answered_when_the_app_asks_for_the_body() -> None:
     with served() as (server, _), connect(server) as sock:
         sock.sendall(b"POST /echo HTTP/1.1\r\nhost: t\r\ncontent-length: 5\r\nexpect: 100-continue\r\n\r\n")
@@ -242,6 +260,24 @@ def test_an_http_1_0_answer_is_not_chunked_and_ends_with_the_connection() -> Non
         head, _, body = data.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 200") and b"chunked" not in head.lower() and b"connection: close" in head
         assert body == b"one two three"
+
+
+def test_an_app_that_closes_the_connection_names_it_once() -> None:
+    with served() as (server, _), connect(server) as sock:
+        sock.sendall(request("/close"))
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+        assert data.lower().count(b"connection: close") == 1 and data.endswith(b"\r\n\r\nok")
+
+
+def test_an_answer_longer_than_its_content_length_is_cut() -> None:
+    with served() as (server, _), connect(server) as sock:
+        sock.sendall(request("/overlong"))
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+        assert b"more than declared" not in data  # the extra bytes never reach the client
 
 
 def test_a_head_request_gets_no_body() -> None:
