@@ -29,8 +29,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from prefixserve.router.standalone.config import DEFAULT_MAX_HEAD_BYTES, DEFAULT_MAX_HEADER_COUNT
-from prefixserve.router.standalone.http_server import HttpServer, ServerLimits
+from prefixserve.router.standalone.http_server import HttpServer, Refusal, ServerLimits, plain_refusal
+from prefixserve.router.standalone.proxy import StandaloneRouter, build_app, refusal_answer
 
 # What every answer of a FakeReplica reports: 100 prompt tokens, 40 of them cached (60 prefilled).
 USAGE = {
@@ -82,14 +82,18 @@ class ServerThread:
 
 class RouterServerThread:
     """Serve ``app`` with the router's HTTP server on 127.0.0.1 on a thread of its own (its own
-    event loop); a context manager that always stops it (draining for up to ``drain_s``)."""
+    event loop); a context manager that always stops it (draining for up to ``drain_s``).
+    :meth:`for_router` serves a router as ``prefixserve router`` does."""
 
-    def __init__(self, app: Any, limits: ServerLimits | None = None, drain_s: float = 1.0) -> None:
+    @classmethod
+    def for_router(cls, router: StandaloneRouter) -> RouterServerThread:
+        return cls(build_app(router), router.config.server_limits(), refusal=refusal_answer)
+
+    def __init__(self, app: Any, limits: ServerLimits, drain_s: float = 1.0, refusal: Refusal = plain_refusal) -> None:
         self.sock, self.port = loopback_socket()
         self.url = f"http://127.0.0.1:{self.port}"
         self.name = f"127.0.0.1:{self.port}"
-        limits = limits or ServerLimits(DEFAULT_MAX_HEAD_BYTES, DEFAULT_MAX_HEADER_COUNT)
-        self.server = HttpServer(app, "127.0.0.1", self.port, limits, drain_s, sock=self.sock)
+        self.server = HttpServer(app, "127.0.0.1", self.port, limits, drain_s, sock=self.sock, refusal=refusal)
         self.started = threading.Event()
         self.loop: asyncio.AbstractEventLoop | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)

@@ -28,9 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from prefixserve.common.gc_heap import freeze_gc_heap
     from prefixserve.common.logs import configure_logging
-    from prefixserve.router.standalone.http_server import ServerLimits
     from prefixserve.router.standalone.http_server import run as serve
-    from prefixserve.router.standalone.proxy import StandaloneRouter, build_app
+    from prefixserve.router.standalone.proxy import StandaloneRouter, build_app, refusal_answer
 
     try:
         endpoint = EndpointConfig(host=args.host, port=args.port, log_format=args.log_format)
@@ -41,6 +40,5 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, endpoint.log_format, "router")
     app = build_app(StandaloneRouter(config))
     freeze_gc_heap()  # its modules, tokenizer and tables live as long as the process (common/gc_heap.py)
-    limits = ServerLimits(config.h11_max_incomplete_event_size, config.h11_max_header_count)
-    serve(app, endpoint.host, endpoint.port, limits, config.drain_timeout_s)
+    serve(app, endpoint.host, endpoint.port, config.server_limits(), config.drain_timeout_s, refusal_answer)
     return 0

@@ -19,6 +19,7 @@ from prefixserve.router.flow_control.controller import FlowConfig
 from prefixserve.router.flow_control.tenants import TenantTable, load_tenants
 from prefixserve.router.policies import DEFAULT_POLICY, POLICIES, check_options, pick_options
 from prefixserve.router.routing_key import PrefixKeyConfig
+from prefixserve.router.standalone.http_server import ServerLimits
 
 # A replica's head limits (replica/entrypoints/openai/server.py ServerConfig): the largest request line
 # plus headers (uvicorn's h11 knob) and the most header fields. The router must not load the replica's
@@ -275,6 +276,10 @@ class StandaloneRouterConfig:
     def tenant_table(self) -> TenantTable | None:
         """The tenants of ``--tenants`` (TenantFileError, a ValueError, naming the line); None without."""
         return load_tenants(self.tenants) if self.tenants is not None else None
+
+    def server_limits(self) -> ServerLimits:
+        """The head limits its HTTP server enforces (the replica's, so a forwarded head is one a replica reads)."""
+        return ServerLimits(self.h11_max_incomplete_event_size, self.h11_max_header_count)
 
     def flow_config(self) -> FlowConfig:
         """Flow control's knobs (ValueError for bad ones)."""

@@ -51,6 +51,8 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 App = Callable[[MutableMapping[str, Any], Receive, Send], Awaitable[None]]
+# What a refusal the application never sees says: (status, reason) -> (its headers, its body).
+Refusal = Callable[[int, str], tuple[list[tuple[bytes, bytes]], bytes]]
 
 _ASGI = {"version": "3.0", "spec_version": "2.3"}
 _REASONS = {
@@ -88,6 +90,11 @@ def status_line(status: int) -> bytes:
     if line is None:
         line = _STATUS_LINES[status] = f"HTTP/1.1 {status} {_REASONS.get(status, '')}\r\n".encode("latin-1")
     return line
+
+
+def plain_refusal(status: int, text: str) -> tuple[list[tuple[bytes, bytes]], bytes]:
+    """A refusal as plain text (the server's default)."""
+    return [(b"content-type", b"text/plain; charset=utf-8")], text.encode()
 
 
 class _Clock:
@@ -129,7 +136,6 @@ class _Exchange:
         "connection",
         "end_taken",
         "expect_continue",
-        "head_only",
         "keep_alive",
         "more_body",
         "remaining",
@@ -143,7 +149,6 @@ class _Exchange:
         self.scope = scope
         self.keep_alive = keep_alive
         self.expect_continue = expect
-        self.head_only = scope["method"] == "HEAD"
         self.body: deque[bytes] = deque()
         self.body_size = 0
         self.more_body = True
@@ -213,7 +218,7 @@ class _Exchange:
                     self.keep_alive = False
                     closing = True
                 head += (name, b": ", value, b"\r\n")
-            bodiless = self.head_only or status in _BODILESS
+            bodiless = self.scope["method"] == "HEAD" or status in _BODILESS
             if not declared and not bodiless:
                 if self.scope["http_version"] == "1.1":
                     self.chunked = True
@@ -446,7 +451,7 @@ class HttpConnection(asyncio.Protocol):
         exchange.wake()
 
     def _refuse(self, status: int, text: str) -> None:
-        """A request the application never sees: a plain-text answer after the answers owed to the
+        """A request the application never sees: the server's refusal answer after the answers owed to the
         requests before it, then the connection closes. A body that breaks off mid-way cuts the
         connection instead (its request is already running: the application sees the client leave)."""
         self._pause_reading()
@@ -454,12 +459,12 @@ class HttpConnection(asyncio.Protocol):
             if self.transport is not None:
                 self.transport.close()
             return
-        body = text.encode()
-        head = status_line(status) + self.server.clock.date_header()
-        head += b"content-type: text/plain; charset=utf-8\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(
-            body
-        )
-        self._refusal = head + body
+        headers, body = self.server.refusal(status, text)
+        head = [status_line(status), self.server.clock.date_header()]
+        for name, value in headers:
+            head += (name, b": ", value, b"\r\n")
+        head.append(b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body))
+        self._refusal = b"".join(head) + body
         if self.idle:
             self._write_refusal()
 
@@ -626,11 +631,20 @@ class HttpServer:
     """Serves ``app`` on ``host:port`` until :meth:`stop`; see the module docstring."""
 
     def __init__(
-        self, app: App, host: str, port: int, limits: ServerLimits, drain_s: float, sock: socket.socket | None = None
+        self,
+        app: App,
+        host: str,
+        port: int,
+        limits: ServerLimits,
+        drain_s: float,
+        sock: socket.socket | None = None,
+        refusal: Refusal = plain_refusal,
     ) -> None:
-        """``sock``: a bound socket to listen on instead of ``host:port``."""
+        """``sock``: a bound socket to listen on instead of ``host:port``. ``refusal``: the headers
+        and body of the answers to requests the application never sees (431, 408, 400)."""
         self.app = app
         self.sock = sock
+        self.refusal = refusal
         self.host = host
         self.port = port
         self.limits = limits
@@ -731,7 +745,7 @@ class _Lifespan:
             await self._task
 
 
-def run(app: App, host: str, port: int, limits: ServerLimits, drain_s: float) -> None:
+def run(app: App, host: str, port: int, limits: ServerLimits, drain_s: float, refusal: Refusal = plain_refusal) -> None:
     """Serve ``app`` until SIGTERM or SIGINT (a second one cuts the drain short), on uvloop."""
     try:
         import uvloop
@@ -741,7 +755,7 @@ def run(app: App, host: str, port: int, limits: ServerLimits, drain_s: float) ->
         loop_factory = None
 
     async def main() -> None:
-        server = HttpServer(app, host, port, limits, drain_s)
+        server = HttpServer(app, host, port, limits, drain_s, refusal=refusal)
         loop = asyncio.get_running_loop()
         signals = 0
 

@@ -29,7 +29,8 @@ Invariants:
 * A client that goes away closes the upstream connection (the replica aborts the
   request); the request's in-flight count and ``placed``'s key count end exactly once.
 * The request line and headers, and the body, are bounded as a replica bounds them
-  (431, 413), so a request the router forwards is one a replica would read.
+  (431 by the router's HTTP server, with :func:`refusal_answer`; 413 here), so a request the
+  router forwards is one a replica would read.
 * ``model``: a request naming a model no replica serves is answered 404 by the router;
   one naming a model some replicas serve goes to those alone.
 * With ``--tenants``, flow control (router/flow_control/) admits each generation request before
@@ -713,20 +714,6 @@ class StandaloneRouter:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def head_refusal(self, scope: Scope) -> Response | None:
-        """The 431 answer for more, or larger, headers than a replica accepts; None when they fit."""
-        headers = scope.get("headers") or []
-        c = self.config
-        size = len(scope.get("raw_path") or b"") + sum(len(k) + len(v) + 4 for k, v in headers)
-        if len(headers) > c.h11_max_header_count or size > c.h11_max_incomplete_event_size:
-            return own_answer(
-                431,
-                openai_error(
-                    431, "the request line and headers are larger than a replica accepts", "headers_too_large"
-                ),
-            )
-        return None
-
     async def handle_generate(self, request: Request) -> Response:
         body = await self.read_body(request)
         if isinstance(body, Response):
@@ -843,9 +830,20 @@ def answer_headers_map(headers: Sequence[tuple[bytes, bytes]], replica: str) -> 
     ]
 
 
+def refusal_answer(status: int, text: str) -> tuple[list[tuple[bytes, bytes]], bytes]:
+    """What the router's HTTP server answers a request it refuses before the application sees it
+    (431 past the head limits, 408, 400): the OpenAI error body, named ``router``."""
+    code = {431: "headers_too_large", 408: "timeout"}.get(status, "invalid_request")
+    body = json.dumps(openai_error(status, text, code)).encode()
+    return [
+        (b"content-type", b"application/json"),
+        (REPLICA_HEADER.lower().encode("latin-1"), ROUTER_SELF.encode("latin-1")),
+    ], body
+
+
 class RouterHeadMiddleware:
-    """Outermost: refuses heads larger than a replica's (431), and names the router on any answer
-    that names no replica (Starlette's own 404 and 405 included)."""
+    """Outermost: names the router on any answer that names no replica (Starlette's own 404 and 405
+    included)."""
 
     def __init__(self, app: Any, router: StandaloneRouter) -> None:
         self.app = app
@@ -855,10 +853,6 @@ class RouterHeadMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
-            return
-        refusal = self.router.head_refusal(scope)
-        if refusal is not None:
-            await refusal(scope, receive, send)
             return
 
         async def named(message: Any) -> None:
@@ -888,7 +882,7 @@ class RouterApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and scope["path"].startswith("/v1/"):
-            response = self.router.head_refusal(scope) or await self.router.handle_generate(Request(scope, receive))
+            response = await self.router.handle_generate(Request(scope, receive))
             await response(scope, receive, send)
         else:
             await self.rest(scope, receive, send)

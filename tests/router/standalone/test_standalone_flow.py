@@ -13,7 +13,7 @@ from server_helpers import metric
 from standalone_router_helpers import USAGE, FakeReplica, RouterServerThread, ServerThread, wait_until
 
 from prefixserve.router.standalone.config import StandaloneRouterConfig
-from prefixserve.router.standalone.proxy import ROUTER_SELF, StandaloneRouter, build_app
+from prefixserve.router.standalone.proxy import ROUTER_SELF, StandaloneRouter
 
 TENANTS = """\
 tenant_header: x-tenant
@@ -38,7 +38,7 @@ def serve(tmp_path: Path, upstream: ServerThread, **settings: Any) -> tuple[Rout
     tenants.write_text(TENANTS)
     config = StandaloneRouterConfig(replicas=[upstream.url], tenants=str(tenants), health_interval_s=60.0, **settings)
     router = StandaloneRouter(config)
-    return RouterServerThread(build_app(router)), router
+    return RouterServerThread.for_router(router), router
 
 
 def test_tenants_quotas_and_the_settled_usage(tmp_path: Path) -> None:

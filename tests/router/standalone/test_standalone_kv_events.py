@@ -38,7 +38,7 @@ from prefixserve.router.standalone.cli import add_arguments
 from prefixserve.router.standalone.config import StandaloneRouterConfig, parse_kv_events
 from prefixserve.router.standalone.kv_events import KVEventHints, block_hasher, event_sources
 from prefixserve.router.standalone.prompt_tokens import PromptTokenizer
-from prefixserve.router.standalone.proxy import StandaloneRouter, build_app
+from prefixserve.router.standalone.proxy import StandaloneRouter
 from prefixserve.router.standalone.replica_set import ReplicaSet
 from prefixserve.router.standalone.routing import StandaloneRouting
 
@@ -338,7 +338,7 @@ def test_the_router_learns_from_a_replicas_events_over_zmq(tokenizer_dir: Path) 
             tokenizer=str(tokenizer_dir),
         )
         router = StandaloneRouter(config)
-        server = stack.enter_context(RouterServerThread(build_app(router)))
+        server = stack.enter_context(RouterServerThread.for_router(router))
         http = stack.enter_context(httpx.Client(timeout=30.0))
         body = chat(owned_by(a.name, [a.name, b.name]), words(140, 16))
         hints = router.routing.hints

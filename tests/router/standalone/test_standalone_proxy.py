@@ -17,7 +17,7 @@ from standalone_router_helpers import FakeReplica, RouterServerThread, ServerThr
 from prefixserve.router.ring import HashRing, RingServer
 from prefixserve.router.routing_key import prefix_hash
 from prefixserve.router.standalone.config import StandaloneRouterConfig
-from prefixserve.router.standalone.proxy import ROUTER_SELF, StandaloneRouter, build_app
+from prefixserve.router.standalone.proxy import ROUTER_SELF, StandaloneRouter
 
 HEADER = "X-Prefixserve-Replica"
 
@@ -33,7 +33,7 @@ def router_over(urls: list[str], **settings: Any) -> Iterator[tuple[str, Standal
     """A running router over ``urls``; by default its probes run once at start only (tests that need them set it)."""
     config = StandaloneRouterConfig(replicas=urls, **{"health_interval_s": 60.0, **settings})
     router = StandaloneRouter(config)
-    with RouterServerThread(build_app(router)) as server:
+    with RouterServerThread.for_router(router) as server:
         yield server.url, router
 
 
