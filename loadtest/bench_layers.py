@@ -15,12 +15,13 @@ times a warm cache instead (SmolLM2's fp32 weights are 533 MB a forward). Cases,
   cached ones;
 * RMSNorm, residual add + RMSNorm, rotary (query and key heads), SiLU-and-multiply.
 
-Ours: the engine's path for each (the linear layer class of replica/model/layers.py, MKL's
-packed GEMM; the C kernels of kernels/cpu/) and the alternatives it could take: torch's
-``F.linear``, oneDNN with a prepacked weight through torch (``mkldnn._linear_pointwise``), the
-torch reference layer ops, the C attention at vLLM's block size. vLLM's: what its CPU model calls
-for each (loadtest/peers/vllm_layer_ops.py), run by ``--vllm-python`` in its own venv, whose
-outputs are compared with ours (``max_rel_diff``: the largest difference over the largest
+Ours: the engine's path for each (the linear layer class of replica/model/layers.py: the C small
+GEMM up to eight rows, MKL's packed GEMM above; the C kernels of kernels/cpu/) and the
+alternatives it could take: MKL's packed GEMM at every size, torch's ``F.linear``, oneDNN with a
+prepacked weight through torch (``mkldnn._linear_pointwise``), the torch reference layer ops,
+the C attention at vLLM's block size. vLLM's: what its CPU model calls for each
+(loadtest/peers/vllm_layer_ops.py), run by ``--vllm-python`` in its own venv, whose outputs are
+compared with ours (``max_rel_diff``: the largest difference over the largest
 magnitude). The last table adds the cases up into one forward at each decode batch (30 layers:
 the lm head once, each other case once a layer), the step a served request waits on.
 
@@ -175,8 +176,16 @@ def our_impls(
             layer.pack_for_cpu()
             engines.append(layer)
             onednn.append(torch.ops.mkldnn._reorder_linear_weight(w, 32))
+        rows = x.shape[0]
         return [
-            ("engine (MKL packed)", rotating([lambda e=e: e._linear(x, None) for e in engines]), None),
+            ("engine", rotating([lambda e=e: e._linear(x, None) for e in engines]), None),
+            (
+                "MKL packed",
+                rotating(
+                    [lambda e=e: torch.ops.mkl._mkl_linear(x, e.packed_weight, e.weight, None, rows) for e in engines]
+                ),
+                None,
+            ),
             ("F.linear", rotating([lambda w=w: F.linear(x, w) for w in weights]), None),
             (
                 "oneDNN prepacked (torch)",

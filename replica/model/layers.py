@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from prefixserve.kernels.cpu.linear import SMALL_GEMM_MAX_ROWS, c_small_linear, small_gemm_fits
 from prefixserve.kernels.interface import LayerOps
 from prefixserve.kernels.reference_layer_ops import TORCH_LAYER_OPS
 
@@ -95,25 +96,35 @@ def mkl_packing_available() -> bool:
 
 
 class _PackableLinear(nn.Module):
-    """A linear layer whose weight can be repacked once for MKL's packed GEMM.
+    """A linear layer whose weight can be prepared once for the CPU's GEMMs.
 
-    On CPU, ``cblas_sgemm_compute`` on a pre-packed weight skips re-packing the weight
-    on every call: 1.3-1.6x faster at decode batch sizes, equal at prefill sizes,
-    with identical results at batch >= 64. The packed copy doubles the layer's weight memory.
+    On CPU (the C kernel backend, float32), :meth:`pack_for_cpu` readies two paths, each taken
+    where it was measured faster (docs/benchmarks/layers.md): up to
+    ``SMALL_GEMM_MAX_ROWS`` rows (decode batches), the C kernel of kernels/cpu/small_gemm.c
+    streams the weight as stored; above, ``cblas_sgemm_compute`` on a pre-packed weight skips
+    re-packing it on every call (1.3-1.6x faster than unpacked at decode sizes, equal at
+    prefill sizes, identical results at batch >= 64). The packed copy doubles the layer's
+    weight memory.
     """
 
     packed_weight: torch.Tensor | None = None
+    small_rows: bool = False  # up to SMALL_GEMM_MAX_ROWS rows on the C kernel
     # Adapter slots of the column- and row-parallel projections (None: no LoRA, no cost).
     lora: LinearDelta | None = None
 
     def pack_for_cpu(self) -> None:
+        """Ready the CPU paths; called once the weights are loaded, with the C kernels loadable."""
         w = self.weight
         if w.device.type == "cpu" and w.dtype == torch.float32 and mkl_packing_available():
             self.packed_weight = torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), 64)
+        self.small_rows = small_gemm_fits(w)
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.packed_weight is not None and x.dim() == 2:
-            return torch.ops.mkl._mkl_linear(x, self.packed_weight, self.weight, bias, x.shape[0])
+        if x.dim() == 2:
+            if self.small_rows and 0 < x.shape[0] <= SMALL_GEMM_MAX_ROWS:
+                return c_small_linear(x, self.weight, bias)
+            if self.packed_weight is not None:
+                return torch.ops.mkl._mkl_linear(x, self.packed_weight, self.weight, bias, x.shape[0])
         return F.linear(x, self.weight, bias)
 
 

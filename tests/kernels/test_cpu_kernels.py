@@ -288,6 +288,61 @@ def test_packed_linear_equals_f_linear(seed):
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", range(1, 9))
+@pytest.mark.parametrize(("out_features", "in_features"), [(96, 64), (53, 37), (5, 576), (130, 16)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_small_gemm_matches_float64(rows, out_features, in_features, threads):
+    from prefixserve.kernels.cpu.linear import c_small_linear
+
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features + in_features)
+    x = torch.randn(rows, in_features, generator=gen)
+    w = torch.randn(out_features, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for b in (None, bias):
+            expected = F.linear(x.double(), w.double(), None if b is None else b.double()).float()
+            torch.testing.assert_close(c_small_linear(x, w, b), expected, rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_small_gemm_rejects_what_it_cannot_run():
+    from prefixserve.kernels.cpu.linear import SMALL_GEMM_MAX_ROWS, c_small_linear
+
+    w = torch.randn(32, 48)
+    with pytest.raises(ValueError, match="1 to 8 rows"):
+        c_small_linear(torch.randn(SMALL_GEMM_MAX_ROWS + 1, 48), w)
+    with pytest.raises(ValueError, match="1 to 8 rows"):
+        c_small_linear(torch.randn(0, 48), w)
+    with pytest.raises(ValueError, match="does not match a weight"):
+        c_small_linear(torch.randn(2, 47), w)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        c_small_linear(torch.randn(2, 32), w.t())
+    with pytest.raises(ValueError, match="bias"):
+        c_small_linear(torch.randn(2, 48), w, torch.randn(31))
+
+
+def test_a_linear_takes_the_small_gemm_up_to_eight_rows_and_mkl_above():
+    from prefixserve.kernels.cpu.linear import c_small_linear
+    from prefixserve.replica.model.layers import RowParallelLinear, TPGroup
+
+    layer = RowParallelLinear(64, 40, False, TPGroup(), torch.float32)
+    gen = torch.Generator().manual_seed(7)
+    layer.weight.data.copy_(torch.randn(40, 64, generator=gen))
+    layer.pack_for_cpu()
+    assert layer.small_rows
+    for rows in (1, 8, 9, 64):
+        x = torch.randn(rows, 64, generator=gen)
+        if rows <= 8:
+            assert torch.equal(layer(x), c_small_linear(x, layer.weight))
+        elif layer.packed_weight is not None:
+            assert torch.equal(layer(x), torch.ops.mkl._mkl_linear(x, layer.packed_weight, layer.weight, None, rows))
+        else:
+            assert torch.equal(layer(x), F.linear(x, layer.weight))
+
+
 # --- backend choice and fallback ------------------------------------------------------
 
 
