@@ -149,12 +149,17 @@ def upstream_headers(headers: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
+# An answer's headers the router does not relay; its own server writes Date and Server, as any reverse proxy does.
+_ANSWER_DROP = frozenset(
+    n.encode("latin-1") for n in (_HOP_BY_HOP - {"content-length"}) | {REPLICA_HEADER.lower(), "date", "server"}
+)
+_REPLICA_HEADER_NAME = REPLICA_HEADER.lower().encode("latin-1")
+
+
 def answer_headers(headers: Sequence[tuple[bytes, bytes]], replica: str) -> list[tuple[bytes, bytes]]:
     """A replica's answer headers to relay: end-to-end ones (its length kept), named by the router's replica header."""
-    # The router's own server writes Date and Server, as any reverse proxy does.
-    drop = (_HOP_BY_HOP - {"content-length"}) | {REPLICA_HEADER.lower(), "date", "server"}
-    out = [(k, v) for k, v in headers if k.decode("latin-1").lower() not in drop]
-    out.append((REPLICA_HEADER.lower().encode("latin-1"), replica.encode("latin-1")))
+    out = [(k, v) for k, v in headers if k.lower() not in _ANSWER_DROP]
+    out.append((_REPLICA_HEADER_NAME, replica.encode("latin-1")))
     return out
 
 
@@ -620,7 +625,7 @@ class StandaloneRouter:
             "?" + query.decode("latin-1") if query else ""
         )
         movable = self.config.migrate_streams and stream_of_one(parsed) and scope["path"] in MOVABLE_PATHS
-        progress_headers = {**headers, STREAM_PROGRESS_HEADER: "1"}
+        progress_headers = {**headers, STREAM_PROGRESS_HEADER: "1"} if movable else headers
         last: tuple[int, bytes, tuple[tuple[bytes, bytes], ...], str] | None = None
         for i, name in enumerate(attempts):
             final = i == len(attempts) - 1

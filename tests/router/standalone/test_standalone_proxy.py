@@ -64,11 +64,15 @@ def test_a_stream_is_relayed_chunk_by_chunk() -> None:
             # The first event is here while the replica still holds the rest: nothing was buffered.
             assert json.loads(first[6:])["choices"][0]["delta"]["content"] == "one"
             assert not fake.gate.is_set()
+            # Counted where it landed once its first bytes went out, not again for each later chunk.
+            landed = metric(client.get(f"{url}/metrics").text, "prefixserve_router_requests_total", replica=up.name)
+            assert landed == 1
             fake.gate.set()
             rest = [line[6:] for line in lines if line.startswith("data: ")]
         assert rest == [json.dumps(json.loads(rest[0])), "[DONE]"]
         assert not fake.gate_timed_out
         wait_until(lambda: router.replicas[up.name].in_flight == 0, "the stream's in-flight count ended")
+        assert metric(client.get(f"{url}/metrics").text, "prefixserve_router_requests_total", replica=up.name) == 1
 
 
 @pytest.mark.parametrize("status", [503, 429])
@@ -306,6 +310,8 @@ def test_a_json_answer_broken_off_is_cut_for_the_client_too() -> None:
             httpx.post(f"{url}/v1/chat/completions", json=chat(system), timeout=60)
         assert not router.replicas[ua.name].admitted
         wait_until(lambda: router.replicas[ua.name].in_flight == 0, "the broken answer's count ended")
+        # Counted once where it landed, though its answer broke off.
+        assert metric(httpx.get(f"{url}/metrics").text, "prefixserve_router_requests_total", replica=ua.name) == 1
         r = httpx.post(f"{url}/v1/chat/completions", json=chat(system), timeout=60)
         assert r.status_code == 200 and r.headers[HEADER] == ub.name
 
