@@ -598,9 +598,10 @@ def run(config: BenchServeConfig, write: Callable[[dict[str, Any]], None] | None
         root = Path(tree).resolve()
         port = free_port()
         env = dict(server_env(), PYTHONPATH=str(root))
-        name = f"prefixserve ({_tree_label(tree)})"
+        branch = _tree_label(tree)
+        name = f"prefixserve ({branch})"
         if any(name == planned[0] for planned in plan):  # two trees on one branch: named by their paths too
-            name = f"prefixserve ({_tree_label(tree)} at {root})"
+            name = f"prefixserve ({branch} at {root})"
         plan.append((name, ours_command(config, port, tree_python(root)), env, f"http://{HOST}:{port}", root))
     if config.base_url is not None:
         servers["server"] = measure(config.base_url, "server")

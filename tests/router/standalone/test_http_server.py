@@ -135,6 +135,14 @@ def read_answers(sock: socket.socket, n: int) -> tuple[list[dict[str, Any]], boo
     return answers.done, closed
 
 
+def read_to_close(sock: socket.socket) -> bytes:
+    """Everything the server writes on ``sock`` until it closes it."""
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
 def closed_after(sock: socket.socket) -> bool:
     sock.settimeout(30)
     try:
@@ -247,9 +255,7 @@ def test_expect_100_continue_is_answered_when_the_app_asks_for_the_body() -> Non
 def test_an_http_1_0_answer_is_not_chunked_and_ends_with_the_connection() -> None:
     with served() as (server, _), connect(server) as sock:
         sock.sendall(b"GET /stream HTTP/1.0\r\n\r\n")
-        data = b""
-        while chunk := sock.recv(65536):
-            data += chunk
+        data = read_to_close(sock)
         head, _, body = data.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 200") and b"chunked" not in head.lower() and b"connection: close" in head
         assert body == b"one two three"
@@ -258,18 +264,14 @@ def test_an_http_1_0_answer_is_not_chunked_and_ends_with_the_connection() -> Non
 def test_an_app_that_closes_the_connection_names_it_once() -> None:
     with served() as (server, _), connect(server) as sock:
         sock.sendall(request("/close"))
-        data = b""
-        while chunk := sock.recv(65536):
-            data += chunk
+        data = read_to_close(sock)
         assert data.lower().count(b"connection: close") == 1 and data.endswith(b"\r\n\r\nok")
 
 
 def test_an_answer_longer_than_its_content_length_is_cut() -> None:
     with served() as (server, _), connect(server) as sock:
         sock.sendall(request("/overlong"))
-        data = b""
-        while chunk := sock.recv(65536):
-            data += chunk
+        data = read_to_close(sock)
         assert b"more than declared" not in data  # the extra bytes never reach the client
 
 
@@ -327,9 +329,7 @@ def test_stop_refuses_new_connections_and_lets_the_answer_in_flight_finish() -> 
         server.loop.call_soon_threadsafe(server.server.stop)
         wait_until(lambda: not can_connect(server.port), "the server stopped accepting")
         app.release.set()
-        rest = b""
-        while chunk := sock.recv(65536):
-            rest += chunk
+        rest = read_to_close(sock)
         assert b"done" in rest and rest.endswith(b"0\r\n\r\n")
         sock.close()
     assert not server.thread.is_alive()
