@@ -68,14 +68,11 @@ void silu_and_mul_f32(const float *gate_up, float *out, int64_t rows, int32_t in
         const float *g = gate_up + t * 2 * (int64_t)inter, *u = g + inter;
         float *o = out + t * inter;
         int i = 0;
-        for (; i + VEC <= inter; i += VEC) {
-            v16 x = LOAD(g + i);
-            STORE(o + i, x / (1.0f + exp_v16(-x)) * LOAD(u + i));
-        }
+        for (; i + VEC <= inter; i += VEC) STORE(o + i, silu_mul_v16(LOAD(g + i), LOAD(u + i)));
         if (i < inter) { /* tail: through a padded vector, so it rounds exactly like the body */
             v16 x = {0}, y = {0};
             for (int j = 0; i + j < inter; j++) x[j] = g[i + j], y[j] = u[i + j];
-            v16 z = x / (1.0f + exp_v16(-x)) * y;
+            v16 z = silu_mul_v16(x, y);
             for (int j = 0; i + j < inter; j++) o[i + j] = z[j];
         }
     }

@@ -70,6 +70,7 @@ SIGNATURES = {
     "silu_and_mul_f32": (None, [_ptr, _ptr, _i64, _i32, _i32]),
     "apply_token_bitmask_f32": (ctypes.c_int, [_ptr, _i64, _ptr, _i64, _ptr, _i32, _i32, _i32]),
     "small_gemm_f32": (ctypes.c_int, [_ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i32]),
+    "small_gemm_silu_mul_f32": (ctypes.c_int, [_ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i32]),
 }
 
 _lock = threading.Lock()

@@ -42,6 +42,11 @@
 #define MAX_TILE_ROWS 48  /* query rows (positions x heads of a group) per task */
 #define MAX_HEAD_DIM 512
 #define MASKED (-1e30f)
+/* The next chunk's keys and values are prefetched while this one is scored: a chunk is a
+ * block of its own (4 KB of keys, 4 KB of values for one KV head), somewhere in the cache,
+ * and the hardware prefetcher does not cross into it (decode over 576-token contexts: 0.70x
+ * the time; two chunks ahead no better, four worse). */
+#define PREFETCH_CHUNKS 1
 #define FP8_MAX 448.0f
 
 /* fp8 e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinities,
@@ -125,11 +130,22 @@ static Scratch *thread_scratch(void) {
 }
 
 /* Scores of `rows` query rows against the 16 keys whose dimension d is the 16 floats
- * at k + d * k_stride. Rows go four at a time, sharing each loaded key vector (four
- * FMA chains in flight); the one to three left over are handled below. */
+ * at k + d * k_stride. Rows go eight at a time (a prefill tile's), then four, sharing each
+ * loaded key vector: eight independent FMA chains keep both FMA units busy where four
+ * leave them half idle on the chains' latency; the one to three left over are handled
+ * below. */
 static void score_chunk(const float *restrict q, int rows, int head_dim, const float *restrict k, int k_stride,
                         v16 *restrict scores) {
     int r = 0;
+    for (; r + 8 <= rows; r += 8) {
+        v16 s[8] = {{0}};
+        const float *q0 = q + r * head_dim;
+        for (int d = 0; d < head_dim; d++) {
+            v16 kd = LOAD(k + (int64_t)d * k_stride);
+            for (int i = 0; i < 8; i++) s[i] += q0[i * head_dim + d] * kd;
+        }
+        for (int i = 0; i < 8; i++) scores[r + i] = s[i];
+    }
     for (; r + 4 <= rows; r += 4) {
         v16 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
         const float *q0 = q + r * head_dim, *q1 = q0 + head_dim, *q2 = q1 + head_dim, *q3 = q2 + head_dim;
@@ -338,6 +354,17 @@ static void attend_keys(Scratch *sc, int r0, int r1, const int32_t *positions, c
             k = (const float *)c->key_cache + phys * k_block + (int64_t)kv_head * head_dim * block_size + off;
             v = (const float *)c->value_cache + phys * v_block + ((int64_t)kv_head * block_size + off) * head_dim;
             k_stride = block_size;
+            const int32_t ahead = key_pos + PREFETCH_CHUNKS * CHUNK;
+            if (ahead < key_end) {
+                const int64_t phys_a = table[ahead / block_size];
+                const int off_a = ahead % block_size;
+                const float *ka =
+                    (const float *)c->key_cache + phys_a * k_block + (int64_t)kv_head * head_dim * block_size + off_a;
+                const float *va =
+                    (const float *)c->value_cache + phys_a * v_block + ((int64_t)kv_head * block_size + off_a) * head_dim;
+                for (int d = 0; d < head_dim; d++) __builtin_prefetch(ka + (int64_t)d * block_size);
+                for (int i = 0; i < CHUNK * head_dim; i += VEC) __builtin_prefetch(va + i);
+            }
         } else {
             memset(k_stage, 0, sizeof(float) * head_dim * CHUNK);
             for (int j = 0; j < width; j++) {

@@ -67,21 +67,54 @@ static const int WIDTH[MAX_ROWS + 1] = {0, 4, 4, 4, 2, 2, 2, 2, 2};
 static const tile_fn ONE[MAX_ROWS + 1] = {0,        tile_1_1, tile_2_1, tile_3_1, tile_4_1,
                                           tile_5_1, tile_6_1, tile_7_1, tile_8_1};
 
+/* y[r * ldy + j] = x[r] . w[j] (+ bias[j]) for the `rows` weight rows from w (bias from the same row). */
+static inline void stream_rows(const float *x, int64_t m, const float *w, int64_t k, int64_t rows, float *y,
+                               int64_t ldy, const float *bias) {
+    const tile_fn wide = WIDE[m], one = ONE[m];
+    const int width = WIDTH[m];
+    int64_t j = 0;
+    for (; j + width <= rows; j += width) wide(x, w + j * k, k, y + j, ldy, bias ? bias + j : 0);
+    for (; j < rows; j++) one(x, w + j * k, k, y + j, ldy, bias ? bias + j : 0);
+}
+
 /* y [m, n] = x [m, k] W^T (+ bias [n]), W [n, k], all contiguous float32, 1 <= m <= 8. The weight
  * rows are split over the threads in tasks of 16, each thread's tasks contiguous (static
  * schedule), so each streams its part of W once. Returns 0, or -1 for m outside [1, 8]. */
 int small_gemm_f32(const float *x, int64_t m, const float *w, int64_t n, int64_t k, const float *bias, float *y,
                    int32_t num_threads) {
     if (m < 1 || m > MAX_ROWS) return -1;
-    const tile_fn wide = WIDE[m], one = ONE[m];
-    const int width = WIDTH[m];
     const int64_t tasks = (n + TASK_ROWS - 1) / TASK_ROWS;
 #pragma omp parallel for num_threads(num_threads) if (tasks > 1) schedule(static)
     for (int64_t t = 0; t < tasks; t++) {
-        const int64_t n1 = (t + 1) * TASK_ROWS < n ? (t + 1) * TASK_ROWS : n;
-        int64_t j = t * TASK_ROWS;
-        for (; j + width <= n1; j += width) wide(x, w + j * k, k, y + j, n, bias ? bias + j : 0);
-        for (; j < n1; j++) one(x, w + j * k, k, y + j, n, bias ? bias + j : 0);
+        const int64_t j0 = t * TASK_ROWS, j1 = j0 + TASK_ROWS < n ? j0 + TASK_ROWS : n;
+        stream_rows(x, m, w + j0 * k, k, j1 - j0, y + j0, n, bias ? bias + j0 : 0);
+    }
+    return 0;
+}
+
+/* The MLP's gate and up projections with its SwiGLU, for 1 <= m <= 8 rows: out [m, inter] =
+ * silu(x Wg^T + bg) * (x Wu^T + bu), W = [Wg; Wu] [2 inter, k] as the model fuses them, bias
+ * [2 inter] or NULL. A task takes 16 gate rows and the 16 matching up rows into a tile of its
+ * own and applies silu-and-multiply there (silu_mul_v16, as layer_ops.c does), so the [m, 2 inter]
+ * projection is never written out and read back by another thread. The same sums as
+ * small_gemm_f32: the result equals it followed by silu_and_mul_f32, bit for bit. */
+int small_gemm_silu_mul_f32(const float *x, int64_t m, const float *w, int64_t inter, int64_t k, const float *bias,
+                            float *out, int32_t num_threads) {
+    if (m < 1 || m > MAX_ROWS) return -1;
+    const int64_t tasks = (inter + TASK_ROWS - 1) / TASK_ROWS;
+#pragma omp parallel for num_threads(num_threads) if (tasks > 1) schedule(static)
+    for (int64_t t = 0; t < tasks; t++) {
+        const int64_t j0 = t * TASK_ROWS, cols = j0 + TASK_ROWS < inter ? TASK_ROWS : inter - j0;
+        float gate[MAX_ROWS * TASK_ROWS] __attribute__((aligned(64)));
+        float up[MAX_ROWS * TASK_ROWS] __attribute__((aligned(64)));
+        stream_rows(x, m, w + j0 * k, k, cols, gate, TASK_ROWS, bias ? bias + j0 : 0);
+        stream_rows(x, m, w + (inter + j0) * k, k, cols, up, TASK_ROWS, bias ? bias + inter + j0 : 0);
+        for (int64_t r = 0; r < m; r++) {
+            v16 g = {0}, u = {0};
+            for (int64_t j = 0; j < cols; j++) g[j] = gate[r * TASK_ROWS + j], u[j] = up[r * TASK_ROWS + j];
+            const v16 z = silu_mul_v16(g, u);
+            for (int64_t j = 0; j < cols; j++) out[r * inter + j0 + j] = z[j];
+        }
     }
     return 0;
 }

@@ -65,4 +65,7 @@ static inline v16 exp_v16(v16 x) {
     return p * (v16)bits;
 }
 
+/* SiLU(g) * u lane-wise: the SwiGLU of Llama's MLP (layer_ops.c, small_gemm.c). */
+static inline v16 silu_mul_v16(v16 g, v16 u) { return g / (1.0f + exp_v16(-g)) * u; }
+
 #endif

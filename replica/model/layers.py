@@ -24,7 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prefixserve.kernels.cpu.linear import SMALL_GEMM_MAX_ROWS, c_small_linear, small_gemm_fits
+from prefixserve.kernels.cpu.linear import (
+    SMALL_GEMM_MAX_ROWS,
+    c_small_linear,
+    c_small_linear_silu_and_mul,
+    small_gemm_fits,
+)
 from prefixserve.kernels.interface import LayerOps
 from prefixserve.kernels.reference_layer_ops import TORCH_LAYER_OPS
 
@@ -190,6 +195,21 @@ class ColumnParallelLinear(_PackableLinear):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of the same input fused into one matmul
     (gate/up of the MLP); shard id ``i`` is the ``i``-th projection."""
+
+    def silu_and_mul_small(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``silu(gate) * up`` of a two-projection layer in one pass of the C decode GEMM
+        (kernels/cpu/small_gemm.c), equal bit for bit to the C layer ops' ``silu_and_mul`` of
+        :meth:`forward`; None where that pass does not apply (more than ``SMALL_GEMM_MAX_ROWS``
+        rows, an adapter on the layer, weights not ready for it)."""
+        if (
+            self.small_rows
+            and self.lora is None
+            and len(self.segments) == 2
+            and x.dim() == 2
+            and 0 < x.shape[0] <= SMALL_GEMM_MAX_ROWS
+        ):
+            return c_small_linear_silu_and_mul(x, self.weight, self.bias)
+        return None
 
 
 class QKVParallelLinear(ColumnParallelLinear):

@@ -343,6 +343,71 @@ def test_a_linear_takes_the_small_gemm_up_to_eight_rows_and_mkl_above():
             assert torch.equal(layer(x), F.linear(x, layer.weight))
 
 
+@pytest.mark.parametrize("rows", range(1, 9))
+@pytest.mark.parametrize(("inter", "in_features"), [(96, 64), (37, 19), (16, 576), (5, 3)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fused_gate_up_and_swiglu_equals_the_two_passes_bit_for_bit(rows, inter, in_features, threads):
+    from prefixserve.kernels.cpu.linear import c_small_linear, c_small_linear_silu_and_mul
+
+    gen = torch.Generator().manual_seed(rows * 1000 + inter + in_features)
+    x = torch.randn(rows, in_features, generator=gen)
+    w = torch.randn(2 * inter, in_features, generator=gen) * in_features**-0.5  # projections of order 1
+    bias = torch.randn(2 * inter, generator=gen)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for b in (None, bias):
+            fused = c_small_linear_silu_and_mul(x, w, b)
+            assert torch.equal(fused, cpu_layer_ops.c_silu_and_mul(c_small_linear(x, w, b)))
+            gate_up = F.linear(x.double(), w.double(), None if b is None else b.double())
+            expected = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]).float()
+            torch.testing.assert_close(fused, expected, rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_fused_gate_up_rejects_what_it_cannot_run():
+    from prefixserve.kernels.cpu.linear import SMALL_GEMM_MAX_ROWS, c_small_linear_silu_and_mul
+
+    with pytest.raises(ValueError, match="two equal halves"):
+        c_small_linear_silu_and_mul(torch.randn(2, 48), torch.randn(31, 48))
+    with pytest.raises(ValueError, match="1 to 8 rows"):
+        c_small_linear_silu_and_mul(torch.randn(SMALL_GEMM_MAX_ROWS + 1, 48), torch.randn(32, 48))
+    with pytest.raises(ValueError, match="bias"):
+        c_small_linear_silu_and_mul(torch.randn(2, 48), torch.randn(32, 48), torch.randn(16))
+
+
+def test_the_mlp_fuses_its_swiglu_at_decode_rows_only_where_it_changes_no_bit():
+    from types import SimpleNamespace
+
+    from prefixserve.replica.model.layers import TPGroup
+    from prefixserve.replica.model.llama import MLP
+
+    cfg = SimpleNamespace(hidden_size=64, intermediate_size=40, mlp_bias=False)
+    gen = torch.Generator().manual_seed(11)
+    mlps = {}
+    for ops in (cpu_layer_ops.C_LAYER_OPS, reference_layer_ops.TORCH_LAYER_OPS):
+        mlp = MLP(cfg, TPGroup(), torch.float32, ops)
+        mlp.gate_up_proj.weight.data.copy_(torch.randn(80, 64, generator=gen))
+        mlp.down_proj.weight.data.copy_(torch.randn(64, 40, generator=gen))
+        mlp.gate_up_proj.pack_for_cpu()
+        mlp.down_proj.pack_for_cpu()
+        mlps[ops.name] = mlp
+    mlp = mlps["c"]
+    for rows in (1, 8, 9):
+        x = torch.randn(rows, 64, generator=gen)
+        two_passes = mlp.down_proj(cpu_layer_ops.c_silu_and_mul(mlp.gate_up_proj(x)))
+        assert torch.equal(mlp(x), two_passes)
+        assert (mlp.gate_up_proj.silu_and_mul_small(x) is None) == (rows > 8)
+    # Other layer ops keep their own SwiGLU; an adapter on the projection turns the fused pass off.
+    torch_mlp = mlps["torch"]
+    x = torch.randn(4, 64, generator=gen)
+    expected = torch_mlp.down_proj(reference_layer_ops.torch_silu_and_mul(torch_mlp.gate_up_proj(x)))
+    assert torch.equal(torch_mlp(x), expected)
+    mlp.gate_up_proj.lora = SimpleNamespace(apply=lambda x, y: y)
+    assert mlp.gate_up_proj.silu_and_mul_small(x) is None
+
+
 # --- backend choice and fallback ------------------------------------------------------
 
 
