@@ -30,6 +30,7 @@ from prefixserve.replica.model.layers import (
     TPGroup,
     VocabParallelEmbedding,
     default_weight_loader,
+    place_back_to_back,
 )
 from prefixserve.replica.model.rope import RopeConfig, RotaryEmbedding
 
@@ -369,7 +370,10 @@ class LlamaForCausalLM(nn.Module):
         return [(layer.self_attn.k_scale, layer.self_attn.v_scale) for layer in self.layers]
 
     def pack_weights_for_cpu(self) -> None:
-        """Repack every linear's weight for MKL's packed GEMM (CPU float32; see layers.py)."""
+        """Ready the weights for the CPU's kernels (float32): every weight moved into one
+        allocation in the order the forward reads them (``place_back_to_back``), then each
+        linear's paths readied (``pack_for_cpu``: the decode GEMM, MKL's packed copy)."""
+        place_back_to_back(self.parameters())
         for module in self.modules():
             if hasattr(module, "pack_for_cpu"):
                 module.pack_for_cpu()
