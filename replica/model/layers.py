@@ -17,7 +17,6 @@ query heads attend with.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -132,43 +131,6 @@ class _PackableLinear(nn.Module):
             if self.packed_weight is not None:
                 return torch.ops.mkl._mkl_linear(x, self.packed_weight, self.weight, bias, x.shape[0])
         return F.linear(x, self.weight, bias)
-
-
-# Each weight starts on a 64-byte line, as a fresh allocation would.
-_WEIGHT_ALIGN_BYTES = 64
-
-
-def place_back_to_back(params: Iterable[nn.Parameter]) -> torch.Tensor | None:
-    """Move the CPU parameters' data into one new allocation, back to back in the order
-    given (each from a 64-byte boundary), and return it; None when there is none to move.
-    Float32 CPU parameters move (a tied one once); any other stays where it is.
-
-    Why: the loader leaves each weight in an allocation of its own below glibc's 32 MiB mmap
-    threshold, in heap pages that earlier allocations had used (``keep_freed_memory_mapped``
-    keeps freed pages in the heap), so its physical pages are scattered; streaming them at a
-    decode step reads slower than the same bytes in a fresh mapping (SmolLM2's linears at
-    eight rows, a forward's 120 calls: 31.0-32.3 ms against 26.3-27.9 ms, layers.md). One
-    allocation above the threshold is mapped fresh and faulted in the order it is filled.
-    """
-    chosen: list[nn.Parameter] = []
-    seen: set[int] = set()
-    for p in params:
-        if p.device.type == "cpu" and p.dtype == torch.float32 and id(p) not in seen:
-            seen.add(id(p))
-            chosen.append(p)
-    if not chosen:
-        return None
-    align = _WEIGHT_ALIGN_BYTES // 4
-    offsets, total = [], 0
-    for p in chosen:
-        offsets.append(total)
-        total += -(-p.numel() // align) * align
-    arena = torch.empty(total, dtype=torch.float32)
-    for p, offset in zip(chosen, offsets, strict=True):
-        view = arena.narrow(0, offset, p.numel()).view(p.shape)
-        view.copy_(p.data)
-        p.data = view  # the old allocation is freed here, one parameter at a time
-    return arena
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, loader) -> nn.Parameter:

@@ -30,7 +30,6 @@ from prefixserve.replica.model.layers import (
     TPGroup,
     VocabParallelEmbedding,
     default_weight_loader,
-    place_back_to_back,
 )
 from prefixserve.replica.model.rope import RopeConfig, RotaryEmbedding
 
@@ -370,10 +369,7 @@ class LlamaForCausalLM(nn.Module):
         return [(layer.self_attn.k_scale, layer.self_attn.v_scale) for layer in self.layers]
 
     def pack_weights_for_cpu(self) -> None:
-        """Ready the weights for the CPU's kernels (float32): every weight moved into one
-        allocation in the order the forward reads them (``place_back_to_back``), then each
-        linear's paths readied (``pack_for_cpu``: the decode GEMM, MKL's packed copy)."""
-        place_back_to_back(self.parameters())
+        """Repack every linear's weight for MKL's packed GEMM (CPU float32; see layers.py)."""
         for module in self.modules():
             if hasattr(module, "pack_for_cpu"):
                 module.pack_for_cpu()

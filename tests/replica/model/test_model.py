@@ -236,26 +236,3 @@ def test_smollm2_greedy_matches_transformers_on_chats_sharing_a_system_prompt():
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 16) for p in prompts]
     assert [o.num_cached_tokens > 0 for o in outs] == [False, True, True]
     assert all(o.outputs[0].text for o in outs)
-
-
-def test_cpu_weights_are_moved_into_one_allocation_in_order_and_unchanged():
-    from torch import nn
-
-    from prefixserve.replica.model.layers import place_back_to_back
-
-    gen = torch.Generator().manual_seed(3)
-    shapes = [(5, 7), (3,), (16, 16), (1, 9)]
-    params = [nn.Parameter(torch.randn(shape, generator=gen), requires_grad=False) for shape in shapes]
-    other = nn.Parameter(torch.randn(4, generator=gen).double(), requires_grad=False)
-    values = [p.detach().clone() for p in params]
-    other_ptr = other.data_ptr()
-    # A tied parameter listed twice moves once; a float64 one stays where it is.
-    arena = place_back_to_back([params[0], params[1], other, params[0], params[2], params[3]])
-    assert arena is not None
-    ptrs = [p.data_ptr() for p in params]
-    assert all(p.untyped_storage().data_ptr() == arena.untyped_storage().data_ptr() for p in params)
-    assert ptrs == sorted(ptrs) and ptrs[0] == arena.data_ptr()
-    assert all(ptr % 64 == 0 for ptr in ptrs)
-    assert all(torch.equal(p, v) and p.is_contiguous() for p, v in zip(params, values, strict=True))
-    assert other.data_ptr() == other_ptr
-    assert place_back_to_back([other]) is None
