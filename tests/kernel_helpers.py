@@ -6,11 +6,14 @@ random block assignment, and computes attention in float64 with an explicit mask
 Every cache slot no sequence owns (tails of last blocks, the block unused table
 entries point at) holds NaN, so a kernel that reads past a sequence fails.
 
-Also :func:`run_cpu`: the C kernel over a batch, in its own cache layout.
+Also :func:`run_cpu`: the C kernel over a batch, in its own cache layout; and
+:func:`torch_threads`: a block run on a given number of torch threads.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -188,3 +191,14 @@ def run_cpu(batch: PagedBatch, query: torch.Tensor | None = None, **kw: object) 
         out=torch.full(batch.query.shape, float("nan")),
         **kw,
     )
+
+
+@contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """Run the block with ``threads`` torch (OpenMP) threads, the count before restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

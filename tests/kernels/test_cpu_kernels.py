@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_helpers import dense_attention, make_paged_batch, relative_error, run_cpu, to_cpu_layout
+from kernel_helpers import dense_attention, make_paged_batch, relative_error, run_cpu, to_cpu_layout, torch_threads
 
 from prefixserve.kernels import reference, reference_layer_ops
 from prefixserve.kernels.backends import select_backend
@@ -166,14 +166,10 @@ def test_a_group_split_into_parts_for_the_threads_gives_the_same_bits(threads):
         torch.tensor([kv.shape[0] for kv in seqs], dtype=torch.int32),
         torch.arange(len(seqs) + 1, dtype=torch.int32),
     )
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with torch_threads(1):
         alone = cpu_attention.paged_attention(*args, scale=head_dim**-0.5)
-        torch.set_num_threads(threads)
+    with torch_threads(threads):
         split = cpu_attention.paged_attention(*args, scale=head_dim**-0.5)
-    finally:
-        torch.set_num_threads(before)
     assert torch.allclose(alone, split, rtol=0, atol=1e-6)
     for i, kv in enumerate(seqs):
         k = kv[:, 0].double().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
@@ -289,23 +285,28 @@ def test_packed_linear_equals_f_linear(seed):
 
 
 @pytest.mark.parametrize("rows", range(1, 9))
-@pytest.mark.parametrize(("out_features", "in_features"), [(96, 64), (53, 37), (5, 576), (130, 16)])
+@pytest.mark.parametrize(("out_features", "in_features"), [(96, 64), (53, 37), (6, 576), (130, 16), (10, 3)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_small_gemm_matches_float64(rows, out_features, in_features, threads):
-    from prefixserve.kernels.cpu.linear import c_small_linear
+def test_small_gemm_and_its_fused_swiglu_match_float64(rows, out_features, in_features, threads):
+    """The decode GEMM against float64; where the weight stacks two halves (gate over up), the
+    fused SwiGLU pass too, and that equals the GEMM followed by the C SwiGLU bit for bit."""
+    from prefixserve.kernels.cpu.linear import c_small_linear, c_small_linear_silu_and_mul
 
     gen = torch.Generator().manual_seed(rows * 1000 + out_features + in_features)
     x = torch.randn(rows, in_features, generator=gen)
-    w = torch.randn(out_features, in_features, generator=gen)
+    w = torch.randn(out_features, in_features, generator=gen) * in_features**-0.5  # outputs of order 1
     bias = torch.randn(out_features, generator=gen)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    inter = out_features // 2
+    with torch_threads(threads):
         for b in (None, bias):
-            expected = F.linear(x.double(), w.double(), None if b is None else b.double()).float()
-            torch.testing.assert_close(c_small_linear(x, w, b), expected, rtol=1e-5, atol=1e-5)
-    finally:
-        torch.set_num_threads(before)
+            exact = F.linear(x.double(), w.double(), None if b is None else b.double())
+            torch.testing.assert_close(c_small_linear(x, w, b), exact.float(), rtol=1e-5, atol=1e-5)
+            if out_features % 2:
+                continue
+            fused = c_small_linear_silu_and_mul(x, w, b)
+            assert torch.equal(fused, cpu_layer_ops.c_silu_and_mul(c_small_linear(x, w, b)))
+            expected = (F.silu(exact[:, :inter]) * exact[:, inter:]).float()
+            torch.testing.assert_close(fused, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_small_gemm_rejects_what_it_cannot_run():
@@ -341,29 +342,6 @@ def test_a_linear_takes_the_small_gemm_up_to_eight_rows_and_mkl_above():
             assert torch.equal(layer(x), torch.ops.mkl._mkl_linear(x, layer.packed_weight, layer.weight, None, rows))
         else:
             assert torch.equal(layer(x), F.linear(x, layer.weight))
-
-
-@pytest.mark.parametrize("rows", range(1, 9))
-@pytest.mark.parametrize(("inter", "in_features"), [(96, 64), (37, 19), (16, 576), (5, 3)])
-@pytest.mark.parametrize("threads", [1, 2])
-def test_fused_gate_up_and_swiglu_equals_the_two_passes_bit_for_bit(rows, inter, in_features, threads):
-    from prefixserve.kernels.cpu.linear import c_small_linear, c_small_linear_silu_and_mul
-
-    gen = torch.Generator().manual_seed(rows * 1000 + inter + in_features)
-    x = torch.randn(rows, in_features, generator=gen)
-    w = torch.randn(2 * inter, in_features, generator=gen) * in_features**-0.5  # projections of order 1
-    bias = torch.randn(2 * inter, generator=gen)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for b in (None, bias):
-            fused = c_small_linear_silu_and_mul(x, w, b)
-            assert torch.equal(fused, cpu_layer_ops.c_silu_and_mul(c_small_linear(x, w, b)))
-            gate_up = F.linear(x.double(), w.double(), None if b is None else b.double())
-            expected = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]).float()
-            torch.testing.assert_close(fused, expected, rtol=1e-5, atol=1e-5)
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_fused_gate_up_rejects_what_it_cannot_run():
