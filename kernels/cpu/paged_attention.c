@@ -323,6 +323,20 @@ typedef struct {
     float k_scale, v_scale; /* fp8 only (1 otherwise) */
 } CacheView;
 
+/* Where key position `pos` of the sequence whose block table is `table` starts in a float32
+ * cache: its key (the 16 keys from it at stride block_size per dimension) and its value row. */
+static inline const float *key_at(const CacheView *c, const int32_t *table, int kv_head, int32_t pos) {
+    const int64_t block = (int64_t)c->num_kv_heads * c->head_dim * c->block_size;
+    return (const float *)c->key_cache + table[pos / c->block_size] * block +
+           (int64_t)kv_head * c->head_dim * c->block_size + pos % c->block_size;
+}
+
+static inline const float *value_at(const CacheView *c, const int32_t *table, int kv_head, int32_t pos) {
+    const int64_t block = (int64_t)c->num_kv_heads * c->block_size * c->head_dim;
+    return (const float *)c->value_cache + table[pos / c->block_size] * block +
+           ((int64_t)kv_head * c->block_size + pos % c->block_size) * c->head_dim;
+}
+
 /* Rows [r0, r1) over keys [key_begin, key_end) of the sequence whose block table is
  * `table`; keys below key_floor are left out (another pass covered them). */
 static void attend_keys(Scratch *sc, int r0, int r1, const int32_t *positions, const CacheView *c,
@@ -350,31 +364,19 @@ static void attend_keys(Scratch *sc, int r0, int r1, const int32_t *positions, c
             }
             k = k_stage, v = v_stage, k_stride = CHUNK;
         } else if (block_size >= CHUNK) {
-            const int64_t phys = table[key_pos / block_size];
-            const int off = key_pos % block_size;
-            k = (const float *)c->key_cache + phys * k_block + (int64_t)kv_head * head_dim * block_size + off;
-            v = (const float *)c->value_cache + phys * v_block + ((int64_t)kv_head * block_size + off) * head_dim;
+            k = key_at(c, table, kv_head, key_pos);
+            v = value_at(c, table, kv_head, key_pos);
             k_stride = block_size;
             const int32_t ahead = key_pos + PREFETCH_CHUNKS * CHUNK;
             if (ahead < key_end) {
-                const int64_t phys_a = table[ahead / block_size];
-                const int off_a = ahead % block_size;
-                const float *ka =
-                    (const float *)c->key_cache + phys_a * k_block + (int64_t)kv_head * head_dim * block_size + off_a;
-                const float *va =
-                    (const float *)c->value_cache + phys_a * v_block + ((int64_t)kv_head * block_size + off_a) * head_dim;
+                const float *ka = key_at(c, table, kv_head, ahead), *va = value_at(c, table, kv_head, ahead);
                 for (int d = 0; d < head_dim; d++) __builtin_prefetch(ka + (int64_t)d * block_size, 0, 2);
                 for (int i = 0; i < CHUNK * head_dim; i += VEC) __builtin_prefetch(va + i, 0, 2);
             }
         } else {
             memset(k_stage, 0, sizeof(float) * head_dim * CHUNK);
             for (int j = 0; j < width; j++) {
-                const int64_t phys = table[(key_pos + j) / block_size];
-                const int off = (key_pos + j) % block_size;
-                const float *kj =
-                    (const float *)c->key_cache + phys * k_block + (int64_t)kv_head * head_dim * block_size + off;
-                const float *vj =
-                    (const float *)c->value_cache + phys * v_block + ((int64_t)kv_head * block_size + off) * head_dim;
+                const float *kj = key_at(c, table, kv_head, key_pos + j), *vj = value_at(c, table, kv_head, key_pos + j);
                 for (int d = 0; d < head_dim; d++) k_stage[d * CHUNK + j] = kj[(int64_t)d * block_size];
                 memcpy(v_stage + j * head_dim, vj, sizeof(float) * head_dim);
             }
