@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+from collections.abc import Callable
 
 import pytest
 from server_helpers import assert_openai_error
 
 from prefixserve.replica.contract.request import EngineRequest
+from prefixserve.replica.entrypoints.openai import protocol as api
 from prefixserve.replica.errors import PromptTooLongError
 
 MAX_MODEL_LEN = 128
@@ -33,13 +36,17 @@ def tool(i: int, props: int, description: int = 10) -> dict:
     }
 
 
-async def race(replica, bodies: dict[str, dict]) -> tuple[list[str], dict]:
-    """Send every body at once on the replica's loop; the names in the order their answers came, and the answers."""
+async def race(
+    replica, bodies: dict[str, dict], on_answer: dict[str, Callable[[], None]] | None = None
+) -> tuple[list[str], dict]:
+    """Send every body at once on the replica's loop; the names in the order their answers came, and the
+    answers. ``on_answer[name]`` is called when that body's answer arrives."""
     order: list[str] = []
 
     async def send(name: str, body: dict):
         response = await replica.http.post("/v1/chat/completions", json=body)
         order.append(name)
+        (on_answer or {}).get(name, lambda: None)()
         return name, response
 
     tasks = [asyncio.ensure_future(send(name, body)) for name, body in bodies.items()]
@@ -61,13 +68,26 @@ def test_a_3mb_tools_body_is_400_by_count_and_a_concurrent_request_is_answered(r
     assert answers["normal"].status_code == 200, answers["normal"].text
 
 
-def test_schema_checks_run_off_the_event_loop(replica):
-    # Under every bound (128 tools, 5,632 schema nodes), so every schema is checked: jsonschema's
-    # work for about a second; the normal request is answered meanwhile. Then the tools, over the
-    # prompt's character bound, are refused without being rendered.
+def test_schema_checks_run_off_the_event_loop(replica, monkeypatch):
+    # Under every bound (128 tools, 5,632 schema nodes), so every schema is checked. The check is held
+    # until the normal request has its answer: that answer can only come while the check waits if the
+    # check is off the event loop (on it, the wait would block the loop and time out). Then the tools,
+    # over the prompt's character bound, are refused without being rendered.
+    normal_answered = threading.Event()
+    released: list[bool] = []
+    check = api.ChatCompletionRequest.check_tool_schemas
+
+    def held_check(self, max_nodes=None):
+        released.append(normal_answered.wait(timeout=60))  # a hang guard, not a timing
+        return check(self, max_nodes)
+
+    monkeypatch.setattr(api.ChatCompletionRequest, "check_tool_schemas", held_check)
     tools = [tool(i, 10) for i in range(128)]
     big = {"messages": USER, "tools": tools, "tool_choice": "none", "max_tokens": 2}
-    order, answers = replica.loop.run_until_complete(race(replica, {"big": big, "normal": NORMAL}))
+    order, answers = replica.loop.run_until_complete(
+        race(replica, {"big": big, "normal": NORMAL}, on_answer={"normal": normal_answered.set})
+    )
+    assert released == [True]
     assert answers["normal"].status_code == 200, answers["normal"].text
     err = assert_openai_error(answers["big"])
     assert answers["big"].status_code == 400 and err["code"] == "context_length_exceeded", err
