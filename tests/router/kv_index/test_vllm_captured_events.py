@@ -106,7 +106,12 @@ def test_the_routers_tokenizer_gives_the_servers_token_ids():
     from prefixserve.replica.model import loader
     from prefixserve.router.standalone.prompt_tokens import PromptTokenizer
 
-    tokenizer = PromptTokenizer(loader.prepare(loader.resolve("smollm2")).folder)
+    src = loader.prepare(loader.resolve("smollm2"))
+    tokenizer = PromptTokenizer(src.folder)
+    # The loader reads a converted checkpoint's transformers tokenizer in a thread of its own;
+    # joined here, since an import of transformers from another thread while that thread
+    # imports it can fail (a later test of this process building a checkpoint).
+    loader.load_tokenizer(src)
     for request in [*CAPTURE["requests"], CAPTURE["after_reset"]]:
         tokens = tokenizer.of_body({"messages": request["messages"]})
         assert tokens is not None and tokens.ids == request["prompt_token_ids"]
