@@ -336,3 +336,46 @@ def test_a_request_for_an_adapter_goes_where_the_adapters_key_lands() -> None:
         assert base.headers[HEADER] == ring.owner(prefix_hash(system))
         assert lora.headers[HEADER] == ring.owner(adapter_key(prefix_hash(system), "ad"))
         assert router.is_adapter("ad") and not router.is_adapter("m")
+
+
+def test_a_request_counts_its_prompt_blocks_pending_on_its_replica_until_its_first_byte() -> None:
+    fake = FakeReplica()
+    fake.first_gate, fake.gate = threading.Event(), threading.Event()
+    system = "a long system prompt " * 100  # many text blocks
+    with replicas(fake) as (up,), router_over([up.url]) as (url, router):
+        routing = router.routing
+        expected = routing.blocks_of(chat(system, stream=True))
+        assert expected is not None and len(expected.hashes) > 5
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=chat(system, stream=True), timeout=60) as r:
+            assert r.status_code == 200  # the head came; the prompt's prefill has not answered yet
+            state = router.replicas[up.name]
+            assert state.pending_prefill_blocks == len(expected.hashes)  # nothing held there yet
+            assert router.replicas.candidates()[0].pending_prefill_blocks == len(expected.hashes)
+            fake.first_gate.set()
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            assert state.pending_prefill_blocks == 0 and state.in_flight == 1  # answering: no longer queued
+            fake.gate.set()
+            list(lines)
+        wait_until(lambda: state.in_flight == 0, "the stream ended")
+        # A client that leaves before the first byte takes its pending blocks with it.
+        fake.first_gate.clear()
+        question = chat(system, user="another question " * 40, stream=True)
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=question, timeout=60) as r:
+            assert 0 < state.pending_prefill_blocks < len(expected.hashes)  # the system prompt is held there
+        wait_until(lambda: state.in_flight == 0 and state.pending_prefill_blocks == 0, "pending ended with the client")
+        fake.first_gate.set()
+
+
+def test_a_refused_request_leaves_no_pending_prefill_behind() -> None:
+    a, b = FakeReplica(), FakeReplica()
+    a.mode = "503"
+    system = "a long system prompt " * 100
+    with replicas(a, b) as (ua, ub), router_over([ua.url, ub.url]) as (url, router):
+        ring = HashRing([RingServer(n) for n in (ua.name, ub.name)])
+        owned = next(f"{system}{i}" for i in range(10_000) if ring.owner(prefix_hash(f"{system}{i}")) == ua.name)
+        r = httpx.post(f"{url}/v1/chat/completions", json=chat(owned), timeout=60)
+        assert r.status_code == 200 and r.headers[HEADER] == ub.name and len(a.received) == 1
+        assert router.replicas[ua.name].pending_prefill_blocks == 0
+        wait_until(lambda: router.replicas[ub.name].in_flight == 0, "the answer ended")
+        assert router.replicas[ub.name].pending_prefill_blocks == 0
