@@ -134,8 +134,6 @@ class FakeReplica:
     of a JSON answer. ``gate``: when set to an
     Event, a stream waits for it after its first event (``gate_timed_out`` records a
     wait that ran out: the client never got that first event through the router).
-    ``first_gate``: when set to an Event, a stream sends its head and waits for it before
-    its first event, as a server does while the prompt's prefill runs.
     """
 
     def __init__(
@@ -147,7 +145,6 @@ class FakeReplica:
         self.mode = "ok"
         self.gate: threading.Event | None = None
         self.gate_timed_out = False
-        self.first_gate: threading.Event | None = None
         self.running = running
         self.waiting = waiting
         self.received: list[Any] = []  # generation request bodies (parsed JSON, or the raw bytes)
@@ -213,8 +210,6 @@ class FakeReplica:
 
     async def _events(self, usage: bool) -> AsyncIterator[bytes]:
         try:
-            if self.first_gate is not None:
-                await anyio.to_thread.run_sync(self.first_gate.wait, 30.0)
             yield sse(chunk("one"))
             if self.mode == "die":
                 raise RuntimeError("the fake replica dies mid-stream")

@@ -29,7 +29,6 @@ from prefixserve.router.policies.base import (
     KIND_OWNER,
     KIND_PLACED,
     KIND_REPLICATED,
-    KIND_SHORTER_PREFILL,
     KIND_SPILL,
     Configured,
     Decision,
@@ -46,7 +45,6 @@ from prefixserve.router.policies.base import (
     holds_adapter,
     landed_kind,
     load_of,
-    pending_prefill_of,
 )
 from prefixserve.router.policies.consistent import BoundedLoad, BoundedLoadOptions, ConsistentHash, RingPolicy
 from prefixserve.router.policies.load import PowerOfTwo, Random, RoundRobin
@@ -63,7 +61,6 @@ __all__ = [
     "KIND_OWNER",
     "KIND_PLACED",
     "KIND_REPLICATED",
-    "KIND_SHORTER_PREFILL",
     "KIND_SPILL",
     "POLICIES",
     "RING_POLICIES",
@@ -92,7 +89,6 @@ __all__ = [
     "adapters_full",
     "holds_adapter",
     "load_of",
-    "pending_prefill_of",
     "make_policy",
     "pick_options",
     "policy_class",

@@ -44,11 +44,7 @@ from prefixserve.router.ring import RingServer
 
 @runtime_checkable
 class ReplicaView(Protocol):
-    """What a policy needs to know of a replica: a stable name and its in-flight requests.
-
-    Optional attributes a host may add (policies read them through the helpers below):
-    ``load`` (a ReplicaLoad, ``load_of``) and ``pending_prefill_blocks`` (``pending_prefill_of``).
-    """
+    """What a policy needs to know of a replica: a stable name and its in-flight requests."""
 
     @property
     def name(self) -> str: ...
@@ -131,14 +127,6 @@ def load_of(candidate: object) -> ReplicaLoad | None:
     """The candidate's reported load (its optional ``load`` attribute), or None when it has none."""
     load = getattr(candidate, "load", None)
     return load if isinstance(load, ReplicaLoad) else None
-
-
-def pending_prefill_of(candidate: object) -> int:
-    """The prompt blocks a router sent the candidate that it has not begun answering (its optional
-    ``pending_prefill_blocks`` attribute; 0 without one): each such request's blocks the router
-    expects it to compute, the prefill work queued ahead of a new request there."""
-    blocks = getattr(candidate, "pending_prefill_blocks", 0)
-    return blocks if isinstance(blocks, int) and not isinstance(blocks, bool) and blocks > 0 else 0
 
 
 def holds_adapter(candidate: object, adapter: str) -> bool:
@@ -291,9 +279,6 @@ KIND_NO_KEY = "no_key"  # no routing key (no static prefix): routed by load alon
 KIND_NO_RING = "no_ring"  # a key, but a policy without a ring (round_robin, random, power_of_two)
 KIND_HISTORY = "history"  # the replica holding the longest cached prefix of the whole prompt
 KIND_NEW_CONVERSATION = "new_conversation"  # nothing beyond the static prefix held: least loaded of the set
-# A later turn sent past the replica holding its history: with the prefill work queued there, its
-# prompt starts sooner on another replica holding the key's static prefix (placed's recompute_weight).
-KIND_SHORTER_PREFILL = "shorter_prefill"
 
 
 def landed_kind(keyed: bool, owner: str | None, first: str | None, landed: str) -> str:

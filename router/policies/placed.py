@@ -22,7 +22,6 @@ from prefixserve.router.policies.base import (
     KIND_OWNER,
     KIND_PLACED,
     KIND_REPLICATED,
-    KIND_SHORTER_PREFILL,
     KIND_SPILL,
     Decision,
     R,
@@ -34,7 +33,6 @@ from prefixserve.router.policies.base import (
     check_candidates,
     effective_in_flight,
     holds_adapter,
-    pending_prefill_of,
 )
 from prefixserve.router.policies.consistent import RingPolicy
 from prefixserve.router.policies.history import DEFAULT_MAX_ENTRIES, HistoryIndex
@@ -43,7 +41,6 @@ from prefixserve.router.policies.recent import RecentCounts
 from prefixserve.router.ring import HashRing
 
 BALANCE_EPSILON: float | None = None
-RECOMPUTE_WEIGHT: float | None = 1.0
 # Off by default: request-count balance costs TTFT p99 everywhere and hit rate on small
 # clusters (docs/benchmarks/routing_conversations.md); 300 s is the measured setting.
 RECENT_TAU_S: float | None = None
@@ -107,14 +104,6 @@ class PlacedOptions(RingOptions):
     kv_fill: the share of a replica's KV capacity (its reported ``kv_capacity_tokens``) the
         static prefixes of the keys placed on it may fill (``observe``'s ``static_tokens``): a
         new or shed key goes past a replica they would overfill (placement.py, "KV footprint").
-    recompute_weight: a later turn leaves the replica holding most of its history for
-        another holding the key's static prefix (under the same caps) when there its
-        prefill starts sooner: the comparison, per replica, of the prompt blocks sent it
-        and not yet answered (the candidates' ``pending_prefill_blocks``, which only a host
-        that sees each answer's first byte sets) plus ``recompute_weight`` times the
-        request's blocks it would compute. 1 weighs a block to recompute as a block queued
-        ahead; more keeps conversations on their holders longer (each move also copies the
-        history into a second cache). None: always the holder.
     retain_s: how long after a request asking for ``prompt_cache_retention`` its key stays where
         it is placed (``retain``): rebalancing neither moves nor forgets it, its replica holding
         its pinned prefix (the engines' ``cache_retention_ttl_s``, a day, by default).
@@ -138,7 +127,6 @@ class PlacedOptions(RingOptions):
     recent_tau_s: float | None = RECENT_TAU_S
     recent_epsilon: float = 0.1
     move_epsilon: float | None = MOVE_EPSILON
-    recompute_weight: float | None = RECOMPUTE_WEIGHT
     retain_s: float = 86400.0
     kv_fill: float = 0.9
     clock: Callable[[], float] | None = None
@@ -160,19 +148,10 @@ class PlacedOptions(RingOptions):
             "recent_tau_s",
             "recent_epsilon",
             "move_epsilon",
-            "recompute_weight",
             "retain_s",
         ):
             v = getattr(self, name)
-            optional = (
-                "work_epsilon",
-                "new_epsilon",
-                "balance_epsilon",
-                "recent_tau_s",
-                "move_epsilon",
-                "recompute_weight",
-            )
-            if name in optional and v is None:
+            if name in ("work_epsilon", "new_epsilon", "balance_epsilon", "recent_tau_s", "move_epsilon") and v is None:
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > 0 and math.isfinite(v)):
                 raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
@@ -438,9 +417,7 @@ class Placed(RingPolicy):
             self._next_rebalance = now + self.options.rebalance_interval_s
         # Each candidate's in-flight count: its own, or its reported queued + running when more.
         loads: list[int] = []
-        pending: list[int] = []
         for c in candidates:
-            pending.append(pending_prefill_of(c))
             f = c.in_flight
             load = getattr(c, "load", None)
             if isinstance(load, ReplicaLoad):
@@ -506,30 +483,6 @@ class Placed(RingPolicy):
             if holders:
                 chosen = min(holders, key=lambda p: (loads[p], p not in placed, p))
                 kind = KIND_HISTORY
-                weight: float | None = self.options.recompute_weight
-                if weight is not None and any(pending):
-                    # Its prefill starts sooner elsewhere: fewer blocks queued there, counting those
-                    # of its own prompt it would compute (PlacedOptions.recompute_weight).
-                    size = len(history or ())
-                    floor = min(static_blocks, size)
-                    w: float = weight
-
-                    def cost(p: int) -> float:
-                        return pending[p] + w * (size - held.get(p, 0))
-
-                    others = [
-                        p
-                        for p in range(len(candidates))
-                        if p != chosen
-                        and loads[p] < conv_cap
-                        and held.get(p, 0) >= floor
-                        and (not recent or recent[p] < move_bound)
-                    ]
-                    if others:
-                        other = min(others, key=lambda p: (cost(p), loads[p], p))
-                        if cost(other) < cost(chosen):
-                            chosen = other
-                            kind = KIND_SHORTER_PREFILL
         move = -1
         if chosen < 0 and adapter is not None and not any(p in holding for p in placed):
             # The key's replicas lack its adapter. A replica holding it under the cap (it ran the
@@ -629,7 +582,7 @@ class Placed(RingPolicy):
                 turns = self._conversational[key] = [0, 0]
             fleet = self._fleet_turns
             for t in (turns, fleet):
-                t[0] += kind == KIND_HISTORY or kind == KIND_SHORTER_PREFILL
+                t[0] += kind == KIND_HISTORY
                 t[1] += 1
                 if t[1] >= 64:
                     t[0] //= 2

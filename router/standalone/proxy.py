@@ -201,13 +201,7 @@ class _Open:
     """One forwarded request's bookkeeping, ended exactly once whatever ends it."""
 
     def __init__(
-        self,
-        router: StandaloneRouter,
-        plan: Plan,
-        replica: str,
-        lease: Lease | None = None,
-        responses: bool = False,
-        prefill_blocks: int = 0,
+        self, router: StandaloneRouter, plan: Plan, replica: str, lease: Lease | None = None, responses: bool = False
     ) -> None:
         self.router = router
         self.plan = plan
@@ -215,15 +209,7 @@ class _Open:
         self.lease = lease
         # A /v1/responses request: the Response its answer names is stored on ``replica``.
         self.responses = responses
-        # The prompt blocks it counts as pending on ``replica`` until the answer's first byte.
-        self.prefill_blocks = prefill_blocks
         self.done = False
-
-    def answering(self) -> None:
-        """The answer's first byte arrived: its prefill is no longer work queued on its replica."""
-        if self.prefill_blocks:
-            self.router.replicas.prefill_answered(self.replica, self.prefill_blocks)
-            self.prefill_blocks = 0
 
     def end(self, usage: Usage | None = None, answered: bool = False) -> None:
         """End the counts; settle the flow-control lease with ``usage``, or, for an ``answered`` request
@@ -231,8 +217,7 @@ class _Open:
         if self.done:
             return
         self.done = True
-        self.router.request_ended(self.plan, self.replica, self.prefill_blocks)
-        self.prefill_blocks = 0
+        self.router.request_ended(self.plan, self.replica)
         if self.lease is not None:
             if usage is not None:
                 self.lease.release(usage.prompt_tokens, usage.completion_tokens)
@@ -297,7 +282,6 @@ class RelayResponse(Response):
             broken: BrokenAnswer | None = None
             try:
                 async for chunk in self.upstream.chunks():
-                    self.opened.answering()
                     out = self.relay.feed(chunk) if self.relay is not None else chunk
                     if out:
                         tail = out[-2:]
@@ -386,7 +370,6 @@ class RelayResponse(Response):
                     error = openai_error(502, f"replica {name} could not continue the stream", "upstream_failed")
                 return error_event(error)
             self.upstream.close()
-            self.opened.answering()
             router.ended(old)
             self.opened.replica, self.upstream = name, answer
             self.relay = ProgressRelay(progress)
@@ -598,27 +581,21 @@ class StandaloneRouter:
         return [n for n in order if n in admitted and n not in failed and self.speaks_prefixserve(n)]
 
     # -- requests ---------------------------------------------------------------------
-    def started(self, replica: str, prefill_blocks: int = 0) -> None:
-        """A request (or a stream's continuation) is open on ``replica``, expected to compute
-        ``prefill_blocks`` prompt blocks there before its first byte."""
+    def started(self, replica: str) -> None:
+        """A request (or a stream's continuation) is open on ``replica``."""
         self.replicas.started(replica)
-        if prefill_blocks:
-            self.replicas.prefill_sent(replica, prefill_blocks)
 
-    def ended(self, replica: str, prefill_blocks: int = 0) -> None:
-        """A request (or the part of a stream) open on ``replica`` ended; ``prefill_blocks``: those of
-        its ``started`` no first byte has answered yet."""
+    def ended(self, replica: str) -> None:
+        """A request (or the part of a stream) open on ``replica`` ended."""
         self.replicas.ended(replica)
-        if prefill_blocks:
-            self.replicas.prefill_answered(replica, prefill_blocks)
 
     def _in_flight(self, replica: str) -> int:
         return self.replicas[replica].in_flight
 
-    def request_ended(self, plan: Plan, replica: str, prefill_blocks: int = 0) -> None:
+    def request_ended(self, plan: Plan, replica: str) -> None:
         """A relayed answer ended (whole, broken or abandoned): its key's count, then its replica's."""
         self.routing.finished(plan)
-        self.ended(replica, prefill_blocks)
+        self.ended(replica)
 
     async def admit(self, request: Request, parsed: Any) -> Lease:
         """Flow control's slot for a request (FlowRefusal: 403, 400, 429 or 503): its tenant by key or
@@ -653,19 +630,18 @@ class StandaloneRouter:
         for i, name in enumerate(attempts):
             final = i == len(attempts) - 1
             asks_progress = movable and self.speaks_prefixserve(name)
-            prefill = plan.prefill_blocks(name)
-            self.started(name, prefill)
+            self.started(name)
             try:
                 answer = await self.client.send(
                     request.method, self.replicas[name].url + path, progress_headers if asks_progress else headers, body
                 )
             except ConnectFailed:
-                self.ended(name, prefill)
+                self.ended(name)
                 self.replica_failed(name, "connect")
                 self.metrics.retries.labels(name, "connect").inc()
                 continue
             except TimedOut:
-                self.ended(name, prefill)
+                self.ended(name)
                 self.routing.finished(plan)
                 return own_answer(
                     504, openai_error(504, f"replica {name} did not answer in time", "upstream_timeout", "server_error")
@@ -673,12 +649,12 @@ class StandaloneRouter:
             except BrokenBeforeHead:
                 # Broken before the head: maybe a kept-alive connection the replica had just closed,
                 # so it counts as one failed probe, not as a death.
-                self.ended(name, prefill)
+                self.ended(name)
                 self.record_probe(name, False)
                 self.metrics.retries.labels(name, "broken").inc()
                 continue
             except BaseException:  # anything else (cancelled included) ends the request's counts, then goes on
-                self.ended(name, prefill)
+                self.ended(name)
                 self.routing.finished(plan)
                 raise
             if answer.status in RETRY_STATUSES and not final:
@@ -686,7 +662,7 @@ class StandaloneRouter:
                     content = await answer.read()
                 finally:
                     answer.close()
-                    self.ended(name, prefill)
+                    self.ended(name)
                 self.metrics.retries.labels(name, str(answer.status)).inc()
                 last = (answer.status, content, answer.raw_headers, name)
                 continue
@@ -695,9 +671,7 @@ class StandaloneRouter:
             if 400 <= answer.status < 500 and answer.status != 429:
                 self.routing.refused(plan)
             resend = Resend(path, progress_headers, parsed, plan) if asks_progress else None
-            return RelayResponse(
-                answer, _Open(self, plan, name, lease, scope["path"] == RESPONSES_PATH, prefill), resend
-            )
+            return RelayResponse(answer, _Open(self, plan, name, lease, scope["path"] == RESPONSES_PATH), resend)
         self.routing.finished(plan)
         self.metrics.no_replica.inc()
         if last is not None:  # the last replica tried refused, and no later one answered at all

@@ -17,9 +17,6 @@ that may be back is better than a refusal from the router alone.
 
 Load: a candidate's ``in_flight`` is the router's own count of the requests it
 sent the replica that have not ended (fresh, but only this router's); its
-``pending_prefill_blocks`` the prompt blocks of those not yet answered with a
-first byte (a replica answers once a prompt's prefill is done), what the router
-expected each to compute there; its
 ``load`` is the replica's last ``/metrics`` report corrected by the router's
 own change since the report arrived (requests sent since count as waiting;
 requests ended since come off waiting first, then running), the same rule as the
@@ -48,7 +45,6 @@ class Candidate:
     name: str
     in_flight: int
     load: ReplicaLoad | None = None
-    pending_prefill_blocks: int = 0
 
 
 @dataclass
@@ -61,7 +57,6 @@ class ReplicaState:
     failures: int = 0  # failed probes in a row
     successes: int = 0  # good probes in a row
     in_flight: int = 0
-    pending_prefill_blocks: int = 0  # blocks of its requests not yet answered (the module docstring)
     report: ReplicaLoad | None = None
     own_at_report: int = 0  # this router's in-flight count on the replica when the report arrived
     report_at: float = 0.0
@@ -141,15 +136,6 @@ class ReplicaSet:
         r = self.replicas[name]
         r.in_flight = max(0, r.in_flight - 1)
 
-    def prefill_sent(self, name: str, blocks: int) -> None:
-        """A request expected to compute ``blocks`` prompt blocks on ``name`` was sent it."""
-        self.replicas[name].pending_prefill_blocks += blocks
-
-    def prefill_answered(self, name: str, blocks: int) -> None:
-        """The request of ``prefill_sent(name, blocks)`` began its answer (or ended without one)."""
-        r = self.replicas[name]
-        r.pending_prefill_blocks = max(0, r.pending_prefill_blocks - blocks)
-
     def report_load(self, name: str, load: ReplicaLoad | None) -> None:
         """Take ``name``'s ``/metrics`` load (None: it reports none)."""
         r = self.replicas[name]
@@ -172,5 +158,4 @@ class ReplicaSet:
         """
         pool = [n for n in self.replicas if among is None or n in among]
         chosen = [n for n in pool if self.replicas[n].admitted] or pool
-        replicas = self.replicas
-        return [Candidate(n, replicas[n].in_flight, self.load(n), replicas[n].pending_prefill_blocks) for n in chosen]
+        return [Candidate(n, self.replicas[n].in_flight, self.load(n)) for n in chosen]

@@ -50,7 +50,6 @@ class Plan:
     counted the request under ``key`` (so ``finished`` must end it). blocks: its
     history hashes (``placed`` with a history index), recorded where it lands.
     event_matched: the KV events said some admitted replica holds its leading blocks.
-    predicted_blocks: the leading blocks ``placed`` expects the first choice to hold.
     """
 
     key: str | None
@@ -59,19 +58,10 @@ class Plan:
     counted: bool = False
     blocks: PromptBlocks | None = None
     event_matched: bool = False
-    predicted_blocks: int = 0
 
     @property
     def first(self) -> str:
         return self.ranking[0]
-
-    def prefill_blocks(self, name: str) -> int:
-        """The prompt blocks the request is expected to compute on ``name``: past what the first
-        choice holds there, past its static prefix elsewhere (0 without blocks)."""
-        if self.blocks is None:
-            return 0
-        held = self.predicted_blocks if name == self.first else self.blocks.static_blocks
-        return max(0, len(self.blocks.hashes) - held)
 
     def attempts(self, max_attempts: int) -> list[str]:
         """The replicas to try, in order: the ranking's first ``max_attempts``."""
@@ -165,8 +155,7 @@ class StandaloneRouting:
                 events_held or None,
                 placed.placement(key) if key is not None else None,
             )
-        predicted = (decision.predicted_blocks or 0) if ranking[0] == decision.chosen.name else 0
-        return Plan(key, ranking, decision.owner, key is not None, blocks, bool(events_held), predicted)
+        return Plan(key, ranking, decision.owner, key is not None, blocks, bool(events_held))
 
     def continuation_home(self, body: Any) -> str | None:
         """The replica that stored the Response a ``/v1/responses`` body continues (its
