@@ -31,8 +31,9 @@ os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
 # has been sent to yet (so it is in no router's queue-length cache and is probed on every
 # request) can miss it request after request, and tests that check where keys land see
 # Serve's fallback rather than the router's choice. Serve's documented remedy for slow
-# answers: a longer deadline.
-os.environ.setdefault("RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "0.5")
+# answers: a longer deadline (its backoff's ceiling is raised to it too). A probe of a dead
+# replica fails at once, so only a stalled one waits this long.
+os.environ.setdefault("RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "5")
 # The engines the tests build in-process spin as `prefixserve replica` does (router/cli's
 # ENVIRONMENT_DEFAULTS): libgomp's default spin between OpenMP regions collapses when the other
 # test worker wants the cores. Read when torch loads libgomp, so set before anything imports it.

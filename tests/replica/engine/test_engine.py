@@ -5,6 +5,7 @@ seeded n > 1; stop conditions; aborts; the async streaming engine; metrics."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 from model_helpers import hf_greedy, hf_model, two_tenant_prompts
@@ -216,8 +217,17 @@ async def test_async_engine_queue_bound(ckpt):
             await asyncio.sleep(0.01)
         else:
             pytest.fail("the second request never reached the waiting queue")
+        # The engine thread held between two steps: the first request keeps its seat, however fast
+        # it would otherwise finish.
+        held, release = threading.Event(), threading.Event()
+        hold = asyncio.ensure_future(engine.call(lambda: (held.set(), release.wait(600))))
+        assert await asyncio.to_thread(held.wait, 600)
+        stats = engine.stats()
+        assert (stats.num_running, stats.num_waiting) == (1, 1), stats
         with pytest.raises(EngineOverloadedError):
             await engine.generate([50, 51], GREEDY).__anext__()
+        release.set()
+        await hold
         await first.aclose()
         assert (await task).token_ids
         await second.aclose()

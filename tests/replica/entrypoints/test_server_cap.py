@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import httpx
 import pytest
@@ -15,21 +16,34 @@ async def test_a_replica_over_its_in_flight_cap_answers_429_and_serves_again(ckp
     from prefixserve.replica.entrypoints.openai.server import build_app
 
     engine = AsyncEngine(EngineConfig(model=str(ckpt), max_model_len=512))
+    # The first request's answer held after its first token until released: it keeps the one
+    # slot, however fast the machine would finish it.
+    holding, release = asyncio.Event(), asyncio.Event()
+    stream = engine.stream
+
+    async def held_stream(request):
+        held = not holding.is_set()
+        async with contextlib.aclosing(stream(request)) as deltas:
+            async for delta in deltas:
+                yield delta
+                if held:
+                    held = False
+                    holding.set()
+                    await release.wait()
+
+    engine.stream = held_stream
     app = build_app(engine, replica_name="capped", max_in_flight=1)
-    long = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 300, "ignore_eos": True}
+    long = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 30, "ignore_eos": True}
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r", timeout=120) as http:
             first = asyncio.create_task(http.post("/v1/chat/completions", json=long))
-            for _ in range(2000):  # until the engine holds the first request
-                stats = engine.stats()
-                if stats.num_running + stats.num_waiting:
-                    break
-                await asyncio.sleep(0.01)
+            await asyncio.wait_for(holding.wait(), timeout=120)  # a hang guard
             busy = await http.post("/v1/chat/completions", json={**long, "max_tokens": 2})
             assert busy.status_code == 429
             assert busy.json()["error"]["code"] == "replica_busy" and int(busy.headers["retry-after"]) >= 1
             assert busy.headers["x-prefixserve-replica"] == "capped"
             assert (await http.get("/health")).status_code == 200  # only generation is capped
+            release.set()
             assert (await first).status_code == 200
             again = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
             assert again.status_code == 200

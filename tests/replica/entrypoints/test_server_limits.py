@@ -127,8 +127,8 @@ def test_a_header_over_the_size_limit_is_431_before_the_key_is_checked(strict):
     status, error = status_and_error(exchange(strict, unfinished))
     assert status == 431, error
     # Within the limit, the same request reaches the API-key check.
-    small = b"GET /v1/models HTTP/1.1\r\nHost: replica\r\nX-Big: aaaa\r\n\r\n"
-    status, error = status_and_error(exchange(strict, small, read_s=2.0))
+    small = b"GET /v1/models HTTP/1.1\r\nHost: replica\r\nConnection: close\r\nX-Big: aaaa\r\n\r\n"
+    status, error = status_and_error(exchange(strict, small))
     assert status == 401 and error["code"] == "invalid_api_key"
 
 
@@ -150,7 +150,15 @@ def test_a_body_that_does_not_arrive_is_408_and_holds_no_slot(strict):
     assert ok.status_code == 200, ok.text
 
 
-def test_connections_over_the_limit_get_503_with_retry_after(strict):
+@pytest.fixture
+def eight_connections(ckpt):
+    """At most 8 connections, and idle ones kept (strict's 0.5 s head timeout would close them)."""
+    with running_server(ckpt, limit_concurrency=8, client_header_timeout_s=WAIT_S) as base:
+        yield base
+
+
+def test_connections_over_the_limit_get_503_with_retry_after(eight_connections):
+    strict = eight_connections
     idle = [socket.create_connection(("127.0.0.1", port_of(strict))) for _ in range(8)]
     try:
         answer = exchange(strict, b"GET /v1/models HTTP/1.1\r\nHost: replica\r\n" + AUTH_LINE + b"\r\n")

@@ -123,8 +123,28 @@ def slow_schema(letter: str) -> Params:
     return Params(json={"type": "string", "pattern": f"^{letter}{{1000}}$"})
 
 
+class HeldSlowCompiles:
+    """The real backend, its compiles of ``slow_schema`` held until released (as compiles that
+    take long hold their workers, whatever the machine's speed)."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+        self.release = threading.Event()
+        self.slow_started: list[str] = []
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def compile(self, params: Params) -> object:
+        if "{1000}" in params.spec:
+            self.slow_started.append(params.spec)
+            assert self.release.wait(timeout=600)
+        return self.inner.compile(params)  # type: ignore[attr-defined]
+
+
 def test_a_clients_slow_schemas_leave_a_worker_for_another_client(xgrammar_backend):
-    cache = GrammarCache(lambda: xgrammar_backend, timeout_s=600.0, pool=CompilePoolConfig(max_workers=2))
+    backend = HeldSlowCompiles(xgrammar_backend)
+    cache = GrammarCache(lambda: backend, timeout_s=600.0, pool=CompilePoolConfig(max_workers=2))
     done: list[str] = []
     lock = threading.Lock()
 
@@ -145,14 +165,17 @@ def test_a_clients_slow_schemas_leave_a_worker_for_another_client(xgrammar_backe
             future.add_done_callback(record(f"slow{i}"))
         simple = cache.submit(Params(json={"type": "object", "properties": {"ok": {"type": "boolean"}}}), "victim")
         simple.add_done_callback(record("simple"))
-        simple.result(timeout=600)  # a hang guard, not a time bound
-        # The attacker's compiles run one at a time (its share), so the simple schema compiled
-        # on the other worker while they were still running or waiting: at most the first was done.
+        # Compiled while every attacker compile is held: had the attacker taken both workers, this
+        # would wait for the release and run out of its (hang-guard) time.
+        simple.result(timeout=120)
         with lock:
-            assert not {"slow1", "slow2", "slow3"} & set(done), done
+            assert done == ["simple"], done
+        assert len(backend.slow_started) == 1  # the attacker's share: one worker
+        backend.release.set()
         concurrent.futures.wait(slow, timeout=600)
-        assert done[-1] == "slow3" and all(f.exception() is None for f in slow)
+        assert done[1:] == ["slow0", "slow1", "slow2", "slow3"] and all(f.exception() is None for f in slow)
     finally:
+        backend.release.set()
         cache.close()
 
 

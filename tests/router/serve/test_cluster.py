@@ -822,7 +822,7 @@ FLOW_TENANTS = {
     "tenants": [
         {"name": "live", "api_key": "k-live"},
         {"name": "batch", "api_key": "k-batch", "priorities": [10, 10]},
-        {"name": "noisy", "api_key": "k-noisy", "requests_per_minute": 6},
+        {"name": "noisy", "api_key": "k-noisy", "requests_per_minute": 0.06},  # two banked, the next in 1,000 s
     ]
 }
 

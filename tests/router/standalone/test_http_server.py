@@ -210,7 +210,7 @@ def test_a_head_past_the_limits_or_unparsable_is_refused_and_the_connection_clos
 
 
 def test_a_head_that_does_not_arrive_in_time_is_refused_408_however_it_trickles() -> None:
-    limits = ServerLimits(max_head_bytes=1024, max_header_count=10, keepalive_s=0.2, head_timeout_s=2.0)
+    limits = ServerLimits(max_head_bytes=1024, max_header_count=10, keepalive_s=1.0, head_timeout_s=3.0)
     with served(limits=limits) as (server, _), connect(server) as sock:
         sock.sendall(b"GET /echo HTTP/1.1\r\nx-slow: ")
         for _ in range(4):  # a byte at a time, more often than the keep-alive timeout

@@ -20,7 +20,7 @@ tenant_header: x-tenant
 tenants:
   - {name: live, api_key: k-live, priorities: [0, 0]}
   - {name: batch, api_key: k-batch, priorities: [10, 10]}
-  - {name: noisy, header_value: noisy, requests_per_minute: 6}
+  - {name: noisy, header_value: noisy, requests_per_minute: 0.06}  # two banked, the next in 1,000 s
 """
 REASON = "X-Prefixserve-Reject-Reason"
 

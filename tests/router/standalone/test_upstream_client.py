@@ -181,7 +181,7 @@ async def test_an_answer_broken_off_or_stalled_midway_is_a_broken_answer(stall: 
             await reader.read()
 
     async with serving(handler) as (scripted, url):
-        upstream = client(read_s=0.2)
+        upstream = client(read_s=0.2 if stall else 30.0)  # a close is never read as a stall
         answer = await upstream.send("POST", url + "/v1/completions", {}, b"{}")
         got = []
         with pytest.raises(BrokenAnswer) as broken:
