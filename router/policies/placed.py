@@ -503,15 +503,17 @@ class Placed(RingPolicy):
             share = max(1.0, sum(loads) / len(candidates)) * (1.0 + self.options.new_epsilon)
             want = min(len(order), math.ceil((self._key_in_flight.get(key, 0) + 1) / share))
             # ...but a key whose requests do not continue conversations (a tenant's one-shot
-            # prompts) only as far as its share of the requests carries it: one replica per
-            # ``hot_share`` of a replica's fair share, rounded up (as hot-key copies are). Its
-            # requests in flight at once on a small cluster are noise, and a copy of its static
-            # prefix evicts another tenant's. A key that is all of the traffic grows from its
-            # first requests; a conversational key grows by in-flight alone (its sessions stay
-            # where they start, so they must spread as they start), and so does a young key
-            # among conversations, until its own decisions show what it is.
-            if not conversational and not self._young_in_conversational_traffic(turns):
-                want = max(1, min(want, table.rate_copies(key, now)))
+            # prompts) only as far as its share of the requests needs: one replica per ``1 +
+            # epsilon`` fair shares (a replica's bound), rounded up. Its requests in flight at
+            # once on a small cluster are noise, and a copy of its static prefix evicts another
+            # tenant's and costs a prefill; copies for a share under that are the rebalance's
+            # (hot_share), on the evidence of its counts. A key that is all of the traffic grows
+            # from its first requests; a conversational key grows by in-flight alone (its
+            # sessions stay where they start, so they must spread as they start), and so does a
+            # young key among conversations, until its own decisions show what it is.
+            one_shot = not conversational and not self._young_in_conversational_traffic(turns)
+            if one_shot:
+                want = max(1, min(want, table.rate_copies(key, now, per_copy=1.0 + self.epsilon)))
             # A key whose requests mostly continue conversations (an app's users' chats):
             # its new conversations also spread over its next ring successors, since a
             # conversation stays where it starts and one static-prefix miss buys all its turns.
@@ -542,6 +544,11 @@ class Placed(RingPolicy):
                     self._turns[key] = turn + 1
                 chosen = tied[turn % len(tied)]
                 kind = KIND_NEW_CONVERSATION if chosen in placed else KIND_SPILL
+                if one_shot and chosen not in placed and self.options.leader:
+                    # The key's share of the requests fills this replica too, and the request
+                    # computes its prefix there: a copy the key's later requests use (as the
+                    # rebalance's copies are), not one made for a single request.
+                    table.add_copy(key, names[chosen])
         if chosen >= 0:
             pass
         elif move >= 0:

@@ -21,6 +21,13 @@ exceeds ``(1 + epsilon)`` times its fair share:
   precise information, keys whose prefix the replica no longer holds come before
   all others (moving them loses nothing).
 
+A copy made between rebalances: ``add_copy(key, replica)`` places a key on a replica that
+computed its prefix for a request its placement could not take (``placed`` sends a one-shot key's
+requests past its placement when its own requests in flight outgrow it and its share of the
+requests fills another replica). The copy then serves the key's later requests, as a hot-key copy
+does, instead of being made for one request and left to be evicted; rebalancing keeps or takes
+it back by the key's rate, as it does its own copies.
+
 Statistics: a key's rate is an exponentially decayed request count (time
 constant ``tau_s``), its work a decayed count of uncached prompt tokens. They
 are kept in units of a reference time ``t0`` (an event at time t adds
@@ -43,8 +50,9 @@ for a key only while the footprints of the keys placed on it and requested in th
 and work balance say nothing of how many prompts a pool holds: ten tenants of equal traffic and
 long prompts can balance two replicas' rates at eight prompts against two, and the eight evict
 each other. A key whose footprint is not known yet counts as the mean of those known. The
-footprints on each replica are recounted at every rebalance and kept between them as keys are
-placed and moved. Without capacities (or footprints) nothing changes.
+footprints on each replica are recounted at every rebalance (and when a capacity is learnt) and
+kept between them as keys are placed, copied and moved and as their footprints are learnt, so a
+young router's first placements count them too. Without capacities (or footprints) nothing changes.
 
 Retained keys: ``retain(key, until)`` marks a key whose requests ask their replica to pin its
 prefix (OpenAI's ``prompt_cache_retention``, replica/kv/pins.py): until then rebalancing neither
@@ -154,7 +162,11 @@ class PlacementTable:
         self._capacity_of: dict[str, float] = {}
         self._capacity: FloatArray = np.zeros(0)
         self._load_foot: FloatArray = np.zeros(0)
+        # Per slot: the footprint counted on each replica it is placed on (what a move or a new
+        # copy carries, and what a footprint learnt later corrects).
+        self._foot_counted: FloatArray = np.zeros(0)
         self._foot_prior = 0.0  # the mean known footprint, counted for a key not known yet
+        self._foot_known = [0.0, 0]  # the known footprints' sum and count (the prior between recounts)
         self._now: float | None = None  # the latest time the table was told (footprints count the recent keys)
 
     # -- membership -----------------------------------------------------------------
@@ -286,6 +298,7 @@ class PlacementTable:
             self._rate = np.concatenate([self._rate, np.zeros(size - old)])
             self._work = np.concatenate([self._work, np.zeros(size - old)])
             self._foot = np.concatenate([self._foot, np.zeros(size - old)])
+            self._foot_counted = np.concatenate([self._foot_counted, np.zeros(size - old)])
             self._primary = np.concatenate([self._primary, np.full(size - old, -1, dtype=np.int64)])
             self._copies = np.concatenate([self._copies, np.zeros(size - old, dtype=np.int64)])
             self._live = np.concatenate([self._live, np.zeros(size - old, dtype=np.bool_)])
@@ -297,7 +310,7 @@ class PlacementTable:
         self._unplace(slot)
         self._slot[key] = slot
         self._keys[slot] = key
-        self._rate[slot] = self._work[slot] = self._foot[slot] = 0.0
+        self._rate[slot] = self._work[slot] = self._foot[slot] = self._foot_counted[slot] = 0.0
         self._primary[slot] = -1
         self._copies[slot] = 0
         self._live[slot] = True
@@ -383,7 +396,34 @@ class PlacementTable:
         self._unplace(slot)
         self._add_load(slot, rate, work)
         self._load_foot[primary] += foot
+        self._foot_counted[slot] = foot
         self.version += 1
+
+    def add_copy(self, key: str, replica: str) -> bool:
+        """Place ``key`` on ``replica`` too, which computed its prefix for a request its placement
+        could not take; True if added. Not added (False) for a key the table does not know or has
+        not placed, a replica that is not a member or already holds the key, or one whose KV the
+        copy's footprint would overfill (the copy would only evict). The copy stays until a
+        rebalance finds the key's rate too small for it (hysteresis as for its own copies)."""
+        slot = self._slot.get(key)
+        i = self._index.get(replica)
+        if slot is None or i is None or self._primary[slot] < 0:
+            return False
+        placed = self._placed(slot)
+        foot = float(self._foot_counted[slot])
+        if i in placed or (
+            foot and self._capacity[i] > 0.0 and self._load_foot[i] + foot > self.kv_fill * self._capacity[i]
+        ):
+            return False
+        rate, work = float(self._rate[slot]), float(self._work[slot])
+        self._add_load(slot, -rate, -work)
+        self._extra[slot] = [*self._extra.get(slot, ()), i]
+        self._copies[slot] += 1
+        self._unplace(slot)
+        self._add_load(slot, rate, work)
+        self._load_foot[i] += foot
+        self.version += 1
+        return True
 
     def _footprint(self, slot: int) -> float:
         """The tokens ``slot``'s key counts for on each replica it is placed on (the known mean
@@ -422,18 +462,24 @@ class PlacementTable:
         self._total_work = float(self._work.sum())
         self._recount_footprints(placed, idx)
 
-    def _recount_footprints(self, placed: npt.NDArray[np.bool_], idx: IntArray) -> None:
+    def _recount_footprints(self, placed: npt.NDArray[np.bool_] | None = None, idx: IntArray | None = None) -> None:
         """Each member's placed footprint: the keys placed on it requested in the last ``tau_s``,
         each copy whole, a key not known yet counting as the known mean."""
         n = len(self.members)
+        if placed is None or idx is None:
+            placed = self._primary >= 0
+            idx = self._primary[placed]
+        known = self._live & (self._foot > 0.0)
+        self._foot_known = [float(self._foot[known].sum()), int(known.sum())]
+        self._foot_prior = float(self._foot[known].mean()) if known.any() else 0.0
         if not self._capacity_of:
             self._load_foot = np.zeros(n)
+            self._foot_counted = np.zeros(len(self._foot))
             return
-        known = self._live & (self._foot > 0.0)
-        self._foot_prior = float(self._foot[known].mean()) if known.any() else 0.0
         foot = np.where(self._foot > 0.0, self._foot, self._foot_prior)
         if self._now is not None:
             foot = np.where(self._seen >= self._now - self.tau_s, foot, 0.0)
+        self._foot_counted = np.where(placed, foot, 0.0)
         self._load_foot = np.bincount(idx, foot[placed], minlength=n).astype(np.float64)
         for slot, extra in self._extra.items():
             for i in extra:
@@ -477,6 +523,13 @@ class PlacementTable:
         """Forget the key of ``slot`` and free the slot (the caller takes its statistics out of the loads)."""
         key = self._keys[slot]
         assert key is not None
+        if self._primary[slot] >= 0 and self._foot_counted[slot]:
+            for i in self._placed(slot):
+                self._load_foot[i] -= self._foot_counted[slot]
+        if self._foot[slot] > 0.0:
+            self._foot_known[0] -= float(self._foot[slot])
+            self._foot_known[1] -= 1
+            self._foot_prior = self._foot_known[0] / self._foot_known[1] if self._foot_known[1] else 0.0
         del self._slot[key]
         self._cached.pop(key, None)
         self._retained.pop(key, None)
@@ -484,7 +537,7 @@ class PlacementTable:
         self._live[slot] = False
         self._primary[slot] = -1
         self._copies[slot] = 0
-        self._rate[slot] = self._work[slot] = self._foot[slot] = 0.0
+        self._rate[slot] = self._work[slot] = self._foot[slot] = self._foot_counted[slot] = 0.0
         self._extra.pop(slot, None)
         self._unplace(slot)
         self._succ[slot] = None
@@ -617,7 +670,7 @@ class PlacementTable:
         return mine
 
     def _move(self, slot: int, src: int) -> None:
-        rate, work, foot = float(self._rate[slot]), float(self._work[slot]), self._footprint(slot)
+        rate, work, foot = float(self._rate[slot]), float(self._work[slot]), float(self._foot_counted[slot])
         succ = self.successors_of(slot)
         start = succ.index(src) if src in succ else 0
         after = [succ[(start + j) % len(succ)] for j in range(1, len(succ))]
@@ -646,7 +699,9 @@ class PlacementTable:
 
     # -- KV footprint ---------------------------------------------------------------
     def set_capacity(self, replica: str, tokens: float) -> None:
-        """How many tokens of KV ``replica`` holds (0: unknown); counted from the next rebalance."""
+        """How many tokens of KV ``replica`` holds (0: unknown); the footprints are recounted against it."""
+        if self._capacity_of.get(replica, 0.0) == max(float(tokens), 0.0):
+            return
         if tokens > 0:
             self._capacity_of[replica] = float(tokens)
         else:
@@ -654,16 +709,29 @@ class PlacementTable:
         i = self._index.get(replica)
         if i is not None:
             self._capacity[i] = self._capacity_of.get(replica, 0.0)
+        self._recount_footprints()  # the keys placed while no capacity was known counted nothing
 
     def capacity(self, replica: str) -> float:
         """The tokens of KV ``replica`` holds as last told (0: unknown)."""
         return self._capacity_of.get(replica, 0.0)
 
     def set_footprint(self, key: str, tokens: float) -> None:
-        """The tokens of ``key``'s static prefix (the largest told); counted from the next rebalance."""
+        """The tokens of ``key``'s static prefix (the largest told), counted at once on the replicas
+        it is placed on (until then it counted as the mean of those known)."""
         slot = self._slot.get(key)
-        if slot is not None and tokens > self._foot[slot]:
-            self._foot[slot] = float(tokens)
+        if slot is None or tokens <= self._foot[slot]:
+            return
+        old = float(self._foot[slot])
+        self._foot[slot] = float(tokens)
+        known = self._foot_known
+        known[0] += tokens - old
+        known[1] += old == 0.0
+        self._foot_prior = known[0] / known[1]
+        if self._primary[slot] >= 0 and self._capacity_of:
+            delta = tokens - float(self._foot_counted[slot])
+            for i in self._placed(slot):
+                self._load_foot[i] += delta
+            self._foot_counted[slot] = tokens
 
     def footprints(self) -> dict[str, tuple[float, float]]:
         """Per member: (the KV footprint placed on it, its capacity), tokens (0: unknown)."""
@@ -679,9 +747,10 @@ class PlacementTable:
         slot = self._slot.get(key)
         return None if slot is None else (float(self._rate[slot]), float(self._work[slot]))
 
-    def rate_copies(self, key: str, now: float) -> int:
-        """The replicas the key's share of the request rate fills: one per ``hot_share`` of a
-        replica's fair share, rounded up as hot-key copies are, 1 to one per member (1 if unknown).
+    def rate_copies(self, key: str, now: float, per_copy: float | None = None) -> int:
+        """The replicas the key's share of the request rate fills: one per ``per_copy`` (default
+        ``hot_share``) of a replica's fair share, rounded up as hot-key copies are, 1 to one per
+        member (1 if unknown).
 
         The share is the one the key surely has: its observed share less ``noise_z`` binomial
         standard deviations of a share estimated from the table's (decayed) request count. A
@@ -696,7 +765,7 @@ class PlacementTable:
         count = self._total_rate / self._unit(now)  # requests seen, decayed to now (may renormalize)
         share = float(self._rate[slot]) / self._total_rate
         share -= self.noise_z * math.sqrt(max(share * (1.0 - share), 0.0) / max(count, 1.0))
-        return min(n, max(1, math.ceil(share * n / self.hot_share)))
+        return min(n, max(1, math.ceil(share * n / (self.hot_share if per_copy is None else per_copy))))
 
     def __len__(self) -> int:
         return len(self._slot)
@@ -741,6 +810,7 @@ class PlacementTable:
         self._rate = np.zeros(0)
         self._work = np.zeros(0)
         self._foot = np.zeros(0)
+        self._foot_counted = np.zeros(0)
         self._primary = np.zeros(0, dtype=np.int64)
         self._copies = np.zeros(0, dtype=np.int64)
         self._live = np.zeros(0, dtype=np.bool_)

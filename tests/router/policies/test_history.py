@@ -10,6 +10,7 @@ from prefixserve.replica.kv.hashing import BlockHasher
 from prefixserve.router.policies import (
     KIND_HISTORY,
     KIND_NEW_CONVERSATION,
+    KIND_SPILL,
     Placed,
     Replica,
 )
@@ -114,6 +115,10 @@ def _send(policy: Placed, loads: dict[str, int], history: list[bytes] | None) ->
 def test_new_conversations_grow_the_set_with_the_keys_load_and_shrink_after():
     static, conv = Placed(clock=lambda: 0.0), Placed(clock=lambda: 0.0)
     static_loads, conv_loads = {"r0": 0, "r1": 0}, {"r0": 0, "r1": 0}
+    for user in range(200, 208):  # conversations that continued: the key is an app's chats
+        for turn in (1, 2, 3):
+            _send(conv, {"r0": 0, "r1": 0}, chain(conversation(user, turn)))
+            conv.done("app")
     for user in range(8):  # eight conversations in flight at once, as a closed-loop client keeps them
         _send(static, static_loads, None)
         _send(conv, conv_loads, chain(conversation(user, 1)))
@@ -147,6 +152,34 @@ def test_a_tenants_requests_in_flight_at_once_stay_on_its_placement_while_its_ra
     d = policy.rank(_replicas(loads), "tenant-0", history=one_shot(0, 5), static_blocks=STATIC_BLOCKS)
     assert (d.chosen.name, d.kind) == (home, KIND_NEW_CONVERSATION)
     assert policy.key_in_flight("tenant-0") == 2
+
+
+def test_a_one_shot_keys_copy_made_for_its_requests_in_flight_serves_its_later_requests():
+    def one_shot(tenant: int, question: int) -> list[bytes]:
+        return chain([50_000 * (tenant + 1) + i for i in range(4 * BS)] + [question] * BS)
+
+    policy = Placed(clock=lambda: 0.0)
+    idle = {"r0": 0, "r1": 0}
+    for question in range(20):  # a hot tenant (all but every fifth request) among quiet ones
+        key = "hot" if question % 5 else f"quiet-{question}"
+        tenant = 0 if key == "hot" else question
+        policy.rank(_replicas(idle), key, history=one_shot(tenant, question), static_blocks=STATIC_BLOCKS)
+        policy.done(key)
+    (home,) = policy.placement("hot")
+    assert policy.table.rate_copies("hot", 0.0) == 2
+    (other,) = set(idle) - {home}
+    loads = dict(idle)
+    first = policy.rank(_replicas(loads), "hot", history=one_shot(0, 100), static_blocks=STATIC_BLOCKS)
+    assert first.chosen.name == home
+    loads[home] += 1
+    # Its next request while that one is in flight: its set grows, as far as its share carries it.
+    d = policy.rank(_replicas(loads), "hot", history=one_shot(0, 101), static_blocks=STATIC_BLOCKS)
+    assert (d.chosen.name, d.kind) == (other, KIND_SPILL)
+    assert policy.placement("hot") == [home, other]  # the prefix it computed there serves the key from now on
+    policy.done("hot")
+    policy.done("hot")
+    later = policy.rank(_replicas({home: 1, other: 0}), "hot", history=one_shot(0, 102), static_blocks=STATIC_BLOCKS)
+    assert later.chosen.name == other and later.kind == KIND_NEW_CONVERSATION
 
 
 def test_a_keys_rate_copies_are_one_replica_per_hot_share_of_a_fair_share_of_its_requests():

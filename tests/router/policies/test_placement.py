@@ -762,3 +762,51 @@ def test_footprints_travel_in_the_snapshot() -> None:
     follower.rank(fleet(), "other")
     follower.apply_snapshot(json.loads(json.dumps(leader.placement_snapshot())))
     assert follower.table.snapshot(clock())["keys"]["k"]["foot"] == 40.0
+
+
+def test_a_copy_added_between_rebalances_carries_its_share_of_the_keys_load_and_fits_the_kv() -> None:
+    clock = Clock()
+    names = NAMES[:2]
+    a, b = names
+    p = policy(clock, epsilon=10.0, work_epsilon=None, rebalance_interval_s=1e9)
+    keys = keys_owned_by(a, 10, names)
+    send_each(p, clock, keys, footprint_fleet(1000, names), 100, static_blocks=12)
+    table = p.table
+    assert [p.placement(k) for k in keys] == [[a]] * 9 + [[b]]  # 0.9 x 1000 tokens hold nine
+    for _ in range(30):  # keys[0] becomes hot: its rate fills both replicas
+        p.rank(footprint_fleet(1000, names), keys[0])
+    assert table.add_copy(keys[9], a) is False  # a full: the copy would only evict
+    assert table.add_copy(keys[0], b) is True
+    assert p.placement(keys[0]) == [a, b]
+    assert table.add_copy(keys[0], b) is False and table.add_copy("never-seen", b) is False
+    assert table.add_copy(keys[1], "not-a-member") is False
+    assert table.footprints()[b] == (200.0, 1000.0)
+
+    def shares() -> dict[str, float]:
+        loads = table.loads()
+        total = sum(rate for rate, _ in loads.values())
+        return {n: rate / total for n, (rate, _) in loads.items()}
+
+    before = shares()
+    assert before[b] == pytest.approx(
+        (1 + 31 / 2) / 40, rel=0.01
+    )  # (decayed) half of keys[0]'s 31 requests, and its own key
+    table.rebalance(clock.t)  # every load recomputed from the placements; the key's rate keeps its copy
+    assert p.placement(keys[0]) == [a, b] and shares() == pytest.approx(before)
+    assert table.footprints()[b] == (200.0, 1000.0)
+
+
+def test_footprints_learnt_before_any_rebalance_bound_the_placements_at_once() -> None:
+    clock = Clock()
+    names = NAMES[:2]
+    a, b = names
+    p = policy(clock, epsilon=10.0, work_epsilon=None, rebalance_interval_s=1e9)
+    keys = keys_owned_by(a, 12, names)
+    learnt = send_each(p, clock, keys[:9], footprint_fleet(1000, names), 120)
+    assert learnt == [100] * 9 and p.table.footprints()[a] == (900.0, 1000.0)
+    # The next key's footprint is not known yet: it counts as the mean of those known (100).
+    clock.t += 1.0
+    p.rank(footprint_fleet(1000, names), keys[9], **prompt_of(keys[9]))
+    assert p.placement(keys[9]) == [b] and p.table.footprints()[b] == (100.0, 1000.0)
+    p.observe(keys[9], prompt_tokens=240, cached_tokens=0)  # then it is: 200 tokens
+    assert p.table.footprints()[b] == (200.0, 1000.0)
