@@ -696,13 +696,17 @@ def send_each(
     return learnt
 
 
-def test_new_keys_go_past_a_replica_their_static_prefixes_would_overfill() -> None:
+def two_replicas(count: int, **options: object) -> tuple[Clock, Placed, tuple[str, str], list[str]]:
+    """``placed`` over NAMES[:2] where rates cannot tell (a loose bound, no work counted): its clock, it,
+    the two names and ``count`` keys the first owns."""
     clock = Clock()
-    names = NAMES[:2]
-    a, b = names
-    # Rates cannot tell (one request a second each, a loose bound), and work is not counted.
-    p = policy(clock, epsilon=10.0, work_epsilon=None, kv_fill=0.9)
-    keys = keys_owned_by(a, 12, names)
+    a, b = NAMES[:2]
+    p = policy(clock, epsilon=10.0, work_epsilon=None, **options)
+    return clock, p, (a, b), keys_owned_by(a, count, [a, b])
+
+
+def test_new_keys_go_past_a_replica_their_static_prefixes_would_overfill() -> None:
+    clock, p, (a, b), keys = two_replicas(12, kv_fill=0.9)
     assert send_each(p, clock, keys, footprint_fleet(1000), 120) == [100] * 12  # 10 of its 12 blocks
     placement = {k: p.placement(k)[0] for k in keys}
     # 0.9 x 1000 tokens hold nine prompts of 100: the rest go to the next successor, b.
@@ -713,24 +717,16 @@ def test_new_keys_go_past_a_replica_their_static_prefixes_would_overfill() -> No
 
 
 def test_without_capacities_footprints_change_nothing() -> None:
-    clock = Clock()
-    names = NAMES[:2]
-    a = names[0]
-    p = policy(clock, epsilon=10.0, work_epsilon=None)
-    keys = keys_owned_by(a, 12, names)
-    send_each(p, clock, keys, fleet(names=names), 120)
+    clock, p, (a, b), keys = two_replicas(12)
+    send_each(p, clock, keys, fleet(names=[a, b]), 120)
     assert all(p.placement(k) == [a] for k in keys)
 
 
 def test_a_replica_over_its_footprint_sheds_keys_at_the_rebalance_and_quiet_keys_do_not_count() -> None:
-    clock = Clock()
-    names = NAMES[:2]
-    a, b = names
-    p = policy(clock, epsilon=10.0, work_epsilon=None, rebalance_interval_s=1e9)
-    keys = keys_owned_by(a, 10, names)
-    send_each(p, clock, keys, fleet(names=names), 100, static_blocks=12)  # before any capacity is known
+    clock, p, (a, b), keys = two_replicas(10, rebalance_interval_s=1e9)
+    send_each(p, clock, keys, fleet(names=[a, b]), 100, static_blocks=12)  # before any capacity is known
     assert all(p.placement(k) == [a] for k in keys)
-    p.rank(footprint_fleet(500, names), keys[0])  # the capacities arrive with a load report
+    p.rank(footprint_fleet(500), keys[0])  # the capacities arrive with a load report
     p.table.rebalance(clock())
     on_a = [k for k in keys if p.placement(k) == [a]]
     assert len(on_a) == 4 and p.table.footprints()[a][0] <= 450.0  # 0.9 x 500
@@ -742,15 +738,11 @@ def test_a_replica_over_its_footprint_sheds_keys_at_the_rebalance_and_quiet_keys
 
 
 def test_a_key_whose_footprint_is_not_known_counts_as_the_mean_of_those_known() -> None:
-    clock = Clock()
-    names = NAMES[:2]
-    a, b = names
-    p = policy(clock, epsilon=10.0, work_epsilon=None)
-    keys = keys_owned_by(a, 6, names)
-    send_each(p, clock, keys[:4], footprint_fleet(1000, names), 200, static_blocks=12)
+    clock, p, (a, b), keys = two_replicas(6)
+    send_each(p, clock, keys[:4], footprint_fleet(1000), 200, static_blocks=12)
     p.table.rebalance(clock.t)  # the mean known footprint: 200
     clock.t += 1.0
-    p.rank(footprint_fleet(1000, names), keys[4])  # 800 + 200 > 900: past a, unknown as it is
+    p.rank(footprint_fleet(1000), keys[4])  # 800 + 200 > 900: past a, unknown as it is
     assert p.placement(keys[4]) == [b]
 
 
@@ -765,16 +757,12 @@ def test_footprints_travel_in_the_snapshot() -> None:
 
 
 def test_a_copy_added_between_rebalances_carries_its_share_of_the_keys_load_and_fits_the_kv() -> None:
-    clock = Clock()
-    names = NAMES[:2]
-    a, b = names
-    p = policy(clock, epsilon=10.0, work_epsilon=None, rebalance_interval_s=1e9)
-    keys = keys_owned_by(a, 10, names)
-    send_each(p, clock, keys, footprint_fleet(1000, names), 100, static_blocks=12)
+    clock, p, (a, b), keys = two_replicas(10, rebalance_interval_s=1e9)
+    send_each(p, clock, keys, footprint_fleet(1000), 100, static_blocks=12)
     table = p.table
     assert [p.placement(k) for k in keys] == [[a]] * 9 + [[b]]  # 0.9 x 1000 tokens hold nine
     for _ in range(30):  # keys[0] becomes hot: its rate fills both replicas
-        p.rank(footprint_fleet(1000, names), keys[0])
+        p.rank(footprint_fleet(1000), keys[0])
     assert table.add_copy(keys[9], a) is False  # a full: the copy would only evict
     assert table.add_copy(keys[0], b) is True
     assert p.placement(keys[0]) == [a, b]
@@ -797,16 +785,12 @@ def test_a_copy_added_between_rebalances_carries_its_share_of_the_keys_load_and_
 
 
 def test_footprints_learnt_before_any_rebalance_bound_the_placements_at_once() -> None:
-    clock = Clock()
-    names = NAMES[:2]
-    a, b = names
-    p = policy(clock, epsilon=10.0, work_epsilon=None, rebalance_interval_s=1e9)
-    keys = keys_owned_by(a, 12, names)
-    learnt = send_each(p, clock, keys[:9], footprint_fleet(1000, names), 120)
+    clock, p, (a, b), keys = two_replicas(12, rebalance_interval_s=1e9)
+    learnt = send_each(p, clock, keys[:9], footprint_fleet(1000), 120)
     assert learnt == [100] * 9 and p.table.footprints()[a] == (900.0, 1000.0)
     # The next key's footprint is not known yet: it counts as the mean of those known (100).
     clock.t += 1.0
-    p.rank(footprint_fleet(1000, names), keys[9], **prompt_of(keys[9]))
+    p.rank(footprint_fleet(1000), keys[9], **prompt_of(keys[9]))
     assert p.placement(keys[9]) == [b] and p.table.footprints()[b] == (100.0, 1000.0)
     p.observe(keys[9], prompt_tokens=240, cached_tokens=0)  # then it is: 200 tokens
     assert p.table.footprints()[b] == (200.0, 1000.0)
