@@ -95,12 +95,15 @@ def plan_and_run(
 @contextlib.contextmanager
 def _sigterm_unwinds() -> Iterator[None]:
     """While the run lasts, SIGTERM raises SystemExit as Ctrl-C raises KeyboardInterrupt, so the run's
-    context managers stop the replicas, routers and clusters it started instead of leaving them behind."""
+    context managers stop the replicas, routers and clusters it started instead of leaving them behind.
+    A SIGTERM while they stop them is ignored (a second one, as a supervisor may send, would cut the
+    cleanup short and leave the rest running); SIGKILL still ends the run."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def _exit(signum: int, _frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         sys.exit(128 + signum)
 
     previous = signal.signal(signal.SIGTERM, _exit)

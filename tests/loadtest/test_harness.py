@@ -162,6 +162,58 @@ def test_sigterm_unwinds_the_run_so_what_it_started_is_stopped(tmp_path):
     assert marker.read_text() == "stopped"
 
 
+_RUN_WITH_A_SLOW_CLEANUP = """
+import argparse, contextlib, sys, time
+from pathlib import Path
+from prefixserve.loadtest.harness.cli import plan_and_run
+
+@contextlib.contextmanager
+def server(marker, release):
+    try:
+        yield
+    finally:
+        print("stopping", flush=True)
+        while not Path(release).exists():  # held by the test
+            time.sleep(0.01)
+        Path(marker).write_text("stopped")
+
+def run(args, plan):
+    with server(args.marker, args.release):
+        print("running", flush=True)
+        time.sleep(60)
+    return 0
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--marker")
+parser.add_argument("--release")
+parser.add_argument("--verbose", action="store_true")
+sys.exit(plan_and_run(parser, lambda args: None, run))
+"""
+
+
+def test_a_second_sigterm_does_not_cut_the_cleanup_short(tmp_path):
+    marker, release = tmp_path / "stopped", tmp_path / "release"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _RUN_WITH_A_SLOW_CLEANUP, "--marker", str(marker), "--release", str(release)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "running"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.stdout.readline().strip() == "stopping"
+        # While it stops what it started, SIGTERM is ignored (the kernel drops a second one at once).
+        status = Path(f"/proc/{proc.pid}/status").read_text()
+        ignored = int(next(line for line in status.splitlines() if line.startswith("SigIgn:")).split()[1], 16)
+        assert ignored & (1 << (signal.SIGTERM - 1))
+        proc.send_signal(signal.SIGTERM)
+        release.touch()
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    finally:
+        proc.kill()
+    assert marker.read_text() == "stopped"
+
+
 def test_core_sets_split_the_cores_a_process_may_use(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(server.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 5})
     assert server.core_sets(2) == [(0, 1), (2, 3)]
