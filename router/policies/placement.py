@@ -165,8 +165,7 @@ class PlacementTable:
         # Per slot: the footprint counted on each replica it is placed on (what a move or a new
         # copy carries, and what a footprint learnt later corrects).
         self._foot_counted: FloatArray = np.zeros(0)
-        self._foot_prior = 0.0  # the mean known footprint, counted for a key not known yet
-        self._foot_known = [0.0, 0]  # the known footprints' sum and count (the prior between recounts)
+        self._foot_known = [0.0, 0]  # the known footprints' sum and count (``_foot_prior``)
         self._now: float | None = None  # the latest time the table was told (footprints count the recent keys)
 
     # -- membership -----------------------------------------------------------------
@@ -346,7 +345,7 @@ class PlacementTable:
         """
         if self._load_rate[i] <= 0.0:
             return True
-        if foot and self._capacity[i] > 0.0 and self._load_foot[i] + foot > self.kv_fill * self._capacity[i]:
+        if not self._fits(i, foot):
             return False
         # The totals already count the key (a new key's request is counted before it is placed).
         if self._load_rate[i] + rate > (1.0 + self.epsilon) * self._share[i] * self._total_rate:
@@ -411,9 +410,7 @@ class PlacementTable:
             return False
         placed = self._placed(slot)
         foot = float(self._foot_counted[slot])
-        if i in placed or (
-            foot and self._capacity[i] > 0.0 and self._load_foot[i] + foot > self.kv_fill * self._capacity[i]
-        ):
+        if i in placed or not self._fits(i, foot):
             return False
         rate, work = float(self._rate[slot]), float(self._work[slot])
         self._add_load(slot, -rate, -work)
@@ -424,6 +421,16 @@ class PlacementTable:
         self._load_foot[i] += foot
         self.version += 1
         return True
+
+    @property
+    def _foot_prior(self) -> float:
+        """The mean known footprint, counted for a key not known yet."""
+        total, count = self._foot_known
+        return total / count if count else 0.0
+
+    def _fits(self, i: int, foot: float | None) -> bool:
+        """Whether member ``i``'s KV capacity (when known) holds ``foot`` more tokens of static prefixes."""
+        return not (foot and self._capacity[i] > 0.0 and self._load_foot[i] + foot > self.kv_fill * self._capacity[i])
 
     def _footprint(self, slot: int) -> float:
         """The tokens ``slot``'s key counts for on each replica it is placed on (the known mean
@@ -471,7 +478,6 @@ class PlacementTable:
             idx = self._primary[placed]
         known = self._live & (self._foot > 0.0)
         self._foot_known = [float(self._foot[known].sum()), int(known.sum())]
-        self._foot_prior = float(self._foot[known].mean()) if known.any() else 0.0
         if not self._capacity_of:
             self._load_foot = np.zeros(n)
             self._foot_counted = np.zeros(len(self._foot))
@@ -529,7 +535,6 @@ class PlacementTable:
         if self._foot[slot] > 0.0:
             self._foot_known[0] -= float(self._foot[slot])
             self._foot_known[1] -= 1
-            self._foot_prior = self._foot_known[0] / self._foot_known[1] if self._foot_known[1] else 0.0
         del self._slot[key]
         self._cached.pop(key, None)
         self._retained.pop(key, None)
@@ -726,7 +731,6 @@ class PlacementTable:
         known = self._foot_known
         known[0] += tokens - old
         known[1] += old == 0.0
-        self._foot_prior = known[0] / known[1]
         if self._primary[slot] >= 0 and self._capacity_of:
             delta = tokens - float(self._foot_counted[slot])
             for i in self._placed(slot):
