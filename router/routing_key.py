@@ -74,6 +74,7 @@ Pure Python (hashlib, json): must not import Ray, HTTP frameworks or torch.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from collections.abc import Iterable, Mapping
@@ -121,13 +122,30 @@ class PrefixKeyConfig:
 DEFAULT_CONFIG = PrefixKeyConfig()
 
 
+# Keys of payloads up to this size are memoized (at most _DIGEST_MEMO_ENTRIES of them): a tenant's
+# system prompt comes back with every request, and SHA-256 through OpenSSL costs tens of
+# microseconds on a router whose caches the other processes of its machine keep evicting (ten
+# times its cost in a loop), where a dict lookup costs a few.
+_DIGEST_MEMO_MAX_BYTES = 32 * 1024
+_DIGEST_MEMO_ENTRIES = 256
+
+
 def _digest(payload: bytes, cache_salt: str | None) -> str:
+    if len(payload) <= _DIGEST_MEMO_MAX_BYTES:
+        return _memo_digest(payload, cache_salt)
+    return _sha256_key(payload, cache_salt)
+
+
+def _sha256_key(payload: bytes, cache_salt: str | None) -> str:
     h = hashlib.sha256()
     if cache_salt is not None:
         h.update(cache_salt.encode("utf-8"))
         h.update(b"\x00")
     h.update(payload)
     return h.hexdigest()[:KEY_HEX_DIGITS]
+
+
+_memo_digest = functools.lru_cache(maxsize=_DIGEST_MEMO_ENTRIES)(_sha256_key)
 
 
 def static_payload(system_text: str, tools: list[Any] | None = None) -> bytes:
@@ -206,7 +224,25 @@ def _prompt_payload(prompt: Any, n: int) -> bytes | None:
     )
 
 
+class LowerCaseHeaders(dict[str, str]):
+    """A request's headers by lower-case name, the first of a repeated one (as an HTTP server gives
+    them): looked up by the lower-case name alone, where any other Mapping is searched
+    case-insensitively."""
+
+    @classmethod
+    def from_raw(cls, raw: Iterable[tuple[bytes, bytes]]) -> LowerCaseHeaders:
+        """From an ASGI scope's ``headers`` (name and value bytes, latin-1)."""
+        headers = cls()
+        for name, value in raw:
+            key = name.decode("latin-1").lower()
+            if key not in headers:
+                headers[key] = value.decode("latin-1")
+        return headers
+
+
 def _header_value(headers: Mapping[str, str], header: str = PREFIX_HASH_HEADER) -> str | None:
+    if isinstance(headers, LowerCaseHeaders):
+        return headers.get(header.lower())
     value = headers.get(header)
     if value is None:
         value = headers.get(header.lower())

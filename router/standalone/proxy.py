@@ -82,6 +82,7 @@ from prefixserve.router.flow_control.tenants import bearer_token
 from prefixserve.router.kv_index import ZmqKVEventSubscriber
 from prefixserve.router.migration import StreamProgress
 from prefixserve.router.policies import Policy, make_policy
+from prefixserve.router.routing_key import LowerCaseHeaders
 from prefixserve.router.standalone.config import StandaloneRouterConfig
 from prefixserve.router.standalone.kv_events import KVEventHints, build_hints, event_sources
 from prefixserve.router.standalone.load_report import parse_load
@@ -608,16 +609,23 @@ class StandaloneRouter:
         return await self.flow.admit(tenant, band, estimated_body_tokens(parsed))
 
     async def forward(
-        self, request: Request, body: bytes, plan: Plan, lease: Lease | None = None, parsed: Any = None
+        self,
+        request: Request,
+        headers: Mapping[str, str],
+        body: bytes,
+        plan: Plan,
+        lease: Lease | None = None,
+        parsed: Any = None,
     ) -> Response:
         """Send the request to the plan's replicas in turn (the module docstring's retries); relay the answer.
 
+        ``headers``: the request's (LowerCaseHeaders), forwarded less the hop-by-hop ones.
         ``lease``: the request's flow-control slot, handed to the relayed answer (which releases it).
         ``parsed``: the body as JSON, when it parsed: a stream of one sequence may move (the module
         docstring).
         """
         attempts = plan.attempts(self.config.max_attempts)
-        headers = upstream_headers(request.headers)
+        headers = upstream_headers(headers)
         scope = request.scope
         query = scope.get("query_string", b"")
         # As the client sent it (percent-encoding kept), with its query.
@@ -683,11 +691,11 @@ class StandaloneRouter:
             {"Retry-After": str(RETRY_AFTER_S)},
         )
 
-    async def read_body(self, request: Request) -> bytes | Response:
+    async def read_body(self, request: Request, headers: Mapping[str, str]) -> bytes | Response:
         """The request body; the 413 answer for one larger than a replica accepts, 408 for one not whole in time."""
         try:
             async with asyncio.timeout(self.config.client_body_timeout_s):
-                return await self._read_body(request)
+                return await self._read_body(request, headers)
         except TimeoutError:
             return own_answer(
                 408,
@@ -696,7 +704,7 @@ class StandaloneRouter:
                 ),
             )
 
-    async def _read_body(self, request: Request) -> bytes | Response:
+    async def _read_body(self, request: Request, headers: Mapping[str, str]) -> bytes | Response:
         limit = self.config.max_body_bytes
 
         def too_large() -> Response:  # built only when needed: a JSON answer costs as much as routing one
@@ -707,7 +715,7 @@ class StandaloneRouter:
                 ),
             )
 
-        declared = request.headers.get("content-length")
+        declared = headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             return too_large()
         chunks = []
@@ -720,7 +728,9 @@ class StandaloneRouter:
         return b"".join(chunks)
 
     async def handle_generate(self, request: Request) -> Response:
-        body = await self.read_body(request)
+        # Read once, by lower-case name: the routing key and the upstream request use them.
+        headers = LowerCaseHeaders.from_raw(request.scope["headers"])
+        body = await self.read_body(request, headers)
         if isinstance(body, Response):
             return body
         try:
@@ -748,8 +758,8 @@ class StandaloneRouter:
             except FlowRefusal as exc:
                 return own_answer(exc.status_code, exc.body(), exc.headers())
         try:
-            plan = await self._plan(request, parsed, among)
-            response = await self.forward(request, body, plan, lease, parsed)
+            plan = await self._plan(headers, parsed, among)
+            response = await self.forward(request, headers, body, plan, lease, parsed)
         except BaseException:
             if lease is not None:
                 lease.release()
@@ -758,7 +768,7 @@ class StandaloneRouter:
             lease.release()  # the router answered itself: no replica ran it
         return response
 
-    async def _plan(self, request: Request, parsed: Any, among: list[str] | None) -> Plan:
+    async def _plan(self, headers: Mapping[str, str], parsed: Any, among: list[str] | None) -> Plan:
         blocks = None
         hints = self.routing.hints
         if hints is not None and isinstance(parsed, dict):
@@ -766,7 +776,7 @@ class StandaloneRouter:
             blocks = await anyio.to_thread.run_sync(hints.blocks, parsed)
         model = parsed.get("model") if isinstance(parsed, dict) else None
         adapter = model if isinstance(model, str) and self.is_adapter(model) else None
-        plan = self.routing.plan(parsed, request.headers, among, token_blocks=blocks, adapter=adapter)
+        plan = self.routing.plan(parsed, headers, among, token_blocks=blocks, adapter=adapter)
         if plan.event_matched:
             self.metrics.kv_event_matches.inc()
         return plan

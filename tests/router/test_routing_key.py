@@ -12,6 +12,7 @@ import pytest
 from prefixserve.router.routing_key import (
     PREFIX_HASH_HEADER,
     InvalidPrefixHash,
+    LowerCaseHeaders,
     PrefixKeyConfig,
     prefix_hash,
     prompt_cache_key_hash,
@@ -137,6 +138,26 @@ def test_header_wins_over_body():
     assert routing_key(body, {"Authorization": "Bearer x"}) == prefix_hash("abc", "s")
     # A router may choose to ignore client headers.
     assert routing_key(body, {PREFIX_HASH_HEADER: "k"}, PrefixKeyConfig(honor_header=False)) == prefix_hash("abc", "s")
+
+
+def test_lower_case_headers_keep_the_first_of_a_repeated_header_and_key_as_any_mapping_does():
+    raw = [(b"Host", b"h"), (b"X-Prefix-Hash", b"first"), (b"x-prefix-hash", b"second"), (b"accept", b"*/*")]
+    headers = LowerCaseHeaders.from_raw(raw)
+    assert headers == {"host": "h", "x-prefix-hash": "first", "accept": "*/*"}
+    body = {"messages": [{"role": "system", "content": "abc"}]}
+    assert routing_key(body, headers) == "first"
+    assert routing_key(body, LowerCaseHeaders.from_raw([(b"accept", b"*/*")])) == prefix_hash("abc")
+    # Looked up by the lower-case name alone: a name put in with capitals is not an HTTP header here.
+    assert routing_key(body, LowerCaseHeaders({PREFIX_HASH_HEADER: "k"})) == prefix_hash("abc")
+
+
+@pytest.mark.parametrize("size", [10, 32 * 1024, 32 * 1024 + 1, 200_000])
+def test_keys_are_sha256_whether_or_not_the_payload_is_memoized(size):
+    text = _text(random.Random(size), size)
+    for salt in (None, "tenant-a", "tenant-b"):
+        expected = hashlib.sha256(((salt + "\x00") if salt is not None else "").encode() + text.encode())
+        for _ in range(2):  # the second from the memo where the payload is small enough for it
+            assert prefix_hash(text, salt) == expected.hexdigest()[:16]
 
 
 @pytest.mark.parametrize("bad", ["", "has space", "tab\there", "ctl\x01", "é-non-ascii", "x" * 129])

@@ -238,6 +238,20 @@ def test_the_same_system_prompt_lands_on_the_same_replica() -> None:
         assert metric(text, "prefixserve_router_requests_total") == 16
 
 
+def test_a_repeated_prefix_hash_header_routes_and_goes_on_by_its_first_value() -> None:
+    fakes = [FakeReplica(), FakeReplica()]
+    with replicas(*fakes) as ups, router_over([u.url for u in ups]) as (url, _):
+        ring = HashRing([RingServer(u.name) for u in ups])
+        first = next(k for k in (f"key-{i}" for i in range(1000)) if ring.owner(k) == ups[1].name)
+        second = next(k for k in (f"key-{i}" for i in range(1000)) if ring.owner(k) == ups[0].name)
+        headers = [("X-Prefix-Hash", first), ("X-Prefix-Hash", second), ("X-Tenant-Note", "kept")]
+        r = httpx.post(f"{url}/v1/chat/completions", json=chat("s"), headers=headers, timeout=60)
+        assert r.status_code == 200 and r.headers[HEADER] == ups[1].name
+    sent = fakes[1].headers[-1]
+    assert sent["x-prefix-hash"] == first and sent["x-tenant-note"] == "kept"
+    assert not fakes[0].received
+
+
 def test_a_body_the_router_cannot_read_is_forwarded_by_load() -> None:
     a, b = FakeReplica(), FakeReplica()
     with replicas(a, b) as (ua, ub), router_over([ua.url, ub.url]) as (url, _):
