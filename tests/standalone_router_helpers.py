@@ -144,6 +144,7 @@ class FakeReplica:
         self.healthy = True
         self.mode = "ok"
         self.gate: threading.Event | None = None
+        self.hold_first: threading.Event | None = None  # when set to an Event: a stream's first event waits for it
         self.gate_timed_out = False
         self.running = running
         self.waiting = waiting
@@ -210,6 +211,8 @@ class FakeReplica:
 
     async def _events(self, usage: bool) -> AsyncIterator[bytes]:
         try:
+            if self.hold_first is not None:
+                await anyio.to_thread.run_sync(self.hold_first.wait, 120.0)
             yield sse(chunk("one"))
             if self.mode == "die":
                 raise RuntimeError("the fake replica dies mid-stream")

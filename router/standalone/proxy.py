@@ -50,7 +50,7 @@ import functools
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -202,15 +202,31 @@ class _Open:
     """One forwarded request's bookkeeping, ended exactly once whatever ends it."""
 
     def __init__(
-        self, router: StandaloneRouter, plan: Plan, replica: str, lease: Lease | None = None, responses: bool = False
+        self,
+        router: StandaloneRouter,
+        plan: Plan,
+        replica: str,
+        kind: str,
+        lease: Lease | None = None,
+        responses: bool = False,
     ) -> None:
         self.router = router
         self.plan = plan
         self.replica = replica
+        # Where the request landed and the decision kind that sent it there: counted once its first
+        # bytes went out, not before them (a Prometheus label lookup costs tens of microseconds cold).
+        self.landed: tuple[str, str] | None = (replica, kind)
         self.lease = lease
         # A /v1/responses request: the Response its answer names is stored on ``replica``.
         self.responses = responses
         self.done = False
+
+    def count(self) -> None:
+        """Count the request where it landed (once)."""
+        if self.landed is not None:
+            metrics = self.router.metrics
+            metrics.requests.labels(metrics.policy, *self.landed).inc()
+            self.landed = None
 
     def end(self, usage: Usage | None = None, answered: bool = False) -> None:
         """End the counts; settle the flow-control lease with ``usage``, or, for an ``answered`` request
@@ -218,6 +234,7 @@ class _Open:
         if self.done:
             return
         self.done = True
+        self.count()
         self.router.request_ended(self.plan, self.replica)
         if self.lease is not None:
             if usage is not None:
@@ -241,10 +258,9 @@ class RelayResponse(Response):
         self.status_code = upstream.status
         self.raw_headers = answer_headers(upstream.raw_headers, opened.replica)
         self.background = None
-        content_type = upstream.headers.get("content-type", "")
-        self.sse = content_type.startswith("text/event-stream")
+        self.sse = upstream.header("content-type").startswith("text/event-stream")
         # Only a whole, successful answer's usage counts (its tokens were prefilled where it landed).
-        encoded = upstream.headers.get("content-encoding", "identity") != "identity"
+        encoded = upstream.header("content-encoding", "identity") != "identity"
         self.tail = AnswerTail(self.sse) if upstream.status == 200 and not encoded else None
         self.usage: Usage | None = None  # read once the whole answer was relayed
         # A stream that may move (the module docstring): relayed event by event, its progress counted.
@@ -256,6 +272,7 @@ class RelayResponse(Response):
         task = asyncio.current_task()
         assert task is not None
         client_gone = False
+        watcher: asyncio.Future[None] | None = None
 
         async def watch_disconnect() -> None:
             nonlocal client_gone
@@ -264,31 +281,41 @@ class RelayResponse(Response):
             client_gone = True
             task.cancel()
 
-        # The relay runs in the request's own task; a client that goes away cancels it there.
-        watcher = asyncio.ensure_future(watch_disconnect())
+        def watch() -> None:
+            # The relay runs in the request's own task; a client that goes away cancels it there.
+            # Watched from the relay's first wait for a replica on: before it, the relay waits at
+            # most for the client to drain, which ends when the client goes, and a task started
+            # per answer would delay a first chunk that is already there (tens of microseconds).
+            nonlocal watcher
+            if watcher is None:
+                watcher = asyncio.ensure_future(watch_disconnect())
+
         try:
-            await self._relay(send)
+            await self._relay(send, watch)
         except asyncio.CancelledError:
             if not client_gone or task.uncancel() > 0:  # cancelled from elsewhere as well (a shutdown)
                 raise
         finally:
-            watcher.cancel()
+            if watcher is not None:
+                watcher.cancel()
             self.upstream.close()
             self.opened.end(self.usage, answered=self.status_code == 200)
 
-    async def _relay(self, send: Send) -> None:
+    async def _relay(self, send: Send, watch: Callable[[], None]) -> None:
+        """Relay the answer; ``watch`` starts watching for the client leaving (before any wait for a replica)."""
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         tail = b"\n\n"
         while True:
             broken: BrokenAnswer | None = None
             try:
-                async for chunk in self.upstream.chunks():
+                async for chunk in self.upstream.chunks(watch):
                     out = self.relay.feed(chunk) if self.relay is not None else chunk
                     if out:
                         tail = out[-2:]
                         if self.tail is not None:
                             self.tail.add(out)
                         await send({"type": "http.response.body", "body": out, "more_body": True})
+                        self.opened.count()
                     if self.relay is not None and self.relay.stopping:
                         break
             except BrokenAnswer as exc:
@@ -302,6 +329,7 @@ class RelayResponse(Response):
             stopping = self.relay is not None and self.relay.stopping
             died = broken is not None and not broken.timed_out
             if self.relay is not None and (died or stopping):
+                watch()
                 ended = await self._move(MIGRATION_REPLICA_DIED if died else MIGRATION_REPLICA_STOPPING)
                 if ended is None:
                     continue  # the stream goes on from the next replica
@@ -357,7 +385,7 @@ class RelayResponse(Response):
                 if isinstance(exc, ConnectFailed):
                     router.replica_failed(name, "connect")
                 continue
-            if answer.status != 200 or not answer.headers.get("content-type", "").startswith("text/event-stream"):
+            if answer.status != 200 or not answer.header("content-type").startswith("text/event-stream"):
                 refusal = await _read_closed(answer)
                 router.ended(name)
                 resend.failed.add(name)
@@ -675,11 +703,10 @@ class StandaloneRouter:
                 last = (answer.status, content, answer.raw_headers, name)
                 continue
             kind = self.routing.landed(plan, name)
-            self.metrics.requests.labels(self.metrics.policy, name, kind).inc()
             if 400 <= answer.status < 500 and answer.status != 429:
                 self.routing.refused(plan)
             resend = Resend(path, progress_headers, parsed, plan) if asks_progress else None
-            return RelayResponse(answer, _Open(self, plan, name, lease, scope["path"] == RESPONSES_PATH), resend)
+            return RelayResponse(answer, _Open(self, plan, name, kind, lease, scope["path"] == RESPONSES_PATH), resend)
         self.routing.finished(plan)
         self.metrics.no_replica.inc()
         if last is not None:  # the last replica tried refused, and no later one answered at all

@@ -98,8 +98,8 @@ def request_bytes(method: str, target: str, origin: Origin, headers: Mapping[str
 class UpstreamAnswer:
     """A replica's answer whose head arrived: its status and headers; its body read or streamed once.
 
-    ``headers``: the answer's headers by lower-case name (the last of a repeated one);
-    ``raw_headers``: all of them as sent.
+    ``headers``: the answer's headers by lower-case name (the last of a repeated one), built when
+    first read; ``header(name)`` reads one without building it; ``raw_headers``: all of them as sent.
     """
 
     def __init__(
@@ -110,11 +110,24 @@ class UpstreamAnswer:
         self._release = release
         self.status = connection.status
         self.raw_headers: tuple[tuple[bytes, bytes], ...] = tuple(connection.raw_headers)
-        self.headers: dict[str, str] = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in self.raw_headers}
         self._closed = False
 
-    async def chunks(self) -> AsyncIterator[bytes]:
-        """The body's bytes as they arrive; BrokenAnswer when the replica breaks off or stalls."""
+    @functools.cached_property
+    def headers(self) -> dict[str, str]:
+        return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in self.raw_headers}
+
+    def header(self, name: str, default: str = "") -> str:
+        """The answer's header ``name`` (lower-case; the last of a repeated one), else ``default``."""
+        wanted = name.encode("latin-1")
+        for key, value in reversed(self.raw_headers):
+            if key.lower() == wanted:
+                return value.decode("latin-1")
+        return default
+
+    async def chunks(self, before_wait: Callable[[], None] | None = None) -> AsyncIterator[bytes]:
+        """The body's bytes as they arrive; BrokenAnswer when the replica breaks off or stalls.
+        ``before_wait``: called each time before the iterator waits for the replica (never while
+        bytes are already there)."""
         connection = self._connection
         while True:
             data = connection.take()
@@ -125,8 +138,11 @@ class UpstreamAnswer:
             elif connection.error is not None:
                 error = connection.error
                 raise BrokenAnswer(f"{type(error).__name__}: {error}")
-            elif not await connection.wait(self._read_s):
-                raise BrokenAnswer(f"no byte within the read timeout ({self._read_s:g} s)", timed_out=True)
+            else:
+                if before_wait is not None:
+                    before_wait()
+                if not await connection.wait(self._read_s):
+                    raise BrokenAnswer(f"no byte within the read timeout ({self._read_s:g} s)", timed_out=True)
 
     async def read(self) -> bytes:
         """The whole body (what could be read: b"" when it broke off)."""

@@ -180,6 +180,19 @@ def test_a_client_that_goes_away_closes_the_upstream_and_ends_its_counts() -> No
         fake.gate.set()
 
 
+def test_a_client_that_goes_away_before_the_first_event_closes_the_upstream() -> None:
+    fake = FakeReplica()
+    fake.hold_first = threading.Event()
+    with replicas(fake) as (up,), router_over([up.url]) as (url, router):
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=chat("sys", stream=True), timeout=60) as r:
+            assert r.status_code == 200  # the answer's head came; its first event is held
+            assert router.replicas[up.name].in_flight == 1
+        # Ended while the replica still holds its first event: the relay, waiting for it, was cancelled
+        # (the upstream answer is closed before the counts end).
+        wait_until(lambda: router.replicas[up.name].in_flight == 0, "in-flight ended after the client left")
+        fake.hold_first.set()
+
+
 def test_models_are_merged_and_a_model_goes_to_the_replicas_serving_it() -> None:
     a, b = FakeReplica(models=("m1",)), FakeReplica(models=("m1", "m2"))
     with replicas(a, b) as (ua, ub), router_over([ua.url, ub.url], policy="consistent_hash") as (url, _):
