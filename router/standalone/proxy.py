@@ -89,6 +89,7 @@ from prefixserve.router.standalone.load_report import parse_load
 from prefixserve.router.standalone.metrics import StandaloneMetrics
 from prefixserve.router.standalone.replica_set import ADMITTED, EJECTED, ReplicaSet
 from prefixserve.router.standalone.routing import Plan, StandaloneRouting
+from prefixserve.router.standalone.served_models import ServedModels
 from prefixserve.router.standalone.stream_relay import ProgressRelay
 from prefixserve.router.standalone.upstream import (
     BrokenAnswer,
@@ -459,7 +460,7 @@ class StandaloneRouter:
             if tenants is not None and self.metrics.flow is not None
             else None
         )
-        self.models_of: dict[str, list[dict[str, Any]]] = {}  # replica -> its /v1/models entries
+        self.models = ServedModels(self.replicas.names)  # each replica's /v1/models entries, indexed
         self._models_at = -float("inf")
         self._client: Upstream | None = None  # forwarded requests, probes, metrics and model lists
         self._tasks: list[asyncio.Task[None]] = []
@@ -520,7 +521,7 @@ class StandaloneRouter:
         except UpstreamError:
             ok = False
         self.record_probe(name, ok)
-        if ok and name not in self.models_of:  # its models known before a request asks for one
+        if ok and name not in self.models:  # its models known before a request asks for one
             await self.fetch_models(name, {})
 
     def record_probe(self, name: str, ok: bool) -> None:
@@ -535,7 +536,7 @@ class StandaloneRouter:
             log.info("replica %s admitted again", name)
             self.metrics.readmissions.labels(name).inc()
             self.metrics.admitted.labels(name).set(1)
-            self.models_of.pop(name, None)  # a replica back from the dead may serve other models: read again
+            self.models.drop(name)  # a replica back from the dead may serve other models: read again
 
     async def probe_all(self) -> None:
         await asyncio.gather(*(self.probe(n) for n in self.replicas.names))
@@ -572,7 +573,7 @@ class StandaloneRouter:
         except (UpstreamError, ValueError, AttributeError):
             return
         if isinstance(data, list):
-            self.models_of[name] = [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+            self.models.set(name, [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)])
 
     async def refresh_models(self, headers: Mapping[str, str], force: bool = False) -> None:
         """Ask every admitted replica for its models (at most once per health interval unless ``force``)."""
@@ -582,32 +583,12 @@ class StandaloneRouter:
         self._models_at = now
         await asyncio.gather(*(self.fetch_models(n, headers) for n in self.replicas.admitted()))
 
-    def merged_models(self) -> list[dict[str, Any]]:
-        """Every model some replica serves, once (the first replica's entry), in replica order."""
-        seen: dict[str, dict[str, Any]] = {}
-        for name in self.replicas.names:
-            for entry in self.models_of.get(name, []):
-                seen.setdefault(entry["id"], entry)
-        return list(seen.values())
-
-    def serving(self, model: str) -> list[str]:
-        return [n for n, entries in self.models_of.items() if any(e["id"] == model for e in entries)]
-
-    def is_adapter(self, model: str) -> bool:
-        """Whether a replica lists ``model`` as a LoRA adapter (an entry with a ``parent``, as vLLM lists them)."""
-        return any(e["id"] == model and e.get("parent") for entries in self.models_of.values() for e in entries)
-
-    def speaks_prefixserve(self, name: str) -> bool:
-        """Whether ``name`` is a prefixserve replica (its models owned by prefixserve): one that can
-        report a stream's progress and continue another's."""
-        return any(e.get("owned_by") == "prefixserve" for e in self.models_of.get(name, ()))
-
     def continuation_targets(self, plan: Plan, failed: set[str]) -> list[str]:
         """Where a moving stream may go, best first: the plan's ranking, then the other admitted
         replicas, each an admitted prefixserve replica that has not failed the stream."""
         admitted = self.replicas.admitted()
         order = [*plan.ranking, *(n for n in admitted if n not in plan.ranking)]
-        return [n for n in order if n in admitted and n not in failed and self.speaks_prefixserve(n)]
+        return [n for n in order if n in admitted and n not in failed and self.models.speaks_prefixserve(n)]
 
     # -- requests ---------------------------------------------------------------------
     def started(self, replica: str) -> None:
@@ -665,7 +646,7 @@ class StandaloneRouter:
         last: tuple[int, bytes, tuple[tuple[bytes, bytes], ...], str] | None = None
         for i, name in enumerate(attempts):
             final = i == len(attempts) - 1
-            asks_progress = movable and self.speaks_prefixserve(name)
+            asks_progress = movable and self.models.speaks_prefixserve(name)
             self.started(name)
             try:
                 answer = await self.client.send(
@@ -767,17 +748,15 @@ class StandaloneRouter:
         among = None
         model = parsed.get("model") if isinstance(parsed, dict) else None
         if isinstance(model, str):
-            serving = self.serving(model)
-            if not serving:
+            among = self.models.among(model)
+            if among is None:
                 await self.refresh_models(request.headers)
-                serving = self.serving(model)
-            if not serving and self.models_of:
+                among = self.models.among(model)
+            if among is None and self.models:
                 return own_answer(
                     404,
                     openai_error(404, f"The model `{model}` does not exist on any replica.", "model_not_found"),
                 )
-            # Those that list it, and those whose list the router has not read (down, or not answering it yet).
-            among = [n for n in self.replicas.names if n in serving or n not in self.models_of] if serving else None
         lease = None
         if self.flow is not None:
             try:
@@ -802,7 +781,7 @@ class StandaloneRouter:
             # Tokenizing and hashing a long prompt takes milliseconds: not on the event loop.
             blocks = await anyio.to_thread.run_sync(hints.blocks, parsed)
         model = parsed.get("model") if isinstance(parsed, dict) else None
-        adapter = model if isinstance(model, str) and self.is_adapter(model) else None
+        adapter = model if isinstance(model, str) and self.models.is_adapter(model) else None
         plan = self.routing.plan(parsed, headers, among, token_blocks=blocks, adapter=adapter)
         if plan.event_matched:
             self.metrics.kv_event_matches.inc()
@@ -842,11 +821,11 @@ class StandaloneRouter:
 
     async def handle_models(self, request: Request) -> Response:
         await self.refresh_models(request.headers, force=True)
-        if not self.models_of:
+        if not self.models:
             return own_answer(
                 503, openai_error(503, "no replica listed its models", "no_replica_available", "server_error")
             )
-        return own_answer(200, {"object": "list", "data": self.merged_models()})
+        return own_answer(200, {"object": "list", "data": self.models.merged()})
 
     async def handle_health(self, request: Request) -> Response:
         admitted = self.replicas.admitted()

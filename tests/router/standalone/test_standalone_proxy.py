@@ -362,4 +362,4 @@ def test_a_request_for_an_adapter_goes_where_the_adapters_key_lands() -> None:
             lora = client.post(f"{url}/v1/chat/completions", json=chat(system, model="ad"))
         assert base.headers[HEADER] == ring.owner(prefix_hash(system))
         assert lora.headers[HEADER] == ring.owner(adapter_key(prefix_hash(system), "ad"))
-        assert router.is_adapter("ad") and not router.is_adapter("m")
+        assert router.models.is_adapter("ad") and not router.models.is_adapter("m")
