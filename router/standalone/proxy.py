@@ -750,7 +750,7 @@ class StandaloneRouter:
         if isinstance(model, str):
             among = self.models.among(model)
             if among is None:
-                await self.refresh_models(request.headers)
+                await self.refresh_models(headers)
                 among = self.models.among(model)
             if among is None and self.models:
                 return own_answer(

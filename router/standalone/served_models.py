@@ -20,7 +20,6 @@ class ServedModels:
     def __init__(self, names: Sequence[str]) -> None:
         self._names = list(names)
         self._entries: dict[str, list[dict[str, Any]]] = {}
-        self._serving: dict[str, list[str]] = {}  # model -> replicas listing it, in ``names`` order
         self._among: dict[str, list[str]] = {}  # model -> those, and those whose list is not read
         self._adapters: set[str] = set()  # models some replica lists with a ``parent``
         self._prefixserve: set[str] = set()  # replicas whose models are prefixserve's
@@ -42,10 +41,6 @@ class ServedModels:
         """Forget ``replica``'s list (it is read again before it counts)."""
         if self._entries.pop(replica, None) is not None:
             self._index()
-
-    def serving(self, model: str) -> list[str]:
-        """The replicas that list ``model`` (empty when none does)."""
-        return self._serving.get(model, [])
 
     def among(self, model: str) -> list[str] | None:
         """The replicas a request for ``model`` may go to: those that list it, and those whose list the
@@ -69,7 +64,7 @@ class ServedModels:
         return list(seen.values())
 
     def _index(self) -> None:
-        serving: dict[str, list[str]] = {}
+        serving: dict[str, list[str]] = {}  # model -> replicas listing it, in ``names`` order
         self._adapters = set()
         self._prefixserve = set()
         for name in self._names:
@@ -81,7 +76,6 @@ class ServedModels:
                     self._adapters.add(entry["id"])
                 if entry.get("owned_by") == "prefixserve":
                     self._prefixserve.add(name)
-        self._serving = serving
         self._among = {
             model: [n for n in self._names if n in listed or n not in self._entries]
             for model, listed in serving.items()

@@ -98,8 +98,8 @@ def request_bytes(method: str, target: str, origin: Origin, headers: Mapping[str
 class UpstreamAnswer:
     """A replica's answer whose head arrived: its status and headers; its body read or streamed once.
 
-    ``headers``: the answer's headers by lower-case name (the last of a repeated one), built when
-    first read; ``header(name)`` reads one without building it; ``raw_headers``: all of them as sent.
+    ``header(name)``: one of the answer's headers by lower-case name (the last of a repeated one);
+    ``raw_headers``: all of them as sent.
     """
 
     def __init__(
@@ -111,10 +111,6 @@ class UpstreamAnswer:
         self.status = connection.status
         self.raw_headers: tuple[tuple[bytes, bytes], ...] = tuple(connection.raw_headers)
         self._closed = False
-
-    @functools.cached_property
-    def headers(self) -> dict[str, str]:
-        return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in self.raw_headers}
 
     def header(self, name: str, default: str = "") -> str:
         """The answer's header ``name`` (lower-case; the last of a repeated one), else ``default``."""

@@ -98,7 +98,7 @@ async def test_a_chunked_stream_is_given_chunk_by_chunk_as_it_arrives() -> None:
     async with serving(handler) as (scripted, url):
         upstream = client()
         answer = await upstream.send("POST", url + "/v1/chat/completions", {"content-type": "x"}, b"{}")
-        assert answer.status == 200 and answer.headers["content-type"] == "text/event-stream"
+        assert answer.status == 200 and answer.header("content-type") == "text/event-stream"
         chunks = answer.chunks()
         assert await chunks.__anext__() == b"data: 1"  # before the server wrote the rest
         release.set()
