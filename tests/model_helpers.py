@@ -33,12 +33,14 @@ def smollm2_folder() -> Path:
 
 @lru_cache(maxsize=1)
 def _tokenizer_dir() -> Path:
-    """SmolLM2's tokenizer saved as plain files once per test session."""
+    """SmolLM2's tokenizer saved as plain files once per test process, removed when it exits."""
+    import atexit
     import tempfile
 
     from transformers import AutoTokenizer
 
     out = Path(tempfile.mkdtemp(prefix="prefixserve-tok-"))
+    atexit.register(shutil.rmtree, out, ignore_errors=True)
     AutoTokenizer.from_pretrained(smollm2_folder(), gguf_file=SMOLLM2_GGUF).save_pretrained(out)
     return out
 
