@@ -75,7 +75,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -93,6 +93,22 @@ SNAPSHOT_FORMAT = 1
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
+
+
+class FloatCells(Protocol):
+    """A float64 array's cells read and written as Python floats: its buffer's memoryview."""
+
+    @property
+    def obj(self) -> object: ...  # the array
+
+    def __getitem__(self, index: int, /) -> float: ...
+
+    def __setitem__(self, index: int, value: float, /) -> None: ...
+
+
+def cells(array: FloatArray) -> FloatCells:
+    """``array``'s cells as :class:`FloatCells` (``array.data``, a memoryview of format ``d``)."""
+    return cast(FloatCells, array.data)
 
 
 class PlacementTable:
@@ -153,6 +169,7 @@ class PlacementTable:
         self._retained: dict[str, float] = {}  # key -> until when rebalancing keeps it where it is
         # Per member: the placed load (decayed units of t0), kept current between rebalances.
         self._load_rate: FloatArray = np.zeros(0)
+        self._views: tuple[FloatCells, FloatCells, FloatCells] | None = None  # _request_views
         self._load_work: FloatArray = np.zeros(0)
         self._total_rate = 0.0
         self._total_work = 0.0
@@ -254,9 +271,10 @@ class PlacementTable:
         slot = self._slot.get(key)
         if slot is None:
             slot = self._new_slot(key)
-        self._rate[slot] += w
+        rate, seen, load_rate = self._request_views()
+        rate[slot] += w
         self._total_rate += w
-        self._seen[slot] = now
+        seen[slot] = now
         placed = self._placed_memo.get(slot)  # only a placed slot has one
         if placed is None:
             if self._primary[slot] < 0:
@@ -266,10 +284,26 @@ class PlacementTable:
             placed = self._placed(slot)
         # The key's request adds its rate to each replica it is placed on (no work: observe adds that).
         share = w / len(placed)
-        load_rate = self._load_rate
         for i in placed:
             load_rate[i] += share
         return placed
+
+    def _request_views(self) -> tuple[FloatCells, FloatCells, FloatCells]:
+        """Views of the arrays every request writes (``_rate``, ``_seen``, ``_load_rate``), made
+        again whenever one of them was replaced (grown, recomputed, applied).
+
+        A scalar through a memoryview is a Python float: on a router whose caches the client and
+        the replicas evict between requests, numpy's scalar indexing costs several times as much.
+        """
+        views = self._views
+        if (
+            views is None
+            or views[0].obj is not self._rate
+            or views[1].obj is not self._seen
+            or views[2].obj is not self._load_rate
+        ):
+            views = self._views = (cells(self._rate), cells(self._seen), cells(self._load_rate))
+        return views
 
     def observe(self, key: str, uncached_tokens: int, now: float) -> None:
         """Add ``uncached_tokens`` of prefill work to ``key`` (ignored for a key the table does not know)."""

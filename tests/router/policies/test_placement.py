@@ -794,3 +794,55 @@ def test_footprints_learnt_before_any_rebalance_bound_the_placements_at_once() -
     assert p.placement(keys[9]) == [b] and p.table.footprints()[b] == (100.0, 1000.0)
     p.observe(keys[9], prompt_tokens=240, cached_tokens=0)  # then it is: 200 tokens
     assert p.table.footprints()[b] == (200.0, 1000.0)
+
+
+def test_every_request_is_counted_in_the_arrays_that_replaced_the_ones_before() -> None:
+    """A request's count reaches the table's live arrays after each way they are replaced: grown past
+    the first 64 keys, loads recomputed by a rebalance or a membership change, the units
+    renormalized after a long quiet, a snapshot applied (requests write through views of the arrays)."""
+    names = NAMES[:3]
+    ring = HashRing(names)
+    table = PlacementTable(0.2, 10.0, 0.5)
+    table.set_members(names, [1, 1, 1], ring.order)
+    now = 0.0
+
+    def request(key: str) -> None:
+        nonlocal now
+        now += 0.01
+        before = (table.stats(key) or (0.0, 0.0))[0]
+        table.record(key, now)
+        after = table.stats(key)
+        assert after is not None and after[0] > before
+        # Every replica's load is the recount of its keys' rates over their copies.
+        recount = dict.fromkeys(table.members, 0.0)
+        for k in table.keys():
+            where = table.placement(k)
+            for n in where:
+                recount[n] += (table.stats(k) or (0.0, 0.0))[0] / len(where)
+        assert {n: rate for n, (rate, _) in table.loads().items()} == pytest.approx(recount)
+
+    for i in range(10):
+        request(f"k{i}")
+        request("k0")
+    for i in range(10, 70):  # past the first 64 slots: every array grows
+        request(f"k{i}")
+    request("k0")
+    table.rebalance(now)  # the loads recomputed
+    request("k1")
+    request("k0")
+    now += 60 * 10.0 + 1.0  # past the renormalization age (and quiet keys forgotten at the rebalance)
+    request("k2")
+    table.rebalance(now)
+    request("k2")
+    names = [*names, NAMES[3]]
+    ring = HashRing(names)
+    table.set_members(names, [1, 1, 1, 1], ring.order)  # a member joins: the loads recomputed
+    request("k2")
+    request("k3")
+    leader = PlacementTable(0.2, 10.0, 0.5)
+    leader.set_members(names, [1, 1, 1, 1], ring.order)
+    for i in range(5):
+        leader.record(f"k{i}", now)
+    table.apply(leader.snapshot(now), now)  # every array replaced by the leader's
+    request("k4")
+    request("k9")
