@@ -30,6 +30,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -65,10 +66,12 @@ from prefixserve.loadtest.harness.cli import plan_and_run
 from prefixserve.loadtest.harness.client import RequestRecord, run_load
 from prefixserve.loadtest.harness.report import config_json, fmt, markdown_table, write_json
 from prefixserve.loadtest.harness.server import free_port
+from prefixserve.loadtest.harness.stats import median_difference
 from prefixserve.loadtest.peer_routers import PEER_ROUTERS, PeerRouterVenv
 from prefixserve.loadtest.prefix_bound import distinct_blocks, replay_bound
 from prefixserve.loadtest.router_stand import (
     NGINX,
+    PREFIXSERVE,
     RAY_CLUSTER,
     EventFeed,
     ReplicaSettings,
@@ -490,7 +493,8 @@ def _cells(run: RouterRun, adapters: bool = False) -> list[str]:
 
 def render_workload(runs: Sequence[RouterRun], routers: Sequence[str]) -> str:
     """One workload's table: a row per router, each cell its per-seed values joined by `` / ``
-    (with ``--repeats``, each seed's run of median TTFT p50, and every run listed)."""
+    (a router that ran a seed more than once, with ``--repeats`` or in files pooled: the seed's run
+    of median TTFT p50, and every run listed)."""
     header = [
         "router",
         "hit rate",
@@ -506,7 +510,7 @@ def render_workload(runs: Sequence[RouterRun], routers: Sequence[str]) -> str:
     adapters = any(r.adapter_loads is not None for r in runs)
     if adapters:
         header.insert(-1, "adapter loads / 1,000 requests")
-    repeated = any(r.repeat for r in runs)
+    repeated = len({(r.router, r.seed) for r in runs}) < len(runs)  # some router ran a case more than once
     if repeated:
         header.append("each run: TTFT p50 (s) @ hit rate")
     rows = []
@@ -537,6 +541,54 @@ def median_run(runs: Sequence[RouterRun]) -> RouterRun:
     return ordered[(len(ordered) - 1) // 2]
 
 
+def render_comparison(runs: Sequence[RouterRun], routers: Sequence[str]) -> str:
+    """Each of prefixserve's routers against each peer, on every case where both ran at least twice:
+    the medians of their runs' TTFT p50, the difference (ours minus the peer's) with its 95% bootstrap
+    interval, and the share of pairs of runs where ours was the faster. Empty when no case has that."""
+    ours = [n for n in routers if RouterSpec.parse(n).kind in (PREFIXSERVE, RAY_CLUSTER)]
+    peers = [n for n in routers if n not in ours]
+    per_case: dict[tuple[str, int, str], list[float]] = {}
+    for r in runs:
+        if r.result is not None and r.result.ttft_p50_s is not None:
+            per_case.setdefault((r.workload, r.seed, r.router), []).append(r.result.ttft_p50_s)
+    workloads = list(dict.fromkeys(w for w, _, _ in per_case))
+    cases = sorted(dict.fromkeys((w, s) for w, s, _ in per_case), key=lambda c: (workloads.index(c[0]), c[1]))
+    rows = []
+    for workload, seed in cases:
+        for mine in ours:
+            a = per_case.get((workload, seed, mine), [])
+            for peer in peers:
+                b = per_case.get((workload, seed, peer), [])
+                if len(a) < 2 or len(b) < 2:
+                    continue
+                d = median_difference(a, b)
+                rows.append(
+                    [
+                        f"{workload} s{seed}",
+                        mine,
+                        peer,
+                        f"{len(a)} / {len(b)}",
+                        f"{statistics.median(a):.3f} / {statistics.median(b):.3f}",
+                        f"{d.difference:+.3f}",
+                        f"{d.low:+.3f} to {d.high:+.3f}",
+                        f"{d.a_lower_share:.2f}",
+                    ]
+                )
+    if not rows:
+        return ""
+    header = [
+        "case",
+        "ours",
+        "peer",
+        "runs",
+        "TTFT p50, median of runs (s)",
+        "difference (s)",
+        "95% interval (s)",
+        "pairs ours faster",
+    ]
+    return markdown_table(header, rows, "lllrrrrr")
+
+
 def _run_cell(run: RouterRun) -> str:
     if run.result is None:
         return "failed"
@@ -562,11 +614,15 @@ def render(runs: Sequence[RouterRun], routers: Sequence[str], cases: Sequence[Ma
         seeds = " / ".join(str(c["workload"]["seed"]) for c in mine)
         pools = " / ".join(str(c["kv_sizing"]["num_kv_blocks"]) for c in mine)
         sizing = describe_sizing(workload, _sizing(mine[0]["kv_sizing"]))
-        table = render_workload([r for r in runs if r.workload == workload], routers)
+        theirs = [r for r in runs if r.workload == workload]
+        table = render_workload(theirs, routers)
         parts.append(
             f"### {workload} (seeds {seeds})\n\nbound (one unbounded cache replaying the prompts): {bounds}; "
             f"KV blocks per replica: {pools}. Seed {mine[0]['workload']['seed']}'s {sizing}\n\n{table}"
         )
+        comparison = render_comparison(theirs, routers)
+        if comparison:
+            parts.append(f"{workload}: prefixserve against each peer, every run's TTFT p50\n\n{comparison}")
     return "\n\n".join(parts)
 
 
@@ -575,14 +631,17 @@ def _sizing(saved: Mapping[str, Any]) -> KVSizing:
 
 
 def render_saved(paths: Sequence[Path]) -> str:
-    """The tables of saved results (one file per seed, say), merged: the routers in the first file's order."""
+    """The tables of saved results (one file per seed, or the same cases run again), merged: the routers
+    in the first file's order, a case's runs pooled across files."""
     runs: list[RouterRun] = []
     cases: list[dict[str, Any]] = []
     routers: list[str] = []
+    seen: set[tuple[str, int]] = set()  # a case run again in a later file is listed once, its runs pooled
     for path in paths:
         data = json.loads(Path(path).read_text())
         runs += [RouterRun.from_json(r) for r in data["runs"]]
-        cases += data["cases"]
+        cases += [c for c in data["cases"] if (c["workload"]["name"], c["workload"]["seed"]) not in seen]
+        seen.update((c["workload"]["name"], c["workload"]["seed"]) for c in data["cases"])
         routers += [r for r in _split_list(data["config"]["routers"], "routers") if r not in routers]
     cases.sort(key=lambda c: c["workload"]["seed"])
     return render(runs, routers, cases)

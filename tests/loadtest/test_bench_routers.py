@@ -234,6 +234,50 @@ def test_saved_results_of_two_seeds_render_as_one_table(tmp_path):
     assert "| nginx | 0.500 / 0.500 |" in text and "1:0 / 1:0" in text
 
 
+def _timed_run(router: str, seed: int, ttft: float, repeat: int) -> B.RouterRun:
+    from dataclasses import replace
+
+    from prefixserve.loadtest.bench_cluster import summarize
+
+    records = [replace(_record(i, "a"), first_token_s=i + ttft) for i in range(3)]
+    return B.RouterRun(router, "agent", seed, 0.8, summarize(router, records, {}), split=[3, 0], repeat=repeat)
+
+
+def test_prefixserve_is_compared_with_each_peer_where_both_ran_twice():
+    ours, rr, ca = "prefixserve:placed", "smg:round_robin", "smg:cache_aware"
+    runs = [_timed_run(ours, 0, t, i) for i, t in enumerate([0.30, 0.32, 0.31])]
+    runs += [_timed_run(rr, 0, t, i) for i, t in enumerate([0.50, 0.52, 0.51])]
+    runs += [_timed_run(ca, 0, 0.1, 0)]  # one run: nothing to compare
+    runs += [_timed_run(ours, 1, t, i) for i, t in enumerate([0.40, 0.42])]
+    runs += [_timed_run(rr, 1, t, i) for i, t in enumerate([0.41, 0.39])]
+    lines = B.render_comparison(runs, [ours, rr, ca]).splitlines()
+    assert len(lines) == 4  # header, rule, seed 0 and seed 1 against round robin
+    assert lines[2].startswith(f"| agent s0 | {ours} | {rr} | 3 / 3 | 0.310 / 0.510 | -0.200 |")
+    assert lines[2].endswith("| 1.00 |")  # every run of ours the faster
+    assert lines[3].startswith(f"| agent s1 | {ours} | {rr} | 2 / 2 | 0.410 / 0.400 | +0.010 |")
+    assert B.render_comparison(runs, [rr, ca]) == ""  # no router of ours
+    assert "prefixserve against each peer" in B.render(runs, [ours, rr, ca], [_case(0), _case(1)])
+
+
+def _case(seed: int) -> dict:
+    from prefixserve.loadtest.bench_cluster import size_kv
+
+    sizing = size_kv({"t": 64}, [("t", 100)], block_size=16, replicas=2, concurrency=2, headroom=1.5)
+    return {"workload": {"name": "agent", "seed": seed}, "bound": 0.8, "kv_sizing": sizing.to_json()}
+
+
+def test_a_case_run_again_in_another_file_is_listed_once_with_its_runs_pooled(tmp_path):
+    paths = []
+    for i, ttft in enumerate((0.2, 0.4)):
+        run = _timed_run("nginx", 0, ttft, 0)
+        data = {"config": {"routers": "nginx"}, "cases": [_case(0)], "runs": [run.to_json()]}
+        paths.append(tmp_path / f"again{i}.json")
+        paths[-1].write_text(json.dumps(data))
+    text = B.render_saved(paths)
+    assert text.startswith("### agent (seeds 0)\n")
+    assert "0.200 @ 0.500, 0.400 @ 0.500" in text
+
+
 def test_vllm_servers_get_ports_no_other_server_of_the_stand_has():
     from prefixserve.loadtest.vllm_stand import _ports
 

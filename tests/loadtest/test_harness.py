@@ -106,6 +106,26 @@ def test_median_run_is_the_run_at_the_median_rate() -> None:
     assert stats.median_run(runs)["id"] == 0 and stats.median_run(runs[:3])["id"] == 2
 
 
+def test_median_difference_tells_apart_what_differs_and_not_what_does_not() -> None:
+    far = stats.median_difference([1.0, 1.1, 0.9, 1.05, 0.95], [2.0, 2.1, 1.9, 2.05, 1.95])
+    assert far.difference == pytest.approx(-1.0) and far.high < 0 and far.a_lower_share == 1.0
+    assert far.low <= far.difference <= far.high
+    # The same spread-out runs in another order: no difference, an interval either side of 0, pairs even.
+    runs = list(np.random.default_rng(3).normal(0.6, 0.1, 16))
+    same = stats.median_difference(runs, runs[::-1])
+    assert same.difference == 0.0 and same.low < 0 < same.high and same.a_lower_share == 0.5
+    # Ties count half; the interval of constant samples is the difference itself; the seed fixes it.
+    tied = stats.median_difference([1.0, 1.0], [1.0, 1.0])
+    assert (tied.difference, tied.low, tied.high, tied.a_lower_share) == (0.0, 0.0, 0.0, 0.5)
+    xs, ys = [0.5, 0.7, 0.6, 0.9], [0.4, 0.8, 0.55]
+    assert stats.median_difference(xs, ys) == stats.median_difference(xs, ys)
+    assert stats.median_difference(xs, ys, confidence=0.5).high <= stats.median_difference(xs, ys).high
+    with pytest.raises(ValueError, match="at least one"):
+        stats.median_difference([], [1.0])
+    with pytest.raises(ValueError, match="confidence"):
+        stats.median_difference([1.0], [1.0], confidence=1.0)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Options:
     count: int = flag_field(3, "how many", flag="--n")
