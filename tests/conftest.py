@@ -39,6 +39,12 @@ os.environ.setdefault("RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "5")
 # test worker wants the cores. Read when torch loads libgomp, so set before anything imports it.
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
+from file_order import (  # noqa: E402, F401  (hooks: pytest reads them off this module)
+    pytest_addoption,
+    pytest_collection_modifyitems,
+    pytest_runtest_logreport,
+    pytest_sessionfinish,
+)
 from nginx_helpers import find_nginx  # noqa: E402  (after the environment above)
 from prometheus_helpers import find_prometheus  # noqa: E402
 
