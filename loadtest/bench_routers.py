@@ -30,7 +30,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -568,7 +567,7 @@ def render_comparison(runs: Sequence[RouterRun], routers: Sequence[str]) -> str:
                         mine,
                         peer,
                         f"{len(a)} / {len(b)}",
-                        f"{statistics.median(a):.3f} / {statistics.median(b):.3f}",
+                        f"{d.a_median:.3f} / {d.b_median:.3f}",
                         f"{d.difference:+.3f}",
                         f"{d.low:+.3f} to {d.high:+.3f}",
                         f"{d.a_lower_share:.2f}",

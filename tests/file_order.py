@@ -91,7 +91,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     if not config.getoption("record_file_durations") or hasattr(config, "workerinput"):
         return  # an xdist worker: its reports reach the controller, which writes them
     records = _records()
-    record = records.setdefault(_selection(config), {})
-    record.update({name: round(seconds, 1) for name, seconds in _seconds.items()})
-    records[_selection(config)] = dict(sorted(record.items()))
+    selection = _selection(config)
+    measured = {name: round(seconds, 1) for name, seconds in _seconds.items()}
+    records[selection] = dict(sorted({**records.get(selection, {}), **measured}.items()))
     RECORD.write_text(json.dumps(records, indent=1) + "\n")

@@ -72,7 +72,7 @@ def summary_ms(values_s: Sequence[float]) -> dict[str, float | None]:
 
 @dataclass(frozen=True)
 class MedianDifference:
-    """``median(a) - median(b)`` of two routers' per-run figures, with its bootstrap interval.
+    """The medians of two routers' per-run figures and their difference, with its bootstrap interval.
 
     low, high: the percentile bootstrap's ``confidence`` interval of the difference (each
     sample resampled with replacement, independently); an interval holding 0 says the runs
@@ -80,10 +80,16 @@ class MedianDifference:
     a's figure is the lower (ties count half: the Mann-Whitney U over the pairs).
     """
 
-    difference: float
+    a_median: float
+    b_median: float
     low: float
     high: float
     a_lower_share: float
+
+    @property
+    def difference(self) -> float:
+        """``median(a) - median(b)``."""
+        return self.a_median - self.b_median
 
 
 def median_difference(
@@ -103,4 +109,4 @@ def median_difference(
     low, high = np.percentile(ma - mb, [tail, 100 - tail])
     pairs = xa[:, None] - xb[None, :]
     share = (np.count_nonzero(pairs < 0) + 0.5 * np.count_nonzero(pairs == 0)) / pairs.size
-    return MedianDifference(float(np.median(xa) - np.median(xb)), float(low), float(high), float(share))
+    return MedianDifference(float(np.median(xa)), float(np.median(xb)), float(low), float(high), float(share))
